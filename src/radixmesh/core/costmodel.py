@@ -1,0 +1,150 @@
+"""Online estimators for what a request will cost: forward round-trip, prefill, decode.
+
+Theory of operation
+-------------------
+The router predicts each candidate's latency as::
+
+    forward RTT (0 for self) + queue wait + prefill(uncached | cached) + decode(max_tokens)
+
+Every term is an estimate fed by observations; each starts from a prior so the first decisions
+are sane. Estimates are exponentially weighted moving averages (EWMA): cheap, O(1), and they
+track drift (a node that slows down is noticed within a few requests).
+
+Prefill is not linear in the number of uncached tokens: attention over the cached context
+grows with it. The model is ``overhead + rate * work(u, c)`` with
+``work(u, c) = u * (1 + (c + u / 2) / context_scale)`` — ``u`` uncached tokens attending over
+``c`` cached plus (on average) half of themselves. ``rate`` is learnt from observations by
+EWMA of ``(seconds - overhead) / work``; ``context_scale`` is a constant of the hardware/model
+(how many context tokens double a token's cost), given in the priors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class CostPriors:
+    """Starting estimates, used until observations arrive (defaults: `tiny` preset on CPU)."""
+
+    rtt_s: float = 0.002  # round-trip overhead of one forward (network + HTTP), seconds
+    prefill_overhead_s: float = 0.004  # fixed per-request prefill cost, seconds
+    prefill_s_per_token: float = 8e-5  # seconds per uncached token at zero context
+    context_scale: float = 4096.0  # context tokens that double one token's prefill cost
+    decode_s_per_token: float = 0.007  # seconds per generated token
+    alpha: float = 0.2  # EWMA weight of a new observation
+
+    def __post_init__(self) -> None:
+        for name in ("rtt_s", "prefill_overhead_s", "prefill_s_per_token", "decode_s_per_token"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.context_scale <= 0:
+            raise ValueError("context_scale must be > 0")
+        if not 0 < self.alpha <= 1:
+            raise ValueError("alpha must be in (0, 1]")
+
+
+class Ewma:
+    """Exponentially weighted moving average with a prior."""
+
+    __slots__ = ("alpha", "count", "value")
+
+    def __init__(self, prior: float, alpha: float) -> None:
+        self.value = prior
+        self.alpha = alpha
+        self.count = 0
+
+    def observe(self, x: float) -> None:
+        # The first observations weigh more so a bad prior is forgotten quickly.
+        weight = max(self.alpha, 1.0 / (self.count + 2))
+        self.value += weight * (x - self.value)
+        self.count += 1
+
+
+def prefill_work(uncached: int, cached: int, context_scale: float) -> float:
+    """Work units of prefilling ``uncached`` tokens after ``cached`` ones (see module doc)."""
+    return uncached * (1.0 + (cached + uncached / 2.0) / context_scale)
+
+
+@dataclass(frozen=True, slots=True)
+class SpeedReport:
+    """A node's own measured speed, as it gossips it (never a router-side counter)."""
+
+    prefill_overhead_s: float
+    prefill_s_per_token: float  # rate per work unit (see prefill_work)
+    decode_s_per_token: float
+    mean_service_s: float  # mean wall time of one request on this node (queue wait excluded)
+
+    def prefill_s(self, uncached: int, cached: int, context_scale: float) -> float:
+        if uncached <= 0:
+            return 0.0
+        work = prefill_work(uncached, cached, context_scale)
+        return self.prefill_overhead_s + self.prefill_s_per_token * work
+
+    def service_s(self, uncached: int, cached: int, max_tokens: int, context_scale: float) -> float:
+        return self.prefill_s(uncached, cached, context_scale) + self.decode_s_per_token * max(
+            0, max_tokens - 1
+        )
+
+
+class ComputeModel:
+    """This node's own prefill/decode speed, learnt from the requests it served."""
+
+    def __init__(self, priors: CostPriors) -> None:
+        self.priors = priors
+        self._overhead = priors.prefill_overhead_s
+        self._rate = Ewma(priors.prefill_s_per_token, priors.alpha)
+        self._decode = Ewma(priors.decode_s_per_token, priors.alpha)
+        self._service = Ewma(
+            priors.prefill_overhead_s + 256 * priors.prefill_s_per_token, priors.alpha
+        )
+
+    def observe_prefill(self, uncached: int, cached: int, seconds: float) -> None:
+        if uncached <= 0 or seconds < 0:
+            return
+        work = prefill_work(uncached, cached, self.priors.context_scale)
+        self._rate.observe(max(0.0, seconds - self._overhead) / work)
+
+    def observe_decode(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds >= 0:
+            self._decode.observe(seconds / tokens)
+
+    def observe_service(self, seconds: float) -> None:
+        if seconds >= 0:
+            self._service.observe(seconds)
+
+    def report(self) -> SpeedReport:
+        return SpeedReport(
+            prefill_overhead_s=self._overhead,
+            prefill_s_per_token=self._rate.value,
+            decode_s_per_token=self._decode.value,
+            mean_service_s=self._service.value,
+        )
+
+
+class RttTable:
+    """Round-trip estimate per peer (EWMA), with the prior for peers never measured."""
+
+    def __init__(self, priors: CostPriors) -> None:
+        self._priors = priors
+        self._rtt: dict[str, Ewma] = {}
+
+    def observe(self, peer: str, seconds: float) -> None:
+        if seconds < 0:
+            return
+        est = self._rtt.get(peer)
+        if est is None:
+            est = self._rtt[peer] = Ewma(seconds, self._priors.alpha)
+            est.count = 1
+            return
+        est.observe(seconds)
+
+    def get(self, peer: str) -> float:
+        est = self._rtt.get(peer)
+        return self._priors.rtt_s if est is None else est.value
+
+    def measured(self, peer: str) -> bool:
+        return peer in self._rtt
+
+    def forget(self, peer: str) -> None:
+        self._rtt.pop(peer, None)

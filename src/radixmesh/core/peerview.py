@@ -1,0 +1,140 @@
+"""Estimates of every peer's cache, as sets of block hashes, with an inverted index.
+
+Theory of operation
+-------------------
+Each peer ``p`` is believed to hold a set ``S_p`` of block hashes (see :mod:`blocks`). Routing
+needs, for one request with block hashes ``h_0 .. h_{n-1}``, the number of *leading* blocks each
+peer holds: ``match_p = max k such that h_0..h_{k-1} are all in S_p``.
+
+Instead of testing every peer, an inverted index maps each hash to a bitmask of the peers
+holding it (bit ``slot(p)``). Matching walks the request's blocks once, AND-ing masks::
+
+    alive = all peers          block 0: alive &= index[h0]   peers dropped here matched 0
+                               block 1: alive &= index[h1]   peers dropped here matched 1 ...
+
+so one match costs O(blocks) big-integer operations plus O(matched peers), independent of how
+many peers hold nothing. Python ints are arbitrary-width, so 1,024 peers are a 1,024-bit mask.
+
+Mutations (snapshot replace, delta, optimistic insert, drop) keep ``S_p`` and the index in step.
+The view is advisory: it may be stale or wrong; a wrong estimate costs a cache miss, never a
+wrong answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+PeerId = str
+
+
+class PeerView:
+    """Block-hash sets per peer plus an inverted index ``hash -> bitmask of peers``."""
+
+    def __init__(self) -> None:
+        self._held: dict[PeerId, set[int]] = {}
+        self._slot: dict[PeerId, int] = {}
+        self._peer_at: dict[int, PeerId] = {}
+        self._free_slots: list[int] = []
+        self._index: dict[int, int] = {}
+
+    # ----------------------------------------------------------------------------- queries
+    def peers(self) -> list[PeerId]:
+        return list(self._held)
+
+    def __contains__(self, peer: object) -> bool:
+        return peer in self._held
+
+    def held(self, peer: PeerId) -> frozenset[int]:
+        """A copy of the hashes ``peer`` is believed to hold (empty if unknown)."""
+        return frozenset(self._held.get(peer, ()))
+
+    def size(self, peer: PeerId) -> int:
+        return len(self._held.get(peer, ()))
+
+    def total_entries(self) -> int:
+        return sum(len(s) for s in self._held.values())
+
+    def match(self, hashes: Sequence[int]) -> dict[PeerId, int]:
+        """Leading blocks of ``hashes`` held by each peer; peers matching 0 are omitted."""
+        if not hashes or not self._held:
+            return {}
+        result: dict[PeerId, int] = {}
+        index = self._index
+        alive = index.get(hashes[0], 0)
+        for depth in range(1, len(hashes)):
+            if not alive:
+                return result
+            nxt = alive & index.get(hashes[depth], 0)
+            if nxt != alive:
+                self._record(alive & ~nxt, depth, result)
+            alive = nxt
+        if alive:
+            self._record(alive, len(hashes), result)
+        return result
+
+    def _record(self, mask: int, depth: int, out: dict[PeerId, int]) -> None:
+        peer_at = self._peer_at
+        while mask:
+            low = mask & -mask
+            out[peer_at[low.bit_length() - 1]] = depth
+            mask ^= low
+
+    # --------------------------------------------------------------------------- mutations
+    def replace(self, peer: PeerId, hashes: Iterable[int]) -> None:
+        """Replace ``peer``'s estimate with a full snapshot."""
+        new = set(hashes)
+        old = self._held.get(peer)
+        if old is None:
+            self._add_peer(peer)
+            self._add(peer, new)
+            return
+        self._remove(peer, old - new)
+        self._add(peer, new - old)
+
+    def apply_delta(self, peer: PeerId, added: Iterable[int], removed: Iterable[int]) -> None:
+        """Apply a change set: ``removed`` first, then ``added``."""
+        if peer not in self._held:
+            self._add_peer(peer)
+        current = self._held[peer]
+        self._remove(peer, current.intersection(removed))
+        self._add(peer, set(added) - current)
+
+    def optimistic_insert(self, peer: PeerId, hashes: Iterable[int]) -> None:
+        """After a successful forward, assume ``peer`` now caches the request's blocks."""
+        self.apply_delta(peer, hashes, ())
+
+    def drop(self, peer: PeerId) -> None:
+        """Forget ``peer`` entirely (dead, restarted or refused)."""
+        held = self._held.get(peer)
+        if held is None:
+            return
+        self._remove(peer, set(held))
+        del self._held[peer]
+        slot = self._slot.pop(peer)
+        del self._peer_at[slot]
+        self._free_slots.append(slot)
+
+    # ----------------------------------------------------------------------------- helpers
+    def _add_peer(self, peer: PeerId) -> None:
+        slot = self._free_slots.pop() if self._free_slots else len(self._slot)
+        self._slot[peer] = slot
+        self._peer_at[slot] = peer
+        self._held[peer] = set()
+
+    def _add(self, peer: PeerId, hashes: set[int]) -> None:
+        bit = 1 << self._slot[peer]
+        index = self._index
+        for h in hashes:
+            index[h] = index.get(h, 0) | bit
+        self._held[peer].update(hashes)
+
+    def _remove(self, peer: PeerId, hashes: set[int]) -> None:
+        clear = ~(1 << self._slot[peer])
+        index = self._index
+        for h in hashes:
+            mask = index[h] & clear
+            if mask:
+                index[h] = mask
+            else:
+                del index[h]
+        self._held[peer].difference_update(hashes)

@@ -1,0 +1,183 @@
+"""Routing policies: rank the nodes that could serve a request, from one node's local view.
+
+Theory of operation
+-------------------
+The router is a pure function of a :class:`RouteInput` (the request's size) and one
+:class:`NodeInfo` per node (self included) describing what the deciding node *believes*: how
+many of the request's tokens that node has cached, whether it is available (alive and not
+pushing back), its forward round-trip, queue depth and speed. It returns a ranked list of
+:class:`Candidate` — the head is the choice, the rest is the fallback order. Self is always in
+the list, so local execution is always a fallback.
+
+Policies
+    ``none``          always self, claiming no cache hit (the paper's no-routing baseline).
+    ``paper``         Algorithm 1: argmax estimated prefix match; ties go to self, then to the
+                      lowest node id (the paper's argmax); suspect/pushed-back peers skipped.
+    ``cost``          argmin predicted latency = rtt + queue wait + prefill(uncached) + decode.
+                      A peer must beat self by ``min_gain_s`` and ``min_gain_frac`` (hysteresis
+                      against noisy estimates). Equal predictions keep self first, and ties
+                      among peers are broken by load, then at random — never "the first peer".
+    ``random``, ``round_robin``, ``least_loaded``  baselines over available nodes.
+
+Because a peer's prediction includes its forward RTT, ``cost`` forwards only when the predicted
+saving exceeds the forward cost: on a slow network it degenerates to ``none``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from radixmesh.core.costmodel import SpeedReport
+
+
+class Policy(StrEnum):
+    NONE = "none"
+    PAPER = "paper"
+    COST = "cost"
+    RANDOM = "random"
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+
+    @classmethod
+    def parse(cls, text: str) -> Policy:
+        try:
+            return cls(text.strip().lower())
+        except ValueError:
+            names = ", ".join(p.value for p in cls)
+            raise ValueError(f"unknown routing policy {text!r} (choose from {names})") from None
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    policy: Policy = Policy.COST
+    min_gain_s: float = 0.001  # a forward must be predicted to save at least this (seconds)
+    min_gain_frac: float = 0.05  # ... and at least this fraction of the local prediction
+    context_scale: float = 4096.0  # see costmodel.prefill_work
+
+    def __post_init__(self) -> None:
+        if self.min_gain_s < 0 or not 0 <= self.min_gain_frac < 1:
+            raise ValueError("min_gain_s must be >= 0 and min_gain_frac in [0, 1)")
+        if self.context_scale <= 0:
+            raise ValueError("context_scale must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class RouteInput:
+    prompt_tokens: int
+    max_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """What the deciding node believes about one node (itself included)."""
+
+    node_id: str
+    is_self: bool
+    cached_tokens: int  # estimated cached prefix of this request (exact for self)
+    rtt_s: float  # forward round-trip overhead; 0 for self
+    queue_depth: int  # requests waiting or running, as the node itself reported
+    speed: SpeedReport
+    suspect: bool = False
+    pushed_back: bool = False
+
+    @property
+    def available(self) -> bool:
+        return self.is_self or not (self.suspect or self.pushed_back)
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    node_id: str
+    is_self: bool
+    expected_cached_tokens: int
+    predicted_latency_s: float
+
+
+def predict_latency(req: RouteInput, node: NodeInfo, context_scale: float) -> float:
+    cached = min(node.cached_tokens, max(0, req.prompt_tokens - 1))
+    uncached = req.prompt_tokens - cached
+    service = node.speed.service_s(uncached, cached, req.max_tokens, context_scale)
+    wait = node.queue_depth * node.speed.mean_service_s
+    return (0.0 if node.is_self else node.rtt_s) + wait + service
+
+
+class Router:
+    """Ranks candidates under one policy; holds only the round-robin cursor."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self._rr = 0
+
+    def rank(
+        self, req: RouteInput, nodes: Sequence[NodeInfo], rng: random.Random
+    ) -> list[Candidate]:
+        selves = [n for n in nodes if n.is_self]
+        if len(selves) != 1:
+            raise ValueError("exactly one NodeInfo must be is_self")
+        avail = [n for n in nodes if n.available]
+        policy = self.config.policy
+        if policy is Policy.NONE:
+            # No view is consulted, so no cache hit is claimed (the paper's no-route baseline).
+            me = selves[0]
+            latency = predict_latency(req, me, self.config.context_scale)
+            return [Candidate(me.node_id, True, 0, latency)]
+        if policy is Policy.PAPER:
+            order = _by_match(avail)
+        elif policy is Policy.COST:
+            order = self._by_cost(req, avail, rng, selves[0])
+        elif policy is Policy.RANDOM:
+            order = avail[:]
+            rng.shuffle(order)
+        elif policy is Policy.ROUND_ROBIN:
+            order = self._round_robin(avail)
+        else:
+            order = _least_loaded(avail, rng)
+        return [self._candidate(req, n) for n in order]
+
+    # ---------------------------------------------------------------------------- policies
+    def _by_cost(
+        self,
+        req: RouteInput,
+        avail: list[NodeInfo],
+        rng: random.Random,
+        me: NodeInfo,
+    ) -> list[NodeInfo]:
+        scale = self.config.context_scale
+        keyed = [(predict_latency(req, n, scale), n.queue_depth, rng.random(), n) for n in avail]
+        keyed.sort(key=lambda k: (k[0], not k[3].is_self, k[1], k[2]))
+        order = [k[3] for k in keyed]
+        best_latency = keyed[0][0]
+        local_latency = predict_latency(req, me, scale)
+        gain = local_latency - best_latency
+        needed = max(self.config.min_gain_s, self.config.min_gain_frac * local_latency)
+        if order[0].is_self or gain >= needed:
+            return order
+        return [me, *(n for n in order if not n.is_self)]
+
+    def _round_robin(self, avail: list[NodeInfo]) -> list[NodeInfo]:
+        ordered = sorted(avail, key=lambda n: n.node_id)
+        start = self._rr % len(ordered)
+        self._rr += 1
+        return ordered[start:] + ordered[:start]
+
+    def _candidate(self, req: RouteInput, node: NodeInfo) -> Candidate:
+        expected = min(node.cached_tokens, req.prompt_tokens)
+        return Candidate(
+            node_id=node.node_id,
+            is_self=node.is_self,
+            expected_cached_tokens=expected,
+            predicted_latency_s=predict_latency(req, node, self.config.context_scale),
+        )
+
+
+def _by_match(avail: list[NodeInfo]) -> list[NodeInfo]:
+    return sorted(avail, key=lambda n: (-n.cached_tokens, not n.is_self, n.node_id))
+
+
+def _least_loaded(avail: list[NodeInfo], rng: random.Random) -> list[NodeInfo]:
+    keyed = [(n.queue_depth, not n.is_self, rng.random(), n) for n in avail]
+    keyed.sort(key=lambda k: k[:3])
+    return [k[3] for k in keyed]
