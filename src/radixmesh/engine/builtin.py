@@ -1,0 +1,248 @@
+"""The built-in engine: a transformers causal LM + the radix KV cache, one request at a time.
+
+Theory of operation
+-------------------
+``generate(req)``::
+
+    lease = cache.acquire(prompt)           # cached prefix P (<= len-1 tokens), path locked,
+                                            # LRU leaves evicted so the request's tokens fit
+    kv    = concat(path tensors)            # [1, kv_heads, P, head_dim] per layer
+    prefill prompt[P:] at positions P..len-1 on DynamicCache(kv)   -> last-position logits
+    decode: sample, feed the token at the next position, until max_tokens / EOS / stop id /
+            max_context
+    cache.commit(lease, fed tokens, request KV)   # prompt + generated tokens, then unlock
+
+The silent-wrong pitfalls (GUIDE §4) and how they are avoided: position ids are passed
+explicitly and continue after the cached length; no attention mask is passed (batch 1, no
+padding, so causal over cached + new tokens is exact); a KV segment is only reused at its
+original absolute positions (a radix path guarantees it); stored slices are clones; at least
+one prompt token is always computed so there are logits to sample from.
+
+Sampling: greedy when ``temperature == 0``; otherwise softmax(logits / T) restricted to the
+smallest top-p nucleus, drawn from a ``torch.Generator`` seeded by ``seed`` (or fresh entropy
+when ``seed`` is None). Logits above the tokenizer's vocabulary are masked (a model's
+embedding matrix is often padded beyond its tokenizer). The stop token (EOS or a
+``stop_token_ids`` member) ends generation and is *not* part of ``output_ids``; ``on_token``
+is called for every token that is.
+
+``on_token`` runs on the calling (worker) thread; if it raises, generation stops, the KV
+computed so far is still cached, the path is unlocked, and the exception propagates.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from radixmesh.core.blocks import Fingerprint
+from radixmesh.engine.base import (
+    CacheDelta,
+    CacheUsage,
+    FinishReason,
+    GenerateRequest,
+    GenerateResult,
+    SamplingParams,
+    TokenCallback,
+    Tokenizer,
+)
+from radixmesh.engine.radix_cache import LayerKV, Lease, RadixKVCache, concat_kv
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """What ``build_engine`` resolved: identity and limits of the loaded model."""
+
+    model_name: str
+    model_identity: str  # e.g. "preset:tiny:seed0:float32" or "dir:<digest>:float32"
+    max_context: int
+    block_size: int
+    cache_tokens: int
+
+
+@dataclass(slots=True)
+class _Run:
+    """Mutable state of one request while it runs."""
+
+    fed: list[int]  # every token whose KV is in ``cache`` (prompt + generated so far)
+    cache: DynamicCache
+    output: list[int]
+    finish: FinishReason = "length"
+
+
+class TransformersEngine:
+    """Implements :class:`radixmesh.engine.base.Engine`. Not re-entrant: use ``EngineWorker``."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: Tokenizer,
+        spec: EngineSpec,
+        device: torch.device,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.model = model
+        self._tokenizer = tokenizer
+        self.spec = spec
+        self.device = device
+        self._fingerprint = Fingerprint(spec.model_identity, tokenizer.fingerprint, spec.block_size)
+        self.cache = RadixKVCache(spec.cache_tokens, spec.block_size, self._fingerprint.digest)
+        self._vocab = int(model.config.get_text_config().vocab_size)
+        self._allowed = min(tokenizer.vocab_size, self._vocab)
+        self._clock = clock  # LRU timestamps
+
+    # ------------------------------------------------------------------------- identity
+    @property
+    def model_name(self) -> str:
+        return self.spec.model_name
+
+    @property
+    def fingerprint(self) -> Fingerprint:
+        return self._fingerprint
+
+    @property
+    def max_context(self) -> int:
+        return self.spec.max_context
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        cfg = self.model.config.get_text_config()
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        elem = torch.empty((), dtype=self.model.dtype).element_size()
+        return int(cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * elem)
+
+    # ------------------------------------------------------------------------- cache queries
+    def match(self, prompt_ids: Sequence[int]) -> int:
+        return min(self.cache.match(prompt_ids), max(len(prompt_ids) - 1, 0))
+
+    def drain_cache_delta(self) -> CacheDelta:
+        added, removed = self.cache.drain_delta()
+        return CacheDelta(tuple(added), tuple(removed))
+
+    def cache_hashes(self) -> frozenset[int]:
+        return self.cache.block_hashes()
+
+    def usage(self) -> CacheUsage:
+        return self.cache.usage()
+
+    # ------------------------------------------------------------------------- generation
+    def validate(self, prompt_ids: Sequence[int]) -> None:
+        """Raise ``ValueError`` for a prompt this engine cannot run (clients get a 400)."""
+        if not prompt_ids:
+            raise ValueError("prompt must contain at least one token")
+        if len(prompt_ids) >= self.max_context:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens; this model's context is {self.max_context}"
+            )
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self._vocab:
+            raise ValueError(f"token ids must be in [0, {self._vocab})")
+
+    def generate(
+        self, req: GenerateRequest, on_token: TokenCallback | None = None
+    ) -> GenerateResult:
+        prompt = list(req.prompt_ids)
+        self.validate(prompt)
+        sp = req.sampling
+        budget = min(sp.max_tokens, self.max_context - len(prompt))
+        lease = self.cache.acquire(prompt, self._reserve(prompt, budget), self._clock())
+        run: _Run | None = None
+        try:
+            t0 = time.perf_counter()
+            run, logits = self._prefill(prompt, lease)
+            t1 = time.perf_counter()
+            self._decode(run, logits, sp, budget, on_token)
+            t2 = time.perf_counter()
+        finally:
+            self._finish(lease, run)
+        return GenerateResult(
+            req.request_id, run.output, run.finish, len(prompt), lease.cached, 0.0, t1 - t0, t2 - t1
+        )
+
+    def _reserve(self, prompt: Sequence[int], budget: int) -> int:
+        return len(prompt) - self.cache.match(prompt) + budget
+
+    def _finish(self, lease: Lease, run: _Run | None) -> None:
+        if run is None or not run.fed:
+            self.cache.release(lease)
+            return
+        kv: LayerKV = [(layer.keys, layer.values) for layer in run.cache.layers]
+        n_kv = int(kv[0][0].shape[2]) if kv else 0
+        self.cache.commit(lease, run.fed[:n_kv], kv, self._clock())
+
+    @torch.inference_mode()
+    def _prefill(self, prompt: list[int], lease: Lease) -> tuple[_Run, torch.Tensor]:
+        prefix = [(k.to(self.device), v.to(self.device)) for k, v in concat_kv(lease.values)]
+        cache = DynamicCache(ddp_cache_data=prefix) if prefix else DynamicCache()
+        run = _Run(fed=list(prompt[: lease.cached]), cache=cache, output=[])
+        logits = self._forward(run, prompt[lease.cached :])
+        return run, logits
+
+    @torch.inference_mode()
+    def _forward(self, run: _Run, tokens: list[int]) -> torch.Tensor:
+        start = len(run.fed)
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        pos = torch.arange(start, start + len(tokens), device=self.device).unsqueeze(0)
+        out = self.model(
+            input_ids=ids, position_ids=pos, cache=run.cache, use_cache=True, logits_to_keep=1
+        )
+        run.fed.extend(tokens)
+        return out.logits[0, -1].float()
+
+    @torch.inference_mode()
+    def _decode(
+        self,
+        run: _Run,
+        logits: torch.Tensor,
+        sp: SamplingParams,
+        budget: int,
+        on_token: TokenCallback | None,
+    ) -> None:
+        stops = set(sp.stop_token_ids)
+        if self._tokenizer.eos_token_id is not None:
+            stops.add(self._tokenizer.eos_token_id)
+        gen = self._generator(sp)
+        while True:
+            token = self._sample(logits, sp, gen)
+            if token in stops:
+                run.finish = "stop"
+                return
+            run.output.append(token)
+            if on_token is not None:
+                on_token(token)
+            if len(run.output) >= budget:
+                return
+            logits = self._forward(run, [token])
+
+    def _generator(self, sp: SamplingParams) -> torch.Generator | None:
+        if sp.temperature == 0:
+            return None
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(sp.seed if sp.seed is not None else secrets.randbits(63))
+        return gen
+
+    def _sample(self, logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None) -> int:
+        logits = logits[: self._allowed]
+        if gen is None:
+            return int(torch.argmax(logits).item())
+        probs = torch.softmax(logits.cpu() / sp.temperature, dim=-1)
+        if sp.top_p < 1.0:
+            probs = _top_p(probs, sp.top_p)
+        return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero out everything outside the smallest set whose mass reaches ``top_p``."""
+    sorted_p, order = torch.sort(probs, descending=True)
+    before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly before each token
+    sorted_p[before >= top_p] = 0.0
+    out = torch.zeros_like(probs)
+    out[order] = sorted_p
+    return out / out.sum()

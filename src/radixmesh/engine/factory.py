@@ -1,0 +1,165 @@
+"""``build_engine``: the built-in engine from a preset or a local Hugging Face model directory.
+
+Two ways in:
+
+* ``build_engine(preset="tiny", seed=0)`` — a Qwen2-architecture model with seeded random
+  weights (see :mod:`radixmesh.engine.presets`) and the byte tokenizer. Model identity:
+  ``preset:<name>:seed<seed>:<dtype>``.
+* ``build_engine(model_path="/models/Qwen2.5-0.5B-Instruct")`` — the path real users take:
+  ``config.json`` + ``*.safetensors`` + ``tokenizer.json`` (+ ``tokenizer_config.json`` for
+  EOS and the chat template), loaded with ``local_files_only=True`` — never the network.
+  Model identity: ``dir:<digest>:<dtype>``, the digest covering config.json, the safetensors
+  index and every weight file's size, first and last MiB (cheap, yet distinguishes fine-tunes).
+
+Only full-attention decoder models are supported (Qwen2, Llama, Mistral without sliding
+window, ...): radix KV reuse needs one K/V tensor per layer covering every position.
+
+``device`` is any torch device string: ``cpu`` (default), ``cuda``, ``cuda:1``, ``mps``.
+Weights are created/loaded on the CPU and moved, so a preset is bit-identical on all devices
+before the dtype cast. ``threads`` calls ``torch.set_num_threads`` (process-wide!): a local
+multi-node cluster passes 1 per node.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+from radixmesh.core.blocks import DEFAULT_BLOCK_SIZE
+from radixmesh.engine.base import Tokenizer
+from radixmesh.engine.builtin import EngineSpec, TransformersEngine
+from radixmesh.engine.presets import build_random_model, get_preset
+from radixmesh.engine.tokenizers import ByteTokenizer, HFTokenizer
+
+DEFAULT_CACHE_TOKENS = 32_768
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_MIB = 1 << 20
+
+
+def resolve_device(device: str) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("device 'mps' requested but MPS is not available")
+    return dev
+
+
+def resolve_dtype(dtype: str) -> torch.dtype:
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPES)}") from None
+
+
+def build_engine(
+    preset: str | None = "tiny",
+    *,
+    model_path: str | Path | None = None,
+    cache_tokens: int = DEFAULT_CACHE_TOKENS,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    device: str = "cpu",
+    seed: int = 0,
+    dtype: str = "float32",
+    threads: int | None = None,
+    model_name: str | None = None,
+    tokenizer: Tokenizer | None = None,
+) -> TransformersEngine:
+    """Build the built-in engine. ``model_path`` wins over ``preset`` when both are given."""
+    if threads is not None:
+        if threads < 1:
+            raise ValueError("threads must be >= 1")
+        torch.set_num_threads(threads)
+    if cache_tokens < 0:
+        raise ValueError("cache_tokens must be >= 0")
+    dev, tdtype = resolve_device(device), resolve_dtype(dtype)
+    if model_path is not None:
+        return _from_dir(
+            Path(model_path), cache_tokens, block_size, dev, dtype, model_name, tokenizer
+        )
+    if preset is None:
+        raise ValueError("give a preset or a model_path")
+    spec = get_preset(preset)
+    model = build_random_model(spec, seed).to(device=dev, dtype=tdtype)
+    engine_spec = EngineSpec(
+        model_name=model_name or preset,
+        model_identity=f"preset:{preset}:seed{seed}:{dtype}",
+        max_context=spec.max_position_embeddings,
+        block_size=block_size,
+        cache_tokens=cache_tokens,
+    )
+    return TransformersEngine(model, tokenizer or ByteTokenizer(), engine_spec, dev)
+
+
+def _from_dir(
+    root: Path,
+    cache_tokens: int,
+    block_size: int,
+    dev: torch.device,
+    dtype: str,
+    model_name: str | None,
+    tokenizer: Tokenizer | None,
+) -> TransformersEngine:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not (root / "config.json").is_file():
+        raise FileNotFoundError(f"{root} is not a model directory (no config.json)")
+    config = AutoConfig.from_pretrained(root, local_files_only=True)
+    _check_full_attention(config)
+    model = AutoModelForCausalLM.from_pretrained(
+        root, local_files_only=True, dtype=resolve_dtype(dtype)
+    )
+    model = model.to(dev).eval()
+    text_cfg = config.get_text_config()
+    spec = EngineSpec(
+        model_name=model_name or root.resolve().name,
+        model_identity=f"dir:{model_dir_digest(root)}:{dtype}",
+        max_context=int(text_cfg.max_position_embeddings),
+        block_size=block_size,
+        cache_tokens=cache_tokens,
+    )
+    return TransformersEngine(model, tokenizer or HFTokenizer(root), spec, dev)
+
+
+def _check_full_attention(config: object) -> None:
+    text_cfg = config.get_text_config()  # type: ignore[attr-defined]
+    kinds = set(getattr(text_cfg, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"}:
+        raise ValueError(f"unsupported attention layer types {sorted(kinds)}: need full attention")
+
+
+def model_dir_digest(root: Path) -> str:
+    """Identity of a model directory's weights and config (not a full-content hash)."""
+    h = hashlib.sha256()
+    for name in ("config.json", "model.safetensors.index.json"):
+        path = root / name
+        if path.is_file():
+            h.update(name.encode() + b"\0" + path.read_bytes())
+    for path in sorted(root.glob("*.safetensors")):
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}".encode())
+        with path.open("rb") as f:
+            h.update(f.read(_MIB))
+            f.seek(max(size - _MIB, 0))
+            h.update(f.read(_MIB))
+    return h.hexdigest()[:16]
+
+
+def describe(engine: TransformersEngine) -> dict[str, object]:
+    """A JSON-able summary (for logs and ``/v1/models``)."""
+    fp = engine.fingerprint
+    return {
+        "model": engine.model_name,
+        "model_identity": fp.model,
+        "tokenizer": fp.tokenizer,
+        "block_size": fp.block_size,
+        "fingerprint": f"{fp.digest:016x}",
+        "max_context": engine.max_context,
+        "cache_tokens": engine.spec.cache_tokens,
+        "device": str(engine.device),
+        "kv_bytes_per_token": engine.kv_bytes_per_token,
+        "config": json.loads(engine.model.config.to_json_string()).get("model_type"),
+    }

@@ -1,0 +1,68 @@
+"""Local stand-ins for a downloaded model: save a random preset as a Hugging Face model dir.
+
+``save_random_model_dir(path, preset="tiny", seed=0)`` writes ``config.json``,
+``model.safetensors`` (the preset's seeded random weights), a ``tokenizer.json`` — a small
+byte-level BPE trained right here on a few sentences with the ``tokenizers`` library, so it
+needs no download — and a ``tokenizer_config.json`` with EOS and a ChatML chat template.
+Loading the directory with ``build_engine(model_path=path)`` goes through exactly the code a
+real model takes. Used by tests and demos; never fetches anything.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from radixmesh.engine.presets import build_random_model, get_preset
+from radixmesh.engine.tokenizers import CHATML_FALLBACK
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+_CORPUS = (
+    "The following are multiple choice questions (with answers) about high school physics.",
+    "Question: What is the unit of force? A. joule B. newton C. watt D. pascal Answer: B",
+    "Find all c in Z_3 such that Z_3[x]/(x^2 + c) is a field. Answer: B",
+    "Statement 1 | Every element of a group generates a cyclic subgroup. Answer: C",
+    "The quick brown fox jumps over the lazy dog. Peer-to-peer serving with radix caches.",
+    "user assistant system: hello, how are you? I am fine, thank you. Ünïcödé ✓ 日本語",
+)
+
+
+def train_tokenizer(vocab_size: int = 400) -> Tokenizer:
+    """A byte-level BPE (lossless on any UTF-8 text) with ChatML special tokens."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(_CORPUS) * 4, trainer=trainer)
+    return tok
+
+
+def save_random_model_dir(
+    path: str | Path, preset: str = "tiny", seed: int = 0, vocab_size: int = 400
+) -> Path:
+    """Write a random-weight model + tokenizer as a local HF model directory; returns it."""
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    spec = get_preset(preset)
+    if vocab_size > spec.vocab_size:
+        raise ValueError(f"tokenizer vocab {vocab_size} exceeds the model's {spec.vocab_size}")
+    model = build_random_model(spec, seed)
+    eos_id = SPECIAL_TOKENS.index("<|endoftext|>")
+    model.config.eos_token_id = eos_id
+    model.save_pretrained(root)
+    train_tokenizer(vocab_size).save(str(root / "tokenizer.json"))
+    config = {
+        "eos_token": "<|endoftext|>",
+        "chat_template": CHATML_FALLBACK,
+        "model_max_length": spec.max_position_embeddings,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (root / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return root
