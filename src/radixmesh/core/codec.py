@@ -1,0 +1,338 @@
+"""The one codec for peer messages: msgpack arrays, a protocol version, hard limits.
+
+Theory of operation
+-------------------
+A message is a msgpack array ``[PROTOCOL_VERSION, KIND, field, field, ...]`` with fields in
+declaration order (positional: no field names on the wire). Hash sets travel as opaque ``bin``
+blocks packed by :func:`summary.pack_hashes` (~7 bytes per hash at 100k hashes); the speed
+report as four little-endian float32.
+
+Decoding treats every byte as hostile: msgpack's own limits bound strings, arrays and binaries
+before anything is allocated; then each field is type- and range-checked by hand (bools are not
+ints, floats must be finite, strings have maximum lengths, a message holds at most
+``max_hashes`` hashes in total). Anything wrong raises :class:`RemoteProtocolError` — and only
+that: the node counts it and drops the message, it never crashes and never touches a view.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from radixmesh.core.blocks import Fingerprint
+from radixmesh.core.costmodel import SpeedReport
+from radixmesh.core.messages import (
+    PROTOCOL_VERSION,
+    Ack,
+    Change,
+    Delta,
+    DigestEntry,
+    Echo,
+    Gossip,
+    Load,
+    NodeState,
+    PeerAddress,
+    Snapshot,
+    Summary,
+)
+from radixmesh.core.summary import pack_hashes, unpack_hashes
+
+KIND_GOSSIP = 1
+_SPEED = struct.Struct("<4f")
+_INT_MAX = 2**63 - 1
+_U64_MAX = 2**64 - 1
+
+
+class RemoteProtocolError(Exception):
+    """A peer sent bytes that are not a valid message (the peer's fault, never ours)."""
+
+    def __init__(self, message: str, reason: str = "decode") -> None:
+        super().__init__(message)
+        self.reason = reason  # metric suffix: messages_rejected_<reason>
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Hard limits on what a peer may send us."""
+
+    max_message_bytes: int = 8 * 1024 * 1024
+    max_hashes: int = 1_000_000  # over all summaries in one message
+    max_id_len: int = 128
+    max_address_len: int = 256
+    max_text_len: int = 512  # fingerprint model / tokenizer identities
+    max_peers: int = 4096  # peer list, digest and relays, each
+    max_changes: int = 65_536  # change entries in one delta
+
+    def __post_init__(self) -> None:
+        if min(self.max_message_bytes, self.max_hashes, self.max_peers, self.max_changes) < 1:
+            raise ValueError("limits must be positive")
+
+
+class Codec:
+    """Encodes and decodes :class:`Gossip`; remembers the last packed snapshot (it repeats)."""
+
+    def __init__(self, limits: Limits | None = None) -> None:
+        self.limits = limits or Limits()
+        self._packed_of: tuple[int, ...] | None = None
+        self._packed = b""
+
+    # ------------------------------------------------------------------------------ encode
+    def encode(self, msg: Gossip) -> bytes:
+        fields: list[Any] = [
+            PROTOCOL_VERSION,
+            KIND_GOSSIP,
+            msg.sender,
+            msg.address,
+            msg.incarnation,
+            msg.version,
+            msg.heartbeat,
+            msg.fingerprint,
+            msg.stamp,
+            _enc_load(msg.load),
+            self._enc_summary(msg.summary),
+            _enc_fingerprint(msg.fingerprint_detail),
+            None if msg.ack is None else [msg.ack.incarnation, msg.ack.version],
+            None if msg.echo is None else [msg.echo.stamp, msg.echo.held_s],
+            [[p.node_id, p.address] for p in msg.peers],
+            [[d.node_id, d.incarnation, d.version, d.heartbeat] for d in msg.digest],
+            [self._enc_state(s) for s in msg.relays],
+            msg.reply,
+        ]
+        return bytes(msgpack.packb(fields, use_bin_type=True))
+
+    def _enc_summary(self, summary: Summary | None) -> list[Any] | None:
+        if summary is None:
+            return None
+        if isinstance(summary, Snapshot):
+            return [0, summary.version, self._pack_snapshot(summary.hashes)]
+        entries = [[pack_hashes(c.added), pack_hashes(c.removed)] for c in summary.changes]
+        return [1, summary.base, entries]
+
+    def _pack_snapshot(self, hashes: tuple[int, ...]) -> bytes:
+        if hashes is not self._packed_of:
+            self._packed = pack_hashes(hashes)
+            self._packed_of = hashes
+        return self._packed
+
+    def _enc_state(self, s: NodeState) -> list[Any]:
+        load = None if s.load is None else _enc_load(s.load)
+        summary = self._enc_summary(s.summary)
+        return [s.node_id, s.address, s.incarnation, s.heartbeat, s.stamp, load, summary]
+
+    # ------------------------------------------------------------------------------ decode
+    def decode(self, data: bytes) -> Gossip:
+        """Parse ``data``; raises :class:`RemoteProtocolError` (only) if it is not valid."""
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise RemoteProtocolError("message is not bytes")
+        if len(data) > self.limits.max_message_bytes:
+            raise RemoteProtocolError(f"message of {len(data)} bytes exceeds the limit", "size")
+        raw = self._unpack(bytes(data))
+        try:
+            return _Parser(self.limits).gossip(raw)
+        except RemoteProtocolError:
+            raise
+        except (ValueError, TypeError, IndexError, OverflowError) as exc:
+            raise RemoteProtocolError(f"malformed message: {exc}") from None
+
+    def _unpack(self, data: bytes) -> Any:
+        lim = self.limits
+        try:
+            return msgpack.unpackb(
+                data,
+                raw=False,
+                use_list=True,
+                strict_map_key=True,
+                max_str_len=max(lim.max_text_len, lim.max_address_len, lim.max_id_len),
+                max_bin_len=lim.max_message_bytes,
+                max_array_len=max(lim.max_peers, lim.max_changes, 32),
+                max_map_len=0,
+                max_ext_len=0,
+            )
+        except Exception as exc:  # msgpack raises many types on hostile input; all are remote
+            raise RemoteProtocolError(f"undecodable message: {type(exc).__name__}") from None
+
+
+# ---------------------------------------------------------------------------- encode helpers
+def _enc_load(load: Load) -> list[Any]:
+    s = load.speed
+    speed = _SPEED.pack(
+        s.prefill_overhead_s, s.prefill_s_per_token, s.decode_s_per_token, s.mean_service_s
+    )
+    return [
+        load.queue_depth,
+        load.inflight,
+        load.cache_tokens,
+        load.cache_budget,
+        speed,
+        load.pushback_s,
+    ]
+
+
+def _enc_fingerprint(fp: Fingerprint | None) -> list[Any] | None:
+    return None if fp is None else [fp.model, fp.tokenizer, fp.block_size]
+
+
+# ---------------------------------------------------------------------------------- parsing
+class _Parser:
+    """Checks one decoded msgpack tree field by field; holds the message's hash budget."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.lim = limits
+        self.hash_budget = limits.max_hashes
+
+    def gossip(self, raw: Any) -> Gossip:
+        f = _array(raw, 18, "message")
+        if _int(f[0], "protocol version") != PROTOCOL_VERSION:
+            raise RemoteProtocolError(f"unsupported protocol version {f[0]}", "version")
+        if _int(f[1], "kind") != KIND_GOSSIP:
+            raise RemoteProtocolError(f"unknown message kind {f[1]}")
+        return Gossip(
+            sender=self.text(f[2], self.lim.max_id_len, "sender"),
+            address=self.text(f[3], self.lim.max_address_len, "address"),
+            incarnation=_int(f[4], "incarnation"),
+            version=_int(f[5], "version"),
+            heartbeat=_int(f[6], "heartbeat"),
+            fingerprint=_int(f[7], "fingerprint", _U64_MAX),
+            stamp=_float(f[8], "stamp"),
+            load=self.load(f[9]),
+            summary=self.summary(f[10]),
+            fingerprint_detail=self.fingerprint(f[11]),
+            ack=None if f[12] is None else self.ack(f[12]),
+            echo=None if f[13] is None else self.echo(f[13]),
+            peers=tuple(self.peer(p) for p in self.items(f[14], "peers")),
+            digest=tuple(self.digest_entry(d) for d in self.items(f[15], "digest")),
+            relays=tuple(self.state(s) for s in self.items(f[16], "relays")),
+            reply=_bool(f[17], "reply"),
+        )
+
+    def text(self, v: Any, limit: int, what: str) -> str:
+        if not isinstance(v, str) or not v or len(v) > limit:
+            raise RemoteProtocolError(f"{what}: expected a string of 1..{limit} characters")
+        return v
+
+    def items(self, v: Any, what: str) -> list[Any]:
+        if not isinstance(v, list) or len(v) > self.lim.max_peers:
+            raise RemoteProtocolError(f"{what}: expected a list of at most {self.lim.max_peers}")
+        return v
+
+    def load(self, raw: Any) -> Load:
+        f = _array(raw, 6, "load")
+        speed_raw = f[4]
+        if not isinstance(speed_raw, bytes) or len(speed_raw) != _SPEED.size:
+            raise RemoteProtocolError("load: bad speed report")
+        speeds = _SPEED.unpack(speed_raw)
+        if not all(math.isfinite(x) and x >= 0 for x in speeds):
+            raise RemoteProtocolError("load: speed figures must be finite and >= 0")
+        pushback = None if f[5] is None else _float(f[5], "pushback", minimum=0.0)
+        return Load(
+            queue_depth=_int(f[0], "queue_depth"),
+            inflight=_int(f[1], "inflight"),
+            cache_tokens=_int(f[2], "cache_tokens"),
+            cache_budget=_int(f[3], "cache_budget"),
+            speed=SpeedReport(*speeds),
+            pushback_s=pushback,
+        )
+
+    def summary(self, raw: Any) -> Summary | None:
+        if raw is None:
+            return None
+        f = _array(raw, 3, "summary")
+        kind, version = _int(f[0], "summary kind"), _int(f[1], "summary version")
+        if kind == 0:
+            return Snapshot(version, self.hashes(f[2]))
+        if kind != 1:
+            raise RemoteProtocolError(f"unknown summary kind {kind}")
+        entries = f[2]
+        if not isinstance(entries, list) or len(entries) > self.lim.max_changes:
+            raise RemoteProtocolError("delta: bad change list")
+        if version + len(entries) > _INT_MAX:
+            raise RemoteProtocolError("delta: version overflow")
+        changes = tuple(self.change(version + 1 + i, e) for i, e in enumerate(entries))
+        return Delta(version, changes)
+
+    def change(self, version: int, raw: Any) -> Change:
+        f = _array(raw, 2, "change")
+        return Change(version, self.hashes(f[0]), self.hashes(f[1]))
+
+    def hashes(self, raw: Any) -> tuple[int, ...]:
+        if not isinstance(raw, bytes):
+            raise RemoteProtocolError("hash block must be binary")
+        try:
+            out = unpack_hashes(raw, self.hash_budget)
+        except ValueError as exc:
+            raise RemoteProtocolError(f"hash block: {exc}") from None
+        self.hash_budget -= len(out)
+        return out
+
+    def fingerprint(self, raw: Any) -> Fingerprint | None:
+        if raw is None:
+            return None
+        f = _array(raw, 3, "fingerprint")
+        model = self.text(f[0], self.lim.max_text_len, "fingerprint model")
+        tokenizer = self.text(f[1], self.lim.max_text_len, "fingerprint tokenizer")
+        block_size = _int(f[2], "block size")
+        if block_size < 1:
+            raise RemoteProtocolError("block size must be positive")
+        return Fingerprint(model, tokenizer, block_size)
+
+    def ack(self, raw: Any) -> Ack:
+        f = _array(raw, 2, "ack")
+        return Ack(_int(f[0], "ack incarnation"), _int(f[1], "ack version"))
+
+    def echo(self, raw: Any) -> Echo:
+        f = _array(raw, 2, "echo")
+        return Echo(_float(f[0], "echo stamp"), _float(f[1], "echo held", minimum=0.0))
+
+    def peer(self, raw: Any) -> PeerAddress:
+        f = _array(raw, 2, "peer")
+        node_id = self.text(f[0], self.lim.max_id_len, "peer id")
+        return PeerAddress(node_id, self.text(f[1], self.lim.max_address_len, "peer address"))
+
+    def digest_entry(self, raw: Any) -> DigestEntry:
+        f = _array(raw, 4, "digest entry")
+        version = None if f[2] is None else _int(f[2], "digest version")
+        node_id = self.text(f[0], self.lim.max_id_len, "digest id")
+        return DigestEntry(node_id, _int(f[1], "digest incarnation"), version, _int(f[3], "hb"))
+
+    def state(self, raw: Any) -> NodeState:
+        f = _array(raw, 7, "relay")
+        return NodeState(
+            node_id=self.text(f[0], self.lim.max_id_len, "relay id"),
+            address=self.text(f[1], self.lim.max_address_len, "relay address"),
+            incarnation=_int(f[2], "relay incarnation"),
+            heartbeat=_int(f[3], "relay heartbeat"),
+            stamp=_float(f[4], "relay stamp"),
+            load=None if f[5] is None else self.load(f[5]),
+            summary=self.summary(f[6]),
+        )
+
+
+def _array(v: Any, n: int, what: str) -> list[Any]:
+    if not isinstance(v, list) or len(v) != n:
+        raise RemoteProtocolError(f"{what}: expected an array of {n} fields")
+    return v
+
+
+def _int(v: Any, what: str, maximum: int = _INT_MAX) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= maximum:
+        raise RemoteProtocolError(f"{what}: expected an integer in [0, {maximum}]")
+    return v
+
+
+def _float(v: Any, what: str, minimum: float | None = None) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise RemoteProtocolError(f"{what}: expected a number")
+    x = float(v)
+    if not math.isfinite(x) or (minimum is not None and x < minimum):
+        raise RemoteProtocolError(f"{what}: not a finite number in range")
+    return x
+
+
+def _bool(v: Any, what: str) -> bool:
+    if not isinstance(v, bool):
+        raise RemoteProtocolError(f"{what}: expected a boolean")
+    return v

@@ -1,0 +1,588 @@
+"""Anti-entropy of cache summaries, load and membership between peers (pure: no IO, no clock).
+
+Theory of operation
+-------------------
+Every node is the single writer of its own state (``incarnation``, summary ``version``, load).
+Each round (every Δpoll plus jitter) it sends one :class:`Gossip` to each target; receivers keep
+an *estimate* per peer that only moves forward::
+
+    new incarnation  -> drop the old estimate at once, start again (restart)
+    older incarnation -> whole message rejected as stale
+    summary:  Snapshot v  applied iff v > held version
+              Delta base..v applied iff base <= held version (entries above held are applied)
+    load:     applied iff the sender's stamp is newer than the last applied one
+
+so duplicates, reordering, delay and loss can never regress a view (loss only delays it).
+
+Modes
+    snapshot   every round carries the sender's full hash set (the paper).
+    delta      every round carries the change entries after the version the receiver last
+               acknowledged (acks ride on the receiver's own messages); a receiver that has
+               acknowledged nothing, or is behind the change log, gets a snapshot instead. A gap
+               (base above what the receiver holds) is ignored; its next ack repairs it.
+    epidemic   delta to ``fanout`` random peers per round, push-pull: each message carries a
+               digest ``(id, incarnation, version, heartbeat)`` of every node the sender knows
+               and asks for a reply; the receiver answers with the state of others that the
+               digest shows to be older (relayed as deltas from a per-origin relay log when it
+               reaches back far enough, else as snapshots). A newer heartbeat in a digest or a
+               relay counts as hearing from that node, so failure detection works at large N.
+
+Membership rides along: peer lists on first contact and as small periodic samples; seeds are
+contacted until someone answers. RTT is measured without clock sync: each message echoes the
+last stamp received from its destination and how long it was held, so the destination computes
+``rtt = now - stamp - held`` on its own clock.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from radixmesh.core.blocks import Fingerprint
+from radixmesh.core.codec import Codec
+from radixmesh.core.config import GossipMode, NodeConfig
+from radixmesh.core.costmodel import RttTable
+from radixmesh.core.events import Action, Log, PeerStateChanged, Send
+from radixmesh.core.membership import (
+    Member,
+    MemberEvent,
+    Membership,
+    MemberState,
+    Transition,
+)
+from radixmesh.core.messages import (
+    Ack,
+    Change,
+    Delta,
+    DigestEntry,
+    Echo,
+    Gossip,
+    Load,
+    NodeState,
+    PeerAddress,
+    Snapshot,
+    Summary,
+)
+from radixmesh.core.peerview import PeerView
+from radixmesh.core.summary import LocalSummary
+
+MAX_RELAYS = 16  # other nodes' states relayed in one message, at most
+MAX_RELAY_HASHES = 200_000  # hashes relayed in one message, at most
+RELAY_LOG_HASHES = 4096  # per origin: hashes of change entries kept for relaying deltas
+PEER_SAMPLE = 4  # peers named in a periodic membership sample
+SAMPLE_EVERY = 8  # messages to one peer between membership samples
+DEAD_PROBE_EVERY = 8  # rounds between messages to dead peers (finds healed partitions)
+SEED_EVERY = 10  # rounds between seed contacts once we know an alive peer
+MAX_RTT_S = 60.0  # echoes implying a longer round trip are ignored
+MAX_REFUSED = 4096  # refused peer ids remembered (one log line each)
+
+
+@dataclass(slots=True)
+class Estimate:
+    """What this node believes about one peer (mutable; single writer: the Gossiper)."""
+
+    node_id: str
+    incarnation: int
+    version: int | None = None  # version of its summary held in the PeerView (None: nothing)
+    heartbeat: int = 0  # its highest round counter seen, 0: none (directly or relayed)
+    stamp: float | None = None  # its clock at the newest load applied
+    load: Load | None = None
+    pushback_until: float | None = None  # our clock
+    acked: Ack | None = None  # which of OUR states it holds (from its latest message)
+    echo_stamp: float | None = None  # its latest stamp, to echo back once
+    echo_at: float = 0.0  # our clock when that stamp arrived
+    last_echo: float | None = None  # newest of our stamps it echoed (counted once)
+    knows: dict[str, DigestEntry] | None = None  # epidemic: its latest digest
+    relay_log: list[Change] = field(default_factory=list)  # consecutive, ending at version
+    relay_log_hashes: int = 0
+    sent: int = 0  # messages sent to it
+    snapshot_cache: Snapshot | None = None  # for relaying it as a snapshot
+    hearsay: bool = False  # named by others only: its incarnation is not known yet
+
+    def reset_state(self) -> None:
+        """Forget its cache state and what it holds of ours (dead, or restarted)."""
+        self.version = None
+        self.acked = None
+        self.knows = None
+        self.relay_log = []
+        self.relay_log_hashes = 0
+        self.snapshot_cache = None
+        self.load = None
+        self.pushback_until = None
+
+
+class Gossiper:
+    """Builds outgoing rounds and applies incoming messages to the view and membership."""
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        summary: LocalSummary,
+        view: PeerView,
+        members: Membership,
+        rtt: RttTable,
+        codec: Codec,
+        rng: random.Random,
+        metrics: dict[str, float],
+    ) -> None:
+        self.config = config
+        self.cfg = config.gossip
+        self.summary = summary
+        self.view = view
+        self.members = members
+        self.rtt = rtt
+        self.codec = codec
+        self.rng = rng
+        self.metrics = metrics
+        self.fingerprint = config.fingerprint.digest
+        self.heartbeat = 0
+        self.estimates: dict[str, Estimate] = {}
+        self.routable: dict[str, None] = {}  # alive peers with a load report (ordered set)
+        self._refused: set[str] = set()
+        self._self_clash_logged = False
+        self.pushback_s: float | None = None  # set by the node before each round
+
+    # ================================================================= incoming messages
+    def receive(self, msg: Gossip, now: float, load: Load) -> list[Action]:
+        """Apply one decoded message; returns replies, logs and state changes."""
+        if msg.sender == self.config.node_id:
+            return self._reject_self(msg)
+        if msg.fingerprint != self.fingerprint:
+            return self._refuse(msg, now, load)
+        actions: list[Action] = []
+        est = self._resolve(msg.sender, msg.incarnation, msg.address, now, actions)
+        if est is None:
+            self._count("messages_rejected_stale")
+            self._count("messages_rejected")
+            return actions
+        newest = est.stamp is None or msg.stamp >= est.stamp
+        est.heartbeat = max(est.heartbeat, msg.heartbeat)
+        self._heard(msg.sender, now, actions)
+        self._apply_load(est, msg.stamp, msg.load, now)
+        self._apply_summary(est, msg.summary)
+        self._apply_echo(est, msg, now)
+        if newest:
+            self._apply_ack(est, msg.ack)
+            if msg.digest:
+                est.knows = {d.node_id: d for d in msg.digest}
+        self._learn_peers(msg.peers, now, actions)
+        self._apply_digest(msg.digest, now, actions)
+        for state in msg.relays:
+            self._apply_relay(state, now, actions)
+        self._sync_routable(msg.sender)
+        if msg.reply:
+            member = self.members.get(msg.sender)
+            if member is not None:
+                actions.append(self._send(est, member, now, load, reply=False))
+        return actions
+
+    def _resolve(
+        self, node_id: str, incarnation: int, address: str, now: float, out: list[Action]
+    ) -> Estimate | None:
+        """The estimate to update for this sender (new, restarted), or None if stale."""
+        member = self.members.get(node_id)
+        if member is None:
+            self.members.add(node_id, address, incarnation, now)
+            self.members.resolve_seed(address)
+            out.append(PeerStateChanged(node_id, "unknown", MemberState.ALIVE.value))
+            out.append(Log("info", f"peer {node_id} joined at {address}"))
+            est = self.estimates[node_id] = Estimate(node_id, incarnation)
+            return est
+        est = self.estimates[node_id]
+        if est.hearsay:
+            est.hearsay = False
+            est.incarnation = member.incarnation = incarnation
+        if incarnation < member.incarnation:
+            return None
+        if incarnation > member.incarnation:
+            self._restart(member, est, incarnation, now, out)
+        if member.address != address:
+            member.address = address
+        return est
+
+    def _restart(
+        self, member: Member, est: Estimate, incarnation: int, now: float, out: list[Action]
+    ) -> None:
+        old = member.incarnation
+        self.view.drop(member.node_id)
+        est.reset_state()
+        est.incarnation = incarnation
+        est.heartbeat = 0
+        est.stamp = None
+        est.last_echo = None
+        est.echo_stamp = None
+        member.incarnation = incarnation
+        member.last_heard = max(member.last_heard, now)
+        self.routable.pop(member.node_id, None)
+        self._count("peer_restarts")
+        out.append(Log("info", f"peer {member.node_id} restarted ({old} -> {incarnation})"))
+
+    def _heard(self, node_id: str, now: float, out: list[Action]) -> None:
+        t = self.members.heard(node_id, now)
+        if t is not None:
+            out.append(_changed(t))
+
+    def _apply_load(self, est: Estimate, stamp: float, load: Load | None, now: float) -> None:
+        if load is None or (est.stamp is not None and stamp <= est.stamp):
+            return
+        est.stamp = stamp
+        est.load = load
+        est.pushback_until = None if load.pushback_s is None else now + load.pushback_s
+
+    def _apply_summary(self, est: Estimate, summary: Summary | None) -> None:
+        if summary is None:
+            return
+        if isinstance(summary, Snapshot):
+            self._apply_snapshot(est, summary)
+        else:
+            self._apply_delta(est, summary)
+
+    def _apply_snapshot(self, est: Estimate, snap: Snapshot) -> None:
+        if est.version is not None and snap.version <= est.version:
+            self._count("gossip_stale_summaries")
+            return
+        self.view.replace(est.node_id, snap.hashes)
+        est.version = snap.version
+        est.relay_log = []
+        est.relay_log_hashes = 0
+        est.snapshot_cache = snap
+        self._count("gossip_snapshots_applied")
+
+    def _apply_delta(self, est: Estimate, delta: Delta) -> None:
+        if est.version is None or delta.base > est.version:
+            self._count("gossip_gaps")
+            return
+        held = est.version
+        fresh = [c for c in delta.changes if c.version > held]
+        if not fresh:
+            if delta.changes:
+                self._count("gossip_stale_summaries")
+            return
+        for change in fresh:
+            self.view.apply_delta(est.node_id, change.added, change.removed)
+        est.version = fresh[-1].version
+        est.snapshot_cache = None
+        self._extend_relay_log(est, fresh)
+        self._count("gossip_deltas_applied")
+
+    def _extend_relay_log(self, est: Estimate, fresh: list[Change]) -> None:
+        est.relay_log.extend(fresh)
+        est.relay_log_hashes += sum(len(c.added) + len(c.removed) for c in fresh)
+        drop = 0
+        while est.relay_log_hashes > RELAY_LOG_HASHES and drop < len(est.relay_log):
+            old = est.relay_log[drop]
+            est.relay_log_hashes -= len(old.added) + len(old.removed)
+            drop += 1
+        if drop:
+            del est.relay_log[:drop]
+
+    def _apply_ack(self, est: Estimate, ack: Ack | None) -> None:
+        if ack is not None and ack.incarnation != self.config.incarnation:
+            ack = None
+        est.acked = ack
+
+    def _apply_echo(self, est: Estimate, msg: Gossip, now: float) -> None:
+        if est.echo_stamp is None or msg.stamp > est.echo_stamp:
+            est.echo_stamp, est.echo_at = msg.stamp, now
+        echo = msg.echo
+        if echo is None or (est.last_echo is not None and echo.stamp <= est.last_echo):
+            return
+        rtt = now - echo.stamp - echo.held_s
+        if 0.0 <= rtt <= MAX_RTT_S:
+            est.last_echo = echo.stamp
+            self.rtt.observe(est.node_id, rtt)
+            self._count("rtt_samples")
+
+    def _learn_peers(self, peers: tuple[PeerAddress, ...], now: float, out: list[Action]) -> None:
+        for p in peers:
+            if p.node_id == self.config.node_id or p.node_id in self.members:
+                continue
+            # Known only by hearsay: it must speak (or be relayed) before we route to it.
+            self.members.add(p.node_id, p.address, 0, now)
+            self.members.resolve_seed(p.address)
+            self.estimates[p.node_id] = Estimate(p.node_id, 0, hearsay=True)
+            out.append(PeerStateChanged(p.node_id, "unknown", MemberState.ALIVE.value))
+
+    def _apply_digest(self, digest: tuple[DigestEntry, ...], now: float, out: list[Action]) -> None:
+        for d in digest:
+            est = self.estimates.get(d.node_id)
+            if est is None or d.incarnation != est.incarnation or d.heartbeat <= est.heartbeat:
+                continue
+            est.heartbeat = d.heartbeat
+            self._heard(d.node_id, now, out)
+            self._sync_routable(d.node_id)
+
+    def _apply_relay(self, s: NodeState, now: float, out: list[Action]) -> None:
+        if s.node_id == self.config.node_id:
+            return
+        est = self._resolve(s.node_id, s.incarnation, s.address, now, out)
+        if est is None:
+            return
+        if s.heartbeat > est.heartbeat:
+            est.heartbeat = s.heartbeat
+            self._heard(s.node_id, now, out)
+        self._apply_load(est, s.stamp, s.load, now)
+        self._apply_summary(est, s.summary)
+        self._sync_routable(s.node_id)
+
+    def _refuse(self, msg: Gossip, now: float, load: Load) -> list[Action]:
+        self._count("messages_rejected_fingerprint")
+        self._count("messages_rejected")
+        if msg.sender in self._refused or len(self._refused) >= MAX_REFUSED:
+            return []
+        self._refused.add(msg.sender)
+        if msg.sender in self.members:
+            self.forget(msg.sender)
+        mine = self.config.fingerprint
+        theirs = msg.fingerprint_detail
+        desc = f"digest {msg.fingerprint:016x}" if theirs is None else _describe(theirs)
+        text = (
+            f"refusing peer {msg.sender} at {msg.address}: it serves {desc}, "
+            f"but this node serves {_describe(mine)}; its cache can never match ours"
+        )
+        hello = self._message(None, now, load, reply=False, full=True)
+        return [Log("warning", text), Send(msg.address, self.codec.encode(hello), None)]
+
+    def _reject_self(self, msg: Gossip) -> list[Action]:
+        self._count("messages_rejected_self")
+        self._count("messages_rejected")
+        if msg.incarnation == self.config.incarnation or self._self_clash_logged:
+            return []
+        self._self_clash_logged = True
+        text = f"another node at {msg.address} uses this node's id {msg.sender!r}"
+        return [Log("error", text)]
+
+    # ================================================================ timers and events
+    def expire(self, now: float) -> list[Action]:
+        """Silence timeouts: suspect, then dead (estimate dropped)."""
+        actions: list[Action] = []
+        for t in self.members.expire(now, self.cfg.suspect_after_s, self.cfg.dead_after_s):
+            actions.append(_changed(t))
+            if t.new is MemberState.DEAD:
+                self._drop_estimate(t.node_id)
+                actions.append(Log("info", f"peer {t.node_id} is dead (silent); estimate dropped"))
+            self._sync_routable(t.node_id)
+        return actions
+
+    def forward_failed(self, peer_id: str, now: float) -> list[Action]:
+        if peer_id not in self.members:
+            return []
+        t = self.members.apply(peer_id, MemberEvent.FORWARD_FAILED, now)
+        self._sync_routable(peer_id)
+        return [] if t is None else [_changed(t)]
+
+    def forget(self, node_id: str) -> None:
+        self._drop_estimate(node_id)
+        self.members.remove(node_id)
+        self.estimates.pop(node_id, None)
+        self.routable.pop(node_id, None)
+
+    def _drop_estimate(self, node_id: str) -> None:
+        self.view.drop(node_id)
+        est = self.estimates.get(node_id)
+        if est is not None:
+            est.reset_state()
+
+    def _sync_routable(self, node_id: str) -> None:
+        member = self.members.get(node_id)
+        est = self.estimates.get(node_id)
+        ok = member is not None and member.state is MemberState.ALIVE
+        if ok and est is not None and est.load is not None:
+            self.routable[node_id] = None
+        else:
+            self.routable.pop(node_id, None)
+
+    # ================================================================== outgoing rounds
+    def round(self, now: float, load: Load) -> list[Action]:
+        """One anti-entropy round: a message to each target (and seeds while needed)."""
+        self.heartbeat += 1
+        actions: list[Action] = []
+        for member in self._targets():
+            est = self.estimates[member.node_id]
+            epidemic = self.cfg.mode is GossipMode.EPIDEMIC
+            actions.append(self._send(est, member, now, load, reply=epidemic))
+        actions.extend(self._seed_sends(now, load))
+        return actions
+
+    def _targets(self) -> list[Member]:
+        live = [m for m in self.members if m.state is not MemberState.DEAD]
+        probe = self.heartbeat % DEAD_PROBE_EVERY == 0
+        dead = [m for m in self.members if m.state is MemberState.DEAD] if probe else []
+        if self.cfg.mode is GossipMode.EPIDEMIC and len(live) > self.cfg.fanout:
+            live = self.rng.sample(live, self.cfg.fanout)
+            dead = self.rng.sample(dead, 1) if dead else []
+        return live + dead
+
+    def _seed_sends(self, now: float, load: Load) -> list[Action]:
+        if not self.members.seeds:
+            return []
+        lonely = self.members.count(MemberState.ALIVE) == 0
+        if not lonely and self.heartbeat % SEED_EVERY != 0:
+            return []
+        out: list[Action] = []
+        for address in self.members.seeds:
+            if lonely or not self.members.address_known(address):
+                msg = self._message(None, now, load, reply=True, full=True)
+                out.append(Send(address, self.codec.encode(msg), None))
+        return out
+
+    def _send(self, est: Estimate, member: Member, now: float, load: Load, reply: bool) -> Send:
+        reply = reply or est.version is None
+        msg = self._message(est, now, load, reply=reply, full=False)
+        est.sent += 1
+        data = self.codec.encode(msg)
+        return Send(member.address, data, member.node_id)
+
+    def _message(
+        self, est: Estimate | None, now: float, load: Load, reply: bool, full: bool
+    ) -> Gossip:
+        summary = self._summary_for(est)
+        first = est is None or est.acked is None or isinstance(summary, Snapshot)
+        epidemic = self.cfg.mode is GossipMode.EPIDEMIC
+        return Gossip(
+            sender=self.config.node_id,
+            address=self.config.address,
+            incarnation=self.config.incarnation,
+            version=self.summary.version,
+            heartbeat=self.heartbeat,
+            fingerprint=self.fingerprint,
+            stamp=now,
+            load=load,
+            summary=summary,
+            fingerprint_detail=self.config.fingerprint if first or full else None,
+            ack=None if est is None else _ack(est),
+            echo=None if est is None else self._echo(est, now),
+            peers=self._peer_list(est, first),
+            digest=self._digest() if epidemic else (),
+            relays=self._relays(est, now) if epidemic and est is not None else (),
+            reply=reply,
+        )
+
+    def _summary_for(self, est: Estimate | None) -> Summary | None:
+        if self.cfg.mode is GossipMode.SNAPSHOT or est is None or est.acked is None:
+            return self.summary.snapshot()
+        delta = self.summary.delta_since(est.acked.version)
+        if delta is None:
+            self._count("gossip_snapshot_fallbacks")
+            return self.summary.snapshot()
+        return delta if delta.changes else None
+
+    def _echo(self, est: Estimate, now: float) -> Echo | None:
+        if est.echo_stamp is None:
+            return None
+        echo = Echo(est.echo_stamp, max(0.0, now - est.echo_at))
+        est.echo_stamp = None
+        return echo
+
+    def _peer_list(self, est: Estimate | None, first: bool) -> tuple[PeerAddress, ...]:
+        if not first and (est is None or est.sent % SAMPLE_EVERY != 0):
+            return ()
+        alive = [m for m in self.members if m.state is not MemberState.DEAD]
+        if est is not None:
+            alive = [m for m in alive if m.node_id != est.node_id]
+        if not first and len(alive) > PEER_SAMPLE:
+            alive = self.rng.sample(alive, PEER_SAMPLE)
+        return tuple(
+            PeerAddress(m.node_id, m.address) for m in alive[: self.codec.limits.max_peers]
+        )
+
+    def _digest(self) -> tuple[DigestEntry, ...]:
+        out = []
+        for m in self.members:
+            if m.state is MemberState.DEAD:
+                continue
+            est = self.estimates[m.node_id]
+            out.append(DigestEntry(m.node_id, est.incarnation, est.version, est.heartbeat))
+        return tuple(out[: self.codec.limits.max_peers])
+
+    def _relays(self, target: Estimate, now: float) -> tuple[NodeState, ...]:
+        knows = target.knows
+        if knows is None:
+            return ()
+        wanted = [e for e in self._relayable(target) if _newer(e, knows.get(e.node_id))]
+        if len(wanted) > MAX_RELAYS:
+            wanted = self.rng.sample(wanted, MAX_RELAYS)
+        out: list[NodeState] = []
+        budget = MAX_RELAY_HASHES
+        for e in wanted:
+            state = self._relay_state(e, knows.get(e.node_id), now, budget)
+            budget -= _hash_count(state.summary)
+            out.append(state)
+        return tuple(out)
+
+    def _relayable(self, target: Estimate) -> list[Estimate]:
+        out = []
+        for m in self.members:
+            if m.state is not MemberState.DEAD and m.node_id != target.node_id:
+                out.append(self.estimates[m.node_id])
+        return out
+
+    def _relay_state(
+        self, e: Estimate, known: DigestEntry | None, now: float, budget: int
+    ) -> NodeState:
+        member = self.members.get(e.node_id)
+        address = member.address if member is not None else ""
+        summary = self._relay_summary(e, known, budget)
+        load = e.load
+        if load is not None:
+            remaining = None if e.pushback_until is None else e.pushback_until - now
+            pushback = remaining if remaining is not None and remaining > 0 else None
+            load = Load(
+                load.queue_depth,
+                load.inflight,
+                load.cache_tokens,
+                load.cache_budget,
+                load.speed,
+                pushback,
+            )
+        stamp = 0.0 if e.stamp is None else e.stamp
+        return NodeState(e.node_id, address, e.incarnation, e.heartbeat, stamp, load, summary)
+
+    def _relay_summary(self, e: Estimate, known: DigestEntry | None, budget: int) -> Summary | None:
+        if e.version is None:
+            return None
+        same = known is not None and known.incarnation == e.incarnation
+        base = known.version if known is not None and same else None
+        if base is not None and base >= e.version:
+            return None
+        if base is not None and e.relay_log and e.relay_log[0].version <= base + 1:
+            return Delta(base, tuple(c for c in e.relay_log if c.version > base))
+        if self.view.size(e.node_id) > budget:
+            return None
+        if e.snapshot_cache is None or e.snapshot_cache.version != e.version:
+            e.snapshot_cache = Snapshot(e.version, tuple(sorted(self.view.held(e.node_id))))
+        return e.snapshot_cache
+
+    # ------------------------------------------------------------------------------ misc
+    def _count(self, name: str, by: float = 1.0) -> None:
+        self.metrics[name] = self.metrics.get(name, 0.0) + by
+
+
+def _ack(est: Estimate) -> Ack | None:
+    return None if est.version is None else Ack(est.incarnation, est.version)
+
+
+def _newer(e: Estimate, known: DigestEntry | None) -> bool:
+    if known is None or e.incarnation > known.incarnation:
+        return True
+    if e.incarnation < known.incarnation:
+        return False
+    mine = -1 if e.version is None else e.version
+    theirs = -1 if known.version is None else known.version
+    return mine > theirs or e.heartbeat > known.heartbeat
+
+
+def _hash_count(summary: Summary | None) -> int:
+    if summary is None:
+        return 0
+    if isinstance(summary, Snapshot):
+        return len(summary.hashes)
+    return sum(len(c.added) + len(c.removed) for c in summary.changes)
+
+
+def _changed(t: Transition) -> PeerStateChanged:
+    return PeerStateChanged(t.node_id, t.old.value, t.new.value)
+
+
+def _describe(fp: Fingerprint) -> str:
+    return f"model {fp.model!r}, tokenizer {fp.tokenizer!r}, block size {fp.block_size}"

@@ -1,0 +1,413 @@
+"""NodeCore: one node's whole decision logic as a pure state machine (events in, actions out).
+
+Theory of operation
+-------------------
+::
+
+      shell (asyncio runtime | simulator)                NodeCore (pure)
+      ─────────────────────────────────────            ──────────────────────────────────────
+      timer fires at next_deadline()  ── Tick ──────▶  expire silent peers, gossip round
+      peer bytes arrive               ── MessageReceived ▶ decode (reject+count if bad), apply
+      engine cache changed            ── CacheChanged ─▶ local summary (version += 1)
+      engine load changed             ── LoadChanged ──▶ own load; push-back if queue > limit
+      request finished                ── RequestServed ▶ own ComputeModel (speed)
+      forward outcome                 ── Forward* ─────▶ optimistic insert + RTT | suspect
+      request arrives                 ── route(...) ───▶ ranked candidates (head = choice)
+                                      ◀── Send / Log / PeerStateChanged actions
+
+Only the shell owns a clock; ``now`` is seconds on the shell's clock and is never compared
+across nodes (push-back durations and RTT echoes are relative). Randomness comes from the
+``random.Random`` given at construction (gossip jitter, target sampling, router tie-breaks).
+
+Routing cost is O(request blocks + matched peers): the peer view's inverted index yields only
+peers holding a prefix of the request. Policies that consider every node (random,
+round_robin, least_loaded) use the gossiper's incrementally maintained routable set; ``cost``
+also considers the two least-loaded unmatched peers, found through a lazily cleaned heap.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections.abc import Sequence
+
+from radixmesh.core.codec import Codec, Limits, RemoteProtocolError
+from radixmesh.core.config import NodeConfig
+from radixmesh.core.costmodel import ComputeModel, RttTable
+from radixmesh.core.events import (
+    Action,
+    CacheChanged,
+    Event,
+    ForwardFailed,
+    ForwardSucceeded,
+    LoadChanged,
+    Log,
+    MessageReceived,
+    RequestServed,
+    Tick,
+)
+from radixmesh.core.gossip import Estimate, Gossiper
+from radixmesh.core.membership import Membership, MemberState
+from radixmesh.core.messages import Load
+from radixmesh.core.peerview import PeerView
+from radixmesh.core.router import Candidate, NodeInfo, Policy, RouteInput, Router
+from radixmesh.core.summary import LocalSummary
+
+IDLE_PEERS = 2  # unmatched least-loaded peers the cost policy also considers
+
+_COUNTERS = (
+    "gossip_bytes_in",
+    "gossip_bytes_out",
+    "gossip_messages_in",
+    "gossip_messages_out",
+    "gossip_rounds",
+    "messages_rejected",
+    "messages_rejected_decode",
+    "messages_rejected_size",
+    "messages_rejected_version",
+    "messages_rejected_fingerprint",
+    "messages_rejected_stale",
+    "messages_rejected_self",
+    "gossip_snapshots_applied",
+    "gossip_deltas_applied",
+    "gossip_stale_summaries",
+    "gossip_gaps",
+    "gossip_snapshot_fallbacks",
+    "peer_restarts",
+    "rtt_samples",
+    "forwards_succeeded",
+    "forwards_failed",
+    "requests_served",
+    "routes",
+    "pushback_started",
+)
+
+
+class NodeCore:
+    """Local summary + peer view + membership + gossip + router of one node."""
+
+    def __init__(self, config: NodeConfig, rng: random.Random, now: float) -> None:
+        self.config = config
+        self._rng = rng
+        self._metrics: dict[str, float] = dict.fromkeys(_COUNTERS, 0.0)
+        self._summary = LocalSummary(config.gossip.change_log_limit)
+        self._view = PeerView()
+        seeds = tuple(s for s in config.seeds if s != config.address)
+        self._members = Membership(config.node_id, seeds)
+        self._compute = ComputeModel(config.priors)
+        self._rtt = RttTable(config.priors)
+        self._router = Router(config.router)
+        limits = Limits(
+            max_message_bytes=config.gossip.max_message_bytes,
+            max_hashes=config.gossip.max_hashes,
+        )
+        self._codec = Codec(limits)
+        self._gossip = Gossiper(
+            config,
+            self._summary,
+            self._view,
+            self._members,
+            self._rtt,
+            self._codec,
+            rng,
+            self._metrics,
+        )
+        self._load = LoadChanged(0, 0, 0, 0)
+        self._pushback_until: float | None = None
+        self._next_round = now  # the first Tick joins the seeds at once
+        self._idle: list[tuple[int, float, str]] = []  # (queue depth, stamp, peer) lazy heap
+
+    # ------------------------------------------------------------------------- identity
+    @property
+    def node_id(self) -> str:
+        return self.config.node_id
+
+    @property
+    def incarnation(self) -> int:
+        return self.config.incarnation
+
+    # --------------------------------------------------------------------------- events
+    def handle(self, event: Event, now: float) -> list[Action]:
+        """Apply one event; returns the actions the shell must carry out."""
+        if isinstance(event, Tick):
+            return self._tick(now)
+        if isinstance(event, MessageReceived):
+            return self._receive(event.data, now)
+        if isinstance(event, CacheChanged):
+            self._summary.apply(event.added, event.removed)
+            return []
+        if isinstance(event, LoadChanged):
+            return self._load_changed(event, now)
+        if isinstance(event, RequestServed):
+            return self._served(event)
+        if isinstance(event, ForwardSucceeded):
+            return self._forward_ok(event)
+        if isinstance(event, ForwardFailed):
+            self._count("forwards_failed")
+            return self._gossip.forward_failed(event.peer_id, now)
+        raise TypeError(f"unknown event {event!r}")  # a bug in the shell, not a peer
+
+    def next_deadline(self) -> float:
+        """When the next Tick is due (the shell's clock)."""
+        return self._next_round
+
+    def _tick(self, now: float) -> list[Action]:
+        if now < self._next_round:
+            return []
+        actions = self._gossip.expire(now)
+        actions.extend(self._round(now))
+        return actions
+
+    def _round(self, now: float) -> list[Action]:
+        cfg = self.config.gossip
+        self._next_round = now + cfg.interval_s * (1.0 + cfg.jitter_frac * self._rng.random())
+        self._count("gossip_rounds")
+        sends = self._gossip.round(now, self._own_load(now))
+        return self._account_out(sends)
+
+    def _receive(self, data: bytes, now: float) -> list[Action]:
+        self._count("gossip_messages_in")
+        self._count("gossip_bytes_in", len(data))
+        try:
+            msg = self._codec.decode(data)
+        except RemoteProtocolError as exc:
+            self._count("messages_rejected")
+            self._count(f"messages_rejected_{exc.reason}")
+            return [Log("debug", f"rejected a peer message: {exc}")]
+        actions = self._gossip.receive(msg, now, self._own_load(now))
+        self._note_load(msg.sender)
+        for relayed in msg.relays:
+            self._note_load(relayed.node_id)
+        return self._account_out(actions)
+
+    def _note_load(self, peer: str) -> None:
+        est = self._gossip.estimates.get(peer)
+        if est is not None and est.load is not None and peer in self._gossip.routable:
+            heapq.heappush(self._idle, (est.load.queue_depth, est.stamp or 0.0, peer))
+            self._trim_idle()
+
+    def _load_changed(self, event: LoadChanged, now: float) -> list[Action]:
+        self._load = event
+        pb = self.config.pushback
+        if event.queue_depth <= pb.queue_threshold:
+            return []
+        active = self._pushback_until is not None and self._pushback_until > now
+        self._pushback_until = now + pb.duration_s
+        if active:
+            return []
+        self._count("pushback_started")
+        self._next_round = now  # advertise at once: the shell ticks us immediately
+        return [Log("info", f"queue depth {event.queue_depth} > {pb.queue_threshold}: push-back")]
+
+    def _served(self, event: RequestServed) -> list[Action]:
+        self._count("requests_served")
+        uncached = max(0, event.prompt_tokens - event.cached_tokens)
+        self._compute.observe_prefill(uncached, event.cached_tokens, event.prefill_s)
+        self._compute.observe_decode(event.decode_tokens, event.decode_s)
+        self._compute.observe_service(event.service_s)
+        return []
+
+    def _forward_ok(self, event: ForwardSucceeded) -> list[Action]:
+        self._count("forwards_succeeded")
+        self._rtt.observe(event.peer_id, event.rtt_s)
+        est = self._gossip.estimates.get(event.peer_id)
+        if est is not None and est.version is not None and event.hashes:
+            self._view.optimistic_insert(event.peer_id, event.hashes)
+        return []
+
+    def _own_load(self, now: float) -> Load:
+        ev = self._load
+        until = self._pushback_until
+        pushback = until - now if until is not None and until > now else None
+        speed = self._compute.report()
+        return Load(ev.queue_depth, ev.inflight, ev.cache_tokens, ev.cache_budget, speed, pushback)
+
+    def _account_out(self, actions: list[Action]) -> list[Action]:
+        for a in actions:
+            payload = getattr(a, "payload", None)
+            if isinstance(payload, bytes):
+                self._count("gossip_messages_out")
+                self._count("gossip_bytes_out", len(payload))
+        return actions
+
+    # -------------------------------------------------------------------------- routing
+    def route(
+        self,
+        hashes: Sequence[int],
+        prompt_tokens: int,
+        local_cached_tokens: int,
+        max_tokens: int,
+        now: float,
+    ) -> list[Candidate]:
+        """Rank self and the available peers for one request (head = choice)."""
+        self._count("routes")
+        req = RouteInput(prompt_tokens, max_tokens)
+        me = NodeInfo(
+            self.node_id,
+            True,
+            local_cached_tokens,
+            0.0,
+            self._load.queue_depth,
+            self._compute.report(),
+        )
+        policy = self.config.router.policy
+        nodes = [me]
+        if policy is not Policy.NONE:
+            nodes.extend(self._peer_infos(hashes, prompt_tokens, policy, now))
+        return self._router.rank(req, nodes, self._rng)
+
+    def _peer_infos(
+        self, hashes: Sequence[int], prompt_tokens: int, policy: Policy, now: float
+    ) -> list[NodeInfo]:
+        matched = self._view.match(hashes)
+        block = self.config.fingerprint.block_size
+        if policy in (Policy.PAPER, Policy.COST):
+            ids = list(matched)
+            if policy is Policy.COST:
+                ids.extend(p for p in self._least_loaded(now) if p not in matched)
+        else:
+            ids = list(self._gossip.routable)
+        out = []
+        for peer in ids:
+            info = self._info(peer, min(matched.get(peer, 0) * block, prompt_tokens), now)
+            if info is not None:
+                out.append(info)
+        return out
+
+    def _info(self, peer: str, cached_tokens: int, now: float) -> NodeInfo | None:
+        est = self._gossip.estimates.get(peer)
+        if est is None or not self._available(peer, est, now) or est.load is None:
+            return None
+        load = est.load
+        return NodeInfo(
+            peer, False, cached_tokens, self._rtt.get(peer), load.queue_depth, load.speed
+        )
+
+    def _available(self, peer: str, est: Estimate, now: float) -> bool:
+        if peer not in self._gossip.routable:
+            return False
+        return est.pushback_until is None or est.pushback_until <= now
+
+    def _least_loaded(self, now: float) -> list[str]:
+        """Up to IDLE_PEERS available peers with the lowest gossiped queue depth."""
+        found: list[str] = []
+        keep: list[tuple[int, float, str]] = []
+        while self._idle and len(found) < IDLE_PEERS:
+            entry = heapq.heappop(self._idle)
+            depth, stamp, peer = entry
+            est = self._gossip.estimates.get(peer)
+            if (
+                est is None
+                or est.load is None
+                or est.stamp != stamp
+                or depth != est.load.queue_depth
+            ):
+                continue  # superseded by a newer report: drop for good
+            if peer not in self._gossip.routable:
+                continue  # re-pushed when it reports again
+            keep.append(entry)
+            if self._available(peer, est, now) and peer not in found:
+                found.append(peer)
+        for entry in keep:
+            heapq.heappush(self._idle, entry)
+        return found
+
+    def _trim_idle(self) -> None:
+        if len(self._idle) > 4 * max(16, len(self._gossip.estimates)):
+            fresh = []
+            for depth, stamp, peer in self._idle:
+                est = self._gossip.estimates.get(peer)
+                if est is not None and est.load is not None and est.stamp == stamp:
+                    fresh.append((depth, stamp, peer))
+            heapq.heapify(fresh)
+            self._idle = fresh
+
+    # ------------------------------------------------------------------------ inspection
+    def peer_address(self, peer_id: str) -> str | None:
+        member = self._members.get(peer_id)
+        return None if member is None else member.address
+
+    def local_hashes(self) -> frozenset[int]:
+        """The block hashes this node advertises (its own cache summary)."""
+        return self._summary.hashes()
+
+    def estimate(self, peer_id: str) -> frozenset[int]:
+        """The block hashes this node believes ``peer_id`` holds (empty if none)."""
+        return self._view.held(peer_id)
+
+    def peer_state(self, peer_id: str) -> str | None:
+        """``"alive"``, ``"suspect"``, ``"dead"`` or None if unknown."""
+        member = self._members.get(peer_id)
+        return None if member is None else member.state.value
+
+    def pushed_back(self, peer_id: str, now: float) -> bool:
+        """Whether ``peer_id`` asked us to back off and that time has not passed."""
+        est = self._gossip.estimates.get(peer_id)
+        until = None if est is None else est.pushback_until
+        return until is not None and until > now
+
+    def metrics(self) -> dict[str, float]:
+        """Flat counters and gauges (names are stable: the runtime exports them)."""
+        out = dict(self._metrics)
+        out["peers_alive"] = float(self._members.count(MemberState.ALIVE))
+        out["peers_suspect"] = float(self._members.count(MemberState.SUSPECT))
+        out["peers_dead"] = float(self._members.count(MemberState.DEAD))
+        out["peers_routable"] = float(len(self._gossip.routable))
+        out["view_peers"] = float(len(self._view.peers()))
+        out["view_entries"] = float(self._view.total_entries())
+        out["summary_version"] = float(self._summary.version)
+        out["summary_blocks"] = float(len(self._summary))
+        out["incarnation"] = float(self.incarnation)
+        out["queue_depth"] = float(self._load.queue_depth)
+        return out
+
+    def mesh_state(self, now: float) -> dict[str, object]:
+        """JSON-able view of this node's mesh, for ``GET /mesh``."""
+        until = self._pushback_until
+        return {
+            "node_id": self.node_id,
+            "address": self.config.address,
+            "incarnation": self.incarnation,
+            "fingerprint": f"{self.config.fingerprint.digest:016x}",
+            "gossip_mode": self.config.gossip.mode.value,
+            "version": self._summary.version,
+            "blocks": len(self._summary),
+            "queue_depth": self._load.queue_depth,
+            "pushback_remaining_s": None if until is None else max(0.0, until - now),
+            "seeds": list(self._members.seeds),
+            "peers": [self._peer_state(m.node_id, now) for m in self._members],
+        }
+
+    def _peer_state(self, peer: str, now: float) -> dict[str, object]:
+        member = self._members.get(peer)
+        est = self._gossip.estimates[peer]
+        assert member is not None
+        load = est.load
+        until = est.pushback_until
+        return {
+            "node_id": peer,
+            "address": member.address,
+            "state": member.state.value,
+            "incarnation": est.incarnation,
+            "view_version": est.version,
+            "view_blocks": self._view.size(peer),
+            "age_s": max(0.0, now - member.last_heard),
+            "heartbeat": est.heartbeat,
+            "load": None
+            if load is None
+            else {
+                "queue_depth": load.queue_depth,
+                "inflight": load.inflight,
+                "cache_tokens": load.cache_tokens,
+                "cache_budget": load.cache_budget,
+                "prefill_s_per_token": load.speed.prefill_s_per_token,
+                "decode_s_per_token": load.speed.decode_s_per_token,
+                "mean_service_s": load.speed.mean_service_s,
+            },
+            "pushback_remaining_s": None if until is None else max(0.0, until - now),
+            "rtt_s": self._rtt.get(peer),
+            "rtt_measured": self._rtt.measured(peer),
+        }
+
+    def _count(self, name: str, by: float = 1.0) -> None:
+        self._metrics[name] = self._metrics.get(name, 0.0) + by
