@@ -166,6 +166,24 @@ class TransformersEngine:
             req.request_id, run.output, run.finish, len(prompt), lease.cached, 0.0, t1 - t0, t2 - t1
         )
 
+    def prefill_logits(
+        self, prompt_ids: Sequence[int], *, insert: bool = True
+    ) -> tuple[torch.Tensor, int]:
+        """Last-position logits of ``prompt_ids`` computed over the cached prefix.
+
+        Returns (fp32 logits on the CPU, cached tokens reused). With ``insert`` the prompt's KV
+        is added to the cache afterwards, as ``generate`` would. For tests and benchmarks.
+        """
+        prompt = list(prompt_ids)
+        self.validate(prompt)
+        lease = self.cache.acquire(prompt, self._reserve(prompt, 0), self._clock())
+        run: _Run | None = None
+        try:
+            run, logits = self._prefill(prompt, lease)
+        finally:
+            self._finish(lease, run if insert else None)
+        return logits.cpu(), lease.cached
+
     def _reserve(self, prompt: Sequence[int], budget: int) -> int:
         return len(prompt) - self.cache.match(prompt) + budget
 

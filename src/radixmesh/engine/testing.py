@@ -11,10 +11,13 @@ real model takes. Used by tests and demos; never fetches anything.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
+import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from radixmesh.engine.builtin import TransformersEngine
 from radixmesh.engine.presets import build_random_model, get_preset
 from radixmesh.engine.tokenizers import CHATML_FALLBACK
 
@@ -66,3 +69,10 @@ def save_random_model_dir(
     }
     (root / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     return root
+
+
+def uncached_logits(engine: TransformersEngine, prompt: Sequence[int]) -> torch.Tensor:
+    """Reference: last-position fp32 logits of one plain forward pass, no cache involved."""
+    with torch.inference_mode():
+        ids = torch.tensor([list(prompt)], dtype=torch.long, device=engine.device)
+        return engine.model(input_ids=ids).logits[0, -1].float().cpu()

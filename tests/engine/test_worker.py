@@ -1,0 +1,106 @@
+"""EngineWorker: FIFO on one thread, observable depth, errors and cancellation."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+import pytest
+
+from radixmesh.engine.base import GenerateRequest, GenerateResult, TokenCallback
+from radixmesh.engine.factory import build_engine
+from radixmesh.engine.worker import EngineWorker
+
+
+class GatedEngine:
+    """Blocks in generate until released, recording the order requests ran in."""
+
+    def __init__(self) -> None:
+        self.order: list[str] = []
+        self.gate = threading.Event()
+        self.started = threading.Event()
+
+    def generate(
+        self, req: GenerateRequest, on_token: TokenCallback | None = None
+    ) -> GenerateResult:
+        self.started.set()
+        self.gate.wait(10)
+        if req.request_id == "bad":
+            raise ValueError("bad request")
+        self.order.append(req.request_id)
+        if on_token is not None:
+            on_token(1)
+        return GenerateResult(req.request_id, [1], "length", len(req.prompt_ids), 0, 0.0, 0.0, 0.0)
+
+    def match(self, prompt_ids: Sequence[int]) -> int:
+        return 0
+
+
+def _req(rid: str) -> GenerateRequest:
+    return GenerateRequest(rid, (1, 2, 3))
+
+
+def test_fifo_order_depth_and_queue_time() -> None:
+    engine = GatedEngine()
+    worker = EngineWorker(engine)  # type: ignore[arg-type]
+    try:
+        futures = [worker.submit(_req(str(i))) for i in range(4)]
+        assert engine.started.wait(5)
+        assert worker.queue_depth == 4 and worker.inflight == 1
+        engine.gate.set()
+        results = [f.result(5) for f in futures]
+        assert engine.order == ["0", "1", "2", "3"]
+        assert [r.request_id for r in results] == engine.order
+        assert results[-1].queue_s >= results[0].queue_s >= 0
+        assert worker.queue_depth == 0 and worker.inflight == 0
+    finally:
+        worker.close()
+
+
+def test_errors_reach_the_future_and_the_worker_goes_on() -> None:
+    engine = GatedEngine()
+    engine.gate.set()
+    worker = EngineWorker(engine)  # type: ignore[arg-type]
+    try:
+        bad, good = worker.submit(_req("bad")), worker.submit(_req("ok"))
+        with pytest.raises(ValueError, match="bad request"):
+            bad.result(5)
+        assert good.result(5).request_id == "ok"
+        assert worker.failed == 1 and worker.completed == 1
+    finally:
+        worker.close()
+
+
+def test_cancelled_before_start_is_skipped_and_close_cancels_waiting() -> None:
+    engine = GatedEngine()
+    worker = EngineWorker(engine)  # type: ignore[arg-type]
+    running = worker.submit(_req("a"))
+    assert engine.started.wait(5)
+    skipped, waiting = worker.submit(_req("b")), worker.submit(_req("c"))
+    assert skipped.cancel()
+    closer = threading.Thread(target=worker.close)
+    closer.start()
+    deadline = time.monotonic() + 5
+    while worker.queue_depth > 1 and time.monotonic() < deadline:  # close() drained the queue
+        time.sleep(0.01)
+    engine.gate.set()
+    closer.join(5)
+    assert running.result(5).request_id == "a"
+    assert waiting.cancelled()
+    assert engine.order == ["a"]
+    with pytest.raises(RuntimeError):
+        worker.submit(_req("d"))
+
+
+def test_streams_tokens_from_the_real_engine() -> None:
+    worker = EngineWorker(build_engine("micro", cache_tokens=512))
+    try:
+        seen: list[int] = []
+        prompt = tuple(range(40))
+        first = worker.submit(GenerateRequest("x", prompt), on_token=seen.append).result(30)
+        second = worker.submit(GenerateRequest("y", prompt)).result(30)
+        assert seen == first.output_ids == second.output_ids
+        assert (first.cached_tokens, second.cached_tokens) == (0, 39)
+    finally:
+        worker.close()
