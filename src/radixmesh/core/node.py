@@ -335,6 +335,11 @@ class NodeCore:
         """The block hashes this node believes ``peer_id`` holds (empty if none)."""
         return self._view.held(peer_id)
 
+    def view_version(self, peer_id: str) -> int | None:
+        """Version of ``peer_id``'s summary this node holds (None: none)."""
+        est = self._gossip.estimates.get(peer_id)
+        return None if est is None else est.version
+
     def peer_state(self, peer_id: str) -> str | None:
         """``"alive"``, ``"suspect"``, ``"dead"`` or None if unknown."""
         member = self._members.get(peer_id)

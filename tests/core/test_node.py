@@ -1,0 +1,279 @@
+"""NodeCore: events in, actions out; routing from the view; push-back; failures; metrics."""
+
+from __future__ import annotations
+
+import json
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from radixmesh.core.blocks import Fingerprint
+from radixmesh.core.config import GossipConfig, NodeConfig, PushbackConfig
+from radixmesh.core.events import (
+    ForwardFailed,
+    ForwardSucceeded,
+    LoadChanged,
+    Log,
+    MessageReceived,
+    PeerStateChanged,
+    RequestServed,
+    Send,
+    Tick,
+)
+from radixmesh.core.node import NodeCore
+from radixmesh.core.router import Policy, RouterConfig
+from radixmesh.testing import Cluster, LinkConfig
+
+FP = Fingerprint("test-model", "bytes", 16)
+
+
+def lone_node(**overrides: object) -> NodeCore:
+    config = NodeConfig(
+        node_id="solo",
+        address="mem://solo",
+        fingerprint=FP,
+        incarnation=1,
+        seeds=("mem://seed",),
+        **overrides,
+    )  # type: ignore[arg-type]
+    return NodeCore(config, random.Random(0), now=0.0)
+
+
+def warm_cluster(n: int = 3, policy: Policy = Policy.PAPER, **kw: object) -> Cluster:
+    c = Cluster(n, router=RouterConfig(policy=policy), seed=11, **kw)  # type: ignore[arg-type]
+    c.run_for(2.0)
+    return c
+
+
+def hashes_of(c: Cluster, node: str, rng: random.Random, n: int = 8) -> list[int]:
+    chain = [rng.getrandbits(64) for _ in range(n)]
+    c.change_cache(node, chain)
+    return chain
+
+
+# ------------------------------------------------------------------------------ events
+def test_first_tick_joins_the_seeds_and_schedules_the_next_round() -> None:
+    node = lone_node()
+    assert node.next_deadline() == 0.0
+    actions = node.handle(Tick(), 0.0)
+    sends = [a for a in actions if isinstance(a, Send)]
+    assert [(s.address, s.peer_id) for s in sends] == [("mem://seed", None)]
+    assert 0.5 <= node.next_deadline() <= 0.55
+    assert node.handle(Tick(), 0.1) == []  # not due yet
+
+
+@given(st.binary(max_size=300))
+@settings(max_examples=200, deadline=None)
+def test_garbage_never_raises_and_is_counted(data: bytes) -> None:
+    node = lone_node()
+    before = node.metrics()["messages_rejected"]
+    actions = node.handle(MessageReceived(data, "evil:1"), 1.0)
+    assert all(isinstance(a, Log) for a in actions)
+    metrics = node.metrics()
+    assert metrics["messages_rejected"] == before + 1
+    assert metrics["messages_rejected_decode"] + metrics["messages_rejected_size"] >= 1
+    assert metrics["peers_alive"] == 0
+
+
+def test_request_served_feeds_the_advertised_speed() -> None:
+    c = warm_cluster(2)
+    c.deliver("n1", RequestServed(1000, 0, 0.5, 10, 0.5, 1.0))
+    c.run_for(1.0)
+    [peer] = c.nodes["n0"].mesh_state(c.now)["peers"]  # type: ignore[misc]
+    assert peer["load"]["decode_s_per_token"] > 0.02  # learnt from n1's own measurement
+    assert peer["load"]["mean_service_s"] > 0.1
+
+
+def test_metrics_and_mesh_state_shape() -> None:
+    c = warm_cluster(3)
+    m = c.nodes["n0"].metrics()
+    for key in (
+        "gossip_bytes_in",
+        "gossip_bytes_out",
+        "gossip_messages_in",
+        "gossip_messages_out",
+        "messages_rejected",
+        "messages_rejected_decode",
+        "messages_rejected_fingerprint",
+        "messages_rejected_stale",
+        "peers_alive",
+        "peers_suspect",
+        "peers_dead",
+        "view_entries",
+    ):
+        assert isinstance(m[key], float), key
+    assert m["gossip_bytes_out"] > 0 and m["peers_alive"] == 2
+    state = c.nodes["n0"].mesh_state(c.now)
+    json.dumps(state)
+    peers = state["peers"]
+    assert isinstance(peers, list) and {p["node_id"] for p in peers} == {"n1", "n2"}
+    assert all(p["state"] == "alive" and p["age_s"] < 1.0 for p in peers)
+
+
+# ----------------------------------------------------------------------------- routing
+def test_paper_policy_routes_to_the_peer_holding_the_longest_prefix() -> None:
+    rng = random.Random(1)
+    c = warm_cluster(3)
+    chain = hashes_of(c, "n2", rng)
+    c.change_cache("n1", chain[:3])
+    c.run_for(1.0)
+    ranked = c.nodes["n0"].route(
+        chain, prompt_tokens=8 * 16 + 5, local_cached_tokens=0, max_tokens=1, now=c.now
+    )
+    assert [r.node_id for r in ranked] == ["n2", "n1", "n0"]
+    assert ranked[0].expected_cached_tokens == 128
+    assert ranked[1].expected_cached_tokens == 48
+    capped = c.nodes["n0"].route(
+        chain, prompt_tokens=40, local_cached_tokens=0, max_tokens=1, now=c.now
+    )
+    assert capped[0].expected_cached_tokens == 40
+
+
+def test_self_wins_ties_and_local_cache_is_exact() -> None:
+    rng = random.Random(2)
+    c = warm_cluster(2)
+    chain = hashes_of(c, "n1", rng, n=4)
+    c.run_for(1.0)
+    ranked = c.nodes["n0"].route(chain, 64, local_cached_tokens=64, max_tokens=1, now=c.now)
+    assert ranked[0].is_self and ranked[0].expected_cached_tokens == 64
+
+
+def test_cost_policy_forwards_a_long_cached_prompt_and_keeps_a_cold_one() -> None:
+    rng = random.Random(3)
+    c = warm_cluster(3, policy=Policy.COST)
+    chain = hashes_of(c, "n2", rng, n=200)
+    c.run_for(1.0)
+    node = c.nodes["n0"]
+    assert node.route(chain, 3200, 0, 1, c.now)[0].node_id == "n2"
+    cold = [rng.getrandbits(64) for _ in range(200)]
+    assert node.route(cold, 3200, 0, 1, c.now)[0].is_self
+
+
+def test_cost_policy_offloads_to_an_idle_unmatched_peer_when_self_is_busy() -> None:
+    rng = random.Random(4)
+    c = warm_cluster(3, policy=Policy.COST, pushback=PushbackConfig(queue_threshold=1000))
+    c.set_load("n1", 5)
+    c.run_for(1.0)
+    c.set_load("n0", 50)
+    cold = [rng.getrandbits(64) for _ in range(10)]
+    ranked = c.nodes["n0"].route(cold, 160, 0, 1, c.now)
+    assert ranked[0].node_id == "n2"  # idle and unmatched beats busy self and busier n1
+    assert {r.node_id for r in ranked} == {"n0", "n1", "n2"}
+
+
+def test_baseline_policies_see_every_routable_peer() -> None:
+    for policy in (Policy.RANDOM, Policy.ROUND_ROBIN, Policy.LEAST_LOADED):
+        c = warm_cluster(4, policy=policy)
+        ranked = c.nodes["n0"].route([1, 2, 3], 48, 0, 1, c.now)
+        assert {r.node_id for r in ranked} == {"n0", "n1", "n2", "n3"}, policy
+
+
+def test_none_policy_is_always_self() -> None:
+    c = warm_cluster(2, policy=Policy.NONE)
+    ranked = c.nodes["n0"].route([1, 2], 32, 16, 1, c.now)
+    assert [r.node_id for r in ranked] == ["n0"]
+
+
+# ---------------------------------------------------------------------- failures, push-back
+def test_forward_failed_marks_suspect_at_once_and_speech_revives() -> None:
+    rng = random.Random(5)
+    c = warm_cluster(2)
+    chain = hashes_of(c, "n1", rng)
+    c.run_for(1.0)
+    actions = c.deliver("n0", ForwardFailed("n1", "connection refused"))
+    assert PeerStateChanged("n1", "alive", "suspect") in actions
+    assert c.nodes["n0"].route(chain, 128, 0, 1, c.now)[0].is_self  # not routed to
+    c.run_for(0.6)  # n1 gossips again
+    assert c.nodes["n0"].peer_state("n1") == "alive"
+    assert c.nodes["n0"].route(chain, 128, 0, 1, c.now)[0].node_id == "n1"
+
+
+def test_silent_peer_becomes_suspect_then_dead_and_its_estimate_is_dropped() -> None:
+    rng = random.Random(6)
+    gossip = GossipConfig(suspect_after_s=2.0, dead_after_s=5.0)
+    c = warm_cluster(3, gossip=gossip)
+    hashes_of(c, "n2", rng)
+    c.run_for(1.0)
+    c.crash("n2")
+    t0 = c.now
+    c.run_for(1.5)
+    assert c.nodes["n0"].peer_state("n2") == "alive"
+    c.run_for(1.2)
+    assert c.nodes["n0"].peer_state("n2") == "suspect"
+    assert c.nodes["n0"].estimate("n2")  # still held while only suspect
+    c.run_until(t0 + 5.7)
+    assert c.nodes["n0"].peer_state("n2") == "dead"
+    assert c.nodes["n0"].estimate("n2") == frozenset()
+    changes = [(s.old, s.new) for s in c.state_changes("n0") if s.peer_id == "n2"]
+    assert changes[-2:] == [("alive", "suspect"), ("suspect", "dead")]
+
+
+def test_pushback_excludes_the_node_for_the_advertised_time_and_no_longer() -> None:
+    rng = random.Random(7)
+    pb = PushbackConfig(queue_threshold=4, duration_s=2.0)
+    c = warm_cluster(2, pushback=pb, link=LinkConfig(delay_s=0.001))
+    chain = hashes_of(c, "n1", rng)
+    c.run_for(1.0)
+    n0 = c.nodes["n0"]
+    assert n0.route(chain, 128, 0, 1, c.now)[0].node_id == "n1"
+    c.set_load("n1", 5)  # above the threshold: advertised at once, not at the next round
+    t0 = c.now
+    c.set_load("n1", 0)  # the queue drains at once; the advertised duration still holds
+    c.run_for(0.01)
+    assert n0.pushed_back("n1", c.now)
+    assert n0.metrics()["peers_routable"] == 1  # still alive: only unavailable
+    c.run_until(t0 + 1.99)
+    assert n0.route(chain, 128, 0, 1, c.now)[0].is_self
+    c.run_until(t0 + 2.01)
+    assert not n0.pushed_back("n1", c.now)
+    assert n0.route(chain, 128, 0, 1, c.now)[0].node_id == "n1"
+
+
+def test_forward_succeeded_inserts_optimistically_and_measures_rtt() -> None:
+    c = warm_cluster(2)
+    c.deliver("n0", ForwardSucceeded("n1", (11, 22, 33), 0.004))
+    n0 = c.nodes["n0"]
+    assert {11, 22, 33} <= n0.estimate("n1")
+    [peer] = n0.mesh_state(c.now)["peers"]  # type: ignore[misc]
+    assert peer["rtt_measured"] is True
+    c.deliver("n0", ForwardSucceeded("ghost", (1,), 0.004))
+    assert n0.estimate("ghost") == frozenset()
+
+
+def test_load_above_threshold_advertises_immediately() -> None:
+    node = lone_node(pushback=PushbackConfig(queue_threshold=2, duration_s=1.0))
+    node.handle(Tick(), 0.0)
+    actions = node.handle(LoadChanged(3, 1, 0, 100), 0.2)
+    assert any(isinstance(a, Log) for a in actions)
+    assert node.next_deadline() == 0.2
+    assert node.mesh_state(0.2)["pushback_remaining_s"] == 1.0
+    assert node.metrics()["pushback_started"] == 1
+
+
+def test_fingerprint_mismatch_is_refused_once_loudly_and_counted() -> None:
+    c = Cluster(2, seed=12)
+    other = Fingerprint("another-model", "bytes", 16)
+    c.add_node("x", fingerprint=other)
+    c.run_for(5.0)
+    n0 = c.nodes["n0"]
+    warnings = [log.message for log in c.logs("n0", "warning")]
+    assert len(warnings) == 1 and "x" in warnings[0] and "another-model" in warnings[0]
+    assert n0.metrics()["messages_rejected_fingerprint"] >= 5
+    assert n0.peer_state("x") is None and n0.estimate("x") == frozenset()
+    assert n0.metrics()["peers_alive"] == 1
+    x_warnings = c.logs("x", "warning")  # the refused side learns why, once
+    assert len(x_warnings) == 1 and "test-model" in x_warnings[0].message
+
+
+def test_messages_from_an_old_incarnation_are_rejected_as_stale() -> None:
+    c = warm_cluster(2)
+    old = c.nodes["n1"]
+    stale = [a for a in old.handle(Tick(), c.now + 1) if isinstance(a, Send)]
+    c.restart("n1")
+    c.run_for(1.0)
+    n0 = c.nodes["n0"]
+    before = n0.metrics()["messages_rejected_stale"]
+    for send in stale:
+        c.deliver("n0", MessageReceived(send.payload))
+    assert n0.metrics()["messages_rejected_stale"] == before + len(stale)
