@@ -1,0 +1,151 @@
+"""The runtime side of peer and client authentication (the pure part is core/auth.py).
+
+Peer messages (gossip, forwarded requests) carry ``x-radixmesh-auth``: the sender signs the
+exact body bytes it sends with the cluster key, the receiver verifies the exact bytes it read
+before decoding anything. This module supplies what the core must not own: the wall clock
+(``time.time()`` — the header's timestamp is compared across nodes, so it cannot be the
+monotonic clock) and nonces from ``secrets``.
+
+Without a key the node runs open (development mode): it signs nothing, accepts everything, and
+says so loudly at start-up. With a key, unauthenticated, forged, stale or replayed peer
+messages are refused with 401/403 and counted by reason (``peer_auth_rejected_<reason>``).
+
+The client API can require a bearer token (``--api-key``): compared in constant time; the
+health probe stays open so load balancers and the launcher can poll it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import secrets
+import time
+from collections.abc import Mapping
+
+from radixmesh.core.auth import (
+    AUTH_FAILURE_REASONS,
+    HEADER,
+    NONCE_BYTES,
+    AuthConfig,
+    AuthError,
+    ClusterKey,
+    Signer,
+    Verified,
+    Verifier,
+)
+
+ENV_CLUSTER_KEY = "RADIXMESH_CLUSTER_KEY"
+ENV_API_KEY = "RADIXMESH_API_KEY"
+GOSSIP_PURPOSE = "gossip"
+
+log = logging.getLogger("radixmesh.auth")
+
+NO_KEY_WARNING = (
+    "!!! NO CLUSTER KEY: peer messages (gossip, forwards) are NOT authenticated. Anyone who can "
+    "reach this port can inject gossip and steer routing. Set --cluster-key, the "
+    f"{ENV_CLUSTER_KEY} environment variable or cluster-key in the config file. !!!"
+)
+
+
+def forward_purpose(path: str) -> str:
+    """The MAC purpose of a forwarded request to ``path`` (binds a body to its endpoint)."""
+    return f"forward {path}"
+
+
+def resolve_secret(configured: str, env: Mapping[str, str] | None = None, var: str = "") -> str:
+    """A flag/config value wins over the environment; ``""`` means none."""
+    if configured:
+        return configured
+    return (env if env is not None else os.environ).get(var, "")
+
+
+class PeerAuth:
+    """Signs outgoing and verifies incoming peer messages of one node (or does neither)."""
+
+    def __init__(self, key_text: str, node_id: str, config: AuthConfig | None = None) -> None:
+        self.key = ClusterKey.from_text(key_text) if key_text.strip() else None
+        self._signer = Signer(self.key, node_id) if self.key else None
+        self._verifier = Verifier([self.key], config) if self.key else None
+        self.unauthenticated_accepted = 0  # peer messages accepted in open mode
+
+    @property
+    def enabled(self) -> bool:
+        return self.key is not None
+
+    def warn_if_open(self) -> None:
+        if not self.enabled:
+            log.warning(NO_KEY_WARNING)
+
+    def headers(self, purpose: str, body: bytes) -> dict[str, str]:
+        """Headers to send with ``body`` (empty in open mode)."""
+        if self._signer is None:
+            return {}
+        value = self._signer.sign(purpose, body, time.time(), secrets.token_bytes(NONCE_BYTES))
+        return {HEADER: value}
+
+    def verify(self, headers: Mapping[str, str], purpose: str, body: bytes) -> Verified | None:
+        """Check an incoming peer message; raises :class:`AuthError`. None in open mode."""
+        if self._verifier is None:
+            self.unauthenticated_accepted += 1
+            return None
+        return self._verifier.verify(headers.get(HEADER), purpose, body, time.time())
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {"peer_auth_enabled": 1.0 if self.enabled else 0.0}
+        rejected = self._verifier.rejected if self._verifier else {}
+        for reason in AUTH_FAILURE_REASONS:
+            out[f"peer_auth_rejected_{reason}"] = float(rejected.get(reason, 0))
+        out["peer_auth_rejected_total"] = float(sum(rejected.values()))
+        out["peer_auth_accepted"] = float(self._verifier.accepted if self._verifier else 0)
+        out["peer_auth_replay_cache_size"] = float(
+            self._verifier.replay_cache_size if self._verifier else 0
+        )
+        out["peer_auth_unauthenticated_accepted"] = float(self.unauthenticated_accepted)
+        return out
+
+
+def auth_error_body(exc: AuthError) -> dict[str, object]:
+    """OpenAI-style error body for a refused peer message."""
+    return {
+        "error": {
+            "message": f"peer authentication failed: {exc}",
+            "type": "authentication_error",
+            "param": None,
+            "code": f"peer_auth_{exc.reason}",
+        }
+    }
+
+
+class ApiKeyCheck:
+    """Optional bearer-token check of the client API."""
+
+    def __init__(self, api_key: str) -> None:
+        self._expected = api_key.strip().encode("utf-8") if api_key.strip() else None
+        self.rejected = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self._expected is not None
+
+    def allows(self, authorization: str | None) -> bool:
+        if self._expected is None:
+            return True
+        scheme, _, token = (authorization or "").partition(" ")
+        ok = scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode("utf-8"), self._expected
+        )
+        if not ok:
+            self.rejected += 1
+        return ok
+
+    @staticmethod
+    def error_body() -> dict[str, object]:
+        return {
+            "error": {
+                "message": "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                "type": "invalid_request_error",
+                "param": None,
+                "code": "invalid_api_key",
+            }
+        }
