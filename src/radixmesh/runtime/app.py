@@ -1,0 +1,383 @@
+"""The node's HTTP surface (FastAPI): OpenAI client API, peer endpoints, admin, observability.
+
+No routing logic lives here: handlers validate and shape; ``NodeService`` decides and executes.
+
+Client API   POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models
+Observe      GET /health, GET /metrics (Prometheus text), GET /mesh (JSON)
+Peers        POST /peer/gossip (raw gossip bytes), POST /peer/forward (execute here, NDJSON)
+Admin        GET|POST /admin/partition (loopback clients only): cut this node off from peers
+
+Request headers understood on the client API:
+  ``x-radixmesh-hop``     the request was already forwarded once: execute here (hop limit 1)
+  ``x-radixmesh-target``  experiments: forward to this peer id (fallbacks still apply)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from radixmesh.engine.base import SamplingParams
+from radixmesh.runtime.node import Execution, NodeService, Outcome
+from radixmesh.runtime.openai_api import (
+    ApiError,
+    ApiRequest,
+    Detokenizer,
+    StreamShaper,
+    error_body,
+    new_id,
+    parse_chat,
+    parse_completion,
+    parse_json,
+    response_body,
+    usage_body,
+)
+from radixmesh.runtime.peer_client import HEADER_FROM, HEADER_FROM_ADDRESS
+
+log = logging.getLogger("radixmesh.app")
+
+HEADER_HOP = "x-radixmesh-hop"
+HEADER_TARGET = "x-radixmesh-target"
+HEADER_NODE = "x-radixmesh-node"  # the entry node that answered the client
+HEADER_SERVED_BY = "x-radixmesh-served-by"
+HEADER_ROUTE = "x-radixmesh-route"
+HEADER_EXPECTED = "x-radixmesh-expected-cached-tokens"
+HEADER_CACHED = "x-radixmesh-cached-tokens"
+HEADER_QUEUE = "x-radixmesh-queue-s"
+HEADER_SERVICE = "x-radixmesh-service-s"
+HEADER_OVERHEAD = "x-radixmesh-forward-overhead-s"
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+MAX_PEER_BODY = 64 * 1024 * 1024  # forward bodies (token ids as JSON); gossip has its own limit
+
+
+def create_app(service: NodeService) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await service.start()
+        log.info("node %s ready at http://%s (incarnation %d)", service.node_id,
+                 service.address, service.incarnation)
+        try:
+            yield
+        finally:
+            await service.stop()
+
+    app = FastAPI(title="radixmesh node", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.service = service
+    _install_errors(app, service)
+    _client_routes(app, service)
+    _peer_routes(app, service)
+    _admin_routes(app, service)
+    return app
+
+
+# ---------------------------------------------------------------------------------- errors
+def error_response(err: ApiError, service: NodeService | None = None) -> JSONResponse:
+    if service is not None:
+        service.metrics.client_errors[err.status] += 1
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def _install_errors(app: FastAPI, service: NodeService) -> None:
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), type_), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error")
+        service.metrics.client_errors[500] += 1
+        return JSONResponse(error_body(f"Internal error: {type(exc).__name__}", "server_error"),
+                            status_code=500)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(f"Request body too large (limit {limit} bytes).", status=413,
+                       code="request_too_large")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(f"Request body too large (limit {limit} bytes).", status=413,
+                           code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+# ---------------------------------------------------------------------------------- client
+def _client_routes(app: FastAPI, service: NodeService) -> None:
+    models = [service.engine.model_name]
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(request, service, models, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await _generate(request, service, models, "chat")
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, object]:
+        created = int(time.time())
+        data = [{"id": m, "object": "model", "created": created, "owned_by": "radixmesh",
+                 "max_model_len": service.engine.max_context} for m in models]
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health() -> dict[str, object]:
+        return service.health()
+
+    @app.get("/mesh")
+    async def mesh() -> dict[str, object]:
+        return service.mesh()
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(service.prometheus(),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def _generate(request: Request, service: NodeService, models: Sequence[str],
+                    kind: str) -> Response:
+    try:
+        body = parse_json(await read_body(request, service.config.max_body_bytes))
+        api = parse_completion(body, models) if kind == "completion" else parse_chat(body, models)
+        prompt = _tokenize(service, api)
+        ex = await service.execute(
+            prompt, _sampling(service, api), api.stream,
+            local_only=request.headers.get(HEADER_HOP) is not None,
+            target=request.headers.get(HEADER_TARGET) or None,
+        )
+    except ApiError as err:
+        return error_response(err, service)
+    rid = new_id(api.kind)
+    if api.stream:
+        return StreamingResponse(_sse(service, api, ex, rid), media_type="text/event-stream",
+                                 headers=_start_headers(service, ex))
+    outcome = await ex.result()
+    text, finish = _final_text(service, api, outcome)
+    usage = usage_body(outcome.prompt_tokens, len(outcome.output_ids), outcome.cached_tokens)
+    return JSONResponse(response_body(api, rid, text, finish, usage),
+                        headers=_outcome_headers(service, ex, outcome))
+
+
+def _tokenize(service: NodeService, api: ApiRequest) -> list[int]:
+    tok = service.engine.tokenizer
+    try:
+        if api.kind == "chat":
+            ids = list(tok.apply_chat_template(list(api.messages)))
+        elif api.prompt_ids is not None:
+            ids = list(api.prompt_ids)
+        else:
+            ids = tok.encode(api.prompt_text or "")
+    except ValueError as exc:
+        raise ApiError(str(exc), param="messages" if api.kind == "chat" else "prompt") from None
+    _check_prompt(service, api, ids)
+    return ids
+
+
+def _check_prompt(service: NodeService, api: ApiRequest, ids: list[int]) -> None:
+    param = "messages" if api.kind == "chat" else "prompt"
+    if not ids:
+        raise ApiError("The prompt is empty.", param=param, code="invalid_value")
+    limit = service.engine.max_context
+    if len(ids) + api.max_tokens > limit:
+        raise ApiError(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{len(ids) + api.max_tokens} tokens ({len(ids)} in the prompt, {api.max_tokens} "
+            "for the completion). Please reduce the prompt or the completion length.",
+            param=param, code="context_length_exceeded",
+        )
+    if max(ids) >= service.engine.tokenizer.vocab_size:
+        raise ApiError(f"Token ids must be below {service.engine.tokenizer.vocab_size}.",
+                       param=param, code="invalid_value")
+
+
+def _sampling(service: NodeService, api: ApiRequest) -> SamplingParams:
+    try:
+        return api.sampling()
+    except ValueError as exc:
+        raise ApiError(str(exc), code="invalid_value") from None
+
+
+def _final_text(service: NodeService, api: ApiRequest, outcome: Outcome) -> tuple[str, str]:
+    decode = service.engine.tokenizer.decode
+    if not api.stop:
+        return decode(outcome.output_ids), outcome.finish_reason
+    det = Detokenizer(decode, api.stop)
+    text = "".join(det.push(t) for t in outcome.output_ids) + det.flush()
+    return text, "stop" if det.stopped else outcome.finish_reason
+
+
+async def _sse(service: NodeService, api: ApiRequest, ex: Execution, rid: str
+               ) -> AsyncIterator[bytes]:
+    shaper = StreamShaper(api, rid)
+    det = Detokenizer(service.engine.tokenizer.decode, api.stop)
+    first = shaper.start()
+    if first is not None:
+        yield first
+    try:
+        async for tok in ex.tokens():
+            piece = det.push(tok)
+            if piece:
+                yield shaper.text(piece)
+        rest = det.flush()
+        if rest:
+            yield shaper.text(rest)
+        outcome = ex.outcome
+        assert outcome is not None
+        yield shaper.finish("stop" if det.stopped else outcome.finish_reason)
+        usage = shaper.usage(usage_body(outcome.prompt_tokens, len(outcome.output_ids),
+                                        outcome.cached_tokens))
+        if usage is not None:
+            yield usage
+    except Exception as exc:  # headers are gone: report in-band, like OpenAI does
+        log.exception("stream failed")
+        service.metrics.client_errors[500] += 1
+        yield shaper.error(ApiError(f"Internal error: {type(exc).__name__}", status=500,
+                                    type_="server_error"))
+    yield shaper.done()
+
+
+def _start_headers(service: NodeService, ex: Execution) -> dict[str, str]:
+    return {
+        HEADER_NODE: service.node_id,
+        HEADER_SERVED_BY: ex.served_by,
+        HEADER_ROUTE: ex.route,
+        HEADER_EXPECTED: str(ex.expected_cached),
+        HEADER_CACHED: str(ex.cached_estimate),  # streaming: the server's match at acceptance
+        "cache-control": "no-cache",
+    }
+
+
+def _outcome_headers(service: NodeService, ex: Execution, out: Outcome) -> dict[str, str]:
+    headers = {
+        HEADER_NODE: service.node_id,
+        HEADER_SERVED_BY: out.served_by,
+        HEADER_ROUTE: out.route,
+        HEADER_EXPECTED: str(ex.expected_cached),
+        HEADER_CACHED: str(out.cached_tokens),
+        HEADER_QUEUE: f"{out.queue_s:.6f}",
+        HEADER_SERVICE: f"{out.service_s:.6f}",
+    }
+    if out.forward_overhead_s is not None:
+        headers[HEADER_OVERHEAD] = f"{out.forward_overhead_s:.6f}"
+    return headers
+
+
+# ---------------------------------------------------------------------------------- peers
+def _peer_routes(app: FastAPI, service: NodeService) -> None:
+    gossip_limit = service.node_config.gossip.max_message_bytes
+
+    @app.post("/peer/gossip")
+    async def gossip(request: Request) -> Response:
+        try:
+            data = await read_body(request, gossip_limit)
+        except ApiError as err:
+            service.metrics.gossip_oversize += 1
+            return error_response(err)
+        accepted = service.receive_gossip(data, request.headers.get(HEADER_FROM),
+                                          request.headers.get(HEADER_FROM_ADDRESS))
+        return Response(status_code=204 if accepted else 503)
+
+    @app.post("/peer/forward")
+    async def forward(request: Request) -> Response:
+        if service.netem.drop_incoming(request.headers.get(HEADER_FROM),
+                                       request.headers.get(HEADER_FROM_ADDRESS)):
+            return JSONResponse(error_body("partitioned", "unavailable"), status_code=503)
+        try:
+            body = parse_json(await read_body(request, MAX_PEER_BODY))
+            prompt, sampling, stream, heartbeat = _parse_forward(service, body)
+        except ApiError as err:
+            return error_response(err)
+        return StreamingResponse(service.serve_forward(prompt, sampling, stream, heartbeat),
+                                 media_type="application/x-ndjson")
+
+
+def _parse_forward(service: NodeService, body: dict[str, Any]
+                   ) -> tuple[tuple[int, ...], SamplingParams, bool, float]:
+    ids = body.get("prompt_ids")
+    if not isinstance(ids, list) or not ids or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
+    ):
+        raise ApiError("prompt_ids must be a non-empty list of token ids", param="prompt_ids")
+    sp = body.get("sampling")
+    if not isinstance(sp, dict):
+        raise ApiError("sampling must be an object", param="sampling")
+    try:
+        sampling = SamplingParams(
+            max_tokens=_typed(sp, "max_tokens", int, 16),
+            temperature=float(_typed(sp, "temperature", float, 0.0)),
+            top_p=float(_typed(sp, "top_p", float, 1.0)),
+            seed=_typed(sp, "seed", int, None),
+            stop_token_ids=tuple(_typed(sp, "stop_token_ids", list, [])),
+        )
+    except (TypeError, ValueError) as exc:
+        raise ApiError(f"bad sampling: {exc}", param="sampling") from None
+    if len(ids) + sampling.max_tokens > service.engine.max_context:
+        raise ApiError("prompt + max_tokens exceed the context", code="context_length_exceeded")
+    if max(ids) >= service.engine.tokenizer.vocab_size:
+        raise ApiError("token id out of range", param="prompt_ids")
+    stream = body.get("stream", False)
+    hb = body.get("heartbeat_s", 0.5)
+    if not isinstance(stream, bool) or not isinstance(hb, int | float) or not 0.01 <= hb <= 60:
+        raise ApiError("stream must be a boolean and heartbeat_s in [0.01, 60]")
+    return tuple(ids), sampling, stream, float(hb)
+
+
+def _typed(d: dict[str, Any], key: str, kind: type, default: Any) -> Any:
+    value = d.get(key, default)
+    if value is None or value is default:
+        return value
+    if isinstance(value, bool):
+        raise TypeError(f"{key} must not be a boolean")
+    if kind is float and isinstance(value, int):
+        return value
+    if not isinstance(value, kind):
+        raise TypeError(f"{key} must be {kind.__name__}")
+    if kind is list and not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise TypeError(f"{key} must be a list of ints")
+    return value
+
+
+# ---------------------------------------------------------------------------------- admin
+def _admin_routes(app: FastAPI, service: NodeService) -> None:
+    def _loopback(request: Request) -> None:
+        host = request.client.host if request.client else ""
+        if host not in LOOPBACK:
+            raise ApiError("admin endpoints accept loopback clients only", status=403,
+                           type_="permission_error")
+
+    @app.get("/admin/partition")
+    async def get_partition(request: Request) -> Response:
+        try:
+            _loopback(request)
+        except ApiError as err:
+            return error_response(err)
+        return JSONResponse({"partitioned_from": sorted(service.netem.partitioned)})
+
+    @app.post("/admin/partition")
+    async def set_partition(request: Request) -> Response:
+        try:
+            _loopback(request)
+            body = parse_json(await read_body(request, 1 << 20))
+            peers = body.get("peers")
+            if not isinstance(peers, list) or not all(isinstance(p, str) for p in peers):
+                raise ApiError("'peers' must be an array of node ids or host:port strings",
+                               param="peers")
+        except ApiError as err:
+            return error_response(err)
+        service.netem.set_partition(peers)
+        log.warning("partitioned from %s", sorted(service.netem.partitioned) or "nobody")
+        return JSONResponse({"partitioned_from": sorted(service.netem.partitioned)})

@@ -1,0 +1,282 @@
+"""Configuration of one running node (``radixmesh serve``): flags and an optional TOML file.
+
+Every flag has a TOML key of the same name (dashes or underscores), e.g.::
+
+    node-id = "a"
+    port = 8001
+    peers = ["127.0.0.1:8002", "127.0.0.1:8003"]
+    gossip-interval = 0.1
+    net-delay = "2ms"
+
+Precedence: built-in defaults < TOML file (``--config``) < command-line flags. The result is one
+frozen, validated :class:`ServeConfig`; :meth:`ServeConfig.node_config` turns it into the pure
+core's :class:`~radixmesh.core.config.NodeConfig`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from radixmesh.core.blocks import Fingerprint
+from radixmesh.core.config import GossipConfig, GossipMode, NodeConfig, PushbackConfig
+from radixmesh.core.router import Policy, RouterConfig
+
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(us|µs|ms|s|m)?\s*$")
+_UNITS = {None: 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "m": 60.0}
+
+
+def parse_duration(text: str | float | int) -> float:
+    """Seconds from ``"2ms"``, ``"0.5s"``, ``"250us"`` or a plain number of seconds."""
+    if isinstance(text, bool):
+        raise ValueError(f"not a duration: {text!r}")
+    if isinstance(text, int | float):
+        value = float(text)
+    else:
+        m = _DURATION.match(text)
+        if m is None:
+            raise ValueError(f"not a duration: {text!r} (examples: 2ms, 0.5s, 0.1)")
+        value = float(m.group(1)) * _UNITS[m.group(2)]
+    if value < 0:
+        raise ValueError(f"duration must be >= 0: {text!r}")
+    return value
+
+
+def parse_fraction(text: str | float | int) -> float:
+    """A probability from ``"0.1"``, ``0.1`` or ``"10%"``."""
+    if isinstance(text, str) and text.strip().endswith("%"):
+        value = float(text.strip()[:-1]) / 100.0
+    else:
+        value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"fraction must be in [0, 1]: {text!r}")
+    return value
+
+
+def parse_peers(text: str | Sequence[str]) -> tuple[str, ...]:
+    """``"h:p,h:p"`` or a list of ``"h:p"`` -> tuple of validated ``host:port`` strings."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    out: list[str] = []
+    for raw in items:
+        item = str(raw).strip()
+        if not item:
+            continue
+        host, sep, port = item.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"peer must be host:port, got {item!r}")
+        out.append(item)
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    node_id: str = ""  # unique name in the mesh; "" -> "node-<port>"
+    host: str = "127.0.0.1"  # interface to bind
+    port: int = 8000
+    advertise: str = ""  # host:port peers use to reach us; "" -> host:port
+    peers: tuple[str, ...] = ()  # seed peers, host:port
+    gossip_interval: float = 0.5  # seconds between anti-entropy rounds (Δpoll)
+    gossip_mode: str = "delta"  # delta | snapshot | epidemic
+    gossip_fanout: int = 3  # epidemic mode: peers per round
+    policy: str = "cost"  # cost | paper | none | random | round_robin | least_loaded
+    preset: str = "tiny"  # built-in engine preset (ignored when model is set)
+    model: str = ""  # local Hugging Face model directory; "" -> preset
+    cache_tokens: int = 65_536  # KV cache budget in tokens
+    device: str = "cpu"
+    threads: int = 0  # torch intra-op threads; 0 -> torch's default
+    seed: int = 0  # weights of presets, and this node's routing randomness
+    suspect_timeout: float = 0.0  # silent this long -> suspect; 0 -> 4 gossip intervals
+    dead_timeout: float = 0.0  # silent this long -> dead; 0 -> 20 gossip intervals
+    pushback_threshold: int = 8  # queue depth above which we ask peers to back off
+    forward_timeout: float = 2.0  # forward: first byte (and silence between bytes) timeout
+    connect_timeout: float = 0.5  # forward / gossip: TCP connect timeout
+    net_delay: float = 0.0  # emulated one-way delay on every peer message, seconds
+    net_jitter: float = 0.0  # emulated extra delay, uniform in [0, jitter], seconds
+    net_loss: float = 0.0  # emulated loss probability of gossip messages
+    max_body_bytes: int = 4 * 1024 * 1024  # client request bodies larger than this -> 413
+    incarnation: int = 0  # 0 -> derived from the wall clock at start (grows across restarts)
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError("port must be in 1..65535")
+        GossipMode.parse(self.gossip_mode)
+        Policy.parse(self.policy)
+        positive = ("gossip_interval", "forward_timeout", "connect_timeout")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.cache_tokens < 1 or self.pushback_threshold < 1 or self.gossip_fanout < 1:
+            raise ValueError("cache_tokens, pushback_threshold and gossip_fanout must be >= 1")
+        if min(self.net_delay, self.net_jitter, self.suspect_timeout, self.dead_timeout) < 0:
+            raise ValueError("durations must be >= 0")
+        if not 0 <= self.net_loss <= 1:
+            raise ValueError("net_loss must be in [0, 1]")
+        if self.threads < 0 or self.incarnation < 0 or self.max_body_bytes < 1024:
+            raise ValueError("threads/incarnation must be >= 0, max_body_bytes >= 1024")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ValueError("log_level must be debug, info, warning or error")
+
+    # ------------------------------------------------------------------------- derived
+    @property
+    def name(self) -> str:
+        return self.node_id or f"node-{self.port}"
+
+    @property
+    def address(self) -> str:
+        if self.advertise:
+            return self.advertise
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host
+        return f"{host}:{self.port}"
+
+    def gossip_config(self) -> GossipConfig:
+        overrides: dict[str, object] = {
+            "mode": GossipMode.parse(self.gossip_mode),
+            "fanout": self.gossip_fanout,
+        }
+        if self.suspect_timeout:
+            overrides["suspect_after_s"] = self.suspect_timeout
+        if self.dead_timeout:
+            overrides["dead_after_s"] = self.dead_timeout
+        gossip = GossipConfig.for_interval(self.gossip_interval, **overrides)
+        if gossip.dead_after_s < gossip.suspect_after_s:  # only suspect given: keep the order
+            gossip = replace(gossip, dead_after_s=5 * gossip.suspect_after_s)
+        return gossip
+
+    def node_config(self, fingerprint: Fingerprint, incarnation: int) -> NodeConfig:
+        return NodeConfig(
+            node_id=self.name,
+            address=self.address,
+            fingerprint=fingerprint,
+            incarnation=incarnation,
+            seeds=tuple(p for p in self.peers if p != self.address),
+            router=RouterConfig(policy=Policy.parse(self.policy)),
+            gossip=self.gossip_config(),
+            pushback=PushbackConfig(queue_threshold=self.pushback_threshold),
+        )
+
+
+# ----------------------------------------------------------------------------- parsing
+_CONVERT: dict[str, Any] = {
+    "peers": parse_peers,
+    "gossip_interval": parse_duration,
+    "suspect_timeout": parse_duration,
+    "dead_timeout": parse_duration,
+    "forward_timeout": parse_duration,
+    "connect_timeout": parse_duration,
+    "net_delay": parse_duration,
+    "net_jitter": parse_duration,
+    "net_loss": parse_fraction,
+}
+_FIELDS = {f.name: f for f in fields(ServeConfig)}
+
+
+def _convert(key: str, value: object) -> object:
+    conv = _CONVERT.get(key)
+    if conv is not None:
+        return conv(value)
+    kind = type(getattr(ServeConfig(), key))
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int | str)):
+        raise ValueError(f"{key}: expected an integer, got {value!r}")
+    if kind is str and not isinstance(value, str):
+        raise ValueError(f"{key}: expected a string, got {value!r}")
+    return kind(value)
+
+
+def config_from_mapping(
+    values: Mapping[str, object], base: ServeConfig | None = None
+) -> ServeConfig:
+    """Apply ``values`` (keys with dashes or underscores) over ``base``; unknown keys raise."""
+    changes: dict[str, object] = {}
+    for raw_key, value in values.items():
+        key = raw_key.replace("-", "_")
+        if key not in _FIELDS or key == "config":
+            raise ValueError(f"unknown configuration key {raw_key!r}")
+        changes[key] = _convert(key, value)
+    return replace(base or ServeConfig(), **changes)
+
+
+def load_toml(path: str | Path) -> dict[str, object]:
+    with open(path, "rb") as fh:
+        data = tomllib.load(fh)
+    section = data.get("serve", data)
+    if not isinstance(section, dict):
+        raise ValueError(f"{path}: [serve] must be a table")
+    return section
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser, skip: Sequence[str] = ()) -> None:
+    """Add one flag per :class:`ServeConfig` field (default SUPPRESS: only given flags appear)."""
+    helps = _help_texts()
+    group = parser.add_argument_group("node")
+    for name in _FIELDS:
+        if name in skip:
+            continue
+        flag = "--" + name.replace("_", "-")
+        default = getattr(ServeConfig(), name)
+        shown = ",".join(default) if isinstance(default, tuple) else default
+        group.add_argument(
+            flag,
+            dest=name,
+            default=argparse.SUPPRESS,
+            metavar=name.upper(),
+            help=f"{helps.get(name, '')} (default: {shown!r})",
+        )
+
+
+def _help_texts() -> dict[str, str]:
+    return {
+        "node_id": "unique node name",
+        "host": "interface to bind",
+        "port": "TCP port (client API and peer endpoints)",
+        "advertise": "host:port peers use to reach this node",
+        "peers": "seed peers host:port,host:port",
+        "gossip_interval": "gossip period, e.g. 0.5 or 100ms",
+        "gossip_mode": "delta | snapshot | epidemic",
+        "gossip_fanout": "epidemic mode: peers per round",
+        "policy": "routing policy: cost | paper | none | random | round_robin | least_loaded",
+        "preset": "built-in model preset (tiny | qwen2.5-0.5b)",
+        "model": "local Hugging Face model directory (overrides --preset)",
+        "cache_tokens": "KV cache budget in tokens",
+        "device": "torch device (cpu, cuda)",
+        "threads": "torch threads (0 = default)",
+        "seed": "seed of preset weights and of routing randomness",
+        "suspect_timeout": "silence before a peer is suspect (0 = 4 gossip intervals)",
+        "dead_timeout": "silence before a peer is dead (0 = 20 gossip intervals)",
+        "pushback_threshold": "queue depth above which peers are asked to back off",
+        "forward_timeout": "forward first-byte / silence timeout",
+        "connect_timeout": "peer TCP connect timeout",
+        "net_delay": "emulated one-way delay of peer messages, e.g. 2ms",
+        "net_jitter": "emulated jitter (uniform extra delay), e.g. 1ms",
+        "net_loss": "emulated gossip loss probability, e.g. 0.05",
+        "max_body_bytes": "largest accepted client request body",
+        "incarnation": "override the incarnation number (0 = from the clock)",
+        "log_level": "debug | info | warning | error",
+    }
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """Defaults < ``--config`` TOML < explicit flags."""
+    given = {k: v for k, v in vars(args).items() if k in _FIELDS}
+    base = ServeConfig()
+    path = getattr(args, "config", None)
+    if path:
+        base = config_from_mapping(load_toml(path), base)
+    return config_from_mapping(given, base)
+
+
+def config_to_argv(values: Mapping[str, object]) -> list[str]:
+    """Flags that reproduce ``values`` (keys as in :class:`ServeConfig`) on a command line."""
+    argv: list[str] = []
+    for key, value in values.items():
+        name = key.replace("-", "_")
+        if name not in _FIELDS:
+            raise ValueError(f"unknown configuration key {key!r}")
+        text = ",".join(value) if isinstance(value, list | tuple) else str(value)
+        argv += ["--" + name.replace("_", "-"), text]
+    return argv

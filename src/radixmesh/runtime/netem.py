@@ -1,0 +1,122 @@
+"""Network emulation for experiments: delay, jitter, loss and partitions on peer messages.
+
+Theory of operation
+-------------------
+Every peer exchange is initiated by one node (gossip push, forward). The *initiating* node
+emulates the link for both directions of that exchange, so each direction is delayed exactly
+once even when nodes run with different settings::
+
+    A (initiator)                                   B
+      ── sleep(delay + U(0, jitter)) ── request ──▶      (B adds nothing)
+      ◀── response chunk ── released at arrival + delay + U(0, jitter), in order
+
+Loss applies to gossip only (a lost forward would just be a slow failure). A partition is a set
+of peers (node ids or ``host:port`` addresses) this node is cut off from: messages to them are
+not sent (forwards fail at once, like an unreachable host) and messages from them are dropped
+on arrival. Partitions are changed at run time (``POST /admin/partition``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class NetemConfig:
+    delay_s: float = 0.0  # one-way delay
+    jitter_s: float = 0.0  # extra one-way delay, uniform in [0, jitter_s]
+    loss: float = 0.0  # probability that a gossip message is dropped
+
+    def __post_init__(self) -> None:
+        if self.delay_s < 0 or self.jitter_s < 0 or not 0 <= self.loss <= 1:
+            raise ValueError("delay and jitter must be >= 0, loss in [0, 1]")
+
+    @property
+    def active(self) -> bool:
+        return self.delay_s > 0 or self.jitter_s > 0
+
+
+class Netem:
+    """The link model one node applies; owns its own ``random.Random``."""
+
+    def __init__(self, config: NetemConfig, seed: int = 0) -> None:
+        self.config = config
+        self._rng = random.Random(seed)
+        self._cut: frozenset[str] = frozenset()
+        self.dropped_loss = 0  # gossip messages dropped by emulated loss
+        self.dropped_partition = 0  # messages (either direction) dropped by a partition
+
+    # ------------------------------------------------------------------------ partitions
+    @property
+    def partitioned(self) -> frozenset[str]:
+        return self._cut
+
+    def set_partition(self, peers: Iterable[str]) -> None:
+        self._cut = frozenset(p.strip() for p in peers if p.strip())
+
+    def is_cut(self, *names: str | None) -> bool:
+        """True if any of the names (node id, address) of a peer is partitioned away."""
+        return any(n is not None and n in self._cut for n in names)
+
+    def drop_incoming(self, *names: str | None) -> bool:
+        if self.is_cut(*names):
+            self.dropped_partition += 1
+            return True
+        return False
+
+    def drop_outgoing(self, *names: str | None, gossip: bool) -> bool:
+        if self.is_cut(*names):
+            self.dropped_partition += 1
+            return True
+        if gossip and self.config.loss > 0 and self._rng.random() < self.config.loss:
+            self.dropped_loss += 1
+            return True
+        return False
+
+    # ------------------------------------------------------------------------ delay
+    def one_way_delay(self) -> float:
+        cfg = self.config
+        return cfg.delay_s + (self._rng.uniform(0.0, cfg.jitter_s) if cfg.jitter_s else 0.0)
+
+    async def delay(self) -> None:
+        """Sleep one emulated one-way delay (no-op without emulation)."""
+        if self.config.active:
+            await asyncio.sleep(self.one_way_delay())
+
+    async def delayed(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """Relay ``chunks`` as if each crossed the link: arrival + one-way delay, in order."""
+        if not self.config.active:
+            async for chunk in chunks:
+                yield chunk
+            return
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[float, bytes | BaseException | None]] = asyncio.Queue()
+
+        async def reader() -> None:
+            # Timestamps arrivals independently of the consumer, so delays never accumulate.
+            release = 0.0
+            try:
+                async for chunk in chunks:
+                    release = max(release, loop.time() + self.one_way_delay())
+                    queue.put_nowait((release, chunk))
+                queue.put_nowait((release, None))
+            except Exception as exc:  # surfaced to the consumer, in order
+                queue.put_nowait((release, exc))
+
+        task = asyncio.create_task(reader())
+        try:
+            while True:
+                release, item = await queue.get()
+                wait = release - loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            task.cancel()
