@@ -134,7 +134,7 @@ def test_context_limit_truncates_generation() -> None:
     assert len(res.output_ids) == 3 and res.finish_reason == "length"
 
 
-@pytest.mark.parametrize("prompt", [[], [1] * 2048, [-1, 2], [512]])
+@pytest.mark.parametrize("prompt", [[], [1] * 4096, [-1, 2], [512]])
 def test_invalid_prompts_raise_value_error(prompt: list[int]) -> None:
     engine = micro()
     with pytest.raises(ValueError):

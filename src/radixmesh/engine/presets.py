@@ -58,7 +58,7 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     "tiny": Preset("tiny", 256, 1024, 4, 4, 2, 32_768, 4096),
     "qwen2.5-0.5b": Preset("qwen2.5-0.5b", 896, 4864, 24, 14, 2, 151_936, 32_768),
-    "micro": Preset("micro", 64, 128, 2, 4, 2, 512, 2048),
+    "micro": Preset("micro", 64, 128, 2, 4, 2, 512, 4096),
 }
 
 

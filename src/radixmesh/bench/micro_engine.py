@@ -1,0 +1,131 @@
+"""Engine micro-benchmark: prefill time with 0 %, 50 % and 85 % of an MMLU prompt cached.
+
+One 5-shot MMLU prompt (the real data under ``$RADIXMESH_MMLU`` or ``/work/shared/data/mmlu``
+when present: the subject whose first test prompt is closest to the dataset's mean length of
+3,024 characters; otherwise a synthetic MMLU-shaped prompt) is tokenized with the preset's
+byte tokenizer. Each repeat, in interleaved order, empties the cache, caches the first
+``f`` of the prompt's tokens (f = 0, 0.5, 0.85 and the real few-shot prefix), and times the
+prefill of the whole prompt through ``generate`` (``GenerateResult.prefill_s``). Figures are
+medians over the repeats of one run, so the ratios share the machine's conditions.
+
+Also: decode seconds per token (greedy, prompt cached), KV bytes per token (from the model
+config and checked against the tensors actually stored), and the largest |logit difference|
+between the 85 %-cached and the uncached prefill (fp32 exactness, expected < 1e-4).
+
+Threads: one torch thread, as each node of a local multi-node cluster uses (override with
+``RADIXMESH_BENCH_THREADS``). Preset: ``tiny`` (``RADIXMESH_BENCH_PRESET`` to change).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from pathlib import Path
+
+import torch
+
+from radixmesh.engine.base import GenerateRequest, SamplingParams
+from radixmesh.engine.builtin import TransformersEngine
+from radixmesh.engine.factory import build_engine
+from radixmesh.engine.testing import uncached_logits
+
+MMLU_MEAN_CHARS = 3024
+FRACTIONS = {"0": 0.0, "50": 0.5, "85": 0.85}
+DEFAULT_MMLU = Path("/work/shared/data/mmlu")
+
+
+def mmlu_prompt() -> tuple[str, int, str]:
+    """(prompt, shared-prefix chars, source) for one realistic 5-shot MMLU question."""
+    root = Path(os.environ.get("RADIXMESH_MMLU", DEFAULT_MMLU))
+    try:
+        from radixmesh.workload.mmlu import load_subjects, subject_requests
+
+        requests = [subject_requests(s)[0] for s in load_subjects(root)]
+        source = f"mmlu:{root}"
+    except (FileNotFoundError, ValueError):
+        from radixmesh.workload.synthetic import synthetic_groups
+
+        requests = [g[0] for g in synthetic_groups(seed=0, groups=8, max_per_group=4).values()]
+        source = "synthetic"
+    best = min(requests, key=lambda r: abs(len(r.text) - MMLU_MEAN_CHARS))
+    name = best.group or best.id
+    return best.text, best.prefix_chars or 0, f"{source}/{name}"
+
+
+def _clear(engine: TransformersEngine) -> None:
+    engine.cache.tree.evict(engine.cache.tree.total_tokens)
+    engine.drain_cache_delta()
+
+
+def _prefill_with(engine: TransformersEngine, prompt: list[int], cached: int) -> float:
+    _clear(engine)
+    if cached:
+        engine.prefill_logits(prompt[:cached])
+    res = engine.generate(GenerateRequest("bench", tuple(prompt), SamplingParams(max_tokens=1)))
+    assert res.cached_tokens == min(cached, len(prompt) - 1)
+    return res.prefill_s
+
+
+def _decode_per_token(engine: TransformersEngine, prompt: list[int], n: int) -> float:
+    res = engine.generate(GenerateRequest("dec", tuple(prompt), SamplingParams(max_tokens=n)))
+    forwards = len(res.output_ids) - (res.finish_reason == "length")
+    return res.decode_s / max(forwards, 1)
+
+
+def _stored_kv_bytes_per_token(engine: TransformersEngine) -> float:
+    tree = engine.cache.tree
+    total, stack = 0, list(tree.root.children.values())
+    while stack:
+        node = stack.pop()
+        if node.value is not None:
+            total += node.value.numel() * node.value.element_size()
+        stack.extend(node.children.values())
+    return total / max(tree.total_tokens, 1)
+
+
+def _max_logit_diff(engine: TransformersEngine, prompt: list[int], cached: int) -> float:
+    _clear(engine)
+    engine.prefill_logits(prompt[:cached])
+    logits, _ = engine.prefill_logits(prompt)
+    return float((logits - uncached_logits(engine, prompt)).abs().max())
+
+
+def run(quick: bool) -> dict[str, object]:
+    preset = os.environ.get("RADIXMESH_BENCH_PRESET", "tiny")
+    threads = int(os.environ.get("RADIXMESH_BENCH_THREADS", "1"))
+    engine = build_engine(preset, cache_tokens=16_384, threads=threads)
+    text, prefix_chars, source = mmlu_prompt()
+    prompt = engine.tokenizer.encode(text)
+    shared = len(engine.tokenizer.encode(text[:prefix_chars]))
+    points = {k: round(f * len(prompt)) for k, f in FRACTIONS.items()} | {"shared": shared}
+    repeats = 3 if quick else 9
+    _prefill_with(engine, prompt, 0)  # warm-up
+    samples: dict[str, list[float]] = {k: [] for k in points}
+    for _ in range(repeats):
+        for key, cached in points.items():
+            samples[key].append(_prefill_with(engine, prompt, cached))
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    decode = statistics.median(
+        _decode_per_token(engine, prompt, 8 if quick else 32) for _ in range(repeats)
+    )
+    out: dict[str, object] = {
+        "engine_preset": preset,
+        "engine_threads": threads,
+        "engine_prompt_source": source,
+        "engine_prompt_tokens": len(prompt),
+        "engine_shared_prefix_tokens": shared,
+        "engine_repeats": repeats,
+        "prefill_s_0": round(med["0"], 5),
+        "prefill_s_50": round(med["50"], 5),
+        "prefill_s_85": round(med["85"], 5),
+        "prefill_s_shared": round(med["shared"], 5),
+        "prefill_ratio_50": round(med["50"] / med["0"], 4),
+        "prefill_ratio_85": round(med["85"] / med["0"], 4),
+        "prefill_ratio_shared": round(med["shared"] / med["0"], 4),
+        "decode_s_per_token": round(decode, 5),
+        "kv_bytes_per_token": engine.kv_bytes_per_token,
+        "kv_bytes_per_token_stored": round(_stored_kv_bytes_per_token(engine), 1),
+        "max_abs_logit_diff_85": _max_logit_diff(engine, prompt, points["85"]),
+        "torch_version": torch.__version__,
+    }
+    return out
