@@ -12,6 +12,7 @@ from radixmesh.engine.base import GenerateRequest, SamplingParams
 from radixmesh.engine.builtin import TransformersEngine
 from radixmesh.engine.factory import build_engine, model_dir_digest
 from radixmesh.engine.testing import save_random_model_dir, uncached_logits
+from radixmesh.engine.tokenizers import ByteTokenizer
 
 
 def micro(cache_tokens: int = 4096) -> TransformersEngine:
@@ -90,21 +91,28 @@ def test_stop_tokens_end_generation_and_are_not_emitted() -> None:
     assert stopped.finish_reason == "stop"
 
 
-def test_eos_stops() -> None:
-    engine = micro()
+def test_eos_and_end_of_turn_stop() -> None:
     prompt, _ = prompts(5)
-    first = engine.generate(req(prompt, max_tokens=1)).output_ids[0]
-    engine._tokenizer = _EosTokenizer(engine.tokenizer, first)  # EOS = the greedy answer
+    first = micro().generate(req(prompt, max_tokens=1)).output_ids[0]
+    engine = build_engine("micro", tokenizer=_EosTokenizer(first))  # EOS = the greedy answer
     res = engine.generate(req(prompt, max_tokens=4))
     assert res.output_ids == [] and res.finish_reason == "stop"
+    byte_tok = ByteTokenizer()
+    assert byte_tok.special_id("<|im_end|>") in byte_tok.stop_ids
 
 
-class _EosTokenizer:
-    def __init__(self, inner: object, eos: int) -> None:
-        self._inner, self.eos_token_id = inner, eos
+class _EosTokenizer(ByteTokenizer):
+    def __init__(self, eos: int) -> None:
+        super().__init__()
+        self._eos = eos
 
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._inner, name)
+    @property
+    def eos_token_id(self) -> int:
+        return self._eos
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        return frozenset({self._eos})
 
 
 def test_on_token_streams_every_output_token() -> None:

@@ -35,7 +35,9 @@ def test_byte_chat_template_is_deterministic_and_marks_roles() -> None:
     assert ids[:2] == [start, tok.special_id("<|system|>")]
     assert ids[-2:] == [start, tok.special_id("<|assistant|>")]
     assert ids.count(end) == 2
-    assert tok.decode(ids).endswith("<|im_start|><|assistant|>")
+    assert tok.render(ids).endswith("<|im_start|><|assistant|>")
+    assert tok.decode(ids) == "be briefhi"  # decode skips special tokens
+    assert tok.stop_ids == {tok.eos_token_id, end}
 
 
 @pytest.mark.parametrize("messages", [[], [{"role": "wizard", "content": "x"}], [{"role": "user"}]])
@@ -67,6 +69,7 @@ def test_hf_chat_template_from_config(micro_model_dir: Path) -> None:
     tok = HFTokenizer(micro_model_dir)
     assert tok.has_chat_template
     assert tok.eos_token_id == 0  # "<|endoftext|>" is the first special token
+    assert tok.stop_ids == {0}
     msgs = [{"role": "user", "content": "hi"}]
     assert tok.render_chat(msgs) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     ids = tok.apply_chat_template(msgs)
@@ -86,6 +89,7 @@ def test_hf_template_fallback_and_fingerprints(micro_model_dir: Path, tmp_path: 
     tok = HFTokenizer(bare)
     assert not tok.has_chat_template
     assert tok.eos_token_id == 2
+    assert tok.stop_ids == {2}  # no generation_config.json in this copy
     text = tok.render_chat([{"role": "user", "content": "hi"}])
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert tok.fingerprint != HFTokenizer(micro_model_dir).fingerprint

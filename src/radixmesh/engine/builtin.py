@@ -21,9 +21,9 @@ one prompt token is always computed so there are logits to sample from.
 Sampling: greedy when ``temperature == 0``; otherwise softmax(logits / T) restricted to the
 smallest top-p nucleus, drawn from a ``torch.Generator`` seeded by ``seed`` (or fresh entropy
 when ``seed`` is None). Logits above the tokenizer's vocabulary are masked (a model's
-embedding matrix is often padded beyond its tokenizer). The stop token (EOS or a
-``stop_token_ids`` member) ends generation and is *not* part of ``output_ids``; ``on_token``
-is called for every token that is.
+embedding matrix is often padded beyond its tokenizer). A stop token (EOS, the tokenizer's
+other ``stop_ids`` such as an end-of-turn marker, or a ``stop_token_ids`` member) ends
+generation and is *not* part of ``output_ids``; ``on_token`` is called for every token that is.
 
 ``on_token`` runs on the calling (worker) thread; if it raises, generation stops, the KV
 computed so far is still cached, the path is unlocked, and the exception propagates.
@@ -93,6 +93,9 @@ class TransformersEngine:
         self.cache = RadixKVCache(spec.cache_tokens, spec.block_size, self._fingerprint.digest)
         self._vocab = int(model.config.get_text_config().vocab_size)
         self._allowed = min(tokenizer.vocab_size, self._vocab)
+        eos = tokenizer.eos_token_id
+        default_stops = frozenset() if eos is None else frozenset({eos})
+        self._stop_ids: frozenset[int] = getattr(tokenizer, "stop_ids", default_stops)
         self._clock = clock  # LRU timestamps
 
     # ------------------------------------------------------------------------- identity
@@ -223,9 +226,7 @@ class TransformersEngine:
         budget: int,
         on_token: TokenCallback | None,
     ) -> None:
-        stops = set(sp.stop_token_ids)
-        if self._tokenizer.eos_token_id is not None:
-            stops.add(self._tokenizer.eos_token_id)
+        stops = self._stop_ids | set(sp.stop_token_ids)
         gen = self._generator(sp)
         while True:
             token = self._sample(logits, sp, gen)

@@ -87,6 +87,11 @@ class ByteTokenizer:
     def vocab_size(self) -> int:
         return 256 + len(self._specials)
 
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """Ids that end generation: EOS and the end-of-turn marker."""
+        return frozenset({self.eos_token_id, self._specials["<|im_end|>"]})
+
     def special_id(self, name: str) -> int:
         return self._specials[name]
 
@@ -94,17 +99,14 @@ class ByteTokenizer:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+        """Text of the byte tokens; special and unknown ids are skipped (like HF's
+        ``skip_special_tokens=True``)."""
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
-    def decode_bytes(self, ids: Sequence[int]) -> bytes:
-        """Raw bytes; special tokens are rendered as their names, unknown ids dropped."""
-        out = bytearray()
-        for i in ids:
-            if 0 <= i < 256:
-                out.append(i)
-            elif i in self._names:
-                out += self._names[i].encode("ascii")
-        return bytes(out)
+    def render(self, ids: Sequence[int]) -> str:
+        """Debug view: special tokens shown by name."""
+        parts = [bytes([i]) if 0 <= i < 256 else self._names.get(i, "").encode() for i in ids]
+        return b"".join(parts).decode("utf-8", errors="replace")
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         _check_messages(messages)
@@ -165,6 +167,7 @@ class HFTokenizer:
         self._bos = _token_text(config.get("bos_token"))
         self._eos_text = _token_text(config.get("eos_token"))
         self._eos = self._resolve_eos(root)
+        self._stop_ids = self._resolve_stop_ids(root)
         self._fingerprint = "hf:" + _digest(
             raw, self._template_text or "<chatml-fallback>", str(self._eos)
         )
@@ -183,6 +186,14 @@ class HFTokenizer:
                 return value
         return None
 
+    def _resolve_stop_ids(self, root: Path) -> frozenset[int]:
+        ids = {self._eos} if self._eos is not None else set()
+        for name in ("generation_config.json", "config.json"):
+            value = _read_json(root / name).get("eos_token_id")
+            values = value if isinstance(value, list) else [value]
+            ids.update(v for v in values if isinstance(v, int))
+        return frozenset(ids)
+
     @staticmethod
     def _compile(text: str) -> Any:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -198,6 +209,11 @@ class HFTokenizer:
     @property
     def eos_token_id(self) -> int | None:
         return self._eos
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """EOS plus every ``eos_token_id`` of generation_config.json / config.json."""
+        return self._stop_ids
 
     @property
     def vocab_size(self) -> int:
