@@ -5,7 +5,11 @@ No routing logic lives here: handlers validate and shape; ``NodeService`` decide
 Client API   POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models
 Observe      GET /health, GET /metrics (Prometheus text), GET /mesh (JSON)
 Peers        POST /peer/gossip (raw gossip bytes), POST /peer/forward (execute here, NDJSON)
-Admin        GET|POST /admin/partition (loopback clients only): cut this node off from peers
+Admin        GET|POST /admin/partition (loopback clients only): cut this node off from peers;
+             /admin/netem, /admin/engine-delay, /admin/debug: fault injection (runtime/debug.py)
+
+Peer endpoints verify ``x-radixmesh-auth`` (HMAC, runtime/peer_auth.py) when the node has a
+cluster key; the client API and /mesh, /metrics need ``Authorization: Bearer`` with --api-key.
 
 Request headers understood on the client API:
   ``x-radixmesh-hop``     the request was already forwarded once: execute here (hop limit 1)
@@ -24,7 +28,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from radixmesh.core.auth import AuthError
 from radixmesh.engine.base import SamplingParams
+from radixmesh.runtime.debug import install_debug_routes
 from radixmesh.runtime.node import Execution, NodeService, Outcome
 from radixmesh.runtime.openai_api import (
     ApiError,
@@ -39,7 +45,13 @@ from radixmesh.runtime.openai_api import (
     response_body,
     usage_body,
 )
-from radixmesh.runtime.peer_client import HEADER_FROM, HEADER_FROM_ADDRESS
+from radixmesh.runtime.peer_auth import (
+    GOSSIP_PURPOSE,
+    forward_purpose,
+    install_api_key_check,
+    refused,
+)
+from radixmesh.runtime.peer_client import FORWARD_PATH, HEADER_FROM, HEADER_FROM_ADDRESS
 
 log = logging.getLogger("radixmesh.app")
 
@@ -75,6 +87,8 @@ def create_app(service: NodeService) -> FastAPI:
     _client_routes(app, service)
     _peer_routes(app, service)
     _admin_routes(app, service)
+    install_debug_routes(app, service)
+    install_api_key_check(app, service.api_key)
     return app
 
 
@@ -287,6 +301,10 @@ def _peer_routes(app: FastAPI, service: NodeService) -> None:
         except ApiError as err:
             service.metrics.gossip_oversize += 1
             return error_response(err)
+        try:
+            service.auth.verify(request.headers, GOSSIP_PURPOSE, data)
+        except AuthError as exc:
+            return refused(service.auth, exc, request.headers.get(HEADER_FROM))
         accepted = service.receive_gossip(data, request.headers.get(HEADER_FROM),
                                           request.headers.get(HEADER_FROM_ADDRESS))
         return Response(status_code=204 if accepted else 503)
@@ -297,8 +315,11 @@ def _peer_routes(app: FastAPI, service: NodeService) -> None:
                                        request.headers.get(HEADER_FROM_ADDRESS)):
             return JSONResponse(error_body("partitioned", "unavailable"), status_code=503)
         try:
-            body = parse_json(await read_body(request, MAX_PEER_BODY))
-            prompt, sampling, stream, heartbeat = _parse_forward(service, body)
+            raw = await read_body(request, MAX_PEER_BODY)
+            service.auth.verify(request.headers, forward_purpose(FORWARD_PATH), raw)
+            prompt, sampling, stream, heartbeat = _parse_forward(service, parse_json(raw))
+        except AuthError as exc:
+            return refused(service.auth, exc, request.headers.get(HEADER_FROM))
         except ApiError as err:
             return error_response(err)
         return StreamingResponse(service.serve_forward(prompt, sampling, stream, heartbeat),

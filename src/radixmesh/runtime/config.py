@@ -19,7 +19,7 @@ import argparse
 import re
 import tomllib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +98,10 @@ class ServeConfig:
     net_delay: float = 0.0  # emulated one-way delay on every peer message, seconds
     net_jitter: float = 0.0  # emulated extra delay, uniform in [0, jitter], seconds
     net_loss: float = 0.0  # emulated loss probability of gossip messages
+    net_duplicate: float = 0.0  # emulated duplication probability of gossip messages
+    debug_engine_delay: float = 0.0  # test/chaos only: extra seconds per request on the engine
+    cluster_key: str = field(default="", repr=False)  # peer-message secret; "" -> env or none
+    api_key: str = field(default="", repr=False)  # client bearer token; "" -> env or none
     max_body_bytes: int = 4 * 1024 * 1024  # client request bodies larger than this -> 413
     incarnation: int = 0  # 0 -> derived from the wall clock at start (grows across restarts)
     log_level: str = "info"
@@ -115,8 +119,12 @@ class ServeConfig:
             raise ValueError("cache_tokens, pushback_threshold and gossip_fanout must be >= 1")
         if min(self.net_delay, self.net_jitter, self.suspect_timeout, self.dead_timeout) < 0:
             raise ValueError("durations must be >= 0")
-        if not 0 <= self.net_loss <= 1:
-            raise ValueError("net_loss must be in [0, 1]")
+        if not 0 <= self.net_loss <= 1 or not 0 <= self.net_duplicate <= 1:
+            raise ValueError("net_loss and net_duplicate must be in [0, 1]")
+        if self.debug_engine_delay < 0:
+            raise ValueError("debug_engine_delay must be >= 0")
+        if self.cluster_key.strip() and len(self.cluster_key.strip().encode()) < 16:
+            raise ValueError("cluster_key must be at least 16 bytes")
         if self.threads < 0 or self.incarnation < 0 or self.max_body_bytes < 1024:
             raise ValueError("threads/incarnation must be >= 0, max_body_bytes >= 1024")
         if self.log_level not in ("debug", "info", "warning", "error"):
@@ -172,6 +180,8 @@ _CONVERT: dict[str, Any] = {
     "net_delay": parse_duration,
     "net_jitter": parse_duration,
     "net_loss": parse_fraction,
+    "net_duplicate": parse_fraction,
+    "debug_engine_delay": parse_duration,
 }
 _FIELDS = {f.name: f for f in fields(ServeConfig)}
 
@@ -254,6 +264,11 @@ def _help_texts() -> dict[str, str]:
         "net_delay": "emulated one-way delay of peer messages, e.g. 2ms",
         "net_jitter": "emulated jitter (uniform extra delay), e.g. 1ms",
         "net_loss": "emulated gossip loss probability, e.g. 0.05",
+        "net_duplicate": "emulated gossip duplication probability, e.g. 0.1",
+        "debug_engine_delay": "chaos testing: sleep this long before each request on the engine",
+        "cluster_key": "secret (>= 16 bytes) authenticating peer messages; prefer the "
+        "RADIXMESH_CLUSTER_KEY environment variable or the config file (flags show in ps)",
+        "api_key": "require 'Authorization: Bearer KEY' on the client API (or RADIXMESH_API_KEY)",
         "max_body_bytes": "largest accepted client request body",
         "incarnation": "override the incarnation number (0 = from the clock)",
         "log_level": "debug | info | warning | error",

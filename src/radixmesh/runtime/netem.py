@@ -10,10 +10,11 @@ once even when nodes run with different settings::
       ── sleep(delay + U(0, jitter)) ── request ──▶      (B adds nothing)
       ◀── response chunk ── released at arrival + delay + U(0, jitter), in order
 
-Loss applies to gossip only (a lost forward would just be a slow failure). A partition is a set
-of peers (node ids or ``host:port`` addresses) this node is cut off from: messages to them are
-not sent (forwards fail at once, like an unreachable host) and messages from them are dropped
-on arrival. Partitions are changed at run time (``POST /admin/partition``).
+Loss and duplication apply to gossip only (a lost forward would just be a slow failure); a
+duplicate is sent again after a further one-way delay, so it also arrives out of order. A
+partition is a set of peers (node ids or ``host:port`` addresses) this node is cut off from:
+messages to them are not sent (forwards fail at once, like an unreachable host) and messages
+from them are dropped on arrival. Partitions are changed at run time (``POST /admin/partition``).
 """
 
 from __future__ import annotations
@@ -29,10 +30,13 @@ class NetemConfig:
     delay_s: float = 0.0  # one-way delay
     jitter_s: float = 0.0  # extra one-way delay, uniform in [0, jitter_s]
     loss: float = 0.0  # probability that a gossip message is dropped
+    duplicate: float = 0.0  # probability that a gossip message is sent twice (2nd copy later)
 
     def __post_init__(self) -> None:
         if self.delay_s < 0 or self.jitter_s < 0 or not 0 <= self.loss <= 1:
             raise ValueError("delay and jitter must be >= 0, loss in [0, 1]")
+        if not 0 <= self.duplicate <= 1:
+            raise ValueError("duplicate must be in [0, 1]")
 
     @property
     def active(self) -> bool:
@@ -48,6 +52,7 @@ class Netem:
         self._cut: frozenset[str] = frozenset()
         self.dropped_loss = 0  # gossip messages dropped by emulated loss
         self.dropped_partition = 0  # messages (either direction) dropped by a partition
+        self.duplicated = 0  # gossip messages sent a second time by emulated duplication
 
     # ------------------------------------------------------------------------ partitions
     @property
@@ -73,6 +78,13 @@ class Netem:
             return True
         if gossip and self.config.loss > 0 and self._rng.random() < self.config.loss:
             self.dropped_loss += 1
+            return True
+        return False
+
+    def duplicate_now(self) -> bool:
+        """Whether to send this gossip message once more (emulated duplication)."""
+        if self.config.duplicate > 0 and self._rng.random() < self.config.duplicate:
+            self.duplicated += 1
             return True
         return False
 

@@ -59,6 +59,13 @@ from radixmesh.engine.worker import EngineWorker
 from radixmesh.runtime import metrics as prom
 from radixmesh.runtime.config import ServeConfig
 from radixmesh.runtime.netem import Netem, NetemConfig
+from radixmesh.runtime.peer_auth import (
+    ENV_API_KEY,
+    ENV_CLUSTER_KEY,
+    ApiKeyCheck,
+    PeerAuth,
+    resolve_secret,
+)
 from radixmesh.runtime.peer_client import ForwardError, ForwardStream, PeerClient
 
 log = logging.getLogger("radixmesh.node")
@@ -291,11 +298,15 @@ class NodeService:
         self.core = NodeCore(node_cfg, random.Random(config.seed ^ self.incarnation), clock())
         self.worker = EngineWorker(engine)
         self.netem = Netem(
-            NetemConfig(config.net_delay, config.net_jitter, config.net_loss),
+            NetemConfig(config.net_delay, config.net_jitter, config.net_loss,
+                        config.net_duplicate),
             seed=config.seed ^ self.incarnation ^ 0x5EED,
         )
+        self.auth = PeerAuth(resolve_secret(config.cluster_key, var=ENV_CLUSTER_KEY),
+                             self.node_id)
+        self.api_key = ApiKeyCheck(resolve_secret(config.api_key, var=ENV_API_KEY))
         self.peers = PeerClient(self.node_id, self.address, self.netem,
-                                config.connect_timeout, config.forward_timeout)
+                                config.connect_timeout, config.forward_timeout, self.auth)
         self.metrics = prom.RuntimeMetrics()
         self.started_monotonic = clock()
         self._wake: asyncio.Event | None = None
@@ -305,6 +316,7 @@ class NodeService:
 
     # ------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
+        self.auth.warn_if_open()
         self._wake = asyncio.Event()
         self.push_cache_and_load()
         self.dispatch(Tick())
@@ -558,6 +570,9 @@ class NodeService:
             "cache_locked_tokens": float(usage.locked_tokens),
             "netem_dropped_loss": float(self.netem.dropped_loss),
             "netem_dropped_partition": float(self.netem.dropped_partition),
+            "netem_duplicated": float(self.netem.duplicated),
+            "api_key_rejected": float(self.api_key.rejected),
+            **self.auth.metrics(),
             "incarnation": float(self.incarnation),
         }
         core = {k: float(v) for k, v in self.core.metrics().items()}

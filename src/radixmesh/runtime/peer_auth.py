@@ -22,6 +22,10 @@ import os
 import secrets
 import time
 from collections.abc import Mapping
+from typing import Any
+
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixmesh.core.auth import (
     AUTH_FAILURE_REASONS,
@@ -38,6 +42,7 @@ from radixmesh.core.auth import (
 ENV_CLUSTER_KEY = "RADIXMESH_CLUSTER_KEY"
 ENV_API_KEY = "RADIXMESH_API_KEY"
 GOSSIP_PURPOSE = "gossip"
+API_PROTECTED_PREFIXES = ("/v1/", "/mesh", "/metrics")  # /health stays open for probes
 
 log = logging.getLogger("radixmesh.auth")
 
@@ -68,6 +73,7 @@ class PeerAuth:
         self._signer = Signer(self.key, node_id) if self.key else None
         self._verifier = Verifier([self.key], config) if self.key else None
         self.unauthenticated_accepted = 0  # peer messages accepted in open mode
+        self.rejections_logged: dict[str, int] = {}
 
     @property
     def enabled(self) -> bool:
@@ -103,6 +109,16 @@ class PeerAuth:
         )
         out["peer_auth_unauthenticated_accepted"] = float(self.unauthenticated_accepted)
         return out
+
+
+def refused(auth: PeerAuth, exc: AuthError, sender: str | None) -> JSONResponse:
+    """The 401/403 answer to a refused peer message; logs the first of each reason loudly."""
+    count = auth.rejections_logged.get(exc.reason, 0) + 1
+    auth.rejections_logged[exc.reason] = count
+    if count == 1 or count % 1000 == 0:
+        log.warning("refused a peer message from %s (%s, #%d of this kind): %s",
+                    sender or "an unknown sender", exc.reason, count, exc)
+    return JSONResponse(auth_error_body(exc), status_code=exc.http_status)
 
 
 def auth_error_body(exc: AuthError) -> dict[str, object]:
@@ -149,3 +165,27 @@ class ApiKeyCheck:
                 "code": "invalid_api_key",
             }
         }
+
+
+class ApiKeyMiddleware:
+    """ASGI middleware: the client API and observability routes need the bearer token."""
+
+    def __init__(self, app: ASGIApp, check: ApiKeyCheck) -> None:
+        self.app = app
+        self.check = check
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and str(scope["path"]).startswith(API_PROTECTED_PREFIXES):
+            raw = dict(scope.get("headers") or []).get(b"authorization")
+            if not self.check.allows(None if raw is None else raw.decode("latin-1")):
+                response = JSONResponse(ApiKeyCheck.error_body(), status_code=401,
+                                        headers={"www-authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def install_api_key_check(app: Any, check: ApiKeyCheck) -> None:
+    """Require the bearer token on ``app`` when ``check`` holds a key (no-op otherwise)."""
+    if check.enabled:
+        app.add_middleware(ApiKeyMiddleware, check=check)

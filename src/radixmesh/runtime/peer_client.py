@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 
 from radixmesh.runtime.netem import Netem
+from radixmesh.runtime.peer_auth import GOSSIP_PURPOSE, PeerAuth, forward_purpose
 
 FORWARD_PATH = "/peer/forward"
 GOSSIP_PATH = "/peer/gossip"
@@ -91,8 +92,10 @@ class PeerClient:
         netem: Netem,
         connect_timeout: float,
         forward_timeout: float,
+        auth: PeerAuth | None = None,
     ) -> None:
         self.node_id = node_id
+        self.auth = auth or PeerAuth("", node_id)  # signs every peer message (if keyed)
         self.address = address
         self.netem = netem
         self.connect_timeout = connect_timeout
@@ -118,11 +121,18 @@ class PeerClient:
         if self.netem.drop_outgoing(peer_id, address, gossip=True):
             return False
         await self.netem.delay()
+        headers = {**self._headers, "content-type": "application/octet-stream",
+                   **self.auth.headers(GOSSIP_PURPOSE, payload)}
+        ok = await self._post_gossip(address, payload, headers)
+        if self.netem.duplicate_now():  # the same bytes again, later (a replay, if keyed)
+            await self.netem.delay()
+            await self._post_gossip(address, payload, headers)
+        return ok
+
+    async def _post_gossip(self, address: str, payload: bytes, headers: dict[str, str]) -> bool:
         try:
             resp = await self._client.post(
-                f"http://{address}{GOSSIP_PATH}",
-                content=payload,
-                headers={**self._headers, "content-type": "application/octet-stream"},
+                f"http://{address}{GOSSIP_PATH}", content=payload, headers=headers
             )
         except httpx.HTTPError:
             self.gossip_failed += 1
@@ -139,11 +149,13 @@ class PeerClient:
         if self.netem.drop_outgoing(peer_id, address, gossip=False):
             raise ForwardError("partitioned")
         await self.netem.delay()
+        content = json.dumps(body, separators=(",", ":")).encode()
         request = self._client.build_request(
             "POST",
             f"http://{address}{FORWARD_PATH}",
-            content=json.dumps(body, separators=(",", ":")).encode(),
-            headers={**self._headers, "content-type": "application/json"},
+            content=content,
+            headers={**self._headers, "content-type": "application/json",
+                     **self.auth.headers(forward_purpose(FORWARD_PATH), content)},
         )
         try:
             response = await self._client.send(request, stream=True)

@@ -35,7 +35,9 @@ def build_service(config: ServeConfig):  # type: ignore[no-untyped-def]
         seed=config.seed,
         threads=config.threads or None,
     )
-    return NodeService(config, engine)
+    from radixmesh.runtime.debug import DelayedEngine
+
+    return NodeService(config, DelayedEngine(engine, config.debug_engine_delay))
 
 
 def run(args: argparse.Namespace) -> int:
