@@ -159,9 +159,11 @@ class Codec:
 # ---------------------------------------------------------------------------- encode helpers
 def _enc_load(load: Load) -> list[Any]:
     s = load.speed
-    speed = _SPEED.pack(
-        s.prefill_overhead_s, s.prefill_s_per_token, s.decode_s_per_token, s.mean_service_s
-    )
+    speed = None
+    if s is not None:
+        speed = _SPEED.pack(
+            s.prefill_overhead_s, s.prefill_s_per_token, s.decode_s_per_token, s.mean_service_s
+        )
     return [
         load.queue_depth,
         load.inflight,
@@ -221,19 +223,13 @@ class _Parser:
 
     def load(self, raw: Any) -> Load:
         f = _array(raw, 6, "load")
-        speed_raw = f[4]
-        if not isinstance(speed_raw, bytes) or len(speed_raw) != _SPEED.size:
-            raise RemoteProtocolError("load: bad speed report")
-        speeds = _SPEED.unpack(speed_raw)
-        if not all(math.isfinite(x) and x >= 0 for x in speeds):
-            raise RemoteProtocolError("load: speed figures must be finite and >= 0")
         pushback = None if f[5] is None else _float(f[5], "pushback", minimum=0.0)
         return Load(
             queue_depth=_int(f[0], "queue_depth"),
             inflight=_int(f[1], "inflight"),
             cache_tokens=_int(f[2], "cache_tokens"),
             cache_budget=_int(f[3], "cache_budget"),
-            speed=SpeedReport(*speeds),
+            speed=None if f[4] is None else _speed(f[4]),
             pushback_s=pushback,
         )
 
@@ -309,6 +305,15 @@ class _Parser:
             load=None if f[5] is None else self.load(f[5]),
             summary=self.summary(f[6]),
         )
+
+
+def _speed(raw: Any) -> SpeedReport:
+    if not isinstance(raw, bytes) or len(raw) != _SPEED.size:
+        raise RemoteProtocolError("load: bad speed report")
+    speeds = _SPEED.unpack(raw)
+    if not all(math.isfinite(x) and x >= 0 for x in speeds):
+        raise RemoteProtocolError("load: speed figures must be finite and >= 0")
+    return SpeedReport(*speeds)
 
 
 def _array(v: Any, n: int, what: str) -> list[Any]:

@@ -36,12 +36,12 @@ last stamp received from its destination and how long it was held, so the destin
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.codec import Codec
 from radixmesh.core.config import GossipMode, NodeConfig
-from radixmesh.core.costmodel import RttTable
+from radixmesh.core.costmodel import RttTable, SpeedReport
 from radixmesh.core.events import Action, Log, PeerStateChanged, Send
 from radixmesh.core.membership import (
     Member,
@@ -75,6 +75,10 @@ DEAD_PROBE_EVERY = 8  # rounds between messages to dead peers (finds healed part
 SEED_EVERY = 10  # rounds between seed contacts once we know an alive peer
 MAX_RTT_S = 60.0  # echoes implying a longer round trip are ignored
 MAX_REFUSED = 4096  # refused peer ids remembered (one log line each)
+ECHO_EVERY = 8  # messages to one peer between RTT echoes
+RESEND_AFTER_ROUNDS = 2.5  # unacknowledged changes are sent again after this many rounds
+SPEED_EVERY = 16  # messages to one peer between unconditional speed reports
+SPEED_CHANGE = 0.05  # relative change of a speed figure that is worth reporting at once
 
 
 @dataclass(slots=True)
@@ -86,9 +90,13 @@ class Estimate:
     version: int | None = None  # version of its summary held in the PeerView (None: nothing)
     heartbeat: int = 0  # its highest round counter seen, 0: none (directly or relayed)
     stamp: float | None = None  # its clock at the newest load applied
-    load: Load | None = None
+    load: Load | None = None  # its newest load report (speed may be None: see ``speed``)
+    speed: SpeedReport | None = None  # its newest speed report
+    speed_sent: SpeedReport | None = None  # OUR speed as last sent to it
     pushback_until: float | None = None  # our clock
     acked: Ack | None = None  # which of OUR states it holds (from its latest message)
+    sent_version: int | None = None  # our newest version sent to it (maybe not received)
+    unacked_since: float | None = None  # when we started sending beyond its ack
     echo_stamp: float | None = None  # its latest stamp, to echo back once
     echo_at: float = 0.0  # our clock when that stamp arrived
     last_echo: float | None = None  # newest of our stamps it echoed (counted once)
@@ -103,11 +111,15 @@ class Estimate:
         """Forget its cache state and what it holds of ours (dead, or restarted)."""
         self.version = None
         self.acked = None
+        self.sent_version = None
+        self.unacked_since = None
         self.knows = None
         self.relay_log = []
         self.relay_log_hashes = 0
         self.snapshot_cache = None
         self.load = None
+        self.speed = None
+        self.speed_sent = None
         self.pushback_until = None
 
 
@@ -162,7 +174,7 @@ class Gossiper:
         self._apply_summary(est, msg.summary)
         self._apply_echo(est, msg, now)
         if newest:
-            self._apply_ack(est, msg.ack)
+            self._apply_ack(est, msg.ack, now)
             if msg.digest:
                 est.knows = {d.node_id: d for d in msg.digest}
         self._learn_peers(msg.peers, now, actions)
@@ -227,6 +239,8 @@ class Gossiper:
             return
         est.stamp = stamp
         est.load = load
+        if load.speed is not None:
+            est.speed = load.speed
         est.pushback_until = None if load.pushback_s is None else now + load.pushback_s
 
     def _apply_summary(self, est: Estimate, summary: Summary | None) -> None:
@@ -276,10 +290,17 @@ class Gossiper:
         if drop:
             del est.relay_log[:drop]
 
-    def _apply_ack(self, est: Estimate, ack: Ack | None) -> None:
+    def _apply_ack(self, est: Estimate, ack: Ack | None, now: float) -> None:
         if ack is not None and ack.incarnation != self.config.incarnation:
             ack = None
+        old = est.acked
         est.acked = ack
+        if ack is None and old is not None:  # it dropped our state: start again
+            est.sent_version = est.unacked_since = None
+        if ack is None or (old is not None and ack.version <= old.version):
+            return
+        caught_up = est.sent_version is None or ack.version >= est.sent_version
+        est.unacked_since = None if caught_up else now  # progress: a fresh window
 
     def _apply_echo(self, est: Estimate, msg: Gossip, now: float) -> None:
         if est.echo_stamp is None or msg.stamp > est.echo_stamp:
@@ -436,7 +457,7 @@ class Gossiper:
     def _message(
         self, est: Estimate | None, now: float, load: Load, reply: bool, full: bool
     ) -> Gossip:
-        summary = self._summary_for(est)
+        summary = self._summary_for(est, now)
         first = est is None or est.acked is None or isinstance(summary, Snapshot)
         epidemic = self.cfg.mode is GossipMode.EPIDEMIC
         return Gossip(
@@ -447,7 +468,7 @@ class Gossiper:
             heartbeat=self.heartbeat,
             fingerprint=self.fingerprint,
             stamp=now,
-            load=load,
+            load=load if est is None else self._load_for(est, load),
             summary=summary,
             fingerprint_detail=self.config.fingerprint if first or full else None,
             ack=None if est is None else _ack(est),
@@ -458,17 +479,56 @@ class Gossiper:
             reply=reply,
         )
 
-    def _summary_for(self, est: Estimate | None) -> Summary | None:
-        if self.cfg.mode is GossipMode.SNAPSHOT or est is None or est.acked is None:
+    def _load_for(self, est: Estimate, load: Load) -> Load:
+        """Our load for ``est``, its speed left out when the peer has a close enough one."""
+        if load.speed is None:
+            return load
+        sent = est.speed_sent
+        if sent is None or est.sent % SPEED_EVERY == 0 or _speed_moved(sent, load.speed):
+            est.speed_sent = load.speed
+            return load
+        return replace(load, speed=None)
+
+    def _summary_for(self, est: Estimate | None, now: float) -> Summary | None:
+        if self.cfg.mode is GossipMode.SNAPSHOT or est is None:
             return self.summary.snapshot()
-        delta = self.summary.delta_since(est.acked.version)
-        if delta is None:
-            self._count("gossip_snapshot_fallbacks")
-            return self.summary.snapshot()
-        return delta if delta.changes else None
+        base = self._delta_base(est, now)
+        if base is None:
+            summary: Summary = self.summary.snapshot()
+        else:
+            delta = self.summary.delta_since(base)
+            if delta is None:
+                self._count("gossip_snapshot_fallbacks")
+                summary = self.summary.snapshot()
+            elif not delta.changes:
+                return None
+            else:
+                summary = delta
+        self._sent(est, summary, now)
+        return summary
+
+    def _delta_base(self, est: Estimate, now: float) -> int | None:
+        """The version to send changes after: what it acknowledged, or (optimistically, for
+        a bounded window) what we already sent it, so each change normally travels once."""
+        acked = None if est.acked is None else est.acked.version
+        window = RESEND_AFTER_ROUNDS * self.cfg.interval_s
+        since = est.unacked_since
+        if est.sent_version is None or (since is not None and now - since >= window):
+            est.sent_version = None  # nothing sent, or not acknowledged in time: repair
+            est.unacked_since = None
+            return acked
+        return est.sent_version if acked is None else max(acked, est.sent_version)
+
+    def _sent(self, est: Estimate, summary: Summary, now: float) -> None:
+        est.sent_version = summary.version
+        acked = None if est.acked is None else est.acked.version
+        if acked is not None and acked >= summary.version:
+            est.unacked_since = None
+        elif est.unacked_since is None:
+            est.unacked_since = now
 
     def _echo(self, est: Estimate, now: float) -> Echo | None:
-        if est.echo_stamp is None:
+        if est.echo_stamp is None or est.sent % ECHO_EVERY != 0:
             return None
         echo = Echo(est.echo_stamp, max(0.0, now - est.echo_at))
         est.echo_stamp = None
@@ -532,7 +592,7 @@ class Gossiper:
                 load.inflight,
                 load.cache_tokens,
                 load.cache_budget,
-                load.speed,
+                e.speed,
                 pushback,
             )
         stamp = 0.0 if e.stamp is None else e.stamp
@@ -570,6 +630,16 @@ def _newer(e: Estimate, known: DigestEntry | None) -> bool:
     mine = -1 if e.version is None else e.version
     theirs = -1 if known.version is None else known.version
     return mine > theirs or e.heartbeat > known.heartbeat
+
+
+def _speed_moved(old: SpeedReport, new: SpeedReport) -> bool:
+    pairs = (
+        (old.prefill_overhead_s, new.prefill_overhead_s),
+        (old.prefill_s_per_token, new.prefill_s_per_token),
+        (old.decode_s_per_token, new.decode_s_per_token),
+        (old.mean_service_s, new.mean_service_s),
+    )
+    return any(abs(b - a) > SPEED_CHANGE * max(abs(a), 1e-12) for a, b in pairs)
 
 
 def _hash_count(summary: Summary | None) -> int:

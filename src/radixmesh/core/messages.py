@@ -32,7 +32,7 @@ class Load:
     inflight: int  # requests executing right now
     cache_tokens: int  # tokens cached
     cache_budget: int  # cache capacity in tokens
-    speed: SpeedReport  # measured prefill/decode speed
+    speed: SpeedReport | None  # measured speed; None: unchanged since the last one sent
     pushback_s: float | None = None  # "back off for this long from when you receive this"
 
 

@@ -113,6 +113,7 @@ class NodeCore:
             self._metrics,
         )
         self._load = LoadChanged(0, 0, 0, 0)
+        self._prior_speed = self._compute.report()  # for peers whose speed is not known yet
         self._pushback_until: float | None = None
         self._next_round = now  # the first Tick joins the seeds at once
         self._idle: list[tuple[int, float, str]] = []  # (queue depth, stamp, peer) lazy heap
@@ -280,7 +281,12 @@ class NodeCore:
             return None
         load = est.load
         return NodeInfo(
-            peer, False, cached_tokens, self._rtt.get(peer), load.queue_depth, load.speed
+            peer,
+            False,
+            cached_tokens,
+            self._rtt.get(peer),
+            load.queue_depth,
+            est.speed or self._prior_speed,
         )
 
     def _available(self, peer: str, est: Estimate, now: float) -> bool:
@@ -388,6 +394,7 @@ class NodeCore:
         est = self._gossip.estimates[peer]
         assert member is not None
         load = est.load
+        speed = est.speed or self._prior_speed
         until = est.pushback_until
         return {
             "node_id": peer,
@@ -405,9 +412,9 @@ class NodeCore:
                 "inflight": load.inflight,
                 "cache_tokens": load.cache_tokens,
                 "cache_budget": load.cache_budget,
-                "prefill_s_per_token": load.speed.prefill_s_per_token,
-                "decode_s_per_token": load.speed.decode_s_per_token,
-                "mean_service_s": load.speed.mean_service_s,
+                "prefill_s_per_token": speed.prefill_s_per_token,
+                "decode_s_per_token": speed.decode_s_per_token,
+                "mean_service_s": speed.mean_service_s,
             },
             "pushback_remaining_s": None if until is None else max(0.0, until - now),
             "rtt_s": self._rtt.get(peer),

@@ -20,6 +20,7 @@ vectorised with numpy; the decoder validates everything and raises ``ValueError`
 from __future__ import annotations
 
 import zlib
+from array import array
 from collections.abc import Iterable
 
 import numpy as np
@@ -38,9 +39,11 @@ _U64 = npt.NDArray[np.uint64]
 # ------------------------------------------------------------------------------- encoding
 def pack_hashes(hashes: Iterable[int]) -> bytes:
     """Encode a set of 64-bit hashes compactly (order and duplicates are not kept)."""
-    values = np.unique(np.fromiter(hashes, dtype=np.uint64))
+    values = np.sort(np.frombuffer(array("Q", hashes), dtype=np.uint64))
     if values.size == 0:
         return bytes([_RAW])
+    if values.size > 1:
+        values = values[np.concatenate(([True], values[1:] != values[:-1]))]
     gaps = values.copy()
     gaps[1:] -= values[:-1]
     varint = _varint_encode(gaps)
