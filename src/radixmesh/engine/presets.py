@@ -46,7 +46,7 @@ class Preset:
             num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_key_value_heads,
             max_position_embeddings=self.max_position_embeddings,
-            rope_theta=self.rope_theta,
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
             rms_norm_eps=self.rms_norm_eps,
             tie_word_embeddings=True,
             use_sliding_window=False,
