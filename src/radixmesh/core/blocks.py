@@ -18,6 +18,7 @@ Hash: XXH3-64 over the little-endian uint32 encoding of the block's token ids.
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ import xxhash
 
 DEFAULT_BLOCK_SIZE = 16
 _MAX_TOKEN_ID = 2**32 - 1
+_UINT32 = next(code for code in ("I", "L") if array(code).itemsize == 4)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,9 +53,12 @@ class Fingerprint:
 
 def _token_bytes(tokens: Sequence[int]) -> bytes:
     try:
-        return array("I", tokens).tobytes()
-    except OverflowError as exc:
-        raise ValueError(f"token ids must be in [0, {_MAX_TOKEN_ID}]") from exc
+        packed = array(_UINT32, tokens)
+    except (OverflowError, TypeError) as exc:
+        raise ValueError(f"token ids must be integers in [0, {_MAX_TOKEN_ID}]") from exc
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 def block_hashes(tokens: Sequence[int], block_size: int, seed: int) -> list[int]:

@@ -22,7 +22,8 @@ wrong answer.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import random
+from collections.abc import Container, Iterable, Sequence
 
 PeerId = str
 
@@ -55,22 +56,76 @@ class PeerView:
         return sum(len(s) for s in self._held.values())
 
     def match(self, hashes: Sequence[int]) -> dict[PeerId, int]:
-        """Leading blocks of ``hashes`` held by each peer; peers matching 0 are omitted."""
-        if not hashes or not self._held:
-            return {}
+        """Leading blocks of ``hashes`` held by each peer; peers matching 0 are omitted.
+
+        Costs O(blocks + matched peers); routing uses :meth:`match_top`, which does not pay
+        for every matched peer.
+        """
         result: dict[PeerId, int] = {}
+        for depth, mask in self.match_levels(hashes):
+            self._record(mask, depth, result)
+        return result
+
+    def match_levels(self, hashes: Sequence[int]) -> list[tuple[int, int]]:
+        """``(depth, slot mask)`` pairs, deepest first: each peer in a mask holds exactly
+        ``depth`` leading blocks. O(blocks) big-integer operations, whatever the peer count."""
+        if not hashes or not self._held:
+            return []
+        levels: list[tuple[int, int]] = []
         index = self._index
         alive = index.get(hashes[0], 0)
         for depth in range(1, len(hashes)):
             if not alive:
-                return result
+                break
             nxt = alive & index.get(hashes[depth], 0)
             if nxt != alive:
-                self._record(alive & ~nxt, depth, result)
+                levels.append((depth, alive & ~nxt))
             alive = nxt
-        if alive:
-            self._record(alive, len(hashes), result)
-        return result
+        else:
+            if alive:
+                levels.append((len(hashes), alive))
+        levels.reverse()
+        return levels
+
+    def match_top(
+        self,
+        hashes: Sequence[int],
+        k: int,
+        rng: random.Random,
+        skip: Container[PeerId] = (),
+    ) -> list[tuple[PeerId, int]]:
+        """Up to ``k`` peers with the deepest matches, deepest first, as ``(peer, depth)``.
+
+        Peers in ``skip`` (e.g. suspect or pushed back) are passed over. Among peers of equal
+        depth the sample starts at a random slot, so equal peers share the load instead of
+        "the first peer" taking it all. Costs O(blocks + k + skipped), not O(matched peers).
+        """
+        out: list[tuple[PeerId, int]] = []
+        if k <= 0:
+            return out
+        for depth, mask in self.match_levels(hashes):
+            for peer in self._sample(mask, k - len(out), rng, skip):
+                out.append((peer, depth))
+            if len(out) >= k:
+                break
+        return out
+
+    def _sample(
+        self, mask: int, n: int, rng: random.Random, skip: Container[PeerId]
+    ) -> list[PeerId]:
+        """Up to ``n`` peers of ``mask``, scanning slots cyclically from a random one."""
+        width = mask.bit_length()
+        shift = rng.randrange(width)
+        rotated = (mask >> shift) | ((mask & ((1 << shift) - 1)) << (width - shift))
+        peer_at = self._peer_at
+        out: list[PeerId] = []
+        while rotated and len(out) < n:
+            low = rotated & -rotated
+            peer = peer_at[(low.bit_length() - 1 + shift) % width]
+            if peer not in skip:
+                out.append(peer)
+            rotated ^= low
+        return out
 
     def _record(self, mask: int, depth: int, out: dict[PeerId, int]) -> None:
         peer_at = self._peer_at

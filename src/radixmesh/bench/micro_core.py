@@ -1,0 +1,174 @@
+"""Core micro-benchmarks: block hashing, radix tree match/insert, and the routing decision.
+
+Note for ``NodeCore.route`` (what this benchmark proves fast enough, per request):
+
+1. ``view.match_top(hashes, k=ROUTE_TOP_K, rng, skip=unavailable)`` — the k deepest-matching
+   peers, O(blocks + k), never O(peers); ``unavailable`` = suspect or pushed-back peer ids
+   (a small set, kept by membership).
+2. ``NodeInfo`` for those k peers, for self (``local_cached_tokens``) and for the
+   least-loaded available peer (cold requests may go there when self is busy) — keep that
+   peer up to date when load reports arrive (gossip), not by scanning all peers per request.
+3. ``Router.rank`` over those <= k + 2 nodes.
+
+Never build a NodeInfo per peer per request: at 1,024 peers that alone costs > 1 ms, and
+``PeerView.match`` (the full per-peer dict) costs O(matched peers) (~150 µs when ~900 peers
+share a popular prefix).
+
+Workload: MMLU-shaped prompts with a byte-level tokenizer (~3,000 tokens; the shared
+few-shot prefix is ~85% of a prompt): 57 subject prefixes of 2,540 tokens with Zipf-like
+popularity, per-question suffixes of ~460 tokens. Each peer caches 8 subject prefixes and
+8 question suffixes per prefix (~3,600 block hashes), so popular prefixes are on hundreds of
+peers at 1,024 peers.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+from radixmesh.core.blocks import Fingerprint, block_hashes, extend_hashes
+from radixmesh.core.costmodel import ComputeModel, CostPriors
+from radixmesh.core.peerview import PeerView
+from radixmesh.core.radix import RadixTree
+from radixmesh.core.router import NodeInfo, Policy, RouteInput, Router, RouterConfig
+
+BLOCK = 16
+PROMPT_TOKENS = 3_000
+PREFIX_TOKENS = 2_540
+SUBJECTS = 57
+PREFIXES_PER_PEER = 8
+SUFFIXES_PER_PREFIX = 8
+ROUTE_TOP_K = 8
+PEER_COUNTS = (4, 64, 1024)
+
+
+def _percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _time_us(fn: Callable[[], object], iterations: int) -> list[float]:
+    out: list[float] = []
+    clock = time.perf_counter
+    for _ in range(iterations):
+        t0 = clock()
+        fn()
+        out.append((clock() - t0) * 1e6)
+    return out
+
+
+class Workload:
+    """Synthetic MMLU-shaped token prompts (deterministic for a seed)."""
+
+    def __init__(self, rng: random.Random, seed: int) -> None:
+        self.rng = rng
+        self.seed = seed
+        self.prefixes = [self._tokens(PREFIX_TOKENS) for _ in range(SUBJECTS)]
+        self.prefix_hashes = [block_hashes(p, BLOCK, seed) for p in self.prefixes]
+        self.weights = [1.0 / (i + 1) for i in range(SUBJECTS)]
+
+    def _tokens(self, n: int) -> list[int]:
+        return list(self.rng.randbytes(n))
+
+    def subject(self) -> int:
+        return self.rng.choices(range(SUBJECTS), self.weights)[0]
+
+    def prompt(self, subject: int) -> list[int]:
+        return self.prefixes[subject] + self._tokens(PROMPT_TOKENS - PREFIX_TOKENS)
+
+    def peer_hashes(self, suffixes: int) -> list[int]:
+        out: list[int] = []
+        for s in self.rng.choices(range(SUBJECTS), self.weights, k=PREFIXES_PER_PEER):
+            out.extend(self.prefix_hashes[s])
+            known = self.prefix_hashes[s]
+            for _ in range(suffixes):
+                chain = extend_hashes(known, self.prompt(s), BLOCK, self.seed)
+                out.extend(chain[len(known) :])
+        return out
+
+
+def _route_bench(work: Workload, peers: int, iterations: int) -> list[float]:
+    view = PeerView()
+    for p in range(peers):
+        view.replace(f"n{p}", work.peer_hashes(SUFFIXES_PER_PREFIX))
+    speed = ComputeModel(CostPriors()).report()
+    rng = random.Random(7)
+    loads = {f"n{p}": rng.randrange(4) for p in range(peers)}
+    rtts = {f"n{p}": 0.001 + rng.random() * 0.002 for p in range(peers)}
+    unavailable = {f"n{p}" for p in range(0, peers, 16)}  # some suspect / pushed back
+    idle = next(p for p in loads if p not in unavailable)  # kept up to date by membership
+    router = Router(RouterConfig(policy=Policy.COST))
+    requests = []
+    for _ in range(64):
+        prompt = work.prompt(work.subject())
+        requests.append(block_hashes(prompt, BLOCK, work.seed))
+    req = RouteInput(prompt_tokens=PROMPT_TOKENS, max_tokens=1)
+    cursor = [0]
+
+    def route() -> object:
+        hashes = requests[cursor[0] % len(requests)]
+        cursor[0] += 1
+        top = view.match_top(hashes, ROUTE_TOP_K, rng, unavailable)
+        nodes = [NodeInfo("self", True, 0, 0.0, 2, speed)]
+        nodes.extend(
+            NodeInfo(p, False, depth * BLOCK, rtts[p], loads[p], speed) for p, depth in top
+        )
+        if all(p != idle for p, _ in top):
+            nodes.append(NodeInfo(idle, False, 0, rtts[idle], loads[idle], speed))
+        return router.rank(req, nodes, rng)
+
+    for _ in range(min(50, iterations)):
+        route()
+    return _time_us(route, iterations)
+
+
+def _radix_bench(work: Workload, iterations: int) -> tuple[list[float], list[float]]:
+    """A node's tree holding 8 subject prefixes x 32 questions (~110k tokens)."""
+    tree: RadixTree[None] = RadixTree(BLOCK, work.seed)
+    subjects = list(range(PREFIXES_PER_PEER))
+    now = 0.0
+    for s in subjects:
+        for _ in range(32):
+            now += 1.0
+            tree.insert(work.prompt(s), now)
+    prompts = [work.prompt(work.rng.choice(subjects)) for _ in range(iterations)]
+    hashes = [block_hashes(p, BLOCK, work.seed) for p in prompts]
+    matches = _time_us(lambda: tree.match(prompts[0]), iterations)
+    inserts: list[float] = []
+    for prompt, hs in zip(prompts, hashes, strict=True):
+        now += 1.0
+        t0 = time.perf_counter()
+        tree.insert(prompt, now, hashes=hs)
+        inserts.append((time.perf_counter() - t0) * 1e6)
+    return matches, inserts
+
+
+def _summary(samples: Sequence[float]) -> float:
+    return round(statistics.median(samples), 2)
+
+
+def run(quick: bool) -> dict[str, object]:
+    iterations = 300 if quick else 3_000
+    seed = Fingerprint("bench", "bytes", BLOCK).digest
+    work = Workload(random.Random(0), seed)
+    prompt = work.prompt(0)
+    hashing = _time_us(lambda: block_hashes(prompt, BLOCK, seed), iterations)
+    matches, inserts = _radix_bench(work, iterations)
+    p50: dict[str, float] = {}
+    p99: dict[str, float] = {}
+    for peers in PEER_COUNTS:
+        samples = _route_bench(work, peers, iterations)
+        p50[str(peers)] = _summary(samples)
+        p99[str(peers)] = round(_percentile(samples, 0.99), 2)
+    return {
+        "hash_p50_us": _summary(hashing),
+        "hash_prompt_tokens": len(prompt),
+        "radix_match_p50_us": _summary(matches),
+        "radix_insert_p50_us": _summary(inserts),
+        "route_p50_us": p50,
+        "route_p99_us": p99,
+        "route_policy": "cost",
+        "route_top_k": ROUTE_TOP_K,
+    }

@@ -1,0 +1,92 @@
+"""Cost model: priors before observations, EWMA convergence, RTT table, prefill shape."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import given, settings
+
+from radixmesh.core.costmodel import (
+    ComputeModel,
+    CostPriors,
+    Ewma,
+    RttTable,
+    SpeedReport,
+    prefill_work,
+)
+
+PRIORS = CostPriors()
+
+
+def test_priors_are_used_before_observations() -> None:
+    report = ComputeModel(PRIORS).report()
+    assert report.prefill_s_per_token == PRIORS.prefill_s_per_token
+    assert report.decode_s_per_token == PRIORS.decode_s_per_token
+    assert report.prefill_overhead_s == PRIORS.prefill_overhead_s
+    assert report.mean_service_s > 0
+    rtt = RttTable(PRIORS)
+    assert rtt.get("peer") == PRIORS.rtt_s and not rtt.measured("peer")
+
+
+@settings(max_examples=100, deadline=None)
+@given(prior=st.floats(0, 10), x=st.floats(0, 10), alpha=st.floats(0.01, 1))
+def test_ewma_converges_to_a_constant_input(prior: float, x: float, alpha: float) -> None:
+    est = Ewma(prior, alpha)
+    for _ in range(2000):
+        est.observe(x)
+    assert est.value == pytest.approx(x, rel=1e-6, abs=1e-9)
+
+
+def test_compute_model_learns_rates() -> None:
+    model = ComputeModel(PRIORS)
+    true_rate = 3e-4
+    for u, c in [(100, 0), (500, 1000), (50, 3000)] * 100:
+        seconds = PRIORS.prefill_overhead_s + true_rate * prefill_work(u, c, PRIORS.context_scale)
+        model.observe_prefill(u, c, seconds)
+        model.observe_decode(10, 0.5)
+        model.observe_service(0.25)
+    report = model.report()
+    assert report.prefill_s_per_token == pytest.approx(true_rate, rel=1e-6)
+    assert report.decode_s_per_token == pytest.approx(0.05)
+    assert report.mean_service_s == pytest.approx(0.25)
+    model.observe_prefill(0, 10, 1.0)  # ignored: nothing prefilled
+    model.observe_decode(0, 1.0)
+    model.observe_service(-1.0)
+    assert model.report() == report
+
+
+def test_rtt_table_first_observation_replaces_prior_then_tracks() -> None:
+    rtt = RttTable(PRIORS)
+    rtt.observe("a", 0.05)
+    assert rtt.get("a") == 0.05 and rtt.measured("a")
+    for _ in range(200):
+        rtt.observe("a", 0.01)
+    assert rtt.get("a") == pytest.approx(0.01)
+    rtt.observe("a", -1.0)  # ignored
+    rtt.forget("a")
+    assert rtt.get("a") == PRIORS.rtt_s
+
+
+def test_prefill_grows_with_context_and_is_zero_when_all_cached() -> None:
+    speed = SpeedReport(0.004, 1e-4, 0.007, 0.1)
+    assert speed.prefill_s(0, 500, 4096.0) == 0.0
+    assert speed.prefill_s(100, 2000, 4096.0) > speed.prefill_s(100, 0, 4096.0)
+    assert speed.prefill_s(200, 0, 4096.0) > speed.prefill_s(100, 0, 4096.0)
+    assert speed.service_s(10, 0, 5, 4096.0) == pytest.approx(
+        speed.prefill_s(10, 0, 4096.0) + 4 * 0.007
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"rtt_s": -1.0},
+        {"decode_s_per_token": -1.0},
+        {"context_scale": 0.0},
+        {"alpha": 0.0},
+        {"alpha": 1.5},
+    ],
+)
+def test_bad_priors(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        CostPriors(**kwargs)  # type: ignore[arg-type]

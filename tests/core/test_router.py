@@ -1,0 +1,243 @@
+"""Router policies: availability, the cost policy's guarantees, Algorithm 1, baselines."""
+
+from __future__ import annotations
+
+import random
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import given, settings
+
+from radixmesh.core.costmodel import SpeedReport
+from radixmesh.core.router import (
+    NodeInfo,
+    Policy,
+    RouteInput,
+    Router,
+    RouterConfig,
+    predict_latency,
+)
+
+SPEED = SpeedReport(0.004, 8e-5, 0.007, 0.05)
+SCALE = RouterConfig().context_scale
+
+speed_st = st.builds(
+    SpeedReport,
+    st.floats(0, 0.01),
+    st.floats(1e-6, 1e-3),
+    st.floats(1e-4, 0.05),
+    st.floats(0.001, 1.0),
+)
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> tuple[RouteInput, list[NodeInfo]]:
+    prompt = draw(st.integers(1, 4000))
+    req = RouteInput(prompt, draw(st.integers(1, 64)))
+    n_peers = draw(st.integers(0, 6))
+    nodes = [
+        NodeInfo(
+            "self",
+            True,
+            draw(st.integers(0, prompt)),
+            0.0,
+            draw(st.integers(0, 20)),
+            draw(speed_st),
+        )
+    ]
+    for i in range(n_peers):
+        nodes.append(
+            NodeInfo(
+                f"p{i}",
+                False,
+                draw(st.integers(0, prompt)),
+                draw(st.floats(0, 0.5)),
+                draw(st.integers(0, 20)),
+                draw(speed_st),
+                suspect=draw(st.booleans()),
+                pushed_back=draw(st.booleans()),
+            )
+        )
+    draw(st.randoms()).shuffle(nodes)
+    return req, nodes
+
+
+def peer(name: str, cached: int, *, rtt: float = 0.001, queue: int = 0, **kw: bool) -> NodeInfo:
+    return NodeInfo(name, False, cached, rtt, queue, SPEED, **kw)
+
+
+def me(cached: int = 0, queue: int = 0) -> NodeInfo:
+    return NodeInfo("self", True, cached, 0.0, queue, SPEED)
+
+
+def rank(policy: Policy, req: RouteInput, nodes: list[NodeInfo], seed: int = 0) -> list[str]:
+    out = Router(RouterConfig(policy=policy)).rank(req, nodes, random.Random(seed))
+    return [c.node_id for c in out]
+
+
+@settings(max_examples=200, deadline=None)
+@given(scenario=scenarios(), policy=st.sampled_from(list(Policy)), seed=st.integers(0, 99))
+def test_self_always_ranked_and_unavailable_peers_never(
+    scenario: tuple[RouteInput, list[NodeInfo]], policy: Policy, seed: int
+) -> None:
+    req, nodes = scenario
+    ranked = Router(RouterConfig(policy=policy)).rank(req, nodes, random.Random(seed))
+    ids = [c.node_id for c in ranked]
+    assert "self" in ids and len(set(ids)) == len(ids)
+    by_id = {n.node_id: n for n in nodes}
+    assert all(by_id[i].available for i in ids)  # suspect / pushed back never chosen
+    for c in ranked:
+        assert 0 <= c.expected_cached_tokens <= req.prompt_tokens
+        assert c.predicted_latency_s >= 0 and c.is_self == (c.node_id == "self")
+    if policy is not Policy.NONE:
+        assert sorted(ids) == sorted(n.node_id for n in nodes if n.available)
+
+
+@settings(max_examples=200, deadline=None)
+@given(scenario=scenarios(), seed=st.integers(0, 99))
+def test_cost_never_forwards_when_rtt_exceeds_the_largest_possible_saving(
+    scenario: tuple[RouteInput, list[NodeInfo]], seed: int
+) -> None:
+    req, nodes = scenario
+    local = predict_latency(req, next(n for n in nodes if n.is_self), SCALE)
+    slow = []
+    for n in nodes:
+        if n.is_self:
+            slow.append(n)
+            continue
+        # Best case for the peer: everything but one token cached, nobody queued.
+        best_service = n.speed.service_s(1, req.prompt_tokens - 1, req.max_tokens, SCALE)
+        rtt = max(n.rtt_s, local - best_service + 1e-9)
+        slow.append(
+            NodeInfo(
+                n.node_id,
+                False,
+                n.cached_tokens,
+                rtt,
+                n.queue_depth,
+                n.speed,
+                n.suspect,
+                n.pushed_back,
+            )
+        )
+    assert rank(Policy.COST, req, slow, seed)[0] == "self"
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    prompt=st.integers(1, 4000),
+    self_queue=st.integers(0, 10),
+    extra_queues=st.lists(st.integers(0, 10), max_size=6),
+    rtts=st.lists(st.floats(0, 0.1), min_size=6, max_size=6),
+    seed=st.integers(0, 99),
+)
+def test_cost_with_no_cache_anywhere_stays_local(
+    prompt: int, self_queue: int, extra_queues: list[int], rtts: list[float], seed: int
+) -> None:
+    # Equal hardware, nothing cached anywhere, peers at least as busy as self: stay local.
+    req = RouteInput(prompt, 1)
+    nodes = [me(0, self_queue)]
+    nodes += [
+        peer(f"p{i}", 0, rtt=rtts[i], queue=self_queue + q) for i, q in enumerate(extra_queues)
+    ]
+    ranked = Router(RouterConfig()).rank(req, nodes, random.Random(seed))
+    assert ranked[0].is_self and ranked[0].expected_cached_tokens == 0
+
+
+def test_cost_spreads_ties_among_equal_peers() -> None:
+    req = RouteInput(3000, 1)
+    nodes = [me(0, queue=5)] + [peer(f"p{i}", 2500) for i in range(6)]
+    heads = {rank(Policy.COST, req, nodes, seed)[0] for seed in range(60)}
+    assert "self" not in heads and len(heads) >= 3
+
+
+def test_cost_forwards_when_the_saving_beats_the_rtt() -> None:
+    req = RouteInput(3000, 1)
+    nodes = [me(0), peer("warm", 2900, rtt=0.002), peer("cold", 0)]
+    assert rank(Policy.COST, req, nodes)[0] == "warm"
+    slow = [me(0), peer("warm", 2900, rtt=10.0)]
+    assert rank(Policy.COST, req, slow)[0] == "self"
+
+
+def test_cost_prefers_idle_peer_when_self_is_swamped_and_nothing_is_cached() -> None:
+    req = RouteInput(500, 1)
+    nodes = [me(0, queue=50), peer("idle", 0, queue=0), peer("busy", 0, queue=60)]
+    assert rank(Policy.COST, req, nodes)[0] == "idle"
+
+
+def test_cost_hysteresis_keeps_self_for_tiny_gains() -> None:
+    req = RouteInput(3000, 1)
+    local = predict_latency(req, me(100), SCALE)
+    nodes = [me(100), peer("p", 116, rtt=0.0)]  # one block more: a negligible gain
+    assert predict_latency(req, nodes[1], SCALE) < local
+    assert rank(Policy.COST, req, nodes)[0] == "self"
+
+
+# ----------------------------------------------------------------------- paper (Algorithm 1)
+def test_paper_argmax_match() -> None:
+    req = RouteInput(1000, 1)
+    nodes = [me(100), peer("a", 300), peer("b", 800, queue=30), peer("c", 500)]
+    assert rank(Policy.PAPER, req, nodes) == ["b", "c", "a", "self"]
+
+
+def test_paper_ties_go_to_self_then_lowest_id() -> None:
+    req = RouteInput(1000, 1)
+    assert rank(Policy.PAPER, req, [peer("b", 400), me(400), peer("a", 400)]) == ["self", "a", "b"]
+    assert rank(Policy.PAPER, req, [peer("b", 400), me(0), peer("a", 400)])[0] == "a"
+    assert rank(Policy.PAPER, req, [me(0), peer("a", 0)])[0] == "self"
+
+
+def test_paper_skips_suspect_and_pushed_back() -> None:
+    req = RouteInput(1000, 1)
+    nodes = [
+        me(0),
+        peer("s", 900, suspect=True),
+        peer("pb", 800, pushed_back=True),
+        peer("ok", 100),
+    ]
+    assert rank(Policy.PAPER, req, nodes) == ["ok", "self"]
+    assert rank(Policy.PAPER, req, nodes[:3]) == ["self"]
+
+
+# --------------------------------------------------------------------------------- baselines
+@settings(max_examples=100, deadline=None)
+@given(scenario=scenarios(), seed=st.integers(0, 99))
+def test_none_is_always_self_with_no_claimed_hit(
+    scenario: tuple[RouteInput, list[NodeInfo]], seed: int
+) -> None:
+    req, nodes = scenario
+    ranked = Router(RouterConfig(policy=Policy.NONE)).rank(req, nodes, random.Random(seed))
+    assert [(c.node_id, c.expected_cached_tokens) for c in ranked] == [("self", 0)]
+
+
+def test_round_robin_cycles_over_available_nodes() -> None:
+    router = Router(RouterConfig(policy=Policy.ROUND_ROBIN))
+    nodes = [me(), peer("a", 0), peer("b", 0), peer("x", 0, suspect=True)]
+    heads = [router.rank(RouteInput(10, 1), nodes, random.Random(0))[0].node_id for _ in range(6)]
+    assert heads == ["a", "b", "self"] * 2
+
+
+def test_least_loaded_and_random() -> None:
+    req = RouteInput(10, 1)
+    nodes = [me(queue=3), peer("a", 0, queue=1), peer("b", 0, queue=0)]
+    assert rank(Policy.LEAST_LOADED, req, nodes) == ["b", "a", "self"]
+    heads = {rank(Policy.RANDOM, req, nodes, seed)[0] for seed in range(40)}
+    assert heads == {"self", "a", "b"}
+
+
+def test_rank_requires_exactly_one_self() -> None:
+    router = Router(RouterConfig())
+    with pytest.raises(ValueError):
+        router.rank(RouteInput(10, 1), [peer("a", 0)], random.Random(0))
+    with pytest.raises(ValueError):
+        router.rank(RouteInput(10, 1), [me(), me()], random.Random(0))
+
+
+def test_policy_parse_and_config_validation() -> None:
+    assert Policy.parse(" Cost ") is Policy.COST
+    with pytest.raises(ValueError):
+        Policy.parse("fastest")
+    with pytest.raises(ValueError):
+        RouterConfig(min_gain_frac=1.0)
+    with pytest.raises(ValueError):
+        RouterConfig(context_scale=0)
