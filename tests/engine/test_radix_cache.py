@@ -10,7 +10,7 @@ import torch
 from radixmesh.core.blocks import block_hashes
 from radixmesh.engine.builtin import TransformersEngine
 from radixmesh.engine.factory import build_engine
-from radixmesh.engine.radix_cache import RadixKVCache
+from radixmesh.engine.radix_cache import GrowingLayer, RadixKVCache
 from radixmesh.engine.testing import uncached_logits
 
 ATOL = 1e-4
@@ -158,3 +158,19 @@ def test_stored_values_are_copies_not_views() -> None:
 def test_negative_budget_rejected() -> None:
     with pytest.raises(ValueError):
         RadixKVCache(-1, 16, 0)
+
+
+def test_growing_layer_matches_concatenation_across_growth() -> None:
+    torch.manual_seed(0)
+    segs = [torch.randn(2, 2, t, 8) for t in (3, 5)]
+    layer = GrowingLayer(capacity=9, segments=segs)
+    chunks = [torch.randn(1, 2, t, 8) for t in (1, 4, 7, 1)]
+    ref_k = torch.cat([s[0].unsqueeze(0) for s in segs], dim=2)
+    for c in chunks:
+        keys, values = layer.update(c, c * 2)
+        ref_k = torch.cat([ref_k, c], dim=2)
+        assert torch.equal(keys, ref_k)
+        assert torch.equal(values[:, :, 8:], ref_k[:, :, 8:] * 2)
+    assert layer.get_seq_length() == 8 + 13
+    segs[0].zero_()  # the buffer holds copies, never views of the tree's tensors
+    assert torch.equal(layer.keys[:, :, :3], ref_k[:, :, :3])

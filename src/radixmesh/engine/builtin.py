@@ -6,8 +6,8 @@ Theory of operation
 
     lease = cache.acquire(prompt)           # cached prefix P (<= len-1 tokens), path locked,
                                             # LRU leaves evicted so the request's tokens fit
-    kv    = concat(path tensors)            # [1, kv_heads, P, head_dim] per layer
-    prefill prompt[P:] at positions P..len-1 on DynamicCache(kv)   -> last-position logits
+    cache = RequestCache(path tensors)      # per layer [1, kv_heads, P + room, head_dim]
+    prefill prompt[P:] at positions P..len-1 on that cache   -> last-position logits
     decode: sample, feed the token at the next position, until max_tokens / EOS / stop id /
             max_context
     cache.commit(lease, fed tokens, request KV)   # prompt + generated tokens, then unlock
@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from radixmesh.core.blocks import Fingerprint
 from radixmesh.engine.base import (
@@ -50,7 +50,7 @@ from radixmesh.engine.base import (
     TokenCallback,
     Tokenizer,
 )
-from radixmesh.engine.radix_cache import LayerKV, Lease, RadixKVCache, concat_kv
+from radixmesh.engine.radix_cache import LayerKV, Lease, RadixKVCache, RequestCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +69,7 @@ class _Run:
     """Mutable state of one request while it runs."""
 
     fed: list[int]  # every token whose KV is in ``cache`` (prompt + generated so far)
-    cache: DynamicCache
+    cache: RequestCache
     output: list[int]
     finish: FinishReason = "length"
 
@@ -92,6 +92,7 @@ class TransformersEngine:
         self._fingerprint = Fingerprint(spec.model_identity, tokenizer.fingerprint, spec.block_size)
         self.cache = RadixKVCache(spec.cache_tokens, spec.block_size, self._fingerprint.digest)
         self._vocab = int(model.config.get_text_config().vocab_size)
+        self._n_layers = int(model.config.get_text_config().num_hidden_layers)
         self._allowed = min(tokenizer.vocab_size, self._vocab)
         eos = tokenizer.eos_token_id
         default_stops = frozenset() if eos is None else frozenset({eos})
@@ -159,7 +160,7 @@ class TransformersEngine:
         run: _Run | None = None
         try:
             t0 = time.perf_counter()
-            run, logits = self._prefill(prompt, lease)
+            run, logits = self._prefill(prompt, lease, budget)
             t1 = time.perf_counter()
             self._decode(run, logits, sp, budget, on_token)
             t2 = time.perf_counter()
@@ -199,9 +200,11 @@ class TransformersEngine:
         self.cache.commit(lease, run.fed[:n_kv], kv, self._clock())
 
     @torch.inference_mode()
-    def _prefill(self, prompt: list[int], lease: Lease) -> tuple[_Run, torch.Tensor]:
-        prefix = [(k.to(self.device), v.to(self.device)) for k, v in concat_kv(lease.values)]
-        cache = DynamicCache(ddp_cache_data=prefix) if prefix else DynamicCache()
+    def _prefill(
+        self, prompt: list[int], lease: Lease, max_new: int = 0
+    ) -> tuple[_Run, torch.Tensor]:
+        values = [v.to(self.device) for v in lease.values]
+        cache = RequestCache(self._n_layers, len(prompt) + max_new, values)
         run = _Run(fed=list(prompt[: lease.cached]), cache=cache, output=[])
         logits = self._forward(run, prompt[lease.cached :])
         return run, logits

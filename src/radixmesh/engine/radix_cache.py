@@ -14,7 +14,8 @@ A request runs in four steps (the paper's Algorithm 1, lines 7–13)::
 
     acquire(prompt)   match_prefix(prompt[:-1]) (>= 1 token is always computed), lock the path,
                       evict LRU leaves until the request's new tokens fit the budget
-    prefix_kv(lease)  concatenate the path's tensors -> per-layer (K, V) for the model
+    RequestCache(lease.values)   copy the path's tensors into per-layer buffers sized for the
+                      request (prefix + new tokens); the model appends in place
     ... the engine runs prefill + decode on its own DynamicCache ...
     commit(lease, seq, kv)  insert the sequence's tokens (prompt + generated) with KV slices
                       cloned from the request cache, evicting again if needed; unlock
@@ -36,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from radixmesh.core.radix import RadixTree, TreeNode
 from radixmesh.engine.base import CacheUsage
@@ -139,9 +141,70 @@ class RadixKVCache:
         return end - have
 
 
-def concat_kv(values: Sequence[KV]) -> LayerKV:
-    """Per-layer (K, V) ``[1, kv_heads, T, head_dim]`` for a path's segments (new tensors)."""
-    if not values:
-        return []
-    whole = values[0] if len(values) == 1 else torch.cat(list(values), dim=3)
-    return [(whole[i, 0].unsqueeze(0), whole[i, 1].unsqueeze(0)) for i in range(whole.shape[0])]
+class GrowingLayer(DynamicLayer):
+    """One layer's request KV in a preallocated buffer; ``keys``/``values`` are views of it.
+
+    transformers' ``DynamicLayer`` concatenates the whole cache on every decode step (O(T)
+    copies per token); this layer writes new positions in place and doubles when full. The
+    cached prefix is copied straight from the tree's segments into the buffer (one copy).
+    """
+
+    def __init__(self, capacity: int, segments: Sequence[torch.Tensor] = ()) -> None:
+        super().__init__()
+        self._capacity = max(capacity, 1)
+        self._n = 0
+        self._kbuf: torch.Tensor | None = None
+        self._vbuf: torch.Tensor | None = None
+        if segments:  # each [2, kv_heads, T, head_dim]
+            first = segments[0]
+            self._allocate(first.shape[1], first.shape[3], first.dtype, first.device)
+            for seg in segments:
+                self._write(seg[0].unsqueeze(0), seg[1].unsqueeze(0))
+
+    def _allocate(self, heads: int, dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        shape = (1, heads, self._capacity, dim)
+        self._kbuf = torch.empty(shape, dtype=dtype, device=device)
+        self._vbuf = torch.empty(shape, dtype=dtype, device=device)
+        self.device, self.is_initialized = device, True
+
+    def _write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        assert self._kbuf is not None and self._vbuf is not None
+        end = self._n + k.shape[-2]
+        if end > self._kbuf.shape[2]:
+            self._grow(end)
+        self._kbuf[:, :, self._n : end] = k
+        self._vbuf[:, :, self._n : end] = v
+        self._n = end
+        self.keys, self.values = self._kbuf[:, :, :end], self._vbuf[:, :, :end]
+
+    def _grow(self, need: int) -> None:
+        assert self._kbuf is not None and self._vbuf is not None
+        cap = max(need, 2 * self._kbuf.shape[2])
+        pad = (0, 0, 0, cap - self._kbuf.shape[2])
+        self._kbuf = torch.nn.functional.pad(self._kbuf, pad)
+        self._vbuf = torch.nn.functional.pad(self._vbuf, pad)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self._allocate(
+            key_states.shape[1], key_states.shape[3], key_states.dtype, key_states.device
+        )
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kw: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._write(key_states, value_states)
+        assert self.keys is not None and self.values is not None
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self._n
+
+
+class RequestCache(DynamicCache):
+    """A request's KV cache: the cached prefix (copied once) + room for its new tokens."""
+
+    def __init__(self, n_layers: int, capacity: int, values: Sequence[KV] = ()) -> None:
+        layers = [GrowingLayer(capacity, [v[i] for v in values]) for i in range(n_layers)]
+        Cache.__init__(self, layers=layers)  # type: ignore[arg-type]
