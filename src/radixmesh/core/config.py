@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.costmodel import CostPriors
@@ -60,15 +61,15 @@ class GossipConfig:
         return cls(interval_s=2.0, suspect_after_s=10.0, dead_after_s=60.0)
 
     @classmethod
-    def for_interval(cls, interval_s: float, **overrides: object) -> GossipConfig:
+    def for_interval(cls, interval_s: float, **overrides: Any) -> GossipConfig:
         """Timeouts scaled to the interval: suspect after 4 rounds, dead after 20."""
-        base = {
+        base: dict[str, Any] = {
             "interval_s": interval_s,
             "suspect_after_s": max(4 * interval_s, 0.5),
             "dead_after_s": max(20 * interval_s, 2.5),
         }
         base.update(overrides)
-        return cls(**base)  # type: ignore[arg-type]
+        return cls(**base)
 
 
 @dataclass(frozen=True, slots=True)
