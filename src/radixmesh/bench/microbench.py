@@ -27,10 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.only:
-        names = [args.only]
-    else:
-        names = ["core", "gossip"] + (["engine"] if args.engine else [])
+    default = ["core", "gossip", *(["engine"] if args.engine else [])]
+    names = [args.only] if args.only else default
     results: dict[str, Any] = {}
     for name in names:
         module = importlib.import_module(SECTIONS[name])
