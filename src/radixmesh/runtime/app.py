@@ -45,6 +45,7 @@ from radixmesh.runtime.openai_api import (
     response_body,
     usage_body,
 )
+from radixmesh.runtime.openapi import install_openapi
 from radixmesh.runtime.peer_auth import (
     GOSSIP_PURPOSE,
     forward_purpose,
@@ -88,6 +89,7 @@ def create_app(service: NodeService) -> FastAPI:
     _peer_routes(app, service)
     _admin_routes(app, service)
     install_debug_routes(app, service)
+    install_openapi(app, service.engine.model_name)
     install_api_key_check(app, service.api_key)
     return app
 
