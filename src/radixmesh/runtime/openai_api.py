@@ -30,6 +30,7 @@ from radixmesh.engine.base import SamplingParams
 
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 256
+MAX_MESSAGES = 1024  # chat messages in one request (each costs template work before limits)
 
 
 class ApiError(Exception):
@@ -271,6 +272,9 @@ def parse_chat(body: dict[str, Any], models: Sequence[str]) -> ApiRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _type_error("messages", "a non-empty array of messages", messages)
+    if len(messages) > MAX_MESSAGES:
+        raise ApiError(f"'messages' allows at most {MAX_MESSAGES} messages, got "
+                       f"{len(messages)}.", param="messages", code="invalid_value")
     parsed = tuple(_message(m, i) for i, m in enumerate(messages))
     return ApiRequest(kind="chat", prompt_text=None, prompt_ids=None, messages=parsed, **common)
 
