@@ -220,7 +220,7 @@ class RadixMachine(RuleBasedStateMachine):
         assert len(node_hashes) == len(expected)
 
 
-RadixMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=100, deadline=None)
+RadixMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=100, deadline=None)
 TestRadixModel = RadixMachine.TestCase
 
 

@@ -22,6 +22,7 @@ wrong answer.
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Container, Iterable, Sequence
 
@@ -72,18 +73,19 @@ class PeerView:
         if not hashes or not self._held:
             return []
         levels: list[tuple[int, int]] = []
-        index = self._index
-        alive = index.get(hashes[0], 0)
-        for depth in range(1, len(hashes)):
+        get = self._index.get
+        alive = get(hashes[0], 0)
+        depth = 1
+        for h in itertools.islice(hashes, 1, None):
             if not alive:
                 break
-            nxt = alive & index.get(hashes[depth], 0)
+            nxt = alive & get(h, 0)
             if nxt != alive:
-                levels.append((depth, alive & ~nxt))
-            alive = nxt
-        else:
-            if alive:
-                levels.append((len(hashes), alive))
+                levels.append((depth, alive ^ nxt))  # nxt is a subset of alive
+                alive = nxt
+            depth += 1
+        if alive:
+            levels.append((depth, alive))
         levels.reverse()
         return levels
 
