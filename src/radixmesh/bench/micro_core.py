@@ -3,8 +3,9 @@
 Note for ``NodeCore.route`` (what this benchmark proves fast enough, per request):
 
 1. ``view.match_top(hashes, k=ROUTE_TOP_K, rng, skip=unavailable)`` — the k deepest-matching
-   peers, O(blocks + k), never O(peers); ``unavailable`` = suspect or pushed-back peer ids
-   (a small set, kept by membership).
+   available peers, O(blocks + k + skipped), never O(peers). ``skip`` is any
+   ``Container[str]``: a small object whose ``__contains__(peer)`` says "not routable now"
+   (suspect, pushed back, no load report) is evaluated lazily, only for peers examined.
 2. ``NodeInfo`` for those k peers, for self (``local_cached_tokens``) and for the
    least-loaded available peer (cold requests may go there when self is busy) — keep that
    peer up to date when load reports arrive (gossip), not by scanning all peers per request.
