@@ -146,6 +146,22 @@ def test_block_hash_journal_tracks_inserts_and_evictions() -> None:
     assert engine.cache_hashes() == frozenset(block_hashes(b, 16, seed))
 
 
+def test_clear_keeps_locked_paths_and_journals_removals() -> None:
+    engine = micro_engine()
+    a, b = random_prompt(random.Random(1), 40), random_prompt(random.Random(2), 40)
+    engine.prefill_logits(a)
+    engine.prefill_logits(b)
+    engine.drain_cache_delta()
+    lease = engine.cache.acquire(a, 0, now=1e9)
+    # b (40) + a's last token: the lease locks a[:39], splitting off a[39:] as a free leaf
+    assert engine.clear_cache() == 41
+    assert engine.match(a) == 39 and engine.match(b) == 0
+    assert len(engine.drain_cache_delta().removed) == 2  # b's two full blocks
+    engine.cache.release(lease)
+    engine.clear_cache()
+    assert engine.usage().tokens == 0 and engine.cache_hashes() == frozenset()
+
+
 def test_stored_values_are_copies_not_views() -> None:
     engine = micro_engine()
     engine.prefill_logits(random_prompt(random.Random(2), 40))

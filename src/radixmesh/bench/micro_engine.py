@@ -53,7 +53,7 @@ def mmlu_prompt() -> tuple[str, int, str]:
 
 
 def _clear(engine: TransformersEngine) -> None:
-    engine.cache.tree.evict(engine.cache.tree.total_tokens)
+    engine.clear_cache()
     engine.drain_cache_delta()
 
 

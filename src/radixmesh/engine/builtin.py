@@ -137,6 +137,10 @@ class TransformersEngine:
     def usage(self) -> CacheUsage:
         return self.cache.usage()
 
+    def clear_cache(self) -> int:
+        """Drop every unlocked cached prefix; returns the tokens freed."""
+        return self.cache.clear()
+
     # ------------------------------------------------------------------------- generation
     def validate(self, prompt_ids: Sequence[int]) -> None:
         """Raise ``ValueError`` for a prompt this engine cannot run (clients get a 400)."""

@@ -86,6 +86,13 @@ class RadixKVCache:
         with self._mutex:
             return self.tree.drain_delta()
 
+    def clear(self) -> int:
+        """Evict every unlocked entry (removals are journaled); returns tokens freed."""
+        with self._mutex:
+            freed = sum(ev.tokens for ev in self.tree.evict(self.tree.total_tokens))
+            self.evicted_tokens += freed
+            return freed
+
     # ------------------------------------------------------------------------- serving
     def acquire(self, prompt: Sequence[int], reserve: int, now: float) -> Lease:
         """Match and lock the cached prefix of ``prompt`` (all but its last token).
