@@ -507,8 +507,9 @@ class NodeService:
         """NDJSON events of a forwarded request, executed here (never routed again)."""
         t0 = time.perf_counter()
         self.metrics.served_for_peers += 1
+        # First byte before the engine starts: once it computes, this thread waits for the GIL.
+        yield _line({"t": "accepted", "node": self.node_id, "cached": self.engine.match(prompt)})
         ex = LocalExecution(self, prompt, sampling, stream, "local", 0)
-        yield _line({"t": "accepted", "node": self.node_id, "cached": ex.cached_estimate})
         pending: asyncio.Task[tuple[str, Any]] | None = None
         try:
             while True:

@@ -15,6 +15,7 @@ import time
 from radixmesh.runtime.config import ServeConfig, add_serve_arguments, config_from_args
 
 log = logging.getLogger("radixmesh.serve")
+SWITCH_INTERVAL_S = 0.0005
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +52,9 @@ def run(args: argparse.Namespace) -> int:
         level=config.log_level.upper(),
         format=f"%(asctime)s {config.name} %(levelname)s %(name)s: %(message)s",
     )
+    # The engine computes on a worker thread; with CPython's default 5 ms GIL switch interval
+    # the event loop (peer messages, first bytes, gossip) waits up to 5 ms behind it.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     for noisy in ("httpx", "httpcore"):  # one INFO line per gossip message otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
     import uvicorn

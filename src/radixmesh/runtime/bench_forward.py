@@ -1,0 +1,119 @@
+"""Benchmark: what forwarding adds to a request on loopback, and how long a node takes to start.
+
+    python -m radixmesh.runtime.bench_forward [--samples 200] [--json] [--net-delay 0]
+
+Two real nodes (``LocalCluster``). The same short, already cached prompt (1 output token) is
+sent to n0 alternately
+
+* executed by n0 itself (``x-radixmesh-hop: 1``), and
+* forwarded by n0 to n1 (``x-radixmesh-target: n1``),
+
+so both paths run identical engine work. Figures (medians over ``--samples`` pairs):
+
+``forward_added_ms``         client latency forwarded minus local
+``forward_added_net_ms``     the same after subtracting each request's own engine queue+service
+                             time (removes engine noise: what HTTP + relay actually add)
+``forward_overhead_node_ms`` n0's own measurement (``ForwardSucceeded.rtt_s``): time to the
+                             peer's result minus the peer's reported handling time
+``http_floor_ms``            a bare ``GET /health`` round trip from the same client (what one
+                             HTTP exchange costs on this machine right now)
+``load_average_1m``          the machine's load when measured (2 cores here: >2 means queuing)
+``startup_parallel_s``       spawn -> healthy, two nodes started together (per node, max)
+``startup_single_s``         spawn -> healthy for one node restarted alone
+
+Printed as figures, never asserted. Target: ``forward_added_net_ms`` <= 1 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import httpx
+
+from radixmesh.runtime.cluster import LocalCluster
+
+PROMPT = "The following are multiple choice questions (with answers) about anatomy.\n\n" * 2
+
+
+def _one(client: httpx.Client, url: str, headers: dict[str, str]) -> tuple[float, float, float]:
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1, "temperature": 0}
+    t0 = time.perf_counter()
+    resp = client.post(url, json=body, headers=headers)
+    elapsed = time.perf_counter() - t0
+    resp.raise_for_status()
+    h = resp.headers
+    engine = float(h["x-radixmesh-queue-s"]) + float(h["x-radixmesh-service-s"])
+    overhead = float(h.get("x-radixmesh-forward-overhead-s", "nan"))
+    return elapsed, engine, overhead
+
+
+def _health(client: httpx.Client, base: str) -> float:
+    t0 = time.perf_counter()
+    client.get(base + "/health").raise_for_status()
+    return time.perf_counter() - t0
+
+
+def measure(samples: int, net_delay: str = "0") -> dict[str, Any]:
+    options = {"policy": "none", "gossip_interval": 0.5, "net_delay": net_delay}
+    with LocalCluster(2, options, per_node={0: {"threads": 1}, 1: {"threads": 1}}) as cluster:
+        parallel = max(n.startup_s or 0.0 for n in cluster.nodes)
+        cluster.restart(1)
+        single = cluster.nodes[1].startup_s or 0.0
+        url = cluster.url(0) + "/v1/completions"
+        local_h = {"x-radixmesh-hop": "1"}
+        fwd_h = {"x-radixmesh-target": "n1"}
+        with httpx.Client(timeout=60, trust_env=False) as client:
+            for _ in range(5):  # warm-up: caches, connections, code paths
+                _one(client, url, local_h)
+                _one(client, url, fwd_h)
+            local, fwd, floor = [], [], []
+            for _ in range(samples):
+                local.append(_one(client, url, local_h))
+                fwd.append(_one(client, url, fwd_h))
+                floor.append(_health(client, cluster.url(1)))
+    med = statistics.median
+    return {
+        "samples": samples,
+        "net_delay": net_delay,
+        "local_ms": round(1e3 * med(x[0] for x in local), 3),
+        "forwarded_ms": round(1e3 * med(x[0] for x in fwd), 3),
+        "forward_added_ms": round(1e3 * (med(x[0] for x in fwd) - med(x[0] for x in local)), 3),
+        "forward_added_net_ms": round(
+            1e3 * (med(x[0] - x[1] for x in fwd) - med(x[0] - x[1] for x in local)), 3),
+        "forward_overhead_node_ms": round(1e3 * med(x[2] for x in fwd), 3),
+        "http_floor_ms": round(1e3 * med(floor), 3),
+        "load_average_1m": round(os.getloadavg()[0], 2),
+        "startup_parallel_s": round(parallel, 2),
+        "startup_single_s": round(single, 2),
+    }
+
+
+def run(quick: bool = False) -> dict[str, object]:
+    """``radixmesh microbench``-style section entry point."""
+    return {f"node_{k}": v for k, v in measure(30 if quick else 200).items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m radixmesh.runtime.bench_forward",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, default=200)
+    parser.add_argument("--net-delay", default="0", help="emulated one-way delay, e.g. 2ms")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    result = measure(args.samples, args.net_delay)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for key, value in result.items():
+            print(f"{key:<28} {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
