@@ -18,8 +18,8 @@ share a popular prefix).
 Workload: MMLU-shaped prompts with a byte-level tokenizer (~3,000 tokens; the shared
 few-shot prefix is ~85% of a prompt): 57 subject prefixes of 2,540 tokens with Zipf-like
 popularity, per-question suffixes of ~460 tokens. Each peer caches 8 subject prefixes and
-8 question suffixes per prefix (~3,600 block hashes), so popular prefixes are on hundreds of
-peers at 1,024 peers.
+8 question suffixes per prefix (~3,600 block hashes; ``--quick``: 1 suffix), so popular
+prefixes are on hundreds of peers at 1,024 peers.
 """
 
 from __future__ import annotations
@@ -111,10 +111,10 @@ class RouteFigures:
     matched_peers: float  # mean number of peers with a match > 0 (what match_top avoids)
 
 
-def _route_bench(work: Workload, peers: int, iterations: int) -> RouteFigures:
+def _route_bench(work: Workload, peers: int, iterations: int, suffixes: int) -> RouteFigures:
     view = PeerView()
     for p in range(peers):
-        view.replace(f"n{p}", work.peer_hashes(SUFFIXES_PER_PREFIX))
+        view.replace(f"n{p}", work.peer_hashes(suffixes))
     speed = ComputeModel(CostPriors()).report()
     rng = random.Random(7)
     loads = {f"n{p}": rng.randrange(4) for p in range(peers)}
@@ -175,12 +175,13 @@ def _p99(samples: list[float]) -> float:
 
 def run(quick: bool) -> dict[str, object]:
     iterations = 300 if quick else 3_000
+    suffixes = 1 if quick else SUFFIXES_PER_PREFIX  # --quick: smaller views, faster set-up
     seed = Fingerprint("bench", "bytes", BLOCK).digest
     work = Workload(random.Random(0), seed)
     prompt = work.prompt(0)
     hashing = _time_us(lambda: block_hashes(prompt, BLOCK, seed), iterations)
     matches, inserts = _radix_bench(work, iterations)
-    figures = {str(peers): _route_bench(work, peers, iterations) for peers in PEER_COUNTS}
+    figures = {str(peers): _route_bench(work, peers, iterations, suffixes) for peers in PEER_COUNTS}
     return {
         "timer": "thread CPU time; *_wall_* keys are wall-clock",
         "hash_p50_us": _median(hashing),
