@@ -112,3 +112,12 @@ def test_unknown_peer_queries_are_empty() -> None:
     assert view.match([1, 2]) == {} and view.held("x") == frozenset() and view.size("x") == 0
     view.drop("x")  # dropping an unknown peer is a no-op
     assert view.match_top([1], 3, random.Random(0)) == []
+
+
+def test_match_top_is_deterministic_for_a_seed() -> None:
+    view = PeerView()
+    for i in range(40):
+        view.replace(f"p{i}", [1, 2, 3][: 1 + i % 3])
+    runs = [view.match_top([1, 2, 3], 5, random.Random(42)) for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert [d for _, d in runs[0]] == [3, 3, 3, 3, 3]
