@@ -104,3 +104,23 @@ def test_streams_tokens_from_the_real_engine() -> None:
         assert (first.cached_tokens, second.cached_tokens) == (0, 39)
     finally:
         worker.close()
+
+
+def test_match_and_gossip_reads_are_safe_while_requests_run() -> None:
+    engine = build_engine("micro", cache_tokens=300)
+    worker = EngineWorker(engine)
+    try:
+        prompts = [tuple((i * 7 + j) % 256 for j in range(60 + i)) for i in range(12)]
+        futures = [worker.submit(GenerateRequest(str(i), p)) for i, p in enumerate(prompts)]
+        seen_hashes: set[int] = set()
+        while not all(f.done() for f in futures):  # the node's event loop does exactly this
+            for p in prompts:
+                assert 0 <= engine.match(p) < len(p)
+            assert engine.usage().tokens <= 300
+            seen_hashes.update(engine.drain_cache_delta().added)
+            engine.cache_hashes()
+        assert all(f.result(30).output_ids for f in futures)
+        seen_hashes.update(engine.drain_cache_delta().added)
+        assert engine.cache_hashes() <= seen_hashes
+    finally:
+        worker.close()

@@ -91,7 +91,7 @@ class TransformersEngine:
         self.device = device
         self._fingerprint = Fingerprint(spec.model_identity, tokenizer.fingerprint, spec.block_size)
         self.cache = RadixKVCache(spec.cache_tokens, spec.block_size, self._fingerprint.digest)
-        self._vocab = int(model.config.get_text_config().vocab_size)
+        self._vocab = int(model.get_input_embeddings().num_embeddings)
         self._n_layers = int(model.config.get_text_config().num_hidden_layers)
         self._allowed = min(tokenizer.vocab_size, self._vocab)
         eos = tokenizer.eos_token_id
