@@ -104,7 +104,9 @@ def _from_dir(
     tokenizer: Tokenizer | None,
 ) -> TransformersEngine:
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # server logs, not a terminal
     if not (root / "config.json").is_file():
         raise FileNotFoundError(f"{root} is not a model directory (no config.json)")
     config = AutoConfig.from_pretrained(root, local_files_only=True)

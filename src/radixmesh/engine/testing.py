@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers.utils import logging as hf_logging
 
 from radixmesh.engine.builtin import TransformersEngine
 from radixmesh.engine.presets import build_random_model, get_preset
@@ -59,6 +60,7 @@ def save_random_model_dir(
     model = build_random_model(spec, seed)
     eos_id = SPECIAL_TOKENS.index("<|endoftext|>")
     model.config.eos_token_id = eos_id
+    hf_logging.disable_progress_bar()
     model.save_pretrained(root)
     train_tokenizer(vocab_size).save(str(root / "tokenizer.json"))
     config = {
