@@ -1,0 +1,382 @@
+"""``radixmesh sim``: simulate a mesh of N nodes — the same NodeCore — on a virtual clock.
+
+Sweeps like ``radixmesh bench`` (comma-separated policies, delays, gossip intervals, skews) and
+writes the same ``summary.json`` / ``requests.jsonl`` into ``--out DIR``.
+
+Defaults are chosen to scale: open-loop Poisson arrivals at half the cluster's estimated
+capacity (``--load 0.5``), and ``--gossip-mode auto`` = delta (every peer each round, the
+paper's dissemination) up to 32 nodes and epidemic (fanout 3) above, with Δpoll 0.5 s up to 32
+nodes and 1 s above — all-to-all rounds at 1,024 nodes would be a million messages per virtual
+second. Experiments for docs/scale.md: ``--experiment convergence|scale|breakeven``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from radixmesh.core.config import GossipConfig, GossipMode, PushbackConfig
+from radixmesh.core.router import Policy, RouterConfig
+from radixmesh.sim import costs
+from radixmesh.sim.cluster import ClusterConfig
+from radixmesh.sim.network import (
+    NetworkConfig,
+    parse_duration,
+    parse_fault,
+    parse_partition,
+    parse_regions,
+)
+from radixmesh.sim.runner import RunResult, RunSpec
+from radixmesh.sim.runner import run as run_sim
+from radixmesh.sim.tokens import TOKENIZERS
+from radixmesh.workload import WorkloadSpec, build, schedule
+from radixmesh.workload.request import Request
+
+AUTO_EPIDEMIC_ABOVE = 32  # nodes: above this, auto gossip mode is epidemic with Δpoll 1 s
+
+
+def _csv(text: str) -> list[str]:
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster")
+    g.add_argument("--nodes", default="4", help="node count(s), comma-separated (default 4)")
+    g.add_argument("--policy", default="cost", help="routing policies, comma-separated")
+    g.add_argument(
+        "--cost-model",
+        default="cpu-tiny",
+        help="JSON file from `radixmesh calibrate`, or a preset: "
+        + ", ".join(costs.PRESETS)
+        + " (default cpu-tiny)",
+    )
+    g.add_argument("--cache-tokens", type=int, default=65_536, help="KV budget per node")
+    g.add_argument("--pushback-threshold", type=int, default=8, help="queue depth for push-back")
+    g.add_argument("--forward-timeout", default="2s", help="first-byte timeout of a forward")
+    g.add_argument("--seeds", type=int, default=3, help="seed nodes each node joins through")
+    g = p.add_argument_group("gossip")
+    g.add_argument(
+        "--gossip-interval",
+        default="auto",
+        help="Δpoll value(s), comma-separated, e.g. 500ms,2s (auto: 0.5s, 1s above "
+        f"{AUTO_EPIDEMIC_ABOVE} nodes)",
+    )
+    g.add_argument(
+        "--gossip-mode",
+        default="auto",
+        help=f"delta | snapshot | epidemic | auto (epidemic above {AUTO_EPIDEMIC_ABOVE} nodes)",
+    )
+    g.add_argument("--fanout", type=int, default=3, help="epidemic mode: peers per round")
+    g = p.add_argument_group("network")
+    g.add_argument("--comm-delay", default="2ms", help="one-way delay(s), comma-separated")
+    g.add_argument("--jitter", default="0ms", help="extra one-way delay, uniform in [0, J]")
+    g.add_argument("--loss", type=float, default=0.0, help="gossip loss probability")
+    g.add_argument("--regions", default="", help="region names, e.g. us,eu,ap (round-robin)")
+    g.add_argument(
+        "--region-delays",
+        default="",
+        help="one-way ms matrix, rows ';', e.g. '1,40,90;40,1,120;90,120,1'",
+    )
+    g.add_argument(
+        "--partition",
+        action="append",
+        default=[],
+        help="START-END:NODES, e.g. 10s-20s:0-1 (repeatable)",
+    )
+    g.add_argument(
+        "--crash",
+        action="append",
+        default=[],
+        help="NODE@CRASH[:RESTART], e.g. 2@5s:8s (repeatable; times after warm-up)",
+    )
+    g = p.add_argument_group("workload")
+    g.add_argument("--requests", type=int, default=1000, help="requests per run")
+    g.add_argument("--skew", default="uniform", help="uniform, skewed or uniform,skewed")
+    g.add_argument("--mmlu-dir", default=None, help="MMLU release directory (else synthetic)")
+    g.add_argument("--trace", default=None, help="replay a JSONL trace")
+    g.add_argument(
+        "--tokenizer",
+        default="bytes",
+        choices=["bytes", "words"],
+        help="bytes: the built-in engine's (token counts match a real cluster); "
+        "words: BPE-like counts (~550 tokens per MMLU prompt) for scale runs",
+    )
+    g.add_argument("--synthetic-scale", type=float, default=1.0, help="synthetic prompt length x")
+    g.add_argument(
+        "--schedule",
+        default="poisson",
+        choices=["poisson", "sequential"],
+        help="open-loop Poisson (default) or the paper's closed loop",
+    )
+    g.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second")
+    g.add_argument(
+        "--load",
+        type=float,
+        default=0.5,
+        help="without --rate: arrivals = LOAD x estimated cluster capacity",
+    )
+    g.add_argument("--max-tokens", type=int, default=None, help="override output tokens")
+    g = p.add_argument_group("run")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--warmup", default=None, help="virtual warm-up before requests")
+    g.add_argument("--out", default=None, help="directory for summary.json, requests.jsonl")
+    g.add_argument("--no-records", action="store_true", help="skip requests.jsonl")
+    g.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    g.add_argument(
+        "--experiment",
+        default=None,
+        choices=["convergence", "scale", "breakeven"],
+        help="run an experiment of docs/scale.md instead of a sweep",
+    )
+
+
+# ------------------------------------------------------------------------------- helpers
+def auto_mode(nodes: int, mode: str) -> GossipMode:
+    if mode == "auto":
+        return GossipMode.EPIDEMIC if nodes > AUTO_EPIDEMIC_ABOVE else GossipMode.DELTA
+    return GossipMode.parse(mode)
+
+
+def auto_interval(nodes: int, text: str) -> float:
+    if text == "auto":
+        return 1.0 if nodes > AUTO_EPIDEMIC_ABOVE else 0.5
+    return parse_duration(text)
+
+
+def network_config(args: argparse.Namespace, delay_s: float) -> NetworkConfig:
+    regions, matrix = ((), ())
+    if args.regions:
+        if not args.region_delays:
+            raise ValueError("--regions needs --region-delays")
+        regions, matrix = parse_regions(args.regions, args.region_delays)
+    return NetworkConfig(
+        delay_s=delay_s,
+        jitter_s=parse_duration(args.jitter),
+        loss=args.loss,
+        regions=regions,
+        region_delay_s=matrix,
+        partitions=tuple(parse_partition(t) for t in args.partition),
+        faults=tuple(parse_fault(t) for t in args.crash),
+    )
+
+
+def mean_prompt_tokens(requests: list[Request], tokenize: Any) -> float:
+    sample = requests[:: max(1, len(requests) // 200)] or requests
+    return sum(len(tokenize(r)) for r in sample) / max(1, len(sample))
+
+
+def capacity_rate(
+    cost: costs.CostModel, nodes: int, prompt_tokens: float, max_tokens: int
+) -> float:
+    """Requests/s the cluster serves if a typical request finds 85% of its prompt cached."""
+    cached = int(prompt_tokens * 0.85)
+    service = cost.service_s(int(prompt_tokens) - cached, cached, max_tokens)
+    return nodes / service
+
+
+def _requests(args: argparse.Namespace, skewed: bool, nodes: int) -> list[Request]:
+    """The workload in the paper's order with round-robin entries (times added later)."""
+    spec = WorkloadSpec(
+        requests=args.requests,
+        skewed=skewed,
+        seed=args.seed,
+        mmlu_dir=args.mmlu_dir,
+        trace=args.trace,
+        synthetic_scale=args.synthetic_scale,
+    )
+    reqs = build(spec, nodes)
+    if args.max_tokens is not None:
+        reqs = [replace(r, max_tokens=args.max_tokens) for r in reqs]
+    return reqs
+
+
+def _label(
+    policy: str, nodes: int, delay: float, interval: float, skew: str, many: dict[str, bool]
+) -> str:
+    parts = [policy]
+    if many["nodes"]:
+        parts.append(f"n{nodes}")
+    if many["delay"]:
+        parts.append(f"d{delay * 1000:g}ms")
+    if many["interval"]:
+        parts.append(f"poll{interval * 1000:g}ms")
+    if many["skew"]:
+        parts.append(skew)
+    return "/".join(parts)
+
+
+# ----------------------------------------------------------------------------------- run
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"radixmesh sim: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.experiment:
+        from radixmesh.sim import experiments
+
+        return experiments.main(args)
+    cost = costs.resolve(args.cost_model)
+    tokenize, tok_fp = TOKENIZERS[args.tokenizer]()
+    policies = [Policy.parse(p) for p in _csv(args.policy)]
+    node_counts = [int(n) for n in _csv(args.nodes)]
+    delays = [parse_duration(d) for d in _csv(args.comm_delay)]
+    skews = _csv(args.skew)
+    for s in skews:
+        if s not in ("uniform", "skewed"):
+            raise ValueError(f"--skew takes uniform and/or skewed, not {s!r}")
+    many = {
+        "nodes": len(node_counts) > 1,
+        "delay": len(delays) > 1,
+        "interval": len(_csv(args.gossip_interval)) > 1,
+        "skew": len(skews) > 1,
+    }
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    records_fh = None if out is None or args.no_records else (out / "requests.jsonl").open("w")
+    summaries: list[dict[str, Any]] = []
+    try:
+        for nodes, skew in itertools.product(node_counts, skews):
+            results = _sweep_point(
+                args, cost, tokenize, tok_fp, policies, nodes, delays, skew, many
+            )
+            for res in results:
+                summaries.append(res.summary)
+                if records_fh is not None:
+                    _write_records(records_fh, res)
+                if out is not None:
+                    _write_summary(out, summaries)
+    finally:
+        if records_fh is not None:
+            records_fh.close()
+    _print_table(summaries)
+    if out is not None:
+        print(f"wrote {out / 'summary.json'}")
+    return 0
+
+
+def _sweep_point(
+    args: argparse.Namespace,
+    cost: costs.CostModel,
+    tokenize: Any,
+    tok_fp: str,
+    policies: list[Policy],
+    nodes: int,
+    delays: list[float],
+    skew: str,
+    many: dict[str, bool],
+) -> list[RunResult]:
+    mode = auto_mode(nodes, args.gossip_mode)
+    intervals = [auto_interval(nodes, t) for t in _csv(args.gossip_interval)]
+    rate = None
+    requests = _requests(args, skew == "skewed", nodes)
+    max_tokens = requests[0].max_tokens if requests else 1
+    if args.schedule == "poisson" and requests:
+        rate = args.rate or args.load * capacity_rate(
+            cost, nodes, mean_prompt_tokens(requests, tokenize), max_tokens
+        )
+        requests = schedule.poisson(requests, nodes, rate, args.seed)
+    results = []
+    for delay, interval, policy in itertools.product(delays, intervals, policies):
+        spec = RunSpec(
+            name=_label(policy.value, nodes, delay, interval, skew, many),
+            cluster=ClusterConfig(
+                nodes=nodes,
+                cost=cost,
+                router=RouterConfig(policy=policy, context_scale=cost.context_scale),
+                gossip=GossipConfig.for_interval(interval, mode=mode, fanout=args.fanout),
+                pushback=PushbackConfig(queue_threshold=args.pushback_threshold),
+                network=network_config(args, delay),
+                cache_tokens=args.cache_tokens,
+                forward_timeout_s=parse_duration(args.forward_timeout),
+                seeds=args.seeds,
+                seed=args.seed,
+                tokenizer=tok_fp,
+            ),
+            workload="trace" if args.trace else ("mmlu" if args.mmlu_dir else "synthetic"),
+            skew=skew,
+            schedule=args.schedule,
+            warmup_s=parse_duration(args.warmup) if args.warmup else None,
+        )
+        if not args.quiet:
+            extra = f", {rate:.1f} req/s" if rate else ""
+            print(
+                f"[sim] {spec.name}: {nodes} nodes, {len(requests)} requests, gossip "
+                f"{mode.value} every {interval:g}s{extra}",
+                file=sys.stderr,
+                flush=True,
+            )
+        res = run_sim(spec, requests, tokenize, None if args.quiet else _progress)
+        if not args.quiet:
+            s = res.summary["sim"]
+            print(
+                f"[sim]   {s['events']:,} events in {s['wall_s']:.1f}s wall = "
+                f"{s['events_per_s']:,.0f} events/s ({s['virtual_s']:.1f}s virtual)",
+                file=sys.stderr,
+                flush=True,
+            )
+        results.append(res)
+    return results
+
+
+def _progress(done: int, total: int) -> None:
+    print(
+        f"\r[sim]   {done}/{total} requests",
+        end="\n" if done == total else "",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _write_records(fh: Any, res: RunResult) -> None:
+    for rec, extra in zip(res.records, res.extras, strict=True):
+        obj = rec.to_json()
+        obj.update(extra)
+        fh.write(json.dumps(obj, separators=(",", ":")) + "\n")
+
+
+def _write_summary(out: Path, summaries: list[dict[str, Any]]) -> None:
+    tmp = out / "summary.json.tmp"
+    tmp.write_text(
+        json.dumps(
+            {
+                "runs": summaries,
+                "generated_by": "radixmesh sim",
+                "generated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    tmp.replace(out / "summary.json")
+
+
+def _fmt(v: Any, pct: bool = False) -> str:
+    if v is None:
+        return "-"
+    return f"{100 * v:.1f}%" if pct else f"{v:.3f}"
+
+
+def _print_table(summaries: list[dict[str, Any]]) -> None:
+    head = (
+        f"{'run':<28} {'mean s':>8} {'p99 s':>8} {'exp hit':>8} {'act hit':>8} "
+        f"{'hotspot':>8} {'fwd':>7} {'errors':>6} {'gossip B/node/s':>15}"
+    )
+    print(head)
+    for s in summaries:
+        print(
+            f"{s['name']:<28} {_fmt(s['mean_latency_s']):>8} {_fmt(s['p99_latency_s']):>8} "
+            f"{_fmt(s['expected_hit_rate'], True):>8} {_fmt(s['actual_hit_rate'], True):>8} "
+            f"{_fmt(s['hotspot_share'], True):>8} {_fmt(s['forwarded_share'], True):>7} "
+            f"{s['errors']:>6} {s['sim']['gossip_bytes_per_node_s']:>15,.0f}"
+        )

@@ -1,0 +1,553 @@
+"""The simulator's shell: N ``NodeCore``s, simulated engines and a simulated network.
+
+Theory of operation
+-------------------
+This is the second interpreter of ``NodeCore``'s actions (the asyncio runtime is the first).
+Every node is a real :class:`~radixmesh.core.node.NodeCore` — routing, gossip, membership,
+push-back and peer view are never re-implemented here. The shell only owns what the runtime
+owns: a clock (virtual), the engine (a :class:`SimEngine` with the real radix tree and a cost
+model), a FIFO queue per node, and the wire (a :class:`Network`).
+
+A client request mirrors the runtime's path::
+
+    entry E: tokenize, hash blocks, engine.match -> core.route(...) -> ranked candidates
+      head is E        -> E's FIFO queue                         (route "local")
+      head is peer P   -> one-way delay + hop overhead -> P's queue (hop limit 1: P executes)
+                          <- one-way delay back -> ForwardSucceeded(P, hashes, rtt) to E
+                          refused / timed out  -> ForwardFailed(P) to E, next candidate
+                                                  (route "fallback")
+    serving node X, after each request: RequestServed, CacheChanged, LoadChanged
+    every node: Tick at core.next_deadline(); Send actions become deliveries (or losses)
+
+Crashes drop a node's queue and cache; requests forwarded to it fail back to their entry
+after one one-way delay (connection reset) and fall back; requests whose entry crashed are
+client errors. A restart is a fresh NodeCore with the next incarnation and an empty cache.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from radixmesh.core.blocks import Fingerprint, block_hashes
+from radixmesh.core.config import GossipConfig, NodeConfig, PushbackConfig
+from radixmesh.core.costmodel import CostPriors
+from radixmesh.core.events import (
+    Action,
+    CacheChanged,
+    Event,
+    ForwardFailed,
+    ForwardSucceeded,
+    LoadChanged,
+    Log,
+    MessageReceived,
+    PeerStateChanged,
+    RequestServed,
+    Send,
+    Tick,
+)
+from radixmesh.core.node import NodeCore
+from radixmesh.core.router import Candidate, RouterConfig
+from radixmesh.sim.clock import EventLoop
+from radixmesh.sim.costs import CostModel
+from radixmesh.sim.engine import Execution, SimEngine
+from radixmesh.sim.network import Network, NetworkConfig
+from radixmesh.workload.request import Request
+
+INF = float("inf")
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    nodes: int
+    cost: CostModel
+    router: RouterConfig = field(default_factory=RouterConfig)
+    gossip: GossipConfig = field(default_factory=GossipConfig)
+    pushback: PushbackConfig = field(default_factory=PushbackConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    cache_tokens: int = 65_536  # per node (the runtime's default)
+    block_size: int = 16
+    forward_timeout_s: float = 2.0  # runtime default: first byte of a forward's response
+    connect_timeout_s: float = 0.5  # runtime default: a partitioned peer fails after this
+    seeds: int = 3  # each node joins through this many seed nodes (all nodes if N <= seeds+1)
+    start_spread_s: float = 0.05  # nodes start at uniform random times in [0, spread)
+    seed: int = 0
+    model: str = "preset:tiny:seed0:float32"  # fingerprint identity (sim and real agree)
+    tokenizer: str = "bytes"
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise ValueError("nodes must be >= 1")
+        if self.cache_tokens < 1 or self.block_size < 1 or self.seeds < 1:
+            raise ValueError("cache_tokens, block_size and seeds must be >= 1")
+        if self.forward_timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ValueError("timeouts must be > 0")
+
+    def priors(self) -> CostPriors:
+        """Router priors from the cost model, as a node configured for this hardware has."""
+        c = self.cost
+        return CostPriors(
+            rtt_s=2 * self.network.delay_s + c.forward_overhead_s,
+            prefill_overhead_s=c.prefill_overhead_s + c.request_overhead_s,
+            prefill_s_per_token=c.prefill_s_per_token,
+            context_scale=c.context_scale,
+            decode_s_per_token=c.decode_s_per_token,
+        )
+
+
+@dataclass(slots=True)
+class Flight:
+    """One client request, from arrival at its entry node to the response."""
+
+    index: int
+    req: Request
+    entry: int
+    tokens: list[int]
+    hashes: list[int]
+    t_arrival: float
+    candidates: list[Candidate] = field(default_factory=list)
+    attempt: int = -1  # index into candidates of the current try
+    target: int = -1  # node executing the current try
+    route: str = "local"
+    expected_cached: int = 0
+    estimate_error: int = 0  # expected - truth at the target at decision time (tokens)
+    view_age_s: float = 0.0  # how long the estimate used had been out of date (0: current)
+    sent_at: float = 0.0
+    served_by: int = -1
+    cached: int = 0
+    queue_s: float = 0.0
+    service_s: float = 0.0
+    t_done: float = -1.0
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Work:
+    flight: Flight
+    attempt: int
+    t_enqueued: float
+
+
+class SimNode:
+    __slots__ = (
+        "address",
+        "core",
+        "engine",
+        "epoch",
+        "idx",
+        "incarnation",
+        "node_id",
+        "queue",
+        "running",
+        "served",
+        "tick_at",
+        "up",
+        "version_times",
+    )
+
+    def __init__(self, idx: int) -> None:
+        self.idx = idx
+        self.node_id = f"n{idx}"
+        self.address = f"sim-{idx}:80"
+        self.core: NodeCore | None = None
+        self.engine: SimEngine | None = None
+        self.queue: deque[Work] = deque()
+        self.running: Work | None = None
+        self.up = False
+        self.incarnation = -1
+        self.epoch = 0  # bumps on crash: stale callbacks for an old life are ignored
+        self.tick_at = INF
+        self.served = 0
+        self.version_times: list[float] = []  # [v - 1]: when summary version v was made
+
+    @property
+    def depth(self) -> int:
+        return len(self.queue) + (1 if self.running is not None else 0)
+
+
+@dataclass(slots=True)
+class Counters:
+    gossip_messages: int = 0
+    gossip_bytes: int = 0
+    gossip_lost: int = 0
+    forwards: int = 0
+    forward_failures: int = 0
+    logs: dict[str, int] = field(default_factory=dict)
+    peer_states: list[tuple[float, str, str, str, str]] = field(default_factory=list)
+
+
+Completion = Callable[[Flight], None]
+
+
+class Cluster:
+    """N simulated nodes on one event loop; requests go in via :meth:`submit`."""
+
+    def __init__(self, config: ClusterConfig, loop: EventLoop | None = None) -> None:
+        self.config = config
+        self.loop = loop or EventLoop()
+        self.rng = random.Random(f"sim/{config.seed}")
+        self.net = Network(config.network, config.nodes, random.Random(f"net/{config.seed}"))
+        self.fingerprint = Fingerprint(config.model, config.tokenizer, config.block_size)
+        self.hash_seed = self.fingerprint.digest
+        self.nodes = [SimNode(i) for i in range(config.nodes)]
+        self.by_address = {n.address: n for n in self.nodes}
+        self.by_id = {n.node_id: n for n in self.nodes}
+        self.counters = Counters()
+        self.on_complete: Completion = lambda f: None
+        self.active: dict[int, Flight] = {}
+        self.record_peer_states = config.nodes <= 64
+
+    # ------------------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        spread = self.config.start_spread_s
+        for node in self.nodes:
+            self.loop.at(self.rng.random() * spread, self._boot, node)
+
+    def schedule_faults(self, offset: float) -> None:
+        """Crashes, restarts and partitions, with times counted from ``offset``."""
+        self.net.time_offset = offset
+        for f in self.config.network.faults:
+            self.loop.at(offset + f.crash_s, self.crash, self.nodes[f.node])
+            if f.restart_s is not None:
+                self.loop.at(offset + f.restart_s, self._boot, self.nodes[f.node])
+
+    def _seeds_for(self, idx: int) -> tuple[str, ...]:
+        n, k = self.config.nodes, self.config.seeds
+        if n <= k + 1:
+            return tuple(m.address for m in self.nodes if m.idx != idx)
+        picks = [(idx + 1 + j * max(1, n // k)) % n for j in range(k)]
+        return tuple(self.nodes[p].address for p in dict.fromkeys(picks) if p != idx)
+
+    def _boot(self, node: SimNode) -> None:
+        if node.up:
+            return
+        cfg = self.config
+        node.incarnation += 1
+        node.up = True
+        node.tick_at = INF
+        node.version_times = []
+        node.engine = SimEngine(cfg.cost, cfg.cache_tokens, cfg.block_size, self.hash_seed)
+        node_cfg = NodeConfig(
+            node_id=node.node_id,
+            address=node.address,
+            fingerprint=self.fingerprint,
+            incarnation=node.incarnation,
+            seeds=self._seeds_for(node.idx),
+            router=cfg.router,
+            gossip=cfg.gossip,
+            pushback=cfg.pushback,
+            priors=cfg.priors(),
+        )
+        rng = random.Random(f"node/{cfg.seed}/{node.idx}/{node.incarnation}")
+        node.core = NodeCore(node_cfg, rng, self.loop.now)
+        self.net.set_down(node.idx, False)
+        self.feed(node, Tick())
+        self._load_changed(node)
+
+    def crash(self, node: SimNode) -> None:
+        if not node.up:
+            return
+        node.up = False
+        node.epoch += 1
+        node.tick_at = INF
+        self.net.set_down(node.idx, True)
+        lost = list(node.queue)
+        if node.running is not None:
+            lost.append(node.running)
+        node.queue.clear()
+        node.running = None
+        node.core = None
+        node.engine = None
+        for work in lost:
+            self._work_lost(node, work)
+        for flight in [f for f in self.active.values() if f.entry == node.idx]:
+            self._fail_client(flight, "entry node crashed")
+
+    # ------------------------------------------------------------------------- core glue
+    def feed(self, node: SimNode, event: Event) -> None:
+        core = node.core
+        if core is None:
+            return
+        actions = core.handle(event, self.loop.now)
+        if actions:
+            self._carry_out(node, actions)
+        deadline = core.next_deadline()
+        if deadline < node.tick_at:
+            node.tick_at = deadline
+            self.loop.at(deadline, self._tick, node, node.epoch, deadline)
+
+    def _tick(self, node: SimNode, epoch: int, deadline: float) -> None:
+        if node.epoch != epoch or node.tick_at != deadline:
+            return
+        node.tick_at = INF
+        self.feed(node, Tick())
+
+    def _carry_out(self, node: SimNode, actions: Sequence[Action]) -> None:
+        for action in actions:
+            if isinstance(action, Send):
+                self._send(node, action)
+            elif isinstance(action, PeerStateChanged):
+                if self.record_peer_states:
+                    self.counters.peer_states.append(
+                        (self.loop.now, node.node_id, action.peer_id, action.old, action.new)
+                    )
+            elif isinstance(action, Log):
+                logs = self.counters.logs
+                logs[action.level] = logs.get(action.level, 0) + 1
+
+    def _send(self, node: SimNode, action: Send) -> None:
+        dst = self.by_address.get(action.address)
+        c = self.counters
+        c.gossip_messages += 1
+        c.gossip_bytes += len(action.payload)
+        if dst is None or not self.net.gossip_delivered(node.idx, dst.idx, self.loop.now):
+            c.gossip_lost += 1
+            return
+        delay = self.net.delay(node.idx, dst.idx)
+        self.loop.at(self.loop.now + delay, self._deliver, dst, action.payload, node.address)
+
+    def _deliver(self, dst: SimNode, payload: bytes, source: str) -> None:
+        if dst.up:
+            self.feed(dst, MessageReceived(payload, source))
+
+    def _load_changed(self, node: SimNode) -> None:
+        assert node.engine is not None
+        running = 1 if node.running is not None else 0
+        event = LoadChanged(node.depth, running, node.engine.total_tokens, self.config.cache_tokens)
+        self.feed(node, event)
+
+    # ------------------------------------------------------------------------- requests
+    def submit(self, index: int, req: Request, tokens: list[int], entry: int) -> Flight:
+        """A client sends ``req`` (already tokenized) to node ``entry`` now."""
+        hashes = block_hashes(tokens, self.config.block_size, self.hash_seed)
+        flight = Flight(index, req, entry, tokens, hashes, self.loop.now)
+        node = self.nodes[entry]
+        if not node.up or node.core is None or node.engine is None:
+            self._fail_client(flight, "entry node down")
+            return flight
+        self.active[index] = flight
+        local = min(node.engine.match(tokens), max(len(tokens) - 1, 0))
+        flight.candidates = node.core.route(
+            hashes, len(tokens), local, req.max_tokens, self.loop.now
+        )
+        self._try_next(flight)
+        return flight
+
+    def _try_next(self, flight: Flight) -> None:
+        flight.attempt += 1
+        if flight.attempt >= len(flight.candidates):  # self is always listed: cannot happen
+            self._fail_client(flight, "no candidate left")
+            return
+        cand = flight.candidates[flight.attempt]
+        flight.expected_cached = cand.expected_cached_tokens
+        if cand.is_self:
+            flight.route = "local" if flight.attempt == 0 else "fallback"
+            self._record_estimate(flight, flight.entry)
+            self._enqueue(self.nodes[flight.entry], Work(flight, flight.attempt, self.loop.now))
+            return
+        target = self.by_id.get(cand.node_id)
+        if target is None:
+            self._forward_failed(flight, flight.attempt, cand.node_id, "unknown peer")
+            return
+        self._forward(flight, target)
+
+    def _record_estimate(self, flight: Flight, target: int) -> None:
+        """Error and age of the estimate the entry node used for ``target``, against the
+        truth the simulator can see (the target's engine and summary versions)."""
+        node = self.nodes[target]
+        engine = node.engine
+        truth = 0 if engine is None else min(engine.match(flight.tokens), len(flight.tokens) - 1)
+        flight.estimate_error = flight.expected_cached - truth
+        if target == flight.entry:
+            flight.view_age_s = 0.0
+            return
+        held = estimate_version(self.nodes[flight.entry].core, node.node_id) or 0
+        times = node.version_times
+        flight.view_age_s = self.loop.now - times[held] if held < len(times) else 0.0
+
+    def _forward(self, flight: Flight, target: SimNode) -> None:
+        now = self.loop.now
+        flight.route = "forwarded" if flight.attempt == 0 else "fallback"
+        flight.target = target.idx
+        flight.sent_at = now
+        self.counters.forwards += 1
+        self._record_estimate(flight, target.idx)
+        src, attempt = flight.entry, flight.attempt
+        hop = self.config.cost.forward_overhead_s / 2
+        if self.net.partitioned(src, target.idx, now):
+            self.loop.at(
+                now + self.config.connect_timeout_s,
+                self._forward_failed,
+                flight,
+                attempt,
+                target.node_id,
+                "connect timeout",
+            )
+            return
+        out = self.net.delay(src, target.idx)
+        if not target.up:
+            back = self.net.delay(target.idx, src)
+            self.loop.at(
+                now + out + back,
+                self._forward_failed,
+                flight,
+                attempt,
+                target.node_id,
+                "connection refused",
+            )
+            return
+        self.loop.at(now + out + hop, self._arrive_remote, target, target.epoch, flight, attempt)
+        deadline = now + out + self.config.forward_timeout_s
+        self.loop.at(deadline, self._forward_deadline, flight, attempt, target.node_id)
+
+    def _arrive_remote(self, target: SimNode, epoch: int, flight: Flight, attempt: int) -> None:
+        if flight.attempt != attempt or flight.t_done >= 0:
+            return  # the entry already gave up on this try
+        if not target.up or target.epoch != epoch:
+            back = self.net.delay(target.idx, flight.entry)
+            self.loop.at(
+                self.loop.now + back,
+                self._forward_failed,
+                flight,
+                attempt,
+                target.node_id,
+                "connection reset",
+            )
+            return
+        self._enqueue(target, Work(flight, attempt, self.loop.now))
+
+    def _forward_deadline(self, flight: Flight, attempt: int, peer_id: str) -> None:
+        if flight.attempt == attempt and flight.t_done < 0:
+            self._forward_failed(flight, attempt, peer_id, "timeout")
+
+    def _forward_failed(self, flight: Flight, attempt: int, peer_id: str, reason: str) -> None:
+        if flight.attempt != attempt or flight.t_done >= 0 or flight.error is not None:
+            return
+        self.counters.forward_failures += 1
+        self.feed(self.nodes[flight.entry], ForwardFailed(peer_id, reason))
+        if self.nodes[flight.entry].up:
+            self._try_next(flight)
+
+    def _work_lost(self, node: SimNode, work: Work) -> None:
+        flight = work.flight
+        if flight.entry == node.idx:
+            return  # the client's connection died with the entry node (handled by crash)
+        back = self.net.delay(node.idx, flight.entry)
+        self.loop.at(
+            self.loop.now + back,
+            self._forward_failed,
+            flight,
+            work.attempt,
+            node.node_id,
+            "connection reset",
+        )
+
+    # ------------------------------------------------------------------------- execution
+    def _enqueue(self, node: SimNode, work: Work) -> None:
+        node.queue.append(work)
+        if node.running is None:
+            self._start_next(node)
+        else:
+            self._load_changed(node)
+
+    def _start_next(self, node: SimNode) -> None:
+        if not node.queue or node.engine is None:
+            return
+        work = node.queue.popleft()
+        node.running = work
+        flight = work.flight
+        run = node.engine.begin(flight.tokens, flight.hashes, flight.req.max_tokens, self.loop.now)
+        self._load_changed(node)
+        self.loop.at(self.loop.now + run.service_s, self._finish, node, node.epoch, work, run)
+
+    def _finish(self, node: SimNode, epoch: int, work: Work, run: Execution) -> None:
+        if node.epoch != epoch or node.engine is None:
+            return
+        now = self.loop.now
+        flight = work.flight
+        node.engine.finish(run, _generated(flight), now)
+        node.running = None
+        node.served += 1
+        decode_tokens = max(0, flight.req.max_tokens - 1)
+        self.feed(
+            node,
+            RequestServed(
+                len(flight.tokens),
+                run.cached_tokens,
+                run.prefill_s,
+                decode_tokens,
+                run.decode_s,
+                run.service_s,
+            ),
+        )
+        added, removed = node.engine.drain_delta()
+        if added or removed:
+            self.feed(node, CacheChanged(tuple(added), tuple(removed)))
+            version = summary_version(node.core)
+            while len(node.version_times) < version:
+                node.version_times.append(now)
+        self._start_next(node)
+        if node.running is None:
+            self._load_changed(node)
+        queue_s = (now - run.service_s) - work.t_enqueued
+        if flight.attempt != work.attempt or flight.t_done >= 0:
+            return  # the entry timed out on this try: the work was wasted
+        if node.idx == flight.entry:
+            self._served(flight, node, run, queue_s)
+            self._complete(flight)
+            return
+        back = self.net.delay(node.idx, flight.entry) + self.config.cost.forward_overhead_s / 2
+        self.loop.at(now + back, self._response, flight, work.attempt, node, run, queue_s)
+
+    def _served(self, flight: Flight, node: SimNode, run: Execution, queue_s: float) -> None:
+        flight.served_by = node.idx
+        flight.cached = run.cached_tokens
+        flight.queue_s = queue_s
+        flight.service_s = run.service_s
+
+    def _response(
+        self, flight: Flight, attempt: int, node: SimNode, run: Execution, queue_s: float
+    ) -> None:
+        if flight.attempt != attempt or flight.t_done >= 0 or flight.error is not None:
+            return
+        self._served(flight, node, run, queue_s)
+        rtt = (self.loop.now - flight.sent_at) - queue_s - run.service_s
+        self.feed(
+            self.nodes[flight.entry], ForwardSucceeded(node.node_id, tuple(flight.hashes), rtt)
+        )
+        self._complete(flight)
+
+    def _complete(self, flight: Flight) -> None:
+        flight.t_done = self.loop.now
+        self.active.pop(flight.index, None)
+        self.on_complete(flight)
+
+    def _fail_client(self, flight: Flight, reason: str) -> None:
+        if flight.t_done >= 0:
+            return
+        flight.error = reason
+        self._complete(flight)
+
+
+def summary_version(core: NodeCore | None) -> int:
+    """The node's own summary version (NodeCore exposes it only through metrics(), which
+    costs O(peers); read the attribute the metric is made of)."""
+    return 0 if core is None else int(core._summary.version)
+
+
+def estimate_version(core: NodeCore | None, peer_id: str) -> int | None:
+    """Which version of ``peer_id``'s summary ``core`` holds (None: nothing)."""
+    if core is None:
+        return None
+    est = core._gossip.estimates.get(peer_id)
+    return None if est is None else est.version
+
+
+def _generated(flight: Flight) -> list[int]:
+    """Stand-in output ids (the simulator does not sample): deterministic per request."""
+    n = flight.req.max_tokens
+    base = zlib.crc32(flight.req.id.encode("utf-8")) & 0x7F
+    return [32 + (base + i) % 95 for i in range(n)]

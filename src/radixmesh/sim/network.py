@@ -1,0 +1,202 @@
+"""The simulated network: per-link delay (fixed + jitter, or a region matrix), loss,
+partitions, and node crashes/restarts at given times.
+
+Theory of operation
+-------------------
+Nodes are numbered ``0..N-1``. A message from ``a`` to ``b`` sent at ``t`` either arrives at
+``t + delay(a, b)`` or never:
+
+* ``delay(a, b) = base(a, b) + jitter`` where ``base`` is ``delay_s`` or, with regions, the
+  one-way delay between the two nodes' regions (nodes are assigned to regions round-robin:
+  node ``i`` lives in region ``i mod R``), and the jitter is uniform in ``[0, jitter_s]``
+  (as the runtime's ``--net-jitter``);
+* gossip is lost with probability ``loss`` (forwards are not lost: they ride on TCP, which
+  retransmits; a lossy link shows up in their latency instead);
+* a message between the two sides of an active :class:`Partition` is dropped (a forward across
+  it times out);
+* a crashed node receives nothing (a forward to it is refused after one round trip).
+
+Crashes and partitions are a schedule (:class:`Fault`, :class:`Partition`), applied by the
+runner at their times; this module only answers "can a reach b now, and how late".
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Partition:
+    """During ``[start_s, end_s)`` nodes in ``side`` cannot reach the others (both ways)."""
+
+    start_s: float
+    end_s: float
+    side: frozenset[int]
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start_s < self.end_s:
+            raise ValueError("a partition needs 0 <= start < end")
+        if not self.side:
+            raise ValueError("a partition needs at least one node on its side")
+
+    def separates(self, a: int, b: int, now: float) -> bool:
+        if not self.start_s <= now < self.end_s:
+            return False
+        return (a in self.side) != (b in self.side)
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """Node ``node`` crashes at ``crash_s`` (cache and queue lost) and, if ``restart_s`` is
+    given, comes back then with a new incarnation and an empty cache."""
+
+    node: int
+    crash_s: float
+    restart_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.node < 0 or self.crash_s < 0:
+            raise ValueError("a fault needs node >= 0 and crash time >= 0")
+        if self.restart_s is not None and self.restart_s <= self.crash_s:
+            raise ValueError("restart must come after the crash")
+
+
+@dataclass(frozen=True, slots=True)
+class NetworkConfig:
+    delay_s: float = 0.002  # one-way delay of every peer message (the paper's Δcomm)
+    jitter_s: float = 0.0  # extra one-way delay, uniform in [0, jitter_s]
+    loss: float = 0.0  # probability a gossip message is lost
+    regions: tuple[str, ...] = ()  # region names; empty = one flat network
+    region_delay_s: tuple[tuple[float, ...], ...] = ()  # one-way delay matrix [from][to]
+    partitions: tuple[Partition, ...] = ()
+    faults: tuple[Fault, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.delay_s < 0 or self.jitter_s < 0:
+            raise ValueError("delay and jitter must be >= 0")
+        if not 0 <= self.loss < 1:
+            raise ValueError("loss must be in [0, 1)")
+        r = len(self.regions)
+        if r and (
+            len(self.region_delay_s) != r or any(len(row) != r for row in self.region_delay_s)
+        ):
+            raise ValueError(f"region delay matrix must be {r}x{r}")
+        if any(d < 0 for row in self.region_delay_s for d in row):
+            raise ValueError("region delays must be >= 0")
+
+
+class Network:
+    """Answers delivery questions for one run; owns the random stream for jitter and loss."""
+
+    def __init__(self, config: NetworkConfig, n_nodes: int, rng: random.Random) -> None:
+        self.config = config
+        self.n_nodes = n_nodes
+        self._rng = rng
+        self._regions = len(config.regions)
+        self._down: set[int] = set()
+        self._partitions = config.partitions
+        self.time_offset = 0.0  # partition times count from here (the end of warm-up)
+        for p in config.partitions:
+            if any(not 0 <= i < n_nodes for i in p.side):
+                raise ValueError(f"partition names a node outside 0..{n_nodes - 1}")
+        for f in config.faults:
+            if f.node >= n_nodes:
+                raise ValueError(f"fault names node {f.node}, outside 0..{n_nodes - 1}")
+
+    # ----------------------------------------------------------------------------- queries
+    def region_of(self, node: int) -> int:
+        return node % self._regions if self._regions else 0
+
+    def base_delay(self, a: int, b: int) -> float:
+        if self._regions:
+            return self.config.region_delay_s[a % self._regions][b % self._regions]
+        return self.config.delay_s
+
+    def delay(self, a: int, b: int) -> float:
+        base = self.base_delay(a, b)
+        j = self.config.jitter_s
+        if j <= 0:
+            return base
+        return base + j * self._rng.random()
+
+    def is_up(self, node: int) -> bool:
+        return node not in self._down
+
+    def partitioned(self, a: int, b: int, now: float) -> bool:
+        t = now - self.time_offset
+        return any(p.separates(a, b, t) for p in self._partitions)
+
+    def gossip_delivered(self, a: int, b: int, now: float) -> bool:
+        """Whether a gossip message sent now from ``a`` reaches ``b`` (loss + partitions)."""
+        if self._partitions and self.partitioned(a, b, now):
+            return False
+        loss = self.config.loss
+        return not (loss > 0 and self._rng.random() < loss)
+
+    # --------------------------------------------------------------------------- mutations
+    def set_down(self, node: int, down: bool) -> None:
+        if down:
+            self._down.add(node)
+        else:
+            self._down.discard(node)
+
+
+# --------------------------------------------------------------------------------- parsing
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)\s*(us|ms|s|m)?\s*$")
+_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, None: 1.0}
+
+
+def parse_duration(text: str) -> float:
+    """``"2ms"`` -> 0.002; ``"1.5s"`` -> 1.5; a bare number is seconds."""
+    m = _DURATION.match(text)
+    if not m:
+        raise ValueError(f"not a duration: {text!r} (e.g. 2ms, 0.5s)")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def parse_nodes(text: str) -> frozenset[int]:
+    """``"0-3,7"`` -> {0, 1, 2, 3, 7}."""
+    out: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        first, last = int(lo), int(hi) if hi else int(lo)
+        if first < 0 or last < first:
+            raise ValueError(f"bad node range {part!r}")
+        out.update(range(first, last + 1))
+    if not out:
+        raise ValueError(f"no nodes in {text!r}")
+    return frozenset(out)
+
+
+def parse_partition(text: str) -> Partition:
+    """``"START-END:NODES"``, e.g. ``"10s-20s:0-1"`` cuts nodes 0 and 1 off for 10 s."""
+    window, _, nodes = text.partition(":")
+    start, sep, end = window.partition("-")
+    if not sep or not nodes:
+        raise ValueError(f"partition {text!r}: expected START-END:NODES, e.g. 10s-20s:0-1")
+    return Partition(parse_duration(start), parse_duration(end), parse_nodes(nodes))
+
+
+def parse_fault(text: str) -> Fault:
+    """``"NODE@CRASH[:RESTART]"``, e.g. ``"2@5s:8s"`` (node 2 down from 5 s to 8 s)."""
+    node, sep, times = text.partition("@")
+    if not sep:
+        raise ValueError(f"fault {text!r}: expected NODE@CRASH[:RESTART], e.g. 2@5s:8s")
+    crash, _, restart = times.partition(":")
+    return Fault(int(node), parse_duration(crash), parse_duration(restart) if restart else None)
+
+
+def parse_regions(
+    names: str, matrix_ms: str
+) -> tuple[tuple[str, ...], tuple[tuple[float, ...], ...]]:
+    """``"us,eu,ap"`` and ``"1,40,90;40,1,120;90,120,1"`` (one-way ms, rows = from)."""
+    regions = tuple(n.strip() for n in names.split(",") if n.strip())
+    rows: Sequence[str] = [r for r in matrix_ms.split(";") if r.strip()]
+    matrix = tuple(tuple(float(x) / 1000.0 for x in row.split(",")) for row in rows)
+    return regions, matrix

@@ -1,0 +1,201 @@
+"""The simulator: deterministic, drives the real NodeCore, same summary schema as bench."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import replace
+
+import pytest
+
+from radixmesh.core.config import GossipConfig
+from radixmesh.core.events import CacheChanged
+from radixmesh.core.router import Policy, RouterConfig
+from radixmesh.sim import costs
+from radixmesh.sim.cluster import Cluster, ClusterConfig
+from radixmesh.sim.network import Fault, NetworkConfig, Partition
+from radixmesh.sim.runner import RunSpec, run
+from radixmesh.sim.tokens import byte_tokenize, word_tokenize
+from radixmesh.workload import schedule
+from radixmesh.workload.request import Request
+
+SCHEMA = {
+    "name", "policy", "nodes", "workload", "skew", "comm_delay_ms", "gossip_interval_ms",
+    "cache_tokens", "requests", "errors", "mean_latency_s", "p50_latency_s", "p99_latency_s",
+    "expected_hit_rate", "actual_hit_rate", "hotspot_share", "forwarded_share", "fallbacks",
+}  # fmt: skip
+
+
+def cluster_config(policy: str = "cost", nodes: int = 4, **kw: object) -> ClusterConfig:
+    base = ClusterConfig(
+        nodes=nodes,
+        cost=costs.resolve("cpu-tiny"),
+        router=RouterConfig(policy=Policy.parse(policy)),
+        gossip=GossipConfig.for_interval(0.1),
+        seed=3,
+    )
+    return replace(base, **kw)  # type: ignore[arg-type]
+
+
+def simulate(policy: str, reqs: list[Request], **kw: object):  # type: ignore[no-untyped-def]
+    tokenize, _ = byte_tokenize()
+    sched = str(kw.pop("schedule", "sequential"))
+    return run(
+        RunSpec(name=policy, cluster=cluster_config(policy, **kw), schedule=sched), reqs, tokenize
+    )
+
+
+def test_deterministic_for_a_seed(requests_small: list[Request]) -> None:
+    a = simulate("cost", requests_small)
+    b = simulate("cost", requests_small)
+    assert [r.to_json() for r in a.records] == [r.to_json() for r in b.records]
+    assert a.summary["sim"]["events"] == b.summary["sim"]["events"]
+    c = run(
+        RunSpec("cost", replace(cluster_config("cost"), seed=4)),
+        requests_small,
+        byte_tokenize()[0],
+    )
+    assert [r.latency_s for r in c.records] != [r.latency_s for r in a.records]
+
+
+def test_none_never_forwards_and_claims_no_hit(requests_small: list[Request]) -> None:
+    res = simulate("none", requests_small)
+    assert {r.route for r in res.records} == {"local"}
+    assert all(r.served_by == r.entry_node for r in res.records)
+    assert res.summary["expected_hit_rate"] == 0
+    assert res.summary["forwarded_share"] == 0
+
+
+def test_summary_schema_and_invariants(requests_small: list[Request]) -> None:
+    res = simulate("paper", requests_small)
+    s = res.summary
+    assert set(s) >= SCHEMA
+    assert s["requests"] == len(requests_small) and s["errors"] == 0
+    assert 0 <= s["actual_hit_rate"] <= 1 and 0 <= s["expected_hit_rate"] <= 1
+    assert 0.25 <= s["hotspot_share"] <= 1
+    assert s["forwarded_share"] > 0  # shared prefixes on a 2 ms LAN: routing forwards
+    assert s["sim"]["gossip_bytes_per_node_s"] > 0
+    json.dumps(s)  # JSON-able
+    for r in res.records:
+        assert 0 <= (r.cached_tokens or 0) < (r.prompt_tokens or 0)
+        assert r.latency_s > 0
+
+
+def test_routing_beats_none_on_shared_prefixes(make_reqs: Callable[..., list[Request]]) -> None:
+    reqs = make_reqs(120, groups=6, prefix_words=200)
+    none = simulate("none", reqs).summary
+    cost = simulate("cost", reqs).summary
+    assert cost["actual_hit_rate"] > none["actual_hit_rate"]
+    assert cost["mean_latency_s"] < none["mean_latency_s"]
+
+
+def test_small_cluster_converges() -> None:
+    cfg = cluster_config("paper", nodes=5, start_spread_s=0.0)
+    cl = Cluster(cfg)
+    cl.start()
+    cl.loop.run(until=0.5)
+    hashes = (11, 22, 33)
+    cl.feed(cl.nodes[0], CacheChanged(hashes, ()))
+    cl.loop.run(until=0.5 + 2 * cfg.gossip.interval_s * (1 + cfg.gossip.jitter_frac) + 0.01)
+    for node in cl.nodes[1:]:
+        assert node.core is not None
+        assert node.core.estimate("n0") == frozenset(hashes)
+
+
+def test_open_loop_poisson_queues(requests_small: list[Request]) -> None:
+    timed = schedule.poisson(requests_small, 4, rate=200.0, seed=1)
+    res = simulate("cost", timed, schedule="poisson")
+    assert res.summary["errors"] == 0
+    assert max(r.server_timing["queue"] for r in res.records) > 0  # arrivals overlap
+    t_sends = [r.t_send for r in res.records]
+    assert t_sends == sorted(t_sends)
+
+
+def test_crash_and_restart(make_reqs: Callable[..., list[Request]]) -> None:
+    reqs = make_reqs(160)
+    fault = Fault(node=1, crash_s=1.0, restart_s=3.0)
+    cfg_net = NetworkConfig(faults=(fault,))
+    tokenize, _ = byte_tokenize()
+    spec = RunSpec("cost", cluster_config("cost", network=cfg_net), schedule="poisson")
+    timed = schedule.poisson(reqs, 4, rate=40.0, seed=2)
+    res = run(spec, timed, tokenize)
+    recs = res.records
+    assert len(recs) == len(reqs)
+    # Only requests entering the crashed node while it was down (or in flight there) fail.
+    for r in recs:
+        if r.error is not None:
+            assert r.entry == 1
+    assert any(r.error for r in recs)
+    after = [r for r in recs if r.t_send > 3.6 and r.entry == 1]
+    assert after and all(r.error is None for r in after)
+
+
+def test_crash_marks_peer_suspect_then_dead_and_restart_replaces() -> None:
+    gossip = GossipConfig.for_interval(0.1)
+    cl = Cluster(
+        cluster_config(
+            "cost",
+            gossip=gossip,
+            network=NetworkConfig(faults=(Fault(node=2, crash_s=0.5, restart_s=4.0),)),
+        )
+    )
+    cl.start()
+    cl.schedule_faults(0.0)
+    cl.loop.run(until=3.9)
+    transitions = {(who, new) for _, who, peer, _, new in cl.counters.peer_states if peer == "n2"}
+    assert ("n0", "suspect") in transitions and ("n0", "dead") in transitions
+    cl.loop.run(until=6.0)
+    node0 = cl.nodes[0].core
+    assert node0 is not None and node0.peer_state("n2") == "alive"
+    assert cl.nodes[2].incarnation == 1
+
+
+def test_partition_blocks_gossip_both_ways() -> None:
+    part = Partition(0.0, 100.0, frozenset({0}))
+    cl = Cluster(cluster_config("paper", network=NetworkConfig(partitions=(part,))))
+    cl.start()
+    cl.schedule_faults(0.0)
+    cl.loop.run(until=0.3)
+    cl.feed(cl.nodes[0], CacheChanged((5, 6), ()))
+    cl.feed(cl.nodes[1], CacheChanged((7,), ()))
+    cl.loop.run(until=1.5)
+    assert cl.nodes[2].core is not None and cl.nodes[1].core is not None
+    assert cl.nodes[2].core.estimate("n0") == frozenset()
+    assert cl.nodes[2].core.estimate("n1") == frozenset({7})
+
+
+def test_forward_to_partitioned_peer_falls_back(
+    make_reqs: Callable[..., list[Request]],
+) -> None:
+    # Node 3 serves the first requests (its cache holds both prefixes, and peers learn it),
+    # then is cut off at 1 s: forwards to it time out and fall back until it is suspected.
+    reqs = make_reqs(60, groups=2)
+    timed = [
+        r.with_entry(3 if i < 8 else i % 3).with_time(0.1 * i if i < 8 else 0.95 + 0.02 * i)
+        for i, r in enumerate(reqs)
+    ]
+    part = Partition(1.0, 1000.0, frozenset({3}))
+    spec = RunSpec(
+        "paper",
+        cluster_config("paper", network=NetworkConfig(partitions=(part,))),
+        schedule="poisson",
+    )
+    res = run(spec, timed, byte_tokenize()[0])
+    assert res.summary["errors"] == 0
+    assert res.summary["fallbacks"] > 0
+    assert res.summary["sim"]["forward_failures"] >= res.summary["fallbacks"]
+    late = [r for r in res.records if r.t_send > 2.0]
+    assert late and all(r.served_by != "n3" for r in late)
+
+
+def test_word_tokenizer_is_bpe_like(requests_small: list[Request]) -> None:
+    tokenize, fp = word_tokenize()
+    req = requests_small[0]
+    assert len(tokenize(req)) * 4 < len(req.text)
+    assert tokenize(req) == tokenize(req) and fp.startswith("words")
+
+
+@pytest.mark.parametrize("text", ["nonsense", "/nonexistent/file.json"])
+def test_unknown_cost_model_is_an_error(text: str) -> None:
+    with pytest.raises(ValueError):
+        costs.resolve(text)

@@ -1,0 +1,164 @@
+"""Simulator parts: cost models and their fit, the simulated engine, network, event loop, CLI."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from radixmesh.cli import main
+from radixmesh.core.blocks import block_hashes
+from radixmesh.sim import costs
+from radixmesh.sim.calibrate import fit_prefill
+from radixmesh.sim.clock import EventLoop
+from radixmesh.sim.engine import SimEngine
+from radixmesh.sim.network import (
+    Network,
+    NetworkConfig,
+    Partition,
+    parse_duration,
+    parse_fault,
+    parse_partition,
+)
+
+
+def test_cost_model_json_round_trip(tmp_path: Path) -> None:
+    model = costs.resolve("gpu-7b")
+    path = tmp_path / "m.json"
+    path.write_text(model.to_json())
+    assert costs.resolve(str(path)) == model
+    data = json.loads(model.to_json())
+    data["bogus"] = 1
+    with pytest.raises(ValueError, match="bogus"):
+        costs.CostModel.from_dict(data)
+    with pytest.raises(ValueError):
+        costs.CostModel.from_dict({**json.loads(model.to_json()), "decode_s_per_token": -1})
+
+
+def test_fit_recovers_a_known_model() -> None:
+    truth = costs.CostModel("t", 0.01, 3e-4, 2048.0, 0.01)
+    rng = random.Random(0)
+    points = []
+    for length in (128, 512, 1024, 2048, 3072):
+        for frac in (0.0, 0.5, 0.85):
+            c = int(length * frac)
+            noise = 1 + rng.uniform(-0.01, 0.01)
+            points.append((length - c, c, truth.prefill_s(length - c, c) * noise))
+    fit = fit_prefill(points)
+    assert fit["prefill_s_per_token"] == pytest.approx(3e-4, rel=0.1)
+    assert fit["prefill_overhead_s"] == pytest.approx(0.01, rel=0.3)
+    assert fit["rel_rmse"] < 0.03
+
+
+def test_sim_engine_budget_locks_and_hits() -> None:
+    cost = costs.resolve("cpu-tiny")
+    eng = SimEngine(cost, cache_tokens=100, block_size=4, seed=1)
+    a = list(range(60))
+    run = eng.begin(a, block_hashes(a, 4, 1), 1, now=0.0)
+    assert run.cached_tokens == 0 and run.service_s == pytest.approx(cost.service_s(60, 0, 1))
+    eng.finish(run, [7], now=1.0)
+    assert eng.match(a) == 60
+    again = eng.begin(a, block_hashes(a, 4, 1), 1, now=2.0)
+    assert again.cached_tokens == 59  # at least one token is always computed
+    eng.finish(again, [7], now=3.0)
+    b = [1000 + i for i in range(70)]  # does not fit beside a: a is evicted (LRU)
+    run_b = eng.begin(b, block_hashes(b, 4, 1), 1, now=4.0)
+    eng.finish(run_b, [7], now=5.0)
+    assert eng.total_tokens <= 100 and eng.match(b) == 70 and eng.match(a) == 0
+    added, removed = eng.drain_delta()
+    assert added and removed
+
+
+def test_sim_engine_keeps_locked_path() -> None:
+    eng = SimEngine(costs.resolve("cpu-tiny"), cache_tokens=50, block_size=4, seed=1)
+    a = list(range(40))
+    r = eng.begin(a, block_hashes(a, 4, 1), 1, 0.0)
+    eng.finish(r, [1], 0.0)
+    held = eng.begin(a, block_hashes(a, 4, 1), 1, 1.0)  # locks a[:39]
+    b = [500 + i for i in range(40)]
+    rb = eng.begin(b, block_hashes(b, 4, 1), 1, 2.0)
+    eng.finish(rb, [1], 2.0)  # truncated to the room left
+    assert eng.match(a) >= 39 and eng.total_tokens <= 50
+    eng.finish(held, [1], 3.0)
+
+
+def test_network_delay_loss_partition() -> None:
+    net = Network(
+        NetworkConfig(
+            delay_s=0.01,
+            jitter_s=0.002,
+            loss=0.5,
+            partitions=(Partition(1.0, 2.0, frozenset({0})),),
+        ),
+        3,
+        random.Random(0),
+    )
+    delays = [net.delay(0, 1) for _ in range(200)]
+    assert min(delays) >= 0.01 and max(delays) <= 0.012
+    delivered = sum(net.gossip_delivered(1, 2, 0.0) for _ in range(1000))
+    assert 400 < delivered < 600
+    assert net.partitioned(0, 1, 1.5) and not net.partitioned(1, 2, 1.5)
+    assert not net.partitioned(0, 1, 2.5)
+    regions = Network(
+        NetworkConfig(regions=("us", "eu"), region_delay_s=((0.001, 0.04), (0.04, 0.001))),
+        4,
+        random.Random(0),
+    )
+    assert regions.delay(0, 2) == 0.001 and regions.delay(0, 1) == 0.04
+
+
+def test_parsers() -> None:
+    assert parse_duration("2ms") == pytest.approx(0.002) and parse_duration("1.5") == 1.5
+    assert parse_partition("10s-20s:0-1,5").side == frozenset({0, 1, 5})
+    f = parse_fault("2@5s:8s")
+    assert (f.node, f.crash_s, f.restart_s) == (2, 5.0, 8.0)
+    with pytest.raises(ValueError):
+        parse_fault("2@8s:5s")
+    with pytest.raises(ValueError):
+        parse_duration("fast")
+
+
+def test_event_loop_orders_by_time_then_schedule() -> None:
+    loop = EventLoop()
+    seen: list[str] = []
+    loop.at(2.0, seen.append, "c")
+    loop.at(1.0, seen.append, "a")
+    loop.at(1.0, seen.append, "b")
+    loop.at(5.0, seen.append, "late")
+    loop.run(until=3.0)
+    assert seen == ["a", "b", "c"] and loop.now == 3.0
+
+
+def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    code = main(
+        [
+            "sim",
+            "--nodes",
+            "3",
+            "--requests",
+            "40",
+            "--policy",
+            "none,cost",
+            "--synthetic-scale",
+            "0.1",
+            "--schedule",
+            "sequential",
+            "--out",
+            str(out),
+            "--quiet",
+        ]
+    )
+    assert code == 0
+    runs = json.loads((out / "summary.json").read_text())["runs"]
+    assert [r["policy"] for r in runs] == ["none", "cost"]
+    lines = (out / "requests.jsonl").read_text().splitlines()
+    assert len(lines) == 80 and json.loads(lines[0])["run"] == "none"
+    assert "cost" in capsys.readouterr().out
+
+
+def test_cli_rejects_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["sim", "--policy", "bogus", "--quiet"]) == 2
+    assert "bogus" in capsys.readouterr().err
