@@ -168,10 +168,14 @@ def test_tiny_preset_shape_and_exact_reuse() -> None:
     assert engine.max_context == 4096
     text = "The following are multiple choice questions (with answers) about anatomy.\n\n"
     prompt = engine.tokenizer.encode(text * 4)
-    engine.prefill_logits(prompt[:200])
-    logits, cached = engine.prefill_logits(prompt)
-    assert cached == 200
-    torch.testing.assert_close(logits, uncached_logits(engine, prompt), atol=1e-4, rtol=0)
+    n = len(prompt)
+    reference = uncached_logits(engine, prompt)
+    for split in (1, 16, 200, n - 1, n):
+        engine.clear_cache()
+        engine.prefill_logits(prompt[:split])
+        logits, cached = engine.prefill_logits(prompt)
+        assert cached == min(split, n - 1)
+        torch.testing.assert_close(logits, reference, atol=1e-4, rtol=0)
 
 
 def test_model_dir_loads_offline_with_identical_logits(micro_model_dir: Path) -> None:
