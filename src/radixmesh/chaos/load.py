@@ -85,12 +85,14 @@ async def send_one(
     model: str,
     t0: float,
     timeout_s: float = 60.0,
+    headers: dict[str, str] | None = None,
 ) -> Outcome:
     """POST one completion; never raises (failures become outcomes)."""
     start = time.monotonic()
     try:
         resp = await client.post(
-            f"{base_url}/v1/completions", json=completion_body(p, model), timeout=timeout_s
+            f"{base_url}/v1/completions", json=completion_body(p, model), timeout=timeout_s,
+            headers=headers,
         )
     except (httpx.HTTPError, OSError) as exc:
         error = f"{type(exc).__name__}: {exc}"[:200]
@@ -125,8 +127,14 @@ async def closed_loop(
     model: str,
     concurrency: int = 2,
     timeout_s: float = 60.0,
+    headers: dict[str, str] | None = None,
+    on_done: Callable[[int, Outcome], None] | None = None,
+    pace_s: float = 0.0,
 ) -> list[Outcome]:
-    """Send every prompt once (prompt ``i`` to ``entries(i)``), ``concurrency`` at a time."""
+    """Send every prompt once (prompt ``i`` to ``entries(i)``), ``concurrency`` at a time.
+
+    ``pace_s``: each worker waits this long after a response before its next request.
+    """
     t0 = time.monotonic()
     results: list[Outcome | None] = [None] * len(prompts)
     next_index = 0
@@ -136,9 +144,14 @@ async def closed_loop(
         while next_index < len(prompts):
             i = next_index
             next_index += 1
-            results[i] = await send_one(client, entries(i), prompts[i], model, t0, timeout_s)
+            out = await send_one(client, entries(i), prompts[i], model, t0, timeout_s, headers)
+            results[i] = out
+            if on_done is not None:
+                on_done(i, out)
+            if pace_s > 0:
+                await asyncio.sleep(pace_s)
 
-    async with httpx.AsyncClient() as client:
+    async with httpx.AsyncClient(trust_env=False) as client:
         await asyncio.gather(*(worker(client) for _ in range(max(1, concurrency))))
     return [r for r in results if r is not None]
 
@@ -156,7 +169,7 @@ async def open_loop(
     t0 = time.monotonic()
     tasks: list[asyncio.Task[Outcome]] = []
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    async with httpx.AsyncClient(limits=limits) as client:
+    async with httpx.AsyncClient(limits=limits, trust_env=False) as client:
         n = max(1, math.floor(rate * duration_s))
         for i in range(n):
             delay = t0 + i / rate - time.monotonic()

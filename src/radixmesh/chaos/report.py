@@ -23,17 +23,30 @@ class FaultResult:
     passed: bool = True
     notes: list[str] = field(default_factory=list)
     figures: dict[str, object] = field(default_factory=dict)
+    checks: list[dict[str, object]] = field(default_factory=list)
     command: str = ""
 
     def note(self, text: str) -> None:
         self.notes.append(text)
 
-    def check(self, condition: bool, text: str) -> bool:
-        """Record a criterion; a false one fails the fault and is noted as such."""
+    def check(self, condition: bool, text: str, timing: bool = False) -> bool:
+        """Record a criterion; a false one fails the fault and is noted as such.
+
+        ``timing`` marks criteria about elapsed time (noisy on a shared machine): the CLI
+        reports them, the CI tests assert only the others (:attr:`functional_ok`).
+        """
+        self.checks.append({"what": text, "ok": bool(condition), "timing": timing})
         if not condition:
             self.passed = False
             self.notes.append("FAILED: " + text)
         return condition
+
+    @property
+    def functional_ok(self) -> bool:
+        return all(bool(c["ok"]) for c in self.checks if not c["timing"])
+
+    def failed_checks(self) -> list[str]:
+        return [str(c["what"]) for c in self.checks if not c["ok"]]
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -43,6 +56,7 @@ class FaultResult:
             "lost": self.lost,
             "passed": self.passed,
             "notes": "; ".join(self.notes),
+            "checks": self.checks,
             "figures": self.figures,
         }
 

@@ -1,0 +1,1 @@
+"""Fault injection and soak tests against real nodes (``radixmesh chaos``)."""

@@ -1,0 +1,412 @@
+"""The faults: each injects one failure into a running keyed cluster and measures what it cost.
+
+Every fault sends real completions and checks the paper's claim (§3) that failures cost only
+time: 0 client-visible failures and every answer equal to the single-node greedy reference.
+Fault-specific criteria (views converge, push-back fires, old estimates dropped) are recorded
+as checks; criteria about elapsed time are marked ``timing`` (reported, not asserted in CI).
+
+Faults use disjoint prompt groups so one fault's cache contents never steer another's routing.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import httpx
+
+from radixmesh.chaos.env import HOP, ChaosEnv
+from radixmesh.chaos.load import Outcome, Prompt, percentile
+from radixmesh.chaos.report import FaultResult
+from radixmesh.core.auth import ClusterKey, sign
+from radixmesh.runtime.peer_auth import GOSSIP_PURPOSE, forward_purpose
+
+
+@dataclass(frozen=True, slots=True)
+class FaultPlan:
+    requests: int = 12  # client requests per fault (per level for gossip loss)
+    concurrency: int = 3
+    loss_levels: tuple[float, ...] = (0.0, 0.5)
+    duplicate: float = 0.2
+    partition_hold_s: float = 1.5  # > suspect (4 Δpoll), < dead
+    slow_delay_s: float = 0.4
+    converge_timeout_s: float = 15.0
+
+    @classmethod
+    def quick(cls) -> FaultPlan:
+        return cls()
+
+    @classmethod
+    def full(cls) -> FaultPlan:
+        return cls(requests=40, concurrency=4, loss_levels=(0.0, 0.1, 0.25, 0.5),
+                   partition_hold_s=3.0)
+
+
+# ------------------------------------------------------------------------------- helpers
+def tally(env: ChaosEnv, r: FaultResult, outcomes: Sequence[Outcome]) -> None:
+    """Count requests, client-visible failures and lost/wrong answers into ``r``."""
+    r.requests += len(outcomes)
+    failed = [o for o in outcomes if not o.ok]
+    r.failures += len(failed)
+    lost = env.lost(outcomes)
+    r.lost += len(lost)
+    for o in failed[:3]:
+        r.note(f"failure: {o.error}")
+    routes = Counter(o.route or "none" for o in outcomes)
+    served = Counter(o.served_by or "none" for o in outcomes)
+    r.figures.setdefault("routes", {})
+    r.figures.setdefault("served_by", {})
+    for key, counts in (("routes", routes), ("served_by", served)):
+        bucket = r.figures[key]
+        assert isinstance(bucket, dict)
+        for name, n in counts.items():
+            bucket[name] = bucket.get(name, 0) + n
+
+
+def _lat(outcomes: Sequence[Outcome], q: float) -> float | None:
+    return percentile([o.latency_s for o in outcomes if o.ok], q)
+
+
+def _share(outcomes: Sequence[Outcome], node_id: str) -> float:
+    return sum(o.served_by == node_id for o in outcomes) / max(1, len(outcomes))
+
+
+def _node_id(env: ChaosEnv, i: int) -> str:
+    return env.cluster.nodes[i].node_id
+
+
+def _sum_metric(env: ChaosEnv, prefix: str) -> float:
+    total = 0.0
+    for n in env.cluster.nodes:
+        if n.running:
+            total += sum(v for k, v in env.metrics(n.index).items() if k.startswith(prefix))
+    return total
+
+
+def _prompts(env: ChaosEnv, groups: Sequence[int], n: int, skip: int = 0) -> list[Prompt]:
+    """``n`` prompts interleaved from ``groups`` (after the first ``skip`` of each)."""
+    pools = [env.groups[g % len(env.groups)][skip:] for g in groups]
+    out: list[Prompt] = []
+    i = 0
+    while len(out) < n and any(i < len(p) for p in pools):
+        out.extend(p[i] for p in pools if i < len(p))
+        i += 1
+    return out[:n]
+
+
+# ------------------------------------------------------------------------------- faults
+def kill_forward_target(env: ChaosEnv, plan: FaultPlan, sig: int = signal.SIGKILL
+                        ) -> FaultResult:
+    """kill -9 (or SIGSTOP: a hung node) of the peer that requests are being forwarded to."""
+    hung = sig == signal.SIGSTOP
+    name = "hung forward target (SIGSTOP)" if hung else "kill -9 of the forward target"
+    r = FaultResult(name)
+    entry, target = 0, (2 if hung else 1) % len(env.cluster)
+    group = env.groups[1 if hung else 0]
+    warm, probe, load = group[:2], group[2:5], group[5:5 + plan.requests]
+    env.references([*probe, *load])
+    env.warm(target, warm)
+    r.check(env.wait_view(entry, target), "the entry node learned the target's cache")
+    base = env.send(lambda _: env.url(entry), probe, 1)
+    tally(env, r, base)
+    tid = _node_id(env, target)
+    r.check(sum(o.served_by == tid for o in base) >= 2,
+            "before the fault, requests for the target's prefix were forwarded to it")
+    stop_after = max(1, len(load) // 3)
+    fault_t: list[float] = []
+    done: list[int] = []
+
+    def on_done(i: int, _: Outcome) -> None:
+        done.append(i)
+        if not fault_t and len(done) >= stop_after:  # the others are still in flight
+            env.cluster.kill(target, sig)
+            fault_t.append(time.monotonic())
+
+    t0 = time.monotonic()
+    outs = env.send(lambda _: env.url(entry), load, plan.concurrency, on_done=on_done)
+    tally(env, r, outs)
+    _latency_bound(r, env, base, outs, t0, fault_t)
+    if hung:
+        env.cluster.kill(target, signal.SIGCONT)
+        t = env.wait_converged(plan.converge_timeout_s)
+        r.check(t is not None, "after SIGCONT the hung node rejoined and views converged")
+        r.figures["rejoin_s"] = t
+    r.check(r.failures == 0, "0 client-visible failures")
+    r.check(r.lost == 0, "every answer equals the single-node greedy output")
+    return r
+
+
+def _latency_bound(r: FaultResult, env: ChaosEnv, base: Sequence[Outcome],
+                   outs: Sequence[Outcome], t0: float, fault_t: Sequence[float]) -> None:
+    if not fault_t:
+        r.check(False, "the fault was injected during the load")
+        return
+    at = fault_t[0] - t0
+    hit = [o for o in outs if o.t_start <= at <= o.t_start + o.latency_s]
+    after = [o for o in outs if o.t_start > at]
+    p50 = _lat(base, 50) or 0.0
+    worst = max((o.latency_s for o in hit + after), default=0.0)
+    # A fallback costs at most one forward timeout plus one local execution (and some noise).
+    bound = env.config.forward_timeout + max(0.25, 2 * (_lat(base, 100) or 0.0))
+    routes = Counter(o.route for o in hit + after)
+    r.figures.update({
+        "baseline_p50_s": p50, "in_flight_at_fault": len(hit), "worst_latency_after_s": worst,
+        "added_latency_s": max(0.0, worst - p50), "bound_s": bound,
+        "routes_after_fault": dict(routes),
+        "forward_timeout_s": env.config.forward_timeout,
+    })
+    r.note(f"{len(hit)} in flight at the fault; worst latency after it {worst:.2f}s "
+           f"(baseline p50 {p50:.2f}s, forward timeout {env.config.forward_timeout:g}s)")
+    r.check(worst <= bound, "added latency bounded by the forward timeout "
+            "(+ a local re-execution)", timing=True)
+
+
+def restart_new_incarnation(env: ChaosEnv, plan: FaultPlan, target: int = 1) -> FaultResult:
+    """Restart a node (it was killed or is running): every peer must drop its old estimate."""
+    r = FaultResult("restart with a new incarnation")
+    observers = [n.index for n in env.cluster.nodes if n.index != target and n.running]
+    before = {i: env.peer_entry(i, target) for i in observers}
+    old_inc = {i: (e or {}).get("incarnation") for i, e in before.items()}
+    old_blocks = {i: (e or {}).get("view_blocks", 0) for i, e in before.items()}
+    r.figures["old_view_blocks"] = old_blocks
+    r.check(any(b for b in old_blocks.values()),
+            "before the restart, peers still held an estimate of the old incarnation")
+    t0 = time.monotonic()
+    env.cluster.restart(target)  # waits until every node sees the new incarnation alive
+    r.figures["restart_s"] = round(time.monotonic() - t0, 2)
+    truth = env.meshes([target])[target]
+    for i in observers:
+        e = env.peer_entry(i, target) or {}
+        r.check(e.get("incarnation") not in (None, old_inc[i]),
+                f"{_node_id(env, i)} sees the new incarnation")
+        r.check(e.get("view_blocks") == truth.get("blocks"),
+                f"{_node_id(env, i)} dropped the old estimate ({old_blocks[i]} blocks -> "
+                f"{e.get('view_blocks')}, truth {truth.get('blocks')})")
+    probe = env.groups[0][2:2 + max(3, plan.requests // 4)]
+    outs = env.send(lambda _: env.url(observers[0]), probe, 1)
+    tally(env, r, outs)
+    tid = _node_id(env, target)
+    r.check(not any(o.served_by == tid and o.route == "forwarded" for o in outs),
+            "no request is forwarded to the restarted node on the strength of its old cache")
+    r.check(r.failures == 0 and r.lost == 0, "0 failures, every answer correct")
+    return r
+
+
+def gossip_loss(env: ChaosEnv, plan: FaultPlan, loss: float, groups: Sequence[int]
+                ) -> FaultResult:
+    """Loss + duplication + reordering (jitter > Δpoll) on every gossip message."""
+    jitter = 2 * env.delta_poll
+    r = FaultResult(f"gossip loss {loss:.0%}, duplication {plan.duplicate:.0%}, "
+                    f"reordering (jitter {jitter:g}s)")
+    n = len(env.cluster)
+    prompts = _prompts(env, groups, plan.requests)
+    env.references(prompts)
+    replays0 = _sum_metric(env, "radixmesh_peer_auth_rejected_replayed")
+    dropped0 = _sum_metric(env, "radixmesh_netem_dropped_loss")
+    env.set_netem(loss=loss, duplicate=plan.duplicate, jitter=jitter)
+    try:
+        # Paced, so views (lossy as they are) have time to steer later requests of a group.
+        outs = env.send(lambda i: env.url(i % n), prompts, 2, pace_s=env.delta_poll)
+        time.sleep(4 * env.delta_poll)  # let the lossy gossip run a few more rounds
+    finally:
+        env.set_netem(loss=0.0, duplicate=0.0, jitter=0.0)
+    tally(env, r, outs)
+    t = env.wait_converged(plan.converge_timeout_s)
+    r.figures.update({
+        "converge_after_loss_stops_s": t,
+        "gossip_dropped": _sum_metric(env, "radixmesh_netem_dropped_loss") - dropped0,
+        "duplicates_refused_as_replays": _sum_metric(
+            env, "radixmesh_peer_auth_rejected_replayed") - replays0,
+    })
+    r.note(f"views converged {t:.2f}s after the loss stopped" if t is not None
+           else "views did NOT converge")
+    r.check(r.failures == 0, "0 client-visible failures")
+    r.check(r.lost == 0, "outputs identical to a single node's greedy output")
+    r.check(t is not None, "views converge after the loss stops")
+    return r
+
+
+def partition_halves(env: ChaosEnv, plan: FaultPlan, groups: Sequence[int]) -> FaultResult:
+    """Split the cluster in two; both halves keep serving; measure convergence after healing."""
+    n = len(env.cluster)
+    first = list(range(max(1, n // 2)))
+    second = [i for i in range(n) if i not in first]
+    r = FaultResult(f"partition into two halves {first} | {second}")
+    prompts = _prompts(env, groups, plan.requests)
+    env.references(prompts)
+    env.cluster.split(first, second)
+    t_split = time.monotonic()
+    try:
+        outs = env.send(lambda i: env.url(i % n), prompts, plan.concurrency)
+        served = Counter(o.served_by for o in outs if o.ok)
+        for half in (first, second):
+            ids = {_node_id(env, i) for i in half}
+            r.check(any(served[x] for x in ids), f"half {sorted(ids)} kept serving")
+        rest = plan.partition_hold_s - (time.monotonic() - t_split)
+        if rest > 0:
+            time.sleep(rest)
+        views = env.meshes([first[0]])[first[0]]["peers"]
+        r.figures["states_seen_across_partition"] = {
+            p["node_id"]: p["state"] for p in views if p["node_id"] in
+            {_node_id(env, i) for i in second}}
+    finally:
+        env.cluster.heal()
+    t_heal = time.monotonic()
+    t = env.wait_converged(plan.converge_timeout_s)
+    tally(env, r, outs)
+    held = t_heal - t_split
+    r.figures.update({"partition_held_s": round(held, 2), "converge_after_heal_s": t,
+                      "delta_poll_s": env.delta_poll})
+    r.note(f"held {held:.1f}s; views converged {t:.2f}s after healing "
+           f"(= {t / env.delta_poll:.1f} Δpoll)" if t is not None else "views did NOT converge")
+    r.check(r.failures == 0 and r.lost == 0, "0 failures, every answer correct")
+    r.check(t is not None, "views converge after healing")
+    r.check(t is not None and t <= 2 * env.delta_poll, "converged within 2 Δpoll", timing=True)
+    return r
+
+
+def slow_node(env: ChaosEnv, plan: FaultPlan, groups: tuple[int, int]) -> FaultResult:
+    """A node's engine becomes slow: push-back fires, traffic moves away, then comes back."""
+    r = FaultResult(f"slow node (engine +{plan.slow_delay_s:g}s per request) -> push-back")
+    entry, slow = 0, 1 % len(env.cluster)
+    sid = _node_id(env, slow)
+    hot, later = env.groups[groups[0]], env.groups[groups[1]]
+    burst = hot[5:5 + max(plan.requests, 12)]
+    env.references([*hot[2:5], *burst, *later[2:6]])
+    env.warm(slow, hot[:2])
+    r.check(env.wait_view(entry, slow), "the entry node learned the slow node's cache")
+    before = env.send(lambda _: env.url(entry), hot[2:5], 1)
+    tally(env, r, before)
+    pushbacks0 = env.metrics(slow).get("radixmesh_core_pushback_started", 0.0)
+    env.admin(slow, "/admin/engine-delay", {"seconds": plan.slow_delay_s})
+    try:
+        during = env.send(lambda _: env.url(entry), burst, 2 * env.config.pushback_threshold)
+    finally:
+        env.admin(slow, "/admin/engine-delay", {"seconds": 0.0})
+    tally(env, r, during)
+    pushbacks = env.metrics(slow).get("radixmesh_core_pushback_started", 0.0) - pushbacks0
+    half = len(during) // 2
+    early, late = _share(during[:half], sid), _share(during[half:], sid)
+    time.sleep(2.5 * env.delta_poll + 1.0)  # push-back (1 s) expires and is gossiped away
+    env.warm(slow, later[:2])
+    r.check(env.wait_view(entry, slow), "the recovered node's new cache reached the entry node")
+    after = env.send(lambda _: env.url(entry), later[2:6], 1)
+    tally(env, r, after)
+    back = _share(after, sid)
+    r.figures.update({"share_before": _share(before, sid), "share_first_half": early,
+                      "share_second_half": late, "share_after_recovery": back,
+                      "pushback_started": pushbacks})
+    r.note(f"share served by the slow node: before {_share(before, sid):.0%}, while slow "
+           f"{early:.0%} -> {late:.0%}, after recovery {back:.0%}; push-back started "
+           f"{pushbacks:g}x")
+    r.check(pushbacks > 0, "the slow node advertised push-back")
+    r.check(late < _share(before, sid), "traffic moved away from the slow node")
+    r.check(back >= 0.5, "traffic came back after it recovered")
+    r.check(r.failures == 0 and r.lost == 0, "0 failures, every answer correct")
+    return r
+
+
+def hostile_peer_messages(env: ChaosEnv) -> FaultResult:
+    """Unauthenticated, forged, tampered, stale and replayed peer messages: all refused."""
+    r = FaultResult("hostile peer messages (no auth, wrong key, tampered, stale, replayed)")
+    if not env.key:
+        r.check(False, "the cluster runs without a key: nothing to test")
+        return r
+    key, wrong = ClusterKey.from_text(env.key), ClusterKey.from_text("not-the-cluster-key-at-all")
+    url = env.url(0)
+    body = b"\x93\x01\x01\xc0"  # authentic-looking bytes; the codec rejects them after auth
+    now = time.time()
+    n = [0]
+
+    def nonce() -> bytes:
+        n[0] += 1
+        return n[0].to_bytes(16, "big")
+
+    good = sign(key, GOSSIP_PURPOSE, "attacker", body, now, nonce())
+    fwd_body = b'{"prompt_ids":[1,2,3],"sampling":{"max_tokens":1}}'
+    cases: list[tuple[str, str, bytes, dict[str, str], int]] = [
+        ("gossip, no header", "/peer/gossip", body, {}, 401),
+        ("gossip, garbage header", "/peer/gossip", body, {"x-radixmesh-auth": "v1;x"}, 401),
+        ("gossip, wrong key", "/peer/gossip", body,
+         {"x-radixmesh-auth": sign(wrong, GOSSIP_PURPOSE, "a", body, now, nonce())}, 403),
+        ("gossip, tampered body", "/peer/gossip", body + b"\x00",
+         {"x-radixmesh-auth": sign(key, GOSSIP_PURPOSE, "a", body, now, nonce())}, 403),
+        ("gossip, stale (2 min old)", "/peer/gossip", body,
+         {"x-radixmesh-auth": sign(key, GOSSIP_PURPOSE, "a", body, now - 120, nonce())}, 403),
+        ("gossip, genuine", "/peer/gossip", body, {"x-radixmesh-auth": good}, 204),
+        ("gossip, replayed", "/peer/gossip", body, {"x-radixmesh-auth": good}, 403),
+        ("gossip body replayed to /peer/forward", "/peer/forward", body,
+         {"x-radixmesh-auth": good}, 403),
+        ("forward, no header", "/peer/forward", fwd_body, {}, 401),
+        ("forward, wrong key", "/peer/forward", fwd_body, {"x-radixmesh-auth": sign(
+            wrong, forward_purpose("/peer/forward"), "a", fwd_body, now, nonce())}, 403),
+    ]
+    rejected0 = _sum_metric(env, "radixmesh_peer_auth_rejected_total")
+    with httpx.Client(timeout=10.0, trust_env=False) as client:
+        for what, path, data, headers, expect in cases:
+            status = client.post(url + path, content=data, headers=headers).status_code
+            r.requests += 1
+            r.failures += status != expect
+            r.check(status == expect, f"{what}: HTTP {status} (expected {expect})")
+    rejected = _sum_metric(env, "radixmesh_peer_auth_rejected_total") - rejected0
+    expected_rejections = sum(1 for c in cases if c[4] in (401, 403))
+    r.figures["rejections_counted"] = rejected
+    r.check(rejected == expected_rejections,
+            f"every refusal counted in /metrics ({rejected:g} of {expected_rejections})")
+    t = env.wait_converged(env.delta_poll * 20)
+    r.check(t is not None, "the mesh kept converging")
+    r.note(f"{expected_rejections} hostile messages refused and counted; genuine accepted once")
+    return r
+
+
+# ------------------------------------------------------------------------------- suite
+FaultFn = Callable[[ChaosEnv, FaultPlan], list[FaultResult]]
+
+
+def run_all(env: ChaosEnv, plan: FaultPlan, only: Sequence[str] = ()) -> list[FaultResult]:
+    """Every fault, in an order where each leaves the cluster healthy for the next."""
+    steps: list[tuple[str, Callable[[], list[FaultResult]]]] = [
+        ("auth", lambda: [hostile_peer_messages(env)]),
+        ("kill", lambda: [kill_forward_target(env, plan),
+                          restart_new_incarnation(env, plan, target=1)]),
+        ("hang", lambda: [kill_forward_target(env, plan, signal.SIGSTOP)]),
+        ("loss", lambda: [gossip_loss(env, plan, loss, (2 + k,))
+                          for k, loss in enumerate(plan.loss_levels)]),
+        ("partition", lambda: [partition_halves(env, plan, (10, 11))]),
+        ("slow", lambda: [slow_node(env, plan, (8, 9))]),
+    ]
+    results: list[FaultResult] = []
+    for name, step in steps:
+        if only and name not in only:
+            continue
+        try:
+            results.extend(step())
+        except Exception as exc:  # report the broken fault, keep going with the others
+            r = FaultResult(name)
+            r.check(False, f"fault run crashed: {type(exc).__name__}: {exc}")
+            results.append(r)
+            _recover(env)
+    return results
+
+
+def _recover(env: ChaosEnv) -> None:
+    """Best effort: every node running, no partitions, no netem, no engine delay."""
+    for n in env.cluster.nodes:
+        if n.process is not None and not n.running:
+            env.cluster.restart(n.index, wait=False)
+        elif n.running:
+            env.cluster.kill(n.index, signal.SIGCONT)
+    try:
+        env.cluster.wait_ready(120)
+        env.cluster.heal()
+        env.set_netem(loss=0.0, duplicate=0.0, jitter=0.0)
+        for n in env.cluster.nodes:
+            env.admin(n.index, "/admin/engine-delay", {"seconds": 0.0})
+    except Exception:
+        pass
+
+
+__all__ = ["HOP", "FaultPlan", "run_all"]
