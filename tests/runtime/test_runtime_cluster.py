@@ -204,6 +204,25 @@ def test_partition_makes_forwards_fall_back(cluster: LocalCluster) -> None:
     cluster.wait_ready(timeout=30)
 
 
+def test_client_disconnect_stops_the_engine(cluster: LocalCluster) -> None:
+    body = {"model": "tiny", "prompt": "Tell me a long story.", "max_tokens": 3000,
+            "temperature": 0, "stream": True}
+    for entry, headers, worker in ((1, HOP, 1), (0, {"x-radixmesh-target": "n1"}, 1)):
+        before = metric(cluster, worker, "radixmesh_completion_tokens_total")
+        cancelled = metric(cluster, worker, "radixmesh_cancelled_requests_total")
+        with httpx.stream("POST", cluster.url(entry) + "/v1/completions", json=body,
+                          headers=headers, timeout=60) as resp:
+            assert resp.status_code == 200
+            chunks = resp.iter_lines()
+            for _ in range(6):  # a few tokens arrive, then the client hangs up
+                next(chunks)
+        wait_for(lambda w=worker: cluster.get(w, "/health").json()["queue_depth"] == 0,
+                 timeout=30, what="the engine to stop")
+        generated = metric(cluster, worker, "radixmesh_completion_tokens_total") - before
+        assert 1 <= generated < 1000, generated  # stopped early, not run to max_tokens
+        assert metric(cluster, worker, "radixmesh_cancelled_requests_total") == cancelled + 1
+
+
 # ----------------------------------------------------------------------------- failures
 def test_kill_target_with_forwards_in_flight(cluster: LocalCluster) -> None:
     prefix = PREFIX.replace("anatomy", "astronomy")

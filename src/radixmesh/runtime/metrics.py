@@ -22,7 +22,8 @@ class RuntimeMetrics:
     client_errors: Counter[int] = field(default_factory=Counter)  # by HTTP status
     prompt_tokens: int = 0  # prompt tokens executed on this node's engine
     cached_tokens: int = 0  # of which reused from the KV cache (cache hit tokens)
-    completion_tokens: int = 0
+    completion_tokens: int = 0  # generated here, including by requests cancelled midway
+    cancelled: int = 0  # engine requests stopped because their client went away
     forward_attempts: int = 0
     forward_failures: Counter[str] = field(default_factory=Counter)  # by reason
     forward_overhead_s_sum: float = 0.0  # ForwardSucceeded.rtt_s, summed
@@ -106,6 +107,8 @@ def render(
               "Prompt tokens whose KV was reused from this node's cache.", m.cached_tokens)
     ex.single("completion_tokens_total", "counter", "Tokens generated here.",
               m.completion_tokens)
+    ex.single("cancelled_requests_total", "counter",
+              "Engine requests stopped because their client went away.", m.cancelled)
     ex.single("forward_attempts_total", "counter", "Forwards started.", m.forward_attempts)
     ex.family("forward_failures_total", "counter", "Forwards that failed, by reason.",
               [({"reason": r}, n) for r, n in sorted(m.forward_failures.items())])

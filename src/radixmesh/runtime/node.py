@@ -110,6 +110,10 @@ class Execution:
         return self.outcome
 
 
+class RequestCancelled(Exception):
+    """Raised on the engine thread to stop a request whose client went away."""
+
+
 class LocalExecution(Execution):
     """Runs on this node's engine worker; its events land on an asyncio queue."""
 
@@ -122,26 +126,44 @@ class LocalExecution(Execution):
         self.cached_estimate = node.engine.match(prompt)
         self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self._prompt = tuple(prompt)
+        self._cancelled = False
+        self._over = False
+        self._generated = 0  # tokens produced so far (engine thread writes, loop reads after)
         loop = asyncio.get_running_loop()
-        on_token = None
-        if stream:
-            def on_token(tok: int) -> None:
+
+        def on_token(tok: int) -> None:  # on the engine thread
+            if self._cancelled:
+                raise RequestCancelled("the client went away")
+            self._generated += 1
+            if stream:
                 loop.call_soon_threadsafe(self.queue.put_nowait, ("tok", tok))
+
         req = GenerateRequest(uuid.uuid4().hex, self._prompt, sampling)
         self._t0 = time.perf_counter()
-        future = asyncio.wrap_future(node.worker.submit(req, on_token))
+        self._job = node.worker.submit(req, on_token)
         node._pending += 1
-        future.add_done_callback(self._finished)
+        asyncio.wrap_future(self._job).add_done_callback(self._finished)
         node.push_load()
+
+    def cancel(self) -> None:
+        """Stop the engine work: skipped if still queued, stopped at its next token if running."""
+        if not self._over:
+            self._cancelled = True
+            self._job.cancel()
 
     def _finished(self, future: asyncio.Future[GenerateResult]) -> None:
         self.node._pending -= 1
-        if future.cancelled():
-            self.queue.put_nowait(("err", RuntimeError("request cancelled")))
+        self._over = True
+        if future.cancelled():  # cancelled while still queued: never ran
+            self.node.metrics.cancelled += 1
+            self.queue.put_nowait(("err", RequestCancelled("cancelled before it started")))
             self.node.push_load()
             return
         exc = future.exception()
         if exc is not None:
+            self.node.metrics.completion_tokens += self._generated
+            if isinstance(exc, RequestCancelled):
+                self.node.metrics.cancelled += 1
             self.queue.put_nowait(("err", exc))
             self.node.push_cache_and_load()
             return
@@ -151,19 +173,23 @@ class LocalExecution(Execution):
         self.queue.put_nowait(("done", (result, service_s)))
 
     async def tokens(self) -> AsyncIterator[int]:
-        while True:
-            kind, value = await self.queue.get()
-            if kind == "tok":
-                yield value
-            elif kind == "done":
-                result, service_s = value
-                self.outcome = Outcome(
-                    list(result.output_ids), result.finish_reason, result.prompt_tokens,
-                    result.cached_tokens, self.served_by, self.route, result.queue_s, service_s,
-                )
-                return
-            else:
-                raise value
+        try:
+            while True:
+                kind, value = await self.queue.get()
+                if kind == "tok":
+                    yield value
+                elif kind == "done":
+                    result, service_s = value
+                    self.outcome = Outcome(
+                        list(result.output_ids), result.finish_reason, result.prompt_tokens,
+                        result.cached_tokens, self.served_by, self.route, result.queue_s,
+                        service_s,
+                    )
+                    return
+                else:
+                    raise value
+        finally:
+            self.cancel()  # a consumer that stops early (client gone) frees the engine
 
 
 class ForwardExecution(Execution):
@@ -472,8 +498,8 @@ class NodeService:
 
     async def _try_forward(self, cand: Candidate, ctx: RequestContext) -> ForwardExecution | None:
         address = self.core.peer_address(cand.node_id)
-        if address is None:
-            self.forward_failed(cand.node_id, "unknown_peer")
+        if address is None:  # e.g. an x-radixmesh-target naming no known peer
+            self.metrics.forward_failures["unknown_peer"] += 1
             return None
         self.metrics.forward_attempts += 1
         started = time.perf_counter()
@@ -530,6 +556,7 @@ class NodeService:
         finally:
             if pending is not None:
                 pending.cancel()
+            ex.cancel()  # no-op once finished; frees the engine if the sender went away
 
     # ------------------------------------------------------------------------- views
     def peer_states(self) -> dict[str, str]:
