@@ -66,9 +66,11 @@ def _hash_count(msg: Gossip) -> int:
 def _finite_load(load_: Load | None) -> bool:
     if load_ is None:
         return True
-    s = load_.speed
-    numbers = [s.prefill_overhead_s, s.prefill_s_per_token, s.decode_s_per_token,
-               s.mean_service_s, load_.pushback_s or 0.0]
+    s = load_.speed  # None: "unchanged since the last speed I sent you"
+    numbers = [load_.pushback_s or 0.0]
+    if s is not None:
+        numbers += [s.prefill_overhead_s, s.prefill_s_per_token, s.decode_s_per_token,
+                    s.mean_service_s]
     return all(math.isfinite(x) and x >= 0 for x in numbers)
 
 
