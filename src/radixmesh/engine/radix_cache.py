@@ -16,14 +16,15 @@ A request runs in four steps (the paper's Algorithm 1, lines 7–13)::
                       evict LRU leaves until the request's new tokens fit the budget
     RequestCache(lease.values)   copy the path's tensors into per-layer buffers sized for the
                       request (prefix + new tokens); the model appends in place
-    ... the engine runs prefill + decode on its own DynamicCache ...
+    ... the engine runs prefill + decode on that RequestCache ...
     commit(lease, seq, kv)  insert the sequence's tokens (prompt + generated) with KV slices
                       cloned from the request cache, evicting again if needed; unlock
 
 Budget: ``total_tokens <= budget`` always. Eviction frees unlocked leaves least-recently-used
 first; if locked paths leave too little room the insert is truncated to what fits (the cache
 then holds a shorter prefix — correct, merely less useful). Block-hash changes are journaled
-by the tree and drained for gossip.
+by the tree and drained for gossip. The budget bounds the *cache*; a running request also
+holds its own working buffer (prefix copy + new tokens) until it commits.
 
 Thread safety: one ``threading.Lock`` guards the tree, so ``match`` (event-loop thread) can run
 while a request computes on the worker thread; tensors are only read outside the lock after
