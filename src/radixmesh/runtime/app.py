@@ -369,7 +369,9 @@ def _typed(d: dict[str, Any], key: str, kind: type, default: Any) -> Any:
         return value
     if not isinstance(value, kind):
         raise TypeError(f"{key} must be {kind.__name__}")
-    if kind is list and not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+    if isinstance(value, list) and not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    ):
         raise TypeError(f"{key} must be a list of ints")
     return value
 

@@ -202,7 +202,7 @@ def config_from_mapping(
     values: Mapping[str, object], base: ServeConfig | None = None
 ) -> ServeConfig:
     """Apply ``values`` (keys with dashes or underscores) over ``base``; unknown keys raise."""
-    changes: dict[str, object] = {}
+    changes: dict[str, Any] = {}
     for raw_key, value in values.items():
         key = raw_key.replace("-", "_")
         if key not in _FIELDS or key == "config":
