@@ -23,7 +23,6 @@ multi-node cluster passes 1 per node.
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import torch
@@ -163,5 +162,5 @@ def describe(engine: TransformersEngine) -> dict[str, object]:
         "cache_tokens": engine.spec.cache_tokens,
         "device": str(engine.device),
         "kv_bytes_per_token": engine.kv_bytes_per_token,
-        "config": json.loads(engine.model.config.to_json_string()).get("model_type"),
+        "model_type": getattr(engine.model.config, "model_type", None),
     }
