@@ -7,7 +7,7 @@ Defaults are chosen to scale: open-loop Poisson arrivals at half the cluster's e
 capacity (``--load 0.5``), and ``--gossip-mode auto`` = delta (every peer each round, the
 paper's dissemination) up to 32 nodes and epidemic (fanout 3) above, with Δpoll 0.5 s up to 32
 nodes and 1 s above — all-to-all rounds at 1,024 nodes would be a million messages per virtual
-second. Experiments for docs/scale.md: ``--experiment convergence|scale|breakeven``.
+second. Experiments for docs/scale.md: ``--experiment convergence|scale|pushback|breakeven``.
 """
 
 from __future__ import annotations
@@ -97,6 +97,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g = p.add_argument_group("workload")
     g.add_argument("--requests", type=int, default=1000, help="requests per run")
+    g.add_argument(
+        "--requests-per-node",
+        type=int,
+        default=None,
+        help="experiments: at least this many requests per node",
+    )
     g.add_argument("--skew", default="uniform", help="uniform, skewed or uniform,skewed")
     g.add_argument("--mmlu-dir", default=None, help="MMLU release directory (else synthetic)")
     g.add_argument("--trace", default=None, help="replay a JSONL trace")
@@ -131,7 +137,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--experiment",
         default=None,
-        choices=["convergence", "scale", "breakeven"],
+        choices=["convergence", "scale", "pushback", "breakeven"],
         help="run an experiment of docs/scale.md instead of a sweep",
     )
 
@@ -225,6 +231,8 @@ def _run(args: argparse.Namespace) -> int:
         from radixmesh.sim import experiments
 
         return experiments.main(args)
+    if args.requests_per_node:
+        raise ValueError("--requests-per-node is for --experiment scale|pushback")
     cost = costs.resolve(args.cost_model)
     tokenize, tok_fp = TOKENIZERS[args.tokenizer]()
     policies = [Policy.parse(p) for p in _csv(args.policy)]

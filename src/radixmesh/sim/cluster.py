@@ -14,8 +14,10 @@ A client request mirrors the runtime's path::
       head is E        -> E's FIFO queue                         (route "local")
       head is peer P   -> one-way delay + hop overhead -> P's queue (hop limit 1: P executes)
                           <- one-way delay back -> ForwardSucceeded(P, hashes, rtt) to E
-                          refused / timed out  -> ForwardFailed(P) to E, next candidate
+                          refused / reset / silent -> ForwardFailed(P) to E, next candidate
                                                   (route "fallback")
+    (the receiver answers a first byte at once and heartbeats while queued, so a live peer's
+    forward never times out, however long its queue; a partitioned one does)
     serving node X, after each request: RequestServed, CacheChanged, LoadChanged
     every node: Tick at core.next_deadline(); Send actions become deliveries (or losses)
 
@@ -70,7 +72,7 @@ class ClusterConfig:
     network: NetworkConfig = field(default_factory=NetworkConfig)
     cache_tokens: int = 65_536  # per node (the runtime's default)
     block_size: int = 16
-    forward_timeout_s: float = 2.0  # runtime default: first byte of a forward's response
+    forward_timeout_s: float = 2.0  # runtime default: silence (no first byte / heartbeat)
     connect_timeout_s: float = 0.5  # runtime default: a partitioned peer fails after this
     seeds: int = 3  # each node joins through this many seed nodes (all nodes if N <= seeds+1)
     start_spread_s: float = 0.05  # nodes start at uniform random times in [0, spread)
@@ -400,8 +402,6 @@ class Cluster:
             )
             return
         self.loop.at(now + out + hop, self._arrive_remote, target, target.epoch, flight, attempt)
-        deadline = now + out + self.config.forward_timeout_s
-        self.loop.at(deadline, self._forward_deadline, flight, attempt, target.node_id)
 
     def _arrive_remote(self, target: SimNode, epoch: int, flight: Flight, attempt: int) -> None:
         if flight.attempt != attempt or flight.t_done >= 0:
@@ -418,10 +418,6 @@ class Cluster:
             )
             return
         self._enqueue(target, Work(flight, attempt, self.loop.now))
-
-    def _forward_deadline(self, flight: Flight, attempt: int, peer_id: str) -> None:
-        if flight.attempt == attempt and flight.t_done < 0:
-            self._forward_failed(flight, attempt, peer_id, "timeout")
 
     def _forward_failed(self, flight: Flight, attempt: int, peer_id: str, reason: str) -> None:
         if flight.attempt != attempt or flight.t_done >= 0 or flight.error is not None:
@@ -499,6 +495,16 @@ class Cluster:
             self._served(flight, node, run, queue_s)
             self._complete(flight)
             return
+        if self.net.partitioned(node.idx, flight.entry, now):  # heartbeats stopped: timeout
+            self.loop.at(
+                now + self.config.forward_timeout_s,
+                self._forward_failed,
+                flight,
+                work.attempt,
+                node.node_id,
+                "timeout",
+            )
+            return
         back = self.net.delay(node.idx, flight.entry) + self.config.cost.forward_overhead_s / 2
         self.loop.at(now + back, self._response, flight, work.attempt, node, run, queue_s)
 
@@ -551,3 +557,8 @@ def _generated(flight: Flight) -> list[int]:
     n = flight.req.max_tokens
     base = zlib.crc32(flight.req.id.encode("utf-8")) & 0x7F
     return [32 + (base + i) % 95 for i in range(n)]
+
+
+def routable_count(core: NodeCore | None) -> int:
+    """Peers ``core`` would route to now (alive, with a load report)."""
+    return 0 if core is None else len(core._gossip.routable)

@@ -1,0 +1,304 @@
+"""The experiments behind docs/scale.md, each a function returning JSON-able rows.
+
+* ``convergence``: an idle cluster of N nodes joins (time until every node routes to every
+  other), then node 0's cache changes once; the time until each other node's view holds the new
+  version is measured (polled every ``interval/50``). Also the idle gossip bandwidth per node.
+  Direct (delta to every peer each round, the paper's dissemination) vs epidemic (fanout k).
+* ``scale``: the usual sweep over N with requests proportional to N, open-loop at a fixed load
+  (the ratio to ``none`` at each N is what the plot shows).
+* ``pushback``: hotspot share and tail latency near saturation, push-back on vs off.
+* ``breakeven``: the one-way network delay at which forwarding to a node that holds the shared
+  prefix stops paying, from the cost model, against prompt length and model cost; checked by
+  simulating paper vs none over a delay sweep.
+
+Plots are written by :mod:`radixmesh.sim.plots`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from radixmesh.core.config import GossipConfig, GossipMode
+from radixmesh.core.events import CacheChanged
+from radixmesh.core.router import Policy, RouterConfig
+from radixmesh.sim import costs
+from radixmesh.sim.cluster import (
+    Cluster,
+    ClusterConfig,
+    estimate_version,
+    routable_count,
+    summary_version,
+)
+from radixmesh.sim.costs import CostModel
+from radixmesh.sim.network import NetworkConfig, parse_duration
+
+Log = Callable[[str], None]
+
+
+def _log(args: argparse.Namespace) -> Log:
+    if getattr(args, "quiet", False):
+        return lambda _m: None
+    return lambda m: print(f"[experiment] {m}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- convergence
+def convergence(
+    nodes: int,
+    mode: GossipMode,
+    interval_s: float,
+    delay_s: float = 0.002,
+    fanout: int = 3,
+    seed: int = 0,
+    change_blocks: int = 32,
+    trials: int = 5,
+    max_join_s: float = 120.0,
+) -> dict[str, Any]:
+    """Join time, then convergence time of one cache change at node 0, in an idle cluster."""
+    gossip = GossipConfig.for_interval(interval_s, mode=mode, fanout=fanout)
+    cfg = ClusterConfig(
+        nodes=nodes,
+        cost=costs.resolve("cpu-tiny"),
+        router=RouterConfig(policy=Policy.PAPER),
+        gossip=gossip,
+        network=NetworkConfig(delay_s=delay_s),
+        seed=seed,
+        start_spread_s=interval_s,
+    )
+    cl = Cluster(cfg)
+    wall0 = time.perf_counter()
+    cl.start()
+    step = interval_s / 50
+    joined_at = _run_until(cl, step, max_join_s, lambda: _all_joined(cl))
+    # Let membership settle, then measure idle bandwidth over a few rounds.
+    cl.loop.run(until=cl.loop.now + 2 * interval_s)
+    b0, m0, t0 = cl.counters.gossip_bytes, cl.counters.gossip_messages, cl.loop.now
+    cl.loop.run(until=t0 + 4 * interval_s)
+    idle_span = cl.loop.now - t0
+    idle_bytes = (cl.counters.gossip_bytes - b0) / nodes / idle_span
+    idle_msgs = (cl.counters.gossip_messages - m0) / nodes / idle_span
+    # Changes at random nodes and random phases of their gossip rounds; poll every view.
+    pick = random.Random(f"convergence/{seed}")
+    maxima: list[float] = []
+    medians: list[float] = []
+    unconverged = 0
+    for trial in range(trials):
+        cl.loop.run(until=cl.loop.now + pick.random() * interval_s)
+        origin = cl.nodes[pick.randrange(nodes)]
+        first = 10**12 + trial * change_blocks
+        t_change = cl.loop.now
+        cl.feed(origin, CacheChanged(tuple(range(first, first + change_blocks)), ()))
+        seen = _time_to_see(cl, origin.idx, t_change, step, max(60.0, 40 * interval_s))
+        if len(seen) < nodes - 1:
+            unconverged += 1
+        times = sorted(seen)
+        if times:
+            maxima.append(times[-1])
+            medians.append(times[len(times) // 2])
+    return {
+        "nodes": nodes,
+        "mode": mode.value,
+        "fanout": fanout if mode is GossipMode.EPIDEMIC else None,
+        "interval_s": interval_s,
+        "delay_s": delay_s,
+        "join_s": joined_at,
+        "trials": trials,
+        "unconverged_trials": unconverged,
+        "converge_p50_s": statistics.mean(medians) if medians else None,
+        "converge_max_s": statistics.mean(maxima) if maxima else None,
+        "converge_max_worst_s": max(maxima) if maxima else None,
+        "converge_rounds_max": statistics.mean(maxima) / interval_s if maxima else None,
+        "idle_bytes_per_node_s": idle_bytes,
+        "idle_messages_per_node_s": idle_msgs,
+        "wall_s": time.perf_counter() - wall0,
+        "events": cl.loop.events,
+    }
+
+
+def _time_to_see(
+    cl: Cluster, origin: int, t_change: float, step: float, limit: float
+) -> list[float]:
+    """Seconds after ``t_change`` at which each other node's view held ``origin``'s new
+    version (polled every ``step``)."""
+    target = summary_version(cl.nodes[origin].core)
+    peer = cl.nodes[origin].node_id
+    pending = {n.idx for n in cl.nodes if n.idx != origin}
+    seen: list[float] = []
+
+    def done() -> bool:
+        for idx in list(pending):
+            if (estimate_version(cl.nodes[idx].core, peer) or 0) >= target:
+                pending.discard(idx)
+                seen.append(cl.loop.now - t_change)
+        return not pending
+
+    _run_until(cl, step, limit, done)
+    return seen
+
+
+def _all_joined(cl: Cluster) -> bool:
+    want = cl.config.nodes - 1
+    return all(routable_count(n.core) >= want for n in cl.nodes)
+
+
+def _run_until(cl: Cluster, step: float, limit: float, done: Callable[[], bool]) -> float | None:
+    start = cl.loop.now
+    while cl.loop.now - start < limit:
+        if done():
+            return cl.loop.now - start
+        cl.loop.run(until=cl.loop.now + step)
+    return None
+
+
+# ------------------------------------------------------------------------------- breakeven
+def breakeven_delay_s(
+    cost: CostModel, prompt_tokens: int, shared: float, local_frac: float
+) -> float:
+    """One-way delay below which a forward to a node caching ``shared`` of the prompt beats
+    local execution with ``local_frac`` of it cached (idle nodes, the cost model's times)."""
+    remote_c = int(prompt_tokens * shared)
+    local_c = int(prompt_tokens * local_frac)
+    saving = cost.prefill_s(prompt_tokens - local_c, local_c) - cost.prefill_s(
+        prompt_tokens - remote_c, remote_c
+    )
+    return max(0.0, (saving - cost.forward_overhead_s) / 2)
+
+
+def breakeven_table(
+    models: list[CostModel], lengths: list[int], shared: float = 0.85
+) -> list[dict[str, Any]]:
+    rows = []
+    for m in models:
+        for length in lengths:
+            rows.append(
+                {
+                    "cost_model": m.name,
+                    "prompt_tokens": length,
+                    "shared": shared,
+                    "breakeven_one_way_s_cold_local": breakeven_delay_s(m, length, shared, 0.0),
+                    "breakeven_one_way_s_header_local": breakeven_delay_s(m, length, shared, 0.03),
+                    "prefill_cold_s": m.prefill_s(length, 0),
+                    "prefill_warm_s": m.prefill_s(
+                        length - int(length * shared), int(length * shared)
+                    ),
+                }
+            )
+    return rows
+
+
+# ------------------------------------------------------------------------------- dispatch
+def main(args: argparse.Namespace) -> int:
+    out = Path(args.out or f"sim-{args.experiment}")
+    out.mkdir(parents=True, exist_ok=True)
+    log = _log(args)
+    if args.experiment == "convergence":
+        rows = run_convergence(args, log)
+    elif args.experiment == "breakeven":
+        rows = run_breakeven(args, log)
+    elif args.experiment == "scale":
+        rows = run_scale(args, log)
+    elif args.experiment == "pushback":
+        rows = run_pushback(args, log)
+    else:
+        raise ValueError(f"unknown experiment {args.experiment!r}")
+    path = out / f"{args.experiment}.json"
+    path.write_text(json.dumps({"experiment": args.experiment, "rows": rows}, indent=2) + "\n")
+    from radixmesh.sim import plots
+
+    for png in plots.plot_experiment(args.experiment, rows, out):
+        log(f"wrote {png}")
+    print(f"wrote {path}")
+    return 0
+
+
+def _csv(text: str) -> list[str]:
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def run_convergence(args: argparse.Namespace, log: Log) -> list[dict[str, Any]]:
+    modes = [m for m in _csv(args.gossip_mode) if m != "auto"] or ["delta", "epidemic"]
+    rows = []
+    for n in (int(x) for x in _csv(args.nodes)):
+        for mode_text in modes:
+            mode = GossipMode.parse(mode_text)
+            interval = (
+                1.0 if args.gossip_interval == "auto" else parse_duration(args.gossip_interval)
+            )
+            row = convergence(
+                n, mode, interval, parse_duration(_csv(args.comm_delay)[0]), args.fanout, args.seed
+            )
+            log(
+                f"N={n} {mode.value}: joined in {_s(row['join_s'])}, change seen by all in "
+                f"{_s(row['converge_max_s'])} (median node {_s(row['converge_p50_s'])}), idle "
+                f"{row['idle_bytes_per_node_s']:.0f} B/node/s; {row['wall_s']:.1f}s wall"
+            )
+            rows.append(row)
+    return rows
+
+
+def _s(v: float | None) -> str:
+    return "never" if v is None else f"{v:.2f}s"
+
+
+def run_breakeven(args: argparse.Namespace, log: Log) -> list[dict[str, Any]]:
+    models = [costs.resolve(m) for m in _csv(args.cost_model)]
+    lengths = [256, 540, 1024, 2048, 3000, 4096, 8192, 16384]
+    rows = breakeven_table(models, lengths)
+    for r in rows:
+        log(
+            f"{r['cost_model']} L={r['prompt_tokens']}: forward pays below "
+            f"{r['breakeven_one_way_s_cold_local'] * 1e3:.1f} ms one-way"
+        )
+    return rows
+
+
+def _sweep(args: argparse.Namespace, log: Log, **override: Any) -> list[dict[str, Any]]:
+    """The ordinary ``radixmesh sim`` sweep at each N, requests scaled with N."""
+    from radixmesh.sim import cli
+
+    cost = costs.resolve(args.cost_model)
+    tokenize, tok_fp = cli.TOKENIZERS[args.tokenizer]()
+    policies = [Policy.parse(p) for p in _csv(args.policy)]
+    delays = [parse_duration(d) for d in _csv(args.comm_delay)]
+    many = {"nodes": True, "delay": len(delays) > 1, "interval": False, "skew": True}
+    rows = []
+    for n in (int(x) for x in _csv(args.nodes)):
+        for skew in _csv(args.skew):
+            per_node = args.requests_per_node
+            reqs = max(args.requests, per_node * n) if per_node else args.requests
+            point = argparse.Namespace(**{**vars(args), **override, "requests": reqs})
+            for res in cli._sweep_point(
+                point, cost, tokenize, tok_fp, policies, n, delays, skew, many
+            ):
+                rows.append(res.summary)
+                s = res.summary
+                log(
+                    f"{s['name']}: mean {s['mean_latency_s']:.3f}s p99 {s['p99_latency_s']:.3f}s "
+                    f"hit {s['actual_hit_rate']:.1%} hotspot {s['hotspot_share']:.1%} "
+                    f"({s['sim']['wall_s']:.0f}s wall)"
+                )
+    return rows
+
+
+def run_scale(args: argparse.Namespace, log: Log) -> list[dict[str, Any]]:
+    return _sweep(args, log)
+
+
+def run_pushback(args: argparse.Namespace, log: Log) -> list[dict[str, Any]]:
+    rows = []
+    for label, threshold in (("on", args.pushback_threshold), ("off", PUSHBACK_OFF)):
+        for row in _sweep(args, log, pushback_threshold=threshold):
+            row["pushback"] = label
+            row["name"] += f"/pushback-{label}"
+            rows.append(row)
+    return rows
+
+
+PUSHBACK_OFF = 1_000_000  # a queue threshold never reached: push-back disabled
