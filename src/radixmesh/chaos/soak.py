@@ -1,0 +1,168 @@
+"""Soak: open-loop load at a sustainable rate for a long time, with kill -9s and restarts.
+
+Theory of operation
+-------------------
+::
+
+    load     ── arrivals every 1/rate s, each to an entry node ─────────────────────────▶
+    chaos    ──── drain v ── kill -9 v ── restart v (new incarnation) ── undrain v ──── ...
+    sampler  ── RSS of every node, every sample_every_s ───────────────────────────────▶
+
+Victims cycle over nodes 1..N-1 (node 0 is always up). A victim is first removed from the
+entry rotation ("drained", as a load balancer's health check would), so no *client* connection
+ends at a dead node; requests that were forwarded *to* it are in flight when it dies, and those
+must still succeed (fallback). Every answer is compared with the single-node greedy reference.
+
+At the end the load stops, queues drain, and every node must report 0 locked radix-cache tokens
+(``radixmesh_cache_locked_tokens``): a request that died half-way must not leak a lock. RSS is
+reported over time per node, so unbounded growth is visible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+
+from radixmesh.chaos.env import ChaosEnv
+from radixmesh.chaos.load import Outcome, Prompt, open_loop, percentile, summarize
+from radixmesh.chaos.report import rss_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class SoakConfig:
+    duration_s: float = 600.0
+    rate: float = 3.0  # requests per second (open loop)
+    kill_every_s: float = 45.0  # one kill -9 + restart cycle per this many seconds
+    sample_every_s: float = 10.0
+    hot_share: float = 0.8  # share of requests drawn from the 3 hottest groups
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class _State:
+    drained: set[int] = field(default_factory=set)
+    kills: int = 0
+    restarts: int = 0
+    events: list[str] = field(default_factory=list)
+    rss: list[dict[str, object]] = field(default_factory=list)
+    stop: bool = False
+
+
+def _prompt_picker(env: ChaosEnv, cfg: SoakConfig) -> list[Prompt]:
+    rng = random.Random(cfg.seed)
+    n = max(1, int(cfg.rate * cfg.duration_s))
+    hot = env.groups[:3]
+    out = []
+    for _ in range(n):
+        pool = rng.choice(hot) if rng.random() < cfg.hot_share else rng.choice(env.groups)
+        out.append(rng.choice(pool))
+    return out
+
+
+async def _chaos(env: ChaosEnv, cfg: SoakConfig, st: _State, t0: float) -> None:
+    n = len(env.cluster)
+    victims = [i for i in range(1, n)] or [0]
+    k = 0
+    while not st.stop:
+        await asyncio.sleep(cfg.kill_every_s)
+        if st.stop or n < 2:
+            return
+        v = victims[k % len(victims)]
+        k += 1
+        st.drained.add(v)
+        await asyncio.sleep(1.0)  # in-flight client requests at v finish
+        env.cluster.kill(v, signal.SIGKILL)
+        st.kills += 1
+        st.events.append(f"{time.monotonic() - t0:.1f}s kill -9 {env.cluster.nodes[v].node_id}")
+        await asyncio.sleep(2.0)
+        await asyncio.to_thread(env.cluster.restart, v, True)
+        st.restarts += 1
+        st.events.append(f"{time.monotonic() - t0:.1f}s {env.cluster.nodes[v].node_id} "
+                         "restarted and rejoined")
+        st.drained.discard(v)
+
+
+async def _sampler(env: ChaosEnv, cfg: SoakConfig, st: _State, t0: float) -> None:
+    while not st.stop:
+        sample: dict[str, object] = {"t": round(time.monotonic() - t0, 1)}
+        for node in env.cluster.nodes:
+            pid = node.pid if node.running else None
+            rss = rss_bytes(pid) if pid is not None else None
+            sample[node.node_id] = None if rss is None else round(rss / 2**20, 1)
+        st.rss.append(sample)
+        await asyncio.sleep(cfg.sample_every_s)
+
+
+async def _run(env: ChaosEnv, cfg: SoakConfig, prompts: list[Prompt], st: _State
+               ) -> list[Outcome]:
+    t0 = time.monotonic()
+    n = len(env.cluster)
+
+    def entry(i: int) -> str:
+        live = [j for j in range(n) if j not in st.drained] or [0]
+        return env.url(live[i % len(live)])
+
+    tasks = [asyncio.create_task(_chaos(env, cfg, st, t0)),
+             asyncio.create_task(_sampler(env, cfg, st, t0))]
+    try:
+        return await open_loop(entry, lambda i: prompts[i], env.model, cfg.rate,
+                               cfg.duration_s, timeout_s=120.0)
+    finally:
+        st.stop = True
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _locks_at_end(env: ChaosEnv, timeout_s: float = 30.0) -> dict[str, float]:
+    """Locked radix-cache tokens per node once queues are empty (must all be 0)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        locks: dict[str, float] = {}
+        busy = False
+        for node in env.cluster.nodes:
+            if not node.running:
+                continue
+            m = env.metrics(node.index)
+            locks[node.node_id] = m.get("radixmesh_cache_locked_tokens", -1.0)
+            busy |= m.get("radixmesh_queue_depth", 0.0) > 0
+        if (not busy and not any(locks.values())) or time.monotonic() > deadline:
+            return locks
+        time.sleep(0.5)
+
+
+def run_soak(env: ChaosEnv, cfg: SoakConfig) -> dict[str, object]:
+    """Run the soak; returns a JSON-able report (see module docstring)."""
+    prompts = _prompt_picker(env, cfg)
+    env.references(list({p.id: p for p in prompts}.values()))
+    st = _State()
+    t0 = time.monotonic()
+    outcomes = asyncio.run(_run(env, cfg, prompts, st))
+    elapsed = time.monotonic() - t0
+    env.cluster.wait_ready(120)
+    locks = _locks_at_end(env)
+    lost = env.lost(outcomes)
+    stats = summarize(outcomes)
+    lat = [o.latency_s for o in outcomes if o.ok]
+    errors = [o.error for o in outcomes if not o.ok]
+    return {
+        "duration_s": round(elapsed, 1),
+        "rate": cfg.rate,
+        "requests": len(outcomes),
+        "errors": len(errors),
+        "error_examples": errors[:5],
+        "lost_or_wrong": len(lost),
+        "p50_s": stats["p50_s"],
+        "p99_s": percentile(lat, 99),
+        "max_s": stats["max_s"],
+        "routes": stats["routes"],
+        "kills": st.kills,
+        "restarts": st.restarts,
+        "events": st.events,
+        "rss_mb": st.rss,
+        "locked_tokens_at_end": locks,
+        "passed": not errors and not lost and not any(locks.values()),
+    }
