@@ -177,3 +177,11 @@ def test_build_from_mmlu_dir() -> None:
     assert len(reqs) == 100 and spec.source == "mmlu"
     assert all(r.entry == i % 4 for i, r in enumerate(reqs))
     assert reqs == build(spec, nodes=4)
+
+
+def test_build_filters_with_fits() -> None:
+    spec = WorkloadSpec(requests=200, mmlu_dir=str(MMLU_DIR), seed=1)
+    reqs = build(spec, nodes=4, fits=lambda r: len(r.text.encode()) < 4000)
+    assert len(reqs) == 200 and all(len(r.text.encode()) < 4000 for r in reqs)
+    groups = {r.group for r in reqs}
+    assert "professional_law" not in groups and "high_school_european_history" not in groups

@@ -1,0 +1,73 @@
+"""How the benchmark gets a fresh cluster: the runtime's ``LocalCluster`` behind one call.
+
+The runner depends only on :class:`Cluster` (node URLs and ids, ``close``) and a
+:data:`ClusterFactory`, so tests and other launchers can plug in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from radixmesh.bench.spec import RunSpec
+
+
+class Cluster(Protocol):
+    @property
+    def urls(self) -> list[str]: ...
+    @property
+    def node_ids(self) -> list[str]: ...
+    def close(self) -> None: ...
+
+
+ClusterFactory = Callable[[RunSpec], Cluster]
+
+
+def serve_options(spec: RunSpec) -> dict[str, object]:
+    """The ``radixmesh serve`` options (ServeConfig fields) every node of the run gets."""
+    opts: dict[str, object] = {
+        "policy": spec.node_policy,
+        "gossip_interval": spec.gossip_interval_s,
+        "net_delay": spec.comm_delay_s,
+        "cache_tokens": spec.cache_tokens,
+        "threads": spec.threads,
+        "seed": spec.seed,
+        "preset": spec.preset,
+        "log_level": "warning",
+    }
+    if spec.model:
+        opts["model"] = spec.model
+    return opts
+
+
+class _Local:
+    """Adapts the runtime's ``LocalCluster`` to :class:`Cluster`."""
+
+    def __init__(self, spec: RunSpec, log_dir: Path | None) -> None:
+        from radixmesh.runtime.cluster import LocalCluster
+
+        self._cluster = LocalCluster(spec.nodes, serve_options(spec), log_dir=log_dir)
+        self._cluster.start()
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self._cluster.urls)
+
+    @property
+    def node_ids(self) -> list[str]:
+        return list(self._cluster.node_ids)
+
+    def close(self) -> None:
+        self._cluster.stop()
+
+
+def local_cluster(log_root: str | Path | None = None) -> ClusterFactory:
+    """A factory starting ``spec.nodes`` fresh node processes on 127.0.0.1 per run, with node
+    logs under ``log_root/<run name>/`` (a temporary folder when ``None``)."""
+
+    def start(spec: RunSpec) -> Cluster:
+        log_dir = None if log_root is None else Path(log_root) / spec.name
+        return _Local(spec, log_dir)
+
+    return start

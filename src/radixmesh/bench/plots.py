@@ -1,0 +1,164 @@
+"""The report's PNG figures (matplotlib, Agg backend — no display needed).
+
+Every function takes the loaded :class:`~radixmesh.bench.report.Results` and a path, draws one
+figure, and returns False (drawing nothing) when the runs it needs are missing.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+if TYPE_CHECKING:
+    from radixmesh.bench.records import Record
+    from radixmesh.bench.report import Results, Run
+
+WINDOW, STRIDE = 300, 30
+COLORS = {"none": "tab:gray", "paper": "tab:orange", "cost": "tab:blue", "oracle": "tab:green",
+          "sglang": "tab:red", "random": "tab:purple", "round_robin": "tab:brown",
+          "least_loaded": "tab:pink"}  # fmt: skip
+DELAYS_MS = (2.0, 200.0, 1000.0)
+
+
+def _save(fig: Any, path: Path) -> bool:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def latency_vs_comm(res: Results, path: Path) -> bool:
+    none = res.find("none")
+    series = {p: [(ms, res.find(p, delay_ms=ms)) for ms in DELAYS_MS]
+              for p in ("paper", "cost", "oracle")}  # fmt: skip
+    if none is None or not any(r for s in series.values() for _, r in s):
+        return False
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.axhline(none["mean_latency_s"], color=COLORS["none"], ls="--", label="none")
+    ax2.axhline(1.0, color=COLORS["none"], ls="--", label="none")
+    for pol, pts in series.items():
+        xs = [ms for ms, r in pts if r is not None]
+        if not xs:
+            continue
+        runs = [r for _, r in pts if r is not None]
+        ax1.plot(xs, [r["mean_latency_s"] for r in runs], "o-", color=COLORS[pol], label=pol)
+        ratios = [res.ratio(r) for r in runs]
+        ax2.plot(xs, [x if x is not None else float("nan") for x in ratios], "o-",
+                 color=COLORS[pol], label=pol)  # fmt: skip
+    for ax, title in ((ax1, "mean latency (s)"), (ax2, "mean latency / none (paired)")):
+        ax.set_xscale("log")
+        ax.set_xlabel("Δcomm, one-way (ms)")
+        ax.set_title(title)
+        ax.legend()
+        ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def windows(
+    records: Sequence[Record], group: str, nodes: Sequence[str]
+) -> tuple[list[int], dict[str, list[float]]]:
+    """Per-node share (%) of ``group``'s requests in sliding windows over the request stream
+    (window 300 requests, stride 30; a third of the run when it is shorter than 900)."""
+    ordered = sorted(records, key=lambda r: r.seq)
+    window = min(WINDOW, max(30, len(ordered) // 3))
+    xs: list[int] = []
+    shares: dict[str, list[float]] = {n: [] for n in nodes}
+    for end in range(window, len(ordered) + 1, STRIDE):
+        sub = [r for r in ordered[end - window : end] if r.group == group]
+        counts = Counter(r.served_by for r in sub)
+        xs.append(end)
+        for n in nodes:
+            shares[n].append(100.0 * counts[n] / len(sub) if sub else float("nan"))
+    return xs, shares
+
+
+def _top_groups(records: Sequence[Record], k: int = 2) -> list[str]:
+    counts = Counter(r.group for r in records if r.group)
+    return [g for g, _ in counts.most_common(k)]
+
+
+def _share_grid(res: Results, panels: Sequence[tuple[str, Run]], groups: Sequence[str],
+                title: str, path: Path) -> bool:  # fmt: skip
+    fig, axes = plt.subplots(len(groups), len(panels), figsize=(3.6 * len(panels), 5.6),
+                             squeeze=False, sharey=True)  # fmt: skip
+    nodes = sorted({r.served_by for _, run in panels for r in res.ok(run) if r.served_by})
+    colors = {n: f"C{i}" for i, n in enumerate(nodes)}
+    for col, (label, run) in enumerate(panels):
+        recs = res.ok(run)
+        for row, group in enumerate(groups):
+            ax = axes[row][col]
+            xs, shares = windows(recs, group, nodes)
+            for node, ys in shares.items():
+                ax.plot(xs, ys, label=node, lw=1.2, color=colors[node])
+            ax.set_title(f"{label}\n{group}", fontsize=8)
+            ax.set_ylim(-5, 105)
+            ax.grid(alpha=0.3)
+            if row == len(groups) - 1:
+                ax.set_xlabel("request index")
+            if col == 0:
+                ax.set_ylabel("share of subject's requests (%)")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path)
+
+
+def share_over_time(res: Results, path: Path) -> bool:
+    cands = [
+        ("skewed, paper", res.find("paper", "skewed")),
+        ("uniform, paper", res.find("paper")),
+        ("uniform, none", res.find("none")),
+        ("uniform, paper, Δpoll 300 s", res.find("paper", gossip_ms=300000.0)),
+    ]
+    panels = [(label, r) for label, r in cands if r is not None]
+    if not panels:
+        return False
+    groups = _top_groups(res.ok(panels[0][1]))
+    if not groups:
+        return False
+    title = f"Per-node share of two subjects' requests (window {WINDOW}, stride {STRIDE})"
+    return _share_grid(res, panels, groups, title, path)
+
+
+def specialization_eviction(res: Results, path: Path) -> bool:
+    if res.pressure is None:
+        return False
+    cands = [(f"{p}, cache {res.pressure:,} tok/node", res.find(p, cache=res.pressure))
+             for p in ("paper", "cost", "none")]  # fmt: skip
+    panels = [(label, r) for label, r in cands if r is not None]
+    if not panels:
+        return False
+    groups = _top_groups(res.ok(panels[0][1]))
+    title = "Specialization–eviction under memory pressure (window 300, stride 30)"
+    return _share_grid(res, panels, groups, title, path)
+
+
+def hit_rates(res: Results, path: Path) -> bool:
+    pols = ["none", "paper", "cost", "oracle", "random", "round_robin", "least_loaded", "sglang"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
+    drawn = False
+    for ax, skew in zip(axes, ("uniform", "skewed"), strict=True):
+        found = [(p, res.find(p, skew)) for p in pols]
+        runs = [(p, r) for p, r in found if r is not None]
+        if not runs:
+            continue
+        drawn = True
+        xs = range(len(runs))
+        ax.bar([x - 0.2 for x in xs], [100 * (r["expected_hit_rate"] or 0) for _, r in runs],
+               0.4, label="expected (router)", color="tab:cyan")  # fmt: skip
+        ax.bar([x + 0.2 for x in xs], [100 * (r["actual_hit_rate"] or 0) for _, r in runs],
+               0.4, label="actual (engine)", color="tab:blue")  # fmt: skip
+        ax.set_xticks(list(xs), [p for p, _ in runs], rotation=30, fontsize=8)
+        ax.set_title(f"{skew}: cache-hit rate (% of prompt tokens)")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    if not drawn:
+        plt.close(fig)
+        return False
+    return _save(fig, path)

@@ -1,0 +1,59 @@
+"""One record per request per run: what the client saw plus what the node said in headers.
+
+Written as one JSON line each to ``requests.jsonl`` while a sweep runs (so Ctrl-C keeps what
+finished). Field meanings:
+
+``seq``       position in the run's request order (0-based)
+``entry``     index of the node (or the router) the client sent to; ``entry_node`` its id
+``served_by`` node id from ``x-radixmesh-served-by``
+``route``     ``local`` | ``forwarded`` | ``fallback`` (``x-radixmesh-route``)
+``expected_cached_tokens``  the router's estimate at decision time; ``cached_tokens`` what the
+              serving engine actually reused; ``prompt_tokens`` from ``usage``
+``t_send``/``t_done``  seconds since the run started; ``latency_s`` = client-side wall time
+              (includes emulated network delay and, for the oracle, its emulated forward hop)
+``forward_s`` emulated forward hop added by the client (oracle only), else 0
+``server_timing``  any ``server-timing`` parts the node reported (name -> seconds)
+``error``     ``None`` or a short description (HTTP status + message, or the exception)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class Record:
+    run: str
+    policy: str
+    seq: int
+    id: str
+    group: str | None
+    entry: int
+    entry_node: str
+    t_send: float
+    t_done: float = 0.0
+    latency_s: float = 0.0
+    served_by: str | None = None
+    route: str | None = None
+    expected_cached_tokens: int | None = None
+    cached_tokens: int | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    forward_s: float = 0.0
+    server_timing: dict[str, float] = field(default_factory=dict)
+    status: int | None = None
+    error: str | None = None
+    output: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> Record:
+        names = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in obj.items() if k in names})
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None

@@ -1,0 +1,349 @@
+"""Run benchmark configurations, each on a fresh cluster, and record every request.
+
+Theory of operation
+-------------------
+For each :class:`~radixmesh.bench.spec.RunSpec`::
+
+    build the workload (seeded; prompts that do not fit the engine's context are dropped)
+    start a fresh cluster (cold caches) ── nodes run the spec's policy (``none`` for the
+    │                                      client-side baselines ``oracle`` and ``sglang``)
+    warm each node up with one short, unrelated prompt (torch's first-call cost, not a cache)
+    replay: sequential  (the paper's: round-robin entry, one at a time)
+    │       closed loop (``concurrency`` clients, each one at a time)
+    │       open loop   (requests carry arrival times ``t``: Poisson or a trace)
+    └─ each finished request → one :class:`Record` line in ``requests.jsonl`` (flushed)
+    stop the cluster, summarize the run into ``summary.json`` (rewritten after every run)
+
+Ctrl-C stops the sweep cleanly: the current run is cut short (its finished records are kept
+and summarized with ``"interrupted": true``), the cluster is stopped, and no further run starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+from radixmesh.bench import client, metrics
+from radixmesh.bench.cluster import Cluster, ClusterFactory, local_cluster
+from radixmesh.bench.oracle import Oracle
+from radixmesh.bench.progress import Progress
+from radixmesh.bench.records import Record
+from radixmesh.bench.sglang import INSTALL_HINT, SglangRouter, available
+from radixmesh.bench.spec import RunSpec, engine_context
+from radixmesh.workload import Request, build
+from radixmesh.workload.build import Fits
+
+BLOCK_SIZE = 16
+WARMUP_PROMPT = "radixmesh warm-up {i}: hello"
+
+
+class SkipRun(Exception):
+    """A configuration that cannot run here (e.g. an optional baseline not installed)."""
+
+
+@dataclass(slots=True)
+class RunResult:
+    spec: RunSpec
+    records: list[Record] = field(default_factory=list)
+    interrupted: bool = False
+    skipped: str | None = None
+    dropped: int = 0
+    oracle_mismatches: int | None = None
+
+
+def make_fits(spec: RunSpec) -> Fits:
+    """Requests whose prompt (in the engine's tokens) leaves room for the output."""
+    context = engine_context(spec.preset, spec.model)
+    tokenizer = tokenizer_for(spec)
+
+    def fits(r: Request) -> bool:
+        return len(tokenizer.encode(r.text)) + r.max_tokens + 8 < context
+
+    return fits
+
+
+def tokenizer_for(spec: RunSpec) -> Any:
+    from radixmesh.engine.tokenizers import ByteTokenizer, HFTokenizer
+
+    return HFTokenizer(spec.model) if spec.model else ByteTokenizer()
+
+
+def summary_entry(res: RunResult) -> dict[str, Any]:
+    s, w = res.spec, res.spec.workload
+    entry: dict[str, Any] = {
+        "name": s.name,
+        "policy": s.policy,
+        "nodes": s.nodes,
+        "workload": w.source,
+        "skew": s.skew,
+        "comm_delay_ms": s.comm_delay_s * 1000.0,
+        "gossip_interval_ms": s.gossip_interval_s * 1000.0,
+        "cache_tokens": s.cache_tokens,
+    }
+    entry.update(metrics.summarize(res.records))
+    entry.update(
+        {
+            "group": s.group,
+            "schedule": w.schedule.value if w.rate else "sequential",
+            "concurrency": s.concurrency,
+            "arrival_rate": w.rate,
+            "planned_requests": w.requests,
+            "seed": w.seed,
+            "dropped_too_long": res.dropped,
+            "interrupted": res.interrupted,
+            "skipped": res.skipped,
+            "oracle_mismatches": res.oracle_mismatches,
+        }
+    )
+    return entry
+
+
+class Sink:
+    """Appends records to ``requests.jsonl`` (flushed per line) and drives the progress bar."""
+
+    def __init__(self, fh: IO[str], progress: Progress | None) -> None:
+        self.fh = fh
+        self.progress = progress
+
+    def __call__(self, rec: Record) -> None:
+        self.fh.write(json.dumps(rec.to_json(), ensure_ascii=False) + "\n")
+        self.fh.flush()
+        if self.progress is not None:
+            self.progress.update(rec.latency_s, rec.ok)
+
+
+class Replay:
+    """Replays one run's requests against a started cluster."""
+
+    def __init__(self, spec: RunSpec, cluster: Cluster, sink: Callable[[Record], None]) -> None:
+        self.spec = spec
+        self.urls = list(cluster.urls)
+        self.ids = list(cluster.node_ids)
+        self.sink = sink
+        self.records: list[Record] = []
+        self.router: SglangRouter | None = None
+        self.oracle: Oracle | None = None
+        self.tokenizer = tokenizer_for(spec)
+        self.model = ""
+        self.t0 = 0.0
+
+    async def run(self, requests: Sequence[Request]) -> None:
+        limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
+        timeout = httpx.Timeout(600.0, connect=10.0)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+            self.model = await client.model_name(http, self.urls[0])
+            await self._warm_up(http)
+            self.t0 = time.perf_counter()
+            if any(r.t is not None for r in requests):
+                await self._open_loop(http, requests)
+            else:
+                await self._closed_loop(http, requests, self.spec.concurrency)
+
+    async def _warm_up(self, http: httpx.AsyncClient) -> None:
+        for i, url in enumerate(self.urls):
+            req = Request(id=f"warmup/{i}", prompt=WARMUP_PROMPT.format(i=i), max_tokens=1)
+            if self.oracle is not None:
+                self.oracle.mirrors[i].serve(self.tokenizer.encode(req.text), 1)
+            rec = self._record(-1, req, i)
+            await client.send(http, url, self.model, req, rec, time.perf_counter())
+            if rec.error:
+                raise RuntimeError(f"warm-up of {url} failed: {rec.error}")
+
+    async def _closed_loop(
+        self, http: httpx.AsyncClient, requests: Sequence[Request], workers: int
+    ) -> None:
+        queue = iter(enumerate(requests))
+
+        async def worker() -> None:
+            for seq, req in queue:
+                await self._one(http, seq, req)
+
+        await asyncio.gather(*(worker() for _ in range(workers)))
+
+    async def _open_loop(self, http: httpx.AsyncClient, requests: Sequence[Request]) -> None:
+        tasks: list[asyncio.Task[None]] = []
+        try:
+            for seq, req in enumerate(requests):
+                delay = (req.t or 0.0) - (time.perf_counter() - self.t0)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(self._one(http, seq, req)))
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def _record(self, seq: int, req: Request, entry: int) -> Record:
+        return Record(
+            run=self.spec.name,
+            policy=self.spec.policy,
+            seq=seq,
+            id=req.id,
+            group=req.group,
+            entry=entry,
+            entry_node="router" if self.router else self.ids[entry],
+            t_send=time.perf_counter() - self.t0,
+        )
+
+    async def _one(self, http: httpx.AsyncClient, seq: int, req: Request) -> None:
+        entry = (req.entry or 0) % len(self.urls)
+        if self.oracle is not None:
+            rec = await self._via_oracle(http, seq, req, entry)
+        else:
+            url = self.router.url if self.router else self.urls[entry]
+            rec = self._record(seq, req, entry)
+            await client.send(http, url, self.model, req, rec, self.t0)
+        self.records.append(rec)
+        self.sink(rec)
+
+    async def _via_oracle(
+        self, http: httpx.AsyncClient, seq: int, req: Request, entry: int
+    ) -> Record:
+        assert self.oracle is not None
+        oracle = self.oracle
+        tokens = self.tokenizer.encode(req.text)
+        node, predicted = oracle.choose(tokens, req.max_tokens, entry)
+        rec = self._record(seq, req, entry)
+        started = time.perf_counter()
+        cached = oracle.started(node, tokens, req.max_tokens)
+        if node != entry:
+            rec.forward_s = oracle.forward_delay_s
+            await asyncio.sleep(rec.forward_s)
+        await client.send(http, self.urls[node], self.model, req, rec, self.t0, started)
+        rec.expected_cached_tokens = predicted
+        rec.route = "forwarded" if node != entry else "local"
+        service = rec.latency_s - rec.forward_s if rec.ok else None
+        oracle.finished(node, len(tokens) - cached, cached, service, cached, rec.cached_tokens)
+        return rec
+
+
+class Runner:
+    """Runs specs in order, writing ``requests.jsonl`` and ``summary.json`` into ``out``."""
+
+    def __init__(
+        self,
+        out: str | Path,
+        cluster_factory: ClusterFactory | None = None,
+        progress: bool = True,
+        log: Callable[[str], None] = print,
+    ) -> None:
+        self.out = Path(out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.cluster_factory = cluster_factory or local_cluster(self.out / "logs")
+        self.progress = progress
+        self.log = log
+        self.results: list[RunResult] = []
+        self.previous = self._load_previous()
+
+    def _load_previous(self) -> list[dict[str, Any]]:
+        """Runs already summarized in ``out`` (a sweep can be resumed or extended)."""
+        path = self.out / "summary.json"
+        if not path.exists():
+            return []
+        return list(json.loads(path.read_text()).get("runs", []))
+
+    def done(self, spec: RunSpec) -> bool:
+        """Whether ``out`` already holds a complete run of ``spec`` (same name and size)."""
+        return any(
+            r["name"] == spec.name
+            and not r.get("interrupted")
+            and not r.get("skipped")
+            and r.get("planned_requests") == spec.workload.requests
+            for r in self.previous
+        )
+
+    def _purge(self, name: str) -> None:
+        """Drop an earlier attempt's records of run ``name`` from requests.jsonl."""
+        path = self.out / "requests.jsonl"
+        if not path.exists():
+            return
+        tag = json.dumps(name)
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+        kept = [ln for ln in lines if f'"run": {tag},' not in ln]
+        if len(kept) != len(lines):
+            path.write_text("".join(kept), encoding="utf-8")
+
+    def run_all(self, specs: Sequence[RunSpec], skip_done: bool = False) -> list[RunResult]:
+        if skip_done:
+            specs = [s for s in specs if not self.done(s)]
+        for s in specs:
+            self._purge(s.name)
+        with (self.out / "requests.jsonl").open("a", encoding="utf-8") as fh:
+            for i, spec in enumerate(specs):
+                res = RunResult(spec)
+                self.results.append(res)
+                label = f"[{i + 1}/{len(specs)}] {spec.name}"
+                try:
+                    self._run_one(res, fh, label)
+                except SkipRun as exc:
+                    res.skipped = str(exc)
+                    self.log(f"{label}: skipped — {exc}")
+                except Exception as exc:  # a broken run must not lose the sweep
+                    res.skipped = f"failed: {type(exc).__name__}: {exc}"[:500]
+                    self.log(f"{label}: failed — {exc}")
+                except KeyboardInterrupt:
+                    res.interrupted = True
+                    self.log(f"\n{label}: interrupted — keeping {len(res.records)} records")
+                    break
+                finally:
+                    self.write_summary()
+        return self.results
+
+    def _run_one(self, res: RunResult, fh: IO[str], label: str) -> None:
+        spec = res.spec
+        if spec.policy == "sglang" and not available():
+            raise SkipRun(INSTALL_HINT)
+        fits = make_fits(spec)
+        requests = build(spec.workload, spec.nodes, fits)
+        res.dropped = self._count_dropped(spec, fits)
+        progress = Progress(label, len(requests)) if self.progress else None
+        cluster = self.cluster_factory(spec)
+        replay = Replay(spec, cluster, Sink(fh, progress))
+        res.records = replay.records
+        try:
+            self._attach_baseline(replay, spec, cluster)
+            asyncio.run(replay.run(requests))
+        finally:
+            if progress is not None:
+                progress.close()
+            if replay.router is not None:
+                replay.router.close()
+            cluster.close()
+            if replay.oracle is not None:
+                res.oracle_mismatches = replay.oracle.mismatches
+
+    @staticmethod
+    def _attach_baseline(replay: Replay, spec: RunSpec, cluster: Cluster) -> None:
+        if spec.policy == "sglang":
+            replay.router = SglangRouter(cluster.urls)
+        elif spec.policy == "oracle":
+            replay.oracle = Oracle(
+                cluster.node_ids, spec.cache_tokens, BLOCK_SIZE, spec.comm_delay_s, spec.seed
+            )
+
+    @staticmethod
+    def _count_dropped(spec: RunSpec, fits: Fits) -> int:
+        """Questions of the source left out because they do not fit the context."""
+        from radixmesh.workload.build import groups_for
+
+        if spec.workload.trace:
+            return 0
+        all_groups = groups_for(spec.workload)
+        return sum(1 for reqs in all_groups.values() for r in reqs if not fits(r))
+
+    def write_summary(self) -> dict[str, Any]:
+        current = [summary_entry(r) for r in self.results]
+        names = {r["name"] for r in current}
+        kept = [r for r in self.previous if r["name"] not in names]
+        summary = {"runs": kept + current}
+        tmp = self.out / "summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        tmp.replace(self.out / "summary.json")
+        return summary

@@ -1,0 +1,68 @@
+"""One benchmark configuration (:class:`RunSpec`) and the engine limits it implies.
+
+A sweep is a list of ``RunSpec``; each runs on a fresh cluster (cold caches). Policies are the
+node routing policies (``none``, ``paper``, ``cost``, ``random``, ``round_robin``,
+``least_loaded``) plus two client-side baselines whose nodes run ``none``: ``oracle`` (see
+:mod:`radixmesh.bench.oracle`) and ``sglang`` (the sglang-router ``cache_aware`` gateway).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from radixmesh.core.router import Policy
+from radixmesh.workload import WorkloadSpec
+
+CLIENT_POLICIES = ("oracle", "sglang")
+ALL_POLICIES = tuple(p.value for p in Policy) + CLIENT_POLICIES
+
+
+def check_policy(name: str) -> str:
+    if name not in ALL_POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(ALL_POLICIES)}")
+    return name
+
+
+@dataclass(frozen=True, slots=True)
+class RunSpec:
+    name: str
+    policy: str
+    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
+    nodes: int = 4
+    comm_delay_s: float = 0.002  # emulated one-way delay of every peer message (--net-delay)
+    gossip_interval_s: float = 0.5  # Δpoll
+    cache_tokens: int = 160_000  # KV budget per node, tokens
+    concurrency: int = 1  # closed-loop clients (1 = the paper's one-at-a-time schedule)
+    preset: str = "tiny"
+    model: str | None = None  # local model directory instead of a preset
+    threads: int = 1  # torch threads per node
+    seed: int = 0
+    group: str = ""  # which table/figure of the report this run feeds
+
+    def __post_init__(self) -> None:
+        check_policy(self.policy)
+        if self.nodes < 1 or self.concurrency < 1 or self.cache_tokens < 1:
+            raise ValueError("nodes, concurrency and cache_tokens must be >= 1")
+        if self.comm_delay_s < 0 or self.gossip_interval_s <= 0:
+            raise ValueError("comm delay must be >= 0 and gossip interval > 0")
+
+    @property
+    def node_policy(self) -> str:
+        return "none" if self.policy in CLIENT_POLICIES else self.policy
+
+    @property
+    def skew(self) -> str:
+        return "skewed" if self.workload.skewed else "uniform"
+
+
+def engine_context(preset: str, model: str | None) -> int:
+    """The engine's context length (prompts must be shorter), without loading weights."""
+    if model:
+        cfg = json.loads((Path(model) / "config.json").read_text())
+        text = cfg.get("text_config", cfg)
+        return int(text.get("max_position_embeddings", 4096))
+    from radixmesh.engine.presets import get_preset
+
+    return get_preset(preset).max_position_embeddings

@@ -1,0 +1,130 @@
+"""Sweeps: flag lists → the cartesian product of :class:`RunSpec`, and the named presets.
+
+``paper`` reproduces §4–5 (Tables 1–3, Figs 2–4) plus the baselines, in priority order (the
+runs the headline targets need come first, so a sweep cut short still answers them).
+``quick`` is a CI-sized version: few requests, a small synthetic workload, the main policies.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from radixmesh.bench.spec import RunSpec
+from radixmesh.workload import Schedule
+
+ABUNDANT_CACHE = 200_000  # tokens/node: every MMLU prefix fits (51 fitting subjects: 81k)
+PRESSURE_CACHE = 20_000  # ≈ a quarter of all subjects' prefixes per node
+
+
+def fmt_s(seconds: float) -> str:
+    if seconds >= 1 and float(seconds).is_integer():
+        return f"{int(seconds)}s"
+    return f"{seconds * 1000:g}ms"
+
+
+def run_name(s: RunSpec) -> str:
+    parts = [s.policy, s.skew, f"d{fmt_s(s.comm_delay_s)}", f"g{fmt_s(s.gossip_interval_s)}",
+             f"c{s.cache_tokens}", f"n{s.nodes}"]  # fmt: skip
+    if s.workload.rate:
+        parts.append(f"r{s.workload.rate:g}")
+    if s.concurrency > 1:
+        parts.append(f"k{s.concurrency}")
+    return "-".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class SweepAxes:
+    policies: Sequence[str] = ("none", "paper", "cost")
+    comm_delays_s: Sequence[float] = (0.002,)
+    gossip_intervals_s: Sequence[float] = (0.5,)
+    skews: Sequence[str] = ("uniform",)
+    cache_tokens: Sequence[int] = (ABUNDANT_CACHE,)
+    nodes: Sequence[int] = (4,)
+    rates: Sequence[float | None] = (None,)
+    concurrency: Sequence[int] = (1,)
+
+
+def expand(axes: SweepAxes, base: RunSpec) -> list[RunSpec]:
+    out: list[RunSpec] = []
+    product = itertools.product(
+        axes.skews, axes.comm_delays_s, axes.gossip_intervals_s, axes.cache_tokens,
+        axes.nodes, axes.rates, axes.concurrency, axes.policies,
+    )  # fmt: skip
+    for skew, delay, gossip, cache, nodes, rate, conc, policy in product:
+        w = replace(
+            base.workload,
+            skewed=skew == "skewed",
+            rate=rate,
+            schedule=Schedule.POISSON if rate else Schedule.SEQUENTIAL,
+        )
+        spec = replace(
+            base, policy=policy, workload=w, comm_delay_s=delay, gossip_interval_s=gossip,
+            cache_tokens=cache, nodes=nodes, concurrency=conc,
+        )  # fmt: skip
+        out.append(replace(spec, name=run_name(spec)))
+    return out
+
+
+def _mk(base: RunSpec, group: str, policy: str, **kw: object) -> RunSpec:
+    skewed = bool(kw.pop("skewed", False))
+    requests = kw.pop("requests", base.workload.requests)
+    w = replace(base.workload, skewed=skewed, requests=requests)  # type: ignore[arg-type]
+    spec = replace(base, policy=policy, workload=w, group=group, **kw)  # type: ignore[arg-type]
+    return replace(spec, name=run_name(spec))
+
+
+def paper_preset(base: RunSpec, with_sglang: bool = True) -> list[RunSpec]:
+    """The paper's experiments (+ oracle, sglang and simple baselines), most important first.
+
+    The headline comparisons (none/cost, uniform, skewed, memory pressure) get ``--requests``;
+    secondary runs get a half, sweeps a third or less (forwarding over a 1 s network is slow).
+    The report compares every run with ``none`` over the *same* first requests (one seeded
+    order), so ratios stay paired whatever the length."""
+    n = base.workload.requests or 1000
+    half, third, slow = max(60, n // 2), max(60, n * 3 // 10), max(60, n * 3 // 20)
+    runs = [
+        _mk(base, "t1", "none"),
+        _mk(base, "t1", "cost"),
+        _mk(base, "skew", "none", skewed=True),
+        _mk(base, "skew", "cost", skewed=True),
+        _mk(base, "pressure", "none", cache_tokens=PRESSURE_CACHE),
+        _mk(base, "pressure", "cost", cache_tokens=PRESSURE_CACHE),
+        _mk(base, "t1", "oracle", requests=half),
+        _mk(base, "t1", "paper", requests=half),
+    ]
+    if with_sglang:
+        runs += [
+            _mk(base, "sglang", "sglang", requests=third),
+            _mk(base, "sglang", "sglang", concurrency=4, requests=third),
+            _mk(base, "sglang", "cost", concurrency=4, requests=third),
+            _mk(base, "sglang", "none", concurrency=4, requests=third),
+        ]
+    runs += [
+        _mk(base, "delay", "cost", comm_delay_s=0.2, requests=third),
+        _mk(base, "delay", "cost", comm_delay_s=1.0, requests=third),
+        _mk(base, "skew", "paper", skewed=True, requests=half),
+        _mk(base, "pressure", "paper", cache_tokens=PRESSURE_CACHE, requests=half),
+        _mk(base, "delay", "paper", comm_delay_s=0.2, requests=slow),
+        _mk(base, "delay", "paper", comm_delay_s=1.0, requests=slow),
+    ]
+    runs += [_mk(base, "poll", "paper", gossip_interval_s=g, requests=third)
+             for g in (0.02, 0.1, 2.0, 300.0)]  # fmt: skip
+    runs += [_mk(base, "baselines", p, requests=third)
+             for p in ("random", "round_robin", "least_loaded")]  # fmt: skip
+    runs += [
+        _mk(base, "skew", "oracle", skewed=True, requests=half),
+        _mk(base, "poll", "cost", gossip_interval_s=300.0, requests=third),
+        _mk(base, "delay", "oracle", comm_delay_s=0.2, requests=third),
+    ]
+    return runs
+
+
+def quick_preset(base: RunSpec) -> list[RunSpec]:
+    """CI-sized: none/paper/cost/oracle on a small synthetic workload (the CLI defaults it to 32
+    requests over 6 groups at 0.2x MMLU length), gossip every 100 ms so views keep up."""
+    return [_mk(base, "t1", p, gossip_interval_s=0.1) for p in ("none", "paper", "cost", "oracle")]
+
+
+PRESETS = {"paper": paper_preset, "quick": quick_preset}
