@@ -15,6 +15,9 @@ so both paths run identical engine work. Figures (medians over ``--samples`` pai
                              time (removes engine noise: what HTTP + relay actually add)
 ``forward_overhead_node_ms`` n0's own measurement (``ForwardSucceeded.rtt_s``): time to the
                              peer's result minus the peer's reported handling time
+``forward_added_cpu_ms``     CPU time (both nodes, user + system) a forwarded request costs
+                             beyond a local one: what the forward adds on an idle machine,
+                             and unlike wall time, insensitive to other load on the box
 ``http_floor_ms``            a bare ``GET /health`` round trip from the same client (what one
                              HTTP exchange costs on this machine right now)
 ``load_average_1m``          the machine's load when measured (2 cores here: >2 means queuing)
@@ -59,6 +62,24 @@ def _health(client: httpx.Client, base: str) -> float:
     return time.perf_counter() - t0
 
 
+def _cpu_s(pids: list[int | None]) -> float:
+    """User + system CPU seconds used so far by these processes (Linux /proc)."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (clock ticks)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_per_request(client: httpx.Client, url: str, headers: dict[str, str],
+                     pids: list[int | None], n: int) -> float:
+    before = _cpu_s(pids)
+    for _ in range(n):
+        _one(client, url, headers)
+    return (_cpu_s(pids) - before) / n
+
+
 def measure(samples: int, net_delay: str = "0") -> dict[str, Any]:
     options = {"policy": "none", "gossip_interval": 0.5, "net_delay": net_delay}
     with LocalCluster(2, options, per_node={0: {"threads": 1}, 1: {"threads": 1}}) as cluster:
@@ -77,6 +98,9 @@ def measure(samples: int, net_delay: str = "0") -> dict[str, Any]:
                 local.append(_one(client, url, local_h))
                 fwd.append(_one(client, url, fwd_h))
                 floor.append(_health(client, cluster.url(1)))
+            pids = [n.pid for n in cluster.nodes]
+            cpu_local = _cpu_per_request(client, url, local_h, pids, samples)
+            cpu_fwd = _cpu_per_request(client, url, fwd_h, pids, samples)
     med = statistics.median
     return {
         "samples": samples,
@@ -87,6 +111,7 @@ def measure(samples: int, net_delay: str = "0") -> dict[str, Any]:
         "forward_added_net_ms": round(
             1e3 * (med(x[0] - x[1] for x in fwd) - med(x[0] - x[1] for x in local)), 3),
         "forward_overhead_node_ms": round(1e3 * med(x[2] for x in fwd), 3),
+        "forward_added_cpu_ms": round(1e3 * (cpu_fwd - cpu_local), 3),
         "http_floor_ms": round(1e3 * med(floor), 3),
         "load_average_1m": round(os.getloadavg()[0], 2),
         "startup_parallel_s": round(parallel, 2),

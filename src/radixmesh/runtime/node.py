@@ -230,6 +230,7 @@ class ForwardExecution(Execution):
                     yield tok
             elif kind == "done":
                 self.outcome = self._finish(event, emitted)
+                self._stream.completed = True
                 return
             elif kind == "error":
                 raise ForwardError("remote_error", str(event.get("message", ""))[:200])

@@ -34,6 +34,7 @@ GOSSIP_PATH = "/peer/gossip"
 HEADER_FROM = "x-radixmesh-from"  # sender's node id
 HEADER_FROM_ADDRESS = "x-radixmesh-from-address"  # sender's host:port
 MAX_EVENT_BYTES = 16 * 1024 * 1024  # one NDJSON event (a long output's token list), at most
+EOF_WAIT_S = 0.5  # after the final event, wait this long for the end of the body
 
 
 class ForwardError(Exception):
@@ -62,6 +63,7 @@ class ForwardStream:
 
     def __init__(self, response: aiohttp.ClientResponse, netem: Netem) -> None:
         self._response = response
+        self.completed = False  # the caller saw the final event: the connection is reusable
         self._events = self._decode(netem.delayed(self._lines()))
 
     async def _lines(self) -> AsyncIterator[bytes]:
@@ -93,8 +95,18 @@ class ForwardStream:
             raise _classify(exc) from None
 
     async def aclose(self) -> None:
+        """Finish with the stream. After a ``done`` event the (empty) rest of the body is read,
+        so the keep-alive connection goes back to the pool; otherwise it is closed."""
         await self._events.aclose()  # type: ignore[attr-defined]
-        self._response.release()
+        if self.completed:
+            try:
+                await asyncio.wait_for(self._response.read(), EOF_WAIT_S)
+            except _TRANSPORT_ERRORS:
+                self._response.close()
+                return
+            self._response.release()
+        else:
+            self._response.close()
 
 
 class PeerClient:
