@@ -26,6 +26,8 @@ import signal
 import time
 from dataclasses import dataclass, field
 
+import httpx
+
 from radixmesh.chaos.env import ChaosEnv
 from radixmesh.chaos.load import Outcome, Prompt, open_loop, percentile, summarize
 from radixmesh.chaos.report import rss_bytes
@@ -62,12 +64,20 @@ def _prompt_picker(env: ChaosEnv, cfg: SoakConfig) -> list[Prompt]:
     return out
 
 
+async def _nap(st: _State, seconds: float) -> None:
+    """Sleep up to ``seconds``, waking early when the soak stops."""
+    end = time.monotonic() + seconds
+    while not st.stop and time.monotonic() < end:
+        await asyncio.sleep(min(0.2, end - time.monotonic()))
+
+
 async def _chaos(env: ChaosEnv, cfg: SoakConfig, st: _State, t0: float) -> None:
+    """Kill/restart cycles; a cycle in progress is always completed (node back up)."""
     n = len(env.cluster)
     victims = [i for i in range(1, n)] or [0]
     k = 0
     while not st.stop:
-        await asyncio.sleep(cfg.kill_every_s)
+        await _nap(st, cfg.kill_every_s)
         if st.stop or n < 2:
             return
         v = victims[k % len(victims)]
@@ -93,7 +103,7 @@ async def _sampler(env: ChaosEnv, cfg: SoakConfig, st: _State, t0: float) -> Non
             rss = rss_bytes(pid) if pid is not None else None
             sample[node.node_id] = None if rss is None else round(rss / 2**20, 1)
         st.rss.append(sample)
-        await asyncio.sleep(cfg.sample_every_s)
+        await _nap(st, cfg.sample_every_s)
 
 
 async def _run(env: ChaosEnv, cfg: SoakConfig, prompts: list[Prompt], st: _State
@@ -111,9 +121,7 @@ async def _run(env: ChaosEnv, cfg: SoakConfig, prompts: list[Prompt], st: _State
         return await open_loop(entry, lambda i: prompts[i], env.model, cfg.rate,
                                cfg.duration_s, timeout_s=120.0)
     finally:
-        st.stop = True
-        for t in tasks:
-            t.cancel()
+        st.stop = True  # both tasks finish what they are doing (a restart completes)
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
@@ -126,7 +134,11 @@ def _locks_at_end(env: ChaosEnv, timeout_s: float = 30.0) -> dict[str, float]:
         for node in env.cluster.nodes:
             if not node.running:
                 continue
-            m = env.metrics(node.index)
+            try:
+                m = env.metrics(node.index)
+            except httpx.HTTPError:
+                busy = True
+                continue
             locks[node.node_id] = m.get("radixmesh_cache_locked_tokens", -1.0)
             busy |= m.get("radixmesh_queue_depth", 0.0) > 0
         if (not busy and not any(locks.values())) or time.monotonic() > deadline:
