@@ -42,6 +42,8 @@ from radixmesh.core.messages import (
 from radixmesh.core.summary import pack_hashes, unpack_hashes
 
 KIND_GOSSIP = 1
+_EMPTY = pack_hashes(())
+_PACK_CACHE = 4096  # packed hash sets remembered by the encoder
 _SPEED = struct.Struct("<4f")
 _INT_MAX = 2**63 - 1
 _U64_MAX = 2**64 - 1
@@ -77,8 +79,9 @@ class Codec:
 
     def __init__(self, limits: Limits | None = None) -> None:
         self.limits = limits or Limits()
-        self._packed_of: tuple[int, ...] | None = None
-        self._packed = b""
+        # Packed hash sets by identity of the (immutable) tuple: snapshots and relayed change
+        # entries are sent to many peers; the tuple is kept so its id cannot be reused.
+        self._packed: dict[int, tuple[tuple[int, ...], bytes]] = {}
 
     # ------------------------------------------------------------------------------ encode
     def encode(self, msg: Gossip) -> bytes:
@@ -108,15 +111,21 @@ class Codec:
         if summary is None:
             return None
         if isinstance(summary, Snapshot):
-            return [0, summary.version, self._pack_snapshot(summary.hashes)]
-        entries = [[pack_hashes(c.added), pack_hashes(c.removed)] for c in summary.changes]
+            return [0, summary.version, self._pack(summary.hashes)]
+        entries = [[self._pack(c.added), self._pack(c.removed)] for c in summary.changes]
         return [1, summary.base, entries]
 
-    def _pack_snapshot(self, hashes: tuple[int, ...]) -> bytes:
-        if hashes is not self._packed_of:
-            self._packed = pack_hashes(hashes)
-            self._packed_of = hashes
-        return self._packed
+    def _pack(self, hashes: tuple[int, ...]) -> bytes:
+        if not hashes:
+            return _EMPTY
+        hit = self._packed.get(id(hashes))
+        if hit is not None and hit[0] is hashes:
+            return hit[1]
+        if len(self._packed) >= _PACK_CACHE:
+            self._packed.clear()
+        packed = pack_hashes(hashes)
+        self._packed[id(hashes)] = (hashes, packed)
+        return packed
 
     def _enc_state(self, s: NodeState) -> list[Any]:
         load = None if s.load is None else _enc_load(s.load)

@@ -36,6 +36,7 @@ last stamp received from its destination and how long it was held, so the destin
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 
 from radixmesh.core.blocks import Fingerprint
@@ -67,7 +68,13 @@ from radixmesh.core.peerview import PeerView
 from radixmesh.core.summary import LocalSummary
 
 MAX_RELAYS = 16  # other nodes' states relayed in one message, at most
-MAX_RELAY_HASHES = 200_000  # hashes relayed in one message, at most
+MAX_RELAY_HASHES = 100_000  # hashes relayed in one message, at most
+DIGEST_FULL = 64  # epidemic: up to this many known nodes, every digest lists them all
+DIGEST_SAMPLE = 48  # ... beyond that, a random sample of this many (plus recent changes)
+RUMOR_SENDS = 3  # epidemic: messages that push a node's changed state unasked
+MAX_RUMORS = 16  # recent changes named in one digest, at most
+RUMOR_CHANGES = 4  # change entries pushed with a rumor
+RUMOR_SNAPSHOT_HASHES = 1024  # a rumor carries a snapshot only if it is this small
 RELAY_LOG_HASHES = 4096  # per origin: hashes of change entries kept for relaying deltas
 PEER_SAMPLE = 4  # peers named in a periodic membership sample
 SAMPLE_EVERY = 8  # messages to one peer between membership samples
@@ -152,7 +159,9 @@ class Gossiper:
         self.routable: dict[str, None] = {}  # alive peers with a load report (ordered set)
         self._refused: set[str] = set()
         self._self_clash_logged = False
-        self.pushback_s: float | None = None  # set by the node before each round
+        self._recent: dict[str, int] = {}  # epidemic: node -> rumor sends left
+        self._live: list[str] = []  # non-dead members, rebuilt once per round
+        self._full_digest: tuple[DigestEntry, ...] | None = None  # cached for one round
 
     # ================================================================= incoming messages
     def receive(self, msg: Gossip, now: float, load: Load) -> list[Action]:
@@ -202,8 +211,7 @@ class Gossiper:
             return est
         est = self.estimates[node_id]
         if est.hearsay:
-            est.hearsay = False
-            est.incarnation = member.incarnation = incarnation
+            self._adopt(est, incarnation)
         if incarnation < member.incarnation:
             return None
         if incarnation > member.incarnation:
@@ -211,6 +219,14 @@ class Gossiper:
         if member.address != address:
             member.address = address
         return est
+
+    def _adopt(self, est: Estimate, incarnation: int) -> None:
+        """A node known by hearsay is now known first-hand: take its incarnation as is."""
+        est.hearsay = False
+        est.incarnation = incarnation
+        member = self.members.get(est.node_id)
+        if member is not None:
+            member.incarnation = incarnation
 
     def _restart(
         self, member: Member, est: Estimate, incarnation: int, now: float, out: list[Action]
@@ -260,6 +276,7 @@ class Gossiper:
         est.relay_log = []
         est.relay_log_hashes = 0
         est.snapshot_cache = snap
+        self._rumor(est.node_id)
         self._count("gossip_snapshots_applied")
 
     def _apply_delta(self, est: Estimate, delta: Delta) -> None:
@@ -277,6 +294,7 @@ class Gossiper:
         est.version = fresh[-1].version
         est.snapshot_cache = None
         self._extend_relay_log(est, fresh)
+        self._rumor(est.node_id)
         self._count("gossip_deltas_applied")
 
     def _extend_relay_log(self, est: Estimate, fresh: list[Change]) -> None:
@@ -327,6 +345,8 @@ class Gossiper:
     def _apply_digest(self, digest: tuple[DigestEntry, ...], now: float, out: list[Action]) -> None:
         for d in digest:
             est = self.estimates.get(d.node_id)
+            if est is not None and est.hearsay:
+                self._adopt(est, d.incarnation)
             if est is None or d.incarnation != est.incarnation or d.heartbeat <= est.heartbeat:
                 continue
             est.heartbeat = d.heartbeat
@@ -417,6 +437,8 @@ class Gossiper:
     def round(self, now: float, load: Load) -> list[Action]:
         """One anti-entropy round: a message to each target (and seeds while needed)."""
         self.heartbeat += 1
+        self._live = [m.node_id for m in self.members if m.state is not MemberState.DEAD]
+        self._full_digest = None
         actions: list[Action] = []
         for member in self._targets():
             est = self.estimates[member.node_id]
@@ -474,7 +496,7 @@ class Gossiper:
             ack=None if est is None else _ack(est),
             echo=None if est is None else self._echo(est, now),
             peers=self._peer_list(est, first),
-            digest=self._digest() if epidemic else (),
+            digest=self._digest(est) if epidemic else (),
             relays=self._relays(est, now) if epidemic and est is not None else (),
             reply=reply,
         )
@@ -546,36 +568,66 @@ class Gossiper:
             PeerAddress(m.node_id, m.address) for m in alive[: self.codec.limits.max_peers]
         )
 
-    def _digest(self) -> tuple[DigestEntry, ...]:
-        out = []
-        for m in self.members:
-            if m.state is MemberState.DEAD:
-                continue
-            est = self.estimates[m.node_id]
-            out.append(DigestEntry(m.node_id, est.incarnation, est.version, est.heartbeat))
-        return tuple(out[: self.codec.limits.max_peers])
+    def _digest(self, target: Estimate | None) -> tuple[DigestEntry, ...]:
+        """What we know of others: all of it in small meshes, else a random sample plus the
+        nodes whose state changed recently (so per-message work stays bounded at large N)."""
+        if len(self._live) <= DIGEST_FULL:
+            if self._full_digest is None:
+                self._full_digest = tuple(self._entries(self._live))
+            return self._full_digest
+        ids = self.rng.sample(self._live, DIGEST_SAMPLE)
+        ids.extend(list(self._recent)[-MAX_RUMORS:])
+        skip = None if target is None else target.node_id
+        return tuple(self._entries(dict.fromkeys(i for i in ids if i != skip)))
+
+    def _entries(self, ids: Iterable[str]) -> Iterator[DigestEntry]:
+        for node_id in ids:
+            est = self.estimates.get(node_id)
+            if est is not None and not est.hearsay:
+                yield DigestEntry(node_id, est.incarnation, est.version, est.heartbeat)
 
     def _relays(self, target: Estimate, now: float) -> tuple[NodeState, ...]:
-        knows = target.knows
-        if knows is None:
-            return ()
-        wanted = [e for e in self._relayable(target) if _newer(e, knows.get(e.node_id))]
-        if len(wanted) > MAX_RELAYS:
-            wanted = self.rng.sample(wanted, MAX_RELAYS)
+        """States the target lacks, judged by its latest digest, plus recent changes."""
+        knows = target.knows or {}
+        wanted: dict[str, Estimate] = {}
+        for known in knows.values():
+            e = self._relayable(known.node_id, target)
+            if e is not None and _newer(e, known):
+                wanted[e.node_id] = e
+        for node_id in list(self._recent):
+            e = self._relayable(node_id, target)
+            if e is not None and node_id not in knows:
+                wanted[node_id] = e
+                self._spend_rumor(node_id)
+        chosen = list(wanted.values())
+        if len(chosen) > MAX_RELAYS:
+            chosen = self.rng.sample(chosen, MAX_RELAYS)
         out: list[NodeState] = []
         budget = MAX_RELAY_HASHES
-        for e in wanted:
+        for e in chosen:
             state = self._relay_state(e, knows.get(e.node_id), now, budget)
             budget -= _hash_count(state.summary)
             out.append(state)
         return tuple(out)
 
-    def _relayable(self, target: Estimate) -> list[Estimate]:
-        out = []
-        for m in self.members:
-            if m.state is not MemberState.DEAD and m.node_id != target.node_id:
-                out.append(self.estimates[m.node_id])
-        return out
+    def _rumor(self, node_id: str) -> None:
+        if self.cfg.mode is GossipMode.EPIDEMIC:
+            self._recent.pop(node_id, None)
+            self._recent[node_id] = RUMOR_SENDS  # newest last
+
+    def _spend_rumor(self, node_id: str) -> None:
+        left = self._recent[node_id] - 1
+        if left > 0:
+            self._recent[node_id] = left
+        else:
+            del self._recent[node_id]
+
+    def _relayable(self, node_id: str, target: Estimate) -> Estimate | None:
+        member = self.members.get(node_id)
+        if member is None or member.state is MemberState.DEAD or node_id == target.node_id:
+            return None
+        est = self.estimates.get(node_id)
+        return None if est is None or est.hearsay else est
 
     def _relay_state(
         self, e: Estimate, known: DigestEntry | None, now: float, budget: int
@@ -601,12 +653,25 @@ class Gossiper:
     def _relay_summary(self, e: Estimate, known: DigestEntry | None, budget: int) -> Summary | None:
         if e.version is None:
             return None
-        same = known is not None and known.incarnation == e.incarnation
-        base = known.version if known is not None and same else None
+        if known is None:  # a rumor: the target's version is unknown
+            return self._rumor_summary(e, budget)
+        base = known.version if known.incarnation == e.incarnation else None
         if base is not None and base >= e.version:
             return None
         if base is not None and e.relay_log and e.relay_log[0].version <= base + 1:
             return Delta(base, tuple(c for c in e.relay_log if c.version > base))
+        return self._relay_snapshot(e, budget)
+
+    def _rumor_summary(self, e: Estimate, budget: int) -> Summary | None:
+        """The last few changes (applies if the target is not too far behind), else a small
+        snapshot; a target further behind shows it in its digest and is repaired then."""
+        if e.relay_log:
+            tail = tuple(e.relay_log[-RUMOR_CHANGES:])
+            return Delta(tail[0].version - 1, tail)
+        return self._relay_snapshot(e, min(budget, RUMOR_SNAPSHOT_HASHES))
+
+    def _relay_snapshot(self, e: Estimate, budget: int) -> Snapshot | None:
+        assert e.version is not None
         if self.view.size(e.node_id) > budget:
             return None
         if e.snapshot_cache is None or e.snapshot_cache.version != e.version:
@@ -622,14 +687,13 @@ def _ack(est: Estimate) -> Ack | None:
     return None if est.version is None else Ack(est.incarnation, est.version)
 
 
-def _newer(e: Estimate, known: DigestEntry | None) -> bool:
-    if known is None or e.incarnation > known.incarnation:
-        return True
-    if e.incarnation < known.incarnation:
-        return False
+def _newer(e: Estimate, known: DigestEntry) -> bool:
+    """Whether our state of a node is newer than the target's (heartbeats travel in digests)."""
+    if e.incarnation != known.incarnation:
+        return e.incarnation > known.incarnation
     mine = -1 if e.version is None else e.version
     theirs = -1 if known.version is None else known.version
-    return mine > theirs or e.heartbeat > known.heartbeat
+    return mine > theirs
 
 
 def _speed_moved(old: SpeedReport, new: SpeedReport) -> bool:

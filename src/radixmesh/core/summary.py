@@ -19,9 +19,11 @@ vectorised with numpy; the decoder validates everything and raises ``ValueError`
 
 from __future__ import annotations
 
+import struct
 import zlib
 from array import array
 from collections.abc import Iterable
+from itertools import pairwise
 
 import numpy as np
 import numpy.typing as npt
@@ -32,6 +34,7 @@ _VARINT = 0
 _VARINT_ZLIB = 1
 _RAW = 2
 _U64_MAX = 2**64 - 1
+SMALL = 256  # sets up to this size go raw (varint gains nothing on few random hashes)
 _SHIFTS = np.arange(10, dtype=np.uint64) * np.uint64(7)
 _U64 = npt.NDArray[np.uint64]
 
@@ -39,6 +42,9 @@ _U64 = npt.NDArray[np.uint64]
 # ------------------------------------------------------------------------------- encoding
 def pack_hashes(hashes: Iterable[int]) -> bytes:
     """Encode a set of 64-bit hashes compactly (order and duplicates are not kept)."""
+    if isinstance(hashes, tuple | list | set | frozenset) and len(hashes) <= SMALL:
+        small = sorted(set(hashes))
+        return bytes([_RAW]) + struct.pack(f"<{len(small)}Q", *small)
     values = np.sort(np.frombuffer(array("Q", hashes), dtype=np.uint64))
     if values.size == 0:
         return bytes([_RAW])
@@ -72,6 +78,11 @@ def _unpack_raw(body: bytes, limit: int) -> tuple[int, ...]:
         raise ValueError("raw hash block is not a multiple of 8 bytes")
     if len(body) // 8 > limit:
         raise ValueError("too many hashes")
+    if len(body) <= 8 * SMALL:
+        small = struct.unpack(f"<{len(body) // 8}Q", body)
+        if any(a >= b for a, b in pairwise(small)):
+            raise ValueError("raw hashes not strictly ascending")
+        return small
     values = np.frombuffer(body, dtype="<u8")
     if values.size > 1 and not bool(np.all(values[1:] > values[:-1])):
         raise ValueError("raw hashes not strictly ascending")
