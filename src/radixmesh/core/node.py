@@ -19,10 +19,11 @@ Only the shell owns a clock; ``now`` is seconds on the shell's clock and is neve
 across nodes (push-back durations and RTT echoes are relative). Randomness comes from the
 ``random.Random`` given at construction (gossip jitter, target sampling, router tie-breaks).
 
-Routing cost is O(request blocks + matched peers): the peer view's inverted index yields only
-peers holding a prefix of the request. Policies that consider every node (random,
-round_robin, least_loaded) use the gossiper's incrementally maintained routable set; ``cost``
-also considers the two least-loaded unmatched peers, found through a lazily cleaned heap.
+Routing cost is O(request blocks + k): the peer view's inverted index yields the ``k`` deepest
+matching available peers (``PeerView.match_top``), never every matched peer. Policies that
+consider every node (random, round_robin, least_loaded) use the gossiper's incrementally
+maintained routable set; ``cost`` also considers the two least-loaded unmatched peers, found
+through a lazily cleaned heap.
 """
 
 from __future__ import annotations
@@ -54,6 +55,21 @@ from radixmesh.core.router import Candidate, NodeInfo, Policy, RouteInput, Route
 from radixmesh.core.summary import LocalSummary
 
 IDLE_PEERS = 2  # unmatched least-loaded peers the cost policy also considers
+ROUTE_TOP_K = 8  # deepest-matching available peers considered per request
+
+
+class _Unavailable:
+    """``peer in _Unavailable(node, now)``: whether routing must skip that peer (lazy)."""
+
+    __slots__ = ("_node", "_now")
+
+    def __init__(self, node: NodeCore, now: float) -> None:
+        self._node = node
+        self._now = now
+
+    def __contains__(self, peer: object) -> bool:
+        return not (isinstance(peer, str) and self._node.available(peer, self._now))
+
 
 _COUNTERS = (
     "gossip_bytes_in",
@@ -260,14 +276,16 @@ class NodeCore:
     def _peer_infos(
         self, hashes: Sequence[int], prompt_tokens: int, policy: Policy, now: float
     ) -> list[NodeInfo]:
-        matched = self._view.match(hashes)
-        block = self.config.fingerprint.block_size
         if policy in (Policy.PAPER, Policy.COST):
+            skip = _Unavailable(self, now)
+            matched = dict(self._view.match_top(hashes, ROUTE_TOP_K, self._rng, skip))
             ids = list(matched)
             if policy is Policy.COST:
                 ids.extend(p for p in self._least_loaded(now) if p not in matched)
-        else:
+        else:  # baselines consider every node anyway
+            matched = self._view.match(hashes)
             ids = list(self._gossip.routable)
+        block = self.config.fingerprint.block_size
         out = []
         for peer in ids:
             info = self._info(peer, min(matched.get(peer, 0) * block, prompt_tokens), now)
@@ -288,6 +306,11 @@ class NodeCore:
             load.queue_depth,
             est.speed or self._prior_speed,
         )
+
+    def available(self, peer: str, now: float) -> bool:
+        """Whether ``peer`` may be routed to now (alive, reporting load, not pushed back)."""
+        est = self._gossip.estimates.get(peer)
+        return est is not None and self._available(peer, est, now)
 
     def _available(self, peer: str, est: Estimate, now: float) -> bool:
         if peer not in self._gossip.routable:
