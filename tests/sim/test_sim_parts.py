@@ -162,3 +162,19 @@ def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 def test_cli_rejects_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sim", "--policy", "bogus", "--quiet"]) == 2
     assert "bogus" in capsys.readouterr().err
+
+
+def test_calibrate_from_records_recovers_the_simulated_model(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    assert main(["sim", "--nodes", "2", "--requests", "60", "--policy", "none",
+                 "--synthetic-scale", "0.2", "--schedule", "sequential", "--out", str(out),
+                 "--quiet"]) == 0  # fmt: skip
+    model_path = tmp_path / "cm.json"
+    assert main(["calibrate", "--from-records", str(out / "requests.jsonl"),
+                 "--out", str(model_path), "--quiet"]) == 0  # fmt: skip
+    fitted = costs.CostModel.load(model_path)
+    truth = costs.resolve("cpu-tiny")
+    assert fitted.prefill_s_per_token == pytest.approx(truth.prefill_s_per_token, rel=0.05)
+    assert fitted.prefill_overhead_s == pytest.approx(
+        truth.prefill_overhead_s + truth.request_overhead_s, rel=0.05
+    )

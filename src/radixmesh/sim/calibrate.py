@@ -14,7 +14,12 @@ is fitted by least squares on relative error (short and long prompts count alike
 Decode seconds per token come from longer generations, and ``request_overhead_s`` is the
 median of ``generate`` wall time minus prefill and decode (lease, commit, sampling set-up).
 ``forward_overhead_s`` (HTTP work of one forward) is not an engine property: pass the
-runtime's measured figure with ``--forward-overhead`` (default 2 ms, its loopback target).
+runtime's measured figure with ``--forward-overhead`` (default 3 ms, as measured on this
+machine by ``radixmesh.runtime.bench_forward``).
+
+``--from-records requests.jsonl`` fits the same form to a real cluster run instead (locally
+served one-token requests: client latency against uncached/cached tokens) — calibration in
+the very conditions (machine load, threads, HTTP) the simulator is validated against.
 
 Every measurement is written beside the fit, so a reader can check it.
 """
@@ -30,8 +35,10 @@ import statistics
 import sys
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
+from radixmesh.sim import costs
 from radixmesh.sim.costs import CostModel
 from radixmesh.sim.network import parse_duration
 
@@ -55,8 +62,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fractions", default=",".join(map(str, FRACTIONS)), help="cached shares")
     p.add_argument("--repeats", type=int, default=3, help="measurements per point (median)")
     p.add_argument("--decode-tokens", type=int, default=32)
-    p.add_argument("--forward-overhead", default="2ms", help="HTTP work of one forward hop")
+    p.add_argument(
+        "--forward-overhead",
+        default="3ms",
+        help="HTTP work of one forward hop (docs/benchmarks.md, node forwarding: ~3 ms here)",
+    )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--from-records",
+        metavar="JSONL",
+        default=None,
+        help="fit instead from a real run's requests.jsonl (locally served requests: client "
+        "latency vs prompt/cached tokens), e.g. a `radixmesh bench` output",
+    )
+    p.add_argument("--runs", default="", help="with --from-records: only these run names")
     p.add_argument("--out", default="costmodel.json", help="where to write the cost model")
     p.add_argument("--quiet", action="store_true")
 
@@ -237,9 +256,53 @@ def _median_points(prefill: list[dict[str, float]]) -> list[tuple[int, int, floa
     return [(u, c, statistics.median(v)) for (u, c), v in sorted(groups.items())]
 
 
+def from_records(args: argparse.Namespace) -> dict[str, Any]:
+    """Fit prefill from a real run: each locally served request is a point
+    ``(prompt - cached, cached, client latency)``; the fitted overhead therefore includes the
+    client's HTTP round trip and the node's handler, as the simulator's service time must."""
+    wanted = {r for r in args.runs.split(",") if r}
+    points: list[tuple[int, int, float]] = []
+    with open(args.from_records, encoding="utf-8") as fh:
+        for line in fh:
+            rec = json.loads(line)
+            if rec.get("error") or rec.get("route") != "local":
+                continue
+            if wanted and rec.get("run") not in wanted:
+                continue
+            if (rec.get("completion_tokens") or 1) > 1:
+                continue  # decode time would be mixed in
+            prompt, cached = int(rec["prompt_tokens"]), int(rec["cached_tokens"])
+            points.append((prompt - cached, cached, float(rec["latency_s"])))
+    if len(points) < 10:
+        raise ValueError(f"{args.from_records}: too few local one-token requests to fit")
+    fit = fit_prefill(points)
+    decode = costs.resolve("cpu-tiny").decode_s_per_token  # not observable from 1-token requests
+    model = CostModel(
+        name=f"fitted:{Path(args.from_records).parent.name or 'records'}",
+        prefill_overhead_s=fit["prefill_overhead_s"],
+        prefill_s_per_token=fit["prefill_s_per_token"],
+        context_scale=fit["context_scale"],
+        decode_s_per_token=decode,
+        request_overhead_s=0.0,
+        forward_overhead_s=parse_duration(args.forward_overhead),
+        source=f"fit of {len(points)} locally served requests in {args.from_records}",
+    )
+    doc: dict[str, Any] = asdict(model)
+    doc["fit"] = {"rel_rmse": fit["rel_rmse"], "points": len(points)}
+    if not args.quiet:
+        print(
+            f"fit: overhead {model.prefill_overhead_s * 1e3:.2f} ms, rate "
+            f"{model.prefill_s_per_token * 1e6:.2f} us/unit, context_scale "
+            f"{model.context_scale:,.0f}, rel. RMSE {fit['rel_rmse']:.1%} over {len(points)} "
+            "requests",
+            file=sys.stderr,
+        )
+    return doc
+
+
 def run(args: argparse.Namespace) -> int:
     try:
-        doc = calibrate(args)
+        doc = from_records(args) if args.from_records else calibrate(args)
     except ValueError as exc:
         print(f"radixmesh calibrate: {exc}", file=sys.stderr)
         return 2

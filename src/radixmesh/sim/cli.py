@@ -36,6 +36,7 @@ from radixmesh.sim.runner import RunResult, RunSpec
 from radixmesh.sim.runner import run as run_sim
 from radixmesh.sim.tokens import TOKENIZERS
 from radixmesh.workload import WorkloadSpec, build, schedule
+from radixmesh.workload.build import groups_for, sample
 from radixmesh.workload.request import Request
 
 AUTO_EPIDEMIC_ABOVE = 32  # nodes: above this, auto gossip mode is epidemic with Δpoll 1 s
@@ -113,6 +114,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="bytes: the built-in engine's (token counts match a real cluster); "
         "words: BPE-like counts (~550 tokens per MMLU prompt) for scale runs",
     )
+    g.add_argument("--synthetic-groups", type=int, default=57, help="synthetic groups")
     g.add_argument("--synthetic-scale", type=float, default=1.0, help="synthetic prompt length x")
     g.add_argument(
         "--schedule",
@@ -195,11 +197,26 @@ def _requests(args: argparse.Namespace, skewed: bool, nodes: int) -> list[Reques
         mmlu_dir=args.mmlu_dir,
         trace=args.trace,
         synthetic_scale=args.synthetic_scale,
+        synthetic_groups=args.synthetic_groups,
     )
-    reqs = build(spec, nodes)
+    if spec.trace:
+        reqs = build(spec, nodes)
+    else:  # as workload.build, with the question pool generated once per process
+        reqs = schedule.round_robin(sample(spec, _groups(spec)), nodes)
     if args.max_tokens is not None:
         reqs = [replace(r, max_tokens=args.max_tokens) for r in reqs]
     return reqs
+
+
+_GROUPS: dict[tuple[object, ...], dict[str, list[Request]]] = {}
+
+
+def _groups(spec: WorkloadSpec) -> dict[str, list[Request]]:
+    key = (spec.mmlu_dir, spec.seed, spec.synthetic_scale, spec.synthetic_groups)
+    if key not in _GROUPS:
+        _GROUPS.clear()
+        _GROUPS[key] = groups_for(spec)
+    return _GROUPS[key]
 
 
 def _label(

@@ -17,7 +17,9 @@ Plots are written by :mod:`radixmesh.sim.plots`.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import random
 import statistics
 import sys
@@ -252,11 +254,79 @@ def run_breakeven(args: argparse.Namespace, log: Log) -> list[dict[str, Any]]:
     lengths = [256, 540, 1024, 2048, 3000, 4096, 8192, 16384]
     rows = breakeven_table(models, lengths)
     for r in rows:
+        r["kind"] = "analytic"
         log(
-            f"{r['cost_model']} L={r['prompt_tokens']}: forward pays below "
-            f"{r['breakeven_one_way_s_cold_local'] * 1e3:.1f} ms one-way"
+            f"{r['cost_model']} L={r['prompt_tokens']}: a forward to a warm node beats a cold "
+            f"local prefill below {r['breakeven_one_way_s_cold_local'] * 1e3:.1f} ms one-way"
         )
+    for model in models:
+        for scale in BREAKEVEN_SCALES:
+            row = simulated_breakeven(args, model, scale)
+            log(
+                f"{model.name} ~{row['prompt_tokens']:.0f} tokens (simulated, paper vs none, "
+                f"{args.nodes} nodes): routing pays below {_ms(row['simulated_breakeven_s'])}; "
+                f"ratios {row['ratios']}"
+            )
+            rows.append(row)
     return rows
+
+
+BREAKEVEN_SCALES = (0.5, 1.0, 2.0, 4.0)  # synthetic prompt length multipliers
+BREAKEVEN_DELAYS = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0)  # one-way, seconds
+
+
+def _ms(v: float | None) -> str:
+    return "never (within the sweep)" if v is None else f"{v * 1e3:.0f} ms one-way"
+
+
+def simulated_breakeven(args: argparse.Namespace, model: CostModel, scale: float) -> dict[str, Any]:
+    """``paper``/``none`` mean latency over a delay sweep; the crossing of 1 (log-interpolated)."""
+    from radixmesh.sim import cli
+    from radixmesh.sim.runner import RunSpec
+    from radixmesh.sim.runner import run as run_sim
+
+    tokenize, tok_fp = cli.TOKENIZERS[args.tokenizer]()
+    point = argparse.Namespace(**{**vars(args), "synthetic_scale": scale})
+    reqs = cli._requests(point, False, int(_csv(args.nodes)[0]))
+    prompt_tokens = cli.mean_prompt_tokens(reqs, tokenize)
+
+    def mean_latency(policy: Policy, delay: float) -> float:
+        cfg = ClusterConfig(
+            nodes=int(_csv(args.nodes)[0]),
+            cost=model,
+            router=RouterConfig(policy=policy, context_scale=model.context_scale),
+            gossip=GossipConfig.for_interval(0.5),
+            network=NetworkConfig(delay_s=delay),
+            cache_tokens=args.cache_tokens,
+            seed=args.seed,
+            tokenizer=tok_fp,
+        )
+        res = run_sim(RunSpec(policy.value, cfg, schedule="sequential"), reqs, tokenize)
+        return float(res.summary["mean_latency_s"])
+
+    base = mean_latency(Policy.NONE, BREAKEVEN_DELAYS[0])  # none never forwards
+    ratios = {d: mean_latency(Policy.PAPER, d) / base for d in BREAKEVEN_DELAYS}
+    return {
+        "kind": "simulated",
+        "cost_model": model.name,
+        "prompt_tokens": prompt_tokens,
+        "synthetic_scale": scale,
+        "requests": len(reqs),
+        "ratios": {f"{d * 1e3:g}ms": round(r, 3) for d, r in ratios.items()},
+        "simulated_breakeven_s": _crossing(ratios),
+    }
+
+
+def _crossing(ratios: dict[float, float]) -> float | None:
+    """First delay where the ratio crosses 1 upwards, interpolated in log(delay)."""
+    pts = sorted(ratios.items())
+    if pts and pts[0][1] >= 1.0:
+        return None
+    for (d0, r0), (d1, r1) in itertools.pairwise(pts):
+        if r0 < 1.0 <= r1:
+            f = (1.0 - r0) / (r1 - r0)
+            return math.exp(math.log(d0) + f * (math.log(d1) - math.log(d0)))
+    return None
 
 
 def _sweep(args: argparse.Namespace, log: Log, **override: Any) -> list[dict[str, Any]]:

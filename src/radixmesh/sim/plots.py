@@ -76,21 +76,32 @@ def breakeven_plot(rows: Sequence[Row], path: Path) -> Path:
     for r in rows:
         by_model[r["cost_model"]].append(r)
     for model, rs in sorted(by_model.items()):
-        rs = sorted(rs, key=lambda r: r["prompt_tokens"])
-        ax.plot(
-            [r["prompt_tokens"] for r in rs],
-            [1e3 * r["breakeven_one_way_s_cold_local"] for r in rs],
-            marker="o",
-            label=model,
+        analytic = sorted(
+            (r for r in rs if r.get("kind", "analytic") == "analytic"),
+            key=lambda r: r["prompt_tokens"],
         )
-        sims = [r for r in rs if r.get("simulated_breakeven_s") is not None]
+        line = ax.plot(
+            [r["prompt_tokens"] for r in analytic],
+            [1e3 * r["breakeven_one_way_s_cold_local"] for r in analytic],
+            marker="o",
+            label=f"{model}: warm peer vs cold local",
+        )
+        sims = sorted(
+            (
+                r
+                for r in rs
+                if r.get("kind") == "simulated" and r.get("simulated_breakeven_s") is not None
+            ),
+            key=lambda r: r["prompt_tokens"],
+        )
         if sims:
-            ax.scatter(
+            ax.plot(
                 [r["prompt_tokens"] for r in sims],
                 [1e3 * r["simulated_breakeven_s"] for r in sims],
                 marker="x",
-                s=60,
-                label=f"{model} (simulated)",
+                ls="--",
+                color=line[0].get_color(),
+                label=f"{model}: paper vs none (simulated)",
             )
     for ms, label in ((2, "LAN 2 ms"), (200, "cross-region 200 ms")):
         ax.axhline(ms, color="grey", ls=":", lw=1)
