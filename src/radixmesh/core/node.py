@@ -129,7 +129,8 @@ class NodeCore:
             self._metrics,
         )
         self._load = LoadChanged(0, 0, 0, 0)
-        self._prior_speed = self._compute.report()  # for peers whose speed is not known yet
+        self._prior_speed = self._compute.report()
+        self._load_cache: Load | None = None  # for peers whose speed is not known yet
         self._pushback_until: float | None = None
         self._next_round = now  # the first Tick joins the seeds at once
         self._idle: list[tuple[int, float, str]] = []  # (queue depth, stamp, peer) lazy heap
@@ -205,6 +206,7 @@ class NodeCore:
 
     def _load_changed(self, event: LoadChanged, now: float) -> list[Action]:
         self._load = event
+        self._load_cache = None
         pb = self.config.pushback
         if event.queue_depth <= pb.queue_threshold:
             return []
@@ -218,6 +220,7 @@ class NodeCore:
 
     def _served(self, event: RequestServed) -> list[Action]:
         self._count("requests_served")
+        self._load_cache = None
         uncached = max(0, event.prompt_tokens - event.cached_tokens)
         self._compute.observe_prefill(uncached, event.cached_tokens, event.prefill_s)
         self._compute.observe_decode(event.decode_tokens, event.decode_s)
@@ -233,9 +236,16 @@ class NodeCore:
         return []
 
     def _own_load(self, now: float) -> Load:
-        ev = self._load
+        """This node's load as advertised now (cached while no push-back is running)."""
         until = self._pushback_until
-        pushback = until - now if until is not None and until > now else None
+        if until is not None and until > now:
+            return self._make_load(until - now)
+        if self._load_cache is None:
+            self._load_cache = self._make_load(None)
+        return self._load_cache
+
+    def _make_load(self, pushback: float | None) -> Load:
+        ev = self._load
         speed = self._compute.report()
         return Load(ev.queue_depth, ev.inflight, ev.cache_tokens, ev.cache_budget, speed, pushback)
 
