@@ -176,7 +176,7 @@ def export_trace(spec: RunSpec, path: str) -> int:
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if args.report_only:
-        return _report(out)
+        return _report(out, args.mmlu_dir)
     try:
         specs = specs_from_args(args)
     except (ValueError, FileNotFoundError) as exc:
@@ -195,13 +195,13 @@ def run(args: argparse.Namespace) -> int:
     results = runner.run_all(specs, skip_done=args.resume)
     interrupted = any(r.interrupted for r in results)
     if not args.no_report:
-        _report(out)
+        _report(out, args.mmlu_dir)
     return 130 if interrupted else 0
 
 
-def _report(out: Path) -> int:
+def _report(out: Path, mmlu_dir: str | None = None) -> int:
     from radixmesh.bench.report import write_report
 
-    path = write_report(out)
+    path = write_report(out, mmlu_dir)
     print(f"report: {path}")
     return 0

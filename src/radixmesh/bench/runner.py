@@ -56,6 +56,7 @@ class RunResult:
     skipped: str | None = None
     dropped: int = 0
     oracle_mismatches: int | None = None
+    ideal_hit_rate: float | None = None
 
 
 def make_fits(spec: RunSpec) -> Fits:
@@ -67,6 +68,22 @@ def make_fits(spec: RunSpec) -> Fits:
         return len(tokenizer.encode(r.text)) + r.max_tokens + 8 < context
 
     return fits
+
+
+def ideal_hit_rate(requests: Sequence[Request], tokenizer: Any) -> float | None:
+    """Cached prompt tokens / prompt tokens if every request found every earlier prompt cached
+    (one unbounded cache for the whole cluster; the engine always computes >= 1 token): the
+    ceiling no router can beat on this request sequence."""
+    from radixmesh.core.radix import RadixTree
+
+    tree: RadixTree[None] = RadixTree(BLOCK_SIZE, 0)
+    cached = total = 0
+    for i, r in enumerate(requests):
+        ids = tokenizer.encode(r.text)
+        cached += min(tree.match(ids), len(ids) - 1)
+        total += len(ids)
+        tree.insert(ids, float(i))
+    return cached / total if total else None
 
 
 def tokenizer_for(spec: RunSpec) -> Any:
@@ -100,6 +117,7 @@ def summary_entry(res: RunResult) -> dict[str, Any]:
             "interrupted": res.interrupted,
             "skipped": res.skipped,
             "oracle_mismatches": res.oracle_mismatches,
+            "ideal_hit_rate": res.ideal_hit_rate,
         }
     )
     return entry
@@ -250,12 +268,13 @@ class Runner:
         return list(json.loads(path.read_text()).get("runs", []))
 
     def done(self, spec: RunSpec) -> bool:
-        """Whether ``out`` already holds a complete run of ``spec`` (same name and size)."""
+        """Whether ``out`` already holds a complete run of ``spec`` (same name, at least as
+        many requests)."""
         return any(
             r["name"] == spec.name
             and not r.get("interrupted")
             and not r.get("skipped")
-            and r.get("planned_requests") == spec.workload.requests
+            and (r.get("planned_requests") or 0) >= (spec.workload.requests or 0)
             for r in self.previous
         )
 
@@ -303,6 +322,7 @@ class Runner:
         fits = make_fits(spec)
         requests = build(spec.workload, spec.nodes, fits)
         res.dropped = self._count_dropped(spec, fits)
+        res.ideal_hit_rate = ideal_hit_rate(requests, tokenizer_for(spec))
         progress = Progress(label, len(requests)) if self.progress else None
         cluster = self.cluster_factory(spec)
         replay = Replay(spec, cluster, Sink(fh, progress))

@@ -118,7 +118,15 @@ def paper_preset(base: RunSpec, with_sglang: bool = True) -> list[RunSpec]:
         _mk(base, "poll", "cost", gossip_interval_s=300.0, requests=third),
         _mk(base, "delay", "oracle", comm_delay_s=0.2, requests=third),
     ]
+    # open loop (Poisson arrivals): queues form, so load and push-back matter
+    runs += [_mk_open(base, p, rate=3.0, requests=third) for p in ("none", "cost", "paper")]
     return runs
+
+
+def _mk_open(base: RunSpec, policy: str, rate: float, requests: int) -> RunSpec:
+    w = replace(base.workload, requests=requests, rate=rate, schedule=Schedule.POISSON)
+    spec = replace(base, policy=policy, workload=w, group="open")
+    return replace(spec, name=run_name(spec))
 
 
 def quick_preset(base: RunSpec) -> list[RunSpec]:
