@@ -75,6 +75,8 @@ def test_peer_endpoints_refuse_and_count(keyed: TestClient) -> None:
     signed = sign(key, forward_purpose("/peer/forward"), "p", fwd, time.time(), b"\x08" * 16)
     r = keyed.post("/peer/forward", content=fwd, headers={HEADER: signed})
     assert r.status_code == 200 and b'"t":"done"' in r.content
+    huge = keyed.post("/peer/gossip", content=b"\x00" * (8 * 1024 * 1024 + 1))
+    assert huge.status_code == 413  # refused before any HMAC work
     assert metric(keyed, "radixmesh_peer_auth_rejected_total") == 5
     assert metric(keyed, "radixmesh_peer_auth_rejected_replayed") == 1
     assert metric(keyed, "radixmesh_peer_auth_accepted") == 2
@@ -102,6 +104,9 @@ def test_api_key_guards_client_api(monkeypatch: pytest.MonkeyPatch) -> None:
         assert c.get("/mesh").status_code == 401
         assert c.get("/metrics").status_code == 401
         assert c.get("/health").status_code == 200
+        assert c.post("/admin/netem", json={"loss": 1}).status_code == 401
+        assert c.post("/admin/netem", json={"loss": 0},
+                      headers={"authorization": "Bearer s3cret-token"}).status_code == 200
 
 
 def test_debug_knobs(keyed: TestClient) -> None:

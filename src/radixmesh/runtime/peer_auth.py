@@ -10,8 +10,9 @@ Without a key the node runs open (development mode): it signs nothing, accepts e
 says so loudly at start-up. With a key, unauthenticated, forged, stale or replayed peer
 messages are refused with 401/403 and counted by reason (``peer_auth_rejected_<reason>``).
 
-The client API can require a bearer token (``--api-key``): compared in constant time; the
-health probe stays open so load balancers and the launcher can poll it.
+The client API can require a bearer token (``--api-key``): compared in constant time. It also
+guards /mesh, /metrics and the (loopback-only) /admin endpoints; the health probe stays open
+so load balancers and the launcher can poll it.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from radixmesh.core.auth import (
 ENV_CLUSTER_KEY = "RADIXMESH_CLUSTER_KEY"
 ENV_API_KEY = "RADIXMESH_API_KEY"
 GOSSIP_PURPOSE = "gossip"
-API_PROTECTED_PREFIXES = ("/v1/", "/mesh", "/metrics")  # /health stays open for probes
+API_PROTECTED_PREFIXES = ("/v1/", "/mesh", "/metrics", "/admin/")  # /health stays open
 
 log = logging.getLogger("radixmesh.auth")
 
