@@ -178,3 +178,21 @@ def test_calibrate_from_records_recovers_the_simulated_model(tmp_path: Path) -> 
     assert fitted.prefill_overhead_s == pytest.approx(
         truth.prefill_overhead_s + truth.request_overhead_s, rel=0.05
     )
+
+
+def test_validate_against_a_run_reproduces_it(tmp_path: Path) -> None:
+    """Replaying a (simulated) bench-format run with the cost model fitted to it gives the
+    same hit rates and latency ratios: the validation machinery itself adds no error."""
+    flags = ["--nodes", "3", "--requests", "60", "--synthetic-scale", "0.2", "--schedule",
+             "sequential", "--quiet"]  # fmt: skip
+    real = tmp_path / "real"
+    assert main(["sim", "--policy", "none,cost", "--out", str(real), *flags]) == 0
+    out = tmp_path / "val"
+    assert main(["sim", "--validate", str(real), "--out", str(out), "--forward-overhead", "2ms",
+                 *flags]) == 0  # fmt: skip
+    rows = json.loads((out / "validation.json").read_text())["rows"]
+    assert [r["policy"] for r in rows] == ["none", "cost"]
+    for r in rows:
+        assert abs(r["hit_diff_points"]) < 0.01
+        assert r["ratio_diff_pct"] is not None and abs(r["ratio_diff_pct"]) < 1.0
+    assert "cost, uniform, 2 ms" in (out / "validation.md").read_text()

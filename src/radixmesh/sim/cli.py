@@ -137,6 +137,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-records", action="store_true", help="skip requests.jsonl")
     g.add_argument("--quiet", action="store_true", help="no progress on stderr")
     g.add_argument(
+        "--validate",
+        metavar="BENCH_DIR",
+        default=None,
+        help="replay a `radixmesh bench` output's configurations (give the same workload "
+        "flags) and compare; --cost-model fit (default here) fits it to that run",
+    )
+    g.add_argument(
+        "--forward-overhead", default="3ms", help="with --validate: HTTP work of one forward"
+    )
+    g.add_argument(
         "--experiment",
         default=None,
         choices=["convergence", "scale", "pushback", "breakeven"],
@@ -248,6 +258,12 @@ def _run(args: argparse.Namespace) -> int:
         from radixmesh.sim import experiments
 
         return experiments.main(args)
+    if args.validate:
+        from radixmesh.sim import validate
+
+        if args.cost_model == "cpu-tiny":  # the default: fit to the real run instead
+            args.cost_model = "fit"
+        return validate.main(args)
     if args.requests_per_node:
         raise ValueError("--requests-per-node is for --experiment scale|pushback")
     cost = costs.resolve(args.cost_model)
