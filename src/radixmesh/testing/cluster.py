@@ -53,7 +53,7 @@ class Cluster:
         self,
         n: int,
         *,
-        mode: GossipMode = GossipMode.DELTA,
+        mode: GossipMode | None = None,  # overrides gossip.mode when given
         gossip: GossipConfig | None = None,
         pushback: PushbackConfig | None = None,
         router: RouterConfig | None = None,
@@ -63,7 +63,8 @@ class Cluster:
     ) -> None:
         self.clock = VirtualClock()
         self.net = FakeNetwork(random.Random(seed), link)
-        self.gossip = replace(gossip or GossipConfig(), mode=mode)
+        base = gossip or GossipConfig()
+        self.gossip = base if mode is None else replace(base, mode=mode)
         self.pushback = pushback or PushbackConfig()
         self.router = router or RouterConfig()
         self.fingerprint = fingerprint
