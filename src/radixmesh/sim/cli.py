@@ -34,7 +34,7 @@ from radixmesh.sim.network import (
 )
 from radixmesh.sim.runner import RunResult, RunSpec
 from radixmesh.sim.runner import run as run_sim
-from radixmesh.sim.tokens import TOKENIZERS
+from radixmesh.sim.tokens import TOKENIZERS, Tokenize
 from radixmesh.workload import WorkloadSpec, build, schedule
 from radixmesh.workload.build import groups_for, sample
 from radixmesh.workload.request import Request
@@ -109,10 +109,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace", default=None, help="replay a JSONL trace")
     g.add_argument(
         "--tokenizer",
-        default="bytes",
-        choices=["bytes", "words"],
+        default="auto",
+        choices=["auto", "bytes", "words"],
         help="bytes: the built-in engine's (token counts match a real cluster); "
-        "words: BPE-like counts (~550 tokens per MMLU prompt) for scale runs",
+        "words: BPE-like counts (~550 tokens per MMLU prompt) for scale runs; "
+        f"auto: bytes up to {AUTO_EPIDEMIC_ABOVE} nodes, words above",
     )
     g.add_argument("--synthetic-groups", type=int, default=57, help="synthetic groups")
     g.add_argument("--synthetic-scale", type=float, default=1.0, help="synthetic prompt length x")
@@ -159,6 +160,13 @@ def auto_mode(nodes: int, mode: str) -> GossipMode:
     if mode == "auto":
         return GossipMode.EPIDEMIC if nodes > AUTO_EPIDEMIC_ABOVE else GossipMode.DELTA
     return GossipMode.parse(mode)
+
+
+def tokenizer_for(args: argparse.Namespace, nodes: int) -> tuple[Tokenize, str]:
+    name = args.tokenizer
+    if name == "auto":
+        name = "words" if nodes > AUTO_EPIDEMIC_ABOVE else "bytes"
+    return TOKENIZERS[name]()
 
 
 def auto_interval(nodes: int, text: str) -> float:
@@ -267,7 +275,6 @@ def _run(args: argparse.Namespace) -> int:
     if args.requests_per_node:
         raise ValueError("--requests-per-node is for --experiment scale|pushback")
     cost = costs.resolve(args.cost_model)
-    tokenize, tok_fp = TOKENIZERS[args.tokenizer]()
     policies = [Policy.parse(p) for p in _csv(args.policy)]
     node_counts = [int(n) for n in _csv(args.nodes)]
     delays = [parse_duration(d) for d in _csv(args.comm_delay)]
@@ -288,9 +295,7 @@ def _run(args: argparse.Namespace) -> int:
     summaries: list[dict[str, Any]] = []
     try:
         for nodes, skew in itertools.product(node_counts, skews):
-            results = _sweep_point(
-                args, cost, tokenize, tok_fp, policies, nodes, delays, skew, many
-            )
+            results = _sweep_point(args, cost, policies, nodes, delays, skew, many)
             for res in results:
                 summaries.append(res.summary)
                 if records_fh is not None:
@@ -309,14 +314,13 @@ def _run(args: argparse.Namespace) -> int:
 def _sweep_point(
     args: argparse.Namespace,
     cost: costs.CostModel,
-    tokenize: Any,
-    tok_fp: str,
     policies: list[Policy],
     nodes: int,
     delays: list[float],
     skew: str,
     many: dict[str, bool],
 ) -> list[RunResult]:
+    tokenize, tok_fp = tokenizer_for(args, nodes)
     mode = auto_mode(nodes, args.gossip_mode)
     intervals = [auto_interval(nodes, t) for t in _csv(args.gossip_interval)]
     rate = None

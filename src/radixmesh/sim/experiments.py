@@ -285,7 +285,7 @@ def simulated_breakeven(args: argparse.Namespace, model: CostModel, scale: float
     from radixmesh.sim.runner import RunSpec
     from radixmesh.sim.runner import run as run_sim
 
-    tokenize, tok_fp = cli.TOKENIZERS[args.tokenizer]()
+    tokenize, tok_fp = cli.tokenizer_for(args, int(_csv(args.nodes)[0]))
     point = argparse.Namespace(**{**vars(args), "synthetic_scale": scale})
     reqs = cli._requests(point, False, int(_csv(args.nodes)[0]))
     prompt_tokens = cli.mean_prompt_tokens(reqs, tokenize)
@@ -334,7 +334,6 @@ def _sweep(args: argparse.Namespace, log: Log, **override: Any) -> list[dict[str
     from radixmesh.sim import cli
 
     cost = costs.resolve(args.cost_model)
-    tokenize, tok_fp = cli.TOKENIZERS[args.tokenizer]()
     policies = [Policy.parse(p) for p in _csv(args.policy)]
     delays = [parse_duration(d) for d in _csv(args.comm_delay)]
     many = {"nodes": True, "delay": len(delays) > 1, "interval": False, "skew": True}
@@ -344,9 +343,7 @@ def _sweep(args: argparse.Namespace, log: Log, **override: Any) -> list[dict[str
             per_node = args.requests_per_node
             reqs = max(args.requests, per_node * n) if per_node else args.requests
             point = argparse.Namespace(**{**vars(args), **override, "requests": reqs})
-            for res in cli._sweep_point(
-                point, cost, tokenize, tok_fp, policies, n, delays, skew, many
-            ):
+            for res in cli._sweep_point(point, cost, policies, n, delays, skew, many):
                 rows.append(res.summary)
                 s = res.summary
                 log(

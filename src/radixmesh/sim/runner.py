@@ -26,7 +26,7 @@ from typing import Any
 
 from radixmesh.bench.metrics import mean, percentile, summarize
 from radixmesh.bench.records import Record
-from radixmesh.sim.cluster import Cluster, ClusterConfig, Flight
+from radixmesh.sim.cluster import Cluster, ClusterConfig, Flight, routable_count
 from radixmesh.sim.tokens import Tokenize
 from radixmesh.workload.request import Request
 
@@ -38,7 +38,8 @@ class RunSpec:
     workload: str = "synthetic"  # label: synthetic | mmlu | trace
     skew: str = "uniform"  # label: uniform | skewed
     schedule: str = "sequential"  # sequential | poisson (requests carry their times)
-    warmup_s: float | None = None  # None: 4 gossip intervals, at least 0.5 s
+    warmup_s: float | None = None  # None: 4 gossip intervals (>= 0.5 s), then until joined
+    max_join_s: float = 120.0  # with warmup_s None: give up waiting for the join after this
     max_virtual_s: float | None = None  # stop the run after this much virtual time
 
     def warmup(self) -> float:
@@ -73,6 +74,7 @@ class _Driver:
         self.t0 = 0.0
         self.next_index = 0
         self.progress: Progress | None = None
+        self.joined_after_s: float | None = None
 
     def _entry(self, i: int) -> int:
         req = self.requests[i]
@@ -131,10 +133,25 @@ class _Driver:
             error=f.error,
         )
 
+    def _wait_joined(self) -> None:
+        """Like the cluster launcher, start the clients once the mesh has formed: every node
+        routes to every other (alive, with a load report), or ``max_join_s`` has passed."""
+        cluster = self.cluster
+        want = self.spec.cluster.nodes - 1
+        step = self.spec.cluster.gossip.interval_s / 2
+        start = cluster.loop.now
+        while cluster.loop.now - start < self.spec.max_join_s:
+            if all(routable_count(n.core) >= want for n in cluster.nodes):
+                break
+            cluster.loop.run(until=cluster.loop.now + step)
+        self.joined_after_s = cluster.loop.now
+
     def run(self) -> None:
         cluster = self.cluster
         cluster.start()
         cluster.loop.run(until=self.spec.warmup())
+        if self.spec.warmup_s is None:
+            self._wait_joined()
         self.t0 = cluster.loop.now
         cluster.schedule_faults(self.t0)
         self._gossip_at_start = (cluster.counters.gossip_bytes, cluster.counters.gossip_messages)
@@ -205,6 +222,7 @@ def _summary(
         "view_age_s_p99": percentile(ages, 99),
         "view_stale_share": (sum(1 for a in ages if a > 0) / len(ages)) if ages else None,
         "virtual_s": span,
+        "warmup_s": driver.t0,
         "wall_s": wall,
         "events": cluster.loop.events,
         "events_per_s": cluster.loop.events / wall if wall > 0 else None,

@@ -177,12 +177,12 @@ def main(args: argparse.Namespace) -> int:
         cost = costs.CostModel.from_dict(doc)
     else:
         cost = costs.resolve(args.cost_model)
-    tokenize, tok_fp = cli.TOKENIZERS[args.tokenizer]()
     real = real_runs(real_dir)
     if not real:
         raise ValueError(f"{real_dir}: no configuration the simulator can replay")
     sim = []
     for r in real:
+        tokenize, tok_fp = cli.tokenizer_for(args, int(r["nodes"]))
         sim.append(simulate_like(r, args, cost, tokenize, tok_fp))
         if not args.quiet:
             print(f"[validate] {r['name']}: simulated", flush=True)
