@@ -223,6 +223,22 @@ def test_client_disconnect_stops_the_engine(cluster: LocalCluster) -> None:
         assert metric(cluster, worker, "radixmesh_cancelled_requests_total") == cancelled + 1
 
 
+def test_forwarding_through_emulated_delay(cluster: LocalCluster) -> None:
+    failures = metric(cluster, 0, "radixmesh_forward_failures_total")
+    assert cluster.post(0, "/admin/netem", json={"delay": 0.01}).status_code == 200
+    try:
+        for k in range(3):  # several in a row: the keep-alive connection is reused each time
+            resp = complete(cluster, 0, f"delayed {k}", headers={"x-radixmesh-target": "n1"},
+                            stream=k == 1)
+            assert resp.status_code == 200, resp.text
+            assert resp.headers["x-radixmesh-served-by"] == "n1"
+            if k != 1:  # request and response each cross the emulated link once
+                assert float(resp.headers["x-radixmesh-forward-overhead-s"]) >= 0.02
+    finally:
+        cluster.post(0, "/admin/netem", json={"delay": 0.0})
+    assert metric(cluster, 0, "radixmesh_forward_failures_total") == failures
+
+
 # ----------------------------------------------------------------------------- failures
 def test_kill_target_with_forwards_in_flight(cluster: LocalCluster) -> None:
     prefix = PREFIX.replace("anatomy", "astronomy")

@@ -20,6 +20,7 @@ from them are dropped on arrival. Partitions are changed at run time (``POST /ad
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
@@ -130,5 +131,7 @@ class Netem:
                 if isinstance(item, BaseException):
                     raise item
                 yield item
-        finally:
+        finally:  # stop reading before the caller touches the source again
             task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

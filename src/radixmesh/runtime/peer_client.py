@@ -64,7 +64,8 @@ class ForwardStream:
     def __init__(self, response: aiohttp.ClientResponse, netem: Netem) -> None:
         self._response = response
         self.completed = False  # the caller saw the final event: the connection is reusable
-        self._events = self._decode(netem.delayed(self._lines()))
+        self._relayed = netem.delayed(self._lines())
+        self._events = self._decode(self._relayed)
 
     async def _lines(self) -> AsyncIterator[bytes]:
         while True:
@@ -98,10 +99,11 @@ class ForwardStream:
         """Finish with the stream. After a ``done`` event the (empty) rest of the body is read,
         so the keep-alive connection goes back to the pool; otherwise it is closed."""
         await self._events.aclose()  # type: ignore[attr-defined]
+        await self._relayed.aclose()  # type: ignore[attr-defined]  # (closing one won't)
         if self.completed:
             try:
                 await asyncio.wait_for(self._response.read(), EOF_WAIT_S)
-            except _TRANSPORT_ERRORS:
+            except (*_TRANSPORT_ERRORS, RuntimeError):
                 self._response.close()
                 return
             self._response.release()
