@@ -193,8 +193,10 @@ class Gossiper:
         self._sync_routable(msg.sender)
         if msg.reply:
             member = self.members.get(msg.sender)
+            # A joining (or restarted) node knows nobody: it gets our whole member list.
+            joining = msg.ack is None and not msg.peers
             if member is not None:
-                actions.append(self._send(est, member, now, load, reply=False))
+                actions.append(self._send(est, member, now, load, reply=False, full=joining))
         return actions
 
     def _resolve(
@@ -469,9 +471,11 @@ class Gossiper:
                 out.append(Send(address, self.codec.encode(msg), None))
         return out
 
-    def _send(self, est: Estimate, member: Member, now: float, load: Load, reply: bool) -> Send:
+    def _send(
+        self, est: Estimate, member: Member, now: float, load: Load, reply: bool, full: bool = False
+    ) -> Send:
         reply = reply or est.version is None
-        msg = self._message(est, now, load, reply=reply, full=False)
+        msg = self._message(est, now, load, reply=reply, full=full)
         est.sent += 1
         data = self.codec.encode(msg)
         return Send(member.address, data, member.node_id)
@@ -495,7 +499,7 @@ class Gossiper:
             fingerprint_detail=self.config.fingerprint if first or full else None,
             ack=None if est is None else _ack(est),
             echo=None if est is None else self._echo(est, now),
-            peers=self._peer_list(est, first),
+            peers=self._peer_list(est, first, full),
             digest=self._digest(est) if epidemic else (),
             relays=self._relays(est, now) if epidemic and est is not None else (),
             reply=reply,
@@ -556,17 +560,24 @@ class Gossiper:
         est.echo_stamp = None
         return echo
 
-    def _peer_list(self, est: Estimate | None, first: bool) -> tuple[PeerAddress, ...]:
-        if not first and (est is None or est.sent % SAMPLE_EVERY != 0):
+    def _peer_list(self, est: Estimate | None, first: bool, full: bool) -> tuple[PeerAddress, ...]:
+        """Everyone for joiners; a small random sample on first contact and now and then."""
+        target = None if est is None else est.node_id
+        if full:
+            ids = [m.node_id for m in self.members if m.state is not MemberState.DEAD]
+        elif first or (est is not None and est.sent % SAMPLE_EVERY == 0):
+            ids = self._live if len(self._live) <= PEER_SAMPLE else self._sample_live()
+        else:
             return ()
-        alive = [m for m in self.members if m.state is not MemberState.DEAD]
-        if est is not None:
-            alive = [m for m in alive if m.node_id != est.node_id]
-        if not first and len(alive) > PEER_SAMPLE:
-            alive = self.rng.sample(alive, PEER_SAMPLE)
-        return tuple(
-            PeerAddress(m.node_id, m.address) for m in alive[: self.codec.limits.max_peers]
-        )
+        out = []
+        for node_id in ids:
+            member = self.members.get(node_id)
+            if node_id != target and member is not None and member.state is not MemberState.DEAD:
+                out.append(PeerAddress(node_id, member.address))
+        return tuple(out[: self.codec.limits.max_peers])
+
+    def _sample_live(self) -> list[str]:
+        return self.rng.sample(self._live, PEER_SAMPLE + 1)
 
     def _digest(self, target: Estimate | None) -> tuple[DigestEntry, ...]:
         """What we know of others: all of it in small meshes, else a random sample plus the
