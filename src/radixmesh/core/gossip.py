@@ -450,13 +450,20 @@ class Gossiper:
         return actions
 
     def _targets(self) -> list[Member]:
-        live = [m for m in self.members if m.state is not MemberState.DEAD]
+        """Direct modes: every live member. Epidemic: ``fanout`` random ones. Dead members
+        are probed every DEAD_PROBE_EVERY rounds (all of them, or one in epidemic mode)."""
+        ids = self._live
         probe = self.heartbeat % DEAD_PROBE_EVERY == 0
-        dead = [m for m in self.members if m.state is MemberState.DEAD] if probe else []
-        if self.cfg.mode is GossipMode.EPIDEMIC and len(live) > self.cfg.fanout:
-            live = self.rng.sample(live, self.cfg.fanout)
+        dead = [m.node_id for m in self.members if m.state is MemberState.DEAD] if probe else []
+        if self.cfg.mode is GossipMode.EPIDEMIC and len(ids) > self.cfg.fanout:
+            ids = self.rng.sample(ids, self.cfg.fanout)
             dead = self.rng.sample(dead, 1) if dead else []
-        return live + dead
+        out = []
+        for node_id in [*ids, *dead]:
+            member = self.members.get(node_id)
+            if member is not None:
+                out.append(member)
+        return out
 
     def _seed_sends(self, now: float, load: Load) -> list[Action]:
         if not self.members.seeds:
