@@ -58,6 +58,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         + " (default cpu-tiny)",
     )
     g.add_argument("--cache-tokens", type=int, default=65_536, help="KV budget per node")
+    g.add_argument(
+        "--service-noise",
+        type=float,
+        default=None,
+        help="sigma of a mean-1 log-normal factor on each request's time (default 0; with "
+        "--validate: the scatter of the fit)",
+    )
     g.add_argument("--pushback-threshold", type=int, default=8, help="queue depth for push-back")
     g.add_argument("--forward-timeout", default="2s", help="first-byte timeout of a forward")
     g.add_argument("--seeds", type=int, default=3, help="seed nodes each node joins through")
@@ -347,6 +354,7 @@ def _sweep_point(
                 seeds=args.seeds,
                 seed=args.seed,
                 tokenizer=tok_fp,
+                service_noise=args.service_noise or 0.0,
             ),
             workload="trace" if args.trace else ("mmlu" if args.mmlu_dir else "synthetic"),
             skew=skew,

@@ -79,6 +79,7 @@ class ClusterConfig:
     seed: int = 0
     model: str = "preset:tiny:seed0:float32"  # fingerprint identity (sim and real agree)
     tokenizer: str = "bytes"
+    service_noise: float = 0.0  # sigma of a mean-1 log-normal factor on each request's time
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -231,7 +232,14 @@ class Cluster:
         node.up = True
         node.tick_at = INF
         node.version_times = []
-        node.engine = SimEngine(cfg.cost, cfg.cache_tokens, cfg.block_size, self.hash_seed)
+        node.engine = SimEngine(
+            cfg.cost,
+            cfg.cache_tokens,
+            cfg.block_size,
+            self.hash_seed,
+            cfg.service_noise,
+            random.Random(f"engine/{cfg.seed}/{node.idx}/{node.incarnation}"),
+        )
         node_cfg = NodeConfig(
             node_id=node.node_id,
             address=node.address,

@@ -14,12 +14,15 @@ One request at a time (the node runs a FIFO queue in front of it)::
     finish(run)    insert prompt + generated tokens but the last, truncated to the room left
                    -> unlock             (engine/radix_cache.py: acquire / commit)
 
-As in the built-in engine, at least one prompt token is always computed (there must be logits
+``noise`` > 0 multiplies each request's time by a mean-1 log-normal factor, like a real node on
+a busy machine (a calibration reports the relative scatter it saw). As in the built-in engine,
+at least one prompt token is always computed (there must be logits
 to sample from), so a fully cached prompt still reports ``len(prompt) - 1`` cached tokens.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,10 +44,22 @@ class Execution:
 
 
 class SimEngine:
-    def __init__(self, cost: CostModel, cache_tokens: int, block_size: int, seed: int) -> None:
+    def __init__(
+        self,
+        cost: CostModel,
+        cache_tokens: int,
+        block_size: int,
+        seed: int,
+        noise: float = 0.0,
+        rng: random.Random | None = None,
+    ) -> None:
         if cache_tokens < 1:
             raise ValueError("cache_tokens must be >= 1")
+        if noise < 0:
+            raise ValueError("noise must be >= 0")
         self.cost = cost
+        self.noise = noise  # sigma of a mean-1 log-normal factor on each request's time
+        self._rng = rng or random.Random(0)
         self.cache_tokens = cache_tokens
         self.tree: RadixTree[None] = RadixTree(block_size, seed)
         self.evicted_tokens = 0
@@ -71,9 +86,10 @@ class SimEngine:
         self.tree.lock(hit.node)
         self._make_room(reserve)
         cached = hit.length
-        prefill = self.cost.prefill_s(len(tokens) - cached, cached)
-        decode = self.cost.decode_s(max_tokens)
-        service = self.cost.request_overhead_s + prefill + decode
+        factor = self._factor()
+        prefill = self.cost.prefill_s(len(tokens) - cached, cached) * factor
+        decode = self.cost.decode_s(max_tokens) * factor
+        service = self.cost.request_overhead_s * factor + prefill + decode
         return Execution(tokens, hashes, hit.node, cached, prefill, decode, service)
 
     def finish(self, run: Execution, generated: Sequence[int], now: float) -> None:
@@ -89,6 +105,14 @@ class SimEngine:
                 self.tree.insert(seq[:end], now, None, hashes)
         finally:
             self.tree.unlock(run.node)
+
+    def _factor(self) -> float:
+        """Run-time noise of a real machine (other processes, caches): a log-normal factor
+        with mean 1, so the cost model stays the mean."""
+        if self.noise <= 0:
+            return 1.0
+        s = self.noise
+        return self._rng.lognormvariate(-s * s / 2, s)
 
     def _make_room(self, incoming: int) -> int:
         """Evict LRU leaves until ``incoming`` more tokens fit; returns the room left."""

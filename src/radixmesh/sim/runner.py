@@ -227,5 +227,19 @@ def _summary(
         "events": cluster.loop.events,
         "events_per_s": cluster.loop.events / wall if wall > 0 else None,
         "logs": dict(cluster.counters.logs),
+        **_view_sizes(cluster),
     }
     return out
+
+
+def _view_sizes(cluster: Cluster) -> dict[str, float]:
+    """Mean per node: own advertised blocks, and entries held about peers (the estimate)."""
+    own = views = 0.0
+    up = [n for n in cluster.nodes if n.core is not None]
+    for n in up:
+        assert n.core is not None
+        m = n.core.metrics()
+        own += m["summary_blocks"]
+        views += m["view_entries"]
+    k = max(1, len(up))
+    return {"own_blocks_per_node": own / k, "view_entries_per_node": views / k}
