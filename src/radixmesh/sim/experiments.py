@@ -62,6 +62,7 @@ def convergence(
     change_blocks: int = 32,
     trials: int = 5,
     max_join_s: float = 120.0,
+    seeds: int = 3,
 ) -> dict[str, Any]:
     """Join time, then convergence time of one cache change at node 0, in an idle cluster."""
     gossip = GossipConfig.for_interval(interval_s, mode=mode, fanout=fanout)
@@ -72,6 +73,7 @@ def convergence(
         gossip=gossip,
         network=NetworkConfig(delay_s=delay_s),
         seed=seed,
+        seeds=min(seeds, nodes),
         start_spread_s=interval_s,
     )
     cl = Cluster(cfg)
@@ -110,6 +112,7 @@ def convergence(
         "fanout": fanout if mode is GossipMode.EPIDEMIC else None,
         "interval_s": interval_s,
         "delay_s": delay_s,
+        "seeds": min(seeds, nodes - 1),
         "join_s": joined_at,
         "trials": trials,
         "unconverged_trials": unconverged,
@@ -234,7 +237,13 @@ def run_convergence(args: argparse.Namespace, log: Log) -> list[dict[str, Any]]:
                 1.0 if args.gossip_interval == "auto" else parse_duration(args.gossip_interval)
             )
             row = convergence(
-                n, mode, interval, parse_duration(_csv(args.comm_delay)[0]), args.fanout, args.seed
+                n,
+                mode,
+                interval,
+                parse_duration(_csv(args.comm_delay)[0]),
+                args.fanout,
+                args.seed,
+                seeds=args.seeds,
             )
             log(
                 f"N={n} {mode.value}: joined in {_s(row['join_s'])}, change seen by all in "
