@@ -20,7 +20,8 @@ when), from a JSON file written by hand, or from a built-in preset:
 * ``cpu-tiny`` — the built-in ``tiny`` engine on a 2-core CPU, fitted from the figures in
   GUIDE.md §4 (540-token prefill 44–48 ms, 90 tokens after 450 cached 14–16 ms, decode ~7 ms/token);
 * ``gpu-7b`` — an *illustrative* GPU regime (a 7B fp16 model at batch 1 on one datacenter GPU:
-  ~10k prefill tokens/s, ~20 ms/token decode). Assumed, not measured here: no GPU was available.
+  ~10k prefill tokens/s, ~20 ms/token decode). Assumed, not measured here: no GPU was available;
+* ``gpu-70b`` — likewise illustrative, a 70B model: ~1.7k prefill tokens/s, ~50 ms/token.
 """
 
 from __future__ import annotations
@@ -139,7 +140,20 @@ def _gpu_7b() -> CostModel:
     )
 
 
-PRESETS = {"cpu-tiny": _cpu_tiny, "gpu-7b": _gpu_7b}
+def _gpu_70b() -> CostModel:
+    return CostModel(
+        name="gpu-70b",
+        prefill_overhead_s=0.03,
+        prefill_s_per_token=6.0e-4,
+        context_scale=8192.0,
+        decode_s_per_token=0.05,
+        request_overhead_s=0.005,
+        forward_overhead_s=0.001,
+        source="illustrative assumption: 70B fp16, batch 1, tensor-parallel GPUs (not measured)",
+    )
+
+
+PRESETS = {"cpu-tiny": _cpu_tiny, "gpu-7b": _gpu_7b, "gpu-70b": _gpu_70b}
 
 
 def resolve(spec: str) -> CostModel:

@@ -274,7 +274,7 @@ def run_breakeven(args: argparse.Namespace, log: Log) -> list[dict[str, Any]]:
             log(
                 f"{model.name} ~{row['prompt_tokens']:.0f} tokens (simulated, paper vs none, "
                 f"{args.nodes} nodes): routing pays below {_ms(row['simulated_breakeven_s'])}; "
-                f"ratios {row['ratios']}"
+                f"paper/none {row['ratios']}, cost/none {row['cost_ratios']}"
             )
             rows.append(row)
     return rows
@@ -315,6 +315,7 @@ def simulated_breakeven(args: argparse.Namespace, model: CostModel, scale: float
 
     base = mean_latency(Policy.NONE, BREAKEVEN_DELAYS[0])  # none never forwards
     ratios = {d: mean_latency(Policy.PAPER, d) / base for d in BREAKEVEN_DELAYS}
+    cost_ratios = {d: mean_latency(Policy.COST, d) / base for d in BREAKEVEN_DELAYS}
     return {
         "kind": "simulated",
         "cost_model": model.name,
@@ -323,6 +324,8 @@ def simulated_breakeven(args: argparse.Namespace, model: CostModel, scale: float
         "requests": len(reqs),
         "ratios": {f"{d * 1e3:g}ms": round(r, 3) for d, r in ratios.items()},
         "simulated_breakeven_s": _crossing(ratios),
+        "cost_ratios": {f"{d * 1e3:g}ms": round(r, 3) for d, r in cost_ratios.items()},
+        "cost_breakeven_s": _crossing(cost_ratios),
     }
 
 
