@@ -72,6 +72,7 @@ log = logging.getLogger("radixmesh.node")
 
 MAX_PEER_ATTEMPTS = 2  # peers tried before running locally
 MAX_TIMER_SLEEP_S = 1.0  # the timer re-reads next_deadline() at least this often
+MIN_TICK_GAP_S = 0.001  # if a Tick leaves the deadline in the past, wait this long
 
 
 @dataclass(slots=True)
@@ -361,12 +362,24 @@ class NodeService:
         await asyncio.to_thread(self.worker.close, 5.0)
 
     async def _timer_loop(self) -> None:
+        while True:
+            try:
+                await self._timer_step()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug; the timer must outlive it or gossip stops for good
+                self.metrics.core_errors += 1
+                log.exception("timer step failed")
+                await asyncio.sleep(MAX_TIMER_SLEEP_S)
+
+    async def _timer_step(self) -> None:
         assert self._wake is not None
         while True:
             delay = self.core.next_deadline() - self.clock()
             if delay <= 0:
                 self.dispatch(Tick())
-                await asyncio.sleep(0)  # let requests run between back-to-back ticks
+                stuck = self.core.next_deadline() <= self.clock()  # never spin on a bad deadline
+                await asyncio.sleep(MIN_TICK_GAP_S if stuck else 0)
                 continue
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
