@@ -16,16 +16,21 @@ so duplicates, reordering, delay and loss can never regress a view (loss only de
 
 Modes
     snapshot   every round carries the sender's full hash set (the paper).
-    delta      every round carries the change entries after the version the receiver last
-               acknowledged (acks ride on the receiver's own messages); a receiver that has
-               acknowledged nothing, or is behind the change log, gets a snapshot instead. A gap
-               (base above what the receiver holds) is ignored; its next ack repairs it.
+    delta      every round carries the change entries after the version the receiver holds:
+               its last ack (acks ride on the receiver's own messages) or, optimistically, what
+               we last sent it, for at most RESEND_AFTER_ROUNDS rounds without ack progress
+               (then we fall back to the ack: lost messages are re-sent). A receiver that holds
+               nothing, or is behind our change log, gets a snapshot. A gap (base above what the
+               receiver holds) is ignored and counted; the fallback to its ack repairs it.
     epidemic   delta to ``fanout`` random peers per round, push-pull: each message carries a
-               digest ``(id, incarnation, version, heartbeat)`` of every node the sender knows
-               and asks for a reply; the receiver answers with the state of others that the
-               digest shows to be older (relayed as deltas from a per-origin relay log when it
-               reaches back far enough, else as snapshots). A newer heartbeat in a digest or a
-               relay counts as hearing from that node, so failure detection works at large N.
+               digest ``(id, incarnation, version, heartbeat)`` of the nodes the sender knows
+               (all of them up to DIGEST_FULL, else a random DIGEST_SAMPLE plus recent changes,
+               so the work per message stays bounded) and asks for a reply; the receiver sends
+               back the state of others that the digest shows to be older (deltas from a
+               per-origin relay log when it reaches back far enough, else snapshots), plus
+               *rumors*: nodes whose state changed recently, pushed unasked for RUMOR_SENDS
+               messages. A newer heartbeat in a digest or a relay counts as hearing from that
+               node, so failure detection works without talking to everyone.
 
 Membership rides along: peer lists on first contact and as small periodic samples; seeds are
 contacted until someone answers. RTT is measured without clock sync: each message echoes the
