@@ -167,6 +167,8 @@ class Gossiper:
         self._recent: dict[str, int] = {}  # epidemic: node -> rumor sends left
         self._live: list[str] = []  # non-dead members, rebuilt once per round
         self._full_digest: tuple[DigestEntry, ...] | None = None  # cached for one round
+        self._heard_now: dict[str, None] = {}  # heard first-hand this round (freshest beats)
+        self._heard_last: list[str] = []  # ... and in the previous round
 
     # ================================================================= incoming messages
     def receive(self, msg: Gossip, now: float, load: Load) -> list[Action]:
@@ -184,6 +186,7 @@ class Gossiper:
         newest = est.stamp is None or msg.stamp >= est.stamp
         est.heartbeat = max(est.heartbeat, msg.heartbeat)
         self._heard(msg.sender, now, actions)
+        self._heard_now[msg.sender] = None
         self._apply_load(est, msg.stamp, msg.load, now)
         self._apply_summary(est, msg.summary)
         self._apply_echo(est, msg, now)
@@ -446,6 +449,8 @@ class Gossiper:
         self.heartbeat += 1
         self._live = [m.node_id for m in self.members if m.state is not MemberState.DEAD]
         self._full_digest = None
+        self._heard_last = list(self._heard_now)[-MAX_RUMORS:]
+        self._heard_now.clear()
         actions: list[Action] = []
         for member in self._targets():
             est = self.estimates[member.node_id]
@@ -600,6 +605,7 @@ class Gossiper:
             return self._full_digest
         ids = self.rng.sample(self._live, DIGEST_SAMPLE)
         ids.extend(list(self._recent)[-MAX_RUMORS:])
+        ids.extend(self._heard_last)  # first-hand heartbeats spread fastest from here
         skip = None if target is None else target.node_id
         return tuple(self._entries(dict.fromkeys(i for i in ids if i != skip)))
 
