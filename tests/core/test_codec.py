@@ -72,7 +72,11 @@ def full_message(rng: random.Random) -> Gossip:
         echo=Echo(99.25, 0.003),
         peers=(PeerAddress("n2", "127.0.0.1:9002"), PeerAddress("n3", "127.0.0.1:9003")),
         digest=(DigestEntry("n2", 1, None, 3), DigestEntry("n3", 2, 8, 11)),
-        relays=(relay, NodeState("n8", "mem://n8", 1, 2, 0.0, None, None)),
+        relays=(
+            relay,
+            NodeState("n8", "mem://n8", 1, 2, 0.0, None, None),
+            NodeState("n9", "mem://n9", 1, 2, 3.0, Load(0, 0, 0, 0, None, None), None),
+        ),
         reply=True,
     )
 
