@@ -1,0 +1,16 @@
+"""The gossip micro-benchmark runs and reports consistent figures (sizes, not timings)."""
+
+from __future__ import annotations
+
+from radixmesh.bench import micro_gossip
+
+
+def test_quick_run_reports_its_figures() -> None:
+    figures = micro_gossip.run(quick=True)
+    assert figures["snapshot_blocks"] == 100_000
+    per_block = figures["snapshot_bytes_per_block"]
+    assert isinstance(per_block, float) and 0 < per_block < 8.0  # below raw 64-bit hashes
+    idle, churn = figures["delta_bytes_per_s_idle"], figures["delta_bytes_per_s"]
+    assert isinstance(idle, float) and isinstance(churn, float)
+    assert 0 < idle < churn  # bytes follow churn
+    assert figures["delta_churn_changes_per_s"] == 12.0
