@@ -98,7 +98,7 @@ def _soak(args: argparse.Namespace, cfg: ChaosConfig) -> tuple[dict[str, object]
         for k in keys:
             print(f"{k:>22}: {report[k]}")
         for sample in report["rss_mb"]:  # type: ignore[attr-defined]
-            print(f"{'rss_mb':>22}: {sample}")
+            print(f"{'rss_mb, cache tokens':>22}: {sample}")
     return doc, bool(report["passed"])
 
 

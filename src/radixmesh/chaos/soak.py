@@ -102,8 +102,19 @@ async def _sampler(env: ChaosEnv, cfg: SoakConfig, st: _State, t0: float) -> Non
             pid = node.pid if node.running else None
             rss = rss_bytes(pid) if pid is not None else None
             sample[node.node_id] = None if rss is None else round(rss / 2**20, 1)
+            sample[node.node_id + "_cache_tokens"] = await asyncio.to_thread(
+                _gauge, env, node.index, "radixmesh_cache_tokens")
         st.rss.append(sample)
         await _nap(st, cfg.sample_every_s)
+
+
+def _gauge(env: ChaosEnv, i: int, name: str) -> float | None:
+    if not env.cluster.nodes[i].running:
+        return None
+    try:
+        return env.metrics(i).get(name)
+    except httpx.HTTPError:
+        return None
 
 
 async def _run(env: ChaosEnv, cfg: SoakConfig, prompts: list[Prompt], st: _State
