@@ -173,6 +173,26 @@ def test_cost_hysteresis_keeps_self_for_tiny_gains() -> None:
     assert rank(Policy.COST, req, nodes)[0] == "self"
 
 
+def test_cost_bounded_load_skips_an_over_utilized_specialist() -> None:
+    req = RouteInput(3000, 1)
+    hot = NodeInfo("hot", False, 2900, 0.001, 0, SPEED, utilization=0.9)
+    warm = NodeInfo("warm", False, 2000, 0.001, 0, SPEED, utilization=0.2)
+    cold = NodeInfo("cold", False, 0, 0.001, 0, SPEED, utilization=0.2)
+    mine = NodeInfo("self", True, 0, 0.0, 0, SPEED, utilization=0.2)
+    order = rank(Policy.COST, req, [mine, hot, warm, cold])
+    assert order[0] == "warm" and "hot" in order  # still a fallback
+    only_hot = rank(Policy.COST, req, [mine, hot, cold])
+    assert only_hot[0] == "self"  # served where it entered: self caches the prefix too
+    unbounded = Router(RouterConfig(policy=Policy.COST, load_bound=None))
+    assert unbounded.rank(req, [mine, hot, cold], random.Random(0))[0].node_id == "hot"
+
+
+def test_cost_bounded_load_ignores_utilization_when_all_idle() -> None:
+    req = RouteInput(3000, 1)
+    nodes = [me(0), peer("warm", 2900)]
+    assert rank(Policy.COST, req, nodes)[0] == "warm"
+
+
 # ----------------------------------------------------------------------- paper (Algorithm 1)
 def test_paper_argmax_match() -> None:
     req = RouteInput(1000, 1)

@@ -20,6 +20,7 @@ EWMA of ``(seconds - overhead) / work``; ``context_scale`` is a constant of the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -148,3 +149,35 @@ class RttTable:
 
     def forget(self, peer: str) -> None:
         self._rtt.pop(peer, None)
+
+
+class Utilization:
+    """Busy fraction of a node over roughly the last ``window_s`` seconds (exponential decay).
+
+    Each finished request adds its service seconds; the estimate decays with time constant
+    ``window_s``, so ``value(now)`` approximates ``busy seconds / window`` — 1.0 for a node
+    that was never idle, 0.0 for one that served nothing lately.
+    """
+
+    __slots__ = ("_acc", "_at", "window_s")
+
+    def __init__(self, window_s: float) -> None:
+        if window_s <= 0:
+            raise ValueError("window_s must be > 0")
+        self.window_s = window_s
+        self._acc = 0.0
+        self._at: float | None = None
+
+    def observe(self, busy_s: float, now: float) -> None:
+        if busy_s <= 0:
+            return
+        self._acc = self._decayed(now) + busy_s
+        self._at = now
+
+    def value(self, now: float) -> float:
+        return min(1.0, self._decayed(now) / self.window_s)
+
+    def _decayed(self, now: float) -> float:
+        if self._at is None or now <= self._at:
+            return self._acc
+        return self._acc * math.exp(-(now - self._at) / self.window_s)

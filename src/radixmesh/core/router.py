@@ -17,6 +17,13 @@ Policies
                       A peer must beat self by ``min_gain_s`` and ``min_gain_frac`` (hysteresis
                       against noisy estimates). Equal predictions keep self first, and ties
                       among peers are broken by load, then at random — never "the first peer".
+                      *Bounded load*: a peer whose gossiped utilization exceeds
+                      ``(1 + load_bound)`` × the mean utilization of the available nodes takes
+                      no forwards (it stays in the fallback order). Affinity alone makes the
+                      first node to cache a popular prefix a hotspot even when queues are
+                      empty (one client, the paper's schedule); with the bound, the overflow is
+                      served where it enters, that node caches the prefix too, and hot prefixes
+                      end up replicated on as many nodes as their traffic needs.
     ``random``, ``round_robin``, ``least_loaded``  baselines over available nodes.
 
 Because a peer's prediction includes its forward RTT, ``cost`` forwards only when the predicted
@@ -54,12 +61,15 @@ class Policy(StrEnum):
 class RouterConfig:
     policy: Policy = Policy.COST
     min_gain_s: float = 0.001  # a forward must be predicted to save at least this (seconds)
-    min_gain_frac: float = 0.05  # ... and at least this fraction of the local prediction
+    min_gain_frac: float = 0.1  # ... and at least this fraction of the local prediction
     context_scale: float = 4096.0  # see costmodel.prefill_work
+    load_bound: float | None = 0.25  # cost: no forwards to peers above (1+x) × mean utilization
 
     def __post_init__(self) -> None:
         if self.min_gain_s < 0 or not 0 <= self.min_gain_frac < 1:
             raise ValueError("min_gain_s must be >= 0 and min_gain_frac in [0, 1)")
+        if self.load_bound is not None and self.load_bound < 0:
+            raise ValueError("load_bound must be >= 0 (or None to disable)")
         if self.context_scale <= 0:
             raise ValueError("context_scale must be > 0")
 
@@ -82,6 +92,7 @@ class NodeInfo:
     speed: SpeedReport
     suspect: bool = False
     pushed_back: bool = False
+    utilization: float = 0.0  # recent busy fraction in [0, 1], as the node itself measured it
 
     @property
     def available(self) -> bool:
@@ -149,13 +160,25 @@ class Router:
         keyed = [(predict_latency(req, n, scale), n.queue_depth, rng.random(), n) for n in avail]
         keyed.sort(key=lambda k: (k[0], not k[3].is_self, k[1], k[2]))
         order = [k[3] for k in keyed]
-        best_latency = keyed[0][0]
+        overloaded = self._over_bound(avail)
+        best = next((k for k in keyed if k[3].node_id not in overloaded), keyed[0])
         local_latency = predict_latency(req, me, scale)
-        gain = local_latency - best_latency
+        gain = local_latency - best[0]
         needed = max(self.config.min_gain_s, self.config.min_gain_frac * local_latency)
-        if order[0].is_self or gain >= needed:
-            return order
-        return [me, *(n for n in order if not n.is_self)]
+        if best[3].is_self or gain < needed:
+            best = next(k for k in keyed if k[3].is_self)
+        return [best[3], *(n for n in order if n is not best[3])]
+
+    def _over_bound(self, avail: list[NodeInfo]) -> set[str]:
+        """Peers whose utilization exceeds ``(1 + load_bound)`` × the mean (bounded load)."""
+        bound = self.config.load_bound
+        if bound is None or len(avail) < 2:
+            return set()
+        mean = sum(n.utilization for n in avail) / len(avail)
+        if mean <= 0.0:
+            return set()
+        limit = (1.0 + bound) * mean
+        return {n.node_id for n in avail if not n.is_self and n.utilization > limit}
 
     def _round_robin(self, avail: list[NodeInfo]) -> list[NodeInfo]:
         ordered = sorted(avail, key=lambda n: n.node_id)
