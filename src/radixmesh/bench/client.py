@@ -20,6 +20,7 @@ H_SERVED = "x-radixmesh-served-by"
 H_ROUTE = "x-radixmesh-route"
 H_EXPECTED = "x-radixmesh-expected-cached-tokens"
 H_CACHED = "x-radixmesh-cached-tokens"
+H_TARGET = "x-radixmesh-target"  # experiments: the entry node forwards to this peer id
 
 
 def request_body(req: Request, model: str) -> tuple[str, dict[str, Any]]:
@@ -96,15 +97,13 @@ async def send(
     req: Request,
     rec: Record,
     t0: float,
-    started: float | None = None,
+    headers: dict[str, str] | None = None,
 ) -> Record:
-    """POST ``req`` to ``base_url``; fills ``rec`` (timing relative to ``t0``) and returns it.
-
-    ``started`` (perf_counter) backdates the latency, e.g. to include an emulated hop."""
+    """POST ``req`` to ``base_url``; fills ``rec`` (timing relative to ``t0``) and returns it."""
     path, body = request_body(req, model)
-    start = time.perf_counter() if started is None else started
+    start = time.perf_counter()
     try:
-        resp = await client.post(base_url.rstrip("/") + path, json=body)
+        resp = await client.post(base_url.rstrip("/") + path, json=body, headers=headers)
         fill_from_response(rec, resp)
     except httpx.HTTPError as exc:
         rec.error = f"{type(exc).__name__}: {exc}"[:300]

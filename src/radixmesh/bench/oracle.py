@@ -14,9 +14,10 @@ Design (client-side, so no node needs a special mode):
   has in flight at each node, the known round-trip of a forward (2 × the emulated one-way delay
   + 1 ms of HTTP), and a per-node :class:`~radixmesh.core.costmodel.ComputeModel` learnt from the
   latencies the client observed.
-* It sends the request straight to the chosen node. When that is not the entry node, the client
-  first waits the emulated forward round-trip (2 × delay), which is counted in the latency; the
-  decision itself (a few µs) is not — that is the "instantaneous knowledge".
+* The client sends the request to its entry node with ``x-radixmesh-target: <chosen node>``;
+  the entry node forwards it through the real peer path (emulated delay both ways, HTTP, the
+  same fallback rules), so a forward costs exactly what it costs any policy. The decision
+  itself (a few µs in the client) is free — that is the "instantaneous knowledge".
 
 Limitations (stated in the report): generated tokens are not mirrored for ``max_tokens > 1``
 (MMLU uses 1, whose KV is never computed); under concurrency, commit order can differ from the
@@ -73,7 +74,6 @@ class Oracle:
         self.node_ids = list(node_ids)
         self.mirrors = [CacheMirror(budget_tokens, block_size) for _ in node_ids]
         self.rtt_s = 2 * comm_delay_s + HTTP_OVERHEAD_S
-        self.forward_delay_s = 2 * comm_delay_s
         priors = CostPriors(rtt_s=self.rtt_s)
         self.models = [ComputeModel(priors) for _ in node_ids]
         self.inflight = [0 for _ in node_ids]

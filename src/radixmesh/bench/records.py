@@ -10,8 +10,7 @@ finished). Field meanings:
 ``expected_cached_tokens``  the router's estimate at decision time; ``cached_tokens`` what the
               serving engine actually reused; ``prompt_tokens`` from ``usage``
 ``t_send``/``t_done``  seconds since the run started; ``latency_s`` = client-side wall time
-              (includes emulated network delay and, for the oracle, its emulated forward hop)
-``forward_s`` emulated forward hop added by the client (oracle only), else 0
+              (includes the emulated network delay of a forward)
 ``server_timing``  any ``server-timing`` parts the node reported (name -> seconds)
 ``error``     ``None`` or a short description (HTTP status + message, or the exception)
 """
@@ -40,7 +39,6 @@ class Record:
     cached_tokens: int | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
-    forward_s: float = 0.0
     server_timing: dict[str, float] = field(default_factory=dict)
     status: int | None = None
     error: str | None = None

@@ -224,21 +224,22 @@ class Replay:
     async def _via_oracle(
         self, http: httpx.AsyncClient, seq: int, req: Request, entry: int
     ) -> Record:
+        """Send to the entry node, naming the oracle's choice in ``x-radixmesh-target``: the
+        entry node forwards it through the real peer path (emulated delay both ways)."""
         assert self.oracle is not None
         oracle = self.oracle
         tokens = self.tokenizer.encode(req.text)
         node, predicted = oracle.choose(tokens, req.max_tokens, entry)
         rec = self._record(seq, req, entry)
-        started = time.perf_counter()
         cached = oracle.started(node, tokens, req.max_tokens)
-        if node != entry:
-            rec.forward_s = oracle.forward_delay_s
-            await asyncio.sleep(rec.forward_s)
-        await client.send(http, self.urls[node], self.model, req, rec, self.t0, started)
+        headers = {client.H_TARGET: self.ids[node]} if node != entry else None
+        await client.send(http, self.urls[entry], self.model, req, rec, self.t0, headers)
         rec.expected_cached_tokens = predicted
-        rec.route = "forwarded" if node != entry else "local"
-        service = rec.latency_s - rec.forward_s if rec.ok else None
+        hop = oracle.rtt_s if node != entry else 0.0
+        service = rec.latency_s - hop if rec.ok else None
         oracle.finished(node, len(tokens) - cached, cached, service, cached, rec.cached_tokens)
+        if rec.ok and rec.served_by != self.ids[node]:  # a failed forward fell back elsewhere
+            oracle.mismatches += 1
         return rec
 
 
