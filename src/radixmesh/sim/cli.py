@@ -130,6 +130,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["poisson", "sequential"],
         help="open-loop Poisson (default) or the paper's closed loop",
     )
+    g.add_argument(
+        "--concurrency",
+        default="1",
+        help="sequential schedule: closed-loop clients, or 'nodes' for one per node",
+    )
     g.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second")
     g.add_argument(
         "--load",
@@ -359,6 +364,7 @@ def _sweep_point(
             workload="trace" if args.trace else ("mmlu" if args.mmlu_dir else "synthetic"),
             skew=skew,
             schedule=args.schedule,
+            concurrency=nodes if args.concurrency == "nodes" else int(args.concurrency),
             warmup_s=parse_duration(args.warmup) if args.warmup else None,
         )
         if not args.quiet:

@@ -38,6 +38,7 @@ class RunSpec:
     workload: str = "synthetic"  # label: synthetic | mmlu | trace
     skew: str = "uniform"  # label: uniform | skewed
     schedule: str = "sequential"  # sequential | poisson (requests carry their times)
+    concurrency: int = 1  # sequential: closed-loop clients (1 = the paper's one at a time)
     warmup_s: float | None = None  # None: 4 gossip intervals (>= 0.5 s), then until joined
     max_join_s: float = 120.0  # with warmup_s None: give up waiting for the join after this
     max_virtual_s: float | None = None  # stop the run after this much virtual time
@@ -105,8 +106,9 @@ class _Driver:
             self.cluster.loop.stop()
         if self.progress is not None and (self.done % 1000 == 0 or self.done == len(self.requests)):
             self.progress(self.done, len(self.requests))
-        if self.spec.schedule == "sequential" and f.index + 1 < len(self.requests):
-            self.cluster.loop.at(self.cluster.loop.now, self._send, f.index + 1)
+        if self.spec.schedule == "sequential" and self.next_index < len(self.requests):
+            self.cluster.loop.at(self.cluster.loop.now, self._send, self.next_index)
+            self.next_index += 1
 
     def _record(self, f: Flight) -> Record:
         nodes = self.cluster.nodes
@@ -159,8 +161,10 @@ class _Driver:
             return
         if self.spec.schedule == "poisson":
             cluster.loop.at(self.t0 + (self.requests[0].t or 0.0), self._send_open, 0)
-        else:
-            cluster.loop.at(self.t0, self._send, 0)
+        else:  # closed loop: each client sends the next request when its last one is done
+            for i in range(min(self.spec.concurrency, len(self.requests))):
+                cluster.loop.at(self.t0, self._send, i)
+            self.next_index = min(self.spec.concurrency, len(self.requests))
         until = None if self.spec.max_virtual_s is None else self.t0 + self.spec.max_virtual_s
         cluster.loop.run(until=until)
 
@@ -198,6 +202,8 @@ def _summary(
         "cache_tokens": c.cache_tokens,
     }
     out.update(summarize(records))
+    out["schedule"] = spec.schedule
+    out["concurrency"] = spec.concurrency if spec.schedule == "sequential" else None
     span = max(cluster.loop.now - driver.t0, 1e-9)
     b0, m0 = driver._gossip_at_start
     errors = [abs(e["estimate_error_tokens"]) for e in extras]
