@@ -277,3 +277,19 @@ def test_messages_from_an_old_incarnation_are_rejected_as_stale() -> None:
     for send in stale:
         c.deliver("n0", MessageReceived(send.payload))
     assert n0.metrics()["messages_rejected_stale"] == before + len(stale)
+
+
+def test_utilization_is_gossiped_and_bounds_forwards_to_a_busy_specialist() -> None:
+    rng = random.Random(3)
+    c = warm_cluster(3, policy=Policy.COST, link=LinkConfig(delay_s=0.001))
+    chain = hashes_of(c, "n1", rng, n=64)  # n1 caches a 1,024-token prefix
+    c.run_for(1.0)
+    n0 = c.nodes["n0"]
+    assert n0.route(chain, 1100, 0, 1, c.now)[0].node_id == "n1"
+    # n1 has been busy for most of its recent window: it takes no more forwards for now.
+    c.deliver("n1", RequestServed(1100, 0, 0.09, 1, 0.0, 8.0))
+    c.run_for(1.0)
+    assert n0.mesh_state(c.now)["node_id"] == "n0"
+    assert n0.route(chain, 1100, 0, 1, c.now)[0].is_self
+    c.run_for(60.0)  # the busy period decays away: affinity routing resumes
+    assert n0.route(chain, 1100, 0, 1, c.now)[0].node_id == "n1"

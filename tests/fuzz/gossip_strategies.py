@@ -31,7 +31,9 @@ hashes = st.lists(st.integers(0, 2**64 - 1), max_size=40, unique=True).map(
     lambda xs: tuple(sorted(xs))
 )
 speed = st.builds(SpeedReport, finite, finite, finite, finite)
-load = st.builds(Load, small, small, u63, u63, st.none() | speed, st.none() | finite)
+load = st.builds(
+    Load, small, small, u63, u63, st.none() | speed, st.none() | finite, st.floats(0.0, 1.0)
+)
 snapshot = st.builds(Snapshot, u63, hashes)
 
 

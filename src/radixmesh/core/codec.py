@@ -180,6 +180,7 @@ def _enc_load(load: Load) -> list[Any]:
         load.cache_budget,
         speed,
         load.pushback_s,
+        load.utilization,
     ]
 
 
@@ -231,7 +232,7 @@ class _Parser:
         return v
 
     def load(self, raw: Any) -> Load:
-        f = _array(raw, 6, "load")
+        f = _array(raw, 7, "load")
         pushback = None if f[5] is None else _float(f[5], "pushback", minimum=0.0)
         return Load(
             queue_depth=_int(f[0], "queue_depth"),
@@ -240,6 +241,7 @@ class _Parser:
             cache_budget=_int(f[3], "cache_budget"),
             speed=None if f[4] is None else _speed(f[4]),
             pushback_s=pushback,
+            utilization=min(1.0, _float(f[6], "utilization", minimum=0.0)),
         )
 
     def summary(self, raw: Any) -> Summary | None:

@@ -675,6 +675,7 @@ class Gossiper:
                 load.cache_budget,
                 e.speed,
                 pushback,
+                load.utilization,
             )
         stamp = 0.0 if e.stamp is None else e.stamp
         return NodeState(e.node_id, address, e.incarnation, e.heartbeat, stamp, load, summary)

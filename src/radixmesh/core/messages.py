@@ -34,6 +34,7 @@ class Load:
     cache_budget: int  # cache capacity in tokens
     speed: SpeedReport | None  # measured speed; None: unchanged since the last one sent
     pushback_s: float | None = None  # "back off for this long from when you receive this"
+    utilization: float = 0.0  # recent busy fraction in [0, 1] (router's bounded-load rule)
 
 
 @dataclass(frozen=True, slots=True)

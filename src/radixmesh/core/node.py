@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 from radixmesh.core.codec import Codec, Limits, RemoteProtocolError
 from radixmesh.core.config import NodeConfig
-from radixmesh.core.costmodel import ComputeModel, RttTable
+from radixmesh.core.costmodel import ComputeModel, RttTable, Utilization
 from radixmesh.core.events import (
     Action,
     CacheChanged,
@@ -112,6 +112,7 @@ class NodeCore:
         self._members = Membership(config.node_id, seeds)
         self._compute = ComputeModel(config.priors)
         self._rtt = RttTable(config.priors)
+        self._busy = Utilization(config.router.load_window_s)
         self._router = Router(config.router)
         limits = Limits(
             max_message_bytes=config.gossip.max_message_bytes,
@@ -157,7 +158,7 @@ class NodeCore:
         if isinstance(event, LoadChanged):
             return self._load_changed(event, now)
         if isinstance(event, RequestServed):
-            return self._served(event)
+            return self._served(event, now)
         if isinstance(event, ForwardSucceeded):
             return self._forward_ok(event)
         if isinstance(event, ForwardFailed):
@@ -218,8 +219,9 @@ class NodeCore:
         self._next_round = now  # advertise at once: the shell ticks us immediately
         return [Log("info", f"queue depth {event.queue_depth} > {pb.queue_threshold}: push-back")]
 
-    def _served(self, event: RequestServed) -> list[Action]:
+    def _served(self, event: RequestServed, now: float) -> list[Action]:
         self._count("requests_served")
+        self._busy.observe(event.service_s, now)
         self._load_cache = None
         uncached = max(0, event.prompt_tokens - event.cached_tokens)
         self._compute.observe_prefill(uncached, event.cached_tokens, event.prefill_s)
@@ -238,16 +240,20 @@ class NodeCore:
     def _own_load(self, now: float) -> Load:
         """This node's load as advertised now (cached while no push-back is running)."""
         until = self._pushback_until
+        busy = round(self._busy.value(now), 2)  # 0.01 steps: the cache survives idle decay
         if until is not None and until > now:
-            return self._make_load(until - now)
-        if self._load_cache is None:
-            self._load_cache = self._make_load(None)
-        return self._load_cache
+            return self._make_load(until - now, busy)
+        cached = self._load_cache
+        if cached is None or cached.utilization != busy:
+            cached = self._load_cache = self._make_load(None, busy)
+        return cached
 
-    def _make_load(self, pushback: float | None) -> Load:
+    def _make_load(self, pushback: float | None, busy: float) -> Load:
         ev = self._load
         speed = self._compute.report()
-        return Load(ev.queue_depth, ev.inflight, ev.cache_tokens, ev.cache_budget, speed, pushback)
+        return Load(
+            ev.queue_depth, ev.inflight, ev.cache_tokens, ev.cache_budget, speed, pushback, busy
+        )
 
     def _account_out(self, actions: list[Action]) -> list[Action]:
         for a in actions:
@@ -276,6 +282,7 @@ class NodeCore:
             0.0,
             self._load.queue_depth,
             self._compute.report(),
+            utilization=self._busy.value(now),
         )
         policy = self.config.router.policy
         nodes = [me]
@@ -315,6 +322,7 @@ class NodeCore:
             self._rtt.get(peer),
             load.queue_depth,
             est.speed or self._prior_speed,
+            utilization=load.utilization,
         )
 
     def available(self, peer: str, now: float) -> bool:

@@ -64,12 +64,15 @@ class RouterConfig:
     min_gain_frac: float = 0.1  # ... and at least this fraction of the local prediction
     context_scale: float = 4096.0  # see costmodel.prefill_work
     load_bound: float | None = 0.25  # cost: no forwards to peers above (1+x) × mean utilization
+    load_window_s: float = 10.0  # utilization is measured over about this many seconds
 
     def __post_init__(self) -> None:
         if self.min_gain_s < 0 or not 0 <= self.min_gain_frac < 1:
             raise ValueError("min_gain_s must be >= 0 and min_gain_frac in [0, 1)")
         if self.load_bound is not None and self.load_bound < 0:
             raise ValueError("load_bound must be >= 0 (or None to disable)")
+        if self.load_window_s <= 0:
+            raise ValueError("load_window_s must be > 0")
         if self.context_scale <= 0:
             raise ValueError("context_scale must be > 0")
 
