@@ -256,19 +256,25 @@ class TransformersEngine:
 
     def _sample(self, logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None) -> int:
         logits = logits[: self._allowed]
-        if gen is None:
+        if gen is None or sp.temperature < MIN_TEMPERATURE:  # tiny T: logits/T overflows
             return int(torch.argmax(logits).item())
-        probs = torch.softmax(logits.cpu() / sp.temperature, dim=-1)
+        scaled = (logits.float().cpu() - logits.max().float().cpu()) / sp.temperature
+        probs = torch.softmax(scaled, dim=-1)
         if sp.top_p < 1.0:
             probs = _top_p(probs, sp.top_p)
         return int(torch.multinomial(probs, 1, generator=gen).item())
+
+
+MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy (and softmax(logits / T) is NaN)
 
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Zero out everything outside the smallest set whose mass reaches ``top_p``."""
     sorted_p, order = torch.sort(probs, descending=True)
     before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly before each token
-    sorted_p[before >= top_p] = 0.0
+    drop = before >= top_p
+    drop[0] = False  # the most likely token always stays (a tiny top_p rounds to 0 in fp32)
+    sorted_p[drop] = 0.0
     out = torch.zeros_like(probs)
     out[order] = sorted_p
     return out / out.sum()
