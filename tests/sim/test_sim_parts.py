@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -185,8 +186,13 @@ def test_validate_against_a_run_reproduces_it(tmp_path: Path) -> None:
     same hit rates and latency ratios: the validation machinery itself adds no error."""
     flags = ["--nodes", "3", "--requests", "60", "--synthetic-scale", "0.2", "--schedule",
              "sequential", "--quiet"]  # fmt: skip
+    # A model whose overhead sits in prefill, as a fit from client latencies puts it.
+    model = replace(costs.resolve("cpu-tiny"), request_overhead_s=0.0, prefill_overhead_s=0.01)
+    model_path = tmp_path / "model.json"
+    model_path.write_text(model.to_json())
     real = tmp_path / "real"
-    assert main(["sim", "--policy", "none,cost", "--out", str(real), *flags]) == 0
+    assert main(["sim", "--policy", "none,cost", "--out", str(real), "--cost-model",
+                 str(model_path), *flags]) == 0  # fmt: skip
     out = tmp_path / "val"
     assert main(["sim", "--validate", str(real), "--out", str(out), "--forward-overhead", "2ms",
                  *flags]) == 0  # fmt: skip

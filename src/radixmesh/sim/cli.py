@@ -65,6 +65,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="sigma of a mean-1 log-normal factor on each request's time (default 0; with "
         "--validate: the scatter of the fit)",
     )
+    g.add_argument(
+        "--tuned-priors",
+        action="store_true",
+        help="router priors from the cost model (default: the runtime's defaults, as `serve`)",
+    )
     g.add_argument("--pushback-threshold", type=int, default=8, help="queue depth for push-back")
     g.add_argument("--forward-timeout", default="2s", help="first-byte timeout of a forward")
     g.add_argument("--seeds", type=int, default=3, help="seed nodes each node joins through")
@@ -350,7 +355,10 @@ def _sweep_point(
             cluster=ClusterConfig(
                 nodes=nodes,
                 cost=cost,
-                router=RouterConfig(policy=policy, context_scale=cost.context_scale),
+                router=RouterConfig(
+                    policy=policy,
+                    context_scale=cost.context_scale if args.tuned_priors else 4096.0,
+                ),
                 gossip=GossipConfig.for_interval(interval, mode=mode, fanout=args.fanout),
                 pushback=PushbackConfig(queue_threshold=args.pushback_threshold),
                 network=network_config(args, delay),
@@ -360,6 +368,7 @@ def _sweep_point(
                 seed=args.seed,
                 tokenizer=tok_fp,
                 service_noise=args.service_noise or 0.0,
+                tuned_priors=args.tuned_priors,
             ),
             workload="trace" if args.trace else ("mmlu" if args.mmlu_dir else "synthetic"),
             skew=skew,

@@ -80,6 +80,7 @@ class ClusterConfig:
     model: str = "preset:tiny:seed0:float32"  # fingerprint identity (sim and real agree)
     tokenizer: str = "bytes"
     service_noise: float = 0.0  # sigma of a mean-1 log-normal factor on each request's time
+    tuned_priors: bool = False  # router priors from the cost model (else the runtime defaults)
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -90,7 +91,11 @@ class ClusterConfig:
             raise ValueError("timeouts must be > 0")
 
     def priors(self) -> CostPriors:
-        """Router priors from the cost model, as a node configured for this hardware has."""
+        """The runtime's default priors (what ``radixmesh serve`` runs with), or, with
+        ``tuned_priors``, priors taken from the cost model and the network, as a deployment
+        configured for its hardware would have. Nodes learn their speeds and RTTs either way."""
+        if not self.tuned_priors:
+            return CostPriors()
         c = self.cost
         return CostPriors(
             rtt_s=2 * self.network.delay_s + c.forward_overhead_s,

@@ -304,6 +304,7 @@ def simulated_breakeven(args: argparse.Namespace, model: CostModel, scale: float
             nodes=int(_csv(args.nodes)[0]),
             cost=model,
             router=RouterConfig(policy=policy, context_scale=model.context_scale),
+            tuned_priors=True,  # each hardware regime with priors that fit it
             gossip=GossipConfig.for_interval(0.5),
             network=NetworkConfig(delay_s=delay),
             cache_tokens=args.cache_tokens,

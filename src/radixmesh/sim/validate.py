@@ -12,6 +12,13 @@ requests: client latency against uncached/cached tokens; see ``calibrate --from-
 hardware speed and machine load are taken from the very run being predicted and what is left
 to validate is the routing, gossip, caching and forwarding behaviour.
 
+A shared machine does not keep one speed: other jobs come and go between runs, and a slower
+machine changes not only latencies but the ``cost`` policy's decisions (it learns each node's
+speed). Each run's *drift* is measured from its own locally served requests (actual / fitted
+latency), and every configuration is simulated twice: at that run's speed (the fitted model
+scaled by its drift: compared with the raw real figures) and at the fitted speed (compared with
+the real figures corrected for drift: compute time divided by it, network delay kept).
+
 Compared per configuration: actual (and expected) hit rate — target within ±3 points — and the
 ``policy / none`` mean-latency ratio (each side against its own ``none`` at the same skew,
 cache and node count) — target within ±10 %.
@@ -70,7 +77,7 @@ def simulate_like(
     cfg = ClusterConfig(
         nodes=nodes,
         cost=cost,
-        router=RouterConfig(policy=policy, context_scale=cost.context_scale),
+        router=RouterConfig(policy=policy),  # the runtime's defaults, as the real nodes
         gossip=GossipConfig.for_interval(interval),
         pushback=PushbackConfig(queue_threshold=args.pushback_threshold),
         network=NetworkConfig(delay_s=float(real["comm_delay_ms"]) / 1000.0),
@@ -101,36 +108,61 @@ def _ratio(rows: list[Row], r: Row) -> float | None:
     return float(r["mean_latency_s"]) / float(base["mean_latency_s"])
 
 
-def drift_factors(records_path: Path, cost: CostModel) -> dict[str, float]:
-    """Per real run: mean client latency of its locally served requests over what the cost
-    model predicts for them. On a shared machine this drifts between runs (other jobs come and
-    go); dividing it out compares runs as if the machine had kept one speed."""
-    sums: dict[str, list[float]] = {}
+def drift_corrected_means(
+    records_path: Path, cost: CostModel, delays: dict[str, float]
+) -> dict[str, tuple[float, float]]:
+    """Per real run: ``(drift, corrected mean latency)``.
+
+    ``drift`` is the mean client latency of the run's locally served requests over what the
+    cost model predicts for them: on a shared machine it moves between runs as other jobs come
+    and go. The corrected mean divides each request's compute part by it and keeps its network
+    part (``2 x delay`` for a forward), i.e. the run as if the machine had kept the fitted speed.
+    """
+    local: dict[str, list[float]] = {}
+    reqs: dict[str, list[tuple[float, float]]] = {}
     with records_path.open(encoding="utf-8") as fh:
         for line in fh:
             rec = json.loads(line)
-            if rec.get("error") or rec.get("route") != "local":
+            run = rec["run"]
+            if rec.get("error") or run not in delays:
                 continue
-            u = int(rec["prompt_tokens"]) - int(rec["cached_tokens"])
-            acc = sums.setdefault(rec["run"], [0.0, 0.0])
-            acc[0] += float(rec["latency_s"])
-            acc[1] += cost.service_s(u, int(rec["cached_tokens"]), 1)
-    return {run: a / b for run, (a, b) in sums.items() if b > 0}
+            lat = float(rec["latency_s"])
+            forwarded = rec.get("route") in ("forwarded", "fallback")
+            reqs.setdefault(run, []).append((lat, 2 * delays[run] if forwarded else 0.0))
+            if not forwarded:
+                u = int(rec["prompt_tokens"]) - int(rec["cached_tokens"])
+                acc = local.setdefault(run, [0.0, 0.0])
+                acc[0] += lat
+                acc[1] += cost.service_s(u, int(rec["cached_tokens"]), 1)
+    out = {}
+    for run, (real, pred) in local.items():
+        drift = real / pred if pred > 0 else 1.0
+        items = reqs[run]
+        mean = sum(max(0.0, lat - net) / drift + net for lat, net in items) / len(items)
+        out[run] = (drift, mean)
+    return out
 
 
-def _corrected_ratio(rows: list[Row], r: Row, drift: dict[str, float]) -> float | None:
+def _corrected_ratio(rows: list[Row], r: Row, corr: dict[str, tuple[float, float]]) -> float | None:
     base = _none_of(rows, r)
-    if base is None or r["name"] not in drift or base["name"] not in drift:
+    if base is None or r["name"] not in corr or base["name"] not in corr:
         return None
-    raw = _ratio(rows, r)
-    return None if raw is None else raw * drift[base["name"]] / drift[r["name"]]
+    return corr[r["name"]][1] / corr[base["name"]][1]
 
 
-def compare(real: list[Row], sim: list[Row], drift: dict[str, float] | None = None) -> list[Row]:
+def compare(
+    real: list[Row],
+    sim_run: list[Row],
+    sim_fixed: list[Row],
+    corr: dict[str, tuple[float, float]],
+) -> list[Row]:
+    """One row per configuration. ``sim_run``: simulated at each real run's own machine speed
+    (the fitted model x that run's drift); ``sim_fixed``: at the fitted speed, to compare with
+    the drift-corrected real figures."""
     rows = []
-    for r, s in zip(real, sim, strict=True):
-        rr, sr = _ratio(real, r), _ratio(sim, s)
-        rc = _corrected_ratio(real, r, drift) if drift else None
+    for r, s, f in zip(real, sim_run, sim_fixed, strict=True):
+        rr, sr = _ratio(real, r), _ratio(sim_run, s)
+        rc, fr = _corrected_ratio(real, r, corr), _ratio(sim_fixed, f)
         rows.append(
             {
                 "name": r["name"],
@@ -138,6 +170,8 @@ def compare(real: list[Row], sim: list[Row], drift: dict[str, float] | None = No
                 "skew": r["skew"],
                 "comm_delay_ms": r["comm_delay_ms"],
                 "requests": r["requests"],
+                "errors": r["errors"],
+                "drift": corr.get(r["name"], (None, None))[0],
                 "real_actual_hit": r["actual_hit_rate"],
                 "sim_actual_hit": s["actual_hit_rate"],
                 "hit_diff_points": _diff_points(r["actual_hit_rate"], s["actual_hit_rate"]),
@@ -146,13 +180,13 @@ def compare(real: list[Row], sim: list[Row], drift: dict[str, float] | None = No
                 "real_mean_s": r["mean_latency_s"],
                 "sim_mean_s": s["mean_latency_s"],
                 "real_ratio": rr,
-                "real_ratio_corrected": rc,
-                "drift": (drift or {}).get(r["name"]),
                 "sim_ratio": sr,
-                "ratio_diff_pct": None if rr is None or sr is None else 100 * (sr - rr) / rr,
-                "corrected_ratio_diff_pct": (
-                    None if rc is None or sr is None else 100 * (sr - rc) / rc
-                ),
+                "ratio_diff_pct": _pct_diff(sr, rr),
+                "real_mean_corrected_s": corr.get(r["name"], (None, None))[1],
+                "sim_fixed_mean_s": f["mean_latency_s"],
+                "real_ratio_corrected": rc,
+                "sim_fixed_ratio": fr,
+                "corrected_ratio_diff_pct": _pct_diff(fr, rc),
                 "real_hotspot": r["hotspot_share"],
                 "sim_hotspot": s["hotspot_share"],
                 "real_forwarded": r["forwarded_share"],
@@ -160,6 +194,10 @@ def compare(real: list[Row], sim: list[Row], drift: dict[str, float] | None = No
             }
         )
     return rows
+
+
+def _pct_diff(sim: float | None, real: float | None) -> float | None:
+    return None if sim is None or real is None or real == 0 else 100 * (sim - real) / real
 
 
 def _diff_points(a: float | None, b: float | None) -> float | None:
@@ -174,26 +212,37 @@ def _f(v: float | None, fmt: str = ".3f") -> str:
     return "-" if v is None else format(v, fmt)
 
 
+def _name(r: Row) -> str:
+    return f"{r['policy']}, {r['skew']}, {r['comm_delay_ms']:g} ms"
+
+
 def markdown(rows: list[Row]) -> str:
-    head = (
-        "| configuration | hit % real | hit % sim | Δ pts | exp. hit % real | exp. hit % sim "
-        "| mean s real | mean s sim | /none real | /none real, drift-corr. | /none sim "
-        "| Δ vs corr. % | hotspot % real | hotspot % sim | fwd % real | fwd % sim |\n|"
-        + " --- |" * 16
-        + "\n"
-    )
-    lines = []
+    """Two tables: routing behaviour (hit rates, forwards, hotspot) and latency."""
+    a = [
+        "| configuration | hit % real | hit % sim | Δ pts | expected % real | expected % sim "
+        "| forwarded % real | forwarded % sim | hotspot % real | hotspot % sim |",
+        "|" + " --- |" * 10,
+    ]
     for r in rows:
-        name = f"{r['policy']}, {r['skew']}, {r['comm_delay_ms']:g} ms"
-        lines.append(
-            f"| {name} | {_p(r['real_actual_hit'])} | {_p(r['sim_actual_hit'])} | "
+        a.append(
+            f"| {_name(r)} | {_p(r['real_actual_hit'])} | {_p(r['sim_actual_hit'])} | "
             f"{_f(r['hit_diff_points'], '+.1f')} | {_p(r['real_expected_hit'])} | "
-            f"{_p(r['sim_expected_hit'])} | {_f(r['real_mean_s'])} | {_f(r['sim_mean_s'])} | "
-            f"{_f(r['real_ratio'])} | {_f(r['real_ratio_corrected'])} | {_f(r['sim_ratio'])} | "
-            f"{_f(r['corrected_ratio_diff_pct'], '+.1f')} | {_p(r['real_hotspot'])} | "
-            f"{_p(r['sim_hotspot'])} | {_p(r['real_forwarded'])} | {_p(r['sim_forwarded'])} |"
+            f"{_p(r['sim_expected_hit'])} | {_p(r['real_forwarded'])} | "
+            f"{_p(r['sim_forwarded'])} | {_p(r['real_hotspot'])} | {_p(r['sim_hotspot'])} |"
         )
-    return head + "\n".join(lines) + "\n"
+    b = [
+        "| configuration | machine drift | mean s real | mean s sim | /none real | /none sim "
+        "| Δ % | /none real, drift-corrected | /none sim, fitted speed | Δ % |",
+        "|" + " --- |" * 10,
+    ]
+    for r in rows:
+        b.append(
+            f"| {_name(r)} | {_f(r['drift'], '.2f')} | {_f(r['real_mean_s'])} | "
+            f"{_f(r['sim_mean_s'])} | {_f(r['real_ratio'])} | {_f(r['sim_ratio'])} | "
+            f"{_f(r['ratio_diff_pct'], '+.1f')} | {_f(r['real_ratio_corrected'])} | "
+            f"{_f(r['sim_fixed_ratio'])} | {_f(r['corrected_ratio_diff_pct'], '+.1f')} |"
+        )
+    return "\n".join(a) + "\n\n" + "\n".join(b) + "\n"
 
 
 def main(args: argparse.Namespace) -> int:
@@ -218,14 +267,18 @@ def main(args: argparse.Namespace) -> int:
     real = real_runs(real_dir)
     if not real:
         raise ValueError(f"{real_dir}: no configuration the simulator can replay")
-    sim = []
+    delays = {r["name"]: float(r["comm_delay_ms"]) / 1000.0 for r in real}
+    corr = drift_corrected_means(real_dir / "requests.jsonl", cost, delays)
+    sim_run, sim_fixed = [], []
     for r in real:
         tokenize, tok_fp = cli.tokenizer_for(args, int(r["nodes"]))
-        sim.append(simulate_like(r, args, cost, tokenize, tok_fp, noise))
+        drift = corr.get(r["name"], (1.0, 0.0))[0]
+        sim_run.append(simulate_like(r, args, cost.scaled(drift), tokenize, tok_fp, noise))
+        sim_fixed.append(simulate_like(r, args, cost, tokenize, tok_fp, noise))
         if not args.quiet:
-            print(f"[validate] {r['name']}: simulated", flush=True)
-    rows = compare(real, sim, drift_factors(real_dir / "requests.jsonl", cost))
-    (out / "summary.json").write_text(json.dumps({"runs": sim}, indent=2) + "\n")
+            print(f"[validate] {r['name']}: simulated (drift {drift:.2f})", flush=True)
+    rows = compare(real, sim_run, sim_fixed, corr)
+    (out / "summary.json").write_text(json.dumps({"runs": sim_run}, indent=2) + "\n")
     (out / "validation.json").write_text(
         json.dumps(
             {"real": str(real_dir), "cost_model": cost.name, "service_noise": noise, "rows": rows},
