@@ -172,3 +172,28 @@ def test_genuine_corpus_is_accepted() -> None:
     for data in corpus()[:5]:
         assert_actions_ok(node.handle(MessageReceived(data, None), 10.0))
     assert node.metrics()["messages_rejected"] == rejected
+
+
+def test_member_flood_is_bounded_and_forgotten() -> None:
+    """Gossip naming thousands of fake peers: the member table stays bounded, and peers known
+    only by hearsay that never speak are forgotten (no tombstones), so real nodes can join."""
+    from radixmesh.core.gossip import MAX_MEMBERS
+    from radixmesh.core.messages import Load, PeerAddress
+
+    cluster, node = fresh_node()
+    codec = Codec()
+    fp = cluster.fingerprint.digest
+    for k in range(MAX_MEMBERS // 4096 + 2):
+        peers = tuple(PeerAddress(f"fake{k}-{i}", f"10.9.{k}.{i % 250}:{1000 + i}")
+                      for i in range(4096))
+        msg = Gossip(sender="n1", address=Cluster.address("n1"), incarnation=1, version=0,
+                     heartbeat=10_000 + k, fingerprint=fp, stamp=0.0,
+                     load=Load(0, 0, 0, 1, None), peers=peers)
+        assert_actions_ok(node.handle(MessageReceived(codec.encode(msg)), cluster.now))
+    metrics = node.metrics()
+    assert metrics["peers_alive"] + metrics["peers_suspect"] <= MAX_MEMBERS
+    assert metrics["members_full_ignored"] > 0
+    cluster.run_for(node.config.gossip.dead_after_s + 2.0)  # the real peers keep talking
+    # Rumours that never speak are forgotten (a few keep circulating through peer samples).
+    assert node.metrics()["peers_alive"] + node.metrics()["peers_suspect"] < 64
+    assert node.peer_state("n1") == node.peer_state("n2") == "alive"

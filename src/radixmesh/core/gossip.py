@@ -87,6 +87,7 @@ DEAD_PROBE_EVERY = 8  # rounds between messages to dead peers (finds healed part
 SEED_EVERY = 10  # rounds between seed contacts once we know an alive peer
 MAX_RTT_S = 60.0  # echoes implying a longer round trip are ignored
 MAX_REFUSED = 4096  # refused peer ids remembered (one log line each)
+MAX_MEMBERS = 8192  # known nodes, at most: ids beyond this are ignored (bounds a member flood)
 ECHO_EVERY = 8  # messages to one peer between RTT echoes
 RESEND_AFTER_ROUNDS = 2.5  # unacknowledged changes are sent again after this many rounds
 SPEED_EVERY = 16  # messages to one peer between unconditional speed reports
@@ -179,8 +180,9 @@ class Gossiper:
             return self._refuse(msg, now, load)
         actions: list[Action] = []
         est = self._resolve(msg.sender, msg.incarnation, msg.address, now, actions)
-        if est is None:
-            self._count("messages_rejected_stale")
+        if est is None:  # an older incarnation, or a new id while the member table is full
+            full = msg.sender not in self.members
+            self._count("messages_rejected_members_full" if full else "messages_rejected_stale")
             self._count("messages_rejected")
             return actions
         newest = est.stamp is None or msg.stamp >= est.stamp
@@ -213,6 +215,9 @@ class Gossiper:
         """The estimate to update for this sender (new, restarted), or None if stale."""
         member = self.members.get(node_id)
         if member is None:
+            if len(self.members) >= MAX_MEMBERS:
+                self._count("members_full_ignored")
+                return None
             self.members.add(node_id, address, incarnation, now)
             self.members.resolve_seed(address)
             out.append(PeerStateChanged(node_id, "unknown", MemberState.ALIVE.value))
@@ -346,6 +351,9 @@ class Gossiper:
         for p in peers:
             if p.node_id == self.config.node_id or p.node_id in self.members:
                 continue
+            if len(self.members) >= MAX_MEMBERS:
+                self._count("members_full_ignored")
+                return
             # Known only by hearsay: it must speak (or be relayed) before we route to it.
             self.members.add(p.node_id, p.address, 0, now)
             self.members.resolve_seed(p.address)
@@ -410,6 +418,12 @@ class Gossiper:
         for t in self.members.expire(now, self.cfg.suspect_after_s, self.cfg.dead_after_s):
             actions.append(_changed(t))
             if t.new is MemberState.DEAD:
+                est = self.estimates.get(t.node_id)
+                if est is not None and est.hearsay:  # only ever a rumour: no tombstone
+                    self.forget(t.node_id)
+                    actions.append(Log("info", f"peer {t.node_id} (hearsay) never spoke; "
+                                               "forgotten"))
+                    continue
                 self._drop_estimate(t.node_id)
                 actions.append(Log("info", f"peer {t.node_id} is dead (silent); estimate dropped"))
             self._sync_routable(t.node_id)
