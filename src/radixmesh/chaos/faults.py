@@ -10,16 +10,18 @@ Faults use disjoint prompt groups so one fault's cache contents never steer anot
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
 from radixmesh.chaos.env import HOP, ChaosEnv
-from radixmesh.chaos.load import Outcome, Prompt, percentile
+from radixmesh.chaos.load import Outcome, Prompt, closed_loop, percentile
 from radixmesh.chaos.report import FaultResult
 from radixmesh.core.auth import ClusterKey, sign
 from radixmesh.runtime.peer_auth import GOSSIP_PURPOSE, forward_purpose
@@ -34,6 +36,7 @@ class FaultPlan:
     partition_hold_s: float = 1.5  # > suspect (4 Δpoll), < dead
     slow_delay_s: float = 0.4
     converge_timeout_s: float = 15.0
+    wrong_key: bool = False  # start a second cluster with a misconfigured node (slow: ~20 s)
 
     @classmethod
     def quick(cls) -> FaultPlan:
@@ -42,7 +45,7 @@ class FaultPlan:
     @classmethod
     def full(cls) -> FaultPlan:
         return cls(requests=40, concurrency=4, loss_levels=(0.0, 0.1, 0.25, 0.5),
-                   partition_hold_s=3.0)
+                   partition_hold_s=3.0, wrong_key=True)
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -362,12 +365,80 @@ def hostile_peer_messages(env: ChaosEnv) -> FaultResult:
     return r
 
 
+def wrong_key_node(env: ChaosEnv, plan: FaultPlan) -> FaultResult:
+    """A second 3-node cluster in which n2 was given another cluster key (misconfiguration).
+
+    n0 and n1 must form a mesh and never admit n2; n2's gossip is refused (unknown key) and
+    counted; every node still answers its own clients; nothing is forwarded to n2.
+    """
+    import os
+
+    from radixmesh.runtime.cluster import LocalCluster
+
+    r = FaultResult("node configured with the wrong cluster key")
+    cfg = env.config
+    child_env = dict(os.environ, RADIXMESH_CLUSTER_KEY=env.key or "k" * 32)
+    cluster = LocalCluster(3, cfg.options(), env=child_env,
+                           per_node={2: {"cluster_key": "a-different-cluster-key-xxxxxxxx"}})
+    try:
+        cluster.start(wait=False)
+        r.check(_wait_pair(cluster, 0, 1, 120.0), "n0 and n1 formed a mesh")
+        time.sleep(10 * cfg.gossip_interval)  # plenty of rounds for n2 to try
+        for i in (0, 1):
+            seen = {p["node_id"]: p["state"] for p in cluster.mesh(i)["peers"]}
+            r.check(seen.get("n2") != "alive", f"n{i} never admitted n2 ({seen.get('n2')})")
+        refused = _metric_sum(cluster, (0, 1), "radixmesh_peer_auth_rejected_unknown_key")
+        refused_by_n2 = _metric_sum(cluster, (2,), "radixmesh_peer_auth_rejected_unknown_key")
+        r.figures.update({"refused_by_n0_n1": refused, "refused_by_n2": refused_by_n2})
+        r.check(refused > 0 and refused_by_n2 > 0, "both sides refused and counted the other's "
+                f"gossip ({refused:g} at n0+n1, {refused_by_n2:g} at n2)")
+        prompts = env.groups[7][:max(6, plan.requests // 2)]
+        env.references(prompts)
+        outs = asyncio.run(closed_loop(lambda i: cluster.url(i % 3), prompts, env.model, 2))
+        tally(env, r, outs)
+        r.check(not any(o.served_by == "n2" and o.route == "forwarded" for o in outs),
+                "nothing was forwarded to n2")
+        r.check(r.failures == 0 and r.lost == 0, "every node still served its own clients")
+        r.note(f"n2 isolated: {refused:g} of its messages refused by n0/n1, {refused_by_n2:g} "
+               "of theirs by n2; all clients served")
+    finally:
+        cluster.stop()
+    return r
+
+
+def _wait_pair(cluster: Any, a: int, b: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    ids = {a: cluster.nodes[a].node_id, b: cluster.nodes[b].node_id}
+    while time.monotonic() < deadline:
+        try:
+            ok = all(
+                any(p["node_id"] == ids[y] and p["state"] == "alive"
+                    for p in cluster.mesh(x)["peers"])
+                for x, y in ((a, b), (b, a)))
+        except (httpx.HTTPError, ValueError):
+            ok = False
+        if ok:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _metric_sum(cluster: Any, nodes: Sequence[int], name: str) -> float:
+    total = 0.0
+    for i in nodes:
+        for line in cluster.get(i, "/metrics").text.splitlines():
+            if line.startswith(name + " "):
+                total += float(line.split()[1])
+    return total
+
+
 # ------------------------------------------------------------------------------- suite
 FaultFn = Callable[[ChaosEnv, FaultPlan], list[FaultResult]]
 
 
 def run_all(env: ChaosEnv, plan: FaultPlan, only: Sequence[str] = ()) -> list[FaultResult]:
     """Every fault, in an order where each leaves the cluster healthy for the next."""
+    want_wrong_key = plan.wrong_key or "wrongkey" in only
     steps: list[tuple[str, Callable[[], list[FaultResult]]]] = [
         ("auth", lambda: [hostile_peer_messages(env)]),
         ("kill", lambda: [kill_forward_target(env, plan),
@@ -377,6 +448,7 @@ def run_all(env: ChaosEnv, plan: FaultPlan, only: Sequence[str] = ()) -> list[Fa
                           for k, loss in enumerate(plan.loss_levels)]),
         ("partition", lambda: [partition_halves(env, plan, (10, 11))]),
         ("slow", lambda: [slow_node(env, plan, (8, 9))]),
+        ("wrongkey", lambda: [wrong_key_node(env, plan)] if want_wrong_key else []),
     ]
     results: list[FaultResult] = []
     for name, step in steps:
