@@ -18,12 +18,13 @@ Policies
                       against noisy estimates). Equal predictions keep self first, and ties
                       among peers are broken by load, then at random — never "the first peer".
                       *Bounded load*: a peer whose gossiped utilization exceeds
-                      ``(1 + load_bound)`` × the mean utilization of the available nodes takes
-                      no forwards (it stays in the fallback order). Affinity alone makes the
-                      first node to cache a popular prefix a hotspot even when queues are
-                      empty (one client, the paper's schedule); with the bound, the overflow is
-                      served where it enters, that node caches the prefix too, and hot prefixes
-                      end up replicated on as many nodes as their traffic needs.
+                      ``(1 + load_bound)`` × the mean utilization of the available nodes
+                      (default 1.5×) takes no forwards (it stays in the fallback order).
+                      Affinity alone makes the first node to cache a popular prefix a
+                      hotspot even when queues are empty (one client, the paper's schedule);
+                      with the bound, the overflow is served where it enters, that node caches
+                      the prefix too, and hot prefixes end up replicated on as many nodes as
+                      their traffic needs.
     ``random``, ``round_robin``, ``least_loaded``  baselines over available nodes.
 
 Because a peer's prediction includes its forward RTT, ``cost`` forwards only when the predicted
@@ -63,7 +64,7 @@ class RouterConfig:
     min_gain_s: float = 0.001  # a forward must be predicted to save at least this (seconds)
     min_gain_frac: float = 0.1  # ... and at least this fraction of the local prediction
     context_scale: float = 4096.0  # see costmodel.prefill_work
-    load_bound: float | None = 0.25  # cost: no forwards to peers above (1+x) × mean utilization
+    load_bound: float | None = 0.5  # cost: no forwards to peers above (1+x) × mean utilization
     load_window_s: float = 10.0  # utilization is measured over about this many seconds
 
     def __post_init__(self) -> None:

@@ -17,12 +17,14 @@ import itertools
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from radixmesh.core.config import GossipConfig, GossipMode, PushbackConfig
 from radixmesh.core.router import Policy, RouterConfig
+from radixmesh.engine.tokenizers import ByteTokenizer
 from radixmesh.sim import costs
 from radixmesh.sim.cluster import ClusterConfig
 from radixmesh.sim.network import (
@@ -71,6 +73,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="router priors from the cost model (default: the runtime's defaults, as `serve`)",
     )
     g.add_argument("--pushback-threshold", type=int, default=8, help="queue depth for push-back")
+    g.add_argument(
+        "--load-bound",
+        type=float,
+        default=RouterConfig().load_bound,
+        help="cost policy: no forwards to peers above (1+x) x mean utilization (-1: off)",
+    )
     g.add_argument("--forward-timeout", default="2s", help="first-byte timeout of a forward")
     g.add_argument("--seeds", type=int, default=3, help="seed nodes each node joins through")
     g = p.add_argument_group("gossip")
@@ -148,6 +156,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="without --rate: arrivals = LOAD x estimated cluster capacity",
     )
     g.add_argument("--max-tokens", type=int, default=None, help="override output tokens")
+    g.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="drop prompts that do not fit this context (as bench does for its engine; "
+        "--validate: 4096, the tiny preset's)",
+    )
     g = p.add_argument_group("run")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--warmup", default=None, help="virtual warm-up before requests")
@@ -234,10 +249,11 @@ def _requests(args: argparse.Namespace, skewed: bool, nodes: int) -> list[Reques
         synthetic_scale=args.synthetic_scale,
         synthetic_groups=args.synthetic_groups,
     )
+    fits = _fits(args.max_context)
     if spec.trace:
-        reqs = build(spec, nodes)
+        reqs = build(spec, nodes, fits)
     else:  # as workload.build, with the question pool generated once per process
-        reqs = schedule.round_robin(sample(spec, _groups(spec)), nodes)
+        reqs = schedule.round_robin(sample(spec, _groups(spec, args.max_context)), nodes)
     if args.max_tokens is not None:
         reqs = [replace(r, max_tokens=args.max_tokens) for r in reqs]
     return reqs
@@ -246,12 +262,21 @@ def _requests(args: argparse.Namespace, skewed: bool, nodes: int) -> list[Reques
 _GROUPS: dict[tuple[object, ...], dict[str, list[Request]]] = {}
 
 
-def _groups(spec: WorkloadSpec) -> dict[str, list[Request]]:
-    key = (spec.mmlu_dir, spec.seed, spec.synthetic_scale, spec.synthetic_groups)
+def _groups(spec: WorkloadSpec, max_context: int | None) -> dict[str, list[Request]]:
+    key = (spec.mmlu_dir, spec.seed, spec.synthetic_scale, spec.synthetic_groups, max_context)
     if key not in _GROUPS:
         _GROUPS.clear()
-        _GROUPS[key] = groups_for(spec)
+        _GROUPS[key] = groups_for(spec, _fits(max_context))
     return _GROUPS[key]
+
+
+def _fits(max_context: int | None) -> Callable[[Request], bool] | None:
+    """The benchmark's filter: prompts (in the built-in engine's byte tokens) that leave room
+    for the output in a ``max_context`` window; None keeps everything."""
+    if max_context is None:
+        return None
+    encode = ByteTokenizer().encode
+    return lambda r: len(encode(r.text)) + r.max_tokens + 8 < max_context
 
 
 def _label(
@@ -288,6 +313,8 @@ def _run(args: argparse.Namespace) -> int:
 
         if args.cost_model == "cpu-tiny":  # the default: fit to the real run instead
             args.cost_model = "fit"
+        if args.max_context is None:  # the bench drops prompts beyond the tiny preset's
+            args.max_context = 4096
         return validate.main(args)
     if args.requests_per_node:
         raise ValueError("--requests-per-node is for --experiment scale|pushback")
@@ -358,6 +385,7 @@ def _sweep_point(
                 router=RouterConfig(
                     policy=policy,
                     context_scale=cost.context_scale if args.tuned_priors else 4096.0,
+                    load_bound=None if args.load_bound < 0 else args.load_bound,
                 ),
                 gossip=GossipConfig.for_interval(interval, mode=mode, fanout=args.fanout),
                 pushback=PushbackConfig(queue_threshold=args.pushback_threshold),
