@@ -1,0 +1,55 @@
+"""Pure pieces of the chaos tooling: statistics, reports, convergence predicate."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from radixmesh.chaos.env import _staleness
+from radixmesh.chaos.load import Outcome, percentile, summarize
+from radixmesh.chaos.report import FaultResult, rss_bytes, to_json, to_markdown
+
+
+def test_percentile_nearest_rank() -> None:
+    assert percentile([], 99) is None
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([float(i) for i in range(1, 101)], 99) == 99.0
+    assert percentile([5.0], 100) == 5.0
+
+
+def test_summarize_counts_failures_and_routes() -> None:
+    ok = Outcome("a", "u", 200, None, 0.1, 0.0, text="x", route="local")
+    bad = Outcome("b", "u", 500, "HTTP 500", 0.2, 0.0, route="forwarded")
+    lost = Outcome("c", "u", None, "ConnectError", 0.3, 0.0)
+    s = summarize([ok, bad, lost])
+    assert s["requests"] == 3 and s["failures"] == 2 and s["p50_s"] == 0.1
+    assert s["routes"] == {"local": 1, "forwarded": 1, "none": 1}
+    assert ok.ok and not bad.ok and not lost.ok
+
+
+def test_fault_result_checks() -> None:
+    r = FaultResult("f", requests=3)
+    r.check(True, "fine")
+    r.check(False, "slow", timing=True)
+    assert r.functional_ok and not r.passed and r.failed_checks() == ["slow"]
+    r.check(False, "broken | pipe")
+    assert not r.functional_ok
+    doc = json.loads(to_json([r]))["faults"][0]
+    assert doc["fault"] == "f" and "FAILED: slow" in doc["notes"]
+    assert "broken \\| pipe" in to_markdown([r])
+
+
+def test_rss_of_this_process() -> None:
+    rss = rss_bytes(os.getpid())
+    assert rss is not None and rss > 10 * 2**20
+    assert rss_bytes(2**22 + 12345) is None  # no such process
+
+
+def test_staleness_predicate() -> None:
+    truth = {"incarnation": 5, "version": 9}
+    entry = {"state": "alive", "incarnation": 5, "view_version": 9}
+    assert _staleness(entry, truth) is None
+    assert _staleness(None, truth) == "unknown"
+    assert _staleness({**entry, "state": "suspect"}, truth) == "state suspect"
+    assert _staleness({**entry, "incarnation": 4}, truth) == "old incarnation"
+    assert _staleness({**entry, "view_version": 8}, truth) == "version 8 != 9"
