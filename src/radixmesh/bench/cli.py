@@ -15,6 +15,7 @@ Every list flag takes comma-separated values; the sweep is their cartesian produ
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -190,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from radixmesh.bench.runner import Runner
 
+    stop_on_sigterm()
     runner = Runner(out, progress=not args.no_progress)
     print(f"radixmesh bench: {len(specs)} configuration(s) → {out}", file=sys.stderr)
     results = runner.run_all(specs, skip_done=args.resume)
@@ -197,6 +199,17 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_report:
         _report(out, args.mmlu_dir)
     return 130 if interrupted else 0
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (and SIGINT even when inherited as ignored, e.g. under nohup) stop the sweep the
+    way Ctrl-C does: finished records and summaries are kept, clusters are stopped."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
 
 
 def _report(out: Path, mmlu_dir: str | None = None) -> int:
