@@ -406,6 +406,55 @@ def wrong_key_node(env: ChaosEnv, plan: FaultPlan) -> FaultResult:
     return r
 
 
+def side_channel_probe(env: ChaosEnv, rounds: int = 5) -> FaultResult:
+    """Measure the prefix-cache side channel a client sees (see docs/security.md).
+
+    A "victim" sends a prompt with a secret 2,000-character prefix to n0. An "attacker" at n1
+    then sends guesses: the right prefix, or a wrong one of equal length, each with a fresh
+    question. What distinguishes them: latency, ``usage.prompt_tokens_details.cached_tokens``
+    and which node served it (routing follows the cached prefix to n0).
+    """
+    import random as _random
+
+    r = FaultResult("prefix-cache side channel (measurement, not a fault)")
+    rng = _random.Random(env.config.seed + 99)
+
+    def text(n: int) -> str:
+        return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz     ") for _ in range(n))
+
+    secret = "Confidential memo: " + text(2000)
+    victim = Prompt("victim", secret + " Question: " + text(40), env.config.max_tokens)
+    v = env.send(lambda _: env.url(0), [victim], 1)
+    time.sleep(3 * env.delta_poll)
+    env.wait_view(1, 0)
+    guesses: list[Prompt] = []
+    for k in range(rounds):
+        q = " Question: " + text(40)
+        guesses.append(Prompt(f"right{k}", secret + q, env.config.max_tokens))
+        guesses.append(Prompt(f"wrong{k}", "Confidential memo: " + text(2000) + q,
+                              env.config.max_tokens))
+    outs = env.send(lambda _: env.url(1), guesses, 1)
+    r.requests = len(v) + len(outs)
+    r.failures = sum(not o.ok for o in (*v, *outs))
+    right = [o for o in outs if o.id.startswith("right")]
+    wrong = [o for o in outs if o.id.startswith("wrong")]
+    fig = {
+        "latency_p50_right_s": _lat(right, 50), "latency_p50_wrong_s": _lat(wrong, 50),
+        "cached_tokens_right": [o.cached_tokens for o in right],
+        "cached_tokens_wrong": [o.cached_tokens for o in wrong],
+        "served_by_right": dict(Counter(o.served_by for o in right)),
+        "served_by_wrong": dict(Counter(o.served_by for o in wrong)),
+    }
+    r.figures.update(fig)
+    c_right = min((o.cached_tokens or 0) for o in right) if right else 0
+    c_wrong = max((o.cached_tokens or 0) for o in wrong) if wrong else 0
+    r.note(f"right guess: {c_right}+ cached tokens, p50 {fig['latency_p50_right_s'] or 0:.3f}s,"
+           f" served by {fig['served_by_right']}; wrong guess: <= {c_wrong} cached tokens, p50 "
+           f"{fig['latency_p50_wrong_s'] or 0:.3f}s, served by {fig['served_by_wrong']}")
+    r.check(r.failures == 0, "0 failures")
+    return r
+
+
 def _wait_pair(cluster: Any, a: int, b: int, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     ids = {a: cluster.nodes[a].node_id, b: cluster.nodes[b].node_id}
@@ -439,6 +488,7 @@ FaultFn = Callable[[ChaosEnv, FaultPlan], list[FaultResult]]
 def run_all(env: ChaosEnv, plan: FaultPlan, only: Sequence[str] = ()) -> list[FaultResult]:
     """Every fault, in an order where each leaves the cluster healthy for the next."""
     want_wrong_key = plan.wrong_key or "wrongkey" in only
+    want_side = plan.wrong_key or "sidechannel" in only  # full runs only (a measurement)
     steps: list[tuple[str, Callable[[], list[FaultResult]]]] = [
         ("auth", lambda: [hostile_peer_messages(env)]),
         ("kill", lambda: [kill_forward_target(env, plan),
@@ -448,6 +498,7 @@ def run_all(env: ChaosEnv, plan: FaultPlan, only: Sequence[str] = ()) -> list[Fa
                           for k, loss in enumerate(plan.loss_levels)]),
         ("partition", lambda: [partition_halves(env, plan, (10, 11))]),
         ("slow", lambda: [slow_node(env, plan, (8, 9))]),
+        ("sidechannel", lambda: [side_channel_probe(env)] if want_side else []),
         ("wrongkey", lambda: [wrong_key_node(env, plan)] if want_wrong_key else []),
     ]
     results: list[FaultResult] = []
