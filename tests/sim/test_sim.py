@@ -46,15 +46,13 @@ def simulate(policy: str, reqs: list[Request], **kw: object):  # type: ignore[no
 
 
 def test_deterministic_for_a_seed(requests_small: list[Request]) -> None:
-    a = simulate("cost", requests_small)
-    b = simulate("cost", requests_small)
+    # Service-time noise and network jitter make every random stream matter.
+    net = NetworkConfig(jitter_s=0.001)
+    a = simulate("cost", requests_small, service_noise=0.2, network=net)
+    b = simulate("cost", requests_small, service_noise=0.2, network=net)
     assert [r.to_json() for r in a.records] == [r.to_json() for r in b.records]
     assert a.summary["sim"]["events"] == b.summary["sim"]["events"]
-    c = run(
-        RunSpec("cost", replace(cluster_config("cost"), seed=4)),
-        requests_small,
-        byte_tokenize()[0],
-    )
+    c = simulate("cost", requests_small, service_noise=0.2, network=net, seed=4)
     assert [r.latency_s for r in c.records] != [r.latency_s for r in a.records]
 
 
