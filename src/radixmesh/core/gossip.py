@@ -264,6 +264,11 @@ class Gossiper:
         t = self.members.heard(node_id, now)
         if t is not None:
             out.append(_changed(t))
+            est = self.estimates.get(node_id)
+            if est is not None and t.old is not MemberState.ALIVE:
+                # Back after a silence (partition, pause): what we "sent" it meanwhile was
+                # most likely lost; repair from its ack now instead of after the resend window.
+                est.sent_version = est.unacked_since = None
 
     def _apply_load(self, est: Estimate, stamp: float, load: Load | None, now: float) -> None:
         if load is None or (est.stamp is not None and stamp <= est.stamp):
