@@ -179,6 +179,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--forward-overhead", default="3ms", help="with --validate: HTTP work of one forward"
     )
+    g.add_argument("--trials", type=int, default=5, help="convergence: changes measured")
     g.add_argument(
         "--experiment",
         default=None,

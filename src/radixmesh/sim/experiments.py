@@ -244,6 +244,7 @@ def run_convergence(args: argparse.Namespace, log: Log) -> list[dict[str, Any]]:
                 args.fanout,
                 args.seed,
                 seeds=args.seeds,
+                trials=args.trials,
             )
             log(
                 f"N={n} {mode.value}: joined in {_s(row['join_s'])}, change seen by all in "
@@ -251,7 +252,16 @@ def run_convergence(args: argparse.Namespace, log: Log) -> list[dict[str, Any]]:
                 f"{row['idle_bytes_per_node_s']:.0f} B/node/s; {row['wall_s']:.1f}s wall"
             )
             rows.append(row)
+            _checkpoint(args, rows)
     return rows
+
+
+def _checkpoint(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    """Rows so far, so a long sweep cut short keeps what finished."""
+    out = Path(args.out or f"sim-{args.experiment}")
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"experiment": args.experiment, "rows": rows, "partial": True}
+    (out / f"{args.experiment}.json").write_text(json.dumps(doc, indent=2) + "\n")
 
 
 def _s(v: float | None) -> str:
