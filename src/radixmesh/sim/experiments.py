@@ -368,6 +368,7 @@ def _sweep(args: argparse.Namespace, log: Log, **override: Any) -> list[dict[str
             point = argparse.Namespace(**{**vars(args), **override, "requests": reqs})
             for res in cli._sweep_point(point, cost, policies, n, delays, skew, many):
                 rows.append(res.summary)
+                _checkpoint(args, rows)
                 s = res.summary
                 log(
                     f"{s['name']}: mean {s['mean_latency_s']:.3f}s p99 {s['p99_latency_s']:.3f}s "
