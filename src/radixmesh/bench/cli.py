@@ -18,6 +18,7 @@ import argparse
 import signal
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -80,6 +81,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=_list(float),
         default=None,
         help="open-loop Poisson arrivals, requests/s (default: the paper's sequential)",
+    )
+    g.add_argument(
+        "--interleave",
+        action="store_true",
+        help="run sequential configurations in lockstep, up to 4 clusters at once "
+        "(request i to each in turn): paired ratios on a noisy machine",
     )
     g.add_argument(
         "--concurrency",
@@ -161,7 +168,10 @@ def specs_from_args(args: argparse.Namespace) -> list[RunSpec]:
         rates=args.rate or [None],
         concurrency=args.concurrency,
     )
-    return expand(axes, base)
+    specs = expand(axes, base)
+    if args.interleave:
+        specs = [replace(s, lockstep="sweep") for s in specs]
+    return specs
 
 
 def export_trace(spec: RunSpec, path: str) -> int:

@@ -44,10 +44,6 @@ BLOCK_SIZE = 16
 WARMUP_PROMPT = "radixmesh warm-up {i}: hello"
 
 
-class SkipRun(Exception):
-    """A configuration that cannot run here (e.g. an optional baseline not installed)."""
-
-
 @dataclass(slots=True)
 class RunResult:
     spec: RunSpec
@@ -117,6 +113,7 @@ def summary_entry(res: RunResult) -> dict[str, Any]:
             "interrupted": res.interrupted,
             "skipped": res.skipped,
             "oracle_mismatches": res.oracle_mismatches,
+            "lockstep": s.lockstep,
             "ideal_hit_rate": res.ideal_hit_rate,
         }
     )
@@ -137,6 +134,44 @@ class Sink:
             self.progress.update(rec.latency_s, rec.ok)
 
 
+def new_http_client() -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
+    return httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0), limits=limits)
+
+
+async def lockstep(pairs: Sequence[tuple[Replay, Sequence[Request]]]) -> None:
+    """Interleave runs request by request: request i goes to every run's cluster in turn, one
+    at a time. Each run still sees the paper's schedule, and all of them see the machine in the
+    same state, so their ratios survive drifting background load."""
+    async with new_http_client() as http:
+        for replay, _ in pairs:
+            await replay.setup(http)
+        for i in range(max(len(reqs) for _, reqs in pairs)):
+            for replay, reqs in pairs:
+                if i < len(reqs):
+                    await replay.one(http, i, reqs[i])
+
+
+def batches(specs: Sequence[RunSpec], limit: int = 4) -> list[list[RunSpec]]:
+    """Consecutive sequential runs sharing a ``lockstep`` key form one batch (at most
+    ``limit`` clusters at once); everything else runs alone."""
+    out: list[list[RunSpec]] = []
+    for s in specs:
+        prev = out[-1] if out else None
+        if (
+            prev is not None
+            and s.lockstep
+            and s.sequential
+            and prev[0].lockstep == s.lockstep
+            and prev[0].sequential
+            and len(prev) < limit
+        ):
+            prev.append(s)
+        else:
+            out.append([s])
+    return out
+
+
 class Replay:
     """Replays one run's requests against a started cluster."""
 
@@ -153,16 +188,17 @@ class Replay:
         self.t0 = 0.0
 
     async def run(self, requests: Sequence[Request]) -> None:
-        limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
-        timeout = httpx.Timeout(600.0, connect=10.0)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
-            self.model = await client.model_name(http, self.urls[0])
-            await self._warm_up(http)
-            self.t0 = time.perf_counter()
+        async with new_http_client() as http:
+            await self.setup(http)
             if any(r.t is not None for r in requests):
                 await self._open_loop(http, requests)
             else:
                 await self._closed_loop(http, requests, self.spec.concurrency)
+
+    async def setup(self, http: httpx.AsyncClient) -> None:
+        self.model = await client.model_name(http, self.urls[0])
+        await self._warm_up(http)
+        self.t0 = time.perf_counter()
 
     async def _warm_up(self, http: httpx.AsyncClient) -> None:
         for i, url in enumerate(self.urls):
@@ -181,7 +217,7 @@ class Replay:
 
         async def worker() -> None:
             for seq, req in queue:
-                await self._one(http, seq, req)
+                await self.one(http, seq, req)
 
         await asyncio.gather(*(worker() for _ in range(workers)))
 
@@ -192,7 +228,7 @@ class Replay:
                 delay = (req.t or 0.0) - (time.perf_counter() - self.t0)
                 if delay > 0:
                     await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(self._one(http, seq, req)))
+                tasks.append(asyncio.create_task(self.one(http, seq, req)))
             await asyncio.gather(*tasks)
         finally:
             for t in tasks:
@@ -210,7 +246,7 @@ class Replay:
             t_send=time.perf_counter() - self.t0,
         )
 
-    async def _one(self, http: httpx.AsyncClient, seq: int, req: Request) -> None:
+    async def one(self, http: httpx.AsyncClient, seq: int, req: Request) -> None:
         entry = (req.entry or 0) % len(self.urls)
         if self.oracle is not None:
             rec = await self._via_oracle(http, seq, req, entry)
@@ -295,50 +331,71 @@ class Runner:
             specs = [s for s in specs if not self.done(s)]
         for s in specs:
             self._purge(s.name)
+        total, started = len(specs), 0
         with (self.out / "requests.jsonl").open("a", encoding="utf-8") as fh:
-            for i, spec in enumerate(specs):
-                res = RunResult(spec)
-                self.results.append(res)
-                label = f"[{i + 1}/{len(specs)}] {spec.name}"
+            for batch in batches(specs):
+                results = [RunResult(s) for s in batch]
+                self.results.extend(results)
+                labels = [f"[{started + j + 1}/{total}] {s.name}" for j, s in enumerate(batch)]
+                started += len(batch)
                 try:
-                    self._run_one(res, fh, label)
-                except SkipRun as exc:
-                    res.skipped = str(exc)
-                    self.log(f"{label}: skipped — {exc}")
+                    self._run_batch(results, fh, labels)
                 except Exception as exc:  # a broken run must not lose the sweep
-                    res.skipped = f"failed: {type(exc).__name__}: {exc}"[:500]
-                    self.log(f"{label}: failed — {exc}")
+                    for res in results:
+                        res.skipped = res.skipped or f"failed: {type(exc).__name__}: {exc}"[:500]
+                    self.log(f"{', '.join(labels)}: failed — {exc}")
                 except KeyboardInterrupt:
-                    res.interrupted = True
-                    self.log(f"\n{label}: interrupted — keeping {len(res.records)} records")
+                    for res in results:
+                        res.interrupted = not res.skipped
+                    self.log(f"\n{', '.join(labels)}: interrupted — finished records kept")
                     break
                 finally:
                     self.write_summary()
         return self.results
 
-    def _run_one(self, res: RunResult, fh: IO[str], label: str) -> None:
+    def _run_batch(self, results: list[RunResult], fh: IO[str], labels: list[str]) -> None:
+        live: list[tuple[RunResult, list[Request], Replay, Cluster, Progress | None]] = []
+        try:
+            for res, label in zip(results, labels, strict=True):
+                if res.spec.policy == "sglang" and not available():
+                    res.skipped = INSTALL_HINT
+                    self.log(f"{label}: skipped — {INSTALL_HINT}")
+                    continue
+                live.append(self._prepare(res, fh, label, batched=len(results) > 1))
+            if len(live) == 1:
+                asyncio.run(live[0][2].run(live[0][1]))
+            elif live:
+                asyncio.run(lockstep([(replay, reqs) for _, reqs, replay, _, _ in live]))
+        finally:
+            for res, _, replay, cluster, progress in live:
+                if progress is not None:
+                    progress.close()
+                if replay.router is not None:
+                    replay.router.close()
+                cluster.close()
+                if replay.oracle is not None:
+                    res.oracle_mismatches = replay.oracle.mismatches
+
+    def _prepare(
+        self, res: RunResult, fh: IO[str], label: str, batched: bool
+    ) -> tuple[RunResult, list[Request], Replay, Cluster, Progress | None]:
         spec = res.spec
-        if spec.policy == "sglang" and not available():
-            raise SkipRun(INSTALL_HINT)
         fits = make_fits(spec)
         requests = build(spec.workload, spec.nodes, fits)
         res.dropped = self._count_dropped(spec, fits)
         res.ideal_hit_rate = ideal_hit_rate(requests, tokenizer_for(spec))
         progress = Progress(label, len(requests)) if self.progress else None
+        if progress is not None and batched:
+            progress.tty = False  # several runs advance together: plain lines, no \r bar
         cluster = self.cluster_factory(spec)
         replay = Replay(spec, cluster, Sink(fh, progress))
         res.records = replay.records
         try:
             self._attach_baseline(replay, spec, cluster)
-            asyncio.run(replay.run(requests))
-        finally:
-            if progress is not None:
-                progress.close()
-            if replay.router is not None:
-                replay.router.close()
+        except BaseException:
             cluster.close()
-            if replay.oracle is not None:
-                res.oracle_mismatches = replay.oracle.mismatches
+            raise
+        return res, requests, replay, cluster, progress
 
     @staticmethod
     def _attach_baseline(replay: Replay, spec: RunSpec, cluster: Cluster) -> None:

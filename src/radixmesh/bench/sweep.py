@@ -75,50 +75,46 @@ def _mk(base: RunSpec, group: str, policy: str, **kw: object) -> RunSpec:
     return replace(spec, name=run_name(spec))
 
 
+def _together(key: str, runs: list[RunSpec]) -> list[RunSpec]:
+    """Mark ``runs`` to run interleaved (lockstep) as one batch; names get ``@key``."""
+    return [replace(r, lockstep=key, name=f"{r.name}@{key}") for r in runs]
+
+
 def paper_preset(base: RunSpec, with_sglang: bool = True) -> list[RunSpec]:
     """The paper's experiments (+ oracle, sglang and simple baselines), most important first.
 
-    The headline comparisons (none/cost, uniform, skewed, memory pressure) get ``--requests``;
-    secondary runs get a half, sweeps a third or less (forwarding over a 1 s network is slow).
-    The report compares every run with ``none`` over the *same* first requests (one seeded
-    order), so ratios stay paired whatever the length."""
+    Each comparison runs *interleaved*: the clusters of one batch (e.g. none, cost, paper,
+    oracle) are all up, and request i goes to each of them in turn, one at a time — the paper's
+    schedule for every cluster, under the same background load for all, so the paired ratios
+    survive a shared, noisy machine. The headline batches (uniform, skewed, memory pressure)
+    get ``--requests``; the others fewer (forwarding over a 1 s network is slow)."""
     n = base.workload.requests or 1000
-    half, third, slow = max(60, n // 2), max(60, n * 3 // 10), max(60, n * 3 // 20)
-    runs = [
-        _mk(base, "t1", "none"),
-        _mk(base, "t1", "cost"),
-        _mk(base, "skew", "none", skewed=True),
-        _mk(base, "skew", "cost", skewed=True),
-        _mk(base, "pressure", "none", cache_tokens=PRESSURE_CACHE),
-        _mk(base, "pressure", "cost", cache_tokens=PRESSURE_CACHE),
-        _mk(base, "t1", "oracle", requests=half),
-        _mk(base, "t1", "paper", requests=half),
-    ]
+    third, slow = max(60, n * 3 // 10), max(60, n * 3 // 20)
+    pols4 = ("none", "cost", "paper", "oracle")
+    runs = _together("uniform", [_mk(base, "t1", p) for p in pols4])
+    runs += _together("skewed", [_mk(base, "skew", p, skewed=True) for p in pols4])
+    runs += _together("pressure", [_mk(base, "pressure", p, cache_tokens=PRESSURE_CACHE)
+                                   for p in pols4])  # fmt: skip
+    for key, delay in (("d200ms", 0.2), ("d1s", 1.0)):
+        runs += _together(key, [
+            _mk(base, "delay", "none", comm_delay_s=delay, requests=third),
+            _mk(base, "delay", "cost", comm_delay_s=delay, requests=third),
+            _mk(base, "delay", "paper", comm_delay_s=delay, requests=slow),
+        ])  # fmt: skip
     if with_sglang:
-        runs += [
-            _mk(base, "sglang", "sglang", requests=third),
-            _mk(base, "sglang", "sglang", concurrency=4, requests=third),
-            _mk(base, "sglang", "cost", concurrency=4, requests=third),
-            _mk(base, "sglang", "none", concurrency=4, requests=third),
-        ]
-    runs += [
-        _mk(base, "delay", "cost", comm_delay_s=0.2, requests=third),
-        _mk(base, "delay", "cost", comm_delay_s=1.0, requests=third),
-        _mk(base, "skew", "paper", skewed=True, requests=half),
-        _mk(base, "pressure", "paper", cache_tokens=PRESSURE_CACHE, requests=half),
-        _mk(base, "delay", "paper", comm_delay_s=0.2, requests=slow),
-        _mk(base, "delay", "paper", comm_delay_s=1.0, requests=slow),
-    ]
-    runs += [_mk(base, "poll", "paper", gossip_interval_s=g, requests=third)
-             for g in (0.02, 0.1, 2.0, 300.0)]  # fmt: skip
-    runs += [_mk(base, "baselines", p, requests=third)
-             for p in ("random", "round_robin", "least_loaded")]  # fmt: skip
-    runs += [
-        _mk(base, "skew", "oracle", skewed=True, requests=half),
-        _mk(base, "poll", "cost", gossip_interval_s=300.0, requests=third),
-        _mk(base, "delay", "oracle", comm_delay_s=0.2, requests=third),
-    ]
-    # open loop (Poisson arrivals): queues form, so load and push-back matter
+        runs += _together("sglang", [_mk(base, "sglang", p, requests=third)
+                                     for p in ("none", "cost", "sglang")])  # fmt: skip
+        runs += [_mk(base, "sglang", p, concurrency=4, requests=third)
+                 for p in ("sglang", "cost", "none")]  # fmt: skip
+    runs += _together("poll", [_mk(base, "poll", "paper", gossip_interval_s=g, requests=third)
+                               for g in (0.02, 0.1, 2.0, 300.0)])  # fmt: skip
+    runs += _together(
+        "baselines",
+        [
+            _mk(base, "baselines", p, requests=third)
+            for p in ("none", "random", "round_robin", "least_loaded")
+        ],
+    )
     runs += [_mk_open(base, p, rate=3.0, requests=third) for p in ("none", "cost", "paper")]
     return runs
 
