@@ -126,9 +126,10 @@ def _mk_open(base: RunSpec, policy: str, rate: float, requests: int) -> RunSpec:
 
 
 def quick_preset(base: RunSpec) -> list[RunSpec]:
-    """CI-sized: none/paper/cost/oracle on a small synthetic workload (the CLI defaults it to 32
-    requests over 6 groups at 0.2x MMLU length), gossip every 100 ms so views keep up."""
-    return [_mk(base, "t1", p, gossip_interval_s=0.1) for p in ("none", "paper", "cost", "oracle")]
+    """CI-sized: none/paper/cost/oracle interleaved on a small synthetic workload (the CLI
+    defaults it to 32 requests over 6 groups at 0.2x MMLU length), gossip every 100 ms."""
+    runs = [_mk(base, "t1", p, gossip_interval_s=0.1) for p in ("none", "paper", "cost", "oracle")]
+    return [replace(r, lockstep="quick") for r in runs]
 
 
 PRESETS = {"paper": paper_preset, "quick": quick_preset}
