@@ -25,12 +25,18 @@ HOP = {"x-radixmesh-hop": "1"}  # execute on the receiving node, never forward
 PREFIX = ("The following are multiple choice questions (with answers) about anatomy.\n\n"
           "Question: Which bone is the longest in the human body?\nA. femur\nB. tibia\n"
           "C. humerus\nD. fibula\nAnswer: A\n\n") * 3
+# ~1,700 tokens: prefilling it locally costs far more than a forward, however noisy the
+# cost model's speed estimates are on a busy machine, so `cost` must forward to its holder.
+LONG_PREFIX = PREFIX * 3
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    # Bounded load is off: with it, the one node that just served a long seed request is
+    # "busier than 1.5x the mean" and takes no forwards for a while, by design; these tests
+    # check that the runtime carries out what the cost policy decides from the cache view.
     options = {"gossip_interval": 0.1, "suspect_timeout": 0.5, "forward_timeout": 2.0,
-               "policy": "cost"}
+               "policy": "cost", "load_bound": "off"}
     # n0 declares silent peers dead quickly; n1 waits long, so a restart reaches it as a new
     # incarnation of a still-known peer rather than as a fresh join.
     per_node = {0: {"dead_timeout": 3.0}, 1: {"dead_timeout": 120.0}, 2: {"dead_timeout": 3.0}}
@@ -101,22 +107,22 @@ def test_openai_client_completions_and_chat(cluster: LocalCluster) -> None:
 
 
 def test_routes_to_the_node_holding_the_prefix(cluster: LocalCluster) -> None:
-    seeded = complete(cluster, 1, PREFIX + "Question A?", headers=HOP)
+    seeded = complete(cluster, 1, LONG_PREFIX + "Question A?", headers=HOP)
     assert seeded.headers["x-radixmesh-served-by"] == "n1"
-    blocks = wait_for(lambda: view_blocks(cluster, 0, 1) >= len(PREFIX) // 16,
+    blocks = wait_for(lambda: view_blocks(cluster, 0, 1) >= len(LONG_PREFIX) // 16,
                       what="n0 to learn n1's cache")
     assert blocks
-    resp = complete(cluster, 0, PREFIX + "Question B?")
+    resp = complete(cluster, 0, LONG_PREFIX + "Question B?")
     assert resp.status_code == 200, resp.text
     h = resp.headers
     assert h["x-radixmesh-node"] == "n0"
     assert h["x-radixmesh-served-by"] == "n1" and h["x-radixmesh-route"] == "forwarded"
-    assert int(h["x-radixmesh-expected-cached-tokens"]) >= len(PREFIX) - 16
+    assert int(h["x-radixmesh-expected-cached-tokens"]) >= len(LONG_PREFIX) - 16
     cached = resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert cached == int(h["x-radixmesh-cached-tokens"]) >= len(PREFIX) - 16
+    assert cached == int(h["x-radixmesh-cached-tokens"]) >= len(LONG_PREFIX) - 16
     assert float(h["x-radixmesh-forward-overhead-s"]) >= 0
     # the same through a stream: relayed token by token from n1
-    streamed = complete(cluster, 0, PREFIX + "Question C?", stream=True)
+    streamed = complete(cluster, 0, LONG_PREFIX + "Question C?", stream=True)
     assert streamed.headers["x-radixmesh-served-by"] == "n1"
     assert streamed.text.rstrip().endswith("data: [DONE]")
 
@@ -241,7 +247,7 @@ def test_forwarding_through_emulated_delay(cluster: LocalCluster) -> None:
 
 # ----------------------------------------------------------------------------- failures
 def test_kill_target_with_forwards_in_flight(cluster: LocalCluster) -> None:
-    prefix = PREFIX.replace("anatomy", "astronomy")
+    prefix = LONG_PREFIX.replace("anatomy", "astronomy")
     complete(cluster, 2, prefix + "seed", headers=HOP)
     wait_for(lambda: view_blocks(cluster, 0, 2) >= len(prefix) // 16, what="n0 to learn n2")
     prompts = [prefix + f"Question {k}?" for k in range(6)]

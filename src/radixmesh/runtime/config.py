@@ -58,6 +58,18 @@ def parse_fraction(text: str | float | int) -> float:
     return value
 
 
+def parse_optional_fraction(text: str | float | int | None) -> float | None:
+    """A number >= 0, or None from ``"off"`` / ``"none"`` (the feature is disabled)."""
+    if text is None or (isinstance(text, str) and text.strip().lower() in ("off", "none", "")):
+        return None
+    if isinstance(text, bool):
+        raise ValueError(f"not a number: {text!r}")
+    value = float(text)
+    if value < 0:
+        raise ValueError(f"must be >= 0 or 'off': {text!r}")
+    return value
+
+
 def parse_peers(text: str | Sequence[str]) -> tuple[str, ...]:
     """``"h:p,h:p"`` or a list of ``"h:p"`` -> tuple of validated ``host:port`` strings."""
     items = text.split(",") if isinstance(text, str) else list(text)
@@ -84,6 +96,7 @@ class ServeConfig:
     gossip_mode: str = "delta"  # delta | snapshot | epidemic
     gossip_fanout: int = 3  # epidemic mode: peers per round
     policy: str = "cost"  # cost | paper | none | random | round_robin | least_loaded
+    load_bound: float | None = RouterConfig().load_bound  # cost: bounded load; None = off
     preset: str = "tiny"  # built-in engine preset (ignored when model is set)
     model: str = ""  # local Hugging Face model directory; "" -> preset
     cache_tokens: int = 65_536  # KV cache budget in tokens
@@ -163,7 +176,7 @@ class ServeConfig:
             fingerprint=fingerprint,
             incarnation=incarnation,
             seeds=tuple(p for p in self.peers if p != self.address),
-            router=RouterConfig(policy=Policy.parse(self.policy)),
+            router=RouterConfig(policy=Policy.parse(self.policy), load_bound=self.load_bound),
             gossip=self.gossip_config(),
             pushback=PushbackConfig(queue_threshold=self.pushback_threshold),
         )
@@ -182,6 +195,7 @@ _CONVERT: dict[str, Any] = {
     "net_loss": parse_fraction,
     "net_duplicate": parse_fraction,
     "debug_engine_delay": parse_duration,
+    "load_bound": parse_optional_fraction,
 }
 _FIELDS = {f.name: f for f in fields(ServeConfig)}
 
@@ -250,6 +264,7 @@ def _help_texts() -> dict[str, str]:
         "gossip_mode": "delta | snapshot | epidemic",
         "gossip_fanout": "epidemic mode: peers per round",
         "policy": "routing policy: cost | paper | none | random | round_robin | least_loaded",
+        "load_bound": "cost policy: no forwards to peers busier than (1+x) x the mean; 'off'",
         "preset": "built-in model preset (tiny | qwen2.5-0.5b)",
         "model": "local Hugging Face model directory (overrides --preset)",
         "cache_tokens": "KV cache budget in tokens",
@@ -292,6 +307,9 @@ def config_to_argv(values: Mapping[str, object]) -> list[str]:
         name = key.replace("-", "_")
         if name not in _FIELDS:
             raise ValueError(f"unknown configuration key {key!r}")
-        text = ",".join(value) if isinstance(value, list | tuple) else str(value)
+        if value is None:
+            text = "off"
+        else:
+            text = ",".join(value) if isinstance(value, list | tuple) else str(value)
         argv += ["--" + name.replace("_", "-"), text]
     return argv

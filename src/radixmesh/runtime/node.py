@@ -27,7 +27,6 @@ Hop limit 1: the receiver of ``/peer/forward`` always executes; it never routes.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import random
@@ -72,6 +71,7 @@ log = logging.getLogger("radixmesh.node")
 
 MAX_PEER_ATTEMPTS = 2  # peers tried before running locally
 MAX_TIMER_SLEEP_S = 1.0  # the timer re-reads next_deadline() at least this often
+STOP_WAIT_S = 2.0  # stop(): how long to wait for the timer task to finish
 MIN_TICK_GAP_S = 0.001  # if a Tick leaves the deadline in the past, wait this long
 
 
@@ -207,6 +207,7 @@ class ForwardExecution(Execution):
         self._stream = stream_obj
         self._started = started
         self._ctx = ctx
+        self._vocab = node.engine.tokenizer.vocab_size
 
     async def tokens(self) -> AsyncIterator[int]:
         emitted: list[int] = []
@@ -226,7 +227,7 @@ class ForwardExecution(Execution):
             event = await self._stream.next_event()
             kind = event["t"]
             if kind == "tok":
-                for tok in _token_list(event.get("ids")):
+                for tok in _token_list(event.get("ids"), self._vocab):
                     emitted.append(tok)
                     yield tok
             elif kind == "done":
@@ -241,7 +242,7 @@ class ForwardExecution(Execution):
         res = event.get("result")
         if not isinstance(res, dict):
             raise ForwardError("bad_response", "done without a result")
-        output = _token_list(res.get("output_ids"))
+        output = _token_list(res.get("output_ids"), self._vocab)
         if emitted and output[: len(emitted)] != emitted:
             raise ForwardError("bad_response", "result disagrees with streamed tokens")
         handler_s = _float_field(event, "handler_s", 0.0)
@@ -276,11 +277,12 @@ class ForwardExecution(Execution):
                                cached_tokens=min(out.cached_tokens, len(ctx.prompt)))
 
 
-def _token_list(value: object) -> list[int]:
+def _token_list(value: object, vocab: int) -> list[int]:
+    """Token ids from a peer, checked: a broken peer must not break our detokenizer."""
     if not isinstance(value, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in value
     ):
-        raise ForwardError("bad_response", "token ids must be a list of non-negative ints")
+        raise ForwardError("bad_response", f"token ids must be a list of ints in [0, {vocab})")
     return value
 
 
@@ -337,7 +339,7 @@ class NodeService:
                                 config.connect_timeout, config.forward_timeout, self.auth)
         self.metrics = prom.RuntimeMetrics()
         self.started_monotonic = clock()
-        self._wake: asyncio.Event | None = None
+        self._wake: asyncio.Future[None] | None = None  # the timer's sleep; set = wake up
         self._tasks: set[asyncio.Task[Any]] = set()
         self._timer: asyncio.Task[None] | None = None
         self._pending = 0  # submitted to the engine, not finished (event-loop view)
@@ -345,7 +347,6 @@ class NodeService:
     # ------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         self.auth.warn_if_open()
-        self._wake = asyncio.Event()
         self.push_cache_and_load()
         self.dispatch(Tick())
         self._timer = asyncio.create_task(self._timer_loop(), name="radixmesh-timer")
@@ -353,8 +354,7 @@ class NodeService:
     async def stop(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._timer
+            await asyncio.wait({self._timer}, timeout=STOP_WAIT_S)
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -373,7 +373,7 @@ class NodeService:
                 await asyncio.sleep(MAX_TIMER_SLEEP_S)
 
     async def _timer_step(self) -> None:
-        assert self._wake is not None
+        loop = asyncio.get_running_loop()
         while True:
             delay = self.core.next_deadline() - self.clock()
             if delay <= 0:
@@ -381,9 +381,15 @@ class NodeService:
                 stuck = self.core.next_deadline() <= self.clock()  # never spin on a bad deadline
                 await asyncio.sleep(MIN_TICK_GAP_S if stuck else 0)
                 continue
-            self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), min(delay, MAX_TIMER_SLEEP_S))
+            # Sleep until the deadline or until dispatch() wakes us (the deadline may have
+            # moved). A bare future, not wait_for(Event.wait()): on Python 3.11 wait_for can
+            # swallow a cancellation that races with the event, and then stop() never returns.
+            self._wake = loop.create_future()
+            timer = loop.call_later(min(delay, MAX_TIMER_SLEEP_S), _wake_up, self._wake)
+            try:
+                await self._wake
+            finally:
+                timer.cancel()
 
     # ------------------------------------------------------------------------- core I/O
     def dispatch(self, event: Event) -> None:
@@ -396,8 +402,7 @@ class NodeService:
             return
         for action in actions:
             self._act(action)
-        if self._wake is not None:
-            self._wake.set()
+        _wake_up(self._wake)
 
     def _act(self, action: Action) -> None:
         if isinstance(action, Send):
@@ -619,6 +624,11 @@ class NodeService:
         }
         core = {k: float(v) for k, v in self.core.metrics().items()}
         return prom.render(self.metrics, gauges, core, self.peer_states(), self.node_id)
+
+
+def _wake_up(fut: asyncio.Future[None] | None) -> None:
+    if fut is not None and not fut.done():
+        fut.set_result(None)
 
 
 def _line(obj: dict[str, object]) -> bytes:

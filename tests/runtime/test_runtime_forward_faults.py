@@ -1,0 +1,131 @@
+"""Forward failure modes against a scripted fake peer, in process (micro preset, no sockets
+for the node itself): every broken peer still yields the correct answer, via fallback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from radixmesh.engine.base import SamplingParams
+from radixmesh.engine.factory import build_engine
+from radixmesh.runtime.config import ServeConfig
+from radixmesh.runtime.node import NodeService
+
+Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+PROMPT = list(b"The following are multiple choice questions about faults. " * 3)
+SAMPLING = SamplingParams(max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def engine():  # type: ignore[no-untyped-def]
+    return build_engine("micro", cache_tokens=4096, threads=1)
+
+
+async def _read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
+    return await reader.readexactly(length)
+
+
+def _chunk(data: bytes) -> bytes:
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
+
+
+def _stream_head() -> bytes:
+    return (b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\n"
+            b"transfer-encoding: chunked\r\n\r\n")
+
+
+async def _http_500(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await _read_request(reader)
+    writer.write(b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 4\r\n\r\noops")
+
+
+async def _garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await _read_request(reader)
+    writer.write(_stream_head() + _chunk(b"\x00\xffnot json\n"))
+
+
+async def _silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await _read_request(reader)
+    await asyncio.sleep(30)  # never answers: the first-byte timeout must fire
+
+
+async def _dies_midstream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    body = json.loads(await _read_request(reader))
+    assert body["stream"] is True
+    writer.write(_stream_head() + _chunk(b'{"t":"accepted","cached":0}\n'))
+    writer.write(_chunk(json.dumps({"t": "tok", "ids": TRUTH[:3]}).encode() + b"\n"))
+    await writer.drain()
+    writer.transport.abort()  # like kill -9 after three tokens
+
+
+async def _bad_tokens(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await _read_request(reader)
+    writer.write(_stream_head() + _chunk(b'{"t":"accepted","cached":0}\n'))
+    done = {"t": "done", "result": {"output_ids": [10**9], "finish_reason": "length"}}
+    writer.write(_chunk(json.dumps(done).encode() + b"\n") + _chunk(b""))
+
+
+TRUTH: list[int] = []
+
+
+async def _run(engine, script: Script | None, stream: bool) -> tuple[list[int], str, dict]:  # type: ignore[no-untyped-def]
+    server = None
+    address = "127.0.0.1:9"  # nothing listens there: connection refused
+    if script is not None:
+        async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            try:
+                await script(r, w)
+                await w.drain()
+            finally:
+                w.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    cfg = ServeConfig(node_id="entry", port=18999, forward_timeout=0.5, connect_timeout=0.5,
+                      gossip_interval=5.0)
+    service = NodeService(cfg, engine)
+    service.core.peer_address = lambda peer: address if peer == "fake" else None  # type: ignore[method-assign]
+    await service.start()
+    try:
+        ex = await service.execute(PROMPT, SAMPLING, stream, target="fake")
+        tokens = [t async for t in ex.tokens()] if stream else []
+        out = await ex.result() if not stream else ex.outcome
+        assert out is not None
+        if stream:
+            assert tokens == out.output_ids
+        return out.output_ids, out.route, dict(service.metrics.forward_failures)
+    finally:
+        await service.stop()
+        if server is not None:
+            server.close()
+
+
+def test_reference_answer(engine) -> None:  # type: ignore[no-untyped-def]
+    TRUTH[:] = asyncio.run(_run(engine, None, stream=False))[0]
+    assert len(TRUTH) >= 4  # the faults below need a few tokens to cut
+
+
+@pytest.mark.parametrize(
+    ("script", "stream", "reason"),
+    [
+        (None, False, "connect"),
+        (_http_500, False, "http_500"),
+        (_garbage, True, "bad_response"),
+        (_silent, False, "timeout"),
+        (_dies_midstream, True, "disconnected"),
+        (_bad_tokens, False, "bad_response"),
+    ],
+)
+def test_broken_peer_still_gives_the_right_answer(engine, script, stream, reason) -> None:  # type: ignore[no-untyped-def]
+    assert TRUTH, "test_reference_answer must run first"
+    output, route, failures = asyncio.run(_run(engine, script, stream))
+    assert output == TRUTH
+    assert route == "fallback"
+    assert failures == {reason: 1}
+
