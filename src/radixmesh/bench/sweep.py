@@ -86,15 +86,13 @@ def paper_preset(base: RunSpec, with_sglang: bool = True) -> list[RunSpec]:
     Each comparison runs *interleaved*: the clusters of one batch (e.g. none, cost, paper,
     oracle) are all up, and request i goes to each of them in turn, one at a time — the paper's
     schedule for every cluster, under the same background load for all, so the paired ratios
-    survive a shared, noisy machine. The headline batches (uniform, skewed, memory pressure)
-    get ``--requests``; the others fewer (forwarding over a 1 s network is slow)."""
+    survive a shared, noisy machine. The headline batches (uniform, skewed) get ``--requests``;
+    the others fewer (forwarding over a 1 s network is slow)."""
     n = base.workload.requests or 1000
-    third, slow = max(60, n * 3 // 10), max(60, n * 3 // 20)
+    half, third, slow = max(60, n // 2), max(60, n * 3 // 10), max(60, n * 3 // 20)
     pols4 = ("none", "cost", "paper", "oracle")
     runs = _together("uniform", [_mk(base, "t1", p) for p in pols4])
     runs += _together("skewed", [_mk(base, "skew", p, skewed=True) for p in pols4])
-    runs += _together("pressure", [_mk(base, "pressure", p, cache_tokens=PRESSURE_CACHE)
-                                   for p in pols4])  # fmt: skip
     for key, delay in (("d200ms", 0.2), ("d1s", 1.0)):
         runs += _together(key, [
             _mk(base, "delay", "none", comm_delay_s=delay, requests=third),
@@ -104,6 +102,11 @@ def paper_preset(base: RunSpec, with_sglang: bool = True) -> list[RunSpec]:
     if with_sglang:
         runs += _together("sglang", [_mk(base, "sglang", p, requests=third)
                                      for p in ("none", "cost", "sglang")])  # fmt: skip
+    runs += _together("pressure", [
+        _mk(base, "pressure", p, cache_tokens=PRESSURE_CACHE, requests=half)
+        for p in ("none", "cost", "paper")
+    ])  # fmt: skip
+    if with_sglang:
         runs += [_mk(base, "sglang", p, concurrency=4, requests=third)
                  for p in ("sglang", "cost", "none")]  # fmt: skip
     runs += _together("poll", [_mk(base, "poll", "paper", gossip_interval_s=g, requests=third)
