@@ -51,6 +51,7 @@ class _State:
     events: list[str] = field(default_factory=list)
     rss: list[dict[str, object]] = field(default_factory=list)
     stop: bool = False
+    chaos_error: str | None = None  # the kill/restart loop broke (e.g. a node never rejoined)
 
 
 def _prompt_picker(env: ChaosEnv, cfg: SoakConfig) -> list[Prompt]:
@@ -88,7 +89,12 @@ async def _chaos(env: ChaosEnv, cfg: SoakConfig, st: _State, t0: float) -> None:
         st.kills += 1
         st.events.append(f"{time.monotonic() - t0:.1f}s kill -9 {env.cluster.nodes[v].node_id}")
         await asyncio.sleep(2.0)
-        await asyncio.to_thread(env.cluster.restart, v, True)
+        try:
+            await asyncio.to_thread(env.cluster.restart, v, True)
+        except Exception as exc:  # a node that does not come back is a failed soak
+            st.chaos_error = f"{env.cluster.nodes[v].node_id} did not rejoin: {exc}"[:500]
+            st.events.append(f"{time.monotonic() - t0:.1f}s {st.chaos_error[:120]}")
+            return
         st.restarts += 1
         st.events.append(f"{time.monotonic() - t0:.1f}s {env.cluster.nodes[v].node_id} "
                          "restarted and rejoined")
@@ -165,7 +171,9 @@ def run_soak(env: ChaosEnv, cfg: SoakConfig) -> dict[str, object]:
     t0 = time.monotonic()
     outcomes = asyncio.run(_run(env, cfg, prompts, st))
     elapsed = time.monotonic() - t0
-    env.cluster.wait_ready(120)
+    down = [n.node_id for n in env.cluster.nodes if not n.running]
+    if not down:
+        env.cluster.wait_ready(120)
     locks = _locks_at_end(env)
     lost = env.lost(outcomes)
     stats = summarize(outcomes)
@@ -187,5 +195,8 @@ def run_soak(env: ChaosEnv, cfg: SoakConfig) -> dict[str, object]:
         "events": st.events,
         "rss_mb": st.rss,
         "locked_tokens_at_end": locks,
-        "passed": not errors and not lost and not any(locks.values()),
+        "nodes_down_at_end": down,
+        "chaos_error": st.chaos_error,
+        "passed": not errors and not lost and not any(locks.values()) and not down
+        and st.chaos_error is None,
     }
