@@ -93,7 +93,7 @@ def test_forgeries_are_bad_signatures(change: str, nonce: Nonces) -> None:
 
 def test_mac_forged_by_attacker_is_rejected(nonce: Nonces) -> None:
     header = sign(KEY, "gossip", "a", BODY, NOW, nonce())
-    forged = header[: -64] + "0" * 64
+    forged = header[:-64] + "0" * 64
     with pytest.raises(BadSignature):
         fresh().verify(forged, "gossip", BODY, NOW)
 

@@ -90,3 +90,15 @@ def test_prefill_grows_with_context_and_is_zero_when_all_cached() -> None:
 def test_bad_priors(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         CostPriors(**kwargs)  # type: ignore[arg-type]
+
+
+def test_rtt_forward_measurements_override_gossip_probes() -> None:
+    rtt = RttTable(PRIORS)
+    rtt.observe("a", 0.015, probe=True)  # gossip echo: includes encode/apply time
+    assert rtt.get("a") == 0.015 and rtt.measured("a")
+    rtt.observe("a", 0.003)  # a real forward
+    assert rtt.get("a") == 0.003
+    rtt.observe("a", 0.020, probe=True)
+    assert rtt.get("a") == 0.003
+    rtt.forget("a")
+    assert rtt.get("a") == PRIORS.rtt_s and not rtt.measured("a")

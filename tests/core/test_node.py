@@ -286,8 +286,13 @@ def test_utilization_is_gossiped_and_bounds_forwards_to_a_busy_specialist() -> N
     c.run_for(1.0)
     n0 = c.nodes["n0"]
     assert n0.route(chain, 1100, 0, 1, c.now)[0].node_id == "n1"
+    # One request is no overload: light traffic must still reach the only warm node.
+    c.deliver("n1", RequestServed(1100, 0, 0.09, 1, 0.0, 0.5))
+    c.run_for(1.0)
+    assert n0.route(chain, 1100, 0, 1, c.now)[0].node_id == "n1"
     # n1 has been busy for most of its recent window: it takes no more forwards for now.
-    c.deliver("n1", RequestServed(1100, 0, 0.09, 1, 0.0, 8.0))
+    for _ in range(8):
+        c.deliver("n1", RequestServed(1100, 0, 0.09, 1, 0.0, 1.0))
     c.run_for(1.0)
     assert n0.mesh_state(c.now)["node_id"] == "n0"
     assert n0.route(chain, 1100, 0, 1, c.now)[0].is_self

@@ -124,31 +124,41 @@ class ComputeModel:
 
 
 class RttTable:
-    """Round-trip estimate per peer (EWMA), with the prior for peers never measured."""
+    """Forward round-trip estimate per peer (EWMA), with the prior for peers never measured.
+
+    Two sources, kept apart: real forwards (``probe=False``: what a forward actually added)
+    and gossip echoes (``probe=True``: cheap, available before any forward, but they include
+    the gossip path's own encode/apply time, so they overstate a forward's cost). A peer's
+    estimate is its forward EWMA once one forward was measured, else its probe EWMA, else the
+    prior.
+    """
 
     def __init__(self, priors: CostPriors) -> None:
         self._priors = priors
-        self._rtt: dict[str, Ewma] = {}
+        self._forward: dict[str, Ewma] = {}
+        self._probe: dict[str, Ewma] = {}
 
-    def observe(self, peer: str, seconds: float) -> None:
+    def observe(self, peer: str, seconds: float, probe: bool = False) -> None:
         if seconds < 0:
             return
-        est = self._rtt.get(peer)
+        table = self._probe if probe else self._forward
+        est = table.get(peer)
         if est is None:
-            est = self._rtt[peer] = Ewma(seconds, self._priors.alpha)
+            est = table[peer] = Ewma(seconds, self._priors.alpha)
             est.count = 1
             return
         est.observe(seconds)
 
     def get(self, peer: str) -> float:
-        est = self._rtt.get(peer)
+        est = self._forward.get(peer) or self._probe.get(peer)
         return self._priors.rtt_s if est is None else est.value
 
     def measured(self, peer: str) -> bool:
-        return peer in self._rtt
+        return peer in self._forward or peer in self._probe
 
     def forget(self, peer: str) -> None:
-        self._rtt.pop(peer, None)
+        self._forward.pop(peer, None)
+        self._probe.pop(peer, None)
 
 
 class Utilization:

@@ -349,7 +349,7 @@ class Gossiper:
         rtt = now - echo.stamp - echo.held_s
         if 0.0 <= rtt <= MAX_RTT_S:
             est.last_echo = echo.stamp
-            self.rtt.observe(est.node_id, rtt)
+            self.rtt.observe(est.node_id, rtt, probe=True)
             self._count("rtt_samples")
 
     def _learn_peers(self, peers: tuple[PeerAddress, ...], now: float, out: list[Action]) -> None:

@@ -182,7 +182,14 @@ class Router:
         if mean <= 0.0:
             return set()
         limit = (1.0 + bound) * mean
-        return {n.node_id for n in avail if not n.is_self and n.utilization > limit}
+        window = self.config.load_window_s
+        # Slack of one request's worth of busy time: with light traffic (a single node active)
+        # the mean is tiny, and a node must still be able to take the next request.
+        return {
+            n.node_id
+            for n in avail
+            if not n.is_self and n.utilization > limit + n.speed.mean_service_s / window
+        }
 
     def _round_robin(self, avail: list[NodeInfo]) -> list[NodeInfo]:
         ordered = sorted(avail, key=lambda n: n.node_id)
