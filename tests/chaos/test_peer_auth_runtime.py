@@ -131,6 +131,22 @@ def test_openapi_document_is_served(keyed: TestClient) -> None:
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(doc["paths"])
 
 
+def test_key_rotation_accepts_the_previous_key() -> None:
+    old, new = "the-old-cluster-key-0123456789", "the-new-cluster-key-0123456789"
+    sender_old = PeerAuth(old, "a", previous_key_text="")
+    sender_new = PeerAuth(new, "a", previous_key_text="")
+    receiver = PeerAuth(new, "b", previous_key_text=old)
+    for sender in (sender_old, sender_new):
+        body = sender.key.kid.encode() if sender.key else b""
+        assert receiver.verify(sender.headers("gossip", body), "gossip", body) is not None
+    from radixmesh.core.auth import UnknownKey
+
+    with pytest.raises(UnknownKey):  # once the old key is dropped, it is refused
+        body = b"x"
+        PeerAuth(new, "c", previous_key_text="").verify(sender_old.headers("gossip", body),
+                                                       "gossip", body)
+
+
 def test_small_pieces() -> None:
     assert resolve_secret("flag", {"V": "env"}, "V") == "flag"
     assert resolve_secret("", {"V": "env"}, "V") == "env"

@@ -42,6 +42,7 @@ from radixmesh.core.auth import (
 
 ENV_CLUSTER_KEY = "RADIXMESH_CLUSTER_KEY"
 ENV_API_KEY = "RADIXMESH_API_KEY"
+ENV_PREVIOUS_KEY = "RADIXMESH_CLUSTER_KEY_PREVIOUS"  # still accepted (not used to sign): rotation
 GOSSIP_PURPOSE = "gossip"
 API_PROTECTED_PREFIXES = ("/v1/", "/mesh", "/metrics", "/admin/")  # /health stays open
 
@@ -69,10 +70,18 @@ def resolve_secret(configured: str, env: Mapping[str, str] | None = None, var: s
 class PeerAuth:
     """Signs outgoing and verifies incoming peer messages of one node (or does neither)."""
 
-    def __init__(self, key_text: str, node_id: str, config: AuthConfig | None = None) -> None:
+    def __init__(self, key_text: str, node_id: str, config: AuthConfig | None = None,
+                 previous_key_text: str | None = None) -> None:
+        """``previous_key_text`` (default: ``$RADIXMESH_CLUSTER_KEY_PREVIOUS``) is accepted
+        but never used to sign: deploy it everywhere with the new key, then remove it."""
+        if previous_key_text is None:
+            previous_key_text = os.environ.get(ENV_PREVIOUS_KEY, "")
         self.key = ClusterKey.from_text(key_text) if key_text.strip() else None
+        keys = [self.key] if self.key else []
+        if self.key and previous_key_text.strip():
+            keys.append(ClusterKey.from_text(previous_key_text))
         self._signer = Signer(self.key, node_id) if self.key else None
-        self._verifier = Verifier([self.key], config) if self.key else None
+        self._verifier = Verifier(keys, config) if keys else None
         self.unauthenticated_accepted = 0  # peer messages accepted in open mode
         self.rejections_logged: dict[str, int] = {}
 
