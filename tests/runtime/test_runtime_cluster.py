@@ -32,11 +32,8 @@ LONG_PREFIX = PREFIX * 3
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    # Bounded load is off: with it, the one node that just served a long seed request is
-    # "busier than 1.5x the mean" and takes no forwards for a while, by design; these tests
-    # check that the runtime carries out what the cost policy decides from the cache view.
     options = {"gossip_interval": 0.1, "suspect_timeout": 0.5, "forward_timeout": 2.0,
-               "policy": "cost", "load_bound": "off"}
+               "policy": "cost"}
     # n0 declares silent peers dead quickly; n1 waits long, so a restart reaches it as a new
     # incarnation of a still-known peer rather than as a fresh join.
     per_node = {0: {"dead_timeout": 3.0}, 1: {"dead_timeout": 120.0}, 2: {"dead_timeout": 3.0}}
