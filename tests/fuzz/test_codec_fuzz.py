@@ -120,7 +120,8 @@ msgpack_values = st.recursive(
 )
 
 
-@FUZZ
+@settings(max_examples=max(1, EXAMPLES // 2), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(doc=st.lists(msgpack_values, min_size=0, max_size=20))
 def test_arbitrary_msgpack_documents(doc: list[Any]) -> None:
     decode_or_reject(Codec(SMALL), msgpack.packb(doc, use_bin_type=True))
