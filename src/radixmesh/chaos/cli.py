@@ -25,7 +25,7 @@ from radixmesh.chaos.report import FaultResult, to_markdown
 from radixmesh.chaos.soak import SoakConfig, run_soak
 from radixmesh.runtime.config import parse_duration
 
-FAULTS = ("auth", "kill", "hang", "loss", "partition", "slow", "wrongkey", "sidechannel")
+FAULTS = ("auth", "kill", "hang", "stream", "loss", "partition", "slow", "wrongkey", "sidechannel")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -116,6 +116,8 @@ class ChaosEnv:
 
     def references(self, prompts: Sequence[Prompt]) -> dict[str, str]:
         """Single-node greedy outputs of ``prompts`` (computed in-process, once per prompt)."""
+        for p in prompts:
+            self._by_id.setdefault(p.id, p)
         missing = [p for p in prompts if p.id not in self._references]
         if missing:
             self._compute_references(missing)

@@ -101,14 +101,20 @@ def _prompts(env: ChaosEnv, groups: Sequence[int], n: int, skip: int = 0) -> lis
 
 
 # ------------------------------------------------------------------------------- faults
-def kill_forward_target(env: ChaosEnv, plan: FaultPlan, sig: int = signal.SIGKILL
-                        ) -> FaultResult:
-    """kill -9 (or SIGSTOP: a hung node) of the peer that requests are being forwarded to."""
+def kill_forward_target(env: ChaosEnv, plan: FaultPlan, sig: int = signal.SIGKILL,
+                        stream: bool = False) -> FaultResult:
+    """kill -9 (or SIGSTOP: a hung node) of the peer that requests are being forwarded to.
+
+    ``stream``: clients stream (SSE) 48 tokens each, so the kill lands mid-generation; a
+    forward that dies after streaming some tokens must finish locally, seamlessly.
+    """
     hung = sig == signal.SIGSTOP
     name = "hung forward target (SIGSTOP)" if hung else "kill -9 of the forward target"
-    r = FaultResult(name)
+    r = FaultResult(name + (", streaming clients" if stream else ""))
     entry, target = 0, (2 if hung else 1) % len(env.cluster)
-    group = env.groups[1 if hung else 0]
+    group = env.groups[6 if stream else 1 if hung else 0]
+    if stream:
+        group = [Prompt(p.id + "-sse", p.text, 48, True) for p in group]
     warm, probe, load = group[:2], group[2:5], group[5:5 + plan.requests]
     env.references([*probe, *load])
     env.warm(target, warm)
@@ -128,10 +134,14 @@ def kill_forward_target(env: ChaosEnv, plan: FaultPlan, sig: int = signal.SIGKIL
             env.cluster.kill(target, sig)
             fault_t.append(time.monotonic())
 
+    failures0 = _forward_failures(env, entry)
     t0 = time.monotonic()
     outs = env.send(lambda _: env.url(entry), load, plan.concurrency, on_done=on_done)
     tally(env, r, outs)
     _latency_bound(r, env, base, outs, t0, fault_t)
+    after = _forward_failures(env, entry)
+    r.figures["entry_forward_failures"] = {
+        k: v - failures0.get(k, 0.0) for k, v in after.items() if v != failures0.get(k, 0.0)}
     if hung:
         env.cluster.kill(target, signal.SIGCONT)
         t = env.wait_converged(plan.converge_timeout_s)
@@ -140,6 +150,13 @@ def kill_forward_target(env: ChaosEnv, plan: FaultPlan, sig: int = signal.SIGKIL
     r.check(r.failures == 0, "0 client-visible failures")
     r.check(r.lost == 0, "every answer equals the single-node greedy output")
     return r
+
+
+def _forward_failures(env: ChaosEnv, i: int) -> dict[str, float]:
+    """Failed forwards of node ``i`` by reason (``disconnected`` after ``accepted`` = the peer
+    died mid-request; ``timeout``; ``connect``; ...)."""
+    prefix = 'radixmesh_forward_failures_total{reason="'
+    return {k[len(prefix):-2]: v for k, v in env.metrics(i).items() if k.startswith(prefix)}
 
 
 def _latency_bound(r: FaultResult, env: ChaosEnv, base: Sequence[Outcome],
@@ -494,6 +511,7 @@ def run_all(env: ChaosEnv, plan: FaultPlan, only: Sequence[str] = ()) -> list[Fa
         ("kill", lambda: [kill_forward_target(env, plan),
                           restart_new_incarnation(env, plan, target=1)]),
         ("hang", lambda: [kill_forward_target(env, plan, signal.SIGSTOP)]),
+        ("stream", lambda: [kill_forward_target(env, plan, stream=True)]),
         ("loss", lambda: [gossip_loss(env, plan, loss, (2 + k,))
                           for k, loss in enumerate(plan.loss_levels)]),
         ("partition", lambda: [partition_halves(env, plan, (10, 11))]),

@@ -13,6 +13,7 @@ responses: the load a real population of users puts on a cluster, so slow nodes 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +27,7 @@ class Prompt:
     id: str
     text: str
     max_tokens: int = 4
+    stream: bool = False  # server-sent events; the answer is the concatenated text pieces
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +49,11 @@ class Outcome:
 
 
 def completion_body(p: Prompt, model: str) -> dict[str, object]:
-    return {"model": model, "prompt": p.text, "max_tokens": p.max_tokens, "temperature": 0}
+    body: dict[str, object] = {"model": model, "prompt": p.text, "max_tokens": p.max_tokens,
+                               "temperature": 0}
+    if p.stream:
+        body["stream"] = True
+    return body
 
 
 def _cached_tokens(body: dict[str, object]) -> int | None:
@@ -88,6 +94,8 @@ async def send_one(
     headers: dict[str, str] | None = None,
 ) -> Outcome:
     """POST one completion; never raises (failures become outcomes)."""
+    if p.stream:
+        return await _send_stream(client, base_url, p, model, t0, timeout_s, headers)
     start = time.monotonic()
     try:
         resp = await client.post(
@@ -98,6 +106,49 @@ async def send_one(
         error = f"{type(exc).__name__}: {exc}"[:200]
         return Outcome(p.id, base_url, None, error, time.monotonic() - start, start - t0)
     return _from_response(p.id, base_url, resp, time.monotonic() - start, start - t0)
+
+
+async def _send_stream(
+    client: httpx.AsyncClient, base_url: str, p: Prompt, model: str, t0: float,
+    timeout_s: float, headers: dict[str, str] | None,
+) -> Outcome:
+    """A streamed completion: OK only if it ends with ``[DONE]`` and carried no error event."""
+    start = time.monotonic()
+    pieces: list[str] = []
+    error: str | None = None
+    status: int | None = None
+    done = False
+    try:
+        async with client.stream("POST", f"{base_url}/v1/completions", timeout=timeout_s,
+                                 json=completion_body(p, model), headers=headers) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                return _from_response(p.id, base_url, resp, time.monotonic() - start,
+                                      start - t0)
+            status = 200
+            served_by = resp.headers.get("x-radixmesh-served-by")
+            route = resp.headers.get("x-radixmesh-route")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    done = True
+                    continue
+                event = json.loads(data)
+                if "error" in event:
+                    error = f"stream error: {str(event['error'])[:200]}"
+                    continue
+                for choice in event.get("choices", []):
+                    pieces.append(choice.get("text", ""))
+    except (httpx.HTTPError, OSError, ValueError) as exc:
+        error = f"{type(exc).__name__}: {exc}"[:200]
+        served_by = route = None
+    if error is None and not done:
+        error = "stream ended without [DONE]"
+    return Outcome(p.id, base_url, status, error,
+                   time.monotonic() - start, start - t0, text="".join(pieces),
+                   served_by=served_by, route=route)
 
 
 def _from_response(
