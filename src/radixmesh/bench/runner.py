@@ -135,7 +135,9 @@ class Sink:
 
 
 def new_http_client() -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=512, max_keepalive_connections=64)
+    # Idle connections expire well before uvicorn's 5 s keep-alive, or a reused connection can
+    # race the server closing it (a client-side ReadError, not a node failure).
+    limits = httpx.Limits(max_connections=512, max_keepalive_connections=64, keepalive_expiry=1.0)
     return httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0), limits=limits)
 
 
