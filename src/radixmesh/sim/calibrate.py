@@ -207,7 +207,10 @@ def measure_decode(b: _Bench, tokens: int, repeats: int) -> list[dict[str, float
 
 
 def calibrate(args: argparse.Namespace) -> dict[str, Any]:
-    log = (lambda _m: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    def log(message: str) -> None:
+        if not args.quiet:
+            print(message, file=sys.stderr, flush=True)
+
     b = _Bench(args)
     for _ in range(3):  # warm-up: allocator, kernels, lazy init
         b.generate(b.prompt(256), 4)

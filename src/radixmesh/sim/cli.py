@@ -209,7 +209,8 @@ def auto_interval(nodes: int, text: str) -> float:
 
 
 def network_config(args: argparse.Namespace, delay_s: float) -> NetworkConfig:
-    regions, matrix = ((), ())
+    regions: tuple[str, ...] = ()
+    matrix: tuple[tuple[float, ...], ...] = ()
     if args.regions:
         if not args.region_delays:
             raise ValueError("--regions needs --region-delays")

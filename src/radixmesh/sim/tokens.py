@@ -58,12 +58,12 @@ def word_tokenize() -> tuple[Tokenize, str]:
                 return encode(req.prompt)
             # The shared prefix is tokenized once per group (pieces never span the cut).
             head = req.prompt[:cut]
-            ids = prefixes.get(head)
-            if ids is None:
+            cached = prefixes.get(head)
+            if cached is None:
                 if len(prefixes) > 4096:
                     prefixes.clear()
-                ids = prefixes[head] = encode(head)
-            return ids + encode(req.prompt[cut:])
+                cached = prefixes[head] = encode(head)
+            return cached + encode(req.prompt[cut:])
         assert req.messages is not None
         ids: list[int] = []
         for m in req.messages:

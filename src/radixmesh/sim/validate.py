@@ -98,7 +98,8 @@ def _key(r: Row) -> tuple[Any, ...]:
 def _none_of(rows: list[Row], r: Row) -> Row | None:
     cands = [x for x in rows if x["policy"] == "none" and _key(x) == _key(r)]
     same_delay = [x for x in cands if x["comm_delay_ms"] == r["comm_delay_ms"]]
-    return (same_delay or cands or [None])[0]
+    found = same_delay or cands
+    return found[0] if found else None
 
 
 def _ratio(rows: list[Row], r: Row) -> float | None:
