@@ -87,7 +87,7 @@ class ChaosEnv:
         self._by_id = {p.id: p for group in self.groups for p in group}
         self._references: dict[str, str] = {}
         self._engine: Any = None
-        self._http = httpx.Client(timeout=10.0, trust_env=False)
+        self._http = httpx.Client(timeout=30.0, trust_env=False)  # slow when the box is loaded
 
     def __enter__(self) -> ChaosEnv:
         self.cluster.start()
@@ -155,7 +155,7 @@ class ChaosEnv:
     # ---------------------------------------------------------------------------- state
     def meshes(self, among: Sequence[int] | None = None) -> dict[int, dict[str, Any]]:
         idx = [n.index for n in self.cluster.nodes if n.running] if among is None else among
-        return {i: self._http.get(self.url(i) + "/mesh", timeout=5.0).json() for i in idx}
+        return {i: self._http.get(self.url(i) + "/mesh", timeout=15.0).json() for i in idx}
 
     def stale_pairs(self, among: Sequence[int] | None = None) -> list[str]:
         """``"X->P: why"`` for every ordered pair whose view is not current."""
@@ -183,7 +183,7 @@ class ChaosEnv:
             time.sleep(poll_s)
         return None
 
-    def wait_view(self, observer: int, peer: int, timeout_s: float = 10.0) -> bool:
+    def wait_view(self, observer: int, peer: int, timeout_s: float = 30.0) -> bool:
         """Until ``observer``'s view of ``peer`` is current and non-empty."""
         deadline = time.monotonic() + timeout_s
         pid = self.cluster.nodes[peer].node_id
@@ -202,7 +202,7 @@ class ChaosEnv:
 
     def metrics(self, i: int) -> dict[str, float]:
         """Prometheus samples of node ``i`` as ``{"name{labels}": value}``."""
-        text = self._http.get(self.url(i) + "/metrics", timeout=5.0).text
+        text = self._http.get(self.url(i) + "/metrics", timeout=15.0).text
         out: dict[str, float] = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):
