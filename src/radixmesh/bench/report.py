@@ -26,6 +26,7 @@ from radixmesh.bench.records import Record
 
 Run = dict[str, Any]
 WINDOW, STRIDE = 300, 30
+STALL_S = 30.0  # no request legitimately takes this long here; longer = the machine froze
 
 
 # ----------------------------------------------------------------------------- loading
@@ -126,15 +127,18 @@ class Results:
         b = sum(theirs[i] for i in common) / len(common)
         return a, b, len(common)
 
-    def median_ratio(self, run: Run | None) -> float | None:
-        """Median over paired requests of latency(run) / latency(none): robust to stalls."""
+    def ratio_without_stalls(self, run: Run | None) -> tuple[float, int] | None:
+        """Paired mean ratio over requests that took < STALL_S in both runs, and how many were
+        left out: a frozen machine (minutes for one request) must not decide a comparison."""
         base = None if run is None else self.baseline(run)
         if run is None or base is None:
             return None
         mine = {r.id: r.latency_s for r in self.ok(run)}
         theirs = {r.id: r.latency_s for r in self.ok(base)}
-        ratios = sorted(mine[i] / theirs[i] for i in mine.keys() & theirs.keys() if theirs[i] > 0)
-        return ratios[len(ratios) // 2] if ratios else None
+        common = mine.keys() & theirs.keys()
+        kept = [i for i in common if mine[i] < STALL_S and theirs[i] < STALL_S]
+        den = sum(theirs[i] for i in kept)
+        return (sum(mine[i] for i in kept) / den, len(common) - len(kept)) if den > 0 else None
 
     def ratio(self, run: Run | None) -> float | None:
         if run is None:
@@ -166,6 +170,10 @@ def verdict(ok: bool | None) -> str:
     return "n/a (not run)" if ok is None else ("**met**" if ok else "**missed**")
 
 
+def stall_text(x: tuple[float, int] | None) -> str:
+    return "—" if x is None else f"{x[0]:.3f} ({x[1]})"
+
+
 # ----------------------------------------------------------------------------- tables
 DELAYS = (("2ms", 2.0), ("200ms", 200.0), ("1s", 1000.0))
 
@@ -180,14 +188,16 @@ def table1(res: Results) -> str:
         pub_r, pub_n = P.TABLE1[label]
         rows.append([
             label, f3(pp[0] if pp else None), f3(pc[0] if pc else None),
-            f3(none_mean), f3(res.ratio(paper)), f3(res.ratio(cost)),
-            f3(res.median_ratio(cost)),
+            f3(none_mean), f"{f3(res.ratio(paper))}; {stall_text(res.ratio_without_stalls(paper))}",
+            f3(res.ratio(cost)),
+            stall_text(res.ratio_without_stalls(cost)),
             "/".join(str(p[2]) for p in (pp, pc) if p) or "—",
             f"{pub_r:.3f} / {pub_n:.3f} = {pub_r / pub_n:.2f}",
             f"≤ {P.TARGET_RATIO[label]:.2f}",
         ])  # fmt: skip
-    head = ["Δcomm", "paper (s)", "cost (s)", "none (s, paired with cost)", "paper/none",
-            "cost/none", "cost/none, median of paired ratios", "paired n (paper/cost)",
+    head = ["Δcomm", "paper (s)", "cost (s)", "none (s, paired with cost)",
+            "paper/none; without stalls (left out)",
+            "cost/none", "cost/none without stalls (left out)", "paired n (paper/cost)",
             "published routed/none", "target cost/none"]  # fmt: skip
     return table(head, rows)
 
