@@ -147,6 +147,8 @@ def kill_forward_target(env: ChaosEnv, plan: FaultPlan, sig: int = signal.SIGKIL
         t = env.wait_converged(plan.converge_timeout_s)
         r.check(t is not None, "after SIGCONT the hung node rejoined and views converged")
         r.figures["rejoin_s"] = t
+    elif stream:  # the next faults need every node (the plain kill has its own restart fault)
+        env.cluster.restart(target)
     r.check(r.failures == 0, "0 client-visible failures")
     r.check(r.lost == 0, "every answer equals the single-node greedy output")
     return r
