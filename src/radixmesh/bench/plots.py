@@ -61,13 +61,17 @@ def latency_vs_comm(res: Results, path: Path) -> bool:
     return _save(fig, path)
 
 
+def window_for(n: int) -> int:
+    return min(WINDOW, max(30, n // 3))
+
+
 def windows(
     records: Sequence[Record], group: str, nodes: Sequence[str]
 ) -> tuple[list[int], dict[str, list[float]]]:
     """Per-node share (%) of ``group``'s requests in sliding windows over the request stream
     (window 300 requests, stride 30; a third of the run when it is shorter than 900)."""
     ordered = sorted(records, key=lambda r: r.seq)
-    window = min(WINDOW, max(30, len(ordered) // 3))
+    window = window_for(len(ordered))
     xs: list[int] = []
     shares: dict[str, list[float]] = {n: [] for n in nodes}
     for end in range(window, len(ordered) + 1, STRIDE):
@@ -122,7 +126,8 @@ def share_over_time(res: Results, path: Path) -> bool:
     groups = _top_groups(res.ok(panels[0][1]))
     if not groups:
         return False
-    title = f"Per-node share of two subjects' requests (window {WINDOW}, stride {STRIDE})"
+    w = window_for(len(res.ok(panels[0][1])))
+    title = f"Per-node share of two subjects' requests (window {w}, stride {STRIDE} requests)"
     return _share_grid(res, panels, groups, title, path)
 
 
@@ -135,7 +140,8 @@ def specialization_eviction(res: Results, path: Path) -> bool:
     if not panels:
         return False
     groups = _top_groups(res.ok(panels[0][1]))
-    title = "Specialization–eviction under memory pressure (window 300, stride 30)"
+    w = window_for(len(res.ok(panels[0][1])))
+    title = f"Specialization–eviction under memory pressure (window {w}, stride {STRIDE})"
     return _share_grid(res, panels, groups, title, path)
 
 
