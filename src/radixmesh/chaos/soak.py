@@ -52,6 +52,8 @@ class _State:
     rss: list[dict[str, object]] = field(default_factory=list)
     stop: bool = False
     chaos_error: str | None = None  # the kill/restart loop broke (e.g. a node never rejoined)
+    down: list[str] = field(default_factory=list)  # nodes not running when the load ended
+    locks: dict[str, float | str] = field(default_factory=dict)  # locked tokens at the end
 
 
 def _prompt_picker(env: ChaosEnv, cfg: SoakConfig) -> list[Prompt]:
@@ -135,32 +137,58 @@ async def _run(env: ChaosEnv, cfg: SoakConfig, prompts: list[Prompt], st: _State
     tasks = [asyncio.create_task(_chaos(env, cfg, st, t0)),
              asyncio.create_task(_sampler(env, cfg, st, t0))]
     try:
-        return await open_loop(entry, lambda i: prompts[i], env.model, cfg.rate,
-                               cfg.duration_s, timeout_s=120.0)
+        outcomes = await open_loop(entry, lambda i: prompts[i], env.model, cfg.rate,
+                                   cfg.duration_s, timeout_s=120.0)
     finally:
         st.stop = True  # both tasks finish what they are doing (a restart completes)
         await asyncio.gather(*tasks, return_exceptions=True)
+    # Still inside the loop: nodes restarted from executor threads carry PR_SET_PDEATHSIG,
+    # which fires when *that thread* exits, i.e. when asyncio.run shuts the executor down.
+    st.down = [n.node_id for n in env.cluster.nodes if not n.running]
+    if not st.down:
+        await asyncio.to_thread(env.cluster.wait_ready, 120)
+    st.locks = await asyncio.to_thread(_locks_at_end, env)
+    return outcomes
 
 
-def _locks_at_end(env: ChaosEnv, timeout_s: float = 30.0) -> dict[str, float]:
-    """Locked radix-cache tokens per node once queues are empty (must all be 0)."""
+def _locks_at_end(env: ChaosEnv, timeout_s: float = 30.0) -> dict[str, float | str]:
+    """Locked radix-cache tokens per running node once queues are empty (must all be 0).
+
+    A node whose /metrics cannot be read reports the error text instead (a failed check).
+    """
     deadline = time.monotonic() + timeout_s
     while True:
-        locks: dict[str, float] = {}
+        locks: dict[str, float | str] = {}
         busy = False
-        for node in env.cluster.nodes:
-            if not node.running:
-                continue
-            try:
-                m = env.metrics(node.index)
-            except httpx.HTTPError:
-                busy = True
-                continue
-            locks[node.node_id] = m.get("radixmesh_cache_locked_tokens", -1.0)
-            busy |= m.get("radixmesh_queue_depth", 0.0) > 0
-        if (not busy and not any(locks.values())) or time.monotonic() > deadline:
+        with httpx.Client(timeout=15.0, trust_env=False) as client:
+            for node in env.cluster.nodes:
+                if not node.running:
+                    continue
+                try:
+                    text = client.get(node.url + "/metrics").text
+                except httpx.HTTPError as exc:
+                    locks[node.node_id] = f"error: {type(exc).__name__}: {exc}"[:200]
+                    busy = True
+                    continue
+                m = _samples(text)
+                locks[node.node_id] = m.get("radixmesh_cache_locked_tokens", "missing")
+                busy |= m.get("radixmesh_queue_depth", 0.0) > 0
+        settled = all(v == 0 for v in locks.values())
+        if (not busy and settled) or time.monotonic() > deadline:
             return locks
         time.sleep(0.5)
+
+
+def _samples(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            try:
+                out[name] = float(value)
+            except ValueError:
+                continue
+    return out
 
 
 def run_soak(env: ChaosEnv, cfg: SoakConfig) -> dict[str, object]:
@@ -171,10 +199,7 @@ def run_soak(env: ChaosEnv, cfg: SoakConfig) -> dict[str, object]:
     t0 = time.monotonic()
     outcomes = asyncio.run(_run(env, cfg, prompts, st))
     elapsed = time.monotonic() - t0
-    down = [n.node_id for n in env.cluster.nodes if not n.running]
-    if not down:
-        env.cluster.wait_ready(120)
-    locks = _locks_at_end(env)
+    down, locks = st.down, st.locks
     lost = env.lost(outcomes)
     stats = summarize(outcomes)
     lat = [o.latency_s for o in outcomes if o.ok]
@@ -197,6 +222,6 @@ def run_soak(env: ChaosEnv, cfg: SoakConfig) -> dict[str, object]:
         "locked_tokens_at_end": locks,
         "nodes_down_at_end": down,
         "chaos_error": st.chaos_error,
-        "passed": not errors and not lost and not any(locks.values()) and not down
-        and st.chaos_error is None,
+        "passed": not errors and not lost and not down and st.chaos_error is None
+        and len(locks) == len(env.cluster) and all(v == 0 for v in locks.values()),
     }
