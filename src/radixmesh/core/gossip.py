@@ -78,6 +78,7 @@ DIGEST_FULL = 64  # epidemic: up to this many known nodes, every digest lists th
 DIGEST_SAMPLE = 48  # ... beyond that, a random sample of this many (plus recent changes)
 RUMOR_SENDS = 3  # epidemic: messages that push a node's changed state unasked
 MAX_RUMORS = 16  # recent changes named in one digest, at most
+MAX_KNOWS = 64  # epidemic: peers whose latest digest is kept (most recent senders; bounds memory)
 RUMOR_CHANGES = 4  # change entries pushed with a rumor
 RUMOR_SNAPSHOT_HASHES = 1024  # a rumor carries a snapshot only if it is this small
 RELAY_LOG_HASHES = 4096  # per origin: hashes of change entries kept for relaying deltas
@@ -170,6 +171,7 @@ class Gossiper:
         self._full_digest: tuple[DigestEntry, ...] | None = None  # cached for one round
         self._heard_now: dict[str, None] = {}  # heard first-hand this round (freshest beats)
         self._heard_last: list[str] = []  # ... and in the previous round
+        self._knowing: dict[str, None] = {}  # peers whose ``knows`` is kept, oldest first
 
     # ================================================================= incoming messages
     def receive(self, msg: Gossip, now: float, load: Load) -> list[Action]:
@@ -195,7 +197,7 @@ class Gossiper:
         if newest:
             self._apply_ack(est, msg.ack, now)
             if msg.digest:
-                est.knows = {d.node_id: d for d in msg.digest}
+                self._keep_knows(est, msg.digest)
         self._learn_peers(msg.peers, now, actions)
         self._apply_digest(msg.digest, now, actions)
         for state in msg.relays:
@@ -208,6 +210,20 @@ class Gossiper:
             if member is not None:
                 actions.append(self._send(est, member, now, load, reply=False, full=joining))
         return actions
+
+    def _keep_knows(self, est: Estimate, digest: tuple[DigestEntry, ...]) -> None:
+        """Keep the sender's digest; only the MAX_KNOWS most recent senders' digests are kept
+        (each node holding every peer's digest grew as N² x digest size: GBs at 1024 nodes).
+        A peer whose digest was dropped is relayed to as one never heard: rumors only."""
+        est.knows = {d.node_id: d for d in digest}
+        self._knowing.pop(est.node_id, None)
+        self._knowing[est.node_id] = None
+        while len(self._knowing) > MAX_KNOWS:
+            oldest = next(iter(self._knowing))
+            del self._knowing[oldest]
+            old = self.estimates.get(oldest)
+            if old is not None:
+                old.knows = None
 
     def _resolve(
         self, node_id: str, incarnation: int, address: str, now: float, out: list[Action]
