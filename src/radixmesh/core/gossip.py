@@ -40,9 +40,9 @@ last stamp received from its destination and how long it was held, so the destin
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
+from random import Random  # the type only: instances are passed in, never the global one
 
 from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.codec import Codec
@@ -148,7 +148,7 @@ class Gossiper:
         members: Membership,
         rtt: RttTable,
         codec: Codec,
-        rng: random.Random,
+        rng: Random,
         metrics: dict[str, float],
     ) -> None:
         self.config = config

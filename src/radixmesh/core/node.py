@@ -29,8 +29,8 @@ through a lazily cleaned heap.
 from __future__ import annotations
 
 import heapq
-import random
 from collections.abc import Sequence
+from random import Random  # the type only: instances are passed in, never the global one
 
 from radixmesh.core.codec import Codec, Limits, RemoteProtocolError
 from radixmesh.core.config import NodeConfig
@@ -102,7 +102,7 @@ _COUNTERS = (
 class NodeCore:
     """Local summary + peer view + membership + gossip + router of one node."""
 
-    def __init__(self, config: NodeConfig, rng: random.Random, now: float) -> None:
+    def __init__(self, config: NodeConfig, rng: Random, now: float) -> None:
         self.config = config
         self._rng = rng
         self._metrics: dict[str, float] = dict.fromkeys(_COUNTERS, 0.0)

@@ -23,8 +23,8 @@ wrong answer.
 from __future__ import annotations
 
 import itertools
-import random
 from collections.abc import Container, Iterable, Sequence
+from random import Random  # the type only: instances are passed in, never the global one
 
 PeerId = str
 
@@ -93,7 +93,7 @@ class PeerView:
         self,
         hashes: Sequence[int],
         k: int,
-        rng: random.Random,
+        rng: Random,
         skip: Container[PeerId] = (),
     ) -> list[tuple[PeerId, int]]:
         """Up to ``k`` peers with the deepest matches, deepest first, as ``(peer, depth)``.
@@ -113,7 +113,7 @@ class PeerView:
         return out
 
     def _sample(
-        self, mask: int, n: int, rng: random.Random, skip: Container[PeerId]
+        self, mask: int, n: int, rng: Random, skip: Container[PeerId]
     ) -> list[PeerId]:
         """Up to ``n`` peers of ``mask``, scanning slots cyclically from a random one."""
         width = mask.bit_length()

@@ -33,10 +33,10 @@ saving exceeds the forward cost: on a slow network it degenerates to ``none``.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from random import Random  # the type only: instances are passed in, never the global one
 
 from radixmesh.core.costmodel import SpeedReport
 
@@ -127,7 +127,7 @@ class Router:
         self._rr = 0
 
     def rank(
-        self, req: RouteInput, nodes: Sequence[NodeInfo], rng: random.Random
+        self, req: RouteInput, nodes: Sequence[NodeInfo], rng: Random
     ) -> list[Candidate]:
         selves = [n for n in nodes if n.is_self]
         if len(selves) != 1:
@@ -142,7 +142,7 @@ class Router:
         if policy is Policy.PAPER:
             order = _by_match(avail)
         elif policy is Policy.COST:
-            order = self._by_cost(req, avail, rng, selves[0])
+            order = self._by_cost(req, avail, rng)
         elif policy is Policy.RANDOM:
             order = avail[:]
             rng.shuffle(order)
@@ -157,20 +157,18 @@ class Router:
         self,
         req: RouteInput,
         avail: list[NodeInfo],
-        rng: random.Random,
-        me: NodeInfo,
+        rng: Random,
     ) -> list[NodeInfo]:
         scale = self.config.context_scale
         keyed = [(predict_latency(req, n, scale), n.queue_depth, rng.random(), n) for n in avail]
         keyed.sort(key=lambda k: (k[0], not k[3].is_self, k[1], k[2]))
         order = [k[3] for k in keyed]
         overloaded = self._over_bound(avail)
-        best = next((k for k in keyed if k[3].node_id not in overloaded), keyed[0])
-        local_latency = predict_latency(req, me, scale)
-        gain = local_latency - best[0]
-        needed = max(self.config.min_gain_s, self.config.min_gain_frac * local_latency)
-        if best[3].is_self or gain < needed:
-            best = next(k for k in keyed if k[3].is_self)
+        mine = next(k for k in keyed if k[3].is_self)
+        best = next((k for k in keyed if k[3].node_id not in overloaded), mine)
+        needed = max(self.config.min_gain_s, self.config.min_gain_frac * mine[0])
+        if mine[0] - best[0] < needed:
+            best = mine
         return [best[3], *(n for n in order if n is not best[3])]
 
     def _over_bound(self, avail: list[NodeInfo]) -> set[str]:
@@ -211,7 +209,7 @@ def _by_match(avail: list[NodeInfo]) -> list[NodeInfo]:
     return sorted(avail, key=lambda n: (-n.cached_tokens, not n.is_self, n.node_id))
 
 
-def _least_loaded(avail: list[NodeInfo], rng: random.Random) -> list[NodeInfo]:
+def _least_loaded(avail: list[NodeInfo], rng: Random) -> list[NodeInfo]:
     keyed = [(n.queue_depth, not n.is_self, rng.random(), n) for n in avail]
     keyed.sort(key=lambda k: k[:3])
     return [k[3] for k in keyed]
