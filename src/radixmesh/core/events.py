@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from radixmesh.core.messages import Gossip
+
 # ----------------------------------------------------------------------------------- events
 
 
@@ -21,10 +23,16 @@ class Tick:
 
 @dataclass(frozen=True, slots=True)
 class MessageReceived:
-    """Raw bytes of a peer message (gossip). Decoding and validation happen in the core."""
+    """Raw bytes of a peer message (gossip). Decoding and validation happen in the core.
+
+    ``message`` is for in-process transports only (the simulator): the decoded message the
+    sender's :class:`Send` carried, which the core then applies without decoding ``data``
+    again. It is trusted, so a shell fed by a network never sets it.
+    """
 
     data: bytes
     source: str | None = None  # transport-level sender address, informational only
+    message: Gossip | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +86,15 @@ class ForwardFailed:
     reason: str
 
 
+@dataclass(frozen=True, slots=True)
+class ForwardRefused:
+    """``peer_id`` answered a forward with "busy" (its queue is past its push-back threshold):
+    it is alive, so not suspect; it is skipped for ``retry_after_s`` as if it had pushed back."""
+
+    peer_id: str
+    retry_after_s: float
+
+
 Event = (
     Tick
     | MessageReceived
@@ -86,6 +103,7 @@ Event = (
     | RequestServed
     | ForwardSucceeded
     | ForwardFailed
+    | ForwardRefused
 )
 
 # ---------------------------------------------------------------------------------- actions
@@ -98,6 +116,7 @@ class Send:
     address: str
     payload: bytes
     peer_id: str | None = None  # None while the peer is known only as a seed address
+    message: Gossip | None = None  # what ``payload`` encodes (immutable; for in-process shells)
 
 
 @dataclass(frozen=True, slots=True)

@@ -92,6 +92,7 @@ MAX_MEMBERS = 8192  # known nodes, at most: ids beyond this are ignored (bounds 
 ECHO_EVERY = 8  # messages to one peer between RTT echoes
 RESEND_AFTER_ROUNDS = 2.5  # unacknowledged changes are sent again after this many rounds
 SPEED_EVERY = 16  # messages to one peer between unconditional speed reports
+MAX_RETRY_AFTER_S = 60.0  # a "busy" answer asking for a longer back-off is ignored
 SPEED_CHANGE = 0.05  # relative change of a speed figure that is worth reporting at once
 
 
@@ -421,7 +422,7 @@ class Gossiper:
             f"but this node serves {_describe(mine)}; its cache can never match ours"
         )
         hello = self._message(None, now, load, reply=False, full=True)
-        return [Log("warning", text), Send(msg.address, self.codec.encode(hello), None)]
+        return [Log("warning", text), Send(msg.address, self.codec.encode(hello), None, hello)]
 
     def _reject_self(self, msg: Gossip) -> list[Action]:
         self._count("messages_rejected_self")
@@ -456,6 +457,15 @@ class Gossiper:
         t = self.members.apply(peer_id, MemberEvent.FORWARD_FAILED, now)
         self._sync_routable(peer_id)
         return [] if t is None else [_changed(t)]
+
+    def refused_forward(self, peer_id: str, retry_after_s: float, now: float) -> None:
+        """The peer answered a forward with "busy": back off as if it had pushed back."""
+        est = self.estimates.get(peer_id)
+        if est is None or not 0.0 < retry_after_s <= MAX_RETRY_AFTER_S:
+            return
+        until = now + retry_after_s
+        if est.pushback_until is None or est.pushback_until < until:
+            est.pushback_until = until
 
     def forget(self, node_id: str) -> None:
         self._drop_estimate(node_id)
@@ -520,7 +530,7 @@ class Gossiper:
         for address in self.members.seeds:
             if lonely or not self.members.address_known(address):
                 msg = self._message(None, now, load, reply=True, full=True)
-                out.append(Send(address, self.codec.encode(msg), None))
+                out.append(Send(address, self.codec.encode(msg), None, msg))
         return out
 
     def _send(
@@ -530,7 +540,7 @@ class Gossiper:
         msg = self._message(est, now, load, reply=reply, full=full)
         est.sent += 1
         data = self.codec.encode(msg)
-        return Send(member.address, data, member.node_id)
+        return Send(member.address, data, member.node_id, msg)
 
     def _message(
         self, est: Estimate | None, now: float, load: Load, reply: bool, full: bool

@@ -40,6 +40,7 @@ from radixmesh.core.events import (
     CacheChanged,
     Event,
     ForwardFailed,
+    ForwardRefused,
     ForwardSucceeded,
     LoadChanged,
     Log,
@@ -49,7 +50,7 @@ from radixmesh.core.events import (
 )
 from radixmesh.core.gossip import Estimate, Gossiper
 from radixmesh.core.membership import Membership, MemberState
-from radixmesh.core.messages import Load
+from radixmesh.core.messages import Gossip, Load
 from radixmesh.core.peerview import PeerView
 from radixmesh.core.router import Candidate, NodeInfo, Policy, RouteInput, Router
 from radixmesh.core.summary import LocalSummary
@@ -151,7 +152,7 @@ class NodeCore:
         if isinstance(event, Tick):
             return self._tick(now)
         if isinstance(event, MessageReceived):
-            return self._receive(event.data, now)
+            return self._receive(event.data, now, event.message)
         if isinstance(event, CacheChanged):
             self._summary.apply(event.added, event.removed)
             return []
@@ -164,6 +165,10 @@ class NodeCore:
         if isinstance(event, ForwardFailed):
             self._count("forwards_failed")
             return self._gossip.forward_failed(event.peer_id, now)
+        if isinstance(event, ForwardRefused):
+            self._count("forwards_refused")
+            self._gossip.refused_forward(event.peer_id, event.retry_after_s, now)
+            return []
         raise TypeError(f"unknown event {event!r}")  # a bug in the shell, not a peer
 
     def next_deadline(self) -> float:
@@ -184,15 +189,16 @@ class NodeCore:
         sends = self._gossip.round(now, self._own_load(now))
         return self._account_out(sends)
 
-    def _receive(self, data: bytes, now: float) -> list[Action]:
+    def _receive(self, data: bytes, now: float, msg: Gossip | None) -> list[Action]:
         self._count("gossip_messages_in")
         self._count("gossip_bytes_in", len(data))
-        try:
-            msg = self._codec.decode(data)
-        except RemoteProtocolError as exc:
-            self._count("messages_rejected")
-            self._count(f"messages_rejected_{exc.reason}")
-            return [Log("debug", f"rejected a peer message: {exc}")]
+        if msg is None:  # from a network: decode and validate (the in-process one is trusted)
+            try:
+                msg = self._codec.decode(data)
+            except RemoteProtocolError as exc:
+                self._count("messages_rejected")
+                self._count(f"messages_rejected_{exc.reason}")
+                return [Log("debug", f"rejected a peer message: {exc}")]
         actions = self._gossip.receive(msg, now, self._own_load(now))
         self._note_load(msg.sender)
         for relayed in msg.relays:
@@ -218,6 +224,18 @@ class NodeCore:
         self._count("pushback_started")
         self._next_round = now  # advertise at once: the shell ticks us immediately
         return [Log("info", f"queue depth {event.queue_depth} > {pb.queue_threshold}: push-back")]
+
+    def admits_forward(self, now: float) -> float | None:
+        """Whether to execute a request a peer forwarded here: None (yes), or the seconds
+        the peer should wait before sending more ("busy"). A node at its push-back threshold
+        refuses forwards — client requests entering here are always served — so a peer routing
+        on a stale view of our queue finds out in one round trip, not one gossip round."""
+        pb = self.config.pushback
+        if self._load.queue_depth < pb.queue_threshold:
+            return None
+        self._count("forwards_refused_busy")
+        until = self._pushback_until
+        return pb.duration_s if until is None or until <= now else until - now
 
     def _served(self, event: RequestServed, now: float) -> list[Action]:
         self._count("requests_served")

@@ -40,6 +40,8 @@ from random import Random  # the type only: instances are passed in, never the g
 
 from radixmesh.core.costmodel import SpeedReport
 
+MAX_PEER_ATTEMPTS = 2  # peers a shell tries (refused or failed) before executing locally
+
 
 class Policy(StrEnum):
     NONE = "none"

@@ -19,6 +19,7 @@ _NAME_RE = re.compile(r"[^a-zA-Z0-9_]")
 class RuntimeMetrics:
     requests: Counter[str] = field(default_factory=Counter)  # by route: local|forwarded|fallback
     served_for_peers: int = 0  # forwarded requests this node executed for others
+    refused_for_peers: int = 0  # forwarded requests refused as busy (at the push-back threshold)
     client_errors: Counter[int] = field(default_factory=Counter)  # by HTTP status
     prompt_tokens: int = 0  # prompt tokens executed on this node's engine
     cached_tokens: int = 0  # of which reused from the KV cache (cache hit tokens)
@@ -99,6 +100,9 @@ def render(
               [({"route": r}, m.requests[r]) for r in routes])
     ex.single("served_for_peers_total", "counter",
               "Forwarded requests executed here for other nodes.", m.served_for_peers)
+    ex.single("refused_for_peers_total", "counter",
+              "Forwarded requests refused as busy (queue at the push-back threshold).",
+              m.refused_for_peers)
     ex.family("client_errors_total", "counter", "Client requests answered with an error.",
               [({"status": str(s)}, n) for s, n in sorted(m.client_errors.items())])
     ex.single("prompt_tokens_total", "counter", "Prompt tokens run on this engine.",

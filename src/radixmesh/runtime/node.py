@@ -42,6 +42,7 @@ from radixmesh.core.events import (
     CacheChanged,
     Event,
     ForwardFailed,
+    ForwardRefused,
     ForwardSucceeded,
     LoadChanged,
     Log,
@@ -52,7 +53,7 @@ from radixmesh.core.events import (
     Tick,
 )
 from radixmesh.core.node import NodeCore
-from radixmesh.core.router import Candidate
+from radixmesh.core.router import MAX_PEER_ATTEMPTS, Candidate
 from radixmesh.engine.base import Engine, GenerateRequest, GenerateResult, SamplingParams
 from radixmesh.engine.worker import EngineWorker
 from radixmesh.runtime import metrics as prom
@@ -69,7 +70,6 @@ from radixmesh.runtime.peer_client import ForwardError, ForwardStream, PeerClien
 
 log = logging.getLogger("radixmesh.node")
 
-MAX_PEER_ATTEMPTS = 2  # peers tried before running locally
 MAX_TIMER_SLEEP_S = 1.0  # the timer re-reads next_deadline() at least this often
 STOP_WAIT_S = 2.0  # stop(): how long to wait for the timer task to finish
 MIN_TICK_GAP_S = 0.001  # if a Tick leaves the deadline in the past, wait this long
@@ -469,6 +469,11 @@ class NodeService:
         log.warning("forward to %s failed: %s", peer_id, reason)
         self.dispatch(ForwardFailed(peer_id, reason))
 
+    def forward_refused(self, peer_id: str, retry_after_s: float) -> None:
+        self.metrics.forward_failures["busy"] += 1
+        log.info("forward to %s refused: busy (retry after %.2fs)", peer_id, retry_after_s)
+        self.dispatch(ForwardRefused(peer_id, retry_after_s))
+
     def forward_succeeded(self, peer_id: str, hashes: tuple[int, ...], overhead: float) -> None:
         self.metrics.forward_overhead_s_sum += overhead
         self.metrics.forward_overhead_count += 1
@@ -526,6 +531,12 @@ class NodeService:
         try:
             stream = await self.peers.open_forward(address, cand.node_id, self._forward_body(ctx))
             accepted = await stream.next_event()
+            if accepted.get("t") == "busy":
+                await stream.aclose()
+                retry = accepted.get("retry_after_s")
+                ok = isinstance(retry, int | float) and not isinstance(retry, bool)
+                self.forward_refused(cand.node_id, float(retry) if ok else 1.0)
+                return None
             if accepted.get("t") != "accepted":
                 raise ForwardError("bad_response", "first event is not 'accepted'")
         except ForwardError as exc:
@@ -551,6 +562,11 @@ class NodeService:
                             stream: bool, heartbeat_s: float) -> AsyncIterator[bytes]:
         """NDJSON events of a forwarded request, executed here (never routed again)."""
         t0 = time.perf_counter()
+        retry = self.core.admits_forward(self.clock())
+        if retry is not None:  # at the push-back threshold: the sender falls back at once
+            self.metrics.refused_for_peers += 1
+            yield _line({"t": "busy", "node": self.node_id, "retry_after_s": round(retry, 3)})
+            return
         self.metrics.served_for_peers += 1
         # First byte before the engine starts: once it computes, this thread waits for the GIL.
         yield _line({"t": "accepted", "node": self.node_id, "cached": self.engine.match(prompt)})

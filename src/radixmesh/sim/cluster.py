@@ -14,8 +14,9 @@ A client request mirrors the runtime's path::
       head is E        -> E's FIFO queue                         (route "local")
       head is peer P   -> one-way delay + hop overhead -> P's queue (hop limit 1: P executes)
                           <- one-way delay back -> ForwardSucceeded(P, hashes, rtt) to E
-                          refused / reset / silent -> ForwardFailed(P) to E, next candidate
-                                                  (route "fallback")
+                          P busy (core.admits_forward) -> ForwardRefused(P) to E, next try
+                          refused / reset / silent -> ForwardFailed(P) to E, next try
+                          (route "fallback"; after MAX_PEER_ATTEMPTS peers: E itself)
     (the receiver answers a first byte at once and heartbeats while queued, so a live peer's
     forward never times out, however long its queue; a partitioned one does)
     serving node X, after each request: RequestServed, CacheChanged, LoadChanged
@@ -42,6 +43,7 @@ from radixmesh.core.events import (
     CacheChanged,
     Event,
     ForwardFailed,
+    ForwardRefused,
     ForwardSucceeded,
     LoadChanged,
     Log,
@@ -52,7 +54,7 @@ from radixmesh.core.events import (
     Tick,
 )
 from radixmesh.core.node import NodeCore
-from radixmesh.core.router import Candidate, RouterConfig
+from radixmesh.core.router import MAX_PEER_ATTEMPTS, Candidate, RouterConfig
 from radixmesh.sim.clock import EventLoop
 from radixmesh.sim.costs import CostModel
 from radixmesh.sim.engine import Execution, SimEngine
@@ -183,6 +185,7 @@ class Counters:
     gossip_lost: int = 0
     forwards: int = 0
     forward_failures: int = 0
+    forward_refusals: int = 0
     logs: dict[str, int] = field(default_factory=dict)
     peer_states: list[tuple[float, str, str, str, str]] = field(default_factory=list)
 
@@ -322,11 +325,13 @@ class Cluster:
             c.gossip_lost += 1
             return
         delay = self.net.delay(node.idx, dst.idx)
-        self.loop.at(self.loop.now + delay, self._deliver, dst, action.payload, node.address)
+        self.loop.at(self.loop.now + delay, self._deliver, dst, action, node.address)
 
-    def _deliver(self, dst: SimNode, payload: bytes, source: str) -> None:
+    def _deliver(self, dst: SimNode, sent: Send, source: str) -> None:
+        # In process, the decoded message travels with its bytes: the receiver skips decoding
+        # (the bytes are still counted), and equal hashes are shared objects across nodes.
         if dst.up:
-            self.feed(dst, MessageReceived(payload, source))
+            self.feed(dst, MessageReceived(sent.payload, source, sent.message))
 
     def _load_changed(self, node: SimNode) -> None:
         assert node.engine is not None
@@ -357,6 +362,8 @@ class Cluster:
             self._fail_client(flight, "no candidate left")
             return
         cand = flight.candidates[flight.attempt]
+        if not cand.is_self and flight.attempt >= MAX_PEER_ATTEMPTS:  # as the runtime: local
+            cand = next(c for c in flight.candidates if c.is_self)
         flight.expected_cached = cand.expected_cached_tokens
         if cand.is_self:
             flight.route = "local" if flight.attempt == 0 else "fallback"
@@ -430,7 +437,25 @@ class Cluster:
                 "connection reset",
             )
             return
+        assert target.core is not None
+        retry = target.core.admits_forward(self.loop.now)
+        if retry is not None:  # busy: the first (and only) event back is the refusal
+            back = self.net.delay(target.idx, flight.entry)
+            self.loop.at(
+                self.loop.now + back, self._forward_refused, flight, attempt, target, retry
+            )
+            return
         self._enqueue(target, Work(flight, attempt, self.loop.now))
+
+    def _forward_refused(
+        self, flight: Flight, attempt: int, target: SimNode, retry_after_s: float
+    ) -> None:
+        if flight.attempt != attempt or flight.t_done >= 0 or flight.error is not None:
+            return
+        self.counters.forward_refusals += 1
+        self.feed(self.nodes[flight.entry], ForwardRefused(target.node_id, retry_after_s))
+        if self.nodes[flight.entry].up:
+            self._try_next(flight)
 
     def _forward_failed(self, flight: Flight, attempt: int, peer_id: str, reason: str) -> None:
         if flight.attempt != attempt or flight.t_done >= 0 or flight.error is not None:

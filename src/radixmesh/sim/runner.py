@@ -220,6 +220,7 @@ def _summary(
         "gossip_messages_per_node_s": (cluster.counters.gossip_messages - m0) / c.nodes / span,
         "gossip_lost": cluster.counters.gossip_lost,
         "forward_failures": cluster.counters.forward_failures,
+        "forward_refusals": cluster.counters.forward_refusals,
         "estimate_abs_error_tokens_mean": mean([float(e) for e in errors]),
         "estimate_abs_error_tokens_p99": percentile([float(e) for e in errors], 99),
         # wrong = off by at least one block (estimates are block-granular, truth is exact)
