@@ -12,6 +12,7 @@ from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.config import GossipConfig, NodeConfig, PushbackConfig
 from radixmesh.core.events import (
     ForwardFailed,
+    ForwardRefused,
     ForwardSucceeded,
     LoadChanged,
     Log,
@@ -228,6 +229,57 @@ def test_pushback_excludes_the_node_for_the_advertised_time_and_no_longer() -> N
     c.run_until(t0 + 2.01)
     assert not n0.pushed_back("n1", c.now)
     assert n0.route(chain, 128, 0, 1, c.now)[0].node_id == "n1"
+
+
+def test_busy_refusal_skips_the_peer_for_retry_after_without_suspecting_it() -> None:
+    rng = random.Random(8)
+    c = warm_cluster(2)
+    chain = hashes_of(c, "n1", rng)
+    c.run_for(1.0)
+    n0 = c.nodes["n0"]
+    assert n0.route(chain, 128, 0, 1, c.now)[0].node_id == "n1"
+    t0 = c.now
+    assert c.deliver("n0", ForwardRefused("n1", 0.5)) == []
+    assert n0.peer_state("n1") == "alive"  # it answered: not suspect
+    assert n0.pushed_back("n1", c.now)
+    assert n0.route(chain, 128, 0, 1, c.now)[0].is_self
+    assert n0.metrics()["forwards_refused"] == 1
+    c.deliver("n0", ForwardRefused("n1", 1e9))  # an absurd back-off is ignored
+    c.deliver("n0", ForwardRefused("ghost", 0.5))  # an unknown peer: nothing to do
+    c.run_until(t0 + 0.51)
+    assert not n0.pushed_back("n1", c.now)
+    assert n0.route(chain, 128, 0, 1, c.now)[0].node_id == "n1"
+
+
+def test_a_node_at_its_pushback_threshold_refuses_forwards() -> None:
+    node = lone_node(pushback=PushbackConfig(queue_threshold=2, duration_s=1.5))
+    node.handle(Tick(), 0.0)
+    node.handle(LoadChanged(1, 1, 0, 100), 0.1)
+    assert node.admits_forward(0.1) is None
+    node.handle(LoadChanged(2, 1, 0, 100), 0.2)  # at the threshold: no push-back yet
+    assert node.admits_forward(0.2) == 1.5
+    node.handle(LoadChanged(3, 1, 0, 100), 0.3)  # above: the push-back's remaining time
+    assert node.admits_forward(0.8) == 1.0
+    node.handle(LoadChanged(0, 0, 0, 100), 0.9)
+    assert node.admits_forward(0.9) is None
+    assert node.metrics()["forwards_refused_busy"] == 2
+
+
+def test_a_forward_is_refused_when_this_node_would_not_beat_the_senders_prediction() -> None:
+    node = lone_node()
+    node.handle(Tick(), 0.0)
+    cold = node.admits_forward(0.0, 540, 0, 1, beat_s=None)
+    assert cold is None  # no budget given (paper policy): only the threshold applies
+    # this node's own prediction for the request, warm and cold (a lone node routes to self)
+    warm_pred, cold_pred = (node.route([], 540, c, 1, 0.0)[0].predicted_latency_s for c in (512, 0))
+    assert warm_pred < cold_pred
+    between = (warm_pred + cold_pred) / 2
+    assert node.admits_forward(0.0, 540, 512, 1, beat_s=between) is None  # cached here: pays
+    assert node.admits_forward(0.0, 540, 0, 1, beat_s=between) == 0.0  # cold, idle: this one
+    node.handle(LoadChanged(3, 1, 0, 100), 0.1)  # a queue: the warm one no longer pays either
+    retry = node.admits_forward(0.1, 540, 512, 1, beat_s=between)
+    assert retry is not None and retry > 0  # ... and the sender backs off for the queue's wait
+    assert node.metrics()["forwards_refused_slower"] == 2
 
 
 def test_forward_succeeded_inserts_optimistically_and_measures_rtt() -> None:

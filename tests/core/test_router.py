@@ -159,6 +159,20 @@ def test_cost_forwards_when_the_saving_beats_the_rtt() -> None:
     assert rank(Policy.COST, req, slow)[0] == "self"
 
 
+def test_cost_candidates_carry_what_the_peer_must_beat() -> None:
+    req = RouteInput(3000, 1)
+    nodes = [me(0, queue=2), peer("warm", 2900, rtt=0.002), peer("cold", 0, rtt=0.003)]
+    out = Router(RouterConfig(policy=Policy.COST)).rank(req, nodes, random.Random(0))
+    local = next(c for c in out if c.is_self)
+    assert local.beat_s is None
+    for c in out:
+        if not c.is_self:  # the local prediction minus this peer's forward RTT
+            rtt = 0.002 if c.node_id == "warm" else 0.003
+            assert c.beat_s == pytest.approx(local.predicted_latency_s - rtt)
+    paper = Router(RouterConfig(policy=Policy.PAPER)).rank(req, nodes, random.Random(0))
+    assert all(c.beat_s is None for c in paper)  # Algorithm 1 forwards regardless of cost
+
+
 def test_cost_prefers_idle_peer_when_self_is_swamped_and_nothing_is_cached() -> None:
     req = RouteInput(500, 1)
     nodes = [me(0, queue=50), peer("idle", 0, queue=0), peer("busy", 0, queue=60)]

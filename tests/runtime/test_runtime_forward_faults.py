@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
+from radixmesh.core.events import LoadChanged
 from radixmesh.engine.base import SamplingParams
 from radixmesh.engine.factory import build_engine
 from radixmesh.runtime.config import ServeConfig
@@ -71,6 +72,12 @@ async def _bad_tokens(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     writer.write(_chunk(json.dumps(done).encode() + b"\n") + _chunk(b""))
 
 
+async def _busy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await _read_request(reader)
+    line = b'{"t":"busy","node":"fake","retry_after_s":0.7}\n'
+    writer.write(_stream_head() + _chunk(line) + _chunk(b""))
+
+
 TRUTH: list[int] = []
 
 
@@ -120,6 +127,7 @@ def test_reference_answer(engine) -> None:  # type: ignore[no-untyped-def]
         (_silent, False, "timeout"),
         (_dies_midstream, True, "disconnected"),
         (_bad_tokens, False, "bad_response"),
+        (_busy, False, "busy"),
     ],
 )
 def test_broken_peer_still_gives_the_right_answer(engine, script, stream, reason) -> None:  # type: ignore[no-untyped-def]
@@ -129,3 +137,24 @@ def test_broken_peer_still_gives_the_right_answer(engine, script, stream, reason
     assert route == "fallback"
     assert failures == {reason: 1}
 
+
+
+def test_a_node_at_its_pushback_threshold_answers_busy(engine) -> None:  # type: ignore[no-untyped-def]
+    async def first_line() -> dict[str, object]:
+        cfg = ServeConfig(node_id="hot", port=18998, gossip_interval=5.0, pushback_threshold=1)
+        service = NodeService(cfg, engine)
+        await service.start()
+        try:
+            service.dispatch(LoadChanged(1, 1, 0, 4096))  # as if one request were running
+            lines = [x async for x in service.serve_forward(tuple(PROMPT), SAMPLING, False, 0.1)]
+            assert len(lines) == 1
+            assert service.metrics.refused_for_peers == 1
+            assert service.metrics.served_for_peers == 0
+            return json.loads(lines[0])  # type: ignore[no-any-return]
+        finally:
+            await service.stop()
+
+    busy = asyncio.run(first_line())
+    assert busy["t"] == "busy"
+    assert busy["node"] == "hot"
+    assert 0 < busy["retry_after_s"] <= 1.0  # type: ignore[operator]

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from radixmesh.core.config import GossipConfig
+from radixmesh.core.config import GossipConfig, PushbackConfig
 from radixmesh.core.events import CacheChanged
 from radixmesh.core.router import Policy, RouterConfig
 from radixmesh.sim import costs
@@ -107,6 +107,31 @@ def test_open_loop_poisson_queues(requests_small: list[Request]) -> None:
     assert max(r.server_timing["queue"] for r in res.records) > 0  # arrivals overlap
     t_sends = [r.t_send for r in res.records]
     assert t_sends == sorted(t_sends)
+
+
+def test_busy_peers_refuse_forwards_and_the_entry_serves_instead(
+    make_reqs: Callable[..., list[Request]],
+) -> None:
+    # Two prefix families, arrivals far above what the two nodes holding them can serve:
+    # paper's affinity herds everything there unless busy nodes refuse forwards.
+    timed = schedule.poisson(make_reqs(200, groups=2, prefix_words=200), 4, rate=40.0, seed=2)
+    gossip = GossipConfig.for_interval(1.0)  # views of queues up to a second old
+    runs = {
+        threshold: simulate(
+            "paper",
+            timed,
+            schedule="poisson",
+            gossip=gossip,
+            pushback=PushbackConfig(queue_threshold=threshold),
+        ).summary
+        for threshold in (2, 10**6)
+    }
+    bounded, unbounded = runs[2], runs[10**6]
+    assert bounded["errors"] == unbounded["errors"] == 0
+    assert bounded["sim"]["forward_refusals"] > 0
+    assert unbounded["sim"]["forward_refusals"] == 0
+    assert bounded["hotspot_share"] < unbounded["hotspot_share"]
+    assert bounded["mean_latency_s"] <= unbounded["mean_latency_s"]
 
 
 def test_crash_and_restart(make_reqs: Callable[..., list[Request]]) -> None:

@@ -88,8 +88,9 @@ class ForwardFailed:
 
 @dataclass(frozen=True, slots=True)
 class ForwardRefused:
-    """``peer_id`` answered a forward with "busy" (its queue is past its push-back threshold):
-    it is alive, so not suspect; it is skipped for ``retry_after_s`` as if it had pushed back."""
+    """``peer_id`` answered a forward with "busy" (``NodeCore.admits_forward`` said no): it is
+    alive, so not suspect; it is skipped for ``retry_after_s`` (0: not at all) as if it had
+    pushed back."""
 
     peer_id: str
     retry_after_s: float

@@ -462,7 +462,7 @@ class Gossiper:
         """The peer answered a forward with "busy": back off as if it had pushed back."""
         est = self.estimates.get(peer_id)
         if est is None or not 0.0 < retry_after_s <= MAX_RETRY_AFTER_S:
-            return
+            return  # 0: refused this request only (it would not have paid there)
         until = now + retry_after_s
         if est.pushback_until is None or est.pushback_until < until:
             est.pushback_until = until

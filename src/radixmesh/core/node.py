@@ -52,7 +52,14 @@ from radixmesh.core.gossip import Estimate, Gossiper
 from radixmesh.core.membership import Membership, MemberState
 from radixmesh.core.messages import Gossip, Load
 from radixmesh.core.peerview import PeerView
-from radixmesh.core.router import Candidate, NodeInfo, Policy, RouteInput, Router
+from radixmesh.core.router import (
+    Candidate,
+    NodeInfo,
+    Policy,
+    RouteInput,
+    Router,
+    predict_latency,
+)
 from radixmesh.core.summary import LocalSummary
 
 IDLE_PEERS = 2  # unmatched least-loaded peers the cost policy also considers
@@ -94,6 +101,9 @@ _COUNTERS = (
     "rtt_samples",
     "forwards_succeeded",
     "forwards_failed",
+    "forwards_refused",  # our forwards a peer answered "busy"
+    "forwards_refused_busy",  # peers' forwards we refused: queue at the push-back threshold
+    "forwards_refused_slower",  # ... and because we would not beat their local prediction
     "requests_served",
     "routes",
     "pushback_started",
@@ -225,17 +235,38 @@ class NodeCore:
         self._next_round = now  # advertise at once: the shell ticks us immediately
         return [Log("info", f"queue depth {event.queue_depth} > {pb.queue_threshold}: push-back")]
 
-    def admits_forward(self, now: float) -> float | None:
-        """Whether to execute a request a peer forwarded here: None (yes), or the seconds
-        the peer should wait before sending more ("busy"). A node at its push-back threshold
-        refuses forwards — client requests entering here are always served — so a peer routing
-        on a stale view of our queue finds out in one round trip, not one gossip round."""
+    def admits_forward(
+        self,
+        now: float,
+        prompt_tokens: int = 0,
+        cached_tokens: int = 0,
+        max_tokens: int = 1,
+        beat_s: float | None = None,
+    ) -> float | None:
+        """Whether to execute a request a peer forwarded here: None (yes), or "busy" with the
+        seconds the peer should leave us alone (0: only this request). Client requests entering
+        here are always served; forwards are refused
+        * at the push-back threshold (retry after the push-back's remaining time), and
+        * when the sender said what we must beat (``beat_s``: its local prediction minus the
+          round trip) and our queue wait + service for this request, known exactly here, is
+          longer (retry after our queue's expected wait).
+        A sender routing on a view of our queue that is a gossip round old finds out in one
+        round trip instead of waiting in a queue that many nodes picked at once."""
         pb = self.config.pushback
-        if self._load.queue_depth < pb.queue_threshold:
+        depth = self._load.queue_depth
+        if depth >= pb.queue_threshold:
+            self._count("forwards_refused_busy")
+            until = self._pushback_until
+            return pb.duration_s if until is None or until <= now else until - now
+        if beat_s is None:
             return None
-        self._count("forwards_refused_busy")
-        until = self._pushback_until
-        return pb.duration_s if until is None or until <= now else until - now
+        me = NodeInfo(self.node_id, True, cached_tokens, 0.0, depth, self._compute.report())
+        req = RouteInput(max(prompt_tokens, 1), max(max_tokens, 1))
+        predicted = predict_latency(req, me, self.config.router.context_scale)
+        if predicted <= beat_s:
+            return None
+        self._count("forwards_refused_slower")
+        return depth * me.speed.mean_service_s
 
     def _served(self, event: RequestServed, now: float) -> list[Action]:
         self._count("requests_served")

@@ -28,7 +28,11 @@ Policies
     ``random``, ``round_robin``, ``least_loaded``  baselines over available nodes.
 
 Because a peer's prediction includes its forward RTT, ``cost`` forwards only when the predicted
-saving exceeds the forward cost: on a slow network it degenerates to ``none``.
+saving exceeds the forward cost: on a slow network it degenerates to ``none``. Its peer
+candidates carry ``beat_s`` (local prediction − RTT): the peer checks it against its exact queue
+and cache and refuses the forward when it cannot beat it, so a view of the peer's queue that
+is a gossip round old costs one round trip, not a long wait in a queue that many nodes chose
+at once.
 """
 
 from __future__ import annotations
@@ -111,6 +115,10 @@ class Candidate:
     is_self: bool
     expected_cached_tokens: int
     predicted_latency_s: float
+    # cost policy, peers only: the queue wait + service the peer must beat for the forward to
+    # pay (our local prediction minus the forward's RTT). Sent with the forward; the peer,
+    # which knows its queue and cache exactly, refuses it if it cannot (NodeCore.admits_forward).
+    beat_s: float | None = None
 
 
 def predict_latency(req: RouteInput, node: NodeInfo, context_scale: float) -> float:
@@ -152,7 +160,10 @@ class Router:
             order = self._round_robin(avail)
         else:
             order = _least_loaded(avail, rng)
-        return [self._candidate(req, n) for n in order]
+        if policy is not Policy.COST:
+            return [self._candidate(req, n) for n in order]
+        local = predict_latency(req, selves[0], self.config.context_scale)
+        return [self._candidate(req, n, None if n.is_self else local - n.rtt_s) for n in order]
 
     # ---------------------------------------------------------------------------- policies
     def _by_cost(
@@ -197,13 +208,14 @@ class Router:
         self._rr += 1
         return ordered[start:] + ordered[:start]
 
-    def _candidate(self, req: RouteInput, node: NodeInfo) -> Candidate:
+    def _candidate(self, req: RouteInput, node: NodeInfo, beat_s: float | None = None) -> Candidate:
         expected = min(node.cached_tokens, req.prompt_tokens)
         return Candidate(
             node_id=node.node_id,
             is_self=node.is_self,
             expected_cached_tokens=expected,
             predicted_latency_s=predict_latency(req, node, self.config.context_scale),
+            beat_s=beat_s,
         )
 
 

@@ -319,17 +319,17 @@ def _peer_routes(app: FastAPI, service: NodeService) -> None:
         try:
             raw = await read_body(request, MAX_PEER_BODY)
             service.auth.verify(request.headers, forward_purpose(FORWARD_PATH), raw)
-            prompt, sampling, stream, heartbeat = _parse_forward(service, parse_json(raw))
+            prompt, sampling, stream, heartbeat, beat = _parse_forward(service, parse_json(raw))
         except AuthError as exc:
             return refused(service.auth, exc, request.headers.get(HEADER_FROM))
         except ApiError as err:
             return error_response(err)
-        return StreamingResponse(service.serve_forward(prompt, sampling, stream, heartbeat),
+        return StreamingResponse(service.serve_forward(prompt, sampling, stream, heartbeat, beat),
                                  media_type="application/x-ndjson")
 
 
 def _parse_forward(service: NodeService, body: dict[str, Any]
-                   ) -> tuple[tuple[int, ...], SamplingParams, bool, float]:
+                   ) -> tuple[tuple[int, ...], SamplingParams, bool, float, float | None]:
     ids = body.get("prompt_ids")
     if not isinstance(ids, list) or not ids or not all(
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
@@ -356,7 +356,11 @@ def _parse_forward(service: NodeService, body: dict[str, Any]
     hb = body.get("heartbeat_s", 0.5)
     if not isinstance(stream, bool) or not isinstance(hb, int | float) or not 0.01 <= hb <= 60:
         raise ApiError("stream must be a boolean and heartbeat_s in [0.01, 60]")
-    return tuple(ids), sampling, stream, float(hb)
+    beat = body.get("beat_s")  # optional: the time this node must beat (cost routing)
+    if beat is not None and (isinstance(beat, bool) or not isinstance(beat, int | float)
+                             or not -3600.0 <= beat <= 3600.0):
+        raise ApiError("beat_s must be a number of seconds in [-3600, 3600]", param="beat_s")
+    return tuple(ids), sampling, stream, float(hb), None if beat is None else float(beat)
 
 
 def _typed(d: dict[str, Any], key: str, kind: type, default: Any) -> Any:

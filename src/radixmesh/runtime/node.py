@@ -471,7 +471,7 @@ class NodeService:
 
     def forward_refused(self, peer_id: str, retry_after_s: float) -> None:
         self.metrics.forward_failures["busy"] += 1
-        log.info("forward to %s refused: busy (retry after %.2fs)", peer_id, retry_after_s)
+        log.debug("forward to %s refused: busy (retry after %.2fs)", peer_id, retry_after_s)
         self.dispatch(ForwardRefused(peer_id, retry_after_s))
 
     def forward_succeeded(self, peer_id: str, hashes: tuple[int, ...], overhead: float) -> None:
@@ -529,13 +529,14 @@ class NodeService:
         started = time.perf_counter()
         stream: ForwardStream | None = None
         try:
-            stream = await self.peers.open_forward(address, cand.node_id, self._forward_body(ctx))
+            body = self._forward_body(ctx, cand.beat_s)
+            stream = await self.peers.open_forward(address, cand.node_id, body)
             accepted = await stream.next_event()
             if accepted.get("t") == "busy":
                 await stream.aclose()
                 retry = accepted.get("retry_after_s")
                 ok = isinstance(retry, int | float) and not isinstance(retry, bool)
-                self.forward_refused(cand.node_id, float(retry) if ok else 1.0)
+                self.forward_refused(cand.node_id, float(retry) if ok else 1.0)  # core bounds it
                 return None
             if accepted.get("t") != "accepted":
                 raise ForwardError("bad_response", "first event is not 'accepted'")
@@ -546,9 +547,9 @@ class NodeService:
             return None
         return ForwardExecution(self, cand, stream, accepted, started, ctx)
 
-    def _forward_body(self, ctx: RequestContext) -> dict[str, object]:
+    def _forward_body(self, ctx: RequestContext, beat_s: float | None) -> dict[str, object]:
         sp = ctx.sampling
-        return {
+        body: dict[str, object] = {
             "prompt_ids": list(ctx.prompt),
             "sampling": {"max_tokens": sp.max_tokens, "temperature": sp.temperature,
                          "top_p": sp.top_p, "seed": sp.seed,
@@ -556,20 +557,28 @@ class NodeService:
             "stream": ctx.stream,
             "heartbeat_s": max(self.config.forward_timeout / 4, 0.01),
         }
+        if beat_s is not None:  # cost routing: what the peer must beat for the forward to pay
+            body["beat_s"] = round(beat_s, 6)
+        return body
 
     # ------------------------------------------------------------------------- peer side
     async def serve_forward(self, prompt: tuple[int, ...], sampling: SamplingParams,
-                            stream: bool, heartbeat_s: float) -> AsyncIterator[bytes]:
-        """NDJSON events of a forwarded request, executed here (never routed again)."""
+                            stream: bool, heartbeat_s: float, beat_s: float | None = None
+                            ) -> AsyncIterator[bytes]:
+        """NDJSON events of a forwarded request, executed here (never routed again) — or a
+        single "busy" event when the core refuses it (queue at the push-back threshold, or
+        slower than ``beat_s``): the sender then falls back at once."""
         t0 = time.perf_counter()
-        retry = self.core.admits_forward(self.clock())
-        if retry is not None:  # at the push-back threshold: the sender falls back at once
+        cached = self.engine.match(prompt)
+        retry = self.core.admits_forward(self.clock(), len(prompt), cached, sampling.max_tokens,
+                                         beat_s)
+        if retry is not None:
             self.metrics.refused_for_peers += 1
             yield _line({"t": "busy", "node": self.node_id, "retry_after_s": round(retry, 3)})
             return
         self.metrics.served_for_peers += 1
         # First byte before the engine starts: once it computes, this thread waits for the GIL.
-        yield _line({"t": "accepted", "node": self.node_id, "cached": self.engine.match(prompt)})
+        yield _line({"t": "accepted", "node": self.node_id, "cached": cached})
         ex = LocalExecution(self, prompt, sampling, stream, "local", 0)
         pending: asyncio.Task[tuple[str, Any]] | None = None
         try:

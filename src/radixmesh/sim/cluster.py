@@ -437,8 +437,12 @@ class Cluster:
                 "connection reset",
             )
             return
-        assert target.core is not None
-        retry = target.core.admits_forward(self.loop.now)
+        assert target.core is not None and target.engine is not None
+        cached = min(target.engine.match(flight.tokens), max(len(flight.tokens) - 1, 0))
+        beat = flight.candidates[attempt].beat_s
+        retry = target.core.admits_forward(
+            self.loop.now, len(flight.tokens), cached, flight.req.max_tokens, beat
+        )
         if retry is not None:  # busy: the first (and only) event back is the refusal
             back = self.net.delay(target.idx, flight.entry)
             self.loop.at(

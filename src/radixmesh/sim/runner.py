@@ -19,6 +19,7 @@ are added beside the standard keys.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -181,7 +182,16 @@ def run(
     driver = _Driver(spec, requests, tokenize)
     driver.progress = progress
     wall0 = time.perf_counter()
-    driver.run()
+    # The simulated mesh is millions of long-lived small objects without reference cycles;
+    # CPython's cyclic collector re-scanned them all the time (23-27 % of the wall time at
+    # 1,024 nodes, same peak memory without it). Reference counting still frees everything.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        driver.run()
+    finally:
+        if was_enabled:
+            gc.enable()
     wall = time.perf_counter() - wall0
     records = [r for r in driver.records if r is not None]
     extras = [e for e in driver.extras if e is not None]
