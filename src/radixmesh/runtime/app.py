@@ -4,7 +4,9 @@ No routing logic lives here: handlers validate and shape; ``NodeService`` decide
 
 Client API   POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models
 Observe      GET /health, GET /metrics (Prometheus text), GET /mesh (JSON)
-Peers        POST /peer/gossip (raw gossip bytes), POST /peer/forward (execute here, NDJSON)
+Peers        POST /peer/gossip (raw gossip bytes), POST /peer/forward (execute here, NDJSON:
+             first event ``accepted``, or ``busy`` with ``retry_after_s`` when the core refuses:
+             queue at the push-back threshold, or slower than the sender's ``beat_s``)
 Admin        GET|POST /admin/partition (loopback clients only): cut this node off from peers;
              /admin/netem, /admin/engine-delay, /admin/debug: fault injection (runtime/debug.py)
 
