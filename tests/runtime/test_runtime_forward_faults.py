@@ -158,3 +158,19 @@ def test_a_node_at_its_pushback_threshold_answers_busy(engine) -> None:  # type:
     assert busy["t"] == "busy"
     assert busy["node"] == "hot"
     assert 0 < busy["retry_after_s"] <= 1.0  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("beat", [True, "0.5", float("nan"), 1e9, -1e9, [1]])
+def test_a_malformed_beat_s_is_a_400(engine, beat) -> None:  # type: ignore[no-untyped-def]
+    from radixmesh.runtime.app import _parse_forward
+    from radixmesh.runtime.openai_api import ApiError
+
+    service = NodeService(ServeConfig(node_id="p", port=18997), engine)
+    body = {"prompt_ids": PROMPT[:8], "sampling": {"max_tokens": 2}, "beat_s": beat}
+    with pytest.raises(ApiError) as err:
+        _parse_forward(service, body)
+    assert err.value.status == 400
+    body["beat_s"] = 0.25
+    assert _parse_forward(service, body)[4] == 0.25
+    del body["beat_s"]
+    assert _parse_forward(service, body)[4] is None
