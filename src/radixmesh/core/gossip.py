@@ -28,9 +28,11 @@ Modes
                so the work per message stays bounded) and asks for a reply; the receiver sends
                back the state of others that the digest shows to be older (deltas from a
                per-origin relay log when it reaches back far enough, else snapshots), plus
-               *rumors*: nodes whose state changed recently, pushed unasked for RUMOR_SENDS
-               messages. A newer heartbeat in a digest or a relay counts as hearing from that
-               node, so failure detection works without talking to everyone.
+               *rumors*: nodes whose state changed recently (the newest MAX_RECENT), pushed
+               unasked in max(RUMOR_SENDS, ln N) messages that actually carry them (rumor
+               mongering with k pushes leaves ~e^-(k+1) of the nodes to anti-entropy). A newer
+               heartbeat in a digest or a relay counts as hearing from that node, so failure
+               detection works without talking to everyone.
 
 Membership rides along: peer lists on first contact and as small periodic samples; seeds are
 contacted until someone answers. RTT is measured without clock sync: each message echoes the
@@ -40,6 +42,7 @@ last stamp received from its destination and how long it was held, so the destin
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from random import Random  # the type only: instances are passed in, never the global one
@@ -76,8 +79,9 @@ MAX_RELAYS = 16  # other nodes' states relayed in one message, at most
 MAX_RELAY_HASHES = 100_000  # hashes relayed in one message, at most
 DIGEST_FULL = 64  # epidemic: up to this many known nodes, every digest lists them all
 DIGEST_SAMPLE = 48  # ... beyond that, a random sample of this many (plus recent changes)
-RUMOR_SENDS = 3  # epidemic: messages that push a node's changed state unasked
+RUMOR_SENDS = 3  # epidemic: messages that push a node's changed state unasked (at least; ln N)
 MAX_RUMORS = 16  # recent changes named in one digest, at most
+MAX_RECENT = 64  # changed nodes with rumor sends left, at most (oldest dropped: digests repair)
 MAX_KNOWS = 64  # epidemic: peers whose latest digest is kept (most recent senders; bounds memory)
 RUMOR_CHANGES = 4  # change entries pushed with a rumor
 RUMOR_SNAPSHOT_HASHES = 1024  # a rumor carries a snapshot only if it is this small
@@ -173,6 +177,7 @@ class Gossiper:
         self._heard_now: dict[str, None] = {}  # heard first-hand this round (freshest beats)
         self._heard_last: list[str] = []  # ... and in the previous round
         self._knowing: dict[str, None] = {}  # peers whose ``knows`` is kept, oldest first
+        self._rumor_sends = RUMOR_SENDS  # per changed node; grows as ln N (see round)
 
     # ================================================================= incoming messages
     def receive(self, msg: Gossip, now: float, load: Load) -> list[Action]:
@@ -493,6 +498,10 @@ class Gossiper:
         """One anti-entropy round: a message to each target (and seeds while needed)."""
         self.heartbeat += 1
         self._live = [m.node_id for m in self.members if m.state is not MemberState.DEAD]
+        # Rumor mongering leaves about e^-(k+1) of the nodes unreached after k pushes per
+        # informed node; those wait for anti-entropy (a sampled digest naming the changed node,
+        # ~48/N per message). k = ln N keeps that residue below one node.
+        self._rumor_sends = max(RUMOR_SENDS, math.ceil(math.log(len(self._live) + 1)))
         self._full_digest = None
         self._heard_last = list(self._heard_now)[-MAX_RUMORS:]
         self._heard_now.clear()
@@ -668,14 +677,19 @@ class Gossiper:
             e = self._relayable(known.node_id, target)
             if e is not None and _newer(e, known):
                 wanted[e.node_id] = e
-        for node_id in list(self._recent):
+        rumors = []
+        for node_id in self._recent:
             e = self._relayable(node_id, target)
             if e is not None and node_id not in knows:
                 wanted[node_id] = e
-                self._spend_rumor(node_id)
+                rumors.append(node_id)
         chosen = list(wanted.values())
         if len(chosen) > MAX_RELAYS:
             chosen = self.rng.sample(chosen, MAX_RELAYS)
+        sent = {e.node_id for e in chosen}
+        for node_id in rumors:  # a rumor counts as pushed only if it made the sample
+            if node_id in sent:
+                self._spend_rumor(node_id)
         out: list[NodeState] = []
         budget = MAX_RELAY_HASHES
         for e in chosen:
@@ -687,7 +701,9 @@ class Gossiper:
     def _rumor(self, node_id: str) -> None:
         if self.cfg.mode is GossipMode.EPIDEMIC:
             self._recent.pop(node_id, None)
-            self._recent[node_id] = RUMOR_SENDS  # newest last
+            self._recent[node_id] = self._rumor_sends  # newest last
+            if len(self._recent) > MAX_RECENT:  # under churn: the newest changes go first
+                del self._recent[next(iter(self._recent))]
 
     def _spend_rumor(self, node_id: str) -> None:
         left = self._recent[node_id] - 1
