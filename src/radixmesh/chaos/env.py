@@ -202,16 +202,7 @@ class ChaosEnv:
 
     def metrics(self, i: int) -> dict[str, float]:
         """Prometheus samples of node ``i`` as ``{"name{labels}": value}``."""
-        text = self._http.get(self.url(i) + "/metrics", timeout=15.0).text
-        out: dict[str, float] = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                try:
-                    out[name] = float(value)
-                except ValueError:
-                    continue
-        return out
+        return parse_samples(self._http.get(self.url(i) + "/metrics", timeout=15.0).text)
 
     def admin(self, i: int, path: str, body: dict[str, object]) -> dict[str, Any]:
         resp = self._http.post(self.url(i) + path, json=body)
@@ -235,3 +226,16 @@ def _staleness(entry: dict[str, Any] | None, truth: dict[str, Any]) -> str | Non
     if entry.get("view_version") != truth.get("version"):
         return f"version {entry.get('view_version')} != {truth.get('version')}"
     return None
+
+
+def parse_samples(text: str) -> dict[str, float]:
+    """Prometheus text as ``{"name{labels}": value}`` (comments and unparsable lines skipped)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            try:
+                out[name] = float(value)
+            except ValueError:
+                continue
+    return out

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from radixmesh.chaos.env import ChaosEnv
+from radixmesh.chaos.env import ChaosEnv, parse_samples
 from radixmesh.chaos.load import Outcome, Prompt, open_loop, percentile, summarize
 from radixmesh.chaos.report import rss_bytes
 
@@ -170,25 +170,13 @@ def _locks_at_end(env: ChaosEnv, timeout_s: float = 30.0) -> dict[str, float | s
                     locks[node.node_id] = f"error: {type(exc).__name__}: {exc}"[:200]
                     busy = True
                     continue
-                m = _samples(text)
+                m = parse_samples(text)
                 locks[node.node_id] = m.get("radixmesh_cache_locked_tokens", "missing")
                 busy |= m.get("radixmesh_queue_depth", 0.0) > 0
         settled = all(v == 0 for v in locks.values())
         if (not busy and settled) or time.monotonic() > deadline:
             return locks
         time.sleep(0.5)
-
-
-def _samples(text: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            try:
-                out[name] = float(value)
-            except ValueError:
-                continue
-    return out
 
 
 def run_soak(env: ChaosEnv, cfg: SoakConfig) -> dict[str, object]:

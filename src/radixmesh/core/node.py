@@ -260,7 +260,7 @@ class NodeCore:
             return pb.duration_s if until is None or until <= now else until - now
         if beat_s is None:
             return None
-        me = NodeInfo(self.node_id, True, cached_tokens, 0.0, depth, self._compute.report())
+        me = self._self_info(cached_tokens, now)
         req = RouteInput(max(prompt_tokens, 1), max(max_tokens, 1))
         predicted = predict_latency(req, me, self.config.router.context_scale)
         if predicted <= beat_s:
@@ -324,20 +324,23 @@ class NodeCore:
         """Rank self and the available peers for one request (head = choice)."""
         self._count("routes")
         req = RouteInput(prompt_tokens, max_tokens)
-        me = NodeInfo(
+        policy = self.config.router.policy
+        nodes = [self._self_info(local_cached_tokens, now)]
+        if policy is not Policy.NONE:
+            nodes.extend(self._peer_infos(hashes, prompt_tokens, policy, now))
+        return self._router.rank(req, nodes, self._rng)
+
+    def _self_info(self, cached_tokens: int, now: float) -> NodeInfo:
+        """This node as the router sees it: exact cache match, own queue, own speed."""
+        return NodeInfo(
             self.node_id,
             True,
-            local_cached_tokens,
+            cached_tokens,
             0.0,
             self._load.queue_depth,
             self._compute.report(),
             utilization=self._busy.value(now),
         )
-        policy = self.config.router.policy
-        nodes = [me]
-        if policy is not Policy.NONE:
-            nodes.extend(self._peer_infos(hashes, prompt_tokens, policy, now))
-        return self._router.rank(req, nodes, self._rng)
 
     def _peer_infos(
         self, hashes: Sequence[int], prompt_tokens: int, policy: Policy, now: float

@@ -68,10 +68,6 @@ class PeerView:
         """Sum over peers of the hashes each holds."""
         return sum(self._size.values())
 
-    def distinct_hashes(self) -> int:
-        """Index entries: hashes held by at least one peer."""
-        return len(self._index)
-
     def match(self, hashes: Sequence[int]) -> dict[PeerId, int]:
         """Leading blocks of ``hashes`` held by each peer; peers matching 0 are omitted.
 
@@ -226,12 +222,4 @@ class PeerView:
     def _clear(self, peer: PeerId) -> None:
         """Remove every hash of ``peer``: one pass over the index."""
         bit = self._bit[peer]
-        index = self._index
-        gone = [h for h, mask in index.items() if mask & bit]
-        for h in gone:
-            mask = index[h]
-            if mask == bit:
-                del index[h]
-            else:
-                index[h] = mask ^ bit
-        self._size[peer] = 0
+        self._remove(peer, [h for h, mask in self._index.items() if mask & bit])

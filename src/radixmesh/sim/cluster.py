@@ -349,7 +349,7 @@ class Cluster:
             self._fail_client(flight, "entry node down")
             return flight
         self.active[index] = flight
-        local = min(node.engine.match(tokens), max(len(tokens) - 1, 0))
+        local = _cached_prefix(node.engine, tokens)
         flight.candidates = node.core.route(
             hashes, len(tokens), local, req.max_tokens, self.loop.now
         )
@@ -438,8 +438,9 @@ class Cluster:
             )
             return
         assert target.core is not None and target.engine is not None
-        cached = min(target.engine.match(flight.tokens), max(len(flight.tokens) - 1, 0))
         beat = flight.candidates[attempt].beat_s
+        # the cached prefix only matters against a budget (cost policy): no match otherwise
+        cached = 0 if beat is None else _cached_prefix(target.engine, flight.tokens)
         retry = target.core.admits_forward(
             self.loop.now, len(flight.tokens), cached, flight.req.max_tokens, beat
         )
@@ -454,18 +455,22 @@ class Cluster:
     def _forward_refused(
         self, flight: Flight, attempt: int, target: SimNode, retry_after_s: float
     ) -> None:
-        if flight.attempt != attempt or flight.t_done >= 0 or flight.error is not None:
-            return
-        self.counters.forward_refusals += 1
-        self.feed(self.nodes[flight.entry], ForwardRefused(target.node_id, retry_after_s))
-        if self.nodes[flight.entry].up:
-            self._try_next(flight)
+        self._next_try(flight, attempt, ForwardRefused(target.node_id, retry_after_s))
 
     def _forward_failed(self, flight: Flight, attempt: int, peer_id: str, reason: str) -> None:
+        self._next_try(flight, attempt, ForwardFailed(peer_id, reason))
+
+    def _next_try(
+        self, flight: Flight, attempt: int, outcome: ForwardFailed | ForwardRefused
+    ) -> None:
+        """Tell the entry node how try ``attempt`` ended, then try the next candidate."""
         if flight.attempt != attempt or flight.t_done >= 0 or flight.error is not None:
-            return
-        self.counters.forward_failures += 1
-        self.feed(self.nodes[flight.entry], ForwardFailed(peer_id, reason))
+            return  # a stale callback: the flight moved on or ended
+        if isinstance(outcome, ForwardRefused):
+            self.counters.forward_refusals += 1
+        else:
+            self.counters.forward_failures += 1
+        self.feed(self.nodes[flight.entry], outcome)
         if self.nodes[flight.entry].up:
             self._try_next(flight)
 
@@ -604,3 +609,8 @@ def _generated(flight: Flight) -> list[int]:
 def routable_count(core: NodeCore | None) -> int:
     """Peers ``core`` would route to now (alive, with a load report)."""
     return 0 if core is None else len(core._gossip.routable)
+
+
+def _cached_prefix(engine: SimEngine, tokens: list[int]) -> int:
+    """Tokens of ``tokens`` the engine would reuse (at least the last one is computed)."""
+    return min(engine.match(tokens), max(len(tokens) - 1, 0))

@@ -60,13 +60,7 @@ def convergence_plot(rows: Sequence[Row], path: Path) -> Path:
         ylabel="bytes / node / s",
         title="Idle gossip bandwidth per node",
     )
-    for ax in (ax1, ax2):
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, (ax1, ax2), path)
 
 
 def breakeven_plot(rows: Sequence[Row], path: Path) -> Path:
@@ -113,12 +107,7 @@ def breakeven_plot(rows: Sequence[Row], path: Path) -> Path:
         ylabel="break-even one-way delay (ms)",
         title="Forwarding pays below the line",
     )
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, (ax,), path)
 
 
 def _ratio_series(rows: Sequence[Row], key: str) -> dict[tuple[str, str], list[tuple[int, float]]]:
@@ -152,12 +141,7 @@ def scale_plot(rows: Sequence[Row], path: Path) -> Path:
             ylabel=f"{title} latency / none",
             title=f"{title} latency relative to no routing",
         )
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, (ax1, ax2), path)
 
 
 def hotspot_plot(rows: Sequence[Row], path: Path) -> Path:
@@ -183,12 +167,7 @@ def hotspot_plot(rows: Sequence[Row], path: Path) -> Path:
         ylabel="busiest node's share x N (1 = even)",
         title="Hotspot concentration",
     )
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, (ax,), path)
 
 
 def pushback_plot(rows: Sequence[Row], path: Path) -> Path:
@@ -229,7 +208,12 @@ def pushback_plot(rows: Sequence[Row], path: Path) -> Path:
         ylabel="p99 latency (s)",
         title="Tail latency near saturation",
     )
-    for ax in (ax1, ax2):
+    return _save(plt, fig, (ax1, ax2), path)
+
+
+def _save(plt: Any, fig: Any, axes: Sequence[Any], path: Path) -> Path:
+    """The common finish of every figure: light grid, small legend, tight layout, 110 dpi."""
+    for ax in axes:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
