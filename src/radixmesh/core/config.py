@@ -83,6 +83,26 @@ class PushbackConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ForwardConfig:
+    """How an entry node tries peers for one request (the request lifecycle, core/lifecycle)."""
+
+    max_peer_attempts: int = 2  # peers tried (refused, failed or unknown) before running locally
+    connect_timeout_s: float = 0.5  # a peer that does not take the connection fails after this
+    silence_timeout_s: float = 2.0  # no first byte, or no byte for this long: the forward failed
+
+    def __post_init__(self) -> None:
+        if self.max_peer_attempts < 0:
+            raise ValueError("max_peer_attempts must be >= 0")
+        if self.connect_timeout_s <= 0 or self.silence_timeout_s <= 0:
+            raise ValueError("forward timeouts must be > 0")
+
+    @property
+    def heartbeat_s(self) -> float:
+        """How often a serving peer sends a heartbeat: four per silence timeout."""
+        return max(self.silence_timeout_s / 4, 0.01)
+
+
+@dataclass(frozen=True, slots=True)
 class NodeConfig:
     node_id: str  # unique name of this node in the mesh
     address: str  # where peers reach this node ("host:port"; opaque to the core)
@@ -93,6 +113,7 @@ class NodeConfig:
     gossip: GossipConfig = field(default_factory=GossipConfig)
     pushback: PushbackConfig = field(default_factory=PushbackConfig)
     priors: CostPriors = field(default_factory=CostPriors)
+    forward: ForwardConfig = field(default_factory=ForwardConfig)
 
     def __post_init__(self) -> None:
         if not self.node_id or len(self.node_id) > 128:
