@@ -8,7 +8,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
-from radixmesh.core.costmodel import SpeedReport
+from radixmesh.core.estimators import SpeedReport
 from radixmesh.core.router import (
     NodeInfo,
     Policy,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from radixmesh.core.blocks import Fingerprint
-from radixmesh.core.costmodel import SpeedReport
+from radixmesh.core.estimators import SpeedReport
 from radixmesh.core.messages import (
     Ack,
     Change,

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.codec import Codec, Limits, RemoteProtocolError
-from radixmesh.core.costmodel import SpeedReport
+from radixmesh.core.estimators import SpeedReport
 from radixmesh.core.messages import (
     Ack,
     Change,

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from radixmesh.core.blocks import Fingerprint, block_hashes, extend_hashes
-from radixmesh.core.costmodel import ComputeModel, CostPriors
+from radixmesh.core.estimators import ComputeModel, CostPriors
 from radixmesh.core.peerview import PeerView
 from radixmesh.core.radix import RadixTree
 from radixmesh.core.router import NodeInfo, Policy, RouteInput, Router, RouterConfig

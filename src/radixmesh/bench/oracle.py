@@ -12,7 +12,7 @@ Design (client-side, so no node needs a special mode):
 * For each request the oracle ranks nodes with the *same* :class:`~radixmesh.core.router.Router`
   under policy ``cost``, with exact cached-token counts, the exact number of requests the client
   has in flight at each node, the known round-trip of a forward (2 × the emulated one-way delay
-  + 1 ms of HTTP), and a per-node :class:`~radixmesh.core.costmodel.ComputeModel` learnt from the
+  + 1 ms of HTTP), and a per-node :class:`~radixmesh.core.estimators.ComputeModel` learnt from the
   latencies the client observed.
 * The client sends the request to its entry node with ``x-radixmesh-target: <chosen node>``;
   the entry node forwards it through the real peer path (emulated delay both ways, HTTP, the
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
-from radixmesh.core.costmodel import ComputeModel, CostPriors
+from radixmesh.core.estimators import ComputeModel, CostPriors
 from radixmesh.core.router import NodeInfo, Policy, RouteInput, Router, RouterConfig
 from radixmesh.engine.radix_cache import LayerKV, RadixKVCache
 

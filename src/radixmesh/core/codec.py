@@ -24,7 +24,7 @@ from typing import Any
 import msgpack
 
 from radixmesh.core.blocks import Fingerprint
-from radixmesh.core.costmodel import SpeedReport
+from radixmesh.core.estimators import SpeedReport
 from radixmesh.core.messages import (
     PROTOCOL_VERSION,
     Ack,

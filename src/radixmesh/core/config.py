@@ -10,7 +10,7 @@ from enum import StrEnum
 from typing import Any
 
 from radixmesh.core.blocks import Fingerprint
-from radixmesh.core.costmodel import CostPriors
+from radixmesh.core.estimators import CostPriors
 from radixmesh.core.router import RouterConfig
 
 

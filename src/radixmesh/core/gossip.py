@@ -50,7 +50,7 @@ from random import Random  # the type only: instances are passed in, never the g
 from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.codec import Codec
 from radixmesh.core.config import GossipMode, NodeConfig
-from radixmesh.core.costmodel import RttTable, SpeedReport
+from radixmesh.core.estimators import RttTable, SpeedReport
 from radixmesh.core.events import Action, Log, PeerStateChanged, Send
 from radixmesh.core.membership import (
     Member,

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from radixmesh.core.blocks import Fingerprint
-from radixmesh.core.costmodel import SpeedReport
+from radixmesh.core.estimators import SpeedReport
 
 PROTOCOL_VERSION = 1
 

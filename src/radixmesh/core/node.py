@@ -34,7 +34,7 @@ from random import Random  # the type only: instances are passed in, never the g
 
 from radixmesh.core.codec import Codec, Limits, RemoteProtocolError
 from radixmesh.core.config import NodeConfig
-from radixmesh.core.costmodel import ComputeModel, RttTable, Utilization
+from radixmesh.core.estimators import ComputeModel, RttTable, Utilization
 from radixmesh.core.events import (
     Action,
     CacheChanged,

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from random import Random  # the type only: instances are passed in, never the global one
 
-from radixmesh.core.costmodel import SpeedReport
+from radixmesh.core.estimators import SpeedReport
 
 MAX_PEER_ATTEMPTS = 2  # peers a shell tries (refused or failed) before executing locally
 
@@ -69,7 +69,7 @@ class RouterConfig:
     policy: Policy = Policy.COST
     min_gain_s: float = 0.001  # a forward must be predicted to save at least this (seconds)
     min_gain_frac: float = 0.1  # ... and at least this fraction of the local prediction
-    context_scale: float = 4096.0  # see costmodel.prefill_work
+    context_scale: float = 4096.0  # see estimators.prefill_work
     load_bound: float | None = 0.5  # cost: no forwards to peers above (1+x) × mean utilization
     load_window_s: float = 10.0  # utilization is measured over about this many seconds
 

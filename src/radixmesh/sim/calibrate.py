@@ -5,7 +5,7 @@ Theory of operation
 For prompts of several lengths ``L`` and cached fractions ``f`` it warms the cache with the
 first ``f·L`` tokens (a one-token request inserts exactly its prompt), then times the full
 prompt: the engine reports ``cached_tokens`` (``c``) and ``prefill_s``, so every measurement
-is a point ``(u = L - c, c, seconds)``. The router's form (``core/costmodel.py``)::
+is a point ``(u = L - c, c, seconds)``. The router's form (``core/estimators.py``)::
 
     prefill(u, c) = overhead + rate * u * (1 + (c + u/2) / context_scale)
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from radixmesh.core.blocks import Fingerprint, block_hashes
 from radixmesh.core.config import GossipConfig, NodeConfig, PushbackConfig
-from radixmesh.core.costmodel import CostPriors
+from radixmesh.core.estimators import CostPriors
 from radixmesh.core.events import (
     Action,
     CacheChanged,

@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 The simulated engine does no arithmetic on tensors; it asks a :class:`CostModel` how long a
-request takes. The form is the router's own (``core/costmodel.py``), so a calibration can be
+request takes. The form is the router's own (``core/estimators.py``), so a calibration can be
 checked against what the routers learn::
 
     service = request_overhead
@@ -30,7 +30,7 @@ import json
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
-from radixmesh.core.costmodel import prefill_work
+from radixmesh.core.estimators import prefill_work
 
 _DOCUMENTATION_KEYS = {"fit", "measurements"}  # written by calibrate, ignored on load
 

@@ -6,7 +6,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
-from radixmesh.core.costmodel import (
+from radixmesh.core.estimators import (
     ComputeModel,
     CostPriors,
     Ewma,
