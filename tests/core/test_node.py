@@ -11,22 +11,51 @@ from hypothesis import strategies as st
 from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.config import GossipConfig, NodeConfig, PushbackConfig
 from radixmesh.core.events import (
+    AcceptForward,
+    ExecuteLocally,
+    Forward,
+    ForwardAccepted,
+    ForwardArrived,
     ForwardFailed,
     ForwardRefused,
-    ForwardSucceeded,
     LoadChanged,
     Log,
     MessageReceived,
     PeerStateChanged,
+    RefuseForward,
+    RequestArrived,
+    RequestDone,
     RequestServed,
     Send,
     Tick,
 )
 from radixmesh.core.node import NodeCore
 from radixmesh.core.router import Policy, RouterConfig
-from radixmesh.testing import Cluster, LinkConfig
+from radixmesh.testing import LinkConfig, TwinCluster
 
 FP = Fingerprint("test-model", "bytes", 16)
+
+
+def offer(c: Cluster, rid: int, peer: str) -> None:
+    """n0 receives request ``rid`` aimed at ``peer`` and forwards it there."""
+    [action] = c.deliver("n0", RequestArrived(rid, (), 128, 0, 1, target=peer))
+    assert isinstance(action, Forward) and action.peer_id == peer
+
+
+def refusal(
+    node: NodeCore,
+    now: float,
+    prompt: int = 540,
+    cached: int = 0,
+    max_tokens: int = 1,
+    beat_s: float | None = None,
+) -> float | None:
+    """Offer ``node`` a forward: None if it admits it, else the retry-after it answers."""
+    [action] = node.handle(ForwardArrived(0, prompt, cached, max_tokens, beat_s), now)
+    if isinstance(action, AcceptForward):
+        return None
+    assert isinstance(action, RefuseForward)
+    return action.retry_after_s
 
 
 def lone_node(**overrides: object) -> NodeCore:
@@ -41,13 +70,13 @@ def lone_node(**overrides: object) -> NodeCore:
     return NodeCore(config, random.Random(0), now=0.0)
 
 
-def warm_cluster(n: int = 3, policy: Policy = Policy.PAPER, **kw: object) -> Cluster:
-    c = Cluster(n, router=RouterConfig(policy=policy), seed=11, **kw)  # type: ignore[arg-type]
+def warm_cluster(n: int = 3, policy: Policy = Policy.PAPER, **kw: object) -> TwinCluster:
+    c = TwinCluster(n, router=RouterConfig(policy=policy), seed=11, **kw)  # type: ignore[arg-type]
     c.run_for(2.0)
     return c
 
 
-def hashes_of(c: Cluster, node: str, rng: random.Random, n: int = 8) -> list[int]:
+def hashes_of(c: TwinCluster, node: str, rng: random.Random, n: int = 8) -> list[int]:
     chain = [rng.getrandbits(64) for _ in range(n)]
     c.change_cache(node, chain)
     return chain
@@ -182,8 +211,10 @@ def test_forward_failed_marks_suspect_at_once_and_speech_revives() -> None:
     c = warm_cluster(2)
     chain = hashes_of(c, "n1", rng)
     c.run_for(1.0)
-    actions = c.deliver("n0", ForwardFailed("n1", "connection refused"))
+    offer(c, 1, "n1")
+    actions = c.deliver("n0", ForwardFailed(1, "n1", "connection refused"))
     assert PeerStateChanged("n1", "alive", "suspect") in actions
+    assert ExecuteLocally(1, "fallback", 0, 0) in actions  # the only other candidate: self
     assert c.nodes["n0"].route(chain, 128, 0, 1, c.now)[0].is_self  # not routed to
     c.run_for(0.6)  # n1 gossips again
     assert c.nodes["n0"].peer_state("n1") == "alive"
@@ -239,13 +270,18 @@ def test_busy_refusal_skips_the_peer_for_retry_after_without_suspecting_it() -> 
     n0 = c.nodes["n0"]
     assert n0.route(chain, 128, 0, 1, c.now)[0].node_id == "n1"
     t0 = c.now
-    assert c.deliver("n0", ForwardRefused("n1", 0.5)) == []
+    offer(c, 1, "n1")
+    assert c.deliver("n0", ForwardRefused(1, "n1", 0.5)) == [ExecuteLocally(1, "fallback", 0, 0)]
     assert n0.peer_state("n1") == "alive"  # it answered: not suspect
     assert n0.pushed_back("n1", c.now)
     assert n0.route(chain, 128, 0, 1, c.now)[0].is_self
     assert n0.metrics()["forwards_refused"] == 1
-    c.deliver("n0", ForwardRefused("n1", 1e9))  # an absurd back-off is ignored
-    c.deliver("n0", ForwardRefused("ghost", 0.5))  # an unknown peer: nothing to do
+    offer(c, 2, "n1")
+    c.deliver("n0", ForwardRefused(2, "n1", 1e9))  # an absurd back-off is ignored
+    [local] = c.deliver("n0", RequestArrived(3, (), 128, 0, 1, target="ghost"))
+    assert local == ExecuteLocally(3, "fallback", 0, 0)  # an unknown peer: tried, not sent
+    assert n0.metrics()["forwards_unknown_peer"] == 1
+    assert c.deliver("n0", ForwardRefused(3, "ghost", 0.5)) == []  # not its try: stale
     c.run_until(t0 + 0.51)
     assert not n0.pushed_back("n1", c.now)
     assert n0.route(chain, 128, 0, 1, c.now)[0].node_id == "n1"
@@ -255,42 +291,48 @@ def test_a_node_at_its_pushback_threshold_refuses_forwards() -> None:
     node = lone_node(pushback=PushbackConfig(queue_threshold=2, duration_s=1.5))
     node.handle(Tick(), 0.0)
     node.handle(LoadChanged(1, 1, 0, 100), 0.1)
-    assert node.admits_forward(0.1) is None
+    assert refusal(node, 0.1) is None
     node.handle(LoadChanged(2, 1, 0, 100), 0.2)  # at the threshold: no push-back yet
-    assert node.admits_forward(0.2) == 1.5
+    assert refusal(node, 0.2) == 1.5
     node.handle(LoadChanged(3, 1, 0, 100), 0.3)  # above: the push-back's remaining time
-    assert node.admits_forward(0.8) == 1.0
+    assert refusal(node, 0.8) == 1.0
     node.handle(LoadChanged(0, 0, 0, 100), 0.9)
-    assert node.admits_forward(0.9) is None
+    assert refusal(node, 0.9) is None
     assert node.metrics()["forwards_refused_busy"] == 2
 
 
 def test_a_forward_is_refused_when_this_node_would_not_beat_the_senders_prediction() -> None:
     node = lone_node()
     node.handle(Tick(), 0.0)
-    cold = node.admits_forward(0.0, 540, 0, 1, beat_s=None)
+    cold = refusal(node, 0.0, 540, 0, 1, beat_s=None)
     assert cold is None  # no budget given (paper policy): only the threshold applies
     # this node's own prediction for the request, warm and cold (a lone node routes to self)
     warm_pred, cold_pred = (node.route([], 540, c, 1, 0.0)[0].predicted_latency_s for c in (512, 0))
     assert warm_pred < cold_pred
     between = (warm_pred + cold_pred) / 2
-    assert node.admits_forward(0.0, 540, 512, 1, beat_s=between) is None  # cached here: pays
-    assert node.admits_forward(0.0, 540, 0, 1, beat_s=between) == 0.0  # cold, idle: this one
+    assert refusal(node, 0.0, 540, 512, 1, beat_s=between) is None  # cached here: pays
+    assert refusal(node, 0.0, 540, 0, 1, beat_s=between) == 0.0  # cold, idle: this one
     node.handle(LoadChanged(3, 1, 0, 100), 0.1)  # a queue: the warm one no longer pays either
-    retry = node.admits_forward(0.1, 540, 512, 1, beat_s=between)
+    retry = refusal(node, 0.1, 540, 512, 1, beat_s=between)
     assert retry is not None and retry > 0  # ... and the sender backs off for the queue's wait
     assert node.metrics()["forwards_refused_slower"] == 2
 
 
 def test_forward_succeeded_inserts_optimistically_and_measures_rtt() -> None:
     c = warm_cluster(2)
-    c.deliver("n0", ForwardSucceeded("n1", (11, 22, 33), 0.004))
     n0 = c.nodes["n0"]
+    c.deliver("n0", RequestArrived(1, (11, 22, 33), 128, 0, 1, target="n1"))
+    c.deliver("n0", ForwardAccepted(1, "n1", 0))
+    assert not {11, 22, 33} & n0.estimate("n1")  # accepted is not answered yet
+    c.deliver("n0", RequestDone(1, forward_rtt_s=0.004))
     assert {11, 22, 33} <= n0.estimate("n1")
     [peer] = n0.mesh_state(c.now)["peers"]  # type: ignore[misc]
     assert peer["rtt_measured"] is True
-    c.deliver("n0", ForwardSucceeded("ghost", (1,), 0.004))
+    assert n0.metrics()["requests_fallback"] == 0 and n0.metrics()["requests_forwarded"] == 1
+    c.deliver("n0", RequestArrived(2, (1,), 128, 0, 1, target="ghost"))
+    c.deliver("n0", RequestDone(2, forward_rtt_s=0.004))  # served here: no insert for anyone
     assert n0.estimate("ghost") == frozenset()
+    assert n0.metrics()["requests_fallback"] == 1
 
 
 def test_load_above_threshold_advertises_immediately() -> None:
@@ -304,7 +346,7 @@ def test_load_above_threshold_advertises_immediately() -> None:
 
 
 def test_fingerprint_mismatch_is_refused_once_loudly_and_counted() -> None:
-    c = Cluster(2, seed=12)
+    c = TwinCluster(2, seed=12)
     other = Fingerprint("another-model", "bytes", 16)
     c.add_node("x", fingerprint=other)
     c.run_for(5.0)

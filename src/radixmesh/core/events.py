@@ -65,47 +65,101 @@ class RequestServed:
     service_s: float  # prefill + decode + engine overhead, queue wait excluded
 
 
-@dataclass(frozen=True, slots=True)
-class ForwardSucceeded:
-    """A forward to ``peer_id`` returned a response.
-
-    ``rtt_s`` is the forwarding overhead: client-observed time minus the remote service and
-    queue time the peer reported, i.e. what the network and HTTP added.
-    """
-
-    peer_id: str
-    hashes: tuple[int, ...]  # the request's block hashes (optimistic insert into the view)
-    rtt_s: float
+# ----------------------------------------------------- events of one request's lifecycle
+# ``rid`` is the shell's id of a request that entered this node (unique among the requests
+# in flight on this node). Events naming a request or peer the lifecycle is not waiting for
+# (a timeout that raced a reply, a reply after a cancellation) are stale: counted, ignored.
 
 
 @dataclass(frozen=True, slots=True)
-class ForwardFailed:
-    """A forward to ``peer_id`` failed or timed out: the peer becomes suspect."""
+class RequestArrived:
+    """A client request entered this node: the core routes it (``Forward`` or
+    ``ExecuteLocally`` comes back)."""
 
+    rid: int
+    hashes: tuple[int, ...]  # the prompt's block hashes
+    prompt_tokens: int
+    local_cached: int  # tokens of the prompt this node's engine holds (exact)
+    max_tokens: int
+    local_only: bool = False  # hop-limited: a forward from a peer, executed here, never routed
+    target: str | None = None  # experiments: try this peer first (fallbacks still apply)
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardAccepted:
+    """``peer_id`` admitted our forward of ``rid`` (its first reply): it is executing it."""
+
+    rid: int
     peer_id: str
-    reason: str
+    cached_tokens: int  # the peer's exact match when it admitted the request
 
 
 @dataclass(frozen=True, slots=True)
 class ForwardRefused:
-    """``peer_id`` answered a forward with "busy" (``NodeCore.admits_forward`` said no): it is
-    alive, so not suspect; it is skipped for ``retry_after_s`` (0: not at all) as if it had
-    pushed back."""
+    """``peer_id`` answered our forward of ``rid`` with "busy": it is alive, so not suspect;
+    it is skipped for ``retry_after_s`` (0: not at all) as if it had pushed back."""
 
+    rid: int
     peer_id: str
     retry_after_s: float
 
 
-Event = (
-    Tick
-    | MessageReceived
-    | CacheChanged
-    | LoadChanged
-    | RequestServed
-    | ForwardSucceeded
-    | ForwardFailed
+@dataclass(frozen=True, slots=True)
+class ForwardFailed:
+    """The forward of ``rid`` to ``peer_id`` failed (connect error, silence, disconnect,
+    garbage): the peer becomes suspect. ``tokens_so_far`` is how many generated tokens the
+    client already received from that peer (the answer continues after them)."""
+
+    rid: int
+    peer_id: str
+    reason: str
+    tokens_so_far: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDone:
+    """``rid`` finished (its answer is complete, or it failed with ``error``).
+
+    ``forward_rtt_s``: for a request a peer answered, the forwarding overhead — client-observed
+    time minus the queue and service time the peer reported (what the network and HTTP added).
+    """
+
+    rid: int
+    forward_rtt_s: float | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestCancelled:
+    """The client of ``rid`` went away: whatever runs for it must stop (an ``Abort`` comes
+    back naming what)."""
+
+    rid: int
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardArrived:
+    """A peer forwarded a request here (hop limit 1: never routed again). The core admits it
+    (``AcceptForward``) or refuses it as busy (``RefuseForward``)."""
+
+    rid: int
+    prompt_tokens: int
+    cached_tokens: int  # this node's exact match of the prompt
+    max_tokens: int
+    beat_s: float | None  # the latency we must beat for the forward to pay (None: admit)
+
+
+RequestEvent = (
+    RequestArrived
+    | ForwardAccepted
     | ForwardRefused
+    | ForwardFailed
+    | RequestDone
+    | RequestCancelled
+    | ForwardArrived
 )
+
+Event = Tick | MessageReceived | CacheChanged | LoadChanged | RequestServed | RequestEvent
 
 # ---------------------------------------------------------------------------------- actions
 
@@ -133,4 +187,56 @@ class PeerStateChanged:
     new: str
 
 
-Action = Send | Log | PeerStateChanged
+# ---------------------------------------------------- actions of one request's lifecycle
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """Send request ``rid`` to ``peer_id`` at ``address`` and report how it went
+    (``ForwardAccepted`` / ``ForwardRefused`` / ``ForwardFailed``, then ``RequestDone``)."""
+
+    rid: int
+    peer_id: str
+    address: str
+    beat_s: float | None  # travels with the forward: what the peer must beat (cost routing)
+    expected_cached: int  # the router's estimate of the peer's cached prefix
+    route: str  # "forwarded" (first choice) | "fallback" (an earlier try failed)
+
+
+@dataclass(frozen=True, slots=True)
+class ExecuteLocally:
+    """Run request ``rid`` on this node's engine, continuing after the first ``resume_after``
+    generated tokens (already sent to the client by a peer that then failed)."""
+
+    rid: int
+    route: str  # "local" (first choice) | "fallback" (a peer was tried first)
+    expected_cached: int  # the router's estimate of this node's cached prefix
+    resume_after: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Stop what runs for ``rid``: the forward to ``peer_id``, or local work (None)."""
+
+    rid: int
+    peer_id: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class AcceptForward:
+    """Execute the forwarded request ``rid`` here; tell the sender at once (first byte)."""
+
+    rid: int
+
+
+@dataclass(frozen=True, slots=True)
+class RefuseForward:
+    """Answer the forwarded request ``rid`` with "busy, retry after ``retry_after_s``"."""
+
+    rid: int
+    retry_after_s: float
+
+
+RequestAction = Forward | ExecuteLocally | Abort | AcceptForward | RefuseForward
+
+Action = Send | Log | PeerStateChanged | RequestAction

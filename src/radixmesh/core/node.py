@@ -11,9 +11,16 @@ Theory of operation
       engine cache changed            ── CacheChanged ─▶ local summary (version += 1)
       engine load changed             ── LoadChanged ──▶ own load; push-back if queue > limit
       request finished                ── RequestServed ▶ own ComputeModel (speed)
-      forward outcome                 ── Forward* ─────▶ optimistic insert + RTT | suspect
-      request arrives                 ── route(...) ───▶ ranked candidates (head = choice)
-                                      ◀── Send / Log / PeerStateChanged actions
+      client request arrives          ── RequestArrived ▶ route → Forward | ExecuteLocally
+      forward accepted/refused/failed ── Forward* ─────▶ next try | continue locally
+      request done / client gone      ── RequestDone / RequestCancelled ▶ RTT, view | Abort
+      a peer forwards to us           ── ForwardArrived ▶ AcceptForward | RefuseForward
+                                      ◀── Send / Log / PeerStateChanged / request actions
+
+A request's whole life at its entry node (which peer next, when to stop trying peers, route
+labels, continuing locally after a peer died mid-stream) is decided by
+:class:`~radixmesh.core.lifecycle.Lifecycle`; this class adds what the rest of the node
+learns from it (suspect a failed peer, skip a busy one, RTT samples, optimistic view inserts).
 
 Only the shell owns a clock; ``now`` is seconds on the shell's clock and is never compared
 across nodes (push-back durations and RTT echoes are relative). Randomness comes from the
@@ -29,28 +36,36 @@ through a lazily cleaned heap.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from random import Random  # the type only: instances are passed in, never the global one
+from typing import Any
 
 from radixmesh.core.codec import Codec, Limits, RemoteProtocolError
 from radixmesh.core.config import NodeConfig
 from radixmesh.core.estimators import ComputeModel, RttTable, Utilization
 from radixmesh.core.events import (
+    AcceptForward,
     Action,
     CacheChanged,
     Event,
+    ForwardAccepted,
+    ForwardArrived,
     ForwardFailed,
     ForwardRefused,
-    ForwardSucceeded,
     LoadChanged,
     Log,
     MessageReceived,
+    RefuseForward,
+    RequestArrived,
+    RequestCancelled,
+    RequestDone,
     RequestServed,
     Tick,
 )
 from radixmesh.core.gossip import Estimate, Gossiper
+from radixmesh.core.lifecycle import Lifecycle
 from radixmesh.core.membership import Membership, MemberState
-from radixmesh.core.messages import Gossip, Load
+from radixmesh.core.messages import Load
 from radixmesh.core.peerview import PeerView
 from radixmesh.core.router import (
     Candidate,
@@ -146,6 +161,21 @@ class NodeCore:
         self._pushback_until: float | None = None
         self._next_round = now  # the first Tick joins the seeds at once
         self._idle: list[tuple[int, float, str]] = []  # (queue depth, stamp, peer) lazy heap
+        self._lifecycle = Lifecycle(config.forward, self.peer_address)
+        self._handlers: dict[type, Callable[[Any, float], list[Action]]] = {
+            Tick: self._tick,
+            MessageReceived: self._receive,
+            CacheChanged: self._cache_changed,
+            LoadChanged: self._load_changed,
+            RequestServed: self._served,
+            RequestArrived: self._arrived,
+            ForwardAccepted: self._accepted,
+            ForwardRefused: self._refused,
+            ForwardFailed: self._failed,
+            RequestDone: self._done,
+            RequestCancelled: self._cancelled,
+            ForwardArrived: self._forward_arrived,
+        }
 
     # ------------------------------------------------------------------------- identity
     @property
@@ -159,33 +189,16 @@ class NodeCore:
     # --------------------------------------------------------------------------- events
     def handle(self, event: Event, now: float) -> list[Action]:
         """Apply one event; returns the actions the shell must carry out."""
-        if isinstance(event, Tick):
-            return self._tick(now)
-        if isinstance(event, MessageReceived):
-            return self._receive(event.data, now, event.message)
-        if isinstance(event, CacheChanged):
-            self._summary.apply(event.added, event.removed)
-            return []
-        if isinstance(event, LoadChanged):
-            return self._load_changed(event, now)
-        if isinstance(event, RequestServed):
-            return self._served(event, now)
-        if isinstance(event, ForwardSucceeded):
-            return self._forward_ok(event)
-        if isinstance(event, ForwardFailed):
-            self._count("forwards_failed")
-            return self._gossip.forward_failed(event.peer_id, now)
-        if isinstance(event, ForwardRefused):
-            self._count("forwards_refused")
-            self._gossip.refused_forward(event.peer_id, event.retry_after_s, now)
-            return []
-        raise TypeError(f"unknown event {event!r}")  # a bug in the shell, not a peer
+        handler = self._handlers.get(type(event))
+        if handler is None:
+            raise TypeError(f"unknown event {event!r}")  # a bug in the shell, not a peer
+        return handler(event, now)
 
     def next_deadline(self) -> float:
         """When the next Tick is due (the shell's clock)."""
         return self._next_round
 
-    def _tick(self, now: float) -> list[Action]:
+    def _tick(self, _: Tick, now: float) -> list[Action]:
         if now < self._next_round:
             return []
         actions = self._gossip.expire(now)
@@ -199,7 +212,8 @@ class NodeCore:
         sends = self._gossip.round(now, self._own_load(now))
         return self._account_out(sends)
 
-    def _receive(self, data: bytes, now: float, msg: Gossip | None) -> list[Action]:
+    def _receive(self, event: MessageReceived, now: float) -> list[Action]:
+        data, msg = event.data, event.message
         self._count("gossip_messages_in")
         self._count("gossip_bytes_in", len(data))
         if msg is None:  # from a network: decode and validate (the in-process one is trusted)
@@ -221,6 +235,10 @@ class NodeCore:
             heapq.heappush(self._idle, (est.load.queue_depth, est.stamp or 0.0, peer))
             self._trim_idle()
 
+    def _cache_changed(self, event: CacheChanged, _: float) -> list[Action]:
+        self._summary.apply(event.added, event.removed)
+        return []
+
     def _load_changed(self, event: LoadChanged, now: float) -> list[Action]:
         self._load = event
         self._load_cache = None
@@ -235,17 +253,72 @@ class NodeCore:
         self._next_round = now  # advertise at once: the shell ticks us immediately
         return [Log("info", f"queue depth {event.queue_depth} > {pb.queue_threshold}: push-back")]
 
-    def admits_forward(
+    # ---------------------------------------------------------------- request lifecycle
+    def _arrived(self, event: RequestArrived, now: float) -> list[Action]:
+        return list(self._lifecycle.start(event, self._candidates(event, now)))
+
+    def _candidates(self, event: RequestArrived, now: float) -> list[Candidate]:
+        me = Candidate(self.node_id, True, event.local_cached, 0.0)
+        if event.local_only:
+            return [me]
+        if event.target is not None and event.target != self.node_id:
+            return [Candidate(event.target, False, 0, 0.0), me]
+        return self.route(
+            event.hashes, event.prompt_tokens, event.local_cached, event.max_tokens, now
+        )
+
+    def _accepted(self, event: ForwardAccepted, _: float) -> list[Action]:
+        if self._lifecycle.is_current(event.rid, event.peer_id, "accepted"):
+            self._lifecycle.accepted(event.rid)
+        return []
+
+    def _refused(self, event: ForwardRefused, now: float) -> list[Action]:
+        if not self._lifecycle.is_current(event.rid, event.peer_id, "refused"):
+            return []
+        self._count("forwards_refused")
+        self._gossip.refused_forward(event.peer_id, event.retry_after_s, now)
+        return list(self._lifecycle.refused(event.rid))
+
+    def _failed(self, event: ForwardFailed, now: float) -> list[Action]:
+        if not self._lifecycle.is_current(event.rid, event.peer_id, "failed"):
+            return []
+        self._count("forwards_failed")
+        actions = self._gossip.forward_failed(event.peer_id, now)
+        actions.extend(self._lifecycle.failed(event.rid, event.tokens_so_far))
+        return actions
+
+    def _done(self, event: RequestDone, _: float) -> list[Action]:
+        flight = self._lifecycle.get(event.rid)
+        peer = None if flight is None else flight.peer
+        if not self._lifecycle.is_current(event.rid, peer, "done"):
+            return []
+        flight = self._lifecycle.done(event.rid, event.error)
+        if flight.peer is not None and event.error is None and event.forward_rtt_s is not None:
+            self._forward_ok(flight.peer, flight.hashes, event.forward_rtt_s)
+        return []
+
+    def _cancelled(self, event: RequestCancelled, _: float) -> list[Action]:
+        return list(self._lifecycle.cancel(event.rid))
+
+    def _forward_arrived(self, event: ForwardArrived, now: float) -> list[Action]:
+        retry = self._busy_for(
+            now, event.prompt_tokens, event.cached_tokens, event.max_tokens, event.beat_s
+        )
+        if retry is None:
+            return [AcceptForward(event.rid)]
+        return [RefuseForward(event.rid, retry)]
+
+    def _busy_for(
         self,
         now: float,
-        prompt_tokens: int = 0,
-        cached_tokens: int = 0,
-        max_tokens: int = 1,
-        beat_s: float | None = None,
+        prompt_tokens: int,
+        cached_tokens: int,
+        max_tokens: int,
+        beat_s: float | None,
     ) -> float | None:
-        """Whether to execute a request a peer forwarded here: None (yes), or "busy" with the
-        seconds the peer should leave us alone (0: only this request). Client requests entering
-        here are always served; forwards are refused
+        """Whether to refuse a request a peer forwarded here: None (admit it), or "busy" with
+        the seconds the peer should leave us alone (0: only this request). Client requests
+        entering here are always served; forwards are refused
         * at the push-back threshold (retry after the push-back's remaining time), and
         * when the sender said what we must beat (``beat_s``: its local prediction minus the
           round trip) and our queue wait + service for this request, known exactly here, is
@@ -278,13 +351,13 @@ class NodeCore:
         self._compute.observe_service(event.service_s)
         return []
 
-    def _forward_ok(self, event: ForwardSucceeded) -> list[Action]:
+    def _forward_ok(self, peer: str, hashes: tuple[int, ...], rtt_s: float) -> None:
+        """A peer answered a forward: an RTT sample, and it now holds the request's prefix."""
         self._count("forwards_succeeded")
-        self._rtt.observe(event.peer_id, event.rtt_s)
-        est = self._gossip.estimates.get(event.peer_id)
-        if est is not None and est.version is not None and event.hashes:
-            self._view.optimistic_insert(event.peer_id, event.hashes)
-        return []
+        self._rtt.observe(peer, rtt_s)
+        est = self._gossip.estimates.get(peer)
+        if est is not None and est.version is not None and hashes:
+            self._view.optimistic_insert(peer, hashes)
 
     def _own_load(self, now: float) -> Load:
         """This node's load as advertised now (cached while no push-back is running)."""
@@ -434,6 +507,15 @@ class NodeCore:
         """The block hashes this node believes ``peer_id`` holds (empty if none)."""
         return self._view.held(peer_id)
 
+    @property
+    def summary_version(self) -> int:
+        """The version of this node's own cache summary (grows with each cache change)."""
+        return self._summary.version
+
+    def routable_count(self) -> int:
+        """Peers this node would route to now (alive, with a load report)."""
+        return len(self._gossip.routable)
+
     def view_version(self, peer_id: str) -> int | None:
         """Version of ``peer_id``'s summary this node holds (None: none)."""
         est = self._gossip.estimates.get(peer_id)
@@ -463,6 +545,20 @@ class NodeCore:
         out["summary_blocks"] = float(len(self._summary))
         out["incarnation"] = float(self.incarnation)
         out["queue_depth"] = float(self._load.queue_depth)
+        out.update(self._lifecycle_metrics())
+        return out
+
+    def _lifecycle_metrics(self) -> dict[str, float]:
+        lc = self._lifecycle.counters
+        out = {
+            "requests_in_flight": float(len(self._lifecycle)),
+            "forwards_unknown_peer": float(lc.unknown_peer),
+            "lifecycle_stale_events": float(lc.stale),
+            "requests_cancelled": float(lc.cancelled),
+            "requests_failed": float(lc.failed),
+        }
+        for route in ("local", "forwarded", "fallback"):
+            out[f"requests_{route}"] = float(lc.routes.get(route, 0))
         return out
 
     def mesh_state(self, now: float) -> dict[str, object]:

@@ -1,0 +1,193 @@
+"""The life of a request that entered this node: route, try peers, fall back, finish.
+
+Theory of operation
+-------------------
+One :class:`Flight` per client request in flight at its entry node, keyed by the shell's
+request id. The shells (runtime, simulator) only report what happened and carry out the
+actions; every decision — which peer next, when to give up on peers, the route label, where
+the answer continues after a peer died mid-stream — is taken here, once::
+
+                    RequestArrived
+                          │ route: ranked candidates (self always listed)
+                          ▼
+      ┌────────────── next try ◀────────────── ForwardRefused / ForwardFailed (not accepted)
+      │ peer, attempts < max          │ self, or attempts used up
+      ▼ Forward                       ▼ ExecuteLocally(route local | fallback)
+    OFFERED ── ForwardAccepted ──▶ STREAMING ── ForwardFailed(tokens_so_far) ──▶ LOCAL
+      │                              │            ExecuteLocally(fallback, resume_after)
+      └──────── RequestDone ─────────┴──────────── RequestDone ──────────────────┘  (gone)
+    any state ── RequestCancelled ──▶ Abort(peer | local)                          (gone)
+
+Rules:
+* a peer is *tried* when it is sent the request, or when it has no known address (counted
+  as ``forwards_unknown_peer``, never suspected: membership does not know it); after
+  ``ForwardConfig.max_peer_attempts`` tries the request runs locally;
+* the route label is ``local`` / ``forwarded`` for a first choice and ``fallback`` once any
+  try was refused, failed or unknown;
+* once a peer has *accepted*, a failure is never retried on another peer: the answer
+  continues here after the tokens the client already has (the peer may have spent a queue
+  wait on it already; a second forward could double that);
+* events for a request or peer the flight is not waiting for are *stale* (a timeout that
+  raced a reply): ``is_current`` says so and the node ignores them.
+
+Illegal transitions are the shell's bugs only if they name the current try in a state where
+that event cannot happen (e.g. ``ForwardAccepted`` while executing locally): they are counted
+as stale too, never raised — a shell driven by a network cannot always order its callbacks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+from radixmesh.core.config import ForwardConfig
+from radixmesh.core.events import (
+    Abort,
+    ExecuteLocally,
+    Forward,
+    RequestAction,
+    RequestArrived,
+)
+from radixmesh.core.router import Candidate
+
+AddressOf = Callable[[str], str | None]  # peer id -> address (None: not a known member)
+
+
+class Stage(Enum):
+    OFFERED = "offered"  # sent to a peer, no reply yet
+    STREAMING = "streaming"  # the peer accepted it and is executing it
+    LOCAL = "local"  # executing on this node's engine
+
+
+# event name -> the stages in which it may arrive for the current try
+_LEGAL: dict[str, frozenset[Stage]] = {
+    "accepted": frozenset({Stage.OFFERED}),
+    "refused": frozenset({Stage.OFFERED}),
+    "failed": frozenset({Stage.OFFERED, Stage.STREAMING}),
+    "done": frozenset({Stage.STREAMING, Stage.LOCAL}),
+}
+
+
+@dataclass(slots=True)
+class Flight:
+    """One request's state at its entry node."""
+
+    rid: int
+    hashes: tuple[int, ...]
+    candidates: list[Candidate]
+    self_expected: int  # the router's estimate of this node's cached prefix
+    stage: Stage = Stage.LOCAL
+    peer: str | None = None  # the peer of the current try (None: local)
+    next_index: int = 0  # into candidates
+    peer_tries: int = 0
+    fell_back: bool = False  # a try was refused, failed or unknown
+    route: str = "local"
+
+    def label(self, first: str) -> str:
+        return "fallback" if self.fell_back else first
+
+
+@dataclass(slots=True)
+class LifecycleCounters:
+    unknown_peer: int = 0
+    stale: int = 0
+    routes: dict[str, int] = field(default_factory=dict)  # route label at completion
+    cancelled: int = 0
+    failed: int = 0
+
+
+class Lifecycle:
+    """The flights of one entry node and the transition rules above."""
+
+    def __init__(self, config: ForwardConfig, address_of: AddressOf) -> None:
+        self._config = config
+        self._address_of = address_of
+        self._flights: dict[int, Flight] = {}
+        self.counters = LifecycleCounters()
+
+    def __len__(self) -> int:
+        return len(self._flights)
+
+    def get(self, rid: int) -> Flight | None:
+        return self._flights.get(rid)
+
+    # ---------------------------------------------------------------- transitions
+    def start(self, event: RequestArrived, candidates: list[Candidate]) -> list[RequestAction]:
+        if event.rid in self._flights:
+            raise ValueError(f"request id {event.rid} is already in flight")  # a shell bug
+        expected = next(
+            (c.expected_cached_tokens for c in candidates if c.is_self), event.local_cached
+        )
+        flight = Flight(event.rid, event.hashes, candidates, expected)
+        self._flights[event.rid] = flight
+        return [self._next_try(flight)]
+
+    def is_current(self, rid: int, peer: str | None, what: str) -> bool:
+        """Whether an event ``what`` about ``peer`` is for ``rid``'s current try (else stale)."""
+        flight = self._flights.get(rid)
+        ok = flight is not None and flight.peer == peer and flight.stage in _LEGAL[what]
+        if not ok:
+            self.counters.stale += 1
+        return ok
+
+    def accepted(self, rid: int) -> None:
+        self._flights[rid].stage = Stage.STREAMING
+
+    def refused(self, rid: int) -> list[RequestAction]:
+        flight = self._flights[rid]
+        flight.fell_back = True
+        return [self._next_try(flight)]
+
+    def failed(self, rid: int, tokens_so_far: int) -> list[RequestAction]:
+        flight = self._flights[rid]
+        flight.fell_back = True
+        if flight.stage is Stage.STREAMING:  # accepted: continue here, never another peer
+            return [self._local(flight, max(tokens_so_far, 0))]
+        return [self._next_try(flight)]
+
+    def done(self, rid: int, error: str | None) -> Flight:
+        flight = self._flights.pop(rid)
+        if error is not None:
+            self.counters.failed += 1
+        routes = self.counters.routes
+        routes[flight.route] = routes.get(flight.route, 0) + 1
+        return flight
+
+    def cancel(self, rid: int) -> list[RequestAction]:
+        flight = self._flights.pop(rid, None)
+        if flight is None:
+            self.counters.stale += 1
+            return []
+        self.counters.cancelled += 1
+        return [Abort(rid, flight.peer)]
+
+    # ---------------------------------------------------------------- decisions
+    def _next_try(self, flight: Flight) -> RequestAction:
+        cands = flight.candidates
+        while flight.next_index < len(cands):
+            cand = cands[flight.next_index]
+            flight.next_index += 1
+            if cand.is_self or flight.peer_tries >= self._config.max_peer_attempts:
+                break
+            flight.peer_tries += 1
+            address = self._address_of(cand.node_id)
+            if address is None:
+                self.counters.unknown_peer += 1
+                flight.fell_back = True
+                continue
+            return self._forward(flight, cand, address)
+        return self._local(flight, 0)
+
+    def _forward(self, flight: Flight, cand: Candidate, address: str) -> Forward:
+        flight.stage, flight.peer = Stage.OFFERED, cand.node_id
+        flight.route = flight.label("forwarded")
+        return Forward(
+            flight.rid, cand.node_id, address, cand.beat_s, cand.expected_cached_tokens,
+            flight.route,
+        )
+
+    def _local(self, flight: Flight, resume_after: int) -> ExecuteLocally:
+        flight.stage, flight.peer = Stage.LOCAL, None
+        flight.route = flight.label("local")
+        return ExecuteLocally(flight.rid, flight.route, flight.self_expected, resume_after)

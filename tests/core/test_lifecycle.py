@@ -1,0 +1,155 @@
+"""The request lifecycle: which peer next, when to stop, route labels, resuming after a death.
+
+Checked against a reference model that states the rules directly: the peers tried are the
+candidates ahead of self, at most ``max_peer_attempts`` of them; unknown peers are tried but
+not sent; a failure after acceptance continues locally after the tokens already streamed.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from radixmesh.core.config import ForwardConfig
+from radixmesh.core.events import Abort, ExecuteLocally, Forward, RequestArrived
+from radixmesh.core.lifecycle import Lifecycle
+from radixmesh.core.router import Candidate
+
+KNOWN = {"a": "h-a:1", "b": "h-b:1", "c": "h-c:1", "d": "h-d:1"}  # "x" has no address
+
+
+def cands(order: list[str]) -> list[Candidate]:
+    return [Candidate(p, p == "me", 16 if p == "me" else 32, 0.1, None) for p in order]
+
+
+def arrived(rid: int = 1) -> RequestArrived:
+    return RequestArrived(rid, (1, 2), 64, 16, 8)
+
+
+def lifecycle(attempts: int = 2) -> Lifecycle:
+    return Lifecycle(ForwardConfig(max_peer_attempts=attempts), KNOWN.get)
+
+
+def test_first_choice_peer_is_forwarded_then_done() -> None:
+    lc = lifecycle()
+    [fwd] = lc.start(arrived(), cands(["a", "me"]))
+    assert fwd == Forward(1, "a", "h-a:1", None, 32, "forwarded")
+    assert lc.is_current(1, "a", "accepted")
+    lc.accepted(1)
+    assert lc.is_current(1, "a", "done")
+    assert lc.done(1, None).route == "forwarded"
+    assert len(lc) == 0 and lc.counters.routes == {"forwarded": 1}
+
+
+def test_refusals_walk_the_candidates_then_run_locally_as_fallback() -> None:
+    lc = lifecycle(attempts=2)
+    lc.start(arrived(), cands(["a", "b", "c", "me"]))
+    assert lc.refused(1) == [Forward(1, "b", "h-b:1", None, 32, "fallback")]
+    assert lc.refused(1) == [ExecuteLocally(1, "fallback", 16, 0)]  # c is past the limit
+
+
+def test_unknown_peers_count_as_tries_but_are_never_sent() -> None:
+    lc = lifecycle(attempts=2)
+    assert lc.start(arrived(), cands(["x", "x2", "a", "me"])) == [
+        ExecuteLocally(1, "fallback", 16, 0)
+    ]
+    assert lc.counters.unknown_peer == 2
+
+
+def test_a_failure_after_acceptance_continues_locally_after_the_streamed_tokens() -> None:
+    lc = lifecycle()
+    lc.start(arrived(), cands(["a", "b", "me"]))
+    lc.accepted(1)
+    assert lc.failed(1, tokens_so_far=5) == [ExecuteLocally(1, "fallback", 16, 5)]  # never b
+
+
+def test_stale_events_are_recognised_and_counted() -> None:
+    lc = lifecycle()
+    lc.start(arrived(), cands(["a", "b", "me"]))
+    assert not lc.is_current(1, "b", "refused")  # not b's try
+    assert not lc.is_current(1, "a", "done")  # not accepted yet
+    assert not lc.is_current(2, "a", "failed")  # no such request
+    assert lc.counters.stale == 3
+
+
+def test_cancel_aborts_what_runs_and_forgets_the_request() -> None:
+    lc = lifecycle()
+    lc.start(arrived(1), cands(["a", "me"]))
+    lc.start(arrived(2), cands(["me", "a"]))
+    assert lc.cancel(1) == [Abort(1, "a")]
+    assert lc.cancel(2) == [Abort(2, None)]
+    assert lc.cancel(2) == [] and len(lc) == 0
+    assert lc.counters.cancelled == 2
+
+
+# ------------------------------------------------------------------- reference model
+def reference(order: list[str], outcomes: list[tuple[str, int]], attempts: int) -> list[object]:
+    """The rules, stated directly: the actions one request produces."""
+    ahead = order[: order.index("me")][:attempts]
+    out: list[object] = []
+    fell_back = False
+    for peer in ahead:
+        if peer not in KNOWN:
+            fell_back = True
+            continue
+        out.append(("forward", peer, "fallback" if fell_back else "forwarded"))
+        kind, tokens = outcomes.pop(0) if outcomes else ("done", 0)
+        if kind == "done":
+            return out
+        fell_back = True
+        if kind == "accepted-failed":
+            out.append(("local", "fallback", tokens))
+            return out
+    out.append(("local", "fallback" if fell_back else "local", 0))
+    return out
+
+
+def drive(order: list[str], outcomes: list[tuple[str, int]], attempts: int) -> list[object]:
+    lc = lifecycle(attempts)
+    actions = list(lc.start(arrived(), cands(order)))
+    seen: list[object] = []
+    queue = list(outcomes)
+    while actions:
+        action = actions.pop(0)
+        if isinstance(action, ExecuteLocally):
+            seen.append(("local", action.route, action.resume_after))
+            break
+        assert isinstance(action, Forward)
+        seen.append(("forward", action.peer_id, action.route))
+        kind, tokens = queue.pop(0) if queue else ("done", 0)
+        if kind == "done":
+            lc.accepted(1)
+            break
+        if kind == "refused":
+            actions = list(lc.refused(1))
+        elif kind == "failed":
+            actions = list(lc.failed(1, 0))
+        else:
+            lc.accepted(1)
+            actions = list(lc.failed(1, tokens))
+    assert lc.done(1, None).route == seen[-1][-2 if seen[-1][0] == "local" else -1]
+    return seen
+
+
+peers = st.lists(st.sampled_from(["a", "b", "c", "d", "x", "y"]), unique=True, max_size=5)
+outcome = st.tuples(
+    st.sampled_from(["done", "refused", "failed", "accepted-failed"]), st.integers(0, 7)
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    peers,
+    st.integers(0, 5),
+    st.lists(outcome, max_size=6),
+    st.integers(0, 4),
+)
+def test_lifecycle_matches_the_reference_model(
+    before: list[str], self_at: int, outcomes: list[tuple[str, int]], attempts: int
+) -> None:
+    order = list(before)
+    order.insert(min(self_at, len(order)), "me")
+    expected = reference(list(order), list(outcomes), attempts)
+    assert drive(order, outcomes, attempts) == expected
+    forwards = [a for a in expected if isinstance(a, tuple) and a[0] == "forward"]
+    assert len(forwards) <= attempts
