@@ -36,7 +36,7 @@ from radixmesh.testing import LinkConfig, TwinCluster
 FP = Fingerprint("test-model", "bytes", 16)
 
 
-def offer(c: Cluster, rid: int, peer: str) -> None:
+def offer(c: TwinCluster, rid: int, peer: str) -> None:
     """n0 receives request ``rid`` aimed at ``peer`` and forwards it there."""
     [action] = c.deliver("n0", RequestArrived(rid, (), 128, 0, 1, target=peer))
     assert isinstance(action, Forward) and action.peer_id == peer
