@@ -15,6 +15,7 @@ is as bad as one that crashes.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -22,19 +23,33 @@ from typing import Any
 
 import msgpack
 import pytest
-from gossip_strategies import gossip_strategy
+from gossip_strategies import finite, gossip_strategy, ident, small
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.codec import Codec, Limits, RemoteProtocolError
 from radixmesh.core.estimators import SpeedReport
+from radixmesh.core.forward_codec import (
+    ForwardLimits,
+    ReplyDecoder,
+    decode_forward_request,
+    encode_forward_request,
+    encode_reply,
+)
 from radixmesh.core.messages import (
     Ack,
     Change,
     Delta,
     DigestEntry,
     Echo,
+    ForwardAccepted,
+    ForwardBusy,
+    ForwardError,
+    ForwardHeartbeat,
+    ForwardRequest,
+    ForwardResult,
+    ForwardTokens,
     Gossip,
     Load,
     NodeState,
@@ -321,3 +336,79 @@ def test_many_peers_and_changes_are_bounded() -> None:
     tree[10] = [1, 5, [[b"\x02", b"\x02"]] * (SMALL.max_changes + 1)]
     with pytest.raises(RemoteProtocolError):
         Codec(SMALL).decode(msgpack.packb(tree, use_bin_type=True))
+
+
+# ------------------------------------------------------------------ forward messages
+
+FWD_SMALL = ForwardLimits(max_prompt_tokens=64, max_stop_tokens=8, max_frame_bytes=16 * 1024)
+FORWARD_FUZZ = settings(
+    max_examples=int(os.environ.get("RADIXMESH_FUZZ_EXAMPLES", "200")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+_fwd_ids = st.lists(st.integers(0, 2**32 - 1), max_size=8).map(tuple)
+forward_messages: st.SearchStrategy[Any] = st.one_of(
+    st.builds(ForwardRequest, _fwd_ids.filter(bool), st.integers(1, 64), stream=st.booleans(),
+              beat_s=st.none() | st.floats(-3600, 3600)),
+    st.builds(ForwardBusy, ident, finite),
+    st.builds(ForwardAccepted, ident, small),
+    st.just(ForwardHeartbeat()),
+    st.builds(ForwardTokens, _fwd_ids),
+    st.builds(ForwardResult, _fwd_ids, st.sampled_from(["stop", "length"]), small, small,
+              finite, finite, finite),
+    st.builds(ForwardError, st.text(max_size=40)),
+)
+
+
+def _forward_ok(msg: Any) -> None:
+    """What any successfully decoded forward message must satisfy."""
+    ids = [*getattr(msg, "prompt", ()), *getattr(msg, "ids", ()), *getattr(msg, "output_ids", ())]
+    assert all(type(t) is int and 0 <= t < 2**32 for t in ids)
+    assert len(ids) <= 2 * FWD_SMALL.max_prompt_tokens
+    for name in ("temperature", "top_p", "heartbeat_s", "retry_after_s", "queue_s", "handler_s"):
+        value = getattr(msg, name, 0.0)
+        assert type(value) is float or value == 0.0
+        assert math.isfinite(value)
+
+
+def decode_forward_or_reject(data: bytes, chunk: int) -> None:
+    """Both forward decoders on ``data``; only :class:`RemoteProtocolError` may escape them."""
+    with contextlib.suppress(RemoteProtocolError):
+        _forward_ok(decode_forward_request(data, FWD_SMALL))
+    dec = ReplyDecoder(FWD_SMALL)
+    with contextlib.suppress(RemoteProtocolError):
+        for i in range(0, len(data), chunk):
+            for msg in dec.feed(data[i : i + chunk]):
+                _forward_ok(msg)
+
+
+@FORWARD_FUZZ
+@given(data=st.binary(max_size=2048), chunk=st.integers(1, 2048))
+def test_forward_arbitrary_bytes(data: bytes, chunk: int) -> None:
+    decode_forward_or_reject(data, chunk)
+    decode_forward_or_reject(len(data).to_bytes(4, "big") + data, chunk)  # as one frame
+
+
+def _forward_payload(msg: Any) -> bytes:
+    if isinstance(msg, ForwardRequest):
+        return encode_forward_request(msg)
+    return encode_reply(msg)[4:]
+
+
+@FORWARD_FUZZ
+@given(
+    msg=forward_messages,
+    seed=st.integers(0, 2**32),
+    value=st.sampled_from(HOSTILE) | msgpack_values,
+    chunk=st.integers(1, 64),
+)
+def test_forward_structure_mutations(msg: Any, seed: int, value: Any, chunk: int) -> None:
+    tree = msgpack.unpackb(_forward_payload(msg), raw=False)
+    path = random.Random(seed).choice(_paths(tree)[1:])
+    try:
+        payload = msgpack.packb(_replace(tree, path, value), use_bin_type=True)
+    except (TypeError, ValueError, OverflowError):
+        assume(False)
+        return
+    decode_forward_or_reject(payload, chunk)
+    decode_forward_or_reject(len(payload).to_bytes(4, "big") + payload, chunk)

@@ -12,14 +12,18 @@ before anything is allocated; then each field is type- and range-checked by hand
 ints, floats must be finite, strings have maximum lengths, a message holds at most
 ``max_hashes`` hashes in total). Anything wrong raises :class:`RemoteProtocolError` — and only
 that: the node counts it and drops the message, it never crashes and never touches a view.
+
+This module holds gossip and the checked low-level readers (``_int``, ``_float``, ``_text``,
+...); :mod:`forward_codec` encodes forwarded requests and their replies with the same readers.
 """
 
 from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
 
@@ -41,12 +45,13 @@ from radixmesh.core.messages import (
 )
 from radixmesh.core.summary import pack_hashes, unpack_hashes
 
-KIND_GOSSIP = 1
+KIND_GOSSIP = 1  # kinds 2.. are forward messages (forward_codec)
 _EMPTY = pack_hashes(())
 _PACK_CACHE = 4096  # packed hash sets remembered by the encoder
 _SPEED = struct.Struct("<4f")
 _INT_MAX = 2**63 - 1
 _U64_MAX = 2**64 - 1
+_T = TypeVar("_T")
 
 
 class RemoteProtocolError(Exception):
@@ -139,30 +144,42 @@ class Codec:
             raise RemoteProtocolError("message is not bytes")
         if len(data) > self.limits.max_message_bytes:
             raise RemoteProtocolError(f"message of {len(data)} bytes exceeds the limit", "size")
-        raw = self._unpack(bytes(data))
-        try:
-            return _Parser(self.limits).gossip(raw)
-        except RemoteProtocolError:
-            raise
-        except (ValueError, TypeError, IndexError, OverflowError) as exc:
-            raise RemoteProtocolError(f"malformed message: {exc}") from None
-
-    def _unpack(self, data: bytes) -> Any:
         lim = self.limits
-        try:
-            return msgpack.unpackb(
-                data,
-                raw=False,
-                use_list=True,
-                strict_map_key=True,
-                max_str_len=max(lim.max_text_len, lim.max_address_len, lim.max_id_len),
-                max_bin_len=lim.max_message_bytes,
-                max_array_len=max(lim.max_peers, lim.max_changes, 32),
-                max_map_len=0,
-                max_ext_len=0,
-            )
-        except Exception as exc:  # msgpack raises many types on hostile input; all are remote
-            raise RemoteProtocolError(f"undecodable message: {type(exc).__name__}") from None
+        raw = _unpack(
+            bytes(data),
+            max_str=max(lim.max_text_len, lim.max_address_len, lim.max_id_len),
+            max_bin=lim.max_message_bytes,
+            max_array=max(lim.max_peers, lim.max_changes, 32),
+        )
+        return _checked(_Parser(self.limits).gossip, raw)
+
+
+def _unpack(data: bytes, *, max_str: int, max_bin: int, max_array: int) -> Any:
+    """msgpack-decode ``data`` within these lengths (str in bytes); no maps, no extensions."""
+    try:
+        return msgpack.unpackb(
+            data,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            max_str_len=max_str,
+            max_bin_len=max_bin,
+            max_array_len=max_array,
+            max_map_len=0,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises many types on hostile input; all are remote
+        raise RemoteProtocolError(f"undecodable message: {type(exc).__name__}") from None
+
+
+def _checked(parse: Callable[[Any], _T], raw: Any) -> _T:
+    """``parse(raw)``, any error a malformed tree can cause turned into RemoteProtocolError."""
+    try:
+        return parse(raw)
+    except RemoteProtocolError:
+        raise
+    except (ValueError, TypeError, IndexError, OverflowError) as exc:
+        raise RemoteProtocolError(f"malformed message: {exc}") from None
 
 
 # ---------------------------------------------------------------------------- encode helpers
@@ -222,9 +239,7 @@ class _Parser:
         )
 
     def text(self, v: Any, limit: int, what: str) -> str:
-        if not isinstance(v, str) or not v or len(v) > limit:
-            raise RemoteProtocolError(f"{what}: expected a string of 1..{limit} characters")
-        return v
+        return _text(v, limit, what)
 
     def items(self, v: Any, what: str) -> list[Any]:
         if not isinstance(v, list) or len(v) > self.lim.max_peers:
@@ -333,9 +348,9 @@ def _array(v: Any, n: int, what: str) -> list[Any]:
     return v
 
 
-def _int(v: Any, what: str, maximum: int = _INT_MAX) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= maximum:
-        raise RemoteProtocolError(f"{what}: expected an integer in [0, {maximum}]")
+def _int(v: Any, what: str, maximum: int = _INT_MAX, minimum: int = 0) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or not minimum <= v <= maximum:
+        raise RemoteProtocolError(f"{what}: expected an integer in [{minimum}, {maximum}]")
     return v
 
 
@@ -351,4 +366,10 @@ def _float(v: Any, what: str, minimum: float | None = None) -> float:
 def _bool(v: Any, what: str) -> bool:
     if not isinstance(v, bool):
         raise RemoteProtocolError(f"{what}: expected a boolean")
+    return v
+
+
+def _text(v: Any, limit: int, what: str, minimum: int = 1) -> str:
+    if not isinstance(v, str) or not minimum <= len(v) <= limit:
+        raise RemoteProtocolError(f"{what}: expected a string of {minimum}..{limit} characters")
     return v

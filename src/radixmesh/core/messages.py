@@ -1,6 +1,6 @@
 """Every message peers exchange, as frozen slotted dataclasses (encoded by :mod:`codec`).
 
-There is one message on the wire, :class:`Gossip`: a node's own state plus what it knows of
+The one gossip message, :class:`Gossip`, holds a node's own state plus what it knows of
 others. A node is the single writer of its own state ``(incarnation, version)``; everything a
 receiver holds about it is a read-only estimate, ordered by::
 
@@ -12,10 +12,23 @@ so an older, duplicated or reordered message can never regress an estimate.
 Summaries of a cache travel as either a :class:`Snapshot` (the whole set of block hashes) or a
 :class:`Delta` (the per-version change entries after ``base``; the receiver applies the entries
 whose version is above the one it holds, so a delta overlapping what it already has is fine).
+
+Forwarding: the entry node sends one :class:`ForwardRequest`; the serving peer answers with a
+stream of :data:`ForwardReply` messages, in this grammar::
+
+    replies := ForwardBusy
+             | ForwardAccepted (ForwardTokens | ForwardHeartbeat)* (ForwardResult | ForwardError)
+
+Busy: the peer refuses (queue at its push-back threshold, or it would not beat ``beat_s``) and
+the sender falls back at once. Accepted is the first byte of an accepted forward; heartbeats
+keep a long queue from looking like a dead peer; tokens come only when ``stream`` is set. The
+codec frames and checks each reply; enforcing this order is the caller's job. Forward messages
+validate their values on construction (``ValueError``), so a decoded message is a valid one.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from radixmesh.core.blocks import Fingerprint
@@ -137,3 +150,132 @@ class Gossip:
 
 
 Message = Gossip
+
+
+# --------------------------------------------------------------------------- forwarding
+
+TOKEN_ID_LIMIT = 2**32  # token ids are in [0, TOKEN_ID_LIMIT)
+MAX_ERROR_CHARS = 512  # ForwardError.message, at most
+FINISH_REASONS = frozenset({"stop", "length"})
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch's generator and msgpack both hold
+
+
+def _require(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(what)
+
+
+def _in_range(x: float, lo: float, hi: float) -> bool:
+    return math.isfinite(x) and lo <= x <= hi
+
+
+def _check_ids(ids: tuple[int, ...], what: str) -> None:
+    _require(not ids or (min(ids) >= 0 and max(ids) < TOKEN_ID_LIMIT),
+             f"{what}: token ids must be in [0, 2**32)")
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardRequest:
+    """A request forwarded for execution on the receiver (never routed again)."""
+
+    prompt: tuple[int, ...]  # token ids, non-empty
+    max_tokens: int  # >= 1
+    temperature: float = 0.0  # >= 0; 0 = greedy
+    top_p: float = 1.0  # in (0, 1]
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()  # besides the tokenizer's EOS
+    stream: bool = False  # send ForwardTokens as they are generated
+    heartbeat_s: float = 0.5  # in [0.01, 60]: the longest silence before a ForwardHeartbeat
+    beat_s: float | None = None  # in [-3600, 3600]: predicted latency to beat; None: no condition
+
+    def __post_init__(self) -> None:
+        _require(len(self.prompt) >= 1, "prompt must not be empty")
+        _check_ids(self.prompt, "prompt")
+        _check_ids(self.stop_token_ids, "stop_token_ids")
+        _require(self.max_tokens >= 1, "max_tokens must be >= 1")
+        _require(_in_range(self.temperature, 0.0, math.inf), "temperature must be finite, >= 0")
+        _require(_in_range(self.top_p, 0.0, 1.0) and self.top_p > 0, "top_p must be in (0, 1]")
+        _require(self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, "seed out of range")
+        _require(_in_range(self.heartbeat_s, 0.01, 60.0), "heartbeat_s must be in [0.01, 60]")
+        _require(self.beat_s is None or _in_range(self.beat_s, -3600.0, 3600.0),
+                 "beat_s must be in [-3600, 3600]")
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardBusy:
+    """The receiver refuses the forward; the sender should not retry it for ``retry_after_s``."""
+
+    node_id: str
+    retry_after_s: float
+
+    def __post_init__(self) -> None:
+        _require(bool(self.node_id), "node_id must not be empty")
+        _require(_in_range(self.retry_after_s, 0.0, math.inf), "retry_after_s must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardAccepted:
+    """The receiver will execute the forward; ``cached_tokens`` of the prompt are cached there."""
+
+    node_id: str
+    cached_tokens: int
+
+    def __post_init__(self) -> None:
+        _require(bool(self.node_id), "node_id must not be empty")
+        _require(self.cached_tokens >= 0, "cached_tokens must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardHeartbeat:
+    """Still working (queued or prefilling): resets the sender's silence timeout."""
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardTokens:
+    """Newly generated token ids (streamed forwards only)."""
+
+    ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        _check_ids(self.ids, "ids")
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardResult:
+    """The forward's outcome, with the serving node's own timings (final reply)."""
+
+    output_ids: tuple[int, ...]  # every generated id (also those already streamed)
+    finish_reason: str  # "stop" or "length"
+    prompt_tokens: int
+    cached_tokens: int  # what the serving engine actually reused
+    queue_s: float  # time queued on the serving node
+    service_s: float  # its service time, queue excluded
+    handler_s: float  # its total handling time, from receipt to this reply
+
+    def __post_init__(self) -> None:
+        _check_ids(self.output_ids, "output_ids")
+        _require(self.finish_reason in FINISH_REASONS, "finish_reason must be stop or length")
+        _require(min(self.prompt_tokens, self.cached_tokens) >= 0, "token counts must be >= 0")
+        for x in (self.queue_s, self.service_s, self.handler_s):
+            _require(_in_range(x, 0.0, math.inf), "timings must be finite and >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardError:
+    """The receiver accepted but could not execute the forward (final reply)."""
+
+    message: str  # at most MAX_ERROR_CHARS characters
+
+    def __post_init__(self) -> None:
+        _require(len(self.message) <= MAX_ERROR_CHARS, "error message too long")
+
+    @classmethod
+    def truncated(cls, message: str) -> ForwardError:
+        """An error carrying ``message`` cut to ``MAX_ERROR_CHARS`` characters."""
+        return cls(message[:MAX_ERROR_CHARS])
+
+
+ForwardReply = (
+    ForwardBusy | ForwardAccepted | ForwardHeartbeat | ForwardTokens | ForwardResult | ForwardError
+)
+"""Any reply to a :class:`ForwardRequest`; see the module docstring for their order."""

@@ -1,0 +1,275 @@
+"""The codec of forwarded requests and their replies: msgpack arrays, framed replies.
+
+Theory of operation
+-------------------
+Like gossip (:mod:`codec`), each message is a msgpack array ``[PROTOCOL_VERSION, KIND, field,
+...]`` with fields in declaration order; the kinds are listed below. The request is the body
+of ``POST /peer/forward``; the replies stream back in the response body, each as one *frame*:
+a 4-byte big-endian payload length, then the msgpack payload. :class:`ReplyDecoder` cuts any
+chunking of that stream back into messages.
+
+Decoding treats every byte as hostile and uses the gossip codec's checked readers: msgpack's
+limits bound every string and array before it is allocated, a length prefix above
+``max_frame_bytes`` is refused before its payload is buffered, each field is type-checked
+(bools are not ints, floats are finite, token ids are ints) and each message then validates
+its own values on construction. Anything wrong raises :class:`RemoteProtocolError`, only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from radixmesh.core.codec import (
+    RemoteProtocolError,
+    _array,
+    _bool,
+    _checked,
+    _float,
+    _int,
+    _text,
+    _unpack,
+)
+from radixmesh.core.messages import (
+    MAX_ERROR_CHARS,
+    PROTOCOL_VERSION,
+    SEED_MAX,
+    SEED_MIN,
+    ForwardAccepted,
+    ForwardBusy,
+    ForwardError,
+    ForwardHeartbeat,
+    ForwardReply,
+    ForwardRequest,
+    ForwardResult,
+    ForwardTokens,
+)
+
+KIND_FORWARD_REQUEST = 2
+KIND_BUSY = 3
+KIND_ACCEPTED = 4
+KIND_HEARTBEAT = 5
+KIND_TOKENS = 6
+KIND_RESULT = 7
+KIND_ERROR = 8
+
+FRAME_HEADER_BYTES = 4  # big-endian payload length
+_MAX_FINISH_LEN = 16
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardLimits:
+    """Hard limits on what a peer may send in a forward or its replies."""
+
+    max_prompt_tokens: int = 1_048_576  # prompt ids, output ids, ids in one tokens frame
+    max_stop_tokens: int = 4096
+    max_frame_bytes: int = 64 * 1024 * 1024  # one request body or one reply payload
+    max_id_len: int = 128  # node ids, in characters
+
+    def __post_init__(self) -> None:
+        sizes = (self.max_prompt_tokens, self.max_stop_tokens, self.max_frame_bytes)
+        if min(*sizes, self.max_id_len) < 1:
+            raise ValueError("limits must be positive")
+
+
+# ------------------------------------------------------------------------------- request
+def encode_forward_request(req: ForwardRequest) -> bytes:
+    """The request body: ``[version, kind, prompt, max_tokens, ..., beat_s]``."""
+    fields = [
+        PROTOCOL_VERSION,
+        KIND_FORWARD_REQUEST,
+        req.prompt,
+        req.max_tokens,
+        float(req.temperature),
+        float(req.top_p),
+        req.seed,
+        req.stop_token_ids,
+        req.stream,
+        float(req.heartbeat_s),
+        None if req.beat_s is None else float(req.beat_s),
+    ]
+    return _pack(fields)
+
+
+def decode_forward_request(data: bytes, limits: ForwardLimits | None = None) -> ForwardRequest:
+    """Parse a request body; raises :class:`RemoteProtocolError` (only) if it is not valid."""
+    lim = limits or ForwardLimits()
+    kind, f = _message(data, lim)
+    if kind != KIND_FORWARD_REQUEST:
+        raise RemoteProtocolError(f"not a forward request: kind {kind}")
+    return _checked(lambda raw: _request(raw, lim), f)
+
+
+def _request(f: list[Any], lim: ForwardLimits) -> ForwardRequest:
+    _array(f, 11, "forward request")
+    return ForwardRequest(
+        prompt=_ids(f[2], lim.max_prompt_tokens, "prompt"),
+        max_tokens=_int(f[3], "max_tokens"),
+        temperature=_float(f[4], "temperature"),
+        top_p=_float(f[5], "top_p"),
+        seed=None if f[6] is None else _int(f[6], "seed", SEED_MAX, SEED_MIN),
+        stop_token_ids=_ids(f[7], lim.max_stop_tokens, "stop_token_ids"),
+        stream=_bool(f[8], "stream"),
+        heartbeat_s=_float(f[9], "heartbeat_s"),
+        beat_s=None if f[10] is None else _float(f[10], "beat_s"),
+    )
+
+
+# ------------------------------------------------------------------------------- replies
+def encode_reply(msg: ForwardReply) -> bytes:
+    """One frame: the 4-byte big-endian payload length, then the msgpack payload."""
+    payload = _pack([PROTOCOL_VERSION, *_reply_fields(msg)])
+    return len(payload).to_bytes(FRAME_HEADER_BYTES, "big") + payload
+
+
+def _reply_fields(msg: ForwardReply) -> list[Any]:
+    match msg:
+        case ForwardBusy():
+            return [KIND_BUSY, msg.node_id, float(msg.retry_after_s)]
+        case ForwardAccepted():
+            return [KIND_ACCEPTED, msg.node_id, msg.cached_tokens]
+        case ForwardHeartbeat():
+            return [KIND_HEARTBEAT]
+        case ForwardTokens():
+            return [KIND_TOKENS, msg.ids]
+        case ForwardResult():
+            timings = [float(msg.queue_s), float(msg.service_s), float(msg.handler_s)]
+            return [KIND_RESULT, msg.output_ids, msg.finish_reason, msg.prompt_tokens,
+                    msg.cached_tokens, *timings]
+        case ForwardError():
+            return [KIND_ERROR, msg.message]
+    raise TypeError(f"not a forward reply: {type(msg).__name__}")
+
+
+def _busy(f: list[Any], lim: ForwardLimits) -> ForwardBusy:
+    _array(f, 4, "busy")
+    node_id = _text(f[2], lim.max_id_len, "busy node id")
+    return ForwardBusy(node_id, _float(f[3], "retry_after_s"))
+
+
+def _accepted(f: list[Any], lim: ForwardLimits) -> ForwardAccepted:
+    _array(f, 4, "accepted")
+    node_id = _text(f[2], lim.max_id_len, "accepted node id")
+    return ForwardAccepted(node_id, _int(f[3], "cached_tokens"))
+
+
+def _heartbeat(f: list[Any], lim: ForwardLimits) -> ForwardHeartbeat:
+    _array(f, 2, "heartbeat")
+    return ForwardHeartbeat()
+
+
+def _tokens(f: list[Any], lim: ForwardLimits) -> ForwardTokens:
+    _array(f, 3, "tokens")
+    return ForwardTokens(_ids(f[2], lim.max_prompt_tokens, "ids"))
+
+
+def _result(f: list[Any], lim: ForwardLimits) -> ForwardResult:
+    _array(f, 9, "result")
+    return ForwardResult(
+        output_ids=_ids(f[2], lim.max_prompt_tokens, "output_ids"),
+        finish_reason=_text(f[3], _MAX_FINISH_LEN, "finish_reason"),
+        prompt_tokens=_int(f[4], "prompt_tokens"),
+        cached_tokens=_int(f[5], "cached_tokens"),
+        queue_s=_float(f[6], "queue_s"),
+        service_s=_float(f[7], "service_s"),
+        handler_s=_float(f[8], "handler_s"),
+    )
+
+
+def _error(f: list[Any], lim: ForwardLimits) -> ForwardError:
+    _array(f, 3, "error")
+    return ForwardError(_text(f[2], MAX_ERROR_CHARS, "error message", minimum=0))
+
+
+_REPLIES: dict[int, Callable[[list[Any], ForwardLimits], ForwardReply]] = {
+    KIND_BUSY: _busy,
+    KIND_ACCEPTED: _accepted,
+    KIND_HEARTBEAT: _heartbeat,
+    KIND_TOKENS: _tokens,
+    KIND_RESULT: _result,
+    KIND_ERROR: _error,
+}
+
+
+class ReplyDecoder:
+    """Cuts a reply stream, fed in chunks of any size, back into messages.
+
+    ``feed`` returns the messages completed by ``data`` and raises :class:`RemoteProtocolError`
+    on an oversize length prefix or an invalid payload; after that the stream is unusable and
+    every later ``feed`` raises the same error. It does not check the order of replies. At the
+    end of the body, ``pending_bytes`` > 0 means the stream was cut inside a frame.
+    """
+
+    def __init__(self, limits: ForwardLimits | None = None) -> None:
+        self.limits = limits or ForwardLimits()
+        self._buf = bytearray()
+        self._failed: RemoteProtocolError | None = None
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes received that do not yet complete a frame (0 at a frame boundary)."""
+        return len(self._buf)
+
+    def feed(self, data: bytes) -> list[ForwardReply]:
+        if self._failed is not None:
+            raise self._failed
+        self._buf += data
+        try:
+            return self._frames()
+        except RemoteProtocolError as exc:
+            self._failed = exc
+            raise
+
+    def _frames(self) -> list[ForwardReply]:
+        buf, pos = self._buf, 0
+        out: list[ForwardReply] = []
+        while len(buf) - pos >= FRAME_HEADER_BYTES:
+            size = int.from_bytes(buf[pos : pos + FRAME_HEADER_BYTES], "big")
+            if size > self.limits.max_frame_bytes:
+                raise RemoteProtocolError(f"reply frame of {size} bytes exceeds the limit", "size")
+            end = pos + FRAME_HEADER_BYTES + size
+            if len(buf) < end:
+                break
+            out.append(_reply(bytes(buf[pos + FRAME_HEADER_BYTES : end]), self.limits))
+            pos = end
+        del buf[:pos]
+        return out
+
+
+def _reply(payload: bytes, lim: ForwardLimits) -> ForwardReply:
+    kind, f = _message(payload, lim)
+    parse = _REPLIES.get(kind)
+    if parse is None:
+        raise RemoteProtocolError(f"unknown reply kind {kind}")
+    return _checked(lambda raw: parse(raw, lim), f)
+
+
+# ------------------------------------------------------------------------------- helpers
+def _pack(fields: list[Any]) -> bytes:
+    return bytes(msgpack.packb(fields, use_bin_type=True))
+
+
+def _message(data: bytes, lim: ForwardLimits) -> tuple[int, list[Any]]:
+    """Unpack ``data`` within the limits; check its version; return its kind and fields."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise RemoteProtocolError("message is not bytes")
+    if len(data) > lim.max_frame_bytes:
+        raise RemoteProtocolError(f"message of {len(data)} bytes exceeds the limit", "size")
+    max_str = 4 * max(lim.max_id_len, MAX_ERROR_CHARS)  # characters -> UTF-8 bytes
+    max_array = max(lim.max_prompt_tokens, lim.max_stop_tokens, 16)
+    raw = _unpack(bytes(data), max_str=max_str, max_bin=0, max_array=max_array)
+    if not isinstance(raw, list) or len(raw) < 2:
+        raise RemoteProtocolError("message: expected an array [version, kind, ...]")
+    if _int(raw[0], "protocol version") != PROTOCOL_VERSION:
+        raise RemoteProtocolError(f"unsupported protocol version {raw[0]}", "version")
+    return _int(raw[1], "kind"), raw
+
+
+def _ids(v: Any, limit: int, what: str) -> tuple[int, ...]:
+    """A list of at most ``limit`` ints (their range is checked by the message itself)."""
+    if not isinstance(v, list) or len(v) > limit or not all(type(t) is int for t in v):
+        raise RemoteProtocolError(f"{what}: expected a list of at most {limit} token ids")
+    return tuple(v)
