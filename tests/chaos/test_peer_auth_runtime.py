@@ -116,7 +116,8 @@ def test_debug_knobs(keyed: TestClient) -> None:
     r = keyed.post("/admin/engine-delay", json={"seconds": 0.05})
     assert r.status_code == 200 and r.json()["engine_delay_s"] == 0.05
     assert keyed.post("/admin/engine-delay", json=[1]).status_code == 400
-    keyed.post("/admin/engine-delay", json={"seconds": 0})
+    reset = keyed.post("/admin/engine-delay", json={"seconds": 0})
+    assert reset.status_code == 200 and reset.json()["engine_delay_s"] == 0
 
 
 def test_debug_knobs_refuse_remote_clients(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -137,8 +138,12 @@ def test_key_rotation_accepts_the_previous_key() -> None:
     sender_new = PeerAuth(new, "a", previous_key_text="")
     receiver = PeerAuth(new, "b", previous_key_text=old)
     for sender in (sender_old, sender_new):
-        body = sender.key.kid.encode() if sender.key else b""
-        assert receiver.verify(sender.headers("gossip", body), "gossip", body) is not None
+        assert sender.key is not None
+        body = sender.key.kid.encode()
+        verified = receiver.verify(sender.headers("gossip", body), "gossip", body)
+        assert verified is not None and (verified.kid, verified.node) == (sender.key.kid, "a")
+    assert sender_old.key is not None and sender_new.key is not None
+    assert sender_old.key.kid != sender_new.key.kid  # two keys really were in play
     from radixmesh.core.auth import UnknownKey
 
     with pytest.raises(UnknownKey):  # once the old key is dropped, it is refused

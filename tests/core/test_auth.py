@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -140,7 +141,10 @@ def test_stale_or_future_timestamps_rejected(offset: float, nonce: Nonces) -> No
 @pytest.mark.parametrize("offset", [-29.9, 29.9])
 def test_skew_inside_window_is_accepted(offset: float, nonce: Nonces) -> None:
     header = sign(KEY, "gossip", "a", BODY, NOW + offset, nonce())
-    fresh().verify(header, "gossip", BODY, NOW)
+    v = fresh()
+    got = v.verify(header, "gossip", BODY, NOW)
+    assert got.node == "a" and got.skew_s == pytest.approx(-offset, abs=1e-3)
+    assert v.accepted == 1
 
 
 def test_stale_check_does_not_consume_nonce(nonce: Nonces) -> None:
@@ -192,9 +196,8 @@ def test_every_truncation_is_rejected_with_a_typed_error(nonce: Nonces) -> None:
         lambda h: h.replace("ts=", "ts=\u0661"),  # non-ASCII digit
     ],
 )
-def test_malformed_headers(mutate: object, nonce: Nonces) -> None:
+def test_malformed_headers(mutate: Callable[[str], str], nonce: Nonces) -> None:
     header = sign(KEY, "gossip", "a", BODY, NOW, nonce())
-    assert callable(mutate)
     with pytest.raises(MalformedAuth) as info:
         fresh().verify(mutate(header), "gossip", BODY, NOW)
     assert info.value.http_status == 401
@@ -222,8 +225,10 @@ def test_rejections_are_counted_by_reason(nonce: Nonces) -> None:
 
 def test_key_rotation_accepts_old_and_new(nonce: Nonces) -> None:
     v = Verifier([OTHER, KEY])
-    v.verify(sign(KEY, "gossip", "a", BODY, NOW, nonce()), "gossip", BODY, NOW)
-    v.verify(sign(OTHER, "gossip", "a", BODY, NOW, nonce()), "gossip", BODY, NOW)
+    new = v.verify(sign(KEY, "gossip", "a", BODY, NOW, nonce()), "gossip", BODY, NOW)
+    old = v.verify(sign(OTHER, "gossip", "a", BODY, NOW, nonce()), "gossip", BODY, NOW)
+    assert (new.kid, old.kid) == (KEY.kid, OTHER.kid)
+    assert v.accepted == 2 and sum(v.rejected.values()) == 0
 
 
 def test_short_keys_and_bad_config_refused() -> None:
@@ -256,8 +261,9 @@ def test_replay_cache_expires_entries(nonce: Nonces) -> None:
     v = Verifier([KEY], AuthConfig(max_skew_s=5.0))
     for i in range(50):
         v.verify(sign(KEY, "g", "a", BODY, NOW + i, nonce()), "g", BODY, NOW + i)
-    # Only nonces whose timestamp is still within the window remain.
-    assert v.replay_cache_size <= 7
+    # Only nonces whose timestamp is still within the window remain: NOW+44 ... NOW+49.
+    assert v.replay_cache_size == 6
+    assert v.accepted == 50
 
 
 def test_replay_cache_overflow_raises_floor_and_never_accepts_replays(nonce: Nonces) -> None:
@@ -274,7 +280,9 @@ def test_replay_cache_overflow_raises_floor_and_never_accepts_replays(nonce: Non
     with pytest.raises(StaleTimestamp):
         v.verify(late, "g", BODY, NOW + 0.3)
     # New messages keep flowing.
-    v.verify(sign(KEY, "g", "a", BODY, NOW + 1.0, nonce()), "g", BODY, NOW + 1.0)
+    accepted = v.accepted
+    assert v.verify(sign(KEY, "g", "a", BODY, NOW + 1.0, nonce()), "g", BODY, NOW + 1.0).node == "a"
+    assert v.accepted == accepted + 1
 
 
 def test_replay_cache_unit() -> None:
@@ -322,4 +330,5 @@ def test_mutated_headers_never_verify(body: bytes, purpose: str, pos: int, char:
 def test_genuine_messages_always_verify(body: bytes, skew: float) -> None:
     header = sign(KEY, "forward /v1/completions", "n1", body, NOW + skew, b"\x01" * 16)
     assert parse_token(header).node == "n1"
-    fresh().verify(header, "forward /v1/completions", body, NOW)
+    got = fresh().verify(header, "forward /v1/completions", body, NOW)
+    assert got.node == "n1" and got.skew_s == pytest.approx(-skew, abs=1e-3)

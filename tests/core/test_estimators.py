@@ -63,6 +63,7 @@ def test_rtt_table_first_observation_replaces_prior_then_tracks() -> None:
         rtt.observe("a", 0.01)
     assert rtt.get("a") == pytest.approx(0.01)
     rtt.observe("a", -1.0)  # ignored
+    assert rtt.get("a") == pytest.approx(0.01)
     rtt.forget("a")
     assert rtt.get("a") == PRIORS.rtt_s
 

@@ -205,6 +205,16 @@ def test_cost_bounded_load_ignores_utilization_when_all_idle() -> None:
     req = RouteInput(3000, 1)
     nodes = [me(0), peer("warm", 2900)]
     assert rank(Policy.COST, req, nodes)[0] == "warm"
+    # Light traffic: the warm peer alone served one request in the window. Its utilization is
+    # far above (1 + load_bound) x the mean, yet it must still get the next request (the
+    # one-request slack); a little more busy time and the bound applies.
+    window = RouterConfig().load_window_s
+    one_request = SPEED.mean_service_s / window
+    light = NodeInfo("warm", False, 2900, 0.001, 0, SPEED, utilization=one_request)
+    assert light.utilization > (1 + 0.5) * one_request / 2  # over the bound without the slack
+    assert rank(Policy.COST, req, [me(0), light])[0] == "warm"
+    busy = NodeInfo("warm", False, 2900, 0.001, 0, SPEED, utilization=5 * one_request)
+    assert rank(Policy.COST, req, [me(0), busy])[0] == "self"
 
 
 # ----------------------------------------------------------------------- paper (Algorithm 1)

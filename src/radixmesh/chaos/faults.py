@@ -6,6 +6,10 @@ Fault-specific criteria (views converge, push-back fires, old estimates dropped)
 as checks; criteria about elapsed time are marked ``timing`` (reported, not asserted in CI).
 
 Faults use disjoint prompt groups so one fault's cache contents never steer another's routing.
+
+Why one file over 400 lines: every fault shares the same few helpers (``tally``, metric sums,
+prompt groups) and ``run_all`` orders them so each leaves the cluster healthy for the next;
+kept together, the fault sequence reads top to bottom in one place.
 """
 
 from __future__ import annotations
@@ -112,10 +116,37 @@ def kill_forward_target(env: ChaosEnv, plan: FaultPlan, sig: int = signal.SIGKIL
     name = "hung forward target (SIGSTOP)" if hung else "kill -9 of the forward target"
     r = FaultResult(name + (", streaming clients" if stream else ""))
     entry, target = 0, (2 if hung else 1) % len(env.cluster)
+    group = _kill_group(env, hung, stream)
+    base, load = _forwarding_baseline(env, r, entry, target, group, plan.requests)
+    _load_with_kill(env, plan, r, (entry, target, sig), base, load)
+    if hung:
+        env.cluster.kill(target, signal.SIGCONT)
+        t = env.wait_converged(plan.converge_timeout_s)
+        r.check(t is not None, "after SIGCONT the hung node rejoined and views converged")
+        r.figures["rejoin_s"] = t
+    elif stream:  # the next faults need every node (the plain kill has its own restart fault)
+        env.cluster.restart(target)
+    r.check(r.failures == 0, "0 client-visible failures")
+    r.check(r.lost == 0, "every answer equals the single-node greedy output")
+    return r
+
+
+def _kill_group(env: ChaosEnv, hung: bool, stream: bool) -> list[Prompt]:
+    """The prompt group of one kill variant (streaming clients ask for 48 tokens)."""
     group = env.groups[6 if stream else 1 if hung else 0]
     if stream:
         group = [Prompt(p.id + "-sse", p.text, 48, True) for p in group]
-    warm, probe, load = group[:2], group[2:5], group[5:5 + plan.requests]
+    return list(group)
+
+
+def _forwarding_baseline(env: ChaosEnv, r: FaultResult, entry: int, target: int,
+                         group: Sequence[Prompt], requests: int
+                         ) -> tuple[list[Outcome], list[Prompt]]:
+    """Warm ``target`` with the group's prefix and check that ``entry`` forwards to it.
+
+    Returns the baseline outcomes and the prompts of the load to run under the fault.
+    """
+    warm, probe, load = group[:2], group[2:5], list(group[5:5 + requests])
     env.references([*probe, *load])
     env.warm(target, warm)
     r.check(env.wait_view(entry, target), "the entry node learned the target's cache")
@@ -124,6 +155,17 @@ def kill_forward_target(env: ChaosEnv, plan: FaultPlan, sig: int = signal.SIGKIL
     tid = _node_id(env, target)
     r.check(sum(o.served_by == tid for o in base) >= 2,
             "before the fault, requests for the target's prefix were forwarded to it")
+    return base, load
+
+
+def _load_with_kill(env: ChaosEnv, plan: FaultPlan, r: FaultResult,
+                    who: tuple[int, int, int], base: Sequence[Outcome],
+                    load: Sequence[Prompt]) -> None:
+    """Send ``load`` through the entry; signal the target once a third of it has finished.
+
+    ``who`` is (entry, target, signal).
+    """
+    entry, target, sig = who
     stop_after = max(1, len(load) // 3)
     fault_t: list[float] = []
     done: list[int] = []
@@ -142,16 +184,6 @@ def kill_forward_target(env: ChaosEnv, plan: FaultPlan, sig: int = signal.SIGKIL
     after = _forward_failures(env, entry)
     r.figures["entry_forward_failures"] = {
         k: v - failures0.get(k, 0.0) for k, v in after.items() if v != failures0.get(k, 0.0)}
-    if hung:
-        env.cluster.kill(target, signal.SIGCONT)
-        t = env.wait_converged(plan.converge_timeout_s)
-        r.check(t is not None, "after SIGCONT the hung node rejoined and views converged")
-        r.figures["rejoin_s"] = t
-    elif stream:  # the next faults need every node (the plain kill has its own restart fault)
-        env.cluster.restart(target)
-    r.check(r.failures == 0, "0 client-visible failures")
-    r.check(r.lost == 0, "every answer equals the single-node greedy output")
-    return r
 
 
 def _forward_failures(env: ChaosEnv, i: int) -> dict[str, float]:
@@ -338,16 +370,33 @@ def slow_node(env: ChaosEnv, plan: FaultPlan, groups: tuple[int, int]) -> FaultR
     return r
 
 
+Case = tuple[str, str, bytes, dict[str, str], int]  # what, path, body, headers, expected status
+
+
 def hostile_peer_messages(env: ChaosEnv) -> FaultResult:
     """Unauthenticated, forged, tampered, stale and replayed peer messages: all refused."""
     r = FaultResult("hostile peer messages (no auth, wrong key, tampered, stale, replayed)")
     if not env.key:
         r.check(False, "the cluster runs without a key: nothing to test")
         return r
-    key, wrong = ClusterKey.from_text(env.key), ClusterKey.from_text("not-the-cluster-key-at-all")
-    url = env.url(0)
+    cases = _hostile_cases(ClusterKey.from_text(env.key), time.time())
+    rejected0 = _sum_metric(env, "radixmesh_peer_auth_rejected_total")
+    _post_cases(env.url(0), r, cases)
+    rejected = _sum_metric(env, "radixmesh_peer_auth_rejected_total") - rejected0
+    expected_rejections = sum(1 for c in cases if c[4] in (401, 403))
+    r.figures["rejections_counted"] = rejected
+    r.check(rejected == expected_rejections,
+            f"every refusal counted in /metrics ({rejected:g} of {expected_rejections})")
+    t = env.wait_converged(env.delta_poll * 20)
+    r.check(t is not None, "the mesh kept converging")
+    r.note(f"{expected_rejections} hostile messages refused and counted; genuine accepted once")
+    return r
+
+
+def _hostile_cases(key: ClusterKey, now: float) -> list[Case]:
+    """Every hostile message, in order (the genuine one just before its replays)."""
+    wrong = ClusterKey.from_text("not-the-cluster-key-at-all")
     body = b"\x93\x01\x01\xc0"  # authentic-looking bytes; the codec rejects them after auth
-    now = time.time()
     n = [0]
 
     def nonce() -> bytes:
@@ -356,7 +405,7 @@ def hostile_peer_messages(env: ChaosEnv) -> FaultResult:
 
     good = sign(key, GOSSIP_PURPOSE, "attacker", body, now, nonce())
     fwd_body = b'{"prompt_ids":[1,2,3],"sampling":{"max_tokens":1}}'
-    cases: list[tuple[str, str, bytes, dict[str, str], int]] = [
+    return [
         ("gossip, no header", "/peer/gossip", body, {}, 401),
         ("gossip, garbage header", "/peer/gossip", body, {"x-radixmesh-auth": "v1;x"}, 401),
         ("gossip, wrong key", "/peer/gossip", body,
@@ -373,22 +422,16 @@ def hostile_peer_messages(env: ChaosEnv) -> FaultResult:
         ("forward, wrong key", "/peer/forward", fwd_body, {"x-radixmesh-auth": sign(
             wrong, forward_purpose("/peer/forward"), "a", fwd_body, now, nonce())}, 403),
     ]
-    rejected0 = _sum_metric(env, "radixmesh_peer_auth_rejected_total")
+
+
+def _post_cases(url: str, r: FaultResult, cases: Sequence[Case]) -> None:
+    """POST each case to ``url``; a status other than the expected one is a failure."""
     with httpx.Client(timeout=10.0, trust_env=False) as client:
         for what, path, data, headers, expect in cases:
             status = client.post(url + path, content=data, headers=headers).status_code
             r.requests += 1
             r.failures += status != expect
             r.check(status == expect, f"{what}: HTTP {status} (expected {expect})")
-    rejected = _sum_metric(env, "radixmesh_peer_auth_rejected_total") - rejected0
-    expected_rejections = sum(1 for c in cases if c[4] in (401, 403))
-    r.figures["rejections_counted"] = rejected
-    r.check(rejected == expected_rejections,
-            f"every refusal counted in /metrics ({rejected:g} of {expected_rejections})")
-    t = env.wait_converged(env.delta_poll * 20)
-    r.check(t is not None, "the mesh kept converging")
-    r.note(f"{expected_rejections} hostile messages refused and counted; genuine accepted once")
-    return r
 
 
 def wrong_key_node(env: ChaosEnv, plan: FaultPlan) -> FaultResult:
@@ -462,6 +505,13 @@ def side_channel_probe(env: ChaosEnv, rounds: int = 5) -> FaultResult:
     outs = env.send(lambda _: env.url(1), guesses, 1)
     r.requests = len(v) + len(outs)
     r.failures = sum(not o.ok for o in (*v, *outs))
+    _side_channel_figures(r, outs)
+    r.check(r.failures == 0, "0 failures")
+    return r
+
+
+def _side_channel_figures(r: FaultResult, outs: Sequence[Outcome]) -> None:
+    """What tells a right guess from a wrong one: latency, cached tokens, serving node."""
     right = [o for o in outs if o.id.startswith("right")]
     wrong = [o for o in outs if o.id.startswith("wrong")]
     fig = {
@@ -477,8 +527,6 @@ def side_channel_probe(env: ChaosEnv, rounds: int = 5) -> FaultResult:
     r.note(f"right guess: {c_right}+ cached tokens, p50 {fig['latency_p50_right_s'] or 0:.3f}s,"
            f" served by {fig['served_by_right']}; wrong guess: <= {c_wrong} cached tokens, p50 "
            f"{fig['latency_p50_wrong_s'] or 0:.3f}s, served by {fig['served_by_wrong']}")
-    r.check(r.failures == 0, "0 failures")
-    return r
 
 
 def _wait_pair(cluster: Any, a: int, b: int, timeout_s: float) -> bool:

@@ -128,19 +128,7 @@ async def _send_stream(
             status = 200
             served_by = resp.headers.get("x-radixmesh-served-by")
             route = resp.headers.get("x-radixmesh-route")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
-                    done = True
-                    continue
-                event = json.loads(data)
-                if "error" in event:
-                    error = f"stream error: {str(event['error'])[:200]}"
-                    continue
-                for choice in event.get("choices", []):
-                    pieces.append(choice.get("text", ""))
+            error, done = await _read_events(resp, pieces)
     except (httpx.HTTPError, OSError, ValueError) as exc:
         error = f"{type(exc).__name__}: {exc}"[:200]
         served_by = route = None
@@ -149,6 +137,26 @@ async def _send_stream(
     return Outcome(p.id, base_url, status, error,
                    time.monotonic() - start, start - t0, text="".join(pieces),
                    served_by=served_by, route=route)
+
+
+async def _read_events(resp: httpx.Response, pieces: list[str]) -> tuple[str | None, bool]:
+    """Read SSE events into ``pieces`` (kept if the stream breaks); (error event, [DONE] seen)."""
+    error: str | None = None
+    done = False
+    async for line in resp.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        data = line[6:]
+        if data == "[DONE]":
+            done = True
+            continue
+        event = json.loads(data)
+        if "error" in event:
+            error = f"stream error: {str(event['error'])[:200]}"
+            continue
+        for choice in event.get("choices", []):
+            pieces.append(choice.get("text", ""))
+    return error, done
 
 
 def _from_response(

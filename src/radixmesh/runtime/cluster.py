@@ -20,6 +20,10 @@ Python API (used by the benchmark and chaos tools)::
         c.restart(1)             # same id and port, new incarnation; waits until re-joined
         c.partition(0, [2])      # node 0 and node 2 stop hearing each other (both sides)
         c.heal()
+
+Why one file over 400 lines: the process lifecycle (start, readiness, kill, restart, orphan
+protection, partitions) and the ``radixmesh cluster`` command that drives it share one state
+machine over the same child processes; split apart, each half would reach into the other.
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ Only what the built-in engine can honour is accepted: ``n``/``best_of`` other th
 ``logprobs``, ``logit_bias``, ``echo`` and non-zero penalties are rejected with 400 rather than
 silently ignored. Unlike OpenAI, ``temperature`` defaults to 0 (greedy): outputs are then
 identical whichever node serves a request, which is what experiments compare.
+
+Why one file over 400 lines: validation, response shaping and the detokenizer are the whole
+OpenAI contract; kept together, every accepted field and its error body sit side by side.
 """
 
 from __future__ import annotations
