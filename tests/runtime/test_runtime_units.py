@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 
 import pytest
 
+from radixmesh.core.link import LinkConfig
 from radixmesh.runtime.config import (
     ServeConfig,
     add_serve_arguments,
@@ -37,6 +39,7 @@ def test_durations_and_peers() -> None:
     assert parse_duration("0.5s") == 0.5
     assert parse_duration(0.1) == 0.1
     assert parse_duration("250us") == pytest.approx(250e-6)
+    assert parse_duration("1e-3s") == 0.001 and parse_duration("2m") == 120.0
     for bad in ("-1", "fast", "2 parsecs", True):
         with pytest.raises(ValueError):
             parse_duration(bad)  # type: ignore[arg-type]
@@ -215,9 +218,25 @@ def test_netem_partition_both_directions() -> None:
     n.set_partition(["b", "127.0.0.1:9"])
     assert n.drop_outgoing("b", None, gossip=False) and n.drop_incoming(None, "127.0.0.1:9")
     assert not n.drop_incoming("c", "127.0.0.1:10")
-    n.set_partition([])
-    assert not n.drop_outgoing("b", None, gossip=True)
+    assert n.partitioned == frozenset({"b", "127.0.0.1:9"})
+    n.set_partition([" ", ""])  # blanks are ignored
+    assert not n.drop_outgoing("b", None, gossip=True) and n.partitioned == frozenset()
     assert n.dropped_partition == 2
+
+
+def test_netem_takes_its_decisions_from_the_core_link_model() -> None:
+    assert NetemConfig is LinkConfig  # one link model: the runtime's name for it
+    n = Netem(NetemConfig(delay_s=0.01, jitter_s=0.02, duplicate=0.5), seed=3)
+    mirror = random.Random(3)
+    assert n.one_way_delay() == 0.01 + 0.02 * mirror.random()
+    dups = [n.duplicate_now() for _ in range(400)]
+    assert dups == [mirror.random() < 0.5 for _ in range(400)]
+    assert n.duplicated == sum(dups) and 150 < n.duplicated < 250
+    quiet = Netem(NetemConfig())
+    assert not quiet.config.active and quiet.one_way_delay() == 0.0
+    assert not any(quiet.duplicate_now() for _ in range(100))
+    with pytest.raises(ValueError):
+        NetemConfig(loss=2.0)
 
 
 def test_netem_delays_each_chunk_without_accumulating() -> None:

@@ -23,7 +23,7 @@ from radixmesh.chaos.env import ChaosConfig, ChaosEnv
 from radixmesh.chaos.faults import FaultPlan, run_all
 from radixmesh.chaos.report import FaultResult, to_markdown
 from radixmesh.chaos.soak import SoakConfig, run_soak
-from radixmesh.runtime.config import parse_duration
+from radixmesh.core.units import parse_duration
 
 FAULTS = ("auth", "kill", "hang", "stream", "loss", "partition", "slow", "wrongkey", "sidechannel")
 

@@ -15,6 +15,11 @@ duplicate is sent again after a further one-way delay, so it also arrives out of
 partition is a set of peers (node ids or ``host:port`` addresses) this node is cut off from:
 messages to them are not sent (forwards fail at once, like an unreachable host) and messages
 from them are dropped on arrival. Partitions are changed at run time (``POST /admin/partition``).
+
+Every decision (lost? duplicated? which delay? cut off?) is the core link model's
+(:mod:`radixmesh.core.link`); this module only sleeps, delays streams and counts. Its
+``reorder`` probability adds a hold-back to a delay (gossip then arrives out of order; the
+chunks of one stream stay in order, as on TCP).
 """
 
 from __future__ import annotations
@@ -23,34 +28,21 @@ import asyncio
 import contextlib
 import random
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass
 
+from radixmesh.core.link import LinkConfig, Partition
 
-@dataclass(frozen=True, slots=True)
-class NetemConfig:
-    delay_s: float = 0.0  # one-way delay
-    jitter_s: float = 0.0  # extra one-way delay, uniform in [0, jitter_s]
-    loss: float = 0.0  # probability that a gossip message is dropped
-    duplicate: float = 0.0  # probability that a gossip message is sent twice (2nd copy later)
+__all__ = ["Netem", "NetemConfig"]
 
-    def __post_init__(self) -> None:
-        if self.delay_s < 0 or self.jitter_s < 0 or not 0 <= self.loss <= 1:
-            raise ValueError("delay and jitter must be >= 0, loss in [0, 1]")
-        if not 0 <= self.duplicate <= 1:
-            raise ValueError("duplicate must be in [0, 1]")
-
-    @property
-    def active(self) -> bool:
-        return self.delay_s > 0 or self.jitter_s > 0
+NetemConfig = LinkConfig  # the runtime's name for the link one node emulates
 
 
 class Netem:
     """The link model one node applies; owns its own ``random.Random``."""
 
-    def __init__(self, config: NetemConfig, seed: int = 0) -> None:
+    def __init__(self, config: LinkConfig, seed: int = 0) -> None:
         self.config = config
         self._rng = random.Random(seed)
-        self._cut: frozenset[str] = frozenset()
+        self._cut: Partition[str] = Partition(())  # one group: the peers this node can't reach
         self.dropped_loss = 0  # gossip messages dropped by emulated loss
         self.dropped_partition = 0  # messages (either direction) dropped by a partition
         self.duplicated = 0  # gossip messages sent a second time by emulated duplication
@@ -58,14 +50,14 @@ class Netem:
     # ------------------------------------------------------------------------ partitions
     @property
     def partitioned(self) -> frozenset[str]:
-        return self._cut
+        return self._cut.groups[0] if self._cut.groups else frozenset()
 
     def set_partition(self, peers: Iterable[str]) -> None:
-        self._cut = frozenset(p.strip() for p in peers if p.strip())
+        self._cut = Partition.of(p.strip() for p in peers if p.strip())
 
     def is_cut(self, *names: str | None) -> bool:
         """True if any of the names (node id, address) of a peer is partitioned away."""
-        return any(n is not None and n in self._cut for n in names)
+        return any(n is not None and self._cut.cut_off(n) for n in names)
 
     def drop_incoming(self, *names: str | None) -> bool:
         if self.is_cut(*names):
@@ -77,22 +69,21 @@ class Netem:
         if self.is_cut(*names):
             self.dropped_partition += 1
             return True
-        if gossip and self.config.loss > 0 and self._rng.random() < self.config.loss:
+        if gossip and self.config.lost(self._rng):
             self.dropped_loss += 1
             return True
         return False
 
     def duplicate_now(self) -> bool:
         """Whether to send this gossip message once more (emulated duplication)."""
-        if self.config.duplicate > 0 and self._rng.random() < self.config.duplicate:
+        if self.config.duplicated(self._rng):
             self.duplicated += 1
             return True
         return False
 
     # ------------------------------------------------------------------------ delay
     def one_way_delay(self) -> float:
-        cfg = self.config
-        return cfg.delay_s + (self._rng.uniform(0.0, cfg.jitter_s) if cfg.jitter_s else 0.0)
+        return self.config.sample_delay(self._rng)
 
     async def delay(self) -> None:
         """Sleep one emulated one-way delay (no-op without emulation)."""

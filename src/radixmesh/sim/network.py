@@ -1,14 +1,15 @@
-"""The simulated network: per-link delay (fixed + jitter, or a region matrix), loss,
-partitions, and node crashes/restarts at given times.
+"""The simulated network: the simulator's shell around :mod:`radixmesh.core.link` — node
+crashes/restarts, the partition schedule, region assignment and the CLI spellings of them.
 
 Theory of operation
 -------------------
 Nodes are numbered ``0..N-1``. A message from ``a`` to ``b`` sent at ``t`` either arrives at
-``t + delay(a, b)`` or never:
+``t + delay(a, b)`` or never; every decision is the core link model's
+(:class:`radixmesh.core.link.LinkConfig`, drawn from this run's own ``random.Random``):
 
-* ``delay(a, b) = base(a, b) + jitter`` where ``base`` is ``delay_s`` or, with regions, the
-  one-way delay between the two nodes' regions (nodes are assigned to regions round-robin:
-  node ``i`` lives in region ``i mod R``), and the jitter is uniform in ``[0, jitter_s]``
+* ``delay(a, b)`` is one sample of the link ``a -> b``: its base is ``delay_s`` or, with
+  regions, the one-way delay between the two nodes' regions (nodes are assigned to regions
+  round-robin: node ``i`` lives in region ``i mod R``), plus jitter uniform in ``[0, jitter_s)``
   (as the runtime's ``--net-jitter``);
 * gossip is lost with probability ``loss`` (forwards are not lost: they ride on TCP, which
   retransmits; a lossy link shows up in their latency instead);
@@ -23,29 +24,45 @@ runner at their times; this module only answers "can a reach b now, and how late
 from __future__ import annotations
 
 import random
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from radixmesh.core import link as core_link
+from radixmesh.core.link import LinkConfig, RegionDelays
+from radixmesh.core.units import parse_duration
+
+__all__ = [
+    "Fault",
+    "Network",
+    "NetworkConfig",
+    "Partition",
+    "parse_duration",
+    "parse_fault",
+    "parse_nodes",
+    "parse_partition",
+    "parse_regions",
+]
 
 
 @dataclass(frozen=True, slots=True)
 class Partition:
     """During ``[start_s, end_s)`` nodes in ``side`` cannot reach the others (both ways)."""
 
-    start_s: float
-    end_s: float
-    side: frozenset[int]
+    start_s: float  # simulated seconds after warm-up at which the cut starts
+    end_s: float  # ... and heals (exclusive)
+    side: frozenset[int]  # the nodes cut off from all the others
 
     def __post_init__(self) -> None:
-        if not 0 <= self.start_s < self.end_s:
-            raise ValueError("a partition needs 0 <= start < end")
         if not self.side:
             raise ValueError("a partition needs at least one node on its side")
+        self.cut()  # the core model validates the window
+
+    def cut(self) -> core_link.Partition[int]:
+        """This schedule entry as the core model: ``side`` against the rest, in its window."""
+        return core_link.Partition((self.side,), self.start_s, self.end_s)
 
     def separates(self, a: int, b: int, now: float) -> bool:
-        if not self.start_s <= now < self.end_s:
-            return False
-        return (a in self.side) != (b in self.side)
+        return self.cut().separates(a, b, now)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,9 +70,9 @@ class Fault:
     """Node ``node`` crashes at ``crash_s`` (cache and queue lost) and, if ``restart_s`` is
     given, comes back then with a new incarnation and an empty cache."""
 
-    node: int
-    crash_s: float
-    restart_s: float | None = None
+    node: int  # the node that crashes
+    crash_s: float  # simulated seconds after warm-up at which it crashes
+    restart_s: float | None = None  # when it comes back (None: never)
 
     def __post_init__(self) -> None:
         if self.node < 0 or self.crash_s < 0:
@@ -67,25 +84,26 @@ class Fault:
 @dataclass(frozen=True, slots=True)
 class NetworkConfig:
     delay_s: float = 0.002  # one-way delay of every peer message (the paper's Δcomm)
-    jitter_s: float = 0.0  # extra one-way delay, uniform in [0, jitter_s]
+    jitter_s: float = 0.0  # extra one-way delay, uniform in [0, jitter_s)
     loss: float = 0.0  # probability a gossip message is lost
     regions: tuple[str, ...] = ()  # region names; empty = one flat network
     region_delay_s: tuple[tuple[float, ...], ...] = ()  # one-way delay matrix [from][to]
-    partitions: tuple[Partition, ...] = ()
-    faults: tuple[Fault, ...] = field(default=())
+    partitions: tuple[Partition, ...] = ()  # the partition schedule
+    faults: tuple[Fault, ...] = field(default=())  # the crash/restart schedule
 
     def __post_init__(self) -> None:
-        if self.delay_s < 0 or self.jitter_s < 0:
-            raise ValueError("delay and jitter must be >= 0")
         if not 0 <= self.loss < 1:
             raise ValueError("loss must be in [0, 1)")
-        r = len(self.regions)
-        if r and (
-            len(self.region_delay_s) != r or any(len(row) != r for row in self.region_delay_s)
-        ):
-            raise ValueError(f"region delay matrix must be {r}x{r}")
-        if any(d < 0 for row in self.region_delay_s for d in row):
-            raise ValueError("region delays must be >= 0")
+        if self.region_delay_s and not self.regions:
+            raise ValueError("a region delay matrix needs region names")
+        self.links()  # the core models validate the delays, the jitter and the matrix
+
+    def links(self) -> tuple[tuple[LinkConfig, ...], ...]:
+        """``links()[i][j]``: the core link from region i to region j (1x1 when flat)."""
+        flat = LinkConfig(delay_s=self.delay_s, jitter_s=self.jitter_s, loss=self.loss)
+        if not self.regions:
+            return ((flat,),)
+        return RegionDelays(self.regions, self.region_delay_s).links(flat)
 
 
 class Network:
@@ -96,8 +114,10 @@ class Network:
         self.n_nodes = n_nodes
         self._rng = rng
         self._regions = len(config.regions)
+        self._links = config.links()  # [region of a][region of b]
+        self._modulus = len(self._links)
         self._down: set[int] = set()
-        self._partitions = config.partitions
+        self._cuts = tuple(p.cut() for p in config.partitions)
         self.time_offset = 0.0  # partition times count from here (the end of warm-up)
         for p in config.partitions:
             if any(not 0 <= i < n_nodes for i in p.side):
@@ -110,31 +130,29 @@ class Network:
     def region_of(self, node: int) -> int:
         return node % self._regions if self._regions else 0
 
+    def link(self, a: int, b: int) -> LinkConfig:
+        """The link ``a -> b`` (its delay is the one between their regions)."""
+        m = self._modulus
+        return self._links[a % m][b % m]
+
     def base_delay(self, a: int, b: int) -> float:
-        if self._regions:
-            return self.config.region_delay_s[a % self._regions][b % self._regions]
-        return self.config.delay_s
+        return self.link(a, b).delay_s
 
     def delay(self, a: int, b: int) -> float:
-        base = self.base_delay(a, b)
-        j = self.config.jitter_s
-        if j <= 0:
-            return base
-        return base + j * self._rng.random()
+        m = self._modulus  # self.link(a, b), inlined: this is the simulator's hottest call
+        return self._links[a % m][b % m].sample_delay(self._rng)
 
     def is_up(self, node: int) -> bool:
         return node not in self._down
 
     def partitioned(self, a: int, b: int, now: float) -> bool:
-        t = now - self.time_offset
-        return any(p.separates(a, b, t) for p in self._partitions)
+        return core_link.separated(self._cuts, a, b, now - self.time_offset)
 
     def gossip_delivered(self, a: int, b: int, now: float) -> bool:
         """Whether a gossip message sent now from ``a`` reaches ``b`` (loss + partitions)."""
-        if self._partitions and self.partitioned(a, b, now):
+        if self._cuts and self.partitioned(a, b, now):
             return False
-        loss = self.config.loss
-        return not (loss > 0 and self._rng.random() < loss)
+        return not self.link(a, b).lost(self._rng)
 
     # --------------------------------------------------------------------------- mutations
     def set_down(self, node: int, down: bool) -> None:
@@ -145,17 +163,6 @@ class Network:
 
 
 # --------------------------------------------------------------------------------- parsing
-_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)\s*(us|ms|s|m)?\s*$")
-_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, None: 1.0}
-
-
-def parse_duration(text: str) -> float:
-    """``"2ms"`` -> 0.002; ``"1.5s"`` -> 1.5; a bare number is seconds."""
-    m = _DURATION.match(text)
-    if not m:
-        raise ValueError(f"not a duration: {text!r} (e.g. 2ms, 0.5s)")
-    return float(m.group(1)) * _UNITS[m.group(2)]
-
 
 def parse_nodes(text: str) -> frozenset[int]:
     """``"0-3,7"`` -> {0, 1, 2, 3, 7}."""

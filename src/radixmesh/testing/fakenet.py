@@ -2,8 +2,9 @@
 
 Theory of operation
 -------------------
-``send(src, dst, payload, now)`` decides, with the network's own seeded ``random.Random``,
-what happens to one datagram on the link ``src -> dst``::
+``send(src, dst, payload, now)`` asks the core link model
+(:meth:`radixmesh.core.link.LinkConfig.copies`, with the network's own seeded
+``random.Random``) what happens to one datagram on the link ``src -> dst``::
 
     partitioned?  -> dropped            loss?      -> dropped
     delay = base + U(0, jitter) [+ U(0, reorder_window) with probability reorder]
@@ -11,41 +12,29 @@ what happens to one datagram on the link ``src -> dst``::
 
 Deliveries wait in a heap ordered by (time, sequence number); ``pop_due(now)`` hands out those
 that are due, in order. Nothing here reads a wall clock: whoever drives it owns time (see
-:class:`VirtualClock` and :class:`radixmesh.testing.cluster.Cluster`).
+:class:`VirtualClock` and :class:`radixmesh.testing.cluster.TwinCluster`).
 """
 
 from __future__ import annotations
 
 import heapq
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+from radixmesh.core.link import LinkConfig, Partition
 
-@dataclass(frozen=True, slots=True)
-class LinkConfig:
-    """How one direction of a link misbehaves."""
+__all__ = ["DEFAULT_LINK", "Delivery", "FakeNetwork", "LinkConfig", "VirtualClock"]
 
-    delay_s: float = 0.001  # base one-way delay
-    jitter_s: float = 0.0  # plus uniform [0, jitter_s)
-    loss: float = 0.0  # probability a datagram is dropped
-    duplicate: float = 0.0  # probability a datagram is delivered twice
-    reorder: float = 0.0  # probability a datagram is held back by up to reorder_window_s
-    reorder_window_s: float = 0.05
-
-    def __post_init__(self) -> None:
-        if self.delay_s < 0 or self.jitter_s < 0 or self.reorder_window_s < 0:
-            raise ValueError("delays must be >= 0")
-        for name in ("loss", "duplicate", "reorder"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must be a probability")
+DEFAULT_LINK = LinkConfig(delay_s=0.001)  # the link of every pair not given its own
 
 
 @dataclass(frozen=True, slots=True)
 class Delivery:
-    at: float
-    src: str
-    dst: str
-    payload: bytes
+    at: float  # virtual time of arrival
+    src: str  # sender address
+    dst: str  # receiver address
+    payload: bytes  # the datagram
 
 
 class VirtualClock:
@@ -64,9 +53,9 @@ class FakeNetwork:
 
     def __init__(self, rng: random.Random, default: LinkConfig | None = None) -> None:
         self._rng = rng
-        self.default = default or LinkConfig()
+        self.default = default or DEFAULT_LINK
         self._links: dict[tuple[str, str], LinkConfig] = {}
-        self._group: dict[str, int] = {}  # address -> partition group (absent: group 0)
+        self._cut: Partition[str] = Partition(())  # no groups: everyone reaches everyone
         self._queue: list[tuple[float, int, Delivery]] = []
         self._seq = 0
         self.stats = {"sent": 0, "delivered": 0, "dropped": 0, "duplicated": 0, "bytes": 0}
@@ -78,34 +67,31 @@ class FakeNetwork:
     def set_default(self, config: LinkConfig) -> None:
         self.default = config
 
-    def partition(self, *groups: set[str] | frozenset[str] | list[str]) -> None:
-        """Split the given addresses into groups that cannot reach each other."""
-        self._group = {addr: i + 1 for i, group in enumerate(groups) for addr in group}
+    def partition(self, *groups: Iterable[str]) -> None:
+        """Split the given addresses into groups that cannot reach each other (addresses no
+        group names form one more group)."""
+        self._cut = Partition.of(*groups)
 
     def heal(self) -> None:
-        self._group = {}
+        self._cut = Partition(())
 
     def reachable(self, src: str, dst: str) -> bool:
-        return self._group.get(src, 0) == self._group.get(dst, 0)
+        return not self._cut.separates(src, dst)
 
     # ------------------------------------------------------------------------- datagrams
     def send(self, src: str, dst: str, payload: bytes, now: float) -> None:
         self.stats["sent"] += 1
         self.stats["bytes"] += len(payload)
-        link = self._links.get((src, dst), self.default)
-        if not self.reachable(src, dst) or self._rng.random() < link.loss:
+        if not self.reachable(src, dst):
             self.stats["dropped"] += 1
             return
-        self._schedule(src, dst, payload, now + self._delay(link))
-        if link.duplicate and self._rng.random() < link.duplicate:
+        copies = self._links.get((src, dst), self.default).copies(self._rng)
+        if not copies:
+            self.stats["dropped"] += 1
+        elif len(copies) > 1:
             self.stats["duplicated"] += 1
-            self._schedule(src, dst, payload, now + self._delay(link))
-
-    def _delay(self, link: LinkConfig) -> float:
-        delay = link.delay_s + self._rng.random() * link.jitter_s
-        if link.reorder and self._rng.random() < link.reorder:
-            delay += self._rng.random() * link.reorder_window_s
-        return delay
+        for delay in copies:
+            self._schedule(src, dst, payload, now + delay)
 
     def _schedule(self, src: str, dst: str, payload: bytes, at: float) -> None:
         self._seq += 1

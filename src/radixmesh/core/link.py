@@ -1,0 +1,171 @@
+"""The one model of an unreliable network link, shared by the runtime, the simulator and tests.
+
+Theory of operation
+-------------------
+A :class:`LinkConfig` says how one direction of a link misbehaves. Each message crossing it is
+decided with a caller-supplied ``random.Random``, in this order::
+
+    lost?        rng.random() < loss                      (no draw when loss == 0)
+    delay        base + jitter * rng.random()             (no draw when jitter == 0)
+                 [+ reorder_window * rng.random()  if rng.random() < reorder]
+    duplicated?  rng.random() < duplicate                 (no draw when duplicate == 0)
+                 -> a second copy with its own delay
+
+so a fault that is switched off costs no random draw and a fixed seed replays the same run.
+:meth:`LinkConfig.copies` is that whole sequence for one datagram; the shells that interleave
+it with real time (the runtime sleeps between the steps) call :meth:`LinkConfig.lost`,
+:meth:`LinkConfig.sample_delay` and :meth:`LinkConfig.duplicated` themselves, in that order.
+
+A :class:`Partition` splits nodes (any hashable name) into groups that cannot reach each other,
+in both directions, during ``[start_s, end_s)``; nodes no group names form one more group, "the
+rest". :class:`RegionDelays` replaces the one-way delay by a per-region-pair matrix. Nothing
+here sleeps, reads a clock or owns a random stream: the shells (``runtime/netem.py``,
+``sim/network.py``, ``testing/fakenet.py``) pass time and randomness in.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)
+
+REST = 0  # the group of a node that no group of a partition names
+
+
+def _check_seconds(name: str, value: float) -> None:
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+
+
+def _check_probability(name: str, value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be a probability in [0, 1], got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class LinkConfig:
+    """How one direction of a link misbehaves; the default is a perfect, instant link."""
+
+    delay_s: float = 0.0  # base one-way delay
+    jitter_s: float = 0.0  # extra one-way delay, uniform in [0, jitter_s)
+    loss: float = 0.0  # probability that a message is dropped
+    duplicate: float = 0.0  # probability that a message is delivered twice (2nd copy later)
+    reorder: float = 0.0  # probability that a message is held back by up to reorder_window_s
+    reorder_window_s: float = 0.05  # the longest extra hold-back of a reordered message
+
+    def __post_init__(self) -> None:
+        for name in ("delay_s", "jitter_s", "reorder_window_s"):
+            _check_seconds(name, getattr(self, name))
+        for name in ("loss", "duplicate", "reorder"):
+            _check_probability(name, getattr(self, name))
+
+    @property
+    def active(self) -> bool:
+        """Whether the link delays anything (False: messages may pass straight through)."""
+        return self.delay_s > 0 or self.jitter_s > 0 or self.reorder > 0
+
+    def with_delay(self, delay_s: float) -> LinkConfig:
+        """The same link with another base delay (e.g. the one between two regions)."""
+        return replace(self, delay_s=delay_s)
+
+    # ------------------------------------------------------------------------ decisions
+    def lost(self, rng: random.Random) -> bool:
+        """Whether this message is dropped (draws only when ``loss > 0``)."""
+        return self.loss > 0 and rng.random() < self.loss
+
+    def duplicated(self, rng: random.Random) -> bool:
+        """Whether this message is delivered a second time (draws only when ``duplicate > 0``)."""
+        return self.duplicate > 0 and rng.random() < self.duplicate
+
+    def sample_delay(self, rng: random.Random) -> float:
+        """One one-way delay: base + jitter [+ a reorder hold-back], in ``[delay, delay + jitter
+        + reorder_window)``."""
+        delay = self.delay_s
+        if self.jitter_s > 0:
+            delay += self.jitter_s * rng.random()
+        if self.reorder > 0 and rng.random() < self.reorder:
+            delay += rng.random() * self.reorder_window_s
+        return delay
+
+    def copies(self, rng: random.Random) -> tuple[float, ...]:
+        """The delays of the copies of one datagram that arrive: none if lost, two if
+        duplicated (each with its own delay), otherwise one."""
+        if self.lost(rng):
+            return ()
+        first = self.sample_delay(rng)
+        if self.duplicated(rng):
+            return (first, self.sample_delay(rng))
+        return (first,)
+
+
+@dataclass(frozen=True, slots=True)
+class Partition(Generic[K]):
+    """Nodes in different groups cannot reach each other (both ways) during the window; the
+    nodes no group names form one more group. With the default window it holds forever."""
+
+    groups: tuple[frozenset[K], ...]  # disjoint sets of nodes; the unnamed rest is one more
+    start_s: float = 0.0  # the partition holds from this time on (inclusive)
+    end_s: float = math.inf  # until this time (exclusive)
+    _group: dict[K, int] = field(init=False, repr=False, compare=False)  # node -> group (1..)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start_s < self.end_s:
+            raise ValueError("a partition needs 0 <= start < end")
+        index: dict[K, int] = {}
+        for number, group in enumerate(self.groups, start=1):
+            for node in group:
+                if index.setdefault(node, number) != number:
+                    raise ValueError(f"node {node!r} is in two groups of a partition")
+        object.__setattr__(self, "_group", index)
+
+    @classmethod
+    def of(cls, *groups: Iterable[K], start_s: float = 0.0, end_s: float = math.inf
+           ) -> Partition[K]:
+        """A partition from any iterables of nodes (``Partition.of({"a"}, ["b", "c"])``)."""
+        return cls(tuple(frozenset(g) for g in groups), start_s, end_s)
+
+    def holds(self, now: float) -> bool:
+        return self.start_s <= now < self.end_s
+
+    def group_of(self, node: K) -> int:
+        """The group number of ``node`` (1, 2, ... in order; :data:`REST` if unnamed)."""
+        return self._group.get(node, REST)
+
+    def separates(self, a: K, b: K, now: float = 0.0) -> bool:
+        """Whether ``a`` and ``b`` cannot reach each other at ``now`` (symmetric)."""
+        return self.holds(now) and self._group.get(a, REST) != self._group.get(b, REST)
+
+    def cut_off(self, node: K, now: float = 0.0) -> bool:
+        """Whether ``node`` cannot reach the unnamed rest at ``now`` (i.e. some group names
+        it): how a node that keeps a set of peers it is cut off from asks the question."""
+        return self.holds(now) and node in self._group
+
+
+def separated(partitions: Iterable[Partition[K]], a: K, b: K, now: float = 0.0) -> bool:
+    """Whether any of the partitions separates ``a`` and ``b`` at ``now``."""
+    return any(p.separates(a, b, now) for p in partitions)
+
+
+@dataclass(frozen=True, slots=True)
+class RegionDelays:
+    """One-way delays between named regions: ``delay_s[i][j]`` from region i to region j."""
+
+    names: tuple[str, ...]  # the regions, in matrix order
+    delay_s: tuple[tuple[float, ...], ...]  # square one-way delay matrix [from][to], seconds
+
+    def __post_init__(self) -> None:
+        r = len(self.names)
+        if not r:
+            raise ValueError("regions need at least one name")
+        if len(self.delay_s) != r or any(len(row) != r for row in self.delay_s):
+            raise ValueError(f"region delay matrix must be {r}x{r}")
+        if any(not (math.isfinite(d) and d >= 0) for row in self.delay_s for d in row):
+            raise ValueError("region delays must be finite and >= 0")
+
+    def links(self, base: LinkConfig) -> tuple[tuple[LinkConfig, ...], ...]:
+        """``base`` with each region pair's delay: ``links(base)[i][j]`` is the i -> j link."""
+        return tuple(tuple(base.with_delay(d) for d in row) for row in self.delay_s)
