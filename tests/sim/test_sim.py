@@ -12,7 +12,7 @@ from radixmesh.core.config import GossipConfig, PushbackConfig
 from radixmesh.core.events import CacheChanged
 from radixmesh.core.router import Policy, RouterConfig
 from radixmesh.sim import costs
-from radixmesh.sim.cluster import Cluster, ClusterConfig
+from radixmesh.sim.cluster import ClusterConfig, SimCluster
 from radixmesh.sim.network import Fault, NetworkConfig, Partition
 from radixmesh.sim.runner import RunSpec, run
 from radixmesh.sim.tokens import byte_tokenize, word_tokenize
@@ -89,7 +89,7 @@ def test_routing_beats_none_on_shared_prefixes(make_reqs: Callable[..., list[Req
 
 def test_small_cluster_converges() -> None:
     cfg = cluster_config("paper", nodes=5, start_spread_s=0.0)
-    cl = Cluster(cfg)
+    cl = SimCluster(cfg)
     cl.start()
     cl.loop.run(until=0.5)
     hashes = (11, 22, 33)
@@ -155,7 +155,7 @@ def test_crash_and_restart(make_reqs: Callable[..., list[Request]]) -> None:
 
 def test_crash_marks_peer_suspect_then_dead_and_restart_replaces() -> None:
     gossip = GossipConfig.for_interval(0.1)
-    cl = Cluster(
+    cl = SimCluster(
         cluster_config(
             "cost",
             gossip=gossip,
@@ -175,7 +175,7 @@ def test_crash_marks_peer_suspect_then_dead_and_restart_replaces() -> None:
 
 def test_partition_blocks_gossip_both_ways() -> None:
     part = Partition(0.0, 100.0, frozenset({0}))
-    cl = Cluster(cluster_config("paper", network=NetworkConfig(partitions=(part,))))
+    cl = SimCluster(cluster_config("paper", network=NetworkConfig(partitions=(part,))))
     cl.start()
     cl.schedule_faults(0.0)
     cl.loop.run(until=0.3)

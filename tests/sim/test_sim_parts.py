@@ -11,9 +11,11 @@ import pytest
 
 from radixmesh.cli import main
 from radixmesh.core.blocks import block_hashes
+from radixmesh.core.prefix_cache import PrefixCache
+from radixmesh.core.units import parse_duration as core_parse_duration
 from radixmesh.sim import costs
-from radixmesh.sim.calibrate import fit_prefill
 from radixmesh.sim.clock import EventLoop
+from radixmesh.sim.costfit import fit_prefill
 from radixmesh.sim.engine import SimEngine
 from radixmesh.sim.network import (
     Network,
@@ -22,6 +24,7 @@ from radixmesh.sim.network import (
     parse_duration,
     parse_fault,
     parse_partition,
+    parse_regions,
 )
 
 
@@ -64,12 +67,14 @@ def test_sim_engine_budget_locks_and_hits() -> None:
     again = eng.begin(a, block_hashes(a, 4, 1), 1, now=2.0)
     assert again.cached_tokens == 59  # at least one token is always computed
     eng.finish(again, [7], now=3.0)
+    assert set(eng.drain_delta()[0]) == set(block_hashes(a, 4, 1))
     b = [1000 + i for i in range(70)]  # does not fit beside a: a is evicted (LRU)
     run_b = eng.begin(b, block_hashes(b, 4, 1), 1, now=4.0)
     eng.finish(run_b, [7], now=5.0)
     assert eng.total_tokens <= 100 and eng.match(b) == 70 and eng.match(a) == 0
-    added, removed = eng.drain_delta()
-    assert added and removed
+    added, removed = eng.drain_delta()  # exactly what changed since the previous drain
+    assert set(added) == set(block_hashes(b, 4, 1))
+    assert set(removed) == set(block_hashes(a, 4, 1))
 
 
 def test_sim_engine_keeps_locked_path() -> None:
@@ -83,6 +88,24 @@ def test_sim_engine_keeps_locked_path() -> None:
     eng.finish(rb, [1], 2.0)  # truncated to the room left
     assert eng.match(a) >= 39 and eng.total_tokens <= 50
     eng.finish(held, [1], 3.0)
+
+
+def test_sim_engine_is_the_core_prefix_cache_plus_a_cost_model() -> None:
+    """Layering core <- sim: the simulator's cache is the engine's cache code, not a copy."""
+    import ast
+
+    import radixmesh.sim.engine as sim_engine
+
+    tree = ast.parse(Path(sim_engine.__file__).read_text())
+    modules = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not any(m.startswith("radixmesh.engine") for m in modules)
+    eng = SimEngine(costs.resolve("cpu-tiny"), cache_tokens=30, block_size=4, seed=1)
+    assert isinstance(eng.cache, PrefixCache)
+    a = list(range(40))
+    eng.finish(eng.begin(a, block_hashes(a, 4, 1), 1, 0.0), [1], 0.0)  # truncated to 30
+    assert eng.total_tokens == eng.cache.usage().tokens == 30 and eng.match(a) == 30
+    assert set(eng.drain_delta()[0]) == set(block_hashes(a[:30], 4, 1))
 
 
 def test_network_delay_loss_partition() -> None:
@@ -110,6 +133,50 @@ def test_network_delay_loss_partition() -> None:
     assert regions.delay(0, 2) == 0.001 and regions.delay(0, 1) == 0.04
 
 
+def test_network_draws_exactly_as_before() -> None:
+    """The simulator's fixed-seed output depends on these draws: jitter is one draw per delay
+    (``base + jitter * random()``), loss one per gossip, and nothing when either is off or a
+    partition already decided."""
+    cfg = NetworkConfig(delay_s=0.01, jitter_s=0.002, loss=0.25,
+                        partitions=(Partition(1.0, 2.0, frozenset({0})),))
+    net, mirror = Network(cfg, 3, random.Random(9)), random.Random(9)
+    assert net.delay(0, 1) == 0.01 + 0.002 * mirror.random()
+    assert net.gossip_delivered(1, 2, 0.0) == (not mirror.random() < 0.25)
+    assert not net.gossip_delivered(0, 1, 1.5)  # partitioned: no draw
+    assert net.delay(1, 0) == 0.01 + 0.002 * mirror.random()
+    quiet = Network(NetworkConfig(delay_s=0.01), 2, random.Random(9))
+    state = quiet._rng.getstate()
+    assert quiet.delay(0, 1) == 0.01 and quiet.gossip_delivered(0, 1, 0.0)
+    assert quiet._rng.getstate() == state
+
+
+def test_network_regions_and_config_checks() -> None:
+    cfg = NetworkConfig(regions=("us", "eu", "ap"), jitter_s=0.001,
+                        region_delay_s=((0.001, 0.04, 0.09), (0.04, 0.001, 0.12),
+                                        (0.09, 0.12, 0.001)))
+    net = Network(cfg, 6, random.Random(0))
+    assert [net.region_of(i) for i in range(6)] == [0, 1, 2, 0, 1, 2]
+    assert net.base_delay(1, 5) == 0.12 and net.base_delay(3, 0) == 0.001
+    assert 0.09 <= net.delay(2, 3) < 0.091
+    for bad in (
+        {"loss": 1.0},
+        {"delay_s": -0.001},
+        {"jitter_s": -1.0},
+        {"regions": ("a", "b"), "region_delay_s": ((0.0, 0.1),)},
+        {"regions": ("a",), "region_delay_s": ((-0.1,),)},
+        {"region_delay_s": ((0.1,),)},  # a matrix without region names
+    ):
+        with pytest.raises(ValueError):
+            NetworkConfig(**bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        Partition(2.0, 1.0, frozenset({0}))
+    with pytest.raises(ValueError):
+        Partition(0.0, 1.0, frozenset())
+    with pytest.raises(ValueError, match="outside"):
+        Network(NetworkConfig(partitions=(Partition(0.0, 1.0, frozenset({5})),)), 3,
+                random.Random(0))
+
+
 def test_parsers() -> None:
     assert parse_duration("2ms") == pytest.approx(0.002) and parse_duration("1.5") == 1.5
     assert parse_partition("10s-20s:0-1,5").side == frozenset({0, 1, 5})
@@ -119,6 +186,9 @@ def test_parsers() -> None:
         parse_fault("2@8s:5s")
     with pytest.raises(ValueError):
         parse_duration("fast")
+    assert parse_duration("1e-3s") == 0.001 and parse_duration("250µs") == pytest.approx(250e-6)
+    assert parse_duration is core_parse_duration  # one grammar for the simulator and runtime
+    assert parse_regions("us,eu", "1,40;40,1") == (("us", "eu"), ((0.001, 0.04), (0.04, 0.001)))
 
 
 def test_event_loop_orders_by_time_then_schedule() -> None:

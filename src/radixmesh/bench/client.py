@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from radixmesh.bench.records import Record
+from radixmesh.results.records import Record
 from radixmesh.workload.request import Request
 
 H_SERVED = "x-radixmesh-served-by"

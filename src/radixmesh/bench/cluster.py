@@ -1,6 +1,6 @@
 """How the benchmark gets a fresh cluster: the runtime's ``LocalCluster`` behind one call.
 
-The runner depends only on :class:`Cluster` (node URLs and ids, ``close``) and a
+The runner depends only on :class:`BenchCluster` (node URLs and ids, ``close``) and a
 :data:`ClusterFactory`, so tests and other launchers can plug in.
 """
 
@@ -13,7 +13,7 @@ from typing import Protocol
 from radixmesh.bench.spec import RunSpec
 
 
-class Cluster(Protocol):
+class BenchCluster(Protocol):
     @property
     def urls(self) -> list[str]: ...
     @property
@@ -21,7 +21,7 @@ class Cluster(Protocol):
     def close(self) -> None: ...
 
 
-ClusterFactory = Callable[[RunSpec], Cluster]
+ClusterFactory = Callable[[RunSpec], BenchCluster]
 
 
 def serve_options(spec: RunSpec) -> dict[str, object]:
@@ -42,7 +42,7 @@ def serve_options(spec: RunSpec) -> dict[str, object]:
 
 
 class _Local:
-    """Adapts the runtime's ``LocalCluster`` to :class:`Cluster`."""
+    """Adapts the runtime's ``LocalCluster`` to :class:`BenchCluster`."""
 
     def __init__(self, spec: RunSpec, log_dir: Path | None) -> None:
         from radixmesh.runtime.cluster import LocalCluster
@@ -66,7 +66,7 @@ def local_cluster(log_root: str | Path | None = None) -> ClusterFactory:
     """A factory starting ``spec.nodes`` fresh node processes on 127.0.0.1 per run, with node
     logs under ``log_root/<run name>/`` (a temporary folder when ``None``)."""
 
-    def start(spec: RunSpec) -> Cluster:
+    def start(spec: RunSpec) -> BenchCluster:
         log_dir = None if log_root is None else Path(log_root) / spec.name
         return _Local(spec, log_dir)
 

@@ -16,9 +16,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from radixmesh.bench.records import Record
 from radixmesh.bench.spec import RunSpec, check_policy
 from radixmesh.bench.sweep import run_name
+from radixmesh.results.records import Record
 from radixmesh.workload import WorkloadSpec
 
 
@@ -85,7 +85,8 @@ def _x(x: float | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from radixmesh.bench.report import Results, write_report
+    from radixmesh.bench.folder import Results
+    from radixmesh.bench.report import write_report
     from radixmesh.bench.runner import Runner
 
     out = Path(args.out)

@@ -1,7 +1,7 @@
 """Gossip micro-benchmarks: snapshot size per cached block, and delta bandwidth at steady churn.
 
 Everything runs real ``NodeCore`` instances over the in-memory fake network on a virtual clock
-(``radixmesh.testing.Cluster``), so bandwidth figures are exact byte counts of encoded messages,
+(``radixmesh.testing.TwinCluster``), so bandwidth figures are exact byte counts of encoded messages,
 independent of machine speed; only the ``*_ms`` figures are timings.
 
 Churn model (stated, because bytes/s are proportional to it): the measured node holds a full
@@ -20,7 +20,7 @@ from collections import deque
 
 from radixmesh.core.config import GossipConfig, GossipMode
 from radixmesh.core.summary import LocalSummary, pack_hashes, unpack_hashes
-from radixmesh.testing import Cluster, LinkConfig
+from radixmesh.testing import LinkConfig, TwinCluster
 
 CACHE_BLOCKS = 100_000
 PEERS = 4
@@ -61,7 +61,7 @@ def _snapshot_figures(quick: bool) -> dict[str, object]:
 
 def _snapshot_message_bytes(hashes: tuple[int, ...]) -> int:
     """A whole first-contact message carrying the 100k-block snapshot."""
-    c = Cluster(2, seed=0)
+    c = TwinCluster(2, seed=0)
     c.change_cache("n0", hashes)
     c.run_for(0.01)
     return int(c.nodes["n0"].metrics()["gossip_bytes_out"])
@@ -92,7 +92,7 @@ def _bytes_per_s(mode: GossipMode, rate: float, blocks: int, seconds: float) -> 
     """Bytes/s sent by one node with a full cache at steady churn, to PEERS peers."""
     rng = random.Random(1)
     gossip = GossipConfig(interval_s=INTERVAL_S, mode=mode)
-    c = Cluster(PEERS + 1, gossip=gossip, seed=1, link=LinkConfig(delay_s=0.0005))
+    c = TwinCluster(PEERS + 1, gossip=gossip, seed=1, link=LinkConfig(delay_s=0.0005))
     resident = deque(rng.getrandbits(64) for _ in range(CACHE_BLOCKS))
     c.change_cache("n0", resident)
     c.run_for(5.0)  # join and first snapshots

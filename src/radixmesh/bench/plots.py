@@ -1,6 +1,6 @@
 """The report's PNG figures (matplotlib, Agg backend — no display needed).
 
-Every function takes the loaded :class:`~radixmesh.bench.report.Results` and a path, draws one
+Every function takes the loaded :class:`~radixmesh.bench.folder.Results` and a path, draws one
 figure, and returns False (drawing nothing) when the runs it needs are missing.
 """
 
@@ -9,16 +9,15 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-if TYPE_CHECKING:
-    from radixmesh.bench.records import Record
-    from radixmesh.bench.report import Results, Run
+from radixmesh.bench.folder import Results, Run
+from radixmesh.results.records import Record
 
 WINDOW, STRIDE = 300, 30
 COLORS = {"none": "tab:gray", "paper": "tab:orange", "cost": "tab:blue", "oracle": "tab:green",

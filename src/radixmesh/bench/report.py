@@ -14,137 +14,13 @@ stream), the specialization–eviction cycle under memory pressure (Fig. 4), hit
 
 from __future__ import annotations
 
-import json
-from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from radixmesh.bench import paper_numbers as P
-from radixmesh.bench.metrics import mean
-from radixmesh.bench.records import Record
-
-Run = dict[str, Any]
-WINDOW, STRIDE = 300, 30
-STALL_S = 30.0  # no request legitimately takes this long here; longer = the machine froze
-
-
-# ----------------------------------------------------------------------------- loading
-class Results:
-    """The runs of one benchmark folder and their records, with lookup helpers."""
-
-    def __init__(self, runs: Sequence[Run], records: dict[str, list[Record]]) -> None:
-        self.runs = [r for r in runs if not r.get("skipped") and r.get("requests")]
-        self.skipped = [r for r in runs if r.get("skipped")]
-        self.records = records
-        caches = sorted({r["cache_tokens"] for r in self.runs})
-        self.abundant = caches[-1] if caches else 0
-        self.pressure = caches[0] if len(caches) > 1 else None
-        polls = Counter(r["gossip_interval_ms"] for r in self.runs)
-        self.poll_ms = polls.most_common(1)[0][0] if polls else 500.0
-
-    @classmethod
-    def load(cls, out: Path) -> Results:
-        summary = json.loads((out / "summary.json").read_text())
-        records: dict[str, list[Record]] = defaultdict(list)
-        path = out / "requests.jsonl"
-        if path.exists():
-            with path.open(encoding="utf-8") as fh:
-                for line in fh:
-                    if line.strip():
-                        rec = Record.from_json(json.loads(line))
-                        records[rec.run].append(rec)
-        return cls(summary["runs"], dict(records))
-
-    def find(
-        self,
-        policy: str,
-        skew: str = "uniform",
-        delay_ms: float = 2.0,
-        gossip_ms: float | None = None,
-        cache: int | None = None,
-        concurrency: int = 1,
-    ) -> Run | None:
-        """The run of ``policy`` at this point; defaults: the sweep's usual Δpoll (the most
-        common one) and the largest cache budget."""
-        cache = self.abundant if cache is None else cache
-        gossip_ms = self.poll_ms if gossip_ms is None else gossip_ms
-        for r in self.runs:
-            if (
-                r["policy"] == policy
-                and r["skew"] == skew
-                and abs(r["comm_delay_ms"] - delay_ms) < 1e-6
-                and abs(r["gossip_interval_ms"] - gossip_ms) < 1e-6
-                and r["cache_tokens"] == cache
-                and r.get("concurrency", 1) == concurrency
-                and not r.get("arrival_rate")
-            ):
-                return r
-        return None
-
-    def find_with(self, run: Run, policy: str) -> Run | None:
-        """``policy``'s run interleaved with ``run``, else the one at the same point."""
-        key = run.get("lockstep")
-        for r in self.runs:
-            if key and r.get("lockstep") == key and r["policy"] == policy:
-                return r
-        return self.find(policy, run["skew"], run["comm_delay_ms"], run["gossip_interval_ms"],
-                         run["cache_tokens"], run.get("concurrency", 1))  # fmt: skip
-
-    def ok(self, run: Run) -> list[Record]:
-        return [r for r in self.records.get(run["name"], []) if r.ok]
-
-    def baseline(self, run: Run) -> Run | None:
-        """The ``none`` run interleaved with ``run`` if any, else one with the same workload
-        shape (delay and Δpoll do not matter to ``none``)."""
-        key = run.get("lockstep")
-        for r in self.runs:
-            if key and r.get("lockstep") == key and r["policy"] == "none":
-                return r
-        for r in self.runs:
-            if (
-                r["policy"] == "none"
-                and r["skew"] == run["skew"]
-                and r["cache_tokens"] == run["cache_tokens"]
-                and r["nodes"] == run["nodes"]
-                and r.get("concurrency", 1) == run.get("concurrency", 1)
-                and r.get("arrival_rate") == run.get("arrival_rate")
-            ):
-                return r
-        return None
-
-    def paired(self, run: Run) -> tuple[float, float, int] | None:
-        """(run mean, none mean, n) over the requests both runs completed."""
-        base = self.baseline(run)
-        if base is None:
-            return None
-        mine = {r.id: r.latency_s for r in self.ok(run)}
-        theirs = {r.id: r.latency_s for r in self.ok(base)}
-        common = sorted(mine.keys() & theirs.keys())
-        if not common:
-            return None
-        a = sum(mine[i] for i in common) / len(common)
-        b = sum(theirs[i] for i in common) / len(common)
-        return a, b, len(common)
-
-    def ratio_without_stalls(self, run: Run | None) -> tuple[float, int] | None:
-        """Paired mean ratio over requests that took < STALL_S in both runs, and how many were
-        left out: a frozen machine (minutes for one request) must not decide a comparison."""
-        base = None if run is None else self.baseline(run)
-        if run is None or base is None:
-            return None
-        mine = {r.id: r.latency_s for r in self.ok(run)}
-        theirs = {r.id: r.latency_s for r in self.ok(base)}
-        common = mine.keys() & theirs.keys()
-        kept = [i for i in common if mine[i] < STALL_S and theirs[i] < STALL_S]
-        den = sum(theirs[i] for i in kept)
-        return (sum(mine[i] for i in kept) / den, len(common) - len(kept)) if den > 0 else None
-
-    def ratio(self, run: Run | None) -> float | None:
-        if run is None:
-            return None
-        p = self.paired(run)
-        return None if p is None or p[1] <= 0 else p[0] / p[1]
+from radixmesh.bench.folder import Results, Run
+from radixmesh.results.summary import mean, percentile
 
 
 # ----------------------------------------------------------------------------- formatting
@@ -338,8 +214,6 @@ def sglang_targets(res: Results) -> list[tuple[str, str, bool | None]]:
 
 
 def paired_stats(res: Results, a: Run, b: Run) -> tuple[tuple[float, float], tuple[float, float]]:
-    from radixmesh.bench.metrics import percentile
-
     la = {r.id: r.latency_s for r in res.ok(a)}
     lb = {r.id: r.latency_s for r in res.ok(b)}
     common = sorted(la.keys() & lb.keys())
@@ -412,7 +286,7 @@ def write_report(out: str | Path, mmlu_dir: str | None = None) -> Path:
 
 
 def figures(res: Results, out: Path) -> list[str]:
-    from radixmesh.bench import plots
+    from radixmesh.bench import plots  # matplotlib only when figures are drawn
 
     made: list[str] = []
     for name, fn in (

@@ -30,13 +30,14 @@ from typing import IO, Any
 
 import httpx
 
-from radixmesh.bench import client, metrics
-from radixmesh.bench.cluster import Cluster, ClusterFactory, local_cluster
+from radixmesh.bench import client
+from radixmesh.bench.cluster import BenchCluster, ClusterFactory, local_cluster
 from radixmesh.bench.oracle import Oracle
 from radixmesh.bench.progress import Progress
-from radixmesh.bench.records import Record
 from radixmesh.bench.sglang import INSTALL_HINT, SglangRouter, available
 from radixmesh.bench.spec import RunSpec, engine_context
+from radixmesh.results.records import Record
+from radixmesh.results.summary import summarize
 from radixmesh.workload import Request, build
 from radixmesh.workload.build import Fits
 
@@ -100,7 +101,7 @@ def summary_entry(res: RunResult) -> dict[str, Any]:
         "gossip_interval_ms": s.gossip_interval_s * 1000.0,
         "cache_tokens": s.cache_tokens,
     }
-    entry.update(metrics.summarize(res.records))
+    entry.update(summarize(res.records))
     entry.update(
         {
             "group": s.group,
@@ -177,7 +178,9 @@ def batches(specs: Sequence[RunSpec], limit: int = 4) -> list[list[RunSpec]]:
 class Replay:
     """Replays one run's requests against a started cluster."""
 
-    def __init__(self, spec: RunSpec, cluster: Cluster, sink: Callable[[Record], None]) -> None:
+    def __init__(
+        self, spec: RunSpec, cluster: BenchCluster, sink: Callable[[Record], None]
+    ) -> None:
         self.spec = spec
         self.urls = list(cluster.urls)
         self.ids = list(cluster.node_ids)
@@ -356,7 +359,7 @@ class Runner:
         return self.results
 
     def _run_batch(self, results: list[RunResult], fh: IO[str], labels: list[str]) -> None:
-        live: list[tuple[RunResult, list[Request], Replay, Cluster, Progress | None]] = []
+        live: list[tuple[RunResult, list[Request], Replay, BenchCluster, Progress | None]] = []
         try:
             for res, label in zip(results, labels, strict=True):
                 if res.spec.policy == "sglang" and not available():
@@ -380,7 +383,7 @@ class Runner:
 
     def _prepare(
         self, res: RunResult, fh: IO[str], label: str, batched: bool
-    ) -> tuple[RunResult, list[Request], Replay, Cluster, Progress | None]:
+    ) -> tuple[RunResult, list[Request], Replay, BenchCluster, Progress | None]:
         spec = res.spec
         fits = make_fits(spec)
         requests = build(spec.workload, spec.nodes, fits)
@@ -400,7 +403,7 @@ class Runner:
         return res, requests, replay, cluster, progress
 
     @staticmethod
-    def _attach_baseline(replay: Replay, spec: RunSpec, cluster: Cluster) -> None:
+    def _attach_baseline(replay: Replay, spec: RunSpec, cluster: BenchCluster) -> None:
         if spec.policy == "sglang":
             replay.router = SglangRouter(cluster.urls)
         elif spec.policy == "oracle":

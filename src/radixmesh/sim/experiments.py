@@ -31,16 +31,26 @@ from typing import Any
 from radixmesh.core.config import GossipConfig, GossipMode
 from radixmesh.core.events import CacheChanged
 from radixmesh.core.router import Policy, RouterConfig
+from radixmesh.core.units import parse_duration
 from radixmesh.sim import costs
 from radixmesh.sim.cluster import (
-    Cluster,
     ClusterConfig,
+    SimCluster,
     estimate_version,
     routable_count,
     summary_version,
 )
 from radixmesh.sim.costs import CostModel
-from radixmesh.sim.network import NetworkConfig, parse_duration
+from radixmesh.sim.network import NetworkConfig
+from radixmesh.sim.runner import RunSpec
+from radixmesh.sim.runner import run as run_sim
+from radixmesh.sim.sweep import (
+    mean_prompt_tokens,
+    requests_for,
+    split_csv,
+    sweep_point,
+    tokenizer_for,
+)
 
 Log = Callable[[str], None]
 
@@ -76,7 +86,7 @@ def convergence(
         seeds=min(seeds, nodes),
         start_spread_s=interval_s,
     )
-    cl = Cluster(cfg)
+    cl = SimCluster(cfg)
     wall0 = time.perf_counter()
     cl.start()
     step = interval_s / 50
@@ -128,7 +138,7 @@ def convergence(
 
 
 def _time_to_see(
-    cl: Cluster, origin: int, t_change: float, step: float, limit: float
+    cl: SimCluster, origin: int, t_change: float, step: float, limit: float
 ) -> list[float]:
     """Seconds after ``t_change`` at which each other node's view held ``origin``'s new
     version (polled every ``step``)."""
@@ -148,12 +158,12 @@ def _time_to_see(
     return seen
 
 
-def _all_joined(cl: Cluster) -> bool:
+def _all_joined(cl: SimCluster) -> bool:
     want = cl.config.nodes - 1
     return all(routable_count(n.core) >= want for n in cl.nodes)
 
 
-def _run_until(cl: Cluster, step: float, limit: float, done: Callable[[], bool]) -> float | None:
+def _run_until(cl: SimCluster, step: float, limit: float, done: Callable[[], bool]) -> float | None:
     start = cl.loop.now
     while cl.loop.now - start < limit:
         if done():
@@ -223,14 +233,10 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _csv(text: str) -> list[str]:
-    return [p.strip() for p in text.split(",") if p.strip()]
-
-
 def run_convergence(args: argparse.Namespace, log: Log) -> list[dict[str, Any]]:
-    modes = [m for m in _csv(args.gossip_mode) if m != "auto"] or ["delta", "epidemic"]
+    modes = [m for m in split_csv(args.gossip_mode) if m != "auto"] or ["delta", "epidemic"]
     rows = []
-    for n in (int(x) for x in _csv(args.nodes)):
+    for n in (int(x) for x in split_csv(args.nodes)):
         for mode_text in modes:
             mode = GossipMode.parse(mode_text)
             interval = (
@@ -240,7 +246,7 @@ def run_convergence(args: argparse.Namespace, log: Log) -> list[dict[str, Any]]:
                 n,
                 mode,
                 interval,
-                parse_duration(_csv(args.comm_delay)[0]),
+                parse_duration(split_csv(args.comm_delay)[0]),
                 args.fanout,
                 args.seed,
                 seeds=args.seeds,
@@ -269,7 +275,7 @@ def _s(v: float | None) -> str:
 
 
 def run_breakeven(args: argparse.Namespace, log: Log) -> list[dict[str, Any]]:
-    models = [costs.resolve(m) for m in _csv(args.cost_model)]
+    models = [costs.resolve(m) for m in split_csv(args.cost_model)]
     lengths = [256, 540, 1024, 2048, 3000, 4096, 8192, 16384]
     rows = breakeven_table(models, lengths)
     for r in rows:
@@ -300,18 +306,14 @@ def _ms(v: float | None) -> str:
 
 def simulated_breakeven(args: argparse.Namespace, model: CostModel, scale: float) -> dict[str, Any]:
     """``paper``/``none`` mean latency over a delay sweep; the crossing of 1 (log-interpolated)."""
-    from radixmesh.sim import cli
-    from radixmesh.sim.runner import RunSpec
-    from radixmesh.sim.runner import run as run_sim
-
-    tokenize, tok_fp = cli.tokenizer_for(args, int(_csv(args.nodes)[0]))
+    tokenize, tok_fp = tokenizer_for(args, int(split_csv(args.nodes)[0]))
     point = argparse.Namespace(**{**vars(args), "synthetic_scale": scale})
-    reqs = cli._requests(point, False, int(_csv(args.nodes)[0]))
-    prompt_tokens = cli.mean_prompt_tokens(reqs, tokenize)
+    reqs = requests_for(point, False, int(split_csv(args.nodes)[0]))
+    prompt_tokens = mean_prompt_tokens(reqs, tokenize)
 
     def mean_latency(policy: Policy, delay: float) -> float:
         cfg = ClusterConfig(
-            nodes=int(_csv(args.nodes)[0]),
+            nodes=int(split_csv(args.nodes)[0]),
             cost=model,
             router=RouterConfig(policy=policy, context_scale=model.context_scale),
             tuned_priors=True,  # each hardware regime with priors that fit it
@@ -354,19 +356,17 @@ def _crossing(ratios: dict[float, float]) -> float | None:
 
 def _sweep(args: argparse.Namespace, log: Log, **override: Any) -> list[dict[str, Any]]:
     """The ordinary ``radixmesh sim`` sweep at each N, requests scaled with N."""
-    from radixmesh.sim import cli
-
     cost = costs.resolve(args.cost_model)
-    policies = [Policy.parse(p) for p in _csv(args.policy)]
-    delays = [parse_duration(d) for d in _csv(args.comm_delay)]
+    policies = [Policy.parse(p) for p in split_csv(args.policy)]
+    delays = [parse_duration(d) for d in split_csv(args.comm_delay)]
     many = {"nodes": True, "delay": len(delays) > 1, "interval": False, "skew": True}
     rows = []
-    for n in (int(x) for x in _csv(args.nodes)):
-        for skew in _csv(args.skew):
+    for n in (int(x) for x in split_csv(args.nodes)):
+        for skew in split_csv(args.skew):
             per_node = args.requests_per_node
             reqs = max(args.requests, per_node * n) if per_node else args.requests
             point = argparse.Namespace(**{**vars(args), **override, "requests": reqs})
-            for res in cli._sweep_point(point, cost, policies, n, delays, skew, many):
+            for res in sweep_point(point, cost, policies, n, delays, skew, many):
                 rows.append(res.summary)
                 _checkpoint(args, rows)
                 s = res.summary

@@ -10,11 +10,11 @@ is healthy and has gossiped once), then the workload is replayed against the ent
   sent the instant the previous one completed (closed loop);
 * ``poisson``: open-loop arrivals at the times the workload module drew (``Request.t``).
 
-Each completed request becomes a :class:`radixmesh.bench.records.Record`, the benchmark's own
-record type, and the run is summarized by the benchmark's own ``summarize`` — so
-``summary.json`` is the same schema, computed by the same code. Simulator-only figures
-(gossip bytes per node per second, estimate error and view age at decision time, events/s)
-are added beside the standard keys.
+Each completed request becomes a :class:`radixmesh.results.records.Record`, the benchmark's
+record type, and the run is summarized by the benchmark's ``summarize``
+(:mod:`radixmesh.results.summary`) — so ``summary.json`` is the same schema, computed by the
+same code. Simulator-only figures (gossip bytes per node per second, estimate error and view
+age at decision time, events/s) are added beside the standard keys.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixmesh.bench.metrics import mean, percentile, summarize
-from radixmesh.bench.records import Record
-from radixmesh.sim.cluster import Cluster, ClusterConfig, Flight, routable_count
+from radixmesh.results.records import Record
+from radixmesh.results.summary import mean, percentile, summarize
+from radixmesh.sim.cluster import ClusterConfig, Flight, SimCluster, routable_count
 from radixmesh.sim.tokens import Tokenize
 from radixmesh.workload.request import Request
 
@@ -69,7 +69,7 @@ class _Driver:
         self.spec = spec
         self.requests = requests
         self.tokenize = tokenize
-        self.cluster = Cluster(spec.cluster)
+        self.cluster = SimCluster(spec.cluster)
         self.cluster.on_complete = self._completed
         self.records: list[Record | None] = [None] * len(requests)
         self.extras: list[dict[str, Any] | None] = [None] * len(requests)
@@ -252,7 +252,7 @@ def _summary(
     return out
 
 
-def _view_sizes(cluster: Cluster) -> dict[str, float]:
+def _view_sizes(cluster: SimCluster) -> dict[str, float]:
     """Mean per node: own advertised blocks, and entries held about peers (the estimate)."""
     own = views = 0.0
     up = [n for n in cluster.nodes if n.core is not None]

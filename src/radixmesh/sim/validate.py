@@ -38,6 +38,7 @@ from radixmesh.sim.costs import CostModel
 from radixmesh.sim.network import NetworkConfig
 from radixmesh.sim.runner import RunSpec
 from radixmesh.sim.runner import run as run_sim
+from radixmesh.sim.sweep import requests_for, tokenizer_for
 from radixmesh.workload import schedule
 
 SIM_POLICIES = {p.value for p in Policy}
@@ -60,14 +61,12 @@ def simulate_like(
     real: Row, args: argparse.Namespace, cost: CostModel, tokenize: Any, tok_fp: str,
     noise: float = 0.0,
 ) -> Row:  # fmt: skip
-    from radixmesh.sim import cli
-
     point = argparse.Namespace(
         **{**vars(args), "requests": real.get("planned_requests") or real["requests"],
            "seed": real.get("seed", args.seed)}
     )  # fmt: skip
     nodes = int(real["nodes"])
-    reqs = cli._requests(point, real["skew"] == "skewed", nodes)
+    reqs = requests_for(point, real["skew"] == "skewed", nodes)
     rate = real.get("arrival_rate")
     sched = "poisson" if rate else "sequential"
     if rate:
@@ -247,7 +246,7 @@ def markdown(rows: list[Row]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from radixmesh.sim import calibrate, cli, costs
+    from radixmesh.sim import costfit, costs
 
     real_dir = Path(args.validate)
     out = Path(args.out or "sim-validate")
@@ -257,7 +256,7 @@ def main(args: argparse.Namespace) -> int:
             from_records=str(real_dir / "requests.jsonl"), runs="", quiet=args.quiet,
             forward_overhead=args.forward_overhead,
         )  # fmt: skip
-        doc = calibrate.from_records(fit_args)
+        doc = costfit.from_records(fit_args)
         (out / "costmodel.json").write_text(json.dumps(doc, indent=2) + "\n")
         cost = costs.CostModel.from_dict(doc)
         fitted_noise = float(doc["fit"]["rel_rmse"])
@@ -272,7 +271,7 @@ def main(args: argparse.Namespace) -> int:
     corr = drift_corrected_means(real_dir / "requests.jsonl", cost, delays)
     sim_run, sim_fixed = [], []
     for r in real:
-        tokenize, tok_fp = cli.tokenizer_for(args, int(r["nodes"]))
+        tokenize, tok_fp = tokenizer_for(args, int(r["nodes"]))
         drift = corr.get(r["name"], (1.0, 0.0))[0]
         sim_run.append(simulate_like(r, args, cost.scaled(drift), tokenize, tok_fp, noise))
         sim_fixed.append(simulate_like(r, args, cost, tokenize, tok_fp, noise))

@@ -1,4 +1,4 @@
-"""A cluster harness: N real ``NodeCore`` instances over a :class:`FakeNetwork`, on a virtual clock.
+"""The in-memory twin cluster: N real ``NodeCore``s over a :class:`FakeNetwork`, virtual clock.
 
 Theory of operation
 -------------------
@@ -46,7 +46,7 @@ class Recorded:
     action: Log | PeerStateChanged
 
 
-class Cluster:
+class TwinCluster:
     """N nodes named ``n0 .. n{N-1}`` at addresses ``mem://n0 ..``; ``n0`` is everyone's seed."""
 
     def __init__(

@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from radixmesh.bench.records import Record
+from radixmesh.results.records import Record
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

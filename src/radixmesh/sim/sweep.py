@@ -1,0 +1,228 @@
+"""One point of a ``radixmesh sim`` sweep: the parsed flags -> workload, cluster configs, runs.
+
+Shared by the sweep command (:mod:`radixmesh.sim.cli`), the experiments of docs/scale.md and
+``--validate``: the same flags build the same requests (the benchmark's prompt filter and seeded
+order), tokenizer, network and cluster configuration, so every entry point simulates the same
+runs. ``auto`` settings scale with N: delta gossip every 0.5 s and the byte tokenizer up to
+``AUTO_EPIDEMIC_ABOVE`` nodes, epidemic gossip every 1 s and word counts above.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from radixmesh.core.config import ForwardConfig, GossipConfig, GossipMode, PushbackConfig
+from radixmesh.core.router import Policy, RouterConfig
+from radixmesh.core.units import parse_duration
+from radixmesh.engine.tokenizers import ByteTokenizer
+from radixmesh.sim import costs
+from radixmesh.sim.cluster import ClusterConfig
+from radixmesh.sim.network import (
+    NetworkConfig,
+    parse_fault,
+    parse_partition,
+    parse_regions,
+)
+from radixmesh.sim.runner import RunResult, RunSpec
+from radixmesh.sim.runner import run as run_sim
+from radixmesh.sim.tokens import TOKENIZERS, Tokenize
+from radixmesh.workload import WorkloadSpec, build, schedule
+from radixmesh.workload.build import groups_for, sample
+from radixmesh.workload.request import Request
+
+AUTO_EPIDEMIC_ABOVE = 32  # nodes: above this, auto gossip mode is epidemic with Δpoll 1 s
+
+
+def split_csv(text: str) -> list[str]:
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def auto_mode(nodes: int, mode: str) -> GossipMode:
+    if mode == "auto":
+        return GossipMode.EPIDEMIC if nodes > AUTO_EPIDEMIC_ABOVE else GossipMode.DELTA
+    return GossipMode.parse(mode)
+
+
+def tokenizer_for(args: argparse.Namespace, nodes: int) -> tuple[Tokenize, str]:
+    name = args.tokenizer
+    if name == "auto":
+        name = "words" if nodes > AUTO_EPIDEMIC_ABOVE else "bytes"
+    return TOKENIZERS[name]()
+
+
+def auto_interval(nodes: int, text: str) -> float:
+    if text == "auto":
+        return 1.0 if nodes > AUTO_EPIDEMIC_ABOVE else 0.5
+    return parse_duration(text)
+
+
+def network_config(args: argparse.Namespace, delay_s: float) -> NetworkConfig:
+    regions: tuple[str, ...] = ()
+    matrix: tuple[tuple[float, ...], ...] = ()
+    if args.regions:
+        if not args.region_delays:
+            raise ValueError("--regions needs --region-delays")
+        regions, matrix = parse_regions(args.regions, args.region_delays)
+    return NetworkConfig(
+        delay_s=delay_s,
+        jitter_s=parse_duration(args.jitter),
+        loss=args.loss,
+        regions=regions,
+        region_delay_s=matrix,
+        partitions=tuple(parse_partition(t) for t in args.partition),
+        faults=tuple(parse_fault(t) for t in args.crash),
+    )
+
+
+def mean_prompt_tokens(requests: list[Request], tokenize: Any) -> float:
+    sample = requests[:: max(1, len(requests) // 200)] or requests
+    return sum(len(tokenize(r)) for r in sample) / max(1, len(sample))
+
+
+def capacity_rate(
+    cost: costs.CostModel, nodes: int, prompt_tokens: float, max_tokens: int
+) -> float:
+    """Requests/s the cluster serves if a typical request finds 85% of its prompt cached."""
+    cached = int(prompt_tokens * 0.85)
+    service = cost.service_s(int(prompt_tokens) - cached, cached, max_tokens)
+    return nodes / service
+
+
+def requests_for(args: argparse.Namespace, skewed: bool, nodes: int) -> list[Request]:
+    """The workload in the paper's order with round-robin entries (times added later)."""
+    spec = WorkloadSpec(
+        requests=args.requests,
+        skewed=skewed,
+        seed=args.seed,
+        mmlu_dir=args.mmlu_dir,
+        trace=args.trace,
+        synthetic_scale=args.synthetic_scale,
+        synthetic_groups=args.synthetic_groups,
+    )
+    fits = _fits(args.max_context)
+    if spec.trace:
+        reqs = build(spec, nodes, fits)
+    else:  # as workload.build, with the question pool generated once per process
+        reqs = schedule.round_robin(sample(spec, _groups(spec, args.max_context)), nodes)
+    if args.max_tokens is not None:
+        reqs = [replace(r, max_tokens=args.max_tokens) for r in reqs]
+    return reqs
+
+
+_GROUPS: dict[tuple[object, ...], dict[str, list[Request]]] = {}
+
+
+def _groups(spec: WorkloadSpec, max_context: int | None) -> dict[str, list[Request]]:
+    key = (spec.mmlu_dir, spec.seed, spec.synthetic_scale, spec.synthetic_groups, max_context)
+    if key not in _GROUPS:
+        _GROUPS.clear()
+        _GROUPS[key] = groups_for(spec, _fits(max_context))
+    return _GROUPS[key]
+
+
+def _fits(max_context: int | None) -> Callable[[Request], bool] | None:
+    """The benchmark's filter: prompts (in the built-in engine's byte tokens) that leave room
+    for the output in a ``max_context`` window; None keeps everything."""
+    if max_context is None:
+        return None
+    encode = ByteTokenizer().encode
+    return lambda r: len(encode(r.text)) + r.max_tokens + 8 < max_context
+
+
+def _label(
+    policy: str, nodes: int, delay: float, interval: float, skew: str, many: dict[str, bool]
+) -> str:
+    parts = [policy]
+    if many["nodes"]:
+        parts.append(f"n{nodes}")
+    if many["delay"]:
+        parts.append(f"d{delay * 1000:g}ms")
+    if many["interval"]:
+        parts.append(f"poll{interval * 1000:g}ms")
+    if many["skew"]:
+        parts.append(skew)
+    return "/".join(parts)
+
+
+def sweep_point(
+    args: argparse.Namespace,
+    cost: costs.CostModel,
+    policies: list[Policy],
+    nodes: int,
+    delays: list[float],
+    skew: str,
+    many: dict[str, bool],
+) -> list[RunResult]:
+    tokenize, tok_fp = tokenizer_for(args, nodes)
+    mode = auto_mode(nodes, args.gossip_mode)
+    intervals = [auto_interval(nodes, t) for t in split_csv(args.gossip_interval)]
+    rate = None
+    requests = requests_for(args, skew == "skewed", nodes)
+    max_tokens = requests[0].max_tokens if requests else 1
+    if args.schedule == "poisson" and requests:
+        rate = args.rate or args.load * capacity_rate(
+            cost, nodes, mean_prompt_tokens(requests, tokenize), max_tokens
+        )
+        requests = schedule.poisson(requests, nodes, rate, args.seed)
+    results = []
+    for delay, interval, policy in itertools.product(delays, intervals, policies):
+        spec = RunSpec(
+            name=_label(policy.value, nodes, delay, interval, skew, many),
+            cluster=ClusterConfig(
+                nodes=nodes,
+                cost=cost,
+                router=RouterConfig(
+                    policy=policy,
+                    context_scale=cost.context_scale if args.tuned_priors else 4096.0,
+                    load_bound=None if args.load_bound < 0 else args.load_bound,
+                ),
+                gossip=GossipConfig.for_interval(interval, mode=mode, fanout=args.fanout),
+                pushback=PushbackConfig(queue_threshold=args.pushback_threshold),
+                network=network_config(args, delay),
+                cache_tokens=args.cache_tokens,
+                forward=ForwardConfig(silence_timeout_s=parse_duration(args.forward_timeout)),
+                seeds=args.seeds,
+                seed=args.seed,
+                tokenizer=tok_fp,
+                service_noise=args.service_noise or 0.0,
+                tuned_priors=args.tuned_priors,
+            ),
+            workload="trace" if args.trace else ("mmlu" if args.mmlu_dir else "synthetic"),
+            skew=skew,
+            schedule=args.schedule,
+            concurrency=nodes if args.concurrency == "nodes" else int(args.concurrency),
+            warmup_s=parse_duration(args.warmup) if args.warmup else None,
+        )
+        if not args.quiet:
+            extra = f", {rate:.1f} req/s" if rate else ""
+            print(
+                f"[sim] {spec.name}: {nodes} nodes, {len(requests)} requests, gossip "
+                f"{mode.value} every {interval:g}s{extra}",
+                file=sys.stderr,
+                flush=True,
+            )
+        res = run_sim(spec, requests, tokenize, None if args.quiet else _progress)
+        if not args.quiet:
+            s = res.summary["sim"]
+            print(
+                f"[sim]   {s['events']:,} events in {s['wall_s']:.1f}s wall = "
+                f"{s['events_per_s']:,.0f} events/s ({s['virtual_s']:.1f}s virtual)",
+                file=sys.stderr,
+                flush=True,
+            )
+        results.append(res)
+    return results
+
+
+def _progress(done: int, total: int) -> None:
+    print(
+        f"\r[sim]   {done}/{total} requests",
+        end="\n" if done == total else "",
+        file=sys.stderr,
+        flush=True,
+    )

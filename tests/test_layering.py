@@ -1,0 +1,212 @@
+"""Dependency direction between radixmesh's packages, and no import cycles.
+
+Every module under ``src/radixmesh`` is parsed with :mod:`ast`; every import counts, at any
+depth (inside functions and ``if TYPE_CHECKING:`` blocks too): a lazy import is still a
+dependency. The intended layering is core ← engine ← runtime, core ← sim, ``results`` and
+``workload`` below bench and sim, bench and chaos on top.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+ROOT_PACKAGE = "radixmesh"
+
+
+@dataclass(frozen=True, slots=True)
+class Edge:
+    source: str  # importing module, dotted
+    target: str  # imported radixmesh module, dotted
+    line: int
+    typing_only: bool = False  # under ``if TYPE_CHECKING:``
+
+    def __str__(self) -> str:
+        where = " (under TYPE_CHECKING)" if self.typing_only else ""
+        return f"{self.source}:{self.line} imports {self.target}{where}"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def all_modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted((SRC / ROOT_PACKAGE).rglob("*.py"))}
+
+
+def _absolute(node: ast.ImportFrom, source: str, is_package: bool) -> str:
+    """The absolute module a ``from ... import`` names (resolving leading dots)."""
+    if node.level == 0:
+        return node.module or ""
+    base = source.split(".")
+    base = base if is_package else base[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def _targets(node: ast.AST, source: str, is_package: bool, known: set[str]) -> Iterator[str]:
+    """The radixmesh modules one import statement loads (``from pkg import mod`` -> pkg.mod)."""
+    if isinstance(node, ast.Import):
+        yield from (a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom):
+        base = _absolute(node, source, is_package)
+        for alias in node.names:
+            sub = f"{base}.{alias.name}"
+            yield sub if sub in known else base
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    name = test.attr if isinstance(test, ast.Attribute) else getattr(test, "id", None)
+    return name == "TYPE_CHECKING"
+
+
+def _imports(node: ast.AST, typing_only: bool = False) -> Iterator[tuple[ast.stmt, bool]]:
+    """Every import statement below ``node``, and whether only type checkers run it."""
+    if isinstance(node, ast.Import | ast.ImportFrom):
+        yield node, typing_only
+    elif isinstance(node, ast.If) and _is_type_checking(node.test):
+        for child in node.body:
+            yield from _imports(child, True)
+        for child in node.orelse:
+            yield from _imports(child, typing_only)
+    else:
+        for child in ast.iter_child_nodes(node):
+            yield from _imports(child, typing_only)
+
+
+def import_edges() -> list[Edge]:
+    modules = all_modules()
+    known = set(modules)
+    edges: dict[Edge, None] = {}  # ordered, without repeats
+    for source, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        is_package = path.name == "__init__.py"
+        for node, typing_only in _imports(tree):
+            for target in _targets(node, source, is_package, known):
+                if target.split(".")[0] == ROOT_PACKAGE and target != source:
+                    edges[Edge(source, target, node.lineno, typing_only)] = None
+    return list(edges)
+
+
+def layer(module: str) -> str:
+    """``radixmesh.sim.runner`` -> ``sim``; top-level modules are their own layer."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    layer: str
+    allowed: frozenset[str] | None = None  # only these layers (None: any but ``forbidden``)
+    forbidden: frozenset[str] = frozenset()
+
+    def violated_by(self, edge: Edge) -> bool:
+        if layer(edge.source) != self.layer:
+            return False
+        to = layer(edge.target)
+        if self.allowed is not None:
+            return to not in self.allowed
+        return to in self.forbidden
+
+
+RULES = {
+    "core imports only core": Rule("core", allowed=frozenset({"core"})),
+    "engine imports only core": Rule("engine", allowed=frozenset({"core", "engine"})),
+    "sim is below runtime, bench, chaos and engine": Rule(
+        "sim", forbidden=frozenset({"runtime", "bench", "chaos", "engine"})
+    ),
+    "runtime is below sim, bench and chaos": Rule(
+        "runtime", forbidden=frozenset({"sim", "bench", "chaos"})
+    ),
+    "workload is below runtime, sim, bench and chaos": Rule(
+        "workload", forbidden=frozenset({"runtime", "sim", "bench", "chaos"})
+    ),
+    "results imports only results": Rule("results", allowed=frozenset({"results"})),
+    "testing imports only core": Rule("testing", allowed=frozenset({"core", "testing"})),
+}
+
+
+@pytest.mark.parametrize("name", list(RULES))
+def test_layer(name: str) -> None:
+    bad = [str(e) for e in import_edges() if RULES[name].violated_by(e)]
+    assert not bad, f"{name}:\n  " + "\n  ".join(bad)
+
+
+def cycles(edges: list[Edge]) -> list[list[str]]:
+    """The import cycles: strongly connected components of more than one module."""
+    graph: dict[str, set[str]] = {}
+    for e in edges:
+        graph.setdefault(e.source, set()).add(e.target)
+        graph.setdefault(e.target, set())
+    return _Components(graph).found
+
+
+class _Components:
+    """Tarjan's strongly connected components, iterative (no recursion limit)."""
+
+    def __init__(self, graph: dict[str, set[str]]) -> None:
+        self.graph = graph
+        self.index: dict[str, int] = {}
+        self.low: dict[str, int] = {}
+        self.stack: list[str] = []
+        self.found: list[list[str]] = []
+        for root in sorted(graph):
+            if root not in self.index:
+                self._visit(root)
+
+    def _enter(self, node: str) -> Iterator[str]:
+        self.index[node] = self.low[node] = len(self.index)
+        self.stack.append(node)
+        return iter(sorted(self.graph[node]))
+
+    def _visit(self, root: str) -> None:
+        work = [(root, self._enter(root))]
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    parent = work[-1][0]
+                    self.low[parent] = min(self.low[parent], self.low[node])
+                self._close(node)
+            elif child not in self.index:
+                work.append((child, self._enter(child)))
+            elif child in self.stack:
+                self.low[node] = min(self.low[node], self.index[child])
+
+    def _close(self, node: str) -> None:
+        if self.low[node] != self.index[node]:
+            return
+        at = self.stack.index(node)
+        component, self.stack[at:] = self.stack[at:], []
+        if len(component) > 1:
+            self.found.append(sorted(component))
+
+
+def test_no_import_cycles() -> None:
+    edges = import_edges()
+    report = []
+    for component in cycles(edges):
+        members = set(component)
+        inner = [str(e) for e in edges if e.source in members and e.target in members]
+        report.append(" <-> ".join(component) + "\n    " + "\n    ".join(inner))
+    assert not report, "import cycles:\n  " + "\n  ".join(report)
+
+
+def test_the_checks_see_lazy_imports() -> None:
+    """The parser finds lazy and type-only imports, and cycles (checks of the checks)."""
+    edges = import_edges()
+    assert any(e.source == "radixmesh.cli" for e in edges)
+    code = "if TYPE_CHECKING:\n    import a\nelse:\n    import b\ndef f():\n    import c\n"
+    tree = ast.parse(code)
+    assert [(n.lineno, only) for n, only in _imports(tree)] == [(2, True), (4, False), (6, False)]
+    assert cycles([Edge("a", "b", 1), Edge("b", "c", 1), Edge("c", "a", 1)]) == [["a", "b", "c"]]
