@@ -4,12 +4,25 @@ for the node itself): every broken peer still yields the correct answer, via fal
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Awaitable, Callable
 
+import msgpack
 import pytest
 
 from radixmesh.core.events import LoadChanged
+from radixmesh.core.forward_codec import (
+    ReplyDecoder,
+    decode_forward_request,
+    encode_forward_request,
+    encode_reply,
+)
+from radixmesh.core.messages import (
+    ForwardAccepted,
+    ForwardBusy,
+    ForwardRequest,
+    ForwardResult,
+    ForwardTokens,
+)
 from radixmesh.engine.base import SamplingParams
 from radixmesh.engine.factory import build_engine
 from radixmesh.runtime.config import ServeConfig
@@ -37,7 +50,7 @@ def _chunk(data: bytes) -> bytes:
 
 
 def _stream_head() -> bytes:
-    return (b"HTTP/1.1 200 OK\r\ncontent-type: application/x-ndjson\r\n"
+    return (b"HTTP/1.1 200 OK\r\ncontent-type: application/x-radixmesh-forward\r\n"
             b"transfer-encoding: chunked\r\n\r\n")
 
 
@@ -48,7 +61,7 @@ async def _http_500(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) 
 
 async def _garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     await _read_request(reader)
-    writer.write(_stream_head() + _chunk(b"\x00\xffnot json\n"))
+    writer.write(_stream_head() + _chunk(b"\x00\x00\x00\x05\xffnot a frame"))
 
 
 async def _silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -57,25 +70,23 @@ async def _silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
 
 
 async def _dies_midstream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    body = json.loads(await _read_request(reader))
-    assert body["stream"] is True
-    writer.write(_stream_head() + _chunk(b'{"t":"accepted","cached":0}\n'))
-    writer.write(_chunk(json.dumps({"t": "tok", "ids": TRUTH[:3]}).encode() + b"\n"))
+    assert decode_forward_request(await _read_request(reader)).stream is True
+    writer.write(_stream_head() + _chunk(encode_reply(ForwardAccepted("fake", 0))))
+    writer.write(_chunk(encode_reply(ForwardTokens(tuple(TRUTH[:3])))))
     await writer.drain()
     writer.transport.abort()  # like kill -9 after three tokens
 
 
 async def _bad_tokens(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     await _read_request(reader)
-    writer.write(_stream_head() + _chunk(b'{"t":"accepted","cached":0}\n'))
-    done = {"t": "done", "result": {"output_ids": [10**9], "finish_reason": "length"}}
-    writer.write(_chunk(json.dumps(done).encode() + b"\n") + _chunk(b""))
+    done = ForwardResult((10**9,), "length", len(PROMPT), 0, 0.0, 0.0, 0.0)  # >= vocab
+    writer.write(_stream_head() + _chunk(encode_reply(ForwardAccepted("fake", 0))))
+    writer.write(_chunk(encode_reply(done)) + _chunk(b""))
 
 
 async def _busy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     await _read_request(reader)
-    line = b'{"t":"busy","node":"fake","retry_after_s":0.7}\n'
-    writer.write(_stream_head() + _chunk(line) + _chunk(b""))
+    writer.write(_stream_head() + _chunk(encode_reply(ForwardBusy("fake", 0.7))) + _chunk(b""))
 
 
 TRUTH: list[int] = []
@@ -113,9 +124,16 @@ async def _run(engine, script: Script | None, stream: bool) -> tuple[list[int], 
             server.close()
 
 
-def test_reference_answer(engine) -> None:  # type: ignore[no-untyped-def]
+@pytest.fixture(scope="module")
+def truth(engine) -> list[int]:  # type: ignore[no-untyped-def]
+    """The answer with no peer at all (the peer address refuses connections): local."""
     TRUTH[:] = asyncio.run(_run(engine, None, stream=False))[0]
     assert len(TRUTH) >= 4  # the faults below need a few tokens to cut
+    return TRUTH
+
+
+def test_reference_answer(truth: list[int]) -> None:
+    assert len(truth) == SAMPLING.max_tokens
 
 
 @pytest.mark.parametrize(
@@ -130,34 +148,35 @@ def test_reference_answer(engine) -> None:  # type: ignore[no-untyped-def]
         (_busy, False, "busy"),
     ],
 )
-def test_broken_peer_still_gives_the_right_answer(engine, script, stream, reason) -> None:  # type: ignore[no-untyped-def]
-    assert TRUTH, "test_reference_answer must run first"
+def test_broken_peer_still_gives_the_right_answer(engine, truth, script, stream, reason) -> None:  # type: ignore[no-untyped-def]
     output, route, failures = asyncio.run(_run(engine, script, stream))
-    assert output == TRUTH
+    assert output == truth
     assert route == "fallback"
     assert failures == {reason: 1}
 
 
 
 def test_a_node_at_its_pushback_threshold_answers_busy(engine) -> None:  # type: ignore[no-untyped-def]
-    async def first_line() -> dict[str, object]:
+    async def first_reply() -> object:
         cfg = ServeConfig(node_id="hot", port=18998, gossip_interval=5.0, pushback_threshold=1)
         service = NodeService(cfg, engine)
         await service.start()
         try:
             service.dispatch(LoadChanged(1, 1, 0, 4096))  # as if one request were running
-            lines = [x async for x in service.serve_forward(tuple(PROMPT), SAMPLING, False, 0.1)]
-            assert len(lines) == 1
+            req = ForwardRequest(tuple(PROMPT), 8, heartbeat_s=0.1)
+            frames = [x async for x in service.serve_forward(req)]
+            assert len(frames) == 1
             assert service.metrics.refused_for_peers == 1
             assert service.metrics.served_for_peers == 0
-            return json.loads(lines[0])  # type: ignore[no-any-return]
+            [reply] = ReplyDecoder().feed(frames[0])
+            return reply
         finally:
             await service.stop()
 
-    busy = asyncio.run(first_line())
-    assert busy["t"] == "busy"
-    assert busy["node"] == "hot"
-    assert 0 < busy["retry_after_s"] <= 1.0  # type: ignore[operator]
+    busy = asyncio.run(first_reply())
+    assert isinstance(busy, ForwardBusy)
+    assert busy.node_id == "hot"
+    assert 0 < busy.retry_after_s <= 1.0
 
 
 @pytest.mark.parametrize("beat", [True, "0.5", float("nan"), 1e9, -1e9, [1]])
@@ -166,11 +185,12 @@ def test_a_malformed_beat_s_is_a_400(engine, beat) -> None:  # type: ignore[no-u
     from radixmesh.runtime.openai_api import ApiError
 
     service = NodeService(ServeConfig(node_id="p", port=18997), engine)
-    body = {"prompt_ids": PROMPT[:8], "sampling": {"max_tokens": 2}, "beat_s": beat}
+    good = encode_forward_request(ForwardRequest(tuple(PROMPT[:8]), 2, beat_s=0.25))
+    fields = msgpack.unpackb(good)
+    fields[-1] = beat  # beat_s is the last field on the wire
     with pytest.raises(ApiError) as err:
-        _parse_forward(service, body)
+        _parse_forward(service, msgpack.packb(fields))
     assert err.value.status == 400
-    body["beat_s"] = 0.25
-    assert _parse_forward(service, body)[4] == 0.25
-    del body["beat_s"]
-    assert _parse_forward(service, body)[4] is None
+    assert _parse_forward(service, good).beat_s == 0.25
+    no_beat = encode_forward_request(ForwardRequest(tuple(PROMPT[:8]), 2))
+    assert _parse_forward(service, no_beat).beat_s is None

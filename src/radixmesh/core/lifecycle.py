@@ -65,7 +65,7 @@ _LEGAL: dict[str, frozenset[Stage]] = {
     "accepted": frozenset({Stage.OFFERED}),
     "refused": frozenset({Stage.OFFERED}),
     "failed": frozenset({Stage.OFFERED, Stage.STREAMING}),
-    "done": frozenset({Stage.STREAMING, Stage.LOCAL}),
+    "done": frozenset(Stage),  # a peer's answer implies it accepted (it may overtake that)
 }
 
 

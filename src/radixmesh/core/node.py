@@ -161,7 +161,7 @@ class NodeCore:
         self._pushback_until: float | None = None
         self._next_round = now  # the first Tick joins the seeds at once
         self._idle: list[tuple[int, float, str]] = []  # (queue depth, stamp, peer) lazy heap
-        self._lifecycle = Lifecycle(config.forward, self.peer_address)
+        self._lifecycle = Lifecycle(config.forward, lambda peer: self.peer_address(peer))
         self._handlers: dict[type, Callable[[Any, float], list[Action]]] = {
             Tick: self._tick,
             MessageReceived: self._receive,

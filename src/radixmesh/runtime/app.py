@@ -4,9 +4,10 @@ No routing logic lives here: handlers validate and shape; ``NodeService`` decide
 
 Client API   POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models
 Observe      GET /health, GET /metrics (Prometheus text), GET /mesh (JSON)
-Peers        POST /peer/gossip (raw gossip bytes), POST /peer/forward (execute here, NDJSON:
-             first event ``accepted``, or ``busy`` with ``retry_after_s`` when the core refuses:
-             queue at the push-back threshold, or slower than the sender's ``beat_s``)
+Peers        POST /peer/gossip (raw gossip bytes), POST /peer/forward (an encoded
+             ForwardRequest, executed here; the body of the answer is framed ForwardReply
+             messages: ForwardAccepted first, or ForwardBusy when the core refuses — queue
+             at the push-back threshold, or slower than the sender's ``beat_s``)
 Admin        GET|POST /admin/partition (loopback clients only): cut this node off from peers;
              /admin/netem, /admin/engine-delay, /admin/debug: fault injection (runtime/debug.py)
 
@@ -20,20 +21,24 @@ Request headers understood on the client API:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from radixmesh.core.auth import AuthError
+from radixmesh.core.codec import RemoteProtocolError
+from radixmesh.core.forward_codec import decode_forward_request
+from radixmesh.core.messages import ForwardRequest
 from radixmesh.engine.base import SamplingParams
 from radixmesh.runtime.debug import install_debug_routes
-from radixmesh.runtime.node import Execution, NodeService, Outcome
+from radixmesh.runtime.execution import Execution, Outcome
+from radixmesh.runtime.node import NodeService
 from radixmesh.runtime.openai_api import (
     ApiError,
     ApiRequest,
@@ -54,7 +59,12 @@ from radixmesh.runtime.peer_auth import (
     install_api_key_check,
     refused,
 )
-from radixmesh.runtime.peer_client import FORWARD_PATH, HEADER_FROM, HEADER_FROM_ADDRESS
+from radixmesh.runtime.peer_client import (
+    FORWARD_MEDIA_TYPE,
+    FORWARD_PATH,
+    HEADER_FROM,
+    HEADER_FROM_ADDRESS,
+)
 
 log = logging.getLogger("radixmesh.app")
 
@@ -69,7 +79,7 @@ HEADER_QUEUE = "x-radixmesh-queue-s"
 HEADER_SERVICE = "x-radixmesh-service-s"
 HEADER_OVERHEAD = "x-radixmesh-forward-overhead-s"
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
-MAX_PEER_BODY = 64 * 1024 * 1024  # forward bodies (token ids as JSON); gossip has its own limit
+MAX_PEER_BODY = 64 * 1024 * 1024  # forward bodies (encoded prompts); gossip has its own limit
 
 
 def create_app(service: NodeService) -> FastAPI:
@@ -183,11 +193,36 @@ async def _generate(request: Request, service: NodeService, models: Sequence[str
     if api.stream:
         return StreamingResponse(_sse(service, api, ex, rid), media_type="text/event-stream",
                                  headers=_start_headers(service, ex))
-    outcome = await ex.result()
+    outcome = await _unless_disconnected(request, ex)
+    if outcome is None:  # nobody to answer: the work was stopped through the core's Abort
+        service.metrics.client_disconnects += 1
+        return Response(status_code=499)
     text, finish = _final_text(service, api, outcome)
     usage = usage_body(outcome.prompt_tokens, len(outcome.output_ids), outcome.cached_tokens)
     return JSONResponse(response_body(api, rid, text, finish, usage),
                         headers=_outcome_headers(service, ex, outcome))
+
+
+async def _unless_disconnected(request: Request, ex: Execution) -> Outcome | None:
+    """``ex.result()``, or None once the client went away first (local, queued or forwarded
+    work alike is then stopped: the execution's end is reported to the core as cancelled)."""
+    result = asyncio.ensure_future(ex.result())
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if result.done():
+        return result.result()
+    result.cancel()
+    await asyncio.gather(result, return_exceptions=True)
+    return None
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (the body was already read whole)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _tokenize(service: NodeService, api: ApiRequest) -> list[int]:
@@ -321,65 +356,26 @@ def _peer_routes(app: FastAPI, service: NodeService) -> None:
         try:
             raw = await read_body(request, MAX_PEER_BODY)
             service.auth.verify(request.headers, forward_purpose(FORWARD_PATH), raw)
-            prompt, sampling, stream, heartbeat, beat = _parse_forward(service, parse_json(raw))
+            req = _parse_forward(service, raw)
         except AuthError as exc:
             return refused(service.auth, exc, request.headers.get(HEADER_FROM))
         except ApiError as err:
+            service.metrics.forwards_rejected += 1
             return error_response(err)
-        return StreamingResponse(service.serve_forward(prompt, sampling, stream, heartbeat, beat),
-                                 media_type="application/x-ndjson")
+        return StreamingResponse(service.serve_forward(req), media_type=FORWARD_MEDIA_TYPE)
 
 
-def _parse_forward(service: NodeService, body: dict[str, Any]
-                   ) -> tuple[tuple[int, ...], SamplingParams, bool, float, float | None]:
-    ids = body.get("prompt_ids")
-    if not isinstance(ids, list) or not ids or not all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
-    ):
-        raise ApiError("prompt_ids must be a non-empty list of token ids", param="prompt_ids")
-    sp = body.get("sampling")
-    if not isinstance(sp, dict):
-        raise ApiError("sampling must be an object", param="sampling")
+def _parse_forward(service: NodeService, raw: bytes) -> ForwardRequest:
+    """The peer's request, decoded by the one codec, then checked against this engine."""
     try:
-        sampling = SamplingParams(
-            max_tokens=_typed(sp, "max_tokens", int, 16),
-            temperature=float(_typed(sp, "temperature", float, 0.0)),
-            top_p=float(_typed(sp, "top_p", float, 1.0)),
-            seed=_typed(sp, "seed", int, None),
-            stop_token_ids=tuple(_typed(sp, "stop_token_ids", list, [])),
-        )
-    except (TypeError, ValueError) as exc:
-        raise ApiError(f"bad sampling: {exc}", param="sampling") from None
-    if len(ids) + sampling.max_tokens > service.engine.max_context:
+        req = decode_forward_request(raw)
+    except RemoteProtocolError as exc:
+        raise ApiError(f"malformed forward: {exc}", param="body") from None
+    if len(req.prompt) + req.max_tokens > service.engine.max_context:
         raise ApiError("prompt + max_tokens exceed the context", code="context_length_exceeded")
-    if max(ids) >= service.engine.tokenizer.vocab_size:
-        raise ApiError("token id out of range", param="prompt_ids")
-    stream = body.get("stream", False)
-    hb = body.get("heartbeat_s", 0.5)
-    if not isinstance(stream, bool) or not isinstance(hb, int | float) or not 0.01 <= hb <= 60:
-        raise ApiError("stream must be a boolean and heartbeat_s in [0.01, 60]")
-    beat = body.get("beat_s")  # optional: the time this node must beat (cost routing)
-    if beat is not None and (isinstance(beat, bool) or not isinstance(beat, int | float)
-                             or not -3600.0 <= beat <= 3600.0):
-        raise ApiError("beat_s must be a number of seconds in [-3600, 3600]", param="beat_s")
-    return tuple(ids), sampling, stream, float(hb), None if beat is None else float(beat)
-
-
-def _typed(d: dict[str, Any], key: str, kind: type, default: Any) -> Any:
-    value = d.get(key, default)
-    if value is None or value is default:
-        return value
-    if isinstance(value, bool):
-        raise TypeError(f"{key} must not be a boolean")
-    if kind is float and isinstance(value, int):
-        return value
-    if not isinstance(value, kind):
-        raise TypeError(f"{key} must be {kind.__name__}")
-    if isinstance(value, list) and not all(
-        isinstance(t, int) and not isinstance(t, bool) for t in value
-    ):
-        raise TypeError(f"{key} must be a list of ints")
-    return value
+    if max(req.prompt) >= service.engine.tokenizer.vocab_size:
+        raise ApiError("token id out of range", param="prompt")
+    return req
 
 
 # ---------------------------------------------------------------------------------- admin

@@ -25,9 +25,11 @@ class RuntimeMetrics:
     cached_tokens: int = 0  # of which reused from the KV cache (cache hit tokens)
     completion_tokens: int = 0  # generated here, including by requests cancelled midway
     cancelled: int = 0  # engine requests stopped because their client went away
+    client_disconnects: int = 0  # non-streaming clients that went away before their answer
+    forwards_rejected: int = 0  # peers' forwards refused as malformed (400), never executed
     forward_attempts: int = 0
     forward_failures: Counter[str] = field(default_factory=Counter)  # by reason
-    forward_overhead_s_sum: float = 0.0  # ForwardSucceeded.rtt_s, summed
+    forward_overhead_s_sum: float = 0.0  # RequestDone.forward_rtt_s, summed
     forward_overhead_count: int = 0
     gossip_in_messages: int = 0
     gossip_in_bytes: int = 0
@@ -95,6 +97,14 @@ def render(
 ) -> str:
     """Prometheus text for one node."""
     ex = Exposition()
+    _requests(ex, m)
+    _forwards(ex, m)
+    _gossip(ex, m)
+    _state(ex, gauges, core, peer_states, node_id)
+    return ex.render()
+
+
+def _requests(ex: Exposition, m: RuntimeMetrics) -> None:
     routes = ("local", "forwarded", "fallback")
     ex.family("requests_total", "counter", "Client requests by route taken.",
               [({"route": r}, m.requests[r]) for r in routes])
@@ -113,6 +123,13 @@ def render(
               m.completion_tokens)
     ex.single("cancelled_requests_total", "counter",
               "Engine requests stopped because their client went away.", m.cancelled)
+    ex.single("client_disconnects_total", "counter",
+              "Non-streaming clients that went away before their answer.", m.client_disconnects)
+    ex.single("forwards_rejected_total", "counter",
+              "Peers' forwards refused as malformed, never executed.", m.forwards_rejected)
+
+
+def _forwards(ex: Exposition, m: RuntimeMetrics) -> None:
     ex.single("forward_attempts_total", "counter", "Forwards started.", m.forward_attempts)
     ex.family("forward_failures_total", "counter", "Forwards that failed, by reason.",
               [({"reason": r}, n) for r, n in sorted(m.forward_failures.items())])
@@ -121,7 +138,16 @@ def render(
               m.forward_overhead_s_sum)
     ex.single("forward_overhead_seconds_count", "counter", "Successful forwards measured.",
               m.forward_overhead_count)
-    _gossip(ex, m)
+
+
+def _state(
+    ex: Exposition,
+    gauges: Mapping[str, float],
+    core: Mapping[str, float],
+    peer_states: Mapping[str, str],
+    node_id: str,
+) -> None:
+    """Gauges, peer membership, the core's own metrics and the node's identity."""
     for name, value in sorted(gauges.items()):
         ex.single(name, "gauge", f"Current {name.replace('_', ' ')}.", value)
     counts: Counter[str] = Counter(peer_states.values())
@@ -132,7 +158,6 @@ def render(
     for name, value in sorted(core.items()):
         ex.single(f"core_{name}", "gauge", f"NodeCore metric {name}.", float(value))
     ex.family("node_info", "gauge", "Static node identity.", [({"node_id": node_id}, 1)])
-    return ex.render()
 
 
 def _gossip(ex: Exposition, m: RuntimeMetrics) -> None:

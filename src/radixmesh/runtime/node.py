@@ -10,16 +10,15 @@ is executed here::
     POST /peer/gossip ── MessageReceived ───┤
     engine finished ── RequestServed,       ├─▶ NodeCore.handle ─▶ Send ─▶ PeerClient (netem)
        CacheChanged, LoadChanged ───────────┤                     Log, PeerStateChanged
-    forward outcome ── ForwardSucceeded /   │
-       ForwardFailed ───────────────────────┘
+    a request's life ── RequestArrived,     │                     Forward, ExecuteLocally,
+       Forward*, RequestDone/Cancelled ─────┤                     Abort (runtime/execution)
+    POST /peer/forward ── ForwardArrived ───┘                     AcceptForward, RefuseForward
 
-A client request: tokens → block hashes → ``engine.match`` (exact, local) → ``NodeCore.route``
-→ ranked candidates. Self → :class:`LocalExecution` on the :class:`EngineWorker`; a peer →
-:class:`ForwardExecution`. A failed forward (connect error, no first byte in time, silence,
-disconnect) reports ``ForwardFailed`` and the next candidate is tried (at most
-``MAX_PEER_ATTEMPTS`` peers), then local execution: route ``fallback``. A forward that dies
-*after* it streamed some tokens continues locally from the prompt plus those tokens, so the
-client still receives one complete answer (identical for greedy decoding).
+A client request: tokens → block hashes → ``engine.match`` (exact, local) → ``RequestArrived``;
+the core answers ``Forward(peer)`` or ``ExecuteLocally``, and every outcome of a forward
+(busy, failed, accepted, done) goes back to the core, which says what to do next. Which peer
+next, how many peers, the route label and where an answer continues after a peer died
+mid-stream are the core's (``core/lifecycle.py``), shared with the simulator.
 
 Hop limit 1: the receiver of ``/peer/forward`` always executes; it never routes.
 """
@@ -27,37 +26,62 @@ Hop limit 1: the receiver of ``/peer/forward`` always executes; it never routes.
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
+import itertools
 import logging
 import random
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, replace
 from typing import Any
 
 from radixmesh.core.blocks import block_hashes
 from radixmesh.core.events import (
+    Abort,
+    AcceptForward,
     Action,
     CacheChanged,
     Event,
+    ExecuteLocally,
+    Forward,
+    ForwardAccepted,
+    ForwardArrived,
     ForwardFailed,
     ForwardRefused,
-    ForwardSucceeded,
     LoadChanged,
     Log,
     MessageReceived,
     PeerStateChanged,
+    RefuseForward,
+    RequestAction,
+    RequestArrived,
+    RequestCancelled,
+    RequestDone,
     RequestServed,
     Send,
     Tick,
 )
+from radixmesh.core.forward_codec import encode_forward_request, encode_reply
+from radixmesh.core.messages import ForwardAccepted as AcceptedReply
+from radixmesh.core.messages import (
+    ForwardBusy,
+    ForwardError,
+    ForwardHeartbeat,
+    ForwardRequest,
+    ForwardTokens,
+)
 from radixmesh.core.node import NodeCore
-from radixmesh.core.router import MAX_PEER_ATTEMPTS, Candidate
-from radixmesh.engine.base import Engine, GenerateRequest, GenerateResult, SamplingParams
+from radixmesh.engine.base import Engine, GenerateResult, SamplingParams
 from radixmesh.engine.worker import EngineWorker
 from radixmesh.runtime import metrics as prom
 from radixmesh.runtime.config import ServeConfig
+from radixmesh.runtime.execution import (
+    Execution,
+    ForwardExecution,
+    LocalExecution,
+    RequestContext,
+    forward_request,
+    result_reply,
+)
 from radixmesh.runtime.netem import Netem, NetemConfig
 from radixmesh.runtime.peer_auth import (
     ENV_API_KEY,
@@ -66,243 +90,13 @@ from radixmesh.runtime.peer_auth import (
     PeerAuth,
     resolve_secret,
 )
-from radixmesh.runtime.peer_client import ForwardError, ForwardStream, PeerClient
+from radixmesh.runtime.peer_client import ForwardFailure, PeerClient
 
 log = logging.getLogger("radixmesh.node")
 
 MAX_TIMER_SLEEP_S = 1.0  # the timer re-reads next_deadline() at least this often
 STOP_WAIT_S = 2.0  # stop(): how long to wait for the timer task to finish
 MIN_TICK_GAP_S = 0.001  # if a Tick leaves the deadline in the past, wait this long
-
-
-@dataclass(slots=True)
-class Outcome:
-    """How a request ended, whoever executed it."""
-
-    output_ids: list[int]
-    finish_reason: str
-    prompt_tokens: int
-    cached_tokens: int  # what the serving engine actually reused
-    served_by: str
-    route: str  # local | forwarded | fallback
-    queue_s: float  # on the serving node
-    service_s: float  # on the serving node, queue excluded
-    forward_overhead_s: float | None = None  # forwarded: client time minus remote handling
-
-
-# ------------------------------------------------------------------------------ executions
-class Execution:
-    """A started request. Headers are known now; tokens and the :class:`Outcome` come later."""
-
-    served_by: str
-    route: str
-    expected_cached: int  # the router's estimate for the node that serves it
-    cached_estimate: int  # the serving node's exact match when it accepted the request
-    outcome: Outcome | None = None
-
-    def tokens(self) -> AsyncIterator[int]:
-        """Generated token ids as they arrive (empty unless started with ``stream=True``)."""
-        raise NotImplementedError
-
-    async def result(self) -> Outcome:
-        async for _ in self.tokens():
-            pass
-        assert self.outcome is not None
-        return self.outcome
-
-
-class RequestCancelled(Exception):
-    """Raised on the engine thread to stop a request whose client went away."""
-
-
-class LocalExecution(Execution):
-    """Runs on this node's engine worker; its events land on an asyncio queue."""
-
-    def __init__(self, node: NodeService, prompt: Sequence[int], sampling: SamplingParams,
-                 stream: bool, route: str, expected: int) -> None:
-        self.node = node
-        self.served_by = node.node_id
-        self.route = route
-        self.expected_cached = expected
-        self.cached_estimate = node.engine.match(prompt)
-        self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        self._prompt = tuple(prompt)
-        self._cancelled = False
-        self._over = False
-        self._generated = 0  # tokens produced so far (engine thread writes, loop reads after)
-        loop = asyncio.get_running_loop()
-
-        def on_token(tok: int) -> None:  # on the engine thread
-            if self._cancelled:
-                raise RequestCancelled("the client went away")
-            self._generated += 1
-            if stream:
-                loop.call_soon_threadsafe(self.queue.put_nowait, ("tok", tok))
-
-        req = GenerateRequest(uuid.uuid4().hex, self._prompt, sampling)
-        self._t0 = time.perf_counter()
-        self._job = node.worker.submit(req, on_token)
-        node._pending += 1
-        asyncio.wrap_future(self._job).add_done_callback(self._finished)
-        node.push_load()
-
-    def cancel(self) -> None:
-        """Stop the engine work: skipped if still queued, stopped at its next token if running."""
-        if not self._over:
-            self._cancelled = True
-            self._job.cancel()
-
-    def _finished(self, future: asyncio.Future[GenerateResult]) -> None:
-        self.node._pending -= 1
-        self._over = True
-        if future.cancelled():  # cancelled while still queued: never ran
-            self.node.metrics.cancelled += 1
-            self.queue.put_nowait(("err", RequestCancelled("cancelled before it started")))
-            self.node.push_load()
-            return
-        exc = future.exception()
-        if exc is not None:
-            self.node.metrics.completion_tokens += self._generated
-            if isinstance(exc, RequestCancelled):
-                self.node.metrics.cancelled += 1
-            self.queue.put_nowait(("err", exc))
-            self.node.push_cache_and_load()
-            return
-        result = future.result()
-        service_s = max(time.perf_counter() - self._t0 - result.queue_s, 0.0)
-        self.node.local_done(result, service_s)
-        self.queue.put_nowait(("done", (result, service_s)))
-
-    async def tokens(self) -> AsyncIterator[int]:
-        try:
-            while True:
-                kind, value = await self.queue.get()
-                if kind == "tok":
-                    yield value
-                elif kind == "done":
-                    result, service_s = value
-                    self.outcome = Outcome(
-                        list(result.output_ids), result.finish_reason, result.prompt_tokens,
-                        result.cached_tokens, self.served_by, self.route, result.queue_s,
-                        service_s,
-                    )
-                    return
-                else:
-                    raise value
-        finally:
-            self.cancel()  # a consumer that stops early (client gone) frees the engine
-
-
-class ForwardExecution(Execution):
-    """Runs on a peer through ``/peer/forward``; falls back to local execution on failure."""
-
-    def __init__(self, node: NodeService, cand: Candidate, stream_obj: ForwardStream,
-                 accepted: dict[str, Any], started: float, ctx: RequestContext) -> None:
-        self.node = node
-        self.peer_id = cand.node_id
-        self.served_by = cand.node_id
-        self.route = "forwarded"
-        self.expected_cached = cand.expected_cached_tokens
-        self.cached_estimate = _int_field(accepted, "cached", 0)
-        self._stream = stream_obj
-        self._started = started
-        self._ctx = ctx
-        self._vocab = node.engine.tokenizer.vocab_size
-
-    async def tokens(self) -> AsyncIterator[int]:
-        emitted: list[int] = []
-        try:
-            async for tok in self._relay(emitted):
-                yield tok
-            return
-        except ForwardError as exc:
-            self.node.forward_failed(self.peer_id, exc.reason)
-        finally:
-            await self._stream.aclose()
-        async for tok in self._continue_locally(emitted):
-            yield tok
-
-    async def _relay(self, emitted: list[int]) -> AsyncIterator[int]:
-        while True:
-            event = await self._stream.next_event()
-            kind = event["t"]
-            if kind == "tok":
-                for tok in _token_list(event.get("ids"), self._vocab):
-                    emitted.append(tok)
-                    yield tok
-            elif kind == "done":
-                self.outcome = self._finish(event, emitted)
-                self._stream.completed = True
-                return
-            elif kind == "error":
-                raise ForwardError("remote_error", str(event.get("message", ""))[:200])
-
-    def _finish(self, event: dict[str, Any], emitted: list[int]) -> Outcome:
-        elapsed = time.perf_counter() - self._started
-        res = event.get("result")
-        if not isinstance(res, dict):
-            raise ForwardError("bad_response", "done without a result")
-        output = _token_list(res.get("output_ids"), self._vocab)
-        if emitted and output[: len(emitted)] != emitted:
-            raise ForwardError("bad_response", "result disagrees with streamed tokens")
-        handler_s = _float_field(event, "handler_s", 0.0)
-        overhead = max(elapsed - handler_s, 0.0)
-        self.node.forward_succeeded(self.peer_id, self._ctx.hashes, overhead)
-        finish = res.get("finish_reason")
-        return Outcome(
-            output, finish if finish in ("stop", "length") else "length",
-            len(self._ctx.prompt), min(_int_field(res, "cached_tokens", 0), len(self._ctx.prompt)),
-            self.peer_id, self.route, _float_field(res, "queue_s", 0.0),
-            _float_field(event, "service_s", 0.0), overhead,
-        )
-
-    async def _continue_locally(self, emitted: list[int]) -> AsyncIterator[int]:
-        """The peer failed after accepting: finish the answer here, after what was sent."""
-        ctx = self._ctx
-        remaining = ctx.sampling.max_tokens - len(emitted)
-        self.route, self.served_by = "fallback", self.node.node_id
-        if remaining <= 0:
-            self.outcome = Outcome(emitted, "length", len(ctx.prompt), 0, self.node.node_id,
-                                   "fallback", 0.0, 0.0)
-            return
-        sampling = replace(ctx.sampling, max_tokens=remaining)
-        local = LocalExecution(self.node, (*ctx.prompt, *emitted), sampling, ctx.stream,
-                               "fallback", self.node.engine.match(ctx.prompt))
-        async for tok in local.tokens():
-            yield tok
-        assert local.outcome is not None
-        out = local.outcome
-        self.outcome = replace(out, output_ids=emitted + out.output_ids,
-                               prompt_tokens=len(ctx.prompt),
-                               cached_tokens=min(out.cached_tokens, len(ctx.prompt)))
-
-
-def _token_list(value: object, vocab: int) -> list[int]:
-    """Token ids from a peer, checked: a broken peer must not break our detokenizer."""
-    if not isinstance(value, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in value
-    ):
-        raise ForwardError("bad_response", f"token ids must be a list of ints in [0, {vocab})")
-    return value
-
-
-def _int_field(d: dict[str, Any], key: str, default: int) -> int:
-    v = d.get(key, default)
-    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else default
-
-
-def _float_field(d: dict[str, Any], key: str, default: float) -> float:
-    v = d.get(key, default)
-    ok = isinstance(v, int | float) and not isinstance(v, bool) and 0 <= v < 1e9
-    return float(v) if ok else default
-
-
-@dataclass(frozen=True, slots=True)
-class RequestContext:
-    prompt: tuple[int, ...]
-    hashes: tuple[int, ...]
-    sampling: SamplingParams
-    stream: bool
 
 
 # ------------------------------------------------------------------------------ the service
@@ -342,7 +136,9 @@ class NodeService:
         self._wake: asyncio.Future[None] | None = None  # the timer's sleep; set = wake up
         self._tasks: set[asyncio.Task[Any]] = set()
         self._timer: asyncio.Task[None] | None = None
-        self._pending = 0  # submitted to the engine, not finished (event-loop view)
+        self.pending = 0  # submitted to the engine, not finished (event-loop view)
+        self._rids = itertools.count(1)  # the core's ids of client requests
+        self._running: dict[int, Execution] = {}  # client requests, for the core's Abort
 
     # ------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -392,17 +188,24 @@ class NodeService:
                 timer.cancel()
 
     # ------------------------------------------------------------------------- core I/O
-    def dispatch(self, event: Event) -> None:
-        """Hand one event to the core and carry out its actions. Never raises."""
+    def dispatch(self, event: Event) -> list[RequestAction]:
+        """Hand one event to the core and carry out its actions; returns those about one
+        request (``Forward``, ``ExecuteLocally``, ``AcceptForward``, ``RefuseForward``) for the
+        caller that owns that request. Never raises."""
         try:
             actions = self.core.handle(event, self.clock())
         except Exception:
             self.metrics.core_errors += 1
             log.exception("NodeCore.handle failed on %s", type(event).__name__)
-            return
+            return []
+        mine: list[RequestAction] = []
         for action in actions:
-            self._act(action)
+            if isinstance(action, Forward | ExecuteLocally | AcceptForward | RefuseForward):
+                mine.append(action)
+            else:
+                self._act(action)
         _wake_up(self._wake)
+        return mine
 
     def _act(self, action: Action) -> None:
         if isinstance(action, Send):
@@ -413,6 +216,10 @@ class NodeService:
         elif isinstance(action, PeerStateChanged):
             self.metrics.peer_state_changes[action.new] += 1
             log.info("peer %s: %s -> %s", action.peer_id, action.old, action.new)
+        elif isinstance(action, Abort):
+            running = self._running.get(action.rid)
+            if running is not None:
+                running.abort()
 
     async def _send(self, action: Send) -> None:
         ok = await self.peers.send_gossip(action.address, action.payload, action.peer_id)
@@ -442,11 +249,11 @@ class NodeService:
 
         (The worker's own counter lags: its future resolves before it decrements.)
         """
-        return self._pending
+        return self.pending
 
     def push_load(self) -> None:
         usage = self.engine.usage()
-        depth = self._pending
+        depth = self.pending
         self.dispatch(LoadChanged(depth, min(depth, 1), usage.tokens, usage.budget))
 
     def push_cache_and_load(self) -> None:
@@ -464,21 +271,6 @@ class NodeService:
                                     len(result.output_ids), result.decode_s, service_s))
         self.push_cache_and_load()
 
-    def forward_failed(self, peer_id: str, reason: str) -> None:
-        self.metrics.forward_failures[reason] += 1
-        log.warning("forward to %s failed: %s", peer_id, reason)
-        self.dispatch(ForwardFailed(peer_id, reason))
-
-    def forward_refused(self, peer_id: str, retry_after_s: float) -> None:
-        self.metrics.forward_failures["busy"] += 1
-        log.debug("forward to %s refused: busy (retry after %.2fs)", peer_id, retry_after_s)
-        self.dispatch(ForwardRefused(peer_id, retry_after_s))
-
-    def forward_succeeded(self, peer_id: str, hashes: tuple[int, ...], overhead: float) -> None:
-        self.metrics.forward_overhead_s_sum += overhead
-        self.metrics.forward_overhead_count += 1
-        self.dispatch(ForwardSucceeded(peer_id, hashes, overhead))
-
     # ------------------------------------------------------------------------- requests
     async def execute(
         self,
@@ -489,118 +281,139 @@ class NodeService:
         local_only: bool = False,
         target: str | None = None,
     ) -> Execution:
-        """Route and start one client request (``local_only``: a hop-limited request)."""
+        """Start one client request where the core says (``local_only``: hop-limited)."""
         fp = self.engine.fingerprint
-        ctx = RequestContext(tuple(prompt), tuple(block_hashes(prompt, fp.block_size, fp.digest)),
+        ctx = RequestContext(next(self._rids), tuple(prompt),
+                             tuple(block_hashes(prompt, fp.block_size, fp.digest)),
                              sampling, stream)
         local_cached = self.engine.match(ctx.prompt)
-        candidates = self._candidates(ctx, local_cached, local_only, target)
-        failed = False
-        for tried, cand in enumerate(candidates):
-            if cand.is_self or tried >= MAX_PEER_ATTEMPTS:
-                break
-            ex = await self._try_forward(cand, ctx)
-            if ex is not None:
-                ex.route = "fallback" if failed else "forwarded"
-                self.metrics.requests[ex.route] += 1
-                return ex
-            failed = True
-        route = "fallback" if failed else "local"
-        expected = next((c.expected_cached_tokens for c in candidates if c.is_self), local_cached)
-        self.metrics.requests[route] += 1
-        return LocalExecution(self, ctx.prompt, sampling, stream, route, expected)
+        event = RequestArrived(ctx.rid or 0, ctx.hashes, len(ctx.prompt), local_cached,
+                               sampling.max_tokens, local_only, target)
+        ex = await self._start(ctx, self._one(self.dispatch(event), ctx))
+        self.metrics.requests[ex.route] += 1
+        return ex
 
-    def _candidates(self, ctx: RequestContext, local_cached: int, local_only: bool,
-                    target: str | None) -> list[Candidate]:
-        me = Candidate(self.node_id, True, local_cached, 0.0)
-        if local_only:
-            return [me]
-        if target is not None and target != self.node_id:
-            return [Candidate(target, False, 0, 0.0), me]
-        return self.core.route(ctx.hashes, len(ctx.prompt), local_cached,
-                               ctx.sampling.max_tokens, self.clock())
+    async def _start(self, ctx: RequestContext, action: Forward | ExecuteLocally) -> Execution:
+        while isinstance(action, Forward):
+            started = await self._offer(ctx, action)
+            if isinstance(started, Execution):
+                return started
+            action = started
+        return self.start_local(ctx, action)
 
-    async def _try_forward(self, cand: Candidate, ctx: RequestContext) -> ForwardExecution | None:
-        address = self.core.peer_address(cand.node_id)
-        if address is None:  # e.g. an x-radixmesh-target naming no known peer
-            self.metrics.forward_failures["unknown_peer"] += 1
-            return None
+    def _one(self, actions: list[RequestAction], ctx: RequestContext) -> Forward | ExecuteLocally:
+        """The core's next step for ``ctx`` (local if the core failed: never a lost request)."""
+        for action in actions:
+            if isinstance(action, Forward | ExecuteLocally):
+                return action
+        log.error("no lifecycle action for request %s: running it locally", ctx.rid)
+        return ExecuteLocally(ctx.rid or 0, "fallback", 0)
+
+    async def _offer(self, ctx: RequestContext, action: Forward
+                     ) -> ForwardExecution | Forward | ExecuteLocally:
+        """Send the forward; the peer's first reply decides between streaming and next try."""
         self.metrics.forward_attempts += 1
         started = time.perf_counter()
-        stream: ForwardStream | None = None
+        body = forward_request(ctx, action.beat_s, self.node_config.forward.heartbeat_s)
         try:
-            body = self._forward_body(ctx, cand.beat_s)
-            stream = await self.peers.open_forward(address, cand.node_id, body)
-            accepted = await stream.next_event()
-            if accepted.get("t") == "busy":
-                await stream.aclose()
-                retry = accepted.get("retry_after_s")
-                ok = isinstance(retry, int | float) and not isinstance(retry, bool)
-                self.forward_refused(cand.node_id, float(retry) if ok else 1.0)  # core bounds it
-                return None
-            if accepted.get("t") != "accepted":
-                raise ForwardError("bad_response", "first event is not 'accepted'")
-        except ForwardError as exc:
-            if stream is not None:
-                await stream.aclose()
-            self.forward_failed(cand.node_id, exc.reason)
-            return None
-        return ForwardExecution(self, cand, stream, accepted, started, ctx)
+            stream = await self.peers.open_forward(action.address, action.peer_id,
+                                                   encode_forward_request(body))
+        except ForwardFailure as exc:
+            return self.forward_failed(ctx, action.peer_id, exc.reason, 0)
+        try:
+            first = await stream.next_reply()
+        except ForwardFailure as exc:
+            await stream.aclose()
+            return self.forward_failed(ctx, action.peer_id, exc.reason, 0)
+        if isinstance(first, AcceptedReply):
+            self.dispatch(ForwardAccepted(ctx.rid or 0, action.peer_id, first.cached_tokens))
+            return ForwardExecution(self, ctx, action, stream, first, started)
+        await stream.aclose()
+        if isinstance(first, ForwardBusy):
+            return self._refused(ctx, action.peer_id, first.retry_after_s)
+        return self.forward_failed(ctx, action.peer_id, "bad_response", 0)
 
-    def _forward_body(self, ctx: RequestContext, beat_s: float | None) -> dict[str, object]:
-        sp = ctx.sampling
-        body: dict[str, object] = {
-            "prompt_ids": list(ctx.prompt),
-            "sampling": {"max_tokens": sp.max_tokens, "temperature": sp.temperature,
-                         "top_p": sp.top_p, "seed": sp.seed,
-                         "stop_token_ids": list(sp.stop_token_ids)},
-            "stream": ctx.stream,
-            "heartbeat_s": max(self.config.forward_timeout / 4, 0.01),
-        }
-        if beat_s is not None:  # cost routing: what the peer must beat for the forward to pay
-            body["beat_s"] = round(beat_s, 6)
-        return body
+    def _refused(self, ctx: RequestContext, peer_id: str, retry_after_s: float
+                 ) -> Forward | ExecuteLocally:
+        self.metrics.forward_failures["busy"] += 1
+        log.debug("forward to %s refused: busy (retry after %.2fs)", peer_id, retry_after_s)
+        return self._one(self.dispatch(ForwardRefused(ctx.rid or 0, peer_id, retry_after_s)), ctx)
+
+    def forward_failed(self, ctx: RequestContext, peer_id: str, reason: str,
+                       tokens_so_far: int) -> Forward | ExecuteLocally:
+        self.metrics.forward_failures[reason] += 1
+        log.warning("forward to %s failed: %s", peer_id, reason)
+        event = ForwardFailed(ctx.rid or 0, peer_id, reason, tokens_so_far)
+        return self._one(self.dispatch(event), ctx)
+
+    def start_local(self, ctx: RequestContext, action: Forward | ExecuteLocally,
+                    emitted: tuple[int, ...] = ()) -> LocalExecution:
+        """Carry out ``ExecuteLocally`` (after a mid-stream death: continue after ``emitted``)."""
+        if isinstance(action, Forward):  # the core never forwards after acceptance
+            raise RuntimeError(f"request {ctx.rid}: a peer try after acceptance")
+        return LocalExecution(self, ctx, action.route, action.expected_cached, emitted)
+
+    @contextlib.asynccontextmanager
+    async def tracked(self, ex: Execution) -> AsyncIterator[None]:
+        """While ``ex`` runs: reachable by the core's ``Abort``; its end reported to the core
+        (done, failed, or cancelled when the consumer stops early: the client went away)."""
+        rid = ex.ctx.rid  # type: ignore[attr-defined]
+        if rid is not None:
+            self._running[rid] = ex
+        try:
+            yield
+        except (GeneratorExit, asyncio.CancelledError):
+            self._ended(rid, ex, cancelled=True)
+            raise
+        except BaseException as exc:
+            self._ended(rid, ex, error=f"{type(exc).__name__}: {exc}")
+            raise
+        else:
+            self._ended(rid, ex)
+
+    def _ended(self, rid: int | None, ex: Execution, cancelled: bool = False,
+               error: str | None = None) -> None:
+        if rid is None:  # served for a peer: not the core's flight
+            if cancelled:
+                ex.abort()
+            return
+        if self._running.get(rid) is ex:
+            del self._running[rid]
+        if cancelled:
+            self.dispatch(RequestCancelled(rid))
+            ex.abort()  # the Abort above found it gone from _running: stop it here
+        elif error is not None or ex.outcome is not None:
+            overhead = None if ex.outcome is None else ex.outcome.forward_overhead_s
+            self.dispatch(RequestDone(rid, overhead, error))
+            if overhead is not None:
+                self.metrics.forward_overhead_s_sum += overhead
+                self.metrics.forward_overhead_count += 1
 
     # ------------------------------------------------------------------------- peer side
-    async def serve_forward(self, prompt: tuple[int, ...], sampling: SamplingParams,
-                            stream: bool, heartbeat_s: float, beat_s: float | None = None
-                            ) -> AsyncIterator[bytes]:
-        """NDJSON events of a forwarded request, executed here (never routed again) — or a
-        single "busy" event when the core refuses it (queue at the push-back threshold, or
-        slower than ``beat_s``): the sender then falls back at once."""
+    async def serve_forward(self, req: ForwardRequest) -> AsyncIterator[bytes]:
+        """The framed replies to a forwarded request, executed here (never routed again) — or
+        a single ``ForwardBusy`` when the core refuses it (queue at the push-back threshold,
+        or slower than ``beat_s``): the sender then falls back at once."""
         t0 = time.perf_counter()
-        cached = self.engine.match(prompt)
-        retry = self.core.admits_forward(self.clock(), len(prompt), cached, sampling.max_tokens,
-                                         beat_s)
-        if retry is not None:
+        cached = self.engine.match(req.prompt)
+        event = ForwardArrived(0, len(req.prompt), cached, req.max_tokens, req.beat_s)
+        answer = self.dispatch(event)
+        if answer and isinstance(answer[0], RefuseForward):
             self.metrics.refused_for_peers += 1
-            yield _line({"t": "busy", "node": self.node_id, "retry_after_s": round(retry, 3)})
+            yield encode_reply(ForwardBusy(self.node_id, round(answer[0].retry_after_s, 3)))
             return
         self.metrics.served_for_peers += 1
         # First byte before the engine starts: once it computes, this thread waits for the GIL.
-        yield _line({"t": "accepted", "node": self.node_id, "cached": cached})
-        ex = LocalExecution(self, prompt, sampling, stream, "local", 0)
-        pending: asyncio.Task[tuple[str, Any]] | None = None
+        yield encode_reply(AcceptedReply(self.node_id, cached))
+        sampling = SamplingParams(req.max_tokens, req.temperature, req.top_p, req.seed,
+                                  req.stop_token_ids)
+        ctx = RequestContext(None, req.prompt, (), sampling, req.stream)
+        ex = LocalExecution(self, ctx, "local", cached)
         try:
-            while True:
-                if pending is None:
-                    pending = asyncio.ensure_future(ex.queue.get())
-                done, _ = await asyncio.wait({pending}, timeout=heartbeat_s)
-                if not done:
-                    yield b'{"t":"hb"}\n'
-                    continue
-                items = [pending.result()]
-                pending = None
-                while not ex.queue.empty():
-                    items.append(ex.queue.get_nowait())
-                for line in _event_lines(items, t0):
-                    yield line
-                if items[-1][0] != "tok":
-                    return
+            async for frame in _replies(ex, req.heartbeat_s, t0):
+                yield frame
         finally:
-            if pending is not None:
-                pending.cancel()
-            ex.cancel()  # no-op once finished; frees the engine if the sender went away
+            ex.abort()  # no-op once finished; frees the engine if the sender went away
 
     # ------------------------------------------------------------------------- views
     def peer_states(self) -> dict[str, str]:
@@ -656,37 +469,49 @@ def _wake_up(fut: asyncio.Future[None] | None) -> None:
         fut.set_result(None)
 
 
-def _line(obj: dict[str, object]) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+async def _replies(ex: LocalExecution, heartbeat_s: float, t0: float) -> AsyncIterator[bytes]:
+    """Frames of a local execution for the peer that forwarded it: heartbeats while it waits,
+    tokens as they come (batched), then the result or an error."""
+    pending: asyncio.Task[tuple[str, Any]] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(ex.queue.get())
+            done, _ = await asyncio.wait({pending}, timeout=heartbeat_s)
+            if not done:
+                yield encode_reply(ForwardHeartbeat())
+                continue
+            items = [pending.result()]
+            pending = None
+            while not ex.queue.empty():
+                items.append(ex.queue.get_nowait())
+            for frame in _frames(items, t0):
+                yield frame
+            if items[-1][0] != "tok":
+                return
+    finally:
+        if pending is not None:
+            pending.cancel()
 
 
-def _event_lines(items: list[tuple[str, Any]], t0: float) -> list[bytes]:
-    lines: list[bytes] = []
+def _frames(items: list[tuple[str, Any]], t0: float) -> list[bytes]:
+    frames: list[bytes] = []
     toks: list[int] = []
     for kind, value in items:
         if kind == "tok":
             toks.append(value)
             continue
         if toks:
-            lines.append(_line({"t": "tok", "ids": toks}))
+            frames.append(encode_reply(ForwardTokens(tuple(toks))))
             toks = []
         if kind == "done":
-            result, service_s = value
-            lines.append(_line({
-                "t": "done",
-                "result": {"output_ids": list(result.output_ids),
-                           "finish_reason": result.finish_reason,
-                           "prompt_tokens": result.prompt_tokens,
-                           "cached_tokens": result.cached_tokens,
-                           "queue_s": result.queue_s},
-                "service_s": service_s,
-                "handler_s": time.perf_counter() - t0,
-            }))
+            frames.append(encode_reply(result_reply(value, t0)))
         else:
-            lines.append(_line({"t": "error", "message": f"{type(value).__name__}: {value}"}))
+            text = f"{type(value).__name__}: {value}"
+            frames.append(encode_reply(ForwardError.truncated(text)))
     if toks:
-        lines.append(_line({"t": "tok", "ids": toks}))
-    return lines
+        frames.append(encode_reply(ForwardTokens(tuple(toks))))
+    return frames
 
 
 def peer_states_of(mesh: dict[str, object]) -> dict[str, str]:

@@ -4,13 +4,13 @@ Theory of operation
 -------------------
 One ``aiohttp`` session with keep-alive connections per peer. Gossip is fire-and-forget: a
 failed push is only counted (silence is what the core's failure detector reads). A forward is
-a streamed ``POST /peer/forward`` whose response is newline-delimited JSON events::
+a streamed ``POST /peer/forward`` of an encoded ``ForwardRequest`` whose response body is a
+stream of framed ``ForwardReply`` messages (``core/forward_codec``)::
 
-    {"t": "accepted", ...}          sent at once by the receiver: the *first byte*
-    {"t": "hb"}                     heartbeats while the request queues or prefills
-    {"t": "tok", "ids": [...]}      generated tokens (only when the client streams)
-    {"t": "done", "result": {...}}  the engine's result and the receiver's handling time
-    {"t": "error", "message": ...}  the receiver could not execute it
+    ForwardBusy | ForwardAccepted     sent at once by the receiver: the *first byte*
+    ForwardHeartbeat                  while the request queues or prefills
+    ForwardTokens                     generated tokens (only when the client streams)
+    ForwardResult | ForwardFailure      the end
 
 Timeouts: ``connect_timeout`` on the TCP connect, ``forward_timeout`` on the first byte *and*
 on every silence after it (heartbeats keep a long queue from looking like a dead peer), so a
@@ -20,24 +20,27 @@ killed, hung or partitioned peer is detected within about one ``forward_timeout`
 from __future__ import annotations
 
 import asyncio
-import json
+from collections import deque
 from collections.abc import AsyncIterator
-from typing import Any
 
 import aiohttp
 
+from radixmesh.core.codec import RemoteProtocolError
+from radixmesh.core.forward_codec import ReplyDecoder
+from radixmesh.core.messages import ForwardError, ForwardReply, ForwardResult
 from radixmesh.runtime.netem import Netem
 from radixmesh.runtime.peer_auth import GOSSIP_PURPOSE, PeerAuth, forward_purpose
 
 FORWARD_PATH = "/peer/forward"
+FORWARD_MEDIA_TYPE = "application/x-radixmesh-forward"  # msgpack request; framed replies
 GOSSIP_PATH = "/peer/gossip"
 HEADER_FROM = "x-radixmesh-from"  # sender's node id
 HEADER_FROM_ADDRESS = "x-radixmesh-from-address"  # sender's host:port
-MAX_EVENT_BYTES = 16 * 1024 * 1024  # one NDJSON event (a long output's token list), at most
-EOF_WAIT_S = 0.5  # after the final event, wait this long for the end of the body
+READ_BUFFER_BYTES = 1024 * 1024  # aiohttp's read buffer for forward streams
+EOF_WAIT_S = 0.5  # after the final reply, wait this long for the end of the body
 
 
-class ForwardError(Exception):
+class ForwardFailure(Exception):
     """A forward did not produce a usable response; ``reason`` is a short metric label."""
 
     def __init__(self, reason: str, detail: str = "") -> None:
@@ -45,62 +48,59 @@ class ForwardError(Exception):
         self.reason = reason
 
 
-def _classify(exc: BaseException) -> ForwardError:
-    if isinstance(exc, ForwardError):
+def _classify(exc: BaseException) -> ForwardFailure:
+    if isinstance(exc, ForwardFailure):
         return exc
     if isinstance(exc, aiohttp.ClientConnectorError):
-        return ForwardError("connect", type(exc).__name__)
+        return ForwardFailure("connect", type(exc).__name__)
     if isinstance(exc, asyncio.TimeoutError | aiohttp.ServerTimeoutError):
-        return ForwardError("timeout", type(exc).__name__)
-    return ForwardError("disconnected", type(exc).__name__)
+        return ForwardFailure("timeout", type(exc).__name__)
+    return ForwardFailure("disconnected", type(exc).__name__)
 
 
 _TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError)
 
 
 class ForwardStream:
-    """An open forward: call :meth:`next_event` until ``done``; always :meth:`aclose` it."""
+    """An open forward: call :meth:`next_reply` until the last one; always :meth:`aclose` it."""
 
     def __init__(self, response: aiohttp.ClientResponse, netem: Netem) -> None:
         self._response = response
-        self.completed = False  # the caller saw the final event: the connection is reusable
-        self._relayed = netem.delayed(self._lines())
-        self._events = self._decode(self._relayed)
+        self.completed = False  # the caller saw the final reply: the connection is reusable
+        self._chunks = netem.delayed(self._read())
+        self._decoder = ReplyDecoder()
+        self._ready: deque[ForwardReply] = deque()
 
-    async def _lines(self) -> AsyncIterator[bytes]:
-        while True:
-            line = await self._response.content.readline()
-            if not line:
-                return
-            if line.strip():
-                yield line
+    async def _read(self) -> AsyncIterator[bytes]:
+        async for chunk in self._response.content.iter_any():
+            yield chunk
 
-    @staticmethod
-    async def _decode(lines: AsyncIterator[bytes]) -> AsyncIterator[dict[str, Any]]:
-        async for raw in lines:
+    async def next_reply(self) -> ForwardReply:
+        """The next reply; :class:`ForwardFailure` on timeout, disconnect or garbage."""
+        while not self._ready:
             try:
-                event = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise ForwardError("bad_response", str(exc)) from None
-            if not isinstance(event, dict) or not isinstance(event.get("t"), str):
-                raise ForwardError("bad_response", "event without a type")
-            yield event
+                chunk = await anext(self._chunks)
+                self._ready.extend(self._decoder.feed(chunk))
+            except StopAsyncIteration:
+                raise ForwardFailure("disconnected", "stream ended without a result") from None
+            except RemoteProtocolError as exc:
+                raise ForwardFailure("bad_response", str(exc)[:200]) from None
+            except _TRANSPORT_ERRORS as exc:
+                raise _classify(exc) from None
+        reply = self._ready.popleft()
+        if isinstance(reply, ForwardResult | ForwardError):
+            self.completed = True
+        return reply
 
-    async def next_event(self) -> dict[str, Any]:
-        """The next event; :class:`ForwardError` on timeout, disconnect or garbage."""
-        try:
-            return await anext(self._events)
-        except StopAsyncIteration:
-            raise ForwardError("disconnected", "stream ended without a result") from None
-        except _TRANSPORT_ERRORS as exc:
-            raise _classify(exc) from None
+    def close_now(self) -> None:
+        """Drop the connection at once (the request was aborted)."""
+        self._response.close()
 
     async def aclose(self) -> None:
-        """Finish with the stream. After a ``done`` event the (empty) rest of the body is read,
+        """Finish with the stream. After the final reply the (empty) rest of the body is read,
         so the keep-alive connection goes back to the pool; otherwise it is closed."""
-        await self._events.aclose()  # type: ignore[attr-defined]
-        await self._relayed.aclose()  # type: ignore[attr-defined]  # (closing one won't)
-        if self.completed:
+        await self._chunks.aclose()  # type: ignore[attr-defined]
+        if self.completed and not self._ready:
             try:
                 await asyncio.wait_for(self._response.read(), EOF_WAIT_S)
             except (*_TRANSPORT_ERRORS, RuntimeError):
@@ -140,7 +140,7 @@ class PeerClient:
                 connector=aiohttp.TCPConnector(limit=512, limit_per_host=0),
                 timeout=aiohttp.ClientTimeout(total=None, connect=self.connect_timeout,
                                               sock_read=self.forward_timeout),
-                read_bufsize=MAX_EVENT_BYTES,
+                read_bufsize=READ_BUFFER_BYTES,
                 trust_env=False,  # never pick up a proxy from the environment
                 auto_decompress=False,
             )
@@ -175,15 +175,12 @@ class PeerClient:
         self.gossip_failed += not ok
         return ok
 
-    async def open_forward(
-        self, address: str, peer_id: str, body: dict[str, object]
-    ) -> ForwardStream:
-        """Send a forward; returns once the response headers arrived (first byte)."""
+    async def open_forward(self, address: str, peer_id: str, data: bytes) -> ForwardStream:
+        """Send an encoded ``ForwardRequest``; returns once the response headers arrived."""
         if self.netem.drop_outgoing(peer_id, address, gossip=False):
-            raise ForwardError("partitioned")
+            raise ForwardFailure("partitioned")
         await self.netem.delay()
-        data = json.dumps(body, separators=(",", ":")).encode()
-        headers = {**self._headers, "content-type": "application/json",
+        headers = {**self._headers, "content-type": FORWARD_MEDIA_TYPE,
                    **self.auth.headers(forward_purpose(FORWARD_PATH), data)}
         try:
             response = await self._client().post(f"http://{address}{FORWARD_PATH}", data=data,
@@ -196,5 +193,5 @@ class PeerClient:
             except _TRANSPORT_ERRORS:
                 detail = ""
             response.release()
-            raise ForwardError(f"http_{response.status}", detail)
+            raise ForwardFailure(f"http_{response.status}", detail)
         return ForwardStream(response, self.netem)

@@ -8,23 +8,26 @@ push-back and peer view are never re-implemented here. The shell only owns what 
 owns: a clock (virtual), the engine (a :class:`SimEngine` with the real radix tree and a cost
 model), a FIFO queue per node, and the wire (a :class:`Network`).
 
-A client request mirrors the runtime's path::
+What happens to a client request is decided by the entry node's core (``core.lifecycle``);
+this shell only delivers its actions and reports back what the simulated world did::
 
-    entry E: tokenize, hash blocks, engine.match -> core.route(...) -> ranked candidates
-      head is E        -> E's FIFO queue                         (route "local")
-      head is peer P   -> one-way delay + hop overhead -> P's queue (hop limit 1: P executes)
-                          <- one-way delay back -> ForwardSucceeded(P, hashes, rtt) to E
-                          P busy (core.admits_forward) -> ForwardRefused(P) to E, next try
-                          refused / reset / silent -> ForwardFailed(P) to E, next try
-                          (route "fallback"; after MAX_PEER_ATTEMPTS peers: E itself)
+    entry E: tokenize, hash blocks, engine.match ── RequestArrived ──▶ E's core
+      ExecuteLocally        -> E's FIFO queue -> RequestDone
+      Forward(P)            -> one-way delay + hop overhead -> P's core: ForwardArrived
+        RefuseForward       <- one-way delay back: ForwardRefused to E (next action follows)
+        AcceptForward       -> P's FIFO queue (hop limit 1: P executes); ForwardAccepted
+                               travels back to E; the response follows it:
+                               RequestDone(forward_rtt_s) to E
+        P down / reset / partitioned / silent -> ForwardFailed to E (next action follows)
     (the receiver answers a first byte at once and heartbeats while queued, so a live peer's
     forward never times out, however long its queue; a partitioned one does)
     serving node X, after each request: RequestServed, CacheChanged, LoadChanged
     every node: Tick at core.next_deadline(); Send actions become deliveries (or losses)
 
 Crashes drop a node's queue and cache; requests forwarded to it fail back to their entry
-after one one-way delay (connection reset) and fall back; requests whose entry crashed are
-client errors. A restart is a fresh NodeCore with the next incarnation and an empty cache.
+after one one-way delay (connection reset) and the entry's core decides what next; requests
+whose entry crashed are client errors. A restart is a fresh NodeCore with the next
+incarnation and an empty cache.
 """
 
 from __future__ import annotations
@@ -36,28 +39,35 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from radixmesh.core.blocks import Fingerprint, block_hashes
-from radixmesh.core.config import GossipConfig, NodeConfig, PushbackConfig
+from radixmesh.core.config import ForwardConfig, GossipConfig, NodeConfig, PushbackConfig
 from radixmesh.core.estimators import CostPriors
 from radixmesh.core.events import (
+    AcceptForward,
     Action,
     CacheChanged,
     Event,
+    ExecuteLocally,
+    Forward,
+    ForwardAccepted,
+    ForwardArrived,
     ForwardFailed,
     ForwardRefused,
-    ForwardSucceeded,
     LoadChanged,
     Log,
     MessageReceived,
     PeerStateChanged,
+    RefuseForward,
+    RequestArrived,
+    RequestDone,
     RequestServed,
     Send,
     Tick,
 )
 from radixmesh.core.node import NodeCore
-from radixmesh.core.router import MAX_PEER_ATTEMPTS, Candidate, RouterConfig
+from radixmesh.core.router import RouterConfig
 from radixmesh.sim.clock import EventLoop
 from radixmesh.sim.costs import CostModel
-from radixmesh.sim.engine import Execution, SimEngine
+from radixmesh.sim.engine import SimEngine, SimRun
 from radixmesh.sim.network import Network, NetworkConfig
 from radixmesh.workload.request import Request
 
@@ -71,11 +81,10 @@ class ClusterConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     gossip: GossipConfig = field(default_factory=GossipConfig)
     pushback: PushbackConfig = field(default_factory=PushbackConfig)
+    forward: ForwardConfig = field(default_factory=ForwardConfig)  # peer tries and timeouts
     network: NetworkConfig = field(default_factory=NetworkConfig)
-    cache_tokens: int = 65_536  # per node (the runtime's default)
+    cache_tokens: int = 65_536  # per node
     block_size: int = 16
-    forward_timeout_s: float = 2.0  # runtime default: silence (no first byte / heartbeat)
-    connect_timeout_s: float = 0.5  # runtime default: a partitioned peer fails after this
     seeds: int = 3  # each node joins through this many seed nodes (all nodes if N <= seeds+1)
     start_spread_s: float = 0.05  # nodes start at uniform random times in [0, spread)
     seed: int = 0
@@ -89,13 +98,11 @@ class ClusterConfig:
             raise ValueError("nodes must be >= 1")
         if self.cache_tokens < 1 or self.block_size < 1 or self.seeds < 1:
             raise ValueError("cache_tokens, block_size and seeds must be >= 1")
-        if self.forward_timeout_s <= 0 or self.connect_timeout_s <= 0:
-            raise ValueError("timeouts must be > 0")
 
     def priors(self) -> CostPriors:
-        """The runtime's default priors (what ``radixmesh serve`` runs with), or, with
-        ``tuned_priors``, priors taken from the cost model and the network, as a deployment
-        configured for its hardware would have. Nodes learn their speeds and RTTs either way."""
+        """The default priors (what ``radixmesh serve`` runs with), or, with ``tuned_priors``,
+        priors taken from the cost model and the network, as a deployment configured for its
+        hardware would have. Nodes learn their speeds and RTTs either way."""
         if not self.tuned_priors:
             return CostPriors()
         c = self.cost
@@ -112,15 +119,15 @@ class ClusterConfig:
 class Flight:
     """One client request, from arrival at its entry node to the response."""
 
-    index: int
+    index: int  # also the request id the entry's core knows it by
     req: Request
     entry: int
     tokens: list[int]
-    hashes: list[int]
+    hashes: tuple[int, ...]
     t_arrival: float
-    candidates: list[Candidate] = field(default_factory=list)
-    attempt: int = -1  # index into candidates of the current try
+    attempt: int = -1  # counts the core's Forward / ExecuteLocally actions (the current try)
     target: int = -1  # node executing the current try
+    beat_s: float | None = None  # sent with the current forward
     route: str = "local"
     expected_cached: int = 0
     estimate_error: int = 0  # expected - truth at the target at decision time (tokens)
@@ -132,6 +139,10 @@ class Flight:
     service_s: float = 0.0
     t_done: float = -1.0
     error: str | None = None
+
+    def current(self, attempt: int) -> bool:
+        """Whether a callback made for try ``attempt`` still matters."""
+        return self.attempt == attempt and self.t_done < 0 and self.error is None
 
 
 @dataclass(slots=True)
@@ -193,7 +204,7 @@ class Counters:
 Completion = Callable[[Flight], None]
 
 
-class Cluster:
+class SimCluster:
     """N simulated nodes on one event loop; requests go in via :meth:`submit`."""
 
     def __init__(self, config: ClusterConfig, loop: EventLoop | None = None) -> None:
@@ -248,7 +259,15 @@ class Cluster:
             cfg.service_noise,
             random.Random(f"engine/{cfg.seed}/{node.idx}/{node.incarnation}"),
         )
-        node_cfg = NodeConfig(
+        rng = random.Random(f"node/{cfg.seed}/{node.idx}/{node.incarnation}")
+        node.core = NodeCore(self._node_config(node), rng, self.loop.now)
+        self.net.set_down(node.idx, False)
+        self.feed(node, Tick())
+        self._load_changed(node)
+
+    def _node_config(self, node: SimNode) -> NodeConfig:
+        cfg = self.config
+        return NodeConfig(
             node_id=node.node_id,
             address=node.address,
             fingerprint=self.fingerprint,
@@ -258,12 +277,8 @@ class Cluster:
             gossip=cfg.gossip,
             pushback=cfg.pushback,
             priors=cfg.priors(),
+            forward=cfg.forward,
         )
-        rng = random.Random(f"node/{cfg.seed}/{node.idx}/{node.incarnation}")
-        node.core = NodeCore(node_cfg, rng, self.loop.now)
-        self.net.set_down(node.idx, False)
-        self.feed(node, Tick())
-        self._load_changed(node)
 
     def crash(self, node: SimNode) -> None:
         if not node.up:
@@ -285,10 +300,10 @@ class Cluster:
             self._fail_client(flight, "entry node crashed")
 
     # ------------------------------------------------------------------------- core glue
-    def feed(self, node: SimNode, event: Event) -> None:
+    def feed(self, node: SimNode, event: Event) -> list[Action]:
         core = node.core
         if core is None:
-            return
+            return []
         actions = core.handle(event, self.loop.now)
         if actions:
             self._carry_out(node, actions)
@@ -296,6 +311,7 @@ class Cluster:
         if deadline < node.tick_at:
             node.tick_at = deadline
             self.loop.at(deadline, self._tick, node, node.epoch, deadline)
+        return actions
 
     def _tick(self, node: SimNode, epoch: int, deadline: float) -> None:
         if node.epoch != epoch or node.tick_at != deadline:
@@ -307,6 +323,10 @@ class Cluster:
         for action in actions:
             if isinstance(action, Send):
                 self._send(node, action)
+            elif isinstance(action, Forward):
+                self._forward(self.active[action.rid], action)
+            elif isinstance(action, ExecuteLocally):
+                self._execute_locally(self.active[action.rid], action)
             elif isinstance(action, PeerStateChanged):
                 if self.record_peer_states:
                     self.counters.peer_states.append(
@@ -315,6 +335,8 @@ class Cluster:
             elif isinstance(action, Log):
                 logs = self.counters.logs
                 logs[action.level] = logs.get(action.level, 0) + 1
+            # AcceptForward / RefuseForward are read by _arrive_remote; no Abort: no client
+            # of the simulator goes away
 
     def _send(self, node: SimNode, action: Send) -> None:
         dst = self.by_address.get(action.address)
@@ -342,7 +364,7 @@ class Cluster:
     # ------------------------------------------------------------------------- requests
     def submit(self, index: int, req: Request, tokens: list[int], entry: int) -> Flight:
         """A client sends ``req`` (already tokenized) to node ``entry`` now."""
-        hashes = block_hashes(tokens, self.config.block_size, self.hash_seed)
+        hashes = tuple(block_hashes(tokens, self.config.block_size, self.hash_seed))
         flight = Flight(index, req, entry, tokens, hashes, self.loop.now)
         node = self.nodes[entry]
         if not node.up or node.core is None or node.engine is None:
@@ -350,31 +372,15 @@ class Cluster:
             return flight
         self.active[index] = flight
         local = _cached_prefix(node.engine, tokens)
-        flight.candidates = node.core.route(
-            hashes, len(tokens), local, req.max_tokens, self.loop.now
-        )
-        self._try_next(flight)
+        self.feed(node, RequestArrived(index, hashes, len(tokens), local, req.max_tokens))
         return flight
 
-    def _try_next(self, flight: Flight) -> None:
+    def _execute_locally(self, flight: Flight, action: ExecuteLocally) -> None:
         flight.attempt += 1
-        if flight.attempt >= len(flight.candidates):  # self is always listed: cannot happen
-            self._fail_client(flight, "no candidate left")
-            return
-        cand = flight.candidates[flight.attempt]
-        if not cand.is_self and flight.attempt >= MAX_PEER_ATTEMPTS:  # as the runtime: local
-            cand = next(c for c in flight.candidates if c.is_self)
-        flight.expected_cached = cand.expected_cached_tokens
-        if cand.is_self:
-            flight.route = "local" if flight.attempt == 0 else "fallback"
-            self._record_estimate(flight, flight.entry)
-            self._enqueue(self.nodes[flight.entry], Work(flight, flight.attempt, self.loop.now))
-            return
-        target = self.by_id.get(cand.node_id)
-        if target is None:
-            self._forward_failed(flight, flight.attempt, cand.node_id, "unknown peer")
-            return
-        self._forward(flight, target)
+        flight.route = action.route
+        flight.expected_cached = action.expected_cached
+        self._record_estimate(flight, flight.entry)
+        self._enqueue(self.nodes[flight.entry], Work(flight, flight.attempt, self.loop.now))
 
     def _record_estimate(self, flight: Flight, target: int) -> None:
         """Error and age of the estimate the entry node used for ``target``, against the
@@ -390,89 +396,68 @@ class Cluster:
         times = node.version_times
         flight.view_age_s = self.loop.now - times[held] if held < len(times) else 0.0
 
-    def _forward(self, flight: Flight, target: SimNode) -> None:
+    def _forward(self, flight: Flight, action: Forward) -> None:
+        target = self.by_address[action.address]
         now = self.loop.now
-        flight.route = "forwarded" if flight.attempt == 0 else "fallback"
-        flight.target = target.idx
-        flight.sent_at = now
+        flight.attempt += 1
+        flight.route, flight.expected_cached = action.route, action.expected_cached
+        flight.target, flight.beat_s, flight.sent_at = target.idx, action.beat_s, now
         self.counters.forwards += 1
         self._record_estimate(flight, target.idx)
         src, attempt = flight.entry, flight.attempt
-        hop = self.config.cost.forward_overhead_s / 2
         if self.net.partitioned(src, target.idx, now):
-            self.loop.at(
-                now + self.config.connect_timeout_s,
-                self._forward_failed,
-                flight,
-                attempt,
-                target.node_id,
-                "connect timeout",
-            )
+            timeout = self.config.forward.connect_timeout_s
+            self._fail_after(timeout, flight, target, "connect timeout")
             return
         out = self.net.delay(src, target.idx)
         if not target.up:
             back = self.net.delay(target.idx, src)
-            self.loop.at(
-                now + out + back,
-                self._forward_failed,
-                flight,
-                attempt,
-                target.node_id,
-                "connection refused",
-            )
+            self._fail_after(out + back, flight, target, "connection refused")
             return
+        hop = self.config.cost.forward_overhead_s / 2
         self.loop.at(now + out + hop, self._arrive_remote, target, target.epoch, flight, attempt)
 
     def _arrive_remote(self, target: SimNode, epoch: int, flight: Flight, attempt: int) -> None:
-        if flight.attempt != attempt or flight.t_done >= 0:
+        if not flight.current(attempt):
             return  # the entry already gave up on this try
+        back = self.net.delay(target.idx, flight.entry)
         if not target.up or target.epoch != epoch:
-            back = self.net.delay(target.idx, flight.entry)
-            self.loop.at(
-                self.loop.now + back,
-                self._forward_failed,
-                flight,
-                attempt,
-                target.node_id,
-                "connection reset",
-            )
+            self._fail_after(back, flight, target, "connection reset")
             return
-        assert target.core is not None and target.engine is not None
-        beat = flight.candidates[attempt].beat_s
+        assert target.engine is not None
         # the cached prefix only matters against a budget (cost policy): no match otherwise
+        beat = flight.beat_s
         cached = 0 if beat is None else _cached_prefix(target.engine, flight.tokens)
-        retry = target.core.admits_forward(
-            self.loop.now, len(flight.tokens), cached, flight.req.max_tokens, beat
-        )
-        if retry is not None:  # busy: the first (and only) event back is the refusal
-            back = self.net.delay(target.idx, flight.entry)
-            self.loop.at(
-                self.loop.now + back, self._forward_refused, flight, attempt, target, retry
-            )
+        ask = ForwardArrived(flight.index, len(flight.tokens), cached, flight.req.max_tokens, beat)
+        [answer] = self.feed(target, ask)
+        if isinstance(answer, RefuseForward):  # the first (and only) event back
+            self.loop.at(self.loop.now + back, self._refused, flight, attempt, target, answer)
             return
+        assert isinstance(answer, AcceptForward)
+        self.loop.at(self.loop.now + back, self._accepted, flight, attempt, target, cached)
         self._enqueue(target, Work(flight, attempt, self.loop.now))
 
-    def _forward_refused(
-        self, flight: Flight, attempt: int, target: SimNode, retry_after_s: float
-    ) -> None:
-        self._next_try(flight, attempt, ForwardRefused(target.node_id, retry_after_s))
+    def _accepted(self, flight: Flight, attempt: int, target: SimNode, cached: int) -> None:
+        if flight.current(attempt):
+            event = ForwardAccepted(flight.index, target.node_id, cached)
+            self.feed(self.nodes[flight.entry], event)
 
-    def _forward_failed(self, flight: Flight, attempt: int, peer_id: str, reason: str) -> None:
-        self._next_try(flight, attempt, ForwardFailed(peer_id, reason))
-
-    def _next_try(
-        self, flight: Flight, attempt: int, outcome: ForwardFailed | ForwardRefused
+    def _refused(
+        self, flight: Flight, attempt: int, target: SimNode, answer: RefuseForward
     ) -> None:
-        """Tell the entry node how try ``attempt`` ended, then try the next candidate."""
-        if flight.attempt != attempt or flight.t_done >= 0 or flight.error is not None:
-            return  # a stale callback: the flight moved on or ended
-        if isinstance(outcome, ForwardRefused):
+        if flight.current(attempt):
             self.counters.forward_refusals += 1
-        else:
+            event = ForwardRefused(flight.index, target.node_id, answer.retry_after_s)
+            self.feed(self.nodes[flight.entry], event)
+
+    def _fail_after(self, delay: float, flight: Flight, target: SimNode, reason: str) -> None:
+        self.loop.at(self.loop.now + delay, self._failed, flight, flight.attempt, target, reason)
+
+    def _failed(self, flight: Flight, attempt: int, target: SimNode, reason: str) -> None:
+        if flight.current(attempt):
             self.counters.forward_failures += 1
-        self.feed(self.nodes[flight.entry], outcome)
-        if self.nodes[flight.entry].up:
-            self._try_next(flight)
+            event = ForwardFailed(flight.index, target.node_id, reason)
+            self.feed(self.nodes[flight.entry], event)
 
     def _work_lost(self, node: SimNode, work: Work) -> None:
         flight = work.flight
@@ -480,12 +465,7 @@ class Cluster:
             return  # the client's connection died with the entry node (handled by crash)
         back = self.net.delay(node.idx, flight.entry)
         self.loop.at(
-            self.loop.now + back,
-            self._forward_failed,
-            flight,
-            work.attempt,
-            node.node_id,
-            "connection reset",
+            self.loop.now + back, self._failed, flight, work.attempt, node, "connection reset"
         )
 
     # ------------------------------------------------------------------------- execution
@@ -506,7 +486,7 @@ class Cluster:
         self._load_changed(node)
         self.loop.at(self.loop.now + run.service_s, self._finish, node, node.epoch, work, run)
 
-    def _finish(self, node: SimNode, epoch: int, work: Work, run: Execution) -> None:
+    def _finish(self, node: SimNode, epoch: int, work: Work, run: SimRun) -> None:
         if node.epoch != epoch or node.engine is None:
             return
         now = self.loop.now
@@ -514,6 +494,15 @@ class Cluster:
         node.engine.finish(run, _generated(flight), now)
         node.running = None
         node.served += 1
+        self._report_served(node, flight, run)
+        self._start_next(node)
+        if node.running is None:
+            self._load_changed(node)
+        queue_s = (now - run.service_s) - work.t_enqueued
+        if flight.current(work.attempt):  # else the entry timed out on this try: work wasted
+            self._answer(node, work, run, queue_s)
+
+    def _report_served(self, node: SimNode, flight: Flight, run: SimRun) -> None:
         decode_tokens = max(0, flight.req.max_tokens - 1)
         self.feed(
             node,
@@ -526,51 +515,40 @@ class Cluster:
                 run.service_s,
             ),
         )
-        added, removed = node.engine.drain_delta()
+        added, removed = node.engine.drain_delta() if node.engine else ([], [])
         if added or removed:
             self.feed(node, CacheChanged(tuple(added), tuple(removed)))
             version = summary_version(node.core)
             while len(node.version_times) < version:
-                node.version_times.append(now)
-        self._start_next(node)
-        if node.running is None:
-            self._load_changed(node)
-        queue_s = (now - run.service_s) - work.t_enqueued
-        if flight.attempt != work.attempt or flight.t_done >= 0:
-            return  # the entry timed out on this try: the work was wasted
+                node.version_times.append(self.loop.now)
+
+    def _answer(self, node: SimNode, work: Work, run: SimRun, queue_s: float) -> None:
+        flight, now = work.flight, self.loop.now
         if node.idx == flight.entry:
             self._served(flight, node, run, queue_s)
+            self.feed(node, RequestDone(flight.index))
             self._complete(flight)
             return
         if self.net.partitioned(node.idx, flight.entry, now):  # heartbeats stopped: timeout
-            self.loop.at(
-                now + self.config.forward_timeout_s,
-                self._forward_failed,
-                flight,
-                work.attempt,
-                node.node_id,
-                "timeout",
-            )
+            self._fail_after(self.config.forward.silence_timeout_s, flight, node, "timeout")
             return
         back = self.net.delay(node.idx, flight.entry) + self.config.cost.forward_overhead_s / 2
         self.loop.at(now + back, self._response, flight, work.attempt, node, run, queue_s)
 
-    def _served(self, flight: Flight, node: SimNode, run: Execution, queue_s: float) -> None:
+    def _served(self, flight: Flight, node: SimNode, run: SimRun, queue_s: float) -> None:
         flight.served_by = node.idx
         flight.cached = run.cached_tokens
         flight.queue_s = queue_s
         flight.service_s = run.service_s
 
     def _response(
-        self, flight: Flight, attempt: int, node: SimNode, run: Execution, queue_s: float
+        self, flight: Flight, attempt: int, node: SimNode, run: SimRun, queue_s: float
     ) -> None:
-        if flight.attempt != attempt or flight.t_done >= 0 or flight.error is not None:
+        if not flight.current(attempt):
             return
         self._served(flight, node, run, queue_s)
         rtt = (self.loop.now - flight.sent_at) - queue_s - run.service_s
-        self.feed(
-            self.nodes[flight.entry], ForwardSucceeded(node.node_id, tuple(flight.hashes), rtt)
-        )
+        self.feed(self.nodes[flight.entry], RequestDone(flight.index, forward_rtt_s=rtt))
         self._complete(flight)
 
     def _complete(self, flight: Flight) -> None:
@@ -586,17 +564,18 @@ class Cluster:
 
 
 def summary_version(core: NodeCore | None) -> int:
-    """The node's own summary version (NodeCore exposes it only through metrics(), which
-    costs O(peers); read the attribute the metric is made of)."""
-    return 0 if core is None else int(core._summary.version)
+    """The node's own summary version (0 for a node that is down)."""
+    return 0 if core is None else core.summary_version
 
 
 def estimate_version(core: NodeCore | None, peer_id: str) -> int | None:
     """Which version of ``peer_id``'s summary ``core`` holds (None: nothing)."""
-    if core is None:
-        return None
-    est = core._gossip.estimates.get(peer_id)
-    return None if est is None else est.version
+    return None if core is None else core.view_version(peer_id)
+
+
+def routable_count(core: NodeCore | None) -> int:
+    """Peers ``core`` would route to now (alive, with a load report)."""
+    return 0 if core is None else core.routable_count()
 
 
 def _generated(flight: Flight) -> list[int]:
@@ -604,11 +583,6 @@ def _generated(flight: Flight) -> list[int]:
     n = flight.req.max_tokens
     base = zlib.crc32(flight.req.id.encode("utf-8")) & 0x7F
     return [32 + (base + i) % 95 for i in range(n)]
-
-
-def routable_count(core: NodeCore | None) -> int:
-    """Peers ``core`` would route to now (alive, with a load report)."""
-    return 0 if core is None else len(core._gossip.routable)
 
 
 def _cached_prefix(engine: SimEngine, tokens: list[int]) -> int:

@@ -1,0 +1,271 @@
+"""Carrying out the core's request actions: run on the local engine, or stream from a peer.
+
+Theory of operation
+-------------------
+The core's lifecycle (``core/lifecycle.py``) decides; the classes here only move tokens::
+
+    ExecuteLocally(resume_after=k) ─▶ LocalExecution: EngineWorker job, tokens via an
+                                      asyncio queue; prompt + the k tokens a dead peer sent
+    Forward(peer)  ─▶ offer(): POST /peer/forward, first reply ForwardBusy | ForwardAccepted
+                      ─▶ ForwardExecution: relays ForwardTokens, ends on ForwardResult; a
+                         failure is reported (ForwardFailed with the tokens so far) and the
+                         core's answer (ExecuteLocally) continues the same answer here
+
+Every end is reported to the core: ``RequestDone`` (with the forward's overhead), or
+``RequestCancelled`` when the consumer stops early (the client went away), whose ``Abort``
+then stops the engine job or closes the peer stream. Requests served *for* a peer
+(``rid=None``) are not the core's flights and report nothing but the engine's own events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from radixmesh.core.events import Forward
+from radixmesh.core.messages import (
+    ForwardAccepted,
+    ForwardError,
+    ForwardHeartbeat,
+    ForwardReply,
+    ForwardRequest,
+    ForwardResult,
+    ForwardTokens,
+)
+from radixmesh.engine.base import GenerateRequest, GenerateResult, SamplingParams
+from radixmesh.runtime.peer_client import ForwardFailure, ForwardStream
+
+if TYPE_CHECKING:
+    from radixmesh.runtime.node import NodeService
+
+
+@dataclass(frozen=True, slots=True)
+class RequestContext:
+    rid: int | None  # the core's id of a client request; None: served for a peer
+    prompt: tuple[int, ...]
+    hashes: tuple[int, ...]
+    sampling: SamplingParams
+    stream: bool
+
+
+@dataclass(slots=True)
+class Outcome:
+    """How a request ended, whoever executed it."""
+
+    output_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int  # what the serving engine actually reused
+    served_by: str
+    route: str  # local | forwarded | fallback
+    queue_s: float  # on the serving node
+    service_s: float  # on the serving node, queue excluded
+    forward_overhead_s: float | None = None  # forwarded: client time minus remote handling
+
+
+class RequestCancelled(Exception):
+    """Raised on the engine thread to stop a request whose client went away."""
+
+
+class Execution:
+    """A started request. Headers are known now; tokens and the :class:`Outcome` come later."""
+
+    served_by: str
+    route: str
+    expected_cached: int  # the router's estimate for the node that serves it
+    cached_estimate: int  # the serving node's exact match when it accepted the request
+    outcome: Outcome | None = None
+
+    def tokens(self) -> AsyncIterator[int]:
+        """Generated token ids as they arrive (empty unless started with ``stream=True``)."""
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        """Stop the work now (the core said so: the client went away)."""
+        raise NotImplementedError
+
+    async def result(self) -> Outcome:
+        async for _ in self.tokens():
+            pass
+        assert self.outcome is not None
+        return self.outcome
+
+
+# ------------------------------------------------------------------------------ local
+class LocalExecution(Execution):
+    """Runs on this node's engine worker; its events land on an asyncio queue."""
+
+    def __init__(self, node: NodeService, ctx: RequestContext, route: str, expected: int,
+                 emitted: tuple[int, ...] = ()) -> None:
+        self.node, self.ctx, self.route, self.expected_cached = node, ctx, route, expected
+        self.served_by = node.node_id
+        self.cached_estimate = node.engine.match(ctx.prompt)
+        self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._emitted = emitted  # tokens a failed peer already sent (the answer goes on)
+        self._cancelled = False
+        self._over = False
+        self._generated = 0  # tokens produced so far (engine thread writes, loop reads after)
+        self._job = self._submit(ctx, len(emitted))
+
+    def _submit(self, ctx: RequestContext, resume_after: int) -> Any:
+        loop = asyncio.get_running_loop()
+
+        def on_token(tok: int) -> None:  # on the engine thread
+            if self._cancelled:
+                raise RequestCancelled("the client went away")
+            self._generated += 1
+            if ctx.stream:
+                loop.call_soon_threadsafe(self.queue.put_nowait, ("tok", tok))
+
+        remaining = ctx.sampling.max_tokens - resume_after
+        if remaining <= 0:  # the peer sent the whole answer before it failed
+            self.queue.put_nowait(("full", None))
+            return None
+        sampling = replace(ctx.sampling, max_tokens=remaining)
+        req = GenerateRequest(uuid.uuid4().hex, (*ctx.prompt, *self._emitted), sampling)
+        self._t0 = time.perf_counter()
+        job = self.node.worker.submit(req, on_token)
+        self.node.pending += 1
+        asyncio.wrap_future(job).add_done_callback(self._finished)
+        self.node.push_load()
+        return job
+
+    def abort(self) -> None:
+        """Stop the engine work: skipped if still queued, stopped at its next token if running."""
+        if not self._over and self._job is not None:
+            self._cancelled = True
+            self._job.cancel()
+
+    def _finished(self, future: asyncio.Future[GenerateResult]) -> None:
+        self.node.pending -= 1
+        self._over = True
+        if future.cancelled():  # cancelled while still queued: never ran
+            self.node.metrics.cancelled += 1
+            self.queue.put_nowait(("err", RequestCancelled("cancelled before it started")))
+            self.node.push_load()
+            return
+        exc = future.exception()
+        if exc is not None:
+            self.node.metrics.completion_tokens += self._generated
+            if isinstance(exc, RequestCancelled):
+                self.node.metrics.cancelled += 1
+            self.queue.put_nowait(("err", exc))
+            self.node.push_cache_and_load()
+            return
+        result = future.result()
+        service_s = max(time.perf_counter() - self._t0 - result.queue_s, 0.0)
+        self.node.local_done(result, service_s)
+        self.queue.put_nowait(("done", (result, service_s)))
+
+    async def tokens(self) -> AsyncIterator[int]:
+        async with self.node.tracked(self):
+            while True:
+                kind, value = await self.queue.get()
+                if kind == "tok":
+                    yield value
+                elif kind in ("done", "full"):
+                    self.outcome = self._outcome(value)
+                    return
+                else:
+                    raise value
+
+    def _outcome(self, value: tuple[GenerateResult, float] | None) -> Outcome:
+        ctx, emitted = self.ctx, list(self._emitted)
+        if value is None:
+            return Outcome(emitted, "length", len(ctx.prompt), 0, self.served_by, self.route,
+                           0.0, 0.0)
+        result, service_s = value
+        return Outcome(
+            emitted + list(result.output_ids), result.finish_reason, len(ctx.prompt),
+            min(result.cached_tokens, len(ctx.prompt)), self.served_by, self.route,
+            result.queue_s, service_s,
+        )
+
+
+# ------------------------------------------------------------------------------ forward
+def forward_request(ctx: RequestContext, beat_s: float | None, heartbeat_s: float
+                    ) -> ForwardRequest:
+    sp = ctx.sampling
+    return ForwardRequest(
+        ctx.prompt, sp.max_tokens, sp.temperature, sp.top_p, sp.seed, sp.stop_token_ids,
+        ctx.stream, heartbeat_s, None if beat_s is None else round(beat_s, 6),
+    )
+
+
+class ForwardExecution(Execution):
+    """Runs on a peer that accepted it; a failure continues locally as the core decides."""
+
+    def __init__(self, node: NodeService, ctx: RequestContext, action: Forward,
+                 stream: ForwardStream, accepted: ForwardAccepted, started: float) -> None:
+        self.node, self.ctx, self.peer_id = node, ctx, action.peer_id
+        self.served_by, self.route = action.peer_id, action.route
+        self.expected_cached = action.expected_cached
+        self.cached_estimate = accepted.cached_tokens
+        self._stream, self._started = stream, started
+        self._vocab = node.engine.tokenizer.vocab_size
+
+    def abort(self) -> None:
+        self._stream.close_now()
+
+    async def tokens(self) -> AsyncIterator[int]:
+        emitted: list[int] = []
+        async with self.node.tracked(self):
+            try:
+                async for tok in self._relay(emitted):
+                    yield tok
+                return
+            except ForwardFailure as exc:
+                action = self.node.forward_failed(self.ctx, self.peer_id, exc.reason,
+                                                  len(emitted))
+            finally:
+                await self._stream.aclose()
+        local = self.node.start_local(self.ctx, action, tuple(emitted))
+        self.route, self.served_by = local.route, local.served_by
+        async for tok in local.tokens():
+            yield tok
+        self.outcome = local.outcome
+
+    async def _relay(self, emitted: list[int]) -> AsyncIterator[int]:
+        while True:
+            reply = await self._stream.next_reply()
+            if isinstance(reply, ForwardTokens):
+                for tok in self._checked(reply.ids):
+                    emitted.append(tok)
+                    yield tok
+            elif isinstance(reply, ForwardResult):
+                self.outcome = self._finish(reply, emitted)
+                return
+            elif isinstance(reply, ForwardError):
+                raise ForwardFailure("remote_error", reply.message[:200])
+            elif not isinstance(reply, ForwardHeartbeat):
+                raise ForwardFailure("bad_response", f"unexpected {type(reply).__name__}")
+
+    def _checked(self, ids: tuple[int, ...]) -> tuple[int, ...]:
+        """Token ids from a peer, checked: a broken peer must not break our detokenizer."""
+        if any(t >= self._vocab for t in ids):
+            raise ForwardFailure("bad_response", f"token ids must be below {self._vocab}")
+        return ids
+
+    def _finish(self, res: ForwardResult, emitted: list[int]) -> Outcome:
+        output = list(self._checked(res.output_ids))
+        if emitted and output[: len(emitted)] != emitted:
+            raise ForwardFailure("bad_response", "result disagrees with streamed tokens")
+        overhead = max(time.perf_counter() - self._started - res.handler_s, 0.0)
+        prompt_len = len(self.ctx.prompt)
+        return Outcome(
+            output, res.finish_reason, prompt_len, min(res.cached_tokens, prompt_len),
+            self.peer_id, self.route, res.queue_s, res.service_s, overhead,
+        )
+
+
+def result_reply(value: tuple[GenerateResult, float], t0: float) -> ForwardReply:
+    result, service_s = value
+    return ForwardResult(
+        tuple(result.output_ids), result.finish_reason, result.prompt_tokens,
+        result.cached_tokens, max(result.queue_s, 0.0), service_s,
+        max(time.perf_counter() - t0, 0.0),
+    )

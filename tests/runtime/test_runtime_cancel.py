@@ -1,0 +1,132 @@
+"""A client that goes away stops its request — non-streaming too, local and forwarded alike.
+
+Real HTTP on 127.0.0.1 (uvicorn in this process), a micro engine whose tokens each take
+50 ms, so a 150-token request would run ~7.5 s: the client gives up after 0.5 s and the
+engine work must stop (the core's ``RequestCancelled`` → ``Abort``), not run to the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+import uvicorn
+
+from radixmesh.engine.base import GenerateRequest, GenerateResult
+from radixmesh.engine.factory import build_engine
+from radixmesh.runtime.app import create_app
+from radixmesh.runtime.config import ServeConfig
+from radixmesh.runtime.node import NodeService
+
+TOKEN_S = 0.05
+MAX_TOKENS = 150
+
+
+class SlowTokens:
+    """Engine proxy: each generated token takes ``TOKEN_S`` (the callback still runs)."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    def generate(self, req: GenerateRequest, on_token: Callable[[int], None] | None = None
+                 ) -> GenerateResult:
+        def slow(tok: int) -> None:
+            time.sleep(TOKEN_S)
+            if on_token is not None:
+                on_token(tok)
+
+        result: GenerateResult = self._engine.generate(req, slow)
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Any:
+    return build_engine("micro", cache_tokens=4096, threads=1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.asynccontextmanager
+async def _serving(engine: Any, name: str) -> AsyncIterator[tuple[NodeService, str]]:
+    port = _free_port()
+    cfg = ServeConfig(node_id=name, port=port, gossip_interval=5.0, forward_timeout=2.0)
+    service = NodeService(cfg, SlowTokens(engine))
+    config = uvicorn.Config(create_app(service), host="127.0.0.1", port=port,
+                            log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    for _ in range(200):  # bounded: 10 s at most
+        if server.started:
+            break
+        await asyncio.sleep(0.05)
+    try:
+        yield service, f"127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+
+
+async def _give_up(address: str, headers: dict[str, str]) -> None:
+    body = {"model": "micro", "prompt": "cancel me " * 4, "max_tokens": MAX_TOKENS}
+    async with aiohttp.ClientSession() as http:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(
+                http.post(f"http://{address}/v1/completions", json=body, headers=headers), 0.5
+            )
+            raise AssertionError("the request answered before the client gave up")
+
+
+async def _until(check: Callable[[], bool], limit_s: float = 5.0) -> float:
+    t0 = time.perf_counter()
+    while not check():
+        assert time.perf_counter() - t0 < limit_s, "the request was not cancelled"
+        await asyncio.sleep(0.05)
+    return time.perf_counter() - t0
+
+
+def test_a_non_streaming_client_that_goes_away_cancels_its_local_request(engine: Any) -> None:
+    async def scenario() -> None:
+        async with _serving(engine, "solo") as (node, address):
+            await _give_up(address, {})
+            await _until(lambda: node.queue_depth == 0)
+            assert node.metrics.cancelled == 1
+            assert node.metrics.client_disconnects == 1
+            core = node.core.metrics()
+            assert core["requests_cancelled"] == 1 and core["requests_in_flight"] == 0
+            assert node.metrics.completion_tokens < MAX_TOKENS  # stopped midway
+
+    asyncio.run(scenario())
+
+
+def test_a_non_streaming_client_that_goes_away_cancels_the_forwarded_request(
+    engine: Any,
+) -> None:
+    async def scenario() -> None:
+        async with _serving(engine, "peer") as (peer, peer_address), \
+                _serving(engine, "entry") as (entry, entry_address):
+            entry.core.peer_address = (  # type: ignore[method-assign]
+                lambda p: peer_address if p == "peer" else None
+            )
+            await _give_up(entry_address, {"x-radixmesh-target": "peer"})
+            await _until(lambda: peer.queue_depth == 0)
+            assert peer.metrics.served_for_peers == 1
+            assert peer.metrics.cancelled == 1  # the peer's engine stopped too
+            assert peer.metrics.completion_tokens < MAX_TOKENS
+            assert entry.core.metrics()["requests_cancelled"] == 1
+            assert entry.metrics.requests["forwarded"] == 1
+            assert entry.queue_depth == 0  # nothing ran on the entry node
+
+    asyncio.run(scenario())
