@@ -26,7 +26,6 @@ multi-byte UTF-8 character (byte tokens split characters).
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -34,90 +33,15 @@ from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 
+from radixmesh.core.byte_tokenizer import CHAT_ROLES, ByteTokenizer, check_messages, digest_parts
 from radixmesh.engine.base import Tokenizer
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
-_BYTE_SPECIALS = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    *(f"<|{role}|>" for role in CHAT_ROLES),
-)
+__all__ = ["CHAT_ROLES", "ByteTokenizer", "HFTokenizer", "StreamDecoder"]
+
 CHATML_FALLBACK = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-
-def _digest(*parts: str | bytes) -> str:
-    h = hashlib.sha256()
-    for part in parts:
-        data = part.encode("utf-8") if isinstance(part, str) else part
-        h.update(len(data).to_bytes(8, "little"))
-        h.update(data)
-    return h.hexdigest()[:16]
-
-
-def _check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
-    if not messages:
-        raise ValueError("messages must not be empty")
-    for m in messages:
-        if not isinstance(m, Mapping) or not isinstance(m.get("content"), str):
-            raise ValueError("each message needs a string 'content'")
-        if m.get("role") not in CHAT_ROLES:
-            raise ValueError(f"unknown role {m.get('role')!r}; expected one of {CHAT_ROLES}")
-
-
-class ByteTokenizer:
-    """UTF-8 bytes (ids 0..255) + special tokens (ids 256..). Lossless, deterministic."""
-
-    def __init__(self) -> None:
-        self._specials = {name: 256 + i for i, name in enumerate(_BYTE_SPECIALS)}
-        self._names = {i: name for name, i in self._specials.items()}
-
-    @property
-    def fingerprint(self) -> str:
-        return "bytes-v1:" + _digest(*_BYTE_SPECIALS, "chat:im_start+role-token+im_end")
-
-    @property
-    def eos_token_id(self) -> int:
-        return self._specials["<|endoftext|>"]
-
-    @property
-    def vocab_size(self) -> int:
-        return 256 + len(self._specials)
-
-    @property
-    def stop_ids(self) -> frozenset[int]:
-        """Ids that end generation: EOS and the end-of-turn marker."""
-        return frozenset({self.eos_token_id, self._specials["<|im_end|>"]})
-
-    def special_id(self, name: str) -> int:
-        return self._specials[name]
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of the byte tokens; special and unknown ids are skipped (like HF's
-        ``skip_special_tokens=True``)."""
-        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
-
-    def render(self, ids: Sequence[int]) -> str:
-        """Debug view: special tokens shown by name."""
-        parts = [bytes([i]) if 0 <= i < 256 else self._names.get(i, "").encode() for i in ids]
-        return b"".join(parts).decode("utf-8", errors="replace")
-
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        _check_messages(messages)
-        start, end = self._specials["<|im_start|>"], self._specials["<|im_end|>"]
-        ids: list[int] = []
-        for m in messages:
-            ids += [start, self._specials[f"<|{m['role']}|>"]]
-            ids += self.encode(m["content"])
-            ids.append(end)
-        ids += [start, self._specials["<|assistant|>"]]
-        return ids
 
 
 def _token_text(value: object) -> str | None:
@@ -168,7 +92,7 @@ class HFTokenizer:
         self._eos_text = _token_text(config.get("eos_token"))
         self._eos = self._resolve_eos(root)
         self._stop_ids = self._resolve_stop_ids(root)
-        self._fingerprint = "hf:" + _digest(
+        self._fingerprint = "hf:" + digest_parts(
             raw, self._template_text or "<chatml-fallback>", str(self._eos)
         )
         self._template = self._compile(self._template_text or CHATML_FALLBACK)
@@ -230,7 +154,7 @@ class HFTokenizer:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]]) -> str:
-        _check_messages(messages)
+        check_messages(messages)
         try:
             return str(
                 self._template.render(

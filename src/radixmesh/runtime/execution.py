@@ -23,10 +23,11 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from radixmesh.core.events import Forward
+from radixmesh.core.events import ExecuteLocally, Forward
 from radixmesh.core.messages import (
     ForwardAccepted,
     ForwardError,
@@ -36,11 +37,10 @@ from radixmesh.core.messages import (
     ForwardResult,
     ForwardTokens,
 )
-from radixmesh.engine.base import GenerateRequest, GenerateResult, SamplingParams
+from radixmesh.engine.base import Engine, GenerateRequest, GenerateResult, SamplingParams
+from radixmesh.engine.worker import EngineWorker
+from radixmesh.runtime.metrics import RuntimeMetrics
 from radixmesh.runtime.peer_client import ForwardFailure, ForwardStream
-
-if TYPE_CHECKING:
-    from radixmesh.runtime.node import NodeService
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +65,25 @@ class Outcome:
     queue_s: float  # on the serving node
     service_s: float  # on the serving node, queue excluded
     forward_overhead_s: float | None = None  # forwarded: client time minus remote handling
+
+
+class Host(Protocol):
+    """What an execution needs from its node (``runtime.node.NodeService``)."""
+
+    node_id: str
+    engine: Engine
+    worker: EngineWorker
+    metrics: RuntimeMetrics
+    pending: int  # submitted to the engine, not finished
+
+    def push_load(self) -> None: ...
+    def push_cache_and_load(self) -> None: ...
+    def local_done(self, result: GenerateResult, service_s: float) -> None: ...
+    def tracked(self, ex: Execution) -> AbstractAsyncContextManager[None]: ...
+    def forward_failed(self, ctx: RequestContext, peer_id: str, reason: str,
+                       tokens_so_far: int) -> Forward | ExecuteLocally: ...
+    def start_local(self, ctx: RequestContext, action: Forward | ExecuteLocally,
+                    emitted: tuple[int, ...] = ()) -> LocalExecution: ...
 
 
 class RequestCancelled(Exception):
@@ -99,7 +118,7 @@ class Execution:
 class LocalExecution(Execution):
     """Runs on this node's engine worker; its events land on an asyncio queue."""
 
-    def __init__(self, node: NodeService, ctx: RequestContext, route: str, expected: int,
+    def __init__(self, node: Host, ctx: RequestContext, route: str, expected: int,
                  emitted: tuple[int, ...] = ()) -> None:
         self.node, self.ctx, self.route, self.expected_cached = node, ctx, route, expected
         self.served_by = node.node_id
@@ -199,7 +218,7 @@ def forward_request(ctx: RequestContext, beat_s: float | None, heartbeat_s: floa
 class ForwardExecution(Execution):
     """Runs on a peer that accepted it; a failure continues locally as the core decides."""
 
-    def __init__(self, node: NodeService, ctx: RequestContext, action: Forward,
+    def __init__(self, node: Host, ctx: RequestContext, action: Forward,
                  stream: ForwardStream, accepted: ForwardAccepted, started: float) -> None:
         self.node, self.ctx, self.peer_id = node, ctx, action.peer_id
         self.served_by, self.route = action.peer_id, action.route

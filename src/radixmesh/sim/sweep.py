@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from radixmesh.core.byte_tokenizer import ByteTokenizer
 from radixmesh.core.config import ForwardConfig, GossipConfig, GossipMode, PushbackConfig
 from radixmesh.core.router import Policy, RouterConfig
 from radixmesh.core.units import parse_duration
-from radixmesh.engine.tokenizers import ByteTokenizer
 from radixmesh.sim import costs
 from radixmesh.sim.cluster import ClusterConfig
 from radixmesh.sim.network import (

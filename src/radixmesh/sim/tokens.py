@@ -11,7 +11,7 @@ import re
 import zlib
 from collections.abc import Callable
 
-from radixmesh.engine.tokenizers import ByteTokenizer
+from radixmesh.core.byte_tokenizer import ByteTokenizer
 from radixmesh.workload.request import Request
 
 Tokenize = Callable[[Request], list[int]]
