@@ -7,19 +7,19 @@ import random
 import pytest
 
 from radixmesh.core.config import GossipConfig, GossipMode
-from radixmesh.testing import Cluster, LinkConfig
+from radixmesh.testing import LinkConfig, TwinCluster
 
 DIRECT = [GossipMode.SNAPSHOT, GossipMode.DELTA]
 DELTA_T = 0.5  # Δpoll of the default GossipConfig
 
 
-def churn(c: Cluster, rng: random.Random, node: str, n_add: int, n_remove: int) -> None:
+def churn(c: TwinCluster, rng: random.Random, node: str, n_add: int, n_remove: int) -> None:
     held = sorted(c.truth(node))
     removed = rng.sample(held, min(n_remove, len(held)))
     c.change_cache(node, [rng.getrandbits(64) for _ in range(n_add)], removed)
 
 
-def joined(c: Cluster) -> None:
+def joined(c: TwinCluster) -> None:
     c.run_for(3 * DELTA_T)
     for node in c.nodes.values():
         assert node.metrics()["peers_alive"] == len(c.nodes) - 1, node.node_id
@@ -28,7 +28,7 @@ def joined(c: Cluster) -> None:
 @pytest.mark.parametrize("mode", DIRECT)
 def test_views_equal_truth_within_two_rounds_after_last_change(mode: GossipMode) -> None:
     rng = random.Random(1)
-    c = Cluster(5, mode=mode, seed=1)
+    c = TwinCluster(5, mode=mode, seed=1)
     joined(c)
     for _ in range(20):  # changes keep arriving at random nodes and times
         churn(c, rng, f"n{rng.randrange(5)}", n_add=rng.randrange(1, 40), n_remove=5)
@@ -42,7 +42,7 @@ def test_views_equal_truth_within_two_rounds_after_last_change(mode: GossipMode)
 @pytest.mark.parametrize("mode", list(GossipMode))
 def test_converges_under_half_loss(mode: GossipMode) -> None:
     rng = random.Random(2)
-    c = Cluster(6, mode=mode, seed=2, link=LinkConfig(delay_s=0.002, jitter_s=0.003, loss=0.5))
+    c = TwinCluster(6, mode=mode, seed=2, link=LinkConfig(delay_s=0.002, jitter_s=0.003, loss=0.5))
     c.run_for(5.0)
     for i in range(6):
         churn(c, rng, f"n{i}", n_add=50, n_remove=0)
@@ -56,7 +56,7 @@ def test_converges_under_half_loss(mode: GossipMode) -> None:
 def test_epidemic_converges_and_keeps_everyone_alive_at_larger_n() -> None:
     rng = random.Random(3)
     gossip = GossipConfig(fanout=3, suspect_after_s=3.0, dead_after_s=10.0)
-    c = Cluster(24, mode=GossipMode.EPIDEMIC, gossip=gossip, seed=3)
+    c = TwinCluster(24, mode=GossipMode.EPIDEMIC, gossip=gossip, seed=3)
     c.run_for(8.0)
     for i in range(24):
         churn(c, rng, f"n{i}", n_add=20, n_remove=0)
@@ -72,7 +72,7 @@ def test_epidemic_converges_and_keeps_everyone_alive_at_larger_n() -> None:
 
 def test_epidemic_detects_a_crash() -> None:
     gossip = GossipConfig(fanout=3, suspect_after_s=2.0, dead_after_s=6.0)
-    c = Cluster(12, mode=GossipMode.EPIDEMIC, gossip=gossip, seed=4)
+    c = TwinCluster(12, mode=GossipMode.EPIDEMIC, gossip=gossip, seed=4)
     c.run_for(6.0)
     c.crash("n5")
     c.run_for(10.0)
@@ -83,7 +83,7 @@ def test_epidemic_detects_a_crash() -> None:
 def test_duplicates_and_reordering_never_regress_or_corrupt_a_view(mode: GossipMode) -> None:
     rng = random.Random(5)
     link = LinkConfig(delay_s=0.001, jitter_s=0.2, duplicate=0.5, reorder=0.5, reorder_window_s=2)
-    c = Cluster(4, mode=mode, seed=5, link=link)
+    c = TwinCluster(4, mode=mode, seed=5, link=link)
     history: dict[str, dict[int, frozenset[int]]] = {f"n{i}": {0: frozenset()} for i in range(4)}
     seen: dict[tuple[str, str], int] = {}
     for step in range(300):
@@ -107,7 +107,7 @@ def test_duplicates_and_reordering_never_regress_or_corrupt_a_view(mode: GossipM
 @pytest.mark.parametrize("mode", list(GossipMode))
 def test_restart_replaces_the_old_estimate_at_once(mode: GossipMode) -> None:
     rng = random.Random(6)
-    c = Cluster(3, mode=mode, seed=6)
+    c = TwinCluster(3, mode=mode, seed=6)
     joined(c)
     churn(c, rng, "n2", n_add=100, n_remove=0)
     c.run_for(2 * DELTA_T)
@@ -124,7 +124,7 @@ def test_restart_replaces_the_old_estimate_at_once(mode: GossipMode) -> None:
 
 def test_partition_keeps_both_sides_working_and_healing_converges() -> None:
     rng = random.Random(7)
-    c = Cluster(6, seed=7)
+    c = TwinCluster(6, seed=7)
     joined(c)
     left, right = ["n0", "n1", "n2"], ["n3", "n4", "n5"]
     c.partition(left, right)
@@ -146,7 +146,7 @@ def test_partition_keeps_both_sides_working_and_healing_converges() -> None:
 
 def test_delta_mode_falls_back_to_snapshot_when_the_receiver_is_behind_the_log() -> None:
     rng = random.Random(8)
-    c = Cluster(3, gossip=GossipConfig(change_log_limit=32), seed=8)
+    c = TwinCluster(3, gossip=GossipConfig(change_log_limit=32), seed=8)
     joined(c)
     c.partition(["n0", "n2"], ["n1"])
     for _ in range(10):
@@ -159,7 +159,7 @@ def test_delta_mode_falls_back_to_snapshot_when_the_receiver_is_behind_the_log()
 
 def test_delta_steady_state_bytes_follow_churn_not_cache_size() -> None:
     rng = random.Random(9)
-    c = Cluster(3, seed=9)
+    c = TwinCluster(3, seed=9)
     joined(c)
     churn(c, rng, "n0", n_add=20_000, n_remove=0)
     c.run_for(2.0)
@@ -173,7 +173,7 @@ def test_delta_steady_state_bytes_follow_churn_not_cache_size() -> None:
 
 
 def test_rtt_is_measured_through_gossip_without_clock_sync() -> None:
-    c = Cluster(2, seed=10, link=LinkConfig(delay_s=0.005))
+    c = TwinCluster(2, seed=10, link=LinkConfig(delay_s=0.005))
     c.run_for(3.0)
     peer = next(p for p in c.nodes["n0"].mesh_state(c.now)["peers"])  # type: ignore[attr-defined]
     assert peer["rtt_measured"] is True
@@ -186,7 +186,7 @@ def test_epidemic_rumors_reach_every_node_quickly_beyond_the_full_digest() -> No
     # at 100 nodes; the tail it bounds grows with N (docs/scale.md §3 measures 512 and 1,024).
     rng = random.Random(4)
     gossip = GossipConfig(fanout=3, suspect_after_s=6.0, dead_after_s=20.0)
-    c = Cluster(100, mode=GossipMode.EPIDEMIC, gossip=gossip, seed=4)
+    c = TwinCluster(100, mode=GossipMode.EPIDEMIC, gossip=gossip, seed=4)
     c.run_for(12.0)
     assert c.run_until_converged(20.0, step_s=0.25) is not None  # the join
     churn(c, rng, "n7", n_add=16, n_remove=0)

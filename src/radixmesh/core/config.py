@@ -1,6 +1,7 @@
 """Configuration of a node's core, one frozen dataclass per subsystem, validated on creation.
 
-Presets follow memberlist's habit: ``GossipConfig.lan()`` and ``GossipConfig.wan()``.
+Presets follow memberlist's habit: ``GossipConfig.lan()`` and ``GossipConfig.wan()``. Every tuning
+constant of the gossip layer is a field here (nested: ``membership``, ``exchange``, ``epidemic``).
 """
 
 from __future__ import annotations
@@ -29,16 +30,85 @@ class GossipMode(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class MembershipConfig:
+    """Failure detection's bounds and cadences (core/failure.py); counts are rounds or messages."""
+
+    max_members: int = 8192  # known nodes, at most: ids beyond this are ignored (a member flood)
+    max_refused: int = 4096  # peers refused for a foreign fingerprint remembered (one log each)
+    peer_sample: int = 4  # peers named in a periodic membership sample
+    sample_every: int = 8  # messages to one peer between membership samples
+    dead_probe_every: int = 8  # rounds between messages to dead peers (finds healed partitions)
+    seed_every: int = 10  # rounds between seed contacts once an alive peer is known
+
+    def __post_init__(self) -> None:
+        counts = (self.max_members, self.max_refused, self.peer_sample, self.sample_every,
+                  self.dead_probe_every, self.seed_every)  # fmt: skip
+        if min(counts) < 1:
+            raise ValueError("membership bounds and cadences must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class ExchangeConfig:
+    """What rides on every message between two peers (core/dissemination.py)."""
+
+    resend_after_rounds: float = 2.5  # delta: unacknowledged changes are re-sent after this
+    echo_every: int = 8  # messages to one peer between RTT echoes
+    max_rtt_s: float = 60.0  # echoes implying a longer round trip are ignored
+    speed_every: int = 16  # messages to one peer between unconditional speed reports
+    speed_change: float = 0.05  # relative change of a speed figure worth reporting at once
+    max_retry_after_s: float = 60.0  # a "busy" answer asking for a longer back-off is ignored
+
+    def __post_init__(self) -> None:
+        if self.resend_after_rounds <= 0 or self.max_rtt_s <= 0 or self.max_retry_after_s <= 0:
+            raise ValueError("resend_after_rounds, max_rtt_s and max_retry_after_s must be > 0")
+        if self.echo_every < 1 or self.speed_every < 1:
+            raise ValueError("echo_every and speed_every must be >= 1")
+        if self.speed_change < 0:
+            raise ValueError("speed_change must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class EpidemicConfig:
+    """Epidemic mode's digests, rumors and relays (core/epidemic.py); all bound work or memory."""
+
+    digest_full: int = 64  # up to this many known nodes, every digest lists them all
+    digest_sample: int = 48  # ... beyond that, a random sample of this many (plus recent changes)
+    max_rumors: int = 16  # recent changes (and first-hand beats) named in one digest, at most
+    rumor_sends: int = 3  # messages that push a node's changed state unasked (at least; ln N)
+    max_recent: int = 64  # changed nodes with rumor sends left (oldest dropped: digests repair)
+    max_knows: int = 64  # peers whose latest digest is kept (most recent senders; bounds memory)
+    rumor_changes: int = 4  # change entries pushed with a rumor
+    rumor_snapshot_hashes: int = 1024  # a rumor carries a snapshot only if it is this small
+    relay_log_hashes: int = 4096  # per origin: hashes of change entries kept for relaying deltas
+    max_relays: int = 16  # other nodes' states relayed in one message, at most
+    max_relay_hashes: int = 100_000  # hashes relayed in one message, at most
+
+    def __post_init__(self) -> None:
+        counts = (self.digest_full, self.digest_sample, self.max_rumors, self.rumor_sends,
+                  self.max_recent, self.max_knows, self.rumor_changes, self.max_relays)  # fmt: skip
+        if min(counts) < 1:
+            raise ValueError("epidemic digest, rumor and relay counts must be >= 1")
+        if self.digest_sample > self.digest_full:
+            raise ValueError("digest_sample must be <= digest_full")
+        budgets = (self.rumor_snapshot_hashes, self.relay_log_hashes, self.max_relay_hashes)
+        if min(budgets) < 0:
+            raise ValueError("epidemic hash budgets must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
 class GossipConfig:
     interval_s: float = 0.5  # Δpoll: period of anti-entropy rounds
     jitter_frac: float = 0.1  # each round is delayed by up to this fraction of interval_s
-    mode: GossipMode = GossipMode.DELTA
+    mode: GossipMode = GossipMode.DELTA  # what a round carries: snapshot, delta or epidemic
     fanout: int = 3  # epidemic mode: peers contacted per round
     suspect_after_s: float = 2.0  # silent this long -> suspect (not routed to)
     dead_after_s: float = 10.0  # silent this long -> dead (estimate dropped)
     change_log_limit: int = 65_536  # delta mode: changes kept; older receivers get a snapshot
     max_message_bytes: int = 8 * 1024 * 1024  # larger peer messages are rejected
     max_hashes: int = 1_000_000  # hashes in one message, at most
+    membership: MembershipConfig = field(default_factory=MembershipConfig)  # failure detection
+    exchange: ExchangeConfig = field(default_factory=ExchangeConfig)  # per-peer piggybacking
+    epidemic: EpidemicConfig = field(default_factory=EpidemicConfig)  # digests, rumors, relays
 
     def __post_init__(self) -> None:
         if self.interval_s <= 0:
@@ -54,11 +124,27 @@ class GossipConfig:
 
     @classmethod
     def lan(cls) -> GossipConfig:
-        return cls(interval_s=0.5, suspect_after_s=2.0, dead_after_s=10.0)
+        """The defaults: sub-millisecond links, rounds every 0.5 s."""
+        return cls(
+            interval_s=0.5,
+            suspect_after_s=2.0,
+            dead_after_s=10.0,
+            membership=MembershipConfig(dead_probe_every=8, seed_every=10),
+            exchange=ExchangeConfig(echo_every=8, speed_every=16),
+        )
 
     @classmethod
     def wan(cls) -> GossipConfig:
-        return cls(interval_s=2.0, suspect_after_s=10.0, dead_after_s=60.0)
+        """Rounds 4x slower and timeouts 5-6x longer (lossy, slower links); cadences counted
+        in rounds or messages are halved, so dead-peer probes, seed contacts, RTT echoes and
+        speed reports come every 2x as long as on a LAN in seconds, not 4x."""
+        return cls(
+            interval_s=2.0,
+            suspect_after_s=10.0,
+            dead_after_s=60.0,
+            membership=MembershipConfig(dead_probe_every=4, seed_every=5),
+            exchange=ExchangeConfig(echo_every=4, speed_every=8),
+        )
 
     @classmethod
     def for_interval(cls, interval_s: float, **overrides: Any) -> GossipConfig:

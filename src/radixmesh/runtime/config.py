@@ -16,7 +16,6 @@ core's :class:`~radixmesh.core.config.NodeConfig`.
 from __future__ import annotations
 
 import argparse
-import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -24,27 +23,21 @@ from pathlib import Path
 from typing import Any
 
 from radixmesh.core.blocks import Fingerprint
-from radixmesh.core.config import GossipConfig, GossipMode, NodeConfig, PushbackConfig
+from radixmesh.core.config import (
+    ForwardConfig,
+    GossipConfig,
+    GossipMode,
+    NodeConfig,
+    PushbackConfig,
+)
 from radixmesh.core.router import Policy, RouterConfig
+from radixmesh.core.units import parse_duration
 
-_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(us|µs|ms|s|m)?\s*$")
-_UNITS = {None: 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "m": 60.0}
-
-
-def parse_duration(text: str | float | int) -> float:
-    """Seconds from ``"2ms"``, ``"0.5s"``, ``"250us"`` or a plain number of seconds."""
-    if isinstance(text, bool):
-        raise ValueError(f"not a duration: {text!r}")
-    if isinstance(text, int | float):
-        value = float(text)
-    else:
-        m = _DURATION.match(text)
-        if m is None:
-            raise ValueError(f"not a duration: {text!r} (examples: 2ms, 0.5s, 0.1)")
-        value = float(m.group(1)) * _UNITS[m.group(2)]
-    if value < 0:
-        raise ValueError(f"duration must be >= 0: {text!r}")
-    return value
+# The core's defaults, which ServeConfig's defaults are read from (one place declares each).
+_ROUTER = RouterConfig()
+_GOSSIP = GossipConfig()
+_PUSHBACK = PushbackConfig()
+_FORWARD = ForwardConfig()
 
 
 def parse_fraction(text: str | float | int) -> float:
@@ -92,11 +85,11 @@ class ServeConfig:
     port: int = 8000
     advertise: str = ""  # host:port peers use to reach us; "" -> host:port
     peers: tuple[str, ...] = ()  # seed peers, host:port
-    gossip_interval: float = 0.5  # seconds between anti-entropy rounds (Δpoll)
-    gossip_mode: str = "delta"  # delta | snapshot | epidemic
-    gossip_fanout: int = 3  # epidemic mode: peers per round
-    policy: str = "cost"  # cost | paper | none | random | round_robin | least_loaded
-    load_bound: float | None = RouterConfig().load_bound  # cost: bounded load; None = off
+    gossip_interval: float = _GOSSIP.interval_s  # seconds between anti-entropy rounds (Δpoll)
+    gossip_mode: str = _GOSSIP.mode.value  # delta | snapshot | epidemic
+    gossip_fanout: int = _GOSSIP.fanout  # epidemic mode: peers per round
+    policy: str = _ROUTER.policy.value  # cost | paper | none | random | round_robin | ...
+    load_bound: float | None = _ROUTER.load_bound  # cost: bounded load; None = off
     preset: str = "tiny"  # built-in engine preset (ignored when model is set)
     model: str = ""  # local Hugging Face model directory; "" -> preset
     cache_tokens: int = 65_536  # KV cache budget in tokens
@@ -105,9 +98,9 @@ class ServeConfig:
     seed: int = 0  # weights of presets, and this node's routing randomness
     suspect_timeout: float = 0.0  # silent this long -> suspect; 0 -> 4 gossip intervals
     dead_timeout: float = 0.0  # silent this long -> dead; 0 -> 20 gossip intervals
-    pushback_threshold: int = 8  # queue depth above which we ask peers to back off
-    forward_timeout: float = 2.0  # forward: first byte (and silence between bytes) timeout
-    connect_timeout: float = 0.5  # forward / gossip: TCP connect timeout
+    pushback_threshold: int = _PUSHBACK.queue_threshold  # queue depth: ask peers to back off
+    forward_timeout: float = _FORWARD.silence_timeout_s  # forward: first byte / silence timeout
+    connect_timeout: float = _FORWARD.connect_timeout_s  # forward / gossip: TCP connect timeout
     net_delay: float = 0.0  # emulated one-way delay on every peer message, seconds
     net_jitter: float = 0.0  # emulated extra delay, uniform in [0, jitter], seconds
     net_loss: float = 0.0  # emulated loss probability of gossip messages
@@ -169,6 +162,19 @@ class ServeConfig:
             gossip = replace(gossip, dead_after_s=5 * gossip.suspect_after_s)
         return gossip
 
+    def router_config(self) -> RouterConfig:
+        return replace(_ROUTER, policy=Policy.parse(self.policy), load_bound=self.load_bound)
+
+    def pushback_config(self) -> PushbackConfig:
+        return replace(_PUSHBACK, queue_threshold=self.pushback_threshold)
+
+    def forward_config(self) -> ForwardConfig:
+        return replace(
+            _FORWARD,
+            connect_timeout_s=self.connect_timeout,
+            silence_timeout_s=self.forward_timeout,
+        )
+
     def node_config(self, fingerprint: Fingerprint, incarnation: int) -> NodeConfig:
         return NodeConfig(
             node_id=self.name,
@@ -176,9 +182,10 @@ class ServeConfig:
             fingerprint=fingerprint,
             incarnation=incarnation,
             seeds=tuple(p for p in self.peers if p != self.address),
-            router=RouterConfig(policy=Policy.parse(self.policy), load_bound=self.load_bound),
+            router=self.router_config(),
             gossip=self.gossip_config(),
-            pushback=PushbackConfig(queue_threshold=self.pushback_threshold),
+            pushback=self.pushback_config(),
+            forward=self.forward_config(),
         )
 
 

@@ -1,0 +1,323 @@
+"""Dissemination: rounds, targets, and what each message carries to whom.
+
+Theory of operation
+-------------------
+Every node is the single writer of its own state: a versioned :class:`Payload` (the cache
+summary, see :mod:`cache_payload`) and its load. Each round it sends one :class:`Gossip` to
+each target; receivers keep the newest of each per peer and only ever move it forward::
+
+    payload:  Snapshot v  applied iff v > held version
+              Delta base..v applied iff base <= held version (entries above held are applied)
+    load:     applied iff the sender's stamp is newer than the last applied one
+
+so duplicates, reordering, delay and loss never regress a view (loss only delays it).
+
+Modes (``GossipConfig.mode``)
+    snapshot   every round carries the sender's full payload to every live member (the paper).
+    delta      every round carries the entries after the version the receiver holds: its last
+               ack (acks ride on the receiver's own messages) or, optimistically, what we last
+               sent it, for at most ``exchange.resend_after_rounds`` rounds without ack progress
+               (then from the ack again: lost messages are re-sent). A receiver that holds
+               nothing, or is behind our change log, gets a snapshot. A gap (base above what
+               it holds) is ignored and counted; the fallback to its ack repairs it.
+    epidemic   delta to ``fanout`` random members per round, push-pull, plus digests, rumors
+               and relays of others' states (:mod:`epidemic`).
+
+Alongside the payload ride: load (with our speed only when it moved by ``speed_change`` or
+every ``speed_every`` messages), push-back, membership (peer lists, :mod:`failure`) and RTT
+echoes: each message now and then echoes the last stamp received from its destination and how
+long it was held, so the destination computes ``rtt = now - stamp - held`` on its own clock,
+without clock sync. Dead members are probed every ``dead_probe_every`` rounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from random import Random  # the type only: instances are passed in, never the global one
+
+from radixmesh.core.codec import Codec
+from radixmesh.core.config import GossipMode, NodeConfig
+from radixmesh.core.epidemic import Epidemic
+from radixmesh.core.estimate import Estimate, bump
+from radixmesh.core.estimators import RttTable, SpeedReport
+from radixmesh.core.events import Action, Send
+from radixmesh.core.failure import FailureDetector
+from radixmesh.core.membership import Member
+from radixmesh.core.messages import (
+    Ack,
+    Delta,
+    Echo,
+    Gossip,
+    Load,
+    NodeState,
+    Snapshot,
+    Summary,
+)
+from radixmesh.core.payload import Payload
+
+
+class Disseminator:
+    """Builds each round's messages and applies the states that arrive."""
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        payload: Payload,
+        failure: FailureDetector,
+        rtt: RttTable,
+        codec: Codec,
+        rng: Random,
+        metrics: dict[str, float],
+    ) -> None:
+        self.config = config
+        self.cfg = config.gossip
+        self.xcfg = config.gossip.exchange
+        self.payload = payload
+        self.failure = failure
+        self.members = failure.members
+        self.rtt = rtt
+        self.codec = codec
+        self.rng = rng
+        self.metrics = metrics
+        self.fingerprint = config.fingerprint.digest
+        self.epidemic = Epidemic(config.gossip, failure, payload, rng)
+
+    # ================================================================= outgoing rounds
+    def round(self, now: float, load: Load) -> list[Action]:
+        """One round: a message to each target (and seeds while needed)."""
+        self.epidemic.begin_round(len(self.failure.live))
+        actions: list[Action] = []
+        for member in self._targets():
+            est = self.failure.estimates[member.node_id]
+            actions.append(self.send(est, member, now, load, reply=self.epidemic.enabled))
+        for address in self.failure.seeds_due():
+            actions.append(self.hello(address, now, load, reply=True))
+        return actions
+
+    def _targets(self) -> list[Member]:
+        """Direct modes: every live member. Epidemic: ``fanout`` random ones. Dead members
+        are probed now and then (all of them, or one in epidemic mode)."""
+        ids = self.failure.live
+        dead = self.failure.dead_due()
+        if self.epidemic.enabled and len(ids) > self.cfg.fanout:
+            ids = self.rng.sample(ids, self.cfg.fanout)
+            dead = self.rng.sample(dead, 1) if dead else []
+        out = []
+        for node_id in [*ids, *dead]:
+            member = self.members.get(node_id)
+            if member is not None:
+                out.append(member)
+        return out
+
+    def hello(self, address: str, now: float, load: Load, reply: bool) -> Send:
+        """A message to an address whose node we do not know (a seed, a refused peer)."""
+        msg = self._message(None, now, load, reply=reply, full=True)
+        return Send(address, self.codec.encode(msg), None, msg)
+
+    def send(
+        self, est: Estimate, member: Member, now: float, load: Load, reply: bool, full: bool = False
+    ) -> Send:
+        reply = reply or est.version is None
+        msg = self._message(est, now, load, reply=reply, full=full)
+        est.sent += 1
+        data = self.codec.encode(msg)
+        return Send(member.address, data, member.node_id, msg)
+
+    def _message(
+        self, est: Estimate | None, now: float, load: Load, reply: bool, full: bool
+    ) -> Gossip:
+        summary = self._summary_for(est, now)
+        first = est is None or est.acked is None or isinstance(summary, Snapshot)
+        target = None if est is None else est.node_id
+        return Gossip(
+            sender=self.config.node_id,
+            address=self.config.address,
+            incarnation=self.config.incarnation,
+            version=self.payload.version,
+            heartbeat=self.failure.heartbeat,
+            fingerprint=self.fingerprint,
+            stamp=now,
+            load=load if est is None else self._load_for(est, load),
+            summary=summary,
+            fingerprint_detail=self.config.fingerprint if first or full else None,
+            ack=None if est is None else _ack(est),
+            echo=None if est is None else self._echo(est, now),
+            peers=self.failure.peer_list(target, first, full, 0 if est is None else est.sent),
+            digest=self.epidemic.digest(target) if self.epidemic.enabled else (),
+            relays=self._relays(est, now),  # evaluated last: rng draws stay in this order
+            reply=reply,
+        )
+
+    def _relays(self, est: Estimate | None, now: float) -> tuple[NodeState, ...]:
+        return self.epidemic.relays(est, now) if self.epidemic.enabled and est is not None else ()
+
+    def _load_for(self, est: Estimate, load: Load) -> Load:
+        """Our load for ``est``, its speed left out when the peer has a close enough one."""
+        if load.speed is None:
+            return load
+        sent, x = est.speed_sent, self.xcfg
+        if (
+            sent is None
+            or est.sent % x.speed_every == 0
+            or _speed_moved(sent, load.speed, x.speed_change)
+        ):
+            est.speed_sent = load.speed
+            return load
+        return replace(load, speed=None)
+
+    def _summary_for(self, est: Estimate | None, now: float) -> Summary | None:
+        if self.cfg.mode is GossipMode.SNAPSHOT or est is None:
+            return self.payload.local_state()
+        base = self._delta_base(est, now)
+        if base is None:
+            summary: Summary = self.payload.local_state()
+        else:
+            delta = self.payload.local_changes(base)
+            if delta is None:
+                bump(self.metrics, "gossip_snapshot_fallbacks")
+                summary = self.payload.local_state()
+            elif not delta.changes:
+                return None
+            else:
+                summary = delta
+        self._sent(est, summary, now)
+        return summary
+
+    def _delta_base(self, est: Estimate, now: float) -> int | None:
+        """The version to send changes after: what it acknowledged, or (optimistically, for
+        a bounded window) what we already sent it, so each change normally travels once."""
+        acked = None if est.acked is None else est.acked.version
+        window = self.xcfg.resend_after_rounds * self.cfg.interval_s
+        since = est.unacked_since
+        if est.sent_version is None or (since is not None and now - since >= window):
+            est.resend_from_ack()  # nothing sent, or not acknowledged in time: repair
+            return acked
+        return est.sent_version if acked is None else max(acked, est.sent_version)
+
+    def _sent(self, est: Estimate, summary: Summary, now: float) -> None:
+        est.sent_version = summary.version
+        acked = None if est.acked is None else est.acked.version
+        if acked is not None and acked >= summary.version:
+            est.unacked_since = None
+        elif est.unacked_since is None:
+            est.unacked_since = now
+
+    def _echo(self, est: Estimate, now: float) -> Echo | None:
+        if est.echo_stamp is None or est.sent % self.xcfg.echo_every != 0:
+            return None
+        echo = Echo(est.echo_stamp, max(0.0, now - est.echo_at))
+        est.echo_stamp = None
+        return echo
+
+    # ================================================================= incoming states
+    def apply_direct(self, est: Estimate, msg: Gossip, now: float, newest: bool) -> None:
+        """The sender's own state, ack and echo (``newest``: no newer message applied yet)."""
+        self.epidemic.heard_first_hand(msg.sender)
+        self._apply_load(est, msg.stamp, msg.load, now)
+        self._apply_summary(est, msg.summary)
+        self._apply_echo(est, msg, now)
+        if newest:
+            self._apply_ack(est, msg.ack, now)
+            if msg.digest:
+                self.epidemic.keep_knows(est, msg.digest)
+
+    def apply_relay(self, s: NodeState, now: float, out: list[Action]) -> None:
+        """Another node's state relayed by the sender (epidemic)."""
+        if s.node_id == self.config.node_id:
+            return
+        est = self.failure.resolve(s.node_id, s.incarnation, s.address, now, out)
+        if est is None:
+            return
+        self.failure.heard_relayed(est, s.heartbeat, now, out)
+        self._apply_load(est, s.stamp, s.load, now)
+        self._apply_summary(est, s.summary)
+        self.failure.sync_routable(s.node_id)
+
+    def _apply_load(self, est: Estimate, stamp: float, load: Load | None, now: float) -> None:
+        if load is None or (est.stamp is not None and stamp <= est.stamp):
+            return
+        est.stamp = stamp
+        est.load = load
+        if load.speed is not None:
+            est.speed = load.speed
+        est.pushback_until = None if load.pushback_s is None else now + load.pushback_s
+
+    def _apply_summary(self, est: Estimate, summary: Summary | None) -> None:
+        if summary is None:
+            return
+        if isinstance(summary, Snapshot):
+            self._apply_snapshot(est, summary)
+        else:
+            self._apply_delta(est, summary)
+
+    def _apply_snapshot(self, est: Estimate, snap: Snapshot) -> None:
+        if est.version is not None and snap.version <= est.version:
+            bump(self.metrics, "gossip_stale_summaries")
+            return
+        self.payload.merge_remote_state(est.node_id, snap)
+        est.version = snap.version
+        self.epidemic.note_snapshot(est)
+        bump(self.metrics, "gossip_snapshots_applied")
+
+    def _apply_delta(self, est: Estimate, delta: Delta) -> None:
+        if est.version is None or delta.base > est.version:
+            bump(self.metrics, "gossip_gaps")
+            return
+        held = est.version
+        fresh = [c for c in delta.changes if c.version > held]
+        if not fresh:
+            if delta.changes:
+                bump(self.metrics, "gossip_stale_summaries")
+            return
+        self.payload.merge_remote_changes(est.node_id, fresh)
+        est.version = fresh[-1].version
+        self.epidemic.note_changes(est, fresh)
+        bump(self.metrics, "gossip_deltas_applied")
+
+    def _apply_ack(self, est: Estimate, ack: Ack | None, now: float) -> None:
+        if ack is not None and ack.incarnation != self.config.incarnation:
+            ack = None
+        old = est.acked
+        est.acked = ack
+        if ack is None and old is not None:  # it dropped our state: start again
+            est.resend_from_ack()
+        if ack is None or (old is not None and ack.version <= old.version):
+            return
+        caught_up = est.sent_version is None or ack.version >= est.sent_version
+        est.unacked_since = None if caught_up else now  # progress: a fresh window
+
+    def _apply_echo(self, est: Estimate, msg: Gossip, now: float) -> None:
+        if est.echo_stamp is None or msg.stamp > est.echo_stamp:
+            est.echo_stamp, est.echo_at = msg.stamp, now
+        echo = msg.echo
+        if echo is None or (est.last_echo is not None and echo.stamp <= est.last_echo):
+            return
+        rtt = now - echo.stamp - echo.held_s
+        if 0.0 <= rtt <= self.xcfg.max_rtt_s:
+            est.last_echo = echo.stamp
+            self.rtt.observe(est.node_id, rtt, probe=True)
+            bump(self.metrics, "rtt_samples")
+
+    # ========================================================================= push-back
+    def refused_forward(self, peer_id: str, retry_after_s: float, now: float) -> None:
+        """The peer answered a forward with "busy": back off as if it had pushed back."""
+        est = self.failure.estimates.get(peer_id)
+        if est is None or not 0.0 < retry_after_s <= self.xcfg.max_retry_after_s:
+            return  # 0: refused this request only (it would not have paid there)
+        until = now + retry_after_s
+        if est.pushback_until is None or est.pushback_until < until:
+            est.pushback_until = until
+
+
+def _ack(est: Estimate) -> Ack | None:
+    return None if est.version is None else Ack(est.incarnation, est.version)
+
+
+def _speed_moved(old: SpeedReport, new: SpeedReport, threshold: float) -> bool:
+    pairs = (
+        (old.prefill_overhead_s, new.prefill_overhead_s),
+        (old.prefill_s_per_token, new.prefill_s_per_token),
+        (old.decode_s_per_token, new.decode_s_per_token),
+        (old.mean_service_s, new.mean_service_s),
+    )
+    return any(abs(b - a) > threshold * max(abs(a), 1e-12) for a, b in pairs)

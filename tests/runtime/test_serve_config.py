@@ -1,0 +1,35 @@
+"""ServeConfig reads its defaults from the core configs and fills every part of NodeConfig."""
+
+from __future__ import annotations
+
+from radixmesh.core.blocks import Fingerprint
+from radixmesh.core.config import ForwardConfig, GossipConfig, PushbackConfig
+from radixmesh.core.router import RouterConfig
+from radixmesh.runtime.config import ServeConfig, config_from_mapping
+
+
+def test_defaults_come_from_the_core() -> None:
+    serve, gossip, forward = ServeConfig(), GossipConfig(), ForwardConfig()
+    assert (serve.gossip_interval, serve.gossip_fanout) == (gossip.interval_s, gossip.fanout)
+    assert serve.gossip_mode == gossip.mode.value
+    assert serve.policy == RouterConfig().policy.value
+    assert serve.load_bound == RouterConfig().load_bound
+    assert serve.pushback_threshold == PushbackConfig().queue_threshold
+    assert serve.forward_timeout == forward.silence_timeout_s
+    assert serve.connect_timeout == forward.connect_timeout_s
+
+
+def test_default_node_config_equals_the_core_defaults_but_for_derived_timeouts() -> None:
+    node = ServeConfig().node_config(Fingerprint("m", "t", 16), incarnation=1)
+    assert node.router == RouterConfig()
+    assert node.pushback == PushbackConfig()
+    assert node.forward == ForwardConfig()
+    assert node.gossip == GossipConfig.for_interval(GossipConfig().interval_s)
+
+
+def test_forward_timeouts_reach_the_core() -> None:
+    cfg = config_from_mapping({"forward-timeout": "750ms", "connect_timeout": 0.25})
+    node = cfg.node_config(Fingerprint("m", "t", 16), incarnation=1)
+    assert node.forward.silence_timeout_s == 0.75
+    assert node.forward.connect_timeout_s == 0.25
+    assert node.forward.max_peer_attempts == ForwardConfig().max_peer_attempts
