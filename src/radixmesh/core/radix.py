@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -137,13 +138,16 @@ class RadixTree(Generic[V]):
         return frozenset(self._hash_set)
 
     def drain_delta(self) -> tuple[list[int], list[int]]:
-        """Block hashes added and removed since the previous call (net of each other)."""
+        """Block hashes added and removed since the previous call: exactly the set difference
+        of the hashes cached then and now, each listed once."""
         added, removed = self._added, self._removed
         self._added, self._removed = [], []
         both = set(added) & set(removed)
-        if both:
-            added = [h for h in added if h not in both or h in self._hash_set]
-            removed = [h for h in removed if h not in both or h not in self._hash_set]
+        if both:  # a hash is added only while absent, removed only while present: the net
+            net = Counter(h for h in added if h in both)  # change is #added - #removed
+            net.subtract(h for h in removed if h in both)
+            added = [h for h in dict.fromkeys(added) if h not in both or net[h] > 0]
+            removed = [h for h in dict.fromkeys(removed) if h not in both or net[h] < 0]
         return added, removed
 
     # ----------------------------------------------------------------------------- serving

@@ -1,10 +1,14 @@
 """The interface between a node and the engine that executes requests.
 
-An engine owns the KV cache and its exact radix tree. The node asks it three things:
-``match`` (read-only, for routing), ``generate`` (execute one request; blocking, one at a
-time — the :class:`~radixmesh.engine.worker.EngineWorker` queues requests in FIFO order and
-runs them on a thread), and the cache changes since last asked (``drain_cache_delta``, block
-hashes added/removed) plus a full snapshot (``cache_hashes``) for gossip.
+An :class:`Engine` is two interfaces, as cache management is separate from the model:
+
+* :class:`PrefixCacheView` — what the node sees of the engine's prefix cache (the budgeted
+  radix tree of ``core.prefix_cache``): ``match`` (read-only, for routing), ``usage``, the
+  cache changes since last asked (``drain_cache_delta``, block hashes added/removed) and a
+  full snapshot (``cache_hashes``) for gossip. Callable from any thread.
+* :class:`ModelRunner` — the model's identity and limits and ``generate`` (execute one
+  request; blocking, one at a time — the :class:`~radixmesh.engine.worker.EngineWorker` queues
+  requests in FIFO order and runs them on a thread), which reads and fills that cache.
 
 Handles: lists returned by an engine are owned by the caller; the engine never mutates them.
 """
@@ -16,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from radixmesh.core.blocks import Fingerprint
+from radixmesh.core.prefix_cache import CacheUsage
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,13 +68,6 @@ class CacheDelta:
     removed: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class CacheUsage:
-    tokens: int  # tokens currently cached
-    budget: int  # capacity in tokens
-    locked_tokens: int  # tokens pinned by running requests
-
-
 class Tokenizer(Protocol):
     @property
     def fingerprint(self) -> str: ...
@@ -85,25 +83,15 @@ class Tokenizer(Protocol):
 TokenCallback = Callable[[int], None]
 
 
-class Engine(Protocol):
-    @property
-    def model_name(self) -> str: ...  # the name clients pass as "model"
-    @property
-    def fingerprint(self) -> Fingerprint: ...
-    @property
-    def max_context(self) -> int: ...
-    @property
-    def tokenizer(self) -> Tokenizer: ...
+class PrefixCacheView(Protocol):
+    """The node's view of an engine's prefix cache; read-only except the journal drain."""
 
     def match(self, prompt_ids: Sequence[int]) -> int:
-        """Cached prefix length in tokens; read-only (no LRU touch)."""
+        """Prompt tokens a request would reuse now (cached prefix, at most len - 1); read-only
+        (no LRU touch)."""
         ...
 
-    def generate(
-        self, req: GenerateRequest, on_token: TokenCallback | None = None
-    ) -> GenerateResult:
-        """Execute one request (blocking). ``on_token`` is called for each generated token."""
-        ...
+    def usage(self) -> CacheUsage: ...
 
     def drain_cache_delta(self) -> CacheDelta:
         """Block hashes added/removed since the previous call."""
@@ -113,4 +101,25 @@ class Engine(Protocol):
         """Every block hash currently cached."""
         ...
 
-    def usage(self) -> CacheUsage: ...
+
+class ModelRunner(Protocol):
+    """The model: identity, limits and request execution."""
+
+    @property
+    def model_name(self) -> str: ...  # the name clients pass as "model"
+    @property
+    def fingerprint(self) -> Fingerprint: ...
+    @property
+    def max_context(self) -> int: ...
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    def generate(
+        self, req: GenerateRequest, on_token: TokenCallback | None = None
+    ) -> GenerateResult:
+        """Execute one request (blocking). ``on_token`` is called for each generated token."""
+        ...
+
+
+class Engine(PrefixCacheView, ModelRunner, Protocol):
+    """What a node runs: a model over its own prefix cache."""

@@ -50,7 +50,7 @@ from radixmesh.engine.base import (
     TokenCallback,
     Tokenizer,
 )
-from radixmesh.engine.radix_cache import LayerKV, Lease, RadixKVCache, RequestCache
+from radixmesh.engine.radix_cache import KVLease, LayerKV, RadixKVCache, RequestCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +75,9 @@ class _Run:
 
 
 class TransformersEngine:
-    """Implements :class:`radixmesh.engine.base.Engine`. Not re-entrant: use ``EngineWorker``."""
+    """Implements :class:`radixmesh.engine.base.Engine`: the prefix-cache view delegates to
+    ``self.cache`` (the shared ``core.prefix_cache`` with KV values), the model part is below.
+    Not re-entrant: use ``EngineWorker``."""
 
     def __init__(
         self,
@@ -125,7 +127,7 @@ class TransformersEngine:
 
     # ------------------------------------------------------------------------- cache queries
     def match(self, prompt_ids: Sequence[int]) -> int:
-        return min(self.cache.match(prompt_ids), max(len(prompt_ids) - 1, 0))
+        return self.cache.reusable(prompt_ids)
 
     def drain_cache_delta(self) -> CacheDelta:
         added, removed = self.cache.drain_delta()
@@ -160,7 +162,7 @@ class TransformersEngine:
         self.validate(prompt)
         sp = req.sampling
         budget = min(sp.max_tokens, self.max_context - len(prompt))
-        lease = self.cache.acquire(prompt, self._reserve(prompt, budget), self._clock())
+        lease = self.cache.acquire(prompt, self.cache.reserve_for(prompt, budget), self._clock())
         run: _Run | None = None
         try:
             t0 = time.perf_counter()
@@ -184,7 +186,7 @@ class TransformersEngine:
         """
         prompt = list(prompt_ids)
         self.validate(prompt)
-        lease = self.cache.acquire(prompt, self._reserve(prompt, 0), self._clock())
+        lease = self.cache.acquire(prompt, self.cache.reserve_for(prompt, 0), self._clock())
         run: _Run | None = None
         try:
             run, logits = self._prefill(prompt, lease)
@@ -192,10 +194,7 @@ class TransformersEngine:
             self._finish(lease, run if insert else None)
         return logits.cpu(), lease.cached
 
-    def _reserve(self, prompt: Sequence[int], budget: int) -> int:
-        return len(prompt) - self.cache.match(prompt) + budget
-
-    def _finish(self, lease: Lease, run: _Run | None) -> None:
+    def _finish(self, lease: KVLease, run: _Run | None) -> None:
         if run is None or not run.fed:
             self.cache.release(lease)
             return
@@ -205,7 +204,7 @@ class TransformersEngine:
 
     @torch.inference_mode()
     def _prefill(
-        self, prompt: list[int], lease: Lease, max_new: int = 0
+        self, prompt: list[int], lease: KVLease, max_new: int = 0
     ) -> tuple[_Run, torch.Tensor]:
         values = [v.to(self.device) for v in lease.values]
         cache = RequestCache(self._n_layers, len(prompt) + max_new, values)

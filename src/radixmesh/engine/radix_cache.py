@@ -1,152 +1,127 @@
-"""The radix KV cache: KV tensors hung on the nodes of the exact radix tree.
+"""The radix KV cache: KV tensors hung on the nodes of the shared budgeted prefix cache.
 
 Theory of operation
 -------------------
+Budget, LRU eviction, leases and the block-hash journal are ``core.prefix_cache.PrefixCache``
+(the simulator runs the same code); this module adds only what is specific to KV tensors.
+
 Each tree node's value is one tensor ``[layers, 2, kv_heads, T, head_dim]`` holding the keys
 (index 0) and values (index 1) of exactly that node's ``T`` token positions, at their original
 absolute positions (rotary embeddings are already applied, so a segment is only valid there —
 which is exactly what a radix path guarantees). Values are *copies*, never views: a view would
-pin the whole request's KV in memory. Splitting a node splits its tensor along ``T``::
+pin the whole request's KV in memory. Splitting a node splits its tensor along ``T``
+(:func:`split_kv`)::
 
     root ─[0..512) KV─▶ A ─[512..590) KV─▶ B        KV(prefix of B) = cat(A.kv, B.kv) along T
 
-A request runs in four steps (the paper's Algorithm 1, lines 7–13)::
+A request runs in four steps (the lease lifecycle of ``core/prefix_cache.py``)::
 
-    acquire(prompt)   match_prefix(prompt[:-1]) (>= 1 token is always computed), lock the path,
-                      evict LRU leaves until the request's new tokens fit the budget
-    RequestCache(lease.values)   copy the path's tensors into per-layer buffers sized for the
-                      request (prefix + new tokens); the model appends in place
+    acquire(prompt, reserve)   match prompt[:-1], lock the path, evict so ``reserve`` fits
+    RequestCache(lease.values) copy the path's tensors into per-layer buffers sized for the
+                               request (prefix + new tokens); the model appends in place
     ... the engine runs prefill + decode on that RequestCache ...
-    commit(lease, seq, kv)  insert the sequence's tokens (prompt + generated) with KV slices
-                      cloned from the request cache, evicting again if needed; unlock
+    commit(lease, seq, kv)     insert the sequence's tokens (prompt + generated) with KV slices
+                               cloned from the request cache, truncated to the room; unlock
 
-Budget: ``total_tokens <= budget`` always. Eviction frees unlocked leaves least-recently-used
-first; if locked paths leave too little room the insert is truncated to what fits (the cache
-then holds a shorter prefix — correct, merely less useful). Block-hash changes are journaled
-by the tree and drained for gossip. The budget bounds the *cache*; a running request also
-holds its own working buffer (prefix copy + new tokens) until it commits.
-
-Thread safety: one ``threading.Lock`` guards the tree, so ``match`` (event-loop thread) can run
-while a request computes on the worker thread; tensors are only read outside the lock after
-their path is locked (locked nodes are never evicted; splits keep tensor contents intact).
+Thread safety: one ``threading.Lock`` guards the prefix cache, so ``match`` (event-loop thread)
+can run while a request computes on the worker thread; tensors are only read outside the lock
+after their path is locked (locked nodes are never evicted; splits keep tensor contents intact).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from radixmesh.core.radix import RadixTree, TreeNode
-from radixmesh.engine.base import CacheUsage
+from radixmesh.core.prefix_cache import CacheUsage, Lease, PrefixCache
+from radixmesh.core.radix import RadixTree
 
 KV = torch.Tensor  # [layers, 2, kv_heads, T, head_dim]
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), [1, kv_heads, T, head_dim]
+KVLease = Lease[KV]
 
 
 def split_kv(value: KV, at: int) -> tuple[KV, KV]:
     return value[:, :, :, :at].clone(), value[:, :, :, at:].clone()
 
 
-@dataclass(slots=True)
-class Lease:
-    """A running request's hold on its matched path; valid until ``commit`` or ``release``."""
+def kv_slicer(kv: LayerKV) -> Callable[[int, int], KV]:
+    """Node values from a request's per-layer KV: positions ``[start, stop)``, copied."""
 
-    cached: int  # prompt tokens whose KV is reused
-    node: TreeNode[KV]
-    values: list[KV]
-    active: bool = True
+    def make_value(start: int, stop: int) -> KV:
+        return torch.stack([torch.stack((k[0, :, start:stop], v[0, :, start:stop])) for k, v in kv])
+
+    return make_value
 
 
 class RadixKVCache:
+    """``PrefixCache[KV]`` behind a mutex; every method is one locked call into it."""
+
     def __init__(self, budget_tokens: int, block_size: int, seed: int) -> None:
-        if budget_tokens < 0:
-            raise ValueError("cache budget must be >= 0 tokens")
-        self.budget = budget_tokens
-        self.tree: RadixTree[KV] = RadixTree(block_size, seed, split_kv)
+        self._cache: PrefixCache[KV] = PrefixCache(budget_tokens, block_size, seed, split_kv)
         self._mutex = threading.Lock()
-        self.evicted_tokens = 0  # lifetime counter
+
+    # ------------------------------------------------------------------------- inspection
+    @property
+    def tree(self) -> RadixTree[KV]:
+        """The radix tree, for inspection (tests, benchmarks); never mutate it."""
+        return self._cache.tree
+
+    @property
+    def budget(self) -> int:
+        return self._cache.budget
+
+    @property
+    def evicted_tokens(self) -> int:
+        return self._cache.evicted_tokens
 
     # ------------------------------------------------------------------------- read-only
     def match(self, tokens: Sequence[int]) -> int:
         with self._mutex:
-            return self.tree.match(tokens)
+            return self._cache.match(tokens)
+
+    def reusable(self, prompt: Sequence[int]) -> int:
+        with self._mutex:
+            return self._cache.reusable(prompt)
+
+    def reserve_for(self, prompt: Sequence[int], max_new: int) -> int:
+        with self._mutex:
+            return self._cache.reserve_for(prompt, max_new)
 
     def usage(self) -> CacheUsage:
         with self._mutex:
-            return CacheUsage(self.tree.total_tokens, self.budget, self.tree.locked_tokens)
+            return self._cache.usage()
 
     def block_hashes(self) -> frozenset[int]:
         with self._mutex:
-            return self.tree.block_hashes()
+            return self._cache.block_hashes()
 
     def drain_delta(self) -> tuple[list[int], list[int]]:
         with self._mutex:
-            return self.tree.drain_delta()
+            return self._cache.drain_delta()
+
+    # ------------------------------------------------------------------------- serving
+    def acquire(self, prompt: Sequence[int], reserve: int, now: float) -> KVLease:
+        """``PrefixCache.acquire``: lock the cached prefix of ``prompt[:-1]``, make room."""
+        with self._mutex:
+            return self._cache.acquire(prompt, reserve, now)
+
+    def release(self, lease: KVLease) -> None:
+        with self._mutex:
+            self._cache.release(lease)
+
+    def commit(self, lease: KVLease, tokens: Sequence[int], kv: LayerKV, now: float) -> int:
+        """Insert ``tokens`` (whose KV is ``kv``, positions 0..len) and unlock; returns #added."""
+        with self._mutex:
+            return self._cache.commit(lease, tokens, now, kv_slicer(kv))
 
     def clear(self) -> int:
         """Evict every unlocked entry (removals are journaled); returns tokens freed."""
         with self._mutex:
-            freed = sum(ev.tokens for ev in self.tree.evict(self.tree.total_tokens))
-            self.evicted_tokens += freed
-            return freed
-
-    # ------------------------------------------------------------------------- serving
-    def acquire(self, prompt: Sequence[int], reserve: int, now: float) -> Lease:
-        """Match and lock the cached prefix of ``prompt`` (all but its last token).
-
-        ``reserve`` is how many new tokens the request will add; LRU leaves are evicted so they
-        fit (as far as unlocked entries allow).
-        """
-        with self._mutex:
-            found = self.tree.match_prefix(prompt[: max(len(prompt) - 1, 0)], now)
-            self.tree.lock(found.node)
-            self._make_room(reserve)
-            return Lease(found.length, found.node, list(found.values))
-
-    def release(self, lease: Lease) -> None:
-        with self._mutex:
-            self._unlock(lease)
-
-    def commit(self, lease: Lease, tokens: Sequence[int], kv: LayerKV, now: float) -> int:
-        """Insert ``tokens`` (whose KV is ``kv``, positions 0..len) and unlock; returns #added."""
-        with self._mutex:
-            try:
-                return self._insert(tokens, kv, now)
-            finally:
-                self._unlock(lease)
-
-    # ------------------------------------------------------------------------- helpers
-    def _unlock(self, lease: Lease) -> None:
-        if lease.active:
-            lease.active = False
-            self.tree.unlock(lease.node)
-
-    def _make_room(self, n_tokens: int) -> int:
-        """Evict until ``n_tokens`` more fit; returns how many fit now."""
-        need = self.tree.total_tokens + n_tokens - self.budget
-        if need > 0:
-            for ev in self.tree.evict(need):
-                self.evicted_tokens += ev.tokens
-        return max(self.budget - self.tree.total_tokens, 0)
-
-    def _insert(self, tokens: Sequence[int], kv: LayerKV, now: float) -> int:
-        have = self.tree.match(tokens)
-        room = self._make_room(len(tokens) - have)
-        end = min(len(tokens), have + room)
-        if end <= have:
-            return 0
-
-        def make_value(start: int, stop: int) -> KV:
-            return torch.stack(
-                [torch.stack((k[0, :, start:stop], v[0, :, start:stop])) for k, v in kv]
-            )
-
-        self.tree.insert(tokens[:end], now, make_value)
-        return end - have
+            return self._cache.clear()
 
 
 class GrowingLayer(DynamicLayer):
