@@ -17,6 +17,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from radixmesh.core.auth import HEADER, ClusterKey, sign
+from radixmesh.core.forward_codec import ReplyDecoder, encode_forward_request
+from radixmesh.core.messages import ForwardRequest, ForwardResult
 from radixmesh.engine.factory import build_engine
 from radixmesh.runtime.app import create_app
 from radixmesh.runtime.config import ServeConfig
@@ -70,11 +72,12 @@ def test_peer_endpoints_refuse_and_count(keyed: TestClient) -> None:
     assert keyed.post("/peer/gossip", content=body, headers={HEADER: good}).status_code == 204
     replay = keyed.post("/peer/gossip", content=body, headers={HEADER: good})
     assert replay.status_code == 403 and replay.json()["error"]["code"] == "peer_auth_replayed"
-    fwd = b'{"prompt_ids":[1,2],"sampling":{}}'
+    fwd = encode_forward_request(ForwardRequest((1, 2), 2))
     assert keyed.post("/peer/forward", content=fwd).status_code == 401
     signed = sign(key, forward_purpose("/peer/forward"), "p", fwd, time.time(), b"\x08" * 16)
     r = keyed.post("/peer/forward", content=fwd, headers={HEADER: signed})
-    assert r.status_code == 200 and b'"t":"done"' in r.content
+    assert r.status_code == 200
+    assert isinstance(ReplyDecoder().feed(r.content)[-1], ForwardResult)
     huge = keyed.post("/peer/gossip", content=b"\x00" * (8 * 1024 * 1024 + 1))
     assert huge.status_code == 413  # refused before any HMAC work
     assert metric(keyed, "radixmesh_peer_auth_rejected_total") == 5

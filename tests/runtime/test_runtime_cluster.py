@@ -109,9 +109,8 @@ def test_openai_client_completions_and_chat(cluster: LocalCluster) -> None:
 def test_routes_to_the_node_holding_the_prefix(cluster: LocalCluster) -> None:
     seeded = complete(cluster, 1, LONG_PREFIX + "Question A?", headers=HOP)
     assert seeded.headers["x-radixmesh-served-by"] == "n1"
-    blocks = wait_for(lambda: view_blocks(cluster, 0, 1) >= len(LONG_PREFIX) // 16,
-                      what="n0 to learn n1's cache")
-    assert blocks
+    wait_for(lambda: view_blocks(cluster, 0, 1) >= len(LONG_PREFIX) // 16,
+             what="n0 to learn n1's cache")
     resp = complete(cluster, 0, LONG_PREFIX + "Question B?")
     assert resp.status_code == 200, resp.text
     h = resp.headers
@@ -120,7 +119,8 @@ def test_routes_to_the_node_holding_the_prefix(cluster: LocalCluster) -> None:
     assert int(h["x-radixmesh-expected-cached-tokens"]) >= len(LONG_PREFIX) - 16
     cached = resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached == int(h["x-radixmesh-cached-tokens"]) >= len(LONG_PREFIX) - 16
-    assert float(h["x-radixmesh-forward-overhead-s"]) >= 0
+    overhead = float(h["x-radixmesh-forward-overhead-s"])
+    assert 0 < overhead < resp.elapsed.total_seconds()  # a part of what the client waited
     # the same through a stream: relayed token by token from n1
     streamed = complete(cluster, 0, LONG_PREFIX + "Question C?", stream=True)
     assert streamed.headers["x-radixmesh-served-by"] == "n1"

@@ -26,6 +26,10 @@ Only the shell owns a clock; ``now`` is seconds on the shell's clock and is neve
 across nodes (push-back durations and RTT echoes are relative). Randomness comes from the
 ``random.Random`` given at construction (gossip jitter, target sampling, router tie-breaks).
 
+Why one file over 400 lines: ``NodeCore`` is the one object the shells talk to; its
+handlers are thin (each delegates to the gossip parts, the lifecycle or the router), and
+splitting the facade would only scatter its event table and its inspection methods.
+
 Routing cost is O(request blocks + k): the peer view's inverted index yields the ``k`` deepest
 matching available peers (``PeerView.match_top``), never every matched peer. Policies that
 consider every node (random, round_robin, least_loaded) use the gossiper's incrementally
@@ -162,7 +166,11 @@ class NodeCore:
         self._next_round = now  # the first Tick joins the seeds at once
         self._idle: list[tuple[int, float, str]] = []  # (queue depth, stamp, peer) lazy heap
         self._lifecycle = Lifecycle(config.forward, lambda peer: self.peer_address(peer))
-        self._handlers: dict[type, Callable[[Any, float], list[Action]]] = {
+        self._handlers = self._handler_table()
+
+    def _handler_table(self) -> dict[type, Callable[[Any, float], list[Action]]]:
+        """Event type -> the method that applies it."""
+        return {
             Tick: self._tick,
             MessageReceived: self._receive,
             CacheChanged: self._cache_changed,

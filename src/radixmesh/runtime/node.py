@@ -20,6 +20,10 @@ the core answers ``Forward(peer)`` or ``ExecuteLocally``, and every outcome of a
 next, how many peers, the route label and where an answer continues after a peer died
 mid-stream are the core's (``core/lifecycle.py``), shared with the simulator.
 
+Why one file over 400 lines: it is the whole asyncio interpreter — timer, gossip I/O, the
+carrying out of every request action and the peer side of forwards — kept together so that
+every core event the runtime produces can be found in one place.
+
 Hop limit 1: the receiver of ``/peer/forward`` always executes; it never routes.
 """
 

@@ -24,6 +24,10 @@ this shell only delivers its actions and reports back what the simulated world d
     serving node X, after each request: RequestServed, CacheChanged, LoadChanged
     every node: Tick at core.next_deadline(); Send actions become deliveries (or losses)
 
+Why one file over 400 lines: it is the simulator's whole world (nodes, queues, wire,
+crashes) and its callbacks form one chain per request; split, that chain would be harder to
+follow than long.
+
 Crashes drop a node's queue and cache; requests forwarded to it fail back to their entry
 after one one-way delay (connection reset) and the entry's core decides what next; requests
 whose entry crashed are client errors. A restart is a fresh NodeCore with the next
