@@ -203,18 +203,32 @@ def test_cost_bounded_load_skips_an_over_utilized_specialist() -> None:
 
 def test_cost_bounded_load_ignores_utilization_when_all_idle() -> None:
     req = RouteInput(3000, 1)
-    nodes = [me(0), peer("warm", 2900)]
+    nodes = [me(0), peer("warm", 1200)]
     assert rank(Policy.COST, req, nodes)[0] == "warm"
     # Light traffic: the warm peer alone served one request in the window. Its utilization is
     # far above (1 + load_bound) x the mean, yet it must still get the next request (the
-    # one-request slack); a little more busy time and the bound applies.
+    # one-request slack); a little more busy time and the bound applies (its saving, 1,200 of
+    # 3,000 tokens, is too small to override the bound).
     window = RouterConfig().load_window_s
     one_request = SPEED.mean_service_s / window
-    light = NodeInfo("warm", False, 2900, 0.001, 0, SPEED, utilization=one_request)
+    light = NodeInfo("warm", False, 1200, 0.001, 0, SPEED, utilization=one_request)
     assert light.utilization > (1 + 0.5) * one_request / 2  # over the bound without the slack
     assert rank(Policy.COST, req, [me(0), light])[0] == "warm"
-    busy = NodeInfo("warm", False, 2900, 0.001, 0, SPEED, utilization=5 * one_request)
+    busy = NodeInfo("warm", False, 1200, 0.001, 0, SPEED, utilization=5 * one_request)
     assert rank(Policy.COST, req, [me(0), busy])[0] == "self"
+
+
+def test_cost_bound_yields_to_a_large_certain_hit_while_the_peer_has_room() -> None:
+    req = RouteInput(3000, 1)
+    window = RouterConfig().load_window_s
+    roomy = NodeInfo("warm", False, 2900, 0.001, 0, SPEED,
+                     utilization=5 * SPEED.mean_service_s / window)
+    assert rank(Policy.COST, req, [me(0), roomy])[0] == "warm"  # most of the time saved
+    full = NodeInfo("warm", False, 2900, 0.001, 0, SPEED, utilization=0.9)
+    mine = NodeInfo("self", True, 0, 0.0, 0, SPEED, utilization=0.1)
+    assert rank(Policy.COST, req, [mine, full])[0] == "self"  # no room: the bound holds
+    never = Router(RouterConfig(policy=Policy.COST, load_bound_bypass=1.0))
+    assert never.rank(req, [me(0), roomy], random.Random(0))[0].is_self
 
 
 # ----------------------------------------------------------------------- paper (Algorithm 1)
@@ -285,3 +299,22 @@ def test_policy_parse_and_config_validation() -> None:
         RouterConfig(min_gain_frac=1.0)
     with pytest.raises(ValueError):
         RouterConfig(context_scale=0)
+
+
+def _speed(factor: float) -> SpeedReport:
+    return SpeedReport(*(factor * v for v in (0.004, 8e-5, 0.007, 0.05)))
+
+
+@pytest.mark.parametrize(("factor", "forwards"), [(0.75, False), (0.25, True)])
+def test_cost_ignores_speed_differences_within_the_noise_tolerance(
+    factor: float, forwards: bool
+) -> None:
+    """A cold request (no cache anywhere, idle queues) follows a peer that looks faster only
+    when it is faster beyond the tolerance (1.5x): a 25 % difference is noise, 4x is real."""
+    req = RouteInput(3000, 1)
+    peers = [NodeInfo(f"p{i}", False, 0, 0.001, 0, _speed(factor)) for i in range(2)]
+    mine = NodeInfo("self", True, 0, 0.0, 0, SPEED)
+    head = rank(Policy.COST, req, [mine, *peers])[0]
+    assert (head != "self") is forwards
+    untuned = Router(RouterConfig(policy=Policy.COST, speed_tolerance=None))
+    assert not untuned.rank(req, [mine, *peers], random.Random(0))[0].is_self  # old behaviour

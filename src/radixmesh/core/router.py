@@ -24,7 +24,15 @@ Policies
                       hotspot even when queues are empty (one client, the paper's schedule);
                       with the bound, the overflow is served where it enters, that node caches
                       the prefix too, and hot prefixes end up replicated on as many nodes as
-                      their traffic needs.
+                      their traffic needs. The bound yields to a large certain saving: a peer
+                      over it that still has room (utilization < 0.5) and is predicted to
+                      answer in under half the time of the best peer within it (a long cached
+                      prefix) still gets the request — at low load, balancing must not throw
+                      away certain hits.
+                      *Robust speeds*: learnt speeds within ``speed_tolerance`` (1.5×) of the
+                      candidates' median count as the median, so that estimation noise on a
+                      shared machine cannot send cold requests to whichever node looks fastest
+                      (positive feedback: that node caches the new prefix, the others never do).
     ``random``, ``round_robin``, ``least_loaded``  baselines over available nodes.
 
 Because a peer's prediction includes its forward RTT, ``cost`` forwards only when the predicted
@@ -37,8 +45,9 @@ at once.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from random import Random  # the type only: instances are passed in, never the global one
 
@@ -72,16 +81,28 @@ class RouterConfig:
     context_scale: float = 4096.0  # see estimators.prefill_work
     load_bound: float | None = 0.5  # cost: no forwards to peers above (1+x) × mean utilization
     load_window_s: float = 10.0  # utilization is measured over about this many seconds
+    # cost: a peer over the load bound still takes a forward it is predicted to answer in
+    # less than (1 - x) of the time of the best peer within the bound (1: never)
+    load_bound_bypass: float = 0.5
+    load_bound_floor: float = 0.5  # ... if its utilization is below this (it has room)
+    # cost: a node's learnt speed within this factor of the median of the candidates counts
+    # as the median (noise on a shared machine must not pull cold traffic to whichever node
+    # looks fastest); None = use every estimate as it is
+    speed_tolerance: float | None = 1.5
 
     def __post_init__(self) -> None:
         if self.min_gain_s < 0 or not 0 <= self.min_gain_frac < 1:
             raise ValueError("min_gain_s must be >= 0 and min_gain_frac in [0, 1)")
         if self.load_bound is not None and self.load_bound < 0:
             raise ValueError("load_bound must be >= 0 (or None to disable)")
+        if not 0 <= self.load_bound_bypass <= 1 or not 0 <= self.load_bound_floor <= 1:
+            raise ValueError("load_bound_bypass and load_bound_floor must be in [0, 1]")
         if self.load_window_s <= 0:
             raise ValueError("load_window_s must be > 0")
         if self.context_scale <= 0:
             raise ValueError("context_scale must be > 0")
+        if self.speed_tolerance is not None and self.speed_tolerance < 1:
+            raise ValueError("speed_tolerance must be >= 1 (or None to disable)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +165,9 @@ class Router:
             raise ValueError("exactly one NodeInfo must be is_self")
         avail = [n for n in nodes if n.available]
         policy = self.config.policy
+        if policy is Policy.COST:
+            avail = self._robust_speeds(avail)
+            selves = [n for n in avail if n.is_self]
         if policy is Policy.NONE:
             # No view is consulted, so no cache hit is claimed (the paper's no-route baseline).
             me = selves[0]
@@ -165,6 +189,15 @@ class Router:
         local = predict_latency(req, selves[0], self.config.context_scale)
         return [self._candidate(req, n, None if n.is_self else local - n.rtt_s) for n in order]
 
+    def _robust_speeds(self, avail: list[NodeInfo]) -> list[NodeInfo]:
+        """Speeds within ``speed_tolerance`` of the candidates' median are the median: only a
+        difference larger than measurement noise (another GPU, a throttled node) counts."""
+        tol = self.config.speed_tolerance
+        if tol is None or len(avail) < 2:
+            return avail
+        median = _median_speed([n.speed for n in avail])
+        return [replace(n, speed=_snapped(n.speed, median, tol)) for n in avail]
+
     # ---------------------------------------------------------------------------- policies
     def _by_cost(
         self,
@@ -179,10 +212,23 @@ class Router:
         overloaded = self._over_bound(avail)
         mine = next(k for k in keyed if k[3].is_self)
         best = next((k for k in keyed if k[3].node_id not in overloaded), mine)
+        if self._bypasses_bound(keyed[0], best):
+            best = keyed[0]  # a large certain saving (a long cached prefix) beats balancing
         needed = max(self.config.min_gain_s, self.config.min_gain_frac * mine[0])
         if mine[0] - best[0] < needed:
             best = mine
         return [best[3], *(n for n in order if n is not best[3])]
+
+    def _bypasses_bound(
+        self, top: tuple[float, int, float, NodeInfo], best: tuple[float, int, float, NodeInfo]
+    ) -> bool:
+        """Whether the fastest candidate, over the load bound, gets the request anyway: it has
+        room (utilization under ``load_bound_floor``) and saves most of the time."""
+        cfg = self.config
+        return (
+            top[3].utilization < cfg.load_bound_floor
+            and top[0] < (1.0 - cfg.load_bound_bypass) * best[0]
+        )
 
     def _over_bound(self, avail: list[NodeInfo]) -> set[str]:
         """Peers whose utilization exceeds ``(1 + load_bound)`` × the mean (bounded load)."""
@@ -217,6 +263,23 @@ class Router:
             predicted_latency_s=predict_latency(req, node, self.config.context_scale),
             beat_s=beat_s,
         )
+
+
+# The hardware's speed; not ``mean_service_s``, which follows the node's own mix of cached and
+# cold requests (it prices that node's queue) and really differs between nodes.
+_SPEED_FIELDS = ("prefill_overhead_s", "prefill_s_per_token", "decode_s_per_token")
+
+
+def _median_speed(speeds: list[SpeedReport]) -> dict[str, float]:
+    return {f: statistics.median(getattr(s, f) for s in speeds) for f in _SPEED_FIELDS}
+
+
+def _snapped(speed: SpeedReport, median: dict[str, float], tol: float) -> SpeedReport:
+    snapped = {}
+    for f, mid in median.items():
+        mine = getattr(speed, f)
+        snapped[f] = mid if mid / tol <= mine <= mid * tol else mine
+    return replace(speed, **snapped)
 
 
 def _by_match(avail: list[NodeInfo]) -> list[NodeInfo]:
