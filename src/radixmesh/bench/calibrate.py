@@ -28,12 +28,10 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import asdict
 from typing import Any
 
 from radixmesh.core.units import parse_duration
-from radixmesh.sim.costfit import fit_prefill, from_records
-from radixmesh.sim.costs import CostModel
+from radixmesh.sim.costfit import fit_prefill, fitted_model, from_records, model_doc
 
 LENGTHS = (128, 512, 1024, 2048, 3072)
 FRACTIONS = (0.0, 0.5, 0.85)
@@ -156,13 +154,7 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
         if not args.quiet:
             print(message, file=sys.stderr, flush=True)
 
-    b = _Bench(args)
-    for _ in range(3):  # warm-up: allocator, kernels, lazy init
-        b.generate(b.prompt(256), 4)
-    lengths = [int(x) for x in args.lengths.split(",")]
-    fractions = [float(x) for x in args.fractions.split(",")]
-    prefill = measure_prefill(b, lengths, fractions, args.repeats, log)
-    decode = measure_decode(b, args.decode_tokens, args.repeats)
+    prefill, decode = _measure(args, log)
     points = _median_points(prefill)
     fit = fit_prefill(points)
     per_token = statistics.median(d["s_per_token"] for d in decode)
@@ -170,22 +162,15 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
         max(0.0, m["wall_s"] - m["prefill_s"] - m["decode_s"]) for m in prefill
     )
     label = args.model or f"{args.preset}"
-    model = CostModel(
+    model = fitted_model(
+        fit,
         name=f"calibrated:{label}:{args.device}",
-        prefill_overhead_s=fit["prefill_overhead_s"],
-        prefill_s_per_token=fit["prefill_s_per_token"],
-        context_scale=fit["context_scale"],
         decode_s_per_token=per_token,
         request_overhead_s=overhead,
         forward_overhead_s=parse_duration(args.forward_overhead),
-        source=(
-            f"radixmesh calibrate on {platform.node() or 'this machine'} "
-            f"({platform.processor() or platform.machine()}, threads={args.threads}) at "
-            f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"
-        ),
+        source=_source(args.threads),
     )
-    doc: dict[str, Any] = asdict(model)
-    doc["fit"] = {"rel_rmse": fit["rel_rmse"], "points": len(points)}
+    doc = model_doc(model, fit, len(points))
     doc["measurements"] = {"prefill": prefill, "decode": decode}
     log(
         f"fit: overhead {model.prefill_overhead_s * 1e3:.2f} ms, rate "
@@ -194,6 +179,28 @@ def calibrate(args: argparse.Namespace) -> dict[str, Any]:
         f"request overhead {overhead * 1e3:.2f} ms, rel. RMSE {fit['rel_rmse']:.1%}"
     )
     return doc
+
+
+def _measure(
+    args: argparse.Namespace, log: Any
+) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
+    """The engine's prefill and decode measurements, after a warm-up."""
+    b = _Bench(args)
+    for _ in range(3):  # warm-up: allocator, kernels, lazy init
+        b.generate(b.prompt(256), 4)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    fractions = [float(x) for x in args.fractions.split(",")]
+    prefill = measure_prefill(b, lengths, fractions, args.repeats, log)
+    decode = measure_decode(b, args.decode_tokens, args.repeats)
+    return prefill, decode
+
+
+def _source(threads: int) -> str:
+    return (
+        f"radixmesh calibrate on {platform.node() or 'this machine'} "
+        f"({platform.processor() or platform.machine()}, threads={threads}) at "
+        f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}"
+    )
 
 
 def _median_points(prefill: list[dict[str, float]]) -> list[tuple[int, int, float]]:

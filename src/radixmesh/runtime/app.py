@@ -1,6 +1,8 @@
 """The node's HTTP surface (FastAPI): OpenAI client API, peer endpoints, admin, observability.
 
 No routing logic lives here: handlers validate and shape; ``NodeService`` decides and executes.
+Over 400 lines because it is one FastAPI app: its client, peer and admin routes share the same
+auth, body-limit and error-shaping plumbing, and splitting them would scatter a single surface.
 
 Client API   POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models
 Observe      GET /health, GET /metrics (Prometheus text), GET /mesh (JSON)

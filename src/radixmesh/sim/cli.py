@@ -17,6 +17,7 @@ import itertools
 import json
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -182,23 +183,28 @@ def _run(args: argparse.Namespace) -> int:
 
         return experiments.main(args)
     if args.validate:
-        from radixmesh.sim import validate
-
-        if args.cost_model == "cpu-tiny":  # the default: fit to the real run instead
-            args.cost_model = "fit"
-        if args.max_context is None:  # the bench drops prompts beyond the tiny preset's
-            args.max_context = 4096
-        return validate.main(args)
+        return _run_validate(args)
     if args.requests_per_node:
         raise ValueError("--requests-per-node is for --experiment scale|pushback")
+    return _run_sweep(args)
+
+
+def _run_validate(args: argparse.Namespace) -> int:
+    from radixmesh.sim import validate
+
+    if args.cost_model == "cpu-tiny":  # the default: fit to the real run instead
+        args.cost_model = "fit"
+    if args.max_context is None:  # the bench drops prompts beyond the tiny preset's
+        args.max_context = 4096
+    return validate.main(args)
+
+
+def _run_sweep(args: argparse.Namespace) -> int:
     cost = costs.resolve(args.cost_model)
     policies = [Policy.parse(p) for p in split_csv(args.policy)]
     node_counts = [int(n) for n in split_csv(args.nodes)]
     delays = [parse_duration(d) for d in split_csv(args.comm_delay)]
-    skews = split_csv(args.skew)
-    for s in skews:
-        if s not in ("uniform", "skewed"):
-            raise ValueError(f"--skew takes uniform and/or skewed, not {s!r}")
+    skews = _parse_skews(args.skew)
     many = {
         "nodes": len(node_counts) > 1,
         "delay": len(delays) > 1,
@@ -208,11 +214,34 @@ def _run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
-    records_fh = None if out is None or args.no_records else (out / "requests.jsonl").open("w")
+    points = (  # lazy: each point's results are written before the next point runs
+        sweep_point(args, cost, policies, nodes, delays, skew, many)
+        for nodes, skew in itertools.product(node_counts, skews)
+    )
+    summaries = _collect(points, out, records=not args.no_records)
+    _print_table(summaries)
+    if out is not None:
+        print(f"wrote {out / 'summary.json'}")
+    return 0
+
+
+def _parse_skews(text: str) -> list[str]:
+    skews = split_csv(text)
+    for s in skews:
+        if s not in ("uniform", "skewed"):
+            raise ValueError(f"--skew takes uniform and/or skewed, not {s!r}")
+    return skews
+
+
+def _collect(
+    points: Iterable[list[RunResult]], out: Path | None, records: bool
+) -> list[dict[str, Any]]:
+    """Run the sweep's points, rewriting ``summary.json`` and appending ``requests.jsonl``
+    (unless ``records`` is off) after every run, so a sweep cut short keeps what finished."""
+    records_fh = None if out is None or not records else (out / "requests.jsonl").open("w")
     summaries: list[dict[str, Any]] = []
     try:
-        for nodes, skew in itertools.product(node_counts, skews):
-            results = sweep_point(args, cost, policies, nodes, delays, skew, many)
+        for results in points:
             for res in results:
                 summaries.append(res.summary)
                 if records_fh is not None:
@@ -222,10 +251,7 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         if records_fh is not None:
             records_fh.close()
-    _print_table(summaries)
-    if out is not None:
-        print(f"wrote {out / 'summary.json'}")
-    return 0
+    return summaries
 
 
 def _write_records(fh: Any, res: RunResult) -> None:

@@ -78,13 +78,69 @@ def _fit_linear(points: list[tuple[int, int, float]], scale: float) -> dict[str,
     }
 
 
+def fitted_model(
+    fit: dict[str, float],
+    *,
+    name: str,
+    decode_s_per_token: float,
+    request_overhead_s: float,
+    forward_overhead_s: float,
+    source: str,
+) -> CostModel:
+    """A cost model with the prefill terms of ``fit`` (from :func:`fit_prefill`)."""
+    return CostModel(
+        name=name,
+        prefill_overhead_s=fit["prefill_overhead_s"],
+        prefill_s_per_token=fit["prefill_s_per_token"],
+        context_scale=fit["context_scale"],
+        decode_s_per_token=decode_s_per_token,
+        request_overhead_s=request_overhead_s,
+        forward_overhead_s=forward_overhead_s,
+        source=source,
+    )
+
+
+def model_doc(model: CostModel, fit: dict[str, float], points: int) -> dict[str, Any]:
+    """The JSON document of a fitted cost model: its fields and the fit's quality."""
+    doc: dict[str, Any] = asdict(model)
+    doc["fit"] = {"rel_rmse": fit["rel_rmse"], "points": points}
+    return doc
+
+
 def from_records(args: argparse.Namespace) -> dict[str, Any]:
     """Fit prefill from a real run: each locally served request is a point
     ``(prompt - cached, cached, client latency)``; the fitted overhead therefore includes the
     client's HTTP round trip and the node's handler, as the simulator's service time must."""
-    wanted = {r for r in args.runs.split(",") if r}
+    points = _local_points(args.from_records, {r for r in args.runs.split(",") if r})
+    if len(points) < 10:
+        raise ValueError(f"{args.from_records}: too few local one-token requests to fit")
+    fit = fit_prefill(points)
+    decode = costs.resolve("cpu-tiny").decode_s_per_token  # not observable from 1-token requests
+    model = fitted_model(
+        fit,
+        name=f"fitted:{Path(args.from_records).parent.name or 'records'}",
+        decode_s_per_token=decode,
+        request_overhead_s=0.0,
+        forward_overhead_s=parse_duration(args.forward_overhead),
+        source=f"fit of {len(points)} locally served requests in {args.from_records}",
+    )
+    doc = model_doc(model, fit, len(points))
+    if not args.quiet:
+        print(
+            f"fit: overhead {model.prefill_overhead_s * 1e3:.2f} ms, rate "
+            f"{model.prefill_s_per_token * 1e6:.2f} us/unit, context_scale "
+            f"{model.context_scale:,.0f}, rel. RMSE {fit['rel_rmse']:.1%} over {len(points)} "
+            "requests",
+            file=sys.stderr,
+        )
+    return doc
+
+
+def _local_points(path: str, wanted: set[str]) -> list[tuple[int, int, float]]:
+    """``(uncached, cached, latency)`` of the error-free, locally served one-token requests in
+    a ``requests.jsonl`` (of the runs in ``wanted``; all when empty)."""
     points: list[tuple[int, int, float]] = []
-    with open(args.from_records, encoding="utf-8") as fh:
+    with open(path, encoding="utf-8") as fh:
         for line in fh:
             rec = json.loads(line)
             if rec.get("error") or rec.get("route") != "local":
@@ -95,28 +151,4 @@ def from_records(args: argparse.Namespace) -> dict[str, Any]:
                 continue  # decode time would be mixed in
             prompt, cached = int(rec["prompt_tokens"]), int(rec["cached_tokens"])
             points.append((prompt - cached, cached, float(rec["latency_s"])))
-    if len(points) < 10:
-        raise ValueError(f"{args.from_records}: too few local one-token requests to fit")
-    fit = fit_prefill(points)
-    decode = costs.resolve("cpu-tiny").decode_s_per_token  # not observable from 1-token requests
-    model = CostModel(
-        name=f"fitted:{Path(args.from_records).parent.name or 'records'}",
-        prefill_overhead_s=fit["prefill_overhead_s"],
-        prefill_s_per_token=fit["prefill_s_per_token"],
-        context_scale=fit["context_scale"],
-        decode_s_per_token=decode,
-        request_overhead_s=0.0,
-        forward_overhead_s=parse_duration(args.forward_overhead),
-        source=f"fit of {len(points)} locally served requests in {args.from_records}",
-    )
-    doc: dict[str, Any] = asdict(model)
-    doc["fit"] = {"rel_rmse": fit["rel_rmse"], "points": len(points)}
-    if not args.quiet:
-        print(
-            f"fit: overhead {model.prefill_overhead_s * 1e3:.2f} ms, rate "
-            f"{model.prefill_s_per_token * 1e6:.2f} us/unit, context_scale "
-            f"{model.context_scale:,.0f}, rel. RMSE {fit['rel_rmse']:.1%} over {len(points)} "
-            "requests",
-            file=sys.stderr,
-        )
-    return doc
+    return points

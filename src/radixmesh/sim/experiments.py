@@ -1,9 +1,10 @@
 """The experiments behind docs/scale.md, each a function returning JSON-able rows.
 
 * ``convergence``: an idle cluster of N nodes joins (time until every node routes to every
-  other), then node 0's cache changes once; the time until each other node's view holds the new
-  version is measured (polled every ``interval/50``). Also the idle gossip bandwidth per node.
-  Direct (delta to every peer each round, the paper's dissemination) vs epidemic (fanout k).
+  other), then a random node's cache changes (``--trials`` times); the time until each other
+  node's view holds the new version is measured (polled every ``interval/50``). Also the idle
+  gossip bandwidth per node. Direct (delta to every peer each round, the paper's
+  dissemination) vs epidemic (fanout k).
 * ``scale``: the usual sweep over N with requests proportional to N, open-loop at a fixed load
   (the ratio to ``none`` at each N is what the plot shows).
 * ``pushback``: hotspot share and tail latency near saturation, push-back on vs off.
@@ -11,7 +12,8 @@
   prefix stops paying, from the cost model, against prompt length and model cost; checked by
   simulating paper vs none over a delay sweep.
 
-Plots are written by :mod:`radixmesh.sim.plots`.
+Plots are written by :mod:`radixmesh.sim.plots`. Over 400 lines because the four experiments
+share one dispatcher, logger and checkpoint, and are read together with docs/scale.md.
 """
 
 from __future__ import annotations
@@ -74,48 +76,16 @@ def convergence(
     max_join_s: float = 120.0,
     seeds: int = 3,
 ) -> dict[str, Any]:
-    """Join time, then convergence time of one cache change at node 0, in an idle cluster."""
+    """Join time, then convergence time of ``trials`` cache changes (each at a random node, at a
+    random phase of its gossip round), in an idle cluster."""
     gossip = GossipConfig.for_interval(interval_s, mode=mode, fanout=fanout)
-    cfg = ClusterConfig(
-        nodes=nodes,
-        cost=costs.resolve("cpu-tiny"),
-        router=RouterConfig(policy=Policy.PAPER),
-        gossip=gossip,
-        network=NetworkConfig(delay_s=delay_s),
-        seed=seed,
-        seeds=min(seeds, nodes),
-        start_spread_s=interval_s,
-    )
-    cl = SimCluster(cfg)
+    cl = SimCluster(_idle_config(nodes, gossip, delay_s, seed, min(seeds, nodes), interval_s))
     wall0 = time.perf_counter()
     cl.start()
     step = interval_s / 50
     joined_at = _run_until(cl, step, max_join_s, lambda: _all_joined(cl))
-    # Let membership settle, then measure idle bandwidth over a few rounds.
-    cl.loop.run(until=cl.loop.now + 2 * interval_s)
-    b0, m0, t0 = cl.counters.gossip_bytes, cl.counters.gossip_messages, cl.loop.now
-    cl.loop.run(until=t0 + 4 * interval_s)
-    idle_span = cl.loop.now - t0
-    idle_bytes = (cl.counters.gossip_bytes - b0) / nodes / idle_span
-    idle_msgs = (cl.counters.gossip_messages - m0) / nodes / idle_span
-    # Changes at random nodes and random phases of their gossip rounds; poll every view.
-    pick = random.Random(f"convergence/{seed}")
-    maxima: list[float] = []
-    medians: list[float] = []
-    unconverged = 0
-    for trial in range(trials):
-        cl.loop.run(until=cl.loop.now + pick.random() * interval_s)
-        origin = cl.nodes[pick.randrange(nodes)]
-        first = 10**12 + trial * change_blocks
-        t_change = cl.loop.now
-        cl.feed(origin, CacheChanged(tuple(range(first, first + change_blocks)), ()))
-        seen = _time_to_see(cl, origin.idx, t_change, step, max(60.0, 40 * interval_s))
-        if len(seen) < nodes - 1:
-            unconverged += 1
-        times = sorted(seen)
-        if times:
-            maxima.append(times[-1])
-            medians.append(times[len(times) // 2])
+    idle_bytes, idle_msgs = _idle_gossip(cl, interval_s)
+    seen = _change_trials(cl, interval_s, step, seed, trials, change_blocks)
     return {
         "nodes": nodes,
         "mode": mode.value,
@@ -125,15 +95,70 @@ def convergence(
         "seeds": min(seeds, nodes - 1),
         "join_s": joined_at,
         "trials": trials,
-        "unconverged_trials": unconverged,
-        "converge_p50_s": statistics.mean(medians) if medians else None,
-        "converge_max_s": statistics.mean(maxima) if maxima else None,
-        "converge_max_worst_s": max(maxima) if maxima else None,
-        "converge_rounds_max": statistics.mean(maxima) / interval_s if maxima else None,
+        **_convergence_stats(seen, nodes, interval_s),
         "idle_bytes_per_node_s": idle_bytes,
         "idle_messages_per_node_s": idle_msgs,
         "wall_s": time.perf_counter() - wall0,
         "events": cl.loop.events,
+    }
+
+
+def _idle_config(
+    nodes: int, gossip: GossipConfig, delay_s: float, seed: int, seeds: int, interval_s: float
+) -> ClusterConfig:
+    return ClusterConfig(
+        nodes=nodes,
+        cost=costs.resolve("cpu-tiny"),
+        router=RouterConfig(policy=Policy.PAPER),
+        gossip=gossip,
+        network=NetworkConfig(delay_s=delay_s),
+        seed=seed,
+        seeds=seeds,
+        start_spread_s=interval_s,
+    )
+
+
+def _idle_gossip(cl: SimCluster, interval_s: float) -> tuple[float, float]:
+    """Let membership settle, then gossip (bytes, messages) per node per second over a few
+    idle rounds."""
+    nodes = cl.config.nodes
+    cl.loop.run(until=cl.loop.now + 2 * interval_s)
+    b0, m0, t0 = cl.counters.gossip_bytes, cl.counters.gossip_messages, cl.loop.now
+    cl.loop.run(until=t0 + 4 * interval_s)
+    idle_span = cl.loop.now - t0
+    idle_bytes = (cl.counters.gossip_bytes - b0) / nodes / idle_span
+    idle_msgs = (cl.counters.gossip_messages - m0) / nodes / idle_span
+    return idle_bytes, idle_msgs
+
+
+def _change_trials(
+    cl: SimCluster, interval_s: float, step: float, seed: int, trials: int, change_blocks: int
+) -> list[list[float]]:
+    """Changes at random nodes and random phases of their gossip rounds; per change, the sorted
+    seconds until each other node's view held it (every view polled every ``step``)."""
+    pick = random.Random(f"convergence/{seed}")
+    out = []
+    for trial in range(trials):
+        cl.loop.run(until=cl.loop.now + pick.random() * interval_s)
+        origin = cl.nodes[pick.randrange(cl.config.nodes)]
+        first = 10**12 + trial * change_blocks
+        t_change = cl.loop.now
+        cl.feed(origin, CacheChanged(tuple(range(first, first + change_blocks)), ()))
+        limit = max(60.0, 40 * interval_s)
+        out.append(sorted(_time_to_see(cl, origin.idx, t_change, step, limit)))
+    return out
+
+
+def _convergence_stats(seen: list[list[float]], nodes: int, interval_s: float) -> dict[str, Any]:
+    """Means over the changes of the median and last node's time; changes some node missed."""
+    maxima = [times[-1] for times in seen if times]
+    medians = [times[len(times) // 2] for times in seen if times]
+    return {
+        "unconverged_trials": sum(1 for times in seen if len(times) < nodes - 1),
+        "converge_p50_s": statistics.mean(medians) if medians else None,
+        "converge_max_s": statistics.mean(maxima) if maxima else None,
+        "converge_max_worst_s": max(maxima) if maxima else None,
+        "converge_rounds_max": statistics.mean(maxima) / interval_s if maxima else None,
     }
 
 

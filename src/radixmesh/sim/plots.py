@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +37,7 @@ def plot_experiment(name: str, rows: Sequence[Row], out: Path) -> list[Path]:
 def convergence_plot(rows: Sequence[Row], path: Path) -> Path:
     plt = _plt()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    by_mode: dict[str, list[Row]] = defaultdict(list)
-    for r in rows:
-        by_mode[r["mode"]].append(r)
-    for mode, rs in sorted(by_mode.items()):
+    for mode, rs in sorted(_group(rows, lambda r: r["mode"]).items()):
         rs = sorted(rs, key=lambda r: r["nodes"])
         n = [r["nodes"] for r in rs]
         ax1.plot(n, [r["converge_max_s"] for r in rs], marker="o", label=f"{mode}: last node")
@@ -66,37 +63,8 @@ def convergence_plot(rows: Sequence[Row], path: Path) -> Path:
 def breakeven_plot(rows: Sequence[Row], path: Path) -> Path:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    by_model: dict[str, list[Row]] = defaultdict(list)
-    for r in rows:
-        by_model[r["cost_model"]].append(r)
-    for model, rs in sorted(by_model.items()):
-        analytic = sorted(
-            (r for r in rs if r.get("kind", "analytic") == "analytic"),
-            key=lambda r: r["prompt_tokens"],
-        )
-        line = ax.plot(
-            [r["prompt_tokens"] for r in analytic],
-            [1e3 * r["breakeven_one_way_s_cold_local"] for r in analytic],
-            marker="o",
-            label=f"{model}: warm peer vs cold local",
-        )
-        sims = sorted(
-            (
-                r
-                for r in rs
-                if r.get("kind") == "simulated" and r.get("simulated_breakeven_s") is not None
-            ),
-            key=lambda r: r["prompt_tokens"],
-        )
-        if sims:
-            ax.plot(
-                [r["prompt_tokens"] for r in sims],
-                [1e3 * r["simulated_breakeven_s"] for r in sims],
-                marker="x",
-                ls="--",
-                color=line[0].get_color(),
-                label=f"{model}: paper vs none (simulated)",
-            )
+    for model, rs in sorted(_group(rows, lambda r: r["cost_model"]).items()):
+        _plot_breakeven_model(ax, model, rs)
     for ms, label in ((2, "LAN 2 ms"), (200, "cross-region 200 ms")):
         ax.axhline(ms, color="grey", ls=":", lw=1)
         ax.text(ax.get_xlim()[0] if ax.get_xlim()[0] > 0 else 256, ms * 1.1, label, fontsize=7)
@@ -108,6 +76,45 @@ def breakeven_plot(rows: Sequence[Row], path: Path) -> Path:
         title="Forwarding pays below the line",
     )
     return _save(plt, fig, (ax,), path)
+
+
+def _group(rows: Sequence[Row], key: Callable[[Row], Any]) -> dict[Any, list[Row]]:
+    """``rows`` by ``key(row)``, in their order within each group."""
+    groups: dict[Any, list[Row]] = defaultdict(list)
+    for r in rows:
+        groups[key(r)].append(r)
+    return groups
+
+
+def _plot_breakeven_model(ax: Any, model: str, rs: list[Row]) -> None:
+    """One model's analytic break-even line and, in the same colour, its simulated points."""
+    analytic = sorted(
+        (r for r in rs if r.get("kind", "analytic") == "analytic"),
+        key=lambda r: r["prompt_tokens"],
+    )
+    line = ax.plot(
+        [r["prompt_tokens"] for r in analytic],
+        [1e3 * r["breakeven_one_way_s_cold_local"] for r in analytic],
+        marker="o",
+        label=f"{model}: warm peer vs cold local",
+    )
+    sims = sorted(
+        (
+            r
+            for r in rs
+            if r.get("kind") == "simulated" and r.get("simulated_breakeven_s") is not None
+        ),
+        key=lambda r: r["prompt_tokens"],
+    )
+    if sims:
+        ax.plot(
+            [r["prompt_tokens"] for r in sims],
+            [1e3 * r["simulated_breakeven_s"] for r in sims],
+            marker="x",
+            ls="--",
+            color=line[0].get_color(),
+            label=f"{model}: paper vs none (simulated)",
+        )
 
 
 def _ratio_series(rows: Sequence[Row], key: str) -> dict[tuple[str, str], list[tuple[int, float]]]:
@@ -147,9 +154,7 @@ def scale_plot(rows: Sequence[Row], path: Path) -> Path:
 def hotspot_plot(rows: Sequence[Row], path: Path) -> Path:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    groups: dict[tuple[str, str], list[Row]] = defaultdict(list)
-    for r in rows:
-        groups[(r["policy"], r["skew"])].append(r)
+    groups = _group(rows, lambda r: (r["policy"], r["skew"]))
     for (policy, skew), rs in sorted(groups.items()):
         rs = sorted(rs, key=lambda r: r["nodes"])
         ax.plot(
@@ -173,9 +178,7 @@ def hotspot_plot(rows: Sequence[Row], path: Path) -> Path:
 def pushback_plot(rows: Sequence[Row], path: Path) -> Path:
     plt = _plt()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    groups: dict[tuple[str, str], list[Row]] = defaultdict(list)
-    for r in rows:
-        groups[(r["policy"], r["pushback"])].append(r)
+    groups = _group(rows, lambda r: (r["policy"], r["pushback"]))
     for (policy, pb), rs in sorted(groups.items()):
         rs = sorted(rs, key=lambda r: r["nodes"])
         n = [r["nodes"] for r in rs]

@@ -203,7 +203,6 @@ def _summary(
     spec: RunSpec, driver: _Driver, records: list[Record], extras: list[dict[str, Any]], wall: float
 ) -> dict[str, Any]:
     c = spec.cluster
-    cluster = driver.cluster
     out: dict[str, Any] = {
         "name": spec.name,
         "policy": c.router.policy.value,
@@ -217,30 +216,28 @@ def _summary(
     out.update(summarize(records))
     out["schedule"] = spec.schedule
     out["concurrency"] = spec.concurrency if spec.schedule == "sequential" else None
+    out["sim"] = _sim_figures(c, driver, records, extras, wall)
+    return out
+
+
+def _sim_figures(
+    c: ClusterConfig,
+    driver: _Driver,
+    records: list[Record],
+    extras: list[dict[str, Any]],
+    wall: float,
+) -> dict[str, Any]:
+    """The simulator-only figures of a run (``summary["sim"]``)."""
+    cluster = driver.cluster
     span = max(cluster.loop.now - driver.t0, 1e-9)
-    b0, m0 = driver._gossip_at_start
-    errors = [abs(e["estimate_error_tokens"]) for e in extras]
-    forwarded = [r for r in records if r.route == "forwarded"]
-    ages = [e["view_age_s"] for r, e in zip(records, extras, strict=True) if r.route != "local"]
-    out["sim"] = {
+    return {
         "engine": "simulated",
         "cost_model": c.cost.name,
         "gossip_mode": c.gossip.mode.value,
-        "gossip_bytes_per_node_s": (cluster.counters.gossip_bytes - b0) / c.nodes / span,
-        "gossip_messages_per_node_s": (cluster.counters.gossip_messages - m0) / c.nodes / span,
-        "gossip_lost": cluster.counters.gossip_lost,
-        "forward_failures": cluster.counters.forward_failures,
-        "forward_refusals": cluster.counters.forward_refusals,
-        "estimate_abs_error_tokens_mean": mean([float(e) for e in errors]),
-        "estimate_abs_error_tokens_p99": percentile([float(e) for e in errors], 99),
-        # wrong = off by at least one block (estimates are block-granular, truth is exact)
-        "estimate_wrong_share": (
-            sum(1 for e in errors if e >= c.block_size) / len(errors) if errors else None
-        ),
-        "forwarded_requests": len(forwarded),
-        "view_age_s_mean": mean(ages),
-        "view_age_s_p99": percentile(ages, 99),
-        "view_stale_share": (sum(1 for a in ages if a > 0) / len(ages)) if ages else None,
+        **_traffic(c, driver, span),
+        **_estimate_errors(extras, c.block_size),
+        "forwarded_requests": sum(1 for r in records if r.route == "forwarded"),
+        **_view_ages(records, extras),
         "virtual_s": span,
         "warmup_s": driver.t0,
         "wall_s": wall,
@@ -249,7 +246,44 @@ def _summary(
         "logs": dict(cluster.counters.logs),
         **_view_sizes(cluster),
     }
-    return out
+
+
+def _traffic(c: ClusterConfig, driver: _Driver, span: float) -> dict[str, Any]:
+    """Gossip per node per second since the start of the workload; lost gossip and failed or
+    refused forwards."""
+    counters = driver.cluster.counters
+    b0, m0 = driver._gossip_at_start
+    return {
+        "gossip_bytes_per_node_s": (counters.gossip_bytes - b0) / c.nodes / span,
+        "gossip_messages_per_node_s": (counters.gossip_messages - m0) / c.nodes / span,
+        "gossip_lost": counters.gossip_lost,
+        "forward_failures": counters.forward_failures,
+        "forward_refusals": counters.forward_refusals,
+    }
+
+
+def _estimate_errors(extras: list[dict[str, Any]], block_size: int) -> dict[str, Any]:
+    """How far the expected cached tokens at each target were from the truth there, at
+    decision time."""
+    errors = [abs(e["estimate_error_tokens"]) for e in extras]
+    return {
+        "estimate_abs_error_tokens_mean": mean([float(e) for e in errors]),
+        "estimate_abs_error_tokens_p99": percentile([float(e) for e in errors], 99),
+        # wrong = off by at least one block (estimates are block-granular, truth is exact)
+        "estimate_wrong_share": (
+            sum(1 for e in errors if e >= block_size) / len(errors) if errors else None
+        ),
+    }
+
+
+def _view_ages(records: list[Record], extras: list[dict[str, Any]]) -> dict[str, Any]:
+    """Age of the gossiped view behind each decision that was not purely local."""
+    ages = [e["view_age_s"] for r, e in zip(records, extras, strict=True) if r.route != "local"]
+    return {
+        "view_age_s_mean": mean(ages),
+        "view_age_s_p99": percentile(ages, 99),
+        "view_stale_share": (sum(1 for a in ages if a > 0) / len(ages)) if ages else None,
+    }
 
 
 def _view_sizes(cluster: SimCluster) -> dict[str, float]:

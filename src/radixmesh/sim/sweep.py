@@ -161,62 +161,93 @@ def sweep_point(
     tokenize, tok_fp = tokenizer_for(args, nodes)
     mode = auto_mode(nodes, args.gossip_mode)
     intervals = [auto_interval(nodes, t) for t in split_csv(args.gossip_interval)]
-    rate = None
-    requests = requests_for(args, skew == "skewed", nodes)
-    max_tokens = requests[0].max_tokens if requests else 1
-    if args.schedule == "poisson" and requests:
-        rate = args.rate or args.load * capacity_rate(
-            cost, nodes, mean_prompt_tokens(requests, tokenize), max_tokens
-        )
-        requests = schedule.poisson(requests, nodes, rate, args.seed)
+    requests, rate = _arrivals(args, cost, nodes, skew, tokenize)
     results = []
     for delay, interval, policy in itertools.product(delays, intervals, policies):
-        spec = RunSpec(
-            name=_label(policy.value, nodes, delay, interval, skew, many),
-            cluster=ClusterConfig(
-                nodes=nodes,
-                cost=cost,
-                router=RouterConfig(
-                    policy=policy,
-                    context_scale=cost.context_scale if args.tuned_priors else 4096.0,
-                    load_bound=None if args.load_bound < 0 else args.load_bound,
-                ),
-                gossip=GossipConfig.for_interval(interval, mode=mode, fanout=args.fanout),
-                pushback=PushbackConfig(queue_threshold=args.pushback_threshold),
-                network=network_config(args, delay),
-                cache_tokens=args.cache_tokens,
-                forward=ForwardConfig(silence_timeout_s=parse_duration(args.forward_timeout)),
-                seeds=args.seeds,
-                seed=args.seed,
-                tokenizer=tok_fp,
-                service_noise=args.service_noise or 0.0,
-                tuned_priors=args.tuned_priors,
-            ),
-            workload="trace" if args.trace else ("mmlu" if args.mmlu_dir else "synthetic"),
-            skew=skew,
-            schedule=args.schedule,
-            concurrency=nodes if args.concurrency == "nodes" else int(args.concurrency),
-            warmup_s=parse_duration(args.warmup) if args.warmup else None,
-        )
+        name = _label(policy.value, nodes, delay, interval, skew, many)
+        cluster = _cluster_config(args, cost, policy, nodes, delay, interval, mode, tok_fp)
+        spec = _run_spec(args, name, cluster, skew)
         if not args.quiet:
             extra = f", {rate:.1f} req/s" if rate else ""
-            print(
-                f"[sim] {spec.name}: {nodes} nodes, {len(requests)} requests, gossip "
-                f"{mode.value} every {interval:g}s{extra}",
-                file=sys.stderr,
-                flush=True,
+            _say(
+                f"[sim] {name}: {nodes} nodes, {len(requests)} requests, gossip "
+                f"{mode.value} every {interval:g}s{extra}"
             )
         res = run_sim(spec, requests, tokenize, None if args.quiet else _progress)
         if not args.quiet:
-            s = res.summary["sim"]
-            print(
-                f"[sim]   {s['events']:,} events in {s['wall_s']:.1f}s wall = "
-                f"{s['events_per_s']:,.0f} events/s ({s['virtual_s']:.1f}s virtual)",
-                file=sys.stderr,
-                flush=True,
-            )
+            _report_speed(res)
         results.append(res)
     return results
+
+
+def _arrivals(
+    args: argparse.Namespace, cost: costs.CostModel, nodes: int, skew: str, tokenize: Tokenize
+) -> tuple[list[Request], float | None]:
+    """The point's requests, with Poisson arrival times under ``--schedule poisson`` (at
+    ``--rate``, else ``--load`` x the estimated capacity), and that rate (None otherwise)."""
+    requests = requests_for(args, skew == "skewed", nodes)
+    if args.schedule != "poisson" or not requests:
+        return requests, None
+    max_tokens = requests[0].max_tokens
+    rate = args.rate or args.load * capacity_rate(
+        cost, nodes, mean_prompt_tokens(requests, tokenize), max_tokens
+    )
+    return schedule.poisson(requests, nodes, rate, args.seed), rate
+
+
+def _cluster_config(
+    args: argparse.Namespace,
+    cost: costs.CostModel,
+    policy: Policy,
+    nodes: int,
+    delay: float,
+    interval: float,
+    mode: GossipMode,
+    tok_fp: str,
+) -> ClusterConfig:
+    return ClusterConfig(
+        nodes=nodes,
+        cost=cost,
+        router=RouterConfig(
+            policy=policy,
+            context_scale=cost.context_scale if args.tuned_priors else 4096.0,
+            load_bound=None if args.load_bound < 0 else args.load_bound,
+        ),
+        gossip=GossipConfig.for_interval(interval, mode=mode, fanout=args.fanout),
+        pushback=PushbackConfig(queue_threshold=args.pushback_threshold),
+        network=network_config(args, delay),
+        cache_tokens=args.cache_tokens,
+        forward=ForwardConfig(silence_timeout_s=parse_duration(args.forward_timeout)),
+        seeds=args.seeds,
+        seed=args.seed,
+        tokenizer=tok_fp,
+        service_noise=args.service_noise or 0.0,
+        tuned_priors=args.tuned_priors,
+    )
+
+
+def _run_spec(args: argparse.Namespace, name: str, cluster: ClusterConfig, skew: str) -> RunSpec:
+    return RunSpec(
+        name=name,
+        cluster=cluster,
+        workload="trace" if args.trace else ("mmlu" if args.mmlu_dir else "synthetic"),
+        skew=skew,
+        schedule=args.schedule,
+        concurrency=cluster.nodes if args.concurrency == "nodes" else int(args.concurrency),
+        warmup_s=parse_duration(args.warmup) if args.warmup else None,
+    )
+
+
+def _report_speed(res: RunResult) -> None:
+    s = res.summary["sim"]
+    _say(
+        f"[sim]   {s['events']:,} events in {s['wall_s']:.1f}s wall = "
+        f"{s['events_per_s']:,.0f} events/s ({s['virtual_s']:.1f}s virtual)"
+    )
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def _progress(done: int, total: int) -> None:

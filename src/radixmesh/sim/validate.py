@@ -159,41 +159,73 @@ def compare(
     """One row per configuration. ``sim_run``: simulated at each real run's own machine speed
     (the fitted model x that run's drift); ``sim_fixed``: at the fitted speed, to compare with
     the drift-corrected real figures."""
-    rows = []
-    for r, s, f in zip(real, sim_run, sim_fixed, strict=True):
-        rr, sr = _ratio(real, r), _ratio(sim_run, s)
-        rc, fr = _corrected_ratio(real, r, corr), _ratio(sim_fixed, f)
-        rows.append(
-            {
-                "name": r["name"],
-                "policy": r["policy"],
-                "skew": r["skew"],
-                "comm_delay_ms": r["comm_delay_ms"],
-                "requests": r["requests"],
-                "errors": r["errors"],
-                "drift": corr.get(r["name"], (None, None))[0],
-                "real_actual_hit": r["actual_hit_rate"],
-                "sim_actual_hit": s["actual_hit_rate"],
-                "hit_diff_points": _diff_points(r["actual_hit_rate"], s["actual_hit_rate"]),
-                "real_expected_hit": r["expected_hit_rate"],
-                "sim_expected_hit": s["expected_hit_rate"],
-                "real_mean_s": r["mean_latency_s"],
-                "sim_mean_s": s["mean_latency_s"],
-                "real_ratio": rr,
-                "sim_ratio": sr,
-                "ratio_diff_pct": _pct_diff(sr, rr),
-                "real_mean_corrected_s": corr.get(r["name"], (None, None))[1],
-                "sim_fixed_mean_s": f["mean_latency_s"],
-                "real_ratio_corrected": rc,
-                "sim_fixed_ratio": fr,
-                "corrected_ratio_diff_pct": _pct_diff(fr, rc),
-                "real_hotspot": r["hotspot_share"],
-                "sim_hotspot": s["hotspot_share"],
-                "real_forwarded": r["forwarded_share"],
-                "sim_forwarded": s["forwarded_share"],
-            }
-        )
-    return rows
+    return [
+        {
+            **_config_fields(r, corr),
+            **_hit_fields(r, s),
+            **_latency_fields(real, sim_run, r, s),
+            **_fixed_speed_fields(real, sim_fixed, r, f, corr),
+            **_routing_fields(r, s),
+        }
+        for r, s, f in zip(real, sim_run, sim_fixed, strict=True)
+    ]
+
+
+def _config_fields(r: Row, corr: dict[str, tuple[float, float]]) -> Row:
+    return {
+        "name": r["name"],
+        "policy": r["policy"],
+        "skew": r["skew"],
+        "comm_delay_ms": r["comm_delay_ms"],
+        "requests": r["requests"],
+        "errors": r["errors"],
+        "drift": corr.get(r["name"], (None, None))[0],
+    }
+
+
+def _hit_fields(r: Row, s: Row) -> Row:
+    return {
+        "real_actual_hit": r["actual_hit_rate"],
+        "sim_actual_hit": s["actual_hit_rate"],
+        "hit_diff_points": _diff_points(r["actual_hit_rate"], s["actual_hit_rate"]),
+        "real_expected_hit": r["expected_hit_rate"],
+        "sim_expected_hit": s["expected_hit_rate"],
+    }
+
+
+def _latency_fields(real: list[Row], sim_run: list[Row], r: Row, s: Row) -> Row:
+    """Raw real figures against the simulation at that run's machine speed."""
+    rr, sr = _ratio(real, r), _ratio(sim_run, s)
+    return {
+        "real_mean_s": r["mean_latency_s"],
+        "sim_mean_s": s["mean_latency_s"],
+        "real_ratio": rr,
+        "sim_ratio": sr,
+        "ratio_diff_pct": _pct_diff(sr, rr),
+    }
+
+
+def _fixed_speed_fields(
+    real: list[Row], sim_fixed: list[Row], r: Row, f: Row, corr: dict[str, tuple[float, float]]
+) -> Row:
+    """Drift-corrected real figures against the simulation at the fitted speed."""
+    rc, fr = _corrected_ratio(real, r, corr), _ratio(sim_fixed, f)
+    return {
+        "real_mean_corrected_s": corr.get(r["name"], (None, None))[1],
+        "sim_fixed_mean_s": f["mean_latency_s"],
+        "real_ratio_corrected": rc,
+        "sim_fixed_ratio": fr,
+        "corrected_ratio_diff_pct": _pct_diff(fr, rc),
+    }
+
+
+def _routing_fields(r: Row, s: Row) -> Row:
+    return {
+        "real_hotspot": r["hotspot_share"],
+        "sim_hotspot": s["hotspot_share"],
+        "real_forwarded": r["forwarded_share"],
+        "sim_forwarded": s["forwarded_share"],
+    }
 
 
 def _pct_diff(sim: float | None, real: float | None) -> float | None:
@@ -246,37 +278,17 @@ def markdown(rows: list[Row]) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
-    from radixmesh.sim import costfit, costs
-
     real_dir = Path(args.validate)
     out = Path(args.out or "sim-validate")
     out.mkdir(parents=True, exist_ok=True)
-    if args.cost_model == "fit":
-        fit_args = argparse.Namespace(
-            from_records=str(real_dir / "requests.jsonl"), runs="", quiet=args.quiet,
-            forward_overhead=args.forward_overhead,
-        )  # fmt: skip
-        doc = costfit.from_records(fit_args)
-        (out / "costmodel.json").write_text(json.dumps(doc, indent=2) + "\n")
-        cost = costs.CostModel.from_dict(doc)
-        fitted_noise = float(doc["fit"]["rel_rmse"])
-    else:
-        cost = costs.resolve(args.cost_model)
-        fitted_noise = 0.0
+    cost, fitted_noise = _cost_model(args, real_dir, out)
     noise = fitted_noise if args.service_noise is None else args.service_noise
     real = real_runs(real_dir)
     if not real:
         raise ValueError(f"{real_dir}: no configuration the simulator can replay")
     delays = {r["name"]: float(r["comm_delay_ms"]) / 1000.0 for r in real}
     corr = drift_corrected_means(real_dir / "requests.jsonl", cost, delays)
-    sim_run, sim_fixed = [], []
-    for r in real:
-        tokenize, tok_fp = tokenizer_for(args, int(r["nodes"]))
-        drift = corr.get(r["name"], (1.0, 0.0))[0]
-        sim_run.append(simulate_like(r, args, cost.scaled(drift), tokenize, tok_fp, noise))
-        sim_fixed.append(simulate_like(r, args, cost, tokenize, tok_fp, noise))
-        if not args.quiet:
-            print(f"[validate] {r['name']}: simulated (drift {drift:.2f})", flush=True)
+    sim_run, sim_fixed = _simulate_all(real, args, cost, corr, noise)
     rows = compare(real, sim_run, sim_fixed, corr)
     (out / "summary.json").write_text(json.dumps({"runs": sim_run}, indent=2) + "\n")
     (out / "validation.json").write_text(
@@ -290,3 +302,38 @@ def main(args: argparse.Namespace) -> int:
     (out / "validation.md").write_text(table)
     print(table)
     return 0
+
+
+def _cost_model(args: argparse.Namespace, real_dir: Path, out: Path) -> tuple[CostModel, float]:
+    """``--cost-model fit``: fitted to the real run's records (written to ``out``), with the
+    fit's scatter as the service noise; else the named model, noiseless."""
+    from radixmesh.sim import costfit, costs
+
+    if args.cost_model != "fit":
+        return costs.resolve(args.cost_model), 0.0
+    fit_args = argparse.Namespace(
+        from_records=str(real_dir / "requests.jsonl"), runs="", quiet=args.quiet,
+        forward_overhead=args.forward_overhead,
+    )  # fmt: skip
+    doc = costfit.from_records(fit_args)
+    (out / "costmodel.json").write_text(json.dumps(doc, indent=2) + "\n")
+    return costs.CostModel.from_dict(doc), float(doc["fit"]["rel_rmse"])
+
+
+def _simulate_all(
+    real: list[Row],
+    args: argparse.Namespace,
+    cost: CostModel,
+    corr: dict[str, tuple[float, float]],
+    noise: float,
+) -> tuple[list[Row], list[Row]]:
+    """Each real configuration simulated at its run's speed (``cost`` x drift) and at ``cost``."""
+    sim_run, sim_fixed = [], []
+    for r in real:
+        tokenize, tok_fp = tokenizer_for(args, int(r["nodes"]))
+        drift = corr.get(r["name"], (1.0, 0.0))[0]
+        sim_run.append(simulate_like(r, args, cost.scaled(drift), tokenize, tok_fp, noise))
+        sim_fixed.append(simulate_like(r, args, cost, tokenize, tok_fp, noise))
+        if not args.quiet:
+            print(f"[validate] {r['name']}: simulated (drift {drift:.2f})", flush=True)
+    return sim_run, sim_fixed
