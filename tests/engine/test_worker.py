@@ -1,4 +1,4 @@
-"""EngineWorker: FIFO on one thread, observable depth, errors and cancellation."""
+"""EngineWorker: FIFO on one thread, observable depth, errors and cancellation (counted)."""
 
 from __future__ import annotations
 
@@ -86,6 +86,7 @@ def test_cancelled_before_start_is_skipped_and_close_cancels_waiting() -> None:
     assert engine.started.wait(5)
     skipped, waiting = worker.submit(_req("b")), worker.submit(_req("c"))
     assert skipped.cancel()
+    assert (worker.waiting, worker.cancelled, worker.queue_depth) == (1, 1, 2)  # at once
     closer = threading.Thread(target=worker.close)
     closer.start()
     deadline = time.monotonic() + 5
@@ -96,6 +97,7 @@ def test_cancelled_before_start_is_skipped_and_close_cancels_waiting() -> None:
     assert running.result(5).request_id == "a"
     assert waiting.cancelled()
     assert engine.order == ["a"]
+    assert (worker.cancelled, worker.completed, worker.queue_depth) == (2, 1, 0)
     with pytest.raises(RuntimeError):
         worker.submit(_req("d"))
 

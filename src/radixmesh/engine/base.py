@@ -1,16 +1,36 @@
 """The interface between a node and the engine that executes requests.
 
-An :class:`Engine` is two interfaces, as cache management is separate from the model:
+Two levels, as an engine either runs one request at a time or batches many:
 
-* :class:`PrefixCacheView` — what the node sees of the engine's prefix cache (the budgeted
-  radix tree of ``core.prefix_cache``): ``match`` (read-only, for routing), ``usage``, the
-  cache changes since last asked (``drain_cache_delta``, block hashes added/removed) and a
-  full snapshot (``cache_hashes``) for gossip. Callable from any thread.
-* :class:`ModelRunner` — the model's identity and limits and ``generate`` (execute one
-  request; blocking, one at a time — the :class:`~radixmesh.engine.worker.EngineWorker` queues
-  requests in FIFO order and runs them on a thread), which reads and fills that cache.
+* :class:`Engine` — a synchronous engine (the built-in one): :class:`PrefixCacheView` (what the
+  node sees of the prefix cache) + :class:`ModelRunner` (identity, limits and a blocking
+  ``generate``, one request at a time, not re-entrant).
+* :class:`AsyncEngine` — what the node runs on: the same cache view and identity, an
+  ``async generate`` that many callers may await at once, ``running`` / ``waiting`` counts and
+  ``aclose``. A batching engine (vLLM / SGLang behind HTTP) implements it directly; the
+  built-in engine gets it from :class:`~radixmesh.engine.worker.ThreadedEngine` (one thread,
+  FIFO).
 
-Handles: lists returned by an engine are owned by the caller; the engine never mutates them.
+The :class:`AsyncEngine` contract
+---------------------------------
+* ``generate`` is awaited on one event loop (the node's); every method is called from it.
+* ``on_token(id)`` is called on that loop, once per generated token, in order, every call
+  before ``generate`` returns and none after it returns or raises. It must not block. If it
+  raises, the request stops at its next token and ``generate`` raises that exception.
+* Cancelling the task awaiting ``generate`` stops the request: one still waiting is never
+  started; a running one stops at its next token. ``CancelledError`` reaches the caller once the
+  engine has let go of it: the KV computed so far is committed to the cache or released (the
+  cache stays consistent) and ``running`` / ``waiting`` no longer count it. (A second
+  cancellation stops only that wait.)
+* ``running`` (executing now: a batching engine may run many) and ``waiting`` (admitted, not
+  started) exclude a request as soon as ``generate`` has returned or raised for it.
+* ``aclose()`` cancels waiting requests (their ``generate`` raises ``CancelledError``), lets
+  running ones finish and releases the engine; ``generate`` afterwards raises ``RuntimeError``.
+* The cache view (``match``, ``usage``, ``drain_cache_delta``, ``cache_hashes``) answers at once
+  and may be read while requests run; only the delta drain mutates (the journal).
+
+Handles: lists and results returned by an engine are owned by the caller; the engine never
+mutates them. Request and result types are frozen.
 """
 
 from __future__ import annotations
@@ -20,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from radixmesh.core.blocks import Fingerprint
-from radixmesh.core.prefix_cache import CacheUsage
+from radixmesh.core.prefix_cache import CacheUsage as CacheUsage  # re-exported
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +77,7 @@ class GenerateResult:
     finish_reason: FinishReason
     prompt_tokens: int
     cached_tokens: int  # prompt tokens whose KV was reused (not recomputed)
-    queue_s: float  # time waiting in the engine's FIFO queue
+    queue_s: float  # time admitted but not started (waiting for the engine)
     prefill_s: float
     decode_s: float
 
@@ -102,8 +122,8 @@ class PrefixCacheView(Protocol):
         ...
 
 
-class ModelRunner(Protocol):
-    """The model: identity, limits and request execution."""
+class ModelInfo(Protocol):
+    """The model's identity and limits (constant for the engine's life)."""
 
     @property
     def model_name(self) -> str: ...  # the name clients pass as "model"
@@ -114,12 +134,43 @@ class ModelRunner(Protocol):
     @property
     def tokenizer(self) -> Tokenizer: ...
 
+
+class ModelRunner(ModelInfo, Protocol):
+    """The model: identity, limits and request execution, one request at a time."""
+
     def generate(
         self, req: GenerateRequest, on_token: TokenCallback | None = None
     ) -> GenerateResult:
-        """Execute one request (blocking). ``on_token`` is called for each generated token."""
+        """Execute one request (blocking, not re-entrant). ``on_token`` is called on the calling
+        thread for each generated token; if it raises, generation stops there, the cache is
+        left consistent (KV so far committed or released) and the exception propagates."""
         ...
 
 
 class Engine(PrefixCacheView, ModelRunner, Protocol):
-    """What a node runs: a model over its own prefix cache."""
+    """A synchronous engine: a model over its own prefix cache."""
+
+
+class AsyncEngine(PrefixCacheView, ModelInfo, Protocol):
+    """What a node runs on: concurrent requests on the event loop (contract above)."""
+
+    @property
+    def running(self) -> int:
+        """Requests executing now."""
+        ...
+
+    @property
+    def waiting(self) -> int:
+        """Requests admitted but not started."""
+        ...
+
+    async def generate(
+        self, req: GenerateRequest, on_token: TokenCallback | None = None
+    ) -> GenerateResult:
+        """Execute one request; ``on_token`` runs on the loop. Cancel the awaiting task to stop
+        it (see the module docstring)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Cancel waiting requests, let running ones finish, release the engine."""
+        ...

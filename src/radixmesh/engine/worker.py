@@ -1,32 +1,61 @@
-"""``EngineWorker``: one thread runs an engine's requests in FIFO order.
+"""``EngineWorker`` runs a synchronous engine's requests in FIFO order on one thread;
+``ThreadedEngine`` puts it behind the :class:`~radixmesh.engine.base.AsyncEngine` interface.
 
 Theory of operation
 -------------------
 ::
 
-    submit(req) ──▶ [ FIFO queue ] ──▶ worker thread: engine.generate(req, on_token)
+    ThreadedEngine.generate(req, on_token)          (event loop)
+        │ submit                      ▲ tokens: call_soon_threadsafe → on_token on the loop
+        ▼                             │
+    EngineWorker: [ FIFO queue ] ──▶ worker thread: engine.generate(req, relay)
         │                                   │
         └─ Future[GenerateResult] ◀─────────┘ result with queue_s = start - submit
 
-``queue_depth`` counts waiting + running requests and ``inflight`` the running one (0 or 1);
-both are what a node gossips as its load. ``on_token`` and the Future's callbacks run on the
-worker thread: an asyncio caller must hop back with ``loop.call_soon_threadsafe`` (or wrap the
-future with ``asyncio.wrap_future``). A future cancelled before it starts is skipped. If
-``generate`` (or ``on_token``) raises, the future carries the exception and the worker goes
-on with the next request. ``close()`` cancels waiting requests, lets the running one finish,
-and joins the thread.
+``queue_depth`` counts waiting + running requests, ``waiting`` the queued ones and ``inflight``
+the running one (0 or 1); all are updated before the request's future resolves, and a future
+cancelled while queued stops counting at once (the worker skips it later). ``on_token`` and
+the Future's callbacks run on the worker thread. If ``generate`` (or ``on_token``) raises, the
+future carries the exception and the worker goes on with the next request;
+:class:`RequestStopped` raised from ``on_token`` counts as ``cancelled``, not ``failed``.
+``close()`` cancels waiting requests, lets the running one finish, and joins the thread.
+
+``ThreadedEngine`` never lets its callers touch the engine thread: each token hops to the loop
+(``call_soon_threadsafe``); cancelling the awaiting task cancels a queued future (skipped) or
+makes the next token raise :class:`RequestStopped` on the engine thread (the engine commits its
+KV so far and unwinds), and ``generate`` re-raises ``CancelledError`` once the worker let go.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import inspect
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import cast
 
-from radixmesh.engine.base import Engine, GenerateRequest, GenerateResult, TokenCallback
+from radixmesh.core.blocks import Fingerprint
+from radixmesh.core.prefix_cache import CacheUsage
+from radixmesh.engine.base import (
+    AsyncEngine,
+    CacheDelta,
+    Engine,
+    GenerateRequest,
+    GenerateResult,
+    TokenCallback,
+    Tokenizer,
+)
+
+CLOSE_WAIT_S = 5.0  # ThreadedEngine.aclose(): how long to wait for the running request
+
+
+class RequestStopped(Exception):
+    """Raised from ``on_token`` on the engine thread to stop a request (its caller cancelled)."""
 
 
 @dataclass(slots=True)
@@ -47,6 +76,7 @@ class EngineWorker:
         self._closed = False
         self.completed = 0
         self.failed = 0
+        self.cancelled = 0  # skipped before start, or stopped by RequestStopped
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -58,8 +88,15 @@ class EngineWorker:
 
     @property
     def inflight(self) -> int:
+        """The running request (0 or 1)."""
         with self._lock:
             return self._running
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued, not started and not cancelled."""
+        with self._lock:
+            return self._waiting
 
     def submit(
         self, req: GenerateRequest, on_token: TokenCallback | None = None
@@ -70,7 +107,16 @@ class EngineWorker:
                 raise RuntimeError("engine worker is closed")
             self._waiting += 1
             self._queue.put(_Job(req, on_token, future, time.perf_counter()))
+        future.add_done_callback(self._uncount_if_cancelled)
         return future
+
+    def _uncount_if_cancelled(self, future: Future[GenerateResult]) -> None:
+        """A future can only be cancelled before it starts: it stops counting as waiting now
+        (``_run`` will skip it without counting it again)."""
+        if future.cancelled():
+            with self._lock:
+                self._waiting -= 1
+                self.cancelled += 1
 
     def close(self, timeout: float | None = None) -> None:
         with self._lock:
@@ -88,33 +134,147 @@ class EngineWorker:
             except queue.Empty:
                 return
             if job is not None:
-                with self._lock:
-                    self._waiting -= 1
                 job.future.cancel()
 
     def _loop(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            with self._lock:
-                self._waiting -= 1
-                self._running = 1
-            try:
-                self._run(job)
-            finally:
-                with self._lock:
-                    self._running = 0
+        while (job := self._queue.get()) is not None:
+            self._run(job)
 
     def _run(self, job: _Job) -> None:
-        if not job.future.set_running_or_notify_cancel():
+        with self._lock:
+            started = job.future.set_running_or_notify_cancel()
+            if started:  # else: uncounted when it was cancelled
+                self._waiting -= 1
+                self._running = 1
+        if not started:
             return
         queue_s = time.perf_counter() - job.submitted
         try:
             result = self.engine.generate(job.req, job.on_token)
         except BaseException as exc:
-            self.failed += 1
-            job.future.set_exception(exc)
+            self._settle(job, exc)
             return
-        self.completed += 1
-        job.future.set_result(dataclasses.replace(result, queue_s=queue_s))
+        self._settle(job, dataclasses.replace(result, queue_s=queue_s))
+
+    def _settle(self, job: _Job, outcome: GenerateResult | BaseException) -> None:
+        """Count the outcome and stop counting the job as running, then resolve its future."""
+        with self._lock:
+            self._running = 0
+            if isinstance(outcome, GenerateResult):
+                self.completed += 1
+            elif isinstance(outcome, RequestStopped):
+                self.cancelled += 1
+            else:
+                self.failed += 1
+        if isinstance(outcome, GenerateResult):
+            job.future.set_result(outcome)
+        else:
+            job.future.set_exception(outcome)
+
+
+# ------------------------------------------------------------------------------ async adapter
+class _Relay:
+    """One request's token path from the engine thread to the loop; cut once ``stopped``."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_token: TokenCallback | None) -> None:
+        self._loop, self._on_token = loop, on_token
+        self.stopped = False  # written on the loop, read on the engine thread
+        self.error: Exception | None = None  # what on_token raised (it stopped the request)
+
+    def from_engine(self, tok: int) -> None:  # on the engine thread
+        if self.stopped:
+            raise RequestStopped("the request was stopped")
+        if self._on_token is not None:
+            self._loop.call_soon_threadsafe(self._deliver, tok)
+
+    def _deliver(self, tok: int) -> None:  # on the loop
+        if self.stopped or self._on_token is None:
+            return
+        try:
+            self._on_token(tok)
+        except Exception as exc:
+            self.error, self.stopped = exc, True
+
+
+class ThreadedEngine:
+    """A synchronous :class:`Engine` as an :class:`AsyncEngine`: one request at a time on an
+    :class:`EngineWorker` thread, FIFO. ``engine`` (the wrapped engine) and ``worker`` stay
+    valid until ``aclose``; the cache view and identity are the engine's, read directly."""
+
+    def __init__(self, engine: Engine, name: str = "radixmesh-engine") -> None:
+        self.engine = engine
+        self.worker = EngineWorker(engine, name)
+
+    @property
+    def running(self) -> int:
+        return self.worker.inflight
+
+    @property
+    def waiting(self) -> int:
+        return self.worker.waiting
+
+    async def generate(
+        self, req: GenerateRequest, on_token: TokenCallback | None = None
+    ) -> GenerateResult:
+        relay = _Relay(asyncio.get_running_loop(), on_token)
+        future = self.worker.submit(req, relay.from_engine)
+        done = asyncio.wrap_future(future)
+        try:
+            result = await asyncio.shield(done)
+        except asyncio.CancelledError:
+            await _let_go(relay, future, done)
+            raise
+        except RequestStopped as stopped:  # on_token raised: relay.error is why
+            raise (relay.error or stopped) from None
+        if relay.error is not None:  # on_token failed on the last token
+            raise relay.error
+        return result
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.worker.close, CLOSE_WAIT_S)
+
+    # ------------------------------------------------------------------------- the engine's
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def fingerprint(self) -> Fingerprint:
+        return self.engine.fingerprint
+
+    @property
+    def max_context(self) -> int:
+        return self.engine.max_context
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def match(self, prompt_ids: Sequence[int]) -> int:
+        return self.engine.match(prompt_ids)
+
+    def usage(self) -> CacheUsage:
+        return self.engine.usage()
+
+    def drain_cache_delta(self) -> CacheDelta:
+        return self.engine.drain_cache_delta()
+
+    def cache_hashes(self) -> frozenset[int]:
+        return self.engine.cache_hashes()
+
+
+async def _let_go(relay: _Relay, future: Future[GenerateResult],
+                  done: asyncio.Future[GenerateResult]) -> None:
+    """Stop a cancelled request and wait until the worker no longer holds it."""
+    relay.stopped = True  # running: the next token raises RequestStopped
+    future.cancel()  # still queued: skipped
+    await asyncio.wait({done})
+    if not done.cancelled():
+        done.exception()  # retrieved: the result or RequestStopped is dropped
+
+
+def as_async_engine(engine: Engine | AsyncEngine) -> AsyncEngine:
+    """``engine`` itself if its ``generate`` is a coroutine function, else a ThreadedEngine."""
+    if inspect.iscoroutinefunction(engine.generate):
+        return cast(AsyncEngine, engine)
+    return ThreadedEngine(cast(Engine, engine))

@@ -7,9 +7,10 @@
 ``GET  /admin/debug``         current values of both
 
 The engine delay is an engine proxy (:class:`DelayedEngine`) wrapped around the real engine at
-start-up (``--debug-engine-delay`` sets its initial value). The sleep happens on the engine's
-single worker thread, so it holds the FIFO queue exactly as a slow device would: queue depth
-grows, the node's measured service time grows, and push-back is advertised through gossip.
+start-up (``--debug-engine-delay`` sets its initial value), under the node's ``ThreadedEngine``.
+The sleep happens on the engine's single worker thread, so it holds the FIFO queue exactly as a
+slow device would: queue depth grows, the node's measured service time grows, and push-back is
+advertised through gossip.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from radixmesh.engine.base import GenerateRequest, GenerateResult
+from radixmesh.engine.worker import ThreadedEngine
 from radixmesh.runtime.netem import NetemConfig
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
@@ -47,6 +49,13 @@ class DelayedEngine:
         return getattr(self._engine, name)
 
 
+def delayed_engine(service: Any) -> DelayedEngine | None:
+    """The node's :class:`DelayedEngine` (under its ThreadedEngine), or None without one."""
+    engine = service.engine
+    inner = engine.engine if isinstance(engine, ThreadedEngine) else engine
+    return inner if isinstance(inner, DelayedEngine) else None
+
+
 def _error(message: str, status: int = 400) -> JSONResponse:
     body = {"error": {"message": message, "type": "invalid_request_error", "param": None,
                       "code": None}}
@@ -64,11 +73,11 @@ def _number(body: dict[str, Any], key: str, low: float, high: float) -> float | 
 
 def _state(service: Any) -> dict[str, object]:
     cfg: NetemConfig = service.netem.config
-    engine = service.engine
+    engine = delayed_engine(service)
     return {
         "netem": {"loss": cfg.loss, "duplicate": getattr(cfg, "duplicate", 0.0),
                   "delay": cfg.delay_s, "jitter": cfg.jitter_s},
-        "engine_delay_s": engine.delay_s if isinstance(engine, DelayedEngine) else None,
+        "engine_delay_s": None if engine is None else engine.delay_s,
     }
 
 
@@ -126,11 +135,12 @@ def install_debug_routes(app: FastAPI, service: Any) -> None:
     async def set_engine_delay(request: Request) -> Response:
         if (denied := refused(request)) is not None:
             return denied
-        if not isinstance(service.engine, DelayedEngine):
+        engine = delayed_engine(service)
+        if engine is None:
             return _error("this node was built without the engine-delay knob", 409)
         try:
             seconds = _number(await _json_object(request), "seconds", 0.0, MAX_DELAY_S)
         except ValueError as exc:
             return _error(str(exc))
-        service.engine.delay_s = seconds or 0.0
+        engine.delay_s = seconds or 0.0
         return JSONResponse(_state(service))

@@ -4,8 +4,9 @@ Theory of operation
 -------------------
 The core's lifecycle (``core/lifecycle.py``) decides; the classes here only move tokens::
 
-    ExecuteLocally(resume_after=k) ─▶ LocalExecution: EngineWorker job, tokens via an
-                                      asyncio queue; prompt + the k tokens a dead peer sent
+    ExecuteLocally(resume_after=k) ─▶ LocalExecution: a task awaiting engine.generate
+                                      (AsyncEngine), tokens via an asyncio queue; prompt +
+                                      the k tokens a dead peer sent
     Forward(peer)  ─▶ offer(): POST /peer/forward, first reply ForwardBusy | ForwardAccepted
                       ─▶ ForwardExecution: relays ForwardTokens, ends on ForwardResult; a
                          failure is reported (ForwardFailed with the tokens so far) and the
@@ -13,7 +14,7 @@ The core's lifecycle (``core/lifecycle.py``) decides; the classes here only move
 
 Every end is reported to the core: ``RequestDone`` (with the forward's overhead), or
 ``RequestCancelled`` when the consumer stops early (the client went away), whose ``Abort``
-then stops the engine job or closes the peer stream. Requests served *for* a peer
+then cancels the engine task or closes the peer stream. Requests served *for* a peer
 (``rid=None``) are not the core's flights and report nothing but the engine's own events.
 """
 
@@ -37,8 +38,7 @@ from radixmesh.core.messages import (
     ForwardResult,
     ForwardTokens,
 )
-from radixmesh.engine.base import Engine, GenerateRequest, GenerateResult, SamplingParams
-from radixmesh.engine.worker import EngineWorker
+from radixmesh.engine.base import AsyncEngine, GenerateRequest, GenerateResult, SamplingParams
 from radixmesh.runtime.metrics import RuntimeMetrics
 from radixmesh.runtime.peer_client import ForwardFailure, ForwardStream
 
@@ -71,10 +71,9 @@ class Host(Protocol):
     """What an execution needs from its node (``runtime.node.NodeService``)."""
 
     node_id: str
-    engine: Engine
-    worker: EngineWorker
+    engine: AsyncEngine
     metrics: RuntimeMetrics
-    pending: int  # submitted to the engine, not finished
+    pending: int  # generate calls started by this node, not finished (event-loop view)
 
     def push_load(self) -> None: ...
     def push_cache_and_load(self) -> None: ...
@@ -87,7 +86,7 @@ class Host(Protocol):
 
 
 class RequestCancelled(Exception):
-    """Raised on the engine thread to stop a request whose client went away."""
+    """How a local execution ends when it was aborted (the client went away)."""
 
 
 class Execution:
@@ -116,7 +115,7 @@ class Execution:
 
 # ------------------------------------------------------------------------------ local
 class LocalExecution(Execution):
-    """Runs on this node's engine worker; its events land on an asyncio queue."""
+    """A task awaiting this node's engine; its events land on an asyncio queue."""
 
     def __init__(self, node: Host, ctx: RequestContext, route: str, expected: int,
                  emitted: tuple[int, ...] = ()) -> None:
@@ -125,21 +124,11 @@ class LocalExecution(Execution):
         self.cached_estimate = node.engine.match(ctx.prompt)
         self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self._emitted = emitted  # tokens a failed peer already sent (the answer goes on)
-        self._cancelled = False
-        self._over = False
-        self._generated = 0  # tokens produced so far (engine thread writes, loop reads after)
-        self._job = self._submit(ctx, len(emitted))
+        self._generated = 0  # tokens delivered so far
+        self._task = self._start(len(emitted))
 
-    def _submit(self, ctx: RequestContext, resume_after: int) -> Any:
-        loop = asyncio.get_running_loop()
-
-        def on_token(tok: int) -> None:  # on the engine thread
-            if self._cancelled:
-                raise RequestCancelled("the client went away")
-            self._generated += 1
-            if ctx.stream:
-                loop.call_soon_threadsafe(self.queue.put_nowait, ("tok", tok))
-
+    def _start(self, resume_after: int) -> asyncio.Task[GenerateResult] | None:
+        ctx = self.ctx
         remaining = ctx.sampling.max_tokens - resume_after
         if remaining <= 0:  # the peer sent the whole answer before it failed
             self.queue.put_nowait(("full", None))
@@ -147,38 +136,47 @@ class LocalExecution(Execution):
         sampling = replace(ctx.sampling, max_tokens=remaining)
         req = GenerateRequest(uuid.uuid4().hex, (*ctx.prompt, *self._emitted), sampling)
         self._t0 = time.perf_counter()
-        job = self.node.worker.submit(req, on_token)
+        task = asyncio.create_task(self.node.engine.generate(req, self._on_token),
+                                   name=f"radixmesh-generate-{req.request_id[:8]}")
         self.node.pending += 1
-        asyncio.wrap_future(job).add_done_callback(self._finished)
+        task.add_done_callback(self._finished)
         self.node.push_load()
-        return job
+        return task
+
+    def _on_token(self, tok: int) -> None:  # on the event loop
+        self._generated += 1
+        if self._generated == 1:  # it runs now: the engine's running count changed
+            self.node.push_load()
+        if self.ctx.stream:
+            self.queue.put_nowait(("tok", tok))
 
     def abort(self) -> None:
-        """Stop the engine work: skipped if still queued, stopped at its next token if running."""
-        if not self._over and self._job is not None:
-            self._cancelled = True
-            self._job.cancel()
+        """Stop the engine work: skipped if still waiting, stopped at its next token if
+        running (no-op once finished)."""
+        if self._task is not None:
+            self._task.cancel()
 
-    def _finished(self, future: asyncio.Future[GenerateResult]) -> None:
+    def _finished(self, task: asyncio.Task[GenerateResult]) -> None:
         self.node.pending -= 1
-        self._over = True
-        if future.cancelled():  # cancelled while still queued: never ran
-            self.node.metrics.cancelled += 1
-            self.queue.put_nowait(("err", RequestCancelled("cancelled before it started")))
-            self.node.push_load()
+        if task.cancelled():
+            self._failed(RequestCancelled("the client went away"))
             return
-        exc = future.exception()
+        exc = task.exception()
         if exc is not None:
-            self.node.metrics.completion_tokens += self._generated
-            if isinstance(exc, RequestCancelled):
-                self.node.metrics.cancelled += 1
-            self.queue.put_nowait(("err", exc))
-            self.node.push_cache_and_load()
+            self._failed(exc)
             return
-        result = future.result()
+        result = task.result()
         service_s = max(time.perf_counter() - self._t0 - result.queue_s, 0.0)
         self.node.local_done(result, service_s)
         self.queue.put_nowait(("done", (result, service_s)))
+
+    def _failed(self, exc: BaseException) -> None:
+        """Ended without a result: the tokens it produced still count."""
+        self.node.metrics.completion_tokens += self._generated
+        if isinstance(exc, RequestCancelled):
+            self.node.metrics.cancelled += 1
+        self.queue.put_nowait(("err", exc))
+        self.node.push_cache_and_load()
 
     async def tokens(self) -> AsyncIterator[int]:
         async with self.node.tracked(self):

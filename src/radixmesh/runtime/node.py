@@ -74,8 +74,8 @@ from radixmesh.core.messages import (
     ForwardTokens,
 )
 from radixmesh.core.node import NodeCore
-from radixmesh.engine.base import Engine, GenerateResult, SamplingParams
-from radixmesh.engine.worker import EngineWorker
+from radixmesh.engine.base import AsyncEngine, Engine, GenerateResult, SamplingParams
+from radixmesh.engine.worker import as_async_engine
 from radixmesh.runtime import metrics as prom
 from radixmesh.runtime.config import ServeConfig
 from radixmesh.runtime.execution import (
@@ -105,18 +105,22 @@ MIN_TICK_GAP_S = 0.001  # if a Tick leaves the deadline in the past, wait this l
 
 # ------------------------------------------------------------------------------ the service
 class NodeService:
-    """Owns NodeCore, the engine worker, the peer client, netem, timers and counters."""
+    """Owns NodeCore, the engine, the peer client, netem, timers and counters.
+
+    ``engine``: an :class:`AsyncEngine` is used as is, a synchronous :class:`Engine` is put on
+    a ``ThreadedEngine`` (its thread). ``self.engine`` is that AsyncEngine, closed by ``stop``.
+    """
 
     def __init__(
         self,
         config: ServeConfig,
-        engine: Engine,
+        engine: Engine | AsyncEngine,
         *,
         clock: Callable[[], float] = time.monotonic,
         incarnation: int | None = None,
     ) -> None:
         self.config = config
-        self.engine = engine
+        self.engine: AsyncEngine = as_async_engine(engine)
         self.clock = clock
         self.incarnation = incarnation or config.incarnation or time.time_ns() // 1_000_000
         node_cfg = config.node_config(engine.fingerprint, self.incarnation)
@@ -124,7 +128,6 @@ class NodeService:
         self.node_id = node_cfg.node_id
         self.address = node_cfg.address
         self.core = NodeCore(node_cfg, random.Random(config.seed ^ self.incarnation), clock())
-        self.worker = EngineWorker(engine)
         self.netem = Netem(
             NetemConfig(config.net_delay, config.net_jitter, config.net_loss,
                         config.net_duplicate),
@@ -159,7 +162,7 @@ class NodeService:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.peers.aclose()
-        await asyncio.to_thread(self.worker.close, 5.0)
+        await self.engine.aclose()
 
     async def _timer_loop(self) -> None:
         while True:
@@ -249,16 +252,19 @@ class NodeService:
 
     @property
     def queue_depth(self) -> int:
-        """Requests submitted to the engine and not yet finished, as the event loop sees it.
+        """Requests running or waiting on the engine: ``running + waiting``, and never less
+        than this node's own unfinished ``generate`` calls (``pending``: it counts a call the
+        moment it is made, before the engine has seen it)."""
+        return max(self.pending, self.engine.running + self.engine.waiting)
 
-        (The worker's own counter lags: its future resolves before it decrements.)
-        """
-        return self.pending
+    @property
+    def inflight(self) -> int:
+        """Requests the engine executes now (a batching engine: many)."""
+        return self.engine.running
 
     def push_load(self) -> None:
         usage = self.engine.usage()
-        depth = self.pending
-        self.dispatch(LoadChanged(depth, min(depth, 1), usage.tokens, usage.budget))
+        self.dispatch(LoadChanged(self.queue_depth, self.inflight, usage.tokens, usage.budget))
 
     def push_cache_and_load(self) -> None:
         delta = self.engine.drain_cache_delta()
@@ -453,7 +459,7 @@ class NodeService:
         usage = self.engine.usage()
         gauges = {
             "queue_depth": float(self.queue_depth),
-            "inflight": float(min(self.queue_depth, 1)),
+            "inflight": float(self.inflight),
             "cache_tokens": float(usage.tokens),
             "cache_budget_tokens": float(usage.budget),
             "cache_locked_tokens": float(usage.locked_tokens),
