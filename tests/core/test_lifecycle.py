@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixmesh.core.config import ForwardConfig
-from radixmesh.core.events import Abort, ExecuteLocally, Forward, RequestArrived
+from radixmesh.core.events import Abort, ExecuteLocally, Forward, RejectRequest, RequestArrived
 from radixmesh.core.lifecycle import Lifecycle
 from radixmesh.core.router import Candidate
 
@@ -153,3 +153,21 @@ def test_lifecycle_matches_the_reference_model(
     assert drive(order, outcomes, attempts) == expected
     forwards = [a for a in expected if isinstance(a, tuple) and a[0] == "forward"]
     assert len(forwards) <= attempts
+
+
+def test_a_full_node_tries_peers_past_itself_then_rejects() -> None:
+    lc = Lifecycle(ForwardConfig(max_peer_attempts=2), KNOWN.get, min_retry_after_s=1.0)
+    [fwd] = lc.start(arrived(), cands(["me", "a", "b", "c"]), full_for_s=4.0)
+    assert fwd == Forward(1, "a", "h-a:1", None, 32, "forwarded")  # below self in the ranking
+    assert lc.refused(1) == [Forward(1, "b", "h-b:1", None, 32, "fallback")]
+    assert lc.refused(1) == [RejectRequest(1, 4.0)]  # c is past the limit; never self
+    assert len(lc) == 0 and lc.counters.rejected == 1
+    [only] = lc.start(arrived(2), cands(["me"]), full_for_s=0.2)
+    assert only == RejectRequest(2, 1.0)  # no peer at all; at least the minimum back-off
+
+
+def test_a_full_node_still_finishes_what_a_dead_peer_started() -> None:
+    lc = lifecycle()
+    lc.start(arrived(), cands(["a", "me"]), full_for_s=9.0)
+    lc.accepted(1)
+    assert lc.failed(1, tokens_so_far=3) == [ExecuteLocally(1, "fallback", 16, 3)]

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixmesh.core.blocks import Fingerprint
-from radixmesh.core.config import GossipConfig, NodeConfig, PushbackConfig
+from radixmesh.core.config import AdmissionConfig, GossipConfig, NodeConfig, PushbackConfig
 from radixmesh.core.events import (
     AcceptForward,
     ExecuteLocally,
@@ -23,6 +23,7 @@ from radixmesh.core.events import (
     MessageReceived,
     PeerStateChanged,
     RefuseForward,
+    RejectRequest,
     RequestArrived,
     RequestDone,
     RequestServed,
@@ -392,3 +393,18 @@ def test_utilization_is_gossiped_and_bounds_forwards_to_a_busy_specialist() -> N
     assert n0.route(chain, 1100, 0, 1, c.now)[0].is_self
     c.run_for(60.0)  # the busy period decays away: affinity routing resumes
     assert n0.route(chain, 1100, 0, 1, c.now)[0].node_id == "n1"
+
+
+def test_a_full_node_refuses_forwards_and_rejects_what_no_peer_takes() -> None:
+    node = lone_node(admission=AdmissionConfig(max_queue_requests=2))
+    node.handle(Tick(), 0.0)
+    node.handle(LoadChanged(1, 1, 0, 100), 0.1)
+    assert refusal(node, 0.1) is None
+    [local] = node.handle(RequestArrived(1, (), 64, 0, 4), 0.1)
+    assert isinstance(local, ExecuteLocally)
+    node.handle(LoadChanged(2, 1, 0, 100), 0.2)  # full: the cap is two requests
+    retry = refusal(node, 0.2)
+    assert retry is not None and retry >= 1.0
+    assert node.handle(RequestArrived(2, (), 64, 0, 4), 0.2) == [RejectRequest(2, retry)]
+    m = node.metrics()
+    assert m["forwards_refused_full"] == 1 and m["requests_rejected"] == 1

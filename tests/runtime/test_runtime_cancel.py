@@ -1,4 +1,5 @@
-"""A client that goes away stops its request — non-streaming too, local and forwarded alike.
+"""A client that goes away stops its request — non-streaming too, local and forwarded alike;
+a full node answers 429 with Retry-After instead of queueing without bound.
 
 Real HTTP on 127.0.0.1 (uvicorn in this process), a micro engine whose tokens each take
 50 ms, so a 150-token request would run ~7.5 s: the client gives up after 0.5 s and the
@@ -60,9 +61,11 @@ def _free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def _serving(engine: Any, name: str) -> AsyncIterator[tuple[NodeService, str]]:
+async def _serving(engine: Any, name: str, **overrides: Any
+                   ) -> AsyncIterator[tuple[NodeService, str]]:
     port = _free_port()
-    cfg = ServeConfig(node_id=name, port=port, gossip_interval=5.0, forward_timeout=2.0)
+    cfg = ServeConfig(node_id=name, port=port, gossip_interval=5.0, forward_timeout=2.0,
+                      **overrides)
     service = NodeService(cfg, SlowTokens(engine))
     config = uvicorn.Config(create_app(service), host="127.0.0.1", port=port,
                             log_level="warning", lifespan="on")
@@ -128,5 +131,26 @@ def test_a_non_streaming_client_that_goes_away_cancels_the_forwarded_request(
             assert entry.core.metrics()["requests_cancelled"] == 1
             assert entry.metrics.requests["forwarded"] == 1
             assert entry.queue_depth == 0  # nothing ran on the entry node
+
+    asyncio.run(scenario())
+
+
+def test_a_full_node_answers_429_with_retry_after(engine: Any) -> None:
+    async def scenario() -> None:
+        async with _serving(engine, "full", max_queue_requests=1) as (node, address):
+            body = {"model": "micro", "prompt": "fill me " * 4, "max_tokens": 20}
+            url = f"http://{address}/v1/completions"
+            async with aiohttp.ClientSession() as http:
+                first = asyncio.ensure_future(http.post(url, json=body))
+                await _until(lambda: node.queue_depth == 1)
+                async with http.post(url, json=body) as second:
+                    assert second.status == 429
+                    assert int(second.headers["retry-after"]) >= 1
+                    error = (await second.json())["error"]
+                    assert error["type"] == "rate_limit_error" and error["code"] == "overloaded"
+                async with await first as ok:
+                    assert ok.status == 200  # the admitted one is served as usual
+            assert node.metrics.rejected == 1
+            assert node.core.metrics()["requests_rejected"] == 1
 
     asyncio.run(scenario())

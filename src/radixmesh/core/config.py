@@ -189,6 +189,25 @@ class ForwardConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    """Bounded admission: how much work one node queues before it turns requests away.
+
+    A node that is full still answers: a client request goes to a peer with room, or is
+    rejected with a retry-after (HTTP 429); a peer's forward is refused as busy. Nothing is
+    queued without bound and no client waits without an answer."""
+
+    max_queue_requests: int | None = None  # requests waiting or running at most (None: no cap)
+    max_queue_wait_s: float = 30.0  # full when the queue holds this much work (measured speed)
+    min_retry_after_s: float = 1.0  # the shortest back-off a rejected client is asked for
+
+    def __post_init__(self) -> None:
+        if self.max_queue_requests is not None and self.max_queue_requests < 1:
+            raise ValueError("max_queue_requests must be >= 1 (or None)")
+        if self.max_queue_wait_s <= 0 or self.min_retry_after_s < 0:
+            raise ValueError("max_queue_wait_s must be > 0 and min_retry_after_s >= 0")
+
+
+@dataclass(frozen=True, slots=True)
 class NodeConfig:
     node_id: str  # unique name of this node in the mesh
     address: str  # where peers reach this node ("host:port"; opaque to the core)
@@ -200,6 +219,7 @@ class NodeConfig:
     pushback: PushbackConfig = field(default_factory=PushbackConfig)
     priors: CostPriors = field(default_factory=CostPriors)
     forward: ForwardConfig = field(default_factory=ForwardConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
     def __post_init__(self) -> None:
         if not self.node_id or len(self.node_id) > 128:

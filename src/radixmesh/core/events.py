@@ -237,6 +237,14 @@ class RefuseForward:
     retry_after_s: float
 
 
-RequestAction = Forward | ExecuteLocally | Abort | AcceptForward | RefuseForward
+@dataclass(frozen=True, slots=True)
+class RejectRequest:
+    """This node is full and no peer took ``rid``: answer "overloaded, retry after"."""
+
+    rid: int
+    retry_after_s: float
+
+
+RequestAction = Forward | ExecuteLocally | Abort | AcceptForward | RefuseForward | RejectRequest
 
 Action = Send | Log | PeerStateChanged | RequestAction

@@ -27,6 +27,9 @@ Rules:
 * once a peer has *accepted*, a failure is never retried on another peer: the answer
   continues here after the tokens the client already has (the peer may have spent a queue
   wait on it already; a second forward could double that);
+* a node that is full (``AdmissionConfig``) skips itself: every ranked peer may be tried,
+  within the same limit, and when none takes it the request is rejected (``RejectRequest``,
+  the client is told when to retry) — never queued without bound;
 * events for a request or peer the flight is not waiting for are *stale* (a timeout that
   raced a reply): ``is_current`` says so and the node ignores them.
 
@@ -46,6 +49,7 @@ from radixmesh.core.events import (
     Abort,
     ExecuteLocally,
     Forward,
+    RejectRequest,
     RequestAction,
     RequestArrived,
 )
@@ -83,6 +87,7 @@ class Flight:
     peer_tries: int = 0
     fell_back: bool = False  # a try was refused, failed or unknown
     route: str = "local"
+    full_for_s: float | None = None  # this node is full: its queue's wait (None: it has room)
 
     def label(self, first: str) -> str:
         return "fallback" if self.fell_back else first
@@ -95,13 +100,17 @@ class LifecycleCounters:
     routes: dict[str, int] = field(default_factory=dict)  # route label at completion
     cancelled: int = 0
     failed: int = 0
+    rejected: int = 0
 
 
 class Lifecycle:
     """The flights of one entry node and the transition rules above."""
 
-    def __init__(self, config: ForwardConfig, address_of: AddressOf) -> None:
+    def __init__(
+        self, config: ForwardConfig, address_of: AddressOf, min_retry_after_s: float = 1.0
+    ) -> None:
         self._config = config
+        self._min_retry_after_s = min_retry_after_s
         self._address_of = address_of
         self._flights: dict[int, Flight] = {}
         self.counters = LifecycleCounters()
@@ -113,13 +122,16 @@ class Lifecycle:
         return self._flights.get(rid)
 
     # ---------------------------------------------------------------- transitions
-    def start(self, event: RequestArrived, candidates: list[Candidate]) -> list[RequestAction]:
+    def start(
+        self, event: RequestArrived, candidates: list[Candidate], full_for_s: float | None = None
+    ) -> list[RequestAction]:
+        """A new request; ``full_for_s``: this node is full, its queue holds that much work."""
         if event.rid in self._flights:
             raise ValueError(f"request id {event.rid} is already in flight")  # a shell bug
         expected = next(
             (c.expected_cached_tokens for c in candidates if c.is_self), event.local_cached
         )
-        flight = Flight(event.rid, event.hashes, candidates, expected)
+        flight = Flight(event.rid, event.hashes, candidates, expected, full_for_s=full_for_s)
         self._flights[event.rid] = flight
         return [self._next_try(flight)]
 
@@ -168,6 +180,8 @@ class Lifecycle:
         while flight.next_index < len(cands):
             cand = cands[flight.next_index]
             flight.next_index += 1
+            if cand.is_self and flight.full_for_s is not None:
+                continue  # no room here: look further down the ranking
             if cand.is_self or flight.peer_tries >= self._config.max_peer_attempts:
                 break
             flight.peer_tries += 1
@@ -177,7 +191,15 @@ class Lifecycle:
                 flight.fell_back = True
                 continue
             return self._forward(flight, cand, address)
+        if flight.full_for_s is not None:
+            return self._reject(flight)
         return self._local(flight, 0)
+
+    def _reject(self, flight: Flight) -> RejectRequest:
+        del self._flights[flight.rid]
+        self.counters.rejected += 1
+        retry = max(flight.full_for_s or 0.0, self._min_retry_after_s)
+        return RejectRequest(flight.rid, retry)
 
     def _forward(self, flight: Flight, cand: Candidate, address: str) -> Forward:
         flight.stage, flight.peer = Stage.OFFERED, cand.node_id

@@ -123,6 +123,7 @@ _COUNTERS = (
     "forwards_refused",  # our forwards a peer answered "busy"
     "forwards_refused_busy",  # peers' forwards we refused: queue at the push-back threshold
     "forwards_refused_slower",  # ... and because we would not beat their local prediction
+    "forwards_refused_full",  # ... and because our queue is full (bounded admission)
     "requests_served",
     "routes",
     "pushback_started",
@@ -165,7 +166,11 @@ class NodeCore:
         self._pushback_until: float | None = None
         self._next_round = now  # the first Tick joins the seeds at once
         self._idle: list[tuple[int, float, str]] = []  # (queue depth, stamp, peer) lazy heap
-        self._lifecycle = Lifecycle(config.forward, lambda peer: self.peer_address(peer))
+        self._lifecycle = Lifecycle(
+            config.forward,
+            lambda peer: self.peer_address(peer),
+            config.admission.min_retry_after_s,
+        )
         self._handlers = self._handler_table()
 
     def _handler_table(self) -> dict[type, Callable[[Any, float], list[Action]]]:
@@ -263,7 +268,16 @@ class NodeCore:
 
     # ---------------------------------------------------------------- request lifecycle
     def _arrived(self, event: RequestArrived, now: float) -> list[Action]:
-        return list(self._lifecycle.start(event, self._candidates(event, now)))
+        full = self._full_for()
+        return list(self._lifecycle.start(event, self._candidates(event, now), full))
+
+    def _full_for(self) -> float | None:
+        """None if this node has room for one more request; else its queue's expected wait."""
+        adm = self.config.admission
+        depth = self._load.queue_depth
+        wait = depth * self._compute.report().mean_service_s
+        capped = adm.max_queue_requests is not None and depth >= adm.max_queue_requests
+        return wait if capped or wait >= adm.max_queue_wait_s else None
 
     def _candidates(self, event: RequestArrived, now: float) -> list[Candidate]:
         me = Candidate(self.node_id, True, event.local_cached, 0.0)
@@ -335,6 +349,10 @@ class NodeCore:
         round trip instead of waiting in a queue that many nodes picked at once."""
         pb = self.config.pushback
         depth = self._load.queue_depth
+        full = self._full_for()
+        if full is not None:
+            self._count("forwards_refused_full")
+            return max(full, self.config.admission.min_retry_after_s)
         if depth >= pb.queue_threshold:
             self._count("forwards_refused_busy")
             until = self._pushback_until
@@ -564,6 +582,7 @@ class NodeCore:
             "lifecycle_stale_events": float(lc.stale),
             "requests_cancelled": float(lc.cancelled),
             "requests_failed": float(lc.failed),
+            "requests_rejected": float(lc.rejected),
         }
         for route in ("local", "forwarded", "fallback"):
             out[f"requests_{route}"] = float(lc.routes.get(route, 0))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -40,7 +41,7 @@ from radixmesh.core.messages import ForwardRequest
 from radixmesh.engine.base import SamplingParams
 from radixmesh.runtime.debug import install_debug_routes
 from radixmesh.runtime.execution import Execution, Outcome
-from radixmesh.runtime.node import NodeService
+from radixmesh.runtime.node import NodeService, Overloaded
 from radixmesh.runtime.openai_api import (
     ApiError,
     ApiRequest,
@@ -191,6 +192,8 @@ async def _generate(request: Request, service: NodeService, models: Sequence[str
         )
     except ApiError as err:
         return error_response(err, service)
+    except Overloaded as full:
+        return _overloaded(service, full)
     rid = new_id(api.kind)
     if api.stream:
         return StreamingResponse(_sse(service, api, ex, rid), media_type="text/event-stream",
@@ -203,6 +206,16 @@ async def _generate(request: Request, service: NodeService, models: Sequence[str
     usage = usage_body(outcome.prompt_tokens, len(outcome.output_ids), outcome.cached_tokens)
     return JSONResponse(response_body(api, rid, text, finish, usage),
                         headers=_outcome_headers(service, ex, outcome))
+
+
+def _overloaded(service: NodeService, full: Overloaded) -> JSONResponse:
+    """HTTP 429 with ``Retry-After``: this node is full and no peer had room."""
+    err = ApiError("The mesh is overloaded: no node has room for this request now. Retry after "
+                   f"{full.retry_after_s:.0f} s.", status=429, type_="rate_limit_error",
+                   code="overloaded")
+    response = error_response(err, service)
+    response.headers["retry-after"] = str(max(1, math.ceil(full.retry_after_s)))
+    return response
 
 
 async def _unless_disconnected(request: Request, ex: Execution) -> Outcome | None:

@@ -24,6 +24,7 @@ from typing import Any
 
 from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.config import (
+    AdmissionConfig,
     ForwardConfig,
     GossipConfig,
     GossipMode,
@@ -38,6 +39,7 @@ _ROUTER = RouterConfig()
 _GOSSIP = GossipConfig()
 _PUSHBACK = PushbackConfig()
 _FORWARD = ForwardConfig()
+_ADMISSION = AdmissionConfig()
 
 
 def parse_fraction(text: str | float | int) -> float:
@@ -101,6 +103,8 @@ class ServeConfig:
     pushback_threshold: int = _PUSHBACK.queue_threshold  # queue depth: ask peers to back off
     forward_timeout: float = _FORWARD.silence_timeout_s  # forward: first byte / silence timeout
     connect_timeout: float = _FORWARD.connect_timeout_s  # forward / gossip: TCP connect timeout
+    max_queue_requests: int = 0  # requests queued or running at most; 0 -> no count cap
+    max_queue_wait: float = _ADMISSION.max_queue_wait_s  # full once this much work is queued
     net_delay: float = 0.0  # emulated one-way delay on every peer message, seconds
     net_jitter: float = 0.0  # emulated extra delay, uniform in [0, jitter], seconds
     net_loss: float = 0.0  # emulated loss probability of gossip messages
@@ -117,10 +121,12 @@ class ServeConfig:
             raise ValueError("port must be in 1..65535")
         GossipMode.parse(self.gossip_mode)
         Policy.parse(self.policy)
-        positive = ("gossip_interval", "forward_timeout", "connect_timeout")
+        positive = ("gossip_interval", "forward_timeout", "connect_timeout", "max_queue_wait")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.max_queue_requests < 0:
+            raise ValueError("max_queue_requests must be >= 0 (0: no cap)")
         if self.cache_tokens < 1 or self.pushback_threshold < 1 or self.gossip_fanout < 1:
             raise ValueError("cache_tokens, pushback_threshold and gossip_fanout must be >= 1")
         if min(self.net_delay, self.net_jitter, self.suspect_timeout, self.dead_timeout) < 0:
@@ -186,7 +192,12 @@ class ServeConfig:
             gossip=self.gossip_config(),
             pushback=self.pushback_config(),
             forward=self.forward_config(),
+            admission=self.admission_config(),
         )
+
+    def admission_config(self) -> AdmissionConfig:
+        cap = self.max_queue_requests or None
+        return replace(_ADMISSION, max_queue_requests=cap, max_queue_wait_s=self.max_queue_wait)
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -197,6 +208,7 @@ _CONVERT: dict[str, Any] = {
     "dead_timeout": parse_duration,
     "forward_timeout": parse_duration,
     "connect_timeout": parse_duration,
+    "max_queue_wait": parse_duration,
     "net_delay": parse_duration,
     "net_jitter": parse_duration,
     "net_loss": parse_fraction,
@@ -283,6 +295,9 @@ def _help_texts() -> dict[str, str]:
         "pushback_threshold": "queue depth above which peers are asked to back off",
         "forward_timeout": "forward first-byte / silence timeout",
         "connect_timeout": "peer TCP connect timeout",
+        "max_queue_requests": "bounded admission: requests queued or running at most (0 = no cap)"
+        "; beyond it a request goes to a peer with room or gets HTTP 429",
+        "max_queue_wait": "bounded admission: full once this much work is queued, e.g. 30s",
         "net_delay": "emulated one-way delay of peer messages, e.g. 2ms",
         "net_jitter": "emulated jitter (uniform extra delay), e.g. 1ms",
         "net_loss": "emulated gossip loss probability, e.g. 0.05",

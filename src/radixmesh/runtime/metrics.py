@@ -26,6 +26,7 @@ class RuntimeMetrics:
     completion_tokens: int = 0  # generated here, including by requests cancelled midway
     cancelled: int = 0  # engine requests stopped because their client went away
     client_disconnects: int = 0  # non-streaming clients that went away before their answer
+    rejected: int = 0  # client requests answered 429: full here and no peer took them
     forwards_rejected: int = 0  # peers' forwards refused as malformed (400), never executed
     forward_attempts: int = 0
     forward_failures: Counter[str] = field(default_factory=Counter)  # by reason
@@ -123,6 +124,8 @@ def _requests(ex: Exposition, m: RuntimeMetrics) -> None:
               m.completion_tokens)
     ex.single("cancelled_requests_total", "counter",
               "Engine requests stopped because their client went away.", m.cancelled)
+    ex.single("rejected_requests_total", "counter",
+              "Client requests answered 429: this node full and no peer took them.", m.rejected)
     ex.single("client_disconnects_total", "counter",
               "Non-streaming clients that went away before their answer.", m.client_disconnects)
     ex.single("forwards_rejected_total", "counter",

@@ -56,6 +56,7 @@ from radixmesh.core.events import (
     MessageReceived,
     PeerStateChanged,
     RefuseForward,
+    RejectRequest,
     RequestAction,
     RequestArrived,
     RequestCancelled,
@@ -97,6 +98,18 @@ from radixmesh.runtime.peer_auth import (
 from radixmesh.runtime.peer_client import ForwardFailure, PeerClient
 
 log = logging.getLogger("radixmesh.node")
+
+
+# request actions the caller that owns the request carries out (Abort is carried out here)
+_OWNED = (Forward, ExecuteLocally, AcceptForward, RefuseForward, RejectRequest)
+
+
+class Overloaded(Exception):
+    """This node is full and no peer took the request (the core's ``RejectRequest``)."""
+
+    def __init__(self, retry_after_s: float) -> None:
+        super().__init__(f"overloaded: retry after {retry_after_s:.1f} s")
+        self.retry_after_s = retry_after_s
 
 MAX_TIMER_SLEEP_S = 1.0  # the timer re-reads next_deadline() at least this often
 STOP_WAIT_S = 2.0  # stop(): how long to wait for the timer task to finish
@@ -207,7 +220,7 @@ class NodeService:
             return []
         mine: list[RequestAction] = []
         for action in actions:
-            if isinstance(action, Forward | ExecuteLocally | AcceptForward | RefuseForward):
+            if isinstance(action, _OWNED):
                 mine.append(action)
             else:
                 self._act(action)
@@ -316,6 +329,9 @@ class NodeService:
         for action in actions:
             if isinstance(action, Forward | ExecuteLocally):
                 return action
+            if isinstance(action, RejectRequest):
+                self.metrics.rejected += 1
+                raise Overloaded(action.retry_after_s)
         log.error("no lifecycle action for request %s: running it locally", ctx.rid)
         return ExecuteLocally(ctx.rid or 0, "fallback", 0)
 

@@ -61,6 +61,7 @@ from radixmesh.core.events import (
     MessageReceived,
     PeerStateChanged,
     RefuseForward,
+    RejectRequest,
     RequestArrived,
     RequestDone,
     RequestServed,
@@ -331,6 +332,8 @@ class SimCluster:
                 self._forward(self.active[action.rid], action)
             elif isinstance(action, ExecuteLocally):
                 self._execute_locally(self.active[action.rid], action)
+            elif isinstance(action, RejectRequest):  # full and no peer took it: a 429
+                self._fail_client(self.active[action.rid], "rejected: overloaded")
             elif isinstance(action, PeerStateChanged):
                 if self.record_peer_states:
                     self.counters.peer_states.append(
