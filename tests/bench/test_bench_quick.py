@@ -105,3 +105,46 @@ def test_report_and_figures(out: Path) -> None:
     assert "0.310 / 0.323" in text  # the paper's published numbers beside ours
     for fig in ("fig2_latency_vs_comm.png", "fig3_share_over_time.png", "fig_hit_rates.png"):
         assert (out / fig).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def chat_trace(path: Path) -> Path:
+    """Two multi-turn conversations resending earlier answers, 4 output tokens per turn, plus
+    one line too long for the tiny preset's context."""
+    lines = []
+    for conv in range(2):
+        msgs = [{"role": "system", "content": "Be brief. " * 20}]
+        for turn in range(4):
+            msgs.append({"role": "user", "content": f"conversation {conv}, question {turn}"})
+            lines.append({"id": f"c{conv}t{turn}", "messages": list(msgs), "max_tokens": 4,
+                          "group": f"conv{conv}"})  # fmt: skip
+            msgs.append({"role": "assistant", "content": f"answer {turn} " * 3})
+    lines.append({"id": "huge", "prompt": "x" * 5000, "group": "huge"})
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+@pytest.mark.timeout(300)
+def test_paired_open_loop_on_a_trace(tmp_path: Path) -> None:
+    """``--rate`` with ``--trace``: three 2-node clusters up at once, one Poisson schedule sent
+    to all of them, the schedule and the drop recorded, the oracle exact on multi-turn chat."""
+    out = tmp_path / "open"
+    code = main(["bench", "--policies", "none,cost,oracle", "--nodes", "2", "--rate", "4",
+                 "--trace", str(chat_trace(tmp_path / "chat.jsonl")), "--out", str(out),
+                 "--no-progress", "--no-report"])  # fmt: skip
+    assert code == 0
+    runs = json.loads((out / "summary.json").read_text())["runs"]
+    assert [r["policy"] for r in runs] == ["none", "cost", "oracle"]
+    assert len({r["batch"] for r in runs}) == 1 and all(r["clusters_at_once"] == 3 for r in runs)
+    for r in runs:
+        assert r["schedule"] == "poisson" and r["arrival_rate"] == 4.0
+        assert r["requests"] == 8 and r["errors"] == 0
+        assert r["dropped"]["by_group"] == {"too_long": {"huge": 1}}
+        assert sum(r["served_per_node"].values()) == 8 and set(r["served_per_node"]) == {"n0", "n1"}
+    assert runs[2]["oracle_mismatches"] == 0
+    recs = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
+    by_seq: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for x in recs:
+        by_seq[x["seq"]].append(x)
+    assert all(len(v) == 3 for v in by_seq.values())
+    for v in by_seq.values():  # request i went to all three before any of them answered it
+        assert max(x["t_send"] for x in v) < min(x["t_done"] for x in v)

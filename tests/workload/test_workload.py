@@ -136,7 +136,9 @@ def test_schedules() -> None:
 
 def test_trace_round_trip(tmp_path: Path) -> None:
     spec = WorkloadSpec(requests=30, skewed=True, seed=2, schedule=Schedule.POISSON, rate=5.0)
-    chat = Request(id="chat", messages=(Message("system", "s"), Message("user", "u")), max_tokens=4)
+    chat = Request(
+        id="chat", messages=(Message("system", "s"), Message("user", "u")), max_tokens=4, t=99.0
+    )
     reqs = [*build(spec, nodes=4), chat]
     path = tmp_path / "t.jsonl"
     assert trace.save(reqs, path) == 31

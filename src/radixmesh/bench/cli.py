@@ -6,10 +6,14 @@ Examples::
     radixmesh bench --preset paper --mmlu-dir ../shared/data/mmlu --out runs/paper
     radixmesh bench --policies none,cost,oracle --comm-delay 2ms,200ms,1s --skew uniform,skewed \\
         --mmlu-dir ../shared/data/mmlu --requests 1000 --out runs/sweep
+    radixmesh bench --policies none,cost,paper --rate 1 --requests 60 --synthetic-scale 0.25 \\
+        --out runs/open            # paired open loop: 3 clusters up, one arrival schedule
     radixmesh bench --report-only --out runs/paper        # rebuild report.md + figures
     radixmesh bench --export-trace wl.jsonl --skew skewed  # write the workload, run nothing
 
-Every list flag takes comma-separated values; the sweep is their cartesian product.
+Every list flag takes comma-separated values; the sweep is their cartesian product. Open-loop
+runs (``--rate``, or a trace whose lines carry ``t``) of the policies at one sweep point run
+paired in time by default; ``--interleave`` pairs sequential and closed-loop points too.
 """
 
 from __future__ import annotations
@@ -18,14 +22,15 @@ import argparse
 import signal
 import sys
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
 
+from radixmesh.bench.prompts import TOO_LONG_ACTIONS, PromptTooLong
 from radixmesh.bench.spec import ALL_POLICIES, RunSpec, check_policy
-from radixmesh.bench.sweep import ABUNDANT_CACHE, PRESETS, SweepAxes, expand
+from radixmesh.bench.sweep import ABUNDANT_CACHE, PRESETS, SweepAxes, expand, paired
 from radixmesh.runtime.config import parse_duration
-from radixmesh.workload import WorkloadSpec, build
+from radixmesh.workload import Schedule, WorkloadSpec, trace
+from radixmesh.workload.build import build_counted
 
 T = TypeVar("T")
 
@@ -80,13 +85,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--rate",
         type=_list(float),
         default=None,
-        help="open-loop Poisson arrivals, requests/s (default: the paper's sequential)",
+        help="open-loop Poisson arrivals, requests/s (default: the paper's sequential; with "
+        "--trace, replaces the trace's own times)",
     )
     g.add_argument(
         "--interleave",
         action="store_true",
-        help="run sequential configurations in lockstep, up to 4 clusters at once "
-        "(request i to each in turn): paired ratios on a noisy machine",
+        help="pair sequential and closed-loop points too: their policies' clusters run at once "
+        "(sequential: request i to each in turn): paired ratios on a noisy machine",
+    )
+    g.add_argument(
+        "--unpaired",
+        action="store_true",
+        help="run open-loop configurations one after another instead of paired in time",
     )
     g.add_argument(
         "--concurrency",
@@ -101,6 +112,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--requests", type=int, help="requests per configuration (default 1000; quick preset: 32)"
     )
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument(
+        "--too-long",
+        choices=TOO_LONG_ACTIONS,
+        default="drop",
+        help="prompts that do not fit the engine's context: drop (counted per group), "
+        "truncate (cut at the end) or fail before any cluster starts",
+    )
     w.add_argument(
         "--synthetic-scale",
         type=float,
@@ -130,7 +148,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def base_spec(args: argparse.Namespace) -> RunSpec:
     quick = args.preset == "quick"
+    rate = args.rate[0] if args.rate else None
     w = WorkloadSpec(
+        rate=rate,
+        schedule=Schedule.POISSON if rate else Schedule.SEQUENTIAL,
         requests=args.requests or (32 if quick else 1000),
         seed=args.seed,
         mmlu_dir=args.mmlu_dir,
@@ -169,18 +190,22 @@ def specs_from_args(args: argparse.Namespace) -> list[RunSpec]:
         concurrency=args.concurrency,
     )
     specs = expand(axes, base)
-    if args.interleave:
-        specs = [replace(s, lockstep="sweep") for s in specs]
+    open_loop = bool(args.rate) or trace_has_times(args.trace)
+    if args.interleave or (open_loop and not args.unpaired):
+        specs = paired(specs)
     return specs
 
 
-def export_trace(spec: RunSpec, path: str) -> int:
-    from radixmesh.bench.runner import make_fits
-    from radixmesh.workload import trace
+def trace_has_times(path: str | None) -> bool:
+    return bool(path) and any(r.t is not None for r in trace.load(path or ""))
 
-    reqs = build(spec.workload, spec.nodes, make_fits(spec))
+
+def export_trace(spec: RunSpec, path: str, too_long: str = "drop") -> int:
+    from radixmesh.bench.prompts import make_admit
+
+    reqs, drops = build_counted(spec.workload, spec.nodes, make_admit(spec, too_long))
     n = trace.save(reqs, path)
-    print(f"wrote {n} requests to {path}")
+    print(f"wrote {n} requests to {path}; {drops.text()}")
     return 0
 
 
@@ -194,21 +219,30 @@ def run(args: argparse.Namespace) -> int:
         print(f"radixmesh bench: {exc}", file=sys.stderr)
         return 2
     if args.export_trace:
-        return export_trace(specs[0], args.export_trace)
+        return export_trace(specs[0], args.export_trace, args.too_long)
     if args.dry_run:
         for s in specs:
-            print(s.name, f"requests={s.workload.requests}", f"group={s.group}")
+            print(s.name, f"requests={s.workload.requests}", f"group={s.group}",
+                  f"paired={s.lockstep or '-'}")  # fmt: skip
         return 0
     from radixmesh.bench.runner import Runner
 
     stop_on_sigterm()
-    runner = Runner(out, progress=not args.no_progress)
+    runner = Runner(out, progress=not args.no_progress, log=_err, too_long=args.too_long)
     print(f"radixmesh bench: {len(specs)} configuration(s) → {out}", file=sys.stderr)
-    results = runner.run_all(specs, skip_done=args.resume)
+    try:
+        results = runner.run_all(specs, skip_done=args.resume)
+    except PromptTooLong as exc:
+        print(f"radixmesh bench: {exc} (--too-long fail); nothing ran", file=sys.stderr)
+        return 2
     interrupted = any(r.interrupted for r in results)
     if not args.no_report:
         _report(out, args.mmlu_dir)
     return 130 if interrupted else 0
+
+
+def _err(message: str) -> None:
+    print(message, file=sys.stderr)
 
 
 def stop_on_sigterm() -> None:

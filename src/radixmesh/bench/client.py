@@ -21,6 +21,8 @@ H_ROUTE = "x-radixmesh-route"
 H_EXPECTED = "x-radixmesh-expected-cached-tokens"
 H_CACHED = "x-radixmesh-cached-tokens"
 H_TARGET = "x-radixmesh-target"  # experiments: the entry node forwards to this peer id
+H_QUEUE = "x-radixmesh-queue-s"  # seconds the request waited for the serving engine
+H_SERVICE = "x-radixmesh-service-s"  # seconds the serving engine spent on it
 
 
 def request_body(req: Request, model: str) -> tuple[str, dict[str, Any]]:
@@ -52,15 +54,25 @@ def parse_server_timing(value: str | None) -> dict[str, float]:
     return out
 
 
-def _output_text(payload: dict[str, Any]) -> str | None:
+def _output(payload: dict[str, Any]) -> tuple[str | None, str | None]:
+    """(generated text, finish reason) of the first choice."""
     choices = payload.get("choices") or []
     if not choices:
-        return None
+        return None, None
     first = choices[0]
+    reason = first.get("finish_reason")
     if "text" in first:
-        return str(first["text"])
+        return str(first["text"]), reason
     msg = first.get("message") or {}
-    return None if msg.get("content") is None else str(msg["content"])
+    return (None if msg.get("content") is None else str(msg["content"])), reason
+
+
+def _timing(headers: httpx.Headers) -> dict[str, float]:
+    out = parse_server_timing(headers.get("server-timing"))
+    for name, key in (("queue", H_QUEUE), ("service", H_SERVICE)):
+        with contextlib.suppress(ValueError):
+            out[name] = float(headers.get(key, ""))
+    return out
 
 
 def fill_from_response(rec: Record, resp: httpx.Response) -> None:
@@ -70,7 +82,7 @@ def fill_from_response(rec: Record, resp: httpx.Response) -> None:
     rec.route = h.get(H_ROUTE)
     rec.expected_cached_tokens = _int(h.get(H_EXPECTED))
     rec.cached_tokens = _int(h.get(H_CACHED))
-    rec.server_timing = parse_server_timing(h.get("server-timing"))
+    rec.server_timing = _timing(h)
     try:
         payload = resp.json()
     except ValueError:
@@ -87,7 +99,7 @@ def fill_from_response(rec: Record, resp: httpx.Response) -> None:
     if rec.cached_tokens is None:
         details = usage.get("prompt_tokens_details") or {}
         rec.cached_tokens = details.get("cached_tokens")
-    rec.output = _output_text(payload)
+    rec.output, rec.finish_reason = _output(payload)
 
 
 async def send(

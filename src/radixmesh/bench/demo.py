@@ -16,9 +16,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from radixmesh.bench.folder import Ratio, Results
 from radixmesh.bench.spec import RunSpec, check_policy
 from radixmesh.bench.sweep import run_name
-from radixmesh.results.records import Record
 from radixmesh.workload import WorkloadSpec
 
 
@@ -52,20 +52,17 @@ def specs(args: argparse.Namespace) -> list[RunSpec]:
     return out
 
 
-def comparison(rows: list[dict[str, object]], records: dict[str, list[Record]]) -> str:
-    none = next((r for r in rows if r["policy"] == "none"), None)
-    base = {x.id: x.latency_s for x in records.get(str(none["name"]), []) if x.ok} if none else {}
-    head = (f"{'policy':<13}{'mean':>8}{'p50':>8}{'p99':>8}{'vs none':>9}{'exp hit':>9}"
-            f"{'act hit':>9}{'hotspot':>9}{'fwd':>7}{'err':>5}")  # fmt: skip
+def comparison(rows: list[dict[str, object]], res: Results) -> str:
+    """The demo's table; ``vs none``: paired mean-latency ratio with its 95 % interval."""
+    head = (f"{'policy':<13}{'mean':>8}{'p50':>8}{'p99':>8}{'vs none [95% CI]':>24}"
+            f"{'exp hit':>9}{'act hit':>9}{'hotspot':>9}{'fwd':>7}{'err':>5}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in rows:
-        mine = {x.id: x.latency_s for x in records.get(str(r["name"]), []) if x.ok}
-        common = mine.keys() & base.keys()
-        ratio = (sum(mine[i] for i in common) / max(sum(base[i] for i in common), 1e-9)
-                 if common else None)  # fmt: skip
+        ratio = res.ratio_ci(r) if r["policy"] != "none" else None
+        shown = "1.00x" if r["policy"] == "none" else _x(ratio)
         lines.append(
             f"{r['policy']!s:<13}{_ms(r['mean_latency_s'])}{_ms(r['p50_latency_s'])}"
-            f"{_ms(r['p99_latency_s'])}{_x(ratio):>9}{_pct(r['expected_hit_rate'])}"
+            f"{_ms(r['p99_latency_s'])}{shown:>24}{_pct(r['expected_hit_rate'])}"
             f"{_pct(r['actual_hit_rate'])}{_pct(r['hotspot_share'])}"
             f"{_pct(r['forwarded_share'], 7)}{r['errors']!s:>5}"
         )
@@ -80,12 +77,14 @@ def _pct(x: object, width: int = 9) -> str:
     return f"{'—':>{width}}" if not isinstance(x, float) else f"{100 * x:>{width - 1}.1f}%"
 
 
-def _x(x: float | None) -> str:
-    return "—" if x is None else f"{x:.2f}x"
+def _x(x: Ratio | None) -> str:
+    if x is None:
+        return "—"
+    ci = "" if x.lo is None or x.hi is None else f" [{x.lo:.2f}, {x.hi:.2f}]"
+    return f"{x.value:.2f}x{ci}"
 
 
 def run(args: argparse.Namespace) -> int:
-    from radixmesh.bench.folder import Results
     from radixmesh.bench.report import write_report
     from radixmesh.bench.runner import Runner
 
@@ -105,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     rows = [r for r in summary["runs"] if r["name"] in names and not r.get("skipped")]
     res = Results.load(out)
     print()
-    print(comparison(rows, res.records))
+    print(comparison(rows, res))
     report = write_report(out)
     print(f"\nreport: {report}  (figures beside it)")
     return 130 if any(r.interrupted for r in results) else 0

@@ -2,7 +2,9 @@
 
 ``summary.json`` gives the runs, ``requests.jsonl`` their records. Lookups find the run of a
 policy at one point of the sweep; comparisons are *paired*: a run against the ``none`` run of
-the same workload over the requests both completed. The report's tables and figures read it.
+the same workload over the requests both completed — the ``none`` run that ran beside it in
+time (same batch) when there is one. Every ratio comes with a bootstrap interval
+(``results.summary.ratio_interval``). The report's tables and figures read it.
 """
 
 from __future__ import annotations
@@ -10,13 +12,40 @@ from __future__ import annotations
 import json
 from collections import Counter, defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from radixmesh.results.records import Record
+from radixmesh.results.summary import ratio_interval
 
 Run = dict[str, Any]
+OPEN_LOOP = ("poisson", "trace")
 STALL_S = 30.0  # no request legitimately takes this long here; longer = the machine froze
+
+
+@dataclass(frozen=True, slots=True)
+class Ratio:
+    """A paired ratio, its bootstrap interval, how many requests, and whether the two runs
+    ran at the same time (same batch) rather than one after the other."""
+
+    value: float
+    lo: float | None
+    hi: float | None
+    n: int
+    same_time: bool
+
+    def text(self) -> str:
+        ci = "" if self.lo is None or self.hi is None else f" [{self.lo:.3f}, {self.hi:.3f}]"
+        return f"{self.value:.3f}{ci}" + ("" if self.same_time else " (not paired in time)")
+
+
+def same_time(a: Run, b: Run) -> bool:
+    """Whether two runs ran paired in time: the same batch (or, in folders written before
+    batches were recorded, the same lockstep key)."""
+    if a.get("batch") or b.get("batch"):
+        return a.get("batch") == b.get("batch")
+    return bool(a.get("lockstep")) and a.get("lockstep") == b.get("lockstep")
 
 
 class Results:
@@ -67,16 +96,25 @@ class Results:
                 and r["cache_tokens"] == cache
                 and r.get("concurrency", 1) == concurrency
                 and not r.get("arrival_rate")
+                and r.get("schedule") not in OPEN_LOOP
             ):
                 return r
         return None
 
+    def beside(self, run: Run, policy: str) -> Run | None:
+        """``policy``'s run that ran paired in time with ``run`` (same batch), else one with
+        the same lockstep key."""
+        for field in ("batch", "lockstep"):
+            key = run.get(field)
+            for r in self.runs:
+                if key and r.get(field) == key and r["policy"] == policy:
+                    return r
+        return None
+
     def find_with(self, run: Run, policy: str) -> Run | None:
         """``policy``'s run interleaved with ``run``, else the one at the same point."""
-        key = run.get("lockstep")
-        for r in self.runs:
-            if key and r.get("lockstep") == key and r["policy"] == policy:
-                return r
+        if (r := self.beside(run, policy)) is not None:
+            return r
         return self.find(policy, run["skew"], run["comm_delay_ms"], run["gossip_interval_ms"],
                          run["cache_tokens"], run.get("concurrency", 1))  # fmt: skip
 
@@ -86,10 +124,8 @@ class Results:
     def baseline(self, run: Run) -> Run | None:
         """The ``none`` run interleaved with ``run`` if any, else one with the same workload
         shape (delay and Δpoll do not matter to ``none``)."""
-        key = run.get("lockstep")
-        for r in self.runs:
-            if key and r.get("lockstep") == key and r["policy"] == "none":
-                return r
+        if (r := self.beside(run, "none")) is not None:
+            return r
         for r in self.runs:
             if (
                 r["policy"] == "none"
@@ -98,9 +134,31 @@ class Results:
                 and r["nodes"] == run["nodes"]
                 and r.get("concurrency", 1) == run.get("concurrency", 1)
                 and r.get("arrival_rate") == run.get("arrival_rate")
+                and r.get("schedule") == run.get("schedule")
             ):
                 return r
         return None
+
+    def pairs(self, run: Run, base: Run) -> list[tuple[float, float]]:
+        """(latency in ``run``, latency in ``base``) of the requests both completed, in
+        ``run``'s request order."""
+        theirs = {r.id: r.latency_s for r in self.ok(base)}
+        mine = sorted(self.ok(run), key=lambda r: r.seq)
+        return [(r.latency_s, theirs[r.id]) for r in mine if r.id in theirs]
+
+    def ratio_ci(self, run: Run | None, base: Run | None = None) -> Ratio | None:
+        """Paired mean-latency ratio ``run`` / ``base`` (default: its ``none`` baseline) with
+        its 95 % bootstrap interval and the number of paired requests."""
+        base = base or (None if run is None else self.baseline(run))
+        if run is None or base is None:
+            return None
+        pairs = self.pairs(run, base)
+        den = sum(b for _, b in pairs)
+        if not pairs or den <= 0:
+            return None
+        ci = ratio_interval(pairs)
+        lo, hi = ci if ci is not None else (None, None)
+        return Ratio(sum(a for a, _ in pairs) / den, lo, hi, len(pairs), same_time(run, base))
 
     def paired(self, run: Run) -> tuple[float, float, int] | None:
         """(run mean, none mean, n) over the requests both runs completed."""

@@ -3,12 +3,21 @@
 Design (client-side, so no node needs a special mode):
 
 * Nodes run policy ``none`` (they never route). The benchmark client keeps a *mirror* of each
-  node's radix KV cache: the engine's own :class:`~radixmesh.engine.radix_cache.RadixKVCache`
-  bookkeeping with 1-float placeholder tensors, fed the same token sequences, in the same order,
-  with the same budget and the same LRU/eviction code. Under the paper's sequential schedule the
-  mirror is exact (every record checks it: oracle ``expected_cached_tokens`` vs the node's
-  ``cached_tokens``; mismatches are counted in the summary). It is what an infinitely fast,
-  free gossip would give: the bound on what better gossip could buy.
+  node's cache: the engine's very cache code (``core.prefix_cache.PrefixCache``, with no
+  values), the same budget, fed what the engine feeds it in the same order: ``acquire`` when a
+  request starts (match, lock, make room for prompt + output budget), ``commit`` when it ends
+  with the prompt's token ids (chat messages through the chat template) *and the generated
+  tokens the engine ran through the model* (all of them when it stopped on a stop token, all
+  but the last when it hit ``max_tokens``). Every record checks it: the oracle's predicted
+  ``expected_cached_tokens`` vs the node's ``cached_tokens``; mismatches are counted in the
+  summary. It is what an infinitely fast, free gossip would give: the bound on what better
+  gossip could buy.
+* Generated tokens come back as text only; :func:`output_ids` turns the text back into ids
+  where that is certain (the byte tokenizer: every byte before the first undecodable one) and
+  marks the rest with :data:`UNKNOWN`, a token id no prompt contains, so the mirror holds the
+  right *number* of tokens (same budget, same evictions) and no prompt matches past what the
+  engine would match. Multi-turn traces that resend an earlier answer therefore match in the
+  mirror exactly as far as in the engine.
 * For each request the oracle ranks nodes with the *same* :class:`~radixmesh.core.router.Router`
   under policy ``cost``, with exact cached-token counts, the exact number of requests the client
   has in flight at each node, the known round-trip of a forward (2 × the emulated one-way delay
@@ -19,45 +28,73 @@ Design (client-side, so no node needs a special mode):
   same fallback rules), so a forward costs exactly what it costs any policy. The decision
   itself (a few µs in the client) is free — that is the "instantaneous knowledge".
 
-Limitations (stated in the report): generated tokens are not mirrored for ``max_tokens > 1``
-(MMLU uses 1, whose KV is never computed); under concurrency, commit order can differ from the
-client's completion order, so the mirror may drift slightly (mismatches are counted).
+Limitations (stated in the report): under concurrency, the order in which a node's engine
+starts and finishes requests can differ from the client's, so the mirror may drift slightly
+(mismatches are counted); an output that a non-byte tokenizer does not re-encode to the same
+number of tokens is mirrored as unknown tokens.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import Any
 
-import torch
-
+from radixmesh.core.byte_tokenizer import ByteTokenizer
 from radixmesh.core.estimators import ComputeModel, CostPriors
+from radixmesh.core.prefix_cache import Lease, PrefixCache
 from radixmesh.core.router import NodeInfo, Policy, RouteInput, Router, RouterConfig
-from radixmesh.engine.radix_cache import LayerKV, RadixKVCache
 
 HTTP_OVERHEAD_S = 0.001
+UNKNOWN = 2**32 - 1  # a token id no tokenizer produces (block hashes pack ids as uint32)
+REPLACEMENT = "\ufffd"
+
+
+def output_ids(tokenizer: Any, text: str | None, n: int) -> list[int]:
+    """The ``n`` generated token ids behind ``text``, :data:`UNKNOWN` where not certain."""
+    if n <= 0:
+        return []
+    text = text or ""
+    ids = list(tokenizer.encode(text))
+    if len(ids) == n and REPLACEMENT not in text and tokenizer.decode(ids) == text:
+        return ids
+    head = ids[:0]
+    if isinstance(tokenizer, ByteTokenizer):  # bytes before the first undecodable one
+        head = tokenizer.encode(text.split(REPLACEMENT, 1)[0])[:n]
+    return head + [UNKNOWN] * (n - len(head))
+
+
+def fed_output(ids: Sequence[int], finish_reason: str | None) -> list[int]:
+    """The generated tokens the engine ran through the model (and so cached): the last one
+    sampled at ``max_tokens`` never is; a stop token is not among ``ids``."""
+    return list(ids) if finish_reason == "stop" else list(ids[:-1])
 
 
 class CacheMirror:
-    """Bookkeeping replica of one node's radix KV cache (placeholder tensors)."""
+    """Bookkeeping replica of one node's prefix cache (the engine's cache code, no values)."""
 
-    def __init__(self, budget_tokens: int, block_size: int) -> None:
-        self.cache = RadixKVCache(budget_tokens, block_size, seed=0)
+    def __init__(self, budget_tokens: int, block_size: int, max_context: int) -> None:
+        self.cache: PrefixCache[None] = PrefixCache(budget_tokens, block_size, seed=0)
+        self.max_context = max_context
         self._clock = 0.0
 
     def match(self, prompt: Sequence[int]) -> int:
         """Tokens the node would reuse (the engine keeps >= 1 token uncached)."""
-        return min(self.cache.match(prompt), max(len(prompt) - 1, 0))
+        return self.cache.reusable(prompt)
 
-    def serve(self, prompt: Sequence[int], max_tokens: int) -> int:
-        """Replay ``generate``'s cache steps for a request; returns the cached tokens."""
+    def start(self, prompt: Sequence[int], max_tokens: int) -> Lease[None]:
+        """``generate``'s first cache step: lock the cached prefix, make room."""
         self._clock += 1.0
-        reserve = len(prompt) - self.cache.match(prompt) + max_tokens
-        lease = self.cache.acquire(prompt, reserve, self._clock)
-        fake = torch.zeros(1, 1, len(prompt), 1)
-        kv: LayerKV = [(fake, fake)]
-        self.cache.commit(lease, list(prompt), kv, self._clock)
-        return lease.cached
+        budget = min(max_tokens, self.max_context - len(prompt))
+        return self.cache.acquire(prompt, self.cache.reserve_for(prompt, budget), self._clock)
+
+    def finish(self, lease: Lease[None], fed: Sequence[int] | None) -> None:
+        """``generate``'s last step: insert what went through the model (None: nothing)."""
+        self._clock += 1.0
+        if fed is None:
+            self.cache.release(lease)
+        else:
+            self.cache.commit(lease, fed, self._clock)
 
 
 class Oracle:
@@ -70,9 +107,10 @@ class Oracle:
         block_size: int,
         comm_delay_s: float,
         seed: int,
+        max_context: int = 4096,
     ) -> None:
         self.node_ids = list(node_ids)
-        self.mirrors = [CacheMirror(budget_tokens, block_size) for _ in node_ids]
+        self.mirrors = [CacheMirror(budget_tokens, block_size, max_context) for _ in node_ids]
         self.rtt_s = 2 * comm_delay_s + HTTP_OVERHEAD_S
         priors = CostPriors(rtt_s=self.rtt_s)
         self.models = [ComputeModel(priors) for _ in node_ids]
@@ -97,23 +135,27 @@ class Oracle:
         head = self.router.rank(RouteInput(len(prompt), max_tokens), infos, self.rng)[0]
         return self.node_ids.index(head.node_id), head.expected_cached_tokens
 
-    def started(self, node: int, prompt: Sequence[int], max_tokens: int) -> int:
-        """The request is on its way to ``node``: apply it to the mirror (returns cached)."""
+    def started(self, node: int, prompt: Sequence[int], max_tokens: int) -> Lease[None]:
+        """The request is on its way to ``node``: its cache step there (lease.cached)."""
         self.inflight[node] += 1
-        return self.mirrors[node].serve(prompt, max_tokens)
+        return self.mirrors[node].start(prompt, max_tokens)
 
     def finished(
         self,
         node: int,
-        uncached: int,
-        cached: int,
+        lease: Lease[None],
+        prompt_len: int,
+        fed: Sequence[int] | None,
         service_s: float | None,
-        predicted: int,
-        actual: int | None,
     ) -> None:
+        """The request ended: commit ``fed`` (prompt + generated ids, None if it failed) and
+        learn the node's speed from ``service_s``."""
         self.inflight[node] -= 1
+        self.mirrors[node].finish(lease, fed)
+        if service_s is not None and service_s > 0:
+            self.models[node].observe_prefill(prompt_len - lease.cached, lease.cached, service_s)
+            self.models[node].observe_service(service_s)
+
+    def check(self, predicted: int, actual: int | None) -> None:
         if actual is not None and actual != predicted:
             self.mismatches += 1
-        if service_s is not None and service_s > 0:
-            self.models[node].observe_prefill(uncached, cached, service_s)
-            self.models[node].observe_service(service_s)

@@ -5,7 +5,8 @@ rate; Table 3: hotspot share), each with the published numbers beside ours, then
 targets with a plain met/missed verdict, and every run. Ratios are *paired*: a run is compared
 with the ``none`` run of the same workload (skew, cache budget, nodes, schedule) over the same
 requests (the same seeded order, truncated to the shorter run), because absolute latencies on a
-shared machine drift between runs.
+shared machine drift between runs; each ratio carries a bootstrap interval. Open-loop runs get
+their own table: the schedule that ran, the CPU each cluster had, per-node served counts.
 
 Figures (matplotlib, Agg): latency vs Δcomm per policy (Fig. 2), per-node share of two subjects'
 requests over time under four configurations (Fig. 3; window 300, stride 30 over the request
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from radixmesh.bench import paper_numbers as P
-from radixmesh.bench.folder import Results, Run
+from radixmesh.bench.folder import OPEN_LOOP, Ratio, Results, Run
 from radixmesh.results.summary import mean, percentile
 
 
@@ -50,6 +51,18 @@ def stall_text(x: tuple[float, int] | None) -> str:
     return "—" if x is None else f"{x[0]:.3f} ({x[1]})"
 
 
+def rtext(r: Ratio | None) -> str:
+    """A paired ratio with its 95 % bootstrap interval."""
+    return "—" if r is None else r.text()
+
+
+def served_text(run: Run) -> str:
+    served = run.get("served_per_node") or run.get("served_by") or {}
+    text = " / ".join(f"{n} {c}" for n, c in served.items()) or "—"
+    return text + (" **stranded: " + ", ".join(run["stranded_nodes"]) + "**"
+                   if run.get("stranded") else "")  # fmt: skip
+
+
 # ----------------------------------------------------------------------------- tables
 DELAYS = (("2ms", 2.0), ("200ms", 200.0), ("1s", 1000.0))
 
@@ -64,8 +77,9 @@ def table1(res: Results) -> str:
         pub_r, pub_n = P.TABLE1[label]
         rows.append([
             label, f3(pp[0] if pp else None), f3(pc[0] if pc else None),
-            f3(none_mean), f"{f3(res.ratio(paper))}; {stall_text(res.ratio_without_stalls(paper))}",
-            f3(res.ratio(cost)),
+            f3(none_mean),
+            f"{rtext(res.ratio_ci(paper))}; {stall_text(res.ratio_without_stalls(paper))}",
+            rtext(res.ratio_ci(cost)),
             stall_text(res.ratio_without_stalls(cost)),
             "/".join(str(p[2]) for p in (pp, pc) if p) or "—",
             f"{pub_r:.3f} / {pub_n:.3f} = {pub_r / pub_n:.2f}",
@@ -120,9 +134,10 @@ def pressure_table(res: Results) -> str:
     rows = []
     for pol in ("none", "paper", "cost", "oracle"):
         r = res.find(pol, cache=res.pressure)
-        rows.append([pol, f3(get(r, "mean_latency_s")), f3(res.ratio(r)) if pol != "none" else "1",
+        ratio = rtext(res.ratio_ci(r)) if pol != "none" else "1"
+        rows.append([pol, f3(get(r, "mean_latency_s")), ratio,
                      pct(get(r, "actual_hit_rate")), pct(get(r, "hotspot_share"))])  # fmt: skip
-    head = ["policy", "mean (s)", "/ none (paired)", "act. hit (%)", "hotspot (%)"]
+    head = ["policy", "mean (s)", "/ none (paired, 95% CI)", "act. hit (%)", "hotspot (%)"]
     return f"Cache budget {res.pressure:,} tokens per node.\n\n" + table(head, rows)
 
 
@@ -134,23 +149,93 @@ def compare_table(res: Results) -> str:
             continue
         if r["comm_delay_ms"] != 2.0 or r["cache_tokens"] != res.abundant or r["skew"] != "uniform":
             continue
-        load = f"{r['arrival_rate']:g}/s" if r.get("arrival_rate") else str(r.get("concurrency", 1))
-        rows.append([r["policy"], load, str(r["requests"]),
+        rows.append([r["policy"], schedule_text(r), str(r["requests"]),
                      f3(r["mean_latency_s"]), f3(r["p50_latency_s"]), f3(r["p99_latency_s"]),
-                     f3(res.ratio(r)), pct(r["actual_hit_rate"]), pct(r["hotspot_share"]),
+                     rtext(res.ratio_ci(r)), pct(r["actual_hit_rate"]), pct(r["hotspot_share"]),
                      pct(r["forwarded_share"])])  # fmt: skip
-    head = ["policy", "clients or rate", "n", "mean (s)", "p50 (s)", "p99 (s)", "/ none (paired)",
+    head = ["policy", "schedule", "n", "mean (s)", "p50 (s)", "p99 (s)", "/ none (paired, 95% CI)",
             "act. hit (%)", "hotspot (%)", "forwarded (%)"]  # fmt: skip
     return table(head, rows)
 
 
+def schedule_text(run: Run) -> str:
+    """What ran, in words (older summaries: rebuilt from their fields)."""
+    if run.get("schedule_text"):
+        return str(run["schedule_text"])
+    if run.get("arrival_rate"):
+        return f"open loop, Poisson {run['arrival_rate']:g} req/s"
+    k = run.get("concurrency") or 1
+    return f"closed loop, {k} clients" if k > 1 else "sequential"
+
+
+def cpu_share(run: Run) -> float | None:
+    """The cores each cluster had: the machine's, shared by the clusters up at once."""
+    cores, k = run.get("cpu_cores"), run.get("clusters_at_once") or 1
+    return None if not cores else min(cores / k, run["nodes"] * (run.get("threads_per_node") or 1))
+
+
+def capacity_text(run: Run) -> str:
+    share = cpu_share(run)
+    if share is None:
+        return "—"
+    busy = run.get("busy_share")
+    load = "" if busy is None else f"; engines used {100 * busy * run['nodes'] / share:.0f} %"
+    return f"{share:.2f} cores ({run['cpu_cores']} / {run.get('clusters_at_once') or 1}){load}"
+
+
+def drops_text(run: Run) -> str:
+    d = run.get("dropped")
+    if not isinstance(d, dict):
+        return str(run.get("dropped_too_long") or 0)
+    by = d.get("by_reason") or {}
+    text = ", ".join(f"{k} {v}" for k, v in by.items()) or "0"
+    return text + (f"; truncated {d['truncated']}" if d.get("truncated") else "")
+
+
+OPEN_LOOP_NOTE = (
+    "Runs of one batch had their clusters up at once and received the same arrival schedule "
+    "(request i at t_i to every cluster). *CPU per cluster*: the machine's cores shared by the "
+    "clusters up at once (each node runs one engine thread), and the engines' total service "
+    "time per second of the run as a share of it (wall-clock service time, so CPU contention "
+    "counts as use: near or above 100 % the cluster was saturated). Intervals: 95 % circular "
+    "block bootstrap over the paired requests (blocks of ⌈√n⌉ consecutive requests).\n\n"
+)
+
+
+def batch_order(run: Run) -> tuple[str, bool]:
+    return str(run.get("batch")), run["policy"] != "none"
+
+
+def open_loop_table(res: Results) -> str:
+    """Open-loop runs, by batch: the schedule, the capacity each cluster had, ratios."""
+    runs = [r for r in res.runs if r.get("schedule") in OPEN_LOOP]
+    if not runs:
+        return "_no open-loop runs_"
+    rows = [[r["policy"], schedule_text(r), capacity_text(r), str(r["requests"]),
+             f3(r["mean_latency_s"]), f3(r["p99_latency_s"]),
+             rtext(res.ratio_ci(r)) if r["policy"] != "none" else "1",
+             pct(r["actual_hit_rate"]), pct(r["hotspot_share"]), served_text(r)]
+            for r in sorted(runs, key=batch_order)]  # fmt: skip
+    head = ["policy", "schedule", "CPU per cluster; engines' service time / it", "n", "mean (s)",
+            "p99 (s)", "/ none (paired, 95% CI)", "act. hit (%)", "hotspot (%)",
+            "served per node"]  # fmt: skip
+    return table(head, rows)
+
+
+def stranded_lines(res: Results) -> str:
+    lines = [f"- `{r['name']}`: {', '.join(r['stranded_nodes'])} served nothing "
+             f"({served_text(r)})" for r in res.runs if r.get("stranded")]  # fmt: skip
+    return "\n".join(lines) if lines else "_no run left a node serving nothing_"
+
+
 def all_runs_table(res: Results) -> str:
-    rows = [[r["name"], str(r["requests"]), str(r["errors"]), f3(r["mean_latency_s"]),
-             f3(r["p99_latency_s"]), pct(r["expected_hit_rate"]), pct(r["actual_hit_rate"]),
-             pct(r["hotspot_share"]), pct(r["forwarded_share"]), str(r["fallbacks"])]
+    rows = [[r["name"], schedule_text(r), str(r["requests"]), str(r["errors"]), drops_text(r),
+             f3(r["mean_latency_s"]), f3(r["p99_latency_s"]), pct(r["expected_hit_rate"]),
+             pct(r["actual_hit_rate"]), pct(r["hotspot_share"]), pct(r["forwarded_share"]),
+             str(r["fallbacks"]), served_text(r)]
             for r in res.runs]  # fmt: skip
-    head = ["run", "n", "err", "mean (s)", "p99 (s)", "exp hit %", "act hit %", "hotspot %",
-            "fwd %", "fallbacks"]  # fmt: skip
+    head = ["run", "schedule", "n", "err", "dropped", "mean (s)", "p99 (s)", "exp hit %",
+            "act hit %", "hotspot %", "fwd %", "fallbacks", "served per node"]  # fmt: skip
     text = table(head, rows)
     for r in res.skipped:
         text += f"\n\n- `{r['name']}`: {r['skipped']}"
@@ -175,14 +260,15 @@ def targets(res: Results) -> list[tuple[str, str, bool | None]]:
     out: list[tuple[str, str, bool | None]] = []
     for label, skew, ms in [("2ms", "uniform", 2.0), ("skewed 2ms", "skewed", 2.0),
                             ("200ms", "uniform", 200.0), ("1s", "uniform", 1000.0)]:  # fmt: skip
-        r = res.ratio(res.find("cost", skew, ms))
+        r = res.ratio_ci(res.find("cost", skew, ms))
         goal = P.TARGET_RATIO[label]
-        out.append((f"cost/none ≤ {goal:.2f} ({label})", f3(r), None if r is None else r <= goal))
+        out.append((f"cost/none ≤ {goal:.2f} ({label})", rtext(r),
+                    None if r is None else r.value <= goal))  # fmt: skip
     if res.pressure is not None:
-        r = res.ratio(res.find("cost", cache=res.pressure))
+        r = res.ratio_ci(res.find("cost", cache=res.pressure))
         goal = P.TARGET_PRESSURE_RATIO
-        out.append((f"cost/none ≤ {goal:.2f} under memory pressure", f3(r),
-                    None if r is None else r <= goal))  # fmt: skip
+        out.append((f"cost/none ≤ {goal:.2f} under memory pressure", rtext(r),
+                    None if r is None else r.value <= goal))  # fmt: skip
     cost = res.find("cost")
     hs, hit = get(cost, "hotspot_share"), get(cost, "actual_hit_rate")
     out.append((f"hotspot ≤ {100 * P.TARGET_HOTSPOT:.0f}% (cost, uniform 2 ms)", pct(hs),
@@ -234,7 +320,7 @@ def targets_table(res: Results) -> str:
 def backfill_ceilings(runs: Sequence[Run], mmlu_dir: str | None) -> None:
     """Compute ``ideal_hit_rate`` for runs summarized without it (the request sequence is
     rebuilt from the run's seeded workload parameters; MMLU runs need ``mmlu_dir``)."""
-    from radixmesh.bench.runner import ideal_hit_rate, make_fits, tokenizer_for
+    from radixmesh.bench.prompts import ideal_hit_rate, make_fits, tokenizer_for
     from radixmesh.bench.spec import RunSpec
     from radixmesh.workload import WorkloadSpec, build
 
@@ -262,7 +348,9 @@ def write_report(out: str | Path, mmlu_dir: str | None = None) -> Path:
     parts = [
         "# radixmesh benchmark report\n",
         f"Runs: {len(res.runs)} (+{len(res.skipped)} skipped). Ratios are paired with `none` "
-        "over the same requests. `paper` = the paper's Algorithm 1 (argmax estimated prefix "
+        "over the same requests (the `none` run that ran beside it in time when there is one; "
+        "otherwise marked *not paired in time*), with 95 % bootstrap intervals in brackets. "
+        "`paper` = the paper's Algorithm 1 (argmax estimated prefix "
         "match); `cost` = radixmesh's cost-model router; `oracle` = exact, instantaneous cache "
         "knowledge with the same cost model.\n",
         "## Targets\n", targets_table(res),
@@ -277,6 +365,8 @@ def write_report(out: str | Path, mmlu_dir: str | None = None) -> Path:
         "\n## Table 3 — hotspot share (busiest node's share of requests)\n", table3(res),
         "\n## Memory pressure\n", pressure_table(res),
         "\n## All policies at Δcomm 2 ms (uniform)\n", compare_table(res),
+        "\n## Open loop, paired in time\n", OPEN_LOOP_NOTE, open_loop_table(res),
+        "\n## Nodes that served nothing\n", stranded_lines(res),
         "\n## Figures\n", *[f"![{name}]({name})\n" for name in figs],
         "\n## All runs\n", all_runs_table(res), "",
     ]  # fmt: skip

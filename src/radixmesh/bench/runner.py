@@ -2,47 +2,51 @@
 
 Theory of operation
 -------------------
-For each :class:`~radixmesh.bench.spec.RunSpec`::
+For a list of :class:`~radixmesh.bench.spec.RunSpec`::
 
-    build the workload (seeded; prompts that do not fit the engine's context are dropped)
-    start a fresh cluster (cold caches) ── nodes run the spec's policy (``none`` for the
-    │                                      client-side baselines ``oracle`` and ``sglang``)
-    warm each node up with one short, unrelated prompt (torch's first-call cost, not a cache)
-    replay: sequential  (the paper's: round-robin entry, one at a time)
-    │       closed loop (``concurrency`` clients, each one at a time)
-    │       open loop   (requests carry arrival times ``t``: Poisson or a trace)
+    plan every run first: build its workload (seeded) through admission — prompts that do
+    │   not fit the engine's context are dropped, truncated or fail the sweep (--too-long);
+    │   what was dropped, per reason and group, is printed before any cluster starts
+    batch runs: consecutive runs sharing a ``lockstep`` key and a mode (sequential / closed
+    │   loop / open loop) run together, at most 4 clusters at once; any other run alone
+    per batch: start a fresh cluster per run (cold caches) ── nodes run the spec's policy
+    │   (``none`` for the client-side baselines ``oracle`` and ``sglang``)
+    │   warm each node up with one short, unrelated prompt (torch's first-call cost)
+    │   replay them paired in time (bench/replay.py): interleaved one at a time, closed loops
+    │   side by side, or one shared arrival schedule sent to every cluster
     └─ each finished request → one :class:`Record` line in ``requests.jsonl`` (flushed)
-    stop the cluster, summarize the run into ``summary.json`` (rewritten after every run)
+    stop the clusters, summarize into ``summary.json`` (rewritten after every batch): the
+    schedule that ran, what was dropped, per-node served counts, who ran beside whom
 
-Ctrl-C stops the sweep cleanly: the current run is cut short (its finished records are kept
-and summarized with ``"interrupted": true``), the cluster is stopped, and no further run starts.
+Ctrl-C stops the sweep cleanly: the current batch is cut short (its finished records are kept
+and summarized with ``"interrupted": true``), the clusters are stopped, and no further run
+starts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import time
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-import httpx
-
-from radixmesh.bench import client
 from radixmesh.bench.cluster import BenchCluster, ClusterFactory, local_cluster
 from radixmesh.bench.oracle import Oracle
 from radixmesh.bench.progress import Progress
+from radixmesh.bench.prompts import BLOCK_SIZE, ideal_hit_rate, make_admit, tokenizer_for
+from radixmesh.bench.replay import Replay, mode_of, replay_together
 from radixmesh.bench.sglang import INSTALL_HINT, SglangRouter, available
 from radixmesh.bench.spec import RunSpec, engine_context
 from radixmesh.results.records import Record
-from radixmesh.results.summary import summarize
-from radixmesh.workload import Request, build
-from radixmesh.workload.build import Fits
+from radixmesh.results.summary import node_figures, summarize
+from radixmesh.workload import Request
+from radixmesh.workload.build import TOO_LONG, Drops, build_counted
+from radixmesh.workload.schedule import describe
 
-BLOCK_SIZE = 16
-WARMUP_PROMPT = "radixmesh warm-up {i}: hello"
+BATCH_LIMIT = 4  # clusters up at once
 
 
 @dataclass(slots=True)
@@ -51,73 +55,36 @@ class RunResult:
     records: list[Record] = field(default_factory=list)
     interrupted: bool = False
     skipped: str | None = None
-    dropped: int = 0
+    drops: Drops = field(default_factory=Drops)
+    schedule: dict[str, Any] = field(default_factory=dict)
+    requests: list[Request] = field(default_factory=list)
+    mode: str = "sequential"
     oracle_mismatches: int | None = None
     ideal_hit_rate: float | None = None
-
-
-def make_fits(spec: RunSpec) -> Fits:
-    """Requests whose prompt (in the engine's tokens) leaves room for the output."""
-    context = engine_context(spec.preset, spec.model)
-    tokenizer = tokenizer_for(spec)
-
-    def fits(r: Request) -> bool:
-        return len(tokenizer.encode(r.text)) + r.max_tokens + 8 < context
-
-    return fits
-
-
-def ideal_hit_rate(requests: Sequence[Request], tokenizer: Any) -> float | None:
-    """Cached prompt tokens / prompt tokens if every request found every earlier prompt cached
-    (one unbounded cache for the whole cluster; the engine always computes >= 1 token): the
-    ceiling no router can beat on this request sequence."""
-    from radixmesh.core.radix import RadixTree
-
-    tree: RadixTree[None] = RadixTree(BLOCK_SIZE, 0)
-    cached = total = 0
-    for i, r in enumerate(requests):
-        ids = tokenizer.encode(r.text)
-        cached += min(tree.match(ids), len(ids) - 1)
-        total += len(ids)
-        tree.insert(ids, float(i))
-    return cached / total if total else None
-
-
-def tokenizer_for(spec: RunSpec) -> Any:
-    from radixmesh.engine.tokenizers import ByteTokenizer, HFTokenizer
-
-    return HFTokenizer(spec.model) if spec.model else ByteTokenizer()
+    node_ids: list[str] = field(default_factory=list)
+    batch: str = ""
+    paired_with: list[str] = field(default_factory=list)
 
 
 def summary_entry(res: RunResult) -> dict[str, Any]:
     s, w = res.spec, res.spec.workload
     entry: dict[str, Any] = {
-        "name": s.name,
-        "policy": s.policy,
-        "nodes": s.nodes,
-        "workload": w.source,
-        "skew": s.skew,
-        "comm_delay_ms": s.comm_delay_s * 1000.0,
-        "gossip_interval_ms": s.gossip_interval_s * 1000.0,
-        "cache_tokens": s.cache_tokens,
-    }
+        "name": s.name, "policy": s.policy, "nodes": s.nodes, "workload": w.source,
+        "skew": s.skew, "comm_delay_ms": s.comm_delay_s * 1000.0,
+        "gossip_interval_ms": s.gossip_interval_s * 1000.0, "cache_tokens": s.cache_tokens,
+    }  # fmt: skip
     entry.update(summarize(res.records))
-    entry.update(
-        {
-            "group": s.group,
-            "schedule": w.schedule.value if w.rate else "sequential",
-            "concurrency": s.concurrency,
-            "arrival_rate": w.rate,
-            "planned_requests": w.requests,
-            "seed": w.seed,
-            "dropped_too_long": res.dropped,
-            "interrupted": res.interrupted,
-            "skipped": res.skipped,
-            "oracle_mismatches": res.oracle_mismatches,
-            "lockstep": s.lockstep,
-            "ideal_hit_rate": res.ideal_hit_rate,
-        }
-    )
+    entry.update(node_figures(res.records, res.node_ids))
+    entry.update({"group": s.group, "planned_requests": w.requests, "seed": w.seed})
+    entry.update(res.schedule or describe([], s.concurrency, w.rate))
+    entry.update({
+        "dropped": res.drops.to_json(), "dropped_too_long": res.drops.dropped[TOO_LONG],
+        "interrupted": res.interrupted, "skipped": res.skipped,
+        "oracle_mismatches": res.oracle_mismatches, "lockstep": s.lockstep, "batch": res.batch,
+        "paired_with": res.paired_with, "clusters_at_once": 1 + len(res.paired_with),
+        "cpu_cores": os.cpu_count(), "threads_per_node": s.threads,
+        "ideal_hit_rate": res.ideal_hit_rate,
+    })  # fmt: skip
     return entry
 
 
@@ -135,153 +102,26 @@ class Sink:
             self.progress.update(rec.latency_s, rec.ok)
 
 
-def new_http_client() -> httpx.AsyncClient:
-    # Idle connections expire well before uvicorn's 5 s keep-alive, or a reused connection can
-    # race the server closing it (a client-side ReadError, not a node failure).
-    limits = httpx.Limits(max_connections=512, max_keepalive_connections=64, keepalive_expiry=1.0)
-    return httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0), limits=limits)
-
-
-async def lockstep(pairs: Sequence[tuple[Replay, Sequence[Request]]]) -> None:
-    """Interleave runs request by request: request i goes to every run's cluster in turn, one
-    at a time. Each run still sees the paper's schedule, and all of them see the machine in the
-    same state, so their ratios survive drifting background load."""
-    async with new_http_client() as http:
-        for replay, _ in pairs:
-            await replay.setup(http)
-        for i in range(max(len(reqs) for _, reqs in pairs)):
-            for replay, reqs in pairs:
-                if i < len(reqs):
-                    await replay.one(http, i, reqs[i])
-
-
-def batches(specs: Sequence[RunSpec], limit: int = 4) -> list[list[RunSpec]]:
-    """Consecutive sequential runs sharing a ``lockstep`` key form one batch (at most
+def batches(results: Sequence[RunResult], limit: int = BATCH_LIMIT) -> list[list[RunResult]]:
+    """Consecutive runs sharing a ``lockstep`` key and a replay mode form one batch (at most
     ``limit`` clusters at once); everything else runs alone."""
-    out: list[list[RunSpec]] = []
-    for s in specs:
+    out: list[list[RunResult]] = []
+    for r in results:
         prev = out[-1] if out else None
         if (
             prev is not None
-            and s.lockstep
-            and s.sequential
-            and prev[0].lockstep == s.lockstep
-            and prev[0].sequential
+            and r.spec.lockstep
+            and prev[0].spec.lockstep == r.spec.lockstep
+            and prev[0].mode == r.mode
             and len(prev) < limit
         ):
-            prev.append(s)
+            prev.append(r)
         else:
-            out.append([s])
+            out.append([r])
     return out
 
 
-class Replay:
-    """Replays one run's requests against a started cluster."""
-
-    def __init__(
-        self, spec: RunSpec, cluster: BenchCluster, sink: Callable[[Record], None]
-    ) -> None:
-        self.spec = spec
-        self.urls = list(cluster.urls)
-        self.ids = list(cluster.node_ids)
-        self.sink = sink
-        self.records: list[Record] = []
-        self.router: SglangRouter | None = None
-        self.oracle: Oracle | None = None
-        self.tokenizer = tokenizer_for(spec)
-        self.model = ""
-        self.t0 = 0.0
-
-    async def run(self, requests: Sequence[Request]) -> None:
-        async with new_http_client() as http:
-            await self.setup(http)
-            if any(r.t is not None for r in requests):
-                await self._open_loop(http, requests)
-            else:
-                await self._closed_loop(http, requests, self.spec.concurrency)
-
-    async def setup(self, http: httpx.AsyncClient) -> None:
-        self.model = await client.model_name(http, self.urls[0])
-        await self._warm_up(http)
-        self.t0 = time.perf_counter()
-
-    async def _warm_up(self, http: httpx.AsyncClient) -> None:
-        for i, url in enumerate(self.urls):
-            req = Request(id=f"warmup/{i}", prompt=WARMUP_PROMPT.format(i=i), max_tokens=1)
-            if self.oracle is not None:
-                self.oracle.mirrors[i].serve(self.tokenizer.encode(req.text), 1)
-            rec = self._record(-1, req, i)
-            await client.send(http, url, self.model, req, rec, time.perf_counter())
-            if rec.error:
-                raise RuntimeError(f"warm-up of {url} failed: {rec.error}")
-
-    async def _closed_loop(
-        self, http: httpx.AsyncClient, requests: Sequence[Request], workers: int
-    ) -> None:
-        queue = iter(enumerate(requests))
-
-        async def worker() -> None:
-            for seq, req in queue:
-                await self.one(http, seq, req)
-
-        await asyncio.gather(*(worker() for _ in range(workers)))
-
-    async def _open_loop(self, http: httpx.AsyncClient, requests: Sequence[Request]) -> None:
-        tasks: list[asyncio.Task[None]] = []
-        try:
-            for seq, req in enumerate(requests):
-                delay = (req.t or 0.0) - (time.perf_counter() - self.t0)
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(self.one(http, seq, req)))
-            await asyncio.gather(*tasks)
-        finally:
-            for t in tasks:
-                t.cancel()
-
-    def _record(self, seq: int, req: Request, entry: int) -> Record:
-        return Record(
-            run=self.spec.name,
-            policy=self.spec.policy,
-            seq=seq,
-            id=req.id,
-            group=req.group,
-            entry=entry,
-            entry_node="router" if self.router else self.ids[entry],
-            t_send=time.perf_counter() - self.t0,
-        )
-
-    async def one(self, http: httpx.AsyncClient, seq: int, req: Request) -> None:
-        entry = (req.entry or 0) % len(self.urls)
-        if self.oracle is not None:
-            rec = await self._via_oracle(http, seq, req, entry)
-        else:
-            url = self.router.url if self.router else self.urls[entry]
-            rec = self._record(seq, req, entry)
-            await client.send(http, url, self.model, req, rec, self.t0)
-        self.records.append(rec)
-        self.sink(rec)
-
-    async def _via_oracle(
-        self, http: httpx.AsyncClient, seq: int, req: Request, entry: int
-    ) -> Record:
-        """Send to the entry node, naming the oracle's choice in ``x-radixmesh-target``: the
-        entry node forwards it through the real peer path (emulated delay both ways)."""
-        assert self.oracle is not None
-        oracle = self.oracle
-        tokens = self.tokenizer.encode(req.text)
-        node, predicted = oracle.choose(tokens, req.max_tokens, entry)
-        rec = self._record(seq, req, entry)
-        cached = oracle.started(node, tokens, req.max_tokens)
-        headers = {client.H_TARGET: self.ids[node]} if node != entry else None
-        await client.send(http, self.urls[entry], self.model, req, rec, self.t0, headers)
-        rec.expected_cached_tokens = predicted
-        hop = oracle.rtt_s if node != entry else 0.0
-        service = rec.latency_s - hop if rec.ok else None
-        oracle.finished(node, len(tokens) - cached, cached, service, cached, rec.cached_tokens)
-        if rec.ok and rec.served_by != self.ids[node]:  # a failed forward fell back elsewhere
-            oracle.mismatches += 1
-        return rec
+Live = tuple[RunResult, Replay, BenchCluster, Progress | None]
 
 
 class Runner:
@@ -293,14 +133,17 @@ class Runner:
         cluster_factory: ClusterFactory | None = None,
         progress: bool = True,
         log: Callable[[str], None] = print,
+        too_long: str = "drop",
     ) -> None:
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.cluster_factory = cluster_factory or local_cluster(self.out / "logs")
         self.progress = progress
         self.log = log
+        self.too_long = too_long
         self.results: list[RunResult] = []
         self.previous = self._load_previous()
+        self._built: dict[tuple[Any, ...], tuple[list[Request], Drops, float | None]] = {}
 
     def _load_previous(self) -> list[dict[str, Any]]:
         """Runs already summarized in ``out`` (a sweep can be resumed or extended)."""
@@ -331,95 +174,107 @@ class Runner:
         if len(kept) != len(lines):
             path.write_text("".join(kept), encoding="utf-8")
 
+    def plan(self, spec: RunSpec) -> RunResult:
+        """A run's workload, admitted (drops printed the first time a workload is built), its
+        schedule and replay mode; no cluster yet. ``PromptTooLong`` under ``--too-long fail``."""
+        key = (spec.workload, spec.nodes, spec.preset, spec.model)
+        if key not in self._built:
+            reqs, drops = build_counted(spec.workload, spec.nodes, make_admit(spec, self.too_long))
+            self._built[key] = (reqs, drops, ideal_hit_rate(reqs, tokenizer_for(spec)))
+            self.log(f"workload for {spec.name}: {len(reqs)} requests; {drops.text()}")
+        reqs, drops, ideal = self._built[key]
+        res = RunResult(spec, drops=drops, requests=reqs, ideal_hit_rate=ideal)
+        res.mode = mode_of(spec, reqs)
+        res.schedule = describe(reqs, spec.concurrency, spec.workload.rate)
+        return res
+
     def run_all(self, specs: Sequence[RunSpec], skip_done: bool = False) -> list[RunResult]:
         if skip_done:
             specs = [s for s in specs if not self.done(s)]
+        planned = [self.plan(s) for s in specs]
         for s in specs:
             self._purge(s.name)
-        total, started = len(specs), 0
+        total, started = len(planned), 0
         with (self.out / "requests.jsonl").open("a", encoding="utf-8") as fh:
-            for batch in batches(specs):
-                results = [RunResult(s) for s in batch]
-                self.results.extend(results)
-                labels = [f"[{started + j + 1}/{total}] {s.name}" for j, s in enumerate(batch)]
+            for batch in batches(planned):
+                self.results.extend(batch)
+                labels = [f"[{started + j + 1}/{total}] {r.spec.name}" for j, r in enumerate(batch)]
                 started += len(batch)
-                try:
-                    self._run_batch(results, fh, labels)
-                except Exception as exc:  # a broken run must not lose the sweep
-                    for res in results:
-                        res.skipped = res.skipped or f"failed: {type(exc).__name__}: {exc}"[:500]
-                    self.log(f"{', '.join(labels)}: failed — {exc}")
-                except KeyboardInterrupt:
-                    for res in results:
-                        res.interrupted = not res.skipped
-                    self.log(f"\n{', '.join(labels)}: interrupted — finished records kept")
+                if not self._run_guarded(batch, fh, labels):
                     break
-                finally:
-                    self.write_summary()
         return self.results
 
+    def _run_guarded(self, batch: list[RunResult], fh: IO[str], labels: list[str]) -> bool:
+        """Run one batch; False when the sweep must stop (Ctrl-C)."""
+        try:
+            self._run_batch(batch, fh, labels)
+        except Exception as exc:  # a broken run must not lose the sweep
+            for res in batch:
+                res.skipped = res.skipped or f"failed: {type(exc).__name__}: {exc}"[:500]
+            self.log(f"{', '.join(labels)}: failed — {exc}")
+        except KeyboardInterrupt:
+            for res in batch:
+                res.interrupted = not res.skipped
+            self.log(f"\n{', '.join(labels)}: interrupted — finished records kept")
+            return False
+        finally:
+            self.write_summary()
+        return True
+
     def _run_batch(self, results: list[RunResult], fh: IO[str], labels: list[str]) -> None:
-        live: list[tuple[RunResult, list[Request], Replay, BenchCluster, Progress | None]] = []
+        live: list[Live] = []
         try:
             for res, label in zip(results, labels, strict=True):
                 if res.spec.policy == "sglang" and not available():
                     res.skipped = INSTALL_HINT
                     self.log(f"{label}: skipped — {INSTALL_HINT}")
                     continue
-                live.append(self._prepare(res, fh, label, batched=len(results) > 1))
-            if len(live) == 1:
-                asyncio.run(live[0][2].run(live[0][1]))
-            elif live:
-                asyncio.run(lockstep([(replay, reqs) for _, reqs, replay, _, _ in live]))
+                live.append(self._start(res, fh, label, batched=len(results) > 1))
+            names = [res.spec.name for res, *_ in live]
+            for res, *_ in live:
+                res.batch = names[0]
+                res.paired_with = [n for n in names if n != res.spec.name]
+            if live:
+                pairs = [(replay, res.requests) for res, replay, _, _ in live]
+                asyncio.run(replay_together(pairs, live[0][0].mode))
         finally:
-            for res, _, replay, cluster, progress in live:
-                if progress is not None:
-                    progress.close()
-                if replay.router is not None:
-                    replay.router.close()
-                cluster.close()
-                if replay.oracle is not None:
-                    res.oracle_mismatches = replay.oracle.mismatches
+            for res, replay, cluster, progress in live:
+                self._stop(res, replay, cluster, progress)
 
-    def _prepare(
-        self, res: RunResult, fh: IO[str], label: str, batched: bool
-    ) -> tuple[RunResult, list[Request], Replay, BenchCluster, Progress | None]:
+    @staticmethod
+    def _stop(res: RunResult, replay: Replay, cluster: BenchCluster, progress: Any) -> None:
+        if progress is not None:
+            progress.close()
+        if replay.router is not None:
+            replay.router.close()
+        cluster.close()
+        if replay.oracle is not None:
+            res.oracle_mismatches = replay.oracle.mismatches
+
+    def _start(self, res: RunResult, fh: IO[str], label: str, batched: bool) -> Live:
         spec = res.spec
-        fits = make_fits(spec)
-        requests = build(spec.workload, spec.nodes, fits)
-        res.dropped = self._count_dropped(spec, fits)
-        res.ideal_hit_rate = ideal_hit_rate(requests, tokenizer_for(spec))
-        progress = Progress(label, len(requests)) if self.progress else None
+        progress = Progress(label, len(res.requests)) if self.progress else None
         if progress is not None and batched:
             progress.tty = False  # several runs advance together: plain lines, no \r bar
         cluster = self.cluster_factory(spec)
         replay = Replay(spec, cluster, Sink(fh, progress))
         res.records = replay.records
+        res.node_ids = list(cluster.node_ids)
         try:
             self._attach_baseline(replay, spec, cluster)
         except BaseException:
             cluster.close()
             raise
-        return res, requests, replay, cluster, progress
+        return res, replay, cluster, progress
 
     @staticmethod
     def _attach_baseline(replay: Replay, spec: RunSpec, cluster: BenchCluster) -> None:
         if spec.policy == "sglang":
             replay.router = SglangRouter(cluster.urls)
         elif spec.policy == "oracle":
-            replay.oracle = Oracle(
-                cluster.node_ids, spec.cache_tokens, BLOCK_SIZE, spec.comm_delay_s, spec.seed
-            )
-
-    @staticmethod
-    def _count_dropped(spec: RunSpec, fits: Fits) -> int:
-        """Questions of the source left out because they do not fit the context."""
-        from radixmesh.workload.build import groups_for
-
-        if spec.workload.trace:
-            return 0
-        all_groups = groups_for(spec.workload)
-        return sum(1 for reqs in all_groups.values() for r in reqs if not fits(r))
+            context = engine_context(spec.preset, spec.model)
+            replay.oracle = Oracle(cluster.node_ids, spec.cache_tokens, BLOCK_SIZE,
+                                   spec.comm_delay_s, spec.seed, context)  # fmt: skip
 
     def write_summary(self) -> dict[str, Any]:
         current = [summary_entry(r) for r in self.results]

@@ -40,7 +40,7 @@ class RunSpec:
     threads: int = 1  # torch threads per node
     seed: int = 0
     group: str = ""  # which table/figure of the report this run feeds
-    lockstep: str = ""  # consecutive runs with the same non-empty key run interleaved
+    lockstep: str = ""  # consecutive runs with the same non-empty key run paired in time
 
     def __post_init__(self) -> None:
         check_policy(self.policy)
@@ -48,11 +48,8 @@ class RunSpec:
             raise ValueError("nodes, concurrency and cache_tokens must be >= 1")
         if self.comm_delay_s < 0 or self.gossip_interval_s <= 0:
             raise ValueError("comm delay must be >= 0 and gossip interval > 0")
-
-    @property
-    def sequential(self) -> bool:
-        """The paper's schedule: one request at a time, no arrival times."""
-        return self.concurrency == 1 and not self.workload.rate
+        if self.workload.rate and self.concurrency > 1:
+            raise ValueError("an open-loop rate and closed-loop concurrency exclude each other")
 
     @property
     def node_policy(self) -> str:

@@ -13,6 +13,7 @@ finished). Field meanings:
               (includes the emulated network delay of a forward)
 ``server_timing``  any ``server-timing`` parts the node reported (name -> seconds)
 ``error``     ``None`` or a short description (HTTP status + message, or the exception)
+``finish_reason``  ``stop`` | ``length`` as the API said (what the engine cached depends on it)
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class Record:
     status: int | None = None
     error: str | None = None
     output: str | None = None
+    finish_reason: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         # Shallow, unlike dataclasses.asdict (which deep-copied every record: seconds per

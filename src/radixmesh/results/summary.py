@@ -2,12 +2,16 @@
 
 Hit rates are token-weighted: cached prompt tokens / prompt tokens over successful requests.
 ``hotspot_share`` is the share of requests served by the busiest node (the paper's Table 3).
+``served_per_node`` counts successful requests per node *including nodes that served none*;
+such a node is ``stranded`` (e.g. a node that lost every early routing race never caches and
+then never wins one). ``busy_share`` is the engines' total service time over nodes × wall time.
 Percentiles use the nearest-rank method on successful requests.
 """
 
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -43,6 +47,28 @@ def hotspot_share(ok: Sequence[Record]) -> float | None:
     return _ratio(max(counts.values()), sum(counts.values())) if counts else None
 
 
+def served_per_node(ok: Sequence[Record], node_ids: Sequence[str]) -> dict[str, int]:
+    """Successful requests served by each node, zeros included."""
+    counts = Counter(r.served_by for r in ok if r.served_by is not None)
+    return {n: counts.get(n, 0) for n in node_ids} | {
+        n: c for n, c in sorted(counts.items()) if n not in node_ids
+    }
+
+
+def node_figures(records: Sequence[Record], node_ids: Sequence[str]) -> dict[str, Any]:
+    """Per-node served counts, the nodes that served nothing, and how busy the engines were."""
+    ok = [r for r in records if r.ok]
+    served = served_per_node(ok, node_ids)
+    wall = max((r.t_done for r in records), default=0.0) - min(
+        (r.t_send for r in records), default=0.0
+    )
+    service = sum(r.server_timing.get("service", 0.0) for r in ok)
+    busy = service / (len(node_ids) * wall) if wall > 0 and node_ids else None
+    stranded = [n for n, c in served.items() if c == 0] if ok else []
+    return {"served_per_node": served, "stranded_nodes": stranded,
+            "stranded": bool(stranded), "busy_share": busy}  # fmt: skip
+
+
 def summarize(records: Sequence[Record]) -> dict[str, Any]:
     """Latency, hit-rate and balance figures of one run's records."""
     ok = [r for r in records if r.ok]
@@ -65,3 +91,33 @@ def summarize(records: Sequence[Record]) -> dict[str, Any]:
         "prompt_tokens_mean": mean([float(r.prompt_tokens or 0) for r in ok]),
         "wall_s": max((r.t_done for r in records), default=0.0),
     }
+
+
+def ratio_interval(
+    pairs: Sequence[tuple[float, float]], level: float = 0.95, resamples: int = 2000, seed: int = 0
+) -> tuple[float, float] | None:
+    """Bootstrap interval of sum(a) / sum(b) over paired requests ``(a, b)`` in request order.
+
+    Circular block bootstrap: blocks of ⌈√n⌉ consecutive requests are resampled, because
+    neighbouring requests share a queue and a cache state (open loop especially), so they are
+    not independent; a per-request bootstrap would state intervals that reruns miss."""
+    n = len(pairs)
+    if n < 2:
+        return None
+    block = max(1, math.ceil(math.sqrt(n)))
+    pa, pb = [0.0], [0.0]  # prefix sums over the pairs repeated once (circular blocks)
+    for a, b in (*pairs, *pairs):
+        pa.append(pa[-1] + a)
+        pb.append(pb[-1] + b)
+    rng = random.Random(seed)
+    ratios: list[float] = []
+    for _ in range(resamples):
+        starts = [rng.randrange(n) for _ in range(math.ceil(n / block))]
+        den = sum(pb[s + block] - pb[s] for s in starts)
+        if den > 0:
+            ratios.append(sum(pa[s + block] - pa[s] for s in starts) / den)
+    if not ratios:
+        return None
+    ratios.sort()
+    tail = (1.0 - level) / 2.0
+    return ratios[int(tail * (len(ratios) - 1))], ratios[math.ceil((1 - tail) * (len(ratios) - 1))]

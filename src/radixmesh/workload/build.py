@@ -1,14 +1,23 @@
-"""One entry point from flags to a request sequence: source × skew × schedule.
+"""One entry point from flags to a request sequence: source × skew × schedule, with drops.
 
-Sources: the MMLU directory (``mmlu_dir``), a JSONL ``trace`` (replayed as is: its own order,
-entries and times), or the synthetic MMLU-shaped generator. Then uniform or skewed sampling
-(seeded), then the schedule (round-robin entries; Poisson times for open-loop runs).
+Sources: the MMLU directory (``mmlu_dir``), a JSONL ``trace`` (its own order and entries; its
+lines' arrival times ``t`` unless ``rate`` asks for Poisson arrivals instead), or the synthetic
+MMLU-shaped generator. Then uniform or skewed sampling (seeded), then the schedule
+(round-robin entries; Poisson times for open-loop runs).
+
+Admission: an ``admit`` function sees every candidate request (every question of the source,
+or every trace line until ``requests`` are kept) and returns the request to send — itself or a
+shortened copy — or the reason it is dropped. :class:`Drops` counts what happened, per reason
+and per group, so a summary can say exactly which workload ran.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import pairwise
+from typing import Any
 
 from radixmesh.workload import mmlu, schedule, skew, synthetic, trace
 from radixmesh.workload.request import Request
@@ -26,7 +35,7 @@ class WorkloadSpec:
     hot_fraction: float = 0.2
     hot_share: float = 0.8
     schedule: schedule.Schedule = schedule.Schedule.SEQUENTIAL
-    rate: float | None = None  # requests/s for the Poisson schedule
+    rate: float | None = None  # requests/s for the Poisson schedule (traces too)
 
     @property
     def source(self) -> str:
@@ -36,21 +45,89 @@ class WorkloadSpec:
 
 
 Fits = Callable[[Request], bool]
+Admit = Callable[[Request], "Request | str"]  # the request to send, or why it is dropped
+TOO_LONG = "too_long"
+
+
+def admit_fitting(fits: Fits) -> Admit:
+    """An ``admit`` that drops (reason ``too_long``) what ``fits`` rejects."""
+    return lambda r: r if fits(r) else TOO_LONG
+
+
+@dataclass(slots=True)
+class Drops:
+    """What admission did to the candidate requests: examined, dropped per reason and group,
+    shortened per group."""
+
+    examined: int = 0
+    dropped: Counter[str] = field(default_factory=Counter)
+    by_group: dict[str, Counter[str]] = field(default_factory=dict)
+    truncated: Counter[str] = field(default_factory=Counter)
+
+    def note(self, req: Request, outcome: Request | str) -> Request | None:
+        self.examined += 1
+        group = req.group or "-"
+        if isinstance(outcome, str):
+            self.dropped[outcome] += 1
+            self.by_group.setdefault(outcome, Counter())[group] += 1
+            return None
+        if outcome is not req:
+            self.truncated[group] += 1
+        return outcome
+
+    @property
+    def total(self) -> int:
+        return sum(self.dropped.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "examined": self.examined,
+            "total": self.total,
+            "by_reason": dict(sorted(self.dropped.items())),
+            "by_group": {k: dict(sorted(v.items())) for k, v in sorted(self.by_group.items())},
+            "truncated": sum(self.truncated.values()),
+            "truncated_by_group": dict(sorted(self.truncated.items())),
+        }
+
+    def text(self) -> str:
+        """One line for the start of a run."""
+        if not self.total and not self.truncated:
+            return f"all {self.examined} candidate prompts kept"
+        parts = [f"dropped {self.total} of {self.examined} candidate prompts"]
+        for reason, n in sorted(self.dropped.items()):
+            top = self.by_group[reason].most_common(5)
+            more = "" if len(self.by_group[reason]) <= 5 else ", ..."
+            parts.append(f"{reason}: {n} ({', '.join(f'{g} {k}' for g, k in top)}{more})")
+        if self.truncated:
+            parts.append(f"truncated to fit: {sum(self.truncated.values())}")
+        return "; ".join(parts)
+
+
+def _source_groups(spec: WorkloadSpec) -> dict[str, list[Request]]:
+    if spec.mmlu_dir:
+        return mmlu.load_groups(spec.mmlu_dir)
+    return synthetic.synthetic_groups(
+        seed=spec.seed, scale=spec.synthetic_scale, groups=spec.synthetic_groups
+    )
 
 
 def groups_for(spec: WorkloadSpec, fits: Fits | None = None) -> dict[str, list[Request]]:
     """The source's questions by group; with ``fits``, only requests it accepts (e.g. prompts
     within the engine's context), dropping groups left empty."""
-    if spec.mmlu_dir:
-        groups = mmlu.load_groups(spec.mmlu_dir)
-    else:
-        groups = synthetic.synthetic_groups(
-            seed=spec.seed, scale=spec.synthetic_scale, groups=spec.synthetic_groups
-        )
-    if fits is None:
-        return groups
-    kept = {g: [r for r in reqs if fits(r)] for g, reqs in groups.items()}
-    return {g: reqs for g, reqs in kept.items() if reqs}
+    groups = _source_groups(spec)
+    return groups if fits is None else admitted(groups, admit_fitting(fits), Drops())
+
+
+def admitted(
+    groups: dict[str, list[Request]], admit: Admit, drops: Drops
+) -> dict[str, list[Request]]:
+    """``groups`` after ``admit`` (counted in ``drops``), without groups left empty."""
+    kept: dict[str, list[Request]] = {}
+    for g, reqs in groups.items():
+        mine = [k for r in reqs if (k := drops.note(r, admit(r))) is not None]
+        if mine:
+            kept[g] = mine
+    return kept
 
 
 def sample(spec: WorkloadSpec, groups: dict[str, list[Request]]) -> list[Request]:
@@ -62,12 +139,38 @@ def sample(spec: WorkloadSpec, groups: dict[str, list[Request]]) -> list[Request
 
 
 def build(spec: WorkloadSpec, nodes: int, fits: Fits | None = None) -> list[Request]:
+    admit: Admit = (lambda r: r) if fits is None else admit_fitting(fits)
+    return build_counted(spec, nodes, admit)[0]
+
+
+def build_counted(spec: WorkloadSpec, nodes: int, admit: Admit) -> tuple[list[Request], Drops]:
+    """The request sequence and what admission dropped or shortened on the way."""
+    drops = Drops()
     if spec.trace:
-        reqs: Sequence[Request] = trace.load(spec.trace)
-        if fits is not None:
-            reqs = [r for r in reqs if fits(r)]
-        if spec.requests is not None:
-            reqs = reqs[: spec.requests]
-        return schedule.round_robin(reqs, nodes)
-    reqs = sample(spec, groups_for(spec, fits))
-    return schedule.apply(reqs, spec.schedule, nodes, spec.rate, spec.seed)
+        return _from_trace(spec, nodes, admit, drops), drops
+    reqs = sample(spec, admitted(_source_groups(spec), admit, drops))
+    return schedule.apply(reqs, spec.schedule, nodes, spec.rate, spec.seed), drops
+
+
+def _from_trace(spec: WorkloadSpec, nodes: int, admit: Admit, drops: Drops) -> list[Request]:
+    reqs: list[Request] = []
+    for r in trace.load(spec.trace or ""):
+        if spec.requests is not None and len(reqs) >= spec.requests:
+            break
+        kept = drops.note(r, admit(r))
+        if kept is not None:
+            reqs.append(kept)
+    check_times(reqs, spec.trace or "")
+    if spec.rate:
+        return schedule.poisson(reqs, nodes, spec.rate, spec.seed)
+    return schedule.round_robin(reqs, nodes)
+
+
+def check_times(reqs: list[Request], name: str) -> None:
+    """A trace's arrival times: on every line or none, and non-decreasing."""
+    timed = [r.t for r in reqs if r.t is not None]
+    if timed and len(timed) != len(reqs):
+        raise trace.TraceError(f"{name}: 't' on {len(timed)} of {len(reqs)} lines (all or none)")
+    for a, b in pairwise(reqs):
+        if a.t is not None and b.t is not None and b.t < a.t:
+            raise trace.TraceError(f"{name}: request {b.id!r} arrives before the one above it")

@@ -1,11 +1,15 @@
-"""Schedules: who receives each request, and when.
+"""Schedules: who receives each request, and when — and what schedule a request list ran.
 
 * ``sequential`` (the paper's): entry nodes round-robin, one request at a time, each sent
   after the previous one completed — no ``t``.
+* ``closed``: ``concurrency`` clients, each sending its next request when its previous one
+  finished (no ``t``; the runner's choice, recorded here).
 * ``poisson``: open-loop arrivals at ``rate`` requests/s with exponential gaps (seeded); the
   client sends at ``t`` whether or not earlier requests finished, so queues and push-back
   matter. Entries still round-robin.
-A request that already names an ``entry`` (e.g. from a trace) keeps it.
+* ``trace``: open loop at the arrival times ``t`` a trace's lines carry.
+A request that already names an ``entry`` (e.g. from a trace) keeps it. :func:`describe` says
+which of these a request list *is* (what the runner will do with it), for ``summary.json``.
 """
 
 from __future__ import annotations
@@ -13,13 +17,16 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from enum import StrEnum
+from typing import Any
 
 from radixmesh.workload.request import Request
 
 
 class Schedule(StrEnum):
     SEQUENTIAL = "sequential"
+    CLOSED = "closed"
     POISSON = "poisson"
+    TRACE = "trace"
 
 
 def round_robin(requests: Sequence[Request], nodes: int) -> list[Request]:
@@ -51,4 +58,39 @@ def apply(
         if rate is None:
             raise ValueError("the poisson schedule needs an arrival rate")
         return poisson(requests, nodes, rate, seed)
+    if schedule is Schedule.TRACE:
+        return round_robin(requests, nodes)
     return sequential(requests, nodes)
+
+
+def is_open_loop(requests: Sequence[Request]) -> bool:
+    return any(r.t is not None for r in requests)
+
+
+def describe(
+    requests: Sequence[Request], concurrency: int = 1, rate: float | None = None
+) -> dict[str, Any]:
+    """The schedule a request list runs under, as recorded in ``summary.json``: ``schedule``
+    (a :class:`Schedule` value), ``arrival_rate`` (the Poisson rate asked for), the measured
+    ``offered_rate`` (requests / arrival span, open loop only), ``concurrency`` and a
+    human-readable ``schedule_text``."""
+    if not is_open_loop(requests):
+        kind = Schedule.CLOSED if concurrency > 1 else Schedule.SEQUENTIAL
+        text = (f"closed loop, {concurrency} clients" if concurrency > 1
+                else "sequential (one at a time, round-robin entry)")  # fmt: skip
+        return _described(kind, None, None, concurrency, text)
+    times = [r.t or 0.0 for r in requests]
+    span = max(times) - min(times)
+    offered = (len(times) - 1) / span if span > 0 else None
+    kind = Schedule.POISSON if rate else Schedule.TRACE
+    text = f"open loop, {f'Poisson {rate:g} req/s' if rate else 'trace times'}"
+    if offered is not None:
+        text += f" (offered {offered:.2f} req/s over {span:.0f} s)"
+    return _described(kind, rate, offered, None, text)
+
+
+def _described(
+    kind: Schedule, rate: float | None, offered: float | None, conc: int | None, text: str
+) -> dict[str, Any]:
+    return {"schedule": kind.value, "arrival_rate": rate, "offered_rate": offered,
+            "concurrency": conc, "schedule_text": text}  # fmt: skip

@@ -1,0 +1,194 @@
+"""Replaying request lists against started clusters — alone, or several paired in time.
+
+Modes (what :func:`mode_of` says a request list is):
+
+* ``sequential`` — one request at a time. Several runs together are *interleaved*: request i
+  goes to every run's cluster in turn, one at a time, so each run still sees the paper's
+  schedule and all of them see the machine in the same state.
+* ``closed`` — ``concurrency`` clients per run, each one request at a time. Several runs
+  together run their clients at the same time (same machine, same period).
+* ``open`` — requests carry arrival times ``t``. Several runs together share one clock and one
+  arrival schedule: at ``t_i`` request i is sent to *every* cluster (the order rotating with
+  i), so each pair of runs saw the same machine when each request arrived.
+
+One run alone is the same code with one cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+
+import httpx
+
+from radixmesh.bench import client
+from radixmesh.bench.cluster import BenchCluster
+from radixmesh.bench.oracle import Oracle, fed_output, output_ids
+from radixmesh.bench.prompts import prompt_ids, tokenizer_for
+from radixmesh.bench.sglang import SglangRouter
+from radixmesh.bench.spec import RunSpec, engine_context
+from radixmesh.results.records import Record
+from radixmesh.workload import Request
+from radixmesh.workload.schedule import is_open_loop
+
+WARMUP_PROMPT = "radixmesh warm-up {i}: hello"
+MODES = ("sequential", "closed", "open")
+
+
+def mode_of(spec: RunSpec, requests: Sequence[Request]) -> str:
+    if is_open_loop(requests):
+        return "open"
+    return "closed" if spec.concurrency > 1 else "sequential"
+
+
+def new_http_client() -> httpx.AsyncClient:
+    # Idle connections expire well before uvicorn's 5 s keep-alive, or a reused connection can
+    # race the server closing it (a client-side ReadError, not a node failure).
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=64, keepalive_expiry=1.0)
+    return httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0), limits=limits)
+
+
+Pair = tuple["Replay", Sequence[Request]]
+
+
+async def replay_together(pairs: Sequence[Pair], mode: str) -> None:
+    """Run every pair's requests in ``mode`` (see the module docstring), paired in time."""
+    async with new_http_client() as http:
+        for replay, _ in pairs:
+            await replay.setup(http)
+        t0 = time.perf_counter()
+        for replay, _ in pairs:
+            replay.t0 = t0
+        if mode == "open":
+            await _open_loop(http, pairs)
+        elif mode == "closed":
+            await asyncio.gather(*(r.closed_loop(http, reqs) for r, reqs in pairs))
+        else:
+            await _interleaved(http, pairs)
+
+
+async def _interleaved(http: httpx.AsyncClient, pairs: Sequence[Pair]) -> None:
+    for i in range(max(len(reqs) for _, reqs in pairs)):
+        for replay, reqs in pairs:
+            if i < len(reqs):
+                await replay.one(http, i, reqs[i])
+
+
+def arrival_times(pairs: Sequence[Pair]) -> list[float]:
+    """The one arrival schedule of paired open-loop runs (they must agree on it)."""
+    times = [[r.t or 0.0 for r in reqs] for _, reqs in pairs]
+    n = min(len(t) for t in times)
+    if any(t[:n] != times[0][:n] for t in times):
+        raise ValueError("paired open-loop runs must share one arrival schedule")
+    return max(times, key=len)
+
+
+async def _open_loop(http: httpx.AsyncClient, pairs: Sequence[Pair]) -> None:
+    tasks: list[asyncio.Task[None]] = []
+    t0 = pairs[0][0].t0
+    try:
+        for i, t in enumerate(arrival_times(pairs)):
+            delay = t - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            for k in range(len(pairs)):
+                replay, reqs = pairs[(i + k) % len(pairs)]
+                if i < len(reqs):
+                    tasks.append(asyncio.create_task(replay.one(http, i, reqs[i])))
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+class Replay:
+    """Replays one run's requests against a started cluster."""
+
+    def __init__(
+        self, spec: RunSpec, cluster: BenchCluster, sink: Callable[[Record], None]
+    ) -> None:
+        self.spec = spec
+        self.urls = list(cluster.urls)
+        self.ids = list(cluster.node_ids)
+        self.sink = sink
+        self.records: list[Record] = []
+        self.router: SglangRouter | None = None
+        self.oracle: Oracle | None = None
+        self.tokenizer = tokenizer_for(spec)
+        self.max_context = engine_context(spec.preset, spec.model)
+        self.model = ""
+        self.t0 = 0.0
+
+    async def setup(self, http: httpx.AsyncClient) -> None:
+        self.model = await client.model_name(http, self.urls[0])
+        await self._warm_up(http)
+        self.t0 = time.perf_counter()
+
+    async def _warm_up(self, http: httpx.AsyncClient) -> None:
+        for i, url in enumerate(self.urls):
+            req = Request(id=f"warmup/{i}", prompt=WARMUP_PROMPT.format(i=i), max_tokens=1)
+            rec = self._record(-1, req, i)
+            if self.oracle is not None:
+                await self._via_oracle(http, rec, req, i, node=i)
+            else:
+                await client.send(http, url, self.model, req, rec, time.perf_counter())
+            if rec.error:
+                raise RuntimeError(f"warm-up of {url} failed: {rec.error}")
+
+    async def closed_loop(self, http: httpx.AsyncClient, requests: Sequence[Request]) -> None:
+        queue = iter(enumerate(requests))
+
+        async def worker() -> None:
+            for seq, req in queue:
+                await self.one(http, seq, req)
+
+        await asyncio.gather(*(worker() for _ in range(self.spec.concurrency)))
+
+    def _record(self, seq: int, req: Request, entry: int) -> Record:
+        return Record(
+            run=self.spec.name,
+            policy=self.spec.policy,
+            seq=seq,
+            id=req.id,
+            group=req.group,
+            entry=entry,
+            entry_node="router" if self.router else self.ids[entry],
+            t_send=time.perf_counter() - self.t0,
+        )
+
+    async def one(self, http: httpx.AsyncClient, seq: int, req: Request) -> None:
+        entry = (req.entry or 0) % len(self.urls)
+        rec = self._record(seq, req, entry)
+        if self.oracle is not None:
+            await self._via_oracle(http, rec, req, entry)
+        else:
+            url = self.router.url if self.router else self.urls[entry]
+            await client.send(http, url, self.model, req, rec, self.t0)
+        self.records.append(rec)
+        self.sink(rec)
+
+    async def _via_oracle(
+        self, http: httpx.AsyncClient, rec: Record, req: Request, entry: int, node: int = -1
+    ) -> None:
+        """Send to the entry node, naming the oracle's choice in ``x-radixmesh-target`` (the
+        entry node forwards it through the real peer path); ``node`` >= 0 forces the node."""
+        assert self.oracle is not None
+        oracle = self.oracle
+        tokens = prompt_ids(self.tokenizer, req)
+        chosen, predicted = oracle.choose(tokens, req.max_tokens, entry)
+        node = chosen if node < 0 else node
+        lease = oracle.started(node, tokens, req.max_tokens)
+        headers = {client.H_TARGET: self.ids[node]} if node != entry else None
+        await client.send(http, self.urls[entry], self.model, req, rec, self.t0, headers)
+        rec.expected_cached_tokens = predicted if node == chosen else lease.cached
+        fed = None
+        if rec.ok:
+            gen = output_ids(self.tokenizer, rec.output, rec.completion_tokens or 0)
+            fed = tokens + fed_output(gen, rec.finish_reason)
+        hop = oracle.rtt_s if node != entry else 0.0
+        service = rec.server_timing.get("service", rec.latency_s - hop) if rec.ok else None
+        oracle.finished(node, lease, len(tokens), fed, service)
+        oracle.check(lease.cached, rec.cached_tokens)
+        if rec.ok and rec.served_by != self.ids[node]:  # a failed forward fell back elsewhere
+            oracle.mismatches += 1

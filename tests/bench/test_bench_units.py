@@ -1,0 +1,237 @@
+"""The benchmark harness without clusters: the oracle's cache mirror against the real engine,
+admission (drops / truncation / fail), schedules recorded, batching, bootstrap intervals and
+per-node figures."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from radixmesh.bench.oracle import UNKNOWN, CacheMirror, fed_output, output_ids
+from radixmesh.bench.prompts import PromptTooLong, make_admit, prompt_ids
+from radixmesh.bench.replay import arrival_times, mode_of
+from radixmesh.bench.runner import RunResult, batches
+from radixmesh.bench.spec import RunSpec
+from radixmesh.bench.sweep import paired
+from radixmesh.core.byte_tokenizer import ByteTokenizer
+from radixmesh.results.records import Record
+from radixmesh.results.summary import node_figures, ratio_interval
+from radixmesh.workload import Request, WorkloadSpec
+from radixmesh.workload.build import build_counted
+from radixmesh.workload.request import Message
+
+BUDGET = 2_500  # tokens: small enough that the mirrored runs evict
+
+
+# ----------------------------------------------------------------------------- the mirror
+def few_shot(n: int) -> list[Request]:
+    """One hot few-shot prefix, different questions, a few generated tokens each."""
+    prefix = "Examples:\n" + "".join(f"Q: what is {i} plus {i}? A: {2 * i}\n" for i in range(30))
+    return [Request(id=f"fs{i}", prompt=prefix + f"Q: name {i}?", max_tokens=1 + i % 4)
+            for i in range(n)]  # fmt: skip
+
+
+def system_prompt(n: int) -> list[Request]:
+    """A long shared system prompt, chat messages (through the chat template)."""
+    system = Message("system", "You are a careful assistant. " * 25)
+    return [Request(id=f"sp{i}", messages=(system, Message("user", f"question {i} " * 3)),
+                    max_tokens=6) for i in range(n)]  # fmt: skip
+
+
+Generate = Callable[[Request], tuple[int, str, int, str]]
+
+
+def multi_turn(generate: Generate, turns: int) -> None:
+    """Conversations whose every turn resends the previous answers (as the API returned them)."""
+    for conv in range(2):
+        msgs: tuple[Message, ...] = (Message("user", f"conversation {conv}: hello $$ $$"),)
+        for turn in range(turns):
+            req = Request(id=f"c{conv}t{turn}", messages=msgs, max_tokens=5)
+            _, text, _, _ = generate(req)
+            msgs = (*msgs, Message("assistant", text), Message("user", f"and then {turn}?"))
+
+
+def mirrored(mirror_generated: bool) -> tuple[Generate, list[int]]:
+    """The tiny engine in-process beside a mirror; returns a generate function and the list
+    of (engine cached - mirror predicted) per request."""
+    from radixmesh.engine.base import GenerateRequest, SamplingParams
+    from radixmesh.engine.factory import build_engine
+
+    engine = build_engine("tiny", cache_tokens=BUDGET)
+    tok = engine.tokenizer
+    mirror = CacheMirror(BUDGET, 16, engine.max_context)
+    diffs: list[int] = []
+
+    def generate(req: Request) -> tuple[int, str, int, str]:
+        ids = prompt_ids(tok, req)
+        lease = mirror.start(ids, req.max_tokens)
+        sp = SamplingParams(max_tokens=req.max_tokens)
+        out = engine.generate(GenerateRequest(req.id, tuple(ids), sp))
+        text = tok.decode(out.output_ids)
+        gen = output_ids(tok, text, len(out.output_ids)) if mirror_generated else []
+        mirror.finish(lease, ids + fed_output(gen, out.finish_reason))
+        diffs.append(out.cached_tokens - lease.cached)
+        return out.cached_tokens, text, len(out.output_ids), out.finish_reason
+
+    return generate, diffs
+
+
+@pytest.fixture(scope="module")
+def mirror_runs() -> dict[bool, list[int]]:
+    out: dict[bool, list[int]] = {}
+    for flag in (True, False):
+        generate, diffs = mirrored(flag)
+        for req in [*few_shot(12), *system_prompt(8)]:
+            generate(req)
+        multi_turn(generate, turns=5)
+        out[flag] = diffs
+    return out
+
+
+def test_oracle_mirror_is_exact_with_generated_tokens(mirror_runs: dict[bool, list[int]]) -> None:
+    diffs = mirror_runs[True]
+    assert len(diffs) == 12 + 8 + 10
+    assert diffs == [0] * len(diffs)
+
+
+def test_a_prompt_only_mirror_would_drift(mirror_runs: dict[bool, list[int]]) -> None:
+    """The same runs with generated tokens left out of the mirror: it goes wrong (the check
+    above has teeth)."""
+    assert any(d != 0 for d in mirror_runs[False])
+
+
+def test_output_ids_marks_what_text_cannot_tell() -> None:
+    tok = ByteTokenizer()
+    assert output_ids(tok, "ab", 2) == [97, 98]
+    assert output_ids(tok, "", 3) == [UNKNOWN] * 3  # three special tokens, say
+    assert output_ids(tok, "a\ufffdb", 3) == [97, UNKNOWN, UNKNOWN]
+    assert fed_output([1, 2, 3], "length") == [1, 2] and fed_output([1, 2], "stop") == [1, 2]
+
+
+# ----------------------------------------------------------------------------- admission
+def write_trace(path: Path, lines: list[dict[str, object]]) -> str:
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return str(path)
+
+
+@pytest.fixture
+def long_trace(tmp_path: Path) -> str:
+    lines: list[dict[str, object]] = [
+        {"id": f"r{i}", "prompt": ("x" * 5000 if i % 3 == 0 else "short") + f" {i}",
+         "group": "long" if i % 3 == 0 else "short", "t": 0.5 * i}
+        for i in range(9)
+    ]  # fmt: skip
+    return write_trace(tmp_path / "long.jsonl", lines)
+
+
+def test_drops_counted_per_reason_and_group(long_trace: str) -> None:
+    spec = RunSpec(name="t", policy="none", workload=WorkloadSpec(trace=long_trace, requests=None))
+    reqs, drops = build_counted(spec.workload, 2, make_admit(spec, "drop"))
+    assert len(reqs) == 6 and drops.examined == 9
+    assert drops.to_json()["by_reason"] == {"too_long": 3}
+    assert drops.to_json()["by_group"] == {"too_long": {"long": 3}}
+    assert "dropped 3 of 9" in drops.text()
+
+
+def test_truncate_or_fail_instead_of_dropping(long_trace: str) -> None:
+    spec = RunSpec(name="t", policy="none", workload=WorkloadSpec(trace=long_trace, requests=None))
+    reqs, drops = build_counted(spec.workload, 2, make_admit(spec, "truncate"))
+    assert len(reqs) == 9 and drops.total == 0 and drops.to_json()["truncated"] == 3
+    tok = ByteTokenizer()
+    longest = max(len(prompt_ids(tok, r)) for r in reqs)
+    assert 4000 < longest + 1 + 8 < 4096  # cut to just fit the tiny preset's context
+    with pytest.raises(PromptTooLong):
+        build_counted(spec.workload, 2, make_admit(spec, "fail"))
+
+
+def test_truncating_chat_messages_keeps_the_leading_ones() -> None:
+    spec = RunSpec(name="t", policy="none")
+    req = Request(id="c", messages=(Message("system", "s" * 3000), Message("user", "u" * 3000)))
+    out = make_admit(spec, "truncate")(req)
+    assert isinstance(out, Request) and out.messages is not None
+    assert out.messages[0].content == "s" * 3000 and 0 < len(out.messages[-1].content) < 3000
+
+
+# ----------------------------------------------------------------------------- schedules
+def test_rate_honoured_for_traces_and_trace_times_kept(long_trace: str) -> None:
+    spec = RunSpec(name="t", policy="none", workload=WorkloadSpec(trace=long_trace, requests=None))
+    runner_res = _plan(spec)
+    assert runner_res.mode == "open" and runner_res.schedule["schedule"] == "trace"
+    assert [r.t for r in runner_res.requests][:2] == [0.5, 1.0]  # lines 1, 2 (line 0 dropped)
+    timed = RunSpec(name="p", policy="none",
+                    workload=WorkloadSpec(trace=long_trace, requests=None, rate=50.0))  # fmt: skip
+    res = _plan(timed)
+    assert res.schedule["schedule"] == "poisson" and res.schedule["arrival_rate"] == 50.0
+    assert [r.t for r in res.requests][:2] != [0.5, 1.0] and res.requests[0].t == 0.0
+
+
+def test_sequential_and_closed_loop_recorded() -> None:
+    w = WorkloadSpec(requests=6, synthetic_scale=0.1, synthetic_groups=2)
+    seq = _plan(RunSpec(name="s", policy="none", workload=w))
+    closed = _plan(RunSpec(name="c", policy="none", workload=w, concurrency=3))
+    assert (seq.mode, seq.schedule["schedule"]) == ("sequential", "sequential")
+    assert (closed.mode, closed.schedule["concurrency"]) == ("closed", 3)
+    with pytest.raises(ValueError, match="exclude"):
+        RunSpec(name="x", policy="none", workload=WorkloadSpec(rate=1.0), concurrency=2)
+
+
+def _plan(spec: RunSpec) -> RunResult:
+    from radixmesh.bench.runner import Runner
+
+    return Runner("/tmp/radixmesh-test-plan", log=lambda m: None).plan(spec)
+
+
+def test_batches_pair_by_point_and_mode() -> None:
+    w = WorkloadSpec(requests=4, rate=1.0)
+    specs = paired([RunSpec(name=f"{p}-x", policy=p, workload=w) for p in ("none", "cost")])
+    runs = [RunResult(s, mode="open") for s in specs]
+    runs.append(RunResult(RunSpec(name="seq", policy="none", lockstep=specs[0].lockstep)))
+    assert [len(b) for b in batches(runs)] == [2, 1]  # same key, other mode: not together
+    five = [RunResult(RunSpec(name=str(i), policy="none", lockstep="k")) for i in range(5)]
+    assert [len(b) for b in batches(five)] == [4, 1]
+
+
+def test_paired_open_loop_needs_one_schedule() -> None:
+    a = [Request(id=str(i), prompt="p", t=float(i)) for i in range(3)]
+    b = [r.with_time((r.t or 0) + 0.5) for r in a]
+    assert arrival_times([(None, a), (None, a[:2])]) == [0.0, 1.0, 2.0]  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="one arrival schedule"):
+        arrival_times([(None, a), (None, b)])  # type: ignore[list-item]
+    assert mode_of(RunSpec(name="n", policy="none"), a) == "open"
+
+
+# ----------------------------------------------------------------------------- figures
+def rec(served: str | None, latency: float = 1.0, service: float = 0.5) -> Record:
+    return Record(run="r", policy="cost", seq=0, id="x", group=None, entry=0, entry_node="n0",
+                  t_send=0.0, t_done=2.0, latency_s=latency, served_by=served,
+                  server_timing={"service": service})  # fmt: skip
+
+
+def test_stranded_node_flagged() -> None:
+    figs = node_figures([rec("n0"), rec("n0"), rec("n2")], ["n0", "n1", "n2"])
+    assert figs["served_per_node"] == {"n0": 2, "n1": 0, "n2": 1}
+    assert figs["stranded"] and figs["stranded_nodes"] == ["n1"]
+    assert figs["busy_share"] == pytest.approx(1.5 / (3 * 2.0))
+    assert not node_figures([rec("n0"), rec("n1")], ["n0", "n1"])["stranded"]
+
+
+def test_bootstrap_interval_brackets_the_ratio_and_narrows() -> None:
+    import random
+
+    rng = random.Random(1)
+
+    def pairs(n: int) -> list[tuple[float, float]]:
+        return [
+            (0.8 * b * rng.uniform(0.7, 1.3), b) for b in (rng.uniform(0.1, 1) for _ in range(n))
+        ]
+
+    small, big = pairs(40), pairs(1000)
+    lo_s, hi_s = ratio_interval(small) or (0, 0)
+    lo_b, hi_b = ratio_interval(big) or (0, 0)
+    point = sum(a for a, _ in small) / sum(b for _, b in small)
+    assert lo_s < point < hi_s and lo_b < 0.8 < hi_b
+    assert hi_b - lo_b < (hi_s - lo_s) / 2
+    assert ratio_interval(small[:1]) is None
