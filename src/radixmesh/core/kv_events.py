@@ -1,0 +1,550 @@
+"""KV-cache events of external engines (vLLM, SGLang): frames, payloads, and their order.
+
+Theory of operation
+-------------------
+An engine publishes what enters and leaves its prefix cache on a ZMQ PUB socket, one message
+of three frames per scheduler step: ``[topic, seq, payload]``. ``seq`` is an 8-byte big-endian
+counter that restarts at 0 with the engine. ``payload`` is msgpack: a batch ``[ts, events,
+rank]`` (vLLM's data-parallel rank, SGLang's attention-DP rank; absent when unset) or the same
+as a map. Each event is either a tagged array (older vLLM: ``["BlockStored", block_hashes,
+parent_block_hash, token_ids, block_size, lora_id, medium]``, trailing defaults omitted) or a
+map with a ``"type"`` (newer vLLM and SGLang; fields absent when None, unknown fields ignored).
+Event types we do not know decode to :class:`UnknownEngineEvent`, which the index counts and
+skips. Block hashes are normalised: ints (signed or unsigned 64-bit) to their unsigned 64-bit
+pattern, bytes kept as bytes — they are only ever engine-side names, never mesh keys.
+
+Decoding treats every byte as hostile, as :mod:`codec` does: msgpack's own limits bound
+strings, arrays and maps before anything is allocated, then each field is checked by hand
+(bools are not ints, token ids are uint32, lengths agree, a batch holds at most ``max_tokens``
+token ids and ``max_hashes`` hashes in total). Anything wrong raises
+:class:`~radixmesh.core.codec.RemoteProtocolError` with a reason, and nothing else. A batch
+that fails to decode is lost; the safe reaction of a shell is to drop that engine's index
+(it under-reports afterwards, which costs cache misses, never a wrong answer).
+
+Order: missed batches can be re-read from the engine's replay ROUTER socket (request
+``[b"", start_seq]``; answers of ``[seq, payload]`` (older vLLM) or ``[topic, seq, payload]``,
+then an end marker with seq -1), which holds only the last few batches and no snapshot.
+:class:`SequenceTracker` is the pure state machine over one publisher's seq numbers: fed live
+and replayed batches, it returns steps for the shell to carry out in order — apply a batch,
+drop a duplicate, request a replay from the first missing seq, or reset (drop the index: the
+engine restarted, seq went backwards, or the replay could not cover the gap). Live batches
+that arrive while a replay is outstanding are held (bounded) and applied after it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import msgpack
+
+from radixmesh.core.codec import RemoteProtocolError
+
+EngineHash = int | bytes  # an engine's name for one of its blocks (normalised)
+_U64 = 2**64 - 1
+_I64_MIN = -(2**63)
+_TOKEN_MAX = 2**32 - 1
+_SEQ_BYTES = 8
+_END_SEQ = -1
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True, slots=True)
+class KvLimits:
+    """Hard limits on one event batch from an engine."""
+
+    max_payload_bytes: int = 16 * 1024 * 1024
+    max_events: int = 65_536
+    max_tokens: int = 4 * 1024 * 1024  # token ids over all events of the batch
+    max_hashes: int = 262_144  # block hashes over all events of the batch
+    max_hash_bytes: int = 64
+    max_str_len: int = 4096  # any string, incl. unknown fields
+    max_map_len: int = 64
+
+    def __post_init__(self) -> None:
+        values = (self.max_payload_bytes, self.max_events, self.max_tokens, self.max_hashes)
+        if min(*values, self.max_hash_bytes, self.max_str_len, self.max_map_len) < 1:
+            raise ValueError("kv event limits must be positive")
+
+
+# ------------------------------------------------------------------------------------ events
+@dataclass(frozen=True, slots=True)
+class EngineBlockStored:
+    """Blocks entered the engine's cache, each chained to the previous (the first to parent)."""
+
+    block_hashes: tuple[EngineHash, ...]
+    parent_hash: EngineHash | None
+    token_ids: tuple[int, ...]  # all the blocks' tokens, block_size each
+    block_size: int
+    medium: str | None = None  # None or "GPU": device memory; others are offload tiers
+    group_idx: int = 0  # KV-cache group of a hybrid model
+    lora_id: int | None = None
+    lora_name: str | None = None
+    keyed: tuple[bool, ...] = ()  # per block: carries extra keys (images, salt); () = none
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.group_idx < 0:
+            raise ValueError("block_size must be positive and group_idx non-negative")
+        if len(self.token_ids) != len(self.block_hashes) * self.block_size:
+            raise ValueError("token_ids must hold block_size tokens per block hash")
+        if self.keyed and len(self.keyed) != len(self.block_hashes):
+            raise ValueError("keyed must be empty or hold one flag per block")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineBlockRemoved:
+    """Blocks left the engine's cache."""
+
+    block_hashes: tuple[EngineHash, ...]
+    medium: str | None = None
+    group_idx: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineAllCleared:
+    """The engine dropped its whole cache (of this medium)."""
+
+    medium: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class UnknownEngineEvent:
+    """An event type this version does not know; counted and skipped."""
+
+    type_name: str
+
+
+KvEvent = EngineBlockStored | EngineBlockRemoved | EngineAllCleared | UnknownEngineEvent
+
+
+@dataclass(frozen=True, slots=True)
+class KvBatch:
+    """One published batch: the events of one engine step, in order."""
+
+    ts: float
+    events: tuple[KvEvent, ...]
+    dp_rank: int | None = None
+
+
+def is_device_medium(medium: str | None) -> bool:
+    """True for blocks in accelerator memory (medium absent or "GPU")."""
+    return medium is None or medium.upper() == "GPU"
+
+
+# ------------------------------------------------------------------------------------ frames
+@dataclass(frozen=True, slots=True)
+class LiveMessage:
+    """One message of the PUB stream."""
+
+    topic: bytes
+    seq: int
+    payload: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayMessage:
+    """One replayed batch."""
+
+    seq: int
+    payload: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayEnd:
+    """The replay socket's end marker: everything it still had has been sent."""
+
+
+def _frame(v: Any, what: str) -> bytes:
+    if not isinstance(v, bytes | bytearray | memoryview):
+        raise RemoteProtocolError(f"{what} frame is not bytes", "frames")
+    return bytes(v)
+
+
+def _seq(v: Any) -> int:
+    raw = _frame(v, "seq")
+    if len(raw) != _SEQ_BYTES:
+        raise RemoteProtocolError(f"seq frame of {len(raw)} bytes, expected 8", "frames")
+    return int.from_bytes(raw, "big", signed=True)
+
+
+def decode_live_frames(frames: Sequence[Any]) -> LiveMessage:
+    """``[topic, seq, payload]`` of the PUB stream."""
+    if len(frames) != 3:
+        raise RemoteProtocolError(f"live message of {len(frames)} frames, expected 3", "frames")
+    seq = _seq(frames[1])
+    if seq < 0:
+        raise RemoteProtocolError("negative seq on the live stream", "frames")
+    return LiveMessage(_frame(frames[0], "topic"), seq, _frame(frames[2], "payload"))
+
+
+def decode_replay_frames(frames: Sequence[Any]) -> ReplayMessage | ReplayEnd:
+    """A replay answer: ``[seq, payload]`` or ``[topic, seq, payload]``, either after an
+    optional empty delimiter frame; seq -1 is the end marker."""
+    parts = list(frames)
+    if len(parts) == 4 and _frame(parts[0], "delimiter") == b"":
+        parts = parts[1:]
+    if len(parts) not in (2, 3):
+        raise RemoteProtocolError(f"replay answer of {len(frames)} frames", "frames")
+    seq = _seq(parts[-2])
+    payload = _frame(parts[-1], "payload")
+    if seq == _END_SEQ:
+        return ReplayEnd()
+    if seq < 0:
+        raise RemoteProtocolError(f"replay seq {seq} is negative", "frames")
+    return ReplayMessage(seq, payload)
+
+
+def encode_replay_request(start_seq: int) -> tuple[bytes, bytes]:
+    """The frames a DEALER sends to the replay ROUTER: ``[b"", start_seq]``."""
+    if not 0 <= start_seq < 2**63:
+        raise ValueError(f"start_seq must be in [0, 2**63), got {start_seq}")
+    return b"", start_seq.to_bytes(_SEQ_BYTES, "big")
+
+
+# ----------------------------------------------------------------------------------- payload
+_DEFAULT_LIMITS = KvLimits()
+_ARRAY_FIELDS: dict[str, tuple[str, ...]] = {
+    "BlockStored": (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+    ),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}
+_RANK_KEYS = ("data_parallel_rank", "attn_dp_rank", "dp_rank")
+
+
+def decode_batch(payload: bytes, limits: KvLimits | None = None) -> KvBatch:
+    """Parse one event batch; raises :class:`RemoteProtocolError` (only) if it is not valid."""
+    lim = limits or _DEFAULT_LIMITS
+    if not isinstance(payload, bytes | bytearray | memoryview):
+        raise RemoteProtocolError("event payload is not bytes", "frames")
+    if len(payload) > lim.max_payload_bytes:
+        raise RemoteProtocolError(f"event payload of {len(payload)} bytes", "size")
+    raw = _unpack(bytes(payload), lim)
+    try:
+        return _BatchParser(lim).batch(raw)
+    except RemoteProtocolError:
+        raise
+    except (ValueError, TypeError, IndexError, KeyError, OverflowError) as exc:
+        raise RemoteProtocolError(f"malformed event batch: {exc}", "malformed") from None
+
+
+def _unpack(data: bytes, lim: KvLimits) -> Any:
+    try:
+        return msgpack.unpackb(
+            data,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            max_str_len=lim.max_str_len,
+            max_bin_len=max(lim.max_hash_bytes, lim.max_str_len),
+            # an element takes at least one byte: never let a header reserve more than that
+            max_array_len=min(max(lim.max_events, lim.max_tokens, lim.max_hashes), len(data)),
+            max_map_len=lim.max_map_len,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises many types on hostile input; all are remote
+        raise RemoteProtocolError(f"undecodable event payload: {type(exc).__name__}") from None
+
+
+def _bad(what: str) -> RemoteProtocolError:
+    return RemoteProtocolError(f"malformed event batch: {what}", "malformed")
+
+
+def _int(v: Any, what: str, minimum: int = 0) -> int:
+    if type(v) is not int or v < minimum:
+        raise _bad(f"{what} must be an integer >= {minimum}")
+    return v
+
+
+def _opt_int(v: Any, what: str) -> int | None:
+    return None if v is None else _int(v, what, minimum=-(2**63))
+
+
+def _opt_str(v: Any, what: str) -> str | None:
+    if v is not None and not isinstance(v, str):
+        raise _bad(f"{what} must be a string")
+    return v
+
+
+def _list(v: Any, what: str) -> list[Any]:
+    if not isinstance(v, list):
+        raise _bad(f"{what} must be a list")
+    return v
+
+
+def _keyed(v: Any, n_blocks: int) -> tuple[bool, ...]:
+    """Per-block flags from ``extra_keys`` (None, or one entry per block, None/empty = none)."""
+    if v is None or v == []:
+        return ()
+    if isinstance(v, list) and len(v) == n_blocks:
+        flags = tuple(bool(item) for item in v)
+        return flags if any(flags) else ()
+    return (True,) * n_blocks  # a shape we do not know: every block is keyed (never indexed)
+
+
+class _BatchParser:
+    """Checks one decoded batch tree; holds its token and hash budgets."""
+
+    def __init__(self, limits: KvLimits) -> None:
+        self.lim = limits
+        self.tokens_left = limits.max_tokens
+        self.hashes_left = limits.max_hashes
+
+    def batch(self, raw: Any) -> KvBatch:
+        if isinstance(raw, dict):
+            ts, events = raw.get("ts"), raw.get("events")
+            rank = next((raw[k] for k in _RANK_KEYS if raw.get(k) is not None), None)
+        elif isinstance(raw, list) and len(raw) >= 2:
+            ts, events, rank = raw[0], raw[1], (raw[2] if len(raw) > 2 else None)
+        else:
+            raise _bad("a batch is [ts, events, rank] or a map")
+        items = _list(events, "events")
+        if len(items) > self.lim.max_events:
+            raise RemoteProtocolError(f"{len(items)} events in one batch", "limit")
+        return KvBatch(_ts(ts), tuple(self.event(e) for e in items), _rank(rank))
+
+    def event(self, raw: Any) -> KvEvent:
+        if isinstance(raw, list) and raw and isinstance(raw[0], str):
+            names = _ARRAY_FIELDS.get(raw[0])
+            if names is None:
+                return UnknownEngineEvent(raw[0][:64])
+            return self.typed(raw[0], dict(zip(names, raw[1:], strict=False)))
+        if isinstance(raw, dict):
+            kind = raw.get("type")
+            if not isinstance(kind, str):
+                raise _bad("event map without a string 'type'")
+            return self.typed(kind, raw)
+        raise _bad("an event is a tagged array or a map with 'type'")
+
+    def typed(self, kind: str, f: Mapping[str, Any]) -> KvEvent:
+        if kind == "BlockStored":
+            return self.stored(f)
+        if kind == "BlockRemoved":
+            return EngineBlockRemoved(
+                self.hashes(f.get("block_hashes")),
+                _opt_str(f.get("medium"), "medium"),
+                _group(f.get("group_idx")),
+            )
+        if kind == "AllBlocksCleared":
+            return EngineAllCleared(_opt_str(f.get("medium"), "medium"))
+        return UnknownEngineEvent(kind[:64])
+
+    def stored(self, f: Mapping[str, Any]) -> EngineBlockStored:
+        hashes = self.hashes(f.get("block_hashes"))
+        tokens = self.tokens(f.get("token_ids"))
+        size = _block_size(f.get("block_size"), len(hashes), len(tokens))
+        parent = f.get("parent_block_hash")
+        return EngineBlockStored(
+            block_hashes=hashes,
+            parent_hash=None if parent is None else self.hash(parent),
+            token_ids=tokens,
+            block_size=size,
+            medium=_opt_str(f.get("medium"), "medium"),
+            group_idx=_group(f.get("group_idx")),
+            lora_id=_opt_int(f.get("lora_id"), "lora_id"),
+            lora_name=_opt_str(f.get("lora_name"), "lora_name"),
+            keyed=_keyed(f.get("extra_keys"), len(hashes)),
+        )
+
+    def hashes(self, v: Any) -> tuple[EngineHash, ...]:
+        items = _list(v, "block_hashes")
+        self.hashes_left -= len(items)
+        if self.hashes_left < 0:
+            raise RemoteProtocolError("too many block hashes in one batch", "limit")
+        return tuple(self.hash(h) for h in items)
+
+    def hash(self, v: Any) -> EngineHash:
+        if type(v) is int and _I64_MIN <= v <= _U64:
+            return v & _U64
+        if isinstance(v, bytes) and 0 < len(v) <= self.lim.max_hash_bytes:
+            return v
+        raise _bad("a block hash is a 64-bit integer or a short bytes value")
+
+    def tokens(self, v: Any) -> tuple[int, ...]:
+        items = _list(v, "token_ids")
+        self.tokens_left -= len(items)
+        if self.tokens_left < 0:
+            raise RemoteProtocolError("too many token ids in one batch", "limit")
+        if not all(type(t) is int for t in items):
+            raise _bad("token ids must be integers")
+        if items and (min(items) < 0 or max(items) > _TOKEN_MAX):
+            raise _bad("token ids must be in [0, 2**32)")
+        return tuple(items)
+
+
+def _ts(v: Any) -> float:
+    if type(v) not in (int, float) or not math.isfinite(v):
+        raise _bad("ts must be a finite number")
+    return float(v)
+
+
+def _rank(v: Any) -> int | None:
+    return None if v is None else _int(v, "dp rank")
+
+
+def _group(v: Any) -> int:
+    return 0 if v is None else _int(v, "group_idx")
+
+
+def _block_size(v: Any, n_hashes: int, n_tokens: int) -> int:
+    """The event's block size; absent, it is inferred when the tokens split evenly."""
+    if v is None:
+        if n_hashes == 0 or n_tokens % n_hashes or n_tokens == 0:
+            raise _bad("block_size missing and not inferable")
+        return n_tokens // n_hashes
+    size = _int(v, "block_size", minimum=1)
+    if n_tokens != n_hashes * size:
+        raise _bad(f"{n_tokens} token ids for {n_hashes} blocks of {size}")
+    return size
+
+
+# -------------------------------------------------------------------------------- sequencing
+@dataclass(frozen=True, slots=True)
+class Apply(Generic[_T]):
+    """Apply this batch to the index now."""
+
+    seq: int
+    item: _T
+
+
+@dataclass(frozen=True, slots=True)
+class Drop:
+    """This seq was already applied (a replay overlapping what we have); ignore it."""
+
+    seq: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RequestReplay:
+    """Ask the replay socket for every batch with seq >= ``start_seq``."""
+
+    start_seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reset:
+    """Drop this engine's index (count it by ``reason``); later batches rebuild it."""
+
+    reason: str  # restarted | replay_incomplete | replay_failed | overflow
+
+
+Step = Apply[_T] | Drop | RequestReplay | Reset
+_TRACKER_COUNTS = (
+    "applied",
+    "duplicates",
+    "gaps",
+    "restarted",
+    "replay_incomplete",
+    "replay_failed",
+    "overflow",
+    "unexpected_replay",
+)
+
+
+class SequenceTracker(Generic[_T]):
+    """Seq numbers of one publisher (one engine / DP rank): what to do with each batch."""
+
+    def __init__(self, max_pending: int = 1024) -> None:
+        if max_pending < 1:
+            raise ValueError("max_pending must be positive")
+        self.max_pending = max_pending
+        self._next = 0  # the seq we can apply next
+        self._dirty = False  # something was applied since the last reset
+        self._replaying = False
+        self._pending: dict[int, _T] = {}  # live batches held while a replay is outstanding
+        self._live_high = -1  # the highest live seq held during the current replay
+        self.counts: dict[str, int] = dict.fromkeys(_TRACKER_COUNTS, 0)
+
+    @property
+    def next_seq(self) -> int:
+        return self._next
+
+    @property
+    def replaying(self) -> bool:
+        return self._replaying
+
+    def on_live(self, seq: int, item: _T) -> list[Step[_T]]:
+        """A batch from the PUB stream."""
+        if self._replaying:
+            return self._hold(seq, item)
+        if seq == self._next:
+            return [self._apply(seq, item)]
+        if seq > self._next:
+            self.counts["gaps"] += 1
+            self._replaying, self._pending, self._live_high = True, {seq: item}, seq
+            return [RequestReplay(self._next)]
+        return self._restart(seq, item)
+
+    def on_replay(self, seq: int, item: _T) -> list[Step[_T]]:
+        """A batch from the replay socket."""
+        if not self._replaying:
+            self.counts["unexpected_replay"] += 1
+            return [Drop(seq, "unexpected_replay")]
+        if seq < self._next:
+            self.counts["duplicates"] += 1
+            return [Drop(seq, "duplicate")]
+        steps: list[Step[_T]] = []
+        if seq > self._next:  # the replay buffer no longer holds the first missing batch
+            steps += self._reset("replay_incomplete")
+        return [*steps, self._apply(seq, item)]
+
+    def on_replay_end(self) -> list[Step[_T]]:
+        """The replay's end marker arrived."""
+        return self._finish_replay("replay_incomplete")
+
+    def on_replay_failed(self) -> list[Step[_T]]:
+        """The replay could not be had (no replay socket, timeout): give up on the gap."""
+        return self._finish_replay("replay_failed")
+
+    # ------------------------------------------------------------------------------ internal
+    def _apply(self, seq: int, item: _T) -> Apply[_T]:
+        self._next, self._dirty = seq + 1, True
+        self.counts["applied"] += 1
+        return Apply(seq, item)
+
+    def _reset(self, reason: str) -> list[Step[_T]]:
+        self.counts[reason] += 1
+        if not self._dirty:
+            return []
+        self._dirty = False
+        return [Reset(reason)]
+
+    def _restart(self, seq: int, item: _T) -> list[Step[_T]]:
+        """seq went backwards: a new engine incarnation; start over from its seq 0."""
+        self._replaying, self._pending, self._live_high = False, {}, -1
+        steps = self._reset("restarted")
+        self._next = 0
+        return [*steps, *self.on_live(seq, item)]
+
+    def _hold(self, seq: int, item: _T) -> list[Step[_T]]:
+        if seq <= self._live_high:
+            return self._restart(seq, item)
+        self._pending[seq], self._live_high = item, seq
+        if len(self._pending) > self.max_pending:
+            return self._finish_replay("overflow")
+        return []
+
+    def _finish_replay(self, reason: str) -> list[Step[_T]]:
+        if not self._replaying:
+            return []
+        pending, self._pending, self._replaying = self._pending, {}, False
+        steps: list[Step[_T]] = []
+        if pending and min(pending) > self._next:
+            steps += self._reset(reason)
+            self._next = min(pending)
+        for seq in sorted(pending):
+            if seq < self._next:
+                self.counts["duplicates"] += 1
+                steps.append(Drop(seq, "duplicate"))
+            else:
+                steps += self.on_live(seq, pending[seq])
+        return steps
