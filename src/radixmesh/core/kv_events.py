@@ -1,5 +1,9 @@
 """KV-cache events of external engines (vLLM, SGLang): frames, payloads, and their order.
 
+Why one file over 400 lines: the two wire shapes of two engines, their framing and the
+sequence tracker that orders them are one format; most of the length is the hostile-input
+checks, which must stay next to the fields they check.
+
 Theory of operation
 -------------------
 An engine publishes what enters and leaves its prefix cache on a ZMQ PUB socket, one message
