@@ -18,6 +18,8 @@ so both paths run identical engine work. Figures (medians over ``--samples`` pai
 ``forward_added_cpu_ms``     CPU time (both nodes, user + system) a forwarded request costs
                              beyond a local one: what the forward adds on an idle machine,
                              and unlike wall time, insensitive to other load on the box
+``forward_cpu_entry_ms`` / ``forward_cpu_peer_ms`` / ``local_cpu_ms``  the same CPU per
+                             process: a forward on n0 and on n1, a local request on n0
 ``http_floor_ms``            a bare ``GET /health`` round trip from the same client (what one
                              HTTP exchange costs on this machine right now)
 ``load_average_1m``          the machine's load when measured (2 cores here: >2 means queuing)
@@ -73,11 +75,12 @@ def _cpu_s(pids: list[int | None]) -> float:
 
 
 def _cpu_per_request(client: httpx.Client, url: str, headers: dict[str, str],
-                     pids: list[int | None], n: int) -> float:
-    before = _cpu_s(pids)
+                     pids: list[int | None], n: int) -> list[float]:
+    """CPU seconds per request, for each of ``pids``."""
+    before = [_cpu_s([p]) for p in pids]
     for _ in range(n):
         _one(client, url, headers)
-    return (_cpu_s(pids) - before) / n
+    return [(_cpu_s([p]) - b) / n for p, b in zip(pids, before, strict=True)]
 
 
 def measure(samples: int, net_delay: str = "0") -> dict[str, Any]:
@@ -111,7 +114,10 @@ def measure(samples: int, net_delay: str = "0") -> dict[str, Any]:
         "forward_added_net_ms": round(
             1e3 * (med(x[0] - x[1] for x in fwd) - med(x[0] - x[1] for x in local)), 3),
         "forward_overhead_node_ms": round(1e3 * med(x[2] for x in fwd), 3),
-        "forward_added_cpu_ms": round(1e3 * (cpu_fwd - cpu_local), 3),
+        "forward_added_cpu_ms": round(1e3 * (sum(cpu_fwd) - sum(cpu_local)), 3),
+        "forward_cpu_entry_ms": round(1e3 * cpu_fwd[0], 3),
+        "forward_cpu_peer_ms": round(1e3 * cpu_fwd[1], 3),
+        "local_cpu_ms": round(1e3 * cpu_local[0], 3),
         "http_floor_ms": round(1e3 * med(floor), 3),
         "load_average_1m": round(os.getloadavg()[0], 2),
         "startup_parallel_s": round(parallel, 2),
