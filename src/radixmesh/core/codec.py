@@ -145,7 +145,7 @@ class Codec:
         if len(data) > self.limits.max_message_bytes:
             raise RemoteProtocolError(f"message of {len(data)} bytes exceeds the limit", "size")
         lim = self.limits
-        raw = _unpack(
+        raw = unpack_checked(
             bytes(data),
             max_str=max(lim.max_text_len, lim.max_address_len, lim.max_id_len),
             max_bin=lim.max_message_bytes,
@@ -154,8 +154,12 @@ class Codec:
         return _checked(_Parser(self.limits).gossip, raw)
 
 
-def _unpack(data: bytes, *, max_str: int, max_bin: int, max_array: int) -> Any:
-    """msgpack-decode ``data`` within these lengths (str in bytes); no maps, no extensions."""
+def unpack_checked(
+    data: bytes, *, max_str: int, max_bin: int, max_array: int, max_map: int = 0,
+    what: str = "message",
+) -> Any:
+    """msgpack-decode ``data`` within these lengths (str in bytes); maps only up to ``max_map``
+    entries (none by default), no extensions. Shared by every decoder of remote bytes."""
     try:
         return msgpack.unpackb(
             data,
@@ -165,11 +169,11 @@ def _unpack(data: bytes, *, max_str: int, max_bin: int, max_array: int) -> Any:
             max_str_len=max_str,
             max_bin_len=max_bin,
             max_array_len=max_array,
-            max_map_len=0,
+            max_map_len=max_map,
             max_ext_len=0,
         )
     except Exception as exc:  # msgpack raises many types on hostile input; all are remote
-        raise RemoteProtocolError(f"undecodable message: {type(exc).__name__}") from None
+        raise RemoteProtocolError(f"undecodable {what}: {type(exc).__name__}") from None
 
 
 def _checked(parse: Callable[[Any], _T], raw: Any) -> _T:

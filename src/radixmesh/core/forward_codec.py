@@ -31,7 +31,7 @@ from radixmesh.core.codec import (
     _float,
     _int,
     _text,
-    _unpack,
+    unpack_checked,
 )
 from radixmesh.core.messages import (
     MAX_ERROR_CHARS,
@@ -260,7 +260,7 @@ def _message(data: bytes, lim: ForwardLimits) -> tuple[int, list[Any]]:
         raise RemoteProtocolError(f"message of {len(data)} bytes exceeds the limit", "size")
     max_str = 4 * max(lim.max_id_len, MAX_ERROR_CHARS)  # characters -> UTF-8 bytes
     max_array = max(lim.max_prompt_tokens, lim.max_stop_tokens, 16)
-    raw = _unpack(bytes(data), max_str=max_str, max_bin=0, max_array=max_array)
+    raw = unpack_checked(bytes(data), max_str=max_str, max_bin=0, max_array=max_array)
     if not isinstance(raw, list) or len(raw) < 2:
         raise RemoteProtocolError("message: expected an array [version, kind, ...]")
     if _int(raw[0], "protocol version") != PROTOCOL_VERSION:

@@ -42,9 +42,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-import msgpack
-
-from radixmesh.core.codec import RemoteProtocolError
+from radixmesh.core.codec import RemoteProtocolError, unpack_checked
 
 EngineHash = int | bytes  # an engine's name for one of its blocks (normalised)
 _U64 = 2**64 - 1
@@ -231,7 +229,7 @@ def decode_batch(payload: bytes, limits: KvLimits | None = None) -> KvBatch:
         raise RemoteProtocolError("event payload is not bytes", "frames")
     if len(payload) > lim.max_payload_bytes:
         raise RemoteProtocolError(f"event payload of {len(payload)} bytes", "size")
-    raw = _unpack(bytes(payload), lim)
+    raw = _unpack_batch(bytes(payload), lim)
     try:
         return _BatchParser(lim).batch(raw)
     except RemoteProtocolError:
@@ -240,22 +238,16 @@ def decode_batch(payload: bytes, limits: KvLimits | None = None) -> KvBatch:
         raise RemoteProtocolError(f"malformed event batch: {exc}", "malformed") from None
 
 
-def _unpack(data: bytes, lim: KvLimits) -> Any:
-    try:
-        return msgpack.unpackb(
-            data,
-            raw=False,
-            use_list=True,
-            strict_map_key=True,
-            max_str_len=lim.max_str_len,
-            max_bin_len=max(lim.max_hash_bytes, lim.max_str_len),
-            # an element takes at least one byte: never let a header reserve more than that
-            max_array_len=min(max(lim.max_events, lim.max_tokens, lim.max_hashes), len(data)),
-            max_map_len=lim.max_map_len,
-            max_ext_len=0,
-        )
-    except Exception as exc:  # msgpack raises many types on hostile input; all are remote
-        raise RemoteProtocolError(f"undecodable event payload: {type(exc).__name__}") from None
+def _unpack_batch(data: bytes, lim: KvLimits) -> Any:
+    return unpack_checked(
+        data,
+        max_str=lim.max_str_len,
+        max_bin=max(lim.max_hash_bytes, lim.max_str_len),
+        # an element takes at least one byte: never let a header reserve more than that
+        max_array=min(max(lim.max_events, lim.max_tokens, lim.max_hashes), len(data)),
+        max_map=lim.max_map_len,
+        what="event payload",
+    )
 
 
 def _bad(what: str) -> RemoteProtocolError:
