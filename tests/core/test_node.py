@@ -408,3 +408,20 @@ def test_a_full_node_refuses_forwards_and_rejects_what_no_peer_takes() -> None:
     assert node.handle(RequestArrived(2, (), 64, 0, 4), 0.2) == [RejectRequest(2, retry)]
     m = node.metrics()
     assert m["forwards_refused_full"] == 1 and m["requests_rejected"] == 1
+
+
+def test_a_refused_request_is_ranked_again_from_the_current_view() -> None:
+    """A burst: n0 routes a request to n1 (which holds its prefix) while n0 is idle; by the
+    time n1 refuses, n0's own queue is long, so the next try is the idle n2, not n0."""
+    rng = random.Random(12)
+    c = warm_cluster(3, policy=Policy.COST)
+    chain = hashes_of(c, "n1", rng, n=64)
+    c.run_for(1.0)
+    [first] = c.deliver("n0", RequestArrived(1, tuple(chain), 1100, 0, 1))
+    assert isinstance(first, Forward) and first.peer_id == "n1"
+    c.deliver("n0", LoadChanged(6, 1, 0, 100))  # the rest of the burst queued here meanwhile
+    [second] = c.deliver("n0", ForwardRefused(1, "n1", 0.5))
+    assert isinstance(second, Forward) and second.peer_id == "n2"
+    assert second.route == "fallback"
+    c.deliver("n0", ForwardRefused(1, "n2", 0.5))  # the second peer: the limit is reached
+    assert c.nodes["n0"].metrics()["requests_in_flight"] == 1  # running here now

@@ -19,6 +19,10 @@ the answer continues after a peer died mid-stream — is taken here, once::
     any state ── RequestCancelled ──▶ Abort(peer | local)                          (gone)
 
 Rules:
+* after a refusal or a failure the remaining candidates are ranked again from the node's
+  current view (the shell's ``fresh`` ranking, peers already tried left out): a burst that
+  arrived while this node's queue was empty must not all fall back here once that queue is
+  long — the next try goes to whoever is best *now*;
 * a peer is *tried* when it is sent the request, or when it has no known address (counted
   as ``forwards_unknown_peer``, never suspected: membership does not know it); after
   ``ForwardConfig.max_peer_attempts`` tries the request runs locally;
@@ -88,6 +92,8 @@ class Flight:
     fell_back: bool = False  # a try was refused, failed or unknown
     route: str = "local"
     full_for_s: float | None = None  # this node is full: its queue's wait (None: it has room)
+    tried: set[str] = field(default_factory=set)  # peers already tried (never again)
+    arrived: RequestArrived | None = None  # what the request is (to rank it again)
 
     def label(self, first: str) -> str:
         return "fallback" if self.fell_back else first
@@ -131,7 +137,9 @@ class Lifecycle:
         expected = next(
             (c.expected_cached_tokens for c in candidates if c.is_self), event.local_cached
         )
-        flight = Flight(event.rid, event.hashes, candidates, expected, full_for_s=full_for_s)
+        flight = Flight(
+            event.rid, event.hashes, candidates, expected, full_for_s=full_for_s, arrived=event
+        )
         self._flights[event.rid] = flight
         return [self._next_try(flight)]
 
@@ -146,17 +154,32 @@ class Lifecycle:
     def accepted(self, rid: int) -> None:
         self._flights[rid].stage = Stage.STREAMING
 
-    def refused(self, rid: int) -> list[RequestAction]:
+    def refused(self, rid: int, fresh: list[Candidate] | None = None) -> list[RequestAction]:
+        """The current peer answered busy; ``fresh``: a new ranking to continue from."""
         flight = self._flights[rid]
         flight.fell_back = True
+        self._rerank(flight, fresh)
         return [self._next_try(flight)]
 
-    def failed(self, rid: int, tokens_so_far: int) -> list[RequestAction]:
+    def failed(
+        self, rid: int, tokens_so_far: int, fresh: list[Candidate] | None = None
+    ) -> list[RequestAction]:
         flight = self._flights[rid]
         flight.fell_back = True
         if flight.stage is Stage.STREAMING:  # accepted: continue here, never another peer
             return [self._local(flight, max(tokens_so_far, 0))]
+        self._rerank(flight, fresh)
         return [self._next_try(flight)]
+
+    @staticmethod
+    def _rerank(flight: Flight, fresh: list[Candidate] | None) -> None:
+        if fresh is None:
+            return
+        flight.candidates = [c for c in fresh if c.is_self or c.node_id not in flight.tried]
+        flight.next_index = 0
+        flight.self_expected = next(
+            (c.expected_cached_tokens for c in fresh if c.is_self), flight.self_expected
+        )
 
     def done(self, rid: int, error: str | None) -> Flight:
         flight = self._flights.pop(rid)
@@ -185,6 +208,7 @@ class Lifecycle:
             if cand.is_self or flight.peer_tries >= self._config.max_peer_attempts:
                 break
             flight.peer_tries += 1
+            flight.tried.add(cand.node_id)
             address = self._address_of(cand.node_id)
             if address is None:
                 self.counters.unknown_peer += 1

@@ -67,7 +67,7 @@ from radixmesh.core.events import (
     Tick,
 )
 from radixmesh.core.gossip import Estimate, Gossiper
-from radixmesh.core.lifecycle import Lifecycle
+from radixmesh.core.lifecycle import Lifecycle, Stage
 from radixmesh.core.membership import Membership, MemberState
 from radixmesh.core.messages import Load
 from radixmesh.core.peerview import PeerView
@@ -299,15 +299,22 @@ class NodeCore:
             return []
         self._count("forwards_refused")
         self._gossip.refused_forward(event.peer_id, event.retry_after_s, now)
-        return list(self._lifecycle.refused(event.rid))
+        return list(self._lifecycle.refused(event.rid, self._ranked_again(event.rid, now)))
 
     def _failed(self, event: ForwardFailed, now: float) -> list[Action]:
         if not self._lifecycle.is_current(event.rid, event.peer_id, "failed"):
             return []
         self._count("forwards_failed")
         actions = self._gossip.forward_failed(event.peer_id, now)
-        actions.extend(self._lifecycle.failed(event.rid, event.tokens_so_far))
+        fresh = self._ranked_again(event.rid, now)
+        actions.extend(self._lifecycle.failed(event.rid, event.tokens_so_far, fresh))
         return actions
+
+    def _ranked_again(self, rid: int, now: float) -> list[Candidate] | None:
+        flight = self._lifecycle.get(rid)
+        if flight is None or flight.arrived is None or flight.stage is Stage.STREAMING:
+            return None
+        return self._candidates(flight.arrived, now)
 
     def _done(self, event: RequestDone, _: float) -> list[Action]:
         flight = self._lifecycle.get(event.rid)
