@@ -208,6 +208,24 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class JoinConfig:
+    """How a node joins through seed addresses (core/failure.py): flags, DNS, backoff.
+
+    A seed is an address without a known node id (``--join``, or what ``--join-dns``
+    resolved). While the node knows no alive peer it contacts each seed with exponential
+    backoff, counted in gossip rounds: after the k-th unanswered contact it waits
+    min(2**(k-1), ``seed_backoff_max_rounds``) rounds; once it knows an alive peer, unknown
+    seeds get the fixed ``MembershipConfig.seed_every`` cadence instead."""
+
+    seed_backoff_max_rounds: int = 8  # longest wait between contacts of a silent seed
+    max_seeds: int = 256  # seed addresses kept, at most (DNS answers beyond it are ignored)
+
+    def __post_init__(self) -> None:
+        if self.seed_backoff_max_rounds < 1 or self.max_seeds < 1:
+            raise ValueError("seed_backoff_max_rounds and max_seeds must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
 class NodeConfig:
     node_id: str  # unique name of this node in the mesh
     address: str  # where peers reach this node ("host:port"; opaque to the core)
@@ -220,6 +238,7 @@ class NodeConfig:
     priors: CostPriors = field(default_factory=CostPriors)
     forward: ForwardConfig = field(default_factory=ForwardConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    join: JoinConfig = field(default_factory=JoinConfig)  # seeds: backoff, bound
 
     def __post_init__(self) -> None:
         if not self.node_id or len(self.node_id) > 128:

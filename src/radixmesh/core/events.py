@@ -65,6 +65,25 @@ class RequestServed:
     service_s: float  # prefill + decode + engine overhead, queue wait excluded
 
 
+@dataclass(frozen=True, slots=True)
+class LeaveRequested:
+    """The node is leaving (SIGTERM): from now on it takes no new work — its own client
+    requests go to peers (or are rejected), peers' forwards are refused as busy — and it
+    tells its peers at once (a gossip round advertising push-back for ``grace_s``). The
+    shell lets what is in flight finish within ``grace_s``, then stops."""
+
+    grace_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class SeedsDiscovered:
+    """Addresses (``host:port``) to join through, found after start (a DNS name resolved
+    again). New ones are seeds, contacted at once and then with backoff until they answer;
+    known ones change nothing."""
+
+    addresses: tuple[str, ...]
+
+
 # ----------------------------------------------------- events of one request's lifecycle
 # ``rid`` is the shell's id of a request that entered this node (unique among the requests
 # in flight on this node). Events naming a request or peer the lifecycle is not waiting for
@@ -159,7 +178,16 @@ RequestEvent = (
     | ForwardArrived
 )
 
-Event = Tick | MessageReceived | CacheChanged | LoadChanged | RequestServed | RequestEvent
+Event = (
+    Tick
+    | MessageReceived
+    | CacheChanged
+    | LoadChanged
+    | RequestServed
+    | LeaveRequested
+    | SeedsDiscovered
+    | RequestEvent
+)
 
 # ---------------------------------------------------------------------------------- actions
 

@@ -15,7 +15,10 @@ it, and keeps one :class:`Estimate` per member (its identity and liveness part):
 
 Peers named in others' peer lists join as *hearsay* (incarnation unknown, not routable) until
 they speak or a digest names their incarnation. Seeds are addresses contacted until someone
-answers (then every ``seed_every`` rounds while unknown); dead members are probed every
+answers: while no alive peer is known, each with exponential backoff in rounds (1, 2, 4, ...
+up to ``JoinConfig.seed_backoff_max_rounds``: a seed that is down is not hit every round),
+then every ``seed_every`` rounds while unknown. Seeds come from the config and, later, from
+``SeedsDiscovered`` (DNS): a new address is contacted at once. Dead members are probed every
 ``dead_probe_every`` rounds, so healed partitions and restarts are found again. A peer that
 serves another model (fingerprint) is refused once, with one log line, and forgotten.
 """
@@ -265,7 +268,25 @@ class FailureDetector:
         lonely = self.members.count(MemberState.ALIVE) == 0
         if not lonely and self.heartbeat % self.mcfg.seed_every != 0:
             return []
-        return [a for a in self.members.seeds if lonely or not self.members.address_known(a)]
+        if not lonely:
+            return [a for a in self.members.seeds if not self.members.address_known(a)]
+        due = [a for a in self.members.seeds if self.members.seed_ready(a, self.heartbeat)]
+        self._contacted(due)
+        return due
+
+    def add_seeds(self, addresses: tuple[str, ...]) -> list[str]:
+        """Newly discovered seed addresses (own address and known members' skipped), marked
+        as contacted now: the caller greets them at once. Returns those that are new."""
+        own = self.config.address
+        fresh = tuple(a for a in addresses if a != own)
+        added = self.members.add_seeds(fresh, self.config.join.max_seeds)
+        self._contacted(added)
+        return added
+
+    def _contacted(self, addresses: list[str]) -> None:
+        cap = self.config.join.seed_backoff_max_rounds
+        for address in addresses:
+            self.members.seed_contacted(address, self.heartbeat, cap)
 
 
 def _changed(t: Transition) -> PeerStateChanged:

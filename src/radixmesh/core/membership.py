@@ -17,7 +17,9 @@ Every known peer is a :class:`Member` in one of three states, moved by a transit
 * a newer incarnation of a node id (a restart) resets the member to ALIVE with no state.
 
 Dead members are kept as tombstones and probed now and then, so that healed partitions and
-restarted nodes are found again. Seeds are addresses without an id until someone answers.
+restarted nodes are found again. Seeds are addresses without an id until someone answers;
+each seed carries its backoff (contacts so far, the round it is due again), counted in the
+caller's rounds, so a seed that never answers is not contacted every round forever.
 """
 
 from __future__ import annotations
@@ -88,6 +90,8 @@ class Membership:
         self.self_id = self_id
         self._members: dict[str, Member] = {}
         self.seeds: list[str] = list(dict.fromkeys(seeds))
+        self._seed_tries: dict[str, int] = {}  # seed -> unanswered contacts so far
+        self._seed_due: dict[str, int] = {}  # seed -> first round it may be contacted again
 
     def __contains__(self, node_id: object) -> bool:
         return node_id in self._members
@@ -144,6 +148,30 @@ class Membership:
         """A seed address turned out to belong to a known member."""
         if address in self.seeds:
             self.seeds.remove(address)
+        self._seed_tries.pop(address, None)
+        self._seed_due.pop(address, None)
+
+    def add_seeds(self, addresses: tuple[str, ...], limit: int) -> list[str]:
+        """New seed addresses (not yet seeds nor a member's address), at most ``limit`` seeds
+        in all; returns those added, in order."""
+        added: list[str] = []
+        for address in dict.fromkeys(addresses):
+            if len(self.seeds) >= limit:
+                break
+            if address and address not in self.seeds and not self.address_known(address):
+                self.seeds.append(address)
+                added.append(address)
+        return added
+
+    def seed_ready(self, address: str, round_: int) -> bool:
+        """Whether the seed's backoff lets it be contacted in round ``round_``."""
+        return round_ >= self._seed_due.get(address, round_)
+
+    def seed_contacted(self, address: str, round_: int, max_wait: int) -> None:
+        """One more unanswered contact: the next waits twice as long, at most ``max_wait``."""
+        tries = self._seed_tries.get(address, 0) + 1
+        self._seed_tries[address] = tries
+        self._seed_due[address] = round_ + min(2 ** min(tries - 1, 30), max_wait)
 
     def address_known(self, address: str) -> bool:
         return any(m.address == address for m in self._members.values())

@@ -15,12 +15,27 @@ Theory of operation
       forward accepted/refused/failed ── Forward* ─────▶ next try | continue locally
       request done / client gone      ── RequestDone / RequestCancelled ▶ RTT, view | Abort
       a peer forwards to us           ── ForwardArrived ▶ AcceptForward | RefuseForward
+      SIGTERM                         ── LeaveRequested ▶ no new work, gossip round at once
+      a DNS name resolved again       ── SeedsDiscovered ▶ greet new seed addresses
                                       ◀── Send / Log / PeerStateChanged / request actions
 
 A request's whole life at its entry node (which peer next, when to stop trying peers, route
 labels, continuing locally after a peer died mid-stream) is decided by
 :class:`~radixmesh.core.lifecycle.Lifecycle`; this class adds what the rest of the node
 learns from it (suspect a failed peer, skip a busy one, RTT samples, optimistic view inserts).
+
+Leaving (``LeaveRequested(grace_s)``): the node counts as full for its own client requests
+(the lifecycle then tries the peers further down the ranking and rejects with a retry-after
+when none takes it: the same path as bounded admission), refuses every forward as busy
+(``forwards_refused_leaving``, retry after the rest of the grace), and runs a gossip round at
+once whose load advertises push-back for the whole grace period — at least
+``PushbackConfig.duration_s`` for as long as it is leaving. Why push-back and not a new wire
+field: every peer already honours push-back (it stops routing to the node the moment the
+message arrives, epidemic relays carry it on), so old and new nodes interoperate with the
+wire format unchanged; when the node is gone, the silence timeouts take over (they are
+shorter than any sensible grace, so the node is suspect before the push-back runs out).
+Seeds (``SeedsDiscovered``): new addresses are greeted at once and then retried with the
+failure detector's backoff.
 
 Only the shell owns a clock; ``now`` is seconds on the shell's clock and is never compared
 across nodes (push-back durations and RTT echoes are relative). Randomness comes from the
@@ -56,6 +71,7 @@ from radixmesh.core.events import (
     ForwardArrived,
     ForwardFailed,
     ForwardRefused,
+    LeaveRequested,
     LoadChanged,
     Log,
     MessageReceived,
@@ -64,6 +80,7 @@ from radixmesh.core.events import (
     RequestCancelled,
     RequestDone,
     RequestServed,
+    SeedsDiscovered,
     Tick,
 )
 from radixmesh.core.gossip import Estimate, Gossiper
@@ -124,6 +141,8 @@ _COUNTERS = (
     "forwards_refused_busy",  # peers' forwards we refused: queue at the push-back threshold
     "forwards_refused_slower",  # ... and because we would not beat their local prediction
     "forwards_refused_full",  # ... and because our queue is full (bounded admission)
+    "forwards_refused_leaving",  # ... and because this node is leaving (drain)
+    "seeds_discovered",  # new seed addresses learnt after start (DNS)
     "requests_served",
     "routes",
     "pushback_started",
@@ -164,6 +183,7 @@ class NodeCore:
         self._prior_speed = self._compute.report()
         self._load_cache: Load | None = None  # for peers whose speed is not known yet
         self._pushback_until: float | None = None
+        self._leaving_until: float | None = None  # LeaveRequested: end of the grace period
         self._next_round = now  # the first Tick joins the seeds at once
         self._idle: list[tuple[int, float, str]] = []  # (queue depth, stamp, peer) lazy heap
         self._lifecycle = Lifecycle(
@@ -188,6 +208,8 @@ class NodeCore:
             RequestDone: self._done,
             RequestCancelled: self._cancelled,
             ForwardArrived: self._forward_arrived,
+            LeaveRequested: self._leave,
+            SeedsDiscovered: self._seeds_discovered,
         }
 
     # ------------------------------------------------------------------------- identity
@@ -198,6 +220,11 @@ class NodeCore:
     @property
     def incarnation(self) -> int:
         return self.config.incarnation
+
+    @property
+    def leaving(self) -> bool:
+        """Whether ``LeaveRequested`` arrived: no new work is taken (see the module doc)."""
+        return self._leaving_until is not None
 
     # --------------------------------------------------------------------------- events
     def handle(self, event: Event, now: float) -> list[Action]:
@@ -266,13 +293,39 @@ class NodeCore:
         self._next_round = now  # advertise at once: the shell ticks us immediately
         return [Log("info", f"queue depth {event.queue_depth} > {pb.queue_threshold}: push-back")]
 
+    def _leave(self, event: LeaveRequested, now: float) -> list[Action]:
+        """Stop taking new work and tell every peer now (push-back for the grace period)."""
+        if self._leaving_until is not None:
+            return []
+        self._leaving_until = now + max(event.grace_s, 0.0)
+        self._load_cache = None
+        actions: list[Action] = [Log("info", f"leaving: draining for {event.grace_s:g} s")]
+        actions.extend(self._round(now))  # the push-back goes out in this very round
+        return actions
+
+    def _seeds_discovered(self, event: SeedsDiscovered, now: float) -> list[Action]:
+        """Greet new seed addresses at once (then the failure detector's backoff applies)."""
+        added = self._gossip.failure.add_seeds(event.addresses)
+        if not added:
+            return []
+        self._count("seeds_discovered", len(added))
+        load = self._own_load(now)
+        hello = self._gossip.dissemination.hello
+        actions: list[Action] = [hello(a, now, load, reply=True) for a in added]
+        self._account_out(actions)
+        actions.append(Log("info", f"new seeds: {', '.join(added)}"))
+        return actions
+
     # ---------------------------------------------------------------- request lifecycle
     def _arrived(self, event: RequestArrived, now: float) -> list[Action]:
         full = self._full_for()
         return list(self._lifecycle.start(event, self._candidates(event, now), full))
 
     def _full_for(self) -> float | None:
-        """None if this node has room for one more request; else its queue's expected wait."""
+        """None if this node has room for one more request; else its queue's expected wait
+        (0 while leaving: it has no room for anything new, whatever its queue)."""
+        if self._leaving_until is not None:
+            return 0.0
         adm = self.config.admission
         depth = self._load.queue_depth
         wait = depth * self._compute.report().mean_service_s
@@ -311,9 +364,10 @@ class NodeCore:
         return actions
 
     def _ranked_again(self, rid: int, now: float) -> list[Candidate] | None:
+        """The request ranked from the current view (after a refusal or a failure)."""
         flight = self._lifecycle.get(rid)
         if flight is None or flight.arrived is None or flight.stage is Stage.STREAMING:
-            return None
+            return None  # (accepted: the answer continues here whatever the view says)
         return self._candidates(flight.arrived, now)
 
     def _done(self, event: RequestDone, _: float) -> list[Action]:
@@ -356,6 +410,11 @@ class NodeCore:
         round trip instead of waiting in a queue that many nodes picked at once."""
         pb = self.config.pushback
         depth = self._load.queue_depth
+        if self._leaving_until is not None:
+            self._count("forwards_refused_leaving")
+            cap = self.config.gossip.exchange.max_retry_after_s
+            left = self._leaving_until - now
+            return min(max(left, self.config.admission.min_retry_after_s), cap)
         full = self._full_for()
         if full is not None:
             self._count("forwards_refused_full")
@@ -394,14 +453,24 @@ class NodeCore:
 
     def _own_load(self, now: float) -> Load:
         """This node's load as advertised now (cached while no push-back is running)."""
-        until = self._pushback_until
         busy = round(self._busy.value(now), 2)  # 0.01 steps: the cache survives idle decay
-        if until is not None and until > now:
-            return self._make_load(until - now, busy)
+        pushback = self._pushback_left(now)
+        if pushback is not None:
+            return self._make_load(pushback, busy)
         cached = self._load_cache
         if cached is None or cached.utilization != busy:
             cached = self._load_cache = self._make_load(None, busy)
         return cached
+
+    def _pushback_left(self, now: float) -> float | None:
+        """Seconds peers should back off now (None: not at all): a queue over the threshold,
+        or leaving (the rest of the grace, at least one push-back duration)."""
+        until = self._pushback_until
+        left = until - now if until is not None and until > now else None
+        if self._leaving_until is not None:
+            leave = max(self._leaving_until - now, self.config.pushback.duration_s)
+            left = leave if left is None else max(left, leave)
+        return left
 
     def _make_load(self, pushback: float | None, busy: float) -> Load:
         ev = self._load
@@ -578,6 +647,7 @@ class NodeCore:
         out["summary_blocks"] = float(len(self._summary))
         out["incarnation"] = float(self.incarnation)
         out["queue_depth"] = float(self._load.queue_depth)
+        out["leaving"] = float(self.leaving)
         out.update(self._lifecycle_metrics())
         return out
 
@@ -608,6 +678,7 @@ class NodeCore:
             "blocks": len(self._summary),
             "queue_depth": self._load.queue_depth,
             "pushback_remaining_s": None if until is None else max(0.0, until - now),
+            "leaving": self.leaving,
             "seeds": list(self._members.seeds),
             "peers": [self._peer_state(m.node_id, now) for m in self._members],
         }

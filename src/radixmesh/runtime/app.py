@@ -166,8 +166,9 @@ def _client_routes(app: FastAPI, service: NodeService) -> None:
         return {"object": "list", "data": data}
 
     @app.get("/health")
-    async def health() -> dict[str, object]:
-        return service.health()
+    async def health() -> Response:
+        body = service.health()  # leaving (SIGTERM drain): 503, so readiness probes drop it
+        return JSONResponse(body, status_code=503 if body["status"] == "leaving" else 200)
 
     @app.get("/mesh")
     async def mesh() -> dict[str, object]:

@@ -4,7 +4,8 @@ Every flag has a TOML key of the same name (dashes or underscores), e.g.::
 
     node-id = "a"
     port = 8001
-    peers = ["127.0.0.1:8002", "127.0.0.1:8003"]
+    join = ["127.0.0.1:8002", "127.0.0.1:8003"]   # or: peers = [...] (the old name)
+    join-dns = "radixmesh.internal:8001"
     gossip-interval = 0.1
     net-delay = "2ms"
 
@@ -65,6 +66,18 @@ def parse_optional_fraction(text: str | float | int | None) -> float | None:
     return value
 
 
+def parse_dns_target(text: str) -> tuple[str, int | None]:
+    """``"NAME"`` or ``"NAME:PORT"`` -> (name, port or None)."""
+    name, sep, port = text.strip().rpartition(":")
+    if not sep:
+        name, port = text.strip(), ""
+    if not name or any(c.isspace() for c in name) or (port and not port.isdigit()):
+        raise ValueError(f"join_dns must be NAME or NAME:PORT, got {text!r}")
+    if port and not 0 < int(port) < 65536:
+        raise ValueError(f"join_dns port must be in 1..65535, got {text!r}")
+    return name, int(port) if port else None
+
+
 def parse_peers(text: str | Sequence[str]) -> tuple[str, ...]:
     """``"h:p,h:p"`` or a list of ``"h:p"`` -> tuple of validated ``host:port`` strings."""
     items = text.split(",") if isinstance(text, str) else list(text)
@@ -80,13 +93,25 @@ def parse_peers(text: str | Sequence[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
+ENGINE_KINDS = ("builtin", "vllm", "sglang", "openai")
+
+
+def parse_endpoint_list(value: str | Sequence[str]) -> str:
+    """ZMQ endpoints as ``"a,b"`` or a TOML list -> ``"a,b"``."""
+    items = value.split(",") if isinstance(value, str) else [str(v) for v in value]
+    return ",".join(i.strip() for i in items if i.strip())
+
+
 @dataclass(frozen=True, slots=True)
 class ServeConfig:
     node_id: str = ""  # unique name in the mesh; "" -> "node-<port>"
     host: str = "127.0.0.1"  # interface to bind
     port: int = 8000
-    advertise: str = ""  # host:port peers use to reach us; "" -> host:port
-    peers: tuple[str, ...] = ()  # seed peers, host:port
+    advertise: str = ""  # host:port peers use to reach us; "" -> host:port (not 0.0.0.0)
+    peers: tuple[str, ...] = ()  # --join (alias --peers): seed addresses, host:port
+    join_dns: str = ""  # NAME[:PORT]: its A/AAAA records are seeds (port: ours if omitted)
+    join_dns_interval: float = 30.0  # seconds between resolutions of join_dns
+    drain_grace: float = 30.0  # SIGTERM: seconds to finish in-flight work before exiting
     gossip_interval: float = _GOSSIP.interval_s  # seconds between anti-entropy rounds (Δpoll)
     gossip_mode: str = _GOSSIP.mode.value  # delta | snapshot | epidemic
     gossip_fanout: int = _GOSSIP.fanout  # epidemic mode: peers per round
@@ -95,6 +120,12 @@ class ServeConfig:
     preset: str = "tiny"  # built-in engine preset (ignored when model is set)
     model: str = ""  # local Hugging Face model directory; "" -> preset
     cache_tokens: int = 65_536  # KV cache budget in tokens
+    engine: str = "builtin"  # builtin | vllm | sglang | openai (external engines over HTTP)
+    engine_url: str = ""  # external engine's base URL, e.g. http://127.0.0.1:8000
+    kv_events: str = ""  # external engine's KV-event endpoint(s), as in its config, comma list
+    kv_replay: str = ""  # its replay endpoint (one: rank i uses port + i)
+    tokenizer: str = ""  # external engine: the model directory whose tokenizer it loads
+    engine_block_size: int = 0  # external engine's KV block size; 0 -> from its events
     device: str = "cpu"
     threads: int = 0  # torch intra-op threads; 0 -> torch's default
     seed: int = 0  # weights of presets, and this node's routing randomness
@@ -121,7 +152,8 @@ class ServeConfig:
             raise ValueError("port must be in 1..65535")
         GossipMode.parse(self.gossip_mode)
         Policy.parse(self.policy)
-        positive = ("gossip_interval", "forward_timeout", "connect_timeout", "max_queue_wait")
+        positive = ("gossip_interval", "forward_timeout", "connect_timeout", "max_queue_wait",
+                    "join_dns_interval")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
@@ -135,12 +167,41 @@ class ServeConfig:
             raise ValueError("net_loss and net_duplicate must be in [0, 1]")
         if self.debug_engine_delay < 0:
             raise ValueError("debug_engine_delay must be >= 0")
+        self._check_engine()
         if self.cluster_key.strip() and len(self.cluster_key.strip().encode()) < 16:
             raise ValueError("cluster_key must be at least 16 bytes")
         if self.threads < 0 or self.incarnation < 0 or self.max_body_bytes < 1024:
             raise ValueError("threads/incarnation must be >= 0, max_body_bytes >= 1024")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError("log_level must be debug, info, warning or error")
+        self._check_join()
+
+    def _check_join(self) -> None:
+        if self.drain_grace < 0:
+            raise ValueError("drain_grace must be >= 0")
+        if self.join_dns:
+            parse_dns_target(self.join_dns)
+        if self.advertise:
+            if "," in self.advertise or len(parse_peers(self.advertise)) != 1:
+                raise ValueError(f"advertise must be one host:port, got {self.advertise!r}")
+        elif self.host in ("0.0.0.0", "", "::"):
+            raise ValueError(
+                f"--host {self.host or repr('')} listens on every interface, so peers cannot be "
+                "told which address reaches this node: pass --advertise HOST:PORT (the "
+                "address other machines use for it)"
+            )
+
+    def _check_engine(self) -> None:
+        if self.engine not in ENGINE_KINDS:
+            raise ValueError(f"engine must be one of {', '.join(ENGINE_KINDS)}")
+        if self.engine != "builtin" and not self.engine_url:
+            raise ValueError(f"--engine {self.engine} needs --engine-url")
+        if self.engine == "openai" and self.kv_events:
+            raise ValueError("--engine openai has no KV events (use vllm or sglang)")
+        if self.kv_replay and not self.kv_events:
+            raise ValueError("--kv-replay needs --kv-events")
+        if self.engine_block_size < 0:
+            raise ValueError("engine_block_size must be >= 0 (0: from the events)")
 
     # ------------------------------------------------------------------------- derived
     @property
@@ -149,10 +210,15 @@ class ServeConfig:
 
     @property
     def address(self) -> str:
-        if self.advertise:
-            return self.advertise
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host
-        return f"{host}:{self.port}"
+        return self.advertise or f"{self.host}:{self.port}"
+
+    @property
+    def join_dns_target(self) -> tuple[str, int] | None:
+        """(name, port) of ``join_dns`` (the port defaults to this node's), or None."""
+        if not self.join_dns:
+            return None
+        name, port = parse_dns_target(self.join_dns)
+        return name, port or self.port
 
     def gossip_config(self) -> GossipConfig:
         overrides: dict[str, object] = {
@@ -209,6 +275,8 @@ _CONVERT: dict[str, Any] = {
     "forward_timeout": parse_duration,
     "connect_timeout": parse_duration,
     "max_queue_wait": parse_duration,
+    "join_dns_interval": parse_duration,
+    "drain_grace": parse_duration,
     "net_delay": parse_duration,
     "net_jitter": parse_duration,
     "net_loss": parse_fraction,
@@ -216,7 +284,9 @@ _CONVERT: dict[str, Any] = {
     "debug_engine_delay": parse_duration,
     "load_bound": parse_optional_fraction,
 }
+_CONVERT["kv_events"] = _CONVERT["kv_replay"] = parse_endpoint_list
 _FIELDS = {f.name: f for f in fields(ServeConfig)}
+_ALIASES = {"join": "peers"}  # documented name -> field (the flag and the TOML key)
 
 
 def _convert(key: str, value: object) -> object:
@@ -238,8 +308,11 @@ def config_from_mapping(
     changes: dict[str, Any] = {}
     for raw_key, value in values.items():
         key = raw_key.replace("-", "_")
+        key = _ALIASES.get(key, key)
         if key not in _FIELDS or key == "config":
             raise ValueError(f"unknown configuration key {raw_key!r}")
+        if key in changes:
+            raise ValueError(f"{raw_key!r}: set twice (join and peers are one setting)")
         changes[key] = _convert(key, value)
     return replace(base or ServeConfig(), **changes)
 
@@ -260,14 +333,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser, skip: Sequence[str] = (
     for name in _FIELDS:
         if name in skip:
             continue
-        flag = "--" + name.replace("_", "-")
+        flags = ["--" + name.replace("_", "-")]
+        flags[:0] = ["--" + a for a, field_name in _ALIASES.items() if field_name == name]
         default = getattr(ServeConfig(), name)
         shown = ",".join(default) if isinstance(default, tuple) else default
         group.add_argument(
-            flag,
+            *flags,
             dest=name,
             default=argparse.SUPPRESS,
-            metavar=name.upper(),
+            metavar="HOST:PORT,..." if name == "peers" else name.upper(),
             help=f"{helps.get(name, '')} (default: {shown!r})",
         )
 
@@ -277,15 +351,29 @@ def _help_texts() -> dict[str, str]:
         "node_id": "unique node name",
         "host": "interface to bind",
         "port": "TCP port (client API and peer endpoints)",
-        "advertise": "host:port peers use to reach this node",
-        "peers": "seed peers host:port,host:port",
+        "advertise": "host:port peers use to reach this node (required with --host 0.0.0.0)",
+        "peers": "join the mesh through these seed addresses host:port,host:port (--peers is "
+        "the old name); a seed that is down is retried with backoff",
+        "join_dns": "join through the A/AAAA records of NAME[:PORT] (port: this node's), "
+        "resolved at start and every --join-dns-interval",
+        "join_dns_interval": "seconds between resolutions of --join-dns, e.g. 30s",
+        "drain_grace": "SIGTERM: stop taking work, finish what is in flight within this long, "
+        "then exit 0 (what still runs is cancelled)",
         "gossip_interval": "gossip period, e.g. 0.5 or 100ms",
         "gossip_mode": "delta | snapshot | epidemic",
         "gossip_fanout": "epidemic mode: peers per round",
         "policy": "routing policy: cost | paper | none | random | round_robin | least_loaded",
         "load_bound": "cost policy: no forwards to peers busier than (1+x) x the mean; 'off'",
         "preset": "built-in model preset (tiny | qwen2.5-0.5b)",
-        "model": "local Hugging Face model directory (overrides --preset)",
+        "model": "local Hugging Face model directory (overrides --preset); with an external "
+        "--engine: the model name the engine serves (default: asked from its /v1/models)",
+        "engine": "builtin (this process) | vllm | sglang | openai (an engine at --engine-url)",
+        "engine_url": "external engine's base URL, e.g. http://127.0.0.1:8000",
+        "kv_events": "external engine's KV-event publisher endpoint(s), exactly as in its "
+        "--kv-events-config (tcp://*:5557: we connect to the engine's host), comma list",
+        "kv_replay": "external engine's replay endpoint, e.g. tcp://*:5558",
+        "tokenizer": "directory with the external engine's tokenizer.json (the same files)",
+        "engine_block_size": "external engine's KV block size (0 = take it from its events)",
         "cache_tokens": "KV cache budget in tokens",
         "device": "torch device (cpu, cuda)",
         "threads": "torch threads (0 = default)",

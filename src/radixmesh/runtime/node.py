@@ -25,6 +25,13 @@ carrying out of every request action and the peer side of forwards — kept toge
 every core event the runtime produces can be found in one place.
 
 Hop limit 1: the receiver of ``/peer/forward`` always executes; it never routes.
+
+Leaving (``leave``, on SIGTERM): ``LeaveRequested`` makes the core refuse new work and gossip
+push-back at once; this shell then waits until nothing runs (client requests, work for
+peers, engine calls, and whatever the caller counts, e.g. uvicorn's open requests) or the
+grace has passed, aborts what is left and counts it. Joining by DNS: a task resolves
+``--join-dns`` (``getaddrinfo`` on a thread) at start and every ``--join-dns-interval`` and
+hands the addresses to the core as ``SeedsDiscovered``.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import contextlib
 import itertools
 import logging
 import random
+import socket
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -51,6 +59,7 @@ from radixmesh.core.events import (
     ForwardArrived,
     ForwardFailed,
     ForwardRefused,
+    LeaveRequested,
     LoadChanged,
     Log,
     MessageReceived,
@@ -62,6 +71,7 @@ from radixmesh.core.events import (
     RequestCancelled,
     RequestDone,
     RequestServed,
+    SeedsDiscovered,
     Send,
     Tick,
 )
@@ -114,6 +124,7 @@ class Overloaded(Exception):
 MAX_TIMER_SLEEP_S = 1.0  # the timer re-reads next_deadline() at least this often
 STOP_WAIT_S = 2.0  # stop(): how long to wait for the timer task to finish
 MIN_TICK_GAP_S = 0.001  # if a Tick leaves the deadline in the past, wait this long
+DRAIN_POLL_S = 0.05  # leave(): how often to look whether the in-flight work is done
 
 
 # ------------------------------------------------------------------------------ the service
@@ -159,6 +170,13 @@ class NodeService:
         self.pending = 0  # submitted to the engine, not finished (event-loop view)
         self._rids = itertools.count(1)  # the core's ids of client requests
         self._running: dict[int, Execution] = {}  # client requests, for the core's Abort
+        self._peer_work: set[LocalExecution] = set()  # requests executed for peers
+        self.drain_cancelled = 0  # leave(): requests still running at the deadline
+        self.dns_resolutions = 0  # --join-dns: answers received / failed look-ups
+        self.dns_failures = 0
+        # started and stopped with the node, shown in /mesh and /metrics (the KV-event
+        # subscriber of an external engine): start(), stop(), name, mesh_state(), metrics()
+        self.attachments: list[Any] = []
 
     # ------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -166,6 +184,60 @@ class NodeService:
         self.push_cache_and_load()
         self.dispatch(Tick())
         self._timer = asyncio.create_task(self._timer_loop(), name="radixmesh-timer")
+        target = self.config.join_dns_target
+        if target is not None:
+            self._spawn(self._join_dns_loop(*target))
+        for attached in self.attachments:
+            await attached.start()
+
+    # ------------------------------------------------------------------- leave and join
+    async def leave(self, grace_s: float | None = None,
+                    busy: Callable[[], int] = lambda: 0) -> int:
+        """Stop taking work, tell the peers, finish what runs within ``grace_s`` (default
+        ``--drain-grace``); ``busy``: the caller's own count of open requests. Returns how
+        many requests were still running at the deadline (aborted)."""
+        grace = self.config.drain_grace if grace_s is None else grace_s
+        deadline = self.clock() + grace
+        before = set(self._tasks)
+        self.dispatch(LeaveRequested(grace))
+        announced = self._tasks - before  # the gossip round that advertises the push-back
+        log.warning("leaving: draining %d requests for up to %.1f s", self._work(), grace)
+        while self.clock() < deadline and (self._work() or busy()):
+            await asyncio.sleep(DRAIN_POLL_S)
+        if announced:
+            await asyncio.wait(announced, timeout=self.config.connect_timeout + 1.0)
+        left: list[Execution] = [*self._running.values(), *self._peer_work]
+        for ex in left:
+            ex.abort()
+        self.drain_cancelled += len(left)
+        log.warning("drained: %d requests cancelled at the deadline", len(left))
+        return len(left)
+
+    def _work(self) -> int:
+        """Requests in flight here (a lower bound: engine calls not yet tracked count too)."""
+        return max(len(self._running) + len(self._peer_work), self.pending)
+
+    async def _join_dns_loop(self, name: str, port: int) -> None:
+        while True:
+            await self.resolve_join_dns(name, port)
+            await asyncio.sleep(self.config.join_dns_interval)
+
+    async def resolve_join_dns(self, name: str, port: int) -> tuple[str, ...]:
+        """Resolve ``name`` (A and AAAA, on a thread: the loop never blocks) and hand the
+        addresses other than our own to the core as seeds. A failure is counted and logged."""
+        try:
+            infos = await asyncio.to_thread(socket.getaddrinfo, name, port, 0,
+                                            socket.SOCK_STREAM)
+        except OSError as exc:  # socket.gaierror included
+            self.dns_failures += 1
+            log.warning("--join-dns %s: %s", name, exc)
+            return ()
+        self.dns_resolutions += 1
+        own = {self.address, f"{self.config.host}:{self.config.port}"}
+        found = [addr for addr in socket_addresses(infos) if addr not in own]
+        if found:
+            self.dispatch(SeedsDiscovered(tuple(found)))
+        return tuple(found)
 
     async def stop(self) -> None:
         if self._timer is not None:
@@ -174,6 +246,8 @@ class NodeService:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        for attached in self.attachments:
+            await attached.stop()
         await self.peers.aclose()
         await self.engine.aclose()
 
@@ -435,10 +509,12 @@ class NodeService:
                                   req.stop_token_ids)
         ctx = RequestContext(None, req.prompt, (), sampling, req.stream)
         ex = LocalExecution(self, ctx, "local", cached)
+        self._peer_work.add(ex)
         try:
             async for frame in _replies(ex, req.heartbeat_s, t0):
                 yield frame
         finally:
+            self._peer_work.discard(ex)
             ex.abort()  # no-op once finished; frees the engine if the sender went away
 
     # ------------------------------------------------------------------------- views
@@ -448,7 +524,7 @@ class NodeService:
     def health(self) -> dict[str, object]:
         states = self.peer_states()
         return {
-            "status": "ok",
+            "status": "leaving" if self.core.leaving else "ok",
             "node_id": self.node_id,
             "address": self.address,
             "incarnation": self.incarnation,
@@ -469,6 +545,11 @@ class NodeService:
             "net_loss": self.netem.config.loss,
             "queue_depth": self.queue_depth,
         }
+        describe = getattr(self.engine, "describe", None)
+        if callable(describe):
+            state["engine"] = describe()
+        for attached in self.attachments:
+            state[attached.name] = attached.mesh_state()
         return state
 
     def prometheus(self) -> str:
@@ -483,9 +564,14 @@ class NodeService:
             "netem_dropped_partition": float(self.netem.dropped_partition),
             "netem_duplicated": float(self.netem.duplicated),
             "api_key_rejected": float(self.api_key.rejected),
+            "drain_cancelled": float(self.drain_cancelled),
+            "join_dns_resolutions": float(self.dns_resolutions),
+            "join_dns_failures": float(self.dns_failures),
             **self.auth.metrics(),
             "incarnation": float(self.incarnation),
         }
+        for attached in self.attachments:
+            gauges.update(attached.metrics())
         core = {k: float(v) for k, v in self.core.metrics().items()}
         return prom.render(self.metrics, gauges, core, self.peer_states(), self.node_id)
 
@@ -538,6 +624,15 @@ def _frames(items: list[tuple[str, Any]], t0: float) -> list[bytes]:
     if toks:
         frames.append(encode_reply(ForwardTokens(tuple(toks))))
     return frames
+
+
+def socket_addresses(infos: Sequence[tuple[Any, ...]]) -> list[str]:
+    """``host:port`` peer addresses (``[v6]:port``) from ``getaddrinfo`` answers, deduplicated."""
+    out: dict[str, None] = {}
+    for family, *_, sockaddr in infos:
+        host, port = sockaddr[0], sockaddr[1]
+        out[f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"] = None
+    return list(out)
 
 
 def peer_states_of(mesh: dict[str, object]) -> dict[str, str]:

@@ -3,19 +3,35 @@
 With no engine flags the node runs the built-in ``tiny`` preset, so
 ``radixmesh serve --port 8001`` just works. ``--config node.toml`` takes the same keys as the
 flags; flags win.
+
+SIGTERM drains: uvicorn handles SIGTERM itself (it stops listening at once and cancels what
+runs after ``timeout_graceful_shutdown``), so :class:`DrainingServer` takes the first SIGTERM
+over: the node leaves (``NodeService.leave``: no new work, peers told at once through gossip,
+``/health`` answers 503 "leaving") while the socket stays open — requests still arriving are
+sent to peers — and only once nothing runs, or ``--drain-grace`` has passed, is uvicorn told
+to exit; the process then exits 0. A second SIGTERM, or SIGINT, exits at once as before.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import logging
+import signal
+import socket
 import sys
 import time
+import urllib.request
+from types import FrameType
+from typing import Any
 
 from radixmesh.runtime.config import ServeConfig, add_serve_arguments, config_from_args
 
 log = logging.getLogger("radixmesh.serve")
 SWITCH_INTERVAL_S = 0.0005
+MODEL_PROBE_TIMEOUT_S = 5.0  # external engine: GET /v1/models at start
+DEFAULT_MAX_CONTEXT = 32_768  # external engine that does not say its max_model_len
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,6 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_service(config: ServeConfig):  # type: ignore[no-untyped-def]
     """Engine + NodeService for ``config`` (slow: builds or loads the model)."""
+    if config.engine != "builtin":
+        return build_external_service(config)
     from radixmesh.engine.factory import build_engine
     from radixmesh.runtime.node import NodeService
 
@@ -39,6 +57,86 @@ def build_service(config: ServeConfig):  # type: ignore[no-untyped-def]
     from radixmesh.runtime.debug import DelayedEngine
 
     return NodeService(config, DelayedEngine(engine, config.debug_engine_delay))
+
+
+def build_external_service(config: ServeConfig, tokenizer: Any = None) -> Any:
+    """NodeService in front of an external engine (``--engine vllm|sglang|openai``): an
+    HttpEngine, and for vllm / sglang with ``--kv-events`` the subscriber that keeps its index
+    exact, started and stopped with the service. ``tokenizer`` overrides ``--tokenizer``."""
+    from radixmesh.engine.http_engine import HttpEngine
+    from radixmesh.engine.tokenizers import HFTokenizer
+    from radixmesh.runtime.kv_subscriber import KvSubscriber, plan_endpoints
+    from radixmesh.runtime.node import NodeService
+
+    if tokenizer is None:
+        if not config.tokenizer:
+            raise ValueError(f"--engine {config.engine} needs --tokenizer DIR: the engine's own "
+                             "tokenizer files (radixmesh sends token ids)")
+        tokenizer = HFTokenizer(config.tokenizer)
+    name, max_context = _engine_model(config)
+    engine = HttpEngine(config.engine, config.engine_url, tokenizer, model_name=name,
+                        cache_tokens=config.cache_tokens, max_context=max_context,
+                        engine_block_size=config.engine_block_size or None)
+    service = NodeService(config, engine)
+    if config.kv_events:
+        pubs, replays = plan_endpoints(config.kv_events, config.kv_replay, config.engine_url)
+        service.attachments.append(KvSubscriber(engine.index, pubs, replays,
+                                                on_change=service.push_cache_and_load))
+    else:
+        log.warning("no --kv-events: the cache view of %s is approximate (what this node "
+                    "sent, LRU)", config.engine_url)
+    return service
+
+
+def _engine_model(config: ServeConfig) -> tuple[str, int]:
+    """(served model name, context length): ``--model`` (the context length then defaults),
+    else the engine's ``/v1/models``."""
+    if config.model:
+        return config.model, DEFAULT_MAX_CONTEXT
+    url = config.engine_url.rstrip("/") + "/v1/models"
+    try:
+        with urllib.request.urlopen(url, timeout=MODEL_PROBE_TIMEOUT_S) as resp:
+            card = json.load(resp)["data"][0]
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise ValueError(f"cannot ask {url} for the model name ({exc}); pass --model") from exc
+    length = card.get("max_model_len")
+    return str(card["id"]), length if isinstance(length, int) else DEFAULT_MAX_CONTEXT
+
+
+def _draining_server_class() -> type[Any]:
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server, except that the first SIGTERM drains the node before it exits."""
+
+        def __init__(self, config: uvicorn.Config, service: Any) -> None:
+            super().__init__(config)
+            self.service = service
+            self._loop: asyncio.AbstractEventLoop | None = None
+            self._draining = False
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            self._loop = asyncio.get_running_loop()
+            await super().startup(sockets)
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            if sig != signal.SIGTERM or self._draining or self.should_exit or self._loop is None:
+                super().handle_exit(sig, frame)
+                return
+            self._draining = True  # not re-raised at exit: a drained node exits 0
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+        async def _drain(self) -> None:
+            t0 = time.perf_counter()
+            try:
+                await self.service.leave(busy=lambda: len(self.server_state.tasks))
+            except Exception:  # a bug: exit anyway, the grace is the operator's limit
+                log.exception("drain failed")
+            finally:
+                log.warning("drained in %.2f s; exiting", time.perf_counter() - t0)
+                self.should_exit = True
+
+    return DrainingServer
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"radixmesh serve: cannot build the engine: {exc}", file=sys.stderr)
         return 2
     log.info("engine %s built in %.2fs", service.engine.model_name, time.perf_counter() - t0)
-    server = uvicorn.Server(uvicorn.Config(
+    server = _draining_server_class()(uvicorn.Config(
         create_app(service),
         host=config.host,
         port=config.port,
@@ -75,6 +173,6 @@ def run(args: argparse.Namespace) -> int:
         access_log=False,
         timeout_graceful_shutdown=3,
         lifespan="on",
-    ))
+    ), service)
     server.run()
     return 0 if server.started else 1

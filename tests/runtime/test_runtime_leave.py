@@ -1,0 +1,191 @@
+"""Leaving and joining on real processes (127.0.0.1): SIGTERM drains a node while the mesh keeps
+answering, and a node joins through a DNS name ("localhost", no test resolver needed)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from radixmesh.runtime.cluster import LocalCluster
+from radixmesh.runtime.config import (
+    ServeConfig,
+    add_serve_arguments,
+    config_from_args,
+    config_from_mapping,
+)
+from radixmesh.runtime.node import socket_addresses
+
+HOP = {"x-radixmesh-hop": "1"}  # execute on the receiving node, never forward
+GRACE_S = 12.0  # n1's --drain-grace: its in-flight request needs ~2 s of it
+OPTIONS = {"gossip_interval": 0.1, "suspect_timeout": 0.5, "dead_timeout": 3.0,
+           "forward_timeout": 2.0, "policy": "cost"}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    per_node = {1: {"debug_engine_delay": 1.5, "drain_grace": GRACE_S}}  # n1: slow, leaves
+    with LocalCluster(3, OPTIONS, per_node=per_node, ready_timeout=60,
+                      log_dir=tmp_path_factory.mktemp("leave-logs")) as c:
+        yield c
+
+
+def complete(url: str, prompt: str, headers: dict[str, str] | None = None) -> httpx.Response:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    return httpx.post(url + "/v1/completions", json=body, headers=headers or {}, timeout=30)
+
+
+def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def alive_ids(c: LocalCluster, node: int) -> set[str]:
+    return {p["node_id"] for p in c.mesh(node)["peers"] if p["state"] == "alive"}
+
+
+class Load:
+    """A client sending requests to n0 and n2 (never n1) one after another, until stopped."""
+
+    def __init__(self, c: LocalCluster) -> None:
+        self.urls = [c.url(0), c.url(2)]
+        self.codes: list[int] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Load:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+    def _run(self) -> None:
+        i = 0
+        while not self._stop.is_set() and i < 500:  # bounded
+            try:
+                resp = complete(self.urls[i % 2], f"Question {i}: what is the answer? " * 8)
+                self.codes.append(resp.status_code)
+            except httpx.HTTPError as exc:
+                self.errors.append(f"{type(exc).__name__}: {exc}")
+            i += 1
+
+
+# ------------------------------------------------------------------------- flags (fast)
+def _args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config")
+    add_serve_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_join_is_the_name_and_peers_the_alias(tmp_path: Any) -> None:
+    seeds = ("10.0.0.1:8001", "10.0.0.2:8001")
+    assert config_from_args(_args(["--join", ",".join(seeds)])).peers == seeds
+    assert config_from_args(_args(["--peers", ",".join(seeds)])).peers == seeds
+    toml = tmp_path / "node.toml"
+    toml.write_text('join = ["10.0.0.1:8001", "10.0.0.2:8001"]\n')
+    assert config_from_args(_args(["--config", str(toml)])).peers == seeds
+    with pytest.raises(ValueError, match="set twice"):
+        config_from_mapping({"join": ["a:1"], "peers": ["b:1"]})
+    with pytest.raises(ValueError):
+        config_from_mapping({"join": "no-port"})
+
+
+def test_join_dns_drain_and_advertise_flags() -> None:
+    cfg = config_from_args(_args(["--join-dns", "mesh.internal", "--port", "8005",
+                                  "--join-dns-interval", "10s", "--drain-grace", "5s"]))
+    assert cfg.join_dns_target == ("mesh.internal", 8005)  # our port when none is given
+    assert (cfg.join_dns_interval, cfg.drain_grace) == (10.0, 5.0)
+    assert ServeConfig(join_dns="mesh.internal:9000").join_dns_target == ("mesh.internal", 9000)
+    assert ServeConfig().drain_grace == 30.0 and ServeConfig().join_dns_interval == 30.0
+    for bad in ("mesh:port", "mesh:0", "two words", ":80"):
+        with pytest.raises(ValueError):
+            ServeConfig(join_dns=bad)
+    with pytest.raises(ValueError, match="--advertise"):
+        ServeConfig(host="0.0.0.0")
+    cfg = ServeConfig(host="0.0.0.0", port=8001, advertise="10.1.2.3:8001")
+    assert cfg.address == "10.1.2.3:8001"
+    assert ServeConfig(host="127.0.0.2", port=8001).address == "127.0.0.2:8001"
+    for bad in ("10.1.2.3", "a:1,b:2"):
+        with pytest.raises(ValueError):
+            ServeConfig(advertise=bad)
+
+
+def test_socket_addresses_from_getaddrinfo_answers() -> None:
+    v4 = (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("10.0.0.1", 8001))
+    v6 = (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("fd00::1", 8001, 0, 0))
+    assert socket_addresses([v4, v6, v4]) == ["10.0.0.1:8001", "[fd00::1]:8001"]
+    found = socket_addresses(socket.getaddrinfo("localhost", 8001, 0, socket.SOCK_STREAM))
+    assert "127.0.0.1:8001" in found
+
+
+# ------------------------------------------------------------------ real processes (slow)
+@pytest.mark.slow
+def test_a_node_joins_through_a_dns_name(cluster: LocalCluster, tmp_path: Any) -> None:
+    options = {**OPTIONS, "join_dns": f"localhost:{cluster.nodes[0].port}",
+               "join_dns_interval": 1.0}
+    with LocalCluster(1, options, node_ids=["dns"], ready_timeout=60, log_dir=tmp_path) as d:
+        wait_for(lambda: alive_ids(d, 0) >= {"n0", "n1", "n2"}, 20, "dns to see n0, n1, n2")
+        wait_for(lambda: "dns" in alive_ids(cluster, 2), 10, "n2 to learn of dns")
+        metrics = d.get(0, "/metrics").text
+        assert "join_dns_resolutions" in metrics
+        d.kill(0, signal.SIGTERM)  # nothing in flight: a drain that ends at once, exit 0
+        proc = d.nodes[0].process
+        assert proc is not None and proc.wait(15) == 0
+
+
+@pytest.mark.slow
+def test_sigterm_drains_in_flight_work_while_the_mesh_keeps_answering(
+    cluster: LocalCluster,
+) -> None:
+    result: dict[str, httpx.Response] = {}
+    slow = threading.Thread(target=lambda: result.update(r=complete(
+        cluster.url(1), "A long question for the leaving node. " * 20, HOP)))
+    with Load(cluster) as load:
+        wait_for(lambda: len(load.codes) >= 3, 30, "the client load to run")
+        slow.start()
+        wait_for(lambda: cluster.get(1, "/health").json()["queue_depth"] >= 1, 10,
+                 "n1 to be serving the request")
+        t0 = time.monotonic()
+        cluster.kill(1, signal.SIGTERM)
+        health = wait_for(lambda: _leaving(cluster), 5, "n1 to report leaving")
+        assert health.status_code == 503
+        for peer in (0, 2):  # told by gossip, at once: pushed back for about the grace
+            wait_for(lambda p=peer: (_pushback(cluster, p) or 0) > GRACE_S / 2, 3,
+                     f"n{peer} to see n1's push-back")
+        during = complete(cluster.url(1), "A new request while n1 drains. " * 8)
+        assert during.status_code == 200 and during.headers["x-radixmesh-served-by"] != "n1"
+        slow.join(GRACE_S)
+        proc = cluster.nodes[1].process
+        assert proc is not None and proc.wait(GRACE_S + 5) == 0
+        assert time.monotonic() - t0 < GRACE_S + 3  # exited within the grace (+ shutdown)
+        before = len(load.codes)
+        wait_for(lambda: len(load.codes) >= before + 3, 30, "requests after n1 left")
+    assert result["r"].status_code == 200, result["r"].text
+    assert result["r"].headers["x-radixmesh-served-by"] == "n1"  # finished where it ran
+    assert load.errors == [] and set(load.codes) == {200}, (load.errors, load.codes)
+
+
+def _leaving(c: LocalCluster) -> httpx.Response | None:
+    resp = c.get(1, "/health")
+    return resp if resp.json()["status"] == "leaving" else None
+
+
+def _pushback(c: LocalCluster, node: int) -> float | None:
+    entry = c.peer_entry(node, 1)
+    return None if entry is None else entry["pushback_remaining_s"]
