@@ -53,8 +53,6 @@ from random import Random  # the type only: instances are passed in, never the g
 
 from radixmesh.core.estimators import SpeedReport
 
-MAX_PEER_ATTEMPTS = 2  # peers a shell tries (refused or failed) before executing locally
-
 
 class Policy(StrEnum):
     NONE = "none"
@@ -138,7 +136,7 @@ class Candidate:
     predicted_latency_s: float
     # cost policy, peers only: the queue wait + service the peer must beat for the forward to
     # pay (our local prediction minus the forward's RTT). Sent with the forward; the peer,
-    # which knows its queue and cache exactly, refuses it if it cannot (NodeCore.admits_forward).
+    # which knows its queue and cache exactly, refuses it if it cannot (``RefuseForward``).
     beat_s: float | None = None
 
 
