@@ -1,0 +1,225 @@
+"""HttpEngine against the fake vLLM / SGLang engine on 127.0.0.1: token streaming, concurrent
+requests, cancellation closing the stream, cached tokens, and the exact index rebuilt from the
+fake's real KV events equal to the fake's own cache."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+
+from radixmesh.core.blocks import block_hashes
+from radixmesh.engine.base import GenerateRequest, SamplingParams
+from radixmesh.engine.http_engine import EngineUnavailable, HttpEngine
+from radixmesh.engine.tokenizers import ByteTokenizer
+from radixmesh.runtime.kv_subscriber import KvSubscriber, plan_endpoints
+from radixmesh.testing.fake_engine import FakeEngine, next_token, running
+
+LIMIT_S = 10.0
+
+
+async def until(check: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + LIMIT_S
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def expected_tokens(prompt: list[int], n: int) -> list[int]:
+    seq, out = list(prompt), []
+    for _ in range(n):
+        tok = next_token([*seq[-4:]])
+        seq.append(tok)
+        out.append(tok)
+    return out
+
+
+def request(prompt: list[int], max_tokens: int = 8, rid: str = "r") -> GenerateRequest:
+    return GenerateRequest(rid, tuple(prompt), SamplingParams(max_tokens=max_tokens))
+
+
+def prompt_of(text: str) -> list[int]:
+    return list(text.encode())
+
+
+def http_engine(fake: FakeEngine, kind: str = "vllm") -> HttpEngine:
+    return HttpEngine(kind, fake.url, ByteTokenizer(), model_name=fake.model, block_size=16,
+                      cache_tokens=fake.cache_tokens)
+
+
+@contextlib.asynccontextmanager
+async def subscribed(fake: FakeEngine, engine: HttpEngine) -> AsyncIterator[KvSubscriber]:
+    pubs, replays = plan_endpoints(fake.kv_endpoint, fake.replay_endpoint, fake.url)
+    sub = KvSubscriber(engine.index, pubs, replays, replay_timeout_s=1.0)
+    await sub.start()
+    try:
+        # the slow joiner: publish harmless batches until one arrives, then we are subscribed
+        deadline = time.monotonic() + LIMIT_S
+        while sub.counts["messages"] == 0:
+            assert time.monotonic() < deadline, "the subscriber never received a batch"
+            fake.clear_all()
+            await asyncio.sleep(0.02)
+        yield sub
+    finally:
+        await sub.stop()
+
+
+def truth(fake: FakeEngine, seed: int) -> frozenset[int]:
+    return frozenset(block_hashes(p, 16, seed)[-1] for p in fake.block_prefixes())
+
+
+async def settled(fake: FakeEngine, sub: KvSubscriber) -> None:
+    await until(lambda: sub.publishers[0].tracker.next_seq == fake.seq, "all batches applied")
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang", "openai"])
+def test_tokens_stream_back_through_on_token(kind: str) -> None:
+    async def scenario() -> None:
+        async with running() as fake:
+            engine = http_engine(fake, kind)
+            prompt = prompt_of("The following are multiple choice questions")
+            seen: list[int] = []
+            result = await engine.generate(request(prompt, 12), seen.append)
+            await engine.aclose()
+            assert seen == result.output_ids == expected_tokens(prompt, 12)
+            assert result.finish_reason == "length"
+            assert result.prompt_tokens == len(prompt)
+            assert engine.running == engine.waiting == 0
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_cached_tokens_come_from_the_engine(kind: str) -> None:
+    async def scenario() -> None:
+        async with running() as fake:
+            engine = http_engine(fake, kind)
+            prompt = prompt_of("a shared prefix of some length, " * 4)
+            first = await engine.generate(request(prompt))
+            second = await engine.generate(request(prompt))
+            await engine.aclose()
+            assert first.cached_tokens == 0
+            assert second.cached_tokens == len(prompt) - 1  # the fake's lease: all but one
+
+    asyncio.run(scenario())
+
+
+def test_two_requests_are_in_flight_at_once() -> None:
+    async def scenario() -> None:
+        async with running() as fake:
+            fake.barrier = 2  # the fake holds generation until two requests are running
+            engine = http_engine(fake)
+            in_flight: list[int] = []
+
+            def note(_: int) -> None:
+                in_flight.append(engine.running + engine.waiting)
+
+            a, b = await asyncio.gather(
+                engine.generate(request(prompt_of("first prompt"), 4, "a"), note),
+                engine.generate(request(prompt_of("second prompt"), 4, "b"), note),
+            )
+            await engine.aclose()
+            assert fake.peak_active == 2
+            assert max(in_flight) == 2
+            assert len(a.output_ids) == len(b.output_ids) == 4
+
+    asyncio.run(scenario())
+
+
+def test_cancelling_the_caller_closes_the_engine_stream() -> None:
+    async def scenario() -> None:
+        async with running() as fake:
+            fake.token_delay_s = 0.02
+            engine = http_engine(fake)
+            seen: list[int] = []
+            work = engine.generate(request(prompt_of("long"), 500), seen.append)
+            task = asyncio.create_task(work)
+            await until(lambda: len(seen) >= 3, "the first tokens")
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert engine.running == engine.waiting == 0
+            await until(lambda: fake.active == 0, "the fake to stop generating")
+            assert fake.disconnects == 1
+            await engine.aclose()
+        assert len(seen) < 500
+
+    asyncio.run(scenario())
+
+
+def test_an_on_token_error_stops_the_request_and_is_raised() -> None:
+    async def scenario() -> None:
+        async with running() as fake:
+            engine = http_engine(fake)
+
+            def boom(_: int) -> None:
+                raise KeyError("callback")
+
+            with pytest.raises(KeyError):
+                await engine.generate(request(prompt_of("x y z"), 50), boom)
+            assert engine.running == engine.waiting == 0
+            await engine.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_an_engine_error_or_a_dead_engine_is_engine_unavailable() -> None:
+    async def scenario() -> None:
+        async with running() as fake:
+            engine = http_engine(fake)
+            fake.fail_status = 503
+            with pytest.raises(EngineUnavailable):
+                await engine.generate(request(prompt_of("abc")))
+            await fake.stop()
+            with pytest.raises(EngineUnavailable):
+                await engine.generate(request(prompt_of("abc")))
+            assert engine.failed == 2 and engine.running == engine.waiting == 0
+            await engine.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_the_exact_index_equals_the_fake_engines_cache_after_evictions() -> None:
+    async def scenario() -> None:
+        async with running(cache_tokens=512) as fake:
+            engine = http_engine(fake)
+            async with subscribed(fake, engine) as sub:
+                stem = prompt_of("shared system prompt; " * 6)
+                for i in range(12):  # ~230-token prompts into a 512-token cache: it evicts
+                    await engine.generate(request([*stem, *prompt_of(f"question {i} " * 9)], 8))
+                await settled(fake, sub)
+                assert fake.cache.evicted_tokens > 0
+                want = truth(fake, engine.fingerprint.digest)
+                assert want and engine.cache_hashes() == want
+                assert sub.counts["resets"] == sub.counts["malformed"] == 0
+                # the view the node reads: the index's match, capped at len - 1
+                probe = [*stem, *prompt_of("question 11 " * 9)]
+                full_blocks = fake.cache.match(probe) // 16 * 16
+                assert engine.match(probe) == min(full_blocks, len(probe) - 1) > 0
+                delta = engine.drain_cache_delta()  # net since the start: just what is cached
+                assert set(delta.added) == want and not set(delta.removed) & want
+            await engine.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_openai_kind_keeps_an_approximate_lru_view() -> None:
+    async def scenario() -> None:
+        async with running() as fake:
+            engine = HttpEngine("openai", fake.url, ByteTokenizer(), model_name=fake.model,
+                                cache_tokens=256)
+            assert engine.describe()["cache_view"] == "approximate"
+            prompt = prompt_of("approximately cached prefix " * 3)
+            await engine.generate(request(prompt))
+            assert engine.match(prompt) >= 64
+            assert engine.drain_cache_delta().added
+            for i in range(6):  # more than the 256-token budget: LRU evicts the first
+                await engine.generate(request(prompt_of(f"{i} other text " * 8)))
+            assert engine.usage().tokens <= 256
+            assert engine.match(prompt) == 0
+            await engine.aclose()
+
+    asyncio.run(scenario())

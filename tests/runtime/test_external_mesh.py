@@ -1,0 +1,129 @@
+"""Two radixmesh nodes, each in front of its own fake vLLM engine, in this process on loopback:
+what engine 1 caches (learnt from its KV events, gossiped) makes node 2 forward the prefix to
+node 1; an engine killed mid-test loses no request (fallback, or a clear 5xx)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+import uvicorn
+
+from radixmesh.engine.tokenizers import ByteTokenizer
+from radixmesh.runtime.app import create_app
+from radixmesh.runtime.config import ServeConfig
+from radixmesh.runtime.node import NodeService
+from radixmesh.runtime.serve_cli import build_external_service
+from radixmesh.testing.fake_engine import FakeEngine
+
+LIMIT_S = 10.0
+PREFIX = "You are a careful assistant. Answer the multiple choice question below. " * 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def until(check: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + LIMIT_S
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def node(fake: FakeEngine, name: str, port: int, peer_port: int
+               ) -> AsyncIterator[NodeService]:
+    # policy "paper": forward to the deepest match; "cost" weighs measured speeds, and on a
+    # loaded CI box it may rightly decide that running a ~300-token prompt locally is faster
+    cfg = ServeConfig(node_id=name, port=port, peers=(f"127.0.0.1:{peer_port}",),
+                      gossip_interval=0.1, forward_timeout=2.0, engine="vllm", policy="paper",
+                      engine_url=fake.url, kv_events=fake.kv_endpoint,
+                      kv_replay=fake.replay_endpoint, model=fake.model, cache_tokens=4096)
+    service = build_external_service(cfg, tokenizer=ByteTokenizer())
+    server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port,
+                                           log_level="warning", lifespan="on"))
+    task = asyncio.create_task(server.serve())
+    await until(lambda: server.started, f"{name} to start")
+    try:
+        yield service
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, LIMIT_S)
+
+
+async def complete(http: aiohttp.ClientSession, port: int, prompt: str,
+                   headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], Any]:
+    body = {"model": "fake-model", "prompt": prompt, "max_tokens": 8}
+    async with http.post(f"http://127.0.0.1:{port}/v1/completions", json=body,
+                         headers=headers or {}) as resp:
+        return resp.status, dict(resp.headers), await resp.json(content_type=None)
+
+
+async def subscribed(service: NodeService, fake: FakeEngine) -> None:
+    """Past ZMQ's slow joiner: harmless batches until the node's subscriber gets one."""
+    sub = service.attachments[0]
+    deadline = time.monotonic() + LIMIT_S
+    while sub.counts["messages"] == 0:
+        assert time.monotonic() < deadline, "the node's subscriber never got a batch"
+        fake.clear_all()
+        await asyncio.sleep(0.02)
+
+
+def view_blocks(service: NodeService, peer: str) -> int:
+    peers = service.mesh()["peers"]
+    assert isinstance(peers, list)
+    return next((int(p["view_blocks"]) for p in peers if p["node_id"] == peer), 0)
+
+
+def test_a_prefix_cached_on_engine_1_is_served_by_node_1_and_a_dead_engine_loses_nothing(
+) -> None:
+    async def scenario() -> None:
+        fake1, fake2 = FakeEngine(cache_tokens=4096), FakeEngine(cache_tokens=4096)
+        await fake1.start()
+        await fake2.start()
+        p1, p2 = _free_port(), _free_port()
+        try:
+            async with (node(fake1, "node-1", p1, p2) as n1, node(fake2, "node-2", p2, p1) as n2,
+                        aiohttp.ClientSession() as http):
+                await until(lambda: n1.peer_states() == {"node-2": "alive"}
+                            and n2.peer_states() == {"node-1": "alive"}, "the mesh")
+                await subscribed(n1, fake1)
+                status, headers, _ = await complete(http, p1, PREFIX + "Question 1?")
+                assert status == 200 and headers["x-radixmesh-served-by"] == "node-1"
+                await until(lambda: len(n1.engine.cache_hashes()) >= 10, "engine 1's events")
+                await until(lambda: view_blocks(n2, "node-1") >= 10, "node 2's view of node 1")
+
+                status, headers, body = await complete(http, p2, PREFIX + "Question 2?")
+                assert status == 200, body
+                assert headers["x-radixmesh-route"] == "forwarded"
+                assert headers["x-radixmesh-served-by"] == "node-1"
+                assert int(headers["x-radixmesh-cached-tokens"]) > 0
+                assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+                mesh = n1.mesh()
+                assert mesh["kv_events"]["connected"] is True  # type: ignore[index]
+                assert mesh["engine"]["cache_view"] == "exact"  # type: ignore[index]
+                assert "kv_events_applied" in n1.prometheus()
+
+                await fake2.stop()  # engine 2 dies
+                status, headers, body = await complete(
+                    http, p1, "a fresh prompt sent to node 2 on purpose",
+                    {"x-radixmesh-target": "node-2"})
+                assert status == 200, body  # node 2 failed it: node 1 ran it itself
+                assert headers["x-radixmesh-route"] == "fallback"
+                assert headers["x-radixmesh-served-by"] == "node-1"
+
+                status, _, body = await complete(http, p2, "another fresh prompt, node 2")
+                assert status == 200 or (status >= 500 and "error" in body), (status, body)
+        finally:
+            await fake1.stop()
+            await fake2.stop()
+
+    asyncio.run(scenario())
