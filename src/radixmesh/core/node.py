@@ -408,30 +408,34 @@ class NodeCore:
           longer (retry after our queue's expected wait).
         A sender routing on a view of our queue that is a gossip round old finds out in one
         round trip instead of waiting in a queue that many nodes picked at once."""
-        pb = self.config.pushback
-        depth = self._load.queue_depth
-        if self._leaving_until is not None:
-            self._count("forwards_refused_leaving")
-            cap = self.config.gossip.exchange.max_retry_after_s
-            left = self._leaving_until - now
-            return min(max(left, self.config.admission.min_retry_after_s), cap)
-        full = self._full_for()
-        if full is not None:
-            self._count("forwards_refused_full")
-            return max(full, self.config.admission.min_retry_after_s)
-        if depth >= pb.queue_threshold:
-            self._count("forwards_refused_busy")
-            until = self._pushback_until
-            return pb.duration_s if until is None or until <= now else until - now
-        if beat_s is None:
-            return None
+        refusal = self._refusal_by_state(now)
+        if refusal is not None or beat_s is None:
+            return refusal
         me = self._self_info(cached_tokens, now)
         req = RouteInput(max(prompt_tokens, 1), max(max_tokens, 1))
         predicted = predict_latency(req, me, self.config.router.context_scale)
         if predicted <= beat_s:
             return None
         self._count("forwards_refused_slower")
-        return depth * me.speed.mean_service_s
+        return self._load.queue_depth * me.speed.mean_service_s
+
+    def _refusal_by_state(self, now: float) -> float | None:
+        """Refusals whatever the request: leaving, full, or at the push-back threshold."""
+        adm = self.config.admission
+        if self._leaving_until is not None:
+            self._count("forwards_refused_leaving")
+            cap = self.config.gossip.exchange.max_retry_after_s
+            return min(max(self._leaving_until - now, adm.min_retry_after_s), cap)
+        full = self._full_for()
+        if full is not None:
+            self._count("forwards_refused_full")
+            return max(full, adm.min_retry_after_s)
+        pb = self.config.pushback
+        if self._load.queue_depth >= pb.queue_threshold:
+            self._count("forwards_refused_busy")
+            until = self._pushback_until
+            return pb.duration_s if until is None or until <= now else until - now
+        return None
 
     def _served(self, event: RequestServed, now: float) -> list[Action]:
         self._count("requests_served")
