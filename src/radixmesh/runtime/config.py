@@ -12,6 +12,10 @@ Every flag has a TOML key of the same name (dashes or underscores), e.g.::
 Precedence: built-in defaults < TOML file (``--config``) < command-line flags. The result is one
 frozen, validated :class:`ServeConfig`; :meth:`ServeConfig.node_config` turns it into the pure
 core's :class:`~radixmesh.core.config.NodeConfig`.
+
+Why one file over 400 lines: it is the node's whole operator surface — every field, its
+validation, its conversion from TOML or a flag, and its help text — kept side by side so that a
+new flag is added in one place (``_help_texts`` is a table, like an argument parser's).
 """
 
 from __future__ import annotations
