@@ -74,7 +74,7 @@ def _fuzz(operation: schemathesis.APIOperation, mode: GenerationMode, base_url: 
 def test_no_server_errors(api_schema: schemathesis.BaseSchema, node: LocalCluster,
                           mode: GenerationMode) -> None:
     operations = [result.ok() for result in api_schema.get_all_operations()]
-    assert len(operations) == 6
+    assert len(operations) == 7
     if mode is GenerationMode.NEGATIVE:  # only request bodies can be made invalid
         operations = [op for op in operations if op.method.upper() == "POST"]
     calls = sum(_fuzz(op, mode, node.url(0)) for op in operations)

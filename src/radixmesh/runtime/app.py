@@ -4,7 +4,11 @@ No routing logic lives here: handlers validate and shape; ``NodeService`` decide
 Over 400 lines because it is one FastAPI app: its client, peer and admin routes share the same
 auth, body-limit and error-shaping plumbing, and splitting them would scatter a single surface.
 
-Client API   POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models
+Client API   POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models,
+             GET /v1/models/{id} (404 model_not_found). Stop strings are matched here, on the
+             tokens as they arrive (also for a forwarded request, which then streams tokens
+             even if the client asked for one JSON body): a match ends the request as done and
+             stops the engine through the same abort as a client that went away
 Observe      GET /health, GET /metrics (Prometheus text), GET /mesh (JSON)
 Peers        POST /peer/gossip (raw gossip bytes), POST /peer/forward (an encoded
              ForwardRequest, executed here; the body of the answer is framed ForwardReply
@@ -27,8 +31,9 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from contextlib import aclosing, asynccontextmanager
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -43,6 +48,9 @@ from radixmesh.runtime.debug import install_debug_routes
 from radixmesh.runtime.execution import Execution, Outcome
 from radixmesh.runtime.node import NodeService, Overloaded
 from radixmesh.runtime.openai_api import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_TEMPERATURE,
+    MAX_STOP_SEQUENCES,
     ApiError,
     ApiRequest,
     Detokenizer,
@@ -158,12 +166,19 @@ def _client_routes(app: FastAPI, service: NodeService) -> None:
     async def chat(request: Request) -> Response:
         return await _generate(request, service, models, "chat")
 
+    created = int(time.time())
+
     @app.get("/v1/models")
     async def list_models() -> dict[str, object]:
-        created = int(time.time())
-        data = [{"id": m, "object": "model", "created": created, "owned_by": "radixmesh",
-                 "max_model_len": service.engine.max_context} for m in models]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [_model_entry(service, m, created) for m in models]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> Response:
+        if model_id not in models:
+            return error_response(ApiError(f"The model '{model_id}' does not exist.",
+                                           status=404, param="model", code="model_not_found"),
+                                  service)
+        return JSONResponse(_model_entry(service, model_id, created))
 
     @app.get("/health")
     async def health() -> Response:
@@ -180,14 +195,23 @@ def _client_routes(app: FastAPI, service: NodeService) -> None:
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
+def _model_entry(service: NodeService, model: str, created: int) -> dict[str, object]:
+    """OpenAI's model object, plus this server's limits and defaults (``radixmesh``)."""
+    return {"id": model, "object": "model", "created": created, "owned_by": "radixmesh",
+            "max_model_len": service.engine.max_context,
+            "radixmesh": {"default_max_tokens": DEFAULT_MAX_TOKENS,
+                          "default_temperature": DEFAULT_TEMPERATURE,
+                          "max_stop_sequences": MAX_STOP_SEQUENCES}}
+
+
 async def _generate(request: Request, service: NodeService, models: Sequence[str],
                     kind: str) -> Response:
     try:
         body = parse_json(await read_body(request, service.config.max_body_bytes))
         api = parse_completion(body, models) if kind == "completion" else parse_chat(body, models)
         prompt = _tokenize(service, api)
-        ex = await service.execute(
-            prompt, _sampling(service, api), api.stream,
+        ex = await service.execute(  # stop strings: tokens as they come, to match them here
+            prompt, _sampling(service, api), api.stream or bool(api.stop),
             local_only=request.headers.get(HEADER_HOP) is not None,
             target=request.headers.get(HEADER_TARGET) or None,
         )
@@ -199,13 +223,13 @@ async def _generate(request: Request, service: NodeService, models: Sequence[str
     if api.stream:
         return StreamingResponse(_sse(service, api, ex, rid), media_type="text/event-stream",
                                  headers=_start_headers(service, ex))
-    outcome = await _unless_disconnected(request, ex)
-    if outcome is None:  # nobody to answer: the work was stopped through the core's Abort
+    answer = await _unless_disconnected(request, _answer(service, api, ex))
+    if answer is None:  # nobody to answer: the work was stopped through the core's Abort
         service.metrics.client_disconnects += 1
         return Response(status_code=499)
-    text, finish = _final_text(service, api, outcome)
+    text, outcome = answer
     usage = usage_body(outcome.prompt_tokens, len(outcome.output_ids), outcome.cached_tokens)
-    return JSONResponse(response_body(api, rid, text, finish, usage),
+    return JSONResponse(response_body(api, rid, text, outcome.finish_reason, usage),
                         headers=_outcome_headers(service, ex, outcome))
 
 
@@ -219,10 +243,13 @@ def _overloaded(service: NodeService, full: Overloaded) -> JSONResponse:
     return response
 
 
-async def _unless_disconnected(request: Request, ex: Execution) -> Outcome | None:
-    """``ex.result()``, or None once the client went away first (local, queued or forwarded
-    work alike is then stopped: the execution's end is reported to the core as cancelled)."""
-    result = asyncio.ensure_future(ex.result())
+_T = TypeVar("_T")
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[_T]) -> _T | None:
+    """``work`` (an execution's answer), or None once the client went away first (local,
+    queued or forwarded work alike is then stopped: reported to the core as cancelled)."""
+    result = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -280,13 +307,37 @@ def _sampling(service: NodeService, api: ApiRequest) -> SamplingParams:
         raise ApiError(str(exc), code="invalid_value") from None
 
 
-def _final_text(service: NodeService, api: ApiRequest, outcome: Outcome) -> tuple[str, str]:
-    decode = service.engine.tokenizer.decode
+async def _answer(service: NodeService, api: ApiRequest, ex: Execution) -> tuple[str, Outcome]:
+    """The whole text and outcome of a non-streamed request (stop strings: matched as the
+    tokens arrive, see :func:`_pieces`)."""
     if not api.stop:
-        return decode(outcome.output_ids), outcome.finish_reason
-    det = Detokenizer(decode, api.stop)
-    text = "".join(det.push(t) for t in outcome.output_ids) + det.flush()
-    return text, "stop" if det.stopped else outcome.finish_reason
+        outcome = await ex.result()
+        return service.engine.tokenizer.decode(outcome.output_ids), outcome
+    det = Detokenizer(service.engine.tokenizer.decode, api.stop)
+    text = "".join([piece async for piece in _pieces(ex, det)])
+    assert ex.outcome is not None
+    return text, ex.outcome
+
+
+async def _pieces(ex: Execution, det: Detokenizer) -> AsyncGenerator[str, None]:
+    """The text of ``ex``'s tokens as it becomes final. On a stop-string match ``ex.stop``
+    takes the tokens so far as the answer and closing the token stream stops the work
+    (reported to the core as done: ``NodeService._ended``)."""
+    ids: list[int] = []
+    tail = ""
+    async with aclosing(ex.tokens()) as tokens:
+        async for tok in tokens:
+            ids.append(tok)
+            piece = det.push(tok)
+            if det.stopped:
+                ex.stop(ids)
+                tail = piece
+                break
+            if piece:
+                yield piece
+    tail += det.flush()  # nothing once stopped
+    if tail:
+        yield tail
 
 
 async def _sse(service: NodeService, api: ApiRequest, ex: Execution, rid: str
@@ -297,16 +348,12 @@ async def _sse(service: NodeService, api: ApiRequest, ex: Execution, rid: str
     if first is not None:
         yield first
     try:
-        async for tok in ex.tokens():
-            piece = det.push(tok)
-            if piece:
+        async with aclosing(_pieces(ex, det)) as pieces:  # closed with us: the work stops
+            async for piece in pieces:
                 yield shaper.text(piece)
-        rest = det.flush()
-        if rest:
-            yield shaper.text(rest)
         outcome = ex.outcome
         assert outcome is not None
-        yield shaper.finish("stop" if det.stopped else outcome.finish_reason)
+        yield shaper.finish(outcome.finish_reason)
         usage = shaper.usage(usage_body(outcome.prompt_tokens, len(outcome.output_ids),
                                         outcome.cached_tokens))
         if usage is not None:

@@ -14,7 +14,10 @@ The core's lifecycle (``core/lifecycle.py``) decides; the classes here only move
 
 Every end is reported to the core: ``RequestDone`` (with the forward's overhead), or
 ``RequestCancelled`` when the consumer stops early (the client went away), whose ``Abort``
-then cancels the engine task or closes the peer stream. Requests served *for* a peer
+then cancels the engine task or closes the peer stream. A stop string is the consumer's
+(it detokenizes): on a match it calls :meth:`Execution.stop` with the tokens so far and closes
+:meth:`Execution.tokens`; that end is ``RequestDone`` (finish "stop"), and the same abort
+stops the engine or the peer's stream (``NodeService._ended``). Requests served *for* a peer
 (``rid=None``) are not the core's flights and report nothing but the engine's own events.
 """
 
@@ -23,8 +26,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from contextlib import AbstractAsyncContextManager, aclosing
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -97,9 +100,20 @@ class Execution:
     expected_cached: int  # the router's estimate for the node that serves it
     cached_estimate: int  # the serving node's exact match when it accepted the request
     outcome: Outcome | None = None
+    stopped = False  # a stop string matched: the consumer ended it (a normal completion)
 
-    def tokens(self) -> AsyncIterator[int]:
+    def tokens(self) -> AsyncGenerator[int, None]:
         """Generated token ids as they arrive (empty unless started with ``stream=True``)."""
+        raise NotImplementedError
+
+    def stop(self, output_ids: Sequence[int]) -> None:
+        """A stop string matched: the answer is ``output_ids`` (up to the token that completed
+        the match), finish "stop". The consumer then closes :meth:`tokens`; the node reports
+        the request done, not cancelled, and aborts what still runs."""
+        self.stopped = True
+        self.outcome = self._stopped(list(output_ids))
+
+    def _stopped(self, output_ids: list[int]) -> Outcome:
         raise NotImplementedError
 
     def abort(self) -> None:
@@ -123,6 +137,7 @@ class LocalExecution(Execution):
         self.served_by = node.node_id
         self.cached_estimate = node.engine.match(ctx.prompt)
         self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._t0 = time.perf_counter()
         self._emitted = emitted  # tokens a failed peer already sent (the answer goes on)
         self._generated = 0  # tokens delivered so far
         self._task = self._start(len(emitted))
@@ -173,12 +188,12 @@ class LocalExecution(Execution):
     def _failed(self, exc: BaseException) -> None:
         """Ended without a result: the tokens it produced still count."""
         self.node.metrics.completion_tokens += self._generated
-        if isinstance(exc, RequestCancelled):
+        if isinstance(exc, RequestCancelled) and not self.stopped:
             self.node.metrics.cancelled += 1
         self.queue.put_nowait(("err", exc))
         self.node.push_cache_and_load()
 
-    async def tokens(self) -> AsyncIterator[int]:
+    async def tokens(self) -> AsyncGenerator[int, None]:
         async with self.node.tracked(self):
             while True:
                 kind, value = await self.queue.get()
@@ -202,6 +217,13 @@ class LocalExecution(Execution):
             result.queue_s, service_s,
         )
 
+    def _stopped(self, output_ids: list[int]) -> Outcome:
+        """Ended by a stop string: the engine's own split of the time is not known (queue 0,
+        service = since submission) and ``cached_tokens`` is the match at submission."""
+        prompt_len = len(self.ctx.prompt)
+        return Outcome(output_ids, "stop", prompt_len, min(self.cached_estimate, prompt_len),
+                       self.served_by, self.route, 0.0, time.perf_counter() - self._t0)
+
 
 # ------------------------------------------------------------------------------ forward
 def forward_request(ctx: RequestContext, beat_s: float | None, heartbeat_s: float
@@ -224,11 +246,12 @@ class ForwardExecution(Execution):
         self.cached_estimate = accepted.cached_tokens
         self._stream, self._started = stream, started
         self._vocab = node.engine.tokenizer.vocab_size
+        self._local: LocalExecution | None = None  # where the answer went on after a failure
 
     def abort(self) -> None:
         self._stream.close_now()
 
-    async def tokens(self) -> AsyncIterator[int]:
+    async def tokens(self) -> AsyncGenerator[int, None]:
         emitted: list[int] = []
         async with self.node.tracked(self):
             try:
@@ -240,11 +263,23 @@ class ForwardExecution(Execution):
                                                   len(emitted))
             finally:
                 await self._stream.aclose()
-        local = self.node.start_local(self.ctx, action, tuple(emitted))
+        local = self._local = self.node.start_local(self.ctx, action, tuple(emitted))
         self.route, self.served_by = local.route, local.served_by
-        async for tok in local.tokens():
-            yield tok
+        async with aclosing(local.tokens()) as toks:  # closed with ours (a stop string)
+            async for tok in toks:
+                yield tok
         self.outcome = local.outcome
+
+    def _stopped(self, output_ids: list[int]) -> Outcome:
+        """Ended by a stop string; the peer's timings never came (queue 0, service = since
+        the offer, no overhead), ``cached_tokens`` is its match at acceptance."""
+        if self._local is not None:  # the answer went on here after the peer failed
+            self._local.stop(output_ids)
+            assert self._local.outcome is not None
+            return self._local.outcome
+        prompt_len = len(self.ctx.prompt)
+        return Outcome(output_ids, "stop", prompt_len, min(self.cached_estimate, prompt_len),
+                       self.peer_id, self.route, 0.0, time.perf_counter() - self._started)
 
     async def _relay(self, emitted: list[int]) -> AsyncIterator[int]:
         while True:

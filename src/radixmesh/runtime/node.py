@@ -152,16 +152,7 @@ class NodeService:
         self.node_id = node_cfg.node_id
         self.address = node_cfg.address
         self.core = NodeCore(node_cfg, random.Random(config.seed ^ self.incarnation), clock())
-        self.netem = Netem(
-            NetemConfig(config.net_delay, config.net_jitter, config.net_loss,
-                        config.net_duplicate),
-            seed=config.seed ^ self.incarnation ^ 0x5EED,
-        )
-        self.auth = PeerAuth(resolve_secret(config.cluster_key, var=ENV_CLUSTER_KEY),
-                             self.node_id)
-        self.api_key = ApiKeyCheck(resolve_secret(config.api_key, var=ENV_API_KEY))
-        self.peers = PeerClient(self.node_id, self.address, self.netem,
-                                config.connect_timeout, config.forward_timeout, self.auth)
+        self._wire(config)
         self.metrics = prom.RuntimeMetrics()
         self.started_monotonic = clock()
         self._wake: asyncio.Future[None] | None = None  # the timer's sleep; set = wake up
@@ -177,6 +168,19 @@ class NodeService:
         # started and stopped with the node, shown in /mesh and /metrics (the KV-event
         # subscriber of an external engine): start(), stop(), name, mesh_state(), metrics()
         self.attachments: list[Any] = []
+
+    def _wire(self, config: ServeConfig) -> None:
+        """The network side: emulation, peer authentication, client key, peer client."""
+        self.netem = Netem(
+            NetemConfig(config.net_delay, config.net_jitter, config.net_loss,
+                        config.net_duplicate),
+            seed=config.seed ^ self.incarnation ^ 0x5EED,
+        )
+        self.auth = PeerAuth(resolve_secret(config.cluster_key, var=ENV_CLUSTER_KEY),
+                             self.node_id)
+        self.api_key = ApiKeyCheck(resolve_secret(config.api_key, var=ENV_API_KEY))
+        self.peers = PeerClient(self.node_id, self.address, self.netem,
+                                config.connect_timeout, config.forward_timeout, self.auth)
 
     # ------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -456,7 +460,8 @@ class NodeService:
     @contextlib.asynccontextmanager
     async def tracked(self, ex: Execution) -> AsyncIterator[None]:
         """While ``ex`` runs: reachable by the core's ``Abort``; its end reported to the core
-        (done, failed, or cancelled when the consumer stops early: the client went away)."""
+        (done, failed, or cancelled when the consumer stops early: the client went away —
+        unless a stop string ended it, ``ex.stop``: done, and the work is aborted)."""
         rid = ex.ctx.rid  # type: ignore[attr-defined]
         if rid is not None:
             self._running[rid] = ex
@@ -473,6 +478,9 @@ class NodeService:
 
     def _ended(self, rid: int | None, ex: Execution, cancelled: bool = False,
                error: str | None = None) -> None:
+        if ex.stopped:  # a stop string matched and the consumer closed it: a normal end
+            cancelled, error = False, None
+            ex.abort()  # what still runs stops: the engine task, or the peer's stream
         if rid is None:  # served for a peer: not the core's flight
             if cancelled:
                 ex.abort()

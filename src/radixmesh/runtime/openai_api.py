@@ -10,10 +10,22 @@ and never FastAPI's own 422 shape::
                                                                         │ (tokenize: node)
     GenerateResult ──completion_body / chat_body──▶ JSON       tokens ──StreamShaper──▶ SSE
 
-Only what the built-in engine can honour is accepted: ``n``/``best_of`` other than 1,
-``logprobs``, ``logit_bias``, ``echo`` and non-zero penalties are rejected with 400 rather than
-silently ignored. Unlike OpenAI, ``temperature`` defaults to 0 (greedy): outputs are then
-identical whichever node serves a request, which is what experiments compare.
+Only what the engine can honour is accepted; the rest is a 400 naming the parameter (code
+``unsupported_value``), never silently ignored: ``n``/``best_of`` other than 1, tool and
+function calling (``tools``, ``tool_choice``, ``functions``, ``function_call``, a message's
+``tool_calls``), ``response_format`` other than ``{"type": "text"}``, a non-empty
+``logit_bias``, ``logprobs``/``top_logprobs``, ``echo``, ``suffix`` and non-zero penalties.
+Accepted and harmless: ``user``, ``seed`` (used), ``stream_options`` (only applies when
+streaming), chat's ``max_completion_tokens`` (``max_tokens`` is its alias), ``role: "tool"``
+messages (when the chat template renders them).
+
+Defaults (also under ``radixmesh`` in each ``/v1/models`` entry): ``max_tokens`` is
+:data:`DEFAULT_MAX_TOKENS` (16) on both endpoints — chat included, unlike OpenAI's "up to the
+context"; ``temperature`` is :data:`DEFAULT_TEMPERATURE` (0, greedy, unlike OpenAI's 1):
+outputs are then identical whichever node serves a request, which is what experiments compare.
+
+Stop strings are matched by :class:`Detokenizer` on the node that answers the client, on the
+tokens as they arrive (runtime/app.py); a match ends the request there and stops the engine.
 
 Why one file over 400 lines: validation, response shaping and the detokenizer are the whole
 OpenAI contract; kept together, every accepted field and its error body sit side by side.
@@ -34,6 +46,8 @@ from radixmesh.engine.base import SamplingParams
 MAX_STOP_SEQUENCES = 4
 MAX_STOP_CHARS = 256
 MAX_MESSAGES = 1024  # chat messages in one request (each costs template work before limits)
+DEFAULT_MAX_TOKENS = 16  # both endpoints, when the client gives no limit (OpenAI's legacy one)
+DEFAULT_TEMPERATURE = 0.0  # greedy: the same answer whichever node serves (module doc)
 
 
 class ApiError(Exception):
@@ -151,23 +165,59 @@ def _in_range(name: str, value: float, low: float, high: float, low_open: bool =
 
 
 # --------------------------------------------------------------------------- shared fields
+_TOOL_PARAMS = ("tools", "tool_choice", "functions", "function_call")
+
+
+def _unsupported_error(name: str, why: str) -> ApiError:
+    return ApiError(f"'{name}' is not supported: {why}.", param=name, code="unsupported_value")
+
+
 def _unsupported(body: dict[str, Any]) -> None:
-    if _int(body, "n", 1) != 1:
-        raise ApiError("Only n=1 is supported.", param="n", code="unsupported_value")
-    if _int(body, "best_of", 1) != 1:
-        raise ApiError("Only best_of=1 is supported.", param="best_of", code="unsupported_value")
-    for name in ("logprobs", "top_logprobs", "logit_bias"):
-        value = body.get(name)
-        if value is not None and value is not False and value != {} and value != 0:
-            raise ApiError(f"'{name}' is not supported.", param=name, code="unsupported_value")
-    if _bool(body, "echo", False):
-        raise ApiError("'echo' is not supported.", param="echo", code="unsupported_value")
+    """Parameters the engine cannot honour: 400 naming the parameter, never silently ignored."""
+    for name in ("n", "best_of"):
+        if _int(body, name, 1) != 1:
+            raise ApiError(f"Only {name}=1 is supported.", param=name, code="unsupported_value")
+    for name in _TOOL_PARAMS:
+        if body.get(name) is not None:
+            raise _unsupported_error(name, "this server does not do tool or function calling")
+    _no_logprobs(body)
+    _logit_bias(body)
+    _response_format(body)
     for name in ("presence_penalty", "frequency_penalty"):
         value = _number(body, name, 0.0)
         _in_range(name, value, -2.0, 2.0)
         if value != 0.0:
-            raise ApiError(f"Non-zero '{name}' is not supported.", param=name,
-                           code="unsupported_value")
+            raise _unsupported_error(name, "penalties are not supported yet (only 0)")
+
+
+def _no_logprobs(body: dict[str, Any]) -> None:
+    why = "the engine does not return log probabilities"
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if logprobs is not None and logprobs is not False:  # chat: a boolean; completions: an int
+        raise _unsupported_error("logprobs", why)
+    if top is not None and (type(top) is not int or top != 0):
+        raise _unsupported_error("top_logprobs", why)
+    if _bool(body, "echo", False):
+        raise _unsupported_error("echo", "the prompt is never echoed")
+
+
+def _logit_bias(body: dict[str, Any]) -> None:
+    value = body.get("logit_bias")
+    if value is None or value == {}:
+        return
+    if not isinstance(value, dict):
+        raise _type_error("logit_bias", "an object", value)
+    raise _unsupported_error("logit_bias", "only an empty map is accepted")
+
+
+def _response_format(body: dict[str, Any]) -> None:
+    value = body.get("response_format")
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise _type_error("response_format", "an object", value)
+    if value != {"type": "text"}:
+        raise _unsupported_error("response_format", 'only {"type": "text"} is supported')
 
 
 def _stop(body: dict[str, Any]) -> tuple[str, ...]:
@@ -190,9 +240,8 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
         return stream, False
     if not isinstance(options, dict):
         raise _type_error("stream_options", "an object", options)
-    if not stream:
-        raise ApiError("'stream_options' requires 'stream': true.", param="stream_options")
-    return stream, _bool(options, "include_usage", False)
+    include_usage = _bool(options, "include_usage", False)
+    return stream, stream and include_usage  # without streaming: nothing to apply it to
 
 
 def _model(body: dict[str, Any], models: Sequence[str]) -> str:
@@ -211,18 +260,25 @@ def _model(body: dict[str, Any], models: Sequence[str]) -> str:
     return model
 
 
-def _common(body: dict[str, Any], models: Sequence[str], max_tokens_key: str) -> dict[str, Any]:
+def _max_tokens(body: dict[str, Any], keys: Sequence[str]) -> int:
+    """The first of ``keys`` present (chat: ``max_completion_tokens``, then its older alias
+    ``max_tokens``), else :data:`DEFAULT_MAX_TOKENS`."""
+    for key in keys:
+        value = _int(body, key, None)
+        if value is None:
+            continue
+        if value < 1:
+            raise ApiError(f"'{key}' must be >= 1.", param=key, code="invalid_value")
+        return value
+    return DEFAULT_MAX_TOKENS
+
+
+def _common(body: dict[str, Any], models: Sequence[str], max_tokens_keys: Sequence[str]
+            ) -> dict[str, Any]:
     model = _model(body, models)
     _unsupported(body)
-    max_tokens = _int(body, max_tokens_key, None)
-    if max_tokens is None and max_tokens_key != "max_tokens":
-        max_tokens = _int(body, "max_tokens", None)
-    if max_tokens is None:
-        max_tokens = 16
-    if max_tokens < 1:
-        raise ApiError(f"'{max_tokens_key}' must be >= 1.", param=max_tokens_key,
-                       code="invalid_value")
-    temperature = _number(body, "temperature", 0.0)  # greedy unless asked (see module doc)
+    max_tokens = _max_tokens(body, max_tokens_keys)
+    temperature = _number(body, "temperature", DEFAULT_TEMPERATURE)  # see the module doc
     _in_range("temperature", temperature, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0)
     _in_range("top_p", top_p, 0.0, 1.0, low_open=True)
@@ -241,7 +297,10 @@ def _common(body: dict[str, Any], models: Sequence[str], max_tokens_key: str) ->
 # --------------------------------------------------------------------------- endpoints
 def parse_completion(body: dict[str, Any], models: Sequence[str]) -> ApiRequest:
     """Validate a ``/v1/completions`` body."""
-    common = _common(body, models, "max_tokens")
+    common = _common(body, models, ("max_tokens",))
+    if body.get("suffix") not in (None, ""):
+        raise _unsupported_error("suffix", "insertion (text after the completion) is not "
+                                 "supported")
     text, ids = _prompt(body.get("prompt"))
     return ApiRequest(kind="completion", prompt_text=text, prompt_ids=ids, messages=(),
                       **common)
@@ -266,12 +325,14 @@ def _prompt(value: object) -> tuple[str | None, tuple[int, ...] | None]:
     raise _type_error("prompt", "a string or an array of token ids", value)
 
 
-_ROLES = ("system", "user", "assistant", "developer")
+# "tool": accepted when the chat template renders it (the node's tokenizer; else a 400 naming
+# "messages"); tool *calls* are refused (no tool calling: see ``_TOOL_PARAMS``)
+_ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
 def parse_chat(body: dict[str, Any], models: Sequence[str]) -> ApiRequest:
     """Validate a ``/v1/chat/completions`` body."""
-    common = _common(body, models, "max_completion_tokens")
+    common = _common(body, models, ("max_completion_tokens", "max_tokens"))
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _type_error("messages", "a non-empty array of messages", messages)
@@ -290,6 +351,9 @@ def _message(value: object, index: int) -> dict[str, str]:
     if role not in _ROLES:
         raise ApiError(f"'{param}.role' must be one of {', '.join(_ROLES)}.",
                        param=f"{param}.role", code="invalid_value")
+    if value.get("tool_calls") is not None or value.get("function_call") is not None:
+        name = "tool_calls" if value.get("tool_calls") is not None else "function_call"
+        raise _unsupported_error(f"{param}.{name}", "this server does not do tool calling")
     content = value.get("content")
     if isinstance(content, list):
         content = _text_parts(content, f"{param}.content")

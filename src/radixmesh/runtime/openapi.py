@@ -54,6 +54,17 @@ def _sampling(model: str, max_tokens_name: str) -> dict[str, Any]:
         "presence_penalty": {"enum": [0, None]},
         "frequency_penalty": {"enum": [0, None]},
         "user": {"type": ["string", "null"]},
+        "stream_options": {  # applies only when streaming; ignored otherwise
+            "type": ["object", "null"],
+            "properties": {"include_usage": {"type": ["boolean", "null"]}},
+        },
+        # accepted only in these harmless forms; anything else is a 400 naming the parameter
+        # (so are tools, tool_choice, functions, function_call: no tool calling)
+        "response_format": {"oneOf": [{"type": "null"}, {
+            "type": "object", "required": ["type"], "additionalProperties": False,
+            "properties": {"type": {"const": "text"}}}]},
+        "logit_bias": {"type": ["object", "null"], "maxProperties": 0},
+        "logprobs": {"enum": [False, None]},
     }
 
 
@@ -85,7 +96,8 @@ def _chat_request(model: str) -> dict[str, Any]:
             "type": "object",
             "required": ["role", "content"],
             "properties": {
-                "role": {"type": "string", "enum": ["system", "user", "assistant", "developer"]},
+                "role": {"type": "string",
+                         "enum": ["system", "user", "assistant", "developer", "tool"]},
                 "content": {
                     "oneOf": [{"type": "string"}, {"type": "array", "items": content_part}]
                 },
@@ -136,9 +148,16 @@ def openapi_document(model: str, version: str = "0.1.0") -> dict[str, Any]:
                                            "#/components/schemas/CompletionRequest"),
             "/v1/chat/completions": _generation("chat completion",
                                                 "#/components/schemas/ChatRequest"),
-            "/v1/models": {"get": {"summary": "served models",
+            "/v1/models": {"get": {"summary": "served models (each entry's ``radixmesh``: "
+                                              "default_max_tokens, default_temperature, "
+                                              "max_stop_sequences)",
                                    "responses": {"200": _json_response("model list"),
                                                  **_errors("401")}}},
+            "/v1/models/{model}": {"get": {
+                "summary": "one served model (OpenAI's retrieve model)",
+                "parameters": [{"name": "model", "in": "path", "required": True,
+                                "schema": {"type": "string"}}],
+                "responses": {"200": _json_response("the model"), **_errors("401", "404")}}},
             "/health": {"get": {"summary": "liveness", "responses": {
                 "200": _json_response("node status")}}},
             "/mesh": {"get": {"summary": "this node's view of the mesh",

@@ -1,0 +1,173 @@
+"""The official ``openai`` SDK against a real node (uvicorn on 127.0.0.1, in this process):
+retrieve a model, stop strings on both endpoints (streamed and not), unsupported parameters
+raising ``BadRequestError``. The engine is the scripted stand-in of test_stop_strings.py (the
+same ``TEXT`` whatever the prompt), so the expected text and token counts are known."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import openai
+import pytest
+import uvicorn
+
+from radixmesh.engine.base import GenerateRequest, GenerateResult
+from radixmesh.engine.factory import build_engine
+from radixmesh.runtime.app import create_app
+from radixmesh.runtime.config import ServeConfig
+from radixmesh.runtime.node import NodeService
+from radixmesh.runtime.openai_api import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE
+
+TOKEN_S = 0.005
+MAX_TOKENS = 200
+HEAD = "Sure: 42."
+TEXT = HEAD + " And more text after it." * 20
+MSGS: list[Any] = [{"role": "user", "content": "What is it?"}]
+
+
+class Scripted:
+    """Engine stand-in: the bytes of ``TEXT``, one token each; ``on_token`` raising stops it."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self.generated = 0
+
+    def generate(self, req: GenerateRequest, on_token: Callable[[int], None] | None = None
+                 ) -> GenerateResult:
+        out: list[int] = []
+        for tok in TEXT.encode()[: req.sampling.max_tokens]:
+            time.sleep(TOKEN_S)
+            if on_token is not None:
+                on_token(tok)
+            out.append(tok)
+            self.generated += 1
+        return GenerateResult(req.request_id, out, "length", len(req.prompt_ids), 0,
+                              0.0, 0.0, 0.0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Any:
+    return build_engine("micro", cache_tokens=4096, threads=1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.asynccontextmanager
+async def _client(engine: Any) -> AsyncIterator[tuple[openai.AsyncOpenAI, Scripted]]:
+    port = _free_port()
+    scripted = Scripted(engine)
+    service = NodeService(ServeConfig(node_id="sdk", port=port, gossip_interval=5.0), scripted)
+    server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port,
+                                           log_level="warning", lifespan="on"))
+    task = asyncio.create_task(server.serve())
+    for _ in range(200):  # bounded: 10 s at most
+        if server.started:
+            break
+        await asyncio.sleep(0.05)
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
+                                max_retries=0, timeout=30)
+    try:
+        yield client, scripted
+    finally:
+        await client.close()
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
+
+
+def _run(engine: Any, body: Callable[[openai.AsyncOpenAI, Scripted], Awaitable[None]]) -> None:
+    async def scenario() -> None:
+        async with _client(engine) as (client, scripted):
+            await body(client, scripted)
+
+    asyncio.run(scenario())
+
+
+def test_models_retrieve_and_list(engine: Any) -> None:
+    async def body(client: openai.AsyncOpenAI, _: Scripted) -> None:
+        model = await client.models.retrieve("micro")
+        assert (model.id, model.object, model.owned_by) == ("micro", "model", "radixmesh")
+        extra = (model.model_extra or {})["radixmesh"]
+        assert extra["default_max_tokens"] == DEFAULT_MAX_TOKENS
+        assert extra["default_temperature"] == DEFAULT_TEMPERATURE
+        listed = [m.id async for m in client.models.list()]
+        assert listed == ["micro"]
+        with pytest.raises(openai.NotFoundError) as info:
+            await client.models.retrieve("gpt-9")
+        assert info.value.code == "model_not_found" and info.value.param == "model"
+
+    _run(engine, body)
+
+
+def test_chat_with_stop(engine: Any) -> None:
+    async def body(client: openai.AsyncOpenAI, scripted: Scripted) -> None:
+        chat = await client.chat.completions.create(
+            model="micro", messages=MSGS, max_completion_tokens=MAX_TOKENS, stop=["42"],
+            user="tester", seed=1)
+        choice = chat.choices[0]
+        assert (choice.message.content, choice.finish_reason) == ("Sure: ", "stop")
+        assert chat.usage is not None and chat.usage.completion_tokens == len("Sure: 42")
+        assert scripted.generated < MAX_TOKENS // 3  # the engine stopped there
+        tool: Any = [*MSGS, {"role": "assistant", "content": "Let me look."},
+                     {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+        answer = await client.chat.completions.create(model="micro", messages=tool,
+                                                      max_tokens=3)
+        assert answer.choices[0].message.content == TEXT[:3]  # the template renders "tool"
+
+    _run(engine, body)
+
+
+def test_completion_with_stop_not_streamed_and_streamed(engine: Any) -> None:
+    async def body(client: openai.AsyncOpenAI, scripted: Scripted) -> None:
+        done = await client.completions.create(model="micro", prompt="Go.", stop=".",
+                                               max_tokens=MAX_TOKENS)
+        assert (done.choices[0].text, done.choices[0].finish_reason) == ("Sure: 42", "stop")
+        assert done.usage is not None and done.usage.completion_tokens == len(HEAD)
+        stream = await client.completions.create(
+            model="micro", prompt="Go.", stop=["And"], max_tokens=MAX_TOKENS, stream=True,
+            stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        assert (text, finish) == (HEAD + " ", "stop")
+        usage = chunks[-1].usage
+        assert usage is not None and usage.completion_tokens == len(HEAD + " And")
+        assert scripted.generated < 2 * MAX_TOKENS // 3  # both requests were stopped
+
+    _run(engine, body)
+
+
+def test_unsupported_parameters_raise_bad_request(engine: Any) -> None:
+    tool: Any = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    refused: list[tuple[str, dict[str, Any]]] = [
+        ("tools", {"tools": [tool]}),
+        ("response_format", {"response_format": {"type": "json_object"}}),
+        ("logit_bias", {"logit_bias": {"1": 5}}),
+        ("n", {"n": 2}),
+        ("logprobs", {"logprobs": True}),
+        ("presence_penalty", {"presence_penalty": 0.5}),
+    ]
+
+    async def body(client: openai.AsyncOpenAI, scripted: Scripted) -> None:
+        for param, kwargs in refused:
+            with pytest.raises(openai.BadRequestError) as info:
+                await client.chat.completions.create(model="micro", messages=MSGS,
+                                                     max_tokens=2, **kwargs)
+            assert info.value.param == param and info.value.code == "unsupported_value"
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.completions.create(model="micro", prompt="x", echo=True)
+        assert info.value.param == "echo"
+        assert scripted.generated == 0  # nothing reached the engine
+
+    _run(engine, body)
