@@ -18,7 +18,8 @@ Admin        GET|POST /admin/partition (loopback clients only): cut this node of
              /admin/netem, /admin/engine-delay, /admin/debug: fault injection (runtime/debug.py)
 
 Peer endpoints verify ``x-radixmesh-auth`` (HMAC, runtime/peer_auth.py) when the node has a
-cluster key; the client API and /mesh, /metrics need ``Authorization: Bearer`` with --api-key.
+cluster key, and with --peer-tls-* a CA-verified TLS client certificate (peer_tls.py); the
+client API and /mesh, /metrics need ``Authorization: Bearer`` with --api-key.
 
 Request headers understood on the client API:
   ``x-radixmesh-hop``     the request was already forwarded once: execute here (hop limit 1)
@@ -76,6 +77,7 @@ from radixmesh.runtime.peer_client import (
     HEADER_FROM,
     HEADER_FROM_ADDRESS,
 )
+from radixmesh.runtime.peer_tls import install_peer_tls
 
 log = logging.getLogger("radixmesh.app")
 
@@ -114,6 +116,7 @@ def create_app(service: NodeService) -> FastAPI:
     install_debug_routes(app, service)
     install_openapi(app, service.engine.model_name)
     install_api_key_check(app, service.api_key)
+    install_peer_tls(app, service)  # --peer-tls-*: /peer/* needs a CA-signed client cert
     return app
 
 

@@ -147,6 +147,9 @@ class ServeConfig:
     debug_engine_delay: float = 0.0  # test/chaos only: extra seconds per request on the engine
     cluster_key: str = field(default="", repr=False)  # peer-message secret; "" -> env or none
     api_key: str = field(default="", repr=False)  # client bearer token; "" -> env or none
+    peer_tls_cert: str = ""  # PEM: this node's certificate (server and client); all 3 or none
+    peer_tls_key: str = ""  # PEM: its private key
+    peer_tls_ca: str = ""  # PEM: the mesh CA that signs every node's certificate
     max_body_bytes: int = 4 * 1024 * 1024  # client request bodies larger than this -> 413
     incarnation: int = 0  # 0 -> derived from the wall clock at start (grows across restarts)
     log_level: str = "info"
@@ -179,6 +182,20 @@ class ServeConfig:
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError("log_level must be debug, info, warning or error")
         self._check_join()
+        self._check_tls()
+
+    def _check_tls(self) -> None:
+        names = ("peer_tls_cert", "peer_tls_key", "peer_tls_ca")
+        given = [n for n in names if getattr(self, n).strip()]
+        if given and len(given) < len(names):
+            flags = ", ".join("--" + n.replace("_", "-") for n in names if n not in given)
+            raise ValueError("--peer-tls-cert, --peer-tls-key and --peer-tls-ca go together "
+                             f"(all three or none): missing {flags}")
+
+    @property
+    def peer_tls(self) -> bool:
+        """Mutual TLS on this node's port (runtime/peer_tls.py)."""
+        return bool(self.peer_tls_cert.strip())
 
     def _check_join(self) -> None:
         if self.drain_grace < 0:
@@ -354,7 +371,7 @@ def _help_texts() -> dict[str, str]:
     return {
         "node_id": "unique node name",
         "host": "interface to bind",
-        "port": "TCP port (client API and peer endpoints)",
+        "port": "TCP port (client API and peer endpoints; HTTPS with --peer-tls-*)",
         "advertise": "host:port peers use to reach this node (required with --host 0.0.0.0)",
         "peers": "join the mesh through these seed addresses host:port,host:port (--peers is "
         "the old name); a seed that is down is retried with backoff",
@@ -399,6 +416,11 @@ def _help_texts() -> dict[str, str]:
         "RADIXMESH_CLUSTER_KEY environment variable or the config file (flags show in ps)",
         "api_key": "require 'Authorization: Bearer KEY' on the client API (or RADIXMESH_API_KEY)",
         "max_body_bytes": "largest accepted client request body",
+        "peer_tls_cert": "PEM certificate of this node, signed by --peer-tls-ca, SAN = its "
+        "advertised host: the port then serves HTTPS and /peer/* needs a client certificate "
+        "signed by the CA (with --peer-tls-key, --peer-tls-ca: all three or none)",
+        "peer_tls_key": "PEM private key of --peer-tls-cert",
+        "peer_tls_ca": "PEM CA certificate(s) that sign the mesh's node certificates",
         "incarnation": "override the incarnation number (0 = from the clock)",
         "log_level": "debug | info | warning | error",
     }

@@ -15,11 +15,16 @@ stream of framed ``ForwardReply`` messages (``core/forward_codec``)::
 Timeouts: ``connect_timeout`` on the TCP connect, ``forward_timeout`` on the first byte *and*
 on every silence after it (heartbeats keep a long queue from looking like a dead peer), so a
 killed, hung or partitioned peer is detected within about one ``forward_timeout``.
+
+TLS (``--peer-tls-*``, runtime/peer_tls.py): :meth:`PeerClient.use_tls` switches every peer
+message to ``https://`` with the node's client context (its certificate, the mesh CA, hostname
+checked); a failed handshake is the forward failure reason ``tls`` and counted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections import deque
 from collections.abc import AsyncIterator
 
@@ -51,6 +56,8 @@ class ForwardFailure(Exception):
 def _classify(exc: BaseException) -> ForwardFailure:
     if isinstance(exc, ForwardFailure):
         return exc
+    if isinstance(exc, aiohttp.ClientSSLError):  # before its base class, ClientConnectorError
+        return ForwardFailure("tls", str(exc)[:200])
     if isinstance(exc, aiohttp.ClientConnectorError):
         return ForwardFailure("connect", type(exc).__name__)
     if isinstance(exc, asyncio.TimeoutError | aiohttp.ServerTimeoutError):
@@ -131,13 +138,24 @@ class PeerClient:
         self.forward_timeout = forward_timeout
         self._headers = {HEADER_FROM: node_id, HEADER_FROM_ADDRESS: address}
         self._session: aiohttp.ClientSession | None = None
+        self._ssl: ssl.SSLContext | None = None
+        self.scheme = "http"
         self.gossip_sent = 0
         self.gossip_failed = 0
+        self.tls_failed = 0  # gossip and forwards whose TLS handshake failed
+
+    def use_tls(self, context: ssl.SSLContext) -> None:
+        """Send every peer message over HTTPS with ``context`` (before the first message)."""
+        if self._session is not None:
+            raise RuntimeError("use_tls() after the first peer message")
+        self._ssl = context
+        self.scheme = "https"
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:  # created lazily: a session needs a running event loop
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=512, limit_per_host=0),
+                connector=aiohttp.TCPConnector(limit=512, limit_per_host=0,
+                                               ssl=self._ssl if self._ssl is not None else True),
                 timeout=aiohttp.ClientTimeout(total=None, connect=self.connect_timeout,
                                               sock_read=self.forward_timeout),
                 read_bufsize=READ_BUFFER_BYTES,
@@ -165,12 +183,13 @@ class PeerClient:
 
     async def _post_gossip(self, address: str, payload: bytes, headers: dict[str, str]) -> bool:
         try:
-            async with self._client().post(f"http://{address}{GOSSIP_PATH}", data=payload,
-                                           headers=headers) as resp:
+            async with self._client().post(f"{self.scheme}://{address}{GOSSIP_PATH}",
+                                           data=payload, headers=headers) as resp:
                 await resp.read()
                 ok = resp.status < 300
-        except _TRANSPORT_ERRORS:
+        except _TRANSPORT_ERRORS as exc:
             ok = False
+            self.tls_failed += isinstance(exc, aiohttp.ClientSSLError)
         self.gossip_sent += ok
         self.gossip_failed += not ok
         return ok
@@ -183,9 +202,10 @@ class PeerClient:
         headers = {**self._headers, "content-type": FORWARD_MEDIA_TYPE,
                    **self.auth.headers(forward_purpose(FORWARD_PATH), data)}
         try:
-            response = await self._client().post(f"http://{address}{FORWARD_PATH}", data=data,
-                                                 headers=headers)
+            response = await self._client().post(f"{self.scheme}://{address}{FORWARD_PATH}",
+                                                 data=data, headers=headers)
         except _TRANSPORT_ERRORS as exc:
+            self.tls_failed += isinstance(exc, aiohttp.ClientSSLError)
             raise _classify(exc) from None
         if response.status != 200:
             try:

@@ -10,6 +10,10 @@ over: the node leaves (``NodeService.leave``: no new work, peers told at once th
 ``/health`` answers 503 "leaving") while the socket stays open — requests still arriving are
 sent to peers — and only once nothing runs, or ``--drain-grace`` has passed, is uvicorn told
 to exit; the process then exits 0. A second SIGTERM, or SIGINT, exits at once as before.
+
+``--peer-tls-cert/--peer-tls-key/--peer-tls-ca``: the same port serves HTTPS (uvicorn gets the
+node's SSL context and a protocol class that exposes the client certificate to the app, see
+runtime/peer_tls.py); unusable files are a start-up error (exit 2), before the engine is built.
 """
 
 from __future__ import annotations
@@ -158,6 +162,13 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from radixmesh.runtime.app import create_app
+    from radixmesh.runtime.peer_tls import PeerTls, uvicorn_options
+
+    try:
+        PeerTls.from_config(config)  # fail fast: before the (slow) engine is built
+    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        print(f"radixmesh serve: cannot load the peer TLS files: {exc}", file=sys.stderr)
+        return 2
 
     try:
         service = build_service(config)
@@ -165,14 +176,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"radixmesh serve: cannot build the engine: {exc}", file=sys.stderr)
         return 2
     log.info("engine %s built in %.2fs", service.engine.model_name, time.perf_counter() - t0)
+    app = create_app(service)
     server = _draining_server_class()(uvicorn.Config(
-        create_app(service),
+        app,
         host=config.host,
         port=config.port,
         log_level="warning" if config.log_level == "info" else config.log_level,
         access_log=False,
         timeout_graceful_shutdown=3,
         lifespan="on",
+        **uvicorn_options(app),  # --peer-tls-*: HTTPS, client certificates for /peer/*
     ), service)
     server.run()
     return 0 if server.started else 1
