@@ -178,7 +178,26 @@ def test_cost_policy_forwards_a_long_cached_prompt_and_keeps_a_cold_one() -> Non
     node = c.nodes["n0"]
     assert node.route(chain, 3200, 0, 1, c.now)[0].node_id == "n2"
     cold = [rng.getrandbits(64) for _ in range(200)]
-    assert node.route(cold, 3200, 0, 1, c.now)[0].is_self
+    owners = {c.nodes[n].route(cold, 3200, 0, 1, c.now)[0].node_id for n in ("n0", "n1", "n2")}
+    assert len(owners) == 1  # a prefix nobody holds: the same owner from every entry node
+    off = TwinCluster(3, router=RouterConfig(policy=Policy.COST, placement_depth_blocks=None),
+                      seed=11)
+    off.run_for(2.0)
+    assert off.nodes["n0"].route(cold, 3200, 0, 1, off.now)[0].is_self  # without placement
+
+
+def test_cold_prefixes_spread_over_their_owners() -> None:
+    rng = random.Random(5)
+    c = warm_cluster(4, policy=Policy.COST)
+    firsts = [c.nodes["n0"].route([rng.getrandbits(64) for _ in range(20)], 320, 0, 1, c.now)
+              for _ in range(200)]
+    share = {n: sum(f[0].node_id == n for f in firsts) / 200 for n in ("n0", "n1", "n2", "n3")}
+    assert all(0.1 < v < 0.45 for v in share.values()), share  # ~a quarter each, no home
+    # the forward to an owner carries a budget a cold owner can meet (it is as cold as we are)
+    peer = next(f[0] for f in firsts if not f[0].is_self)
+    mine = next(f for f in firsts if not f[0].is_self)[1:]
+    me = next(x for x in mine if x.is_self)
+    assert peer.beat_s is not None and peer.beat_s > me.predicted_latency_s - 0.01
 
 
 def test_cost_policy_offloads_to_an_idle_unmatched_peer_when_self_is_busy() -> None:

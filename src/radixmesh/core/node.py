@@ -88,6 +88,7 @@ from radixmesh.core.lifecycle import Lifecycle, Stage
 from radixmesh.core.membership import Membership, MemberState
 from radixmesh.core.messages import Load
 from radixmesh.core.peerview import PeerView
+from radixmesh.core.placement import Ring, placement_key
 from radixmesh.core.router import (
     Candidate,
     NodeInfo,
@@ -186,6 +187,7 @@ class NodeCore:
         self._leaving_until: float | None = None  # LeaveRequested: end of the grace period
         self._next_round = now  # the first Tick joins the seeds at once
         self._idle: list[tuple[int, float, str]] = []  # (queue depth, stamp, peer) lazy heap
+        self._ring = Ring()  # cold prefixes' owners (consistent hashing over routable members)
         self._lifecycle = Lifecycle(
             config.forward,
             lambda peer: self.peer_address(peer),
@@ -505,9 +507,38 @@ class NodeCore:
         req = RouteInput(prompt_tokens, max_tokens)
         policy = self.config.router.policy
         nodes = [self._self_info(local_cached_tokens, now)]
+        owner = None
         if policy is not Policy.NONE:
-            nodes.extend(self._peer_infos(hashes, prompt_tokens, policy, now))
-        return self._router.rank(req, nodes, self._rng)
+            peers = self._peer_infos(hashes, prompt_tokens, policy, now)
+            nodes.extend(peers)
+            if policy is Policy.COST:
+                owner = self._cold_owner(hashes, local_cached_tokens, peers, nodes, now)
+        return self._router.rank(req, nodes, self._rng, owner)
+
+    def _cold_owner(
+        self,
+        hashes: Sequence[int],
+        local_cached: int,
+        peers: list[NodeInfo],
+        nodes: list[NodeInfo],
+        now: float,
+    ) -> str | None:
+        """The placement owner of a prefix no node holds (appended to ``nodes`` if missing)."""
+        depth = self.config.router.placement_depth_blocks
+        key = None if depth is None else placement_key(hashes, depth)
+        if depth is None or key is None:
+            return None
+        held = min(len(hashes), depth) * self.config.fingerprint.block_size
+        if local_cached >= held or any(p.cached_tokens >= held for p in peers):
+            return None  # somebody holds it: the cost router follows the cache
+        self._ring.update((*self._gossip.routable, self.node_id))
+        owner = self._ring.owner(key, lambda m: m == self.node_id or self.available(m, now))
+        if owner is None or owner == self.node_id or any(n.node_id == owner for n in nodes):
+            return owner
+        info = self._info(owner, 0, now)
+        if info is not None:
+            nodes.append(info)
+        return owner if info is not None else None
 
     def _self_info(self, cached_tokens: int, now: float) -> NodeInfo:
         """This node as the router sees it: exact cache match, own queue, own speed."""

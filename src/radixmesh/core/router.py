@@ -29,6 +29,11 @@ Policies
                       answer in under half the time of the best peer within it (a long cached
                       prefix) still gets the request — at low load, balancing must not throw
                       away certain hits.
+                      *Placement*: a prefix nobody holds (as far as the deciding node can
+                      tell) goes to its owner on a consistent-hashing ring of the routable
+                      members (``core/placement.py``) when that costs at most 25 % more now,
+                      so every entry node sends the same new prefix to the same node (no
+                      second cold copy) and new prefixes spread over all nodes.
                       *Robust speeds*: learnt speeds within ``speed_tolerance`` (1.5×) of the
                       candidates' median count as the median, so that estimation noise on a
                       shared machine cannot send cold requests to whichever node looks fastest
@@ -83,6 +88,11 @@ class RouterConfig:
     # less than (1 - x) of the time of the best peer within the bound (1: never)
     load_bound_bypass: float = 0.5
     load_bound_floor: float = 0.5  # ... if its utilization is below this (it has room)
+    # cost: a prefix nobody holds goes to its owner on the consistent-hashing ring (every
+    # entry node picks the same one: no second cold copy), named by the block at this depth
+    # (None: off) ...
+    placement_depth_blocks: int | None = 16
+    placement_slack: float = 0.25  # ... when the owner is predicted at most this much slower
     # cost: a node's learnt speed within this factor of the median of the candidates counts
     # as the median (noise on a shared machine must not pull cold traffic to whichever node
     # looks fastest); None = use every estimate as it is
@@ -93,6 +103,10 @@ class RouterConfig:
             raise ValueError("min_gain_s must be >= 0 and min_gain_frac in [0, 1)")
         if self.load_bound is not None and self.load_bound < 0:
             raise ValueError("load_bound must be >= 0 (or None to disable)")
+        if self.placement_depth_blocks is not None and self.placement_depth_blocks < 1:
+            raise ValueError("placement_depth_blocks must be >= 1 (or None)")
+        if self.placement_slack < 0:
+            raise ValueError("placement_slack must be >= 0")
         if not 0 <= self.load_bound_bypass <= 1 or not 0 <= self.load_bound_floor <= 1:
             raise ValueError("load_bound_bypass and load_bound_floor must be in [0, 1]")
         if self.load_window_s <= 0:
@@ -156,8 +170,9 @@ class Router:
         self._rr = 0
 
     def rank(
-        self, req: RouteInput, nodes: Sequence[NodeInfo], rng: Random
+        self, req: RouteInput, nodes: Sequence[NodeInfo], rng: Random, owner: str | None = None
     ) -> list[Candidate]:
+        """Rank ``nodes`` (exactly one is self); ``owner``: a cold prefix's placement owner."""
         selves = [n for n in nodes if n.is_self]
         if len(selves) != 1:
             raise ValueError("exactly one NodeInfo must be is_self")
@@ -174,7 +189,7 @@ class Router:
         if policy is Policy.PAPER:
             order = _by_match(avail)
         elif policy is Policy.COST:
-            order = self._by_cost(req, avail, rng)
+            order = self._by_cost(req, avail, rng, owner)
         elif policy is Policy.RANDOM:
             order = avail[:]
             rng.shuffle(order)
@@ -185,7 +200,13 @@ class Router:
         if policy is not Policy.COST:
             return [self._candidate(req, n) for n in order]
         local = predict_latency(req, selves[0], self.config.context_scale)
-        return [self._candidate(req, n, None if n.is_self else local - n.rtt_s) for n in order]
+        placed = local * (1.0 + self.config.placement_slack)
+        return [
+            self._candidate(
+                req, n, None if n.is_self else (placed if n.node_id == owner else local) - n.rtt_s
+            )
+            for n in order
+        ]
 
     def _robust_speeds(self, avail: list[NodeInfo]) -> list[NodeInfo]:
         """Speeds within ``speed_tolerance`` of the candidates' median are the median: only a
@@ -202,6 +223,7 @@ class Router:
         req: RouteInput,
         avail: list[NodeInfo],
         rng: Random,
+        owner: str | None = None,
     ) -> list[NodeInfo]:
         scale = self.config.context_scale
         keyed = [(predict_latency(req, n, scale), n.queue_depth, rng.random(), n) for n in avail]
@@ -215,7 +237,23 @@ class Router:
         needed = max(self.config.min_gain_s, self.config.min_gain_frac * mine[0])
         if mine[0] - best[0] < needed:
             best = mine
+        best = self._placed(keyed, best, owner, overloaded)
         return [best[3], *(n for n in order if n is not best[3])]
+
+    def _placed(
+        self,
+        keyed: list[tuple[float, int, float, NodeInfo]],
+        best: tuple[float, int, float, NodeInfo],
+        owner: str | None,
+        overloaded: set[str],
+    ) -> tuple[float, int, float, NodeInfo]:
+        """A cold prefix goes to its owner if that costs at most ``placement_slack`` now."""
+        if owner is None or owner in overloaded:
+            return best
+        entry = next((k for k in keyed if k[3].node_id == owner), None)
+        if entry is None or entry[0] > (1.0 + self.config.placement_slack) * best[0]:
+            return best  # the owner is busy or slow now: the fastest choice wins
+        return entry
 
     def _bypasses_bound(
         self, top: tuple[float, int, float, NodeInfo], best: tuple[float, int, float, NodeInfo]
