@@ -165,19 +165,14 @@ class NodeCore:
         self._rtt = RttTable(config.priors)
         self._busy = Utilization(config.router.load_window_s)
         self._router = Router(config.router)
-        limits = Limits(
-            max_message_bytes=config.gossip.max_message_bytes,
-            max_hashes=config.gossip.max_hashes,
+        self._codec = Codec(
+            Limits(
+                max_message_bytes=config.gossip.max_message_bytes,
+                max_hashes=config.gossip.max_hashes,
+            )
         )
-        self._codec = Codec(limits)
         self._gossip = Gossiper(
-            config,
-            self._summary,
-            self._view,
-            self._members,
-            self._rtt,
-            self._codec,
-            rng,
+            config, self._summary, self._view, self._members, self._rtt, self._codec, rng,
             self._metrics,
         )
         self._load = LoadChanged(0, 0, 0, 0)

@@ -150,6 +150,27 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"radixmesh serve: {exc}", file=sys.stderr)
         return 2
+    _setup_process(config)
+    from radixmesh.runtime.peer_tls import PeerTls
+
+    try:
+        PeerTls.from_config(config)  # fail fast: before the (slow) engine is built
+    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        print(f"radixmesh serve: cannot load the peer TLS files: {exc}", file=sys.stderr)
+        return 2
+    try:
+        service = build_service(config)
+    except (ValueError, OSError) as exc:
+        print(f"radixmesh serve: cannot build the engine: {exc}", file=sys.stderr)
+        return 2
+    log.info("engine %s built in %.2fs", service.engine.model_name, time.perf_counter() - t0)
+    server = _server(config, service)
+    server.run()
+    return 0 if server.started else 1
+
+
+def _setup_process(config: ServeConfig) -> None:
+    """Logging and the GIL switch interval of a node process."""
     logging.basicConfig(
         level=config.log_level.upper(),
         format=f"%(asctime)s {config.name} %(levelname)s %(name)s: %(message)s",
@@ -159,25 +180,17 @@ def run(args: argparse.Namespace) -> int:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     for noisy in ("httpx", "httpcore"):  # one INFO line per gossip message otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _server(config: ServeConfig, service: Any) -> Any:
+    """uvicorn serving the node's app, draining on SIGTERM."""
     import uvicorn
 
     from radixmesh.runtime.app import create_app
-    from radixmesh.runtime.peer_tls import PeerTls, uvicorn_options
+    from radixmesh.runtime.peer_tls import uvicorn_options
 
-    try:
-        PeerTls.from_config(config)  # fail fast: before the (slow) engine is built
-    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
-        print(f"radixmesh serve: cannot load the peer TLS files: {exc}", file=sys.stderr)
-        return 2
-
-    try:
-        service = build_service(config)
-    except (ValueError, OSError) as exc:
-        print(f"radixmesh serve: cannot build the engine: {exc}", file=sys.stderr)
-        return 2
-    log.info("engine %s built in %.2fs", service.engine.model_name, time.perf_counter() - t0)
     app = create_app(service)
-    server = _draining_server_class()(uvicorn.Config(
+    return _draining_server_class()(uvicorn.Config(
         app,
         host=config.host,
         port=config.port,
@@ -187,5 +200,3 @@ def run(args: argparse.Namespace) -> int:
         lifespan="on",
         **uvicorn_options(app),  # --peer-tls-*: HTTPS, client certificates for /peer/*
     ), service)
-    server.run()
-    return 0 if server.started else 1
