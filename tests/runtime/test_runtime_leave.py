@@ -159,7 +159,7 @@ def test_sigterm_drains_in_flight_work_while_the_mesh_keeps_answering(
     with Load(cluster) as load:
         wait_for(lambda: len(load.codes) >= 3, 30, "the client load to run")
         slow.start()
-        wait_for(lambda: cluster.get(1, "/health").json()["queue_depth"] >= 1, 10,
+        wait_for(lambda: _local_requests(cluster, 1) >= 1, 10,  # this one, not a forward
                  "n1 to be serving the request")
         t0 = time.monotonic()
         cluster.kill(1, signal.SIGTERM)
@@ -179,6 +179,14 @@ def test_sigterm_drains_in_flight_work_while_the_mesh_keeps_answering(
     assert result["r"].status_code == 200, result["r"].text
     assert result["r"].headers["x-radixmesh-served-by"] == "n1"  # finished where it ran
     assert load.errors == [] and set(load.codes) == {200}, (load.errors, load.codes)
+
+
+def _local_requests(c: LocalCluster, node: int) -> float:
+    """Client requests ``node`` started locally (``radixmesh_requests_total{route="local"}``)."""
+    for line in c.get(node, "/metrics").text.splitlines():
+        if line.startswith("radixmesh_requests_total") and 'route="local"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 def _leaving(c: LocalCluster) -> httpx.Response | None:
