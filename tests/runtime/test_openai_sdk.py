@@ -7,19 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import openai
 import pytest
-import uvicorn
 
 from radixmesh.engine.base import GenerateRequest, GenerateResult
 from radixmesh.engine.factory import build_engine
-from radixmesh.runtime.app import create_app
 from radixmesh.runtime.config import ServeConfig
+from radixmesh.runtime.inprocess import free_port, serving
 from radixmesh.runtime.node import NodeService
 from radixmesh.runtime.openai_api import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE
 
@@ -58,32 +56,18 @@ def engine() -> Any:
     return build_engine("micro", cache_tokens=4096, threads=1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.asynccontextmanager
 async def _client(engine: Any) -> AsyncIterator[tuple[openai.AsyncOpenAI, Scripted]]:
-    port = _free_port()
+    port = free_port()
     scripted = Scripted(engine)
     service = NodeService(ServeConfig(node_id="sdk", port=port, gossip_interval=5.0), scripted)
-    server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="on"))
-    task = asyncio.create_task(server.serve())
-    for _ in range(200):  # bounded: 10 s at most
-        if server.started:
-            break
-        await asyncio.sleep(0.05)
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused",
-                                max_retries=0, timeout=30)
-    try:
-        yield client, scripted
-    finally:
-        await client.close()
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
+    async with serving(service, port) as address:
+        client = openai.AsyncOpenAI(base_url=f"http://{address}/v1", api_key="unused",
+                                    max_retries=0, timeout=30)
+        try:
+            yield client, scripted
+        finally:
+            await client.close()
 
 
 def _run(engine: Any, body: Callable[[openai.AsyncOpenAI, Scripted], Awaitable[None]]) -> None:

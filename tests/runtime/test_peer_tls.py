@@ -15,7 +15,6 @@ import contextlib
 import datetime
 import ipaddress
 import shutil
-import socket
 import ssl
 import subprocess
 import time
@@ -25,12 +24,12 @@ from typing import Any
 
 import aiohttp
 import pytest
-import uvicorn
 
 from radixmesh.engine.factory import build_engine
 from radixmesh.runtime import serve_cli
-from radixmesh.runtime.app import create_app
 from radixmesh.runtime.config import ServeConfig, config_from_mapping
+from radixmesh.runtime.inprocess import free_port
+from radixmesh.runtime.inprocess import serving as serve_in_process
 from radixmesh.runtime.node import NodeService
 from radixmesh.runtime.peer_tls import PeerTls, uvicorn_options
 
@@ -158,34 +157,15 @@ def engine() -> Any:
     return build_engine("micro", cache_tokens=4096, threads=1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.asynccontextmanager
 async def serving(engine: Any, name: str, *, port: int = 0, **overrides: Any
                   ) -> AsyncIterator[NodeService]:
-    port = port or _free_port()
+    port = port or free_port()
     cfg = ServeConfig(node_id=name, port=port, gossip_interval=0.1, forward_timeout=5.0,
                       **overrides)
     service = NodeService(cfg, engine)
-    app = create_app(service)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="on",
-                                           **uvicorn_options(app)))
-    task = asyncio.create_task(server.serve())
-    for _ in range(200):  # bounded: 10 s at most
-        if server.started:
-            break
-        await asyncio.sleep(0.05)
-    assert server.started, f"{name} did not start"
-    try:
+    async with serve_in_process(service, port, app_options=uvicorn_options):
         yield service
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
 
 
 async def until(check: Callable[[], bool], what: str, limit_s: float = 10.0) -> None:
@@ -229,7 +209,7 @@ def test_unusable_tls_files_stop_serve_before_the_engine(pki: Path,
 
 def test_two_tls_nodes_gossip_and_forward_over_mutual_tls(engine: Any, pki: Path) -> None:
     async def scenario() -> None:
-        port_a = _free_port()
+        port_a = free_port()
         async with serving(engine, "a", port=port_a, **tls_files(pki, "a")) as a, \
                 serving(engine, "b", peers=(f"127.0.0.1:{port_a}",), **tls_files(pki, "b")) as b:
             await until(lambda: a.peer_states() == {"b": "alive"}
@@ -283,7 +263,7 @@ def test_peer_requests_without_a_mesh_certificate_are_refused(engine: Any, pki: 
 
 def test_a_node_without_tls_cannot_talk_to_a_tls_mesh(engine: Any, pki: Path) -> None:
     async def scenario() -> None:
-        port_a, port_c = _free_port(), _free_port()
+        port_a, port_c = free_port(), free_port()
         addr_a, addr_c = f"127.0.0.1:{port_a}", f"127.0.0.1:{port_c}"
         async with serving(engine, "a", port=port_a, peers=(addr_c,),
                            **tls_files(pki, "a")) as a, \

@@ -13,21 +13,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
 import pytest
-import uvicorn
 
 from radixmesh.core.forward_codec import encode_reply
 from radixmesh.core.messages import ForwardAccepted, ForwardTokens
 from radixmesh.engine.base import GenerateRequest, GenerateResult, SamplingParams
 from radixmesh.engine.factory import build_engine
-from radixmesh.runtime.app import _pieces, create_app
+from radixmesh.runtime.app import _pieces
 from radixmesh.runtime.config import ServeConfig
+from radixmesh.runtime.inprocess import free_port, serving
 from radixmesh.runtime.node import NodeService
 from radixmesh.runtime.openai_api import Detokenizer
 
@@ -68,30 +67,14 @@ def engine() -> Any:
     return build_engine("micro", cache_tokens=4096, threads=1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.asynccontextmanager
 async def _serving(engine: Any, name: str) -> AsyncIterator[tuple[NodeService, Scripted, str]]:
-    port = _free_port()
+    port = free_port()
     cfg = ServeConfig(node_id=name, port=port, gossip_interval=5.0, forward_timeout=2.0)
     scripted = Scripted(engine)
     service = NodeService(cfg, scripted)
-    server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="on"))
-    task = asyncio.create_task(server.serve())
-    for _ in range(200):  # bounded: 10 s at most
-        if server.started:
-            break
-        await asyncio.sleep(0.05)
-    try:
-        yield service, scripted, f"127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
+    async with serving(service, port) as address:
+        yield service, scripted, address
 
 
 @contextlib.asynccontextmanager
