@@ -3,9 +3,9 @@
 Examples::
 
     radixmesh bench --preset quick --out runs/quick
-    radixmesh bench --preset paper --mmlu-dir ../shared/data/mmlu --out runs/paper
+    radixmesh bench --preset paper --mmlu-dir DIR --out runs/paper
     radixmesh bench --policies none,cost,oracle --comm-delay 2ms,200ms,1s --skew uniform,skewed \\
-        --mmlu-dir ../shared/data/mmlu --requests 1000 --out runs/sweep
+        --mmlu-dir DIR --requests 1000 --out runs/sweep
     radixmesh bench --policies none,cost,paper --rate 1 --requests 60 --synthetic-scale 0.25 \\
         --out runs/open            # paired open loop: 3 clusters up, one arrival schedule
     radixmesh bench --report-only --out runs/paper        # rebuild report.md + figures
