@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import openai
 import pytest
 
-from radixmesh.engine.base import GenerateRequest, GenerateResult
 from radixmesh.engine.factory import build_engine
+from radixmesh.engine.testing import ScriptedEngine
 from radixmesh.runtime.config import ServeConfig
 from radixmesh.runtime.inprocess import free_port, serving
 from radixmesh.runtime.node import NodeService
@@ -28,27 +27,9 @@ TEXT = HEAD + " And more text after it." * 20
 MSGS: list[Any] = [{"role": "user", "content": "What is it?"}]
 
 
-class Scripted:
-    """Engine stand-in: the bytes of ``TEXT``, one token each; ``on_token`` raising stops it."""
-
-    def __init__(self, engine: Any) -> None:
-        self._engine = engine
-        self.generated = 0
-
-    def generate(self, req: GenerateRequest, on_token: Callable[[int], None] | None = None
-                 ) -> GenerateResult:
-        out: list[int] = []
-        for tok in TEXT.encode()[: req.sampling.max_tokens]:
-            time.sleep(TOKEN_S)
-            if on_token is not None:
-                on_token(tok)
-            out.append(tok)
-            self.generated += 1
-        return GenerateResult(req.request_id, out, "length", len(req.prompt_ids), 0,
-                              0.0, 0.0, 0.0)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
+def scripted_engine(engine: Any) -> ScriptedEngine:
+    """The engine stand-in of these tests: ``TEXT``, ``TOKEN_S`` apart."""
+    return ScriptedEngine(engine, TEXT, TOKEN_S)
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +38,9 @@ def engine() -> Any:
 
 
 @contextlib.asynccontextmanager
-async def _client(engine: Any) -> AsyncIterator[tuple[openai.AsyncOpenAI, Scripted]]:
+async def _client(engine: Any) -> AsyncIterator[tuple[openai.AsyncOpenAI, ScriptedEngine]]:
     port = free_port()
-    scripted = Scripted(engine)
+    scripted = scripted_engine(engine)
     service = NodeService(ServeConfig(node_id="sdk", port=port, gossip_interval=5.0), scripted)
     async with serving(service, port) as address:
         client = openai.AsyncOpenAI(base_url=f"http://{address}/v1", api_key="unused",
@@ -70,7 +51,9 @@ async def _client(engine: Any) -> AsyncIterator[tuple[openai.AsyncOpenAI, Script
             await client.close()
 
 
-def _run(engine: Any, body: Callable[[openai.AsyncOpenAI, Scripted], Awaitable[None]]) -> None:
+def _run(
+    engine: Any, body: Callable[[openai.AsyncOpenAI, ScriptedEngine], Awaitable[None]]
+) -> None:
     async def scenario() -> None:
         async with _client(engine) as (client, scripted):
             await body(client, scripted)
@@ -79,7 +62,7 @@ def _run(engine: Any, body: Callable[[openai.AsyncOpenAI, Scripted], Awaitable[N
 
 
 def test_models_retrieve_and_list(engine: Any) -> None:
-    async def body(client: openai.AsyncOpenAI, _: Scripted) -> None:
+    async def body(client: openai.AsyncOpenAI, _: ScriptedEngine) -> None:
         model = await client.models.retrieve("micro")
         assert (model.id, model.object, model.owned_by) == ("micro", "model", "radixmesh")
         extra = (model.model_extra or {})["radixmesh"]
@@ -95,7 +78,7 @@ def test_models_retrieve_and_list(engine: Any) -> None:
 
 
 def test_chat_with_stop(engine: Any) -> None:
-    async def body(client: openai.AsyncOpenAI, scripted: Scripted) -> None:
+    async def body(client: openai.AsyncOpenAI, scripted: ScriptedEngine) -> None:
         chat = await client.chat.completions.create(
             model="micro", messages=MSGS, max_completion_tokens=MAX_TOKENS, stop=["42"],
             user="tester", seed=1)
@@ -113,7 +96,7 @@ def test_chat_with_stop(engine: Any) -> None:
 
 
 def test_completion_with_stop_not_streamed_and_streamed(engine: Any) -> None:
-    async def body(client: openai.AsyncOpenAI, scripted: Scripted) -> None:
+    async def body(client: openai.AsyncOpenAI, scripted: ScriptedEngine) -> None:
         done = await client.completions.create(model="micro", prompt="Go.", stop=".",
                                                max_tokens=MAX_TOKENS)
         assert (done.choices[0].text, done.choices[0].finish_reason) == ("Sure: 42", "stop")
@@ -143,7 +126,7 @@ def test_unsupported_parameters_raise_bad_request(engine: Any) -> None:
         ("presence_penalty", {"presence_penalty": 0.5}),
     ]
 
-    async def body(client: openai.AsyncOpenAI, scripted: Scripted) -> None:
+    async def body(client: openai.AsyncOpenAI, scripted: ScriptedEngine) -> None:
         for param, kwargs in refused:
             with pytest.raises(openai.BadRequestError) as info:
                 await client.chat.completions.create(model="micro", messages=MSGS,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -22,8 +21,9 @@ import pytest
 
 from radixmesh.core.forward_codec import encode_reply
 from radixmesh.core.messages import ForwardAccepted, ForwardTokens
-from radixmesh.engine.base import GenerateRequest, GenerateResult, SamplingParams
+from radixmesh.engine.base import SamplingParams
 from radixmesh.engine.factory import build_engine
+from radixmesh.engine.testing import ScriptedEngine
 from radixmesh.runtime.app import _pieces
 from radixmesh.runtime.config import ServeConfig
 from radixmesh.runtime.inprocess import free_port, serving
@@ -38,28 +38,9 @@ STOPPED_AT = len(HEAD)
 FAR_BELOW = MAX_TOKENS // 3  # what the engine may have generated once stopped
 
 
-class Scripted:
-    """Engine stand-in: generates the bytes of ``TEXT`` (one token each, ``TOKEN_S`` apart),
-    obeying the engine contract (``on_token`` raising stops it); counts what it generated."""
-
-    def __init__(self, engine: Any) -> None:
-        self._engine = engine
-        self.generated = 0
-
-    def generate(self, req: GenerateRequest, on_token: Callable[[int], None] | None = None
-                 ) -> GenerateResult:
-        out: list[int] = []
-        for tok in TEXT.encode()[: req.sampling.max_tokens]:
-            time.sleep(TOKEN_S)
-            if on_token is not None:
-                on_token(tok)  # raises RequestStopped once the request was stopped
-            out.append(tok)
-            self.generated += 1
-        return GenerateResult(req.request_id, out, "length", len(req.prompt_ids), 0,
-                              0.0, 0.0, 0.0)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
+def scripted_engine(engine: Any) -> ScriptedEngine:
+    """The engine stand-in of these tests: ``TEXT``, ``TOKEN_S`` apart."""
+    return ScriptedEngine(engine, TEXT, TOKEN_S)
 
 
 @pytest.fixture(scope="module")
@@ -68,17 +49,19 @@ def engine() -> Any:
 
 
 @contextlib.asynccontextmanager
-async def _serving(engine: Any, name: str) -> AsyncIterator[tuple[NodeService, Scripted, str]]:
+async def _serving(
+    engine: Any, name: str
+) -> AsyncIterator[tuple[NodeService, ScriptedEngine, str]]:
     port = free_port()
     cfg = ServeConfig(node_id=name, port=port, gossip_interval=5.0, forward_timeout=2.0)
-    scripted = Scripted(engine)
+    scripted = scripted_engine(engine)
     service = NodeService(cfg, scripted)
     async with serving(service, port) as address:
         yield service, scripted, address
 
 
 @contextlib.asynccontextmanager
-async def _pair(engine: Any) -> AsyncIterator[tuple[NodeService, NodeService, Scripted, str]]:
+async def _pair(engine: Any) -> AsyncIterator[tuple[NodeService, NodeService, ScriptedEngine, str]]:
     """An entry node whose requests go to ``peer`` (x-radixmesh-target)."""
     async with _serving(engine, "peer") as (peer, peer_engine, peer_address), \
             _serving(engine, "entry") as (entry, _, entry_address):
@@ -180,7 +163,7 @@ def test_a_stop_ends_a_node_service_execution_as_done(engine: Any) -> None:
     """Without HTTP: ``Execution.stop`` then closing ``tokens()`` is a normal end for the core
     (RequestDone), and the engine task is cancelled."""
     async def scenario() -> None:
-        scripted = Scripted(engine)
+        scripted = scripted_engine(engine)
         node = NodeService(ServeConfig(node_id="bare", port=18998, gossip_interval=5.0),
                            scripted)
         await node.start()
@@ -221,7 +204,7 @@ def test_a_stop_after_a_peer_died_midstream_stops_the_local_continuation(engine:
     async def scenario() -> None:
         server = await asyncio.start_server(dies, "127.0.0.1", 0)
         address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        scripted = Scripted(engine)
+        scripted = scripted_engine(engine)
         node = NodeService(ServeConfig(node_id="entry", port=18997, gossip_interval=5.0,
                                        forward_timeout=2.0), scripted)
         node.core.peer_address = (  # type: ignore[method-assign]

@@ -26,9 +26,9 @@ here sleeps, reads a clock or owns a random stream: the shells (``runtime/netem.
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field, replace
+from random import Random  # the type only: instances are passed in, never the global one
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -73,15 +73,15 @@ class LinkConfig:
         return replace(self, delay_s=delay_s)
 
     # ------------------------------------------------------------------------ decisions
-    def lost(self, rng: random.Random) -> bool:
+    def lost(self, rng: Random) -> bool:
         """Whether this message is dropped (draws only when ``loss > 0``)."""
         return self.loss > 0 and rng.random() < self.loss
 
-    def duplicated(self, rng: random.Random) -> bool:
+    def duplicated(self, rng: Random) -> bool:
         """Whether this message is delivered a second time (draws only when ``duplicate > 0``)."""
         return self.duplicate > 0 and rng.random() < self.duplicate
 
-    def sample_delay(self, rng: random.Random) -> float:
+    def sample_delay(self, rng: Random) -> float:
         """One one-way delay: base + jitter [+ a reorder hold-back], in ``[delay, delay + jitter
         + reorder_window)``."""
         delay = self.delay_s
@@ -91,7 +91,7 @@ class LinkConfig:
             delay += rng.random() * self.reorder_window_s
         return delay
 
-    def copies(self, rng: random.Random) -> tuple[float, ...]:
+    def copies(self, rng: Random) -> tuple[float, ...]:
         """The delays of the copies of one datagram that arrive: none if lost, two if
         duplicated (each with its own delay), otherwise one."""
         if self.lost(rng):

@@ -11,13 +11,16 @@ real model takes. Used by tests and demos; never fetches anything.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers.utils import logging as hf_logging
 
+from radixmesh.engine.base import GenerateRequest, GenerateResult
 from radixmesh.engine.builtin import TransformersEngine
 from radixmesh.engine.presets import build_random_model, get_preset
 from radixmesh.engine.tokenizers import CHATML_FALLBACK
@@ -78,3 +81,31 @@ def uncached_logits(engine: TransformersEngine, prompt: Sequence[int]) -> torch.
     with torch.inference_mode():
         ids = torch.tensor([list(prompt)], dtype=torch.long, device=engine.device)
         return engine.model(input_ids=ids).logits[0, -1].float().cpu()
+
+
+class ScriptedEngine:
+    """Engine proxy for tests: generates the bytes of ``text`` (one token each, ``token_s``
+    apart) whatever the prompt, obeying the engine contract (``on_token`` raising stops it);
+    everything else (cache view, tokenizer, fingerprint) is the wrapped engine's. ``generated``
+    counts the tokens it produced."""
+
+    def __init__(self, engine: Any, text: str, token_s: float) -> None:
+        self._engine = engine
+        self._tokens = text.encode()
+        self._token_s = token_s
+        self.generated = 0
+
+    def generate(self, req: GenerateRequest, on_token: Callable[[int], None] | None = None
+                 ) -> GenerateResult:
+        out: list[int] = []
+        for tok in self._tokens[: req.sampling.max_tokens]:
+            time.sleep(self._token_s)
+            if on_token is not None:
+                on_token(tok)  # raises once the request was stopped
+            out.append(tok)
+            self.generated += 1
+        return GenerateResult(req.request_id, out, "length", len(req.prompt_ids), 0,
+                              0.0, 0.0, 0.0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
