@@ -81,8 +81,7 @@ _LEGAL: dict[str, frozenset[Stage]] = {
 class Flight:
     """One request's state at its entry node."""
 
-    rid: int
-    hashes: tuple[int, ...]
+    arrived: RequestArrived  # what the request is (its id, hashes; to rank it again)
     candidates: list[Candidate]
     self_expected: int  # the router's estimate of this node's cached prefix
     stage: Stage = Stage.LOCAL
@@ -93,7 +92,10 @@ class Flight:
     route: str = "local"
     full_for_s: float | None = None  # this node is full: its queue's wait (None: it has room)
     tried: set[str] = field(default_factory=set)  # peers already tried (never again)
-    arrived: RequestArrived | None = None  # what the request is (to rank it again)
+
+    @property
+    def rid(self) -> int:
+        return self.arrived.rid
 
     def label(self, first: str) -> str:
         return "fallback" if self.fell_back else first
@@ -137,9 +139,7 @@ class Lifecycle:
         expected = next(
             (c.expected_cached_tokens for c in candidates if c.is_self), event.local_cached
         )
-        flight = Flight(
-            event.rid, event.hashes, candidates, expected, full_for_s=full_for_s, arrived=event
-        )
+        flight = Flight(event, candidates, expected, full_for_s=full_for_s)
         self._flights[event.rid] = flight
         return [self._next_try(flight)]
 

@@ -363,7 +363,7 @@ class NodeCore:
     def _ranked_again(self, rid: int, now: float) -> list[Candidate] | None:
         """The request ranked from the current view (after a refusal or a failure)."""
         flight = self._lifecycle.get(rid)
-        if flight is None or flight.arrived is None or flight.stage is Stage.STREAMING:
+        if flight is None or flight.stage is Stage.STREAMING:
             return None  # (accepted: the answer continues here whatever the view says)
         return self._candidates(flight.arrived, now)
 
@@ -374,7 +374,7 @@ class NodeCore:
             return []
         flight = self._lifecycle.done(event.rid, event.error)
         if flight.peer is not None and event.error is None and event.forward_rtt_s is not None:
-            self._forward_ok(flight.peer, flight.hashes, event.forward_rtt_s)
+            self._forward_ok(flight.peer, flight.arrived.hashes, event.forward_rtt_s)
         return []
 
     def _cancelled(self, event: RequestCancelled, _: float) -> list[Action]:
