@@ -485,17 +485,16 @@ class NodeService:
             if cancelled:
                 ex.abort()
             return
-        if self._running.get(rid) is ex:
-            del self._running[rid]
-        if cancelled:
+        if cancelled:  # the core answers with Abort, which reaches ``ex`` through _running
             self.dispatch(RequestCancelled(rid))
-            ex.abort()  # the Abort above found it gone from _running: stop it here
         elif error is not None or ex.outcome is not None:
             overhead = None if ex.outcome is None else ex.outcome.forward_overhead_s
             self.dispatch(RequestDone(rid, overhead, error))
             if overhead is not None:
                 self.metrics.forward_overhead_s_sum += overhead
                 self.metrics.forward_overhead_count += 1
+        if self._running.get(rid) is ex:
+            del self._running[rid]
 
     # ------------------------------------------------------------------------- peer side
     async def serve_forward(self, req: ForwardRequest) -> AsyncIterator[bytes]:
