@@ -154,10 +154,14 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         def make(start: int, stop: int) -> Seg:
             return Seg(start, tokens[start:stop])
 
-        locked = self.locked()  # the lease still holds its path while room is made
+        # The lease still holds its path while room is made, and the insert protects (and
+        # touches) the cached prefix of ``tokens`` it extends.
+        have = self.model_match(tokens)
+        locked = self.locked() | {tokens[:i] for i in range(1, have + 1)}
         added = self.cache.commit(held.lease, tokens, now, make, hashes)
         self.held.remove(held)
         assert not held.lease.active
+        self._touch(tokens, have, now)
         after = self._observe(locked, None)
         end = max((len(p) for p in after if p == tokens[: len(p)]), default=0)
         assert after - self.cached <= {tokens[:i] for i in range(1, end + 1)}
@@ -221,9 +225,10 @@ def test_negative_budget_rejected() -> None:
         PrefixCache(-1, 4, SEED)
 
 
-def test_commit_of_own_evicted_tail_stays_within_budget() -> None:
-    """The unlocked cached tail of a leased prompt may be evicted to make room for its own
-    commit; the insert must then be sized after that eviction, not before."""
+def test_commit_keeps_its_own_cached_tail() -> None:
+    """The unlocked cached tail of a leased prompt is what its commit extends: making room
+    evicts other entries (even more recently used ones) rather than that tail, and the insert
+    stays within budget."""
     cache: PrefixCache[None] = PrefixCache(10, 4, SEED)
     a = (1, 2, 3, 4, 5, 6)
     cache.commit(cache.acquire(a, 6, 1.0), a, 1.0)
@@ -232,5 +237,7 @@ def test_commit_of_own_evicted_tail_stays_within_budget() -> None:
     lease = cache.acquire(a, 0, 3.0)  # locks a[:5]; a's last token stays an unlocked leaf
     assert lease.cached == 5
     cache.commit(cache.acquire(other, 0, 4.0), other, 4.0)  # touch other: a[5:] is LRU now
-    cache.commit(lease, (*a, 7), 5.0)  # needs 1 token: exactly the tail goes
+    cache.commit(lease, (*a, 7), 5.0)  # needs 1 token: a's tail stays, ``other``'s last goes
+    assert cache.match((*a, 7)) == 7
+    assert cache.match(other) == 3  # its acquire split it at 3: the 1-token leaf was evicted
     assert cache.total_tokens <= 10

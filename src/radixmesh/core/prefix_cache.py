@@ -37,10 +37,10 @@ What stays valid when
       caller's.
 
 Budget: ``total_tokens <= budget`` after every call. Eviction frees unlocked leaves least
-recently used first (a parent that becomes a leaf becomes evictable in its turn); if locked
-paths leave too little room an insert is truncated to what fits, so the cache holds a shorter
-prefix — correct, merely less useful. The budget bounds the cache, not a running request's own
-working memory.
+recently used first (a parent that becomes a leaf becomes evictable in its turn), never the
+cached prefix of what is being inserted; if locked paths leave too little room an insert is
+truncated to what fits, so the cache holds a shorter prefix — correct, merely less useful.
+The budget bounds the cache, not a running request's own working memory.
 
 Block hashes: the tree keeps the set of chained block hashes of every cached full block and a
 journal of additions and removals; ``drain_delta`` returns them (net) since the previous drain
@@ -181,11 +181,16 @@ class PrefixCache(Generic[V]):
         make_value: MakeValue[V] | None,
         hashes: Sequence[int] | None,
     ) -> int:
-        have = self.tree.match(tokens)
-        before = self.tree.total_tokens
-        room = self._make_room(len(tokens) - have)
-        if self.tree.total_tokens < before:  # the eviction may have taken an unlocked cached
-            have = self.tree.match(tokens)  # tail of ``tokens`` itself: size the insert now
+        # The cached prefix of ``tokens`` is what this insert extends: touch and lock it while
+        # room is made, so eviction takes other entries rather than evicting it and inserting
+        # it again (the lease locks only ``prompt[:-1]``'s match, taken before the run).
+        found = self.tree.match_prefix(tokens, now)
+        have = found.length
+        self.tree.lock(found.node)
+        try:
+            room = self._make_room(len(tokens) - have)
+        finally:
+            self.tree.unlock(found.node)
         end = min(len(tokens), have + room)
         if end <= have:
             return 0
