@@ -81,8 +81,8 @@ def test_peer_endpoints_refuse_and_count(keyed: TestClient) -> None:
     huge = keyed.post("/peer/gossip", content=b"\x00" * (8 * 1024 * 1024 + 1))
     assert huge.status_code == 413  # refused before any HMAC work
     assert metric(keyed, "radixmesh_peer_auth_rejected_total") == 5
-    assert metric(keyed, "radixmesh_peer_auth_rejected_replayed") == 1
-    assert metric(keyed, "radixmesh_peer_auth_accepted") == 2
+    assert metric(keyed, "radixmesh_peer_auth_rejected_replayed_total") == 1
+    assert metric(keyed, "radixmesh_peer_auth_accepted_total") == 2
 
 
 def test_no_key_warns_loudly_and_accepts(monkeypatch: pytest.MonkeyPatch,
@@ -90,7 +90,7 @@ def test_no_key_warns_loudly_and_accepts(monkeypatch: pytest.MonkeyPatch,
     with caplog.at_level(logging.WARNING), client_for(monkeypatch) as c:
         assert c.post("/peer/gossip", content=b"\x93\x01\x01\xc0").status_code == 204
         assert metric(c, "radixmesh_peer_auth_enabled") == 0
-        assert metric(c, "radixmesh_peer_auth_unauthenticated_accepted") == 1
+        assert metric(c, "radixmesh_peer_auth_unauthenticated_accepted_total") == 1
     assert any("NO CLUSTER KEY" in r.getMessage() for r in caplog.records)
 
 

@@ -245,7 +245,7 @@ def test_peer_requests_without_a_mesh_certificate_are_refused(engine: Any, pki: 
                     error = (await resp.json())["error"]
                     assert error["code"] == "peer_tls_client_cert_required"
                 assert tls_of(a).rejected["no_client_cert"] == 1
-                assert "peer_tls_rejected_no_client_cert 1" in a.prometheus()
+                assert "peer_tls_rejected_no_client_cert_total 1" in a.prometheus()
                 # a certificate from another CA: the handshake itself is refused
                 with pytest.raises(aiohttp.ClientError):
                     async with http.post(gossip, data=b"x",

@@ -4,7 +4,7 @@ Starts a fresh 4-node cluster of the built-in ``tiny`` engine (random weights, b
 one torch thread per node) for each of ``none`` (no routing), ``paper`` (the paper's longest
 estimated prefix match) and ``cost`` (radixmesh's cost-model router); replays the same
 MMLU-shaped workload against them with the paper's schedule (round-robin entry node, one
-request at a time); prints a comparison table and writes the full report (tables + figures).
+request at a time); prints a comparison table and writes a report of what ran (tables + figures).
 The synthetic prompts are scaled to a quarter of MMLU's length so the demo fits in about three
 minutes on a 2-core machine; ``--mmlu-dir`` uses the real questions instead.
 """
@@ -19,23 +19,30 @@ from pathlib import Path
 from radixmesh.bench.folder import Ratio, Results
 from radixmesh.bench.spec import RunSpec, check_policy
 from radixmesh.bench.sweep import run_name
+from radixmesh.core.units import parse_duration
 from radixmesh.workload import WorkloadSpec
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/demo", help="report folder (default runs/demo)")
-    p.add_argument("--requests", type=int, default=300)
-    p.add_argument("--nodes", type=int, default=4)
-    p.add_argument("--policies", default="none,paper,cost")
+    p.add_argument("--requests", type=int, default=300,
+                   help="requests replayed against each policy's cluster (default 300)")
+    p.add_argument("--nodes", type=int, default=4, help="nodes per cluster (default 4)")
+    p.add_argument("--policies", default="none,paper,cost",
+                   help="comma-separated routing policies to compare (default none,paper,cost)")
     p.add_argument("--mmlu-dir", help="use MMLU (original release layout) instead of synthetic")
     p.add_argument("--skewed", action="store_true", help="80%% of requests from 20%% of groups")
     p.add_argument("--scale", type=float, default=0.25, help="synthetic prompt length scale")
-    p.add_argument("--comm-delay", type=float, default=0.002, help="one-way peer delay, s")
-    p.add_argument("--gossip-interval", type=float, default=0.2, help="Δpoll, s")
+    p.add_argument("--comm-delay", type=parse_duration, default=0.002, metavar="DURATION",
+                   help="emulated one-way delay between nodes, e.g. 2ms (default 2ms)")
+    p.add_argument("--gossip-interval", type=parse_duration, default=0.2, metavar="DURATION",
+                   help="gossip interval Δpoll, e.g. 200ms (default 200ms)")
     p.add_argument("--cache-tokens", type=int, default=100_000, help="KV budget per node")
     p.add_argument("--threads", type=int, default=1, help="torch threads per node")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the workload and the engines' random weights (default 0)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bars (they are off anyway when stderr is not a terminal)")
 
 
 def specs(args: argparse.Namespace) -> list[RunSpec]:

@@ -1,7 +1,9 @@
 """The report's PNG figures (matplotlib, Agg backend — no display needed).
 
 Every function takes the loaded :class:`~radixmesh.bench.folder.Results` and a path, draws one
-figure, and returns False (drawing nothing) when the runs it needs are missing.
+figure, and returns False (drawing nothing) when the runs it needs are missing. A figure shows
+only what ran: a line needs at least two points (a "latency vs Δcomm" figure needs two Δcomm
+values), a panel is drawn only for data that exists (no empty panels).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ def latency_vs_comm(res: Results, path: Path) -> bool:
     none = res.find("none")
     series = {p: [(ms, res.find(p, delay_ms=ms)) for ms in DELAYS_MS]
               for p in ("paper", "cost", "oracle")}  # fmt: skip
-    if none is None or not any(r for s in series.values() for _, r in s):
+    delays = {ms for pts in series.values() for ms, r in pts if r is not None}
+    if none is None or len(delays) < 2:  # one Δcomm value is a point, not a curve
         return False
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     ax1.axhline(none["mean_latency_s"], color=COLORS["none"], ls="--", label="none")
@@ -112,6 +115,16 @@ def _share_grid(res: Results, panels: Sequence[tuple[str, Run]], groups: Sequenc
     return _save(fig, path)
 
 
+def _drawable(panels: list[tuple[str, Run]], res: Results) -> list[tuple[str, Run]]:
+    """The panels whose run has at least two windows of requests (a line, not a dot)."""
+    out = []
+    for label, run in panels:
+        n = len(res.ok(run))
+        if n >= window_for(n) + STRIDE:
+            out.append((label, run))
+    return out
+
+
 def share_over_time(res: Results, path: Path) -> bool:
     cands = [
         ("skewed, paper", res.find("paper", "skewed")),
@@ -119,7 +132,7 @@ def share_over_time(res: Results, path: Path) -> bool:
         ("uniform, none", res.find("none")),
         ("uniform, paper, Δpoll 300 s", res.find("paper", gossip_ms=300000.0)),
     ]
-    panels = [(label, r) for label, r in cands if r is not None]
+    panels = _drawable([(label, r) for label, r in cands if r is not None], res)
     if not panels:
         return False
     groups = _top_groups(res.ok(panels[0][1]))
@@ -135,10 +148,12 @@ def specialization_eviction(res: Results, path: Path) -> bool:
         return False
     cands = [(f"{p}, cache {res.pressure:,} tok/node", res.find(p, cache=res.pressure))
              for p in ("paper", "cost", "none")]  # fmt: skip
-    panels = [(label, r) for label, r in cands if r is not None]
+    panels = _drawable([(label, r) for label, r in cands if r is not None], res)
     if not panels:
         return False
     groups = _top_groups(res.ok(panels[0][1]))
+    if not groups:
+        return False
     w = window_for(len(res.ok(panels[0][1])))
     title = f"Specialization–eviction under memory pressure (window {w}, stride {STRIDE})"
     return _share_grid(res, panels, groups, title, path)
@@ -146,14 +161,16 @@ def specialization_eviction(res: Results, path: Path) -> bool:
 
 def hit_rates(res: Results, path: Path) -> bool:
     pols = ["none", "paper", "cost", "oracle", "random", "round_robin", "least_loaded", "sglang"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
-    drawn = False
-    for ax, skew in zip(axes, ("uniform", "skewed"), strict=True):
-        found = [(p, res.find(p, skew)) for p in pols]
-        runs = [(p, r) for p, r in found if r is not None]
-        if not runs:
-            continue
-        drawn = True
+    panels = []
+    for skew in ("uniform", "skewed"):
+        runs = [(p, r) for p, r in ((p, res.find(p, skew)) for p in pols) if r is not None]
+        if runs:  # a panel only for a skew that ran
+            panels.append((skew, runs))
+    if sum(len(runs) for _, runs in panels) < 2:  # one policy: nothing to compare
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.8), sharey=True,
+                             squeeze=False)
+    for ax, (skew, runs) in zip(axes[0], panels, strict=True):
         xs = range(len(runs))
         ax.bar([x - 0.2 for x in xs], [100 * (r["expected_hit_rate"] or 0) for _, r in runs],
                0.4, label="expected (router)", color="tab:cyan")  # fmt: skip
@@ -163,7 +180,4 @@ def hit_rates(res: Results, path: Path) -> bool:
         ax.set_title(f"{skew}: cache-hit rate (% of prompt tokens)")
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8)
-    if not drawn:
-        plt.close(fig)
-        return False
     return _save(fig, path)

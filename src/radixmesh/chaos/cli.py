@@ -3,6 +3,9 @@
     radixmesh chaos --quick --json     CI-sized: every fault once, ~1-2 minutes
     radixmesh chaos                    the full version: more requests, more loss levels
     radixmesh chaos --soak 10m         open-loop load with periodic kill -9 + restart
+    radixmesh chaos --operate join --hosts 4,16      join time on emulated hosts (root)
+    radixmesh chaos --operate rolling                rolling restart at 50 % of capacity
+    radixmesh chaos --operate overload               2x capacity for 60 s (admission)
 
 JSON (``--json``): ``{"faults": [{"fault", "requests", "failures", "lost", "passed", "notes",
 "checks", "figures"}], "config": {...}}``; with ``--soak``: ``{"soak": {...}}``. Exit status 1
@@ -24,6 +27,7 @@ from radixmesh.chaos.faults import FaultPlan, run_all
 from radixmesh.chaos.report import FaultResult, to_markdown
 from radixmesh.chaos.soak import SoakConfig, run_soak
 from radixmesh.core.units import parse_duration
+from radixmesh.progress import timed
 
 FAULTS = ("auth", "kill", "hang", "stream", "loss", "partition", "slow", "wrongkey", "sidechannel")
 
@@ -36,16 +40,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=float, default=3.0, help="soak: requests per second")
     parser.add_argument("--kill-every", default="45s", help="soak: one kill+restart per ...")
     parser.add_argument("--only", default="", help=f"comma-separated subset of {FAULTS}")
-    parser.add_argument("--nodes", type=int, default=3)
+    parser.add_argument("--nodes", type=int, default=3, help="nodes in the cluster (default 3)")
     parser.add_argument("--preset", default="micro", help="model preset every node runs")
     parser.add_argument("--policy", default="paper", help="routing policy of the nodes")
     parser.add_argument("--gossip-interval", default="0.2", help="Δpoll, e.g. 0.2 or 200ms")
-    parser.add_argument("--forward-timeout", default="1.0")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--forward-timeout", default="1.0",
+                        help="first-byte timeout of a forward, e.g. 1s or 500ms (default 1s)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the engines' weights, the prompts and the soak (default 0)")
     parser.add_argument("--no-key", action="store_true",
                         help="run without a cluster key (peer authentication off)")
     parser.add_argument("--log-dir", help="keep node logs here (default: a temp dir)")
     parser.add_argument("--out", help="also write the JSON report to this file")
+    parser.add_argument("--operate", choices=("join", "rolling", "overload"),
+                        help="an operating figure (chaos/operate.py) instead of the faults")
+    parser.add_argument("--hosts", default="4,16", help="join: emulated host counts")
+    parser.add_argument("--trials", type=int, default=3, help="join: joins per host count")
+    parser.add_argument("--load", type=float, default=None,
+                        help="rolling / overload: open-loop rate as a multiple of the measured "
+                        "capacity (default 0.5 / 2)")
+    parser.add_argument("--duration", default="60s", help="overload: how long arrivals go on")
+    parser.add_argument("--max-tokens", type=int, default=16, help="rolling / overload")
+    parser.add_argument("--serve", action="append", default=[], metavar="KEY=VALUE",
+                        help="rolling / overload: extra `radixmesh serve` option for every "
+                        "node, e.g. --serve max_queue_wait=2s (repeatable)")
 
 
 def _config(args: argparse.Namespace) -> ChaosConfig:
@@ -89,7 +107,7 @@ def _print_table(results: list[FaultResult]) -> None:
 def _soak(args: argparse.Namespace, cfg: ChaosConfig) -> tuple[dict[str, object], bool]:
     soak = SoakConfig(duration_s=parse_duration(args.soak), rate=args.rate,
                       kill_every_s=parse_duration(args.kill_every), seed=args.seed)
-    with ChaosEnv(cfg) as env:
+    with ChaosEnv(cfg) as env, timed(soak.duration_s, "soak"):
         report = run_soak(env, soak)
     doc: dict[str, object] = {"soak": report, "config": {**asdict(cfg), "soak": asdict(soak)}}
     if not args.json:
@@ -103,8 +121,49 @@ def _soak(args: argparse.Namespace, cfg: ChaosConfig) -> tuple[dict[str, object]
     return doc, bool(report["passed"])
 
 
+def _operate(args: argparse.Namespace) -> tuple[dict[str, object], bool]:
+    from radixmesh.chaos import operate
+
+    if args.operate == "join":
+        counts = [int(x) for x in args.hosts.split(",") if x.strip()]
+        runs = [operate.run_join(operate.JoinConfig(hosts=h, preset=args.preset,
+                                                    trials=args.trials), args.log_dir)
+                for h in counts]
+        return {"join": runs}, True
+    extra: dict[str, object] = {}
+    for item in args.serve:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--serve wants KEY=VALUE, got {item!r}")
+        extra[key.strip()] = value.strip()
+    default_load = 0.5 if args.operate == "rolling" else 2.0
+    cfg = operate.OperateConfig(
+        nodes=args.nodes, preset=args.preset, max_tokens=args.max_tokens, seed=args.seed,
+        load=default_load if args.load is None else args.load,
+        duration_s=parse_duration(args.duration), extra=tuple(extra.items()))
+    if args.operate == "rolling":
+        report = operate.run_rolling(cfg, args.log_dir)
+        ok = report["failed"] == 0 and report["wrong_or_lost"] == 0
+    else:
+        report = operate.run_overload(cfg, args.log_dir)
+        ok = report["lost"] == 0 and report["wrong_answers"] == 0
+    if not args.json:
+        for key, value in report.items():
+            if key != "config":
+                print(f"{key:>28}: {value}")
+    return {args.operate: report}, ok
+
+
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.operate:
+            doc, ok = _operate(args)
+            if args.json:
+                print(json.dumps(doc, indent=2, default=str))
+            if args.out:
+                with open(args.out, "w", encoding="utf-8") as fh:
+                    fh.write(json.dumps(doc, indent=2, default=str) + "\n")
+            return 0 if ok else 1
         cfg = _config(args)
         doc, ok = _soak(args, cfg) if args.soak else _faults(args, cfg)
     except ValueError as exc:

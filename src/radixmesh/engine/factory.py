@@ -11,6 +11,13 @@ Two ways in:
   Model identity: ``dir:<digest>:<dtype>``, the digest covering config.json, the safetensors
   index and every weight file's size, first and last MiB (cheap, yet distinguishes fine-tunes).
 
+A model directory is checked before anything is served: every ``*.safetensors`` file must
+be readable (a truncated or corrupt one is refused, named), and the weights must be exactly
+the ones the architecture in ``config.json`` expects — a weight missing from the checkpoint
+(which transformers would silently initialise at random) or one the architecture has no place
+for (e.g. ``model_type: gpt2`` over Qwen2 weights) refuses to start, naming them. Both are
+``ValueError``: ``radixmesh serve`` answers "cannot build the engine: ...", no traceback.
+
 Only full-attention decoder models are supported (Qwen2, Llama, Mistral without sliding
 window, ...): radix KV reuse needs one K/V tensor per layer covering every position.
 
@@ -26,6 +33,7 @@ import hashlib
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from radixmesh.core.blocks import DEFAULT_BLOCK_SIZE
 from radixmesh.engine.base import Tokenizer
@@ -110,9 +118,14 @@ def _from_dir(
         raise FileNotFoundError(f"{root} is not a model directory (no config.json)")
     config = AutoConfig.from_pretrained(root, local_files_only=True)
     _check_full_attention(config)
-    model = AutoModelForCausalLM.from_pretrained(
-        root, local_files_only=True, dtype=resolve_dtype(dtype)
-    )
+    _check_weight_files(root)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            root, local_files_only=True, dtype=resolve_dtype(dtype), output_loading_info=True
+        )
+    except SafetensorError as exc:
+        raise ValueError(f"{root}: cannot read the weights: {exc}") from exc
+    _check_loading_info(root, getattr(config, "model_type", "?"), info)
     model = model.to(dev).eval()
     text_cfg = config.get_text_config()
     spec = EngineSpec(
@@ -123,6 +136,40 @@ def _from_dir(
         cache_tokens=cache_tokens,
     )
     return TransformersEngine(model, tokenizer or HFTokenizer(root), spec, dev)
+
+
+def _check_weight_files(root: Path) -> None:
+    """Every safetensors file's header is readable and its data complete (cheap: the header
+    only, memory-mapped) — a truncated download is named here, not deep in a traceback."""
+    for path in sorted(root.glob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                f.keys()
+        except SafetensorError as exc:
+            raise ValueError(f"{path} is not a complete safetensors file ({exc}); "
+                             "re-download it") from exc
+
+
+def _names(keys: object, limit: int = 8) -> str:
+    names = sorted(str(k) for k in keys)  # type: ignore[attr-defined]
+    more = f", ... ({len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def _check_loading_info(root: Path, model_type: str, info: dict[str, object]) -> None:
+    """Refuse a checkpoint whose weights are not exactly the architecture's."""
+    problems = []
+    for kind, what in (("missing_keys", "missing from the checkpoint (would be random)"),
+                       ("unexpected_keys", "in the checkpoint but not in the architecture"),
+                       ("mismatched_keys", "of the wrong shape")):
+        keys = info.get(kind) or ()
+        if keys:
+            problems.append(f"{len(keys)} weights {what}: {_names(keys)}")  # type: ignore[arg-type]
+    if problems:
+        raise ValueError(
+            f"{root}: the weights do not match config.json (model_type {model_type!r}): "
+            + "; ".join(problems)
+        )
 
 
 def _check_full_attention(config: object) -> None:

@@ -31,7 +31,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -46,6 +48,7 @@ from typing import Any
 
 import httpx
 
+from radixmesh.core.units import parse_duration
 from radixmesh.runtime.config import add_serve_arguments, config_to_argv
 
 LOOPBACK = "127.0.0.1"
@@ -401,8 +404,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-port", type=int, default=8001,
                         help="first port; node i listens on base+i (0 = any free ports)")
     parser.add_argument("--log-dir", help="directory for one log per node (default: a temp dir)")
-    parser.add_argument("--ready-timeout", type=float, default=180.0,
-                        help="seconds to wait for all nodes to be healthy and gossiping")
+    parser.add_argument("--ready-timeout", type=parse_duration, default=180.0,
+                        metavar="DURATION",
+                        help="how long to wait for all nodes to be healthy and gossiping, "
+                        "e.g. 180s, 5m (default 180s)")
     add_serve_arguments(parser, skip=_RESERVED)
 
 
@@ -435,15 +440,33 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def served_model(cluster: LocalCluster) -> str:
+    """The model name the nodes serve (what a client sends as ``"model"``), from node 0's
+    ``/health``: the model directory's name, the preset's, or the external engine's."""
+    resp = cluster.get(0, "/health")
+    resp.raise_for_status()
+    return str(resp.json()["model"])
+
+
+def banner(cluster: LocalCluster, model: str) -> str:
+    """The "ready, try this" text, with the model the nodes really serve."""
+    lines = [f"{node.node_id}  {node.url}  (ready in {node.startup_s or 0:.1f}s, pid {node.pid})"
+             for node in cluster.nodes]
+    body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 8})
+    key = ("" if not cluster.options.get("api_key") else
+           " -H 'authorization: Bearer <your --api-key>'")
+    lines += [
+        "",
+        f"all {len(cluster)} nodes healthy and gossiping, serving model {model!r}. Try:",
+        f"  curl -s {cluster.urls[0]}/v1/completions -H 'content-type: application/json'{key} \\",
+        f"    -d {shlex.quote(body)} -D -",
+        "Ctrl-C stops them all.",
+    ]
+    return "\n".join(lines)
+
+
 def _print_ready(cluster: LocalCluster) -> None:
-    for node in cluster.nodes:
-        print(f"{node.node_id}  {node.url}  (ready in {node.startup_s or 0:.1f}s, "
-              f"pid {node.pid})", flush=True)
-    first = cluster.urls[0]
-    print(f"\nall {len(cluster)} nodes healthy and gossiping. Try:\n"
-          f"  curl -s {first}/v1/completions -H 'content-type: application/json' \\\n"
-          "    -d '{\"model\": \"tiny\", \"prompt\": \"Hello\", \"max_tokens\": 8}' -D -\n"
-          "Ctrl-C stops them all.", flush=True)
+    print(banner(cluster, served_model(cluster)), flush=True)
 
 
 def _report_exits(cluster: LocalCluster) -> None:

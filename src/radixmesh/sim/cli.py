@@ -144,7 +144,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--validate: 4096, the tiny preset's)",
     )
     g = p.add_argument_group("run")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0,
+                   help="random seed of the workload and the simulation (default 0)")
     g.add_argument("--warmup", default=None, help="virtual warm-up before requests")
     g.add_argument("--out", default=None, help="directory for summary.json, requests.jsonl")
     g.add_argument("--no-records", action="store_true", help="skip requests.jsonl")

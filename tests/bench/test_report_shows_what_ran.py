@@ -1,0 +1,84 @@
+"""``report.md`` shows what was run and nothing else: no rows, sections, targets or figures
+for configurations that did not run; a figure needs at least two points."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from radixmesh.bench.report import write_report
+from radixmesh.results.summary import mean, percentile
+
+Run = tuple[dict[str, Any], list[dict[str, Any]]]
+
+
+def _run(policy: str, delay_ms: float, nodes: int, n: int, speed: float) -> Run:
+    name = f"{policy}-uniform-d{delay_ms:g}ms-g200ms-c100000-n{nodes}"
+    rng = random.Random(f"{name}")
+    records, served = [], {f"n{i}": 0 for i in range(nodes)}
+    for seq in range(n):
+        node = f"n{seq % nodes}" if policy == "none" else f"n{(seq // 3) % nodes}"
+        served[node] += 1
+        latency = speed * (0.5 + rng.random())
+        records.append({
+            "run": name, "policy": policy, "seq": seq, "id": f"g{seq % 5}/{seq}",
+            "group": f"g{seq % 5}", "entry": seq % nodes, "entry_node": f"n{seq % nodes}",
+            "t_send": float(seq), "t_done": seq + latency, "latency_s": latency,
+            "served_by": node, "route": "local", "expected_cached_tokens": 0,
+            "cached_tokens": 50, "prompt_tokens": 100, "completion_tokens": 1,
+            "server_timing": {"queue": 0.0, "service": latency}, "status": 200, "error": None,
+            "output": "x", "finish_reason": "length"})
+    lat = [r["latency_s"] for r in records]
+    run = {
+        "name": name, "policy": policy, "nodes": nodes, "workload": "synthetic",
+        "skew": "uniform", "comm_delay_ms": delay_ms, "gossip_interval_ms": 200.0,
+        "cache_tokens": 100_000, "requests": n, "errors": 0, "mean_latency_s": mean(lat),
+        "p50_latency_s": percentile(lat, 50), "p99_latency_s": percentile(lat, 99),
+        "expected_hit_rate": 0.0 if policy == "none" else 0.4, "actual_hit_rate": 0.5,
+        "ideal_hit_rate": 0.55, "hotspot_share": max(served.values()) / n,
+        "forwarded_share": 0.0, "fallbacks": 0, "served_per_node": served,
+        "group": "t1", "schedule": "sequential", "concurrency": 1, "batch": name, "seed": 0,
+    }
+    return run, records
+
+
+def _folder(tmp: Path, runs: list[tuple[str, float, int, int, float]]) -> Path:
+    summary, lines = [], []
+    for spec in runs:
+        run, recs = _run(*spec)
+        summary.append(run)
+        lines += [json.dumps(r) for r in recs]
+    (tmp / "summary.json").write_text(json.dumps({"runs": summary}))
+    (tmp / "requests.jsonl").write_text("\n".join(lines) + "\n")
+    return tmp
+
+
+def test_one_point_shows_only_its_rows_and_no_curve(tmp_path: Path) -> None:
+    out = _folder(tmp_path, [("none", 2.0, 2, 40, 0.7), ("cost", 2.0, 2, 40, 0.4)])
+    text = write_report(out).read_text()
+    for absent in ("not run", "| 200ms |", "| 1s |", "skewed", "Memory pressure", "Open loop",
+                   "served nothing", "oracle's gain", "sglang", "hotspot ≤", "actual hit ≥",
+                   "fig2_latency_vs_comm", "fig3_share_over_time"):
+        assert absent not in text, absent
+    assert "| 2ms |" in text and "cost/none ≤ 0.90 (2ms)" in text  # what ran is there
+    assert "| uniform, cost |" in text and "| uniform, paper |" not in text
+    assert not (out / "fig2_latency_vs_comm.png").exists()
+    assert not (out / "fig3_share_over_time.png").exists()  # 40 requests: under two windows
+    assert (out / "fig_hit_rates.png").exists() and "fig_hit_rates.png" in text
+    above = text.split("## All runs")[0]
+    assert "—; —" not in above  # no column of a policy that did not run
+    assert "paper (s)" not in text and "cost (s)" in text
+
+
+def test_two_delays_draw_the_curve_and_four_nodes_judge_the_hotspot(tmp_path: Path) -> None:
+    out = _folder(tmp_path, [("none", 2.0, 4, 120, 0.7), ("cost", 2.0, 4, 120, 0.4),
+                             ("cost", 200.0, 4, 120, 0.6)])
+    text = write_report(out).read_text()
+    assert "| 2ms |" in text and "| 200ms |" in text and "| 1s |" not in text
+    assert (out / "fig2_latency_vs_comm.png").read_bytes()[:4] == b"\x89PNG"
+    assert "fig2_latency_vs_comm.png" in text
+    assert (out / "fig3_share_over_time.png").exists()  # 120 requests: several windows
+    assert "hotspot ≤ 35%" in text  # 4 nodes: a 35 % share is reachable, so it is judged
+    assert "actual hit ≥" not in text  # this sequence's ceiling (55 %) is below the target

@@ -1,0 +1,38 @@
+"""Every flag of demo / sim / chaos / cluster says what it does; durations take units."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+import pytest
+
+from radixmesh.cli import COMMANDS
+
+OWN = ("demo", "sim", "chaos", "cluster")
+
+
+def _parser(command: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"radixmesh {command}")
+    importlib.import_module(COMMANDS[command][0]).add_arguments(parser)
+    return parser
+
+
+@pytest.mark.parametrize("command", OWN)
+def test_every_flag_has_help(command: str) -> None:
+    missing = [a.option_strings[0] for a in _parser(command)._actions
+               if a.option_strings and not a.help]
+    assert not missing, f"radixmesh {command}: no help text for {missing}"
+
+
+def test_demo_durations_take_units_like_bench() -> None:
+    args = _parser("demo").parse_args(["--comm-delay", "2ms", "--gossip-interval", "0.5s"])
+    assert (args.comm_delay, args.gossip_interval) == (0.002, 0.5)
+    assert _parser("demo").parse_args(["--comm-delay", "0.01"]).comm_delay == 0.01
+    with pytest.raises(SystemExit):
+        _parser("demo").parse_args(["--comm-delay", "2 parsecs"])
+
+
+def test_cluster_ready_timeout_takes_units() -> None:
+    assert _parser("cluster").parse_args(["--ready-timeout", "5m"]).ready_timeout == 300.0
+    assert _parser("cluster").parse_args([]).ready_timeout == 180.0
