@@ -40,8 +40,8 @@ FRACTIONS = (0.0, 0.5, 0.85)
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="tiny", help="built-in engine preset (default tiny)")
     p.add_argument("--model", default=None, help="local Hugging Face model directory instead")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1 (default cpu)")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     p.add_argument(
         "--threads",
         type=int,
@@ -51,13 +51,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="prompt lengths")
     p.add_argument("--fractions", default=",".join(map(str, FRACTIONS)), help="cached shares")
     p.add_argument("--repeats", type=int, default=3, help="measurements per point (median)")
-    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--decode-tokens", type=int, default=32, help="tokens per decode timing")
     p.add_argument(
         "--forward-overhead",
         default="3ms",
         help="HTTP work of one forward hop (docs/benchmarks.md, node forwarding: ~3 ms here)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="preset weight seed (default 0)")
     p.add_argument(
         "--from-records",
         metavar="JSONL",
@@ -67,7 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--runs", default="", help="with --from-records: only these run names")
     p.add_argument("--out", default="costmodel.json", help="where to write the cost model")
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 
 # --------------------------------------------------------------------------- measuring
