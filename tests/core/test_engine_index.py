@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -353,3 +354,71 @@ def test_the_store_is_bounded() -> None:
     index = EngineIndex(B, SEED, max_tokens=32)
     index.apply(stored([1, 2, 3], None, toks(48)))
     assert len(index) == 2 and index.counters()["over_capacity"] == 1
+
+
+# ---------------------------------------------------------- spec kinds, engine granularity
+def test_blocks_of_groups_that_are_not_full_attention_are_skipped() -> None:
+    index = EngineIndex(B, SEED)
+    t = toks(2 * B)
+    index.apply(stored([1, 2], None, t, spec_kind="sliding_window"))
+    assert len(index) == 0 and index.counters()["skipped_kind"] == 2
+    index.apply(stored([1, 2], None, t, spec_kind="full_attention"))
+    assert index.match(t) == 2 * B
+
+
+def test_reuse_block_size_is_the_engines_configured_or_seen_block_size() -> None:
+    assert EngineIndex(B, SEED).reuse_block_size == 1  # unknown: no flooring
+    assert EngineIndex(B, SEED, engine_block_size=8 * B).reuse_block_size == 8 * B
+    index = EngineIndex(B, SEED)
+    index.apply(stored([1], None, toks(4 * B)))
+    assert index.observed_block_size == 4 * B and index.reuse_block_size == 4 * B
+
+
+# ------------------------------------------------------------- real vLLM 0.32 (captured)
+VLLM_FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "vllm_0_32"
+
+
+def _prefixes(batches: list[KvBatch]) -> dict[Any, tuple[int, ...]]:
+    """Reference: engine hash -> full token prefix, by following parents (removals drop)."""
+    blocks: dict[Any, tuple[Any, tuple[int, ...]]] = {}
+    for batch in batches:
+        for ev in batch.events:
+            if isinstance(ev, EngineBlockStored):
+                parent = ev.parent_hash
+                for i, h in enumerate(ev.block_hashes):
+                    size = ev.block_size
+                    blocks[h] = (parent, ev.token_ids[i * size:(i + 1) * size])
+                    parent = h
+            elif isinstance(ev, EngineBlockRemoved):
+                for h in ev.block_hashes:
+                    blocks.pop(h, None)
+            elif isinstance(ev, EngineAllCleared):
+                blocks.clear()
+    out: dict[Any, tuple[int, ...]] = {}
+    for h in blocks:
+        chain: list[tuple[int, ...]] = []
+        key: Any = h
+        while key is not None and key in blocks:
+            parent, tokens = blocks[key]
+            chain.append(tokens)
+            key = parent
+        if key is None:  # rooted: every ancestor present
+            out[h] = tuple(t for part in reversed(chain) for t in part)
+    return out
+
+
+@pytest.mark.parametrize("mesh_block", [16, 128])
+def test_index_from_real_vllm_batches_equals_the_engines_rooted_blocks(mesh_block: int) -> None:
+    frames = msgpack.unpackb((VLLM_FIXTURES / "live.msgpack").read_bytes(), raw=False)
+    batches = [decode_batch(f[2]) for f in frames]
+    index = EngineIndex(mesh_block, SEED, engine_block_size=128)
+    for batch in batches:
+        index.apply(batch)
+    want = {h for prefix in _prefixes(batches).values()
+            for h in block_hashes(prefix, mesh_block, SEED)}
+    assert want and index.hashes() == frozenset(want)
+    counts = index.counters()
+    assert counts["rejected_block_size"] == counts["skipped_kind"] == 0
+    assert counts["unknown_events"] == 0 and counts["blocks_removed"] > 0
+    longest = max(_prefixes(batches).values(), key=len)
+    assert index.match(longest) == len(longest)

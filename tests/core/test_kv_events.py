@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import random
 import struct
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -34,6 +35,7 @@ from radixmesh.core.kv_events import (
     decode_replay_frames,
     encode_replay_request,
     is_device_medium,
+    is_full_attention,
 )
 
 U64 = 2**64 - 1
@@ -506,3 +508,60 @@ def test_random_streams_drive_tracker_and_decoder_together() -> None:
         msg = decode_live_frames([b"kv", seqb(seq), payload])
         (step,) = t.on_live(msg.seq, decode_batch(msg.payload))
         assert isinstance(step, Apply) and step.item.ts == float(seq)
+
+
+# ------------------------------------------------------------------- real vLLM 0.32 (captured)
+VLLM_FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "vllm_0_32"
+
+
+def _captured(name: str) -> list[list[bytes]]:
+    frames = msgpack.unpackb((VLLM_FIXTURES / name).read_bytes(), raw=False)
+    assert frames and all(isinstance(f, list) for f in frames)
+    return frames
+
+
+def test_real_vllm_live_messages_decode_to_map_events() -> None:
+    """What vLLM 0.32 (CPU) published: [topic, seq, payload]; a batch [ts, events, rank 0];
+    each event a map with "type", None fields present as nil, kv_cache_spec_kind set."""
+    frames = _captured("live.msgpack")
+    kinds: set[type] = set()
+    seqs = []
+    for frame in frames:
+        msg = decode_live_frames(frame)
+        seqs.append(msg.seq)
+        raw = msgpack.unpackb(msg.payload, raw=False)
+        assert isinstance(raw, list) and len(raw) == 3 and raw[2] == 0
+        assert all(isinstance(e, dict) and "type" in e for e in raw[1])
+        batch = decode_batch(msg.payload)
+        assert batch.dp_rank == 0
+        for ev in batch.events:
+            kinds.add(type(ev))
+            if isinstance(ev, EngineBlockStored):
+                assert ev.block_size == 128 and ev.medium == "GPU"
+                assert ev.spec_kind == "full_attention" and ev.keyed == ()
+                assert ev.lora_id is None and ev.group_idx == 0
+                assert len(ev.token_ids) == 128 * len(ev.block_hashes)
+            elif isinstance(ev, EngineBlockRemoved):
+                assert ev.medium == "GPU" and ev.block_hashes
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # one publisher, in order
+    assert EngineBlockStored in kinds and EngineBlockRemoved in kinds
+    assert UnknownEngineEvent not in kinds
+
+
+def test_real_vllm_replay_answer_decodes_with_its_end_marker() -> None:
+    decoded = [decode_replay_frames(m) for m in _captured("replay.msgpack")]
+    assert isinstance(decoded[-1], ReplayEnd)
+    body = [d for d in decoded[:-1] if isinstance(d, ReplayMessage)]
+    assert len(body) == len(decoded) - 1 and body[0].seq == 0
+    assert all(decode_batch(d.payload).dp_rank == 0 for d in body)
+
+
+def test_spec_kind_is_decoded_and_full_attention_kinds_are_known() -> None:
+    ev = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+          "token_ids": [1, 2], "block_size": 2, "kv_cache_spec_kind": "sliding_window"}
+    (got,) = decode_batch(msgpack.packb([0.0, [ev], 0])).events
+    assert isinstance(got, EngineBlockStored) and got.spec_kind == "sliding_window"
+    assert not is_full_attention("sliding_window") and not is_full_attention("mamba")
+    assert is_full_attention(None) and is_full_attention("full_attention")
+    with pytest.raises(RemoteProtocolError):
+        decode_batch(msgpack.packb([0.0, [{**ev, "kv_cache_spec_kind": 3}], 0]))

@@ -12,8 +12,9 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from radixmesh.core.blocks import block_hashes
+from radixmesh.core.kv_events import EngineBlockStored, KvBatch
 from radixmesh.engine.base import GenerateRequest, SamplingParams
-from radixmesh.engine.http_engine import EngineUnavailable, HttpEngine
+from radixmesh.engine.http_engine import EngineUnavailable, HttpEngine, mesh_block_size
 from radixmesh.engine.tokenizers import ByteTokenizer
 from radixmesh.runtime.kv_subscriber import KvSubscriber, plan_endpoints
 from radixmesh.testing.fake_engine import FakeEngine, next_token, running
@@ -195,10 +196,11 @@ def test_the_exact_index_equals_the_fake_engines_cache_after_evictions() -> None
                 want = truth(fake, engine.fingerprint.digest)
                 assert want and engine.cache_hashes() == want
                 assert sub.counts["resets"] == sub.counts["malformed"] == 0
-                # the view the node reads: the index's match, capped at len - 1
+                # the view the node reads: the index's match, capped at len - 1, in whole
+                # engine blocks (what vLLM reuses: floor((len - 1) / block) * block)
                 probe = [*stem, *prompt_of("question 11 " * 9)]
                 full_blocks = fake.cache.match(probe) // 16 * 16
-                assert engine.match(probe) == min(full_blocks, len(probe) - 1) > 0
+                assert engine.match(probe) == min(full_blocks, len(probe) - 1) // 16 * 16 > 0
                 delta = engine.drain_cache_delta()  # net since the start: just what is cached
                 assert set(delta.added) == want and not set(delta.removed) & want
             await engine.aclose()
@@ -223,3 +225,28 @@ def test_openai_kind_keeps_an_approximate_lru_view() -> None:
             await engine.aclose()
 
     asyncio.run(scenario())
+
+
+def test_larger_engine_blocks_become_the_mesh_block_size() -> None:
+    """vLLM's CPU build caches 128-token blocks: the mesh then hashes at 128 (every gossiped
+    hash is a prefix the engine can reuse whole); sizes that do not fit keep the mesh's."""
+    assert mesh_block_size(16, 128) == 128 and mesh_block_size(16, None) == 16
+    assert mesh_block_size(16, 8) == 16 and mesh_block_size(16, 40) == 16
+    engine = HttpEngine("vllm", "http://127.0.0.1:1", ByteTokenizer(), model_name="m",
+                        engine_block_size=128)
+    assert engine.fingerprint.block_size == engine.index.block_size == 128
+
+
+def test_match_counts_whole_engine_blocks_below_the_last_prompt_token() -> None:
+    """What vLLM reuses: floor((len - 1) / block) * block of the cached prefix (a real vLLM
+    0.32 answered cached_tokens 256 for a 303-token prompt sharing 300 with a cached one)."""
+    engine = HttpEngine("vllm", "http://127.0.0.1:1", ByteTokenizer(), model_name="m",
+                        block_size=16)
+    cached = list(range(1, 301))  # engine blocks of 128: two full ones, as vLLM stores them
+    engine.index.apply(KvBatch(0.0, (EngineBlockStored((11, 12), None, tuple(cached[:256]),
+                                                       128),)))
+    assert engine.index.reuse_block_size == 128
+    assert engine.match([*cached, 7, 8, 9]) == 256
+    assert engine.match(cached[:200]) == 128  # a prefix ending inside block 2: only block 1
+    assert engine.match(cached[:256]) == 128  # the last token is always computed
+    assert engine.match(cached[:257]) == 256

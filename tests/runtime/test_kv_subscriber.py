@@ -75,9 +75,11 @@ async def settled(fake: FakeEngine, sub: KvSubscriber) -> None:
     await until(lambda: sub.publishers[0].tracker.next_seq == fake.seq, "every batch")
 
 
-def test_a_gap_is_filled_from_the_replay_socket() -> None:
+@pytest.mark.parametrize("replay_topic", [True, False], ids=["vllm-0.32-framing", "older"])
+def test_a_gap_is_filled_from_the_replay_socket(replay_topic: bool) -> None:
     async def scenario() -> None:
         async with setup() as (fake, engine, sub):
+            fake.replay_topic = replay_topic
             await ask(engine, "the first prompt, long enough for blocks " * 2)
             fake.skip_live = 1  # the next batch is lost on the PUB stream (kept for replay)
             await ask(engine, "the second prompt, also long enough " * 2)

@@ -22,7 +22,13 @@ index) but keeps the descendants in the store: an engine may evict a parent and 
 child, and when the parent is stored again its subtree is rooted again. Blocks with a LoRA
 adapter or extra keys (images, cache salt) are stored *opaque*: their KV is not named by the
 tokens alone, so neither they nor anything chained below them is ever indexed. Blocks outside
-device memory or of another KV group (hybrid models) are skipped without being stored.
+device memory, of another KV group (hybrid models) or of a group that is not full attention
+(vLLM's ``kv_cache_spec_kind``: sliding window, mamba, ...) are skipped without being stored.
+
+An engine reuses whole blocks of its own size only: with engine blocks larger than the mesh's
+(vLLM's CPU build defaults to 128, its kernels need multiples of 32), a prefix matched up to a
+mesh boundary inside an engine block is not a hit there. :attr:`EngineIndex.reuse_block_size`
+says that granularity; the engine shell floors its prediction to it.
 
 The hash set is reference counted (two engine blocks may name the same prefix) and changes
 are accumulated for :meth:`EngineIndex.drain_delta`, which feeds ``CacheChanged``. Everything
@@ -43,6 +49,7 @@ from radixmesh.core.kv_events import (
     KvBatch,
     KvEvent,
     is_device_medium,
+    is_full_attention,
 )
 
 _UINT32 = next(code for code in ("I", "L") if array(code).itemsize == 4)
@@ -56,6 +63,7 @@ _COUNTS = (
     "opaque_blocks",
     "skipped_medium",
     "skipped_group",
+    "skipped_kind",
     "rejected_block_size",
     "over_capacity",
     "unknown_removals",
@@ -117,6 +125,7 @@ class EngineIndex:
         self.group_idx = group_idx
         self.max_tokens = max_tokens
         self.config_error: str | None = None  # set by the first refused block size
+        self.observed_block_size: int | None = None  # of the last accepted BlockStored
         self._counts = dict.fromkeys(_COUNTS, 0)
         self._reset_state()
         self._added: set[int] = set()
@@ -156,6 +165,12 @@ class EngineIndex:
                 break
             n += 1
         return n * self.block_size
+
+    @property
+    def reuse_block_size(self) -> int:
+        """The granularity at which the engine reuses a cached prefix: whole engine blocks
+        (vLLM blocks, SGLang pages), configured, else as seen in its events; 1 while unknown."""
+        return self.engine_block_size or self.observed_block_size or 1
 
     def counters(self) -> dict[str, int]:
         return dict(self._counts)
@@ -201,6 +216,10 @@ class EngineIndex:
         n = len(ev.block_hashes)
         if not self._accepts(ev.medium, ev.group_idx, n) or not self._size_ok(ev.block_size, n):
             return
+        if not is_full_attention(ev.spec_kind):
+            self._counts["skipped_kind"] += n
+            return
+        self.observed_block_size = ev.block_size
         opaque_all = ev.lora_id is not None or ev.lora_name is not None
         parent = ev.parent_hash
         size = ev.block_size

@@ -12,7 +12,11 @@ counter that restarts at 0 with the engine. ``payload`` is msgpack: a batch ``[t
 rank]`` (vLLM's data-parallel rank, SGLang's attention-DP rank; absent when unset) or the same
 as a map. Each event is either a tagged array (older vLLM: ``["BlockStored", block_hashes,
 parent_block_hash, token_ids, block_size, lora_id, medium]``, trailing defaults omitted) or a
-map with a ``"type"`` (newer vLLM and SGLang; fields absent when None, unknown fields ignored).
+map with a ``"type"`` (newer vLLM and SGLang; fields absent or nil when None, unknown fields
+ignored). What vLLM 0.32 really sends is kept in ``tests/fixtures/vllm_0_32/`` (captured by
+``make vllm-check``): ``[ts, events, 0]``, maps with ``lora_id``/``lora_name`` nil,
+``extra_keys: [nil, ...]``, ``group_idx``, ``kv_cache_spec_kind: "full_attention"``,
+``medium: "GPU"`` (on its CPU build too).
 Event types we do not know decode to :class:`UnknownEngineEvent`, which the index counts and
 skips. Block hashes are normalised: ints (signed or unsigned 64-bit) to their unsigned 64-bit
 pattern, bytes kept as bytes — they are only ever engine-side names, never mesh keys.
@@ -85,6 +89,7 @@ class EngineBlockStored:
     lora_id: int | None = None
     lora_name: str | None = None
     keyed: tuple[bool, ...] = ()  # per block: carries extra keys (images, salt); () = none
+    spec_kind: str | None = None  # vLLM's kv_cache_spec_kind ("full_attention", ...); None: unsaid
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.group_idx < 0:
@@ -131,8 +136,20 @@ class KvBatch:
 
 
 def is_device_medium(medium: str | None) -> bool:
-    """True for blocks in accelerator memory (medium absent or "GPU")."""
+    """True for blocks in accelerator memory (medium absent or "GPU"; vLLM's CPU build says
+    "GPU" too for its main KV pool — "CPU" there means the offload tier)."""
     return medium is None or medium.upper() == "GPU"
+
+
+# vLLM's KVCacheSpecKind values whose blocks hold the full prefix's KV (a prefix hit on them
+# alone is a real hit); sliding-window, chunked-local, mamba, encoder and cross-attention
+# groups do not, and are not indexed.
+FULL_ATTENTION_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+
+
+def is_full_attention(spec_kind: str | None) -> bool:
+    """True for a full-attention KV group (or an engine that does not say: SGLang, older vLLM)."""
+    return spec_kind is None or spec_kind in FULL_ATTENTION_KINDS
 
 
 # ------------------------------------------------------------------------------------ frames
@@ -348,6 +365,7 @@ class _BatchParser:
             lora_id=_opt_int(f.get("lora_id"), "lora_id"),
             lora_name=_opt_str(f.get("lora_name"), "lora_name"),
             keyed=_keyed(f.get("extra_keys"), len(hashes)),
+            spec_kind=_opt_str(f.get("kv_cache_spec_kind"), "kv_cache_spec_kind"),
         )
 
     def hashes(self, v: Any) -> tuple[EngineHash, ...]:

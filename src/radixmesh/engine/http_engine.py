@@ -103,6 +103,7 @@ class HttpEngine:
         self.url = url.rstrip("/")
         self._tokenizer = tokenizer
         self._model_name = model_name
+        block_size = mesh_block_size(block_size, engine_block_size)
         self._fingerprint = Fingerprint(f"{kind}:{model_name}", tokenizer.fingerprint, block_size)
         self._max_context = max_context
         self.cache_tokens = cache_tokens
@@ -145,8 +146,13 @@ class HttpEngine:
 
     # ------------------------------------------------------------------------- cache view
     def match(self, prompt_ids: Sequence[int]) -> int:
-        found = self.index.match(prompt_ids) if self.exact else self.approx.match(prompt_ids)
-        return min(found, max(len(prompt_ids) - 1, 0))
+        """Prompt tokens the engine will find cached: the view's match, at most all but the
+        last prompt token (the engine computes that one), in whole engine blocks (it reuses
+        nothing finer: vLLM's ``num_tokens - 1`` cap, floored to its block size)."""
+        if not self.exact:
+            return min(self.approx.match(prompt_ids), max(len(prompt_ids) - 1, 0))
+        found = min(self.index.match(prompt_ids), max(len(prompt_ids) - 1, 0))
+        return found - found % self.index.reuse_block_size
 
     def usage(self) -> CacheUsage:
         if self.exact:
@@ -292,6 +298,16 @@ class HttpEngine:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def mesh_block_size(block_size: int, engine_block_size: int | None) -> int:
+    """The mesh's block size in front of an engine: the engine's own when it is a larger
+    multiple of ``block_size`` (vLLM's CPU build: 128), so every hash the mesh gossips names a
+    prefix the engine can reuse whole and peers' estimates are as exact as the local one."""
+    if engine_block_size and engine_block_size > block_size and (
+            engine_block_size % block_size == 0):
+        return engine_block_size
+    return block_size
 
 
 # ------------------------------------------------------------------------------ wire format

@@ -12,7 +12,9 @@ One object serves, on 127.0.0.1 only:
   token ids, ``BlockRemoved`` on eviction, ``AllBlocksCleared``), frames ``[topic, seq(8-byte
   BE), payload]``; it binds (the subscriber connects), or connects to ``kv_connect`` (the
   subscriber binds);
-* a ZMQ ROUTER replay socket holding the last ``replay_keep`` batches.
+* a ZMQ ROUTER replay socket holding the last ``replay_keep`` batches, answering in vLLM
+  0.32's framing ``[topic, seq, payload]`` (``replay_topic = False``: the older ``[seq,
+  payload]``).
 
 The cache is a real ``core.prefix_cache.PrefixCache[None]`` of token ids under a small budget,
 so requests evict; its own block hashes use a seed of its own (engine hashes are never mesh
@@ -31,6 +33,7 @@ import asyncio
 import collections
 import contextlib
 import json
+import signal
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -59,7 +62,9 @@ class FakeEngine:
     ``replay_endpoint``; ``await stop()`` ends everything (also a "kill" mid-test)."""
 
     def __init__(self, *, block_size: int = 16, cache_tokens: int = 512, replay_keep: int = 64,
-                 model: str = "fake-model", kv_connect: str | None = None) -> None:
+                 model: str = "fake-model", kv_connect: str | None = None, port: int = 0,
+                 kv_port: int = 0, replay_port: int = 0) -> None:
+        self.ports = (port, kv_port, replay_port)  # 0: any free port
         self.block_size = block_size
         self.cache_tokens = cache_tokens
         self.model = model
@@ -77,6 +82,7 @@ class FakeEngine:
         self.skip_replay = False
         self.duplicate_next = 0
         self.replay_enabled = True
+        self.replay_topic = True  # vLLM 0.32 replay framing [topic, seq, payload]; False: older
         # observations
         self.requests = 0
         self.active = 0
@@ -96,7 +102,7 @@ class FakeEngine:
         app.router.add_get("/v1/models", self._models)
         self._runner = web.AppRunner(app, shutdown_timeout=0.5)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, "127.0.0.1", self.ports[0])
         await site.start()
         self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
         self._open_zmq()
@@ -109,11 +115,11 @@ class FakeEngine:
             self._pub.connect(self.kv_connect)
             self.kv_endpoint = self.kv_connect
         else:
-            port = self._pub.bind_to_random_port("tcp://127.0.0.1")
+            port = _bind(self._pub, self.ports[1])
             self.kv_endpoint = f"tcp://*:{port}"  # as an engine's config says it: it binds
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
-        self.replay_endpoint = f"tcp://*:{self._router.bind_to_random_port('tcp://127.0.0.1')}"
+        self.replay_endpoint = f"tcp://*:{_bind(self._router, self.ports[2])}"
 
     async def stop(self) -> None:
         if self._ctx.closed:
@@ -322,12 +328,22 @@ class FakeEngine:
             if not self.replay_enabled or len(frames) != 3:
                 continue
             ident, start = frames[0], int.from_bytes(frames[2], "big")
+            topic = [TOPIC] if self.replay_topic else []
             for seq, payload in list(self._replay):
                 if seq >= start:
-                    await self._router.send_multipart([ident, b"", seq.to_bytes(8, "big"),
-                                                       payload])
+                    await self._router.send_multipart([ident, b"", *topic,
+                                                       seq.to_bytes(8, "big"), payload])
             end = (-1).to_bytes(8, "big", signed=True)
-            await self._router.send_multipart([ident, b"", end, b""])
+            # vLLM 0.32's end marker: [b"", b"", -1, b""] (an empty topic); older: [b"", -1, b""]
+            await self._router.send_multipart([ident, b"", *([b""] if topic else []), end, b""])
+
+
+def _bind(sock: Any, port: int) -> int:
+    """Bind on loopback, to ``port`` or (0) any free one; the port bound."""
+    if port:
+        sock.bind(f"tcp://127.0.0.1:{port}")
+        return port
+    return int(sock.bind_to_random_port("tcp://127.0.0.1"))
 
 
 async def _sse_response(request: web.Request) -> web.StreamResponse:
@@ -349,3 +365,38 @@ async def running(**kwargs: Any) -> Any:
         yield fake
     finally:
         await fake.stop()
+
+
+async def _serve_forever(args: Any) -> None:
+    fake = FakeEngine(port=args.port, kv_port=args.kv_port, replay_port=args.replay_port,
+                      cache_tokens=args.cache_tokens, model=args.model)
+    await fake.start()
+    print(f"fake engine {fake.url} events {fake.kv_endpoint} replay {fake.replay_endpoint}",
+          flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await fake.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m radixmesh.testing.fake_engine --port P --kv-port K --replay-port R``: one
+    fake engine as a process (for ``serve --launch`` tests); SIGTERM stops it."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m radixmesh.testing.fake_engine")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--kv-port", type=int, default=0)
+    ap.add_argument("--replay-port", type=int, default=0)
+    ap.add_argument("--cache-tokens", type=int, default=4096)
+    ap.add_argument("--model", default="fake-model")
+    asyncio.run(_serve_forever(ap.parse_args(argv)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
