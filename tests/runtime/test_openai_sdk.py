@@ -38,9 +38,13 @@ def engine() -> Any:
 
 
 @contextlib.asynccontextmanager
-async def _client(engine: Any) -> AsyncIterator[tuple[openai.AsyncOpenAI, ScriptedEngine]]:
+async def _client(engine: Any, extended: bool = True
+                  ) -> AsyncIterator[tuple[openai.AsyncOpenAI, ScriptedEngine]]:
     port = free_port()
     scripted = scripted_engine(engine)
+    # The scripted stand-in ignores penalties and logprobs (so it says it has none); tests
+    # that only check the API accepts them declare it extended.
+    scripted.extended_sampling = extended  # type: ignore[misc]
     service = NodeService(ServeConfig(node_id="sdk", port=port, gossip_interval=5.0), scripted)
     async with serving(service, port) as address:
         client = openai.AsyncOpenAI(base_url=f"http://{address}/v1", api_key="unused",
@@ -52,10 +56,11 @@ async def _client(engine: Any) -> AsyncIterator[tuple[openai.AsyncOpenAI, Script
 
 
 def _run(
-    engine: Any, body: Callable[[openai.AsyncOpenAI, ScriptedEngine], Awaitable[None]]
+    engine: Any, body: Callable[[openai.AsyncOpenAI, ScriptedEngine], Awaitable[None]],
+    extended: bool = True,
 ) -> None:
     async def scenario() -> None:
-        async with _client(engine) as (client, scripted):
+        async with _client(engine, extended) as (client, scripted):
             await body(client, scripted)
 
     asyncio.run(scenario())
@@ -119,11 +124,13 @@ def test_unsupported_parameters_raise_bad_request(engine: Any) -> None:
     tool: Any = {"type": "function", "function": {"name": "f", "parameters": {}}}
     refused: list[tuple[str, dict[str, Any]]] = [
         ("tools", {"tools": [tool]}),
+        ("tool_choice", {"tool_choice": "auto"}),
         ("response_format", {"response_format": {"type": "json_object"}}),
         ("logit_bias", {"logit_bias": {"1": 5}}),
-        ("n", {"n": 2}),
+        # the scripted stand-in has no extended_sampling: refused, never ignored
         ("logprobs", {"logprobs": True}),
         ("presence_penalty", {"presence_penalty": 0.5}),
+        ("frequency_penalty", {"frequency_penalty": -0.5}),
     ]
 
     async def body(client: openai.AsyncOpenAI, scripted: ScriptedEngine) -> None:
@@ -132,9 +139,15 @@ def test_unsupported_parameters_raise_bad_request(engine: Any) -> None:
                 await client.chat.completions.create(model="micro", messages=MSGS,
                                                      max_tokens=2, **kwargs)
             assert info.value.param == param and info.value.code == "unsupported_value"
-        with pytest.raises(openai.BadRequestError) as info:
-            await client.completions.create(model="micro", prompt="x", echo=True)
-        assert info.value.param == "echo"
+            assert param in info.value.message
+        for param, kwargs in [("suffix", {"suffix": "end"}), ("best_of", {"best_of": 3}),
+                              ("logprobs", {"logprobs": 2})]:
+            with pytest.raises(openai.BadRequestError) as info:
+                await client.completions.create(model="micro", prompt="x", **kwargs)
+            assert info.value.param == param and info.value.code == "unsupported_value"
+        with pytest.raises(openai.BadRequestError) as info:  # a schema error: 400, not 422
+            await client.completions.create(model="micro", prompt="x", max_tokens="8")  # type: ignore[arg-type]
+        assert info.value.param == "max_tokens" and info.value.status_code == 400
         assert scripted.generated == 0  # nothing reached the engine
 
-    _run(engine, body)
+    _run(engine, body, extended=False)

@@ -120,7 +120,7 @@ def test_malformed_bodies() -> None:
         ({"model": 3, "prompt": "x"}, "model", 400),
         ({"model": "tiny"}, "prompt", 400),
         ({"model": "tiny", "prompt": 5}, "prompt", 400),
-        ({"model": "tiny", "prompt": ["a", "b"]}, "prompt", 400),
+        ({"model": "tiny", "prompt": ["a", 1]}, "prompt", 400),
         ({"model": "tiny", "prompt": [1, -2]}, "prompt", 400),
         ({"model": "tiny", "prompt": "x", "max_tokens": "8"}, "max_tokens", 400),
         ({"model": "tiny", "prompt": "x", "max_tokens": 0}, "max_tokens", 400),
@@ -128,12 +128,12 @@ def test_malformed_bodies() -> None:
         ({"model": "tiny", "prompt": "x", "temperature": -1}, "temperature", 400),
         ({"model": "tiny", "prompt": "x", "temperature": "hot"}, "temperature", 400),
         ({"model": "tiny", "prompt": "x", "top_p": 0}, "top_p", 400),
-        ({"model": "tiny", "prompt": "x", "n": 2}, "n", 400),
-        ({"model": "tiny", "prompt": "x", "logprobs": 5}, "logprobs", 400),
+        ({"model": "tiny", "prompt": "x", "n": 17}, "n", 400),
+        ({"model": "tiny", "prompt": "x", "logprobs": 21}, "logprobs", 400),
         ({"model": "tiny", "prompt": "x", "stream": "yes"}, "stream", 400),
         ({"model": "tiny", "prompt": "x", "stop": 7}, "stop", 400),
         ({"model": "tiny", "prompt": "x", "stop": ["a"] * 5}, "stop", 400),
-        ({"model": "tiny", "prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty", 400),
+        ({"model": "tiny", "prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty", 400),
     ],
 )
 def test_completion_validation(body, param, status) -> None:  # type: ignore[no-untyped-def]
@@ -144,7 +144,7 @@ def test_completion_validation(body, param, status) -> None:  # type: ignore[no-
 def test_completion_defaults_and_batch_of_one() -> None:
     req = parse_completion({"model": "tiny", "prompt": ["hi"], "stream": True,
                             "stream_options": {"include_usage": True}, "seed": 3}, MODELS)
-    assert (req.prompt_text, req.max_tokens, req.temperature) == ("hi", 16, 0.0)
+    assert (req.prompt_text, req.max_tokens, req.temperature) == ("hi", 16, 1.0)
     assert req.stream and req.include_usage and req.sampling().seed == 3
     ids = parse_completion({"model": "tiny", "prompt": [[1, 2, 3]]}, MODELS)
     assert ids.prompt_ids == (1, 2, 3)
@@ -198,7 +198,7 @@ def test_prometheus_text() -> None:
     m.requests["forwarded"] += 2
     text = render(m, {"queue_depth": 3.0}, {"gossip_bytes_out": 10.0}, {"b": "suspect"}, "a")
     assert 'radixmesh_requests_total{route="forwarded"} 2' in text
-    assert "radixmesh_queue_depth 3" in text and "radixmesh_core_gossip_bytes_out 10" in text
+    assert "radixmesh_queue_depth 3" in text and "radixmesh_core_gossip_bytes_out_total 10" in text
     assert 'radixmesh_peers{state="suspect"} 1' in text
     assert all(line.startswith("#") or " " in line for line in text.splitlines())
 

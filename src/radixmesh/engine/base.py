@@ -29,6 +29,10 @@ The :class:`AsyncEngine` contract
 * The cache view (``match``, ``usage``, ``drain_cache_delta``, ``cache_hashes``) answers at once
   and may be read while requests run; only the delta drain mutates (the journal).
 
+Penalties and log-probabilities (``SamplingParams`` beyond ``plain``) are honoured by an engine
+whose ``extended_sampling`` attribute is true (the built-in one); the node refuses them with a
+400 on any other engine rather than ignore them.
+
 Handles: lists and results returned by an engine are owned by the caller; the engine never
 mutates them. Request and result types are frozen.
 """
@@ -42,22 +46,70 @@ from typing import Literal, Protocol
 from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.prefix_cache import CacheUsage as CacheUsage  # re-exported
 
+MAX_LOGPROBS = 20  # the most alternatives per position an engine is asked for
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
+    """How to sample. Penalties follow OpenAI: before sampling, each token ``j`` generated
+    ``c[j]`` times so far in this answer has its logit lowered by
+    ``c[j] * frequency_penalty + (c[j] > 0) * presence_penalty`` (the prompt does not count).
+    ``logprobs`` = k asks for each generated token's log-probability and the k most likely
+    alternatives (:class:`TokenLogprob`); ``prompt_logprobs`` = k the same for every prompt
+    token (the first has none) — exact, so the whole prompt is computed (no prefix reuse).
+    ``max_tokens`` may be 0 only with ``prompt_logprobs`` (score the prompt, generate none)."""
+
     max_tokens: int = 16
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()  # besides the tokenizer's EOS
+    presence_penalty: float = 0.0  # in [-2, 2]
+    frequency_penalty: float = 0.0  # in [-2, 2]
+    logprobs: int | None = None  # in [0, MAX_LOGPROBS]
+    prompt_logprobs: int | None = None  # in [0, MAX_LOGPROBS]
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
+        if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise ValueError("max_tokens must be >= 1 (0 only when scoring the prompt)")
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
             raise ValueError("top_p must be in (0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2]")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}]")
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def plain(self) -> bool:
+        """Nothing beyond what every engine and the forward protocol carry (no penalties, no
+        log-probabilities)."""
+        return not self.penalized and self.logprobs is None and self.prompt_logprobs is None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One position's log-probability (natural log, of the model's raw distribution: before
+    temperature, top-p and penalties) and its ``top`` alternatives, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+# An engine with ``extended_sampling`` calls a request's ``on_logprob`` like ``on_token``, just
+# before ``on_token`` of the same token (and once for the stop token that ends an answer).
+LogprobCallback = Callable[[TokenLogprob], None]
+# ... and its ``on_prompt_logprobs`` once, with every prompt entry, before any token
+PromptLogprobCallback = Callable[[tuple[TokenLogprob | None, ...]], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +117,12 @@ class GenerateRequest:
     request_id: str
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    # with ``sampling.logprobs``: receives each generated token's entry as it is computed
+    # (engines with ``extended_sampling``; a proxy passing the request on passes it too)
+    on_logprob: LogprobCallback | None = field(default=None, compare=False, repr=False)
+    # with ``sampling.prompt_logprobs``: receives them as soon as the prompt is scored
+    on_prompt_logprobs: PromptLogprobCallback | None = field(default=None, compare=False,
+                                                             repr=False)
 
 
 FinishReason = Literal["stop", "length"]
@@ -80,6 +138,11 @@ class GenerateResult:
     queue_s: float  # time admitted but not started (waiting for the engine)
     prefill_s: float
     decode_s: float
+    # with ``sampling.logprobs``: one per output id, and one more for the stop token that
+    # ended the answer (finish "stop" on a stop id: it is not in ``output_ids``)
+    logprobs: tuple[TokenLogprob, ...] = ()
+    # with ``sampling.prompt_logprobs``: one per prompt token, None for the first
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +36,9 @@ _CORPUS = (
 )
 
 
-def train_tokenizer(vocab_size: int = 400) -> Tokenizer:
-    """A byte-level BPE (lossless on any UTF-8 text) with ChatML special tokens."""
+def train_tokenizer(vocab_size: int = 400, corpus: Iterable[str] | None = None) -> Tokenizer:
+    """A byte-level BPE (lossless on any UTF-8 text) with ChatML special tokens, trained on
+    ``corpus`` (default: a few built-in sentences, enough for tests)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -47,14 +48,19 @@ def train_tokenizer(vocab_size: int = 400) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(list(_CORPUS) * 4, trainer=trainer)
+    tok.train_from_iterator(list(_CORPUS) * 4 if corpus is None else corpus, trainer=trainer)
     return tok
 
 
 def save_random_model_dir(
-    path: str | Path, preset: str = "tiny", seed: int = 0, vocab_size: int = 400
+    path: str | Path,
+    preset: str = "tiny",
+    seed: int = 0,
+    vocab_size: int = 400,
+    corpus: Iterable[str] | None = None,
 ) -> Path:
-    """Write a random-weight model + tokenizer as a local HF model directory; returns it."""
+    """Write a random-weight model + tokenizer (trained on ``corpus``, see
+    :func:`train_tokenizer`) as a local HF model directory; returns it."""
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     spec = get_preset(preset)
@@ -65,7 +71,7 @@ def save_random_model_dir(
     model.config.eos_token_id = eos_id
     hf_logging.disable_progress_bar()
     model.save_pretrained(root)
-    train_tokenizer(vocab_size).save(str(root / "tokenizer.json"))
+    train_tokenizer(vocab_size, corpus).save(str(root / "tokenizer.json"))
     config = {
         "eos_token": "<|endoftext|>",
         "chat_template": CHATML_FALLBACK,
@@ -87,7 +93,10 @@ class ScriptedEngine:
     """Engine proxy for tests: generates the bytes of ``text`` (one token each, ``token_s``
     apart) whatever the prompt, obeying the engine contract (``on_token`` raising stops it);
     everything else (cache view, tokenizer, fingerprint) is the wrapped engine's. ``generated``
-    counts the tokens it produced."""
+    counts the tokens it produced. It ignores penalties and logprobs, so it says so
+    (``extended_sampling``) instead of passing the wrapped engine's flag through."""
+
+    extended_sampling = False
 
     def __init__(self, engine: Any, text: str, token_s: float) -> None:
         self._engine = engine

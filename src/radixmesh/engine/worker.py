@@ -20,10 +20,12 @@ future carries the exception and the worker goes on with the next request;
 :class:`RequestStopped` raised from ``on_token`` counts as ``cancelled``, not ``failed``.
 ``close()`` cancels waiting requests, lets the running one finish, and joins the thread.
 
-``ThreadedEngine`` never lets its callers touch the engine thread: each token hops to the loop
-(``call_soon_threadsafe``); cancelling the awaiting task cancels a queued future (skipped) or
-makes the next token raise :class:`RequestStopped` on the engine thread (the engine commits its
-KV so far and unwinds), and ``generate`` re-raises ``CancelledError`` once the worker let go.
+``ThreadedEngine`` never lets its callers touch the engine thread: each token (and with a
+request's ``on_logprob`` each log-probability entry, just before its token) hops to the loop
+(``call_soon_threadsafe``, in order); cancelling the awaiting task cancels a queued future
+(skipped) or makes the next token raise :class:`RequestStopped` on the engine thread (the
+engine commits its KV so far and unwinds), and ``generate`` re-raises ``CancelledError`` once
+the worker let go.
 """
 
 from __future__ import annotations
@@ -47,8 +49,11 @@ from radixmesh.engine.base import (
     Engine,
     GenerateRequest,
     GenerateResult,
+    LogprobCallback,
+    PromptLogprobCallback,
     TokenCallback,
     Tokenizer,
+    TokenLogprob,
 )
 
 CLOSE_WAIT_S = 5.0  # ThreadedEngine.aclose(): how long to wait for the running request
@@ -176,8 +181,11 @@ class EngineWorker:
 class _Relay:
     """One request's token path from the engine thread to the loop; cut once ``stopped``."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, on_token: TokenCallback | None) -> None:
-        self._loop, self._on_token = loop, on_token
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_token: TokenCallback | None,
+                 on_logprob: LogprobCallback | None = None,
+                 on_prompt: PromptLogprobCallback | None = None) -> None:
+        self._loop, self._on_token, self._on_logprob = loop, on_token, on_logprob
+        self._on_prompt = on_prompt
         self.stopped = False  # written on the loop, read on the engine thread
         self.error: Exception | None = None  # what on_token raised (it stopped the request)
 
@@ -186,6 +194,30 @@ class _Relay:
             raise RequestStopped("the request was stopped")
         if self._on_token is not None:
             self._loop.call_soon_threadsafe(self._deliver, tok)
+
+    def logprob_from_engine(self, entry: TokenLogprob) -> None:  # on the engine thread
+        if self._on_logprob is not None and not self.stopped:
+            self._loop.call_soon_threadsafe(self._deliver_logprob, entry)
+
+    def _deliver_logprob(self, entry: TokenLogprob) -> None:  # on the loop
+        if self.stopped or self._on_logprob is None:
+            return
+        try:
+            self._on_logprob(entry)
+        except Exception as exc:
+            self.error, self.stopped = exc, True
+
+    def prompt_from_engine(self, entries: tuple[TokenLogprob | None, ...]) -> None:
+        if self._on_prompt is not None and not self.stopped:  # on the engine thread
+            self._loop.call_soon_threadsafe(self._deliver_prompt, entries)
+
+    def _deliver_prompt(self, entries: tuple[TokenLogprob | None, ...]) -> None:  # on the loop
+        if self.stopped or self._on_prompt is None:
+            return
+        try:
+            self._on_prompt(entries)
+        except Exception as exc:
+            self.error, self.stopped = exc, True
 
     def _deliver(self, tok: int) -> None:  # on the loop
         if self.stopped or self._on_token is None:
@@ -213,10 +245,22 @@ class ThreadedEngine:
     def waiting(self) -> int:
         return self.worker.waiting
 
+    @property
+    def extended_sampling(self) -> bool:
+        """The wrapped engine honours penalties and log-probabilities (``SamplingParams``)."""
+        return bool(getattr(self.engine, "extended_sampling", False))
+
     async def generate(
         self, req: GenerateRequest, on_token: TokenCallback | None = None
     ) -> GenerateResult:
-        relay = _Relay(asyncio.get_running_loop(), on_token)
+        """As :class:`AsyncEngine`; ``req.on_logprob`` and ``req.on_prompt_logprobs`` run on
+        the loop too, in the order the engine called them (a logprob just before its token)."""
+        relay = _Relay(asyncio.get_running_loop(), on_token, req.on_logprob,
+                       req.on_prompt_logprobs)
+        if req.on_logprob is not None:
+            req = dataclasses.replace(req, on_logprob=relay.logprob_from_engine)
+        if req.on_prompt_logprobs is not None:
+            req = dataclasses.replace(req, on_prompt_logprobs=relay.prompt_from_engine)
         future = self.worker.submit(req, relay.from_engine)
         done = asyncio.wrap_future(future)
         try:

@@ -5,7 +5,13 @@ Over 400 lines because it is one FastAPI app: its client, peer and admin routes 
 auth, body-limit and error-shaping plumbing, and splitting them would scatter a single surface.
 
 Client API   POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models,
-             GET /v1/models/{id} (404 model_not_found). Stop strings are matched here, on the
+             GET /v1/models/{id} (404 model_not_found); bodies are the pydantic models of
+             runtime/openai_api.py (FastAPI validates them; a failure is an OpenAI error with
+             400, never FastAPI's 422) after ``BodyLimit`` read them (413 over the limit).
+             A response's choices are one execution each (prompts x n), started through
+             the node's request path one after the other: a prompt's first sample routed on
+             its own, its other samples where it went (they reuse its cached prompt).
+             Stop strings are matched here, on the
              tokens as they arrive (also for a forwarded request, which then streams tokens
              even if the client asked for one JSON body): a match ends the request as done and
              stops the engine through the same abort as a client that went away
@@ -34,27 +40,36 @@ import math
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from contextlib import aclosing, asynccontextmanager
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from radixmesh.core.auth import AuthError
 from radixmesh.core.codec import RemoteProtocolError
 from radixmesh.core.forward_codec import decode_forward_request
 from radixmesh.core.messages import ForwardRequest
-from radixmesh.engine.base import SamplingParams
+from radixmesh.engine.base import SamplingParams, TokenLogprob
 from radixmesh.runtime.debug import install_debug_routes
 from radixmesh.runtime.execution import Execution, Outcome
 from radixmesh.runtime.node import NodeService, Overloaded
 from radixmesh.runtime.openai_api import (
-    DEFAULT_MAX_TOKENS,
-    DEFAULT_TEMPERATURE,
-    MAX_STOP_SEQUENCES,
     ApiError,
     ApiRequest,
+    ChatCompletionResponse,
+    ChatRequest,
+    Choice,
+    CompletionRequest,
+    CompletionResponse,
     Detokenizer,
+    ErrorResponse,
+    LogprobShaper,
+    ModelEntry,
+    ModelList,
     StreamShaper,
     error_body,
     new_id,
@@ -62,7 +77,10 @@ from radixmesh.runtime.openai_api import (
     parse_completion,
     parse_json,
     response_body,
+    served_request_models,
+    server_defaults,
     usage_body,
+    validation_error,
 )
 from radixmesh.runtime.openapi import install_openapi
 from radixmesh.runtime.peer_auth import (
@@ -114,7 +132,8 @@ def create_app(service: NodeService) -> FastAPI:
     _peer_routes(app, service)
     _admin_routes(app, service)
     install_debug_routes(app, service)
-    install_openapi(app, service.engine.model_name)
+    install_openapi(app)  # generated from the routes' pydantic models
+    app.add_middleware(BodyLimit, limit=service.config.max_body_bytes, service=service)
     install_api_key_check(app, service.api_key)
     install_peer_tls(app, service)  # --peer-tls-*: /peer/* needs a CA-signed client cert
     return app
@@ -131,7 +150,12 @@ def _install_errors(app: FastAPI, service: NodeService) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        service.metrics.client_errors[exc.status_code] += 1
         return JSONResponse(error_body(str(exc.detail), type_), status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(exc.errors()), service)  # 400, not 422
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:
@@ -158,82 +182,238 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 # ---------------------------------------------------------------------------------- client
+class BodyLimit:
+    """ASGI middleware: a client API body over ``limit`` bytes is a 413 (OpenAI error body),
+    read here whole before FastAPI parses and validates it; then replayed to the app (later
+    ``receive`` calls go to the client: disconnect detection). These endpoints take JSON
+    only, so the body is parsed as JSON whatever its content type (``curl -d`` sends
+    ``application/x-www-form-urlencoded``)."""
+
+    def __init__(self, app: ASGIApp, limit: int, service: NodeService) -> None:
+        self.app, self.limit, self.service = app, limit, service
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in _BODY_PATHS:
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            await self._too_large(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # nobody to answer
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                await self._too_large(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+        headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+        scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
+        err = ApiError(f"Request body too large (limit {self.limit} bytes).", status=413,
+                       code="request_too_large")
+        await error_response(err, self.service)(scope, receive, send)
+
+
+_BODY_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    return {code: {"model": ErrorResponse, "description": "OpenAI-style error"}
+            for code in codes}
+
+
+def _generation_responses(model: type[Any]) -> dict[int | str, dict[str, Any]]:
+    return {200: {"model": model, "description": "the completion (JSON), or server-sent "
+                  "events of chunks of the same shape when streaming",
+                  "content": {"text/event-stream": {}}},
+            **_errors(400, 401, 404, 413, 429, 503)}
+
+
 def _client_routes(app: FastAPI, service: NodeService) -> None:
     models = [service.engine.model_name]
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await _generate(request, service, models, "completion")
+    completion_body, chat_body = served_request_models(models)
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await _generate(request, service, models, "chat")
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        return await _generate(request, service, models, body)
+
+    async def chat(request: Request, body: ChatRequest) -> Response:
+        return await _generate(request, service, models, body)
+
+    # the served subclasses (their schema names the served model): set here, not as string
+    # annotations, which FastAPI would resolve in this module's globals
+    completions.__annotations__["body"] = completion_body
+    chat.__annotations__["body"] = chat_body
+    app.post("/v1/completions", summary="text completion",
+             responses=_generation_responses(CompletionResponse))(completions)
+    app.post("/v1/chat/completions", summary="chat completion",
+             responses=_generation_responses(ChatCompletionResponse))(chat)
 
     created = int(time.time())
 
-    @app.get("/v1/models")
-    async def list_models() -> dict[str, object]:
-        return {"object": "list", "data": [_model_entry(service, m, created) for m in models]}
+    @app.get("/v1/models", summary="served models, with this server's defaults and limits",
+             response_model=ModelList, responses=_errors(401))
+    async def list_models() -> ModelList:
+        return ModelList(object="list", data=[_model_entry(service, m, created) for m in models])
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", summary="one served model (OpenAI's retrieve model)",
+             response_model=ModelEntry, responses=_errors(401, 404))
     async def retrieve_model(model_id: str) -> Response:
         if model_id not in models:
             return error_response(ApiError(f"The model '{model_id}' does not exist.",
                                            status=404, param="model", code="model_not_found"),
                                   service)
-        return JSONResponse(_model_entry(service, model_id, created))
+        return JSONResponse(_model_entry(service, model_id, created).model_dump())
 
-    @app.get("/health")
+    @app.get("/health", summary="liveness (503 while leaving)",
+             responses={503: {"description": "the node is leaving (draining)"}})
     async def health() -> Response:
         body = service.health()  # leaving (SIGTERM drain): 503, so readiness probes drop it
         return JSONResponse(body, status_code=503 if body["status"] == "leaving" else 200)
 
-    @app.get("/mesh")
+    @app.get("/mesh", summary="this node's view of the mesh", responses=_errors(401))
     async def mesh() -> dict[str, object]:
         return service.mesh()
 
-    @app.get("/metrics")
+    @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse,
+             responses=_errors(401))
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(service.prometheus(),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-def _model_entry(service: NodeService, model: str, created: int) -> dict[str, object]:
+def _model_entry(service: NodeService, model: str, created: int) -> ModelEntry:
     """OpenAI's model object, plus this server's limits and defaults (``radixmesh``)."""
-    return {"id": model, "object": "model", "created": created, "owned_by": "radixmesh",
-            "max_model_len": service.engine.max_context,
-            "radixmesh": {"default_max_tokens": DEFAULT_MAX_TOKENS,
-                          "default_temperature": DEFAULT_TEMPERATURE,
-                          "max_stop_sequences": MAX_STOP_SEQUENCES}}
+    return ModelEntry(id=model, object="model", created=created, owned_by="radixmesh",
+                      max_model_len=service.engine.max_context, radixmesh=server_defaults())
+
+
+@dataclass(slots=True)
+class _Sample:
+    """One choice of a response: sample ``index`` (OpenAI's numbering: prompt * n + j)."""
+
+    index: int
+    prompt: list[int]
+    ex: Execution
+    first: _Sample | None = None  # the prompt's first sample (n > 1: its prompt logprobs)
+    settled: asyncio.Event = field(default_factory=asyncio.Event)  # its answer is complete
 
 
 async def _generate(request: Request, service: NodeService, models: Sequence[str],
-                    kind: str) -> Response:
+                    body: CompletionRequest | ChatRequest) -> Response:
     try:
-        body = parse_json(await read_body(request, service.config.max_body_bytes))
-        api = parse_completion(body, models) if kind == "completion" else parse_chat(body, models)
-        prompt = _tokenize(service, api)
-        ex = await service.execute(  # stop strings: tokens as they come, to match them here
-            prompt, _sampling(service, api), api.stream or bool(api.stop),
-            local_only=request.headers.get(HEADER_HOP) is not None,
-            target=request.headers.get(HEADER_TARGET) or None,
-        )
+        api = (parse_completion(body, models) if isinstance(body, CompletionRequest)
+               else parse_chat(body, models))
+        _check_engine(service, api)
+        prompts = _tokenize(service, api)
+        samples = await _start(request, service, api, prompts)
     except ApiError as err:
         return error_response(err, service)
     except Overloaded as full:
         return _overloaded(service, full)
     rid = new_id(api.kind)
     if api.stream:
-        return StreamingResponse(_sse(service, api, ex, rid), media_type="text/event-stream",
-                                 headers=_start_headers(service, ex))
-    answer = await _unless_disconnected(request, _answer(service, api, ex))
+        return StreamingResponse(_sse(service, api, samples, rid), media_type="text/event-stream",
+                                 headers=_start_headers(service, samples[0].ex))
+    try:
+        answer = await _unless_disconnected(request, _answers(service, api, samples))
+    except Exception:
+        if not any(service.cut_by_drain(s.ex) for s in samples):
+            raise
+        cut = error_response(_drain_cut(service), service)  # 503: retry on another node
+        cut.headers["retry-after"] = "1"
+        return cut
     if answer is None:  # nobody to answer: the work was stopped through the core's Abort
         service.metrics.client_disconnects += 1
         return Response(status_code=499)
-    text, outcome = answer
-    usage = usage_body(outcome.prompt_tokens, len(outcome.output_ids), outcome.cached_tokens)
-    return JSONResponse(response_body(api, rid, text, outcome.finish_reason, usage),
-                        headers=_outcome_headers(service, ex, outcome))
+    choices, outcomes = answer
+    return JSONResponse(response_body(api, rid, choices, usage=_usage(samples, outcomes)),
+                        headers=_outcome_headers(service, samples[0].ex, outcomes[0]))
+
+
+def _check_engine(service: NodeService, api: ApiRequest) -> None:
+    """Penalties and log-probabilities need an engine that honours them (never ignored)."""
+    param = api.extended
+    if param is not None and not getattr(service.engine, "extended_sampling", False):
+        raise ApiError(f"'{param}' is not supported: this node's engine does not compute it.",
+                       param=param, code="unsupported_value")
+    if api.max_tokens == 0 and api.n > 1:
+        raise ApiError("'n' must be 1 with max_tokens 0 (the samples would be identical).",
+                       param="n", code="unsupported_value")
+
+
+async def _start(request: Request, service: NodeService, api: ApiRequest,
+                 prompts: list[list[int]]) -> list[_Sample]:
+    """One execution per prompt and sample, each through the node's request path: a prompt's
+    first sample is routed on its own; its other samples go where it went, after it (they
+    reuse its cached prompt; the engine runs requests in order)."""
+    hop = request.headers.get(HEADER_HOP) is not None
+    target = request.headers.get(HEADER_TARGET) or None
+    tokens = api.stream or bool(api.stop)  # stop strings: tokens as they come, matched here
+    samples: list[_Sample] = []
+    try:
+        for p, prompt in enumerate(prompts):
+            first_sp = _sampling(api, 0)
+            local_only = hop or not first_sp.plain  # the forward protocol carries plain only
+            ex = await service.execute(prompt, first_sp, tokens, local_only=local_only,
+                                       target=target)
+            first = _Sample(p * api.n, prompt, ex)
+            samples.append(first)
+            here = ex.served_by == service.node_id
+            for j in range(1, api.n):
+                more = await service.execute(prompt, _sampling(api, j), tokens,
+                                             local_only=local_only or here,
+                                             target=None if here else ex.served_by)
+                samples.append(_Sample(p * api.n + j, prompt, more, first))
+    except BaseException:
+        await _abandon([s.ex for s in samples])
+        raise
+    return samples
+
+
+async def _abandon(executions: Sequence[Execution]) -> None:
+    """Stop started executions (a later one of the same request could not start): each ends
+    as cancelled through the core's Abort, like a client that went away."""
+    tasks = [asyncio.ensure_future(ex.result()) for ex in executions]
+    await asyncio.sleep(0)  # each is tracked now (reachable by the core's Abort)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _usage(samples: Sequence[_Sample], outcomes: Sequence[Outcome]) -> dict[str, object]:
+    """OpenAI's: each prompt counted once (its first sample's cached tokens), every choice's
+    completion tokens."""
+    firsts = [o for s, o in zip(samples, outcomes, strict=True) if s.first is None]
+    return usage_body(sum(o.prompt_tokens for o in firsts),
+                      sum(len(o.output_ids) for o in outcomes),
+                      sum(o.cached_tokens for o in firsts))
+
+
+def _drain_cut(service: NodeService) -> ApiError:
+    """A request still running when this node's drain grace ended (SIGTERM): 503."""
+    return ApiError("This node shut down before the request finished (its drain grace "
+                    f"of {service.config.drain_grace:g} s ended); retry it.", status=503,
+                    type_="server_error", code="node_shutting_down")
 
 
 def _overloaded(service: NodeService, full: Overloaded) -> JSONResponse:
@@ -271,19 +451,19 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _tokenize(service: NodeService, api: ApiRequest) -> list[int]:
+def _tokenize(service: NodeService, api: ApiRequest) -> list[list[int]]:
+    """Every prompt's token ids (chat: the one templated conversation)."""
     tok = service.engine.tokenizer
     try:
         if api.kind == "chat":
-            ids = list(tok.apply_chat_template(list(api.messages)))
-        elif api.prompt_ids is not None:
-            ids = list(api.prompt_ids)
+            prompts = [list(tok.apply_chat_template(list(api.messages)))]
         else:
-            ids = tok.encode(api.prompt_text or "")
+            prompts = [list(p) if isinstance(p, tuple) else tok.encode(p) for p in api.prompts]
     except ValueError as exc:
         raise ApiError(str(exc), param="messages" if api.kind == "chat" else "prompt") from None
-    _check_prompt(service, api, ids)
-    return ids
+    for ids in prompts:
+        _check_prompt(service, api, ids)
+    return prompts
 
 
 def _check_prompt(service: NodeService, api: ApiRequest, ids: list[int]) -> None:
@@ -291,7 +471,7 @@ def _check_prompt(service: NodeService, api: ApiRequest, ids: list[int]) -> None
     if not ids:
         raise ApiError("The prompt is empty.", param=param, code="invalid_value")
     limit = service.engine.max_context
-    if len(ids) + api.max_tokens > limit:
+    if len(ids) + api.max_tokens > limit or len(ids) >= limit:
         raise ApiError(
             f"This model's maximum context length is {limit} tokens. However, you requested "
             f"{len(ids) + api.max_tokens} tokens ({len(ids)} in the prompt, {api.max_tokens} "
@@ -303,69 +483,208 @@ def _check_prompt(service: NodeService, api: ApiRequest, ids: list[int]) -> None
                        param=param, code="invalid_value")
 
 
-def _sampling(service: NodeService, api: ApiRequest) -> SamplingParams:
+def _sampling(api: ApiRequest, sample: int) -> SamplingParams:
     try:
-        return api.sampling()
+        return api.sampling(sample=sample)
     except ValueError as exc:
         raise ApiError(str(exc), code="invalid_value") from None
 
 
-async def _answer(service: NodeService, api: ApiRequest, ex: Execution) -> tuple[str, Outcome]:
-    """The whole text and outcome of a non-streamed request (stop strings: matched as the
-    tokens arrive, see :func:`_pieces`)."""
-    if not api.stop:
-        outcome = await ex.result()
-        return service.engine.tokenizer.decode(outcome.output_ids), outcome
-    det = Detokenizer(service.engine.tokenizer.decode, api.stop)
-    text = "".join([piece async for piece in _pieces(ex, det)])
-    assert ex.outcome is not None
-    return text, ex.outcome
+# --------------------------------------------------------------------- answers and streams
+class _ChoiceText:
+    """One choice's text and log-probabilities as its tokens arrive (stop strings matched
+    here: a match takes the tokens so far as the answer, ``Execution.stop``)."""
+
+    def __init__(self, service: NodeService, api: ApiRequest, sample: _Sample) -> None:
+        self.api, self.sample = api, sample
+        decode = service.engine.tokenizer.decode
+        self.det = Detokenizer(decode, api.stop)
+        self.shaper = LogprobShaper(decode)
+        self.chars = 0  # characters of this choice's text sent so far (echo included)
+        self.scored = 0  # generated log-probability entries sent so far
+
+    def echo(self, prompt_logprobs: Sequence[TokenLogprob | None]) -> tuple[str, object]:
+        """The echoed prompt (completions with ``echo``) and its logprobs object."""
+        text = self._echo_text()
+        lp: object = None
+        if self.api.logprobs is not None:
+            ids = self.sample.prompt
+            entries = list(prompt_logprobs) or [None] * len(ids)
+            lp = self.shaper.legacy(entries, ids, self.shaper.offsets(ids))
+        self.chars = len(text)
+        return text, lp
+
+    def _echo_text(self) -> str:
+        api, prompt = self.api, self.sample.prompt
+        index = self.sample.index // api.n
+        source = api.prompts[index] if index < len(api.prompts) else None
+        return source if isinstance(source, str) else self.shaper.decode(prompt)
+
+    def logprobs_of(self, entries: Sequence[TokenLogprob]) -> object:
+        """The logprobs object of ``entries``, the next generated ones (None without any)."""
+        if self.api.logprobs is None or not entries:
+            return None
+        self.scored += len(entries)
+        if self.api.kind == "chat":
+            return self.shaper.chat(entries)
+        ids = [e.token_id for e in entries]
+        offsets = self.shaper.offsets(ids, self.chars)
+        return self.shaper.legacy(entries, ids, offsets)
+
+    def advance(self, piece: str) -> None:
+        self.chars += len(piece)
 
 
-async def _pieces(ex: Execution, det: Detokenizer) -> AsyncGenerator[str, None]:
-    """The text of ``ex``'s tokens as it becomes final. On a stop-string match ``ex.stop``
-    takes the tokens so far as the answer and closing the token stream stops the work
-    (reported to the core as done: ``NodeService._ended``)."""
+async def _token_pieces(ex: Execution, det: Detokenizer, per_token: bool = False
+                       ) -> AsyncGenerator[tuple[str, list[int]], None]:
+    """(new final text, the token ids it came with) as ``ex``'s tokens arrive: ``per_token``
+    one item per token (its text may be empty: held back), else only non-empty text. On a
+    stop-string match ``ex.stop`` takes the tokens so far as the answer, and closing the token
+    stream stops the work (reported to the core as done: ``NodeService._ended``)."""
     ids: list[int] = []
-    tail = ""
+    pending: list[int] = []
     async with aclosing(ex.tokens()) as tokens:
         async for tok in tokens:
             ids.append(tok)
+            pending.append(tok)
             piece = det.push(tok)
             if det.stopped:
                 ex.stop(ids)
-                tail = piece
-                break
+                yield piece, pending
+                return
+            if piece or per_token:
+                yield piece, pending
+                pending = []
+    tail = det.flush()
+    if tail or pending:
+        yield tail, pending
+
+
+async def _pieces(ex: Execution, det: Detokenizer) -> AsyncGenerator[str, None]:
+    """The text of ``ex``'s tokens as it becomes final (stop strings: see _token_pieces)."""
+    async with aclosing(_token_pieces(ex, det)) as pieces:
+        async for piece, _ in pieces:
             if piece:
                 yield piece
-    tail += det.flush()  # nothing once stopped
-    if tail:
-        yield tail
 
 
-async def _sse(service: NodeService, api: ApiRequest, ex: Execution, rid: str
-               ) -> AsyncIterator[bytes]:
-    shaper = StreamShaper(api, rid)
-    det = Detokenizer(service.engine.tokenizer.decode, api.stop)
-    first = shaper.start()
-    if first is not None:
-        yield first
+def _choice_pieces(text: _ChoiceText) -> AsyncGenerator[tuple[str, list[int]], None]:
+    return _token_pieces(text.sample.ex, text.det, text.api.logprobs is not None)
+
+
+async def _answer(service: NodeService, api: ApiRequest, sample: _Sample
+                  ) -> tuple[Choice, Outcome]:
+    """One choice of a non-streamed response."""
+    ex = sample.ex
+    text = _ChoiceText(service, api, sample)
+    if api.stop:
+        body = "".join([piece async for piece, _ in _choice_pieces(text)])
+        assert ex.outcome is not None
+        outcome = ex.outcome
+    else:
+        outcome = await ex.result()
+        body = service.engine.tokenizer.decode(outcome.output_ids)
+    sample.settled.set()
+    prefix, lp = "", None
+    if api.kind == "completion" and api.echo:
+        scored = outcome.prompt_logprobs
+        if sample.first is not None and api.logprobs is not None:  # the first sample scored
+            await sample.first.settled.wait()
+            assert sample.first.ex.outcome is not None
+            scored = sample.first.ex.outcome.prompt_logprobs
+        prefix, lp = text.echo(scored)
+    if api.logprobs is not None:
+        # completions list the stop token that ended the answer too; chat does not
+        entries = outcome.logprobs if api.kind == "completion" else outcome.logprobs[
+            : len(outcome.output_ids)]
+        gen = text.logprobs_of(entries)
+        if api.kind == "chat":
+            lp = gen or []
+        elif lp is None:
+            lp = gen or text.shaper.legacy([], [], [])
+        elif isinstance(gen, dict) and isinstance(lp, dict):
+            lp = {key: lp[key] + gen[key] for key in lp}
+    return Choice(sample.index, prefix + body, outcome.finish_reason, lp), outcome
+
+
+async def _answers(service: NodeService, api: ApiRequest, samples: Sequence[_Sample]
+                   ) -> tuple[list[Choice], list[Outcome]]:
     try:
-        async with aclosing(_pieces(ex, det)) as pieces:  # closed with us: the work stops
-            async for piece in pieces:
-                yield shaper.text(piece)
+        async with asyncio.TaskGroup() as group:  # one fails or is cancelled: all stop
+            tasks = [group.create_task(_answer(service, api, s)) for s in samples]
+    except ExceptionGroup as failed:  # the first failure, as one request would raise it
+        raise failed.exceptions[0] from None
+    results = [t.result() for t in tasks]
+    return [c for c, _ in results], [o for _, o in results]
+
+
+async def _stream_choice(service: NodeService, api: ApiRequest, sample: _Sample,
+                         shaper: StreamShaper, out: asyncio.Queue[bytes | None]) -> Outcome:
+    """Put one choice's chunks on ``out`` (None when it ends, whatever the way)."""
+    text = _ChoiceText(service, api, sample)
+    ex, echoed = sample.ex, not (api.kind == "completion" and api.echo)
+    try:
+        async with aclosing(_choice_pieces(text)) as pieces:  # closed with us: the work stops
+            async for piece, ids in pieces:
+                if not echoed:
+                    echoed = True
+                    await out.put(_echo_chunk(text, shaper, sample))
+                entries = ex.logprobs[text.scored : text.scored + len(ids)]
+                await out.put(shaper.text(piece, sample.index, text.logprobs_of(entries)))
+                text.advance(piece)
         outcome = ex.outcome
         assert outcome is not None
-        yield shaper.finish(outcome.finish_reason)
-        usage = shaper.usage(usage_body(outcome.prompt_tokens, len(outcome.output_ids),
-                                        outcome.cached_tokens))
+        if not echoed:
+            await out.put(_echo_chunk(text, shaper, sample))
+        rest = outcome.logprobs[text.scored :] if api.kind == "completion" else []
+        await out.put(shaper.finish(outcome.finish_reason, sample.index,
+                                    text.logprobs_of(rest)))
+        return outcome
+    finally:
+        out.put_nowait(None)
+
+
+def _echo_chunk(text: _ChoiceText, shaper: StreamShaper, sample: _Sample) -> bytes:
+    first = sample.first.ex if sample.first is not None else sample.ex
+    prompt_text, lp = text.echo(first.prompt_logprobs)
+    return shaper.text(prompt_text, sample.index, lp)
+
+
+async def _sse(service: NodeService, api: ApiRequest, samples: Sequence[_Sample], rid: str
+               ) -> AsyncIterator[bytes]:
+    shaper = StreamShaper(api, rid)
+    for sample in samples:
+        first = shaper.start(sample.index)
+        if first is not None:
+            yield first
+    out: asyncio.Queue[bytes | None] = asyncio.Queue()
+    tasks = [asyncio.create_task(_stream_choice(service, api, s, shaper, out)) for s in samples]
+    try:
+        running = len(tasks)
+        while running:
+            chunk = await out.get()
+            if chunk is None:
+                running -= 1
+            else:
+                yield chunk
+        outcomes = [t.result() for t in tasks]  # raises what a choice raised
+        usage = shaper.usage(_usage(samples, outcomes))
         if usage is not None:
             yield usage
     except Exception as exc:  # headers are gone: report in-band, like OpenAI does
-        log.exception("stream failed")
-        service.metrics.client_errors[500] += 1
-        yield shaper.error(ApiError(f"Internal error: {type(exc).__name__}", status=500,
-                                    type_="server_error"))
+        if any(service.cut_by_drain(s.ex) for s in samples):
+            err = _drain_cut(service)
+            service.metrics.client_errors[err.status] += 1
+            yield shaper.error(err)
+        else:
+            log.exception("stream failed", exc_info=exc)
+            service.metrics.client_errors[500] += 1
+            yield shaper.error(ApiError(f"Internal error: {type(exc).__name__}", status=500,
+                                        type_="server_error"))
+    finally:  # the client went away (or a choice failed): every other choice stops too
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     yield shaper.done()
 
 

@@ -28,7 +28,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, aclosing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from radixmesh.core.events import ExecuteLocally, Forward
@@ -41,7 +41,13 @@ from radixmesh.core.messages import (
     ForwardResult,
     ForwardTokens,
 )
-from radixmesh.engine.base import AsyncEngine, GenerateRequest, GenerateResult, SamplingParams
+from radixmesh.engine.base import (
+    AsyncEngine,
+    GenerateRequest,
+    GenerateResult,
+    SamplingParams,
+    TokenLogprob,
+)
 from radixmesh.runtime.metrics import RuntimeMetrics
 from radixmesh.runtime.peer_client import ForwardFailure, ForwardStream
 
@@ -53,6 +59,7 @@ class RequestContext:
     hashes: tuple[int, ...]
     sampling: SamplingParams
     stream: bool
+    arrived_s: float = field(default_factory=time.perf_counter, compare=False)  # perf_counter
 
 
 @dataclass(slots=True)
@@ -68,6 +75,9 @@ class Outcome:
     queue_s: float  # on the serving node
     service_s: float  # on the serving node, queue excluded
     forward_overhead_s: float | None = None  # forwarded: client time minus remote handling
+    # with ``sampling.logprobs`` / ``prompt_logprobs`` (local executions: engine/base.py)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
 
 
 class Host(Protocol):
@@ -100,6 +110,11 @@ class Execution:
     expected_cached: int  # the router's estimate for the node that serves it
     cached_estimate: int  # the serving node's exact match when it accepted the request
     outcome: Outcome | None = None
+    # with ``sampling.logprobs``: each generated token's entry, appended before the token is
+    # yielded by ``tokens`` (only local executions: such requests are never forwarded); with
+    # ``prompt_logprobs``: the prompt's, set before the first token is yielded
+    logprobs: list[TokenLogprob]
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
     stopped = False  # a stop string matched: the consumer ended it (a normal completion)
 
     def tokens(self) -> AsyncGenerator[int, None]:
@@ -140,16 +155,20 @@ class LocalExecution(Execution):
         self._t0 = time.perf_counter()
         self._emitted = emitted  # tokens a failed peer already sent (the answer goes on)
         self._generated = 0  # tokens delivered so far
+        self.logprobs = []
         self._task = self._start(len(emitted))
 
     def _start(self, resume_after: int) -> asyncio.Task[GenerateResult] | None:
         ctx = self.ctx
         remaining = ctx.sampling.max_tokens - resume_after
-        if remaining <= 0:  # the peer sent the whole answer before it failed
+        if resume_after and remaining <= 0:  # the peer sent the whole answer before it failed
             self.queue.put_nowait(("full", None))
             return None
         sampling = replace(ctx.sampling, max_tokens=remaining)
-        req = GenerateRequest(uuid.uuid4().hex, (*ctx.prompt, *self._emitted), sampling)
+        on_logprob = None if sampling.logprobs is None else self.logprobs.append
+        on_prompt = None if sampling.prompt_logprobs is None else self._scored
+        req = GenerateRequest(uuid.uuid4().hex, (*ctx.prompt, *self._emitted), sampling,
+                              on_logprob, on_prompt)
         self._t0 = time.perf_counter()
         task = asyncio.create_task(self.node.engine.generate(req, self._on_token),
                                    name=f"radixmesh-generate-{req.request_id[:8]}")
@@ -157,6 +176,9 @@ class LocalExecution(Execution):
         task.add_done_callback(self._finished)
         self.node.push_load()
         return task
+
+    def _scored(self, entries: tuple[TokenLogprob | None, ...]) -> None:  # on the event loop
+        self.prompt_logprobs = entries
 
     def _on_token(self, tok: int) -> None:  # on the event loop
         self._generated += 1
@@ -214,21 +236,28 @@ class LocalExecution(Execution):
         return Outcome(
             emitted + list(result.output_ids), result.finish_reason, len(ctx.prompt),
             min(result.cached_tokens, len(ctx.prompt)), self.served_by, self.route,
-            result.queue_s, service_s,
+            result.queue_s, service_s, None, list(result.logprobs), result.prompt_logprobs,
         )
 
     def _stopped(self, output_ids: list[int]) -> Outcome:
         """Ended by a stop string: the engine's own split of the time is not known (queue 0,
         service = since submission) and ``cached_tokens`` is the match at submission."""
         prompt_len = len(self.ctx.prompt)
-        return Outcome(output_ids, "stop", prompt_len, min(self.cached_estimate, prompt_len),
-                       self.served_by, self.route, 0.0, time.perf_counter() - self._t0)
+        cached = 0 if self.ctx.sampling.prompt_logprobs is not None else self.cached_estimate
+        return Outcome(output_ids, "stop", prompt_len, min(cached, prompt_len),
+                       self.served_by, self.route, 0.0, time.perf_counter() - self._t0, None,
+                       self.logprobs[: len(output_ids)], self.prompt_logprobs)
 
 
 # ------------------------------------------------------------------------------ forward
 def forward_request(ctx: RequestContext, beat_s: float | None, heartbeat_s: float
                     ) -> ForwardRequest:
+    """The wire form of ``ctx``: it carries plain sampling only (penalties and
+    log-probabilities do not cross the forward protocol: such requests run where they
+    arrive, ``local_only``)."""
     sp = ctx.sampling
+    if not sp.plain:
+        raise ValueError("penalties and log-probabilities cannot be forwarded")
     return ForwardRequest(
         ctx.prompt, sp.max_tokens, sp.temperature, sp.top_p, sp.seed, sp.stop_token_ids,
         ctx.stream, heartbeat_s, None if beat_s is None else round(beat_s, 6),
@@ -247,6 +276,7 @@ class ForwardExecution(Execution):
         self._stream, self._started = stream, started
         self._vocab = node.engine.tokenizer.vocab_size
         self._local: LocalExecution | None = None  # where the answer went on after a failure
+        self.logprobs = []  # never forwarded with log-probabilities
 
     def abort(self) -> None:
         self._stream.close_now()
