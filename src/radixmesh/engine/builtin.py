@@ -315,7 +315,8 @@ class TransformersEngine:
     def _generator(self, sp: SamplingParams) -> torch.Generator | None:
         if sp.temperature == 0:
             return None
-        gen = torch.Generator(device="cpu")
+        # On the engine's device: sampling reads back one token, never the logits.
+        gen = torch.Generator(device=self.device)
         gen.manual_seed(sp.seed if sp.seed is not None else secrets.randbits(63))
         return gen
 
@@ -323,7 +324,7 @@ class TransformersEngine:
         logits = logits[: self._allowed]
         if gen is None or sp.temperature < MIN_TEMPERATURE:  # tiny T: logits/T overflows
             return int(torch.argmax(logits).item())
-        scaled = (logits.float().cpu() - logits.max().float().cpu()) / sp.temperature
+        scaled = (logits.float() - logits.max().float()) / sp.temperature
         probs = torch.softmax(scaled, dim=-1)
         if sp.top_p < 1.0:
             probs = _top_p(probs, sp.top_p)
