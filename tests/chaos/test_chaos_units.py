@@ -53,3 +53,29 @@ def test_staleness_predicate() -> None:
     assert _staleness({**entry, "state": "suspect"}, truth) == "state suspect"
     assert _staleness({**entry, "incarnation": 4}, truth) == "old incarnation"
     assert _staleness({**entry, "view_version": 8}, truth) == "version 8 != 9"
+
+
+def test_operate_latency_splits_by_status_and_reads_server_time() -> None:
+    from radixmesh.chaos.operate import _latency
+
+    ok = [Outcome(str(i), "u", 200, None, 0.1 * (i + 1), 0.0, server_s=0.05 * (i + 1))
+          for i in range(10)]
+    rejected = Outcome("r", "u", 429, "HTTP 429: full", 0.01, 0.0)
+    lost = Outcome("l", "u", None, "ReadError", 5.0, 0.0)
+    stats = _latency([*ok, rejected, lost])
+    assert stats["n"] == 10 and stats["p50_s"] == 0.5 and stats["max_s"] == 1.0
+    assert stats["server_p99_s"] == 0.5
+    assert _latency([*ok, rejected], 429) == {"n": 1.0, "p50_s": 0.01, "p99_s": 0.01,
+                                               "max_s": 0.01}
+
+
+def test_chaos_config_extra_options_override_the_base() -> None:
+    from radixmesh.chaos.env import ChaosConfig
+    from radixmesh.chaos.operate import OperateConfig, with_extra
+
+    cfg = ChaosConfig(extra=(("max_queue_wait", "5s"), ("policy", "cost")))
+    options = cfg.options()
+    assert options["max_queue_wait"] == "5s" and options["policy"] == "cost"
+    assert options["gossip_interval"] == 0.2
+    op = with_extra(OperateConfig(extra=(("a", 1),)), {"b": 2, "a": 3})
+    assert dict(op.extra) == {"a": 3, "b": 2}

@@ -51,8 +51,12 @@ class ChaosConfig:
     seed: int = 0
     keyed: bool = True  # run with a cluster key (peer authentication on)
     log_dir: str | None = None
+    extra: tuple[tuple[str, object], ...] = ()  # more `radixmesh serve` options (over these)
 
     def options(self) -> dict[str, object]:
+        return {**self._base_options(), **dict(self.extra)}
+
+    def _base_options(self) -> dict[str, object]:
         return {
             "preset": self.preset,
             "policy": self.policy,

@@ -326,7 +326,7 @@ def _pushed_back(env: ChaosEnv, node: int) -> float:
     """Push-backs started plus forwards refused as busy by ``node`` (its core's counters)."""
     m = env.metrics(node)
     names = ("pushback_started", "forwards_refused_busy", "forwards_refused_slower")
-    return sum(m.get(f"radixmesh_core_{name}", 0.0) for name in names)
+    return sum(m.get(f"radixmesh_core_{name}_total", 0.0) for name in names)
 
 
 def slow_node(env: ChaosEnv, plan: FaultPlan, groups: tuple[int, int]) -> FaultResult:
@@ -456,8 +456,8 @@ def wrong_key_node(env: ChaosEnv, plan: FaultPlan) -> FaultResult:
         for i in (0, 1):
             seen = {p["node_id"]: p["state"] for p in cluster.mesh(i)["peers"]}
             r.check(seen.get("n2") != "alive", f"n{i} never admitted n2 ({seen.get('n2')})")
-        refused = _metric_sum(cluster, (0, 1), "radixmesh_peer_auth_rejected_unknown_key")
-        refused_by_n2 = _metric_sum(cluster, (2,), "radixmesh_peer_auth_rejected_unknown_key")
+        refused = _metric_sum(cluster, (0, 1), "radixmesh_peer_auth_rejected_unknown_key_total")
+        refused_by_n2 = _metric_sum(cluster, (2,), "radixmesh_peer_auth_rejected_unknown_key_total")
         r.figures.update({"refused_by_n0_n1": refused, "refused_by_n2": refused_by_n2})
         r.check(refused > 0 and refused_by_n2 > 0, "both sides refused and counted the other's "
                 f"gossip ({refused:g} at n0+n1, {refused_by_n2:g} at n2)")

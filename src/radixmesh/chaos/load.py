@@ -42,6 +42,7 @@ class Outcome:
     served_by: str | None = None
     route: str | None = None  # local | forwarded | fallback
     cached_tokens: int | None = None
+    server_s: float | None = None  # the serving node's queue + service (x-radixmesh-*-s)
 
     @property
     def ok(self) -> bool:
@@ -177,7 +178,17 @@ def _from_response(
     return Outcome(
         id_, base_url, resp.status_code, error, latency_s, t_start,
         text=_text(body), served_by=served_by, route=route, cached_tokens=_cached_tokens(body),
+        server_s=_server_s(resp),
     )
+
+
+def _server_s(resp: httpx.Response) -> float | None:
+    """Queue + service seconds on the node that served the request (its response headers)."""
+    try:
+        return float(resp.headers["x-radixmesh-queue-s"]) + float(
+            resp.headers["x-radixmesh-service-s"])
+    except (KeyError, ValueError):
+        return None
 
 
 async def closed_loop(

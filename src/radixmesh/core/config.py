@@ -199,10 +199,15 @@ class AdmissionConfig:
     max_queue_requests: int | None = None  # requests waiting or running at most (None: no cap)
     max_queue_wait_s: float = 30.0  # full when the queue holds this much work (measured speed)
     min_retry_after_s: float = 1.0  # the shortest back-off a rejected client is asked for
+    # prompt + max_tokens of the requests waiting or running, at most; 0 (the default): the
+    # tokens the engine gets through within max_queue_wait_s at its measured rate; None: no cap
+    max_queue_tokens: int | None = 0
 
     def __post_init__(self) -> None:
         if self.max_queue_requests is not None and self.max_queue_requests < 1:
             raise ValueError("max_queue_requests must be >= 1 (or None)")
+        if self.max_queue_tokens is not None and self.max_queue_tokens < 0:
+            raise ValueError("max_queue_tokens must be >= 0 (0: from the measured speed; or None)")
         if self.max_queue_wait_s <= 0 or self.min_retry_after_s < 0:
             raise ValueError("max_queue_wait_s must be > 0 and min_retry_after_s >= 0")
 

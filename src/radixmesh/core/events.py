@@ -51,6 +51,8 @@ class LoadChanged:
     inflight: int  # requests being executed right now
     cache_tokens: int  # tokens currently cached
     cache_budget: int  # cache capacity in tokens
+    queue_prompt_tokens: int = 0  # prompt tokens of the requests waiting or running
+    queue_output_tokens: int = 0  # their max_tokens (output budgets), summed
 
 
 @dataclass(frozen=True, slots=True)

@@ -70,6 +70,21 @@ def parse_optional_fraction(text: str | float | int | None) -> float | None:
     return value
 
 
+def parse_token_cap(text: str | int | None) -> int | None:
+    """``--max-queue-tokens``: a count >= 1, ``0``/``"auto"`` (from the engine's measured
+    speed) or ``"off"``/``"none"`` (no token bound) -> None."""
+    if text is None or (isinstance(text, str) and text.strip().lower() in ("off", "none")):
+        return None
+    if isinstance(text, str) and text.strip().lower() == "auto":
+        return 0
+    if isinstance(text, bool) or not isinstance(text, int | str):
+        raise ValueError(f"max_queue_tokens: expected a count, 'auto' or 'off', got {text!r}")
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"max_queue_tokens must be >= 0, 'auto' or 'off': {text!r}")
+    return value
+
+
 def parse_dns_target(text: str) -> tuple[str, int | None]:
     """``"NAME"`` or ``"NAME:PORT"`` -> (name, port or None)."""
     name, sep, port = text.strip().rpartition(":")
@@ -116,6 +131,7 @@ class ServeConfig:
     join_dns: str = ""  # NAME[:PORT]: its A/AAAA records are seeds (port: ours if omitted)
     join_dns_interval: float = 30.0  # seconds between resolutions of join_dns
     drain_grace: float = 30.0  # SIGTERM: seconds to finish in-flight work before exiting
+    drain_linger: float = 2.0  # SIGTERM: the port stays open at least this long (<= grace)
     gossip_interval: float = _GOSSIP.interval_s  # seconds between anti-entropy rounds (Δpoll)
     gossip_mode: str = _GOSSIP.mode.value  # delta | snapshot | epidemic
     gossip_fanout: int = _GOSSIP.fanout  # epidemic mode: peers per round
@@ -130,7 +146,10 @@ class ServeConfig:
     kv_replay: str = ""  # its replay endpoint (one: rank i uses port + i)
     tokenizer: str = ""  # external engine: the model directory whose tokenizer it loads
     engine_block_size: int = 0  # external engine's KV block size; 0 -> from its events
+    launch: str = ""  # external engine: start it as a child with this command, stop it with us
     device: str = "cpu"
+    dtype: str = "float32"  # built-in engine weights / KV: float32 | bfloat16 | float16
+    gpu_memory_fraction: float = 0.0  # cuda: this process's share of the GPU; 0 -> no cap
     threads: int = 0  # torch intra-op threads; 0 -> torch's default
     seed: int = 0  # weights of presets, and this node's routing randomness
     suspect_timeout: float = 0.0  # silent this long -> suspect; 0 -> 4 gossip intervals
@@ -140,6 +159,7 @@ class ServeConfig:
     connect_timeout: float = _FORWARD.connect_timeout_s  # forward / gossip: TCP connect timeout
     max_queue_requests: int = 0  # requests queued or running at most; 0 -> no count cap
     max_queue_wait: float = _ADMISSION.max_queue_wait_s  # full once this much work is queued
+    max_queue_tokens: int | None = _ADMISSION.max_queue_tokens  # prompt+max_tokens; 0 -> auto
     net_delay: float = 0.0  # emulated one-way delay on every peer message, seconds
     net_jitter: float = 0.0  # emulated extra delay, uniform in [0, jitter], seconds
     net_loss: float = 0.0  # emulated loss probability of gossip messages
@@ -166,6 +186,8 @@ class ServeConfig:
                 raise ValueError(f"{name} must be > 0")
         if self.max_queue_requests < 0:
             raise ValueError("max_queue_requests must be >= 0 (0: no cap)")
+        if self.max_queue_tokens is not None and self.max_queue_tokens < 0:
+            raise ValueError("max_queue_tokens must be >= 0 (0: auto) or off")
         if self.cache_tokens < 1 or self.pushback_threshold < 1 or self.gossip_fanout < 1:
             raise ValueError("cache_tokens, pushback_threshold and gossip_fanout must be >= 1")
         if min(self.net_delay, self.net_jitter, self.suspect_timeout, self.dead_timeout) < 0:
@@ -174,6 +196,10 @@ class ServeConfig:
             raise ValueError("net_loss and net_duplicate must be in [0, 1]")
         if self.debug_engine_delay < 0:
             raise ValueError("debug_engine_delay must be >= 0")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError("dtype must be float32, bfloat16 or float16")
+        if not 0 <= self.gpu_memory_fraction <= 1:
+            raise ValueError("gpu_memory_fraction must be in [0, 1] (0: no cap)")
         self._check_engine()
         if self.cluster_key.strip() and len(self.cluster_key.strip().encode()) < 16:
             raise ValueError("cluster_key must be at least 16 bytes")
@@ -198,8 +224,8 @@ class ServeConfig:
         return bool(self.peer_tls_cert.strip())
 
     def _check_join(self) -> None:
-        if self.drain_grace < 0:
-            raise ValueError("drain_grace must be >= 0")
+        if self.drain_grace < 0 or self.drain_linger < 0:
+            raise ValueError("drain_grace and drain_linger must be >= 0")
         if self.join_dns:
             parse_dns_target(self.join_dns)
         if self.advertise:
@@ -223,6 +249,8 @@ class ServeConfig:
             raise ValueError("--kv-replay needs --kv-events")
         if self.engine_block_size < 0:
             raise ValueError("engine_block_size must be >= 0 (0: from the events)")
+        if self.launch and self.engine == "builtin":
+            raise ValueError("--launch starts an external engine: give --engine and --engine-url")
 
     # ------------------------------------------------------------------------- derived
     @property
@@ -284,7 +312,8 @@ class ServeConfig:
 
     def admission_config(self) -> AdmissionConfig:
         cap = self.max_queue_requests or None
-        return replace(_ADMISSION, max_queue_requests=cap, max_queue_wait_s=self.max_queue_wait)
+        return replace(_ADMISSION, max_queue_requests=cap, max_queue_wait_s=self.max_queue_wait,
+                       max_queue_tokens=self.max_queue_tokens)
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -296,8 +325,10 @@ _CONVERT: dict[str, Any] = {
     "forward_timeout": parse_duration,
     "connect_timeout": parse_duration,
     "max_queue_wait": parse_duration,
+    "max_queue_tokens": parse_token_cap,
     "join_dns_interval": parse_duration,
     "drain_grace": parse_duration,
+    "drain_linger": parse_duration,
     "net_delay": parse_duration,
     "net_jitter": parse_duration,
     "net_loss": parse_fraction,
@@ -380,6 +411,8 @@ def _help_texts() -> dict[str, str]:
         "join_dns_interval": "seconds between resolutions of --join-dns, e.g. 30s",
         "drain_grace": "SIGTERM: stop taking work, finish what is in flight within this long, "
         "then exit 0 (what still runs is cancelled)",
+        "drain_linger": "SIGTERM: keep the port open (new requests go to peers) at least this "
+        "long, so load balancers see /health 503 before it closes (capped at --drain-grace)",
         "gossip_interval": "gossip period, e.g. 0.5 or 100ms",
         "gossip_mode": "delta | snapshot | epidemic",
         "gossip_fanout": "epidemic mode: peers per round",
@@ -395,8 +428,13 @@ def _help_texts() -> dict[str, str]:
         "kv_replay": "external engine's replay endpoint, e.g. tcp://*:5558",
         "tokenizer": "directory with the external engine's tokenizer.json (the same files)",
         "engine_block_size": "external engine's KV block size (0 = take it from its events)",
+        "launch": "external engine: start this command line as a child process (no shell), "
+        "wait until --engine-url answers, stop it with the node",
         "cache_tokens": "KV cache budget in tokens",
         "device": "torch device (cpu, cuda)",
+        "dtype": "built-in engine weights and KV cache: float32 | bfloat16 | float16",
+        "gpu_memory_fraction": "cuda: cap this process's share of the GPU's memory, e.g. 0.2 "
+        "(several nodes on one GPU; 0 = no cap)",
         "threads": "torch threads (0 = default)",
         "seed": "seed of preset weights and of routing randomness",
         "suspect_timeout": "silence before a peer is suspect (0 = 4 gossip intervals)",
@@ -407,6 +445,9 @@ def _help_texts() -> dict[str, str]:
         "max_queue_requests": "bounded admission: requests queued or running at most (0 = no cap)"
         "; beyond it a request goes to a peer with room or gets HTTP 429",
         "max_queue_wait": "bounded admission: full once this much work is queued, e.g. 30s",
+        "max_queue_tokens": "bounded admission: prompt + max_tokens of the requests queued or "
+        "running at most; 'auto' = the tokens the engine gets through within --max-queue-wait "
+        "at its measured rate; 'off' = no token bound",
         "net_delay": "emulated one-way delay of peer messages, e.g. 2ms",
         "net_jitter": "emulated jitter (uniform extra delay), e.g. 1ms",
         "net_loss": "emulated gossip loss probability, e.g. 0.05",

@@ -84,7 +84,7 @@ from radixmesh.core.messages import (
     ForwardRequest,
     ForwardTokens,
 )
-from radixmesh.core.node import NodeCore
+from radixmesh.core.node import NodeCore, token_cap
 from radixmesh.engine.base import AsyncEngine, Engine, GenerateResult, SamplingParams
 from radixmesh.engine.worker import as_async_engine
 from radixmesh.runtime import metrics as prom
@@ -163,6 +163,11 @@ class NodeService:
         self._running: dict[int, Execution] = {}  # client requests, for the core's Abort
         self._peer_work: set[LocalExecution] = set()  # requests executed for peers
         self.drain_cancelled = 0  # leave(): requests still running at the deadline
+        self._drain_cut: set[int] = set()  # id() of the client executions cut by leave()
+        # bounded admission by tokens: prompt and max_tokens of the engine work started here
+        # and not finished (client requests and work for peers), reported in LoadChanged
+        self.queue_prompt_tokens = 0
+        self.queue_output_tokens = 0
         self.dns_resolutions = 0  # --join-dns: answers received / failed look-ups
         self.dns_failures = 0
         # started and stopped with the node, shown in /mesh and /metrics (the KV-event
@@ -196,26 +201,37 @@ class NodeService:
 
     # ------------------------------------------------------------------- leave and join
     async def leave(self, grace_s: float | None = None,
-                    busy: Callable[[], int] = lambda: 0) -> int:
+                    busy: Callable[[], int] = lambda: 0, linger_s: float = 0.0) -> int:
         """Stop taking work, tell the peers, finish what runs within ``grace_s`` (default
-        ``--drain-grace``); ``busy``: the caller's own count of open requests. Returns how
+        ``--drain-grace``); ``busy``: the caller's own count of open requests; ``linger_s``
+        (at most the grace): return no sooner than this, even when nothing runs, so that
+        clients and load balancers that only see ``/health`` (503 now) stop sending here
+        before the caller closes the port (what arrives meanwhile goes to peers). Returns how
         many requests were still running at the deadline (aborted)."""
         grace = self.config.drain_grace if grace_s is None else grace_s
-        deadline = self.clock() + grace
+        start = self.clock()
+        deadline, linger_until = start + grace, start + min(linger_s, grace)
         before = set(self._tasks)
         self.dispatch(LeaveRequested(grace))
         announced = self._tasks - before  # the gossip round that advertises the push-back
         log.warning("leaving: draining %d requests for up to %.1f s", self._work(), grace)
-        while self.clock() < deadline and (self._work() or busy()):
+        while self.clock() < deadline and (self._work() or busy()
+                                           or self.clock() < linger_until):
             await asyncio.sleep(DRAIN_POLL_S)
         if announced:
             await asyncio.wait(announced, timeout=self.config.connect_timeout + 1.0)
         left: list[Execution] = [*self._running.values(), *self._peer_work]
+        self._drain_cut.update(id(ex) for ex in self._running.values())
         for ex in left:
             ex.abort()
         self.drain_cancelled += len(left)
         log.warning("drained: %d requests cancelled at the deadline", len(left))
         return len(left)
+
+    def cut_by_drain(self, ex: Execution) -> bool:
+        """Whether ``ex`` failed because :meth:`leave` aborted it at the drain deadline (the
+        client then gets 503 with a retry-after, not a 500: retrying elsewhere succeeds)."""
+        return id(ex) in self._drain_cut
 
     def _work(self) -> int:
         """Requests in flight here (a lower bound: engine calls not yet tracked count too)."""
@@ -355,7 +371,28 @@ class NodeService:
 
     def push_load(self) -> None:
         usage = self.engine.usage()
-        self.dispatch(LoadChanged(self.queue_depth, self.inflight, usage.tokens, usage.budget))
+        self.dispatch(LoadChanged(self.queue_depth, self.inflight, usage.tokens, usage.budget,
+                                  self.queue_prompt_tokens, self.queue_output_tokens))
+
+    def _queued(self, ex: LocalExecution, emitted: int = 0) -> LocalExecution:
+        """Count ``ex``'s tokens (prompt + max_tokens, as the engine gets them) as queued
+        until its engine call ends, however it ends; the core sees them at once."""
+        task = ex._task
+        if task is None or task.done():
+            return ex
+        prompt = len(ex.ctx.prompt) + emitted
+        output = max(ex.ctx.sampling.max_tokens - emitted, 0)
+        self.queue_prompt_tokens += prompt
+        self.queue_output_tokens += output
+
+        def finished(_: object) -> None:
+            self.queue_prompt_tokens -= prompt
+            self.queue_output_tokens -= output
+            self.push_load()
+
+        task.add_done_callback(finished)
+        self.push_load()
+        return ex
 
     def push_cache_and_load(self) -> None:
         delta = self.engine.drain_cache_delta()
@@ -368,6 +405,8 @@ class NodeService:
         m.prompt_tokens += result.prompt_tokens
         m.cached_tokens += result.cached_tokens
         m.completion_tokens += len(result.output_ids)
+        m.observe_engine(result.queue_s, result.prefill_s, result.prompt_tokens,
+                         result.cached_tokens)
         self.dispatch(RequestServed(result.prompt_tokens, result.cached_tokens, result.prefill_s,
                                     len(result.output_ids), result.decode_s, service_s))
         self.push_cache_and_load()
@@ -423,12 +462,17 @@ class NodeService:
             stream = await self.peers.open_forward(action.address, action.peer_id,
                                                    encode_forward_request(body))
         except ForwardFailure as exc:
+            self.metrics.observe_forward(exc.reason, time.perf_counter() - started)
             return self.forward_failed(ctx, action.peer_id, exc.reason, 0)
         try:
             first = await stream.next_reply()
         except ForwardFailure as exc:
+            self.metrics.observe_forward(exc.reason, time.perf_counter() - started)
             await stream.aclose()
             return self.forward_failed(ctx, action.peer_id, exc.reason, 0)
+        outcome = ("accepted" if isinstance(first, AcceptedReply)
+                   else "busy" if isinstance(first, ForwardBusy) else "bad_response")
+        self.metrics.observe_forward(outcome, time.perf_counter() - started)
         if isinstance(first, AcceptedReply):
             self.dispatch(ForwardAccepted(ctx.rid or 0, action.peer_id, first.cached_tokens))
             return ForwardExecution(self, ctx, action, stream, first, started)
@@ -455,7 +499,8 @@ class NodeService:
         """Carry out ``ExecuteLocally`` (after a mid-stream death: continue after ``emitted``)."""
         if isinstance(action, Forward):  # the core never forwards after acceptance
             raise RuntimeError(f"request {ctx.rid}: a peer try after acceptance")
-        return LocalExecution(self, ctx, action.route, action.expected_cached, emitted)
+        ex = LocalExecution(self, ctx, action.route, action.expected_cached, emitted)
+        return self._queued(ex, len(emitted))
 
     @contextlib.asynccontextmanager
     async def tracked(self, ex: Execution) -> AsyncIterator[None]:
@@ -485,9 +530,14 @@ class NodeService:
             if cancelled:
                 ex.abort()
             return
+        ctx: RequestContext = ex.ctx  # type: ignore[attr-defined]
         if cancelled:  # the core answers with Abort, which reaches ``ex`` through _running
+            self.metrics.observe_request(ex.route, "cancelled",
+                                         time.perf_counter() - ctx.arrived_s)
             self.dispatch(RequestCancelled(rid))
         elif error is not None or ex.outcome is not None:
+            self.metrics.observe_request(ex.route, "done" if error is None else "error",
+                                         time.perf_counter() - ctx.arrived_s)
             overhead = None if ex.outcome is None else ex.outcome.forward_overhead_s
             self.dispatch(RequestDone(rid, overhead, error))
             if overhead is not None:
@@ -515,7 +565,7 @@ class NodeService:
         sampling = SamplingParams(req.max_tokens, req.temperature, req.top_p, req.seed,
                                   req.stop_token_ids)
         ctx = RequestContext(None, req.prompt, (), sampling, req.stream)
-        ex = LocalExecution(self, ctx, "local", cached)
+        ex = self._queued(LocalExecution(self, ctx, "local", cached))
         self._peer_work.add(ex)
         try:
             async for frame in _replies(ex, req.heartbeat_s, t0):
@@ -551,6 +601,7 @@ class NodeService:
             "net_jitter_s": self.netem.config.jitter_s,
             "net_loss": self.netem.config.loss,
             "queue_depth": self.queue_depth,
+            "admission": self.admission_state(),
         }
         describe = getattr(self.engine, "describe", None)
         if callable(describe):
@@ -559,10 +610,29 @@ class NodeService:
             state[attached.name] = attached.mesh_state()
         return state
 
+    def admission_state(self) -> dict[str, object]:
+        """Bounded admission's bounds in force and what the queue holds (``/mesh``)."""
+        adm = self.node_config.admission
+        speed = self.core.own_speed()
+        rate = self.core.token_rate()
+        return {
+            "tokens_per_s": round(rate, 1),  # per request stream, measured
+            "prefill_s_per_token": speed.prefill_s_per_token,  # the measured speeds it uses
+            "decode_s_per_token": speed.decode_s_per_token,
+            "mean_service_s": speed.mean_service_s,
+            "max_queue_requests": adm.max_queue_requests,
+            "max_queue_wait_s": adm.max_queue_wait_s,
+            "max_queue_tokens": token_cap(adm, rate, self.inflight),
+            "max_queue_tokens_derived": adm.max_queue_tokens == 0,
+            "queue_prompt_tokens": self.queue_prompt_tokens,
+            "queue_output_tokens": self.queue_output_tokens,
+        }
+
     def prometheus(self) -> str:
         usage = self.engine.usage()
         gauges = {
             "queue_depth": float(self.queue_depth),
+            "queue_tokens": float(self.queue_prompt_tokens + self.queue_output_tokens),
             "inflight": float(self.inflight),
             "cache_tokens": float(usage.tokens),
             "cache_budget_tokens": float(usage.budget),
