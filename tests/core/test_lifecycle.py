@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from radixmesh.core.config import ForwardConfig
 from radixmesh.core.events import Abort, ExecuteLocally, Forward, RejectRequest, RequestArrived
 from radixmesh.core.lifecycle import Lifecycle
-from radixmesh.core.router import Candidate
+from radixmesh.core.router import Candidate, Tag
 
 KNOWN = {"a": "h-a:1", "b": "h-b:1", "c": "h-c:1", "d": "h-d:1"}  # "x" has no address
 
@@ -171,3 +171,35 @@ def test_a_full_node_still_finishes_what_a_dead_peer_started() -> None:
     lc.start(arrived(), cands(["a", "me"]), full_for_s=9.0)
     lc.accepted(1)
     assert lc.failed(1, tokens_so_far=3) == [ExecuteLocally(1, "fallback", 16, 3)]
+
+
+def test_forwards_in_flight_are_tracked_per_peer_until_the_try_ends() -> None:
+    lc = lifecycle(attempts=2)
+    lc.start(arrived(1), cands(["a", "b", "me"]))
+    lc.start(arrived(2), cands(["a", "me"]))
+    assert lc.forwards_sent == 2 and lc.forwards_since("a", 0) == 2
+    assert lc.forwards_since("a", 1) == 1  # only the one sent after forward #1
+    lc.refused(1)  # request 1 moves on to b
+    assert lc.forwards_since("a", 0) == 1 and lc.forwards_since("b", 0) == 1
+    lc.accepted(2)
+    assert lc.forwards_since("a", 0) == 1  # streaming: still in the peer's queue
+    lc.done(2, None)
+    lc.cancel(1)
+    assert lc.forwards_since("a", 0) == 0 and lc.forwards_since("b", 0) == 0
+
+
+def test_placement_tags_are_counted_when_a_peer_accepts_or_execution_starts_here() -> None:
+    def tagged(order: list[str], tag: Tag) -> list[Candidate]:
+        return [
+            Candidate(p, p == "me", 32, 0.1, None, tag if p == order[0] else Tag.SECOND_COPY)
+            for p in order
+        ]
+
+    lc = lifecycle()
+    lc.start(arrived(1), tagged(["a", "me"], Tag.REPLICA))
+    assert lc.counters.placements == {}  # offered only: a refusal would not place it there
+    lc.accepted(1)
+    lc.start(arrived(2), tagged(["me", "a"], Tag.HIT))
+    lc.start(arrived(3), tagged(["b", "me"], Tag.HIT))
+    lc.refused(3)  # falls back here: the self candidate's tag counts
+    assert lc.counters.placements == {"replica": 1, "hit": 1, "second_copy": 1}

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,8 +32,8 @@ from radixmesh.core.events import (
     Send,
     Tick,
 )
-from radixmesh.core.node import NodeCore
-from radixmesh.core.router import Policy, RouterConfig
+from radixmesh.core.node import NodeCore, admission, token_cap
+from radixmesh.core.router import Policy, RouterConfig, Tag
 from radixmesh.testing import LinkConfig, TwinCluster
 
 FP = Fingerprint("test-model", "bytes", 16)
@@ -409,7 +411,10 @@ def test_utilization_is_gossiped_and_bounds_forwards_to_a_busy_specialist() -> N
         c.deliver("n1", RequestServed(1100, 0, 0.09, 1, 0.0, 1.0))
     c.run_for(1.0)
     assert n0.mesh_state(c.now)["node_id"] == "n0"
-    assert n0.route(chain, 1100, 0, 1, c.now)[0].is_self
+    # Overflow leaves the busy specialist: served here, or by the prefix's next ring owner
+    # as a deliberate replica.
+    head = n0.route(chain, 1100, 0, 1, c.now)[0]
+    assert head.node_id != "n1" and (head.is_self or head.placement is Tag.REPLICA)
     c.run_for(60.0)  # the busy period decays away: affinity routing resumes
     assert n0.route(chain, 1100, 0, 1, c.now)[0].node_id == "n1"
 
@@ -427,6 +432,76 @@ def test_a_full_node_refuses_forwards_and_rejects_what_no_peer_takes() -> None:
     assert node.handle(RequestArrived(2, (), 64, 0, 4), 0.2) == [RejectRequest(2, retry)]
     m = node.metrics()
     assert m["forwards_refused_full"] == 1 and m["requests_rejected"] == 1
+
+
+def test_a_token_cap_bounds_prompt_plus_max_tokens_of_the_queue() -> None:
+    node = lone_node(admission=AdmissionConfig(max_queue_tokens=1000))
+    node.handle(Tick(), 0.0)
+    node.handle(LoadChanged(1, 1, 0, 100, 500, 200), 0.1)  # 700 tokens queued or running
+    assert refusal(node, 0.1, prompt=200, max_tokens=100) is None  # 1,000: at the cap
+    retry = refusal(node, 0.1, prompt=200, max_tokens=101)  # 1,001: over it
+    assert retry is not None and retry >= 1.0
+    assert node.handle(RequestArrived(1, (), 290, 0, 20), 0.1) == [RejectRequest(1, retry)]
+    node.handle(LoadChanged(0, 0, 0, 100), 0.2)  # idle: even a request over the cap runs
+    [local] = node.handle(RequestArrived(2, (), 5000, 0, 64), 0.2)
+    assert isinstance(local, ExecuteLocally)
+    m = node.metrics()
+    assert m["admission_full_tokens"] == 2 and m["requests_rejected"] == 1
+    assert m["forwards_refused_full"] == 1
+
+
+def test_the_default_token_cap_is_what_the_engine_gets_through_within_max_queue_wait() -> None:
+    adm = AdmissionConfig(max_queue_wait_s=30.0)  # max_queue_tokens 0: derived
+    node = lone_node(admission=adm)
+    prior = node.token_rate()  # 272 tokens per prior request time
+    assert 1000 < prior < 5000
+    node.handle(Tick(), 0.0)
+    for _ in range(30):  # measured: 1,016 tokens (mostly cached prompt) per 0.1 s of service
+        node.handle(RequestServed(1000, 900, 0.01, 16, 0.09, 0.1), 0.0)
+    assert node.token_rate() == pytest.approx(10_160, rel=0.02)
+    assert token_cap(adm, 10_000.0) == 300_000  # 30 s x 10,000 tokens/s
+    assert token_cap(adm, 10_000.0, streams=4) == 1_200_000  # four streams at once
+    assert token_cap(replace(adm, max_queue_tokens=None), 10_000.0) is None
+    assert token_cap(replace(adm, max_queue_tokens=5), 10_000.0) == 5
+    speed = node.own_speed()
+    load = LoadChanged(2, 1, 0, 100, 250_000, 40_000)  # 290,000 tokens waiting or running
+    assert admission(adm, speed, 10_000.0, load, 9_000, 1_000) is None  # 300,000: at the cap
+    full = admission(adm, speed, 10_000.0, load, 9_000, 1_001)
+    assert full is not None and full.bound == "tokens"
+    assert full.wait_s == pytest.approx(29.0)  # the queue's tokens at the measured rate
+    two = LoadChanged(2, 2, 0, 100, 250_000, 40_000)  # two streams at once: twice the room
+    assert admission(adm, speed, 10_000.0, two, 200_000, 100_000) is None
+    assert admission(replace(adm, max_queue_tokens=None), speed, 10_000.0, load, 10**9, 1) \
+        is None
+    capped = admission(replace(adm, max_queue_requests=2), speed, 10_000.0, load, 0, 1)
+    assert capped is not None and capped.bound == "requests"
+    node.handle(LoadChanged(2, 1, 0, 100, 250_000, 40_000), 0.0)  # the node decides the same
+    [reject] = node.handle(RequestArrived(1, (), 10**6, 0, 16), 0.0)
+    assert isinstance(reject, RejectRequest)
+    assert node.metrics()["admission_full_tokens"] == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    depth=st.integers(0, 64),
+    prompt=st.integers(0, 100_000),
+    output=st.integers(0, 100_000),
+    extra=st.integers(0, 100_000),
+    cap=st.sampled_from([0, 1, 2_000, 50_000, None]),
+    rate=st.floats(0.0, 1e6),
+)
+def test_admission_is_monotone_in_the_queued_tokens(
+    depth: int, prompt: int, output: int, extra: int, cap: int | None, rate: float
+) -> None:
+    """More queued tokens never turn a full node into one with room; idle always has room."""
+    adm = AdmissionConfig(max_queue_tokens=cap)
+    speed = lone_node().own_speed()
+    small = LoadChanged(depth, min(depth, 1), 0, 100, prompt, output)
+    big = LoadChanged(depth, min(depth, 1), 0, 100, prompt + extra, output + extra)
+    if admission(adm, speed, rate, small, 100, 10) is not None:
+        assert admission(adm, speed, rate, big, 100, 10) is not None
+    if depth == 0:
+        assert admission(adm, speed, rate, big, 10**9, 10**9) is None
 
 
 def test_a_refused_request_is_ranked_again_from_the_current_view() -> None:

@@ -1,13 +1,15 @@
-"""Placement of prefixes nobody holds: consistent hashing, the same owner from every node."""
+"""Placement of prefixes: consistent hashing, the same owner (set) from every node; replicas."""
 
 from __future__ import annotations
 
+import math
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixmesh.core.placement import MAX_WALK, Ring, placement_key
+from radixmesh.core.placement import MAX_WALK, KeyRates, Ring, placement_key, replicas_for
 
 
 def ring_of(n: int) -> Ring:
@@ -52,3 +54,67 @@ def test_an_unavailable_owner_is_skipped_within_the_walk() -> None:
     assert second is not None and second != first
     assert ring.owner(key, lambda m: False) is None
     assert MAX_WALK >= 2
+
+
+# ------------------------------------------------------------------ hot prefixes: owner sets
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 2**64 - 1), st.integers(1, 40), st.integers(1, 50))
+def test_owner_sets_are_nested_distinct_and_the_same_from_every_node(
+    key: int, n: int, k: int
+) -> None:
+    a, b = ring_of(n), Ring()
+    b.update(reversed([f"n{i}" for i in range(n)]))
+    owners = a.owners(key, k, lambda m: True)
+    assert owners == b.owners(key, k, lambda m: True)  # same view -> same owner set
+    assert len(owners) == min(k, n) and len(set(owners)) == len(owners)
+    assert owners[:1] == [a.owner(key, lambda m: True)]  # the first is the placement owner
+    for j in range(1, k):
+        assert a.owners(key, j, lambda m: True) == owners[:j]  # nested: growing adds, only
+
+
+def test_unavailable_members_are_passed_over_within_the_walk() -> None:
+    ring = ring_of(16)
+    all_up = ring.owners(99, 4, lambda m: True)
+    down = all_up[1]
+    without = ring.owners(99, 4, lambda m: m != down)
+    assert down not in without and len(without) == 4
+    assert without[:1] == all_up[:1] and without[1:3] == all_up[2:4]
+    assert ring.owners(99, 4, lambda m: False) == []  # MAX_WALK unavailable: give up
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.floats(0, 1e4),
+    st.floats(0, 1e4),
+    st.floats(0.01, 2.0),
+    st.integers(0, 2000),
+    st.integers(1, 128),
+)
+def test_replica_count_is_monotone_in_load_and_bounded_by_members(
+    a: float, b: float, per: float, members: int, cap: int
+) -> None:
+    lo, hi = sorted((a, b))
+    k_lo, k_hi = (replicas_for(x, per, members, cap) for x in (lo, hi))
+    assert k_lo <= k_hi <= min(members, cap)
+    if members >= 1:
+        assert k_lo >= 1  # a prefix always has its one owner
+        assert k_hi >= min(members, cap, math.ceil(hi / per - 1e-6))  # ... and what it needs
+    else:
+        assert k_hi == 0
+
+
+def test_key_rates_follow_the_traffic_and_forget_a_cold_prefix() -> None:
+    rates = KeyRates(window_s=10.0)
+    for i in range(200):  # 20 requests/s of key 1 and 5/s of key 2 for 10 s
+        rates.observe(1, i * 0.05)
+        if i % 4 == 0:
+            rates.observe(2, i * 0.05)
+    now = 10.0
+    assert rates.rate(1, now) == pytest.approx(20.0, rel=0.15)  # unbiased while ramping up
+    assert rates.rate(2, now) == pytest.approx(5.0, rel=0.2)
+    assert rates.rate(3, now) == 0.0
+    assert rates.rate(1, now + 60.0) < 0.1  # cooled: the owner set shrinks back
+    small = KeyRates(window_s=1.0, max_keys=8)
+    for key in range(20):
+        small.observe(key, float(key))
+    assert len(small) <= 8 and small.rate(19, 19.0) > 0  # bounded; the recent ones kept

@@ -222,3 +222,28 @@ def test_word_tokenizer_is_bpe_like(requests_small: list[Request]) -> None:
 def test_unknown_cost_model_is_an_error(text: str) -> None:
     with pytest.raises(ValueError):
         costs.resolve(text)
+
+
+def test_copies_of_prefixes_are_counted_from_the_truth_and_by_the_router(
+    make_reqs: Callable[..., list[Request]],
+) -> None:
+    # 8 nodes, 8 clients, a few prefixes: none makes a cold copy of each prefix on every
+    # node; cost places each on its owners, so accidental second copies are rare, and every
+    # request it serves carries the router's placement tag.
+    reqs = make_reqs(240, groups=4, prefix_words=300)
+    kw: dict[str, object] = {"nodes": 8}
+    tokenize, _ = byte_tokenize()
+
+    def go(policy: str) -> dict[str, object]:
+        spec = RunSpec(policy, cluster_config(policy, **kw), concurrency=8)
+        return run(spec, reqs, tokenize).summary
+
+    none, cost = go("none")["sim"], go("cost")["sim"]
+    assert isinstance(none, dict) and isinstance(cost, dict)
+    assert none["second_cold_copies"] >= 4 * 4  # each prefix cold on (nearly) every node
+    assert none["deliberate_replicas"] == 0 and none["placement_hit"] == 0
+    assert cost["second_cold_copies"] < none["second_cold_copies"] / 2
+    tags = ("hit", "first", "replica", "second_copy", "unplaced")
+    assert sum(cost[f"placement_{t}"] for t in tags) == len(reqs)  # type: ignore[misc]
+    assert cost["placement_hit"] > len(reqs) / 2  # type: ignore[operator]
+    assert cost["forward_refusals_per_request"] == cost["forward_refusals"] / len(reqs)  # type: ignore[operator]

@@ -37,6 +37,13 @@ Rules:
 * events for a request or peer the flight is not waiting for are *stale* (a timeout that
   raced a reply): ``is_current`` says so and the node ignores them.
 
+Two things the router needs are kept here, where the tries are made: the forwards in flight
+to each peer, numbered in the order they were sent (``forwards_since``: the node adds those
+a peer's last load report cannot have counted to its queue), and, per request served, the
+router's placement tag of the candidate that served it (``LifecycleCounters.placements``:
+hits, first copies, deliberate replicas, second cold copies), counted when a peer accepted
+it or it started locally.
+
 Illegal transitions are the shell's bugs only if they name the current try in a state where
 that event cannot happen (e.g. ``ForwardAccepted`` while executing locally): they are counted
 as stale too, never raised — a shell driven by a network cannot always order its callbacks.
@@ -92,6 +99,7 @@ class Flight:
     route: str = "local"
     full_for_s: float | None = None  # this node is full: its queue's wait (None: it has room)
     tried: set[str] = field(default_factory=set)  # peers already tried (never again)
+    choice: Candidate | None = None  # the candidate of the current try (self: local)
 
     @property
     def rid(self) -> int:
@@ -109,6 +117,7 @@ class LifecycleCounters:
     cancelled: int = 0
     failed: int = 0
     rejected: int = 0
+    placements: dict[str, int] = field(default_factory=dict)  # router tag of who served it
 
 
 class Lifecycle:
@@ -122,6 +131,18 @@ class Lifecycle:
         self._address_of = address_of
         self._flights: dict[int, Flight] = {}
         self.counters = LifecycleCounters()
+        self._sent = 0  # forwards sent so far (their sequence numbers)
+        self._at_peer: dict[str, dict[int, int]] = {}  # peer -> rid -> sequence number
+
+    @property
+    def forwards_sent(self) -> int:
+        """Forwards sent so far: the sequence number of the latest."""
+        return self._sent
+
+    def forwards_since(self, peer: str, seq: int) -> int:
+        """Forwards to ``peer`` still in flight (offered or streaming) sent after ``seq``."""
+        at = self._at_peer.get(peer)
+        return 0 if not at else sum(1 for s in at.values() if s > seq)
 
     def __len__(self) -> int:
         return len(self._flights)
@@ -152,7 +173,9 @@ class Lifecycle:
         return ok
 
     def accepted(self, rid: int) -> None:
-        self._flights[rid].stage = Stage.STREAMING
+        flight = self._flights[rid]
+        flight.stage = Stage.STREAMING
+        self._placed(flight)
 
     def refused(self, rid: int, fresh: list[Candidate] | None = None) -> list[RequestAction]:
         """The current peer answered busy; ``fresh``: a new ranking to continue from."""
@@ -183,6 +206,7 @@ class Lifecycle:
 
     def done(self, rid: int, error: str | None) -> Flight:
         flight = self._flights.pop(rid)
+        self._untrack(flight)
         if error is not None:
             self.counters.failed += 1
         routes = self.counters.routes
@@ -194,6 +218,7 @@ class Lifecycle:
         if flight is None:
             self.counters.stale += 1
             return []
+        self._untrack(flight)
         self.counters.cancelled += 1
         return [Abort(rid, flight.peer)]
 
@@ -220,13 +245,17 @@ class Lifecycle:
         return self._local(flight, 0)
 
     def _reject(self, flight: Flight) -> RejectRequest:
+        self._untrack(flight)
         del self._flights[flight.rid]
         self.counters.rejected += 1
         retry = max(flight.full_for_s or 0.0, self._min_retry_after_s)
         return RejectRequest(flight.rid, retry)
 
     def _forward(self, flight: Flight, cand: Candidate, address: str) -> Forward:
-        flight.stage, flight.peer = Stage.OFFERED, cand.node_id
+        self._untrack(flight)
+        flight.stage, flight.peer, flight.choice = Stage.OFFERED, cand.node_id, cand
+        self._sent += 1
+        self._at_peer.setdefault(cand.node_id, {})[flight.rid] = self._sent
         flight.route = flight.label("forwarded")
         return Forward(
             flight.rid, cand.node_id, address, cand.beat_s, cand.expected_cached_tokens,
@@ -234,6 +263,26 @@ class Lifecycle:
         )
 
     def _local(self, flight: Flight, resume_after: int) -> ExecuteLocally:
+        self._untrack(flight)
         flight.stage, flight.peer = Stage.LOCAL, None
+        flight.choice = next((c for c in flight.candidates if c.is_self), None)
+        if resume_after == 0:  # (a resumed answer was placed when the peer accepted it)
+            self._placed(flight)
         flight.route = flight.label("local")
         return ExecuteLocally(flight.rid, flight.route, flight.self_expected, resume_after)
+
+    def _untrack(self, flight: Flight) -> None:
+        """The flight's current try at a peer is over (or never was)."""
+        if flight.peer is None:
+            return
+        at = self._at_peer.get(flight.peer)
+        if at is not None:
+            at.pop(flight.rid, None)
+            if not at:
+                del self._at_peer[flight.peer]
+
+    def _placed(self, flight: Flight) -> None:
+        tag = None if flight.choice is None else flight.choice.placement
+        if tag is not None:
+            placements = self.counters.placements
+            placements[tag.value] = placements.get(tag.value, 0) + 1

@@ -55,13 +55,22 @@ through a lazily cleaned heap.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from random import Random  # the type only: instances are passed in, never the global one
 from typing import Any
 
 from radixmesh.core.codec import Codec, Limits, RemoteProtocolError
-from radixmesh.core.config import NodeConfig
-from radixmesh.core.estimators import ComputeModel, RttTable, Utilization
+from radixmesh.core.config import AdmissionConfig, NodeConfig
+from radixmesh.core.estimators import (
+    ComputeModel,
+    CostPriors,
+    Ewma,
+    RttTable,
+    SpeedReport,
+    Utilization,
+)
 from radixmesh.core.events import (
     AcceptForward,
     Action,
@@ -88,13 +97,15 @@ from radixmesh.core.lifecycle import Lifecycle, Stage
 from radixmesh.core.membership import Membership, MemberState
 from radixmesh.core.messages import Load
 from radixmesh.core.peerview import PeerView
-from radixmesh.core.placement import Ring, placement_key
+from radixmesh.core.placement import KeyRates, Ring, placement_key, replicas_for
 from radixmesh.core.router import (
     Candidate,
     NodeInfo,
+    Placement,
     Policy,
     RouteInput,
     Router,
+    Tag,
     predict_latency,
 )
 from radixmesh.core.summary import LocalSummary
@@ -162,6 +173,7 @@ class NodeCore:
         seeds = tuple(s for s in config.seeds if s != config.address)
         self._members = Membership(config.node_id, seeds)
         self._compute = ComputeModel(config.priors)
+        self._token_rate = TokenRate(config.priors)  # bounded admission's default token cap
         self._rtt = RttTable(config.priors)
         self._busy = Utilization(config.router.load_window_s)
         self._router = Router(config.router)
@@ -182,7 +194,13 @@ class NodeCore:
         self._leaving_until: float | None = None  # LeaveRequested: end of the grace period
         self._next_round = now  # the first Tick joins the seeds at once
         self._idle: list[tuple[int, float, str]] = []  # (queue depth, stamp, peer) lazy heap
-        self._ring = Ring()  # cold prefixes' owners (consistent hashing over routable members)
+        self._ring = Ring()  # prefixes' owners (consistent hashing over routable members)
+        self._ring_checked = now  # when the ring's members are checked again at the latest
+        self._key_rates = KeyRates(config.router.replica_window_s)  # requests/s per prefix here
+        # peer -> its latest load report: (its stamp, our forwards sent when it arrived, our
+        # clock then, its queue depth); and the sum of those queue depths (the mesh's mean)
+        self._load_seen: dict[str, tuple[float | None, int, float, int]] = {}
+        self._queue_sum = 0
         self._lifecycle = Lifecycle(
             config.forward,
             lambda peer: self.peer_address(peer),
@@ -261,13 +279,19 @@ class NodeCore:
                 self._count(f"messages_rejected_{exc.reason}")
                 return [Log("debug", f"rejected a peer message: {exc}")]
         actions = self._gossip.receive(msg, now, self._own_load(now))
-        self._note_load(msg.sender)
+        self._note_load(msg.sender, now)
         for relayed in msg.relays:
-            self._note_load(relayed.node_id)
+            self._note_load(relayed.node_id, now)
         return self._account_out(actions)
 
-    def _note_load(self, peer: str) -> None:
+    def _note_load(self, peer: str, now: float) -> None:
         est = self._gossip.estimates.get(peer)
+        if est is not None and est.load is not None:
+            seen = self._load_seen.get(peer)
+            if seen is None or seen[0] != est.stamp:  # a new load report: its queue is fresh
+                depth = est.load.queue_depth
+                self._queue_sum += depth - (0 if seen is None else seen[3])
+                self._load_seen[peer] = (est.stamp, self._lifecycle.forwards_sent, now, depth)
         if est is not None and est.load is not None and peer in self._gossip.routable:
             heapq.heappush(self._idle, (est.load.queue_depth, est.stamp or 0.0, peer))
             self._trim_idle()
@@ -315,19 +339,29 @@ class NodeCore:
 
     # ---------------------------------------------------------------- request lifecycle
     def _arrived(self, event: RequestArrived, now: float) -> list[Action]:
-        full = self._full_for()
+        full = self._full_for(event.prompt_tokens, event.max_tokens)
         return list(self._lifecycle.start(event, self._candidates(event, now), full))
 
-    def _full_for(self) -> float | None:
-        """None if this node has room for one more request; else its queue's expected wait
-        (0 while leaving: it has no room for anything new, whatever its queue)."""
+    def _full_for(self, prompt_tokens: int, max_tokens: int) -> float | None:
+        """None if this node has room for one more request of ``prompt_tokens`` +
+        ``max_tokens``; else its queue's expected wait (0 while leaving: it has no room for
+        anything new, whatever its queue). The decision is :func:`admission`'s."""
         if self._leaving_until is not None:
             return 0.0
-        adm = self.config.admission
-        depth = self._load.queue_depth
-        wait = depth * self._compute.report().mean_service_s
-        capped = adm.max_queue_requests is not None and depth >= adm.max_queue_requests
-        return wait if capped or wait >= adm.max_queue_wait_s else None
+        full = admission(self.config.admission, self._compute.report(),
+                         self._token_rate.per_s, self._load, prompt_tokens, max_tokens)
+        if full is None:
+            return None
+        self._count(f"admission_full_{full.bound}")
+        return full.wait_s
+
+    def own_speed(self) -> SpeedReport:
+        """This node's measured speed (what bounded admission reckons the queue's work with)."""
+        return self._compute.report()
+
+    def token_rate(self) -> float:
+        """Tokens (prompt + output) per second of service of one request stream, measured."""
+        return self._token_rate.per_s
 
     def _candidates(self, event: RequestArrived, now: float) -> list[Candidate]:
         me = Candidate(self.node_id, True, event.local_cached, 0.0)
@@ -335,6 +369,10 @@ class NodeCore:
             return [me]
         if event.target is not None and event.target != self.node_id:
             return [Candidate(event.target, False, 0, 0.0), me]
+        depth = self.config.router.placement_depth_blocks
+        key = None if depth is None else placement_key(event.hashes, depth)
+        if key is not None and self._lifecycle.get(event.rid) is None:  # not a re-ranking
+            self._key_rates.observe(key, now)
         return self.route(
             event.hashes, event.prompt_tokens, event.local_cached, event.max_tokens, now
         )
@@ -400,12 +438,13 @@ class NodeCore:
         the seconds the peer should leave us alone (0: only this request). Client requests
         entering here are always served; forwards are refused
         * at the push-back threshold (retry after the push-back's remaining time), and
-        * when the sender said what we must beat (``beat_s``: its local prediction minus the
-          round trip) and our queue wait + service for this request, known exactly here, is
-          longer (retry after our queue's expected wait).
+        * when the sender said what we must beat (``beat_s``: its local prediction, the
+          alternative to our answer — its way here is spent, the way back paid either way)
+          and our queue wait + service for this request, known exactly here, is longer
+          (retry after our queue's expected wait).
         A sender routing on a view of our queue that is a gossip round old finds out in one
         round trip instead of waiting in a queue that many nodes picked at once."""
-        refusal = self._refusal_by_state(now)
+        refusal = self._refusal_by_state(now, prompt_tokens, max_tokens)
         if refusal is not None or beat_s is None:
             return refusal
         me = self._self_info(cached_tokens, now)
@@ -416,14 +455,15 @@ class NodeCore:
         self._count("forwards_refused_slower")
         return self._load.queue_depth * me.speed.mean_service_s
 
-    def _refusal_by_state(self, now: float) -> float | None:
-        """Refusals whatever the request: leaving, full, or at the push-back threshold."""
+    def _refusal_by_state(self, now: float, prompt_tokens: int, max_tokens: int) -> float | None:
+        """Refusals by this node's state: leaving, full (for this request's tokens: bounded
+        admission), or at the push-back threshold."""
         adm = self.config.admission
         if self._leaving_until is not None:
             self._count("forwards_refused_leaving")
             cap = self.config.gossip.exchange.max_retry_after_s
             return min(max(self._leaving_until - now, adm.min_retry_after_s), cap)
-        full = self._full_for()
+        full = self._full_for(prompt_tokens, max_tokens)
         if full is not None:
             self._count("forwards_refused_full")
             return max(full, adm.min_retry_after_s)
@@ -442,6 +482,7 @@ class NodeCore:
         self._compute.observe_prefill(uncached, event.cached_tokens, event.prefill_s)
         self._compute.observe_decode(event.decode_tokens, event.decode_s)
         self._compute.observe_service(event.service_s)
+        self._token_rate.observe(event.prompt_tokens + event.decode_tokens, event.service_s)
         return []
 
     def _forward_ok(self, peer: str, hashes: tuple[int, ...], rtt_s: float) -> None:
@@ -502,38 +543,55 @@ class NodeCore:
         req = RouteInput(prompt_tokens, max_tokens)
         policy = self.config.router.policy
         nodes = [self._self_info(local_cached_tokens, now)]
-        owner = None
+        placement = None
         if policy is not Policy.NONE:
             peers = self._peer_infos(hashes, prompt_tokens, policy, now)
             nodes.extend(peers)
             if policy is Policy.COST:
-                owner = self._cold_owner(hashes, local_cached_tokens, peers, nodes, now)
-        return self._router.rank(req, nodes, self._rng, owner)
+                placement = self._placement(hashes, req, nodes, now)
+        return self._router.rank(req, nodes, self._rng, placement)
 
-    def _cold_owner(
-        self,
-        hashes: Sequence[int],
-        local_cached: int,
-        peers: list[NodeInfo],
-        nodes: list[NodeInfo],
-        now: float,
-    ) -> str | None:
-        """The placement owner of a prefix no node holds (appended to ``nodes`` if missing)."""
-        depth = self.config.router.placement_depth_blocks
+    def _placement(
+        self, hashes: Sequence[int], req: RouteInput, nodes: list[NodeInfo], now: float
+    ) -> Placement | None:
+        """The request's prefix's owner set on the ring (owners missing from ``nodes`` are
+        appended): as many owners as its load here says it needs (``core/placement.py``)."""
+        cfg = self.config.router
+        depth = cfg.placement_depth_blocks
         key = None if depth is None else placement_key(hashes, depth)
         if depth is None or key is None:
             return None
-        held = min(len(hashes), depth) * self.config.fingerprint.block_size
-        if local_cached >= held or any(p.cached_tokens >= held for p in peers):
-            return None  # somebody holds it: the cost router follows the cache
-        self._ring.update((*self._gossip.routable, self.node_id))
-        owner = self._ring.owner(key, lambda m: m == self.node_id or self.available(m, now))
-        if owner is None or owner == self.node_id or any(n.node_id == owner for n in nodes):
-            return owner
-        info = self._info(owner, 0, now)
-        if info is not None:
-            nodes.append(info)
-        return owner if info is not None else None
+        block = self.config.fingerprint.block_size
+        held = min(len(hashes), depth) * block
+        self._update_ring(now)
+        members = len(self._ring)
+        # a warm request's service here: what one replica spends on each of the key's requests
+        warm = nodes[0].speed.service_s(
+            max(req.prompt_tokens - held, 1), min(held, req.prompt_tokens - 1),
+            req.max_tokens, cfg.context_scale,
+        )
+        load = self._key_rates.rate(key, now) * members * warm
+        k = replicas_for(load, cfg.replica_load, members, cfg.max_replicas)
+        owners = self._ring.owners(key, k, lambda m: m == self.node_id or self.available(m, now))
+        present = {n.node_id for n in nodes}
+        missing = [o for o in owners if o not in present]
+        if len(missing) > ROUTE_TOP_K:  # a very hot prefix: a random few of its owners (entry
+            missing = self._rng.sample(missing, ROUTE_TOP_K)  # nodes differ: load spreads)
+        for owner in missing:
+            if owner not in present:
+                cached = min(self._view.depth_of(owner, hashes) * block, req.prompt_tokens)
+                info = self._info(owner, cached, now)
+                if info is not None:
+                    nodes.append(info)
+        return Placement(tuple(owners), held)
+
+    def _update_ring(self, now: float) -> None:
+        """The ring over the routable members and self: O(members) to check, so checked when
+        their count changes and otherwise once per gossip round (membership changes slower)."""
+        routable = self._gossip.routable
+        if len(routable) + 1 != len(self._ring) or now >= self._ring_checked:
+            self._ring.update((*routable, self.node_id))
+            self._ring_checked = now + self.config.gossip.interval_s
 
     def _self_info(self, cached_tokens: int, now: float) -> NodeInfo:
         """This node as the router sees it: exact cache match, own queue, own speed."""
@@ -572,15 +630,30 @@ class NodeCore:
         if est is None or not self._available(peer, est, now) or est.load is None:
             return None
         load = est.load
+        speed = est.speed or self._prior_speed
         return NodeInfo(
             peer,
             False,
             cached_tokens,
             self._rtt.get(peer),
-            load.queue_depth,
-            est.speed or self._prior_speed,
+            self._expected_queue(peer, load.queue_depth, speed.mean_service_s, now),
+            speed,
             utilization=load.utilization,
         )
+
+    def _expected_queue(self, peer: str, reported: int, service_s: float, now: float) -> float:
+        """The queue a request sent to ``peer`` now should expect: its report, which others'
+        concurrent choices make stale within a few service times (it relaxes towards the
+        mean of all peers' reports, with time constant ``queue_memory`` × its mean service),
+        plus our own forwards to it that the report cannot have counted."""
+        seen = self._load_seen.get(peer)
+        if seen is None:
+            return float(reported)
+        ours = self._lifecycle.forwards_since(peer, seen[1])
+        mean = self._queue_sum / max(len(self._load_seen), 1)
+        memory = self.config.router.queue_memory * max(service_s, 1e-6)
+        kept = math.exp(-max(now - seen[2], 0.0) / memory)
+        return mean + (reported - mean) * kept + ours
 
     def available(self, peer: str, now: float) -> bool:
         """Whether ``peer`` may be routed to now (alive, reporting load, not pushed back)."""
@@ -644,6 +717,12 @@ class NodeCore:
         """The version of this node's own cache summary (grows with each cache change)."""
         return self._summary.version
 
+    def placement_of(self, rid: int) -> Tag | None:
+        """The router's placement tag of the current try of request ``rid`` here (None: not
+        in flight, or no placement: not the cost policy)."""
+        flight = self._lifecycle.get(rid)
+        return None if flight is None or flight.choice is None else flight.choice.placement
+
     def routable_count(self) -> int:
         """Peers this node would route to now (alive, with a load report)."""
         return len(self._gossip.routable)
@@ -693,6 +772,11 @@ class NodeCore:
         }
         for route in ("local", "forwarded", "fallback"):
             out[f"requests_{route}"] = float(lc.routes.get(route, 0))
+        # cost: who served each request, by the router's placement tag (core/router.Tag):
+        # placement_second_copy = accidental cold copies of a prefix cached elsewhere (in the
+        # view) at decision time; placement_replica = deliberate hot-prefix replicas
+        for tag in Tag:
+            out[f"placement_{tag.value}"] = float(lc.placements.get(tag.value, 0))
         return out
 
     def mesh_state(self, now: float) -> dict[str, object]:
@@ -747,3 +831,80 @@ class NodeCore:
 
     def _count(self, name: str, by: float = 1.0) -> None:
         self._metrics[name] = self._metrics.get(name, 0.0) + by
+
+
+# ------------------------------------------------------------------------ bounded admission
+class TokenRate:
+    """Tokens (prompt + output) this node's engine gets through per second of service, per
+    request stream: a ratio of two EWMAs (tokens per request, seconds per request), so long
+    requests weigh as much as they cost. Cached prompt tokens count at what they really cost
+    (next to nothing): the rate is the workload's own mix, measured. The prior: a request of
+    256 uncached prompt tokens and 16 output tokens at the prior speeds."""
+
+    PRIOR_PROMPT, PRIOR_OUTPUT = 256, 16
+
+    def __init__(self, priors: CostPriors) -> None:
+        prior_s = SpeedReport(priors.prefill_overhead_s, priors.prefill_s_per_token,
+                              priors.decode_s_per_token, 0.0).service_s(
+            self.PRIOR_PROMPT, 0, self.PRIOR_OUTPUT, priors.context_scale)
+        self._tokens = Ewma(float(self.PRIOR_PROMPT + self.PRIOR_OUTPUT), priors.alpha)
+        self._seconds = Ewma(max(prior_s, 1e-6), priors.alpha)
+
+    def observe(self, tokens: int, service_s: float) -> None:
+        if tokens > 0 and service_s > 0:
+            self._tokens.observe(float(tokens))
+            self._seconds.observe(service_s)
+
+    @property
+    def per_s(self) -> float:
+        return self._tokens.value / max(self._seconds.value, 1e-9)
+
+
+@dataclass(frozen=True, slots=True)
+class Full:
+    """:func:`admission`'s answer for a node without room: its queue's expected wait (the
+    retry-after's base) and the bound that was reached (``requests``, ``wait``, ``tokens``)."""
+
+    wait_s: float
+    bound: str
+
+
+def token_cap(adm: AdmissionConfig, tokens_per_s: float, streams: int = 1) -> int | None:
+    """The token bound in force: ``max_queue_tokens``, or (0, the default) the tokens the
+    engine gets through within ``max_queue_wait_s`` at its measured rate (``tokens_per_s``
+    per request stream, times the ``streams`` it runs at once: a batching engine's running
+    requests; at least 1); None: no token bound."""
+    if adm.max_queue_tokens is None or adm.max_queue_tokens > 0:
+        return adm.max_queue_tokens
+    return int(adm.max_queue_wait_s * max(tokens_per_s, 0.0) * max(streams, 1))
+
+
+def admission(adm: AdmissionConfig, speed: SpeedReport, tokens_per_s: float,
+              load: LoadChanged, prompt_tokens: int, max_tokens: int) -> Full | None:
+    """Bounded admission, the whole decision: None if a node with ``load`` (and this speed)
+    has room for one more request of ``prompt_tokens`` + ``max_tokens``, else :class:`Full`.
+
+    An idle node (nothing waiting or running) always has room: a request larger than every
+    bound must still run somewhere. Otherwise the node is full when its queue
+    * holds ``max_queue_requests`` requests, or
+    * would keep the request waiting ``max_queue_wait_s`` (depth x mean service), or
+    * with this request would hold more tokens (prompt + max_tokens of every request waiting
+      or running) than :func:`token_cap`: ``max_queue_tokens``, or by default the tokens the
+      engine gets through within ``max_queue_wait_s`` at its measured rate.
+    The wait reported is the larger of the two estimates of the queue's work (its requests
+    at the mean service time, its tokens at the measured rate)."""
+    depth = load.queue_depth
+    if depth <= 0:
+        return None
+    streams = max(load.inflight, 1)
+    queued = load.queue_prompt_tokens + load.queue_output_tokens
+    wait = depth * speed.mean_service_s
+    reported = max(wait, queued / max(tokens_per_s * streams, 1e-9))
+    if adm.max_queue_requests is not None and depth >= adm.max_queue_requests:
+        return Full(reported, "requests")
+    if wait >= adm.max_queue_wait_s:
+        return Full(reported, "wait")
+    cap = token_cap(adm, tokens_per_s, streams)
+    if cap is not None and queued + max(prompt_tokens, 0) + max(max_tokens, 0) > cap:
+        return Full(reported, "tokens")
+    return None

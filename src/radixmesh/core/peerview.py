@@ -79,6 +79,19 @@ class PeerView:
             self._record(mask, depth, result)
         return result
 
+    def depth_of(self, peer: PeerId, hashes: Sequence[int]) -> int:
+        """Leading blocks of ``hashes`` that ``peer`` is believed to hold. O(that depth)."""
+        bit = self._bit.get(peer)
+        if bit is None:
+            return 0
+        get = self._index.get
+        depth = 0
+        for h in hashes:
+            if not get(h, 0) & bit:
+                break
+            depth += 1
+        return depth
+
     def match_levels(self, hashes: Sequence[int]) -> list[tuple[int, int]]:
         """``(depth, slot mask)`` pairs, deepest first: each peer in a mask holds exactly
         ``depth`` leading blocks. O(blocks) big-integer operations, whatever the peer count."""

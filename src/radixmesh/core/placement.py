@@ -19,11 +19,27 @@ it can route to — and sends cold requests there when that costs little now::
 Every node's ring holds the members it believes alive, so two nodes agree on the owner as long
 as their views of membership agree (they converge by gossip); a node that disagrees costs a
 second cold copy, never a wrong answer. Different prefixes spread evenly over members.
+
+Hot prefixes: one owner cannot serve a prefix whose traffic exceeds its capacity, so the
+*owner set* of a key is the first ``k`` available members clockwise (:meth:`Ring.owners`),
+with ``k`` from the key's load (:func:`replicas_for`)::
+
+    load(key) = global request rate of key × a warm request's service time   (node-seconds/s)
+    k         = clamp(ceil(load / replica_load), 1, min(members, max_replicas))
+
+The global rate is estimated from the deciding node's *own* traffic (:class:`KeyRates`: a
+decayed count of the key's requests at this entry, × the number of members — entry nodes see
+comparable shares of the traffic in a mesh whose clients spread over it), so no message
+carries it and it shrinks by itself when the prefix cools. Owner sets are nested (the owners
+for ``k`` are the first ``k`` of those for ``k + 1``), so two nodes whose estimates differ
+still agree on the owners they share: a node that underestimates uses fewer replicas, never
+different ones.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Callable, Iterable, Sequence
 
 import xxhash
@@ -71,19 +87,96 @@ class Ring:
         self._points = [p for p, _ in pairs]
         self._owners = [m for _, m in pairs]
 
+    def __len__(self) -> int:
+        return len(self._members)
+
     def owner(self, key: int, available: Callable[[str], bool]) -> str | None:
         """The first available member clockwise from ``key`` (None: none within the walk)."""
-        if not self._points:
-            return None
+        found = self.owners(key, 1, available)
+        return found[0] if found else None
+
+    def owners(self, key: int, k: int, available: Callable[[str], bool]) -> list[str]:
+        """The first ``k`` distinct available members clockwise from ``key``, in ring order;
+        at most ``MAX_WALK`` unavailable members are passed over (fewer owners then)."""
+        out: list[str] = []
+        if not self._points or k < 1:
+            return out
+        n = len(self._points)
         start = bisect.bisect_left(self._points, _mix(key))
         seen: set[str] = set()
-        for step in range(len(self._points)):
-            member = self._owners[(start + step) % len(self._points)]
+        skipped = 0
+        for step in range(n):
+            member = self._owners[(start + step) % n]
             if member in seen:
                 continue
-            if available(member):
-                return member
             seen.add(member)
-            if len(seen) >= MAX_WALK:
-                return None
-        return None
+            if available(member):
+                out.append(member)
+                if len(out) >= k:
+                    break
+            else:
+                skipped += 1
+                if skipped >= MAX_WALK:
+                    break
+        return out
+
+
+def replicas_for(load: float, replica_load: float, members: int, max_replicas: int) -> int:
+    """Owners a key needs: its load (node-seconds of service per second) over what one replica
+    should carry, at least 1 and at most ``min(members, max_replicas)`` (0 members: 0)."""
+    cap = min(members, max_replicas)
+    if cap < 1:
+        return 0
+    if not load > 0 or replica_load <= 0:
+        return 1
+    return max(1, min(cap, math.ceil(load / replica_load - 1e-9)))
+
+
+class KeyRates:
+    """Requests per second of each placement key at this node: an exponentially decayed count
+    (time constant ``window_s``), over the time observed so far while that is shorter.
+
+    Bounded: beyond ``max_keys`` keys the coldest half is forgotten (a key that mattered is
+    hot, and comes back at its next request)."""
+
+    __slots__ = ("_counts", "_start", "max_keys", "window_s")
+
+    def __init__(self, window_s: float, max_keys: int = 4096) -> None:
+        if window_s <= 0 or max_keys < 1:
+            raise ValueError("window_s must be > 0 and max_keys >= 1")
+        self.window_s = window_s
+        self.max_keys = max_keys
+        self._counts: dict[int, tuple[float, float]] = {}  # key -> (decayed count, at)
+        self._start: float | None = None
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    def observe(self, key: int, now: float) -> None:
+        if self._start is None:
+            self._start = now
+        self._counts[key] = (self._count(key, now) + 1.0, now)
+        if len(self._counts) > self.max_keys:
+            self._forget_coldest(now)
+
+    def rate(self, key: int, now: float) -> float:
+        """The key's requests per second here (0: never seen, or long cold)."""
+        if self._start is None:
+            return 0.0
+        span = self.window_s * -math.expm1(-max(now - self._start, 0.0) / self.window_s)
+        return self._count(key, now) / max(span, self.window_s / 64)
+
+    def count(self, key: int, now: float) -> float:
+        """The key's decayed request count here (how much evidence its rate rests on)."""
+        return self._count(key, now)
+
+    def _count(self, key: int, now: float) -> float:
+        entry = self._counts.get(key)
+        if entry is None:
+            return 0.0
+        count, at = entry
+        return count if now <= at else count * math.exp(-(now - at) / self.window_s)
+
+    def _forget_coldest(self, now: float) -> None:
+        ranked = sorted(self._counts, key=lambda k: self._count(k, now), reverse=True)
+        self._counts = {k: self._counts[k] for k in ranked[: self.max_keys // 2]}

@@ -29,11 +29,20 @@ Policies
                       answer in under half the time of the best peer within it (a long cached
                       prefix) still gets the request — at low load, balancing must not throw
                       away certain hits.
-                      *Placement*: a prefix nobody holds (as far as the deciding node can
-                      tell) goes to its owner on a consistent-hashing ring of the routable
-                      members (``core/placement.py``) when that costs at most 25 % more now,
-                      so every entry node sends the same new prefix to the same node (no
-                      second cold copy) and new prefixes spread over all nodes.
+                      *Placement and replicas* (``core/placement.py``): each request's prefix
+                      has an *owner set* on a consistent-hashing ring of the routable members
+                      — one owner for a cold or lukewarm prefix, as many as its measured load
+                      needs for a hot one. The preferred candidates are the owners and the
+                      nodes that hold the prefix; the best of them (near-equal ones picked at
+                      random, self first: two entry nodes with the same stale view do not
+                      pick the same peer) wins when it is predicted at most
+                      ``placement_slack`` (75 %) slower than the best choice now. So every
+                      entry node sends a new prefix to the same node (no second cold copy),
+                      new prefixes spread over all nodes, and a hot prefix's overflow goes to
+                      the next owner on the ring — a deliberate replica — instead of a cold
+                      copy wherever it entered. Each candidate is tagged (``placement``: hit,
+                      first copy, deliberate replica, second copy, unplaced) so the node can
+                      count what its decisions cost.
                       *Robust speeds*: learnt speeds within ``speed_tolerance`` (1.5×) of the
                       candidates' median count as the median, so that estimation noise on a
                       shared machine cannot send cold requests to whichever node looks fastest
@@ -42,10 +51,14 @@ Policies
 
 Because a peer's prediction includes its forward RTT, ``cost`` forwards only when the predicted
 saving exceeds the forward cost: on a slow network it degenerates to ``none``. Its peer
-candidates carry ``beat_s`` (local prediction − RTT): the peer checks it against its exact queue
-and cache and refuses the forward when it cannot beat it, so a view of the peer's queue that
-is a gossip round old costs one round trip, not a long wait in a queue that many nodes chose
-at once.
+candidates carry ``beat_s``: the peer checks it against its exact queue and cache and refuses
+the forward when it cannot beat it, so a view of the peer's queue that is a gossip round old
+costs one round trip, not a long wait in a queue that many nodes chose at once. ``beat_s`` is
+the sender's local prediction (× ``1 + placement_slack`` for a preferred candidate), *not*
+minus the RTT: when the forward arrives, its way out is spent, and the way back is paid
+whether the peer answers the request or refuses it — so the peer should take it whenever its
+wait + service beats what the sender would do instead. (Subtracting the RTT refused forwards
+that still paid: at 16–1,024 simulated nodes 0.4–0.5 refusals per request.)
 """
 
 from __future__ import annotations
@@ -88,11 +101,23 @@ class RouterConfig:
     # less than (1 - x) of the time of the best peer within the bound (1: never)
     load_bound_bypass: float = 0.5
     load_bound_floor: float = 0.5  # ... if its utilization is below this (it has room)
-    # cost: a prefix nobody holds goes to its owner on the consistent-hashing ring (every
-    # entry node picks the same one: no second cold copy), named by the block at this depth
-    # (None: off) ...
+    # cost: a prefix has an owner set on the consistent-hashing ring (every entry node picks
+    # the same: no second cold copy), named by the block at this depth (None: off) ...
     placement_depth_blocks: int | None = 16
-    placement_slack: float = 0.25  # ... when the owner is predicted at most this much slower
+    # ... and a prefix's owners and holders are preferred while predicted at most this much
+    # slower than the best choice now (the copy they avoid would cost every later request)
+    placement_slack: float = 0.75
+    # cost: a hot prefix gets ceil(load / replica_load) owners (load: node-seconds of service
+    # per second its requests need, estimated from this node's traffic), at most max_replicas
+    replica_load: float = 0.5
+    max_replicas: int = 64
+    replica_window_s: float = 10.0  # the time constant of a prefix's measured request rate
+    # cost: preferred candidates (owners, holders) within this fraction (and min_gain_s) of the
+    # best of them are equal; one is picked at random (self first)
+    near_tie: float = 0.1
+    # a peer's reported queue says little after this many of its mean service times (others
+    # send to it meanwhile): the deciding node then expects the mesh's mean queue instead
+    queue_memory: float = 2.0
     # cost: a node's learnt speed within this factor of the median of the candidates counts
     # as the median (noise on a shared machine must not pull cold traffic to whichever node
     # looks fastest); None = use every estimate as it is
@@ -115,6 +140,10 @@ class RouterConfig:
             raise ValueError("context_scale must be > 0")
         if self.speed_tolerance is not None and self.speed_tolerance < 1:
             raise ValueError("speed_tolerance must be >= 1 (or None to disable)")
+        if self.replica_load <= 0 or self.max_replicas < 1 or self.replica_window_s <= 0:
+            raise ValueError("replica_load and replica_window_s must be > 0, max_replicas >= 1")
+        if self.near_tie < 0 or self.queue_memory <= 0:
+            raise ValueError("near_tie must be >= 0 and queue_memory > 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +160,9 @@ class NodeInfo:
     is_self: bool
     cached_tokens: int  # estimated cached prefix of this request (exact for self)
     rtt_s: float  # forward round-trip overhead; 0 for self
-    queue_depth: int  # requests waiting or running, as the node itself reported
+    # requests waiting or running: exact for self; for a peer, what the deciding node expects
+    # it to be when the request arrives (its report, aged, plus our forwards since)
+    queue_depth: float
     speed: SpeedReport
     suspect: bool = False
     pushed_back: bool = False
@@ -140,6 +171,24 @@ class NodeInfo:
     @property
     def available(self) -> bool:
         return self.is_self or not (self.suspect or self.pushed_back)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where the request's prefix should live (cost policy; see ``core/placement.py``)."""
+
+    owners: tuple[str, ...]  # its owner set, in ring order (may include self)
+    held_tokens: int  # a node whose cached prefix of the request is this long holds it
+
+
+class Tag(StrEnum):
+    """What serving a request on a candidate does to its prefix's copies (cost policy)."""
+
+    HIT = "hit"  # the candidate holds the prefix
+    FIRST = "first"  # nobody holds it; the candidate is its owner: the one cold copy
+    REPLICA = "replica"  # others hold it; the candidate is an owner: a deliberate replica
+    SECOND_COPY = "second_copy"  # others hold it; not an owner: an accidental cold copy
+    UNPLACED = "unplaced"  # nobody holds it; not an owner (placement gave way to load)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +201,7 @@ class Candidate:
     # pay (our local prediction minus the forward's RTT). Sent with the forward; the peer,
     # which knows its queue and cache exactly, refuses it if it cannot (``RefuseForward``).
     beat_s: float | None = None
+    placement: Tag | None = None  # cost policy with a placement only
 
 
 def predict_latency(req: RouteInput, node: NodeInfo, context_scale: float) -> float:
@@ -170,9 +220,13 @@ class Router:
         self._rr = 0
 
     def rank(
-        self, req: RouteInput, nodes: Sequence[NodeInfo], rng: Random, owner: str | None = None
+        self,
+        req: RouteInput,
+        nodes: Sequence[NodeInfo],
+        rng: Random,
+        placement: Placement | None = None,
     ) -> list[Candidate]:
-        """Rank ``nodes`` (exactly one is self); ``owner``: a cold prefix's placement owner."""
+        """Rank ``nodes`` (exactly one is self); ``placement``: the prefix's owner set."""
         selves = [n for n in nodes if n.is_self]
         if len(selves) != 1:
             raise ValueError("exactly one NodeInfo must be is_self")
@@ -189,7 +243,7 @@ class Router:
         if policy is Policy.PAPER:
             order = _by_match(avail)
         elif policy is Policy.COST:
-            order = self._by_cost(req, avail, rng, owner)
+            order = self._by_cost(req, avail, rng, placement)
         elif policy is Policy.RANDOM:
             order = avail[:]
             rng.shuffle(order)
@@ -201,12 +255,17 @@ class Router:
             return [self._candidate(req, n) for n in order]
         local = predict_latency(req, selves[0], self.config.context_scale)
         placed = local * (1.0 + self.config.placement_slack)
-        return [
-            self._candidate(
-                req, n, None if n.is_self else (placed if n.node_id == owner else local) - n.rtt_s
-            )
-            for n in order
-        ]
+        if placement is None:
+            return [self._candidate(req, n, None if n.is_self else local) for n in order]
+        owners = set(placement.owners)
+        held = placement.held_tokens
+        anyone = any(n.cached_tokens >= held for n in nodes)
+        out = []
+        for n in order:
+            preferred = n.node_id in owners or n.cached_tokens >= held
+            beat = None if n.is_self else (placed if preferred else local)
+            out.append(self._candidate(req, n, beat, _tag(n, owners, held, anyone)))
+        return out
 
     def _robust_speeds(self, avail: list[NodeInfo]) -> list[NodeInfo]:
         """Speeds within ``speed_tolerance`` of the candidates' median are the median: only a
@@ -223,7 +282,7 @@ class Router:
         req: RouteInput,
         avail: list[NodeInfo],
         rng: Random,
-        owner: str | None = None,
+        placement: Placement | None = None,
     ) -> list[NodeInfo]:
         scale = self.config.context_scale
         keyed = [(predict_latency(req, n, scale), n.queue_depth, rng.random(), n) for n in avail]
@@ -237,26 +296,41 @@ class Router:
         needed = max(self.config.min_gain_s, self.config.min_gain_frac * mine[0])
         if mine[0] - best[0] < needed:
             best = mine
-        best = self._placed(keyed, best, owner, overloaded)
+        if placement is not None:
+            best = self._placed(keyed, best, placement, overloaded, rng)
         return [best[3], *(n for n in order if n is not best[3])]
 
     def _placed(
         self,
-        keyed: list[tuple[float, int, float, NodeInfo]],
-        best: tuple[float, int, float, NodeInfo],
-        owner: str | None,
+        keyed: list[tuple[float, float, float, NodeInfo]],
+        best: tuple[float, float, float, NodeInfo],
+        placement: Placement,
         overloaded: set[str],
-    ) -> tuple[float, int, float, NodeInfo]:
-        """A cold prefix goes to its owner if that costs at most ``placement_slack`` now."""
-        if owner is None or owner in overloaded:
+        rng: Random,
+    ) -> tuple[float, float, float, NodeInfo]:
+        """The best preferred candidate (an owner, or a node holding the prefix) if it costs
+        at most ``placement_slack`` more than ``best`` now; near-equal ones are picked at
+        random, self first (entry nodes sharing a stale view must not all pick one peer)."""
+        cfg = self.config
+        owners = set(placement.owners)
+        pref = [
+            k
+            for k in keyed
+            if (k[3].node_id in owners or k[3].cached_tokens >= placement.held_tokens)
+            and k[3].node_id not in overloaded
+        ]
+        if not pref:
             return best
-        entry = next((k for k in keyed if k[3].node_id == owner), None)
-        if entry is None or entry[0] > (1.0 + self.config.placement_slack) * best[0]:
-            return best  # the owner is busy or slow now: the fastest choice wins
-        return entry
+        low = pref[0][0]  # keyed is sorted by prediction
+        if low > (1.0 + cfg.placement_slack) * best[0]:
+            return best  # every preferred node is busy or slow now: the fastest choice wins
+        near = [k for k in pref if k[0] <= low + max(cfg.min_gain_s, cfg.near_tie * low)]
+        if best in near:
+            return best
+        return next((k for k in near if k[3].is_self), None) or near[rng.randrange(len(near))]
 
     def _bypasses_bound(
-        self, top: tuple[float, int, float, NodeInfo], best: tuple[float, int, float, NodeInfo]
+        self, top: tuple[float, float, float, NodeInfo], best: tuple[float, float, float, NodeInfo]
     ) -> bool:
         """Whether the fastest candidate, over the load bound, gets the request anyway: it has
         room (utilization under ``load_bound_floor``) and saves most of the time."""
@@ -290,7 +364,13 @@ class Router:
         self._rr += 1
         return ordered[start:] + ordered[:start]
 
-    def _candidate(self, req: RouteInput, node: NodeInfo, beat_s: float | None = None) -> Candidate:
+    def _candidate(
+        self,
+        req: RouteInput,
+        node: NodeInfo,
+        beat_s: float | None = None,
+        placement: Tag | None = None,
+    ) -> Candidate:
         expected = min(node.cached_tokens, req.prompt_tokens)
         return Candidate(
             node_id=node.node_id,
@@ -298,7 +378,16 @@ class Router:
             expected_cached_tokens=expected,
             predicted_latency_s=predict_latency(req, node, self.config.context_scale),
             beat_s=beat_s,
+            placement=placement,
         )
+
+
+def _tag(node: NodeInfo, owners: set[str], held: int, anyone: bool) -> Tag:
+    if node.cached_tokens >= held:
+        return Tag.HIT
+    if node.node_id in owners:
+        return Tag.REPLICA if anyone else Tag.FIRST
+    return Tag.SECOND_COPY if anyone else Tag.UNPLACED
 
 
 # The hardware's speed; not ``mean_service_s``, which follows the node's own mix of cached and

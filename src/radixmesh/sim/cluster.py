@@ -69,7 +69,7 @@ from radixmesh.core.events import (
     Tick,
 )
 from radixmesh.core.node import NodeCore
-from radixmesh.core.router import RouterConfig
+from radixmesh.core.router import RouterConfig, Tag
 from radixmesh.sim.clock import EventLoop
 from radixmesh.sim.costs import CostModel
 from radixmesh.sim.engine import SimEngine, SimRun
@@ -202,6 +202,11 @@ class Counters:
     forwards: int = 0
     forward_failures: int = 0
     forward_refusals: int = 0
+    # cold prefills of a prefix (the router's placement key) that another node's engine held
+    # when the request was placed: deliberate hot-prefix replicas (the router tagged the
+    # node a replica owner) and accidental second copies (everything else)
+    deliberate_replicas: int = 0
+    second_cold_copies: int = 0
     logs: dict[str, int] = field(default_factory=dict)
     peer_states: list[tuple[float, str, str, str, str]] = field(default_factory=list)
 
@@ -226,6 +231,9 @@ class SimCluster:
         self.on_complete: Completion = lambda f: None
         self.active: dict[int, Flight] = {}
         self.record_peer_states = config.nodes <= 64
+        self.holders: dict[int, int] = {}  # block hash -> up nodes whose engine caches it
+        depth = config.router.placement_depth_blocks
+        self.key_depth = 16 if depth is None else depth  # blocks: the prefix copies are of
 
     # ------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -297,6 +305,8 @@ class SimCluster:
             lost.append(node.running)
         node.queue.clear()
         node.running = None
+        if node.core is not None:
+            self._holding(node.core.local_hashes(), ())
         node.core = None
         node.engine = None
         for work in lost:
@@ -387,6 +397,8 @@ class SimCluster:
         flight.route = action.route
         flight.expected_cached = action.expected_cached
         self._record_estimate(flight, flight.entry)
+        if action.resume_after == 0:
+            self._count_copy(flight, self.nodes[flight.entry])
         self._enqueue(self.nodes[flight.entry], Work(flight, flight.attempt, self.loop.now))
 
     def _record_estimate(self, flight: Flight, target: int) -> None:
@@ -441,6 +453,7 @@ class SimCluster:
             self.loop.at(self.loop.now + back, self._refused, flight, attempt, target, answer)
             return
         assert isinstance(answer, AcceptForward)
+        self._count_copy(flight, target)
         self.loop.at(self.loop.now + back, self._accepted, flight, attempt, target, cached)
         self._enqueue(target, Work(flight, attempt, self.loop.now))
 
@@ -456,6 +469,34 @@ class SimCluster:
             self.counters.forward_refusals += 1
             event = ForwardRefused(flight.index, target.node_id, answer.retry_after_s)
             self.feed(self.nodes[flight.entry], event)
+
+    def _holding(self, removed: Sequence[int] | frozenset[int], added: Sequence[int]) -> None:
+        holders = self.holders
+        for h in removed:
+            left = holders.get(h, 0) - 1
+            if left > 0:
+                holders[h] = left
+            else:
+                holders.pop(h, None)
+        for h in added:
+            holders[h] = holders.get(h, 0) + 1
+
+    def _count_copy(self, flight: Flight, node: SimNode) -> None:
+        """A request is placed on ``node``: count a cold copy of its prefix if another node's
+        engine holds that prefix now (the truth, not any node's view)."""
+        if not flight.hashes or node.engine is None:
+            return
+        depth = min(len(flight.hashes), self.key_depth)
+        key = flight.hashes[depth - 1]
+        here = node.engine.match(flight.tokens) >= depth * self.config.block_size
+        if here or self.holders.get(key, 0) == 0:
+            return
+        entry = self.nodes[flight.entry].core
+        tag = None if entry is None else entry.placement_of(flight.index)
+        if tag is Tag.REPLICA:
+            self.counters.deliberate_replicas += 1
+        else:
+            self.counters.second_cold_copies += 1
 
     def _fail_after(self, delay: float, flight: Flight, target: SimNode, reason: str) -> None:
         self.loop.at(self.loop.now + delay, self._failed, flight, flight.attempt, target, reason)
@@ -523,6 +564,7 @@ class SimCluster:
             ),
         )
         added, removed = node.engine.drain_delta() if node.engine else ([], [])
+        self._holding(removed, added)
         if added or removed:
             self.feed(node, CacheChanged(tuple(added), tuple(removed)))
             version = summary_version(node.core)

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixmesh.core.router import Tag
 from radixmesh.results.records import Record
 from radixmesh.results.summary import mean, percentile, summarize
 from radixmesh.sim.cluster import ClusterConfig, Flight, SimCluster, routable_count
@@ -259,7 +260,32 @@ def _traffic(c: ClusterConfig, driver: _Driver, span: float) -> dict[str, Any]:
         "gossip_lost": counters.gossip_lost,
         "forward_failures": counters.forward_failures,
         "forward_refusals": counters.forward_refusals,
+        "forward_refusals_per_request": counters.forward_refusals / max(1, len(driver.requests)),
+        # cold prefills of a prefix another engine held at placement (the truth; see cluster)
+        "second_cold_copies": counters.second_cold_copies,
+        "deliberate_replicas": counters.deliberate_replicas,
+        **_core_counters(driver.cluster),
     }
+
+
+# the cores' own counters summed over nodes: why forwards were refused, and what the router
+# believed each placement was (``placement_second_copy``: from the deciding node's view)
+_CORE_SUMS = (
+    "forwards_refused_busy",
+    "forwards_refused_slower",
+    "forwards_refused_full",
+    *(f"placement_{t.value}" for t in Tag),
+)
+
+
+def _core_counters(cluster: SimCluster) -> dict[str, float]:
+    out = dict.fromkeys(_CORE_SUMS, 0.0)
+    for node in cluster.nodes:
+        if node.core is not None:
+            m = node.core.metrics()
+            for name in _CORE_SUMS:
+                out[name] += m.get(name, 0.0)
+    return out
 
 
 def _estimate_errors(extras: list[dict[str, Any]], block_size: int) -> dict[str, Any]:
