@@ -10,6 +10,7 @@ from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.config import JoinConfig, NodeConfig
 from radixmesh.core.events import (
     AcceptForward,
+    ExecuteLocally,
     Forward,
     ForwardArrived,
     LeaveRequested,
@@ -64,15 +65,19 @@ def test_leaving_node_refuses_every_forward_as_busy() -> None:
     assert isinstance(late[0], RefuseForward) and late[0].retry_after_s >= 1.0
 
 
-def test_leaving_node_sends_its_own_requests_to_a_peer_or_rejects_them() -> None:
+def test_leaving_node_sends_its_own_requests_to_a_peer_serves_or_rejects_them() -> None:
     c = warm()
     c.deliver("n0", LeaveRequested(GRACE))
     assert c.nodes["n0"].leaving and c.nodes["n0"].metrics()["leaving"] == 1.0
     [action] = c.deliver("n0", RequestArrived(1, (), 64, 64, 4))
     assert isinstance(action, Forward) and action.peer_id in ("n1", "n2")  # never itself
+    # No peer to take it: within the grace a leaving node serves it (a rolling restart of a
+    # loaded mesh must fail nothing); once the grace cannot cover it, it is rejected.
     solo = lone()
     solo.handle(LeaveRequested(GRACE), 0.0)
-    [rejected] = solo.handle(RequestArrived(2, (), 64, 64, 4), 0.1)
+    [served] = solo.handle(RequestArrived(2, (), 64, 64, 4), 0.1)
+    assert isinstance(served, ExecuteLocally)
+    [rejected] = solo.handle(RequestArrived(3, (), 64, 64, 4), GRACE + 1.0)
     assert isinstance(rejected, RejectRequest) and rejected.retry_after_s >= 1.0
     assert solo.metrics()["requests_rejected"] == 1
 

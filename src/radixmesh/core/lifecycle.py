@@ -33,7 +33,9 @@ Rules:
   wait on it already; a second forward could double that);
 * a node that is full (``AdmissionConfig``) skips itself: every ranked peer may be tried,
   within the same limit, and when none takes it the request is rejected (``RejectRequest``,
-  the client is told when to retry) — never queued without bound;
+  the client is told when to retry) — never queued without bound; a *leaving* node is full
+  for everything new, but while its remaining grace outlasts the request's predicted latency
+  (and its admission bounds have room) it serves what no peer took, rather than reject it;
 * events for a request or peer the flight is not waiting for are *stale* (a timeout that
   raced a reply): ``is_current`` says so and the node ignores them.
 
@@ -98,6 +100,9 @@ class Flight:
     fell_back: bool = False  # a try was refused, failed or unknown
     route: str = "local"
     full_for_s: float | None = None  # this node is full: its queue's wait (None: it has room)
+    # Full (leaving), yet it may run here if no peer takes it: a draining node whose grace
+    # outlasts the request's predicted latency serves it rather than answer 429.
+    last_resort_local: bool = False
     tried: set[str] = field(default_factory=set)  # peers already tried (never again)
     choice: Candidate | None = None  # the candidate of the current try (self: local)
 
@@ -152,15 +157,22 @@ class Lifecycle:
 
     # ---------------------------------------------------------------- transitions
     def start(
-        self, event: RequestArrived, candidates: list[Candidate], full_for_s: float | None = None
+        self,
+        event: RequestArrived,
+        candidates: list[Candidate],
+        full_for_s: float | None = None,
+        last_resort_local: bool = False,
     ) -> list[RequestAction]:
-        """A new request; ``full_for_s``: this node is full, its queue holds that much work."""
+        """A new request; ``full_for_s``: this node is full, its queue holds that much work;
+        ``last_resort_local``: full, but it runs here rather than be rejected when every peer
+        tried refused it (a leaving node within its grace)."""
         if event.rid in self._flights:
             raise ValueError(f"request id {event.rid} is already in flight")  # a shell bug
         expected = next(
             (c.expected_cached_tokens for c in candidates if c.is_self), event.local_cached
         )
-        flight = Flight(event, candidates, expected, full_for_s=full_for_s)
+        flight = Flight(event, candidates, expected, full_for_s=full_for_s,
+                        last_resort_local=last_resort_local)
         self._flights[event.rid] = flight
         return [self._next_try(flight)]
 
@@ -240,7 +252,7 @@ class Lifecycle:
                 flight.fell_back = True
                 continue
             return self._forward(flight, cand, address)
-        if flight.full_for_s is not None:
+        if flight.full_for_s is not None and not flight.last_resort_local:
             return self._reject(flight)
         return self._local(flight, 0)
 

@@ -340,7 +340,22 @@ class NodeCore:
     # ---------------------------------------------------------------- request lifecycle
     def _arrived(self, event: RequestArrived, now: float) -> list[Action]:
         full = self._full_for(event.prompt_tokens, event.max_tokens)
-        return list(self._lifecycle.start(event, self._candidates(event, now), full))
+        candidates = self._candidates(event, now)
+        last_resort = self._leaving_until is not None and self._serves_while_leaving(
+            event, candidates, now)
+        return list(self._lifecycle.start(event, candidates, full, last_resort))
+
+    def _serves_while_leaving(
+        self, event: RequestArrived, candidates: list[Candidate], now: float
+    ) -> bool:
+        """A leaving node serves a request no peer took if its admission bounds have room and
+        the request's predicted latency here ends within the rest of the grace."""
+        assert self._leaving_until is not None
+        own = next((c for c in candidates if c.is_self), None)
+        if own is None or now + own.predicted_latency_s > self._leaving_until:
+            return False
+        return admission(self.config.admission, self._compute.report(), self._token_rate.per_s,
+                         self._load, event.prompt_tokens, event.max_tokens) is None
 
     def _full_for(self, prompt_tokens: int, max_tokens: int) -> float | None:
         """None if this node has room for one more request of ``prompt_tokens`` +
