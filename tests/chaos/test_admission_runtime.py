@@ -17,8 +17,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from radixmesh.engine.base import GenerateRequest, GenerateResult
 from radixmesh.engine.factory import build_engine
+from radixmesh.engine.testing import SlowTokens
 from radixmesh.runtime.config import ServeConfig
 from radixmesh.runtime.inprocess import free_port, serving
 from radixmesh.runtime.node import NodeService
@@ -29,24 +29,6 @@ FILL_TOKENS = 80  # the requests that fill a node run 4 s (an idle node admits a
 CAP = 100
 
 
-class SlowTokens:
-    """Engine proxy: each generated token takes ``TOKEN_S`` (the callback still runs)."""
-
-    def __init__(self, engine: Any) -> None:
-        self._engine = engine
-
-    def generate(self, req: GenerateRequest, on_token: Callable[[int], None] | None = None
-                 ) -> GenerateResult:
-        def slow(tok: int) -> None:
-            time.sleep(TOKEN_S)
-            if on_token is not None:
-                on_token(tok)
-
-        result: GenerateResult = self._engine.generate(req, slow)
-        return result
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +45,7 @@ async def _mesh(engine: Any) -> AsyncIterator[list[tuple[NodeService, str]]]:
             other = ports[1 - i]
             cfg = ServeConfig(node_id=f"n{i}", port=port, gossip_interval=0.1,
                               peers=(f"127.0.0.1:{other}",), max_queue_tokens=CAP)
-            service = NodeService(cfg, SlowTokens(engine))
+            service = NodeService(cfg, SlowTokens(engine, TOKEN_S))
             nodes.append((service, await stack.enter_async_context(serving(service, port))))
         await _until(lambda: all(set(n.peer_states().values()) == {"alive"}
                                  and n.peer_states() for n, _ in nodes))

@@ -12,8 +12,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from radixmesh.engine.base import GenerateRequest, GenerateResult
 from radixmesh.engine.factory import build_engine
+from radixmesh.engine.testing import SlowTokens
 from radixmesh.runtime.config import ServeConfig, config_from_mapping
 from radixmesh.runtime.inprocess import free_port, serving
 from radixmesh.runtime.node import NodeService
@@ -21,22 +21,6 @@ from radixmesh.runtime.node import NodeService
 TOKEN_S = 0.05
 
 
-class SlowTokens:
-    def __init__(self, engine: Any) -> None:
-        self._engine = engine
-
-    def generate(self, req: GenerateRequest, on_token: Callable[[int], None] | None = None
-                 ) -> GenerateResult:
-        def slow(tok: int) -> None:
-            time.sleep(TOKEN_S)
-            if on_token is not None:
-                on_token(tok)
-
-        result: GenerateResult = self._engine.generate(req, slow)
-        return result
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +40,7 @@ def test_a_request_cut_at_the_drain_deadline_gets_503(engine: Any, stream: bool)
     async def scenario() -> None:
         port = free_port()
         service = NodeService(ServeConfig(node_id="solo", port=port, gossip_interval=5.0),
-                              SlowTokens(engine))
+                              SlowTokens(engine, TOKEN_S))
         body = {"model": "micro", "prompt": "cut me " * 4, "max_tokens": 200, "stream": stream}
         async with serving(service, port) as address, aiohttp.ClientSession() as http:
             pending = asyncio.ensure_future(http.post(f"http://{address}/v1/completions",
@@ -90,7 +74,8 @@ def _events(text: str) -> list[dict[str, Any]]:
 
 def test_leave_lingers_when_nothing_runs(engine: Any) -> None:
     async def scenario() -> None:
-        service = NodeService(ServeConfig(node_id="idle", port=free_port()), SlowTokens(engine))
+        config = ServeConfig(node_id="idle", port=free_port())
+        service = NodeService(config, SlowTokens(engine, TOKEN_S))
         await service.start()
         try:
             t0 = time.monotonic()

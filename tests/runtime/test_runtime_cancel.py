@@ -17,8 +17,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from radixmesh.engine.base import GenerateRequest, GenerateResult
 from radixmesh.engine.factory import build_engine
+from radixmesh.engine.testing import SlowTokens
 from radixmesh.runtime.config import ServeConfig
 from radixmesh.runtime.inprocess import free_port, serving
 from radixmesh.runtime.node import NodeService
@@ -27,24 +27,6 @@ TOKEN_S = 0.05
 MAX_TOKENS = 150
 
 
-class SlowTokens:
-    """Engine proxy: each generated token takes ``TOKEN_S`` (the callback still runs)."""
-
-    def __init__(self, engine: Any) -> None:
-        self._engine = engine
-
-    def generate(self, req: GenerateRequest, on_token: Callable[[int], None] | None = None
-                 ) -> GenerateResult:
-        def slow(tok: int) -> None:
-            time.sleep(TOKEN_S)
-            if on_token is not None:
-                on_token(tok)
-
-        result: GenerateResult = self._engine.generate(req, slow)
-        return result
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +40,7 @@ async def _serving(engine: Any, name: str, **overrides: Any
     port = free_port()
     cfg = ServeConfig(node_id=name, port=port, gossip_interval=5.0, forward_timeout=2.0,
                       **overrides)
-    service = NodeService(cfg, SlowTokens(engine))
+    service = NodeService(cfg, SlowTokens(engine, TOKEN_S))
     async with serving(service, port) as address:
         yield service, address
 

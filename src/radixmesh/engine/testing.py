@@ -118,3 +118,26 @@ class ScriptedEngine:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
+
+
+class SlowTokens:
+    """Engine proxy for tests: the wrapped engine's real output, each generated token
+    ``token_s`` later than it would be (the ``on_token`` callback still runs, so stopping and
+    cancelling behave as with a slow model); everything else is the wrapped engine's."""
+
+    def __init__(self, engine: Any, token_s: float) -> None:
+        self._engine = engine
+        self._token_s = token_s
+
+    def generate(self, req: GenerateRequest, on_token: Callable[[int], None] | None = None
+                 ) -> GenerateResult:
+        def slow(tok: int) -> None:
+            time.sleep(self._token_s)
+            if on_token is not None:
+                on_token(tok)
+
+        result: GenerateResult = self._engine.generate(req, slow)
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
