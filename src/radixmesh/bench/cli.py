@@ -10,10 +10,19 @@ Examples::
         --out runs/open            # paired open loop: 3 clusters up, one arrival schedule
     radixmesh bench --report-only --out runs/paper        # rebuild report.md + figures
     radixmesh bench --export-trace wl.jsonl --skew skewed  # write the workload, run nothing
+    radixmesh bench --workload chat,rag,agentic,hotprefix --concurrency 4 --load 0.5 \
+        --policies none,paper,cost,oracle,sglang,smg --batch-limit 6 --interleave \
+        --requests 100 --synthetic-scale 0.3 --out runs/wl   # the routing issue's matrix
+    radixmesh bench --tables --out runs/wl                 # one table per workload × schedule
 
-Every list flag takes comma-separated values; the sweep is their cartesian product. Open-loop
-runs (``--rate``, or a trace whose lines carry ``t``) of the policies at one sweep point run
-paired in time by default; ``--interleave`` pairs sequential and closed-loop points too.
+Every list flag takes comma-separated values; the sweep is their cartesian product, except
+the schedules: each ``--concurrency`` value (closed loop; 1 = the paper's one at a time), each
+``--rate`` (open-loop Poisson, requests/s) and each ``--load`` (open-loop Poisson at that
+fraction of the capacity measured first, in the same run) is one schedule, and the sweep runs
+every schedule given (default: ``--concurrency 1`` when no rate or load is given). Open-loop
+runs (``--rate``, ``--load``, or a trace whose lines carry ``t``) of the policies at one sweep
+point run paired in time by default; ``--interleave`` pairs sequential and closed-loop points
+too.
 """
 
 from __future__ import annotations
@@ -22,15 +31,16 @@ import argparse
 import signal
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
 
 from radixmesh.bench.prompts import TOO_LONG_ACTIONS, PromptTooLong
 from radixmesh.bench.spec import ALL_POLICIES, RunSpec, check_policy
 from radixmesh.bench.sweep import ABUNDANT_CACHE, PRESETS, SweepAxes, expand, paired
-from radixmesh.runtime.config import parse_duration
+from radixmesh.core.units import parse_duration
 from radixmesh.workload import Schedule, WorkloadSpec, trace
-from radixmesh.workload.build import build_counted
+from radixmesh.workload.build import WORKLOADS, build_counted
 
 T = TypeVar("T")
 
@@ -43,6 +53,19 @@ def _list(parse: Callable[[str], T]) -> Callable[[str], list[T]]:
             raise argparse.ArgumentTypeError(str(exc)) from exc
 
     return inner
+
+
+def _workload(text: str) -> str:
+    if text not in WORKLOADS:
+        raise ValueError(f"workload must be one of {', '.join(WORKLOADS)}, not {text!r}")
+    return text
+
+
+def _fraction(text: str) -> float:
+    value = float(text.removesuffix("%")) / (100.0 if text.endswith("%") else 1.0)
+    if not 0 < value <= 4:
+        raise ValueError(f"load must be a fraction of capacity in (0, 4], not {text!r}")
+    return value
 
 
 def _skew(text: str) -> str:
@@ -102,11 +125,49 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--concurrency",
         type=_list(int),
-        default=[1],
-        help="closed-loop clients (1 = the paper's one request at a time)",
+        default=None,
+        help="closed-loop clients (1 = the paper's one request at a time; the default when "
+        "no --rate or --load is given)",
+    )
+    g.add_argument(
+        "--load",
+        type=_list(_fraction),
+        default=None,
+        help="open-loop Poisson at these fractions of the capacity measured first in the same "
+        "run (a short saturating closed loop on the same clusters), e.g. 0.5,0.8 or 50%%,80%%",
+    )
+    g.add_argument(
+        "--batch-limit",
+        type=int,
+        default=4,
+        help="clusters up at once when runs are paired (default 4; 6 pairs six policies)",
+    )
+    g.add_argument(
+        "--probe-requests",
+        type=int,
+        default=48,
+        help="requests per cluster of the --load capacity probe (default 48)",
+    )
+    g.add_argument(
+        "--probe-clients",
+        type=int,
+        default=16,
+        help="closed-loop clients of the --load capacity probe (default 16)",
     )
     w = p.add_argument_group("workload")
-    w.add_argument("--mmlu-dir", help="MMLU in the original release layout (else synthetic)")
+    w.add_argument(
+        "--workload",
+        type=_list(_workload),
+        default=["mmlu"],
+        help="mmlu (the paper's; synthetic MMLU shape without --mmlu-dir), chat (multi-turn, "
+        "growing history, random entry), rag (Zipf-popular long documents), agentic (shared "
+        "tool-use prompt, growing scratchpads), hotprefix (one hot few-shot prefix)",
+    )
+    w.add_argument(
+        "--mmlu-dir",
+        help="MMLU in the original release layout (else synthetic); the generated workloads "
+        "take their text from it (else from seeded pseudo-words)",
+    )
     w.add_argument("--trace", help="replay a JSONL trace instead of generating a workload")
     w.add_argument(
         "--requests", type=int, help="requests per configuration (default 1000; quick preset: 32)"
@@ -123,7 +184,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--synthetic-scale",
         type=float,
         default=1.0,
-        help="synthetic prompt length multiplier (1.0 = MMLU-sized)",
+        help="prompt length multiplier of the synthetic and generated workloads (1.0 = MMLU-sized)",
     )
     w.add_argument("--synthetic-groups", type=int, default=57)
     w.add_argument(
@@ -137,6 +198,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--threads", type=int, default=1, help="torch threads per node")
     p.add_argument("--report-only", action="store_true", help="rebuild the report from --out")
     p.add_argument(
+        "--tables",
+        action="store_true",
+        help="print one markdown table per workload × schedule from --out, and exit",
+    )
+    p.add_argument(
         "--resume",
         action="store_true",
         help="keep --out's earlier runs; skip configurations already complete there",
@@ -149,7 +215,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def base_spec(args: argparse.Namespace) -> RunSpec:
     quick = args.preset == "quick"
     rate = args.rate[0] if args.rate else None
+    workloads = getattr(args, "workload", None) or ["mmlu"]
     w = WorkloadSpec(
+        kind=workloads[0],
         rate=rate,
         schedule=Schedule.POISSON if rate else Schedule.SEQUENTIAL,
         requests=args.requests or (32 if quick else 1000),
@@ -167,7 +235,7 @@ def base_spec(args: argparse.Namespace) -> RunSpec:
         comm_delay_s=args.comm_delay[0],
         gossip_interval_s=args.gossip_interval[0],
         cache_tokens=args.cache_tokens[0],
-        concurrency=args.concurrency[0],
+        concurrency=(args.concurrency or [1])[0],
         preset=args.engine_preset,
         model=args.model,
         threads=args.threads,
@@ -179,21 +247,46 @@ def specs_from_args(args: argparse.Namespace) -> list[RunSpec]:
     base = base_spec(args)
     if args.preset:
         return PRESETS[args.preset](base)
-    axes = SweepAxes(
-        policies=args.policies,
-        comm_delays_s=args.comm_delay,
-        gossip_intervals_s=args.gossip_interval,
-        skews=args.skew,
-        cache_tokens=args.cache_tokens,
-        nodes=args.nodes,
-        rates=args.rate or [None],
-        concurrency=args.concurrency,
-    )
-    specs = expand(axes, base)
-    open_loop = bool(args.rate) or trace_has_times(args.trace)
-    if args.interleave or (open_loop and not args.unpaired):
-        specs = paired(specs)
+    loads = getattr(args, "load", None) or []
+    closed = args.concurrency or ([] if (args.rate or loads) else [1])
+    open_loop = bool(args.rate) or bool(loads) or trace_has_times(args.trace)
+    pair = args.interleave or (open_loop and not args.unpaired)
+    specs: list[RunSpec] = []
+    for kind in getattr(args, "workload", None) or ["mmlu"]:
+        b = replace(base, workload=replace(base.workload, kind=kind))
+        tag = "" if kind == "mmlu" else f"-w{kind}"
+        points: list[tuple[list[float | None], list[int], float | None]] = []
+        if closed:
+            points.append(([None], closed, None))
+        if args.rate:
+            points.append((list(args.rate), [1], None))
+        points += [([None], [1], load) for load in loads]
+        for rates, conc, load in points:
+            axes = SweepAxes(
+                policies=args.policies, comm_delays_s=args.comm_delay,
+                gossip_intervals_s=args.gossip_interval, skews=args.skew,
+                cache_tokens=args.cache_tokens, nodes=args.nodes, rates=rates, concurrency=conc,
+            )  # fmt: skip
+            got = expand(axes, b)
+            if pair:
+                got = paired(got)
+            suffix = tag
+            if load is not None:
+                suffix += f"-L{load:g}"
+                timed = Schedule.POISSON
+                got = [replace(s, workload=replace(s.workload, load=load, schedule=timed))
+                       for s in got]  # fmt: skip
+            specs += [_tagged(s, suffix) for s in got]
     return specs
+
+
+def _tagged(spec: RunSpec, suffix: str) -> RunSpec:
+    """``spec`` with ``suffix`` on its name and lockstep key (workload kind, load fraction:
+    axes the sweep's run names do not carry)."""
+    if not suffix:
+        return spec
+    return replace(spec, name=spec.name + suffix,
+                   lockstep=spec.lockstep + suffix if spec.lockstep else "")  # fmt: skip
 
 
 def trace_has_times(path: str | None) -> bool:
@@ -213,6 +306,9 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if args.report_only:
         return _report(out, args.mmlu_dir)
+    if getattr(args, "tables", False):
+        print(workload_tables(out))
+        return 0
     try:
         specs = specs_from_args(args)
     except (ValueError, FileNotFoundError) as exc:
@@ -228,7 +324,13 @@ def run(args: argparse.Namespace) -> int:
     from radixmesh.bench.runner import Runner
 
     stop_on_sigterm()
-    runner = Runner(out, progress=not args.no_progress, log=_err, too_long=args.too_long)
+    try:
+        runner = Runner(out, progress=not args.no_progress, log=_err, too_long=args.too_long,
+                        batch_limit=args.batch_limit, probe_requests=args.probe_requests,
+                        probe_clients=args.probe_clients)  # fmt: skip
+    except ValueError as exc:
+        print(f"radixmesh bench: {exc}", file=sys.stderr)
+        return 2
     print(f"radixmesh bench: {len(specs)} configuration(s) → {out}", file=sys.stderr)
     try:
         results = runner.run_all(specs, skip_done=args.resume)
@@ -262,3 +364,89 @@ def _report(out: Path, mmlu_dir: str | None = None) -> int:
     path = write_report(out, mmlu_dir)
     print(f"report: {path}")
     return 0
+
+
+# ----------------------------------------------------------------------------- --tables
+TABLE_POLICIES = ("none", "paper", "cost", "oracle", "sglang", "smg")
+
+
+def workload_tables(out: Path) -> str:
+    """One markdown table per workload × schedule (per paired batch) of a bench folder, with
+    paired ratios against ``none`` and the issue's targets for ``cost`` against the two
+    centralized gateways and ``none``."""
+    from radixmesh.bench.folder import Results
+
+    res = Results.load(out)
+    points: dict[str, list[dict[str, object]]] = {}
+    for r in res.runs:
+        key = str(r.get("lockstep") or r.get("batch") or r["name"].split("-", 1)[-1])
+        points.setdefault(key, []).append(r)
+    blocks = []
+    for key, runs in points.items():
+        runs.sort(key=lambda r: (TABLE_POLICIES.index(str(r["policy"]))
+                                 if r["policy"] in TABLE_POLICIES else 99))  # fmt: skip
+        blocks.append(_point_table(res, key, runs))
+    return "\n\n".join(blocks) + "\n"
+
+
+def _f(x: object, scale: float = 1.0, digits: int = 3) -> str:
+    return "—" if not isinstance(x, int | float) else f"{x * scale:.{digits}f}"
+
+
+def _point_table(res: object, key: str, runs: list[dict[str, object]]) -> str:
+    from radixmesh.bench.folder import Results
+
+    assert isinstance(res, Results)
+    first = runs[0]
+    cap = first.get("capacity") or {}
+    head = f"#### {first.get('workload')} — {first.get('schedule_text')}  (`{key}`)"
+    if isinstance(cap, dict) and cap.get("throughput_rps"):
+        tput = ", ".join(f"{k.split('-', 1)[0]} {v:.2f}" for k, v in cap["throughput_rps"].items())
+        head += (f"\n\nCapacity probe: {cap['probe_requests']} requests, "
+                 f"{cap['probe_clients']} clients per cluster, all clusters at once; "
+                 f"throughput (req/s) {tput}; basis {cap['basis']}.")  # fmt: skip
+    cols = ("policy", "n", "err", "mean (s)", "p50 (s)", "p99 (s)", "/ none (paired, 95% CI)",
+            "act. hit %", "ceiling %", "hotspot %", "fwd %")  # fmt: skip
+    lines = [head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in runs:
+        ratio = res.ratio_ci(r) if r["policy"] != "none" else None
+        lines.append("| " + " | ".join([
+            str(r["policy"]), str(r["requests"]), str(r.get("errors", 0)),
+            _f(r.get("mean_latency_s")), _f(r.get("p50_latency_s")), _f(r.get("p99_latency_s")),
+            "1" if r["policy"] == "none" else (ratio.text() if ratio else "—"),
+            _f(r.get("actual_hit_rate"), 100, 1), _f(r.get("ideal_hit_rate"), 100, 1),
+            _f(r.get("hotspot_share"), 100, 1), _f(r.get("forwarded_share"), 100, 1),
+        ]) + " |")  # fmt: skip
+    by = {str(r["policy"]): r for r in runs}
+    cost = by.get("cost")
+    if cost is not None:
+        lines += ["", *_cost_targets(res, cost, by)]
+    return "\n".join(lines)
+
+
+def _cost_targets(
+    res: object, cost: dict[str, object], by: dict[str, dict[str, object]]
+) -> list[str]:
+    from radixmesh.bench.folder import Results
+
+    assert isinstance(res, Results)
+    out = []
+    for pol, label in (("sglang", "sglang-router"), ("smg", "SMG")):
+        other = by.get(pol)
+        if other is None:
+            out.append(f"- `cost` mean and p99 ≤ {label}'s: n/a (not run)")
+            continue
+        ratio = res.ratio_ci(cost, other)
+        c99, o99 = cost.get("p99_latency_s"), other.get("p99_latency_s")
+        ok = (ratio is not None and ratio.value <= 1.0 and isinstance(c99, float)
+              and isinstance(o99, float) and c99 <= o99)  # fmt: skip
+        out.append(f"- `cost` mean and p99 ≤ {label}'s: **{'met' if ok else 'missed'}** — "
+                   f"mean cost/{pol} {ratio.text() if ratio else '—'} (paired), "
+                   f"p99 {_f(c99)} vs {_f(o99)} s")  # fmt: skip
+    if "none" in by:
+        r = res.ratio_ci(cost, by["none"])
+        worse = r is not None and r.lo is not None and r.lo > 1.0
+        verdict = "missed" if worse else "met"
+        out.append(f"- `cost` never worse than `none` beyond noise: **{verdict}** — cost/none "
+                   f"{r.text() if r else '—'}{' (interval above 1)' if worse else ''}")  # fmt: skip
+    return out

@@ -1,7 +1,11 @@
 """How the benchmark gets a fresh cluster: the runtime's ``LocalCluster`` behind one call.
 
-The runner depends only on :class:`BenchCluster` (node URLs and ids, ``close``) and a
-:data:`ClusterFactory`, so tests and other launchers can plug in.
+The runner depends only on :class:`BenchCluster` (node URLs and ids, ``close``; optionally
+``wait_ready``) and a :data:`ClusterFactory`, so tests and other launchers can plug in. The
+local factory returns a cluster whose node processes are spawned but not yet ready, so a
+batch's clusters boot at the same time; the runner calls ``wait_ready`` before using one.
+Processes are spawned from the calling (main) thread on purpose: the nodes' parent-death
+signal (``PR_SET_PDEATHSIG``) fires when the *thread* that forked them exits.
 """
 
 from __future__ import annotations
@@ -48,7 +52,18 @@ class _Local:
         from radixmesh.runtime.cluster import LocalCluster
 
         self._cluster = LocalCluster(spec.nodes, serve_options(spec), log_dir=log_dir)
-        self._cluster.start()
+        try:
+            self._cluster.start(wait=False)
+        except BaseException:
+            self._cluster.stop()
+            raise
+
+    def wait_ready(self) -> None:
+        try:
+            self._cluster.wait_ready()
+        except BaseException:
+            self._cluster.stop()
+            raise
 
     @property
     def urls(self) -> list[str]:
@@ -63,8 +78,9 @@ class _Local:
 
 
 def local_cluster(log_root: str | Path | None = None) -> ClusterFactory:
-    """A factory starting ``spec.nodes`` fresh node processes on 127.0.0.1 per run, with node
-    logs under ``log_root/<run name>/`` (a temporary folder when ``None``)."""
+    """A factory spawning ``spec.nodes`` fresh node processes on 127.0.0.1 per run (ready
+    after ``wait_ready()``), with node logs under ``log_root/<run name>/`` (a temporary folder
+    when ``None``)."""
 
     def start(spec: RunSpec) -> BenchCluster:
         log_dir = None if log_root is None else Path(log_root) / spec.name

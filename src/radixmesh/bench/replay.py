@@ -12,13 +12,25 @@ Modes (what :func:`mode_of` says a request list is):
   i), so each pair of runs saw the same machine when each request arrived.
 
 One run alone is the same code with one cluster.
+
+Open loop at a fraction of capacity (``--load 0.5``; :class:`CapacityProbe`): after warm-up,
+every cluster of the batch runs a short saturating closed loop (``clients`` at once) over probe
+requests — the same generator under another seed, so the measured run's own prefixes stay cold
+apart from a generator's constant header (the chat preamble, the agent's rules, the RAG
+instruction: a few hundred characters) — all clusters at the same time, as their open loop
+will run. The capacity is the ``none``
+cluster's throughput (requests completed / wall time; the median cluster's if the batch has no
+``none``), and the batch's one arrival schedule is Poisson at ``load`` × that capacity.
 """
 
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -26,18 +38,18 @@ from radixmesh.bench import client
 from radixmesh.bench.cluster import BenchCluster
 from radixmesh.bench.oracle import Oracle, fed_output, output_ids
 from radixmesh.bench.prompts import prompt_ids, tokenizer_for
-from radixmesh.bench.sglang import SglangRouter
+from radixmesh.bench.sglang import Gateway
 from radixmesh.bench.spec import RunSpec, engine_context
 from radixmesh.results.records import Record
 from radixmesh.workload import Request
-from radixmesh.workload.schedule import is_open_loop
+from radixmesh.workload.schedule import is_open_loop, poisson
 
 WARMUP_PROMPT = "radixmesh warm-up {i}: hello"
 MODES = ("sequential", "closed", "open")
 
 
 def mode_of(spec: RunSpec, requests: Sequence[Request]) -> str:
-    if is_open_loop(requests):
+    if spec.workload.load is not None or is_open_loop(requests):
         return "open"
     return "closed" if spec.concurrency > 1 else "sequential"
 
@@ -52,11 +64,55 @@ def new_http_client() -> httpx.AsyncClient:
 Pair = tuple["Replay", Sequence[Request]]
 
 
-async def replay_together(pairs: Sequence[Pair], mode: str) -> None:
-    """Run every pair's requests in ``mode`` (see the module docstring), paired in time."""
+@dataclass(slots=True)
+class CapacityProbe:
+    """Measures a batch's capacity, then times its requests: Poisson at ``load`` × capacity."""
+
+    requests: Sequence[Request]
+    clients: int
+    load: float
+    throughput: dict[str, float] = field(default_factory=dict)  # run name -> requests/s
+    capacity_rps: float | None = None
+    basis: str = ""
+    rate: float | None = None
+
+    async def apply(self, http: httpx.AsyncClient, pairs: Sequence[Pair]) -> list[Pair]:
+        replays = [r for r, _ in pairs]
+        rates = await asyncio.gather(*(self._measure(http, r) for r in replays))
+        self.throughput = {r.spec.name: x for r, x in zip(replays, rates, strict=True)}
+        base = [x for r, x in zip(replays, rates, strict=True) if r.spec.policy == "none"]
+        self.basis = "none" if base else "median"
+        self.capacity_rps = base[0] if base else statistics.median(rates)
+        if not self.capacity_rps or self.capacity_rps <= 0:
+            raise RuntimeError("capacity probe completed no request")
+        self.rate = self.load * self.capacity_rps
+        return [(r, poisson(reqs, r.spec.nodes, self.rate, r.spec.workload.seed))
+                for r, reqs in pairs]  # fmt: skip
+
+    async def _measure(self, http: httpx.AsyncClient, replay: Replay) -> float:
+        start = time.perf_counter()
+        recs = await replay.closed_loop(http, self.requests, self.clients, record=False)
+        wall = time.perf_counter() - start
+        return sum(1 for r in recs if r.ok) / wall if wall > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"probe_requests": len(self.requests), "probe_clients": self.clients,
+                "load": self.load, "throughput_rps": self.throughput,
+                "capacity_rps": self.capacity_rps, "basis": self.basis,
+                "rate": self.rate}  # fmt: skip
+
+
+async def replay_together(
+    pairs: Sequence[Pair], mode: str, probe: CapacityProbe | None = None
+) -> list[Pair]:
+    """Run every pair's requests in ``mode`` (see the module docstring), paired in time; with
+    ``probe``, measure the capacity first and run the timed requests it returns. Returns what
+    ran (the pairs as timed)."""
     async with new_http_client() as http:
         for replay, _ in pairs:
             await replay.setup(http)
+        if probe is not None:
+            pairs = await probe.apply(http, pairs)
         t0 = time.perf_counter()
         for replay, _ in pairs:
             replay.t0 = t0
@@ -66,6 +122,7 @@ async def replay_together(pairs: Sequence[Pair], mode: str) -> None:
             await asyncio.gather(*(r.closed_loop(http, reqs) for r, reqs in pairs))
         else:
             await _interleaved(http, pairs)
+    return list(pairs)
 
 
 async def _interleaved(http: httpx.AsyncClient, pairs: Sequence[Pair]) -> None:
@@ -85,7 +142,7 @@ def arrival_times(pairs: Sequence[Pair]) -> list[float]:
 
 
 async def _open_loop(http: httpx.AsyncClient, pairs: Sequence[Pair]) -> None:
-    tasks: list[asyncio.Task[None]] = []
+    tasks: list[asyncio.Task[Record]] = []
     t0 = pairs[0][0].t0
     try:
         for i, t in enumerate(arrival_times(pairs)):
@@ -113,7 +170,7 @@ class Replay:
         self.ids = list(cluster.node_ids)
         self.sink = sink
         self.records: list[Record] = []
-        self.router: SglangRouter | None = None
+        self.router: Gateway | None = None
         self.oracle: Oracle | None = None
         self.tokenizer = tokenizer_for(spec)
         self.max_context = engine_context(spec.preset, spec.model)
@@ -136,14 +193,24 @@ class Replay:
             if rec.error:
                 raise RuntimeError(f"warm-up of {url} failed: {rec.error}")
 
-    async def closed_loop(self, http: httpx.AsyncClient, requests: Sequence[Request]) -> None:
+    async def closed_loop(
+        self,
+        http: httpx.AsyncClient,
+        requests: Sequence[Request],
+        clients: int | None = None,
+        record: bool = True,
+    ) -> list[Record]:
+        """``clients`` (default: the spec's concurrency) each send their next request when the
+        previous one finished; returns the records in completion order."""
         queue = iter(enumerate(requests))
+        done: list[Record] = []
 
         async def worker() -> None:
             for seq, req in queue:
-                await self.one(http, seq, req)
+                done.append(await self.one(http, seq, req, record))
 
-        await asyncio.gather(*(worker() for _ in range(self.spec.concurrency)))
+        await asyncio.gather(*(worker() for _ in range(clients or self.spec.concurrency)))
+        return done
 
     def _record(self, seq: int, req: Request, entry: int) -> Record:
         return Record(
@@ -157,7 +224,12 @@ class Replay:
             t_send=time.perf_counter() - self.t0,
         )
 
-    async def one(self, http: httpx.AsyncClient, seq: int, req: Request) -> None:
+    async def one(
+        self, http: httpx.AsyncClient, seq: int, req: Request, record: bool = True
+    ) -> Record:
+        """Send one request (through the gateway or oracle if the run has one); ``record`` =
+        False for requests that are not part of the run (a capacity probe): the oracle's
+        mirrors still see them, the run's records and sink do not."""
         entry = (req.entry or 0) % len(self.urls)
         rec = self._record(seq, req, entry)
         if self.oracle is not None:
@@ -165,8 +237,10 @@ class Replay:
         else:
             url = self.router.url if self.router else self.urls[entry]
             await client.send(http, url, self.model, req, rec, self.t0)
-        self.records.append(rec)
-        self.sink(rec)
+        if record:
+            self.records.append(rec)
+            self.sink(rec)
+        return rec
 
     async def _via_oracle(
         self, http: httpx.AsyncClient, rec: Record, req: Request, entry: int, node: int = -1

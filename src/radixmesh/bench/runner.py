@@ -8,10 +8,15 @@ For a list of :class:`~radixmesh.bench.spec.RunSpec`::
     │   not fit the engine's context are dropped, truncated or fail the sweep (--too-long);
     │   what was dropped, per reason and group, is printed before any cluster starts
     batch runs: consecutive runs sharing a ``lockstep`` key and a mode (sequential / closed
-    │   loop / open loop) run together, at most 4 clusters at once; any other run alone
-    per batch: start a fresh cluster per run (cold caches) ── nodes run the spec's policy
-    │   (``none`` for the client-side baselines ``oracle`` and ``sglang``)
+    │   loop / open loop) run together, at most ``batch_limit`` (4) clusters at once; any
+    │   other run alone
+    per batch: start a fresh cluster per run (cold caches; the batch's clusters start at
+    │   once) ── nodes run the spec's policy
+    │   (``none`` for the client-side baselines ``oracle``, ``sglang`` and ``smg``; the two
+    │   gateways start in front of their cluster, or the run is skipped if not installed)
     │   warm each node up with one short, unrelated prompt (torch's first-call cost)
+    │   open loop at a fraction of capacity (``load``): measure the capacity first on the
+    │   same clusters (bench/replay.py ``CapacityProbe``), then time the requests
     │   replay them paired in time (bench/replay.py): interleaved one at a time, closed loops
     │   side by side, or one shared arrival schedule sent to every cluster
     └─ each finished request → one :class:`Record` line in ``requests.jsonl`` (flushed)
@@ -29,7 +34,7 @@ import asyncio
 import json
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -37,16 +42,21 @@ from radixmesh.bench.cluster import BenchCluster, ClusterFactory, local_cluster
 from radixmesh.bench.oracle import Oracle
 from radixmesh.bench.progress import Progress
 from radixmesh.bench.prompts import BLOCK_SIZE, ideal_hit_rate, make_admit, tokenizer_for
-from radixmesh.bench.replay import Replay, mode_of, replay_together
-from radixmesh.bench.sglang import INSTALL_HINT, SglangRouter, available
+from radixmesh.bench.replay import CapacityProbe, Replay, mode_of, replay_together
+from radixmesh.bench.sglang import Gateway, SglangRouter
+from radixmesh.bench.smg import Smg
 from radixmesh.bench.spec import RunSpec, engine_context
 from radixmesh.results.records import Record
 from radixmesh.results.summary import node_figures, summarize
-from radixmesh.workload import Request
+from radixmesh.workload import Request, Schedule
 from radixmesh.workload.build import TOO_LONG, Drops, build_counted
 from radixmesh.workload.schedule import describe
 
-BATCH_LIMIT = 4  # clusters up at once
+BATCH_LIMIT = 4  # clusters up at once (default)
+GATEWAYS: dict[str, type[Gateway]] = {"sglang": SglangRouter, "smg": Smg}
+PROBE_SEED_OFFSET = 7919  # the capacity probe's workload: same generator, another seed
+PROBE_REQUESTS = 48
+PROBE_CLIENTS = 16
 
 
 @dataclass(slots=True)
@@ -64,6 +74,8 @@ class RunResult:
     node_ids: list[str] = field(default_factory=list)
     batch: str = ""
     paired_with: list[str] = field(default_factory=list)
+    probe_requests: list[Request] = field(default_factory=list)
+    capacity: dict[str, Any] | None = None
 
 
 def summary_entry(res: RunResult) -> dict[str, Any]:
@@ -83,8 +95,12 @@ def summary_entry(res: RunResult) -> dict[str, Any]:
         "oracle_mismatches": res.oracle_mismatches, "lockstep": s.lockstep, "batch": res.batch,
         "paired_with": res.paired_with, "clusters_at_once": 1 + len(res.paired_with),
         "cpu_cores": os.cpu_count(), "threads_per_node": s.threads,
-        "ideal_hit_rate": res.ideal_hit_rate,
+        "ideal_hit_rate": res.ideal_hit_rate, "workload_kind": w.kind,
+        "load_fraction": w.load, "capacity": res.capacity,
     })  # fmt: skip
+    if res.capacity and res.capacity.get("rate"):
+        entry["schedule_text"] += (f"; {100 * (w.load or 0):g} % of measured capacity "
+                                   f"{res.capacity['capacity_rps']:.2f} req/s")  # fmt: skip
     return entry
 
 
@@ -134,7 +150,15 @@ class Runner:
         progress: bool = True,
         log: Callable[[str], None] = print,
         too_long: str = "drop",
+        batch_limit: int = BATCH_LIMIT,
+        probe_requests: int = PROBE_REQUESTS,
+        probe_clients: int = PROBE_CLIENTS,
     ) -> None:
+        if batch_limit < 1 or probe_requests < 1 or probe_clients < 1:
+            raise ValueError("batch limit, probe requests and probe clients must be >= 1")
+        self.batch_limit = batch_limit
+        self.probe_n = probe_requests
+        self.probe_clients = probe_clients
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.cluster_factory = cluster_factory or local_cluster(self.out / "logs")
@@ -186,7 +210,23 @@ class Runner:
         res = RunResult(spec, drops=drops, requests=reqs, ideal_hit_rate=ideal)
         res.mode = mode_of(spec, reqs)
         res.schedule = describe(reqs, spec.concurrency, spec.workload.rate)
+        if spec.workload.load is not None:  # timed once the capacity is measured
+            res.probe_requests = self._probe_workload(spec)
+            text = f"open loop, Poisson at {100 * spec.workload.load:g} % of capacity (unmeasured)"
+            res.schedule.update({"schedule": Schedule.POISSON.value, "schedule_text": text})
         return res
+
+    def _probe_workload(self, spec: RunSpec) -> list[Request]:
+        """The capacity probe's requests: the run's generator under another seed, untimed."""
+        w = replace(spec.workload, seed=spec.workload.seed + PROBE_SEED_OFFSET,
+                    requests=self.probe_n, load=None, rate=None,
+                    schedule=Schedule.SEQUENTIAL)  # fmt: skip
+        key = (w, spec.nodes, spec.preset, spec.model)
+        if key not in self._built:
+            reqs, drops = build_counted(w, spec.nodes, make_admit(spec, "drop"))
+            self._built[key] = (reqs, drops, None)
+        probe = self._built[key][0]
+        return [replace(r, id=f"probe/{r.id}") for r in probe]
 
     def run_all(self, specs: Sequence[RunSpec], skip_done: bool = False) -> list[RunResult]:
         if skip_done:
@@ -196,7 +236,7 @@ class Runner:
             self._purge(s.name)
         total, started = len(planned), 0
         with (self.out / "requests.jsonl").open("a", encoding="utf-8") as fh:
-            for batch in batches(planned):
+            for batch in batches(planned, self.batch_limit):
                 self.results.extend(batch)
                 labels = [f"[{started + j + 1}/{total}] {r.spec.name}" for j, r in enumerate(batch)]
                 started += len(batch)
@@ -224,22 +264,62 @@ class Runner:
     def _run_batch(self, results: list[RunResult], fh: IO[str], labels: list[str]) -> None:
         live: list[Live] = []
         try:
+            todo = []
             for res, label in zip(results, labels, strict=True):
-                if res.spec.policy == "sglang" and not available():
-                    res.skipped = INSTALL_HINT
-                    self.log(f"{label}: skipped — {INSTALL_HINT}")
+                gateway = GATEWAYS.get(res.spec.policy)
+                if gateway is not None and not gateway.available():
+                    res.skipped = gateway.install_hint
+                    self.log(f"{label}: skipped — {gateway.install_hint}")
                     continue
-                live.append(self._start(res, fh, label, batched=len(results) > 1))
+                todo.append((res, label))
+            self._start_all(todo, fh, len(results) > 1, live)
             names = [res.spec.name for res, *_ in live]
             for res, *_ in live:
                 res.batch = names[0]
                 res.paired_with = [n for n in names if n != res.spec.name]
             if live:
-                pairs = [(replay, res.requests) for res, replay, _, _ in live]
-                asyncio.run(replay_together(pairs, live[0][0].mode))
+                self._replay(live)
         finally:
             for res, replay, cluster, progress in live:
                 self._stop(res, replay, cluster, progress)
+
+    def _start_all(
+        self, todo: list[tuple[RunResult, str]], fh: IO[str], batched: bool, live: list[Live]
+    ) -> None:
+        """Boot the batch's clusters at once — spawn every cluster's nodes first, then wait
+        for each (one after another, six 4-node clusters took minutes on a loaded box) —
+        appending each to ``live`` in order; a cluster that was spawned is closed on failure
+        (the caller stops the ones in ``live``)."""
+        spawned: list[tuple[RunResult, str, BenchCluster]] = []
+        try:
+            for res, label in todo:
+                spawned.append((res, label, self.cluster_factory(res.spec)))
+            while spawned:
+                res, label, cluster = spawned.pop(0)  # _start closes it if it fails
+                live.append(self._start(res, fh, label, batched, cluster))
+        finally:
+            for _, _, cluster in spawned:
+                cluster.close()
+
+    def _replay(self, live: list[Live]) -> None:
+        first = live[0][0]
+        pairs = [(replay, res.requests) for res, replay, _, _ in live]
+        load = first.spec.workload.load
+        probe = None
+        if load is not None:
+            clients = min(self.probe_clients, len(first.probe_requests))
+            probe = CapacityProbe(first.probe_requests, clients, load)
+        ran = asyncio.run(replay_together(pairs, first.mode, probe))
+        if probe is None:
+            return
+        info = probe.to_json()
+        self.log(f"capacity {probe.capacity_rps:.2f} req/s ({probe.basis}; "
+                 f"{', '.join(f'{k} {v:.2f}' for k, v in probe.throughput.items())}); "
+                 f"Poisson at {100 * probe.load:g} %: {probe.rate:.2f} req/s")  # fmt: skip
+        for (res, *_), (_, timed) in zip(live, ran, strict=True):
+            res.requests = list(timed)
+            res.capacity = info
+            res.schedule = describe(res.requests, 1, probe.rate)
 
     @staticmethod
     def _stop(res: RunResult, replay: Replay, cluster: BenchCluster, progress: Any) -> None:
@@ -251,26 +331,35 @@ class Runner:
         if replay.oracle is not None:
             res.oracle_mismatches = replay.oracle.mismatches
 
-    def _start(self, res: RunResult, fh: IO[str], label: str, batched: bool) -> Live:
+    def _start(
+        self, res: RunResult, fh: IO[str], label: str, batched: bool, cluster: BenchCluster
+    ) -> Live:
+        """Make a spawned cluster ready (closed if that fails) and attach the run to it."""
         spec = res.spec
-        progress = Progress(label, len(res.requests)) if self.progress else None
-        if progress is not None and batched:
-            progress.tty = False  # several runs advance together: plain lines, no \r bar
-        cluster = self.cluster_factory(spec)
-        replay = Replay(spec, cluster, Sink(fh, progress))
-        res.records = replay.records
-        res.node_ids = list(cluster.node_ids)
         try:
-            self._attach_baseline(replay, spec, cluster)
+            wait = getattr(cluster, "wait_ready", None)
+            if wait is not None:
+                wait()
+            progress = Progress(label, len(res.requests)) if self.progress else None
+            if progress is not None and batched:
+                progress.tty = False  # several runs advance together: plain lines, no \r bar
+            replay = Replay(spec, cluster, Sink(fh, progress))
+            res.records = replay.records
+            res.node_ids = list(cluster.node_ids)
+            self._attach_baseline(replay, spec, cluster, self.out / "logs" / spec.name)
         except BaseException:
             cluster.close()
             raise
         return res, replay, cluster, progress
 
     @staticmethod
-    def _attach_baseline(replay: Replay, spec: RunSpec, cluster: BenchCluster) -> None:
-        if spec.policy == "sglang":
-            replay.router = SglangRouter(cluster.urls)
+    def _attach_baseline(
+        replay: Replay, spec: RunSpec, cluster: BenchCluster, log_dir: Path | None = None
+    ) -> None:
+        gateway = GATEWAYS.get(spec.policy)
+        if gateway is not None:
+            replay.router = gateway(cluster.urls, log_path=log_dir / f"{spec.policy}.log"
+                                    if log_dir is not None else None)  # fmt: skip
         elif spec.policy == "oracle":
             context = engine_context(spec.preset, spec.model)
             replay.oracle = Oracle(cluster.node_ids, spec.cache_tokens, BLOCK_SIZE,

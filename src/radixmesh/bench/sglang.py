@@ -1,11 +1,16 @@
-"""The centralized baseline: sglang-router 0.3.2 (``cache_aware``) in front of ``none`` nodes.
+"""Centralized baselines: a gateway process in front of ``none`` nodes, and sglang-router 0.3.2.
 
-Optional extra (``pip install 'radixmesh[sglang]'``). The gateway is started as a subprocess
-on 127.0.0.1 with the run's node URLs as workers; the client sends every request to it. Known
-behaviour (GUIDE §4): it matches raw characters, routes to the best match only above 30%
-shared, and with one sequential client sends every unmatched prompt to the first worker; the
-runner therefore also offers it with concurrency. The router→worker hop gets no emulated delay
-(that favours the baseline slightly at larger Δcomm).
+:class:`Gateway` runs one gateway as a subprocess on 127.0.0.1 with the run's node URLs as
+workers, waits until it reports every worker healthy, and stops it on ``close()``; its output
+goes to a log file (never an unread pipe, which would stall a chatty gateway). The client sends
+every request to ``url``. Two gateways use it: sglang-router 0.3.2 (:class:`SglangRouter`,
+policy ``sglang``, optional extra ``radixmesh[sglang]``) and SMG 1.13
+(:class:`radixmesh.bench.smg.Smg`, policy ``smg``), both with their ``cache_aware`` policy.
+
+Known behaviour of sglang-router (GUIDE §4): it matches raw characters, routes to the best
+match only above 30% shared, and with one sequential client sends every unmatched prompt to
+the first worker; the runner therefore also offers it with concurrency. The router→worker hop
+gets no emulated delay (that favours the baseline slightly at larger Δcomm).
 """
 
 from __future__ import annotations
@@ -14,8 +19,11 @@ import importlib.util
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, ClassVar
 
 import httpx
 
@@ -32,43 +40,71 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class SglangRouter:
-    """A running ``sglang_router.launch_router`` process; ``close()`` stops it."""
+class Gateway:
+    """A running gateway process; subclasses give its name, command and readiness check."""
 
-    def __init__(self, worker_urls: Sequence[str], startup_timeout_s: float = 60.0) -> None:
-        if not available():
-            raise RuntimeError(INSTALL_HINT)
+    name: ClassVar[str] = "gateway"
+    install_hint: ClassVar[str] = ""
+
+    def __init__(
+        self,
+        worker_urls: Sequence[str],
+        startup_timeout_s: float = 60.0,
+        log_path: str | Path | None = None,
+    ) -> None:
+        if not self.available():
+            raise RuntimeError(self.install_hint)
+        self.workers = list(worker_urls)
         self.port = free_port()
+        self.metrics_port = free_port()  # both gateways default to 0.0.0.0:29000 (clashes)
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [
-            sys.executable, "-m", "sglang_router.launch_router",
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--policy", "cache_aware", "--worker-urls", *worker_urls,
-        ]  # fmt: skip
+        if log_path is None:
+            self._log: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
+        else:
+            Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+            self._log = Path(log_path).open("w+b")  # noqa: SIM115 (closed in close())
         self._proc = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
-        )
+            self.command(self.port, self.workers), stdout=self._log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
         try:
             self._wait_ready(startup_timeout_s)
         except BaseException:
             self.close()
             raise
 
+    @classmethod
+    def available(cls) -> bool:
+        raise NotImplementedError
+
+    def command(self, port: int, workers: Sequence[str]) -> list[str]:
+        raise NotImplementedError
+
+    def ready(self) -> bool:
+        """Whether the gateway answers and can route (default: ``GET /health`` is 200)."""
+        return httpx.get(self.url + "/health", timeout=1.0).status_code == 200
+
+    def log_tail(self, lines: int = 3) -> str:
+        """The last ``lines`` non-empty lines of the gateway's output (the error, usually)."""
+        self._log.flush()
+        self._log.seek(0)
+        text = self._log.read().decode(errors="replace")
+        return " | ".join([ln.strip() for ln in text.splitlines() if ln.strip()][-lines:])[-400:]
+
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
                 raise RuntimeError(
-                    f"sglang-router exited with {self._proc.returncode}: {err[-800:]}"
+                    f"{self.name} exited with {self._proc.returncode}: {self.log_tail()}"
                 )
             try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                if self.ready():
                     return
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError):
                 pass
             time.sleep(0.2)
-        raise RuntimeError(f"sglang-router did not become healthy within {timeout_s:.0f}s")
+        raise RuntimeError(f"{self.name} did not become ready within {timeout_s:.0f}s")
 
     def close(self) -> None:
         if self._proc.poll() is None:
@@ -78,5 +114,23 @@ class SglangRouter:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait(timeout=5)
-        if self._proc.stderr:
-            self._proc.stderr.close()
+        self._log.close()
+
+
+class SglangRouter(Gateway):
+    """``python -m sglang_router.launch_router --policy cache_aware`` (sglang-router 0.3.2)."""
+
+    name = "sglang-router"
+    install_hint = INSTALL_HINT
+
+    @classmethod
+    def available(cls) -> bool:
+        return available()
+
+    def command(self, port: int, workers: Sequence[str]) -> list[str]:
+        return [
+            sys.executable, "-m", "sglang_router.launch_router",
+            "--host", "127.0.0.1", "--port", str(port),
+            "--policy", "cache_aware", "--worker-urls", *workers,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
+        ]  # fmt: skip

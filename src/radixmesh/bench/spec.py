@@ -2,8 +2,9 @@
 
 A sweep is a list of ``RunSpec``; each runs on a fresh cluster (cold caches). Policies are the
 node routing policies (``none``, ``paper``, ``cost``, ``random``, ``round_robin``,
-``least_loaded``) plus two client-side baselines whose nodes run ``none``: ``oracle`` (see
-:mod:`radixmesh.bench.oracle`) and ``sglang`` (the sglang-router ``cache_aware`` gateway).
+``least_loaded``) plus client-side baselines whose nodes run ``none``: ``oracle`` (see
+:mod:`radixmesh.bench.oracle`), ``sglang`` (the sglang-router 0.3.2 ``cache_aware`` gateway)
+and ``smg`` (SMG 1.13's ``cache_aware``, :mod:`radixmesh.bench.smg`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from pathlib import Path
 from radixmesh.core.router import Policy
 from radixmesh.workload import WorkloadSpec
 
-CLIENT_POLICIES = ("oracle", "sglang")
+CLIENT_POLICIES = ("oracle", "sglang", "smg")
+GATEWAY_POLICIES = ("sglang", "smg")
 ALL_POLICIES = tuple(p.value for p in Policy) + CLIENT_POLICIES
 
 
@@ -48,7 +50,7 @@ class RunSpec:
             raise ValueError("nodes, concurrency and cache_tokens must be >= 1")
         if self.comm_delay_s < 0 or self.gossip_interval_s <= 0:
             raise ValueError("comm delay must be >= 0 and gossip interval > 0")
-        if self.workload.rate and self.concurrency > 1:
+        if (self.workload.rate or self.workload.load) and self.concurrency > 1:
             raise ValueError("an open-loop rate and closed-loop concurrency exclude each other")
 
     @property

@@ -1,9 +1,13 @@
 """One entry point from flags to a request sequence: source × skew × schedule, with drops.
 
 Sources: the MMLU directory (``mmlu_dir``), a JSONL ``trace`` (its own order and entries; its
-lines' arrival times ``t`` unless ``rate`` asks for Poisson arrivals instead), or the synthetic
-MMLU-shaped generator. Then uniform or skewed sampling (seeded), then the schedule
-(round-robin entries; Poisson times for open-loop runs).
+lines' arrival times ``t`` unless ``rate`` asks for Poisson arrivals instead), the synthetic
+MMLU-shaped generator, or one of the generated workloads of ``kind`` chat / rag / agentic /
+hotprefix (:mod:`radixmesh.workload.generated`; their own order and sharing, ``mmlu_dir`` only
+lends them text). Then uniform or skewed sampling (seeded; MMLU and synthetic only), then the
+schedule (round-robin entries unless a request names one; Poisson times for open-loop runs).
+``load`` asks for Poisson arrivals at that fraction of a capacity the runner measures first, so
+the request list is built untimed and timed later (:func:`radixmesh.workload.schedule.poisson`).
 
 Admission: an ``admit`` function sees every candidate request (every question of the source,
 or every trace line until ``requests`` are kept) and returns the request to send — itself or a
@@ -19,8 +23,11 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
-from radixmesh.workload import mmlu, schedule, skew, synthetic, trace
+from radixmesh.workload import generated, mmlu, schedule, skew, synthetic, trace
+from radixmesh.workload.corpus import Corpus
 from radixmesh.workload.request import Request
+
+WORKLOADS = ("mmlu", *generated.KINDS)  # "mmlu": MMLU with mmlu_dir, else its synthetic shape
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,11 +43,27 @@ class WorkloadSpec:
     hot_share: float = 0.8
     schedule: schedule.Schedule = schedule.Schedule.SEQUENTIAL
     rate: float | None = None  # requests/s for the Poisson schedule (traces too)
+    kind: str = "mmlu"  # one of WORKLOADS
+    load: float | None = None  # Poisson at this fraction of the measured capacity (runner)
+
+    def __post_init__(self) -> None:
+        if self.kind not in WORKLOADS:
+            raise ValueError(f"unknown workload {self.kind!r}; choose from {', '.join(WORKLOADS)}")
+        if self.generated and (self.skewed or self.trace or self.requests is None):
+            raise ValueError(f"workload {self.kind!r} takes a request count, no skew and no trace")
+        if self.load is not None and (self.load <= 0 or self.rate):
+            raise ValueError("load is a fraction of capacity > 0, exclusive with a fixed rate")
+
+    @property
+    def generated(self) -> bool:
+        return self.kind in generated.KINDS
 
     @property
     def source(self) -> str:
         if self.trace:
             return "trace"
+        if self.generated:
+            return self.kind
         return "mmlu" if self.mmlu_dir else "synthetic"
 
 
@@ -148,8 +171,29 @@ def build_counted(spec: WorkloadSpec, nodes: int, admit: Admit) -> tuple[list[Re
     drops = Drops()
     if spec.trace:
         return _from_trace(spec, nodes, admit, drops), drops
-    reqs = sample(spec, admitted(_source_groups(spec), admit, drops))
+    if spec.generated:
+        reqs = _generated(spec, nodes, admit, drops)
+    else:
+        reqs = sample(spec, admitted(_source_groups(spec), admit, drops))
+    if spec.load is not None:  # timed once the runner has measured the capacity
+        return schedule.round_robin(reqs, nodes), drops
     return schedule.apply(reqs, spec.schedule, nodes, spec.rate, spec.seed), drops
+
+
+_CORPORA: dict[str | None, Corpus] = {}
+
+
+def corpus_for(mmlu_dir: str | None) -> Corpus:
+    """The generated workloads' text (MMLU sentences, else seeded words), loaded once."""
+    if mmlu_dir not in _CORPORA:
+        _CORPORA[mmlu_dir] = Corpus.for_dir(mmlu_dir)
+    return _CORPORA[mmlu_dir]
+
+
+def _generated(spec: WorkloadSpec, nodes: int, admit: Admit, drops: Drops) -> list[Request]:
+    reqs = generated.generate(spec.kind, spec.requests or 0, spec.seed,
+                              corpus_for(spec.mmlu_dir), spec.synthetic_scale, nodes)  # fmt: skip
+    return [k for r in reqs if (k := drops.note(r, admit(r))) is not None]
 
 
 def _from_trace(spec: WorkloadSpec, nodes: int, admit: Admit, drops: Drops) -> list[Request]:

@@ -37,7 +37,8 @@ def _lognormal(rng: random.Random, mean: float, sigma: float) -> float:
     return rng.lognormvariate(math.log(mean) - sigma * sigma / 2, sigma)
 
 
-def _words(rng: random.Random, n_chars: int) -> str:
+def words(rng: random.Random, n_chars: int) -> str:
+    """Seeded pseudo-words (syllables of the synthetic alphabet), about ``n_chars`` long."""
     out: list[str] = []
     size = 0
     while size < n_chars:
@@ -50,9 +51,9 @@ def _words(rng: random.Random, n_chars: int) -> str:
 def _question(rng: random.Random, n_chars: int) -> Question:
     stem = max(8, int(n_chars * 0.6))
     choice = max(2, int(n_chars * 0.1) - 4)
-    choices = tuple(_words(rng, choice) for _ in CHOICES)
+    choices = tuple(words(rng, choice) for _ in CHOICES)
     return Question(
-        _words(rng, stem) + "?",
+        words(rng, stem) + "?",
         (choices[0], choices[1], choices[2], choices[3]),
         rng.choice(CHOICES),
     )

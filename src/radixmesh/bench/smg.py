@@ -1,0 +1,63 @@
+"""The second centralized baseline: SMG 1.13 (pip ``smg``, the SGLang Model Gateway, Rust).
+
+SMG is sglang-router's successor. Optional extra ``radixmesh[smg]`` (``pip install
+smg==1.13.0``); policy ``smg`` of ``radixmesh bench`` runs it in front of ``none`` nodes::
+
+    python -m smg launch --host 127.0.0.1 --port P --policy cache_aware \\
+        --worker-urls URL... --prometheus-host 127.0.0.1 --prometheus-port M --log-level warn
+
+(``smg launch`` is its router-only mode, the ``smg`` console script's first subcommand; the
+metrics port must be set, or a second gateway on the machine fails to bind 29000.) Its
+``cache_aware`` policy keeps an approximate radix tree per worker over the request text, with
+the same knobs and defaults as sglang-router's (``--cache-threshold 0.3``,
+``--balance-abs-threshold 64``, ``--balance-rel-threshold 1.5``). At start it registers every
+worker URL (``GET /health`` on the worker, model discovery; a radixmesh node passes), then
+``GET /readiness`` answers 200 with ``healthy_workers``: the run starts when that equals the
+number of nodes. It forwards OpenAI ``/v1/completions`` and ``/v1/chat/completions`` bodies
+to the chosen worker and returns the worker's response headers (``x-radixmesh-served-by`` and
+the cached-token counts come through). Verified against smg 1.13.0 on this project's nodes.
+Like sglang-router, the gateway→worker hop gets no emulated delay.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Sequence
+
+import httpx
+
+from radixmesh.bench.sglang import Gateway
+
+INSTALL_HINT = "smg is not installed: pip install 'smg==1.13.0'"
+
+
+def available() -> bool:
+    return importlib.util.find_spec("smg") is not None
+
+
+class Smg(Gateway):
+    """``python -m smg launch --policy cache_aware`` in front of the run's nodes."""
+
+    name = "smg"
+    install_hint = INSTALL_HINT
+
+    @classmethod
+    def available(cls) -> bool:
+        return available()
+
+    def command(self, port: int, workers: Sequence[str]) -> list[str]:
+        return [
+            sys.executable, "-m", "smg", "launch",
+            "--host", "127.0.0.1", "--port", str(port),
+            "--policy", "cache_aware", "--worker-urls", *workers,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
+            "--log-level", "warn",
+        ]  # fmt: skip
+
+    def ready(self) -> bool:
+        resp = httpx.get(self.url + "/readiness", timeout=1.0)
+        if resp.status_code != 200:
+            return False
+        healthy = resp.json().get("healthy_workers")
+        return isinstance(healthy, int) and healthy >= len(self.workers)

@@ -1,0 +1,78 @@
+"""The generated workloads of the routing issue, behind one call: ``generate(kind, ...)``.
+
+Kinds (each a ``--workload`` of ``radixmesh bench``; each seeded, deterministic by seed):
+
+* ``chat`` (:mod:`~radixmesh.workload.chat`) — multi-turn conversations; every turn resends the
+  growing history; conversations interleave; the entry node is random per request.
+* ``rag`` (:mod:`~radixmesh.workload.rag`) — a few dozen long documents with Zipf popularity,
+  a short question after the retrieved document.
+* ``agentic`` (:mod:`~radixmesh.workload.agentic`) — one long tool-use system prompt shared by
+  every request, per-task scratchpads growing step by step; tasks interleave.
+* ``hotprefix`` (:mod:`~radixmesh.workload.hotprefix`) — every request behind one few-shot
+  prefix (a load that exceeds one node's capacity unless the prefix is replicated).
+
+``scale`` multiplies every generated length (1.0 ≈ 1–4k characters per prompt, sized for the
+tiny engine's 4,096-token context with the byte tokenizer). Filler text comes from a
+:class:`~radixmesh.workload.corpus.Corpus` (MMLU's sentences when an MMLU directory is given,
+else seeded pseudo-words), so nothing here needs the dataset.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Iterator
+
+from radixmesh.workload.corpus import Corpus
+from radixmesh.workload.request import Request
+
+KINDS = ("chat", "rag", "agentic", "hotprefix")
+Session = Iterator[Request]
+
+
+def lognormal_chars(rng: random.Random, mean: float, sigma: float = 0.35) -> int:
+    """A length with the given mean (log-normal spread ``sigma``), at least 1."""
+    return max(1, int(rng.lognormvariate(math.log(max(mean, 1.0)) - sigma * sigma / 2, sigma)))
+
+
+def interleave(
+    new_session: Callable[[int], Session], n: int, width: int, rng: random.Random
+) -> list[Request]:
+    """``n`` requests from sessions (conversations, agent tasks) of which ``width`` are open at
+    a time: each step continues a random open session; a finished one is replaced by a new
+    session (``new_session(index)``). Within a session, order is kept."""
+    if n < 0 or width < 1:
+        raise ValueError("need n >= 0 and width >= 1")
+    out: list[Request] = []
+    opened = 0
+    open_: list[Session] = []
+    while len(out) < n:
+        while len(open_) < width:
+            open_.append(new_session(opened))
+            opened += 1
+        k = rng.randrange(len(open_))
+        nxt = next(open_[k], None)
+        if nxt is None:
+            open_.pop(k)
+            continue
+        out.append(nxt)
+    return out
+
+
+def generate(
+    kind: str, n: int, seed: int, corpus: Corpus, scale: float = 1.0, nodes: int = 1
+) -> list[Request]:
+    """``n`` requests of workload ``kind`` (see the module docstring)."""
+    from radixmesh.workload import agentic, chat, hotprefix, rag
+
+    if scale <= 0:
+        raise ValueError("scale must be > 0")
+    if kind == "chat":
+        return chat.requests(n, seed, corpus, scale, nodes)
+    if kind == "rag":
+        return rag.requests(n, seed, corpus, scale)
+    if kind == "agentic":
+        return agentic.requests(n, seed, corpus, scale)
+    if kind == "hotprefix":
+        return hotprefix.requests(n, seed, corpus, scale)
+    raise ValueError(f"unknown workload {kind!r}; choose from {', '.join(KINDS)}")

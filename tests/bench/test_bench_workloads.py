@@ -1,0 +1,282 @@
+"""``radixmesh bench`` for the routing issue: workloads × schedules, the capacity probe, and the
+two centralized gateways (sglang-router 0.3.2, SMG 1.13) launched in front of a worker."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import threading
+from collections.abc import Iterator, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import httpx
+import pytest
+
+from radixmesh.bench import cli
+from radixmesh.bench.replay import CapacityProbe, mode_of
+from radixmesh.bench.runner import GATEWAYS, Runner, RunResult, batches, summary_entry
+from radixmesh.bench.sglang import SglangRouter
+from radixmesh.bench.smg import Smg
+from radixmesh.bench.spec import ALL_POLICIES, RunSpec
+from radixmesh.results.records import Record
+from radixmesh.workload import Request, WorkloadSpec, agentic
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_workloads_times_schedules_each_paired_with_its_own_key() -> None:
+    args = _args("--workload", "chat,rag", "--concurrency", "4", "--load", "50%,0.8",
+                 "--policies", "none,cost,smg", "--requests", "12")  # fmt: skip
+    specs = cli.specs_from_args(args)
+    assert len(specs) == 2 * 3 * 3  # workloads × schedules × policies
+    names = [s.name for s in specs]
+    assert len(set(names)) == len(names)
+    assert names[:3] == [
+        f"{p}-uniform-d2ms-g500ms-c200000-n4-k4-wchat" for p in ("none", "cost", "smg")
+    ]
+    assert "smg-uniform-d2ms-g500ms-c200000-n4-wrag-L0.8" in names
+    loads = [s for s in specs if s.workload.load]
+    assert {s.workload.load for s in loads} == {0.5, 0.8}
+    assert all(s.workload.rate is None and s.concurrency == 1 for s in loads)
+    # one lockstep key per workload × schedule point, shared by its policies only
+    keys = [s.lockstep for s in specs]
+    assert len(set(keys)) == 6 and all(keys.count(k) == 3 for k in keys)
+    assert {s.workload.kind for s in specs} == {"chat", "rag"}
+    # the runner batches each point's policies together (6 fit with --batch-limit 6)
+    planned = [RunResult(s, mode=mode_of(s, [])) for s in specs]
+    assert [len(b) for b in batches(planned, 6)] == [3] * 6
+    assert [r.mode for r in planned[3:6]] == ["open"] * 3
+
+
+def test_schedule_defaults_and_mmlu_names_unchanged() -> None:
+    plain = cli.specs_from_args(_args("--policies", "none,cost"))
+    assert [s.name for s in plain] == ["none-uniform-d2ms-g500ms-c200000-n4",
+                                       "cost-uniform-d2ms-g500ms-c200000-n4"]  # fmt: skip
+    assert all(not s.lockstep for s in plain)  # sequential: paired only with --interleave
+    only_load = cli.specs_from_args(_args("--policies", "none", "--load", "0.5"))
+    assert [s.name for s in only_load] == ["none-uniform-d2ms-g500ms-c200000-n4-L0.5"]
+    assert only_load[0].lockstep  # open loop: paired by default
+    both = cli.specs_from_args(_args("--policies", "none", "--concurrency", "1,16", "--rate", "2"))
+    assert [(s.concurrency, s.workload.rate) for s in both] == [(1, None), (16, None), (1, 2.0)]
+    with pytest.raises(SystemExit):
+        _args("--load", "0")
+    with pytest.raises(SystemExit):
+        _args("--workload", "video")
+    assert "smg" in ALL_POLICIES and set(GATEWAYS) == {"sglang", "smg"}
+
+
+def test_load_excludes_closed_loop_concurrency() -> None:
+    with pytest.raises(ValueError, match="exclude"):
+        RunSpec(name="x", policy="none", workload=WorkloadSpec(load=0.5), concurrency=4)
+
+
+class _StubReplay:
+    """What the probe needs of a Replay: its spec and a closed loop (records come back)."""
+
+    def __init__(self, policy: str, service_s: float) -> None:
+        self.spec = RunSpec(name=f"{policy}-x", policy=policy, nodes=2,
+                            workload=WorkloadSpec(load=0.5, seed=3))  # fmt: skip
+        self.service_s = service_s
+        self.calls: list[tuple[int, int, bool]] = []
+
+    async def closed_loop(
+        self, http: Any, requests: Sequence[Request], clients: int | None = None,
+        record: bool = True,
+    ) -> list[Record]:  # fmt: skip
+        self.calls.append((len(requests), clients or 0, record))
+        out = []
+        for i in range(0, len(requests), clients or 1):  # ``clients`` at a time
+            await asyncio.sleep(self.service_s)
+            out += [Record(run=self.spec.name, policy=self.spec.policy, seq=j, id=r.id,
+                           group=None, entry=0, entry_node="n0", t_send=0.0,
+                           latency_s=self.service_s, status=200)
+                    for j, r in enumerate(requests[i : i + (clients or 1)])]  # fmt: skip
+        return out
+
+
+def test_capacity_probe_times_the_batch_at_a_fraction_of_none_capacity() -> None:
+    probe_reqs = [Request(id=f"p{i}", prompt="x") for i in range(8)]
+    none, cost = _StubReplay("none", 0.05), _StubReplay("cost", 0.02)
+    reqs = [Request(id=f"r{i}", prompt="y") for i in range(40)]
+    probe = CapacityProbe(probe_reqs, clients=4, load=0.5)
+    timed = asyncio.run(probe.apply(None, [(none, reqs), (cost, reqs)]))  # type: ignore[arg-type]
+    # 8 requests, 4 at a time, 50 ms each: ~80 req/s for none (the basis), ~200 for cost
+    assert probe.basis == "none" and probe.capacity_rps == probe.throughput["none-x"]
+    assert 40 < probe.throughput["none-x"] < 90 < probe.throughput["cost-x"]
+    assert probe.rate == pytest.approx(0.5 * probe.capacity_rps)
+    assert none.calls == [(8, 4, False)]  # the probe's requests are not the run's records
+    (_, a), (_, b) = timed
+    assert [r.t for r in a] == [r.t for r in b] and all(r.t is not None for r in a)
+    span = (a[-1].t or 0) - (a[0].t or 0)
+    assert 39 / span == pytest.approx(probe.rate, rel=0.5)  # Poisson at that rate
+    info = probe.to_json()
+    assert info["probe_requests"] == 8 and info["basis"] == "none" and info["load"] == 0.5
+    # no none in the batch: the median cluster is the basis
+    probe2 = CapacityProbe(probe_reqs, clients=4, load=0.8)
+    asyncio.run(probe2.apply(None, [(cost, reqs)]))  # type: ignore[arg-type]
+    assert probe2.basis == "median"
+
+
+def test_runner_plans_a_probe_workload_under_another_seed(tmp_path: Any) -> None:
+    runner = Runner(tmp_path, progress=False, log=lambda _: None, probe_requests=6)
+    w = WorkloadSpec(kind="agentic", requests=10, load=0.5, synthetic_scale=0.3)
+    spec = RunSpec(name="n", policy="none", workload=w)
+    res = runner.plan(spec)
+    assert res.mode == "open" and len(res.probe_requests) == 6
+    assert all(r.t is None for r in res.requests)  # timed only after the probe
+    assert all(p.id.startswith("probe/") for p in res.probe_requests)
+    run_prompts = {r.prompt for r in res.requests}
+    assert not run_prompts & {p.prompt for p in res.probe_requests}
+    # the probe's system prompt differs past the generator's constant rules (another seed)
+    a, b = res.requests[0].text, res.probe_requests[0].text
+    shared = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+    assert shared < len(agentic.RULES) + 40
+    entry = summary_entry(res)
+    assert entry["workload"] == "agentic" and entry["load_fraction"] == 0.5
+
+
+# ----------------------------------------------------------------------------- gateways
+class _Worker(BaseHTTPRequestHandler):
+    """A stand-in for a radixmesh node: the endpoints a gateway uses, the node's headers."""
+
+    def log_message(self, *a: Any) -> None:
+        pass
+
+    def _send(self, code: int, body: dict[str, Any], extra: dict[str, str] | None = None) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        for k, v in (extra or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            self._send(200, {"status": "ok"})
+        elif self.path.startswith("/v1/models"):
+            self._send(200, {"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+        else:
+            self._send(404, {"error": {"message": "not found"}})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        name = self.server.server_address[1]  # type: ignore[index]
+        choice = {"index": 0, "text": "A", "finish_reason": "length"}
+        if self.path == "/v1/chat/completions":
+            choice = {"index": 0, "message": {"role": "assistant", "content": "A"},
+                      "finish_reason": "length"}  # fmt: skip
+        usage = {"prompt_tokens": len(json.dumps(body)), "completion_tokens": 1}
+        self._send(200, {"id": "x", "choices": [choice], "usage": usage, "model": body["model"]},
+                   {"x-radixmesh-served-by": f"w{name}"})  # fmt: skip
+
+
+@pytest.fixture()
+def workers() -> Iterator[list[str]]:
+    servers = [ThreadingHTTPServer(("127.0.0.1", 0), _Worker) for _ in range(2)]
+    for s in servers:
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+    yield [f"http://127.0.0.1:{s.server_address[1]}" for s in servers]
+    for s in servers:
+        s.shutdown()
+        s.server_close()
+
+
+@pytest.mark.parametrize("gateway", [SglangRouter, Smg], ids=["sglang-router", "smg"])
+def test_gateway_routes_to_the_workers_and_passes_node_headers(
+    gateway: type[SglangRouter] | type[Smg], workers: list[str], tmp_path: Any
+) -> None:
+    if not gateway.available():
+        pytest.skip(gateway.install_hint)
+    # two gateways at once: their metrics ports must not clash
+    a = gateway(workers, startup_timeout_s=60, log_path=tmp_path / "a.log")
+    b = gateway(workers, startup_timeout_s=60)
+    try:
+        assert a.metrics_port != b.metrics_port
+        served = set()
+        for i in range(6):
+            prompt = f"question {i} " + "shared prefix " * 20 * (i % 2)
+            r = httpx.post(a.url + "/v1/completions", timeout=30,
+                           json={"model": "tiny", "prompt": prompt, "max_tokens": 1})  # fmt: skip
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == "A"
+            served.add(r.headers["x-radixmesh-served-by"])
+        chat = httpx.post(
+            b.url + "/v1/chat/completions",
+            timeout=30,
+            json={
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 1,
+            },
+        )
+        assert chat.status_code == 200 and chat.headers["x-radixmesh-served-by"].startswith("w")
+        assert served <= {f"w{u.rsplit(':', 1)[1]}" for u in workers}
+    finally:
+        a.close()
+        b.close()
+    assert (tmp_path / "a.log").exists()
+
+
+def test_gateway_that_exits_reports_its_error(workers: list[str]) -> None:
+    if not Smg.available():
+        pytest.skip(Smg.install_hint)
+
+    class Broken(Smg):
+        def command(self, port: int, workers: Sequence[str]) -> list[str]:
+            return [*super().command(port, workers), "--policy", "no_such_policy"]
+
+    with pytest.raises(RuntimeError, match="smg exited"):
+        Broken(workers, startup_timeout_s=30)
+
+
+class _FakeCluster:
+    def __init__(self, name: str, events: list[str], fail: bool) -> None:
+        self.name, self.events, self.fail = name, events, fail
+        events.append(f"spawn {name}")
+
+    @property
+    def urls(self) -> list[str]:
+        return ["http://127.0.0.1:1"]
+
+    @property
+    def node_ids(self) -> list[str]:
+        return ["n0"]
+
+    def wait_ready(self) -> None:
+        self.events.append(f"ready {self.name}")
+        if self.fail:
+            raise RuntimeError(f"{self.name} never became ready")
+
+    def close(self) -> None:
+        self.events.append(f"close {self.name}")
+
+
+def test_batch_clusters_spawn_together_and_failures_close_every_one(tmp_path: Any) -> None:
+    events: list[str] = []
+    failing = {"b"}
+
+    def factory(spec: RunSpec) -> _FakeCluster:
+        return _FakeCluster(spec.name, events, spec.name in failing)
+
+    runner = Runner(tmp_path, cluster_factory=factory, progress=False, log=lambda _: None)
+    todo = [(RunResult(RunSpec(name=n, policy="none")), n) for n in ("a", "b", "c")]
+    live: list[Any] = []
+    with (tmp_path / "r.jsonl").open("w") as fh, pytest.raises(RuntimeError, match="b never"):
+        runner._start_all(todo, fh, True, live)
+    # every cluster is spawned before the first is waited for (they boot at the same time)
+    assert events[:3] == ["spawn a", "spawn b", "spawn c"]
+    assert events[3:] == ["ready a", "ready b", "close b", "close c"]
+    assert [res.spec.name for res, *_ in live] == ["a"]  # the caller stops what is live
+    events.clear()
+    failing.clear()
+    live.clear()
+    with (tmp_path / "r.jsonl").open("w") as fh:
+        runner._start_all(todo, fh, True, live)
+    assert [res.spec.name for res, *_ in live] == ["a", "b", "c"] and "close a" not in events
