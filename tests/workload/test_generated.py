@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from radixmesh.workload import Schedule, WorkloadSpec, agentic, build, chat, hotprefix, rag
+from radixmesh.workload.build import generate
 from radixmesh.workload.corpus import Corpus
-from radixmesh.workload.generated import KINDS, generate, interleave
+from radixmesh.workload.generated import KINDS, interleave
 from radixmesh.workload.request import Request
 
 MMLU_DIR = Path("/work/shared/data/mmlu")

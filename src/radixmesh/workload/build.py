@@ -23,7 +23,18 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import Any
 
-from radixmesh.workload import generated, mmlu, schedule, skew, synthetic, trace
+from radixmesh.workload import (
+    agentic,
+    chat,
+    generated,
+    hotprefix,
+    mmlu,
+    rag,
+    schedule,
+    skew,
+    synthetic,
+    trace,
+)
 from radixmesh.workload.corpus import Corpus
 from radixmesh.workload.request import Request
 
@@ -191,7 +202,7 @@ def corpus_for(mmlu_dir: str | None) -> Corpus:
 
 
 def _generated(spec: WorkloadSpec, nodes: int, admit: Admit, drops: Drops) -> list[Request]:
-    reqs = generated.generate(spec.kind, spec.requests or 0, spec.seed,
+    reqs = generate(spec.kind, spec.requests or 0, spec.seed,
                               corpus_for(spec.mmlu_dir), spec.synthetic_scale, nodes)  # fmt: skip
     return [k for r in reqs if (k := drops.note(r, admit(r))) is not None]
 
@@ -218,3 +229,20 @@ def check_times(reqs: list[Request], name: str) -> None:
     for a, b in pairwise(reqs):
         if a.t is not None and b.t is not None and b.t < a.t:
             raise trace.TraceError(f"{name}: request {b.id!r} arrives before the one above it")
+
+
+def generate(
+    kind: str, n: int, seed: int, corpus: Corpus, scale: float = 1.0, nodes: int = 1
+) -> list[Request]:
+    """``n`` requests of workload ``kind`` (see the module docstring)."""
+    if scale <= 0:
+        raise ValueError("scale must be > 0")
+    if kind == "chat":
+        return chat.requests(n, seed, corpus, scale, nodes)
+    if kind == "rag":
+        return rag.requests(n, seed, corpus, scale)
+    if kind == "agentic":
+        return agentic.requests(n, seed, corpus, scale)
+    if kind == "hotprefix":
+        return hotprefix.requests(n, seed, corpus, scale)
+    raise ValueError(f"unknown workload {kind!r}; choose from {', '.join(generated.KINDS)}")

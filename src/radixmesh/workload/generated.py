@@ -1,4 +1,4 @@
-"""The generated workloads of the routing issue, behind one call: ``generate(kind, ...)``.
+"""What the generated workloads of the routing issue share; ``workload.build.generate(kind, ...)`` builds one.
 
 Kinds (each a ``--workload`` of ``radixmesh bench``; each seeded, deterministic by seed):
 
@@ -23,7 +23,6 @@ import math
 import random
 from collections.abc import Callable, Iterator
 
-from radixmesh.workload.corpus import Corpus
 from radixmesh.workload.request import Request
 
 KINDS = ("chat", "rag", "agentic", "hotprefix")
@@ -58,21 +57,3 @@ def interleave(
         out.append(nxt)
     return out
 
-
-def generate(
-    kind: str, n: int, seed: int, corpus: Corpus, scale: float = 1.0, nodes: int = 1
-) -> list[Request]:
-    """``n`` requests of workload ``kind`` (see the module docstring)."""
-    from radixmesh.workload import agentic, chat, hotprefix, rag
-
-    if scale <= 0:
-        raise ValueError("scale must be > 0")
-    if kind == "chat":
-        return chat.requests(n, seed, corpus, scale, nodes)
-    if kind == "rag":
-        return rag.requests(n, seed, corpus, scale)
-    if kind == "agentic":
-        return agentic.requests(n, seed, corpus, scale)
-    if kind == "hotprefix":
-        return hotprefix.requests(n, seed, corpus, scale)
-    raise ValueError(f"unknown workload {kind!r}; choose from {', '.join(KINDS)}")
