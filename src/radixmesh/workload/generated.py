@@ -1,4 +1,4 @@
-"""What the generated workloads of the routing issue share; ``workload.build.generate(kind, ...)`` builds one.
+"""What the generated workloads share (``workload.build.generate(kind, ...)`` builds one).
 
 Kinds (each a ``--workload`` of ``radixmesh bench``; each seeded, deterministic by seed):
 
