@@ -171,11 +171,11 @@ def test_bad_input_gets_openai_errors_and_node_keeps_serving(cluster: LocalClust
 
 
 def test_garbage_peer_messages_are_rejected_and_counted(cluster: LocalCluster) -> None:
-    before = metric(cluster, 2, "radixmesh_core_messages_rejected")
+    before = metric(cluster, 2, "radixmesh_core_messages_rejected_total")
     for junk in (b"", b"\x00" * 64, os.urandom(4096), b"\x92\xa3abc\x01"):
         resp = cluster.post(2, "/peer/gossip", content=junk)
         assert resp.status_code in (204, 400)
-    assert metric(cluster, 2, "radixmesh_core_messages_rejected") >= before + 3
+    assert metric(cluster, 2, "radixmesh_core_messages_rejected_total") >= before + 3
     bad_forward = cluster.post(2, "/peer/forward", content=b"{\"prompt_ids\": \"nope\"}")
     _assert_error(bad_forward, 400)
     assert complete(cluster, 2, "still serving").status_code == 200
@@ -185,8 +185,8 @@ def test_garbage_peer_messages_are_rejected_and_counted(cluster: LocalCluster) -
 def test_observability_endpoints(cluster: LocalCluster) -> None:
     text = cluster.get(0, "/metrics").text
     for name in ('radixmesh_requests_total{route="forwarded"}', "radixmesh_cache_hit_tokens_total",
-                 "radixmesh_queue_depth", "radixmesh_core_gossip_bytes_in",
-                 "radixmesh_core_gossip_bytes_out", "radixmesh_core_messages_rejected",
+                 "radixmesh_queue_depth", "radixmesh_core_gossip_bytes_in_total",
+                 "radixmesh_core_gossip_bytes_out_total", "radixmesh_core_messages_rejected_total",
                  'radixmesh_peers{state="alive"}'):
         assert name in text, name
     assert metric(cluster, 0, "radixmesh_requests_total") >= 1
@@ -295,7 +295,7 @@ def test_restart_replaces_the_old_estimate_and_relearns(cluster: LocalCluster) -
         entry = cluster.peer_entry(observer, 2)
         assert entry is not None and entry["incarnation"] != old["incarnation"]
         assert entry["view_blocks"] == 0  # the restarted node's cache is empty: so is its view
-    assert metric(cluster, 1, "radixmesh_core_peer_restarts") >= 1
+    assert metric(cluster, 1, "radixmesh_core_peer_restarts_total") >= 1
     prefix = PREFIX.replace("anatomy", "botany")
     complete(cluster, 2, prefix + "seed", headers=HOP)
     for observer in (0, 1):
