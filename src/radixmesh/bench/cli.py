@@ -103,7 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=[ABUNDANT_CACHE],
         help="KV budget per node, tokens",
     )
-    g.add_argument("--nodes", type=_list(int), default=[4])
+    g.add_argument("--nodes", type=_list(int), default=[4], help="nodes per cluster, e.g. 4,8")
     g.add_argument(
         "--rate",
         type=_list(float),
@@ -172,7 +172,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument(
         "--requests", type=int, help="requests per configuration (default 1000; quick preset: 32)"
     )
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--seed", type=int, default=0, help="workload and routing seed")
     w.add_argument(
         "--too-long",
         choices=TOO_LONG_ACTIONS,
@@ -186,7 +186,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=1.0,
         help="prompt length multiplier of the synthetic and generated workloads (1.0 = MMLU-sized)",
     )
-    w.add_argument("--synthetic-groups", type=int, default=57)
+    w.add_argument("--synthetic-groups", type=int, default=57,
+                   help="synthetic MMLU shape: prefix groups (MMLU has 57 subjects)")
     w.add_argument(
         "--export-trace",
         metavar="FILE",
@@ -196,6 +197,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--engine-preset", default="tiny", help="built-in model preset")
     e.add_argument("--model", help="local model directory instead of a preset")
     e.add_argument("--threads", type=int, default=1, help="torch threads per node")
+    e.add_argument("--device", default="cpu", help="torch device of the nodes' engines: cpu, cuda")
+    e.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="engine weights and KV cache")
+    e.add_argument("--gpu-memory-fraction", type=float, default=0.0,
+                   help="cuda: each node process's share of the GPU's memory (0 = no cap)")
     p.add_argument("--report-only", action="store_true", help="rebuild the report from --out")
     p.add_argument(
         "--tables",
@@ -208,7 +214,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="keep --out's earlier runs; skip configurations already complete there",
     )
     p.add_argument("--no-report", action="store_true", help="skip report.md and figures")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--dry-run", action="store_true", help="list the configurations and exit")
 
 
@@ -239,6 +245,9 @@ def base_spec(args: argparse.Namespace) -> RunSpec:
         preset=args.engine_preset,
         model=args.model,
         threads=args.threads,
+        device=args.device,
+        dtype=args.dtype,
+        gpu_memory_fraction=args.gpu_memory_fraction,
         seed=args.seed,
     )
 

@@ -42,6 +42,12 @@ def serve_options(spec: RunSpec) -> dict[str, object]:
     }
     if spec.model:
         opts["model"] = spec.model
+    if spec.device != "cpu":
+        opts["device"] = spec.device
+    if spec.dtype != "float32":
+        opts["dtype"] = spec.dtype
+    if spec.gpu_memory_fraction:
+        opts["gpu_memory_fraction"] = spec.gpu_memory_fraction
     return opts
 
 

@@ -95,6 +95,7 @@ def summary_entry(res: RunResult) -> dict[str, Any]:
         "oracle_mismatches": res.oracle_mismatches, "lockstep": s.lockstep, "batch": res.batch,
         "paired_with": res.paired_with, "clusters_at_once": 1 + len(res.paired_with),
         "cpu_cores": os.cpu_count(), "threads_per_node": s.threads,
+        "device": s.device, "dtype": s.dtype,
         "ideal_hit_rate": res.ideal_hit_rate, "workload_kind": w.kind,
         "load_fraction": w.load, "capacity": res.capacity,
     })  # fmt: skip

@@ -40,6 +40,9 @@ class RunSpec:
     preset: str = "tiny"
     model: str | None = None  # local model directory instead of a preset
     threads: int = 1  # torch threads per node
+    device: str = "cpu"  # torch device of every node's engine (cuda: nodes share the GPU)
+    dtype: str = "float32"  # engine weights and KV cache
+    gpu_memory_fraction: float = 0.0  # cuda: each node process's share of the GPU; 0: no cap
     seed: int = 0
     group: str = ""  # which table/figure of the report this run feeds
     lockstep: str = ""  # consecutive runs with the same non-empty key run paired in time
