@@ -41,7 +41,8 @@ def test_a_request_cut_at_the_drain_deadline_gets_503(engine: Any, stream: bool)
         port = free_port()
         service = NodeService(ServeConfig(node_id="solo", port=port, gossip_interval=5.0),
                               SlowTokens(engine, TOKEN_S))
-        body = {"model": "micro", "prompt": "cut me " * 4, "max_tokens": 200, "stream": stream}
+        body = {"model": "micro", "prompt": "cut me " * 4, "max_tokens": 200, "stream": stream,
+                "temperature": 0}
         async with serving(service, port) as address, aiohttp.ClientSession() as http:
             pending = asyncio.ensure_future(http.post(f"http://{address}/v1/completions",
                                                       json=body))

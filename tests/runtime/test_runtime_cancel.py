@@ -46,7 +46,8 @@ async def _serving(engine: Any, name: str, **overrides: Any
 
 
 async def _give_up(address: str, headers: dict[str, str]) -> None:
-    body = {"model": "micro", "prompt": "cancel me " * 4, "max_tokens": MAX_TOKENS}
+    body = {"model": "micro", "prompt": "cancel me " * 4, "max_tokens": MAX_TOKENS,
+            "temperature": 0}
     async with aiohttp.ClientSession() as http:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(
@@ -101,7 +102,8 @@ def test_a_non_streaming_client_that_goes_away_cancels_the_forwarded_request(
 def test_a_full_node_answers_429_with_retry_after(engine: Any) -> None:
     async def scenario() -> None:
         async with _serving(engine, "full", max_queue_requests=1) as (node, address):
-            body = {"model": "micro", "prompt": "fill me " * 4, "max_tokens": 20}
+            body = {"model": "micro", "prompt": "fill me " * 4, "max_tokens": 20,
+                    "temperature": 0}
             url = f"http://{address}/v1/completions"
             async with aiohttp.ClientSession() as http:
                 first = asyncio.ensure_future(http.post(url, json=body))
