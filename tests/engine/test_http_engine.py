@@ -16,6 +16,7 @@ from radixmesh.core.kv_events import EngineBlockStored, KvBatch
 from radixmesh.engine.base import GenerateRequest, SamplingParams
 from radixmesh.engine.http_engine import EngineUnavailable, HttpEngine, mesh_block_size
 from radixmesh.engine.tokenizers import ByteTokenizer
+from radixmesh.runtime import inprocess
 from radixmesh.runtime.kv_subscriber import KvSubscriber, plan_endpoints
 from radixmesh.testing.fake_engine import FakeEngine, next_token, running
 
@@ -23,10 +24,7 @@ LIMIT_S = 10.0
 
 
 async def until(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + LIMIT_S
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
+    await inprocess.until(check, what, LIMIT_S, 0.01)
 
 
 def expected_tokens(prompt: list[int], n: int) -> list[int]:

@@ -28,10 +28,8 @@ Facts taken from the clients' source (lm-evaluation-harness 0.4.13
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
-import threading
 from collections.abc import Iterator
 from operator import itemgetter
 from pathlib import Path
@@ -43,7 +41,7 @@ import pytest
 from radixmesh.engine.factory import build_engine
 from radixmesh.engine.testing import save_random_model_dir
 from radixmesh.runtime.config import ServeConfig
-from radixmesh.runtime.inprocess import free_port, serving
+from radixmesh.runtime.inprocess import ServedInThread, free_port
 from radixmesh.runtime.node import NodeService
 
 # lm-eval sends "Bearer " + its empty key; a server's HTTP parser strips the trailing space
@@ -56,39 +54,14 @@ CONTEXT = ("The following are multiple choice questions (with answers) about phy
 CHOICES = (" A", " B", " C", " D")
 
 
-class _Node:
+class _Node(ServedInThread):
     """One node on the built-in engine over a saved model directory, on its own loop thread."""
 
     def __init__(self, model_dir: Path) -> None:
         self.engine = build_engine(model_path=model_dir, cache_tokens=8192, threads=1)
-        self.port = free_port()
-        self.service = NodeService(ServeConfig(node_id="clients", port=self.port,
-                                               gossip_interval=5.0), self.engine)
-        self._ready = threading.Event()
-        self._stop: asyncio.Event | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        if not self._ready.wait(60):
-            raise RuntimeError("the node did not start")
-
-    def _run(self) -> None:
-        async def main() -> None:
-            self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-            async with serving(self.service, self.port):
-                self._ready.set()
-                await self._stop.wait()
-
-        asyncio.run(main())
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def close(self) -> None:
-        assert self._loop is not None and self._stop is not None
-        self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(30)
+        port = free_port()
+        super().__init__(NodeService(ServeConfig(node_id="clients", port=port,
+                                                 gossip_interval=5.0), self.engine), port)
 
 
 @pytest.fixture(scope="module")

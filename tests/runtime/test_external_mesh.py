@@ -15,6 +15,7 @@ import aiohttp
 import uvicorn
 
 from radixmesh.engine.tokenizers import ByteTokenizer
+from radixmesh.runtime import inprocess
 from radixmesh.runtime.app import create_app
 from radixmesh.runtime.config import ServeConfig
 from radixmesh.runtime.node import NodeService
@@ -32,10 +33,7 @@ def _free_port() -> int:
 
 
 async def until(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + LIMIT_S
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
+    await inprocess.until(check, what, LIMIT_S, 0.02)
 
 
 @contextlib.asynccontextmanager

@@ -16,6 +16,7 @@ from radixmesh.core.blocks import block_hashes
 from radixmesh.engine.base import GenerateRequest, SamplingParams
 from radixmesh.engine.http_engine import HttpEngine
 from radixmesh.engine.tokenizers import ByteTokenizer
+from radixmesh.runtime import inprocess
 from radixmesh.runtime.kv_subscriber import (
     Endpoint,
     KvSubscriber,
@@ -28,10 +29,7 @@ LIMIT_S = 10.0
 
 
 async def until(check: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + LIMIT_S
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
+    await inprocess.until(check, what, LIMIT_S, 0.01)
 
 
 @contextlib.asynccontextmanager

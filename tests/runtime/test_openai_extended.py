@@ -8,7 +8,6 @@ streamed and not. The generated OpenAPI document and the 400 / 413 bodies too.""
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +19,7 @@ import torch
 from radixmesh.engine.base import GenerateRequest, SamplingParams
 from radixmesh.engine.factory import build_engine
 from radixmesh.runtime.config import ServeConfig
-from radixmesh.runtime.inprocess import free_port, serving
+from radixmesh.runtime.inprocess import ServedInThread, free_port, serving
 from radixmesh.runtime.node import NodeService
 
 MODEL = "tiny"
@@ -28,40 +27,15 @@ PROMPT = "Question: which animal is quick and brown?\nAnswer:"
 CHAT = [{"role": "user", "content": "Name a quick brown animal."}]
 
 
-class _Node:
+class _Node(ServedInThread):
     """A node served on its own event loop thread for the whole module."""
 
     def __init__(self) -> None:
         self.engine = build_engine(MODEL, cache_tokens=16384, threads=1)
-        self.port = free_port()
-        self.service = NodeService(
-            ServeConfig(node_id="ext", port=self.port, gossip_interval=5.0,
-                        max_body_bytes=200_000), self.engine)
-        self._ready = threading.Event()
-        self._stop: asyncio.Event | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        if not self._ready.wait(120):
-            raise RuntimeError("the node did not start")
-
-    def _run(self) -> None:
-        async def main() -> None:
-            self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
-            async with serving(self.service, self.port):
-                self._ready.set()
-                await self._stop.wait()
-
-        asyncio.run(main())
-
-    def close(self) -> None:
-        assert self._loop is not None and self._stop is not None
-        self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(30)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        port = free_port()
+        super().__init__(NodeService(ServeConfig(node_id="ext", port=port, gossip_interval=5.0,
+                                                 max_body_bytes=200_000), self.engine),
+                         port, start_timeout_s=120)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,9 @@
 For tests that need real HTTP (client disconnects, streaming, TLS, the official SDK) but not a
 separate process: ``async with serving(service, port) as address: ...`` starts the server,
 waits (bounded) until it listens, and always stops it. ``app_options``: a function of the app
-returning more uvicorn options (e.g. ``peer_tls.uvicorn_options``).
+returning more uvicorn options (e.g. ``peer_tls.uvicorn_options``). For synchronous callers
+(a blocking SDK client, a module-scoped fixture), :class:`ServedInThread` runs the same on an
+event loop of its own thread. ``until`` waits, bounded, for a condition inside a test's loop.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 START_POLLS = 200  # x 50 ms: a server that does not listen within 10 s fails the test
@@ -49,3 +53,44 @@ async def serving(service: Any, port: int, **uvicorn_options: Any) -> AsyncItera
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, STOP_WAIT_S)
+
+
+class ServedInThread:
+    """``serving(service, port)`` on an event loop in a daemon thread, until ``close()``."""
+
+    def __init__(self, service: Any, port: int, start_timeout_s: float = 60.0) -> None:
+        self.service, self.port = service, port
+        self._ready = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        if not self._ready.wait(start_timeout_s):
+            raise RuntimeError("the node did not start")
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+            async with serving(self.service, self.port):
+                self._ready.set()
+                await self._stop.wait()
+
+        asyncio.run(main())
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        assert self._loop is not None and self._stop is not None
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+
+
+async def until(check: Callable[[], bool], what: str, limit_s: float = 10.0,
+                poll_s: float = 0.01) -> None:
+    """Return once ``check()`` holds; fail the test after ``limit_s``."""
+    deadline = time.monotonic() + limit_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(poll_s)
