@@ -131,7 +131,17 @@ def test_schedules() -> None:
     pinned = schedule.round_robin([reqs[0].with_entry(3), reqs[1]], nodes=4)
     assert [r.entry for r in pinned] == [3, 1]
     big = schedule.poisson([Request(id=str(i), prompt="p") for i in range(2000)], 4, 50.0, 2)
-    assert big[-1].t is not None and big[-1].t / 1999 == pytest.approx(1 / 50, rel=0.1)
+    assert big[-1].t is not None and big[-1].t / 1999 == pytest.approx(1 / 50, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_poisson_offers_the_rate_asked_for_even_in_short_runs(seed: int) -> None:
+    reqs = [Request(id=str(i), prompt="p") for i in range(60)]
+    timed = schedule.poisson(reqs, nodes=4, rate=1.4, seed=seed)
+    gaps = [b.t - a.t for a, b in zip(timed, timed[1:], strict=False)]  # type: ignore[operator]
+    assert schedule.describe(timed, rate=1.4)["offered_rate"] == pytest.approx(1.4, rel=1e-9)
+    assert all(g >= 0 for g in gaps) and len(set(gaps)) == len(gaps)  # random, not a metronome
+    assert max(gaps) > 3 * min(gaps)
 
 
 def test_trace_round_trip(tmp_path: Path) -> None:
