@@ -77,6 +77,11 @@ def _skew(text: str) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/bench", help="output folder (default runs/bench)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="a named sweep (overrides lists)")
+    p.add_argument(
+        "--only",
+        type=_list(str),
+        help="with --preset: run only these groups (see --dry-run), e.g. t1,skew,pressure",
+    )
     g = p.add_argument_group("sweep (comma-separated lists; cartesian product)")
     g.add_argument(
         "--policies",
@@ -255,7 +260,14 @@ def base_spec(args: argparse.Namespace) -> RunSpec:
 def specs_from_args(args: argparse.Namespace) -> list[RunSpec]:
     base = base_spec(args)
     if args.preset:
-        return PRESETS[args.preset](base)
+        runs = PRESETS[args.preset](base)
+        if args.only:
+            known = {r.group for r in runs}
+            if unknown := set(args.only) - known:
+                raise ValueError(f"--only: no group {', '.join(sorted(unknown))} in preset "
+                                 f"{args.preset} (groups: {', '.join(sorted(known))})")
+            runs = [r for r in runs if r.group in args.only]
+        return runs
     loads = getattr(args, "load", None) or []
     closed = args.concurrency or ([] if (args.rate or loads) else [1])
     open_loop = bool(args.rate) or bool(loads) or trace_has_times(args.trace)

@@ -165,7 +165,7 @@ def compare_table(res: Results) -> str:
     """Every policy at the default point (uniform, 2 ms, 500 ms, abundant, sequential)."""
     rows = []
     for r in res.runs:
-        if r.get("group") not in ("t1", "baselines", "sglang", "open"):
+        if r.get("group") not in ("t1", "baselines", "sglang", "k4", "k16", "open"):
             continue
         if r["comm_delay_ms"] != 2.0 or r["cache_tokens"] != res.abundant or r["skew"] != "uniform":
             continue
@@ -317,18 +317,23 @@ def targets(res: Results) -> list[tuple[str, str, bool | None]]:
     return out
 
 
+GATEWAY_NAMES = {"sglang": "sglang-router", "smg": "SMG"}
+
+
 def sglang_targets(res: Results) -> list[tuple[str, str, bool | None]]:
+    """cost ≤ each centralized gateway, mean and p99, paired, at every client count run."""
     out: list[tuple[str, str, bool | None]] = []
-    for k in (1, 4):
-        sg = res.find("sglang", concurrency=k)
-        cost = res.find_with(sg, "cost") if sg else None
-        if sg is None or cost is None:
-            out.append((f"cost ≤ sglang-router mean and p99 ({k} client(s))", "—", None))
-            continue
-        a, b = paired_stats(res, cost, sg)
-        shown = f"mean {f3(a[0])} vs {f3(b[0])}, p99 {f3(a[1])} vs {f3(b[1])}"
-        ok = a[0] <= b[0] and a[1] <= b[1]
-        out.append((f"cost ≤ sglang-router mean and p99 ({k} client(s))", shown, ok))
+    for gw, name in GATEWAY_NAMES.items():
+        for k in (1, 4, 16):
+            sg = res.find(gw, concurrency=k)
+            cost = res.find_with(sg, "cost") if sg else None
+            if sg is None or cost is None:
+                out.append((f"cost ≤ {name} mean and p99 ({k} client(s))", "—", None))
+                continue
+            a, b = paired_stats(res, cost, sg)
+            shown = f"mean {f3(a[0])} vs {f3(b[0])}, p99 {f3(a[1])} vs {f3(b[1])}"
+            ok = a[0] <= b[0] and a[1] <= b[1]
+            out.append((f"cost ≤ {name} mean and p99 ({k} client(s))", shown, ok))
     return out
 
 

@@ -97,29 +97,26 @@ def paper_preset(base: RunSpec, with_sglang: bool = True) -> list[RunSpec]:
     Each comparison runs *interleaved*: the clusters of one batch (e.g. none, cost, paper,
     oracle) are all up, and request i goes to each of them in turn, one at a time — the paper's
     schedule for every cluster, under the same background load for all, so the paired ratios
-    survive a shared, noisy machine. The headline batches (uniform, skewed) get ``--requests``;
-    the others fewer (forwarding over a 1 s network is slow)."""
+    survive a shared, noisy machine. Every configuration gets ``--requests`` but ``paper`` under
+    a slow network, and the poll, baseline and open-loop groups (0.3× as many)."""
     n = base.workload.requests or 1000
-    half, third, slow = max(60, n // 2), max(60, n * 3 // 10), max(60, n * 3 // 20)
+    third = max(60, n * 3 // 10)
     pols4 = ("none", "cost", "paper", "oracle")
+    gateways = ("none", "cost", "sglang", "smg") if with_sglang else ("none", "cost")
     runs = _together("uniform", [_mk(base, "t1", p) for p in pols4])
     runs += _together("skewed", [_mk(base, "skew", p, skewed=True) for p in pols4])
+    runs += _together("pressure", [_mk(base, "pressure", p, cache_tokens=PRESSURE_CACHE)
+                                   for p in pols4])  # fmt: skip
     for key, delay in (("d200ms", 0.2), ("d1s", 1.0)):
+        # paper forwards whatever the network costs (~2 s a request at 1 s): fewer requests
         runs += _together(key, [
-            _mk(base, "delay", "none", comm_delay_s=delay, requests=third),
-            _mk(base, "delay", "cost", comm_delay_s=delay, requests=third),
-            _mk(base, "delay", "paper", comm_delay_s=delay, requests=slow),
+            _mk(base, "delay", "none", comm_delay_s=delay),
+            _mk(base, "delay", "cost", comm_delay_s=delay),
+            _mk(base, "delay", "paper", comm_delay_s=delay, requests=third),
         ])  # fmt: skip
-    if with_sglang:
-        runs += _together("sglang", [_mk(base, "sglang", p, requests=third)
-                                     for p in ("none", "cost", "sglang")])  # fmt: skip
-    runs += _together("pressure", [
-        _mk(base, "pressure", p, cache_tokens=PRESSURE_CACHE, requests=half)
-        for p in ("none", "cost", "paper")
-    ])  # fmt: skip
-    if with_sglang:
-        runs += [_mk(base, "sglang", p, concurrency=4, requests=third)
-                 for p in ("sglang", "cost", "none")]  # fmt: skip
+    runs += _together("sglang", [_mk(base, "sglang", p) for p in gateways])
+    for k in (4, 16):  # closed loop: the batch's clusters run their k clients at the same time
+        runs += _together(f"k{k}", [_mk(base, f"k{k}", p, concurrency=k) for p in gateways])
     runs += _together("poll", [_mk(base, "poll", "paper", gossip_interval_s=g, requests=third)
                                for g in (0.02, 0.1, 2.0, 300.0)])  # fmt: skip
     simple = ("none", "random", "round_robin", "least_loaded")
