@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -17,6 +16,7 @@ import uvicorn
 from radixmesh.engine.tokenizers import ByteTokenizer
 from radixmesh.runtime import inprocess
 from radixmesh.runtime.app import create_app
+from radixmesh.runtime.cluster import free_port
 from radixmesh.runtime.config import ServeConfig
 from radixmesh.runtime.node import NodeService
 from radixmesh.runtime.serve_cli import build_external_service
@@ -24,12 +24,6 @@ from radixmesh.testing.fake_engine import FakeEngine
 
 LIMIT_S = 10.0
 PREFIX = "You are a careful assistant. Answer the multiple choice question below. " * 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def until(check: Callable[[], bool], what: str) -> None:
@@ -87,7 +81,7 @@ def test_a_prefix_cached_on_engine_1_is_served_by_node_1_and_a_dead_engine_loses
         fake1, fake2 = FakeEngine(cache_tokens=4096), FakeEngine(cache_tokens=4096)
         await fake1.start()
         await fake2.start()
-        p1, p2 = _free_port(), _free_port()
+        p1, p2 = free_port(), free_port()
         try:
             async with (node(fake1, "node-1", p1, p2) as n1, node(fake2, "node-2", p2, p1) as n2,
                         aiohttp.ClientSession() as http):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -17,6 +16,7 @@ from radixmesh.engine.base import GenerateRequest, SamplingParams
 from radixmesh.engine.http_engine import HttpEngine
 from radixmesh.engine.tokenizers import ByteTokenizer
 from radixmesh.runtime import inprocess
+from radixmesh.runtime.cluster import free_port
 from radixmesh.runtime.kv_subscriber import (
     Endpoint,
     KvSubscriber,
@@ -172,15 +172,9 @@ def test_a_replay_socket_that_never_answers_is_survived() -> None:
     asyncio.run(scenario())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_the_subscriber_binds_when_the_engine_connects() -> None:
     async def scenario() -> None:
-        endpoint = f"tcp://127.0.0.1:{_free_port()}"
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
         assert resolve_endpoint(endpoint, "127.0.0.1") == Endpoint(endpoint, bind=True)
         async with setup(kv_connect=endpoint) as (fake, engine, sub):
             await ask(engine, "events over a connecting publisher " * 2)

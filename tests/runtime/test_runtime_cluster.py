@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from radixmesh.runtime.cluster import LocalCluster
+from radixmesh.runtime.metrics import parse_samples, sample_sum
 
 pytestmark = pytest.mark.slow
 
@@ -71,11 +72,7 @@ def view_blocks(c: LocalCluster, node: int, peer: int) -> int:
 
 
 def metric(c: LocalCluster, i: int, name: str) -> float:
-    total = 0.0
-    for line in c.get(i, "/metrics").text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return sample_sum(parse_samples(c.get(i, "/metrics").text), name)
 
 
 # ----------------------------------------------------------------------------- client API

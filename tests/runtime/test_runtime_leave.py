@@ -21,6 +21,7 @@ from radixmesh.runtime.config import (
     config_from_args,
     config_from_mapping,
 )
+from radixmesh.runtime.metrics import parse_samples
 from radixmesh.runtime.node import socket_addresses
 
 HOP = {"x-radixmesh-hop": "1"}  # execute on the receiving node, never forward
@@ -183,10 +184,8 @@ def test_sigterm_drains_in_flight_work_while_the_mesh_keeps_answering(
 
 def _local_requests(c: LocalCluster, node: int) -> float:
     """Client requests ``node`` started locally (``radixmesh_requests_total{route="local"}``)."""
-    for line in c.get(node, "/metrics").text.splitlines():
-        if line.startswith("radixmesh_requests_total") and 'route="local"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    samples = parse_samples(c.get(node, "/metrics").text)
+    return samples.get('radixmesh_requests_total{route="local"}', 0.0)
 
 
 def _leaving(c: LocalCluster) -> httpx.Response | None:

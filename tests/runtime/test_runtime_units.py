@@ -20,7 +20,7 @@ from radixmesh.runtime.config import (
     parse_duration,
     parse_peers,
 )
-from radixmesh.runtime.metrics import RuntimeMetrics, render
+from radixmesh.runtime.metrics import RuntimeMetrics, parse_samples, render, sample_sum
 from radixmesh.runtime.netem import Netem, NetemConfig
 from radixmesh.runtime.openai_api import (
     ApiError,
@@ -201,6 +201,27 @@ def test_prometheus_text() -> None:
     assert "radixmesh_queue_depth 3" in text and "radixmesh_core_gossip_bytes_out_total 10" in text
     assert 'radixmesh_peers{state="suspect"} 1' in text
     assert all(line.startswith("#") or " " in line for line in text.splitlines())
+    samples = parse_samples(text)  # the page reads back through the one parser
+    assert samples['radixmesh_requests_total{route="forwarded"}'] == 2.0
+    assert samples["radixmesh_queue_depth"] == 3.0
+    assert sample_sum(samples, "radixmesh_requests_total") == 2.0
+    assert sample_sum(samples, "radixmesh_peers") == 1.0
+
+
+def test_parse_samples_keeps_what_it_can_read() -> None:
+    page = (
+        "# TYPE vllm:prefix_cache_hits counter\n"
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 256.0\n'
+        'vllm:prefix_cache_hits_created{engine="0",model_name="m"} 1.7e9\n'
+        "not a sample line\n"
+        "plain 2\n"
+    )
+    samples = parse_samples(page)
+    assert samples == {'vllm:prefix_cache_hits_total{engine="0",model_name="m"}': 256.0,
+                       'vllm:prefix_cache_hits_created{engine="0",model_name="m"}': 1.7e9,
+                       "plain": 2.0}  # fmt: skip
+    assert sample_sum(samples, "vllm:prefix_cache_hits_total") == 256.0
+    assert sample_sum(samples, "absent") == 0.0
 
 
 # ----------------------------------------------------------------------------- netem

@@ -434,13 +434,14 @@ def guidellm_rows(target: str, report: Path) -> list[GuideRow]:
 
 
 # ------------------------------------------------------------------------------ the nodes
-_COUNTER = re.compile(r"^radixmesh_(prompt_tokens|cache_hit_tokens)(?:_total)?\s+(\S+)$")
-_ROUTE = re.compile(r'^radixmesh_requests(?:_total)?\{route="(\w+)"\}\s+(\S+)$')
+_ROUTE = re.compile(r'^radixmesh_requests_total\{route="(\w+)"\}$')
 
 
 def node_counters(urls: Iterable[str]) -> dict[str, float]:
     """Prompt tokens, cache-hit tokens and requests by route, summed over the nodes."""
     import httpx
+
+    from radixmesh.runtime.metrics import parse_samples, sample_sum
 
     total: dict[str, float] = {}
     for url in urls:
@@ -448,11 +449,12 @@ def node_counters(urls: Iterable[str]) -> dict[str, float]:
             text = httpx.get(url + "/metrics", timeout=5.0, trust_env=False).text
         except httpx.HTTPError:
             continue
-        for line in text.splitlines():
-            m = _COUNTER.match(line) or _ROUTE.match(line)
-            if m:
-                key = m.group(1) if m.re is _COUNTER else f"route_{m.group(1)}"
-                total[key] = total.get(key, 0.0) + float(m.group(2))
+        samples = parse_samples(text)
+        for name in ("prompt_tokens", "cache_hit_tokens"):
+            total[name] = total.get(name, 0.0) + sample_sum(samples, f"radixmesh_{name}_total")
+        for key, value in samples.items():
+            if m := _ROUTE.match(key):
+                total[f"route_{m.group(1)}"] = total.get(f"route_{m.group(1)}", 0.0) + value
     return total
 
 

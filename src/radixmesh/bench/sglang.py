@@ -16,7 +16,6 @@ gets no emulated delay (that favours the baseline slightly at larger Δcomm).
 from __future__ import annotations
 
 import importlib.util
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,17 +26,13 @@ from typing import IO, ClassVar
 
 import httpx
 
+from radixmesh.runtime.cluster import free_port
+
 INSTALL_HINT = "sglang-router is not installed: pip install 'sglang-router==0.3.2'"
 
 
 def available() -> bool:
     return importlib.util.find_spec("sglang_router") is not None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Gateway:

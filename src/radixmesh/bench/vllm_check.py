@@ -39,7 +39,6 @@ import asyncio
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -56,24 +55,25 @@ import httpx
 from radixmesh.bench.client import H_CACHED, H_EXPECTED, H_ROUTE, H_SERVED, request_body
 from radixmesh.results.records import Record
 from radixmesh.results.summary import summarize
+from radixmesh.runtime.cluster import free_ports
+from radixmesh.runtime.metrics import parse_samples, sample_sum
 from radixmesh.workload.request import Request
 
 DEFAULT_VLLM_PYTHON = ".venv-vllm/bin/python"
 READY_TIMEOUT_S = 600.0
 METRIC_WAIT_S = 2.0
-_METRIC = re.compile(r"^(vllm:prefix_cache_(?:queries|hits))(?:_total)?(?:\{[^}]*\})?\s+(\S+)$")
 
 
 # ---------------------------------------------------------------------------- pure helpers
 def prefix_counters(text: str) -> tuple[float, float]:
     """(queries, hits) in tokens from a vLLM ``/metrics`` page, summed over label sets
     (``vllm:prefix_cache_queries_total{engine="0",...} 606.0``; ``_created`` lines skipped)."""
-    totals = {"vllm:prefix_cache_queries": 0.0, "vllm:prefix_cache_hits": 0.0}
-    for line in text.splitlines():
-        m = _METRIC.match(line.strip())
-        if m:
-            totals[m.group(1)] += float(m.group(2))
-    return totals["vllm:prefix_cache_queries"], totals["vllm:prefix_cache_hits"]
+    samples = parse_samples(text)
+
+    def total(name: str) -> float:  # counters end in _total; older vLLM pages lack the suffix
+        return sample_sum(samples, name + "_total") or sample_sum(samples, name)
+
+    return total("vllm:prefix_cache_queries"), total("vllm:prefix_cache_hits")
 
 
 def kv_events_config(events_port: int, replay_port: int, buffer_steps: int = 10_000) -> str:
@@ -136,12 +136,6 @@ class Agreement:
 
 
 # ---------------------------------------------------------------------------- processes
-def _free_ports(n: int) -> list[int]:
-    from radixmesh.runtime.cluster import free_ports
-
-    return free_ports(n)
-
-
 def _stop_group(proc: subprocess.Popen[bytes], timeout: float = 15.0) -> None:
     """SIGTERM the process group, SIGKILL what is left after ``timeout``."""
     if proc.poll() is not None:
@@ -521,7 +515,7 @@ def save_model_dir(path: Path, seed: int) -> Path:
 @contextlib.contextmanager
 def engines_running(args: argparse.Namespace, model_dir: Path, out: Path
                     ) -> Iterator[list[VllmServer]]:
-    ports = _free_ports(6)
+    ports = free_ports(6)
     engines = [VllmServer(f"vllm{i}", args.vllm_python, model_dir, ports[3 * i],
                           ports[3 * i + 1], ports[3 * i + 2], args.block_size, args.num_blocks,
                           out / f"vllm{i}.log", threads=args.engine_threads)

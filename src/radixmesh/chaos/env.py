@@ -31,6 +31,7 @@ import httpx
 
 from radixmesh.chaos.load import Outcome, Prompt, closed_loop
 from radixmesh.runtime.cluster import LocalCluster
+from radixmesh.runtime.metrics import parse_samples
 from radixmesh.workload.synthetic import synthetic_groups
 
 HOP = {"x-radixmesh-hop": "1"}
@@ -230,16 +231,3 @@ def _staleness(entry: dict[str, Any] | None, truth: dict[str, Any]) -> str | Non
     if entry.get("view_version") != truth.get("version"):
         return f"version {entry.get('view_version')} != {truth.get('version')}"
     return None
-
-
-def parse_samples(text: str) -> dict[str, float]:
-    """Prometheus text as ``{"name{labels}": value}`` (comments and unparsable lines skipped)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            try:
-                out[name] = float(value)
-            except ValueError:
-                continue
-    return out

@@ -25,9 +25,11 @@ from typing import Any
 import httpx
 
 from radixmesh.chaos.env import HOP, ChaosEnv
-from radixmesh.chaos.load import Outcome, Prompt, closed_loop, percentile
+from radixmesh.chaos.load import Outcome, Prompt, closed_loop
 from radixmesh.chaos.report import FaultResult
 from radixmesh.core.auth import ClusterKey, sign
+from radixmesh.results.summary import percentile
+from radixmesh.runtime.metrics import parse_samples, sample_sum
 from radixmesh.runtime.peer_auth import GOSSIP_PURPOSE, forward_purpose
 
 
@@ -547,12 +549,7 @@ def _wait_pair(cluster: Any, a: int, b: int, timeout_s: float) -> bool:
 
 
 def _metric_sum(cluster: Any, nodes: Sequence[int], name: str) -> float:
-    total = 0.0
-    for i in nodes:
-        for line in cluster.get(i, "/metrics").text.splitlines():
-            if line.startswith(name + " "):
-                total += float(line.split()[1])
-    return total
+    return sum(sample_sum(parse_samples(cluster.get(i, "/metrics").text), name) for i in nodes)
 
 
 # ------------------------------------------------------------------------------- suite

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from radixmesh.results.summary import percentile
+
 
 @dataclass(frozen=True, slots=True)
 class Prompt:
@@ -253,15 +255,6 @@ async def open_loop(
 
 
 # ------------------------------------------------------------------------------ statistics
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile (``q`` in [0, 100]); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q / 100.0 * len(ordered)))
-    return ordered[min(rank, len(ordered)) - 1]
 
 
 def summarize(outcomes: Sequence[Outcome]) -> dict[str, object]:

@@ -28,9 +28,11 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from radixmesh.chaos.env import ChaosEnv, parse_samples
-from radixmesh.chaos.load import Outcome, Prompt, open_loop, percentile, summarize
+from radixmesh.chaos.env import ChaosEnv
+from radixmesh.chaos.load import Outcome, Prompt, open_loop, summarize
 from radixmesh.chaos.report import rss_bytes
+from radixmesh.results.summary import percentile
+from radixmesh.runtime.metrics import parse_samples
 
 
 @dataclass(frozen=True, slots=True)

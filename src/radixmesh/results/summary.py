@@ -20,11 +20,12 @@ from radixmesh.results.records import Record
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile (``q`` in [0, 100]); None for no values."""
     if not values:
         return None
     ordered = sorted(values)
     rank = max(1, math.ceil(q / 100.0 * len(ordered)))
-    return ordered[rank - 1]
+    return ordered[min(rank, len(ordered)) - 1]
 
 
 def mean(values: Sequence[float]) -> float | None:

@@ -73,6 +73,11 @@ def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
             s.close()
 
 
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port nobody listens on right now."""
+    return free_ports(1, host)[0]
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)

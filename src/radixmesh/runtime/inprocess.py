@@ -12,21 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from radixmesh.runtime.cluster import free_port as free_port  # the one implementation
+
 START_POLLS = 200  # x 50 ms: a server that does not listen within 10 s fails the test
 STOP_WAIT_S = 10.0
-
-
-def free_port() -> int:
-    """A loopback TCP port nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.asynccontextmanager

@@ -20,6 +20,7 @@ are listed in docs/modules.md ("Metrics").
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections import Counter
 from collections.abc import Iterator, Mapping
@@ -33,6 +34,7 @@ from prometheus_client.core import (
     Metric,
     SummaryMetricFamily,
 )
+from prometheus_client.parser import text_string_to_metric_families
 
 PREFIX = "radixmesh_"
 ROUTES = ("local", "forwarded", "fallback")
@@ -268,3 +270,33 @@ def render(
 ) -> str:
     """Prometheus text for one node (``GET /metrics``)."""
     return generate_latest(_Scrape(m, gauges, core, peer_states, node_id)).decode()
+
+
+# ------------------------------------------------------------------------------ reading
+def parse_samples(text: str) -> dict[str, float]:
+    """A Prometheus text page (any exporter's: a node's, vLLM's) as
+    ``{'name{k="v",...}': value}``, labels in the page's order (no labels: the bare name), by
+    ``prometheus_client``'s parser. A line it cannot parse is skipped; the rest are kept."""
+    try:
+        return _samples(text)
+    except ValueError:
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.strip() and not line.startswith("#"):
+                with contextlib.suppress(ValueError):
+                    out.update(_samples(line + "\n"))
+        return out
+
+
+def _samples(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in s.labels.items())
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = float(s.value)
+    return out
+
+
+def sample_sum(samples: Mapping[str, float], name: str) -> float:
+    """The sum of ``name``'s samples over all its label sets."""
+    return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
