@@ -9,7 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixmesh.core.placement import MAX_WALK, KeyRates, Ring, placement_key, replicas_for
+from radixmesh.core.placement import (
+    MAX_WALK,
+    KeyRates,
+    Ring,
+    placement_depth,
+    placement_key,
+    replicas_for,
+)
 
 
 def ring_of(n: int) -> Ring:
@@ -22,6 +29,14 @@ def test_the_key_is_the_block_at_the_placement_depth() -> None:
     assert placement_key([], 16) is None
     assert placement_key([1, 2, 3], 16) == 3  # shorter than the depth: the whole prompt
     assert placement_key(list(range(1, 40)), 16) == 16
+    # a header every member holds (here 20 blocks: a chat preamble) does not name the prefix:
+    # the block past it does, so conversations that differ after it get different keys
+    assert placement_key(list(range(1, 40)), 16, shared_blocks=20) == 21
+    assert placement_key(list(range(1, 40)), 16, shared_blocks=5) == 16  # MMLU's short header
+    assert placement_key(list(range(1, 40)), 16, shared_blocks=60) == 39  # all of it is shared
+    assert placement_depth(39, 16, 20) == 21 and placement_depth(3, 16) == 3
+    with pytest.raises(ValueError):
+        placement_depth(0, 16)
 
 
 @settings(max_examples=100, deadline=None)

@@ -18,7 +18,9 @@ from radixmesh.core.router import (
     Router,
     RouterConfig,
     Tag,
+    mesh_cost,
     predict_latency,
+    predict_service,
 )
 
 SPEED = SpeedReport(0.004, 8e-5, 0.007, 0.05)
@@ -102,15 +104,20 @@ def test_cost_never_forwards_when_rtt_exceeds_the_largest_possible_saving(
     scenario: tuple[RouteInput, list[NodeInfo]], seed: int
 ) -> None:
     req, nodes = scenario
-    local = predict_latency(req, next(n for n in nodes if n.is_self), SCALE)
+    me = next(n for n in nodes if n.is_self)
+    local = predict_latency(req, me, SCALE)
+    local_work = predict_service(req, me, SCALE)
     slow = []
     for n in nodes:
         if n.is_self:
             slow.append(n)
             continue
-        # Best case for the peer: everything but one token cached, nobody queued.
+        # Best case for the peer: everything but one token cached, nobody queued; and the
+        # most the mesh can save besides: the local work it avoids, for each request queued
+        # here (mesh_cost's load term; none when requests come one at a time).
         best_service = n.speed.service_s(1, req.prompt_tokens - 1, req.max_tokens, SCALE)
-        rtt = max(n.rtt_s, local - best_service + 1e-9)
+        spared = max(0.0, local_work - best_service) * me.queue_depth
+        rtt = max(n.rtt_s, local - best_service + spared + 1e-9)
         slow.append(
             NodeInfo(
                 n.node_id,
@@ -170,12 +177,42 @@ def test_cost_candidates_carry_what_the_peer_must_beat() -> None:
     out = Router(RouterConfig(policy=Policy.COST)).rank(req, nodes, random.Random(0))
     local = next(c for c in out if c.is_self)
     assert local.beat_s is None
+    # What staying here costs the mesh: the local prediction (when the forward arrives, its
+    # way out is spent and the way back is paid whether the peer serves it or refuses it),
+    # plus the work a local miss adds for the 2 requests queued here.
+    stay = mesh_cost(req, nodes, SCALE, load=2)[0]
+    assert stay > local.predicted_latency_s
     for c in out:
-        if not c.is_self:  # the local prediction: when the forward arrives, its way out is
-            # spent and the way back is paid whether the peer serves it or refuses it
-            assert c.beat_s == pytest.approx(local.predicted_latency_s)
+        if not c.is_self:
+            assert c.beat_s == pytest.approx(stay)
     paper = Router(RouterConfig(policy=Policy.PAPER)).rank(req, nodes, random.Random(0))
     assert all(c.beat_s is None for c in paper)  # Algorithm 1 forwards regardless of cost
+
+
+@settings(max_examples=200, deadline=None)
+@given(scenario=scenarios())
+def test_mesh_cost_is_the_predicted_latency_when_nothing_is_queued_here(
+    scenario: tuple[RouteInput, list[NodeInfo]],
+) -> None:
+    req, nodes = scenario  # one request at a time (the paper's schedule): load 0
+    assert mesh_cost(req, nodes, SCALE, 0.0) == [predict_latency(req, n, SCALE) for n in nodes]
+    loaded = mesh_cost(req, nodes, SCALE, 3.0)
+    least = min(predict_service(req, n, SCALE) for n in nodes)
+    for n, c in zip(nodes, loaded, strict=True):
+        extra = predict_service(req, n, SCALE) - least
+        assert c == pytest.approx(predict_latency(req, n, SCALE) + 3.0 * extra)
+
+
+def test_under_load_cost_keeps_the_hit_despite_a_slightly_longer_peer_queue() -> None:
+    # 4 queued here, the holder of 2,900 of 3,000 tokens expected to have 11: its predicted
+    # latency is longer (0.57 vs 0.53 s), but a local miss prefills 2,900 tokens more
+    # (0.31 s), which the 4 requests queued here would wait for too.
+    req = RouteInput(3000, 1)
+    nodes = [me(0, queue=4), peer("warm", 2900, rtt=0.002, queue=11)]
+    assert predict_latency(req, nodes[1], SCALE) > predict_latency(req, nodes[0], SCALE)
+    assert rank(Policy.COST, req, nodes)[0] == "warm"
+    idle = [me(0, queue=0), peer("warm", 2900, rtt=0.002, queue=11)]
+    assert rank(Policy.COST, req, idle)[0] == "self"  # nothing queued here: latency decides
 
 
 def test_cost_prefers_idle_peer_when_self_is_swamped_and_nothing_is_cached() -> None:

@@ -97,7 +97,7 @@ from radixmesh.core.lifecycle import Lifecycle, Stage
 from radixmesh.core.membership import Membership, MemberState
 from radixmesh.core.messages import Load
 from radixmesh.core.peerview import PeerView
-from radixmesh.core.placement import KeyRates, Ring, placement_key, replicas_for
+from radixmesh.core.placement import KeyRates, Ring, placement_depth, replicas_for
 from radixmesh.core.router import (
     Candidate,
     NodeInfo,
@@ -112,6 +112,7 @@ from radixmesh.core.summary import LocalSummary
 
 IDLE_PEERS = 2  # unmatched least-loaded peers the cost policy also considers
 ROUTE_TOP_K = 8  # deepest-matching available peers considered per request
+SHARED_CHECK_MAX = 32  # members: up to this many, a request's prefix common to all is found
 
 
 class _Unavailable:
@@ -384,12 +385,10 @@ class NodeCore:
             return [me]
         if event.target is not None and event.target != self.node_id:
             return [Candidate(event.target, False, 0, 0.0), me]
-        depth = self.config.router.placement_depth_blocks
-        key = None if depth is None else placement_key(event.hashes, depth)
-        if key is not None and self._lifecycle.get(event.rid) is None:  # not a re-ranking
-            self._key_rates.observe(key, now)
+        first = self._lifecycle.get(event.rid) is None  # not a re-ranking after a refusal
         return self.route(
-            event.hashes, event.prompt_tokens, event.local_cached, event.max_tokens, now
+            event.hashes, event.prompt_tokens, event.local_cached, event.max_tokens, now,
+            observe=first,
         )
 
     def _accepted(self, event: ForwardAccepted, _: float) -> list[Action]:
@@ -552,8 +551,10 @@ class NodeCore:
         local_cached_tokens: int,
         max_tokens: int,
         now: float,
+        observe: bool = False,
     ) -> list[Candidate]:
-        """Rank self and the available peers for one request (head = choice)."""
+        """Rank self and the available peers for one request (head = choice); ``observe``:
+        count the request in its prefix's rate (its first ranking, not a re-ranking)."""
         self._count("routes")
         req = RouteInput(prompt_tokens, max_tokens)
         policy = self.config.router.policy
@@ -563,21 +564,29 @@ class NodeCore:
             peers = self._peer_infos(hashes, prompt_tokens, policy, now)
             nodes.extend(peers)
             if policy is Policy.COST:
-                placement = self._placement(hashes, req, nodes, now)
+                placement = self._placement(hashes, req, nodes, now, observe)
         return self._router.rank(req, nodes, self._rng, placement)
 
     def _placement(
-        self, hashes: Sequence[int], req: RouteInput, nodes: list[NodeInfo], now: float
+        self,
+        hashes: Sequence[int],
+        req: RouteInput,
+        nodes: list[NodeInfo],
+        now: float,
+        observe: bool = False,
     ) -> Placement | None:
         """The request's prefix's owner set on the ring (owners missing from ``nodes`` are
         appended): as many owners as its load here says it needs (``core/placement.py``)."""
         cfg = self.config.router
-        depth = cfg.placement_depth_blocks
-        key = None if depth is None else placement_key(hashes, depth)
-        if depth is None or key is None:
+        if cfg.placement_depth_blocks is None or not hashes:
             return None
         block = self.config.fingerprint.block_size
-        held = min(len(hashes), depth) * block
+        depth = placement_depth(len(hashes), cfg.placement_depth_blocks,
+                                self._shared_blocks(hashes, nodes[0].cached_tokens // block))
+        key = hashes[depth - 1]
+        if observe:
+            self._key_rates.observe(key, now)
+        held = depth * block
         self._update_ring(now)
         members = len(self._ring)
         # a warm request's service here: what one replica spends on each of the key's requests
@@ -599,6 +608,21 @@ class NodeCore:
                 if info is not None:
                     nodes.append(info)
         return Placement(tuple(owners), held)
+
+    def _shared_blocks(self, hashes: Sequence[int], mine: int) -> int:
+        """Blocks of this request's prefix that every member holds (self exactly, peers in
+        the view): a header common to all prompts, such as a chat preamble or an agent's
+        system prompt, which must not name the prefix. 0 in meshes too large to check every
+        member per request (the fixed depth alone names the prefix there)."""
+        routable = self._gossip.routable
+        if not routable or len(routable) >= SHARED_CHECK_MAX:
+            return 0
+        shared = mine
+        for member in routable:
+            if shared == 0:
+                break
+            shared = min(shared, self._view.depth_of(member, hashes))
+        return shared
 
     def _update_ring(self, now: float) -> None:
         """The ring over the routable members and self: O(members) to check, so checked when

@@ -59,11 +59,21 @@ def _mix(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def placement_key(hashes: Sequence[int], depth_blocks: int) -> int | None:
+def placement_depth(blocks: int, depth_blocks: int, shared_blocks: int = 0) -> int:
+    """How many of a request's ``blocks`` (>= 1) name its prefix for placement: the fixed
+    ``depth_blocks``, or one block past the ``shared_blocks`` that every member already holds
+    (a header common to all prompts: a chat preamble, an agent's system prompt, a few-shot
+    prefix cached everywhere), whichever is deeper; never more than the request has."""
+    if blocks < 1:
+        raise ValueError("a request with no full block has no placement key")
+    return min(blocks, max(depth_blocks, shared_blocks + 1))
+
+
+def placement_key(hashes: Sequence[int], depth_blocks: int, shared_blocks: int = 0) -> int | None:
     """The block hash that names the request's prefix for placement (None: no full block)."""
     if not hashes:
         return None
-    return hashes[min(len(hashes), depth_blocks) - 1]
+    return hashes[placement_depth(len(hashes), depth_blocks, shared_blocks) - 1]
 
 
 class Ring:

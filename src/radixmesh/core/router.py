@@ -204,12 +204,37 @@ class Candidate:
     placement: Tag | None = None  # cost policy with a placement only
 
 
-def predict_latency(req: RouteInput, node: NodeInfo, context_scale: float) -> float:
+def predict_service(req: RouteInput, node: NodeInfo, context_scale: float) -> float:
+    """The engine time the request would take on ``node`` (its uncached part prefilled)."""
     cached = min(node.cached_tokens, max(0, req.prompt_tokens - 1))
     uncached = req.prompt_tokens - cached
-    service = node.speed.service_s(uncached, cached, req.max_tokens, context_scale)
+    return node.speed.service_s(uncached, cached, req.max_tokens, context_scale)
+
+
+def predict_latency(req: RouteInput, node: NodeInfo, context_scale: float) -> float:
     wait = node.queue_depth * node.speed.mean_service_s
-    return (0.0 if node.is_self else node.rtt_s) + wait + service
+    rtt = 0.0 if node.is_self else node.rtt_s
+    return rtt + wait + predict_service(req, node, context_scale)
+
+
+def mesh_cost(
+    req: RouteInput, nodes: Sequence[NodeInfo], context_scale: float, load: float
+) -> list[float]:
+    """What sending the request to each node costs the mesh, not only the request: its
+    predicted latency, plus, for each second of engine work more than the cheapest candidate
+    needs (a cache miss where another node has a hit), that second again for each of the
+    ``load`` requests expected to queue behind it. ``load`` is the deciding node's own exact
+    queue depth: 0 when requests come one at a time (then this *is* the predicted latency),
+    and under load a sample of every node's queue. Under load the queue-wait differences a
+    node sees are zero-sum and a gossip round old, while the work a miss adds is paid by
+    everyone after it: the selfish latency alone gave away cache hits as soon as queues
+    formed (4-16 clients: `cost` hit rates near `none`'s, below the centralized gateways')."""
+    latency = [predict_latency(req, n, context_scale) for n in nodes]
+    if load <= 0.0 or not nodes:
+        return latency
+    work = [predict_service(req, n, context_scale) for n in nodes]
+    least = min(work)
+    return [t + (w - least) * load for t, w in zip(latency, work, strict=True)]
 
 
 class Router:
@@ -253,7 +278,8 @@ class Router:
             order = _least_loaded(avail, rng)
         if policy is not Policy.COST:
             return [self._candidate(req, n) for n in order]
-        local = predict_latency(req, selves[0], self.config.context_scale)
+        me = selves[0]
+        local = mesh_cost(req, avail, self.config.context_scale, me.queue_depth)[avail.index(me)]
         placed = local * (1.0 + self.config.placement_slack)
         if placement is None:
             return [self._candidate(req, n, None if n.is_self else local) for n in order]
@@ -285,7 +311,9 @@ class Router:
         placement: Placement | None = None,
     ) -> list[NodeInfo]:
         scale = self.config.context_scale
-        keyed = [(predict_latency(req, n, scale), n.queue_depth, rng.random(), n) for n in avail]
+        me = next(n for n in avail if n.is_self)
+        costs = mesh_cost(req, avail, scale, me.queue_depth)
+        keyed = [(c, n.queue_depth, rng.random(), n) for c, n in zip(costs, avail, strict=True)]
         keyed.sort(key=lambda k: (k[0], not k[3].is_self, k[1], k[2]))
         order = [k[3] for k in keyed]
         overloaded = self._over_bound(avail)
@@ -293,7 +321,10 @@ class Router:
         best = next((k for k in keyed if k[3].node_id not in overloaded), mine)
         if self._bypasses_bound(keyed[0], best):
             best = keyed[0]  # a large certain saving (a long cached prefix) beats balancing
-        needed = max(self.config.min_gain_s, self.config.min_gain_frac * mine[0])
+        # Hysteresis against noisy *speed* estimates: a share of the local work, not of the
+        # local queue wait (under load 10 % of the wait exceeded any cache saving).
+        my_wait = me.queue_depth * me.speed.mean_service_s
+        needed = max(self.config.min_gain_s, self.config.min_gain_frac * (mine[0] - my_wait))
         if mine[0] - best[0] < needed:
             best = mine
         if placement is not None:
