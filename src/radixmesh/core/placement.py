@@ -8,10 +8,14 @@ copies, and gossip is a round too slow to prevent it. So every node maps the pre
 *owner* with the same pure function of the same inputs — consistent hashing over the members
 it can route to — and sends cold requests there when that costs little now::
 
-    key   = the chained block hash at depth min(blocks, depth) - 1   (names the whole prefix
-            up to there: a short common header, e.g. MMLU's 65 bytes, is one or two blocks,
-            so prompts that differ after it get different keys; the same few-shot context
-            gets the same key)
+    key   = the chained block hash at depth min(blocks, max(depth, shared + 1)) - 1   (names
+            the whole prefix up to there: a short common header, e.g. MMLU's 65 bytes, is a
+            few blocks, so prompts that differ after it get different keys; the same few-shot
+            context gets the same key. ``shared``: the blocks of the request that every member
+            holds, checked in meshes of up to 32 members: a long header common to all prompts
+            — a chat preamble, an agent's system prompt — would otherwise be the key of every
+            request, so the key is the first block past it, which names the conversation or
+            the task)
     ring  = 64 points per member (self and every routable peer; fewer above 64 members, at
             most 4,096 in all), sorted
     owner = the first *available* member clockwise from the key (at most 8 steps)

@@ -13,10 +13,14 @@ Policies
     ``none``          always self, claiming no cache hit (the paper's no-routing baseline).
     ``paper``         Algorithm 1: argmax estimated prefix match; ties go to self, then to the
                       lowest node id (the paper's argmax); suspect/pushed-back peers skipped.
-    ``cost``          argmin predicted latency = rtt + queue wait + prefill(uncached) + decode.
-                      A peer must beat self by ``min_gain_s`` and ``min_gain_frac`` (hysteresis
-                      against noisy estimates). Equal predictions keep self first, and ties
-                      among peers are broken by load, then at random — never "the first peer".
+    ``cost``          argmin predicted latency = rtt + queue wait + prefill(uncached) + decode,
+                      plus, under load, what the choice costs the requests queued behind it
+                      (:func:`mesh_cost`: each second of work more than the cheapest candidate
+                      needs, × this node's own queue depth; nothing when requests come one at a
+                      time). A peer must beat self by ``min_gain_s`` and ``min_gain_frac`` of
+                      the local work (hysteresis against noisy speed estimates). Equal
+                      predictions keep self first, and ties among peers are broken by load,
+                      then at random — never "the first peer".
                       *Bounded load*: a peer whose gossiped utilization exceeds
                       ``(1 + load_bound)`` × the mean utilization of the available nodes
                       (default 1.5×) takes no forwards (it stays in the fallback order).
