@@ -58,10 +58,11 @@ saving exceeds the forward cost: on a slow network it degenerates to ``none``. I
 candidates carry ``beat_s``: the peer checks it against its exact queue and cache and refuses
 the forward when it cannot beat it, so a view of the peer's queue that is a gossip round old
 costs one round trip, not a long wait in a queue that many nodes chose at once. ``beat_s`` is
-the sender's local prediction (× ``1 + placement_slack`` for a preferred candidate), *not*
-minus the RTT: when the forward arrives, its way out is spent, and the way back is paid
-whether the peer answers the request or refuses it — so the peer should take it whenever its
-wait + service beats what the sender would do instead. (Subtracting the RTT refused forwards
+what staying costs (the local prediction, plus the local miss's extra work × the local queue
+under load; × ``1 + placement_slack`` for a preferred candidate), *not* minus the RTT: when
+the forward arrives, its way out is spent, and the way back is paid whether the peer answers
+the request or refuses it — so the peer should take it whenever its wait + service beats what
+the sender would do instead. (Subtracting the RTT refused forwards
 that still paid: at 16–1,024 simulated nodes 0.4–0.5 refusals per request.)
 """
 
@@ -202,7 +203,7 @@ class Candidate:
     expected_cached_tokens: int
     predicted_latency_s: float
     # cost policy, peers only: the queue wait + service the peer must beat for the forward to
-    # pay (our local prediction minus the forward's RTT). Sent with the forward; the peer,
+    # pay (what staying here costs: see the module docstring). Sent with the forward; the peer,
     # which knows its queue and cache exactly, refuses it if it cannot (``RefuseForward``).
     beat_s: float | None = None
     placement: Tag | None = None  # cost policy with a placement only
