@@ -59,6 +59,14 @@ def test_summary_schema_and_no_errors(summary: list[dict[str, Any]]) -> None:
         assert 0 < run["p50_latency_s"] <= run["p99_latency_s"]
 
 
+def test_cost_counts_its_placements(summary: list[dict[str, Any]]) -> None:
+    cost = summary[2]
+    placements = cost["placements"]  # every request the router placed, warm-ups included
+    assert set(placements) == {"hit", "first", "replica", "second_copy", "unplaced"}
+    assert N <= sum(placements.values()) <= N + 4 * 4 and placements["first"] >= 1
+    assert all(run["placements"] is None for run in summary if run["policy"] != "cost")
+
+
 def test_none_never_forwards_nor_claims_hits(
     summary: list[dict[str, Any]], records: list[dict[str, Any]]
 ) -> None:

@@ -301,10 +301,20 @@ def targets(res: Results) -> list[tuple[str, str, bool | None]]:
     hs, hit = get(cost, "hotspot_share"), get(cost, "actual_hit_rate")
     # A target is judged only where it can be met: a hotspot share below 1/nodes cannot be
     # (2 nodes: 50 % at best), nor a hit rate above this request sequence's ceiling.
+    ceiling = get(cost, "ideal_hit_rate")
     if hs is not None and cost is not None and cost["nodes"] * P.TARGET_HOTSPOT >= 1:
         out.append((f"hotspot ≤ {100 * P.TARGET_HOTSPOT:.0f}% (cost, uniform 2 ms)", pct(hs),
                     hs <= P.TARGET_HOTSPOT))  # fmt: skip
-    ceiling = get(cost, "ideal_hit_rate")
+        if hit is not None and ceiling is not None:
+            gap = ceiling - hit
+            out.append(("... with a hit rate within 3 points of the ceiling",
+                        f"{pct(hit)} of {pct(ceiling)}", gap <= 0.03))  # fmt: skip
+    placed = get(cost, "placements")
+    if isinstance(placed, dict) and placed:
+        out.append(("0 accidental second cold copies (cost, uniform 2 ms; router's tags)",
+                    f"second copies {placed.get('second_copy', 0):.0f}, deliberate replicas "
+                    f"{placed.get('replica', 0):.0f} of {sum(placed.values()):.0f} placed",
+                    placed.get("second_copy", 0) == 0))  # fmt: skip
     if hit is not None and (ceiling is None or ceiling >= P.PAPER_ACTUAL_HIT_UNIFORM):
         shown = pct(hit) + ("" if ceiling is None else f" (ceiling for this sequence "
                                                        f"{pct(ceiling)})")

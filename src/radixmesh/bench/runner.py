@@ -76,6 +76,31 @@ class RunResult:
     paired_with: list[str] = field(default_factory=list)
     probe_requests: list[Request] = field(default_factory=list)
     capacity: dict[str, Any] | None = None
+    placements: dict[str, float] | None = None  # the nodes' placement tags (cost), summed
+
+
+def placement_counts(urls: Sequence[str]) -> dict[str, float] | None:
+    """The cost router's placement tags (core/router.Tag: hit, first, replica, second_copy,
+    unplaced), summed over the cluster's nodes from their ``/metrics`` (each request counted
+    once, by the node that decided it; warm-up requests included); None if no node answered."""
+    import httpx
+
+    from radixmesh.core.router import Tag
+    from radixmesh.runtime.metrics import parse_samples, sample_sum
+
+    total = {tag.value: 0.0 for tag in Tag}
+    answered = False
+    for url in urls:
+        try:
+            text = httpx.get(url + "/metrics", timeout=5.0, trust_env=False).text
+        except httpx.HTTPError:
+            continue
+        answered = True
+        samples = parse_samples(text)
+        for tag in total:
+            name = f"radixmesh_core_placement_{tag}"
+            total[tag] += sample_sum(samples, name + "_total") or sample_sum(samples, name)
+    return total if answered else None
 
 
 def summary_entry(res: RunResult) -> dict[str, Any]:
@@ -97,7 +122,7 @@ def summary_entry(res: RunResult) -> dict[str, Any]:
         "cpu_cores": os.cpu_count(), "threads_per_node": s.threads,
         "device": s.device, "dtype": s.dtype,
         "ideal_hit_rate": res.ideal_hit_rate, "workload_kind": w.kind,
-        "load_fraction": w.load, "capacity": res.capacity,
+        "load_fraction": w.load, "capacity": res.capacity, "placements": res.placements,
     })  # fmt: skip
     if res.capacity and res.capacity.get("rate"):
         entry["schedule_text"] += (f"; {100 * (w.load or 0):g} % of measured capacity "
@@ -328,6 +353,8 @@ class Runner:
             progress.close()
         if replay.router is not None:
             replay.router.close()
+        if res.spec.policy == "cost":
+            res.placements = placement_counts(cluster.urls)
         cluster.close()
         if replay.oracle is not None:
             res.oracle_mismatches = replay.oracle.mismatches
