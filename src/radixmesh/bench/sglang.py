@@ -31,15 +31,15 @@ from radixmesh.runtime.cluster import free_port
 INSTALL_HINT = "sglang-router is not installed: pip install 'sglang-router==0.3.2'"
 
 
-def available() -> bool:
-    return importlib.util.find_spec("sglang_router") is not None
-
-
 class Gateway:
-    """A running gateway process; subclasses give its name, command and readiness check."""
+    """A running gateway process; subclasses give its name, Python package, launcher and
+    readiness check. Both gateways take the same ``cache_aware`` command line."""
 
     name: ClassVar[str] = "gateway"
     install_hint: ClassVar[str] = ""
+    package: ClassVar[str] = ""  # the importable package that must be installed
+    launcher: ClassVar[tuple[str, ...]] = ()  # after ``python -m``
+    extra_args: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,
@@ -70,10 +70,16 @@ class Gateway:
 
     @classmethod
     def available(cls) -> bool:
-        raise NotImplementedError
+        return bool(cls.package) and importlib.util.find_spec(cls.package) is not None
 
     def command(self, port: int, workers: Sequence[str]) -> list[str]:
-        raise NotImplementedError
+        return [
+            sys.executable, "-m", *self.launcher,
+            "--host", "127.0.0.1", "--port", str(port),
+            "--policy", "cache_aware", "--worker-urls", *workers,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
+            *self.extra_args,
+        ]  # fmt: skip
 
     def ready(self) -> bool:
         """Whether the gateway answers and can route (default: ``GET /health`` is 200)."""
@@ -117,15 +123,5 @@ class SglangRouter(Gateway):
 
     name = "sglang-router"
     install_hint = INSTALL_HINT
-
-    @classmethod
-    def available(cls) -> bool:
-        return available()
-
-    def command(self, port: int, workers: Sequence[str]) -> list[str]:
-        return [
-            sys.executable, "-m", "sglang_router.launch_router",
-            "--host", "127.0.0.1", "--port", str(port),
-            "--policy", "cache_aware", "--worker-urls", *workers,
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
-        ]  # fmt: skip
+    package = "sglang_router"
+    launcher = ("sglang_router.launch_router",)

@@ -21,10 +21,6 @@ Like sglang-router, the gateway→worker hop gets no emulated delay.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from collections.abc import Sequence
-
 import httpx
 
 from radixmesh.bench.sglang import Gateway
@@ -32,28 +28,14 @@ from radixmesh.bench.sglang import Gateway
 INSTALL_HINT = "smg is not installed: pip install 'smg==1.13.0'"
 
 
-def available() -> bool:
-    return importlib.util.find_spec("smg") is not None
-
-
 class Smg(Gateway):
     """``python -m smg launch --policy cache_aware`` in front of the run's nodes."""
 
     name = "smg"
     install_hint = INSTALL_HINT
-
-    @classmethod
-    def available(cls) -> bool:
-        return available()
-
-    def command(self, port: int, workers: Sequence[str]) -> list[str]:
-        return [
-            sys.executable, "-m", "smg", "launch",
-            "--host", "127.0.0.1", "--port", str(port),
-            "--policy", "cache_aware", "--worker-urls", *workers,
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
-            "--log-level", "warn",
-        ]  # fmt: skip
+    package = "smg"
+    launcher = ("smg", "launch")
+    extra_args = ("--log-level", "warn")
 
     def ready(self) -> bool:
         resp = httpx.get(self.url + "/readiness", timeout=1.0)
