@@ -109,6 +109,16 @@ def _prompts(env: ChaosEnv) -> list[Prompt]:
     return out
 
 
+def _warmed_capacity(env: ChaosEnv, cfg: OperateConfig) -> tuple[list[Prompt], dict[str, float]]:
+    """The run's prompts (their reference answers recorded), every node warmed with some of
+    their prefixes, then the mesh's measured capacity."""
+    prompts = _prompts(env)
+    env.references(prompts)
+    for i in range(len(env.cluster)):
+        env.warm(i, prompts[i::len(env.cluster)][:4])
+    return prompts, measure_capacity(env, prompts, cfg.capacity_s, 4 * cfg.nodes)
+
+
 def measure_capacity(env: ChaosEnv, prompts: Sequence[Prompt], seconds: float,
                      clients: int) -> dict[str, float]:
     """Completions per second of the whole mesh under a closed loop of ``clients``."""
@@ -163,11 +173,7 @@ async def _open_loop_until(entry: Callable[[int], str], prompt_at: Callable[[int
 # ------------------------------------------------------------------------------ rolling
 def run_rolling(cfg: OperateConfig, log_dir: str | None = None) -> dict[str, object]:
     with _env(cfg, log_dir) as env:
-        prompts = _prompts(env)
-        env.references(prompts)
-        for i in range(len(env.cluster)):  # every node caches some prefixes first
-            env.warm(i, prompts[i::len(env.cluster)][:4])
-        capacity = measure_capacity(env, prompts, cfg.capacity_s, 4 * cfg.nodes)
+        prompts, capacity = _warmed_capacity(env, cfg)
         rate = max(cfg.load * capacity["per_s"], 0.5)
         print(f"[rolling] capacity {capacity['per_s']} req/s -> open loop at {rate:.2f} req/s",
               flush=True)
@@ -287,11 +293,7 @@ def _count(items: Any) -> dict[str, int]:
 # ------------------------------------------------------------------------------ overload
 def run_overload(cfg: OperateConfig, log_dir: str | None = None) -> dict[str, object]:
     with _env(cfg, log_dir) as env:
-        prompts = _prompts(env)
-        env.references(prompts)
-        for i in range(len(env.cluster)):
-            env.warm(i, prompts[i::len(env.cluster)][:4])
-        capacity = measure_capacity(env, prompts, cfg.capacity_s, 4 * cfg.nodes)
+        prompts, capacity = _warmed_capacity(env, cfg)
         rate = cfg.load * capacity["per_s"]
         print(f"[overload] capacity {capacity['per_s']} req/s -> open loop at {rate:.2f} req/s "
               f"for {cfg.duration_s:.0f} s", flush=True)
