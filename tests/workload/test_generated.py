@@ -20,15 +20,6 @@ needs_mmlu = pytest.mark.skipif(not MMLU_DIR.is_dir(), reason="no MMLU copy on t
 WORDS = Corpus.words()
 
 
-def _shared(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_deterministic_by_seed_exact_count_unique_ids(kind: str) -> None:
     a = generate(kind, 60, seed=5, corpus=WORDS, scale=0.5, nodes=4)

@@ -36,10 +36,10 @@ import inspect
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.prefix_cache import CacheUsage
@@ -193,37 +193,23 @@ class _Relay:
         if self.stopped:
             raise RequestStopped("the request was stopped")
         if self._on_token is not None:
-            self._loop.call_soon_threadsafe(self._deliver, tok)
+            self._loop.call_soon_threadsafe(self._deliver, self._on_token, tok)
 
     def logprob_from_engine(self, entry: TokenLogprob) -> None:  # on the engine thread
         if self._on_logprob is not None and not self.stopped:
-            self._loop.call_soon_threadsafe(self._deliver_logprob, entry)
-
-    def _deliver_logprob(self, entry: TokenLogprob) -> None:  # on the loop
-        if self.stopped or self._on_logprob is None:
-            return
-        try:
-            self._on_logprob(entry)
-        except Exception as exc:
-            self.error, self.stopped = exc, True
+            self._loop.call_soon_threadsafe(self._deliver, self._on_logprob, entry)
 
     def prompt_from_engine(self, entries: tuple[TokenLogprob | None, ...]) -> None:
         if self._on_prompt is not None and not self.stopped:  # on the engine thread
-            self._loop.call_soon_threadsafe(self._deliver_prompt, entries)
+            self._loop.call_soon_threadsafe(self._deliver, self._on_prompt, entries)
 
-    def _deliver_prompt(self, entries: tuple[TokenLogprob | None, ...]) -> None:  # on the loop
-        if self.stopped or self._on_prompt is None:
+    def _deliver(self, callback: Callable[[Any], None], value: object) -> None:  # on the loop
+        """Hand ``value`` to the request's ``callback``; an exception from it stops the
+        request (kept in ``error``)."""
+        if self.stopped:
             return
         try:
-            self._on_prompt(entries)
-        except Exception as exc:
-            self.error, self.stopped = exc, True
-
-    def _deliver(self, tok: int) -> None:  # on the loop
-        if self.stopped or self._on_token is None:
-            return
-        try:
-            self._on_token(tok)
+            callback(value)
         except Exception as exc:
             self.error, self.stopped = exc, True
 
