@@ -38,6 +38,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
+import httpx
+
 from radixmesh.bench.cluster import BenchCluster, ClusterFactory, local_cluster
 from radixmesh.bench.oracle import Oracle
 from radixmesh.bench.progress import Progress
@@ -46,8 +48,10 @@ from radixmesh.bench.replay import CapacityProbe, Replay, mode_of, replay_togeth
 from radixmesh.bench.sglang import Gateway, SglangRouter
 from radixmesh.bench.smg import Smg
 from radixmesh.bench.spec import RunSpec, engine_context
+from radixmesh.core.router import Tag
 from radixmesh.results.records import Record
 from radixmesh.results.summary import node_figures, summarize
+from radixmesh.runtime.metrics import parse_samples, sample_sum
 from radixmesh.workload import Request, Schedule
 from radixmesh.workload.build import TOO_LONG, Drops, build_counted
 from radixmesh.workload.schedule import describe
@@ -83,11 +87,6 @@ def placement_counts(urls: Sequence[str]) -> dict[str, float] | None:
     """The cost router's placement tags (core/router.Tag: hit, first, replica, second_copy,
     unplaced), summed over the cluster's nodes from their ``/metrics`` (each request counted
     once, by the node that decided it; warm-up requests included); None if no node answered."""
-    import httpx
-
-    from radixmesh.core.router import Tag
-    from radixmesh.runtime.metrics import parse_samples, sample_sum
-
     total = {tag.value: 0.0 for tag in Tag}
     answered = False
     for url in urls:
