@@ -411,6 +411,20 @@ def test_preferred_peers_may_be_slower_by_the_slack_and_carry_that_budget() -> N
     assert beats["x"] == pytest.approx(local)
 
 
+def test_no_slack_for_a_copy_whose_round_trip_costs_more_than_it_can_save() -> None:
+    """A holder across a round trip longer than the whole prefill is not preferred: no later
+    request would be forwarded to use its copy, so the slack buys nothing (the 1 s delay run
+    sent cold prompts across a 2 s round trip). The plain cost comparison still decides."""
+    req = RouteInput(3000, 1)
+    cold = predict_service(req, me(0), SCALE)
+    rtt = 1.2 * cold  # the holder is within the slack (rtt + warm < 1.75 cold), yet too far
+    far = placed([me(0), peer("h", 2900, rtt=rtt)], ("h",))
+    assert far[0].is_self
+    assert next(c for c in far if c.node_id == "h").beat_s == pytest.approx(cold)  # no slack
+    near = placed([me(0), peer("h", 2900, rtt=0.5 * cold)], ("h",))
+    assert near[0].node_id == "h"  # a round trip the copy repays: the holder is preferred
+
+
 @settings(max_examples=200, deadline=None)
 @given(scenario=scenarios(), seed=st.integers(0, 99), n_owners=st.integers(0, 3))
 def test_placement_keeps_the_ranking_complete_and_picks_a_preferred_node_or_the_best(

@@ -40,7 +40,9 @@ Policies
                       nodes that hold the prefix; the best of them (near-equal ones picked at
                       random, self first: two entry nodes with the same stale view do not
                       pick the same peer) wins when it is predicted at most
-                      ``placement_slack`` (75 %) slower than the best choice now. So every
+                      ``placement_slack`` (75 %) slower than the best choice now. A peer is
+                      preferred only if its round trip is shorter than the prefill a copy
+                      there saves (else no later request would be forwarded to it). So every
                       entry node sends a new prefix to the same node (no second cold copy),
                       new prefixes spread over all nodes, and a hot prefix's overflow goes to
                       the next owner on the ring — a deliberate replica — instead of a cold
@@ -293,7 +295,7 @@ class Router:
         anyone = any(n.cached_tokens >= held for n in nodes)
         out = []
         for n in order:
-            preferred = n.node_id in owners or n.cached_tokens >= held
+            preferred = self._preferred(req, n, placement)
             beat = None if n.is_self else (placed if preferred else local)
             out.append(self._candidate(req, n, beat, _tag(n, owners, held, anyone)))
         return out
@@ -333,11 +335,12 @@ class Router:
         if mine[0] - best[0] < needed:
             best = mine
         if placement is not None:
-            best = self._placed(keyed, best, placement, overloaded, rng)
+            best = self._placed(req, keyed, best, placement, overloaded, rng)
         return [best[3], *(n for n in order if n is not best[3])]
 
     def _placed(
         self,
+        req: RouteInput,
         keyed: list[tuple[float, float, float, NodeInfo]],
         best: tuple[float, float, float, NodeInfo],
         placement: Placement,
@@ -348,12 +351,10 @@ class Router:
         at most ``placement_slack`` more than ``best`` now; near-equal ones are picked at
         random, self first (entry nodes sharing a stale view must not all pick one peer)."""
         cfg = self.config
-        owners = set(placement.owners)
         pref = [
             k
             for k in keyed
-            if (k[3].node_id in owners or k[3].cached_tokens >= placement.held_tokens)
-            and k[3].node_id not in overloaded
+            if self._preferred(req, k[3], placement) and k[3].node_id not in overloaded
         ]
         if not pref:
             return best
@@ -364,6 +365,21 @@ class Router:
         if best in near:
             return best
         return next((k for k in near if k[3].is_self), None) or near[rng.randrange(len(near))]
+
+    def _preferred(self, req: RouteInput, node: NodeInfo, placement: Placement) -> bool:
+        """Whether ``node`` is preferred for the request's prefix: an owner or a holder, and,
+        for a peer, one whose copy is worth a round trip. A copy there saves a later request at
+        most this request's prefill; when the round trip costs more, no later request would be
+        forwarded to use it, so concentrating the prefix there buys nothing (at 1 s one way the
+        slack sent cold 3,000-token prompts across a 2 s round trip)."""
+        if node.node_id not in placement.owners and node.cached_tokens < placement.held_tokens:
+            return False
+        if node.is_self:
+            return True
+        scale = self.config.context_scale
+        cold = predict_service(req, replace(node, cached_tokens=0), scale)
+        warm = predict_service(req, replace(node, cached_tokens=req.prompt_tokens), scale)
+        return node.rtt_s < cold - warm
 
     def _bypasses_bound(
         self, top: tuple[float, float, float, NodeInfo], best: tuple[float, float, float, NodeInfo]
