@@ -62,7 +62,7 @@ def test_summary_schema_and_no_errors(summary: list[dict[str, Any]]) -> None:
 def test_cost_counts_its_placements(summary: list[dict[str, Any]]) -> None:
     cost = summary[2]
     placements = cost["placements"]  # every request the router placed, warm-ups included
-    assert set(placements) == {"hit", "first", "replica", "second_copy", "unplaced"}
+    assert set(placements) == {"hit", "first", "replica", "second_copy", "unplaced", "local_copy"}
     assert N <= sum(placements.values()) <= N + 4 * 4 and placements["first"] >= 1
     assert all(run["placements"] is None for run in summary if run["policy"] != "cost")
 
@@ -152,8 +152,16 @@ def test_paired_open_loop_on_a_trace(tmp_path: Path) -> None:
         assert r["requests"] == 8 and r["errors"] == 0
         assert r["dropped"]["by_group"] == {"too_long": {"huge": 1}}
         assert sum(r["served_per_node"].values()) == 8 and set(r["served_per_node"]) == {"n0", "n1"}
-    assert runs[2]["oracle_mismatches"] == 0
     recs = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
+    # The oracle's mirror is exact for requests that met no other on their node; one that
+    # arrives while another runs there may find that one's prompt cached already (the engine
+    # inserts it after prefill, the mirror when it ends): the documented limitation.
+    oracle = [x for x in recs if x["policy"] == "oracle"]
+    off = [x for x in oracle if x["expected_cached_tokens"] != x["cached_tokens"]]
+    assert runs[2]["oracle_mismatches"] == len(off)
+    for x in off:
+        assert any(y is not x and y["served_by"] == x["served_by"]
+                   and y["t_send"] < x["t_send"] < y["t_done"] for y in oracle), x
     by_seq: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for x in recs:
         by_seq[x["seq"]].append(x)

@@ -1,4 +1,5 @@
-"""Cost model: priors before observations, EWMA convergence, RTT table, prefill shape."""
+"""Cost model: priors before observations, EWMA convergence, the prefill fit, RTT table,
+prefill shape, the error of queue-wait predictions."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from radixmesh.core.estimators import (
     ComputeModel,
     CostPriors,
     Ewma,
+    LinearFit,
     RttTable,
     SpeedReport,
+    WaitError,
     prefill_work,
 )
 
@@ -103,3 +106,65 @@ def test_rtt_forward_measurements_override_gossip_probes() -> None:
     assert rtt.get("a") == 0.003
     rtt.forget("a")
     assert rtt.get("a") == PRIORS.rtt_s and not rtt.measured("a")
+
+
+def test_compute_model_learns_the_overhead_too_once_sizes_differ() -> None:
+    """A 30 ms overhead under a 4 ms prior: fitting the rate alone made short cache hits teach
+    a per-token rate far above the real one; the fit recovers both."""
+    model = ComputeModel(PRIORS)
+    overhead, rate = 0.03, 2e-4
+    for u, c in [(100, 1200), (1400, 0), (300, 900), (2000, 60)] * 30:
+        model.observe_prefill(u, c, overhead + rate * prefill_work(u, c, PRIORS.context_scale))
+    report = model.report()
+    assert report.prefill_overhead_s == pytest.approx(overhead, rel=1e-3)
+    assert report.prefill_s_per_token == pytest.approx(rate, rel=1e-3)
+
+
+@settings(max_examples=100, deadline=None)
+@given(a=st.floats(0, 1), b=st.floats(1e-6, 1e-2), x=st.floats(1, 1e4),
+       prior_a=st.floats(0, 0.1))
+def test_linear_fit_of_one_size_keeps_the_prior_intercept(
+    a: float, b: float, x: float, prior_a: float
+) -> None:
+    """Requests all of one size cannot tell overhead from rate: the prior's overhead is kept
+    (never above the mean time) and the rate explains the rest; predictions at that size are
+    exact either way."""
+    fit = LinearFit(prior_a, 1e-4, 0.2)
+    for _ in range(50):
+        fit.observe(x, a + b * x)
+    got_a, got_b = fit.params()
+    assert got_a == pytest.approx(min(prior_a, a + b * x))
+    assert got_a + got_b * x == pytest.approx(a + b * x, rel=1e-6, abs=1e-12)
+
+
+def test_linear_fit_never_returns_a_negative_overhead() -> None:
+    fit = LinearFit(0.004, 1e-4, 0.2)
+    for x in (100.0, 1000.0, 3000.0) * 20:
+        fit.observe(x, max(0.0, 2e-4 * x - 0.05))  # a line through y < 0 at x = 0
+    a, b = fit.params()
+    assert a == 0.0 and b > 0
+    fit.observe(-1.0, 1.0)  # ignored: no work
+    fit.observe(10.0, float("nan"))
+    assert fit.params() == (a, b)
+
+
+def test_wait_error_learns_a_constant_bias_and_decays_when_forwards_stop() -> None:
+    """Residuals are measured against predictions already corrected by the bias, so the bias
+    converges to the true one; the spread is the residuals' size; both fade over window_s."""
+    err = WaitError(alpha=0.2, window_s=10.0)
+    assert err.bias(0.0) == 0.0 and err.spread(0.0) == 0.0
+    true_bias = 0.03
+    for i in range(200):
+        now = i * 0.01
+        err.observe(true_bias - err.bias(now), now)  # reported - (base + correction)
+    assert err.bias(2.0) == pytest.approx(true_bias, rel=1e-2)  # (less its decay between)
+    assert err.spread(2.0) < 0.002  # corrected predictions are right: small residuals
+    assert err.bias(32.0) == pytest.approx(err.bias(2.0) * 2.718281828 ** -3, rel=1e-6)
+    noisy = WaitError(alpha=0.2, window_s=10.0)
+    for i in range(200):
+        noisy.observe(0.05 if i % 2 else -0.05, i * 0.01)
+    assert noisy.spread(2.0) == pytest.approx(0.05, rel=0.05)
+    assert abs(noisy.bias(2.0)) < 0.01
+    with pytest.raises(ValueError):
+        WaitError(alpha=0.0, window_s=1.0)
+

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import hypothesis.strategies as st
 import pytest
@@ -421,8 +422,51 @@ def test_no_slack_for_a_copy_whose_round_trip_costs_more_than_it_can_save() -> N
     far = placed([me(0), peer("h", 2900, rtt=rtt)], ("h",))
     assert far[0].is_self
     assert next(c for c in far if c.node_id == "h").beat_s == pytest.approx(cold)  # no slack
-    near = placed([me(0), peer("h", 2900, rtt=0.5 * cold)], ("h",))
+    near = placed([me(0), peer("h", 2900, rtt=0.2 * cold)], ("h",))
     assert near[0].node_id == "h"  # a round trip the copy repays: the holder is preferred
+    assert near[0].beat_s is not None and near[0].beat_s > cold  # ... with the slack
+
+
+def test_a_holder_is_worth_only_what_it_holds_beyond_this_node() -> None:
+    """A holder of a 1,500-token prefix of a 3,000-token prompt saves a later request that
+    prefix's prefill, not the whole prompt's: across a round trip longer than that, it is not
+    preferred (the 200 ms runs forwarded half the MMLU requests to such holders)."""
+    req = RouteInput(3000, 1)
+    saved = predict_service(req, me(0), SCALE) - predict_service(req, me(1500), SCALE)
+    out = placed([me(0), peer("h", 1500, rtt=0.9 * saved)], ("o",), held=256)
+    beat = next(c for c in out if c.node_id == "h").beat_s
+    assert beat == pytest.approx(next(c for c in out if c.is_self).predicted_latency_s)
+
+
+def test_ski_rental_a_forward_becomes_a_local_copy_once_its_round_trips_cost_the_copy() -> None:
+    """Renting another node's copy costs a round trip per request; a copy here costs, once,
+    what staying costs more than forwarding now. With no rent paid the hit is forwarded; once
+    the round trips spent on the prefix reach that price, the request stays and is tagged a
+    deliberate local copy. A forward the slack chose (slower than staying) is not a rental."""
+    req = RouteInput(3000, 1)
+    nodes = [me(0), peer("h", 2900, rtt=0.05)]
+    router = Router(RouterConfig(policy=Policy.COST))
+    fresh = router.rank(req, nodes, random.Random(0), Placement(("h",), 256))
+    assert fresh[0].node_id == "h" and fresh[0].placement is Tag.HIT
+    price = next(c for c in fresh if c.is_self).predicted_latency_s - fresh[0].predicted_latency_s
+    paid = router.rank(req, nodes, random.Random(0), Placement(("h",), 256, rent_s=price))
+    assert paid[0].is_self and paid[0].placement is Tag.LOCAL_COPY
+    first = router.rank(req, [me(0), peer("o", 0)], random.Random(0),
+                        Placement(("o",), 256, rent_s=10.0))
+    assert first[0].node_id == "o" and first[0].placement is Tag.FIRST  # placement, not rent
+
+
+def test_a_forward_must_also_beat_the_measured_error_of_queue_predictions() -> None:
+    """``wait_error_s`` (how far predictions of peers' waits have lately been off) is added to
+    the hysteresis: a hit saving less than that stays here; 0 leaves the decision unchanged."""
+    req = RouteInput(3000, 1)
+    local = predict_latency(req, me(0), SCALE)
+    hit = NodeInfo("h", False, 2900, 0.001, 0, SPEED)
+    saving = local - predict_latency(req, hit, SCALE)
+    router = Router(RouterConfig(policy=Policy.COST))
+    assert router.rank(req, [me(0), hit], random.Random(0))[0].node_id == "h"
+    unsure = replace(hit, wait_error_s=1.1 * saving)
+    assert router.rank(req, [me(0), unsure], random.Random(0))[0].is_self
 
 
 @settings(max_examples=200, deadline=None)

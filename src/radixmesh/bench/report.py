@@ -313,7 +313,8 @@ def targets(res: Results) -> list[tuple[str, str, bool | None]]:
     if isinstance(placed, dict) and placed:
         out.append(("0 accidental second cold copies (cost, uniform 2 ms; router's tags)",
                     f"second copies {placed.get('second_copy', 0):.0f}, deliberate replicas "
-                    f"{placed.get('replica', 0):.0f} of {sum(placed.values()):.0f} placed",
+                    f"{placed.get('replica', 0) + placed.get('local_copy', 0):.0f} of "
+                    f"{sum(placed.values()):.0f} placed",
                     placed.get("second_copy", 0) == 0))  # fmt: skip
     if hit is not None and (ceiling is None or ceiling >= P.PAPER_ACTUAL_HIT_UNIFORM):
         shown = pct(hit) + ("" if ceiling is None else f" (ceiling for this sequence "

@@ -85,8 +85,9 @@ class RunResult:
 
 def placement_counts(urls: Sequence[str]) -> dict[str, float] | None:
     """The cost router's placement tags (core/router.Tag: hit, first, replica, second_copy,
-    unplaced), summed over the cluster's nodes from their ``/metrics`` (each request counted
-    once, by the node that decided it; warm-up requests included); None if no node answered."""
+    unplaced, local_copy), summed over the cluster's nodes from their ``/metrics`` (each
+    request counted once, by the node that decided it; warm-up requests included); None if
+    no node answered."""
     total = {tag.value: 0.0 for tag in Tag}
     answered = False
     for url in urls:

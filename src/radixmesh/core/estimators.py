@@ -13,9 +13,14 @@ track drift (a node that slows down is noticed within a few requests).
 Prefill is not linear in the number of uncached tokens: attention over the cached context
 grows with it. The model is ``overhead + rate * work(u, c)`` with
 ``work(u, c) = u * (1 + (c + u / 2) / context_scale)`` — ``u`` uncached tokens attending over
-``c`` cached plus (on average) half of themselves. ``rate`` is learnt from observations by
-EWMA of ``(seconds - overhead) / work``; ``context_scale`` is a constant of the hardware/model
-(how many context tokens double a token's cost), given in the priors.
+``c`` cached plus (on average) half of themselves. ``overhead`` and ``rate`` are learnt together
+(:class:`LinearFit`: exponentially weighted least squares of seconds on work) once the requests
+seen differ enough in size to tell them apart; until then the overhead is the prior's and only
+the rate is learnt. Learning the rate alone under a wrong overhead is biased: on the tiny engine
+(30 ms real overhead, 4 ms prior) short cache hits taught a per-token rate 1.6x the real one,
+cold prefills were predicted 35 % too slow, and at 200 ms one way ``cost`` forwarded half the
+requests for savings they did not have (1.35x ``none``). ``context_scale`` is a constant of the
+hardware/model (how many context tokens double a token's cost), given in the priors.
 """
 
 from __future__ import annotations
@@ -88,13 +93,60 @@ class SpeedReport:
         )
 
 
+class LinearFit:
+    """``y ≈ a + b·x`` by exponentially weighted least squares, with a prior.
+
+    Each observation moves the weighted means and (co)variances by ``max(alpha, 1/(n+1))``
+    (the first ones weigh more, so a bad prior is forgotten quickly). The fit is used once
+    there are ``MIN_FIT`` observations whose ``x`` spread is at least ``MIN_SPREAD`` of its
+    mean (else ``a`` and ``b`` cannot be told apart): then ``b = cov(x, y) / var(x)`` and
+    ``a = mean(y) - b·mean(x)``, with ``a`` clipped to ``[0, mean(y)]``. Before that, ``a`` is
+    the prior's (at most ``mean(y)``) and ``b = (mean(y) - a) / mean(x)``."""
+
+    MIN_FIT = 4
+    MIN_SPREAD = 0.25
+
+    __slots__ = ("_cxy", "_mx", "_my", "_n", "_vxx", "alpha", "prior_a", "prior_b")
+
+    def __init__(self, prior_a: float, prior_b: float, alpha: float) -> None:
+        self.prior_a, self.prior_b, self.alpha = prior_a, prior_b, alpha
+        self._n = 0
+        self._mx = self._my = self._vxx = self._cxy = 0.0
+
+    def observe(self, x: float, y: float) -> None:
+        if not (math.isfinite(x) and math.isfinite(y)) or x <= 0 or y < 0:
+            return
+        w = max(self.alpha, 1.0 / (self._n + 1))
+        dx, dy = x - self._mx, y - self._my
+        self._mx += w * dx
+        self._my += w * dy
+        self._vxx = (1.0 - w) * (self._vxx + w * dx * dx)
+        self._cxy = (1.0 - w) * (self._cxy + w * dx * dy)
+        self._n += 1
+
+    def params(self) -> tuple[float, float]:
+        """``(a, b)``: the intercept and the slope."""
+        if self._n == 0:
+            return self.prior_a, self.prior_b
+        mx, my = self._mx, self._my
+        spread_ok = self._vxx > (self.MIN_SPREAD * mx) ** 2
+        if self._n >= self.MIN_FIT and spread_ok and self._cxy > 0:
+            b = self._cxy / self._vxx
+            a = my - b * mx
+            if a >= 0.0:
+                return a, b
+            return 0.0, my / mx  # a negative intercept: through the origin instead
+        a = min(self.prior_a, my)
+        return a, (my - a) / mx
+
+
 class ComputeModel:
     """This node's own prefill/decode speed, learnt from the requests it served."""
 
     def __init__(self, priors: CostPriors) -> None:
         self.priors = priors
-        self._overhead = priors.prefill_overhead_s
-        self._rate = Ewma(priors.prefill_s_per_token, priors.alpha)
+        self._prefill = LinearFit(priors.prefill_overhead_s, priors.prefill_s_per_token,
+                                  priors.alpha)
         self._decode = Ewma(priors.decode_s_per_token, priors.alpha)
         self._service = Ewma(
             priors.prefill_overhead_s + 256 * priors.prefill_s_per_token, priors.alpha
@@ -103,8 +155,7 @@ class ComputeModel:
     def observe_prefill(self, uncached: int, cached: int, seconds: float) -> None:
         if uncached <= 0 or seconds < 0:
             return
-        work = prefill_work(uncached, cached, self.priors.context_scale)
-        self._rate.observe(max(0.0, seconds - self._overhead) / work)
+        self._prefill.observe(prefill_work(uncached, cached, self.priors.context_scale), seconds)
 
     def observe_decode(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds >= 0:
@@ -115,9 +166,10 @@ class ComputeModel:
             self._service.observe(seconds)
 
     def report(self) -> SpeedReport:
+        overhead, rate = self._prefill.params()
         return SpeedReport(
-            prefill_overhead_s=self._overhead,
-            prefill_s_per_token=self._rate.value,
+            prefill_overhead_s=overhead,
+            prefill_s_per_token=rate,
             decode_s_per_token=self._decode.value,
             mean_service_s=self._service.value,
         )
@@ -191,3 +243,52 @@ class Utilization:
         if self._at is None or now <= self._at:
             return self._acc
         return self._acc * math.exp(-(now - self._at) / self.window_s)
+
+
+class WaitError:
+    """How wrong this node's predictions of its peers' queue waits have lately been, in
+    seconds, from the waits its forwards met (each peer reports the wait it gave one):
+
+    * ``bias``: each residual (reported − predicted, the prediction already corrected) moves
+      it by ``alpha`` of itself, so the corrected predictions become unbiased;
+    * ``spread``: an EWMA of the residuals' size, what a single prediction can be off by. A
+      forward must save more than that to pay on average (the router adds it to the
+      hysteresis).
+
+    Both decay towards 0 with time constant ``window_s``: once a burst is over the views are
+    right again, and a node that stopped forwarding must not keep an old penalty.
+
+    A view of a peer's queue is a gossip round old, and every other entry node chooses at the
+    same time: under bursty arrivals (Poisson) a peer that looked idle has a queue when the
+    forward lands, and one that looked busy has drained, so forwards saving a few
+    milliseconds lose tens. One request at a time the residuals are 0, and so are both."""
+
+    __slots__ = ("_at", "_bias", "_spread", "alpha", "window_s")
+
+    def __init__(self, alpha: float, window_s: float) -> None:
+        if window_s <= 0 or not 0 < alpha <= 1:
+            raise ValueError("window_s must be > 0 and alpha in (0, 1]")
+        self.alpha = alpha
+        self.window_s = window_s
+        self._bias = 0.0
+        self._spread = 0.0
+        self._at: float | None = None
+
+    def observe(self, residual_s: float, now: float) -> None:
+        if not math.isfinite(residual_s):
+            return
+        keep = self._kept(now)
+        self._bias = self._bias * keep + self.alpha * residual_s
+        self._spread = self._spread * keep + self.alpha * (abs(residual_s) - self._spread * keep)
+        self._at = now
+
+    def bias(self, now: float) -> float:
+        return self._bias * self._kept(now)
+
+    def spread(self, now: float) -> float:
+        return self._spread * self._kept(now)
+
+    def _kept(self, now: float) -> float:
+        if self._at is None:
+            return 1.0
+        return math.exp(-max(now - self._at, 0.0) / self.window_s)

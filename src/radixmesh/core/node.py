@@ -70,6 +70,7 @@ from radixmesh.core.estimators import (
     RttTable,
     SpeedReport,
     Utilization,
+    WaitError,
 )
 from radixmesh.core.events import (
     AcceptForward,
@@ -97,7 +98,7 @@ from radixmesh.core.lifecycle import Lifecycle, Stage
 from radixmesh.core.membership import Membership, MemberState
 from radixmesh.core.messages import Load
 from radixmesh.core.peerview import PeerView
-from radixmesh.core.placement import KeyRates, Ring, placement_depth, replicas_for
+from radixmesh.core.placement import KeyRates, KeySums, Ring, placement_depth, replicas_for
 from radixmesh.core.router import (
     Candidate,
     NodeInfo,
@@ -148,6 +149,7 @@ _COUNTERS = (
     "gossip_snapshot_fallbacks",
     "peer_restarts",
     "rtt_samples",
+    "forward_waits_rejected",  # a peer reported a queue wait out of range (ignored)
     "forwards_succeeded",
     "forwards_failed",
     "forwards_refused",  # our forwards a peer answered "busy"
@@ -177,6 +179,8 @@ class NodeCore:
         self._token_rate = TokenRate(config.priors)  # bounded admission's default token cap
         self._rtt = RttTable(config.priors)
         self._busy = Utilization(config.router.load_window_s)
+        # how far the queues our forwards met exceeded what we predicted (views are stale)
+        self._wait_error = WaitError(config.priors.alpha, config.router.load_window_s)
         self._router = Router(config.router)
         self._codec = Codec(
             Limits(
@@ -198,6 +202,7 @@ class NodeCore:
         self._ring = Ring()  # prefixes' owners (consistent hashing over routable members)
         self._ring_checked = now  # when the ring's members are checked again at the latest
         self._key_rates = KeyRates(config.router.replica_window_s)  # requests/s per prefix here
+        self._key_rent = KeySums(config.router.rent_window_s)  # round trips spent per prefix
         # peer -> its latest load report: (its stamp, our forwards sent when it arrived, our
         # clock then, its queue depth); and the sum of those queue depths (the mesh's mean)
         self._load_seen: dict[str, tuple[float | None, int, float, int]] = {}
@@ -419,14 +424,23 @@ class NodeCore:
             return None  # (accepted: the answer continues here whatever the view says)
         return self._candidates(flight.arrived, now)
 
-    def _done(self, event: RequestDone, _: float) -> list[Action]:
+    def _done(self, event: RequestDone, now: float) -> list[Action]:
         flight = self._lifecycle.get(event.rid)
         peer = None if flight is None else flight.peer
         if not self._lifecycle.is_current(event.rid, peer, "done"):
             return []
         flight = self._lifecycle.done(event.rid, event.error)
-        if flight.peer is not None and event.error is None and event.forward_rtt_s is not None:
+        if flight.peer is None or event.error is not None:
+            return []
+        if event.forward_rtt_s is not None:
             self._forward_ok(flight.peer, flight.arrived.hashes, event.forward_rtt_s)
+        waited = event.forward_queue_s
+        choice = flight.choice
+        if waited is not None and choice is not None and choice.node_id == flight.peer:
+            if 0.0 <= waited <= self.config.gossip.exchange.max_rtt_s:  # a peer's claim: bounded
+                self._wait_error.observe(waited - choice.wait_s, now)
+            else:
+                self._count("forward_waits_rejected")
         return []
 
     def _cancelled(self, event: RequestCancelled, _: float) -> list[Action]:
@@ -565,7 +579,12 @@ class NodeCore:
             nodes.extend(peers)
             if policy is Policy.COST:
                 placement = self._placement(hashes, req, nodes, now, observe)
-        return self._router.rank(req, nodes, self._rng, placement)
+        ranked = self._router.rank(req, nodes, self._rng, placement)
+        head = ranked[0]
+        if observe and placement is not None and placement.key is not None and not head.is_self:
+            rtt = next((n.rtt_s for n in nodes if n.node_id == head.node_id), 0.0)
+            self._key_rent.add(placement.key, now, rtt)  # the round trip this forward spends
+        return ranked
 
     def _placement(
         self,
@@ -607,7 +626,7 @@ class NodeCore:
                 info = self._info(owner, cached, now)
                 if info is not None:
                     nodes.append(info)
-        return Placement(tuple(owners), held)
+        return Placement(tuple(owners), held, self._key_rent.total(key, now), key)
 
     def _shared_blocks(self, hashes: Sequence[int], mine: int) -> int:
         """Blocks of this request's prefix that every member holds (self exactly, peers in
@@ -678,13 +697,15 @@ class NodeCore:
             self._expected_queue(peer, load.queue_depth, speed.mean_service_s, now),
             speed,
             utilization=load.utilization,
+            wait_error_s=self._wait_error.spread(now),
         )
 
     def _expected_queue(self, peer: str, reported: int, service_s: float, now: float) -> float:
         """The queue a request sent to ``peer`` now should expect: its report, which others'
         concurrent choices make stale within a few service times (it relaxes towards the
         mean of all peers' reports, with time constant ``queue_memory`` × its mean service),
-        plus our own forwards to it that the report cannot have counted."""
+        plus our own forwards to it that the report cannot have counted, plus how much longer
+        our forwards' waits have lately been than predicted (``WaitError``)."""
         seen = self._load_seen.get(peer)
         if seen is None:
             return float(reported)
@@ -692,7 +713,8 @@ class NodeCore:
         mean = self._queue_sum / max(len(self._load_seen), 1)
         memory = self.config.router.queue_memory * max(service_s, 1e-6)
         kept = math.exp(-max(now - seen[2], 0.0) / memory)
-        return mean + (reported - mean) * kept + ours
+        bias = self._wait_error.bias(now) / max(service_s, 1e-6)  # learnt: WaitError
+        return max(0.0, mean + (reported - mean) * kept + ours + bias)
 
     def available(self, peer: str, now: float) -> bool:
         """Whether ``peer`` may be routed to now (alive, reporting load, not pushed back)."""
@@ -813,7 +835,8 @@ class NodeCore:
             out[f"requests_{route}"] = float(lc.routes.get(route, 0))
         # cost: who served each request, by the router's placement tag (core/router.Tag):
         # placement_second_copy = accidental cold copies of a prefix cached elsewhere (in the
-        # view) at decision time; placement_replica = deliberate hot-prefix replicas
+        # view) at decision time; placement_replica = deliberate hot-prefix replicas;
+        # placement_local_copy = copies kept at the entry once forwarding cost more (rent)
         for tag in Tag:
             out[f"placement_{tag.value}"] = float(lc.placements.get(tag.value, 0))
         return out

@@ -146,51 +146,61 @@ def replicas_for(load: float, replica_load: float, members: int, max_replicas: i
     return max(1, min(cap, math.ceil(load / replica_load - 1e-9)))
 
 
-class KeyRates:
-    """Requests per second of each placement key at this node: an exponentially decayed count
-    (time constant ``window_s``), over the time observed so far while that is shorter.
+class KeySums:
+    """An exponentially decayed sum per placement key (time constant ``window_s``).
 
-    Bounded: beyond ``max_keys`` keys the coldest half is forgotten (a key that mattered is
-    hot, and comes back at its next request)."""
+    Bounded: beyond ``max_keys`` keys the smallest half is forgotten (a key that mattered
+    has a large sum, and comes back at its next observation)."""
 
-    __slots__ = ("_counts", "_start", "max_keys", "window_s")
+    __slots__ = ("_start", "_sums", "max_keys", "window_s")
 
     def __init__(self, window_s: float, max_keys: int = 4096) -> None:
         if window_s <= 0 or max_keys < 1:
             raise ValueError("window_s must be > 0 and max_keys >= 1")
         self.window_s = window_s
         self.max_keys = max_keys
-        self._counts: dict[int, tuple[float, float]] = {}  # key -> (decayed count, at)
+        self._sums: dict[int, tuple[float, float]] = {}  # key -> (decayed sum, at)
         self._start: float | None = None
 
     def __len__(self) -> int:
-        return len(self._counts)
+        return len(self._sums)
 
-    def observe(self, key: int, now: float) -> None:
+    def add(self, key: int, now: float, amount: float = 1.0) -> None:
         if self._start is None:
             self._start = now
-        self._counts[key] = (self._count(key, now) + 1.0, now)
-        if len(self._counts) > self.max_keys:
-            self._forget_coldest(now)
+        self._sums[key] = (self.total(key, now) + amount, now)
+        if len(self._sums) > self.max_keys:
+            self._forget_smallest(now)
+
+    def total(self, key: int, now: float) -> float:
+        """The key's decayed sum (0: never seen, or long ago)."""
+        entry = self._sums.get(key)
+        if entry is None:
+            return 0.0
+        value, at = entry
+        return value if now <= at else value * math.exp(-(now - at) / self.window_s)
+
+    def _forget_smallest(self, now: float) -> None:
+        ranked = sorted(self._sums, key=lambda k: self.total(k, now), reverse=True)
+        self._sums = {k: self._sums[k] for k in ranked[: self.max_keys // 2]}
+
+
+class KeyRates(KeySums):
+    """Requests per second of each placement key at this node: a decayed count of its
+    requests (:class:`KeySums`), over the time observed so far while that is shorter."""
+
+    __slots__ = ()
+
+    def observe(self, key: int, now: float) -> None:
+        self.add(key, now)
 
     def rate(self, key: int, now: float) -> float:
         """The key's requests per second here (0: never seen, or long cold)."""
         if self._start is None:
             return 0.0
         span = self.window_s * -math.expm1(-max(now - self._start, 0.0) / self.window_s)
-        return self._count(key, now) / max(span, self.window_s / 64)
+        return self.total(key, now) / max(span, self.window_s / 64)
 
     def count(self, key: int, now: float) -> float:
         """The key's decayed request count here (how much evidence its rate rests on)."""
-        return self._count(key, now)
-
-    def _count(self, key: int, now: float) -> float:
-        entry = self._counts.get(key)
-        if entry is None:
-            return 0.0
-        count, at = entry
-        return count if now <= at else count * math.exp(-(now - at) / self.window_s)
-
-    def _forget_coldest(self, now: float) -> None:
-        ranked = sorted(self._counts, key=lambda k: self._count(k, now), reverse=True)
-        self._counts = {k: self._counts[k] for k in ranked[: self.max_keys // 2]}
+        return self.total(key, now)

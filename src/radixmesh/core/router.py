@@ -41,14 +41,23 @@ Policies
                       random, self first: two entry nodes with the same stale view do not
                       pick the same peer) wins when it is predicted at most
                       ``placement_slack`` (75 %) slower than the best choice now. A peer is
-                      preferred only if its round trip is shorter than the prefill a copy
-                      there saves (else no later request would be forwarded to it). So every
+                      preferred only if a later request entering elsewhere would gain at
+                      least a round trip by using its copy (else nobody would be forwarded
+                      to it: over a slow link every node keeping its own copy wins). So every
                       entry node sends a new prefix to the same node (no second cold copy),
                       new prefixes spread over all nodes, and a hot prefix's overflow goes to
                       the next owner on the ring — a deliberate replica — instead of a cold
                       copy wherever it entered. Each candidate is tagged (``placement``: hit,
                       first copy, deliberate replica, second copy, unplaced) so the node can
                       count what its decisions cost.
+                      *Ski rental*: a forward to a holder rents its copy for one round trip; a
+                      copy here costs, once, what staying costs more than forwarding now. The
+                      node remembers the round trips it spent on each prefix (``rent_s``) and
+                      keeps the request here (tag ``local_copy``) once they reach that price:
+                      never over a fast link, at the second request over a slow one.
+                      *Stale queues*: the node learns how far its predictions of peers' queue
+                      waits were off from the waits its forwards met (``wait_error_s``); a
+                      forward must save more than that too.
                       *Robust speeds*: learnt speeds within ``speed_tolerance`` (1.5×) of the
                       candidates' median count as the median, so that estimation noise on a
                       shared machine cannot send cold requests to whichever node looks fastest
@@ -119,6 +128,9 @@ class RouterConfig:
     replica_load: float = 0.5
     max_replicas: int = 64
     replica_window_s: float = 10.0  # the time constant of a prefix's measured request rate
+    # cost: the time constant of the round trips a node remembers spending on a prefix (its
+    # rent; see Placement.rent_s)
+    rent_window_s: float = 600.0
     # cost: preferred candidates (owners, holders) within this fraction (and min_gain_s) of the
     # best of them are equal; one is picked at random (self first)
     near_tie: float = 0.1
@@ -147,6 +159,8 @@ class RouterConfig:
             raise ValueError("context_scale must be > 0")
         if self.speed_tolerance is not None and self.speed_tolerance < 1:
             raise ValueError("speed_tolerance must be >= 1 (or None to disable)")
+        if self.rent_window_s <= 0:
+            raise ValueError("rent_window_s must be > 0")
         if self.replica_load <= 0 or self.max_replicas < 1 or self.replica_window_s <= 0:
             raise ValueError("replica_load and replica_window_s must be > 0, max_replicas >= 1")
         if self.near_tie < 0 or self.queue_memory <= 0:
@@ -174,6 +188,9 @@ class NodeInfo:
     suspect: bool = False
     pushed_back: bool = False
     utilization: float = 0.0  # recent busy fraction in [0, 1], as the node itself measured it
+    # how far the deciding node's predictions of this node's queue wait have lately been off
+    # (``estimators.WaitError``: a peer's view is stale under bursty load); 0 for self
+    wait_error_s: float = 0.0
 
     @property
     def available(self) -> bool:
@@ -186,6 +203,10 @@ class Placement:
 
     owners: tuple[str, ...]  # its owner set, in ring order (may include self)
     held_tokens: int  # a node whose cached prefix of the request is this long holds it
+    # the forward round trips this node already spent on this prefix (recently): when they
+    # reach what a copy here costs more than a forward now, a copy is made here instead
+    rent_s: float = 0.0
+    key: int | None = None  # the placement key naming the prefix (the node's bookkeeping)
 
 
 class Tag(StrEnum):
@@ -196,6 +217,9 @@ class Tag(StrEnum):
     REPLICA = "replica"  # others hold it; the candidate is an owner: a deliberate replica
     SECOND_COPY = "second_copy"  # others hold it; not an owner: an accidental cold copy
     UNPLACED = "unplaced"  # nobody holds it; not an owner (placement gave way to load)
+    # others hold it; copied here because the round trips to use theirs already cost more
+    # than the copy (``Placement.rent_s``): a deliberate replica at the entry node
+    LOCAL_COPY = "local_copy"
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +233,7 @@ class Candidate:
     # which knows its queue and cache exactly, refuses it if it cannot (``RefuseForward``).
     beat_s: float | None = None
     placement: Tag | None = None  # cost policy with a placement only
+    wait_s: float = 0.0  # the queue wait in ``predicted_latency_s``
 
 
 def predict_service(req: RouteInput, node: NodeInfo, context_scale: float) -> float:
@@ -264,6 +289,7 @@ class Router:
             raise ValueError("exactly one NodeInfo must be is_self")
         avail = [n for n in nodes if n.available]
         policy = self.config.policy
+        bought = False
         if policy is Policy.COST:
             avail = self._robust_speeds(avail)
             selves = [n for n in avail if n.is_self]
@@ -275,7 +301,7 @@ class Router:
         if policy is Policy.PAPER:
             order = _by_match(avail)
         elif policy is Policy.COST:
-            order = self._by_cost(req, avail, rng, placement)
+            order, bought = self._by_cost(req, avail, rng, placement)
         elif policy is Policy.RANDOM:
             order = avail[:]
             rng.shuffle(order)
@@ -295,9 +321,10 @@ class Router:
         anyone = any(n.cached_tokens >= held for n in nodes)
         out = []
         for n in order:
-            preferred = self._preferred(req, n, placement)
+            preferred = self._preferred(req, n, me, placement)
             beat = None if n.is_self else (placed if preferred else local)
-            out.append(self._candidate(req, n, beat, _tag(n, owners, held, anyone)))
+            tag = Tag.LOCAL_COPY if n.is_self and bought else _tag(n, owners, held, anyone)
+            out.append(self._candidate(req, n, beat, tag))
         return out
 
     def _robust_speeds(self, avail: list[NodeInfo]) -> list[NodeInfo]:
@@ -316,7 +343,8 @@ class Router:
         avail: list[NodeInfo],
         rng: Random,
         placement: Placement | None = None,
-    ) -> list[NodeInfo]:
+    ) -> tuple[list[NodeInfo], bool]:
+        """The candidates, best first, and whether staying here is a bought copy (rent)."""
         scale = self.config.context_scale
         me = next(n for n in avail if n.is_self)
         costs = mesh_cost(req, avail, scale, me.queue_depth)
@@ -329,14 +357,25 @@ class Router:
         if self._bypasses_bound(keyed[0], best):
             best = keyed[0]  # a large certain saving (a long cached prefix) beats balancing
         # Hysteresis against noisy *speed* estimates: a share of the local work, not of the
-        # local queue wait (under load 10 % of the wait exceeded any cache saving).
+        # local queue wait (under load 10 % of the wait exceeded any cache saving); and
+        # against stale *queue* views: what predictions of the peer's wait are lately off by.
         my_wait = me.queue_depth * me.speed.mean_service_s
-        needed = max(self.config.min_gain_s, self.config.min_gain_frac * (mine[0] - my_wait))
-        if mine[0] - best[0] < needed:
+        if mine[0] - best[0] < self._needed(mine[0] - my_wait) + best[3].wait_error_s:
             best = mine
+        bought = False
         if placement is not None:
             best = self._placed(req, keyed, best, placement, overloaded, rng)
-        return [best[3], *(n for n in order if n is not best[3])]
+            # Ski rental: a forward rents another node's copy for one round trip; a copy here
+            # costs, once, what staying costs more than the forward now. Rent until the round
+            # trips spent on this prefix reach that price, then buy. Over a fast link that is
+            # never (a 4 ms round trip against a 0.3 s prefill); over a slow one, where every
+            # node keeping its own copy is what wins, the second request buys.
+            # (A forward the placement slack chose, slower now than staying, is not a rental:
+            # it avoids a second copy while gossip is a round behind.)
+            price = mine[0] - best[0]
+            if not best[3].is_self and 0.0 < price <= placement.rent_s + best[3].rtt_s:
+                best, bought = mine, True
+        return [best[3], *(n for n in order if n is not best[3])], bought
 
     def _placed(
         self,
@@ -351,10 +390,11 @@ class Router:
         at most ``placement_slack`` more than ``best`` now; near-equal ones are picked at
         random, self first (entry nodes sharing a stale view must not all pick one peer)."""
         cfg = self.config
+        me = next(k[3] for k in keyed if k[3].is_self)
         pref = [
             k
             for k in keyed
-            if self._preferred(req, k[3], placement) and k[3].node_id not in overloaded
+            if self._preferred(req, k[3], me, placement) and k[3].node_id not in overloaded
         ]
         if not pref:
             return best
@@ -366,20 +406,34 @@ class Router:
             return best
         return next((k for k in near if k[3].is_self), None) or near[rng.randrange(len(near))]
 
-    def _preferred(self, req: RouteInput, node: NodeInfo, placement: Placement) -> bool:
+    def _needed(self, work_s: float) -> float:
+        """The least a forward must save over staying, for local work ``work_s``."""
+        return max(self.config.min_gain_s, self.config.min_gain_frac * work_s)
+
+    def _preferred(
+        self, req: RouteInput, node: NodeInfo, me: NodeInfo, placement: Placement
+    ) -> bool:
         """Whether ``node`` is preferred for the request's prefix: an owner or a holder, and,
-        for a peer, one whose copy is worth a round trip. A copy there saves a later request at
-        most this request's prefill; when the round trip costs more, no later request would be
-        forwarded to use it, so concentrating the prefix there buys nothing (at 1 s one way the
-        slack sent cold 3,000-token prompts across a 2 s round trip)."""
-        if node.node_id not in placement.owners and node.cached_tokens < placement.held_tokens:
+        for a peer, one whose copy is worth a round trip. A copy there saves a later request
+        entering elsewhere (here, say) the prefill of what it holds beyond this node's cache
+        (a holder: its cached prefix; an owner: at most this whole prompt); unless that beats
+        the round trip (by the hysteresis and the queue error, as any forward must), no later
+        request would be forwarded to use it, so concentrating the prefix there buys nothing.
+        (At 1 s one way the slack sent cold 3,000-token prompts across a 2 s round trip; at
+        200 ms it sent MMLU requests to holders of a 1,500-token prefix it took 0.3 s to
+        prefill; with a long prompt every node holds, agentic steps to their scratchpad's
+        holder for a few hundred tokens.)"""
+        holds = node.cached_tokens >= placement.held_tokens
+        if not holds and node.node_id not in placement.owners:
             return False
         if node.is_self:
             return True
         scale = self.config.context_scale
-        cold = predict_service(req, replace(node, cached_tokens=0), scale)
-        warm = predict_service(req, replace(node, cached_tokens=req.prompt_tokens), scale)
-        return node.rtt_s < cold - warm
+        copy = node.cached_tokens if holds else req.prompt_tokens
+        here = predict_service(req, replace(node, cached_tokens=me.cached_tokens), scale)
+        there = predict_service(req, replace(node, cached_tokens=copy), scale)
+        net = here - there - node.rtt_s - node.wait_error_s  # what a later forward gains
+        return net >= max(self._needed(here), node.rtt_s)
 
     def _bypasses_bound(
         self, top: tuple[float, float, float, NodeInfo], best: tuple[float, float, float, NodeInfo]
@@ -431,6 +485,7 @@ class Router:
             predicted_latency_s=predict_latency(req, node, self.config.context_scale),
             beat_s=beat_s,
             placement=placement,
+            wait_s=node.queue_depth * node.speed.mean_service_s,
         )
 
 

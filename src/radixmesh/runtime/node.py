@@ -538,8 +538,10 @@ class NodeService:
         elif error is not None or ex.outcome is not None:
             self.metrics.observe_request(ex.route, "done" if error is None else "error",
                                          time.perf_counter() - ctx.arrived_s)
-            overhead = None if ex.outcome is None else ex.outcome.forward_overhead_s
-            self.dispatch(RequestDone(rid, overhead, error))
+            out = ex.outcome
+            overhead = None if out is None else out.forward_overhead_s
+            waited = None if out is None or overhead is None else out.queue_s  # forwarded only
+            self.dispatch(RequestDone(rid, overhead, error, forward_queue_s=waited))
             if overhead is not None:
                 self.metrics.forward_overhead_s_sum += overhead
                 self.metrics.forward_overhead_count += 1

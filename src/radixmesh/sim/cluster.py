@@ -493,7 +493,7 @@ class SimCluster:
             return
         entry = self.nodes[flight.entry].core
         tag = None if entry is None else entry.placement_of(flight.index)
-        if tag is Tag.REPLICA:
+        if tag in (Tag.REPLICA, Tag.LOCAL_COPY):
             self.counters.deliberate_replicas += 1
         else:
             self.counters.second_cold_copies += 1
@@ -597,7 +597,10 @@ class SimCluster:
             return
         self._served(flight, node, run, queue_s)
         rtt = (self.loop.now - flight.sent_at) - queue_s - run.service_s
-        self.feed(self.nodes[flight.entry], RequestDone(flight.index, forward_rtt_s=rtt))
+        self.feed(
+            self.nodes[flight.entry],
+            RequestDone(flight.index, forward_rtt_s=rtt, forward_queue_s=queue_s),
+        )
         self._complete(flight)
 
     def _complete(self, flight: Flight) -> None:
