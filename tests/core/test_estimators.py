@@ -3,6 +3,8 @@ prefill shape, the error of queue-wait predictions."""
 
 from __future__ import annotations
 
+import math
+
 import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
@@ -148,23 +150,33 @@ def test_linear_fit_never_returns_a_negative_overhead() -> None:
     assert fit.params() == (a, b)
 
 
-def test_wait_error_learns_a_constant_bias_and_decays_when_forwards_stop() -> None:
-    """Residuals are measured against predictions already corrected by the bias, so the bias
-    converges to the true one; the spread is the residuals' size; both fade over window_s."""
+def test_wait_error_is_the_size_of_recent_residuals_and_fades_when_forwards_stop() -> None:
     err = WaitError(alpha=0.2, window_s=10.0)
-    assert err.bias(0.0) == 0.0 and err.spread(0.0) == 0.0
-    true_bias = 0.03
+    assert err.spread(0.0) == 0.0
     for i in range(200):
-        now = i * 0.01
-        err.observe(true_bias - err.bias(now), now)  # reported - (base + correction)
-    assert err.bias(2.0) == pytest.approx(true_bias, rel=1e-2)  # (less its decay between)
-    assert err.spread(2.0) < 0.002  # corrected predictions are right: small residuals
-    assert err.bias(32.0) == pytest.approx(err.bias(2.0) * 2.718281828 ** -3, rel=1e-6)
-    noisy = WaitError(alpha=0.2, window_s=10.0)
-    for i in range(200):
-        noisy.observe(0.05 if i % 2 else -0.05, i * 0.01)
-    assert noisy.spread(2.0) == pytest.approx(0.05, rel=0.05)
-    assert abs(noisy.bias(2.0)) < 0.01
+        err.observe(0.05 if i % 2 else -0.05, i * 0.01)  # off by 50 ms, either way
+    assert err.spread(2.0) == pytest.approx(0.05, rel=0.02)
+    assert err.spread(32.0) == pytest.approx(err.spread(2.0) * math.exp(-3), rel=1e-6)
+    before = err.spread(32.0)
+    err.observe(float("nan"), 32.0)  # ignored
+    assert err.spread(32.0) == before
+    exact = WaitError(alpha=0.2, window_s=10.0)
+    for i in range(50):
+        exact.observe(0.0, float(i))  # one request at a time: every prediction right
+    assert exact.spread(50.0) == 0.0
     with pytest.raises(ValueError):
         WaitError(alpha=0.0, window_s=1.0)
+
+
+def test_linear_fit_keeps_what_mixed_sizes_taught_through_a_run_of_one_size() -> None:
+    """After a mix of sizes has fitted the overhead, a long run of same-size requests (which
+    cannot tell overhead from rate) must not fall back to the prior's overhead."""
+    fit = LinearFit(0.004, 1e-4, 0.2)
+    a, b = 0.03, 2e-4
+    for x in (100.0, 1500.0, 400.0, 2500.0) * 10:
+        fit.observe(x, a + b * x)
+    for _ in range(200):
+        fit.observe(2000.0, a + b * 2000.0)
+    got_a, got_b = fit.params()
+    assert got_a == pytest.approx(a, rel=1e-3) and got_b == pytest.approx(b, rel=1e-3)
 

@@ -449,8 +449,16 @@ def test_ski_rental_a_forward_becomes_a_local_copy_once_its_round_trips_cost_the
     fresh = router.rank(req, nodes, random.Random(0), Placement(("h",), 256))
     assert fresh[0].node_id == "h" and fresh[0].placement is Tag.HIT
     price = next(c for c in fresh if c.is_self).predicted_latency_s - fresh[0].predicted_latency_s
-    paid = router.rank(req, nodes, random.Random(0), Placement(("h",), 256, rent_s=price))
+    rtt = 0.05
+    short = router.rank(req, nodes, random.Random(0),
+                        Placement(("h",), 256, rent_s=0.99 * (price - rtt)))
+    assert short[0].node_id == "h"  # this round trip would not reach the price yet
+    paid = router.rank(req, nodes, random.Random(0), Placement(("h",), 256, rent_s=price - rtt))
     assert paid[0].is_self and paid[0].placement is Tag.LOCAL_COPY
+    # a hit here is a hit, whatever was spent (the rent only buys copies this node lacks)
+    warm = router.rank(req, [me(2900, queue=3), peer("h", 2900)], random.Random(0),
+                       Placement(("h",), 256, rent_s=100.0))
+    assert all(c.placement is not Tag.LOCAL_COPY for c in warm)
     first = router.rank(req, [me(0), peer("o", 0)], random.Random(0),
                         Placement(("o",), 256, rent_s=10.0))
     assert first[0].node_id == "o" and first[0].placement is Tag.FIRST  # placement, not rent

@@ -98,20 +98,25 @@ class LinearFit:
 
     Each observation moves the weighted means and (co)variances by ``max(alpha, 1/(n+1))``
     (the first ones weigh more, so a bad prior is forgotten quickly). The fit is used once
-    there are ``MIN_FIT`` observations whose ``x`` spread is at least ``MIN_SPREAD`` of its
-    mean (else ``a`` and ``b`` cannot be told apart): then ``b = cov(x, y) / var(x)`` and
-    ``a = mean(y) - b·mean(x)``, with ``a`` clipped to ``[0, mean(y)]``. Before that, ``a`` is
-    the prior's (at most ``mean(y)``) and ``b = (mean(y) - a) / mean(x)``."""
+    there are ``MIN_FIT`` observations whose ``x`` spread exceeds ``MIN_SPREAD`` of its mean
+    (else ``a`` and ``b`` cannot be told apart): then ``b = cov(x, y) / var(x)`` and
+    ``a = mean(y) - b·mean(x)``; a negative ``a`` gives the line through the origin instead
+    (``a = 0``, ``b = mean(y) / mean(x)``). Otherwise ``a`` is
+    the last fitted ``a`` (the prior's before any fit; at most ``mean(y)``) and
+    ``b = (mean(y) - a) / mean(x)``: a run of same-size requests keeps what the mixed ones
+    taught. The first observation has weight 1 (the means start from nothing, not from the
+    prior)."""
 
     MIN_FIT = 4
     MIN_SPREAD = 0.25
 
-    __slots__ = ("_cxy", "_mx", "_my", "_n", "_vxx", "alpha", "prior_a", "prior_b")
+    __slots__ = ("_a", "_cxy", "_mx", "_my", "_n", "_vxx", "alpha", "prior_a", "prior_b")
 
     def __init__(self, prior_a: float, prior_b: float, alpha: float) -> None:
         self.prior_a, self.prior_b, self.alpha = prior_a, prior_b, alpha
         self._n = 0
         self._mx = self._my = self._vxx = self._cxy = 0.0
+        self._a = prior_a  # the intercept of the last fit that could tell a from b
 
     def observe(self, x: float, y: float) -> None:
         if not (math.isfinite(x) and math.isfinite(y)) or x <= 0 or y < 0:
@@ -123,21 +128,25 @@ class LinearFit:
         self._vxx = (1.0 - w) * (self._vxx + w * dx * dx)
         self._cxy = (1.0 - w) * (self._cxy + w * dx * dy)
         self._n += 1
+        if self._fits():
+            self._a = max(self._my - self._cxy / self._vxx * self._mx, 0.0)
 
     def params(self) -> tuple[float, float]:
         """``(a, b)``: the intercept and the slope."""
         if self._n == 0:
             return self.prior_a, self.prior_b
         mx, my = self._mx, self._my
-        spread_ok = self._vxx > (self.MIN_SPREAD * mx) ** 2
-        if self._n >= self.MIN_FIT and spread_ok and self._cxy > 0:
-            b = self._cxy / self._vxx
-            a = my - b * mx
-            if a >= 0.0:
-                return a, b
+        if self._fits():
+            if self._a > 0.0:
+                return self._a, self._cxy / self._vxx
             return 0.0, my / mx  # a negative intercept: through the origin instead
-        a = min(self.prior_a, my)
+        a = min(self._a, my)
         return a, (my - a) / mx
+
+    def _fits(self) -> bool:
+        """Whether the observations tell the intercept from the slope."""
+        spread_ok = self._vxx > (self.MIN_SPREAD * self._mx) ** 2
+        return self._n >= self.MIN_FIT and spread_ok and self._cxy > 0
 
 
 class ComputeModel:
@@ -246,49 +255,37 @@ class Utilization:
 
 
 class WaitError:
-    """How wrong this node's predictions of its peers' queue waits have lately been, in
-    seconds, from the waits its forwards met (each peer reports the wait it gave one):
-
-    * ``bias``: each residual (reported − predicted, the prediction already corrected) moves
-      it by ``alpha`` of itself, so the corrected predictions become unbiased;
-    * ``spread``: an EWMA of the residuals' size, what a single prediction can be off by. A
-      forward must save more than that to pay on average (the router adds it to the
-      hysteresis).
-
-    Both decay towards 0 with time constant ``window_s``: once a burst is over the views are
-    right again, and a node that stopped forwarding must not keep an old penalty.
+    """How far this node's predictions of one peer's queue wait have lately been off, in
+    seconds: an EWMA of ``|reported − predicted|`` over the forwards that peer served (each
+    reports the wait it gave), decaying towards 0 with time constant ``window_s`` (once a
+    burst is over the views are right again, and a node that stopped forwarding must not keep
+    an old penalty). The router asks a forward to that peer to save more than this: a saving
+    smaller than the error of the prediction it rests on is noise.
 
     A view of a peer's queue is a gossip round old, and every other entry node chooses at the
     same time: under bursty arrivals (Poisson) a peer that looked idle has a queue when the
-    forward lands, and one that looked busy has drained, so forwards saving a few
-    milliseconds lose tens. One request at a time the residuals are 0, and so are both."""
+    forward lands, and forwards saving a few milliseconds lose tens. One request at a time
+    every residual is 0, and so is this. Kept per peer, so a peer that reports wrong waits
+    only changes how often it is itself chosen."""
 
-    __slots__ = ("_at", "_bias", "_spread", "alpha", "window_s")
+    __slots__ = ("_at", "_spread", "alpha", "window_s")
 
     def __init__(self, alpha: float, window_s: float) -> None:
         if window_s <= 0 or not 0 < alpha <= 1:
             raise ValueError("window_s must be > 0 and alpha in (0, 1]")
         self.alpha = alpha
         self.window_s = window_s
-        self._bias = 0.0
         self._spread = 0.0
         self._at: float | None = None
 
     def observe(self, residual_s: float, now: float) -> None:
         if not math.isfinite(residual_s):
             return
-        keep = self._kept(now)
-        self._bias = self._bias * keep + self.alpha * residual_s
-        self._spread = self._spread * keep + self.alpha * (abs(residual_s) - self._spread * keep)
+        kept = self.spread(now)
+        self._spread = kept + self.alpha * (abs(residual_s) - kept)
         self._at = now
 
-    def bias(self, now: float) -> float:
-        return self._bias * self._kept(now)
-
     def spread(self, now: float) -> float:
-        return self._spread * self._kept(now)
-
-    def _kept(self, now: float) -> float:
         if self._at is None:
-            return 1.0
-        return math.exp(-max(now - self._at, 0.0) / self.window_s)
+            return 0.0
+        return self._spread * math.exp(-max(now - self._at, 0.0) / self.window_s)

@@ -114,6 +114,7 @@ from radixmesh.core.summary import LocalSummary
 IDLE_PEERS = 2  # unmatched least-loaded peers the cost policy also considers
 ROUTE_TOP_K = 8  # deepest-matching available peers considered per request
 SHARED_CHECK_MAX = 32  # members: up to this many, a request's prefix common to all is found
+MAX_REPORTED_WAIT_S = 3600.0  # a peer reporting a longer queue wait for a forward is ignored
 
 
 class _Unavailable:
@@ -179,8 +180,8 @@ class NodeCore:
         self._token_rate = TokenRate(config.priors)  # bounded admission's default token cap
         self._rtt = RttTable(config.priors)
         self._busy = Utilization(config.router.load_window_s)
-        # how far the queues our forwards met exceeded what we predicted (views are stale)
-        self._wait_error = WaitError(config.priors.alpha, config.router.load_window_s)
+        # per peer: how far the queue waits our forwards met were from what we predicted
+        self._wait_errors: dict[str, WaitError] = {}
         self._router = Router(config.router)
         self._codec = Codec(
             Limits(
@@ -437,11 +438,27 @@ class NodeCore:
         waited = event.forward_queue_s
         choice = flight.choice
         if waited is not None and choice is not None and choice.node_id == flight.peer:
-            if 0.0 <= waited <= self.config.gossip.exchange.max_rtt_s:  # a peer's claim: bounded
-                self._wait_error.observe(waited - choice.wait_s, now)
+            if 0.0 <= waited <= MAX_REPORTED_WAIT_S:  # a peer's claim: bounded
+                self._wait_error(flight.peer).observe(waited - choice.wait_s, now)
             else:
                 self._count("forward_waits_rejected")
         return []
+
+    def _spread_of(self, peer: str, now: float) -> float:
+        err = self._wait_errors.get(peer)
+        return 0.0 if err is None else err.spread(now)
+
+    def _wait_error(self, peer: str) -> WaitError:
+        """``peer``'s queue-wait prediction error, created on first use; entries of peers no
+        longer routable are dropped when the table outgrows the membership."""
+        err = self._wait_errors.get(peer)
+        if err is None:
+            routable = self._gossip.routable
+            if len(self._wait_errors) > 2 * len(routable) + 16:
+                self._wait_errors = {p: e for p, e in self._wait_errors.items() if p in routable}
+            cfg = self.config
+            err = self._wait_errors[peer] = WaitError(cfg.priors.alpha, cfg.router.error_window_s)
+        return err
 
     def _cancelled(self, event: RequestCancelled, _: float) -> list[Action]:
         return list(self._lifecycle.cancel(event.rid))
@@ -581,9 +598,11 @@ class NodeCore:
                 placement = self._placement(hashes, req, nodes, now, observe)
         ranked = self._router.rank(req, nodes, self._rng, placement)
         head = ranked[0]
-        if observe and placement is not None and placement.key is not None and not head.is_self:
-            rtt = next((n.rtt_s for n in nodes if n.node_id == head.node_id), 0.0)
-            self._key_rent.add(placement.key, now, rtt)  # the round trip this forward spends
+        if observe and placement is not None and placement.key is not None:
+            mine = next(c for c in ranked if c.is_self)
+            if head.placement is Tag.HIT and mine.placement is not Tag.HIT:  # renting a copy
+                rtt = next((n.rtt_s for n in nodes if n.node_id == head.node_id), 0.0)
+                self._key_rent.add(placement.key, now, rtt)  # the round trip it spends
         return ranked
 
     def _placement(
@@ -697,15 +716,14 @@ class NodeCore:
             self._expected_queue(peer, load.queue_depth, speed.mean_service_s, now),
             speed,
             utilization=load.utilization,
-            wait_error_s=self._wait_error.spread(now),
+            wait_error_s=self._spread_of(peer, now),
         )
 
     def _expected_queue(self, peer: str, reported: int, service_s: float, now: float) -> float:
         """The queue a request sent to ``peer`` now should expect: its report, which others'
         concurrent choices make stale within a few service times (it relaxes towards the
         mean of all peers' reports, with time constant ``queue_memory`` × its mean service),
-        plus our own forwards to it that the report cannot have counted, plus how much longer
-        our forwards' waits have lately been than predicted (``WaitError``)."""
+        plus our own forwards to it that the report cannot have counted."""
         seen = self._load_seen.get(peer)
         if seen is None:
             return float(reported)
@@ -713,8 +731,7 @@ class NodeCore:
         mean = self._queue_sum / max(len(self._load_seen), 1)
         memory = self.config.router.queue_memory * max(service_s, 1e-6)
         kept = math.exp(-max(now - seen[2], 0.0) / memory)
-        bias = self._wait_error.bias(now) / max(service_s, 1e-6)  # learnt: WaitError
-        return max(0.0, mean + (reported - mean) * kept + ours + bias)
+        return mean + (reported - mean) * kept + ours
 
     def available(self, peer: str, now: float) -> bool:
         """Whether ``peer`` may be routed to now (alive, reporting load, not pushed back)."""

@@ -200,7 +200,3 @@ class KeyRates(KeySums):
             return 0.0
         span = self.window_s * -math.expm1(-max(now - self._start, 0.0) / self.window_s)
         return self.total(key, now) / max(span, self.window_s / 64)
-
-    def count(self, key: int, now: float) -> float:
-        """The key's decayed request count here (how much evidence its rate rests on)."""
-        return self.total(key, now)

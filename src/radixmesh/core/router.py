@@ -48,16 +48,17 @@ Policies
                       new prefixes spread over all nodes, and a hot prefix's overflow goes to
                       the next owner on the ring — a deliberate replica — instead of a cold
                       copy wherever it entered. Each candidate is tagged (``placement``: hit,
-                      first copy, deliberate replica, second copy, unplaced) so the node can
-                      count what its decisions cost.
+                      first copy, deliberate replica, second copy, unplaced, local copy) so
+                      the node can count what its decisions cost.
                       *Ski rental*: a forward to a holder rents its copy for one round trip; a
                       copy here costs, once, what staying costs more than forwarding now. The
-                      node remembers the round trips it spent on each prefix (``rent_s``) and
+                      node sums the round trips it spent renting each prefix (``rent_s``) and
                       keeps the request here (tag ``local_copy``) once they reach that price:
-                      never over a fast link, at the second request over a slow one.
-                      *Stale queues*: the node learns how far its predictions of peers' queue
-                      waits were off from the waits its forwards met (``wait_error_s``); a
-                      forward must save more than that too.
+                      after ~75 forwards of a prefix over a 4 ms link, at the first or second
+                      over a 400 ms one.
+                      *Stale queues*: per peer, the node learns how far its predictions of the
+                      peer's queue wait were off, from the waits its forwards met there
+                      (``wait_error_s``); a forward must save more than that too.
                       *Robust speeds*: learnt speeds within ``speed_tolerance`` (1.5×) of the
                       candidates' median count as the median, so that estimation noise on a
                       shared machine cannot send cold requests to whichever node looks fastest
@@ -131,6 +132,8 @@ class RouterConfig:
     # cost: the time constant of the round trips a node remembers spending on a prefix (its
     # rent; see Placement.rent_s)
     rent_window_s: float = 600.0
+    # cost: the time constant of a peer's measured queue-wait prediction error (WaitError)
+    error_window_s: float = 10.0
     # cost: preferred candidates (owners, holders) within this fraction (and min_gain_s) of the
     # best of them are equal; one is picked at random (self first)
     near_tie: float = 0.1
@@ -159,8 +162,8 @@ class RouterConfig:
             raise ValueError("context_scale must be > 0")
         if self.speed_tolerance is not None and self.speed_tolerance < 1:
             raise ValueError("speed_tolerance must be >= 1 (or None to disable)")
-        if self.rent_window_s <= 0:
-            raise ValueError("rent_window_s must be > 0")
+        if self.rent_window_s <= 0 or self.error_window_s <= 0:
+            raise ValueError("rent_window_s and error_window_s must be > 0")
         if self.replica_load <= 0 or self.max_replicas < 1 or self.replica_window_s <= 0:
             raise ValueError("replica_load and replica_window_s must be > 0, max_replicas >= 1")
         if self.near_tie < 0 or self.queue_memory <= 0:
@@ -217,8 +220,8 @@ class Tag(StrEnum):
     REPLICA = "replica"  # others hold it; the candidate is an owner: a deliberate replica
     SECOND_COPY = "second_copy"  # others hold it; not an owner: an accidental cold copy
     UNPLACED = "unplaced"  # nobody holds it; not an owner (placement gave way to load)
-    # others hold it; copied here because the round trips to use theirs already cost more
-    # than the copy (``Placement.rent_s``): a deliberate replica at the entry node
+    # a peer holds it, this node does not; kept here because the round trips spent renting
+    # that copy reached what a copy here costs (``Placement.rent_s``): a deliberate replica
     LOCAL_COPY = "local_copy"
 
 
@@ -233,7 +236,8 @@ class Candidate:
     # which knows its queue and cache exactly, refuses it if it cannot (``RefuseForward``).
     beat_s: float | None = None
     placement: Tag | None = None  # cost policy with a placement only
-    wait_s: float = 0.0  # the queue wait in ``predicted_latency_s``
+    wait_s: float = 0.0  # the queue wait in ``predicted_latency_s`` (what a forward is checked
+    #                      against when the peer reports the wait it met: ``WaitError``)
 
 
 def predict_service(req: RouteInput, node: NodeInfo, context_scale: float) -> float:
@@ -365,15 +369,18 @@ class Router:
         bought = False
         if placement is not None:
             best = self._placed(req, keyed, best, placement, overloaded, rng)
-            # Ski rental: a forward rents another node's copy for one round trip; a copy here
+            # Ski rental: a forward to a holder rents its copy for one round trip; a copy here
             # costs, once, what staying costs more than the forward now. Rent until the round
-            # trips spent on this prefix reach that price, then buy. Over a fast link that is
-            # never (a 4 ms round trip against a 0.3 s prefill); over a slow one, where every
-            # node keeping its own copy is what wins, the second request buys.
+            # trips spent on this prefix reach that price, then buy. Over a 4 ms link against
+            # a 0.3 s prefill that takes ~75 forwards of one prefix from this node (a hot one
+            # is then copied here too); over a 400 ms one, where every node keeping its own
+            # copy is what wins, the first or second request buys.
             # (A forward the placement slack chose, slower now than staying, is not a rental:
             # it avoids a second copy while gossip is a round behind.)
             price = mine[0] - best[0]
-            if not best[3].is_self and 0.0 < price <= placement.rent_s + best[3].rtt_s:
+            held = placement.held_tokens
+            renting = best[3].cached_tokens >= held > me.cached_tokens  # a hit there, not here
+            if renting and 0.0 < price <= placement.rent_s + best[3].rtt_s:
                 best, bought = mine, True
         return [best[3], *(n for n in order if n is not best[3])], bought
 
@@ -416,9 +423,10 @@ class Router:
         """Whether ``node`` is preferred for the request's prefix: an owner or a holder, and,
         for a peer, one whose copy is worth a round trip. A copy there saves a later request
         entering elsewhere (here, say) the prefill of what it holds beyond this node's cache
-        (a holder: its cached prefix; an owner: at most this whole prompt); unless that beats
-        the round trip (by the hysteresis and the queue error, as any forward must), no later
-        request would be forwarded to use it, so concentrating the prefix there buys nothing.
+        (a holder: its cached prefix; an owner: at most this whole prompt). Less the round
+        trip and the queue error, that gain must be at least the hysteresis and at least one
+        more round trip: else later requests would rent it briefly or not at all (ski
+        rental), so concentrating the prefix there buys little.
         (At 1 s one way the slack sent cold 3,000-token prompts across a 2 s round trip; at
         200 ms it sent MMLU requests to holders of a 1,500-token prefix it took 0.3 s to
         prefill; with a long prompt every node holds, agentic steps to their scratchpad's
