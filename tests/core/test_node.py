@@ -357,6 +357,48 @@ def test_forward_succeeded_inserts_optimistically_and_measures_rtt() -> None:
     assert n0.metrics()["requests_fallback"] == 1
 
 
+def test_the_queue_waits_forwards_met_teach_the_error_of_that_peers_predictions() -> None:
+    c = warm_cluster(2, policy=Policy.COST)
+    n0 = c.nodes["n0"]
+
+    def forward(rid: int, waited: float) -> None:
+        offer(c, rid, "n1")
+        c.deliver("n0", ForwardAccepted(rid, "n1", 0))
+        c.deliver("n0", RequestDone(rid, forward_rtt_s=0.004, forward_queue_s=waited))
+
+    def error() -> float:
+        [peer] = n0.mesh_state(c.now)["peers"]  # type: ignore[misc]
+        return float(peer["wait_error_s"])
+
+    assert error() == 0.0
+    forward(1, 0.5)  # predicted no wait (a target: no prediction), met half a second
+    first = error()
+    assert first == pytest.approx(n0.config.priors.alpha * 0.5, rel=0.05)
+    forward(2, 1e9)  # a peer's absurd claim: counted, not learnt
+    assert n0.metrics()["forward_waits_rejected"] == 1 and error() <= first
+
+
+def test_rent_spent_forwarding_to_a_holder_buys_a_local_copy_in_the_end() -> None:
+    """Each first ranking that forwards to the holder of a prefix this node lacks adds that
+    round trip to the prefix's rent; re-rankings add nothing; once the rent reaches what a
+    copy here costs more than the forward, the request stays here, tagged local_copy."""
+    rng = random.Random(3)
+    c = warm_cluster(3, policy=Policy.COST)
+    chain = hashes_of(c, "n2", rng, n=200)
+    c.run_for(1.0)
+    n0 = c.nodes["n0"]
+    for _ in range(50):
+        assert n0.route(chain, 3200, 0, 1, c.now)[0].node_id == "n2"  # observe=False
+    heads = []
+    for _ in range(2000):
+        head = n0.route(chain, 3200, 0, 1, c.now, observe=True)[0]
+        heads.append(head.node_id)
+        if head.is_self:
+            assert head.placement is Tag.LOCAL_COPY
+            break
+    assert heads[0] == "n2" and heads[-1] == "n0" and len(heads) > 10
+
+
 def test_load_above_threshold_advertises_immediately() -> None:
     node = lone_node(pushback=PushbackConfig(queue_threshold=2, duration_s=1.0))
     node.handle(Tick(), 0.0)

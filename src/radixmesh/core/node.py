@@ -906,6 +906,7 @@ class NodeCore:
             "pushback_remaining_s": None if until is None else max(0.0, until - now),
             "rtt_s": self._rtt.get(peer),
             "rtt_measured": self._rtt.measured(peer),
+            "wait_error_s": self._spread_of(peer, now),
         }
 
     def _count(self, name: str, by: float = 1.0) -> None:
