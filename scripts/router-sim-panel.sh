@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The router's simulator panel (docs/benchmarks.md, "Router" -> "This round"): one policy over
+# 24 cases on 4 simulated nodes -- the four generated workloads under Poisson arrivals (50 %
+# and 80 % of capacity) and 16 closed-loop clients, and MMLU one at a time (2 ms, skewed, a
+# 20k-token cache; speeds fitted to a real run at 2 ms, 200 ms and 1 s; gpu-70b) and with 4
+# and 16 clients. Deterministic: run it for two trees and compare the lines.
+#
+#   scripts/router-sim-panel.sh MMLU_DIR OUT_DIR [POLICY]      (POLICY: cost by default)
+#
+# Writes OUT_DIR/traces/*.jsonl once (the bench's own generators) and prints one line per
+# case: the case, then `radixmesh sim`'s summary row (mean s, p99 s, hit rates, hotspot,
+# forwarded share, errors, gossip bytes).
+set -euo pipefail
+MMLU=${1:?usage: router-sim-panel.sh MMLU_DIR OUT_DIR [POLICY]}
+OUT=${2:?usage: router-sim-panel.sh MMLU_DIR OUT_DIR [POLICY]}
+POLICY=${3:-cost}
+HERE=$(cd "$(dirname "$0")" && pwd)
+FIT="$HERE/../docs/data/costmodel-tiny-loaded.json"  # `radixmesh sim --validate` of a 200 ms run
+RM=${RADIXMESH:-radixmesh}
+mkdir -p "$OUT/traces"
+for w in agentic hotprefix rag chat; do
+  [ -s "$OUT/traces/$w.jsonl" ] || "$RM" bench --workload "$w" --requests 400 \
+      --synthetic-scale 0.25 --mmlu-dir "$MMLU" --export-trace "$OUT/traces/$w.jsonl" \
+      --out "$OUT/export" > /dev/null
+done
+one() {
+  printf "%-28s %s\n" "$1" "$("$RM" sim --nodes 4 --policy "$POLICY" --quiet --no-records \
+      "${@:2}" 2>&1 | tail -1)"
+}
+for w in agentic hotprefix rag chat; do
+  for l in 0.5 0.8; do
+    one "$w p$l" --trace "$OUT/traces/$w.jsonl" --load "$l" --cache-tokens 60000
+  done
+  one "$w k16" --trace "$OUT/traces/$w.jsonl" --schedule sequential --concurrency 16 \
+      --cache-tokens 60000
+done
+M=(--mmlu-dir "$MMLU" --requests 500 --schedule sequential)
+one "mmlu seq" "${M[@]}"
+one "mmlu seq skew" "${M[@]}" --skew skewed
+one "mmlu seq 20k" "${M[@]}" --cache-tokens 20000
+F=(--cost-model "$FIT" --max-context 4096)
+for d in 2ms 200ms 1s; do one "fit seq $d" "${M[@]}" --comm-delay "$d" "${F[@]}"; done
+one "fit seq skew" "${M[@]}" "${F[@]}" --skew skewed
+one "fit seq 20k" "${M[@]}" "${F[@]}" --cache-tokens 20000
+for d in 2ms 1s; do one "g70 seq $d" "${M[@]}" --comm-delay "$d" --cost-model gpu-70b; done
+one "fit mmlu k4" "${M[@]}" --concurrency 4 "${F[@]}"
+one "fit mmlu k16" "${M[@]}" --concurrency 16 "${F[@]}"
