@@ -1,5 +1,5 @@
-"""Cost model: priors before observations, EWMA convergence, the prefill fit, RTT table,
-prefill shape, the error of queue-wait predictions."""
+"""Cost model: priors before observations, EWMA convergence, RTT table, prefill shape, the
+error of queue-wait predictions."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from radixmesh.core.estimators import (
     ComputeModel,
     CostPriors,
     Ewma,
-    LinearFit,
     RttTable,
     SpeedReport,
     WaitError,
@@ -110,46 +109,6 @@ def test_rtt_forward_measurements_override_gossip_probes() -> None:
     assert rtt.get("a") == PRIORS.rtt_s and not rtt.measured("a")
 
 
-def test_compute_model_learns_the_overhead_too_once_sizes_differ() -> None:
-    """A 30 ms overhead under a 4 ms prior: fitting the rate alone made short cache hits teach
-    a per-token rate far above the real one; the fit recovers both."""
-    model = ComputeModel(PRIORS)
-    overhead, rate = 0.03, 2e-4
-    for u, c in [(100, 1200), (1400, 0), (300, 900), (2000, 60)] * 30:
-        model.observe_prefill(u, c, overhead + rate * prefill_work(u, c, PRIORS.context_scale))
-    report = model.report()
-    assert report.prefill_overhead_s == pytest.approx(overhead, rel=1e-3)
-    assert report.prefill_s_per_token == pytest.approx(rate, rel=1e-3)
-
-
-@settings(max_examples=100, deadline=None)
-@given(a=st.floats(0, 1), b=st.floats(1e-6, 1e-2), x=st.floats(1, 1e4),
-       prior_a=st.floats(0, 0.1))
-def test_linear_fit_of_one_size_keeps_the_prior_intercept(
-    a: float, b: float, x: float, prior_a: float
-) -> None:
-    """Requests all of one size cannot tell overhead from rate: the prior's overhead is kept
-    (never above the mean time) and the rate explains the rest; predictions at that size are
-    exact either way."""
-    fit = LinearFit(prior_a, 1e-4, 0.2)
-    for _ in range(50):
-        fit.observe(x, a + b * x)
-    got_a, got_b = fit.params()
-    assert got_a == pytest.approx(min(prior_a, a + b * x))
-    assert got_a + got_b * x == pytest.approx(a + b * x, rel=1e-6, abs=1e-12)
-
-
-def test_linear_fit_never_returns_a_negative_overhead() -> None:
-    fit = LinearFit(0.004, 1e-4, 0.2)
-    for x in (100.0, 1000.0, 3000.0) * 20:
-        fit.observe(x, max(0.0, 2e-4 * x - 0.05))  # a line through y < 0 at x = 0
-    a, b = fit.params()
-    assert a == 0.0 and b > 0
-    fit.observe(-1.0, 1.0)  # ignored: no work
-    fit.observe(10.0, float("nan"))
-    assert fit.params() == (a, b)
-
-
 def test_wait_error_is_the_size_of_recent_residuals_and_fades_when_forwards_stop() -> None:
     err = WaitError(alpha=0.2, window_s=10.0)
     assert err.spread(0.0) == 0.0
@@ -166,17 +125,3 @@ def test_wait_error_is_the_size_of_recent_residuals_and_fades_when_forwards_stop
     assert exact.spread(50.0) == 0.0
     with pytest.raises(ValueError):
         WaitError(alpha=0.0, window_s=1.0)
-
-
-def test_linear_fit_keeps_what_mixed_sizes_taught_through_a_run_of_one_size() -> None:
-    """After a mix of sizes has fitted the overhead, a long run of same-size requests (which
-    cannot tell overhead from rate) must not fall back to the prior's overhead."""
-    fit = LinearFit(0.004, 1e-4, 0.2)
-    a, b = 0.03, 2e-4
-    for x in (100.0, 1500.0, 400.0, 2500.0) * 10:
-        fit.observe(x, a + b * x)
-    for _ in range(200):
-        fit.observe(2000.0, a + b * 2000.0)
-    got_a, got_b = fit.params()
-    assert got_a == pytest.approx(a, rel=1e-3) and got_b == pytest.approx(b, rel=1e-3)
-

@@ -13,14 +13,13 @@ track drift (a node that slows down is noticed within a few requests).
 Prefill is not linear in the number of uncached tokens: attention over the cached context
 grows with it. The model is ``overhead + rate * work(u, c)`` with
 ``work(u, c) = u * (1 + (c + u / 2) / context_scale)`` — ``u`` uncached tokens attending over
-``c`` cached plus (on average) half of themselves. ``overhead`` and ``rate`` are learnt together
-(:class:`LinearFit`: exponentially weighted least squares of seconds on work) once the requests
-seen differ enough in size to tell them apart; until then the overhead is the prior's and only
-the rate is learnt. Learning the rate alone under a wrong overhead is biased: on the tiny engine
-(30 ms real overhead, 4 ms prior) short cache hits taught a per-token rate 1.6x the real one,
-cold prefills were predicted 35 % too slow, and at 200 ms one way ``cost`` forwarded half the
-requests for savings they did not have (1.35x ``none``). ``context_scale`` is a constant of the
-hardware/model (how many context tokens double a token's cost), given in the priors.
+``c`` cached plus (on average) half of themselves. ``rate`` is learnt from observations by
+EWMA of ``(seconds - overhead) / work``; ``context_scale`` is a constant of the hardware/model
+(how many context tokens double a token's cost), given in the priors. (Fitting the overhead
+too, by weighted least squares over the last few requests, was tried: exact in the
+simulator, but on the real tiny engine its noise, 21 % per request, made the per-node fits
+differ by more than the router's 1.5× tolerance, and at 200 ms one node took 71 % of the
+requests. The per-request EWMA of the rate averages that noise away.)
 """
 
 from __future__ import annotations
@@ -93,69 +92,13 @@ class SpeedReport:
         )
 
 
-class LinearFit:
-    """``y ≈ a + b·x`` by exponentially weighted least squares, with a prior.
-
-    Each observation moves the weighted means and (co)variances by ``max(alpha, 1/(n+1))``
-    (the first ones weigh more, so a bad prior is forgotten quickly). The fit is used once
-    there are ``MIN_FIT`` observations whose ``x`` spread exceeds ``MIN_SPREAD`` of its mean
-    (else ``a`` and ``b`` cannot be told apart): then ``b = cov(x, y) / var(x)`` and
-    ``a = mean(y) - b·mean(x)``; a negative ``a`` gives the line through the origin instead
-    (``a = 0``, ``b = mean(y) / mean(x)``). Otherwise ``a`` is
-    the last fitted ``a`` (the prior's before any fit; at most ``mean(y)``) and
-    ``b = (mean(y) - a) / mean(x)``: a run of same-size requests keeps what the mixed ones
-    taught. The first observation has weight 1 (the means start from nothing, not from the
-    prior)."""
-
-    MIN_FIT = 4
-    MIN_SPREAD = 0.25
-
-    __slots__ = ("_a", "_cxy", "_mx", "_my", "_n", "_vxx", "alpha", "prior_a", "prior_b")
-
-    def __init__(self, prior_a: float, prior_b: float, alpha: float) -> None:
-        self.prior_a, self.prior_b, self.alpha = prior_a, prior_b, alpha
-        self._n = 0
-        self._mx = self._my = self._vxx = self._cxy = 0.0
-        self._a = prior_a  # the intercept of the last fit that could tell a from b
-
-    def observe(self, x: float, y: float) -> None:
-        if not (math.isfinite(x) and math.isfinite(y)) or x <= 0 or y < 0:
-            return
-        w = max(self.alpha, 1.0 / (self._n + 1))
-        dx, dy = x - self._mx, y - self._my
-        self._mx += w * dx
-        self._my += w * dy
-        self._vxx = (1.0 - w) * (self._vxx + w * dx * dx)
-        self._cxy = (1.0 - w) * (self._cxy + w * dx * dy)
-        self._n += 1
-        if self._fits():
-            self._a = max(self._my - self._cxy / self._vxx * self._mx, 0.0)
-
-    def params(self) -> tuple[float, float]:
-        """``(a, b)``: the intercept and the slope."""
-        if self._n == 0:
-            return self.prior_a, self.prior_b
-        mx, my = self._mx, self._my
-        if self._fits():
-            if self._a > 0.0:
-                return self._a, self._cxy / self._vxx
-            return 0.0, my / mx  # a negative intercept: through the origin instead
-        a = min(self._a, my)
-        return a, (my - a) / mx
-
-    def _fits(self) -> bool:
-        """Whether the observations tell the intercept from the slope."""
-        spread_ok = self._vxx > (self.MIN_SPREAD * self._mx) ** 2
-        return self._n >= self.MIN_FIT and spread_ok and self._cxy > 0
-
-
 class ComputeModel:
     """This node's own prefill/decode speed, learnt from the requests it served."""
 
     def __init__(self, priors: CostPriors) -> None:
         self.priors = priors
-        self._prefill = LinearFit(priors.prefill_overhead_s, priors.prefill_s_per_token,
-                                  priors.alpha)
+        self._overhead = priors.prefill_overhead_s
+        self._rate = Ewma(priors.prefill_s_per_token, priors.alpha)
         self._decode = Ewma(priors.decode_s_per_token, priors.alpha)
         self._service = Ewma(
             priors.prefill_overhead_s + 256 * priors.prefill_s_per_token, priors.alpha
@@ -164,7 +107,8 @@ class ComputeModel:
     def observe_prefill(self, uncached: int, cached: int, seconds: float) -> None:
         if uncached <= 0 or seconds < 0:
             return
-        self._prefill.observe(prefill_work(uncached, cached, self.priors.context_scale), seconds)
+        work = prefill_work(uncached, cached, self.priors.context_scale)
+        self._rate.observe(max(0.0, seconds - self._overhead) / work)
 
     def observe_decode(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds >= 0:
@@ -175,10 +119,9 @@ class ComputeModel:
             self._service.observe(seconds)
 
     def report(self) -> SpeedReport:
-        overhead, rate = self._prefill.params()
         return SpeedReport(
-            prefill_overhead_s=overhead,
-            prefill_s_per_token=rate,
+            prefill_overhead_s=self._overhead,
+            prefill_s_per_token=self._rate.value,
             decode_s_per_token=self._decode.value,
             mean_service_s=self._service.value,
         )
