@@ -24,6 +24,7 @@ from typing import Any
 
 from radixmesh.bench import paper_numbers as P
 from radixmesh.bench.folder import OPEN_LOOP, Ratio, Results, Run
+from radixmesh.core.router import DELIBERATE
 from radixmesh.results.summary import mean, percentile
 
 
@@ -313,7 +314,7 @@ def targets(res: Results) -> list[tuple[str, str, bool | None]]:
     if isinstance(placed, dict) and placed:
         out.append(("0 accidental second cold copies (cost, uniform 2 ms; router's tags)",
                     f"second copies {placed.get('second_copy', 0):.0f}, deliberate replicas "
-                    f"{placed.get('replica', 0) + placed.get('local_copy', 0):.0f} of "
+                    f"{sum(placed.get(t.value, 0) for t in DELIBERATE):.0f} of "
                     f"{sum(placed.values()):.0f} placed",
                     placed.get("second_copy", 0) == 0))  # fmt: skip
     if hit is not None and (ceiling is None or ceiling >= P.PAPER_ACTUAL_HIT_UNIFORM):

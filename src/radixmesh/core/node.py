@@ -108,6 +108,7 @@ from radixmesh.core.router import (
     Router,
     Tag,
     predict_latency,
+    predict_wait,
 )
 from radixmesh.core.summary import LocalSummary
 
@@ -498,7 +499,7 @@ class NodeCore:
         if predicted <= beat_s:
             return None
         self._count("forwards_refused_slower")
-        return self._load.queue_depth * me.speed.mean_service_s
+        return predict_wait(me)
 
     def _refusal_by_state(self, now: float, prompt_tokens: int, max_tokens: int) -> float | None:
         """Refusals by this node's state: leaving, full (for this request's tokens: bounded
@@ -590,19 +591,20 @@ class NodeCore:
         req = RouteInput(prompt_tokens, max_tokens)
         policy = self.config.router.policy
         nodes = [self._self_info(local_cached_tokens, now)]
-        placement = None
+        placed = None
         if policy is not Policy.NONE:
             peers = self._peer_infos(hashes, prompt_tokens, policy, now)
             nodes.extend(peers)
             if policy is Policy.COST:
-                placement = self._placement(hashes, req, nodes, now, observe)
+                placed = self._placement(hashes, req, nodes, now, observe)
+        placement, key = placed if placed is not None else (None, None)
         ranked = self._router.rank(req, nodes, self._rng, placement)
         head = ranked[0]
-        if observe and placement is not None and placement.key is not None:
+        if observe and key is not None:
             mine = next(c for c in ranked if c.is_self)
             if head.placement is Tag.HIT and mine.placement is not Tag.HIT:  # renting a copy
                 rtt = next((n.rtt_s for n in nodes if n.node_id == head.node_id), 0.0)
-                self._key_rent.add(placement.key, now, rtt)  # the round trip it spends
+                self._key_rent.add(key, now, rtt)  # the round trip it spends
         return ranked
 
     def _placement(
@@ -612,9 +614,10 @@ class NodeCore:
         nodes: list[NodeInfo],
         now: float,
         observe: bool = False,
-    ) -> Placement | None:
+    ) -> tuple[Placement, int] | None:
         """The request's prefix's owner set on the ring (owners missing from ``nodes`` are
-        appended): as many owners as its load here says it needs (``core/placement.py``)."""
+        appended): as many owners as its load here says it needs (``core/placement.py``);
+        with the placement key that names the prefix."""
         cfg = self.config.router
         if cfg.placement_depth_blocks is None or not hashes:
             return None
@@ -645,7 +648,7 @@ class NodeCore:
                 info = self._info(owner, cached, now)
                 if info is not None:
                     nodes.append(info)
-        return Placement(tuple(owners), held, self._key_rent.total(key, now), key)
+        return Placement(tuple(owners), held, self._key_rent.total(key, now)), key
 
     def _shared_blocks(self, hashes: Sequence[int], mine: int) -> int:
         """Blocks of this request's prefix that every member holds (self exactly, peers in

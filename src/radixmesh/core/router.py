@@ -209,7 +209,6 @@ class Placement:
     # the forward round trips this node already spent on this prefix (recently): when they
     # reach what a copy here costs more than a forward now, a copy is made here instead
     rent_s: float = 0.0
-    key: int | None = None  # the placement key naming the prefix (the node's bookkeeping)
 
 
 class Tag(StrEnum):
@@ -223,6 +222,11 @@ class Tag(StrEnum):
     # a peer holds it, this node does not; kept here because the round trips spent renting
     # that copy reached what a copy here costs (``Placement.rent_s``): a deliberate replica
     LOCAL_COPY = "local_copy"
+
+
+# the tags of copies made on purpose (hot-prefix replicas, rented copies bought), as opposed
+# to an accidental second copy
+DELIBERATE = frozenset({Tag.REPLICA, Tag.LOCAL_COPY})
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,10 +251,14 @@ def predict_service(req: RouteInput, node: NodeInfo, context_scale: float) -> fl
     return node.speed.service_s(uncached, cached, req.max_tokens, context_scale)
 
 
+def predict_wait(node: NodeInfo) -> float:
+    """The queue wait a request meets on ``node``: its queue at its mean service time."""
+    return node.queue_depth * node.speed.mean_service_s
+
+
 def predict_latency(req: RouteInput, node: NodeInfo, context_scale: float) -> float:
-    wait = node.queue_depth * node.speed.mean_service_s
     rtt = 0.0 if node.is_self else node.rtt_s
-    return rtt + wait + predict_service(req, node, context_scale)
+    return rtt + predict_wait(node) + predict_service(req, node, context_scale)
 
 
 def mesh_cost(
@@ -293,10 +301,8 @@ class Router:
             raise ValueError("exactly one NodeInfo must be is_self")
         avail = [n for n in nodes if n.available]
         policy = self.config.policy
-        bought = False
         if policy is Policy.COST:
-            avail = self._robust_speeds(avail)
-            selves = [n for n in avail if n.is_self]
+            return self._rank_cost(req, nodes, self._robust_speeds(avail), rng, placement)
         if policy is Policy.NONE:
             # No view is consulted, so no cache hit is claimed (the paper's no-route baseline).
             me = selves[0]
@@ -304,8 +310,6 @@ class Router:
             return [Candidate(me.node_id, True, 0, latency)]
         if policy is Policy.PAPER:
             order = _by_match(avail)
-        elif policy is Policy.COST:
-            order, bought = self._by_cost(req, avail, rng, placement)
         elif policy is Policy.RANDOM:
             order = avail[:]
             rng.shuffle(order)
@@ -313,20 +317,34 @@ class Router:
             order = self._round_robin(avail)
         else:
             order = _least_loaded(avail, rng)
-        if policy is not Policy.COST:
-            return [self._candidate(req, n) for n in order]
-        me = selves[0]
-        local = mesh_cost(req, avail, self.config.context_scale, me.queue_depth)[avail.index(me)]
-        placed = local * (1.0 + self.config.placement_slack)
+        return [self._candidate(req, n) for n in order]
+
+    def _rank_cost(
+        self,
+        req: RouteInput,
+        nodes: Sequence[NodeInfo],
+        avail: list[NodeInfo],
+        rng: Random,
+        placement: Placement | None,
+    ) -> list[Candidate]:
+        """The cost policy: each candidate's mesh cost and whether it is preferred for the
+        prefix are computed once, for the choice and for the ``beat_s`` each forward carries."""
+        me = next(n for n in avail if n.is_self)
+        costs = mesh_cost(req, avail, self.config.context_scale, me.queue_depth)
+        local = costs[avail.index(me)]
+        preferred = set() if placement is None else {
+            n.node_id for n in avail if self._preferred(req, n, me, placement)
+        }
+        order, bought = self._by_cost(avail, costs, rng, placement, preferred)
         if placement is None:
             return [self._candidate(req, n, None if n.is_self else local) for n in order]
+        placed = local * (1.0 + self.config.placement_slack)
         owners = set(placement.owners)
         held = placement.held_tokens
         anyone = any(n.cached_tokens >= held for n in nodes)
         out = []
         for n in order:
-            preferred = self._preferred(req, n, me, placement)
-            beat = None if n.is_self else (placed if preferred else local)
+            beat = None if n.is_self else (placed if n.node_id in preferred else local)
             tag = Tag.LOCAL_COPY if n.is_self and bought else _tag(n, owners, held, anyone)
             out.append(self._candidate(req, n, beat, tag))
         return out
@@ -343,15 +361,15 @@ class Router:
     # ---------------------------------------------------------------------------- policies
     def _by_cost(
         self,
-        req: RouteInput,
         avail: list[NodeInfo],
+        costs: list[float],
         rng: Random,
-        placement: Placement | None = None,
+        placement: Placement | None,
+        preferred: set[str],
     ) -> tuple[list[NodeInfo], bool]:
-        """The candidates, best first, and whether staying here is a bought copy (rent)."""
-        scale = self.config.context_scale
+        """The candidates, best first (``costs``: their mesh costs), and whether staying here
+        is a bought copy (rent); ``preferred``: the owners and holders worth a round trip."""
         me = next(n for n in avail if n.is_self)
-        costs = mesh_cost(req, avail, scale, me.queue_depth)
         keyed = [(c, n.queue_depth, rng.random(), n) for c, n in zip(costs, avail, strict=True)]
         keyed.sort(key=lambda k: (k[0], not k[3].is_self, k[1], k[2]))
         order = [k[3] for k in keyed]
@@ -363,12 +381,11 @@ class Router:
         # Hysteresis against noisy *speed* estimates: a share of the local work, not of the
         # local queue wait (under load 10 % of the wait exceeded any cache saving); and
         # against stale *queue* views: what predictions of the peer's wait are lately off by.
-        my_wait = me.queue_depth * me.speed.mean_service_s
-        if mine[0] - best[0] < self._needed(mine[0] - my_wait) + best[3].wait_error_s:
+        if mine[0] - best[0] < self._needed(mine[0] - predict_wait(me)) + best[3].wait_error_s:
             best = mine
         bought = False
         if placement is not None:
-            best = self._placed(req, keyed, best, placement, overloaded, rng)
+            best = self._placed(keyed, best, preferred, overloaded, rng)
             # Ski rental: a forward to a holder rents its copy for one round trip; a copy here
             # costs, once, what staying costs more than the forward now. Rent until the round
             # trips spent on this prefix reach that price, then buy. Over a 4 ms link against
@@ -386,10 +403,9 @@ class Router:
 
     def _placed(
         self,
-        req: RouteInput,
         keyed: list[tuple[float, float, float, NodeInfo]],
         best: tuple[float, float, float, NodeInfo],
-        placement: Placement,
+        preferred: set[str],
         overloaded: set[str],
         rng: Random,
     ) -> tuple[float, float, float, NodeInfo]:
@@ -397,12 +413,7 @@ class Router:
         at most ``placement_slack`` more than ``best`` now; near-equal ones are picked at
         random, self first (entry nodes sharing a stale view must not all pick one peer)."""
         cfg = self.config
-        me = next(k[3] for k in keyed if k[3].is_self)
-        pref = [
-            k
-            for k in keyed
-            if self._preferred(req, k[3], me, placement) and k[3].node_id not in overloaded
-        ]
+        pref = [k for k in keyed if k[3].node_id in preferred and k[3].node_id not in overloaded]
         if not pref:
             return best
         low = pref[0][0]  # keyed is sorted by prediction
@@ -493,7 +504,7 @@ class Router:
             predicted_latency_s=predict_latency(req, node, self.config.context_scale),
             beat_s=beat_s,
             placement=placement,
-            wait_s=node.queue_depth * node.speed.mean_service_s,
+            wait_s=predict_wait(node),
         )
 
 

@@ -69,7 +69,7 @@ from radixmesh.core.events import (
     Tick,
 )
 from radixmesh.core.node import NodeCore
-from radixmesh.core.router import RouterConfig, Tag
+from radixmesh.core.router import DELIBERATE, RouterConfig
 from radixmesh.sim.clock import EventLoop
 from radixmesh.sim.costs import CostModel
 from radixmesh.sim.engine import SimEngine, SimRun
@@ -493,7 +493,7 @@ class SimCluster:
             return
         entry = self.nodes[flight.entry].core
         tag = None if entry is None else entry.placement_of(flight.index)
-        if tag in (Tag.REPLICA, Tag.LOCAL_COPY):
+        if tag in DELIBERATE:
             self.counters.deliberate_replicas += 1
         else:
             self.counters.second_cold_copies += 1
