@@ -6,7 +6,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -222,6 +225,68 @@ def test_gateway_routes_to_the_workers_and_passes_node_headers(
         a.close()
         b.close()
     assert (tmp_path / "a.log").exists()
+
+
+def _relay(delay_s: float, targets: Sequence[str]) -> tuple[subprocess.Popen[bytes], list[str]]:
+    cmd = [sys.executable, "-m", "radixmesh.bench.linkproxy", "--delay", str(delay_s)]
+    for url in targets:
+        cmd += ["--to", url.removeprefix("http://")]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    words = proc.stdout.readline().decode().split()
+    assert words[0] == "READY" and len(words) == len(targets) + 1
+    return proc, [f"http://127.0.0.1:{p}" for p in words[1:]]
+
+
+def test_link_relay_delays_each_way_and_relays_requests_intact(workers: list[str]) -> None:
+    proc, urls = _relay(0.15, workers)
+    try:
+        with httpx.Client(timeout=10) as client:
+            for url, worker in zip(urls, workers, strict=True):
+                client.get(url + "/health")  # the connection is open: only the link remains
+                t0 = time.monotonic()
+                r = client.post(
+                    url + "/v1/completions", json={"model": "tiny", "prompt": "x" * 5000}
+                )
+                took = time.monotonic() - t0
+                assert r.status_code == 200 and r.json()["choices"][0]["text"] == "A"
+                assert r.headers["x-radixmesh-served-by"] == f"w{worker.rsplit(':', 1)[1]}"
+                assert took >= 0.3  # the request crossed the link once, the response once
+    finally:
+        assert proc.stdin is not None
+        proc.stdin.close()  # the parent is gone: the relay stops by itself
+        assert proc.wait(timeout=10) == 0
+
+
+def test_link_relay_rejects_a_bad_target() -> None:
+    from radixmesh.bench.linkproxy import parse_target
+
+    assert parse_target("127.0.0.1:80") == ("127.0.0.1", 80)
+    for bad in ("127.0.0.1", "host:0", ":80", "host:port"):
+        with pytest.raises(argparse.ArgumentTypeError, match="HOST:PORT"):
+            parse_target(bad)
+
+
+@pytest.mark.parametrize("gateway", [SglangRouter, Smg], ids=["sglang-router", "smg"])
+def test_gateway_hop_crosses_the_emulated_link(
+    gateway: type[SglangRouter] | type[Smg], workers: list[str]
+) -> None:
+    if not gateway.available():
+        pytest.skip(gateway.install_hint)
+    g = gateway(workers, startup_timeout_s=60, link_delay_s=0.1)
+    try:
+        with httpx.Client(timeout=30) as client:
+            took = []
+            for i in range(3):
+                t0 = time.monotonic()
+                body = {"model": "tiny", "prompt": f"q{i}", "max_tokens": 1}
+                r = client.post(g.url + "/v1/completions", json=body)
+                took.append(time.monotonic() - t0)
+                assert r.status_code == 200 and r.headers["x-radixmesh-served-by"].startswith("w")
+        assert min(took) >= 0.2  # to the worker and back, through the relay
+    finally:
+        g.close()
+    assert g._relay is not None and g._relay.poll() is not None  # stopped with the gateway
 
 
 def test_gateway_that_exits_reports_its_error(workers: list[str]) -> None:

@@ -386,8 +386,9 @@ class Runner:
     ) -> None:
         gateway = GATEWAYS.get(spec.policy)
         if gateway is not None:
-            replay.router = gateway(cluster.urls, log_path=log_dir / f"{spec.policy}.log"
-                                    if log_dir is not None else None)  # fmt: skip
+            log = log_dir / f"{spec.policy}.log" if log_dir is not None else None
+            # its hop to the workers crosses the same emulated link as a peer forward
+            replay.router = gateway(cluster.urls, log_path=log, link_delay_s=spec.comm_delay_s)
         elif spec.policy == "oracle":
             context = engine_context(spec.preset, spec.model)
             replay.oracle = Oracle(cluster.node_ids, spec.cache_tokens, BLOCK_SIZE,

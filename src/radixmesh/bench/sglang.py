@@ -9,13 +9,18 @@ policy ``sglang``, optional extra ``radixmesh[sglang]``) and SMG 1.13
 
 Known behaviour of sglang-router (GUIDE §4): it matches raw characters, routes to the best
 match only above 30% shared, and with one sequential client sends every unmatched prompt to
-the first worker; the runner therefore also offers it with concurrency. The router→worker hop
-gets no emulated delay (that favours the baseline slightly at larger Δcomm).
+the first worker; the runner therefore also offers it with concurrency.
+
+The gateway→worker hop crosses the same emulated link as a mesh node's forward: with
+``link_delay_s`` > 0 the workers are reached through :mod:`radixmesh.bench.linkproxy`, which
+delays every chunk by the one-way delay each way (a gateway is one network hop from its
+workers, as a peer is from the entry node).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import select
 import subprocess
 import sys
 import tempfile
@@ -23,6 +28,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, ClassVar
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -46,10 +52,11 @@ class Gateway:
         worker_urls: Sequence[str],
         startup_timeout_s: float = 60.0,
         log_path: str | Path | None = None,
+        link_delay_s: float = 0.0,
     ) -> None:
         if not self.available():
             raise RuntimeError(self.install_hint)
-        self.workers = list(worker_urls)
+        self.workers = list(worker_urls)  # as the nodes know them (what the records name)
         self.port = free_port()
         self.metrics_port = free_port()  # both gateways default to 0.0.0.0:29000 (clashes)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -58,15 +65,54 @@ class Gateway:
         else:
             Path(log_path).parent.mkdir(parents=True, exist_ok=True)
             self._log = Path(log_path).open("w+b")  # noqa: SIM115 (closed in close())
-        self._proc = subprocess.Popen(
-            self.command(self.port, self.workers), stdout=self._log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
+        self._relay: subprocess.Popen[bytes] | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
         try:
+            routed = self.workers
+            if link_delay_s > 0:
+                routed = self._start_relay(link_delay_s, startup_timeout_s)
+            self._proc = subprocess.Popen(
+                self.command(self.port, routed), stdout=self._log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
             self._wait_ready(startup_timeout_s)
         except BaseException:
             self.close()
             raise
+
+    def _start_relay(self, delay_s: float, timeout_s: float) -> list[str]:
+        """Start the delaying relay in front of the workers; the URLs the gateway uses."""
+        targets = [urlsplit(u) for u in self.workers]
+        if any(t.hostname is None or t.port is None for t in targets):
+            raise ValueError(f"worker URLs need a host and a port: {self.workers}")
+        cmd = [sys.executable, "-m", "radixmesh.bench.linkproxy", "--delay", repr(delay_s)]
+        for t in targets:
+            cmd += ["--to", f"{t.hostname}:{t.port}"]
+        relay = self._relay = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+        assert relay.stdout is not None
+        ready = select.select([relay.stdout], [], [], timeout_s)[0]
+        line = relay.stdout.readline().decode() if ready else ""
+        words = line.split()
+        if len(words) != len(targets) + 1 or words[0] != "READY":
+            self._stop(relay)
+            raise RuntimeError(f"the link relay did not start (said {line.strip()!r})")
+        return [f"http://127.0.0.1:{port}" for port in words[1:]]
+
+    @staticmethod
+    def _stop(proc: subprocess.Popen[bytes]) -> None:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                stream.close()
 
     @classmethod
     def available(cls) -> bool:
@@ -82,8 +128,14 @@ class Gateway:
         ]  # fmt: skip
 
     def ready(self) -> bool:
-        """Whether the gateway answers and can route (default: ``GET /health`` is 200)."""
-        return httpx.get(self.url + "/health", timeout=1.0).status_code == 200
+        """Whether the gateway can route to every worker: ``GET /readiness`` is 200 and counts
+        them all healthy (both gateways answer it). ``GET /health`` is not enough: it is 200
+        while the workers are still being registered, when requests get 503."""
+        resp = httpx.get(self.url + "/readiness", timeout=1.0)
+        if resp.status_code != 200:
+            return False
+        healthy = resp.json().get("healthy_workers")
+        return isinstance(healthy, int) and healthy >= len(self.workers)
 
     def log_tail(self, lines: int = 3) -> str:
         """The last ``lines`` non-empty lines of the gateway's output (the error, usually)."""
@@ -93,12 +145,12 @@ class Gateway:
         return " | ".join([ln.strip() for ln in text.splitlines() if ln.strip()][-lines:])[-400:]
 
     def _wait_ready(self, timeout_s: float) -> None:
+        proc = self._proc
+        assert proc is not None
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(
-                    f"{self.name} exited with {self._proc.returncode}: {self.log_tail()}"
-                )
+            if proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {proc.returncode}: {self.log_tail()}")
             try:
                 if self.ready():
                     return
@@ -108,13 +160,10 @@ class Gateway:
         raise RuntimeError(f"{self.name} did not become ready within {timeout_s:.0f}s")
 
     def close(self) -> None:
-        if self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(timeout=5)
+        if self._proc is not None:
+            self._stop(self._proc)
+        if self._relay is not None:
+            self._stop(self._relay)
         self._log.close()
 
 

@@ -16,12 +16,10 @@ worker URL (``GET /health`` on the worker, model discovery; a radixmesh node pas
 number of nodes. It forwards OpenAI ``/v1/completions`` and ``/v1/chat/completions`` bodies
 to the chosen worker and returns the worker's response headers (``x-radixmesh-served-by`` and
 the cached-token counts come through). Verified against smg 1.13.0 on this project's nodes.
-Like sglang-router, the gateway→worker hop gets no emulated delay.
+Like sglang-router's, its hop to the workers crosses the emulated link (``bench/linkproxy.py``).
 """
 
 from __future__ import annotations
-
-import httpx
 
 from radixmesh.bench.sglang import Gateway
 
@@ -36,10 +34,3 @@ class Smg(Gateway):
     package = "smg"
     launcher = ("smg", "launch")
     extra_args = ("--log-level", "warn")
-
-    def ready(self) -> bool:
-        resp = httpx.get(self.url + "/readiness", timeout=1.0)
-        if resp.status_code != 200:
-            return False
-        healthy = resp.json().get("healthy_workers")
-        return isinstance(healthy, int) and healthy >= len(self.workers)

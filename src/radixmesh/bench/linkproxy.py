@@ -1,0 +1,124 @@
+"""The emulated link between a centralized gateway and its workers: a delaying TCP relay.
+
+A mesh node pays the emulated one-way delay (``--net-delay``) on every message to a peer, each
+way (``runtime/netem.py``). A gateway in front of the same nodes is one network hop from them
+too, so, for the comparison to be fair, its hop must cross the same link. The benchmark starts
+this relay as a process of its own between the gateway and each worker::
+
+    client ──▶ gateway ──▶ relay ──(delay)──▶ worker        (and back, delayed again)
+
+    python -m radixmesh.bench.linkproxy --delay 0.002 --to 127.0.0.1:8001 --to 127.0.0.1:8002
+
+It listens on one free port of 127.0.0.1 per ``--to`` and prints ``READY port port ...`` (in
+``--to`` order) once listening. Each connection is relayed byte for byte in both directions;
+every chunk is released one emulated one-way delay after it arrived, in order (the runtime's
+:meth:`Netem.delayed`, the one link model), so a request and its response each cross the link
+once, and a streamed response keeps its pacing. A half-closed side is passed on as EOF. The
+relay stops on SIGTERM or when its standard input closes (its parent is gone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+import threading
+from collections.abc import AsyncIterator, Sequence
+
+from radixmesh.core.link import LinkConfig
+from radixmesh.runtime.netem import Netem
+
+CHUNK = 65536
+
+
+async def _chunks(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
+    while data := await reader.read(CHUNK):
+        yield data
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: Netem) -> None:
+    """One direction of a connection: every chunk delayed, then EOF passed on."""
+    try:
+        async for chunk in link.delayed(_chunks(reader)):
+            writer.write(chunk)
+            await writer.drain()
+        if writer.can_write_eof():
+            writer.write_eof()
+    except (ConnectionError, OSError):
+        writer.close()
+
+
+class Relay:
+    """Listens for one worker; every accepted connection gets its own pair of delayed pipes."""
+
+    def __init__(self, target: tuple[str, int], config: LinkConfig, seed: int) -> None:
+        self.target = target
+        self.config = config
+        self._seed = seed
+        self._connections = 0
+
+    async def handle(self, down_r: asyncio.StreamReader, down_w: asyncio.StreamWriter) -> None:
+        self._connections += 1
+        base = self._seed * 1_000_003 + 2 * self._connections
+        try:
+            up_r, up_w = await asyncio.open_connection(*self.target)
+        except OSError:
+            down_w.close()
+            return
+        try:
+            await asyncio.gather(
+                _pipe(down_r, up_w, Netem(self.config, base)),
+                _pipe(up_r, down_w, Netem(self.config, base + 1)),
+            )
+        finally:
+            for w in (up_w, down_w):
+                w.close()
+                with contextlib.suppress(ConnectionError, OSError):
+                    await w.wait_closed()
+
+
+def parse_target(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return host, int(port)
+
+
+async def serve(targets: Sequence[tuple[str, int]], config: LinkConfig) -> None:
+    servers = []
+    for i, target in enumerate(targets):
+        relay = Relay(target, config, seed=i)
+        servers.append(await asyncio.start_server(relay.handle, "127.0.0.1", 0))
+    ports = [s.sockets[0].getsockname()[1] for s in servers]
+    print("READY", *ports, flush=True)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+
+    def parent_gone() -> None:  # the parent holds our stdin: EOF there means it is gone
+        sys.stdin.buffer.read()
+        loop.call_soon_threadsafe(stop.set)
+
+    threading.Thread(target=parent_gone, daemon=True).start()
+    await stop.wait()
+    for s in servers:
+        s.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m radixmesh.bench.linkproxy",
+                                     description=__doc__.split("\n\n")[0])  # fmt: skip
+    parser.add_argument("--delay", type=float, required=True,
+                        help="emulated one-way delay, seconds")  # fmt: skip
+    parser.add_argument("--to", type=parse_target, action="append", required=True,
+                        help="a worker HOST:PORT (repeatable)")  # fmt: skip
+    args = parser.parse_args(argv)
+    asyncio.run(serve(args.to, LinkConfig(delay_s=args.delay)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
