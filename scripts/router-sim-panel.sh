@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
 # The router's simulator panel (docs/benchmarks.md, "Router" -> "This round"): one policy over
-# 24 cases on 4 simulated nodes -- the four generated workloads under Poisson arrivals (50 %
+# 36 cases on 4 simulated nodes -- the four generated workloads under Poisson arrivals (50 %
 # and 80 % of capacity) and 16 closed-loop clients, and MMLU one at a time (2 ms, skewed, a
 # 20k-token cache; speeds fitted to a real run at 2 ms, 200 ms and 1 s; gpu-70b) and with 4
 # and 16 clients. Deterministic: run it for two trees and compare the lines.
 #
 #   scripts/router-sim-panel.sh MMLU_DIR OUT_DIR [POLICY]      (POLICY: cost by default)
 #
+# Then the same 12 workload cases with each request's entry node drawn at random (seeded)
+# instead of the generators' round-robin / per-conversation entries ("... rand"): with
+# round-robin entry every node of `none` sees evenly thinned arrivals (`none` is then a
+# round-robin balancer), which clients spread by DNS or an L4 balancer do not give.
+#
 # Writes OUT_DIR/traces/*.jsonl once (the bench's own generators) and prints one line per
 # case: the case, then `radixmesh sim`'s summary row (mean s, p99 s, hit rates, hotspot,
-# forwarded share, errors, gossip bytes).
+# forwarded share, errors, gossip bytes). One seed per case: on the loaded cases the same
+# router measured with other seeds (`--seed`) moves by up to ±10 %, so compare trees on
+# several seeds before trusting a difference of a few percent there.
 set -euo pipefail
 MMLU=${1:?usage: router-sim-panel.sh MMLU_DIR OUT_DIR [POLICY]}
 OUT=${2:?usage: router-sim-panel.sh MMLU_DIR OUT_DIR [POLICY]}
@@ -28,12 +35,23 @@ one() {
       "${@:2}" 2>&1 | tail -1)"
 }
 for w in agentic hotprefix rag chat; do
-  for l in 0.5 0.8; do
-    one "$w p$l" --trace "$OUT/traces/$w.jsonl" --load "$l" --cache-tokens 60000
-  done
-  one "$w k16" --trace "$OUT/traces/$w.jsonl" --schedule sequential --concurrency 16 \
-      --cache-tokens 60000
+  [ -s "$OUT/traces/$w-rand.jsonl" ] || python3 -c '
+import json, random, sys
+rng = random.Random(1)
+for line in sys.stdin:
+    r = json.loads(line); r["entry"] = rng.randrange(4); print(json.dumps(r))
+' < "$OUT/traces/$w.jsonl" > "$OUT/traces/$w-rand.jsonl"
 done
+workloads() {  # SUFFIX (trace file) LABEL
+  for w in agentic hotprefix rag chat; do
+    for l in 0.5 0.8; do
+      one "$w$2 p$l" --trace "$OUT/traces/$w$1.jsonl" --load "$l" --cache-tokens 60000
+    done
+    one "$w$2 k16" --trace "$OUT/traces/$w$1.jsonl" --schedule sequential --concurrency 16 \
+        --cache-tokens 60000
+  done
+}
+workloads "" ""
 M=(--mmlu-dir "$MMLU" --requests 500 --schedule sequential)
 one "mmlu seq" "${M[@]}"
 one "mmlu seq skew" "${M[@]}" --skew skewed
@@ -45,3 +63,4 @@ one "fit seq 20k" "${M[@]}" "${F[@]}" --cache-tokens 20000
 for d in 2ms 1s; do one "g70 seq $d" "${M[@]}" --comm-delay "$d" --cost-model gpu-70b; done
 one "fit mmlu k4" "${M[@]}" --concurrency 4 "${F[@]}"
 one "fit mmlu k16" "${M[@]}" --concurrency 16 "${F[@]}"
+workloads -rand " rand"
