@@ -7,8 +7,9 @@
 #
 #   scripts/router-sim-panel.sh MMLU_DIR OUT_DIR [POLICY]      (POLICY: cost by default)
 #
-# Then the same 12 workload cases with each request's entry node drawn at random (seeded)
-# instead of the generators' round-robin / per-conversation entries ("... rand"): with
+# Then the same 12 workload cases with each request's entry node drawn at random (seeded,
+# `--entry random`) instead of the generators' round-robin / per-conversation entries
+# ("... rand"): with
 # round-robin entry every node of `none` sees evenly thinned arrivals (`none` is then a
 # round-robin balancer), which clients spread by DNS or an L4 balancer do not give.
 #
@@ -34,24 +35,16 @@ one() {
   printf "%-28s %s\n" "$1" "$("$RM" sim --nodes 4 --policy "$POLICY" --quiet --no-records \
       "${@:2}" 2>&1 | tail -1)"
 }
-for w in agentic hotprefix rag chat; do
-  [ -s "$OUT/traces/$w-rand.jsonl" ] || python3 -c '
-import json, random, sys
-rng = random.Random(1)
-for line in sys.stdin:
-    r = json.loads(line); r["entry"] = rng.randrange(4); print(json.dumps(r))
-' < "$OUT/traces/$w.jsonl" > "$OUT/traces/$w-rand.jsonl"
-done
-workloads() {  # SUFFIX (trace file) LABEL
+workloads() {  # ENTRY LABEL
   for w in agentic hotprefix rag chat; do
     for l in 0.5 0.8; do
-      one "$w$2 p$l" --trace "$OUT/traces/$w$1.jsonl" --load "$l" --cache-tokens 60000
+      one "$w$2 p$l" --trace "$OUT/traces/$w.jsonl" --entry "$1" --load "$l" --cache-tokens 60000
     done
-    one "$w$2 k16" --trace "$OUT/traces/$w$1.jsonl" --schedule sequential --concurrency 16 \
-        --cache-tokens 60000
+    one "$w$2 k16" --trace "$OUT/traces/$w.jsonl" --entry "$1" --schedule sequential \
+        --concurrency 16 --cache-tokens 60000
   done
 }
-workloads "" ""
+workloads given ""
 M=(--mmlu-dir "$MMLU" --requests 500 --schedule sequential)
 one "mmlu seq" "${M[@]}"
 one "mmlu seq skew" "${M[@]}" --skew skewed
@@ -63,4 +56,4 @@ one "fit seq 20k" "${M[@]}" "${F[@]}" --cache-tokens 20000
 for d in 2ms 1s; do one "g70 seq $d" "${M[@]}" --comm-delay "$d" --cost-model gpu-70b; done
 one "fit mmlu k4" "${M[@]}" --concurrency 4 "${F[@]}"
 one "fit mmlu k16" "${M[@]}" --concurrency 16 "${F[@]}"
-workloads -rand " rand"
+workloads random " rand"

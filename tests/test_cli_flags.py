@@ -36,3 +36,15 @@ def test_demo_durations_take_units_like_bench() -> None:
 def test_cluster_ready_timeout_takes_units() -> None:
     assert _parser("cluster").parse_args(["--ready-timeout", "5m"]).ready_timeout == 300.0
     assert _parser("cluster").parse_args([]).ready_timeout == 180.0
+
+
+def test_sim_entry_random_draws_every_requests_entry() -> None:
+    from radixmesh.sim.sweep import requests_for
+
+    parser = _parser("sim")
+    given = requests_for(parser.parse_args(["--requests", "40"]), False, 4)
+    drawn = requests_for(parser.parse_args(["--requests", "40", "--entry", "random"]), False, 4)
+    assert [r.id for r in given] == [r.id for r in drawn]
+    assert [r.entry for r in given] == [i % 4 for i in range(40)] != [r.entry for r in drawn]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--entry", "nearest"])

@@ -25,6 +25,7 @@ from radixmesh.bench.smg import Smg
 from radixmesh.bench.spec import ALL_POLICIES, RunSpec
 from radixmesh.results.records import Record
 from radixmesh.workload import Request, WorkloadSpec, agentic
+from radixmesh.workload.schedule import Entry
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -55,6 +56,22 @@ def test_workloads_times_schedules_each_paired_with_its_own_key() -> None:
     planned = [RunResult(s, mode=mode_of(s, [])) for s in specs]
     assert [len(b) for b in batches(planned, 6)] == [3] * 6
     assert [r.mode for r in planned[3:6]] == ["open"] * 3
+
+
+def test_random_entry_is_named_and_reaches_the_workload() -> None:
+    specs = cli.specs_from_args(_args("--workload", "agentic", "--load", "0.8", "--policies",
+                                      "none,cost", "--entry", "random"))  # fmt: skip
+    assert [s.name for s in specs] == [
+        f"{p}-uniform-d2ms-g500ms-c200000-n4-wagentic-erandom-L0.8" for p in ("none", "cost")
+    ]
+    assert all(s.workload.entry is Entry.RANDOM for s in specs)
+    assert len({s.lockstep for s in specs}) == 1  # still paired with each other
+    preset = cli.specs_from_args(_args("--preset", "paper", "--only", "t1", "--entry", "random"))
+    assert preset and all(s.name.endswith("@uniform-erandom") for s in preset)
+    given = cli.specs_from_args(_args("--workload", "agentic", "--policies", "none"))
+    assert given[0].workload.entry is Entry.GIVEN and "-e" not in given[0].name.split("-w")[1]
+    with pytest.raises(SystemExit):
+        _args("--entry", "sideways")
 
 
 def test_schedule_defaults_and_mmlu_names_unchanged() -> None:

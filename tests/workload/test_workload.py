@@ -135,6 +135,36 @@ def test_schedules() -> None:
     assert big[-1].t is not None and big[-1].t / 1999 == pytest.approx(1 / 50, rel=1e-9)
 
 
+def test_random_entries_replace_every_entry_seeded_and_spread() -> None:
+    reqs = [Request(id=str(i), prompt="p") for i in range(400)]
+    pinned = [reqs[0].with_entry(3), *reqs[1:]]
+    drawn = schedule.random_entries(pinned, nodes=4, seed=7)
+    entries = [r.entry for r in drawn]
+    assert entries == [r.entry for r in schedule.random_entries(pinned, nodes=4, seed=7)]
+    assert entries != [r.entry for r in schedule.random_entries(pinned, nodes=4, seed=8)]
+    counts = Counter(entries)
+    assert set(counts) == {0, 1, 2, 3} and min(counts.values()) > 60  # uniform, roughly
+    assert entries != [i % 4 for i in range(400)]
+    # random entries survive the schedules (they only fill in missing ones)
+    assert [r.entry for r in schedule.poisson(drawn, 4, 5.0, 1)] == entries
+    assert "workload's entries" in schedule.describe(schedule.sequential(drawn, 4))["schedule_text"]
+    assert "round-robin" in schedule.describe(schedule.sequential(reqs, 4))["schedule_text"]
+    with pytest.raises(ValueError, match="nodes"):
+        schedule.random_entries(reqs, nodes=0, seed=1)
+    assert schedule.Entry.parse(" Random ") is schedule.Entry.RANDOM
+    with pytest.raises(ValueError, match="given, random"):
+        schedule.Entry.parse("roundrobin")
+
+
+def test_build_with_random_entry_keeps_the_requests_and_redraws_entries() -> None:
+    given = WorkloadSpec(requests=60, mmlu_dir=str(MMLU_DIR), seed=1)
+    rand = WorkloadSpec(requests=60, mmlu_dir=str(MMLU_DIR), seed=1, entry=schedule.Entry.RANDOM)
+    a, b = build(given, nodes=4), build(rand, nodes=4)
+    assert [r.id for r in a] == [r.id for r in b]
+    assert [r.entry for r in a] == [i % 4 for i in range(60)] != [r.entry for r in b]
+    assert set(r.entry for r in b) == {0, 1, 2, 3}
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_poisson_offers_the_rate_asked_for_even_in_short_runs(seed: int) -> None:
     reqs = [Request(id=str(i), prompt="p") for i in range(60)]

@@ -41,6 +41,7 @@ from radixmesh.bench.sweep import ABUNDANT_CACHE, PRESETS, SweepAxes, expand, pa
 from radixmesh.core.units import parse_duration
 from radixmesh.workload import Schedule, WorkloadSpec, trace
 from radixmesh.workload.build import WORKLOADS, build_counted
+from radixmesh.workload.schedule import Entry
 
 T = TypeVar("T")
 
@@ -179,6 +180,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     w.add_argument("--seed", type=int, default=0, help="workload and routing seed")
     w.add_argument(
+        "--entry",
+        type=Entry.parse,
+        default=Entry.GIVEN,
+        help="the node each request enters at: given (the workload's own: chat's random ones, "
+        "a trace's; else round-robin) or random (seeded, every request; run names get "
+        "-erandom)",
+    )
+    w.add_argument(
         "--too-long",
         choices=TOO_LONG_ACTIONS,
         default="drop",
@@ -237,6 +246,7 @@ def base_spec(args: argparse.Namespace) -> RunSpec:
         trace=args.trace,
         synthetic_scale=args.synthetic_scale or (0.2 if quick else 1.0),
         synthetic_groups=args.synthetic_groups or (6 if quick else 57),
+        entry=getattr(args, "entry", Entry.GIVEN),
     )
     return RunSpec(
         name="base",
@@ -267,7 +277,7 @@ def specs_from_args(args: argparse.Namespace) -> list[RunSpec]:
                 raise ValueError(f"--only: no group {', '.join(sorted(unknown))} in preset "
                                  f"{args.preset} (groups: {', '.join(sorted(known))})")
             runs = [r for r in runs if r.group in args.only]
-        return runs
+        return [_tagged(r, _entry_tag(base)) for r in runs]
     loads = getattr(args, "load", None) or []
     closed = args.concurrency or ([] if (args.rate or loads) else [1])
     open_loop = bool(args.rate) or bool(loads) or trace_has_times(args.trace)
@@ -275,7 +285,7 @@ def specs_from_args(args: argparse.Namespace) -> list[RunSpec]:
     specs: list[RunSpec] = []
     for kind in getattr(args, "workload", None) or ["mmlu"]:
         b = replace(base, workload=replace(base.workload, kind=kind))
-        tag = "" if kind == "mmlu" else f"-w{kind}"
+        tag = ("" if kind == "mmlu" else f"-w{kind}") + _entry_tag(base)
         points: list[tuple[list[float | None], list[int], float | None]] = []
         if closed:
             points.append(([None], closed, None))
@@ -299,6 +309,10 @@ def specs_from_args(args: argparse.Namespace) -> list[RunSpec]:
                        for s in got]  # fmt: skip
             specs += [_tagged(s, suffix) for s in got]
     return specs
+
+
+def _entry_tag(spec: RunSpec) -> str:
+    return "" if spec.workload.entry is Entry.GIVEN else f"-e{spec.workload.entry.value}"
 
 
 def _tagged(spec: RunSpec, suffix: str) -> RunSpec:

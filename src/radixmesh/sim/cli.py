@@ -26,6 +26,7 @@ from radixmesh.core.units import parse_duration
 from radixmesh.sim import costs
 from radixmesh.sim.runner import RunResult
 from radixmesh.sim.sweep import AUTO_EPIDEMIC_ABOVE, split_csv, sweep_point
+from radixmesh.workload.schedule import Entry
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -107,6 +108,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--skew", default="uniform", help="uniform, skewed or uniform,skewed")
     g.add_argument("--mmlu-dir", default=None, help="MMLU release directory (else synthetic)")
     g.add_argument("--trace", default=None, help="replay a JSONL trace")
+    g.add_argument(
+        "--entry",
+        type=Entry.parse,
+        default=Entry.GIVEN,
+        help="given (a trace's entries, else round-robin) or random (seeded, every request)",
+    )
     g.add_argument(
         "--tokenizer",
         default="auto",

@@ -32,8 +32,9 @@ from radixmesh.sim.runner import RunResult, RunSpec
 from radixmesh.sim.runner import run as run_sim
 from radixmesh.sim.tokens import TOKENIZERS, Tokenize
 from radixmesh.workload import WorkloadSpec, build, schedule
-from radixmesh.workload.build import groups_for, sample
+from radixmesh.workload.build import entries, groups_for, sample
 from radixmesh.workload.request import Request
+from radixmesh.workload.schedule import Entry
 
 AUTO_EPIDEMIC_ABOVE = 32  # nodes: above this, auto gossip mode is epidemic with Δpoll 1 s
 
@@ -94,7 +95,8 @@ def capacity_rate(
 
 
 def requests_for(args: argparse.Namespace, skewed: bool, nodes: int) -> list[Request]:
-    """The workload in the paper's order with round-robin entries (times added later)."""
+    """The workload in the paper's order, round-robin entries unless random ones are asked
+    for (``--entry``; times added later)."""
     spec = WorkloadSpec(
         requests=args.requests,
         skewed=skewed,
@@ -103,12 +105,14 @@ def requests_for(args: argparse.Namespace, skewed: bool, nodes: int) -> list[Req
         trace=args.trace,
         synthetic_scale=args.synthetic_scale,
         synthetic_groups=args.synthetic_groups,
+        entry=getattr(args, "entry", Entry.GIVEN),
     )
     fits = _fits(args.max_context)
     if spec.trace:
         reqs = build(spec, nodes, fits)
     else:  # as workload.build, with the question pool generated once per process
-        reqs = schedule.round_robin(sample(spec, _groups(spec, args.max_context)), nodes)
+        drawn = entries(spec, sample(spec, _groups(spec, args.max_context)), nodes)
+        reqs = schedule.round_robin(drawn, nodes)
     if args.max_tokens is not None:
         reqs = [replace(r, max_tokens=args.max_tokens) for r in reqs]
     return reqs

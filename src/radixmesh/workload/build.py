@@ -37,6 +37,7 @@ from radixmesh.workload import (
 )
 from radixmesh.workload.corpus import Corpus
 from radixmesh.workload.request import Request
+from radixmesh.workload.schedule import Entry
 
 WORKLOADS = ("mmlu", *generated.KINDS)  # "mmlu": MMLU with mmlu_dir, else its synthetic shape
 
@@ -56,6 +57,7 @@ class WorkloadSpec:
     rate: float | None = None  # requests/s for the Poisson schedule (traces too)
     kind: str = "mmlu"  # one of WORKLOADS
     load: float | None = None  # Poisson at this fraction of the measured capacity (runner)
+    entry: Entry = Entry.GIVEN  # RANDOM: every request's entry drawn at random
 
     def __post_init__(self) -> None:
         if self.kind not in WORKLOADS:
@@ -181,14 +183,22 @@ def build_counted(spec: WorkloadSpec, nodes: int, admit: Admit) -> tuple[list[Re
     """The request sequence and what admission dropped or shortened on the way."""
     drops = Drops()
     if spec.trace:
-        return _from_trace(spec, nodes, admit, drops), drops
+        return entries(spec, _from_trace(spec, nodes, admit, drops), nodes), drops
     if spec.generated:
         reqs = _generated(spec, nodes, admit, drops)
     else:
         reqs = sample(spec, admitted(_source_groups(spec), admit, drops))
+    reqs = entries(spec, reqs, nodes)
     if spec.load is not None:  # timed once the runner has measured the capacity
         return schedule.round_robin(reqs, nodes), drops
     return schedule.apply(reqs, spec.schedule, nodes, spec.rate, spec.seed), drops
+
+
+def entries(spec: WorkloadSpec, reqs: list[Request], nodes: int) -> list[Request]:
+    """``reqs`` with the entry nodes ``spec.entry`` asks for (GIVEN: as they are)."""
+    if spec.entry is Entry.RANDOM:
+        return schedule.random_entries(reqs, nodes, spec.seed)
+    return reqs
 
 
 _CORPORA: dict[str | None, Corpus] = {}

@@ -8,8 +8,11 @@
   client sends at ``t`` whether or not earlier requests finished, so queues and push-back
   matter. Entries still round-robin.
 * ``trace``: open loop at the arrival times ``t`` a trace's lines carry.
-A request that already names an ``entry`` (e.g. from a trace) keeps it. :func:`describe` says
-which of these a request list *is* (what the runner will do with it), for ``summary.json``.
+A request that already names an ``entry`` (e.g. from a trace) keeps it, unless entries are
+drawn at random (:func:`random_entries`, ``--entry random``: clients spread over the nodes by
+DNS or an L4 balancer, where round-robin entry thins the arrivals evenly and so makes no
+routing a round-robin balancer). :func:`describe` says which of these a request list *is*
+(what the runner will do with it), for ``summary.json``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,29 @@ class Schedule(StrEnum):
     CLOSED = "closed"
     POISSON = "poisson"
     TRACE = "trace"
+
+
+class Entry(StrEnum):
+    """Which node each request enters at."""
+
+    GIVEN = "given"  # the workload's own (a trace's, chat's random ones), else round-robin
+    RANDOM = "random"  # uniform at random, seeded, for every request
+
+    @classmethod
+    def parse(cls, text: str) -> Entry:
+        try:
+            return cls(text.strip().lower())
+        except ValueError:
+            names = ", ".join(e.value for e in cls)
+            raise ValueError(f"unknown entry {text!r} (choose from {names})") from None
+
+
+def random_entries(requests: Sequence[Request], nodes: int, seed: int) -> list[Request]:
+    """Every request at a node drawn uniformly at random (seeded), whatever it named."""
+    if nodes < 1:
+        raise ValueError("nodes must be >= 1")
+    rng = random.Random(f"entry/{seed}")
+    return [r.with_entry(rng.randrange(nodes)) for r in requests]
 
 
 def round_robin(requests: Sequence[Request], nodes: int) -> list[Request]:
@@ -85,8 +111,9 @@ def describe(
     human-readable ``schedule_text``."""
     if not is_open_loop(requests):
         kind = Schedule.CLOSED if concurrency > 1 else Schedule.SEQUENTIAL
+        entry = "round-robin entry" if _round_robin(requests) else "the workload's entries"
         text = (f"closed loop, {concurrency} clients" if concurrency > 1
-                else "sequential (one at a time, round-robin entry)")  # fmt: skip
+                else f"sequential (one at a time, {entry})")  # fmt: skip
         return _described(kind, None, None, concurrency, text)
     times = [r.t or 0.0 for r in requests]
     span = max(times) - min(times)
@@ -96,6 +123,14 @@ def describe(
     if offered is not None:
         text += f" (offered {offered:.2f} req/s over {span:.0f} s)"
     return _described(kind, rate, offered, None, text)
+
+
+def _round_robin(requests: Sequence[Request]) -> bool:
+    entries = [r.entry for r in requests]
+    if any(e is None for e in entries):
+        return True  # the runner gives the missing ones in turn
+    nodes = max((e for e in entries if e is not None), default=0) + 1
+    return all(e == i % nodes for i, e in enumerate(entries))
 
 
 def _described(
