@@ -13,6 +13,7 @@ from typing import Any
 from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.estimators import CostPriors
 from radixmesh.core.router import RouterConfig
+from radixmesh.core.units import parse_choice
 
 
 class GossipMode(StrEnum):
@@ -22,11 +23,7 @@ class GossipMode(StrEnum):
 
     @classmethod
     def parse(cls, text: str) -> GossipMode:
-        try:
-            return cls(text.strip().lower())
-        except ValueError:
-            names = ", ".join(m.value for m in cls)
-            raise ValueError(f"unknown gossip mode {text!r} (choose from {names})") from None
+        return parse_choice(cls, text, "gossip mode")
 
 
 @dataclass(frozen=True, slots=True)

@@ -87,6 +87,7 @@ from enum import StrEnum
 from random import Random  # the type only: instances are passed in, never the global one
 
 from radixmesh.core.estimators import SpeedReport
+from radixmesh.core.units import parse_choice
 
 
 class Policy(StrEnum):
@@ -99,11 +100,7 @@ class Policy(StrEnum):
 
     @classmethod
     def parse(cls, text: str) -> Policy:
-        try:
-            return cls(text.strip().lower())
-        except ValueError:
-            names = ", ".join(p.value for p in cls)
-            raise ValueError(f"unknown routing policy {text!r} (choose from {names})") from None
+        return parse_choice(cls, text, "routing policy")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""Units of measure shared by every front end: one duration grammar.
+"""Units of measure shared by every front end: one duration grammar, one way to name a choice.
 
 A duration is a non-negative number of seconds, written either as a number (``0.1``, from a
 TOML file or code) or as text: a decimal number with an optional exponent and an optional unit,
@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import math
 import re
+from enum import StrEnum
+from typing import TypeVar
+
+E = TypeVar("E", bound=StrEnum)
 
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(us|µs|μs|ms|s|m)?\s*$")
 _SECONDS_PER_UNIT = {None: 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "μs": 1e-6, "m": 60.0}
@@ -33,3 +37,13 @@ def parse_duration(text: str | float | int) -> float:
     if math.isnan(value) or value < 0:
         raise ValueError(f"duration must be a number >= 0: {text!r} ({_HELP})")
     return value
+
+
+def parse_choice(choices: type[E], text: str, what: str) -> E:
+    """The member of ``choices`` named ``text`` (case and surrounding spaces ignored); a
+    ValueError naming ``what`` and every choice for anything else."""
+    try:
+        return choices(text.strip().lower())
+    except ValueError:
+        names = ", ".join(m.value for m in choices)
+        raise ValueError(f"unknown {what} {text!r} (choose from {names})") from None

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from enum import StrEnum
 from typing import Any
 
+from radixmesh.core.units import parse_choice
 from radixmesh.workload.request import Request
 
 
@@ -40,11 +41,7 @@ class Entry(StrEnum):
 
     @classmethod
     def parse(cls, text: str) -> Entry:
-        try:
-            return cls(text.strip().lower())
-        except ValueError:
-            names = ", ".join(e.value for e in cls)
-            raise ValueError(f"unknown entry {text!r} (choose from {names})") from None
+        return parse_choice(cls, text, "entry")
 
 
 def random_entries(requests: Sequence[Request], nodes: int, seed: int) -> list[Request]:
