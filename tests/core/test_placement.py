@@ -121,9 +121,9 @@ def test_replica_count_is_monotone_in_load_and_bounded_by_members(
 def test_key_rates_follow_the_traffic_and_forget_a_cold_prefix() -> None:
     rates = KeyRates(window_s=10.0)
     for i in range(200):  # 20 requests/s of key 1 and 5/s of key 2 for 10 s
-        rates.observe(1, i * 0.05)
+        rates.add(1, i * 0.05)
         if i % 4 == 0:
-            rates.observe(2, i * 0.05)
+            rates.add(2, i * 0.05)
     now = 10.0
     assert rates.rate(1, now) == pytest.approx(20.0, rel=0.15)  # unbiased while ramping up
     assert rates.rate(2, now) == pytest.approx(5.0, rel=0.2)
@@ -131,5 +131,5 @@ def test_key_rates_follow_the_traffic_and_forget_a_cold_prefix() -> None:
     assert rates.rate(1, now + 60.0) < 0.1  # cooled: the owner set shrinks back
     small = KeyRates(window_s=1.0, max_keys=8)
     for key in range(20):
-        small.observe(key, float(key))
+        small.add(key, float(key))
     assert len(small) <= 8 and small.rate(19, 19.0) > 0  # bounded; the recent ones kept

@@ -626,7 +626,7 @@ class NodeCore:
                                 self._shared_blocks(hashes, nodes[0].cached_tokens // block))
         key = hashes[depth - 1]
         if observe:
-            self._key_rates.observe(key, now)
+            self._key_rates.add(key, now)  # one request
         held = depth * block
         self._update_ring(now)
         members = len(self._ring)

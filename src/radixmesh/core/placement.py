@@ -191,9 +191,6 @@ class KeyRates(KeySums):
 
     __slots__ = ()
 
-    def observe(self, key: int, now: float) -> None:
-        self.add(key, now)
-
     def rate(self, key: int, now: float) -> float:
         """The key's requests per second here (0: never seen, or long cold)."""
         if self._start is None:

@@ -123,10 +123,10 @@ def describe(
 
 
 def _round_robin(requests: Sequence[Request]) -> bool:
-    entries = [r.entry for r in requests]
-    if any(e is None for e in entries):
+    entries = [r.entry for r in requests if r.entry is not None]
+    if len(entries) < len(requests):
         return True  # the runner gives the missing ones in turn
-    nodes = max((e for e in entries if e is not None), default=0) + 1
+    nodes = max(entries, default=0) + 1
     return all(e == i % nodes for i, e in enumerate(entries))
 
 
