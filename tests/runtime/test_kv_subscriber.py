@@ -29,7 +29,10 @@ LIMIT_S = 10.0
 
 
 async def until(check: Callable[[], bool], what: str) -> None:
-    await inprocess.until(check, what, LIMIT_S, 0.01)
+    # polled every loop iteration (sleep 0): the test then stops the subscriber in the very
+    # iteration the last replayed batch lands, the race that once hung ``stop`` (a cancel
+    # lost in wait_for while the replay's end marker arrived)
+    await inprocess.until(check, what, LIMIT_S, 0.0)
 
 
 @contextlib.asynccontextmanager

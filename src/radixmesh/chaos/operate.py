@@ -161,7 +161,8 @@ async def _open_loop_until(entry: Callable[[int], str], prompt_at: Callable[[int
             delay = t0 + i / rate - time.monotonic()
             if delay > 0:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), delay)
+                    async with asyncio.timeout(delay):
+                        await stop.wait()
                 if stop.is_set():
                     break
             tasks.append(asyncio.create_task(
@@ -204,7 +205,8 @@ async def _rolling(env: ChaosEnv, cfg: OperateConfig, prompts: Sequence[Prompt],
                         ok = False
                     (ready.add if ok else ready.discard)(i)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), cfg.probe_s)
+                    async with asyncio.timeout(cfg.probe_s):
+                        await stop.wait()
 
     def entry(i: int) -> str:
         live = sorted(ready) or list(range(n))
@@ -327,7 +329,8 @@ async def _overload(env: ChaosEnv, cfg: OperateConfig, prompts: Sequence[Prompt]
                         depth = parse_samples(text).get("radixmesh_queue_depth", 0.0)
                         peak["queue_depth"] = max(peak["queue_depth"], depth)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(sampling.wait(), cfg.rss_every_s)
+                    async with asyncio.timeout(cfg.rss_every_s):
+                        await sampling.wait()
 
     async def stop_later() -> None:
         await asyncio.sleep(cfg.duration_s)

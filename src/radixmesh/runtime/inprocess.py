@@ -46,7 +46,8 @@ async def serving(service: Any, port: int, **uvicorn_options: Any) -> AsyncItera
         yield f"127.0.0.1:{port}"
     finally:
         server.should_exit = True
-        await asyncio.wait_for(task, STOP_WAIT_S)
+        async with asyncio.timeout(STOP_WAIT_S):
+            await task
 
 
 class ServedInThread:

@@ -342,7 +342,11 @@ class KvSubscriber:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 raise TimeoutError("replay timed out")
-            msg = decode_replay_frames(await asyncio.wait_for(sock.recv_multipart(), remaining))
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel that
+            # lands as the message arrives, and ``stop`` would then wait forever
+            async with asyncio.timeout(remaining):
+                frames = await sock.recv_multipart()
+            msg = decode_replay_frames(frames)
             if isinstance(msg, ReplayEnd):
                 return pub.tracker.on_replay_end()
             for step in pub.tracker.on_replay(msg.seq, self._decode(msg.payload)):

@@ -109,7 +109,8 @@ class ForwardStream:
         await self._chunks.aclose()  # type: ignore[attr-defined]
         if self.completed and not self._ready:
             try:
-                await asyncio.wait_for(self._response.read(), EOF_WAIT_S)
+                async with asyncio.timeout(EOF_WAIT_S):
+                    await self._response.read()
             except (*_TRANSPORT_ERRORS, RuntimeError):
                 self._response.close()
                 return
