@@ -74,6 +74,7 @@ def test_a_node_full_of_tokens_forwards_to_a_peer_with_room_then_answers_429(
                           json=_body("fill n0 " * 6, FILL_TOKENS), headers=hop))
             await _until(lambda: n0.queue_depth == 1)
             assert n0.queue_output_tokens == FILL_TOKENS and n0.queue_prompt_tokens > 0
+            assert 0 < n0.queue_uncached_tokens <= n0.queue_prompt_tokens  # a cold prompt
             state = n0.mesh()["runtime"]["admission"]  # type: ignore[index]
             assert state["max_queue_tokens"] == CAP and not state["max_queue_tokens_derived"]
 
@@ -99,6 +100,7 @@ def test_a_node_full_of_tokens_forwards_to_a_peer_with_room_then_answers_429(
             await _until(lambda: n0.queue_depth == 0 and n1.queue_depth == 0)
             for node in (n0, n1):  # every token released, however the work ended
                 assert node.queue_prompt_tokens == 0 and node.queue_output_tokens == 0
+                assert node.queue_uncached_tokens == 0 and not len(node._queued_blocks)
             assert n0.metrics.rejected == 1
 
     asyncio.run(scenario())

@@ -1,5 +1,6 @@
 """Cost model: priors before observations, EWMA convergence, RTT table, prefill shape, the
-error of queue-wait predictions."""
+error of queue-wait predictions, what one place in a queue costs (``QueuedBlocks`` against a
+list of the queued prompts)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from radixmesh.core.estimators import (
     ComputeModel,
     CostPriors,
     Ewma,
+    QueuedBlocks,
     RttTable,
     SpeedReport,
     WaitError,
@@ -125,3 +127,62 @@ def test_wait_error_is_the_size_of_recent_residuals_and_fades_when_forwards_stop
     assert exact.spread(50.0) == 0.0
     with pytest.raises(ValueError):
         WaitError(alpha=0.0, window_s=1.0)
+
+
+def _chain(tokens: list[int], bs: int) -> list[int]:
+    """Prefix-chained block ids of ``tokens`` (a block's id names its whole prefix)."""
+    return [hash(tuple(tokens[: (i + 1) * bs])) for i in range(len(tokens) // bs)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.lists(st.integers(0, 2), min_size=1, max_size=40),
+                          st.integers(0, 40)), max_size=30))
+def test_queued_blocks_charge_what_no_earlier_queued_prompt_covers(
+    steps: list[tuple[bool, list[int], int]],
+) -> None:
+    """Against a list of the queued prompts: a prompt's uncached tokens are those past both
+    its cached prefix and the longest whole-block prefix it shares with a queued prompt."""
+    bs = 4
+    q = QueuedBlocks(bs)
+    queued: list[list[int]] = []
+    for remove, tokens, cached in steps:
+        if remove and queued:
+            q.remove(_chain(queued.pop(0), bs))
+            continue
+        cached = min(cached, len(tokens))
+        shared = max((_common_blocks(tokens, other, bs) for other in queued), default=0)
+        want = max(len(tokens) - max(cached, shared * bs), 1)
+        assert q.uncached(_chain(tokens, bs), len(tokens), cached) == want
+        q.add(_chain(tokens, bs))
+        queued.append(tokens)
+    for tokens in queued:
+        q.remove(_chain(tokens, bs))
+    assert len(q) == 0
+
+
+def _common_blocks(a: list[int], b: list[int], bs: int) -> int:
+    n = 0
+    while (n + 1) * bs <= min(len(a), len(b)) and a[: (n + 1) * bs] == b[: (n + 1) * bs]:
+        n += 1
+    return n
+
+
+def test_one_place_in_a_queue_is_priced_by_its_tokens() -> None:
+    speed = SpeedReport(0.004, 1e-4, 0.007, mean_service_s=0.05)
+    scale = PRIORS.context_scale
+    assert speed.queued_service_s(0, 0, 0, 0, scale) is None  # empty
+    assert speed.queued_service_s(3, 0, 0, 48, scale) is None  # tokens not reported
+    # a queue of identical requests: each place is that request's predicted service
+    one = speed.service_s(1000, 500, 16, scale)
+    assert speed.queued_service_s(4, 6000, 4000, 64, scale) == pytest.approx(one)
+    # the same requests, all warm, cost a fraction of it; all cold, more
+    warm = speed.queued_service_s(4, 6000, 4, 64, scale)
+    cold = speed.queued_service_s(4, 6000, 6000, 64, scale)
+    assert warm is not None and cold is not None and warm < one < cold
+    # more uncached tokens than prompt tokens (a confused shell) are capped at the prompt
+    assert speed.queued_service_s(4, 6000, 9000, 64, scale) == cold
+
+
+def test_queued_blocks_rejects_a_bad_block_size() -> None:
+    with pytest.raises(ValueError):
+        QueuedBlocks(0)

@@ -340,6 +340,33 @@ def test_a_forward_is_refused_when_this_node_would_not_beat_the_senders_predicti
     assert node.metrics()["forwards_refused_slower"] == 2
 
 
+def test_a_queue_of_cold_prefills_is_priced_by_its_tokens_not_by_the_mean_service() -> None:
+    """The refusal check prices this node's queue by what its requests will compute: two
+    queued cold 2,000-token prefills cost more than two places at the mean service time (a
+    node that served mostly warm requests), so a forward that pays against the mean is
+    refused against the real queue; the same queue, warm, admits it."""
+    node = lone_node()
+    node.handle(Tick(), 0.0)
+    speed = node.own_speed()
+    mean_wait = 2 * speed.mean_service_s
+    warm = node.route([], 540, 512, 1, 0.0)[0].predicted_latency_s  # the request itself
+    cold_queue = LoadChanged(2, 1, 0, 100, queue_prompt_tokens=4000, queue_output_tokens=2,
+                             queue_uncached_tokens=4000)
+    node.handle(cold_queue, 0.1)
+    priced = node.route([], 540, 512, 1, 0.1)[0].predicted_latency_s - warm
+    assert priced > 2 * mean_wait  # what the two cold prefills take, not two mean services
+    beat = warm + 1.5 * mean_wait  # pays against depth x mean service
+    assert refusal(node, 0.1, 540, 512, 1, beat_s=beat) == pytest.approx(priced)
+    warm_queue = LoadChanged(2, 1, 0, 100, queue_prompt_tokens=4000, queue_output_tokens=2,
+                             queue_uncached_tokens=2)
+    node.handle(warm_queue, 0.2)
+    assert refusal(node, 0.2, 540, 512, 1, beat_s=beat) is None
+    # a shell that does not report its queue's tokens: the mean service prices each place
+    node.handle(LoadChanged(2, 1, 0, 100), 0.3)
+    assert node.route([], 540, 512, 1, 0.3)[0].predicted_latency_s - warm == pytest.approx(
+        mean_wait)
+
+
 def test_forward_succeeded_inserts_optimistically_and_measures_rtt() -> None:
     c = warm_cluster(2)
     n0 = c.nodes["n0"]

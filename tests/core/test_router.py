@@ -22,6 +22,7 @@ from radixmesh.core.router import (
     mesh_cost,
     predict_latency,
     predict_service,
+    predict_wait,
 )
 
 SPEED = SpeedReport(0.004, 8e-5, 0.007, 0.05)
@@ -220,6 +221,20 @@ def test_cost_prefers_idle_peer_when_self_is_swamped_and_nothing_is_cached() -> 
     req = RouteInput(500, 1)
     nodes = [me(0, queue=50), peer("idle", 0, queue=0), peer("busy", 0, queue=60)]
     assert rank(Policy.COST, req, nodes)[0] == "idle"
+
+
+def test_a_queue_priced_by_its_tokens_sends_a_cold_request_to_an_idle_peer() -> None:
+    """Two queued requests here at the mean service time are cheaper than the peer's
+    prefill of the request's 400 uncached tokens; the same two places priced as the cold
+    prefills they are (``queue_service_s``) are not, and the request goes to the idle peer."""
+    req = RouteInput(500, 1)
+    here = me(500, queue=2)
+    nodes = [here, peer("idle", 100)]
+    assert predict_wait(here) == 2 * SPEED.mean_service_s
+    assert rank(Policy.COST, req, nodes)[0] == "self"
+    cold = replace(here, queue_service_s=SPEED.service_s(3000, 0, 1, 4096.0))
+    assert predict_wait(cold) == 2 * cold.queue_service_s  # type: ignore[operator]
+    assert rank(Policy.COST, req, [cold, nodes[1]])[0] == "idle"
 
 
 def test_cost_hysteresis_keeps_self_for_tiny_gains() -> None:

@@ -25,6 +25,7 @@ requests. The per-request EWMA of the rate averages that noise away.)
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -66,7 +67,7 @@ class Ewma:
         self.count += 1
 
 
-def prefill_work(uncached: int, cached: int, context_scale: float) -> float:
+def prefill_work(uncached: float, cached: float, context_scale: float) -> float:
     """Work units of prefilling ``uncached`` tokens after ``cached`` ones (see module doc)."""
     return uncached * (1.0 + (cached + uncached / 2.0) / context_scale)
 
@@ -90,6 +91,21 @@ class SpeedReport:
         return self.prefill_s(uncached, cached, context_scale) + self.decode_s_per_token * max(
             0, max_tokens - 1
         )
+
+    def queued_service_s(self, depth: int, prompt_tokens: int, uncached_tokens: int,
+                         output_tokens: int, context_scale: float) -> float | None:
+        """The mean predicted service of the ``depth`` requests of a queue holding these
+        tokens (prompt, not cached when queued, output budgets; summed): one place in that
+        queue priced by what its requests will compute, where ``mean_service_s`` is what
+        the node's past requests cost (mostly warm, a queue of cold prefills costs about
+        twice that). None: an empty queue, or one whose tokens were not reported."""
+        if depth <= 0 or prompt_tokens <= 0:
+            return None
+        u = min(max(uncached_tokens, 0), prompt_tokens) / depth
+        c = prompt_tokens / depth - u
+        prefill = self.prefill_overhead_s + self.prefill_s_per_token * prefill_work(
+            u, c, context_scale) if u > 0 else 0.0
+        return prefill + self.decode_s_per_token * max(0.0, output_tokens / depth - 1)
 
 
 class ComputeModel:
@@ -125,6 +141,47 @@ class ComputeModel:
             decode_s_per_token=self._decode.value,
             mean_service_s=self._service.value,
         )
+
+
+class QueuedBlocks:
+    """The prompt blocks of the requests waiting or running on one node, so that what a
+    queued request will compute is counted once: a block an earlier queued request computes
+    is cached by the time a later one runs (a burst of requests for one cold document costs
+    one prefill of it, not one each). Both shells keep one per node and report the queue's
+    uncached tokens in ``LoadChanged``; ``hashes`` are a request's block hashes in order."""
+
+    __slots__ = ("_held", "block_size")
+
+    def __init__(self, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        self.block_size = block_size
+        self._held: dict[int, int] = {}  # block hash -> queued requests that hold it
+
+    def uncached(self, hashes: Sequence[int], prompt_tokens: int, cached_tokens: int) -> int:
+        """Prompt tokens of a request that neither the cache (its ``cached_tokens``) nor an
+        earlier queued request covers; at least 1 (the last prompt token is always computed)."""
+        covered = 0
+        for h in hashes:
+            if h not in self._held:
+                break
+            covered += 1
+        return max(prompt_tokens - max(cached_tokens, covered * self.block_size), 1)
+
+    def add(self, hashes: Sequence[int]) -> None:
+        for h in hashes:
+            self._held[h] = self._held.get(h, 0) + 1
+
+    def remove(self, hashes: Sequence[int]) -> None:
+        for h in hashes:
+            left = self._held.get(h, 0) - 1
+            if left > 0:
+                self._held[h] = left
+            else:
+                self._held.pop(h, None)
+
+    def __len__(self) -> int:
+        return len(self._held)
 
 
 class RttTable:

@@ -53,6 +53,8 @@ class LoadChanged:
     cache_budget: int  # cache capacity in tokens
     queue_prompt_tokens: int = 0  # prompt tokens of the requests waiting or running
     queue_output_tokens: int = 0  # their max_tokens (output budgets), summed
+    # their prompt tokens not cached when each was queued (what their prefills will compute)
+    queue_uncached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -683,7 +683,18 @@ class NodeCore:
             self._load.queue_depth,
             self._compute.report(),
             utilization=self._busy.value(now),
+            queue_service_s=self._queue_service_s(),
         )
+
+    def _queue_service_s(self) -> float | None:
+        """What one place in this node's queue costs, from its queued tokens (exact here; a
+        peer's queue is priced at its mean service: gossiping this price was tried, and a
+        report describes a queue that is gone when the forward lands — worse in the
+        simulator, where pricing only this node's own queue helped)."""
+        ev = self._load
+        return self._compute.report().queued_service_s(
+            ev.queue_depth, ev.queue_prompt_tokens, ev.queue_uncached_tokens,
+            ev.queue_output_tokens, self.config.router.context_scale)
 
     def _peer_infos(
         self, hashes: Sequence[int], prompt_tokens: int, policy: Policy, now: float

@@ -191,6 +191,9 @@ class NodeInfo:
     # how far the deciding node's predictions of this node's queue wait have lately been off
     # (``estimators.WaitError``: a peer's view is stale under bursty load); 0 for self
     wait_error_s: float = 0.0
+    # what one place in its queue costs, from its queued requests' tokens (self only: its
+    # exact queue; ``SpeedReport.queued_service_s``); None: the speed's mean service time
+    queue_service_s: float | None = None
 
     @property
     def available(self) -> bool:
@@ -249,8 +252,10 @@ def predict_service(req: RouteInput, node: NodeInfo, context_scale: float) -> fl
 
 
 def predict_wait(node: NodeInfo) -> float:
-    """The queue wait a request meets on ``node``: its queue at its mean service time."""
-    return node.queue_depth * node.speed.mean_service_s
+    """The queue wait a request meets on ``node``: its queue, each place priced by what the
+    queued requests will compute (else at the node's mean service time)."""
+    per = node.speed.mean_service_s if node.queue_service_s is None else node.queue_service_s
+    return node.queue_depth * per
 
 
 def predict_latency(req: RouteInput, node: NodeInfo, context_scale: float) -> float:

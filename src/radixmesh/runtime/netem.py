@@ -25,7 +25,6 @@ chunks of one stream stay in order, as on TCP).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 from collections.abc import AsyncIterator, Iterable
 
@@ -123,6 +122,5 @@ class Netem:
                     raise item
                 yield item
         finally:  # stop reading before the caller touches the source again
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            task.cancel()  # gather, not suppress(CancelledError): a cancel of ours goes on
+            await asyncio.gather(task, return_exceptions=True)

@@ -47,6 +47,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from radixmesh.core.blocks import block_hashes
+from radixmesh.core.estimators import QueuedBlocks
 from radixmesh.core.events import (
     Abort,
     AcceptForward,
@@ -165,9 +166,13 @@ class NodeService:
         self.drain_cancelled = 0  # leave(): requests still running at the deadline
         self._drain_cut: set[int] = set()  # id() of the client executions cut by leave()
         # bounded admission by tokens: prompt and max_tokens of the engine work started here
-        # and not finished (client requests and work for peers), reported in LoadChanged
+        # and not finished (client requests and work for peers), reported in LoadChanged;
+        # and the prompt tokens not cached when each was queued (what one place in the queue
+        # costs: core ``SpeedReport.queued_service_s``)
         self.queue_prompt_tokens = 0
         self.queue_output_tokens = 0
+        self.queue_uncached_tokens = 0
+        self._queued_blocks = QueuedBlocks(engine.fingerprint.block_size)
         self.dns_resolutions = 0  # --join-dns: answers received / failed look-ups
         self.dns_failures = 0
         # started and stopped with the node, shown in /mesh and /metrics (the KV-event
@@ -372,7 +377,8 @@ class NodeService:
     def push_load(self) -> None:
         usage = self.engine.usage()
         self.dispatch(LoadChanged(self.queue_depth, self.inflight, usage.tokens, usage.budget,
-                                  self.queue_prompt_tokens, self.queue_output_tokens))
+                                  self.queue_prompt_tokens, self.queue_output_tokens,
+                                  self.queue_uncached_tokens))
 
     def _queued(self, ex: LocalExecution, emitted: int = 0) -> LocalExecution:
         """Count ``ex``'s tokens (prompt + max_tokens, as the engine gets them) as queued
@@ -382,12 +388,18 @@ class NodeService:
             return ex
         prompt = len(ex.ctx.prompt) + emitted
         output = max(ex.ctx.sampling.max_tokens - emitted, 0)
+        hashes = ex.ctx.hashes
+        uncached = self._queued_blocks.uncached(hashes, prompt, ex.cached_estimate)
+        self._queued_blocks.add(hashes)
         self.queue_prompt_tokens += prompt
         self.queue_output_tokens += output
+        self.queue_uncached_tokens += uncached
 
         def finished(_: object) -> None:
+            self._queued_blocks.remove(hashes)
             self.queue_prompt_tokens -= prompt
             self.queue_output_tokens -= output
+            self.queue_uncached_tokens -= uncached
             self.push_load()
 
         task.add_done_callback(finished)
@@ -566,7 +578,10 @@ class NodeService:
         yield encode_reply(AcceptedReply(self.node_id, cached))
         sampling = SamplingParams(req.max_tokens, req.temperature, req.top_p, req.seed,
                                   req.stop_token_ids)
-        ctx = RequestContext(None, req.prompt, (), sampling, req.stream)
+        fp = self.engine.fingerprint
+        ctx = RequestContext(None, req.prompt,
+                             tuple(block_hashes(req.prompt, fp.block_size, fp.digest)),
+                             sampling, req.stream)
         ex = self._queued(LocalExecution(self, ctx, "local", cached))
         self._peer_work.add(ex)
         try:
@@ -628,6 +643,7 @@ class NodeService:
             "max_queue_tokens_derived": adm.max_queue_tokens == 0,
             "queue_prompt_tokens": self.queue_prompt_tokens,
             "queue_output_tokens": self.queue_output_tokens,
+            "queue_uncached_tokens": self.queue_uncached_tokens,
         }
 
     def prometheus(self) -> str:

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 from radixmesh.core.blocks import Fingerprint, block_hashes
 from radixmesh.core.config import ForwardConfig, GossipConfig, NodeConfig, PushbackConfig
-from radixmesh.core.estimators import CostPriors
+from radixmesh.core.estimators import CostPriors, QueuedBlocks
 from radixmesh.core.events import (
     AcceptForward,
     Action,
@@ -155,6 +155,7 @@ class Work:
     flight: Flight
     attempt: int
     t_enqueued: float
+    uncached: int = 0  # prompt tokens not cached when it was queued (set by ``_enqueue``)
 
 
 class SimNode:
@@ -167,6 +168,8 @@ class SimNode:
         "incarnation",
         "node_id",
         "queue",
+        "queued_blocks",
+        "queued_tokens",
         "running",
         "served",
         "tick_at",
@@ -181,6 +184,10 @@ class SimNode:
         self.core: NodeCore | None = None
         self.engine: SimEngine | None = None
         self.queue: deque[Work] = deque()
+        # prompt, output budget and uncached prompt tokens of the work waiting or running,
+        # summed (what the runtime reports in LoadChanged)
+        self.queued_tokens = [0, 0, 0]
+        self.queued_blocks = QueuedBlocks(1)  # the cluster's block size: set by start()
         self.running: Work | None = None
         self.up = False
         self.incarnation = -1
@@ -264,6 +271,7 @@ class SimCluster:
         node.up = True
         node.tick_at = INF
         node.version_times = []
+        node.queued_blocks = QueuedBlocks(cfg.block_size)
         node.engine = SimEngine(
             cfg.cost,
             cfg.cache_tokens,
@@ -305,6 +313,8 @@ class SimCluster:
             lost.append(node.running)
         node.queue.clear()
         node.running = None
+        node.queued_tokens = [0, 0, 0]
+        node.queued_blocks = QueuedBlocks(self.config.block_size)  # (start() makes a new one)
         if node.core is not None:
             self._holding(node.core.local_hashes(), ())
         node.core = None
@@ -375,7 +385,9 @@ class SimCluster:
     def _load_changed(self, node: SimNode) -> None:
         assert node.engine is not None
         running = 1 if node.running is not None else 0
-        event = LoadChanged(node.depth, running, node.engine.total_tokens, self.config.cache_tokens)
+        prompt, output, uncached = node.queued_tokens
+        event = LoadChanged(node.depth, running, node.engine.total_tokens,
+                            self.config.cache_tokens, prompt, output, uncached)
         self.feed(node, event)
 
     # ------------------------------------------------------------------------- requests
@@ -518,6 +530,11 @@ class SimCluster:
 
     # ------------------------------------------------------------------------- execution
     def _enqueue(self, node: SimNode, work: Work) -> None:
+        assert node.engine is not None
+        tokens = work.flight.tokens
+        work.uncached = node.queued_blocks.uncached(
+            work.flight.hashes, len(tokens), _cached_prefix(node.engine, tokens))
+        _count_queued(node, work, 1)
         node.queue.append(work)
         if node.running is None:
             self._start_next(node)
@@ -541,6 +558,7 @@ class SimCluster:
         flight = work.flight
         node.engine.finish(run, _generated(flight), now)
         node.running = None
+        _count_queued(node, work, -1)
         node.served += 1
         self._report_served(node, flight, run)
         self._start_next(node)
@@ -635,6 +653,14 @@ def _generated(flight: Flight) -> list[int]:
     n = flight.req.max_tokens
     base = zlib.crc32(flight.req.id.encode("utf-8")) & 0x7F
     return [32 + (base + i) % 95 for i in range(n)]
+
+
+def _count_queued(node: SimNode, work: Work, sign: int) -> None:
+    (node.queued_blocks.add if sign > 0 else node.queued_blocks.remove)(work.flight.hashes)
+    q = node.queued_tokens
+    q[0] += sign * len(work.flight.tokens)
+    q[1] += sign * work.flight.req.max_tokens
+    q[2] += sign * work.uncached
 
 
 def _cached_prefix(engine: SimEngine, tokens: list[int]) -> int:
