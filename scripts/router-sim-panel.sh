@@ -15,9 +15,11 @@
 #
 # Writes OUT_DIR/traces/*.jsonl once (the bench's own generators) and prints one line per
 # case: the case, then `radixmesh sim`'s summary row (mean s, p99 s, hit rates, hotspot,
-# forwarded share, errors, gossip bytes). One seed per case: on the loaded cases the same
-# router measured with other seeds (`--seed`) moves by up to ±10 %, so compare trees on
-# several seeds before trusting a difference of a few percent there.
+# forwarded share, errors, gossip bytes). One seed per case (SEED=N: every case with
+# `--seed N`): on the loaded cases the same router measured with other seeds moves by up to
+# ±10 %, so compare trees on several seeds before trusting a difference of a few percent:
+#   for s in $(seq 1 10); do SEED=$s scripts/router-sim-panel.sh MMLU OUT; done > a.txt
+#   (the same for the other tree into b.txt), then scripts/panel-compare.py a.txt b.txt
 set -euo pipefail
 MMLU=${1:?usage: router-sim-panel.sh MMLU_DIR OUT_DIR [POLICY]}
 OUT=${2:?usage: router-sim-panel.sh MMLU_DIR OUT_DIR [POLICY]}
@@ -33,7 +35,7 @@ for w in agentic hotprefix rag chat; do
 done
 one() {
   printf "%-28s %s\n" "$1" "$("$RM" sim --nodes 4 --policy "$POLICY" --quiet --no-records \
-      "${@:2}" 2>&1 | tail -1)"
+      ${SEED:+--seed "$SEED"} "${@:2}" 2>&1 | tail -1)"
 }
 workloads() {  # ENTRY LABEL
   for w in agentic hotprefix rag chat; do

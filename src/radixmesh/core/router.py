@@ -56,6 +56,13 @@ Policies
                       keeps the request here (tag ``local_copy``) once they reach that price:
                       after ~75 forwards of a prefix over a 4 ms link, at the first or second
                       over a 400 ms one.
+                      *Its own queue, by its tokens*: the deciding node knows what its queued
+                      requests will compute (their uncached tokens, ``LoadChanged``), so each
+                      place in its own queue is priced at that (``NodeInfo.queue_service_s``),
+                      here and in the refusal check; at depth × mean service a queue of cold
+                      prefills behind mostly warm traffic looked half as long as it was. A
+                      peer's queue stays at its mean service: gossiping the price was tried,
+                      and a report prices a queue that is gone when the forward lands.
                       *Stale queues*: per peer, the node learns how far its predictions of the
                       peer's queue wait were off, from the waits its forwards met there
                       (``wait_error_s``); a forward must save more than that too.

@@ -185,7 +185,8 @@ class SimNode:
         self.engine: SimEngine | None = None
         self.queue: deque[Work] = deque()
         # prompt, output budget and uncached prompt tokens of the work waiting or running,
-        # summed (what the runtime reports in LoadChanged)
+        # summed, as the runtime reports them in LoadChanged (its bounded admission by
+        # tokens, and the price of a place in its queue, see them as a real node's would)
         self.queued_tokens = [0, 0, 0]
         self.queued_blocks = QueuedBlocks(1)  # the cluster's block size: set by start()
         self.running: Work | None = None
@@ -313,8 +314,7 @@ class SimCluster:
             lost.append(node.running)
         node.queue.clear()
         node.running = None
-        node.queued_tokens = [0, 0, 0]
-        node.queued_blocks = QueuedBlocks(self.config.block_size)  # (start() makes a new one)
+        node.queued_tokens = [0, 0, 0]  # (and start() gives it new queued_blocks)
         if node.core is not None:
             self._holding(node.core.local_hashes(), ())
         node.core = None
