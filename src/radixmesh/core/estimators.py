@@ -103,8 +103,10 @@ class SpeedReport:
             return None
         u = min(max(uncached_tokens, 0), prompt_tokens) / depth
         c = prompt_tokens / depth - u
-        prefill = self.prefill_overhead_s + self.prefill_s_per_token * prefill_work(
-            u, c, context_scale) if u > 0 else 0.0
+        prefill = 0.0
+        if u > 0:
+            work = prefill_work(u, c, context_scale)
+            prefill = self.prefill_overhead_s + self.prefill_s_per_token * work
         return prefill + self.decode_s_per_token * max(0.0, output_tokens / depth - 1)
 
 

@@ -674,27 +674,25 @@ class NodeCore:
             self._ring_checked = now + self.config.gossip.interval_s
 
     def _self_info(self, cached_tokens: int, now: float) -> NodeInfo:
-        """This node as the router sees it: exact cache match, own queue, own speed."""
+        """This node as the router sees it: exact cache match, own queue, own speed; each
+        place in its queue priced by its queued tokens (exact here; a peer's queue is priced
+        at its mean service: gossiping this price was tried, and a report describes a queue
+        that is gone when the forward lands — worse in the simulator)."""
+        ev = self._load
+        speed = self._compute.report()
+        per_place = speed.queued_service_s(
+            ev.queue_depth, ev.queue_prompt_tokens, ev.queue_uncached_tokens,
+            ev.queue_output_tokens, self.config.router.context_scale)
         return NodeInfo(
             self.node_id,
             True,
             cached_tokens,
             0.0,
-            self._load.queue_depth,
-            self._compute.report(),
+            ev.queue_depth,
+            speed,
             utilization=self._busy.value(now),
-            queue_service_s=self._queue_service_s(),
+            queue_service_s=per_place,
         )
-
-    def _queue_service_s(self) -> float | None:
-        """What one place in this node's queue costs, from its queued tokens (exact here; a
-        peer's queue is priced at its mean service: gossiping this price was tried, and a
-        report describes a queue that is gone when the forward lands — worse in the
-        simulator, where pricing only this node's own queue helped)."""
-        ev = self._load
-        return self._compute.report().queued_service_s(
-            ev.queue_depth, ev.queue_prompt_tokens, ev.queue_uncached_tokens,
-            ev.queue_output_tokens, self.config.router.context_scale)
 
     def _peer_infos(
         self, hashes: Sequence[int], prompt_tokens: int, policy: Policy, now: float
