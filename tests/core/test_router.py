@@ -479,6 +479,33 @@ def test_ski_rental_a_forward_becomes_a_local_copy_once_its_round_trips_cost_the
     assert first[0].node_id == "o" and first[0].placement is Tag.FIRST  # placement, not rent
 
 
+def test_a_holder_busy_for_the_moment_does_not_make_a_copy_here_cheap() -> None:
+    """The rent buys a copy at what staying costs more than the forward now, but never for
+    less than the extra prefill the copy makes this node compute, less the round trip it
+    saves: a holder whose queue makes the forward nearly as slow as a cold prefill here is
+    busy, and the copy's prefill is as dear as ever. Over a link slower than that prefill the
+    first forward still buys (the floor is then below the rent)."""
+    req = RouteInput(3000, 1)
+    rtt = 0.01
+    cold = predict_service(req, me(0), SCALE)
+    warm = predict_service(req, me(2900), SCALE)
+    # a queue that leaves the forward 1 ms faster than staying: a small price now
+    wait = cold - warm - rtt - 0.001
+    busy = NodeInfo("h", False, 2900, rtt, 1, SPEED, queue_service_s=None)
+    busy = replace(busy, speed=replace(SPEED, mean_service_s=wait))
+    router = Router(RouterConfig(policy=Policy.COST, min_gain_s=0.0, min_gain_frac=0.0))
+    out = router.rank(req, [me(0), busy], random.Random(0), Placement(("h",), 256, rent_s=rtt))
+    assert out[0].node_id == "h" and out[0].placement is Tag.HIT  # rented, not bought
+    floor = cold - warm - rtt
+    paid = router.rank(req, [me(0), busy], random.Random(0),
+                       Placement(("h",), 256, rent_s=floor - rtt))
+    assert paid[0].is_self and paid[0].placement is Tag.LOCAL_COPY
+    # a round trip of 80 % of what the holder's copy saves: the first forward buys
+    far = peer("h", 2900, rtt=0.8 * (cold - warm))
+    first = router.rank(req, [me(0), far], random.Random(0), Placement(("h",), 256))
+    assert first[0].is_self and first[0].placement is Tag.LOCAL_COPY
+
+
 def test_a_forward_must_also_beat_the_measured_error_of_queue_predictions() -> None:
     """``wait_error_s`` (how far predictions of peers' waits have lately been off) is added to
     the hysteresis: a hit saving less than that stays here; 0 leaves the decision unchanged."""
