@@ -479,6 +479,23 @@ def test_ski_rental_a_forward_becomes_a_local_copy_once_its_round_trips_cost_the
     assert first[0].node_id == "o" and first[0].placement is Tag.FIRST  # placement, not rent
 
 
+def test_no_slack_for_a_holder_when_the_best_choice_holds_more_of_the_request() -> None:
+    """The slack keeps a request on a holder (here: self, with one request queued) to avoid
+    a copy elsewhere; when the cheaper choice holds the prefix too, and more of this request
+    (a conversation's newer turns), there is no copy to avoid: the cheaper one wins."""
+    req = RouteInput(3000, 1)
+    mine = NodeInfo("self", True, 300, 0.0, 1, SPEED)  # holds the key's 256 tokens and more
+    newer = peer("p", 600)
+    slack = 1.0 + RouterConfig().placement_slack
+    assert predict_latency(req, newer, SCALE) < predict_latency(req, mine, SCALE)
+    assert predict_latency(req, mine, SCALE) < slack * predict_latency(req, newer, SCALE)
+    out = placed([mine, newer], ("o",), held=256)
+    assert out[0].node_id == "p" and out[0].placement is Tag.HIT
+    # nobody holding more than self: self keeps its slack against a cheaper non-holder
+    cold = placed([mine, peer("x", 0)], ("o",), held=256)
+    assert cold[0].is_self
+
+
 def test_a_holder_busy_for_the_moment_does_not_make_a_copy_here_cheap() -> None:
     """The rent buys a copy at what staying costs more than the forward now, but never for
     less than the extra prefill the copy makes this node compute, less the round trip it

@@ -395,7 +395,7 @@ class Router:
             best = mine
         bought = False
         if placement is not None:
-            best = self._placed(keyed, best, preferred, overloaded, rng)
+            best = self._placed(keyed, best, preferred, overloaded, rng, placement.held_tokens)
             # Ski rental: a forward to a holder rents its copy for one round trip; a copy here
             # costs, once, what staying costs more than the forward now. Rent until the round
             # trips spent on this prefix reach that price, then buy. Over a 4 ms link against
@@ -424,12 +424,22 @@ class Router:
         preferred: set[str],
         overloaded: set[str],
         rng: Random,
+        held: int,
     ) -> tuple[float, float, float, NodeInfo]:
         """The best preferred candidate (an owner, or a node holding the prefix) if it costs
         at most ``placement_slack`` more than ``best`` now; near-equal ones are picked at
-        random, self first (entry nodes sharing a stale view must not all pick one peer)."""
+        random, self first (entry nodes sharing a stale view must not all pick one peer).
+        The slack avoids a copy: where ``best`` holds the prefix (``held`` tokens) already,
+        only a candidate holding more of the request than ``best`` has one to avoid (a
+        conversation whose newer turns a peer holds must not stay on the node that holds its
+        first ones: the chat workload re-prefilled its history on the stale holder)."""
         cfg = self.config
-        pref = [k for k in keyed if k[3].node_id in preferred and k[3].node_id not in overloaded]
+        top = best[3].cached_tokens
+        pref = [
+            k for k in keyed
+            if k[3].node_id in preferred and k[3].node_id not in overloaded
+            and (top < held or k[3].cached_tokens > top)
+        ]
         if not pref:
             return best
         low = pref[0][0]  # keyed is sorted by prediction
