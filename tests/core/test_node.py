@@ -405,30 +405,6 @@ def test_the_queue_waits_forwards_met_teach_the_error_of_that_peers_predictions(
     assert n0.metrics()["forward_waits_rejected"] == 1 and error() <= first
 
 
-def test_a_peer_never_forwarded_to_is_as_uncertain_as_the_peers_that_were() -> None:
-    """A peer with no forward of this node's on record takes the error measured over every
-    peer (in a large mesh a node seldom forwards to one peer twice); one with a record of its
-    own keeps its own."""
-    c = warm_cluster(3, policy=Policy.COST)
-    n0 = c.nodes["n0"]
-
-    def errors() -> dict[str, float]:
-        peers = n0.mesh_state(c.now)["peers"]
-        return {str(p["node_id"]): float(p["wait_error_s"]) for p in peers}  # type: ignore[union-attr]
-
-    assert errors() == {"n1": 0.0, "n2": 0.0}
-    offer(c, 1, "n1")
-    c.deliver("n0", ForwardAccepted(1, "n1", 0))
-    c.deliver("n0", RequestDone(1, forward_rtt_s=0.004, forward_queue_s=0.5))
-    learnt = errors()
-    assert learnt["n1"] > 0.0 and learnt["n2"] == pytest.approx(learnt["n1"])
-    offer(c, 2, "n2")
-    c.deliver("n0", ForwardAccepted(2, "n2", 0))
-    c.deliver("n0", RequestDone(2, forward_rtt_s=0.004, forward_queue_s=0.0))
-    own = errors()
-    assert own["n2"] < own["n1"]  # its own record now: its predictions were right
-
-
 def test_rent_spent_forwarding_to_a_holder_buys_a_local_copy_in_the_end() -> None:
     """Each first ranking that forwards to the holder of a prefix this node lacks adds that
     round trip to the prefix's rent; re-rankings add nothing; once the rent reaches what a

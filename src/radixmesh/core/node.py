@@ -181,10 +181,8 @@ class NodeCore:
         self._token_rate = TokenRate(config.priors)  # bounded admission's default token cap
         self._rtt = RttTable(config.priors)
         self._busy = Utilization(config.router.load_window_s)
-        # per peer: how far the queue waits our forwards met were from what we predicted; and
-        # the same over every peer, the prior of a peer with no forward of ours on record
+        # per peer: how far the queue waits our forwards met were from what we predicted
         self._wait_errors: dict[str, WaitError] = {}
-        self._mesh_wait_error = WaitError(config.priors.alpha, config.router.error_window_s)
         self._router = Router(config.router)
         self._codec = Codec(
             Limits(
@@ -443,20 +441,13 @@ class NodeCore:
         if waited is not None and choice is not None and choice.node_id == flight.peer:
             if 0.0 <= waited <= MAX_REPORTED_WAIT_S:  # a peer's claim: bounded
                 self._wait_error(flight.peer).observe(waited - choice.wait_s, now)
-                self._mesh_wait_error.observe(waited - choice.wait_s, now)
             else:
                 self._count("forward_waits_rejected")
         return []
 
     def _spread_of(self, peer: str, now: float) -> float:
-        """How far predictions of ``peer``'s queue wait are lately off: its own record, or,
-        for a peer none of our forwards has reached yet, the record over every peer (in a
-        large mesh a node seldom forwards to one peer twice, and a peer it never tried is as
-        stale as any)."""
         err = self._wait_errors.get(peer)
-        if err is None:
-            return self._mesh_wait_error.spread(now)
-        return err.spread(now)
+        return 0.0 if err is None else err.spread(now)
 
     def _wait_error(self, peer: str) -> WaitError:
         """``peer``'s queue-wait prediction error, created on first use; entries of peers no
