@@ -40,7 +40,8 @@ Policies
                       nodes that hold the prefix; the best of them (near-equal ones picked at
                       random, self first: two entry nodes with the same stale view do not
                       pick the same peer) wins when it is predicted at most
-                      ``placement_slack`` (75 %) slower than the best choice now. A peer is
+                      ``placement_slack`` (75 %) slower than the best choice now, if that
+                      choice would copy the prefix or holds less of the request. A peer is
                       preferred only if a later request entering elsewhere would gain at
                       least a round trip by using its copy (else nobody would be forwarded
                       to it: over a slow link every node keeping its own copy wins). So every
@@ -51,7 +52,8 @@ Policies
                       first copy, deliberate replica, second copy, unplaced, local copy) so
                       the node can count what its decisions cost.
                       *Ski rental*: a forward to a holder rents its copy for one round trip; a
-                      copy here costs, once, what staying costs more than forwarding now. The
+                      copy here costs, once, what staying costs more than forwarding now (never
+                      less than the extra prefill it makes here, less that round trip). The
                       node sums the round trips it spent renting each prefix (``rent_s``) and
                       keeps the request here (tag ``local_copy``) once they reach that price:
                       after ~75 forwards of a prefix over a 4 ms link, at the first or second
