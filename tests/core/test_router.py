@@ -491,17 +491,24 @@ def test_no_slack_for_a_holder_when_the_best_choice_holds_more_of_the_request() 
     assert predict_latency(req, mine, SCALE) < slack * predict_latency(req, newer, SCALE)
     out = placed([mine, newer], ("o",), held=256)
     assert out[0].node_id == "p" and out[0].placement is Tag.HIT
+    # a holder with as much as the cheaper holder, or one block more (a saving inside the
+    # hysteresis), has no copy to avoid either: the plain cost ranking decides
+    for more in (0, 16):
+        nodes = [me(0), peer("a", 2880, queue=2), peer("p", 2880 + more, queue=3)]
+        assert placed(nodes, ("o",), held=256)[0].node_id == "a"
     # nobody holding more than self: self keeps its slack against a cheaper non-holder
-    cold = placed([mine, peer("x", 0)], ("o",), held=256)
-    assert cold[0].is_self
+    queued = NodeInfo("self", True, 300, 0.0, 3, SPEED)
+    assert placed([queued, peer("x", 0)], ("o",), held=256, placement_slack=0.0)[0].node_id == "x"
+    assert placed([queued, peer("x", 0)], ("o",), held=256)[0].is_self
 
 
 def test_a_holder_busy_for_the_moment_does_not_make_a_copy_here_cheap() -> None:
     """The rent buys a copy at what staying costs more than the forward now, but never for
     less than the extra prefill the copy makes this node compute, less the round trip it
     saves: a holder whose queue makes the forward nearly as slow as a cold prefill here is
-    busy, and the copy's prefill is as dear as ever. Over a link slower than that prefill the
-    first forward still buys (the floor is then below the rent)."""
+    busy, and the copy's prefill is as dear as ever. Over a link whose round trip is most of
+    what the holder's copy saves, the first forward still buys (the floor is then below this
+    round trip's rent). A forward the slack chose, slower than staying, never buys."""
     req = RouteInput(3000, 1)
     rtt = 0.01
     cold = predict_service(req, me(0), SCALE)
@@ -517,10 +524,18 @@ def test_a_holder_busy_for_the_moment_does_not_make_a_copy_here_cheap() -> None:
     paid = router.rank(req, [me(0), busy], random.Random(0),
                        Placement(("h",), 256, rent_s=floor - rtt))
     assert paid[0].is_self and paid[0].placement is Tag.LOCAL_COPY
+    short = router.rank(req, [me(0), busy], random.Random(0),
+                        Placement(("h",), 256, rent_s=0.99 * (floor - rtt)))
+    assert short[0].node_id == "h"  # just below the floor: still rented
     # a round trip of 80 % of what the holder's copy saves: the first forward buys
     far = peer("h", 2900, rtt=0.8 * (cold - warm))
     first = router.rank(req, [me(0), far], random.Random(0), Placement(("h",), 256))
     assert first[0].is_self and first[0].placement is Tag.LOCAL_COPY
+    # the slack's forward to a holder slower than staying is not a rental, whatever was spent
+    slow = NodeInfo("h", False, 2900, rtt, 1, replace(SPEED, mean_service_s=cold))
+    kept = router.rank(req, [me(0), slow], random.Random(0),
+                       Placement(("h",), 256, rent_s=10.0))
+    assert predict_latency(req, slow, SCALE) > cold and kept[0].node_id == "h"
 
 
 def test_a_forward_must_also_beat_the_measured_error_of_queue_predictions() -> None:

@@ -41,7 +41,8 @@ Policies
                       random, self first: two entry nodes with the same stale view do not
                       pick the same peer) wins when it is predicted at most
                       ``placement_slack`` (75 %) slower than the best choice now, if that
-                      choice would copy the prefix or holds less of the request. A peer is
+                      choice would copy the prefix or holds less of the request (by more
+                      than the hysteresis is worth). A peer is
                       preferred only if a later request entering elsewhere would gain at
                       least a round trip by using its copy (else nobody would be forwarded
                       to it: over a slow link every node keeping its own copy wins). So every
@@ -53,7 +54,8 @@ Policies
                       the node can count what its decisions cost.
                       *Ski rental*: a forward to a holder rents its copy for one round trip; a
                       copy here costs, once, what staying costs more than forwarding now (never
-                      less than the extra prefill it makes here, less that round trip). The
+                      less than the extra service it makes here, less that round trip; a
+                      forward the slack chose, slower than staying, is no rental). The
                       node sums the round trips it spent renting each prefix (``rent_s``) and
                       keeps the request here (tag ``local_copy``) once they reach that price:
                       after ~75 forwards of a prefix over a 4 ms link, at the first or second
@@ -397,7 +399,8 @@ class Router:
             best = mine
         bought = False
         if placement is not None:
-            best = self._placed(keyed, best, preferred, overloaded, rng, placement.held_tokens)
+            held = placement.held_tokens
+            best = self._placed(req, keyed, best, preferred, overloaded, rng, held)
             # Ski rental: a forward to a holder rents its copy for one round trip; a copy here
             # costs, once, what staying costs more than the forward now. Rent until the round
             # trips spent on this prefix reach that price, then buy. Over a 4 ms link against
@@ -406,14 +409,14 @@ class Router:
             # copy is what wins, the first or second request buys.
             # (A forward the placement slack chose, slower now than staying, is not a rental:
             # it avoids a second copy while gossip is a round behind.)
-            # The price is never below the extra prefill the copy makes this node compute,
+            # The price is never below the extra service the copy makes this node compute,
             # less the round trip it saves now: a holder that is busy for the moment makes
             # the forward slow, not the copy cheap (under load, copies bought while holders
             # were busy cost 6-9 points of hit rate and no latency in the simulator).
+            gain = mine[0] - best[0]
             scale = self.config.context_scale
-            extra = predict_service(req, me, scale) - predict_service(req, best[3], scale)
-            price = max(mine[0] - best[0], extra - best[3].rtt_s)
-            held = placement.held_tokens
+            extra_service = predict_service(req, me, scale) - predict_service(req, best[3], scale)
+            price = max(gain, extra_service - best[3].rtt_s) if gain > 0.0 else 0.0
             renting = best[3].cached_tokens >= held > me.cached_tokens  # a hit there, not here
             if renting and 0.0 < price <= placement.rent_s + best[3].rtt_s:
                 best, bought = mine, True
@@ -421,6 +424,7 @@ class Router:
 
     def _placed(
         self,
+        req: RouteInput,
         keyed: list[tuple[float, float, float, NodeInfo]],
         best: tuple[float, float, float, NodeInfo],
         preferred: set[str],
@@ -432,15 +436,16 @@ class Router:
         at most ``placement_slack`` more than ``best`` now; near-equal ones are picked at
         random, self first (entry nodes sharing a stale view must not all pick one peer).
         The slack avoids a copy: where ``best`` holds the prefix (``held`` tokens) already,
-        only a candidate holding more of the request than ``best`` has one to avoid (a
-        conversation whose newer turns a peer holds must not stay on the node that holds its
-        first ones: the chat workload re-prefilled its history on the stale holder)."""
+        only a candidate holding more of the request than ``best``, by more than the
+        hysteresis is worth, has one to avoid (a conversation whose newer turns a peer holds
+        must not stay on the node that holds its first ones: the chat workload re-prefilled
+        its history on the stale holder)."""
         cfg = self.config
-        top = best[3].cached_tokens
+        copies = best[3].cached_tokens < held  # serving at ``best`` copies the prefix
         pref = [
             k for k in keyed
             if k[3].node_id in preferred and k[3].node_id not in overloaded
-            and (top < held or k[3].cached_tokens > top)
+            and (k is best or copies or self._holds_more(req, k[3], best[3]))
         ]
         if not pref:
             return best
@@ -451,6 +456,16 @@ class Router:
         if best in near:
             return best
         return next((k for k in near if k[3].is_self), None) or near[rng.randrange(len(near))]
+
+    def _holds_more(self, req: RouteInput, node: NodeInfo, than: NodeInfo) -> bool:
+        """Whether ``node`` holds more of the request than ``than`` by more than the
+        hysteresis: what its longer cached prefix would save on ``than``'s speed."""
+        if node.cached_tokens <= than.cached_tokens:
+            return False
+        scale = self.config.context_scale
+        there = predict_service(req, than, scale)
+        saved = there - predict_service(req, replace(than, cached_tokens=node.cached_tokens), scale)
+        return saved >= self._needed(there)
 
     def _needed(self, work_s: float) -> float:
         """The least a forward must save over staying, for local work ``work_s``."""
