@@ -416,9 +416,9 @@ class Router:
             gain = mine[0] - best[0]
             scale = self.config.context_scale
             extra_service = predict_service(req, me, scale) - predict_service(req, best[3], scale)
-            price = max(gain, extra_service - best[3].rtt_s) if gain > 0.0 else 0.0
+            price = max(gain, extra_service - best[3].rtt_s)
             renting = best[3].cached_tokens >= held > me.cached_tokens  # a hit there, not here
-            if renting and 0.0 < price <= placement.rent_s + best[3].rtt_s:
+            if renting and gain > 0.0 and price <= placement.rent_s + best[3].rtt_s:
                 best, bought = mine, True
         return [best[3], *(n for n in order if n is not best[3])], bought
 
