@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The router's simulator panel (docs/benchmarks.md, "Router" -> "This round"): one policy over
-# 36 cases on 4 simulated nodes -- the four generated workloads under Poisson arrivals (50 %
+# 60 cases on 4 simulated nodes -- the four generated workloads under Poisson arrivals (50 %
 # and 80 % of capacity) and 16 closed-loop clients, and MMLU one at a time (2 ms, skewed, a
 # 20k-token cache; speeds fitted to a real run at 2 ms, 200 ms and 1 s; gpu-70b) and with 4
 # and 16 clients. Deterministic: run it for two trees and compare the lines.
@@ -12,6 +12,12 @@
 # ("... rand"): with
 # round-robin entry every node of `none` sees evenly thinned arrivals (`none` is then a
 # round-robin balancer), which clients spread by DNS or an L4 balancer do not give.
+# Last, the 24 workload cases again with the fitted speeds ("... fit"): the tiny engine's
+# speeds on this loaded 2-core machine, where a warm request takes 0.1-0.2 s and a cold one
+# 0.4 s instead of 14 and 46 ms, so a cache miss weighs less against a queue. These are the
+# cases that reproduce the real cluster's agentic losses to `none` with round-robin entry
+# (1.30x `none` at 80 % on the real cluster of 2cf4063, 1.27x with the fitted speeds; the
+# default speeds never showed it).
 #
 # Writes OUT_DIR/traces/*.jsonl once (the bench's own generators) and prints one line per
 # case: the case, then `radixmesh sim`'s summary row (mean s, p99 s, hit rates, hotspot,
@@ -37,13 +43,14 @@ one() {
   printf "%-28s %s\n" "$1" "$("$RM" sim --nodes 4 --policy "$POLICY" --quiet --no-records \
       ${SEED:+--seed "$SEED"} "${@:2}" 2>&1 | tail -1)"
 }
-workloads() {  # ENTRY LABEL
+workloads() {  # ENTRY LABEL [more sim args]
   for w in agentic hotprefix rag chat; do
     for l in 0.5 0.8; do
-      one "$w$2 p$l" --trace "$OUT/traces/$w.jsonl" --entry "$1" --load "$l" --cache-tokens 60000
+      one "$w$2 p$l" --trace "$OUT/traces/$w.jsonl" --entry "$1" --load "$l" \
+          --cache-tokens 60000 "${@:3}"
     done
     one "$w$2 k16" --trace "$OUT/traces/$w.jsonl" --entry "$1" --schedule sequential \
-        --concurrency 16 --cache-tokens 60000
+        --concurrency 16 --cache-tokens 60000 "${@:3}"
   done
 }
 workloads given ""
@@ -59,3 +66,5 @@ for d in 2ms 1s; do one "g70 seq $d" "${M[@]}" --comm-delay "$d" --cost-model gp
 one "fit mmlu k4" "${M[@]}" --concurrency 4 "${F[@]}"
 one "fit mmlu k16" "${M[@]}" --concurrency 16 "${F[@]}"
 workloads random " rand"
+workloads given " fit" "${F[@]}"
+workloads random " rand fit" "${F[@]}"

@@ -605,7 +605,9 @@ class NodeCore:
             mine = next(c for c in ranked if c.is_self)
             if head.placement is Tag.HIT and mine.placement is not Tag.HIT:  # renting a copy
                 rtt = next((n.rtt_s for n in nodes if n.node_id == head.node_id), 0.0)
-                self._key_rent.add(key, now, forward_rent(rtt, head.wait_s, nodes))
+                service = head.predicted_latency_s - head.wait_s - rtt
+                rent = forward_rent(rtt, head.wait_s, service, nodes, self.config.router.load_bound)
+                self._key_rent.add(key, now, rent)
         return ranked
 
     def _placement(

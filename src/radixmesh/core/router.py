@@ -280,19 +280,29 @@ def predict_latency(req: RouteInput, node: NodeInfo, context_scale: float) -> fl
     return rtt + predict_wait(node) + predict_service(req, node, context_scale)
 
 
-def forward_rent(rtt_s: float, wait_there_s: float, nodes: Sequence[NodeInfo]) -> float:
+def forward_rent(
+    rtt_s: float,
+    wait_there_s: float,
+    service_s: float,
+    nodes: Sequence[NodeInfo],
+    load_bound: float | None,
+) -> float:
     """What one forward to a prefix's holder costs more than a copy of it here would (the
-    rent of the ski rental): the round trip, and the queue wait it meets there beyond the
-    one here, as far as this node is less busy than the mesh (its utilization below the
-    mean of the available ``nodes``, self among them: the share of a copy here that would
-    run on capacity the mesh leaves idle). One request at a time, or in a balanced mesh,
-    that is the round trip alone; a node that lacks a prefix every busy peer holds pays for
-    each forward with the wait too (at 80 % load a node whose traffic all went to the
-    holders of a system prompt served nothing: its engine idled while theirs queued)."""
+    rent of the ski rental): its round trip, and, while this node is under-loaded, the
+    engine time and the queue it takes there instead of here: ``service_s`` and the wait
+    beyond the one here, × this node's idle share below the bounded load's floor (the mean
+    utilization of the available ``nodes``, self among them, ÷ (1 + ``load_bound``); the
+    mirror of the bound a peer over it takes no forwards by).
+    One request at a time, or in a mesh whose load is even, that share is 0 and the rent is
+    the round trip. A node whose traffic all goes to the busy holders of a prefix it lacks
+    (the holders of an agent's system prompt, which every request starts with) pays each
+    forward with engine time the mesh lacks while its own engine idles: on the real cluster
+    at 80 % load such a node served no request at all."""
     here = next(n for n in nodes if n.is_self)
     avail = [n for n in nodes if n.available]
-    spare = sum(n.utilization for n in avail) / len(avail) - here.utilization
-    return rtt_s + max(spare, 0.0) * max(0.0, wait_there_s - predict_wait(here))
+    floor = sum(n.utilization for n in avail) / len(avail) / (1.0 + (load_bound or 0.0))
+    idle = max(floor - here.utilization, 0.0)
+    return rtt_s + idle * (max(wait_there_s - predict_wait(here), 0.0) + service_s)
 
 
 def mesh_cost(
@@ -441,7 +451,8 @@ class Router:
             extra_service = predict_service(req, me, scale) - predict_service(req, best[3], scale)
             price = max(gain, extra_service - best[3].rtt_s)
             renting = best[3].cached_tokens >= held > me.cached_tokens  # a hit there, not here
-            rent = forward_rent(best[3].rtt_s, predict_wait(best[3]), avail)
+            rent = forward_rent(best[3].rtt_s, predict_wait(best[3]),
+                                predict_service(req, best[3], scale), avail, self.config.load_bound)
             if renting and gain > 0.0 and price <= placement.rent_s + rent:
                 best, bought = mine, True
         return [best[3], *(n for n in order if n is not best[3])], bought
