@@ -107,7 +107,6 @@ from radixmesh.core.router import (
     RouteInput,
     Router,
     Tag,
-    forward_rent,
     predict_latency,
     predict_wait,
 )
@@ -205,7 +204,7 @@ class NodeCore:
         self._ring = Ring()  # prefixes' owners (consistent hashing over routable members)
         self._ring_checked = now  # when the ring's members are checked again at the latest
         self._key_rates = KeyRates(config.router.replica_window_s)  # requests/s per prefix here
-        self._key_rent = KeySums(config.router.rent_window_s)  # rent spent per prefix (forwards)
+        self._key_rent = KeySums(config.router.rent_window_s)  # round trips spent per prefix
         # peer -> its latest load report: (its stamp, our forwards sent when it arrived, our
         # clock then, its queue depth); and the sum of those queue depths (the mesh's mean)
         self._load_seen: dict[str, tuple[float | None, int, float, int]] = {}
@@ -605,9 +604,7 @@ class NodeCore:
             mine = next(c for c in ranked if c.is_self)
             if head.placement is Tag.HIT and mine.placement is not Tag.HIT:  # renting a copy
                 rtt = next((n.rtt_s for n in nodes if n.node_id == head.node_id), 0.0)
-                service = head.predicted_latency_s - head.wait_s - rtt
-                rent = forward_rent(rtt, head.wait_s, service, nodes, self.config.router.load_bound)
-                self._key_rent.add(key, now, rent)
+                self._key_rent.add(key, now, rtt)  # the round trip it spends
         return ranked
 
     def _placement(

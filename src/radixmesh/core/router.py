@@ -52,19 +52,14 @@ Policies
                       copy wherever it entered. Each candidate is tagged (``placement``: hit,
                       first copy, deliberate replica, second copy, unplaced, local copy) so
                       the node can count what its decisions cost.
-                      *Ski rental*: a forward to a holder rents its copy, for what it costs
-                      more than a copy here would (:func:`forward_rent`: its round trip, and
-                      the queue it meets there beyond the one here); a copy here costs, once,
-                      what staying costs more than forwarding now (never less than the extra
-                      service it makes here, less that round trip; a forward the slack chose,
-                      slower than staying, is no rental). The node sums the rent it paid for
-                      each prefix (``rent_s``) and keeps the request here (tag
-                      ``local_copy``) once it reaches that price: to an idle holder after ~75
-                      forwards of a prefix over a 4 ms link, at the first or second over a
-                      400 ms one; to holders whose queues are longer than this node's, as
-                      soon as those waits add up to the prefill (under load an idle node
-                      that lacks a hot prefix every other node holds must not forward all
-                      its traffic to them: its engine would stay idle).
+                      *Ski rental*: a forward to a holder rents its copy for one round trip; a
+                      copy here costs, once, what staying costs more than forwarding now (never
+                      less than the extra service it makes here, less that round trip; a
+                      forward the slack chose, slower than staying, is no rental). The
+                      node sums the round trips it spent renting each prefix (``rent_s``) and
+                      keeps the request here (tag ``local_copy``) once they reach that price:
+                      after ~75 forwards of a prefix over a 4 ms link, at the first or second
+                      over a 400 ms one.
                       *Its own queue, by its tokens*: the deciding node knows what its queued
                       requests will compute (their uncached tokens, ``LoadChanged``), so each
                       place in its own queue is priced at that (``NodeInfo.queue_service_s``),
@@ -142,8 +137,8 @@ class RouterConfig:
     replica_load: float = 0.5
     max_replicas: int = 64
     replica_window_s: float = 10.0  # the time constant of a prefix's measured request rate
-    # cost: the time constant of the rent a node remembers paying for a prefix's copy on a
-    # peer (see Placement.rent_s)
+    # cost: the time constant of the round trips a node remembers spending on a prefix (its
+    # rent; see Placement.rent_s)
     rent_window_s: float = 600.0
     # cost: the time constant of a peer's measured queue-wait prediction error (WaitError)
     error_window_s: float = 10.0
@@ -222,9 +217,8 @@ class Placement:
 
     owners: tuple[str, ...]  # its owner set, in ring order (may include self)
     held_tokens: int  # a node whose cached prefix of the request is this long holds it
-    # the rent this node already paid (recently) forwarding this prefix to its holders
-    # (``forward_rent`` of each forward): when it reaches what a copy here costs more than a
-    # forward now, a copy is made here instead
+    # the forward round trips this node already spent on this prefix (recently): when they
+    # reach what a copy here costs more than a forward now, a copy is made here instead
     rent_s: float = 0.0
 
 
@@ -236,8 +230,8 @@ class Tag(StrEnum):
     REPLICA = "replica"  # others hold it; the candidate is an owner: a deliberate replica
     SECOND_COPY = "second_copy"  # others hold it; not an owner: an accidental cold copy
     UNPLACED = "unplaced"  # nobody holds it; not an owner (placement gave way to load)
-    # a peer holds it, this node does not; kept here because the rent paid for that copy
-    # reached what a copy here costs (``Placement.rent_s``): a deliberate replica
+    # a peer holds it, this node does not; kept here because the round trips spent renting
+    # that copy reached what a copy here costs (``Placement.rent_s``): a deliberate replica
     LOCAL_COPY = "local_copy"
 
 
@@ -278,31 +272,6 @@ def predict_wait(node: NodeInfo) -> float:
 def predict_latency(req: RouteInput, node: NodeInfo, context_scale: float) -> float:
     rtt = 0.0 if node.is_self else node.rtt_s
     return rtt + predict_wait(node) + predict_service(req, node, context_scale)
-
-
-def forward_rent(
-    rtt_s: float,
-    wait_there_s: float,
-    service_s: float,
-    nodes: Sequence[NodeInfo],
-    load_bound: float | None,
-) -> float:
-    """What one forward to a prefix's holder costs more than a copy of it here would (the
-    rent of the ski rental): its round trip, and, while this node is under-loaded, the
-    engine time and the queue it takes there instead of here: ``service_s`` and the wait
-    beyond the one here, × this node's idle share below the bounded load's floor (the mean
-    utilization of the available ``nodes``, self among them, ÷ (1 + ``load_bound``); the
-    mirror of the bound a peer over it takes no forwards by).
-    One request at a time, or in a mesh whose load is even, that share is 0 and the rent is
-    the round trip. A node whose traffic all goes to the busy holders of a prefix it lacks
-    (the holders of an agent's system prompt, which every request starts with) pays each
-    forward with engine time the mesh lacks while its own engine idles: on the real cluster
-    at 80 % load such a node served no request at all."""
-    here = next(n for n in nodes if n.is_self)
-    avail = [n for n in nodes if n.available]
-    floor = sum(n.utilization for n in avail) / len(avail) / (1.0 + (load_bound or 0.0))
-    idle = max(floor - here.utilization, 0.0)
-    return rtt_s + idle * (max(wait_there_s - predict_wait(here), 0.0) + service_s)
 
 
 def mesh_cost(
@@ -432,9 +401,9 @@ class Router:
         if placement is not None:
             held = placement.held_tokens
             best = self._placed(req, keyed, best, preferred, overloaded, rng, held)
-            # Ski rental: a forward to a holder rents its copy (``forward_rent``); a copy here
-            # costs, once, what staying costs more than the forward now. Rent until the rent
-            # paid for this prefix reaches that price, then buy. Over a 4 ms link against
+            # Ski rental: a forward to a holder rents its copy for one round trip; a copy here
+            # costs, once, what staying costs more than the forward now. Rent until the round
+            # trips spent on this prefix reach that price, then buy. Over a 4 ms link against
             # a 0.3 s prefill that takes ~75 forwards of one prefix from this node (a hot one
             # is then copied here too); over a 400 ms one, where every node keeping its own
             # copy is what wins, the first or second request buys.
@@ -443,17 +412,13 @@ class Router:
             # The price is never below the extra service the copy makes this node compute,
             # less the round trip it saves now: a holder that is busy for the moment makes
             # the forward slow, not the copy cheap (under load, copies bought while holders
-            # were busy cost 6-9 points of hit rate and no latency in the simulator). Holders
-            # busy for longer make the copy pay: the waits forwards meet there beyond the
-            # queue here add up in the rent.
+            # were busy cost 6-9 points of hit rate and no latency in the simulator).
             gain = mine[0] - best[0]
             scale = self.config.context_scale
             extra_service = predict_service(req, me, scale) - predict_service(req, best[3], scale)
             price = max(gain, extra_service - best[3].rtt_s)
             renting = best[3].cached_tokens >= held > me.cached_tokens  # a hit there, not here
-            rent = forward_rent(best[3].rtt_s, predict_wait(best[3]),
-                                predict_service(req, best[3], scale), avail, self.config.load_bound)
-            if renting and gain > 0.0 and price <= placement.rent_s + rent:
+            if renting and gain > 0.0 and price <= placement.rent_s + best[3].rtt_s:
                 best, bought = mine, True
         return [best[3], *(n for n in order if n is not best[3])], bought
 
