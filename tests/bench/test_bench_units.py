@@ -5,7 +5,8 @@ per-node figures."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -235,3 +236,58 @@ def test_bootstrap_interval_brackets_the_ratio_and_narrows() -> None:
     assert lo_s < point < hi_s and lo_b < 0.8 < hi_b
     assert hi_b - lo_b < (hi_s - lo_s) / 2
     assert ratio_interval(small[:1]) is None
+
+
+# --------------------------------------------------------- gateway start: a port taken meanwhile
+_READY_SERVER = """
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+class H(BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"healthy_workers": int(sys.argv[2])}).encode()
+        self.send_response(200); self.send_header("content-length", str(len(body)))
+        self.end_headers(); self.wfile.write(body)
+    def log_message(self, *a): pass
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_a_gateway_whose_port_was_taken_meanwhile_starts_again_on_fresh_ports() -> None:
+    """The ports are picked free, then bound by the gateway a moment later; when another
+    process took one in between (clusters start at once), the gateway exits with "Address
+    already in use" and is started again on new ports, up to PORT_ATTEMPTS times; any other
+    exit is an error at once."""
+    from radixmesh.bench import sglang
+
+    class Fake(sglang.Gateway):
+        name, package = "fake", "json"
+        ports: list[int] = []  # noqa: RUF012 (one test's record)
+        failures = 1
+
+        def command(self, port: int, workers: Sequence[str]) -> list[str]:
+            Fake.ports.append(port)
+            if len(Fake.ports) <= Fake.failures:
+                return [sys.executable, "-c",
+                        "print('Error: Address already in use (os error 98)'); raise SystemExit(1)"]
+            return [sys.executable, "-c", _READY_SERVER, str(port), str(len(workers))]
+
+    gw = Fake(["http://127.0.0.1:1"], startup_timeout_s=20)
+    try:
+        assert len(Fake.ports) == 2 and gw.port == Fake.ports[1] != Fake.ports[0]
+        assert gw.ready()
+    finally:
+        gw.close()
+    Fake.ports, Fake.failures = [], sglang.PORT_ATTEMPTS
+    with pytest.raises(sglang.PortTaken):
+        Fake(["http://127.0.0.1:1"], startup_timeout_s=20)
+    assert len(Fake.ports) == sglang.PORT_ATTEMPTS
+
+    class Broken(Fake):
+        def command(self, port: int, workers: Sequence[str]) -> list[str]:
+            Fake.ports.append(port)
+            return [sys.executable, "-c", "print('bad flag'); raise SystemExit(2)"]
+
+    Fake.ports = []
+    with pytest.raises(RuntimeError, match="bad flag") as info:
+        Broken(["http://127.0.0.1:1"], startup_timeout_s=20)
+    assert not isinstance(info.value, sglang.PortTaken) and len(Fake.ports) == 1

@@ -32,9 +32,14 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from radixmesh.runtime.cluster import free_port
+from radixmesh.runtime.cluster import free_ports
 
 INSTALL_HINT = "sglang-router is not installed: pip install 'sglang-router==0.3.2'"
+PORT_ATTEMPTS = 3  # starts with fresh ports when one was taken meanwhile
+
+
+class PortTaken(RuntimeError):
+    """The gateway exited because a port picked for it was taken before it bound it."""
 
 
 class Gateway:
@@ -57,8 +62,8 @@ class Gateway:
         if not self.available():
             raise RuntimeError(self.install_hint)
         self.workers = list(worker_urls)  # as the nodes know them (what the records name)
-        self.port = free_port()
-        self.metrics_port = free_port()  # both gateways default to 0.0.0.0:29000 (clashes)
+        # (both gateways default their metrics to 0.0.0.0:29000, which clashes: a port each)
+        self.port, self.metrics_port = free_ports(2)
         self.url = f"http://127.0.0.1:{self.port}"
         if log_path is None:
             self._log: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
@@ -71,11 +76,21 @@ class Gateway:
             routed = self.workers
             if link_delay_s > 0:
                 routed = self._start_relay(link_delay_s, startup_timeout_s)
-            self._proc = subprocess.Popen(
-                self.command(self.port, routed), stdout=self._log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True,
-            )  # fmt: skip
-            self._wait_ready(startup_timeout_s)
+            for attempt in range(1, PORT_ATTEMPTS + 1):
+                self._proc = subprocess.Popen(
+                    self.command(self.port, routed), stdout=self._log, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL, start_new_session=True,
+                )  # fmt: skip
+                try:
+                    self._wait_ready(startup_timeout_s)
+                    break
+                except PortTaken:
+                    # the ports were free when picked, and something took one before the
+                    # gateway bound it (other clusters start at the same time): new ports
+                    if attempt == PORT_ATTEMPTS:
+                        raise
+                    self.port, self.metrics_port = free_ports(2)
+                    self.url = f"http://127.0.0.1:{self.port}"
         except BaseException:
             self.close()
             raise
@@ -150,7 +165,9 @@ class Gateway:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {proc.returncode}: {self.log_tail()}")
+                tail = self.log_tail()
+                error = PortTaken if "Address already in use" in tail else RuntimeError
+                raise error(f"{self.name} exited with {proc.returncode}: {tail}")
             try:
                 if self.ready():
                     return
