@@ -426,6 +426,45 @@ def test_rent_spent_forwarding_to_a_holder_buys_a_local_copy_in_the_end() -> Non
     assert heads[0] == "n2" and heads[-1] == "n0" and len(heads) > 10
 
 
+def test_a_speed_nothing_refreshed_for_a_load_window_restarts_from_the_peers_median() -> None:
+    """A node that learnt a far slower speed (requests served while the machine was
+    oversubscribed) and then served nothing for a load window adopts the median speed of
+    the peers that served lately, and its peers see that in its next report; not while a
+    request is queued or running (a sample is coming). The next request weighs as after a
+    fresh start. An idle mesh keeps its estimates (nobody has a fresher one)."""
+    c = warm_cluster(3, policy=Policy.COST)
+    n0, n1 = c.nodes["n0"], c.nodes["n1"]
+    window = n0.config.router.load_window_s
+    c.run_for(window + 1.0)
+    assert all(n.metrics()["speed_adopted"] == 0 for n in c.nodes.values())
+    per_token = n0.own_speed().prefill_s_per_token
+
+    def seconds_of_peers_serving(seconds: float) -> None:
+        for _ in range(int(seconds)):
+            for peer in ("n1", "n2"):
+                c.deliver(peer, RequestServed(1000, 0, per_token * 1000, 1, 0.0, 0.2))
+            c.run_for(1.0)
+
+    seconds_of_peers_serving(2)
+    for _ in range(5):
+        c.deliver("n0", RequestServed(1000, 0, 100 * per_token * 1000, 1, 0.0, 1.0))
+    slow, adoptions = n0.own_speed(), n0.metrics()["speed_adopted"]
+    assert slow.prefill_s_per_token > 20 * per_token
+    c.deliver("n0", LoadChanged(1, 1, 0, 100))  # one running: no adoption while it runs
+    seconds_of_peers_serving(window + 1.0)
+    assert n0.own_speed() == slow and n0.metrics()["speed_adopted"] == adoptions
+    c.deliver("n0", LoadChanged(0, 0, 0, 100))
+    seconds_of_peers_serving(2)  # gossip rounds: the estimate is a window old, the node idle
+    adopted = n0.own_speed()
+    assert n0.metrics()["speed_adopted"] == adoptions + 1
+    assert adopted.prefill_s_per_token < 2 * per_token  # the busy peers' speed
+    [view] = [p for p in n1.mesh_state(c.now)["peers"] if p["node_id"] == "n0"]  # type: ignore[index, union-attr]
+    assert view["load"]["prefill_s_per_token"] == pytest.approx(  # type: ignore[index]
+        adopted.prefill_s_per_token, rel=1e-3)
+    c.deliver("n0", RequestServed(1000, 0, 10 * per_token * 1000, 1, 0.0, 1.0))
+    assert n0.own_speed().prefill_s_per_token > 3 * per_token  # half the way, not a fifth
+
+
 def test_load_above_threshold_advertises_immediately() -> None:
     node = lone_node(pushback=PushbackConfig(queue_threshold=2, duration_s=1.0))
     node.handle(Tick(), 0.0)

@@ -25,8 +25,9 @@ requests. The per-request EWMA of the rate averages that noise away.)
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +111,15 @@ class SpeedReport:
         return prefill + self.decode_s_per_token * max(0.0, output_tokens / depth - 1)
 
 
+def median_speed(speeds: Sequence[SpeedReport]) -> SpeedReport:
+    """Each field's median over ``speeds`` (at least one)."""
+    if not speeds:
+        raise ValueError("median_speed needs at least one speed")
+    return SpeedReport(
+        *(statistics.median(getattr(s, f.name) for s in speeds) for f in fields(SpeedReport))
+    )
+
+
 class ComputeModel:
     """This node's own prefill/decode speed, learnt from the requests it served."""
 
@@ -135,6 +145,15 @@ class ComputeModel:
     def observe_service(self, seconds: float) -> None:
         if seconds >= 0:
             self._service.observe(seconds)
+
+    def adopt(self, speed: SpeedReport) -> None:
+        """Start again from ``speed`` (the mesh's median, when this node's own estimate has
+        gone stale): the next observations weigh as much as after a fresh start."""
+        self._overhead = speed.prefill_overhead_s
+        for ewma, value in ((self._rate, speed.prefill_s_per_token),
+                            (self._decode, speed.decode_s_per_token),
+                            (self._service, speed.mean_service_s)):
+            ewma.value, ewma.count = value, 0
 
     def report(self) -> SpeedReport:
         return SpeedReport(

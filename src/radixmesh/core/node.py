@@ -71,6 +71,7 @@ from radixmesh.core.estimators import (
     SpeedReport,
     Utilization,
     WaitError,
+    median_speed,
 )
 from radixmesh.core.events import (
     AcceptForward,
@@ -161,6 +162,7 @@ _COUNTERS = (
     "forwards_refused_leaving",  # ... and because this node is leaving (drain)
     "seeds_discovered",  # new seed addresses learnt after start (DNS)
     "requests_served",
+    "speed_adopted",  # an own speed estimate gone stale restarted from the peers' median
     "routes",
     "pushback_started",
 )
@@ -181,6 +183,7 @@ class NodeCore:
         self._token_rate = TokenRate(config.priors)  # bounded admission's default token cap
         self._rtt = RttTable(config.priors)
         self._busy = Utilization(config.router.load_window_s)
+        self._speed_at = now  # when the own speed estimate was last refreshed (served, adopted)
         # per peer: how far the queue waits our forwards met were from what we predicted
         self._wait_errors: dict[str, WaitError] = {}
         self._router = Router(config.router)
@@ -272,6 +275,7 @@ class NodeCore:
         cfg = self.config.gossip
         self._next_round = now + cfg.interval_s * (1.0 + cfg.jitter_frac * self._rng.random())
         self._count("gossip_rounds")
+        self._refresh_stale_speed(now)
         sends = self._gossip.round(now, self._own_load(now))
         return self._account_out(sends)
 
@@ -520,8 +524,34 @@ class NodeCore:
             return pb.duration_s if until is None or until <= now else until - now
         return None
 
+    def _refresh_stale_speed(self, now: float) -> None:
+        """An own speed estimate no request has refreshed for a load window (this node idle)
+        starts again from the median speed of the routable peers that served lately, and
+        so do its peers' views of it (its next load report carries it). A node that learnt
+        a slow speed from a few requests served while the machine was oversubscribed would
+        otherwise keep it for good: it looks too slow to itself and to its peers, is sent
+        nothing, and never measures again (on the real cluster such a node served nothing
+        for whole runs, its engine idle while its peers queued). A node really slower than
+        the median is sent a request or two, and they bring its estimate back."""
+        window = self.config.router.load_window_s
+        if now - self._speed_at < window or self._load.queue_depth:
+            return
+        fresh = []  # the speeds of peers that served a request's worth of work lately
+        for peer in self._gossip.routable:
+            est = self._gossip.estimates.get(peer)
+            if est is None or est.speed is None or est.load is None:
+                continue
+            if est.load.utilization * window >= est.speed.mean_service_s:
+                fresh.append(est.speed)
+        if fresh:  # (an idle mesh keeps its estimates: nobody has a fresher one)
+            self._compute.adopt(median_speed(fresh))
+            self._speed_at = now
+            self._load_cache = None
+            self._count("speed_adopted")
+
     def _served(self, event: RequestServed, now: float) -> list[Action]:
         self._count("requests_served")
+        self._speed_at = now
         self._busy.observe(event.service_s, now)
         self._load_cache = None
         uncached = max(0, event.prompt_tokens - event.cached_tokens)

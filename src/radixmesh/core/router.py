@@ -91,13 +91,12 @@ that still paid: at 16–1,024 simulated nodes 0.4–0.5 refusals per request.)
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from random import Random  # the type only: instances are passed in, never the global one
 
-from radixmesh.core.estimators import SpeedReport
+from radixmesh.core.estimators import SpeedReport, median_speed
 from radixmesh.core.units import parse_choice
 
 
@@ -368,7 +367,7 @@ class Router:
         tol = self.config.speed_tolerance
         if tol is None or len(avail) < 2:
             return avail
-        median = _median_speed([n.speed for n in avail])
+        median = median_speed([n.speed for n in avail])
         return [replace(n, speed=_snapped(n.speed, median, tol)) for n in avail]
 
     # ---------------------------------------------------------------------------- policies
@@ -564,14 +563,10 @@ def _tag(node: NodeInfo, owners: set[str], held: int, anyone: bool) -> Tag:
 _SPEED_FIELDS = ("prefill_overhead_s", "prefill_s_per_token", "decode_s_per_token")
 
 
-def _median_speed(speeds: list[SpeedReport]) -> dict[str, float]:
-    return {f: statistics.median(getattr(s, f) for s in speeds) for f in _SPEED_FIELDS}
-
-
-def _snapped(speed: SpeedReport, median: dict[str, float], tol: float) -> SpeedReport:
+def _snapped(speed: SpeedReport, median: SpeedReport, tol: float) -> SpeedReport:
     snapped = {}
-    for f, mid in median.items():
-        mine = getattr(speed, f)
+    for f in _SPEED_FIELDS:
+        mine, mid = getattr(speed, f), getattr(median, f)
         snapped[f] = mid if mid / tol <= mine <= mid * tol else mine
     return replace(speed, **snapped)
 
