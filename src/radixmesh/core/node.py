@@ -132,6 +132,9 @@ class _Unavailable:
         return not (isinstance(peer, str) and self._node.available(peer, self._now))
 
 
+# a stale own speed restarts from the median of at most this many fresh peers' speeds
+SPEED_SAMPLE = 16
+
 _COUNTERS = (
     "gossip_bytes_in",
     "gossip_bytes_out",
@@ -536,16 +539,18 @@ class NodeCore:
         window = self.config.router.load_window_s
         if now - self._speed_at < window or self._load.queue_depth:
             return
-        fresh = []  # the speeds of peers that served a request's worth of work lately
+        self._speed_at = now  # (checked again a window later)
+        fresh = []  # the speeds of (at most SPEED_SAMPLE) peers that served lately
         for peer in self._gossip.routable:
             est = self._gossip.estimates.get(peer)
             if est is None or est.speed is None or est.load is None:
                 continue
             if est.load.utilization * window >= est.speed.mean_service_s:
                 fresh.append(est.speed)
+                if len(fresh) >= SPEED_SAMPLE:
+                    break
         if fresh:  # (an idle mesh keeps its estimates: nobody has a fresher one)
             self._compute.adopt(median_speed(fresh))
-            self._speed_at = now
             self._load_cache = None
             self._count("speed_adopted")
 
