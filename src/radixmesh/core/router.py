@@ -74,6 +74,8 @@ Policies
                       candidates' median count as the median, so that estimation noise on a
                       shared machine cannot send cold requests to whichever node looks fastest
                       (positive feedback: that node caches the new prefix, the others never do).
+                      A speed far off the median for lack of recent requests is not noise
+                      the tolerance can absorb: the node restarts it (``NodeCore``).
     ``random``, ``round_robin``, ``least_loaded``  baselines over available nodes.
 
 Because a peer's prediction includes its forward RTT, ``cost`` forwards only when the predicted
