@@ -64,7 +64,6 @@ class Gateway:
         self.workers = list(worker_urls)  # as the nodes know them (what the records name)
         # (both gateways default their metrics to 0.0.0.0:29000, which clashes: a port each)
         self.port, self.metrics_port = free_ports(2)
-        self.url = f"http://127.0.0.1:{self.port}"
         if log_path is None:
             self._log: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115 (closed in close())
         else:
@@ -90,7 +89,6 @@ class Gateway:
                     if attempt == PORT_ATTEMPTS:
                         raise
                     self.port, self.metrics_port = free_ports(2)
-                    self.url = f"http://127.0.0.1:{self.port}"
         except BaseException:
             self.close()
             raise
@@ -128,6 +126,11 @@ class Gateway:
         for stream in (proc.stdin, proc.stdout):
             if stream is not None:
                 stream.close()
+
+    @property
+    def url(self) -> str:
+        """Where the client sends every request."""
+        return f"http://127.0.0.1:{self.port}"
 
     @classmethod
     def available(cls) -> bool:
