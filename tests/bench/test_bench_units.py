@@ -1,11 +1,14 @@
 """The benchmark harness without clusters: the oracle's cache mirror against the real engine,
-admission (drops / truncation / fail), schedules recorded, batching, bootstrap intervals and
-per-node figures."""
+admission (drops / truncation / fail), schedules recorded, a turn held for its predecessor,
+batching, bootstrap intervals and per-node figures."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -13,14 +16,14 @@ import pytest
 
 from radixmesh.bench.oracle import UNKNOWN, CacheMirror, fed_output, output_ids
 from radixmesh.bench.prompts import PromptTooLong, make_admit, prompt_ids
-from radixmesh.bench.replay import arrival_times, mode_of
+from radixmesh.bench.replay import Replay, _open_loop, arrival_times, mode_of
 from radixmesh.bench.runner import RunResult, batches
 from radixmesh.bench.spec import RunSpec
 from radixmesh.bench.sweep import paired
 from radixmesh.core.byte_tokenizer import ByteTokenizer
 from radixmesh.results.records import Record
 from radixmesh.results.summary import node_figures, ratio_interval
-from radixmesh.workload import Request, WorkloadSpec
+from radixmesh.workload import Request, WorkloadSpec, schedule
 from radixmesh.workload.build import build_counted
 from radixmesh.workload.request import Message
 
@@ -202,6 +205,56 @@ def test_paired_open_loop_needs_one_schedule() -> None:
     with pytest.raises(ValueError, match="one arrival schedule"):
         arrival_times([(None, a), (None, b)])  # type: ignore[list-item]
     assert mode_of(RunSpec(name="n", policy="none"), a) == "open"
+
+
+class TimedReplay:
+    """A replay whose ``one`` only waits a little (seeded) and notes when each request ran:
+    the schedule's code (closed loop, open loop) is the bench's own."""
+
+    def __init__(self, clients: int) -> None:
+        self.spec = RunSpec(name="fake", policy="none", concurrency=clients)
+        self.t0 = time.perf_counter()
+        self.spans: dict[str, tuple[float, float]] = {}
+        self.running = self.most = 0
+
+    async def one(self, http: object, seq: int, req: Request, record: bool = True) -> Record:
+        start = time.perf_counter()
+        self.running += 1
+        self.most = max(self.most, self.running)
+        await asyncio.sleep(random.Random(seq).uniform(0.0, 0.004))
+        self.running -= 1
+        self.spans[req.id] = (start - self.t0, time.perf_counter() - self.t0)
+        return rec("n0")
+
+
+def conversations(n: int, turns: int) -> list[Request]:
+    """``n`` conversations of ``turns`` turns, interleaved: each turn waits for the last."""
+    return [Request(id=f"c{c}/t{t}", prompt="p", after=f"c{c}/t{t - 1}" if t else None)
+            for t in range(turns) for c in range(n)]  # fmt: skip
+
+
+def assert_turns_waited(replay: TimedReplay, reqs: list[Request]) -> None:
+    assert set(replay.spans) == {r.id for r in reqs}
+    for r in reqs:
+        if r.after is not None:
+            assert replay.spans[r.after][1] <= replay.spans[r.id][0], r.id
+
+
+def test_closed_loop_clients_send_a_turn_only_after_the_answer_to_the_last() -> None:
+    reqs = conversations(3, 4)
+    replay = TimedReplay(clients=8)
+    asyncio.run(Replay.closed_loop(replay, None, reqs))  # type: ignore[arg-type]
+    assert_turns_waited(replay, reqs)
+    assert replay.most == 3  # 8 clients, but only 3 conversations can have a turn out
+
+
+def test_open_loop_holds_a_turn_whose_answer_is_not_in_yet() -> None:
+    reqs = schedule.poisson(conversations(4, 3), nodes=4, rate=5000.0, seed=1)  # overlapping
+    replay = TimedReplay(clients=1)
+    asyncio.run(_open_loop(None, [(replay, reqs)]))  # type: ignore[arg-type, list-item]
+    assert_turns_waited(replay, reqs)
+    for r in reqs:
+        assert replay.spans[r.id][0] >= (r.t or 0.0)  # never before its arrival time
 
 
 # ----------------------------------------------------------------------------- figures

@@ -109,6 +109,32 @@ def test_open_loop_poisson_queues(requests_small: list[Request]) -> None:
     assert t_sends == sorted(t_sends)
 
 
+@pytest.mark.parametrize("sched", ["sequential", "poisson"])
+def test_a_turn_is_sent_only_once_the_last_one_finished(
+    requests_small: list[Request], sched: str
+) -> None:
+    """Requests naming a predecessor (``after``: a conversation's turns) wait for it, in
+    closed loop (8 clients) and open loop (arrivals overlapping), as in the benchmark."""
+    last: dict[str | None, str] = {}
+    reqs = []
+    for r in requests_small:  # each group a conversation, its requests in order
+        reqs.append(replace(r, after=last.get(r.group)))
+        last[r.group] = r.id
+    if sched == "poisson":
+        reqs = schedule.poisson(reqs, 4, rate=500.0, seed=1)
+    clients = 8 if sched == "sequential" else 1
+    spec = RunSpec("cost", cluster_config("cost"), schedule=sched, concurrency=clients)
+    res = run(spec, reqs, byte_tokenize()[0])
+    done = {r.id: r.t_done for r in res.records}
+    assert len(done) == len(reqs) and res.summary["errors"] == 0
+    for r, rec in zip(reqs, sorted(res.records, key=lambda x: x.seq), strict=True):
+        if r.after is not None:
+            assert rec.t_send >= done[r.after], r.id
+    overlap = sum(1 for a in res.records for b in res.records
+                  if a.group != b.group and a.t_send < b.t_send < (a.t_done or 0))  # fmt: skip
+    assert overlap > 0  # different conversations still ran at the same time
+
+
 def test_busy_peers_refuse_forwards_and_the_entry_serves_instead(
     make_reqs: Callable[..., list[Request]],
 ) -> None:

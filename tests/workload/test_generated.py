@@ -54,6 +54,8 @@ def test_chat_turns_resend_the_growing_history() -> None:
             assert cur.messages[: len(prev.messages)] == prev.messages
             assert [m.role for m in cur.messages[len(prev.messages) :]] == ["assistant", "user"]
             assert cur.prefix_chars == sum(len(m.content) for m in cur.messages[:-1])
+            assert cur.after == prev.id  # sent once the previous turn was answered
+        assert turns[0].after is None
     # one system preamble shared by every conversation, shorter than any conversation
     systems = {r.messages[0] for r in reqs if r.messages}
     assert len(systems) == 1 and next(iter(systems)).role == "system"
@@ -99,7 +101,9 @@ def test_agentic_one_system_prompt_and_growing_scratchpads() -> None:
             head = (prev.prompt or "").removesuffix("Thought:")
             assert (cur.prompt or "").startswith(head) and len(cur.prompt or "") > len(head)
             assert "\nObservation: " in (cur.prompt or "")[len(head) :]
+            assert cur.after == prev.id  # the next step once this one's tool answered
             grew += 1
+        assert steps[0].after is None
     assert grew > 100
     assert all(len(r.prompt or "") <= agentic.MAX_CHARS for r in reqs)
 

@@ -11,16 +11,20 @@ Modes (what :func:`mode_of` says a request list is):
   arrival schedule: at ``t_i`` request i is sent to *every* cluster (the order rotating with
   i), so each pair of runs saw the same machine when each request arrived.
 
-One run alone is the same code with one cluster.
+One run alone is the same code with one cluster. In every mode a request that waits for an
+earlier one (``Request.after``: the next turn of a conversation, the next step of an agent's
+task) is sent only once that one has finished on its run's cluster
+(:class:`~radixmesh.workload.schedule.Sessions`): a closed-loop client takes the next request
+that may go; an open-loop arrival is held until then, and timed from when it is sent.
 
 Open loop at a fraction of capacity (``--load 0.5``; :class:`CapacityProbe`): after warm-up,
-every cluster of the batch runs a short saturating closed loop (``clients`` at once) over probe
-requests — the same generator under another seed, so the measured run's own prefixes stay cold
-apart from a generator's constant header (the chat preamble, the agent's rules, the RAG
-instruction: a few hundred characters) — all clusters at the same time, as their open loop
-will run. The capacity is the ``none``
-cluster's throughput (requests completed / wall time; the median cluster's if the batch has no
-``none``), and the batch's one arrival schedule is Poisson at ``load`` × that capacity.
+every cluster of the batch runs a short saturating closed loop (``clients`` at once, no request
+waiting for another) over probe requests — the same generator under another seed, so the
+measured run's own prefixes stay cold apart from a generator's constant header (the chat
+preamble, the agent's rules, the RAG instruction: a few hundred characters) — all clusters at
+the same time, as their open loop will run. The capacity is the ``none`` cluster's throughput
+(requests completed / wall time; the median cluster's if the batch has no ``none``), and the
+batch's one arrival schedule is Poisson at ``load`` × that capacity.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import asyncio
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -42,7 +46,7 @@ from radixmesh.bench.sglang import Gateway
 from radixmesh.bench.spec import RunSpec, engine_context
 from radixmesh.results.records import Record
 from radixmesh.workload import Request
-from radixmesh.workload.schedule import is_open_loop, poisson
+from radixmesh.workload.schedule import Sessions, is_open_loop, poisson
 
 WARMUP_PROMPT = "radixmesh warm-up {i}: hello"
 MODES = ("sequential", "closed", "open")
@@ -90,8 +94,11 @@ class CapacityProbe:
                 for r, reqs in pairs]  # fmt: skip
 
     async def _measure(self, http: httpx.AsyncClient, replay: Replay) -> float:
+        # Saturating: every probe request may go at once (no turn waits for the last one's
+        # answer), or a conversation's turns would measure its round trips, not the cluster.
+        reqs = [replace(r, after=None) for r in self.requests]
         start = time.perf_counter()
-        recs = await replay.closed_loop(http, self.requests, self.clients, record=False)
+        recs = await replay.closed_loop(http, reqs, self.clients, record=False)
         wall = time.perf_counter() - start
         return sum(1 for r in recs if r.ok) / wall if wall > 0 else 0.0
 
@@ -143,17 +150,32 @@ def arrival_times(pairs: Sequence[Pair]) -> list[float]:
 
 async def _open_loop(http: httpx.AsyncClient, pairs: Sequence[Pair]) -> None:
     tasks: list[asyncio.Task[Record]] = []
+    sessions = [Sessions(reqs) for _, reqs in pairs]
+
+    def launch(k: int, i: int) -> None:
+        replay, reqs = pairs[k]
+        task = asyncio.create_task(replay.one(http, i, reqs[i]))
+
+        def finished(task: asyncio.Task[Record]) -> None:
+            if not task.cancelled():  # cancelled: the run is being torn down
+                for j in sessions[k].finish(i):
+                    launch(k, j)
+
+        task.add_done_callback(finished)
+        tasks.append(task)
+
     t0 = pairs[0][0].t0
     try:
         for i, t in enumerate(arrival_times(pairs)):
             delay = t - (time.perf_counter() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
-            for k in range(len(pairs)):
-                replay, reqs = pairs[(i + k) % len(pairs)]
-                if i < len(reqs):
-                    tasks.append(asyncio.create_task(replay.one(http, i, reqs[i])))
-        await asyncio.gather(*tasks)
+            for m in range(len(pairs)):
+                k = (i + m) % len(pairs)
+                if i < len(pairs[k][1]) and sessions[k].arrive(i):  # else held for its turn
+                    launch(k, i)
+        while running := [task for task in tasks if not task.done()]:
+            await asyncio.gather(*running)  # a finished one may launch those held for it
     finally:
         for task in tasks:
             task.cancel()
@@ -201,13 +223,27 @@ class Replay:
         record: bool = True,
     ) -> list[Record]:
         """``clients`` (default: the spec's concurrency) each send their next request when the
-        previous one finished; returns the records in completion order."""
-        queue = iter(enumerate(requests))
+        previous one finished — the next in order that may go (``Sessions``); returns the
+        records in completion order."""
+        sessions = Sessions(requests)
+        changed = asyncio.Condition()
         done: list[Record] = []
 
         async def worker() -> None:
-            for seq, req in queue:
-                done.append(await self.one(http, seq, req, record))
+            while True:
+                async with changed:
+                    seq = sessions.take()
+                    while seq is None and len(sessions):  # all left wait for running ones
+                        await changed.wait()
+                        seq = sessions.take()
+                if seq is None:
+                    return
+                try:
+                    done.append(await self.one(http, seq, requests[seq], record))
+                finally:
+                    async with changed:
+                        sessions.finish(seq)
+                        changed.notify_all()
 
         await asyncio.gather(*(worker() for _ in range(clients or self.spec.concurrency)))
         return done

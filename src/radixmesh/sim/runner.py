@@ -7,8 +7,12 @@ started and left to gossip for ``warmup_s`` (the real cluster launcher waits unt
 is healthy and has gossiped once), then the workload is replayed against the entry nodes:
 
 * ``sequential`` (the paper's schedule): one request at a time, round-robin entries, each
-  sent the instant the previous one completed (closed loop);
+  sent the instant the previous one completed (closed loop; ``concurrency`` clients);
 * ``poisson``: open-loop arrivals at the times the workload module drew (``Request.t``).
+
+Either way a request that waits for an earlier one (``Request.after``: the next turn of a
+conversation) goes only once that one has finished, as in the benchmark
+(:class:`radixmesh.workload.schedule.Sessions`).
 
 Each completed request becomes a :class:`radixmesh.results.records.Record`, the benchmark's
 record type, and the run is summarized by the benchmark's ``summarize``
@@ -31,6 +35,7 @@ from radixmesh.results.summary import mean, percentile, summarize
 from radixmesh.sim.cluster import ClusterConfig, Flight, SimCluster, routable_count
 from radixmesh.sim.tokens import Tokenize
 from radixmesh.workload.request import Request
+from radixmesh.workload.schedule import Sessions
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +81,8 @@ class _Driver:
         self.extras: list[dict[str, Any] | None] = [None] * len(requests)
         self.done = 0
         self.t0 = 0.0
-        self.next_index = 0
+        self.sessions = Sessions(requests)
+        self.idle_clients = 0  # closed loop: clients with nothing they may send yet
         self.progress: Progress | None = None
         self.joined_after_s: float | None = None
 
@@ -90,7 +96,8 @@ class _Driver:
         self.cluster.submit(i, req, self.tokenize(req), self._entry(i))
 
     def _send_open(self, i: int) -> None:
-        self._send(i)
+        if self.sessions.arrive(i):  # else held until its predecessor finishes
+            self._send(i)
         nxt = i + 1
         if nxt < len(self.requests):
             t = self.requests[nxt].t
@@ -109,9 +116,19 @@ class _Driver:
             self.cluster.loop.stop()
         if self.progress is not None and (self.done % 1000 == 0 or self.done == len(self.requests)):
             self.progress(self.done, len(self.requests))
-        if self.spec.schedule == "sequential" and self.next_index < len(self.requests):
-            self.cluster.loop.at(self.cluster.loop.now, self._send, self.next_index)
-            self.next_index += 1
+        released = self.sessions.finish(f.index)
+        if self.spec.schedule == "sequential":
+            self.idle_clients += 1
+            self._dispatch()
+        else:
+            for j in released:
+                self.cluster.loop.at(self.cluster.loop.now, self._send, j)
+
+    def _dispatch(self) -> None:
+        """Closed loop: every idle client sends the next request that may go."""
+        while self.idle_clients > 0 and (i := self.sessions.take()) is not None:
+            self.idle_clients -= 1
+            self.cluster.loop.at(self.cluster.loop.now, self._send, i)
 
     def _record(self, f: Flight) -> Record:
         nodes = self.cluster.nodes
@@ -167,9 +184,8 @@ class _Driver:
         if self.spec.schedule == "poisson":
             cluster.loop.at(self.t0 + (self.requests[0].t or 0.0), self._send_open, 0)
         else:  # closed loop: each client sends the next request when its last one is done
-            for i in range(min(self.spec.concurrency, len(self.requests))):
-                cluster.loop.at(self.t0, self._send, i)
-            self.next_index = min(self.spec.concurrency, len(self.requests))
+            self.idle_clients = self.spec.concurrency
+            self._dispatch()
         until = None if self.spec.max_virtual_s is None else self.t0 + self.spec.max_virtual_s
         cluster.loop.run(until=until)
 

@@ -9,6 +9,8 @@ system prompt is shared by everything and each task's scratchpad by its own late
 A task has 2–7 steps and ends early when its next prompt would exceed ``max_chars``
 (``MAX_CHARS``; below scale 1 the scratchpad's share of it shrinks with ``scale``); tasks
 interleave (``width`` open at a time), entry nodes are round-robin as in the paper's schedule.
+A step waits for the one before it (``Request.after``: the agent needs that tool call's
+observation), whatever the schedule.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ turn k+1 shares exactly turn k's prompt, not the tokens the engine generated aft
 Conversations interleave (``width`` open at a time, each step continues a random one) and
 every request enters the cluster at a random node (seeded): consecutive turns of one
 conversation usually arrive at different nodes, so a router must find the history elsewhere.
+A turn waits for the answer to the one before it (``Request.after``), as its user would: the
+replay sends it once that turn has finished, whatever the schedule.
 A conversation has 2–10 turns and ends early when its next prompt would exceed ``max_chars``
 (``MAX_CHARS``; below scale 1 the history's share of it shrinks with ``scale``).
 """

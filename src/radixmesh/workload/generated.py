@@ -3,11 +3,13 @@
 Kinds (each a ``--workload`` of ``radixmesh bench``; each seeded, deterministic by seed):
 
 * ``chat`` (:mod:`~radixmesh.workload.chat`) — multi-turn conversations; every turn resends the
-  growing history; conversations interleave; the entry node is random per request.
+  growing history, once the previous turn was answered; conversations interleave; the entry
+  node is random per request.
 * ``rag`` (:mod:`~radixmesh.workload.rag`) — a few dozen long documents with Zipf popularity,
   a short question after the retrieved document.
 * ``agentic`` (:mod:`~radixmesh.workload.agentic`) — one long tool-use system prompt shared by
-  every request, per-task scratchpads growing step by step; tasks interleave.
+  every request, per-task scratchpads growing step by step (each step once the last one was
+  answered); tasks interleave.
 * ``hotprefix`` (:mod:`~radixmesh.workload.hotprefix`) — every request behind one few-shot
   prefix (a load that exceeds one node's capacity unless the prefix is replicated).
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 from radixmesh.workload.request import Request
 
@@ -39,21 +42,25 @@ def interleave(
 ) -> list[Request]:
     """``n`` requests from sessions (conversations, agent tasks) of which ``width`` are open at
     a time: each step continues a random open session; a finished one is replaced by a new
-    session (``new_session(index)``). Within a session, order is kept."""
+    session (``new_session(index)``). Within a session, order is kept, and each request but
+    the first waits for the one before it (``Request.after``): a user sends the next turn once
+    the answer to the last one is in, an agent its next step once the tool has answered."""
     if n < 0 or width < 1:
         raise ValueError("need n >= 0 and width >= 1")
     out: list[Request] = []
     opened = 0
-    open_: list[Session] = []
+    open_: list[tuple[Session, list[str]]] = []  # a session and the id of its last request
     while len(out) < n:
         while len(open_) < width:
-            open_.append(new_session(opened))
+            open_.append((new_session(opened), []))
             opened += 1
         k = rng.randrange(len(open_))
-        nxt = next(open_[k], None)
+        session, last = open_[k]
+        nxt = next(session, None)
         if nxt is None:
             open_.pop(k)
             continue
-        out.append(nxt)
+        out.append(replace(nxt, after=last[0]) if last else nxt)
+        last[:] = [nxt.id]
     return out
 

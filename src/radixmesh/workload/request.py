@@ -3,8 +3,11 @@
 A :class:`Request` carries either a completion ``prompt`` or chat ``messages`` (exactly one),
 the output budget, and optional routing/timing hints used by the benchmark runner:
 ``group`` (the shared-prefix family, e.g. an MMLU subject), ``entry`` (index of the node the
-client sends it to; ``None`` = round-robin) and ``t`` (arrival time in seconds for open-loop
-schedules; ``None`` = send when the previous one finished).
+client sends it to; ``None`` = round-robin), ``t`` (arrival time in seconds for open-loop
+schedules; ``None`` = send when the previous one finished) and ``after`` (the id of an earlier
+request whose answer this one needs first: the previous turn of a conversation, the previous
+step of an agent's task; every schedule holds it until that one has finished, see
+:class:`radixmesh.workload.schedule.Sessions`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class Request:
     entry: int | None = None
     t: float | None = None
     prefix_chars: int | None = None  # length of the group's shared prefix, when known
+    after: str | None = None  # id of an earlier request that must finish first
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -42,6 +46,8 @@ class Request:
             raise ValueError(f"request {self.id!r}: entry must be >= 0")
         if self.t is not None and self.t < 0:
             raise ValueError(f"request {self.id!r}: t must be >= 0")
+        if self.after == self.id:
+            raise ValueError(f"request {self.id!r}: cannot wait for itself")
 
     @property
     def text(self) -> str:

@@ -8,6 +8,11 @@
   client sends at ``t`` whether or not earlier requests finished, so queues and push-back
   matter. Entries still round-robin.
 * ``trace``: open loop at the arrival times ``t`` a trace's lines carry.
+Whatever the schedule, a request naming an earlier one in ``after`` (the next turn of a
+conversation, the next step of an agent's task) is not sent before that one has finished
+(:class:`Sessions`): a closed-loop client takes the next request that may go, an open-loop
+arrival whose predecessor is still running is held until it finishes (its latency counts from
+when it was sent: what its user waits). A request list without ``after`` runs as before.
 A request that already names an ``entry`` (e.g. from a trace) keeps it, unless entries are
 drawn at random (:func:`random_entries`, ``--entry random``: clients spread over the nodes by
 DNS or an L4 balancer, where round-robin entry thins the arrivals evenly and so makes no
@@ -42,6 +47,67 @@ class Entry(StrEnum):
     @classmethod
     def parse(cls, text: str) -> Entry:
         return parse_choice(cls, text, "entry")
+
+
+class Sessions:
+    """Which requests of a list may be sent now: a request naming an earlier one in
+    ``Request.after`` waits until that one has finished (ok or not). Drives every schedule
+    of the benchmark and of the simulator (one implementation of the dependency).
+
+    Closed loop: :meth:`take` returns the first pending request (in list order) that may go,
+    None while none may; :meth:`finish` marks one finished. Open loop: :meth:`arrive` says
+    whether an arrival may go now; if not, it is held, and the :meth:`finish` of its
+    predecessor returns it. An ``after`` naming no request of the list (dropped by admission,
+    cut by ``--requests``) is no dependency; one naming a later request is an error."""
+
+    __slots__ = ("_after", "_done", "_held", "_pending")
+
+    def __init__(self, requests: Sequence[Request]) -> None:
+        ids = {r.id for r in requests}
+        index: dict[str, int] = {}  # id -> its latest index so far
+        after: list[int] = []
+        for i, r in enumerate(requests):
+            j = -1 if r.after is None else index.get(r.after, -1)
+            if j < 0 and r.after in ids:
+                raise ValueError(f"request {r.id!r} waits for {r.after!r}, which comes after it")
+            after.append(j)
+            index[r.id] = i
+        self._after = after
+        self._done = [False] * len(requests)
+        self._pending = list(range(len(requests)))  # not taken yet (closed loop), in order
+        self._held: dict[int, list[int]] = {}  # predecessor -> arrivals held for it (open loop)
+
+    def __len__(self) -> int:
+        """Requests not taken yet (closed loop)."""
+        return len(self._pending)
+
+    def after(self, i: int) -> int:
+        """The index request ``i`` waits for (-1: none)."""
+        return self._after[i]
+
+    def ready(self, i: int) -> bool:
+        j = self._after[i]
+        return j < 0 or self._done[j]
+
+    def take(self) -> int | None:
+        """The first pending request that may go (now taken), or None if none may yet."""
+        for k, i in enumerate(self._pending):
+            if self.ready(i):
+                del self._pending[k]
+                return i
+        return None
+
+    def arrive(self, i: int) -> bool:
+        """Request ``i``'s arrival time has come: True if it may go now, else it is held."""
+        if self.ready(i):
+            return True
+        self._held.setdefault(self._after[i], []).append(i)
+        return False
+
+    def finish(self, i: int) -> list[int]:
+        """Request ``i`` finished; returns the arrivals held for it, which may go now."""
+        self._done[i] = True
+        return self._held.pop(i, [])
 
 
 def random_entries(requests: Sequence[Request], nodes: int, seed: int) -> list[Request]:

@@ -1,7 +1,8 @@
 """JSONL traces: one request per line, so any workload can be exported and replayed.
 
 Line schema: ``{"id": str, "prompt": str | "messages": [{"role", "content"}], "max_tokens":
-int, "group"?: str, "entry"?: int (node index), "t"?: float (arrival seconds)}``. Unknown keys
+int, "group"?: str, "entry"?: int (node index), "t"?: float (arrival seconds), "after"?: str
+(the id of an earlier line whose answer this one waits for)}``. Unknown keys
 are ignored (forward compatible); a malformed line raises ``TraceError`` naming the line.
 ``id`` may be omitted on load (it becomes the line number).
 """
@@ -28,7 +29,7 @@ def to_json(r: Request) -> dict[str, Any]:
         assert r.messages is not None
         out["messages"] = [{"role": m.role, "content": m.content} for m in r.messages]
     out["max_tokens"] = r.max_tokens
-    for key in ("group", "entry", "t"):
+    for key in ("group", "entry", "t", "after"):
         value = getattr(r, key)
         if value is not None:
             out[key] = value
@@ -40,6 +41,14 @@ def _typed(obj: dict[str, Any], key: str, types: tuple[type, ...]) -> Any:
     if value is not None and (not isinstance(value, types) or isinstance(value, bool)):
         raise TraceError(f"{key!r} must be {' or '.join(t.__name__ for t in types)}")
     return value
+
+
+def _id(raw: Any) -> str | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, (str, int)) or isinstance(raw, bool):
+        raise TraceError("'after' must be str or int (a request id)")
+    return str(raw)
 
 
 def _messages(raw: Any) -> tuple[Message, ...] | None:
@@ -72,6 +81,7 @@ def from_json(obj: Any, default_id: str) -> Request:
             group=_typed(obj, "group", (str,)),
             entry=_typed(obj, "entry", (int,)),
             t=None if t is None else float(t),
+            after=_id(obj.get("after")),
         )
     except ValueError as exc:
         raise TraceError(str(exc)) from exc
