@@ -19,9 +19,10 @@
 # (1.30x `none` at 80 % on the real cluster of 2cf4063, 1.27x with the fitted speeds; the
 # default speeds never showed it).
 #
-# Writes OUT_DIR/traces/*.jsonl once (the bench's own generators) and prints one line per
-# case: the case, then `radixmesh sim`'s summary row (mean s, p99 s, hit rates, hotspot,
-# forwarded share, errors, gossip bytes). One seed per case (SEED=N: every case with
+# Writes OUT_DIR/traces/*.jsonl once (the bench's own generators; traces written before
+# 12be853 replay chat and agentic without waiting for answers: use a fresh OUT_DIR) and
+# prints one line per case: the case, then `radixmesh sim`'s summary row (mean s, p99 s, hit
+# rates, hotspot, forwarded share, errors, gossip bytes). One seed per case (SEED=N: every case with
 # `--seed N`): on the loaded cases the same router measured with other seeds moves by up to
 # ±10 %, so compare trees on several seeds before trusting a difference of a few percent:
 #   for s in $(seq 1 10); do SEED=$s scripts/router-sim-panel.sh MMLU OUT; done > a.txt
