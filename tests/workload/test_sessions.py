@@ -32,76 +32,70 @@ def chains(lengths: list[int], order_seed: int) -> list[Request]:
     return out
 
 
+class Replay:
+    """The reference: a request may go once the request it names in ``after`` finished."""
+
+    def __init__(self, reqs: list[Request], finish_seed: int) -> None:
+        self.reqs = reqs
+        self.index = {r.id: i for i, r in enumerate(reqs)}
+        self.sessions = Sessions(reqs)
+        self.rng = random.Random(finish_seed)
+        self.running: list[int] = []
+        self.finished: set[int] = set()
+        self.sent: list[int] = []
+
+    def send(self, i: int) -> None:
+        after = self.reqs[i].after
+        assert after is None or self.index[after] in self.finished
+        self.running.append(i)
+        self.sent.append(i)
+
+    def finish_one(self) -> list[int]:
+        """Any running request may finish first; returns those held for it (open loop)."""
+        done = self.running.pop(self.rng.randrange(len(self.running)))
+        self.finished.add(done)
+        return self.sessions.finish(done)
+
+    def sent_all_once(self) -> bool:
+        return sorted(self.sent) == list(range(len(self.reqs)))
+
+
+LENGTHS = st.lists(st.integers(0, 6), min_size=1, max_size=8)
+
+
 @settings(max_examples=200, deadline=None)
-@given(
-    lengths=st.lists(st.integers(0, 6), min_size=1, max_size=8),
-    order_seed=st.integers(0, 1000),
-    clients=st.integers(1, 6),
-    finish_seed=st.integers(0, 1000),
-)
+@given(LENGTHS, st.integers(0, 1000), st.integers(1, 6), st.integers(0, 1000))
 def test_closed_loop_sends_everything_once_never_before_its_predecessor_finished(
     lengths: list[int], order_seed: int, clients: int, finish_seed: int
 ) -> None:
-    reqs = chains(lengths, order_seed)
-    index = {r.id: i for i, r in enumerate(reqs)}
-    sessions = Sessions(reqs)
-    rng = random.Random(finish_seed)
-    running: list[int] = []
-    finished: set[int] = set()
-    sent: list[int] = []
-    while len(sessions) or running:
-        while len(running) < clients and (i := sessions.take()) is not None:
-            after = reqs[i].after
-            assert after is None or index[after] in finished  # the reference: its chain
-            running.append(i)
-            sent.append(i)
-        assert running, "nothing runs, yet requests are left: a deadlock"
-        done = running.pop(rng.randrange(len(running)))  # any running one may finish first
-        sessions.finish(done)
-        finished.add(done)
-    assert sorted(sent) == list(range(len(reqs)))
+    run = Replay(chains(lengths, order_seed), finish_seed)
+    while len(run.sessions) or run.running:
+        while len(run.running) < clients and (i := run.sessions.take()) is not None:
+            run.send(i)
+        assert run.running, "nothing runs, yet requests are left: a deadlock"
+        run.finish_one()
+    assert run.sent_all_once()
     # with one client, the list's order is kept (the paper's one-at-a-time schedule)
     if clients == 1:
-        assert sent == list(range(len(reqs)))
+        assert run.sent == list(range(len(run.reqs)))
 
 
 @settings(max_examples=200, deadline=None)
-@given(
-    lengths=st.lists(st.integers(0, 6), min_size=1, max_size=8),
-    order_seed=st.integers(0, 1000),
-    finish_seed=st.integers(0, 1000),
-)
+@given(LENGTHS, st.integers(0, 1000), st.integers(0, 1000))
 def test_open_loop_holds_an_arrival_until_its_predecessor_finished(
     lengths: list[int], order_seed: int, finish_seed: int
 ) -> None:
-    reqs = chains(lengths, order_seed)
-    index = {r.id: i for i, r in enumerate(reqs)}
-    sessions = Sessions(reqs)
-    rng = random.Random(finish_seed)
-    running: list[int] = []
-    finished: set[int] = set()
-    sent: list[int] = []
-
-    def send(i: int) -> None:
-        after = reqs[i].after
-        assert after is None or index[after] in finished
-        running.append(i)
-        sent.append(i)
-
-    for i in range(len(reqs)):  # arrivals in order, completions interleaved at random
-        if sessions.arrive(i):
-            send(i)
-        while running and rng.random() < 0.5:
-            done = running.pop(rng.randrange(len(running)))
-            finished.add(done)
-            for j in sessions.finish(done):
-                send(j)
-    while running:
-        done = running.pop(0)
-        finished.add(done)
-        for j in sessions.finish(done):
-            send(j)
-    assert sorted(sent) == list(range(len(reqs)))
+    run = Replay(chains(lengths, order_seed), finish_seed)
+    for i in range(len(run.reqs)):  # arrivals in order, completions interleaved at random
+        if run.sessions.arrive(i):
+            run.send(i)
+        while run.running and run.rng.random() < 0.5:
+            for j in run.finish_one():
+                run.send(j)
+    while run.running:
+        for j in run.finish_one():
+            run.send(j)
+    assert run.sent_all_once()
 
 
 def test_independent_requests_go_at_once_in_order() -> None:
