@@ -49,18 +49,20 @@ def interleave(
         raise ValueError("need n >= 0 and width >= 1")
     out: list[Request] = []
     opened = 0
-    open_: list[tuple[Session, list[str]]] = []  # a session and the id of its last request
+    open_: list[Session] = []
+    last: list[str | None] = []  # the id of each open session's last request
     while len(out) < n:
         while len(open_) < width:
-            open_.append((new_session(opened), []))
+            open_.append(new_session(opened))
+            last.append(None)
             opened += 1
         k = rng.randrange(len(open_))
-        session, last = open_[k]
-        nxt = next(session, None)
+        nxt = next(open_[k], None)
         if nxt is None:
             open_.pop(k)
+            last.pop(k)
             continue
-        out.append(replace(nxt, after=last[0]) if last else nxt)
-        last[:] = [nxt.id]
+        out.append(replace(nxt, after=last[k]))
+        last[k] = nxt.id
     return out
 

@@ -60,7 +60,7 @@ class Sessions:
     predecessor returns it. An ``after`` naming no request of the list (dropped by admission,
     cut by ``--requests``) is no dependency; one naming a later request is an error."""
 
-    __slots__ = ("_after", "_done", "_held", "_pending")
+    __slots__ = ("_after", "_done", "_first", "_held", "_left", "_taken")
 
     def __init__(self, requests: Sequence[Request]) -> None:
         ids = {r.id for r in requests}
@@ -74,16 +74,15 @@ class Sessions:
             index[r.id] = i
         self._after = after
         self._done = [False] * len(requests)
-        self._pending = list(range(len(requests)))  # not taken yet (closed loop), in order
+        # closed loop: which requests were taken, the first index not taken, how many are left
+        self._taken = [False] * len(requests)
+        self._first = 0
+        self._left = len(requests)
         self._held: dict[int, list[int]] = {}  # predecessor -> arrivals held for it (open loop)
 
     def __len__(self) -> int:
         """Requests not taken yet (closed loop)."""
-        return len(self._pending)
-
-    def after(self, i: int) -> int:
-        """The index request ``i`` waits for (-1: none)."""
-        return self._after[i]
+        return self._left
 
     def ready(self, i: int) -> bool:
         j = self._after[i]
@@ -91,9 +90,13 @@ class Sessions:
 
     def take(self) -> int | None:
         """The first pending request that may go (now taken), or None if none may yet."""
-        for k, i in enumerate(self._pending):
-            if self.ready(i):
-                del self._pending[k]
+        taken = self._taken
+        for i in range(self._first, len(taken)):
+            if not taken[i] and self.ready(i):
+                taken[i] = True
+                self._left -= 1
+                while self._first < len(taken) and taken[self._first]:
+                    self._first += 1
                 return i
         return None
 

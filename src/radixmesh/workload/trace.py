@@ -43,14 +43,6 @@ def _typed(obj: dict[str, Any], key: str, types: tuple[type, ...]) -> Any:
     return value
 
 
-def _id(raw: Any) -> str | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, (str, int)) or isinstance(raw, bool):
-        raise TraceError("'after' must be str or int (a request id)")
-    return str(raw)
-
-
 def _messages(raw: Any) -> tuple[Message, ...] | None:
     if raw is None:
         return None
@@ -72,6 +64,7 @@ def from_json(obj: Any, default_id: str) -> Request:
     if not isinstance(obj, dict):
         raise TraceError("a trace line must be a JSON object")
     t = _typed(obj, "t", (int, float))
+    after = _typed(obj, "after", (str, int))  # a request id, as "id" may be
     try:
         return Request(
             id=str(_typed(obj, "id", (str, int)) or default_id),
@@ -81,7 +74,7 @@ def from_json(obj: Any, default_id: str) -> Request:
             group=_typed(obj, "group", (str,)),
             entry=_typed(obj, "entry", (int,)),
             t=None if t is None else float(t),
-            after=_id(obj.get("after")),
+            after=None if after is None else str(after),
         )
     except ValueError as exc:
         raise TraceError(str(exc)) from exc
