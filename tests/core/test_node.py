@@ -340,6 +340,23 @@ def test_a_forward_is_refused_when_this_node_would_not_beat_the_senders_predicti
     assert node.metrics()["forwards_refused_slower"] == 2
 
 
+def test_a_forward_is_refused_when_its_service_would_delay_this_nodes_queue_too_much() -> None:
+    """The refusal check counts what the sender counted (``mesh_cost``): its queue wait and
+    service, plus that service again for each request queued here. A forward this node
+    would answer within the budget is still refused when the two queued requests it would
+    delay make it cost the mesh more than the sender staying."""
+    node = lone_node()
+    node.handle(Tick(), 0.0)
+    service = node.route([], 540, 512, 1, 0.0)[0].predicted_latency_s  # idle: service only
+    node.handle(LoadChanged(2, 1, 0, 100), 0.1)
+    latency = node.route([], 540, 512, 1, 0.1)[0].predicted_latency_s  # + the queue's wait
+    assert latency > service
+    within = latency + service  # beats its latency, not latency + 2 × service
+    assert refusal(node, 0.1, 540, 512, 1, beat_s=within) is not None
+    assert refusal(node, 0.1, 540, 512, 1, beat_s=latency + 2 * service + 1e-6) is None
+    assert node.metrics()["forwards_refused_slower"] == 1
+
+
 def test_a_queue_of_cold_prefills_is_priced_by_its_tokens_not_by_the_mean_service() -> None:
     """The refusal check prices this node's queue by what its requests will compute: two
     queued cold 2,000-token prefills cost more than two places at the mean service time (a

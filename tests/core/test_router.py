@@ -114,11 +114,11 @@ def test_cost_never_forwards_when_rtt_exceeds_the_largest_possible_saving(
         if n.is_self:
             slow.append(n)
             continue
-        # Best case for the peer: everything but one token cached, nobody queued; and the
-        # most the mesh can save besides: the local work it avoids, for each request queued
-        # here (mesh_cost's load term; none when requests come one at a time).
+        # Best case for the peer: everything but one token cached, nobody queued there; and
+        # the most the mesh can save besides: the local work, once for each request queued
+        # here (mesh_cost's term for the requests behind it; none one at a time).
         best_service = n.speed.service_s(1, req.prompt_tokens - 1, req.max_tokens, SCALE)
-        spared = max(0.0, local_work - best_service) * me.queue_depth
+        spared = local_work * me.queue_depth
         rtt = max(n.rtt_s, local - best_service + spared + 1e-9)
         slow.append(
             NodeInfo(
@@ -181,8 +181,8 @@ def test_cost_candidates_carry_what_the_peer_must_beat() -> None:
     assert local.beat_s is None
     # What staying here costs the mesh: the local prediction (when the forward arrives, its
     # way out is spent and the way back is paid whether the peer serves it or refuses it),
-    # plus the work a local miss adds for the 2 requests queued here.
-    stay = mesh_cost(req, nodes, SCALE, load=2)[0]
+    # plus the local work again for each of the 2 requests queued here (they wait for it).
+    stay = mesh_cost(req, nodes, SCALE)[0]
     assert stay > local.predicted_latency_s
     for c in out:
         if not c.is_self:
@@ -193,16 +193,30 @@ def test_cost_candidates_carry_what_the_peer_must_beat() -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(scenario=scenarios())
-def test_mesh_cost_is_the_predicted_latency_when_nothing_is_queued_here(
+def test_mesh_cost_is_the_predicted_latency_when_nothing_is_queued(
     scenario: tuple[RouteInput, list[NodeInfo]],
 ) -> None:
-    req, nodes = scenario  # one request at a time (the paper's schedule): load 0
-    assert mesh_cost(req, nodes, SCALE, 0.0) == [predict_latency(req, n, SCALE) for n in nodes]
-    loaded = mesh_cost(req, nodes, SCALE, 3.0)
-    least = min(predict_service(req, n, SCALE) for n in nodes)
-    for n, c in zip(nodes, loaded, strict=True):
-        extra = predict_service(req, n, SCALE) - least
-        assert c == pytest.approx(predict_latency(req, n, SCALE) + 3.0 * extra)
+    req, nodes = scenario
+    idle = [replace(n, queue_depth=0.0) for n in nodes]  # one request at a time
+    assert mesh_cost(req, idle, SCALE) == [predict_latency(req, n, SCALE) for n in idle]
+    # under load each node's service counts once more per request queued there
+    for n, c in zip(nodes, mesh_cost(req, nodes, SCALE), strict=True):
+        behind = predict_service(req, n, SCALE) * n.queue_depth
+        assert c == pytest.approx(predict_latency(req, n, SCALE) + behind)
+
+
+def test_an_idle_node_makes_its_own_copy_rather_than_queue_at_a_busy_holder() -> None:
+    # The agentic shape: a 1,300-token system prompt every other node holds, this node's
+    # engine idle. A forward to the holder is faster for this request alone (0.12 s against
+    # 0.14 s) but its service delays the 2 requests queued there, while a copy here delays
+    # nobody: stay (and the copy serves every later request entering here).
+    req = RouteInput(1400, 1)
+    nodes = [me(0), peer("holder", 1300, rtt=0.002, queue=2)]
+    assert predict_latency(req, nodes[1], SCALE) < predict_latency(req, nodes[0], SCALE)
+    assert rank(Policy.COST, req, nodes)[0] == "self"
+    # with nothing queued at the holder the hit is worth the round trip
+    nodes = [me(0), peer("holder", 1300, rtt=0.002, queue=0)]
+    assert rank(Policy.COST, req, nodes)[0] == "holder"
 
 
 def test_under_load_cost_keeps_the_hit_despite_a_slightly_longer_peer_queue() -> None:
@@ -224,12 +238,12 @@ def test_cost_prefers_idle_peer_when_self_is_swamped_and_nothing_is_cached() -> 
 
 
 def test_a_queue_priced_by_its_tokens_sends_a_cold_request_to_an_idle_peer() -> None:
-    """Two queued requests here at the mean service time are cheaper than the peer's
-    prefill of the request's 400 uncached tokens; the same two places priced as the cold
+    """Two queued requests here at the mean service time are cheaper than the idle peer's
+    prefill of the whole 3,000-token request; the same two places priced as the cold
     prefills they are (``queue_service_s``) are not, and the request goes to the idle peer."""
-    req = RouteInput(500, 1)
-    here = me(500, queue=2)
-    nodes = [here, peer("idle", 100)]
+    req = RouteInput(3000, 1)
+    here = me(3000, queue=2)
+    nodes = [here, peer("idle", 0)]
     assert predict_wait(here) == 2 * SPEED.mean_service_s
     assert rank(Policy.COST, req, nodes)[0] == "self"
     cold = replace(here, queue_service_s=SPEED.service_s(3000, 0, 1, 4096.0))
@@ -418,8 +432,9 @@ def test_near_equal_preferred_candidates_are_spread_at_random_self_first() -> No
 
 
 def test_preferred_peers_may_be_slower_by_the_slack_and_carry_that_budget() -> None:
-    out = placed([me(0, queue=1), peer("o", 0), peer("x", 0)], ("o",))
-    local = next(c for c in out if c.is_self).predicted_latency_s
+    nodes = [me(0, queue=1), peer("o", 0), peer("x", 0)]
+    out = placed(nodes, ("o",))
+    local = mesh_cost(RouteInput(3000, 1), nodes, SCALE)[0]  # what staying costs the mesh
     beats = {c.node_id: c.beat_s for c in out}
     assert beats["self"] is None
     slack = RouterConfig().placement_slack
@@ -497,7 +512,7 @@ def test_no_slack_for_a_holder_when_the_best_choice_holds_more_of_the_request() 
         nodes = [me(0), peer("a", 2880, queue=2), peer("p", 2880 + more, queue=3)]
         assert placed(nodes, ("o",), held=256)[0].node_id == "a"
     # nobody holding more than self: self keeps its slack against a cheaper non-holder
-    queued = NodeInfo("self", True, 300, 0.0, 3, SPEED)
+    queued = NodeInfo("self", True, 1200, 0.0, 1, SPEED)
     assert placed([queued, peer("x", 0)], ("o",), held=256, placement_slack=0.0)[0].node_id == "x"
     assert placed([queued, peer("x", 0)], ("o",), held=256)[0].is_self
 
@@ -513,8 +528,9 @@ def test_a_holder_busy_for_the_moment_does_not_make_a_copy_here_cheap() -> None:
     rtt = 0.01
     cold = predict_service(req, me(0), SCALE)
     warm = predict_service(req, me(2900), SCALE)
-    # a queue that leaves the forward 1 ms faster than staying: a small price now
-    wait = cold - warm - rtt - 0.001
+    # a queue that leaves the forward 1 ms cheaper than staying (its wait, its service, and
+    # that service again for the one request queued there): a small price now
+    wait = cold - 2 * warm - rtt - 0.001
     busy = NodeInfo("h", False, 2900, rtt, 1, SPEED, queue_service_s=None)
     busy = replace(busy, speed=replace(SPEED, mean_service_s=wait))
     router = Router(RouterConfig(policy=Policy.COST, min_gain_s=0.0, min_gain_frac=0.0))

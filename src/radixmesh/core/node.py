@@ -108,7 +108,7 @@ from radixmesh.core.router import (
     RouteInput,
     Router,
     Tag,
-    predict_latency,
+    mesh_cost,
     predict_wait,
 )
 from radixmesh.core.summary import LocalSummary
@@ -493,8 +493,9 @@ class NodeCore:
         * at the push-back threshold (retry after the push-back's remaining time), and
         * when the sender said what we must beat (``beat_s``: its local prediction, the
           alternative to our answer — its way here is spent, the way back paid either way)
-          and our queue wait + service for this request, known exactly here, is longer
-          (retry after our queue's expected wait).
+          and what serving it here costs, known exactly here (``mesh_cost``: our queue wait
+          + its service, plus that service again for each request queued here, as the
+          sender counted its own), is more (retry after our queue's expected wait).
         A sender routing on a view of our queue that is a gossip round old finds out in one
         round trip instead of waiting in a queue that many nodes picked at once."""
         refusal = self._refusal_by_state(now, prompt_tokens, max_tokens)
@@ -502,7 +503,7 @@ class NodeCore:
             return refusal
         me = self._self_info(cached_tokens, now)
         req = RouteInput(max(prompt_tokens, 1), max(max_tokens, 1))
-        predicted = predict_latency(req, me, self.config.router.context_scale)
+        predicted = mesh_cost(req, [me], self.config.router.context_scale)[0]
         if predicted <= beat_s:
             return None
         self._count("forwards_refused_slower")

@@ -15,9 +15,9 @@ Policies
                       lowest node id (the paper's argmax); suspect/pushed-back peers skipped.
     ``cost``          argmin predicted latency = rtt + queue wait + prefill(uncached) + decode,
                       plus, under load, what the choice costs the requests queued behind it
-                      (:func:`mesh_cost`: each second of work more than the cheapest candidate
-                      needs, × this node's own queue depth; nothing when requests come one at a
-                      time). A peer must beat self by ``min_gain_s`` and ``min_gain_frac`` of
+                      (:func:`mesh_cost`: the candidate's service once more for each request
+                      queued there; nothing when requests come one at a time). A peer must
+                      beat self by ``min_gain_s`` and ``min_gain_frac`` of
                       the local work (hysteresis against noisy speed estimates). Equal
                       predictions keep self first, and ties among peers are broken by load,
                       then at random — never "the first peer".
@@ -275,24 +275,26 @@ def predict_latency(req: RouteInput, node: NodeInfo, context_scale: float) -> fl
     return rtt + predict_wait(node) + predict_service(req, node, context_scale)
 
 
-def mesh_cost(
-    req: RouteInput, nodes: Sequence[NodeInfo], context_scale: float, load: float
-) -> list[float]:
+def mesh_cost(req: RouteInput, nodes: Sequence[NodeInfo], context_scale: float) -> list[float]:
     """What sending the request to each node costs the mesh, not only the request: its
-    predicted latency, plus, for each second of engine work more than the cheapest candidate
-    needs (a cache miss where another node has a hit), that second again for each of the
-    ``load`` requests expected to queue behind it. ``load`` is the deciding node's own exact
-    queue depth: 0 when requests come one at a time (then this *is* the predicted latency),
-    and under load a sample of every node's queue. Under load the queue-wait differences a
-    node sees are zero-sum and a gossip round old, while the work a miss adds is paid by
-    everyone after it: the selfish latency alone gave away cache hits as soon as queues
-    formed (4-16 clients: `cost` hit rates near `none`'s, below the centralized gateways')."""
-    latency = [predict_latency(req, n, context_scale) for n in nodes]
-    if load <= 0.0 or not nodes:
-        return latency
-    work = [predict_service(req, n, context_scale) for n in nodes]
-    least = min(work)
-    return [t + (w - least) * load for t, w in zip(latency, work, strict=True)]
+    predicted latency, plus the wait its service adds to the requests that will queue behind
+    it there. A node's queue now is the sample of that (``queue_depth``: exact for this node,
+    expected for a peer; in an M/M/1 queue the mean number behind a request is the mean
+    number ahead of it), so each node's service is counted once more per request queued
+    there. Nothing is queued when requests come one at a time (then this *is* the predicted
+    latency). Under load the queue-wait differences a node sees are a gossip round old,
+    while the work a miss adds is paid by everyone after it: the selfish latency alone gave
+    away cache hits as soon as queues formed (4-16 clients: `cost` hit rates near `none`'s,
+    below the centralized gateways'). And a node with an empty queue computes a miss for
+    free where a holder's queue makes everyone behind the forward wait: pricing every
+    candidate's extra work by this node's queue alone (an earlier design) kept a node lacking
+    the agentic system prompt forwarding its requests to busy holders while its engine idled
+    (1.11x `none` on the real cluster at 80 % load, round-robin entry)."""
+    return [
+        predict_latency(req, n, context_scale)
+        + predict_service(req, n, context_scale) * n.queue_depth
+        for n in nodes
+    ]
 
 
 class Router:
@@ -344,7 +346,7 @@ class Router:
         """The cost policy: each candidate's mesh cost and whether it is preferred for the
         prefix are computed once, for the choice and for the ``beat_s`` each forward carries."""
         me = next(n for n in avail if n.is_self)
-        costs = mesh_cost(req, avail, self.config.context_scale, me.queue_depth)
+        costs = mesh_cost(req, avail, self.config.context_scale)
         local = costs[avail.index(me)]
         preferred = set() if placement is None else {
             n.node_id for n in avail if self._preferred(req, n, me, placement)
