@@ -17,8 +17,8 @@ Policies
                       plus, under load, what the choice costs the requests queued behind it
                       (:func:`mesh_cost`: the candidate's service once more for each request
                       queued there; nothing when requests come one at a time). A peer must
-                      beat self by ``min_gain_s`` and ``min_gain_frac`` of
-                      the local work (hysteresis against noisy speed estimates). Equal
+                      beat self by ``min_gain_s`` and ``min_gain_frac`` of the local work
+                      (hysteresis against noisy speed estimates). Equal
                       predictions keep self first, and ties among peers are broken by load,
                       then at random — never "the first peer".
                       *Bounded load*: a peer whose gossiped utilization exceeds
@@ -271,8 +271,13 @@ def predict_wait(node: NodeInfo) -> float:
 
 
 def predict_latency(req: RouteInput, node: NodeInfo, context_scale: float) -> float:
+    return _latency(node, predict_service(req, node, context_scale))
+
+
+def _latency(node: NodeInfo, service_s: float) -> float:
+    """Round trip (peers only) + queue wait + ``service_s``."""
     rtt = 0.0 if node.is_self else node.rtt_s
-    return rtt + predict_wait(node) + predict_service(req, node, context_scale)
+    return rtt + predict_wait(node) + service_s
 
 
 def mesh_cost(req: RouteInput, nodes: Sequence[NodeInfo], context_scale: float) -> list[float]:
@@ -290,11 +295,11 @@ def mesh_cost(req: RouteInput, nodes: Sequence[NodeInfo], context_scale: float) 
     candidate's extra work by this node's queue alone (an earlier design) kept a node lacking
     the agentic system prompt forwarding its requests to busy holders while its engine idled
     (1.11x `none` on the real cluster at 80 % load, round-robin entry)."""
-    return [
-        predict_latency(req, n, context_scale)
-        + predict_service(req, n, context_scale) * n.queue_depth
-        for n in nodes
-    ]
+    out = []
+    for n in nodes:
+        service = predict_service(req, n, context_scale)
+        out.append(_latency(n, service) + service * n.queue_depth)
+    return out
 
 
 class Router:
