@@ -129,6 +129,7 @@ def share_over_time(res: Results, path: Path) -> bool:
     cands = [
         ("skewed, paper", res.find("paper", "skewed")),
         ("uniform, paper", res.find("paper")),
+        ("uniform, cost", res.find("cost")),
         ("uniform, none", res.find("none")),
         ("uniform, paper, Δpoll 300 s", res.find("paper", gossip_ms=300000.0)),
     ]
@@ -160,7 +161,8 @@ def specialization_eviction(res: Results, path: Path) -> bool:
 
 
 def hit_rates(res: Results, path: Path) -> bool:
-    pols = ["none", "paper", "cost", "oracle", "random", "round_robin", "least_loaded", "sglang"]
+    pols = ["none", "paper", "cost", "oracle", "random", "round_robin", "least_loaded", "sglang",
+            "smg"]  # fmt: skip
     panels = []
     for skew in ("uniform", "skewed"):
         runs = [(p, r) for p, r in ((p, res.find(p, skew)) for p in pols) if r is not None]
@@ -179,5 +181,5 @@ def hit_rates(res: Results, path: Path) -> bool:
         ax.set_xticks(list(xs), [p for p, _ in runs], rotation=30, fontsize=8)
         ax.set_title(f"{skew}: cache-hit rate (% of prompt tokens)")
         ax.grid(axis="y", alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="lower right")
     return _save(fig, path)
