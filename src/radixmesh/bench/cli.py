@@ -38,7 +38,8 @@ from typing import TypeVar
 from radixmesh.bench.prompts import TOO_LONG_ACTIONS, PromptTooLong
 from radixmesh.bench.spec import ALL_POLICIES, RunSpec, check_policy
 from radixmesh.bench.sweep import ABUNDANT_CACHE, PRESETS, SweepAxes, expand, paired
-from radixmesh.core.units import parse_duration
+from radixmesh.core.config import GossipConfig
+from radixmesh.core.units import parse_duration, parse_optional_duration
 from radixmesh.workload import Schedule, WorkloadSpec, trace
 from radixmesh.workload.build import WORKLOADS, build_counted
 from radixmesh.workload.schedule import Entry
@@ -101,6 +102,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=_list(parse_duration),
         default=[0.5],
         help="anti-entropy period Δpoll, e.g. 20ms,100ms,500ms,2s,300s",
+    )
+    g.add_argument(
+        "--gossip-announce",
+        type=parse_optional_duration,
+        default=GossipConfig().announce_gap_s,
+        help="a node's cache change brings its next gossip round forward to this long after "
+        "the last one (node --gossip-announce); 'off': rounds only every Δpoll, as the paper "
+        "polls",
     )
     g.add_argument("--skew", type=_list(_skew), default=["uniform"], help="uniform,skewed")
     g.add_argument(
@@ -255,6 +264,7 @@ def base_spec(args: argparse.Namespace) -> RunSpec:
         nodes=args.nodes[0],
         comm_delay_s=args.comm_delay[0],
         gossip_interval_s=args.gossip_interval[0],
+        gossip_announce_s=args.gossip_announce,
         cache_tokens=args.cache_tokens[0],
         concurrency=(args.concurrency or [1])[0],
         preset=args.engine_preset,

@@ -33,6 +33,7 @@ def serve_options(spec: RunSpec) -> dict[str, object]:
     opts: dict[str, object] = {
         "policy": spec.node_policy,
         "gossip_interval": spec.gossip_interval_s,
+        "gossip_announce": "off" if spec.gossip_announce_s is None else spec.gossip_announce_s,
         "net_delay": spec.comm_delay_s,
         "cache_tokens": spec.cache_tokens,
         "threads": spec.threads,

@@ -109,6 +109,8 @@ def summary_entry(res: RunResult) -> dict[str, Any]:
         "name": s.name, "policy": s.policy, "nodes": s.nodes, "workload": w.source,
         "skew": s.skew, "comm_delay_ms": s.comm_delay_s * 1000.0,
         "gossip_interval_ms": s.gossip_interval_s * 1000.0, "cache_tokens": s.cache_tokens,
+        "gossip_announce_ms": None if s.gossip_announce_s is None
+        else s.gossip_announce_s * 1000.0,
     }  # fmt: skip
     entry.update(summarize(res.records))
     entry.update(node_figures(res.records, res.node_ids))

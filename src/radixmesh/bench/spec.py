@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from radixmesh.core.config import GossipConfig
 from radixmesh.core.router import Policy
 from radixmesh.workload import WorkloadSpec
 
@@ -35,6 +36,8 @@ class RunSpec:
     nodes: int = 4
     comm_delay_s: float = 0.002  # emulated one-way delay of every peer message (--net-delay)
     gossip_interval_s: float = 0.5  # Δpoll
+    # a cache change brings the next round forward to this long after the last (None: off)
+    gossip_announce_s: float | None = GossipConfig().announce_gap_s
     cache_tokens: int = 160_000  # KV budget per node, tokens
     concurrency: int = 1  # closed-loop clients (1 = the paper's one-at-a-time schedule)
     preset: str = "tiny"

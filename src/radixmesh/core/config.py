@@ -96,6 +96,11 @@ class EpidemicConfig:
 class GossipConfig:
     interval_s: float = 0.5  # Δpoll: period of anti-entropy rounds
     jitter_frac: float = 0.1  # each round is delayed by up to this fraction of interval_s
+    # delta mode: a change to this node's own cache brings the next round forward to this
+    # long after the last one, so peers hear of a new copy before the next request that needs
+    # it arrives, not up to an interval later (None: rounds only every interval_s, as the
+    # paper polls). At most 1 / announce_gap_s rounds a second, and only while the cache changes.
+    announce_gap_s: float | None = 0.05
     mode: GossipMode = GossipMode.DELTA  # what a round carries: snapshot, delta or epidemic
     fanout: int = 3  # epidemic mode: peers contacted per round
     suspect_after_s: float = 2.0  # silent this long -> suspect (not routed to)
@@ -110,6 +115,8 @@ class GossipConfig:
     def __post_init__(self) -> None:
         if self.interval_s <= 0:
             raise ValueError("gossip interval_s must be > 0")
+        if self.announce_gap_s is not None and self.announce_gap_s < 0:
+            raise ValueError("announce_gap_s must be >= 0 (or None to disable)")
         if not 0 <= self.jitter_frac < 1:
             raise ValueError("jitter_frac must be in [0, 1)")
         if self.fanout < 1:

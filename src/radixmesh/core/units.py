@@ -39,6 +39,14 @@ def parse_duration(text: str | float | int) -> float:
     return value
 
 
+def parse_optional_duration(text: str | float | int | None) -> float | None:
+    """A duration (:func:`parse_duration`), or None from ``"off"`` / ``"none"`` (the feature
+    the duration paces is disabled)."""
+    if text is None or (isinstance(text, str) and text.strip().lower() in ("off", "none")):
+        return None
+    return parse_duration(text)
+
+
 def parse_choice(choices: type[E], text: str, what: str) -> E:
     """The member of ``choices`` named ``text`` (case and surrounding spaces ignored); a
     ValueError naming ``what`` and every choice for anything else."""

@@ -37,7 +37,7 @@ from radixmesh.core.config import (
     PushbackConfig,
 )
 from radixmesh.core.router import Policy, RouterConfig
-from radixmesh.core.units import parse_duration
+from radixmesh.core.units import parse_duration, parse_optional_duration
 
 # The core's defaults, which ServeConfig's defaults are read from (one place declares each).
 _ROUTER = RouterConfig()
@@ -134,6 +134,8 @@ class ServeConfig:
     drain_linger: float = 2.0  # SIGTERM: the port stays open at least this long (<= grace)
     gossip_interval: float = _GOSSIP.interval_s  # seconds between anti-entropy rounds (Δpoll)
     gossip_mode: str = _GOSSIP.mode.value  # delta | snapshot | epidemic
+    # delta mode: a cache change brings the next round forward to this long after the last
+    gossip_announce: float | None = _GOSSIP.announce_gap_s  # None ("off"): rounds only
     gossip_fanout: int = _GOSSIP.fanout  # epidemic mode: peers per round
     policy: str = _ROUTER.policy.value  # cost | paper | none | random | round_robin | ...
     load_bound: float | None = _ROUTER.load_bound  # cost: bounded load; None = off
@@ -273,6 +275,7 @@ class ServeConfig:
         overrides: dict[str, object] = {
             "mode": GossipMode.parse(self.gossip_mode),
             "fanout": self.gossip_fanout,
+            "announce_gap_s": self.gossip_announce,
         }
         if self.suspect_timeout:
             overrides["suspect_after_s"] = self.suspect_timeout
@@ -335,6 +338,7 @@ _CONVERT: dict[str, Any] = {
     "net_duplicate": parse_fraction,
     "debug_engine_delay": parse_duration,
     "load_bound": parse_optional_fraction,
+    "gossip_announce": parse_optional_duration,
 }
 _CONVERT["kv_events"] = _CONVERT["kv_replay"] = parse_endpoint_list
 _FIELDS = {f.name: f for f in fields(ServeConfig)}
@@ -416,6 +420,9 @@ def _help_texts() -> dict[str, str]:
         "gossip_interval": "gossip period, e.g. 0.5 or 100ms",
         "gossip_mode": "delta | snapshot | epidemic",
         "gossip_fanout": "epidemic mode: peers per round",
+        "gossip_announce": "delta mode: a change to this node's cache brings the next gossip "
+        "round forward to this long after the last one, e.g. 50ms; 'off': rounds only every "
+        "--gossip-interval (the paper's polling)",
         "policy": "routing policy: cost | paper | none | random | round_robin | least_loaded",
         "load_bound": "cost policy: no forwards to peers busier than (1+x) x the mean; 'off'",
         "preset": "built-in model preset (tiny | qwen2.5-0.5b)",

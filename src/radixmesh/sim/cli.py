@@ -75,6 +75,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help=f"delta | snapshot | epidemic | auto (epidemic above {AUTO_EPIDEMIC_ABOVE} nodes)",
     )
     g.add_argument("--fanout", type=int, default=3, help="epidemic mode: peers per round")
+    g.add_argument(
+        "--gossip-announce",
+        default="50ms",
+        help="delta mode: a cache change brings the next round forward to this long after the "
+        "last one; 'off': rounds only every Δpoll (the paper's polling)",
+    )
     g = p.add_argument_group("network")
     g.add_argument("--comm-delay", default="2ms", help="one-way delay(s), comma-separated")
     g.add_argument("--jitter", default="0ms", help="extra one-way delay, uniform in [0, J]")

@@ -33,7 +33,7 @@ from typing import Any
 from radixmesh.core.config import GossipConfig, GossipMode
 from radixmesh.core.events import CacheChanged
 from radixmesh.core.router import Policy, RouterConfig
-from radixmesh.core.units import parse_duration
+from radixmesh.core.units import parse_duration, parse_optional_duration
 from radixmesh.sim import costs
 from radixmesh.sim.cluster import (
     ClusterConfig,
@@ -72,13 +72,16 @@ def convergence(
     fanout: int = 3,
     seed: int = 0,
     change_blocks: int = 32,
+    announce_gap_s: float | None = None,
     trials: int = 5,
     max_join_s: float = 120.0,
     seeds: int = 3,
 ) -> dict[str, Any]:
     """Join time, then convergence time of ``trials`` cache changes (each at a random node, at a
     random phase of its gossip round), in an idle cluster."""
-    gossip = GossipConfig.for_interval(interval_s, mode=mode, fanout=fanout)
+    gossip = GossipConfig.for_interval(
+        interval_s, mode=mode, fanout=fanout, announce_gap_s=announce_gap_s
+    )
     cl = SimCluster(_idle_config(nodes, gossip, delay_s, seed, min(seeds, nodes), interval_s))
     wall0 = time.perf_counter()
     cl.start()
@@ -276,6 +279,7 @@ def run_convergence(args: argparse.Namespace, log: Log) -> list[dict[str, Any]]:
                 args.seed,
                 seeds=args.seeds,
                 trials=args.trials,
+                announce_gap_s=parse_optional_duration(args.gossip_announce),
             )
             log(
                 f"N={n} {mode.value}: joined in {_s(row['join_s'])}, change seen by all in "

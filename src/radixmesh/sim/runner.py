@@ -228,8 +228,10 @@ def _summary(
         "skew": spec.skew,
         "comm_delay_ms": c.network.delay_s * 1000.0,
         "gossip_interval_ms": c.gossip.interval_s * 1000.0,
+        "gossip_announce_ms": None if c.gossip.announce_gap_s is None
+        else c.gossip.announce_gap_s * 1000.0,
         "cache_tokens": c.cache_tokens,
-    }
+    }  # fmt: skip
     out.update(summarize(records))
     out["schedule"] = spec.schedule
     out["concurrency"] = spec.concurrency if spec.schedule == "sequential" else None

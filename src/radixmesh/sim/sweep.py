@@ -19,7 +19,7 @@ from typing import Any
 from radixmesh.core.byte_tokenizer import ByteTokenizer
 from radixmesh.core.config import ForwardConfig, GossipConfig, GossipMode, PushbackConfig
 from radixmesh.core.router import Policy, RouterConfig
-from radixmesh.core.units import parse_duration
+from radixmesh.core.units import parse_duration, parse_optional_duration
 from radixmesh.sim import costs
 from radixmesh.sim.cluster import ClusterConfig
 from radixmesh.sim.network import (
@@ -217,7 +217,12 @@ def _cluster_config(
             context_scale=cost.context_scale if args.tuned_priors else 4096.0,
             load_bound=None if args.load_bound < 0 else args.load_bound,
         ),
-        gossip=GossipConfig.for_interval(interval, mode=mode, fanout=args.fanout),
+        gossip=GossipConfig.for_interval(
+            interval,
+            mode=mode,
+            fanout=args.fanout,
+            announce_gap_s=parse_optional_duration(args.gossip_announce),
+        ),
         pushback=PushbackConfig(queue_threshold=args.pushback_threshold),
         network=network_config(args, delay),
         cache_tokens=args.cache_tokens,

@@ -73,11 +73,14 @@ def simulate_like(
         reqs = schedule.poisson(reqs, nodes, float(rate), point.seed)
     policy = Policy.parse(real["policy"])
     interval = float(real["gossip_interval_ms"]) / 1000.0
+    announce = real.get("gossip_announce_ms")  # absent: a run from before announcements
     cfg = ClusterConfig(
         nodes=nodes,
         cost=cost,
         router=RouterConfig(policy=policy),  # the runtime's defaults, as the real nodes
-        gossip=GossipConfig.for_interval(interval),
+        gossip=GossipConfig.for_interval(
+            interval, announce_gap_s=None if announce is None else float(announce) / 1000.0
+        ),
         pushback=PushbackConfig(queue_threshold=args.pushback_threshold),
         network=NetworkConfig(delay_s=float(real["comm_delay_ms"]) / 1000.0),
         cache_tokens=int(real["cache_tokens"]),

@@ -1,0 +1,98 @@
+"""Announcements: a change to a node's own cache brings its next gossip round forward."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from radixmesh.core.config import GossipConfig, GossipMode
+from radixmesh.core.units import parse_optional_duration
+from radixmesh.testing import LinkConfig, TwinCluster
+
+INTERVAL_S = 0.5
+GAP_S = 0.05
+LINK = LinkConfig(delay_s=0.002)
+
+
+def _cluster(n: int, announce: float | None, mode: GossipMode = GossipMode.DELTA) -> TwinCluster:
+    gossip = GossipConfig(interval_s=INTERVAL_S, announce_gap_s=announce, mode=mode)
+    c = TwinCluster(n, gossip=gossip, link=LINK, seed=7)
+    c.run_for(3 * INTERVAL_S)  # joined
+    return c
+
+
+def _time_to_converge(c: TwinCluster, rng: random.Random, node: str) -> float:
+    c.change_cache(node, [rng.getrandbits(64) for _ in range(8)])
+    took = c.run_until_converged(2 * INTERVAL_S, step_s=0.001)
+    assert took is not None
+    return took
+
+
+def test_a_change_reaches_every_peer_within_the_gap_not_a_round() -> None:
+    rng = random.Random(1)
+    c = _cluster(5, GAP_S)
+    for _ in range(10):  # at random phases of the round, sometimes right after one
+        c.run_for(rng.random() * INTERVAL_S)
+        assert _time_to_converge(c, rng, f"n{rng.randrange(5)}") <= GAP_S + 3 * LINK.delay_s
+    assert c.metric("gossip_rounds_announced") > 0
+
+
+def test_without_announcements_a_change_waits_for_the_round() -> None:
+    rng = random.Random(1)
+    c = _cluster(5, None)
+    took = []
+    for _ in range(10):
+        c.run_for(rng.random() * INTERVAL_S)
+        took.append(_time_to_converge(c, rng, f"n{rng.randrange(5)}"))
+    assert max(took) > 4 * GAP_S  # some change waited for most of a round
+    assert c.metric("gossip_rounds_announced") == 0
+
+
+@pytest.mark.parametrize("mode", [GossipMode.SNAPSHOT, GossipMode.EPIDEMIC])
+def test_only_delta_mode_announces(mode: GossipMode) -> None:
+    rng = random.Random(2)
+    c = _cluster(4, GAP_S, mode)
+    for _ in range(20):
+        c.change_cache("n1", [rng.getrandbits(64)])
+        c.run_for(0.01)
+    assert c.metric("gossip_rounds_announced") == 0
+
+
+def test_a_stream_of_changes_costs_at_most_one_round_per_gap() -> None:
+    """Changes every millisecond: rounds are paced by the gap, not by the changes."""
+    rng = random.Random(3)
+    c = _cluster(3, GAP_S)
+    before = c.nodes["n0"].metrics()["gossip_rounds"]
+    seconds = 2.0
+    for _ in range(int(seconds / 0.001)):
+        c.change_cache("n0", [rng.getrandbits(64)])
+        c.run_for(0.001)
+    rounds = c.nodes["n0"].metrics()["gossip_rounds"] - before
+    assert seconds / GAP_S * 0.9 <= rounds <= seconds / GAP_S + 1
+
+
+def test_no_round_is_announced_for_a_change_that_changes_nothing() -> None:
+    c = _cluster(3, GAP_S)
+    held = sorted(c.truth("n0"))
+    c.change_cache("n0", [1, 2, 3])
+    c.run_for(INTERVAL_S)
+    announced = c.metric("gossip_rounds_announced")
+    c.change_cache("n0", [1, 2, 3])  # already held
+    c.change_cache("n0", (), [99])  # never held
+    c.run_for(INTERVAL_S)
+    assert c.metric("gossip_rounds_announced") == announced
+    assert sorted(c.truth("n0")) == sorted({*held, 1, 2, 3})
+
+
+def test_config_and_flag_values() -> None:
+    assert GossipConfig().announce_gap_s == GAP_S
+    with pytest.raises(ValueError, match="announce_gap_s"):
+        replace(GossipConfig(), announce_gap_s=-0.01)
+    assert parse_optional_duration("off") is None
+    assert parse_optional_duration(" None ") is None
+    assert parse_optional_duration("50ms") == pytest.approx(0.05)
+    assert parse_optional_duration(0) == 0.0
+    with pytest.raises(ValueError, match="duration"):
+        parse_optional_duration("soon")
