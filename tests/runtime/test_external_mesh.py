@@ -31,12 +31,13 @@ async def until(check: Callable[[], bool], what: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def node(fake: FakeEngine, name: str, port: int, peer_port: int
-               ) -> AsyncIterator[NodeService]:
+async def node(fake: FakeEngine, name: str, port: int, peer_port: int, gossip_interval: float = 0.1,
+               gossip_announce: float | None = 0.05) -> AsyncIterator[NodeService]:
     # policy "paper": forward to the deepest match; "cost" weighs measured speeds, and on a
     # loaded CI box it may rightly decide that running a ~300-token prompt locally is faster
     cfg = ServeConfig(node_id=name, port=port, peers=(f"127.0.0.1:{peer_port}",),
-                      gossip_interval=0.1, forward_timeout=2.0, engine="vllm", policy="paper",
+                      gossip_interval=gossip_interval, gossip_announce=gossip_announce,
+                      forward_timeout=2.0, engine="vllm", policy="paper",
                       engine_url=fake.url, kv_events=fake.kv_endpoint,
                       kv_replay=fake.replay_endpoint, model=fake.model, cache_tokens=4096)
     service = build_external_service(cfg, tokenizer=ByteTokenizer())
@@ -114,6 +115,38 @@ def test_a_prefix_cached_on_engine_1_is_served_by_node_1_and_a_dead_engine_loses
 
                 status, _, body = await complete(http, p2, "another fresh prompt, node 2")
                 assert status == 200 or (status >= 500 and "error" in body), (status, body)
+        finally:
+            await fake1.stop()
+            await fake2.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_new_copy_is_announced_before_the_next_round() -> None:
+    """Rounds every 30 s: node 2 still hears of what engine 1 cached within seconds, because
+    the cache change brings node 1's next round forward (--gossip-announce)."""
+    async def scenario() -> None:
+        fake1, fake2 = FakeEngine(cache_tokens=4096), FakeEngine(cache_tokens=4096)
+        await fake1.start()
+        await fake2.start()
+        p1, p2 = free_port(), free_port()
+        slow = {"gossip_interval": 30.0}
+        try:
+            async with (node(fake1, "node-1", p1, p2, **slow) as n1,
+                        node(fake2, "node-2", p2, p1, **slow) as n2,
+                        aiohttp.ClientSession() as http):
+                await until(lambda: n1.peer_states() == {"node-2": "alive"}
+                            and n2.peer_states() == {"node-1": "alive"}, "the mesh")
+                await subscribed(n1, fake1)
+                await asyncio.sleep(0.2)  # past the joining rounds' answers
+                announced = n1.core.metrics()["gossip_rounds_announced"]
+                status, headers, _ = await complete(http, p1, PREFIX + "Question 1?")
+                assert status == 200 and headers["x-radixmesh-served-by"] == "node-1"
+                await until(lambda: len(n1.engine.cache_hashes()) >= 10, "engine 1's events")
+                # well before the next round (30 s): only an announcement gets it there
+                await inprocess.until(lambda: view_blocks(n2, "node-1") >= 10,
+                                      "node 2's view of node 1", 5.0, 0.01)
+                assert n1.core.metrics()["gossip_rounds_announced"] > announced
         finally:
             await fake1.stop()
             await fake2.stop()
