@@ -21,8 +21,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from radixmesh.core.config import GossipConfig
 from radixmesh.core.router import Policy, RouterConfig
-from radixmesh.core.units import parse_duration
+from radixmesh.core.units import parse_duration, parse_optional_duration
 from radixmesh.sim import costs
 from radixmesh.sim.runner import RunResult
 from radixmesh.sim.sweep import AUTO_EPIDEMIC_ABOVE, split_csv, sweep_point
@@ -77,7 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fanout", type=int, default=3, help="epidemic mode: peers per round")
     g.add_argument(
         "--gossip-announce",
-        default="50ms",
+        type=parse_optional_duration,
+        default=GossipConfig().announce_gap_s,
         help="delta mode: a cache change brings the next round forward to this long after the "
         "last one; 'off': rounds only every Δpoll (the paper's polling)",
     )

@@ -33,7 +33,7 @@ from typing import Any
 from radixmesh.core.config import GossipConfig, GossipMode
 from radixmesh.core.events import CacheChanged
 from radixmesh.core.router import Policy, RouterConfig
-from radixmesh.core.units import parse_duration, parse_optional_duration
+from radixmesh.core.units import parse_duration
 from radixmesh.sim import costs
 from radixmesh.sim.cluster import (
     ClusterConfig,
@@ -279,7 +279,7 @@ def run_convergence(args: argparse.Namespace, log: Log) -> list[dict[str, Any]]:
                 args.seed,
                 seeds=args.seeds,
                 trials=args.trials,
-                announce_gap_s=parse_optional_duration(args.gossip_announce),
+                announce_gap_s=args.gossip_announce,
             )
             log(
                 f"N={n} {mode.value}: joined in {_s(row['join_s'])}, change seen by all in "

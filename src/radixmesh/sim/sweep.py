@@ -19,7 +19,7 @@ from typing import Any
 from radixmesh.core.byte_tokenizer import ByteTokenizer
 from radixmesh.core.config import ForwardConfig, GossipConfig, GossipMode, PushbackConfig
 from radixmesh.core.router import Policy, RouterConfig
-from radixmesh.core.units import parse_duration, parse_optional_duration
+from radixmesh.core.units import parse_duration
 from radixmesh.sim import costs
 from radixmesh.sim.cluster import ClusterConfig
 from radixmesh.sim.network import (
@@ -221,7 +221,7 @@ def _cluster_config(
             interval,
             mode=mode,
             fanout=args.fanout,
-            announce_gap_s=parse_optional_duration(args.gossip_announce),
+            announce_gap_s=args.gossip_announce,
         ),
         pushback=PushbackConfig(queue_threshold=args.pushback_threshold),
         network=network_config(args, delay),
