@@ -61,6 +61,7 @@ async def subscribed(fake: FakeEngine, engine: HttpEngine) -> AsyncIterator[KvSu
             assert time.monotonic() < deadline, "the subscriber never received a batch"
             fake.clear_all()
             await asyncio.sleep(0.02)
+        await settled(fake, sub)  # and handled (a first batch may still await its replay)
         yield sub
     finally:
         await sub.stop()

@@ -68,6 +68,11 @@ async def subscribed(service: NodeService, fake: FakeEngine) -> None:
         assert time.monotonic() < deadline, "the node's subscriber never got a batch"
         fake.clear_all()
         await asyncio.sleep(0.02)
+    # and handled: a first batch may still be awaiting the replay of the gap before it
+    tracker = sub.publishers[0].tracker
+    while tracker.next_seq != fake.seq:
+        assert time.monotonic() < deadline, "the node's subscriber never caught up"
+        await asyncio.sleep(0.01)
 
 
 def view_blocks(service: NodeService, peer: str) -> int:

@@ -49,11 +49,14 @@ async def setup(**fake_kwargs: object) -> AsyncIterator[tuple[FakeEngine, HttpEn
         await sub.start()
         try:
             deadline = time.monotonic() + LIMIT_S
-            while sub.counts["messages"] == 0:  # past the slow joiner
-                assert time.monotonic() < deadline, "no batch ever arrived"
+            # past the slow joiner: wait for a batch to be *handled* (on_change fires after
+            # it, and after any replay it triggers), not merely received; waiting on
+            # counts["messages"] raced a first batch still awaiting its gap's replay
+            while not changes:
+                assert time.monotonic() < deadline, "no batch ever handled (on_change)"
                 fake.clear_all()
                 await asyncio.sleep(0.02)
-            assert changes
+            assert sub.counts["messages"] > 0
             await settled(fake, sub)
             sub.counts.update(dict.fromkeys(sub.counts, 0))  # count from here (warm-up gap)
             yield fake, engine, sub
