@@ -82,3 +82,18 @@ def test_two_delays_draw_the_curve_and_four_nodes_judge_the_hotspot(tmp_path: Pa
     assert (out / "fig3_share_over_time.png").exists()  # 120 requests: several windows
     assert "hotspot ≤ 35%" in text  # 4 nodes: a 35 % share is reachable, so it is judged
     assert "actual hit ≥" not in text  # this sequence's ceiling (55 %) is below the target
+
+
+def test_a_pressure_batch_alone_is_reported_as_pressure_with_its_figure(tmp_path: Path) -> None:
+    out = _folder(tmp_path, [("none", 2.0, 4, 400, 0.7), ("cost", 2.0, 4, 400, 0.4),
+                             ("paper", 2.0, 4, 400, 0.6)])
+    summary = json.loads((out / "summary.json").read_text())
+    for run in summary["runs"]:  # as `bench --preset paper --only pressure` writes them
+        run["group"], run["cache_tokens"] = "pressure", 20_000
+    (out / "summary.json").write_text(json.dumps(summary))
+    text = write_report(out).read_text()
+    above = text.split("## All runs")[0]
+    assert "cost/none ≤ 0.60 under memory pressure" in above and "## Memory pressure" in above
+    for absent in ("cost/none ≤ 0.90", "Table 1", "hotspot ≤"):  # not the abundant point's
+        assert absent not in above, absent
+    assert (out / "fig4_specialization_eviction.png").read_bytes()[:4] == b"\x89PNG"

@@ -48,6 +48,20 @@ def same_time(a: Run, b: Run) -> bool:
     return bool(a.get("lockstep")) and a.get("lockstep") == b.get("lockstep")
 
 
+def _cache_points(runs: Sequence[Run]) -> tuple[int, int | None]:
+    """The cache budgets of the default point and of memory pressure (None: no pressure run).
+    The paper preset names its pressure batch (group ``pressure``), which is then known even
+    in a folder holding nothing else (``--only pressure``): its runs must not stand in for the
+    abundant-cache ones (no default point then: -1 matches no run). Otherwise, with two or
+    more budgets, the smallest is the pressure and the largest the default."""
+    named = {r["cache_tokens"] for r in runs if r.get("group") == "pressure"}
+    if named:
+        rest = [r["cache_tokens"] for r in runs if r.get("group") != "pressure"]
+        return (max(rest) if rest else -1), min(named)
+    caches = sorted({r["cache_tokens"] for r in runs})
+    return (caches[-1] if caches else 0), (caches[0] if len(caches) > 1 else None)
+
+
 class Results:
     """The runs of one benchmark folder and their records, with lookup helpers."""
 
@@ -55,9 +69,7 @@ class Results:
         self.runs = [r for r in runs if not r.get("skipped") and r.get("requests")]
         self.skipped = [r for r in runs if r.get("skipped")]
         self.records = records
-        caches = sorted({r["cache_tokens"] for r in self.runs})
-        self.abundant = caches[-1] if caches else 0
-        self.pressure = caches[0] if len(caches) > 1 else None
+        self.abundant, self.pressure = _cache_points(self.runs)
         polls = Counter(r["gossip_interval_ms"] for r in self.runs)
         self.poll_ms = polls.most_common(1)[0][0] if polls else 500.0
 
