@@ -23,6 +23,7 @@ from radixmesh.bench.runner import GATEWAYS, Runner, RunResult, batches, summary
 from radixmesh.bench.sglang import SglangRouter
 from radixmesh.bench.smg import Smg
 from radixmesh.bench.spec import ALL_POLICIES, RunSpec
+from radixmesh.core.config import GossipConfig
 from radixmesh.results.records import Record
 from radixmesh.workload import Request, WorkloadSpec, agentic
 from radixmesh.workload.schedule import Entry
@@ -362,3 +363,14 @@ def test_batch_clusters_spawn_together_and_failures_close_every_one(tmp_path: An
     with (tmp_path / "r.jsonl").open("w") as fh:
         runner._start_all(todo, fh, True, live)
     assert [res.spec.name for res, *_ in live] == ["a", "b", "c"] and "close a" not in events
+
+
+def test_the_paper_presets_poll_sweep_polls_only() -> None:
+    """Δpoll means the paper's polling only with announcements off: they would spread every
+    cache change within their gap whatever Δpoll is. The other batches keep the default."""
+    specs = cli.specs_from_args(_args("--preset", "paper", "--only", "t1,poll"))
+    poll = [s for s in specs if s.group == "poll"]
+    rest = [s for s in specs if s.group != "poll"]
+    assert len({s.gossip_interval_s for s in poll}) == 4 and rest
+    assert all(s.gossip_announce_s is None for s in poll)
+    assert all(s.gossip_announce_s == GossipConfig().announce_gap_s for s in rest)

@@ -117,7 +117,10 @@ def paper_preset(base: RunSpec, with_sglang: bool = True) -> list[RunSpec]:
     runs += _together("sglang", [_mk(base, "sglang", p) for p in gateways])
     for k in (4, 16):  # closed loop: the batch's clusters run their k clients at the same time
         runs += _together(f"k{k}", [_mk(base, f"k{k}", p, concurrency=k) for p in gateways])
-    runs += _together("poll", [_mk(base, "poll", "paper", gossip_interval_s=g, requests=third)
+    # the paper's Δpoll sweep: pure polling (announcements would spread every change within
+    # 50 ms whatever Δpoll is, and the sweep would measure nothing)
+    runs += _together("poll", [_mk(base, "poll", "paper", gossip_interval_s=g, requests=third,
+                                   gossip_announce_s=None)
                                for g in (0.02, 0.1, 2.0, 300.0)])  # fmt: skip
     simple = ("none", "random", "round_robin", "least_loaded")
     runs += _together("baselines", [_mk(base, "baselines", p, requests=third) for p in simple])
