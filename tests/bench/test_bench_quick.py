@@ -9,7 +9,7 @@ the oracle's predictions are exact under the sequential schedule.
 from __future__ import annotations
 
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -59,12 +59,19 @@ def test_summary_schema_and_no_errors(summary: list[dict[str, Any]]) -> None:
         assert 0 < run["p50_latency_s"] <= run["p99_latency_s"]
 
 
-def test_cost_counts_its_placements(summary: list[dict[str, Any]]) -> None:
+def test_cost_counts_its_placements(
+    summary: list[dict[str, Any]], records: list[dict[str, Any]]
+) -> None:
     cost = summary[2]
     placements = cost["placements"]  # every request the router placed, warm-ups included
     assert set(placements) == {"hit", "first", "replica", "second_copy", "unplaced", "local_copy"}
     assert N <= sum(placements.values()) <= N + 4 * 4 and placements["first"] >= 1
     assert all(run["placements"] is None for run in summary if run["policy"] != "cost")
+    # and each request's own tag, from x-radixmesh-placement (the counts include warm-ups)
+    tags = Counter(r["placement"] for r in records if r["policy"] == "cost")
+    assert sum(tags.values()) == N and None not in tags
+    assert all(n <= placements[t] for t, n in tags.items())
+    assert all(r["placement"] is None for r in records if r["policy"] == "none")
 
 
 def test_none_never_forwards_nor_claims_hits(

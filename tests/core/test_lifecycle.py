@@ -196,10 +196,16 @@ def test_placement_tags_are_counted_when_a_peer_accepts_or_execution_starts_here
         ]
 
     lc = lifecycle()
-    lc.start(arrived(1), tagged(["a", "me"], Tag.REPLICA))
+    (offer,) = lc.start(arrived(1), tagged(["a", "me"], Tag.REPLICA))
     assert lc.counters.placements == {}  # offered only: a refusal would not place it there
     lc.accepted(1)
-    lc.start(arrived(2), tagged(["me", "a"], Tag.HIT))
+    (here,) = lc.start(arrived(2), tagged(["me", "a"], Tag.HIT))
     lc.start(arrived(3), tagged(["b", "me"], Tag.HIT))
-    lc.refused(3)  # falls back here: the self candidate's tag counts
+    (fallback,) = lc.refused(3)  # falls back here: the self candidate's tag counts
     assert lc.counters.placements == {"replica": 1, "hit": 1, "second_copy": 1}
+    # each action carries its choice's tag (the runtime's x-radixmesh-placement header)
+    assert isinstance(offer, Forward) and offer.placement == "replica"
+    assert isinstance(here, ExecuteLocally) and here.placement == "hit"
+    assert isinstance(fallback, ExecuteLocally) and fallback.placement == "second_copy"
+    (untagged,) = lc.start(arrived(4), cands(["me"]))  # a policy that places nothing
+    assert isinstance(untagged, ExecuteLocally) and untagged.placement is None

@@ -113,6 +113,7 @@ def test_routes_to_the_node_holding_the_prefix(cluster: LocalCluster) -> None:
     h = resp.headers
     assert h["x-radixmesh-node"] == "n0"
     assert h["x-radixmesh-served-by"] == "n1" and h["x-radixmesh-route"] == "forwarded"
+    assert h["x-radixmesh-placement"] == "hit"  # the router's tag: n1 holds the prefix
     assert int(h["x-radixmesh-expected-cached-tokens"]) >= len(LONG_PREFIX) - 16
     cached = resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached == int(h["x-radixmesh-cached-tokens"]) >= len(LONG_PREFIX) - 16
@@ -121,6 +122,7 @@ def test_routes_to_the_node_holding_the_prefix(cluster: LocalCluster) -> None:
     # the same through a stream: relayed token by token from n1
     streamed = complete(cluster, 0, LONG_PREFIX + "Question C?", stream=True)
     assert streamed.headers["x-radixmesh-served-by"] == "n1"
+    assert streamed.headers["x-radixmesh-placement"] == "hit"
     assert streamed.text.rstrip().endswith("data: [DONE]")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -11,6 +12,7 @@ import pytest
 from radixmesh.core.config import GossipConfig, PushbackConfig
 from radixmesh.core.events import CacheChanged
 from radixmesh.core.router import Policy, RouterConfig
+from radixmesh.results.records import Record
 from radixmesh.sim import costs
 from radixmesh.sim.cluster import ClusterConfig, SimCluster
 from radixmesh.sim.network import Fault, NetworkConfig, Partition
@@ -260,12 +262,21 @@ def test_copies_of_prefixes_are_counted_from_the_truth_and_by_the_router(
     kw: dict[str, object] = {"nodes": 8}
     tokenize, _ = byte_tokenize()
 
+    records: dict[str, list[Record]] = {}
+
     def go(policy: str) -> dict[str, object]:
         spec = RunSpec(policy, cluster_config(policy, **kw), concurrency=8)
-        return run(spec, reqs, tokenize).summary
+        result = run(spec, reqs, tokenize)
+        records[policy] = result.records
+        return result.summary
 
     none, cost = go("none")["sim"], go("cost")["sim"]
     assert isinstance(none, dict) and isinstance(cost, dict)
+    # each record carries its request's tag (x-radixmesh-placement on the real cluster)
+    assert {r.placement for r in records["none"]} == {None}
+    per_record = Counter(r.placement for r in records["cost"])
+    assert None not in per_record and per_record["hit"] == cost["placement_hit"]
+    assert all(per_record[t] == cost[f"placement_{t}"] for t in per_record)
     assert none["second_cold_copies"] >= 4 * 4  # each prefix cold on (nearly) every node
     assert none["deliberate_replicas"] == 0 and none["placement_hit"] == 0
     assert cost["second_cold_copies"] < none["second_cold_copies"] / 2

@@ -19,6 +19,7 @@ from radixmesh.workload.request import Request
 H_SERVED = "x-radixmesh-served-by"
 H_ROUTE = "x-radixmesh-route"
 H_EXPECTED = "x-radixmesh-expected-cached-tokens"
+H_PLACEMENT = "x-radixmesh-placement"
 H_CACHED = "x-radixmesh-cached-tokens"
 H_TARGET = "x-radixmesh-target"  # experiments: the entry node forwards to this peer id
 H_QUEUE = "x-radixmesh-queue-s"  # seconds the request waited for the serving engine
@@ -81,6 +82,7 @@ def fill_from_response(rec: Record, resp: httpx.Response) -> None:
     rec.served_by = h.get(H_SERVED)
     rec.route = h.get(H_ROUTE)
     rec.expected_cached_tokens = _int(h.get(H_EXPECTED))
+    rec.placement = h.get(H_PLACEMENT)
     rec.cached_tokens = _int(h.get(H_CACHED))
     rec.server_timing = _timing(h)
     try:

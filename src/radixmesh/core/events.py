@@ -236,6 +236,9 @@ class Forward:
     beat_s: float | None  # travels with the forward: what the peer must beat (cost routing)
     expected_cached: int  # the router's estimate of the peer's cached prefix
     route: str  # "forwarded" (first choice) | "fallback" (an earlier try failed)
+    # what serving it there does to its prefix's copies (the router's ``Tag`` value: hit,
+    # first, replica, second_copy, unplaced, local_copy); None: the policy places nothing
+    placement: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,6 +250,7 @@ class ExecuteLocally:
     route: str  # "local" (first choice) | "fallback" (a peer was tried first)
     expected_cached: int  # the router's estimate of this node's cached prefix
     resume_after: int = 0
+    placement: str | None = None  # as ``Forward.placement``, for this node
 
 
 @dataclass(frozen=True, slots=True)

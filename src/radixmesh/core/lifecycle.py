@@ -271,7 +271,7 @@ class Lifecycle:
         flight.route = flight.label("forwarded")
         return Forward(
             flight.rid, cand.node_id, address, cand.beat_s, cand.expected_cached_tokens,
-            flight.route,
+            flight.route, _tag(cand),
         )
 
     def _local(self, flight: Flight, resume_after: int) -> ExecuteLocally:
@@ -281,7 +281,8 @@ class Lifecycle:
         if resume_after == 0:  # (a resumed answer was placed when the peer accepted it)
             self._placed(flight)
         flight.route = flight.label("local")
-        return ExecuteLocally(flight.rid, flight.route, flight.self_expected, resume_after)
+        return ExecuteLocally(flight.rid, flight.route, flight.self_expected, resume_after,
+                              _tag(flight.choice))
 
     def _untrack(self, flight: Flight) -> None:
         """The flight's current try at a peer is over (or never was)."""
@@ -298,3 +299,8 @@ class Lifecycle:
         if tag is not None:
             placements = self.counters.placements
             placements[tag.value] = placements.get(tag.value, 0) + 1
+
+
+def _tag(choice: Candidate | None) -> str | None:
+    """The placement tag of a choice, as the actions carry it (None: nothing placed)."""
+    return None if choice is None or choice.placement is None else choice.placement.value

@@ -9,6 +9,9 @@ finished). Field meanings:
 ``route``     ``local`` | ``forwarded`` | ``fallback`` (``x-radixmesh-route``)
 ``expected_cached_tokens``  the router's estimate at decision time; ``cached_tokens`` what the
               serving engine actually reused; ``prompt_tokens`` from ``usage``
+``placement`` the router's tag of its choice (``x-radixmesh-placement``, ``core.router.Tag``:
+              hit, first, replica, second_copy, unplaced, local_copy); None where the policy
+              places nothing, and in folders written before the header existed
 ``t_send``/``t_done``  seconds since the run started; ``latency_s`` = client-side wall time
               (includes the emulated network delay of a forward)
 ``server_timing``  any ``server-timing`` parts the node reported (name -> seconds)
@@ -45,6 +48,7 @@ class Record:
     error: str | None = None
     output: str | None = None
     finish_reason: str | None = None
+    placement: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         # Shallow, unlike dataclasses.asdict (which deep-copied every record: seconds per

@@ -105,6 +105,7 @@ HEADER_NODE = "x-radixmesh-node"  # the entry node that answered the client
 HEADER_SERVED_BY = "x-radixmesh-served-by"
 HEADER_ROUTE = "x-radixmesh-route"
 HEADER_EXPECTED = "x-radixmesh-expected-cached-tokens"
+HEADER_PLACEMENT = "x-radixmesh-placement"  # the router's tag of the choice (cost policy)
 HEADER_CACHED = "x-radixmesh-cached-tokens"
 HEADER_QUEUE = "x-radixmesh-queue-s"
 HEADER_SERVICE = "x-radixmesh-service-s"
@@ -696,7 +697,7 @@ def _start_headers(service: NodeService, ex: Execution) -> dict[str, str]:
         HEADER_EXPECTED: str(ex.expected_cached),
         HEADER_CACHED: str(ex.cached_estimate),  # streaming: the server's match at acceptance
         "cache-control": "no-cache",
-    }
+    } | _placement_header(ex)
 
 
 def _outcome_headers(service: NodeService, ex: Execution, out: Outcome) -> dict[str, str]:
@@ -711,7 +712,13 @@ def _outcome_headers(service: NodeService, ex: Execution, out: Outcome) -> dict[
     }
     if out.forward_overhead_s is not None:
         headers[HEADER_OVERHEAD] = f"{out.forward_overhead_s:.6f}"
-    return headers
+    return headers | _placement_header(ex)
+
+
+def _placement_header(ex: Execution) -> dict[str, str]:
+    """What the entry node's choice does to the prefix's copies (``core.router.Tag``); only
+    where the policy places prefixes (``cost``)."""
+    return {} if ex.placement is None else {HEADER_PLACEMENT: ex.placement}
 
 
 # ---------------------------------------------------------------------------------- peers

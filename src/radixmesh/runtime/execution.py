@@ -109,6 +109,7 @@ class Execution:
     route: str
     expected_cached: int  # the router's estimate for the node that serves it
     cached_estimate: int  # the serving node's exact match when it accepted the request
+    placement: str | None = None  # the router's placement tag of the entry node's choice
     outcome: Outcome | None = None
     # with ``sampling.logprobs``: each generated token's entry, appended before the token is
     # yielded by ``tokens`` (only local executions: such requests are never forwarded); with
@@ -271,7 +272,7 @@ class ForwardExecution(Execution):
                  stream: ForwardStream, accepted: ForwardAccepted, started: float) -> None:
         self.node, self.ctx, self.peer_id = node, ctx, action.peer_id
         self.served_by, self.route = action.peer_id, action.route
-        self.expected_cached = action.expected_cached
+        self.expected_cached, self.placement = action.expected_cached, action.placement
         self.cached_estimate = accepted.cached_tokens
         self._stream, self._started = stream, started
         self._vocab = node.engine.tokenizer.vocab_size

@@ -512,6 +512,7 @@ class NodeService:
         if isinstance(action, Forward):  # the core never forwards after acceptance
             raise RuntimeError(f"request {ctx.rid}: a peer try after acceptance")
         ex = LocalExecution(self, ctx, action.route, action.expected_cached, emitted)
+        ex.placement = action.placement
         return self._queued(ex, len(emitted))
 
     @contextlib.asynccontextmanager

@@ -135,6 +135,7 @@ class Flight:
     beat_s: float | None = None  # sent with the current forward
     route: str = "local"
     expected_cached: int = 0
+    placement: str | None = None  # the router's tag of the current choice (Record.placement)
     estimate_error: int = 0  # expected - truth at the target at decision time (tokens)
     view_age_s: float = 0.0  # how long the estimate used had been out of date (0: current)
     sent_at: float = 0.0
@@ -407,7 +408,7 @@ class SimCluster:
     def _execute_locally(self, flight: Flight, action: ExecuteLocally) -> None:
         flight.attempt += 1
         flight.route = action.route
-        flight.expected_cached = action.expected_cached
+        flight.expected_cached, flight.placement = action.expected_cached, action.placement
         self._record_estimate(flight, flight.entry)
         if action.resume_after == 0:
             self._count_copy(flight, self.nodes[flight.entry])
@@ -432,6 +433,7 @@ class SimCluster:
         now = self.loop.now
         flight.attempt += 1
         flight.route, flight.expected_cached = action.route, action.expected_cached
+        flight.placement = action.placement
         flight.target, flight.beat_s, flight.sent_at = target.idx, action.beat_s, now
         self.counters.forwards += 1
         self._record_estimate(flight, target.idx)

@@ -147,6 +147,7 @@ class _Driver:
             served_by=nodes[f.served_by].node_id if ok and f.served_by >= 0 else None,
             route=f.route if ok else None,
             expected_cached_tokens=f.expected_cached if ok else None,
+            placement=f.placement if ok else None,
             cached_tokens=f.cached if ok else None,
             prompt_tokens=len(f.tokens),
             completion_tokens=f.req.max_tokens if ok else None,
