@@ -120,13 +120,19 @@ def test_replica_count_is_monotone_in_load_and_bounded_by_members(
 
 def test_key_rates_follow_the_traffic_and_forget_a_cold_prefix() -> None:
     rates = KeyRates(window_s=10.0)
-    for i in range(200):  # 20 requests/s of key 1 and 5/s of key 2 for 10 s
+    rates.add(1, 0.0)  # a fresh node's first request: one per window, not a hot prefix
+    assert rates.rate(1, 0.0) == pytest.approx(0.1)
+    first_window = 0.0
+    for i in range(1, 800):  # 20 requests/s of key 1 and 5/s of key 2 for 40 s
         rates.add(1, i * 0.05)
         if i % 4 == 0:
             rates.add(2, i * 0.05)
-    now = 10.0
-    assert rates.rate(1, now) == pytest.approx(20.0, rel=0.15)  # unbiased while ramping up
-    assert rates.rate(2, now) == pytest.approx(5.0, rel=0.2)
+        if i == 200:
+            first_window = rates.rate(1, i * 0.05)
+    assert 20.0 * 0.5 < first_window < 20.0 * 0.7  # still climbing after one window...
+    now = 40.0
+    assert rates.rate(1, now) == pytest.approx(20.0, rel=0.05)  # ... there after a few
+    assert rates.rate(2, now) == pytest.approx(5.0, rel=0.1)
     assert rates.rate(3, now) == 0.0
     assert rates.rate(1, now + 60.0) < 0.1  # cooled: the owner set shrinks back
     small = KeyRates(window_s=1.0, max_keys=8)

@@ -152,7 +152,7 @@ class KeySums:
     Bounded: beyond ``max_keys`` keys the smallest half is forgotten (a key that mattered
     has a large sum, and comes back at its next observation)."""
 
-    __slots__ = ("_start", "_sums", "max_keys", "window_s")
+    __slots__ = ("_sums", "max_keys", "window_s")
 
     def __init__(self, window_s: float, max_keys: int = 4096) -> None:
         if window_s <= 0 or max_keys < 1:
@@ -160,14 +160,11 @@ class KeySums:
         self.window_s = window_s
         self.max_keys = max_keys
         self._sums: dict[int, tuple[float, float]] = {}  # key -> (decayed sum, at)
-        self._start: float | None = None
 
     def __len__(self) -> int:
         return len(self._sums)
 
     def add(self, key: int, now: float, amount: float = 1.0) -> None:
-        if self._start is None:
-            self._start = now
         self._sums[key] = (self.total(key, now) + amount, now)
         if len(self._sums) > self.max_keys:
             self._forget_smallest(now)
@@ -187,13 +184,18 @@ class KeySums:
 
 class KeyRates(KeySums):
     """Requests per second of each placement key at this node: a decayed count of its
-    requests (:class:`KeySums`), over the time observed so far while that is shorter."""
+    requests (:class:`KeySums`) over the window.
+
+    In a node's first windows this under-reports (the counts are still climbing), never
+    over-reports: a prefix seen once must not look hot. Dividing by the time observed so far
+    instead (an earlier design) made a fresh node's first request of any prefix count as
+    64 requests per window; times the members, that bought the prefix up to every member as
+    owners, and the entry node then picked one at random — in the simulator at 64 nodes
+    most deliberate "replicas" (117 of 141) were such start-up accidents, and two entry
+    nodes picked different owners for one new prefix (a second copy) in the first seconds."""
 
     __slots__ = ()
 
     def rate(self, key: int, now: float) -> float:
         """The key's requests per second here (0: never seen, or long cold)."""
-        if self._start is None:
-            return 0.0
-        span = self.window_s * -math.expm1(-max(now - self._start, 0.0) / self.window_s)
-        return self.total(key, now) / max(span, self.window_s / 64)
+        return self.total(key, now) / self.window_s
