@@ -70,9 +70,7 @@ async def subscribed(service: NodeService, fake: FakeEngine) -> None:
         await asyncio.sleep(0.02)
     # and handled: a first batch may still be awaiting the replay of the gap before it
     tracker = sub.publishers[0].tracker
-    while tracker.next_seq != fake.seq:
-        assert time.monotonic() < deadline, "the node's subscriber never caught up"
-        await asyncio.sleep(0.01)
+    await until(lambda: tracker.next_seq == fake.seq, "the node's subscriber to catch up")
 
 
 def view_blocks(service: NodeService, peer: str) -> int:

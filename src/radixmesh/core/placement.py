@@ -189,10 +189,11 @@ class KeyRates(KeySums):
     In a node's first windows this under-reports (the counts are still climbing), never
     over-reports: a prefix seen once must not look hot. Dividing by the time observed so far
     instead (an earlier design) made a fresh node's first request of any prefix count as
-    64 requests per window; times the members, that bought the prefix up to every member as
-    owners, and the entry node then picked one at random: two entry nodes picked different
-    owners for one new prefix (a second copy) in a run's first seconds, and in the simulator
-    at 64 nodes (cpu-tiny, uniform) the router tagged 117 requests a `replica`, 9 without."""
+    64 requests per window; times the members, that made up to every member an owner, and
+    the entry node picked among them (itself first, else at random): two entry nodes picked
+    different owners for one new prefix (a second copy) in a run's first seconds, and in the
+    simulator at 64 nodes (cpu-tiny, uniform) the router tagged 117 requests a `replica`, 9
+    without."""
 
     __slots__ = ()
 
