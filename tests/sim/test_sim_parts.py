@@ -272,3 +272,24 @@ def test_validate_against_a_run_reproduces_it(tmp_path: Path) -> None:
         assert abs(r["hit_diff_points"]) < 0.01
         assert r["ratio_diff_pct"] is not None and abs(r["ratio_diff_pct"]) < 1.0
     assert "cost, uniform, 2 ms" in (out / "validation.md").read_text()
+
+
+def test_scale_figures_without_a_none_baseline_draw_no_empty_ratio_plot(tmp_path: Path) -> None:
+    """A scale run of one policy has nothing to divide by: the latency-ratio figure is left
+    out (it would be empty) and no figure warns about a legend of nothing."""
+    import warnings
+
+    from radixmesh.sim import plots
+
+    def row(policy: str, nodes: int) -> dict[str, object]:
+        return {"policy": policy, "skew": "uniform", "nodes": nodes, "hotspot_share": 0.3,
+                "mean_latency_s": 0.04, "p99_latency_s": 0.1}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        only_cost = plots.plot_experiment("scale", [row("cost", 4), row("cost", 16)], tmp_path)
+        assert [p.name for p in only_cost] == ["scale_hotspot.png"]
+        both = [row(p, n) for p in ("none", "cost") for n in (4, 16)]
+        paths = plots.plot_experiment("scale", both, tmp_path)
+    assert [p.name for p in paths] == ["scale_latency_ratio.png", "scale_hotspot.png"]
+    assert all(p.stat().st_size > 0 for p in paths)

@@ -25,10 +25,10 @@ def plot_experiment(name: str, rows: Sequence[Row], out: Path) -> list[Path]:
     if name == "breakeven":
         return [breakeven_plot(rows, out / "scale_breakeven.png")]
     if name == "scale":
-        return [
-            scale_plot(rows, out / "scale_latency_ratio.png"),
-            hotspot_plot(rows, out / "scale_hotspot.png"),
-        ]
+        paths = [hotspot_plot(rows, out / "scale_hotspot.png")]
+        if any(r["policy"] == "none" for r in rows):  # the ratio figure needs its baseline
+            paths.insert(0, scale_plot(rows, out / "scale_latency_ratio.png"))
+        return paths
     if name == "pushback":
         return [pushback_plot(rows, out / "scale_pushback.png")]
     return []
@@ -218,7 +218,8 @@ def _save(plt: Any, fig: Any, axes: Sequence[Any], path: Path) -> Path:
     """The common finish of every figure: light grid, small legend, tight layout, 110 dpi."""
     for ax in axes:
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # (a legend of nothing warns)
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
