@@ -97,3 +97,30 @@ def test_a_pressure_batch_alone_is_reported_as_pressure_with_its_figure(tmp_path
     for absent in ("cost/none ≤ 0.90", "Table 1", "hotspot ≤"):  # not the abundant point's
         assert absent not in above, absent
     assert (out / "fig4_specialization_eviction.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_second_copies_are_judged_on_the_measured_requests_tags(tmp_path: Path) -> None:
+    """The nodes' counters also count the warm-up prompts (one per node, sharing a short
+    header, so the later ones are second copies of it); the target is judged on the tags the
+    measured requests carry, and falls back to the counters only for untagged records."""
+    run, recs = _run("cost", 2.0, 4, 40, 0.4)
+    base, base_recs = _run("none", 2.0, 4, 40, 0.7)
+    run["placements"] = {"hit": 30.0, "first": 11.0, "second_copy": 3.0}  # 4 warm-ups in
+    for i, r in enumerate(recs):
+        r["placement"] = "first" if i < 10 else "hit"
+    tagged = tmp_path / "tagged"
+    tagged.mkdir()
+    (tagged / "summary.json").write_text(json.dumps({"runs": [base, run]}))
+    (tagged / "requests.jsonl").write_text("\n".join(json.dumps(r) for r in base_recs + recs))
+    text = write_report(tagged).read_text()
+    assert ("0 accidental second cold copies (cost, uniform 2 ms; tags of the measured "
+            "requests) | second copies 0, deliberate replicas 0 of 40 placed | **met**") in text
+    for r in recs:
+        del r["placement"]
+    old = tmp_path / "untagged"
+    old.mkdir()
+    (old / "summary.json").write_text(json.dumps({"runs": [base, run]}))
+    (old / "requests.jsonl").write_text("\n".join(json.dumps(r) for r in base_recs + recs))
+    text = write_report(old).read_text()
+    assert ("(cost, uniform 2 ms; router's counters, warm-ups included) | second copies 3, "
+            "deliberate replicas 0 of 44 placed | **missed**") in text

@@ -25,7 +25,7 @@ from typing import Any
 from radixmesh.bench import paper_numbers as P
 from radixmesh.bench.folder import OPEN_LOOP, Ratio, Results, Run
 from radixmesh.core.router import DELIBERATE
-from radixmesh.results.summary import mean, percentile
+from radixmesh.results.summary import mean, percentile, placement_tags
 
 
 # ----------------------------------------------------------------------------- formatting
@@ -310,9 +310,15 @@ def targets(res: Results) -> list[tuple[str, str, bool | None]]:
             gap = ceiling - hit
             out.append(("... with a hit rate within 3 points of the ceiling",
                         f"{pct(hit)} of {pct(ceiling)}", gap <= 0.03))  # fmt: skip
-    placed = get(cost, "placements")
+    # The measured requests' own tags where the records carry them; else the nodes' counters,
+    # which also count the warm-up prompts (one per node, sharing a short header: the first
+    # is a first copy, the others often a second copy of that header — not MMLU traffic).
+    placed: Any = {} if cost is None else placement_tags(res.ok(cost))
+    whose = "tags of the measured requests"
+    if not placed:
+        placed, whose = get(cost, "placements"), "router's counters, warm-ups included"
     if isinstance(placed, dict) and placed:
-        out.append(("0 accidental second cold copies (cost, uniform 2 ms; router's tags)",
+        out.append((f"0 accidental second cold copies (cost, uniform 2 ms; {whose})",
                     f"second copies {placed.get('second_copy', 0):.0f}, deliberate replicas "
                     f"{sum(placed.get(t.value, 0) for t in DELIBERATE):.0f} of "
                     f"{sum(placed.values()):.0f} placed",

@@ -91,7 +91,14 @@ def summarize(records: Sequence[Record]) -> dict[str, Any]:
         "served_by": dict(sorted(served.items())),
         "prompt_tokens_mean": mean([float(r.prompt_tokens or 0) for r in ok]),
         "wall_s": max((r.t_done for r in records), default=0.0),
+        "request_placements": placement_tags(ok),
     }
+
+
+def placement_tags(records: Sequence[Record]) -> dict[str, int]:
+    """How many of ``records`` carry each placement tag of the router (``Record.placement``,
+    from ``x-radixmesh-placement``); {} when none is tagged (another policy, older records)."""
+    return dict(sorted(Counter(r.placement for r in records if r.placement).items()))
 
 
 def ratio_interval(
