@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixmesh.core.blocks import Fingerprint
-from radixmesh.core.config import GossipConfig, GossipMode, NodeConfig
+from radixmesh.core.config import GossipConfig, GossipMode, JoinConfig, NodeConfig
 from radixmesh.core.events import CacheChanged, MessageReceived, Send, Tick
 from radixmesh.core.node import NodeCore
 
@@ -78,7 +78,10 @@ class Mesh:
                 assert node.estimate(peer) == self.history[peer][version], "view is not a state"
 
     def converge(self) -> bool:
-        for _ in range(6):  # fresh rounds delivered in order, nothing lost
+        # Fresh rounds delivered in order, nothing lost: enough of them for a node that knows
+        # no alive peer yet (its seed's answers all lost so far) to reach its next seed
+        # contact, which backs off up to ``seed_backoff_max_rounds`` rounds, and then spread.
+        for _ in range(JoinConfig().seed_backoff_max_rounds + 6):
             for i in IDS:
                 start = len(self.pool)
                 self.tick(i)
