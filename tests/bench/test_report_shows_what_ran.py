@@ -106,21 +106,21 @@ def test_second_copies_are_judged_on_the_measured_requests_tags(tmp_path: Path) 
     run, recs = _run("cost", 2.0, 4, 40, 0.4)
     base, base_recs = _run("none", 2.0, 4, 40, 0.7)
     run["placements"] = {"hit": 30.0, "first": 11.0, "second_copy": 3.0}  # 4 warm-ups in
+
+    def report(name: str) -> str:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "summary.json").write_text(json.dumps({"runs": [base, run]}))
+        lines = [json.dumps(r) for r in base_recs + recs]
+        (folder / "requests.jsonl").write_text("\n".join(lines) + "\n")
+        return write_report(folder).read_text()
+
     for i, r in enumerate(recs):
         r["placement"] = "first" if i < 10 else "hit"
-    tagged = tmp_path / "tagged"
-    tagged.mkdir()
-    (tagged / "summary.json").write_text(json.dumps({"runs": [base, run]}))
-    (tagged / "requests.jsonl").write_text("\n".join(json.dumps(r) for r in base_recs + recs))
-    text = write_report(tagged).read_text()
     assert ("0 accidental second cold copies (cost, uniform 2 ms; tags of the measured "
-            "requests) | second copies 0, deliberate replicas 0 of 40 placed | **met**") in text
+            "requests) | second copies 0, deliberate replicas 0 of 40 placed | **met**"
+            ) in report("tagged")
     for r in recs:
         del r["placement"]
-    old = tmp_path / "untagged"
-    old.mkdir()
-    (old / "summary.json").write_text(json.dumps({"runs": [base, run]}))
-    (old / "requests.jsonl").write_text("\n".join(json.dumps(r) for r in base_recs + recs))
-    text = write_report(old).read_text()
     assert ("(cost, uniform 2 ms; router's counters, warm-ups included) | second copies 3, "
-            "deliberate replicas 0 of 44 placed | **missed**") in text
+            "deliberate replicas 0 of 44 placed | **missed**") in report("untagged")
