@@ -148,8 +148,9 @@ class LocalExecution(Execution):
     """A task awaiting this node's engine; its events land on an asyncio queue."""
 
     def __init__(self, node: Host, ctx: RequestContext, route: str, expected: int,
-                 emitted: tuple[int, ...] = ()) -> None:
+                 emitted: tuple[int, ...] = (), placement: str | None = None) -> None:
         self.node, self.ctx, self.route, self.expected_cached = node, ctx, route, expected
+        self.placement = placement  # None for a peer's forward: the sender placed it
         self.served_by = node.node_id
         self.cached_estimate = node.engine.match(ctx.prompt)
         self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()

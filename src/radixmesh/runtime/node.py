@@ -511,8 +511,8 @@ class NodeService:
         """Carry out ``ExecuteLocally`` (after a mid-stream death: continue after ``emitted``)."""
         if isinstance(action, Forward):  # the core never forwards after acceptance
             raise RuntimeError(f"request {ctx.rid}: a peer try after acceptance")
-        ex = LocalExecution(self, ctx, action.route, action.expected_cached, emitted)
-        ex.placement = action.placement
+        ex = LocalExecution(self, ctx, action.route, action.expected_cached, emitted,
+                            action.placement)
         return self._queued(ex, len(emitted))
 
     @contextlib.asynccontextmanager
