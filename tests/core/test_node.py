@@ -202,6 +202,36 @@ def test_cold_prefixes_spread_over_their_owners() -> None:
     assert peer.beat_s is not None and peer.beat_s > me.predicted_latency_s - 0.01
 
 
+@pytest.mark.parametrize("bound", [0.15, None])
+def test_a_busy_owner_is_passed_over_on_the_ring_by_every_entry_node(
+    bound: float | None,
+) -> None:
+    """Consistent hashing with bounded load: once a prefix's owner is busier than 1.15x the
+    mean utilization (here 1.3x, within the 1.5x ``load_bound``), a new prefix goes past it to the next
+    member clockwise, the same one from every entry node, the busy one included; what it
+    holds still goes to it. Without the bound (None) the busy owner keeps getting them."""
+    rng = random.Random(7)
+    router = RouterConfig(policy=Policy.COST, placement_load_bound=bound)
+    c = TwinCluster(4, router=router, seed=11)
+    c.run_for(2.0)
+    cold = [rng.getrandbits(64) for _ in range(20)]
+    owner = c.nodes["n1"].route(cold, 320, 0, 1, c.now)[0].node_id
+    for name in c.nodes:  # 2 s of service in the 10 s window each, the owner 3 s: 1.3x
+        for _ in range(30 if name == owner else 20):  # the mean, under the 1.5x load bound
+            c.deliver(name, RequestServed(320, 0, 0.09, 1, 0.01, 0.1))
+    c.run_for(1.0)  # the load spreads by gossip
+    heads = [c.nodes[n].route(cold, 320, 0, 1, c.now)[0] for n in sorted(c.nodes)]
+    assert len({h.node_id for h in heads}) == 1  # every entry node, the owner too, agrees
+    assert all(h.placement is Tag.FIRST for h in heads)
+    assert (heads[0].node_id != owner) is (bound is not None)
+    held = hashes_of(c, owner, rng, n=20)
+    c.run_for(1.0)
+    entry = next(n for n in sorted(c.nodes) if n != owner)
+    assert c.nodes[entry].route(held, 320, 0, 1, c.now)[0].node_id == owner  # its hit
+    with pytest.raises(ValueError, match="placement_load_bound"):
+        RouterConfig(placement_load_bound=-0.1)
+
+
 def test_cost_policy_offloads_to_an_idle_unmatched_peer_when_self_is_busy() -> None:
     rng = random.Random(4)
     c = warm_cluster(3, policy=Policy.COST, pushback=PushbackConfig(queue_threshold=1000))

@@ -108,7 +108,9 @@ from radixmesh.core.router import (
     RouteInput,
     Router,
     Tag,
+    mean_utilization,
     mesh_cost,
+    over_bound,
     predict_wait,
 )
 from radixmesh.core.summary import LocalSummary
@@ -694,7 +696,7 @@ class NodeCore:
         )
         load = self._key_rates.rate(key, now) * members * warm
         k = replicas_for(load, cfg.replica_load, members, cfg.max_replicas)
-        owners = self._ring.owners(key, k, lambda m: m == self.node_id or self.available(m, now))
+        owners = self._owners(key, k, nodes, now)
         present = {n.node_id for n in nodes}
         missing = [o for o in owners if o not in present]
         if len(missing) > ROUTE_TOP_K:  # a very hot prefix: a random few of its owners (entry
@@ -706,6 +708,31 @@ class NodeCore:
                 if info is not None:
                     nodes.append(info)
         return Placement(tuple(owners), held, self._key_rent.total(key, now)), key
+
+    def _owners(self, key: int, k: int, nodes: list[NodeInfo], now: float) -> list[str]:
+        """The key's first ``k`` owners clockwise among the available members, passing over
+        those busier than ``placement_load_bound`` allows (self included; the mean
+        utilization is that of ``nodes``, the candidates): consistent hashing with bounded
+        load. A busy member keeps what it holds; new prefixes go past it, to the same member
+        from every entry node whose view of the load agrees. The ring's arcs and the
+        prefixes' popularity are uneven (on the real cluster one node of four owned 30 % of
+        the ring and served 40 % of MMLU's requests, its first subjects' traffic alone)."""
+        def alive(m: str) -> bool:
+            return m == self.node_id or self.available(m, now)
+
+        cfg = self.config.router
+        known = {n.node_id: n for n in nodes}
+        mean = mean_utilization([n for n in nodes if n.available])
+
+        def room(m: str) -> bool:
+            if not alive(m):
+                return False
+            info = known.get(m) or self._info(m, 0, now)
+            return info is None or not over_bound(
+                info, mean, cfg.placement_load_bound, cfg.load_window_s
+            )
+
+        return self._ring.owners(key, k, room) or self._ring.owners(key, k, alive)
 
     def _shared_blocks(self, hashes: Sequence[int], mine: int) -> int:
         """Blocks of this request's prefix that every member holds (self exactly, peers in

@@ -42,12 +42,13 @@ Policies
                       pick the same peer) wins when it is predicted at most
                       ``placement_slack`` (75 %) slower than the best choice now, if that
                       choice would copy the prefix or holds less of the request (by more
-                      than the hysteresis is worth). An owner busier than
+                      than the hysteresis is worth). A member busier than
                       ``(1 + placement_load_bound)`` × the mean utilization (1.15×, tighter
-                      than ``load_bound``) is not sent a prefix it would copy: it keeps the
-                      prefixes it holds, and new ones go elsewhere (the ring's arcs and the
-                      prefixes' popularity are uneven: on the real cluster one node of four
-                      owned 30 % of the ring and served 40 % of MMLU's requests). A peer is
+                      than ``load_bound``) is passed over on the ring, self included:
+                      it keeps the prefixes it holds, and new ones go to the next member
+                      clockwise (consistent hashing with bounded load; the ring's arcs and
+                      the prefixes' popularity are uneven: on the real cluster one node of
+                      four owned 30 % of the ring and served 40 % of MMLU's requests). A peer is
                       preferred only if a later request entering elsewhere would gain at
                       least a round trip by using its copy (else nobody would be forwarded
                       to it: over a slow link every node keeping its own copy wins). So every
@@ -138,8 +139,8 @@ class RouterConfig:
     # ... and a prefix's owners and holders are preferred while predicted at most this much
     # slower than the best choice now (the copy they avoid would cost every later request)
     placement_slack: float = 0.75
-    # ... but an owner busier than (1+x) × the mean utilization is not sent a prefix it
-    # would copy, only what it holds (consistent hashing with bounded load; None: off)
+    # ... and a member busier than (1+x) × the mean utilization is passed over on the ring:
+    # no prefix gets it as a new owner (consistent hashing with bounded load; None: off)
     placement_load_bound: float | None = 0.15
     # cost: a hot prefix gets ceil(load / replica_load) owners (load: node-seconds of service
     # per second its requests need, estimated from this node's traffic), at most max_replicas
@@ -312,6 +313,21 @@ def mesh_cost(req: RouteInput, nodes: Sequence[NodeInfo], context_scale: float) 
     return out
 
 
+def mean_utilization(nodes: Sequence[NodeInfo]) -> float:
+    """The mean of the nodes' utilizations (0 for none): what bounded load compares to."""
+    return sum(n.utilization for n in nodes) / len(nodes) if nodes else 0.0
+
+
+def over_bound(node: NodeInfo, mean: float, bound: float | None, window_s: float) -> bool:
+    """Whether ``node`` is busier than ``(1 + bound)`` × the ``mean`` utilization (bounded
+    load; None: never), with a slack of one request's worth of busy time over the
+    utilization's window: with light traffic (a single node active) the mean is tiny, and a
+    node must still be able to take the next request."""
+    if bound is None or mean <= 0.0:
+        return False
+    return node.utilization > (1.0 + bound) * mean + node.speed.mean_service_s / window_s
+
+
 class Router:
     """Ranks candidates under one policy; holds only the round-robin cursor."""
 
@@ -405,7 +421,7 @@ class Router:
         keyed = [(c, n.queue_depth, rng.random(), n) for c, n in zip(costs, avail, strict=True)]
         keyed.sort(key=lambda k: (k[0], not k[3].is_self, k[1], k[2]))
         order = [k[3] for k in keyed]
-        overloaded = self._over_bound(avail, self.config.load_bound)
+        overloaded = self._over_bound(avail)
         mine = next(k for k in keyed if k[3].is_self)
         best = next((k for k in keyed if k[3].node_id not in overloaded), mine)
         if self._bypasses_bound(keyed[0], best):
@@ -418,8 +434,7 @@ class Router:
         bought = False
         if placement is not None:
             held = placement.held_tokens
-            crowded = self._over_bound(avail, self.config.placement_load_bound)
-            best = self._placed(req, keyed, best, preferred, overloaded, crowded, rng, held)
+            best = self._placed(req, keyed, best, preferred, overloaded, rng, held)
             # Ski rental: a forward to a holder rents its copy for one round trip; a copy here
             # costs, once, what staying costs more than the forward now. Rent until the round
             # trips spent on this prefix reach that price, then buy. Over a 4 ms link against
@@ -448,7 +463,6 @@ class Router:
         best: tuple[float, float, float, NodeInfo],
         preferred: set[str],
         overloaded: set[str],
-        crowded: set[str],
         rng: Random,
         held: int,
     ) -> tuple[float, float, float, NodeInfo]:
@@ -459,14 +473,12 @@ class Router:
         only a candidate holding more of the request than ``best``, by more than the
         hysteresis is worth, has one to avoid (a conversation whose newer turns a peer holds
         must not stay on the node that holds its first ones: the chat workload re-prefilled
-        its history on the stale holder). Candidates over the load bound (``overloaded``) are
-        not preferred, nor ones over the placement bound (``crowded``) that would copy it."""
+        its history on the stale holder). Candidates over the load bound are not preferred."""
         cfg = self.config
         copies = best[3].cached_tokens < held  # serving at ``best`` copies the prefix
         pref = [
             k for k in keyed
             if k[3].node_id in preferred and k[3].node_id not in overloaded
-            and not (k[3].node_id in crowded and k[3].cached_tokens < held)
             and (k is best or copies or self._holds_more(req, k[3], best[3]))
         ]
         if not pref:
@@ -530,23 +542,13 @@ class Router:
             and top[0] < (1.0 - cfg.load_bound_bypass) * best[0]
         )
 
-    def _over_bound(self, avail: list[NodeInfo], bound: float | None) -> set[str]:
-        """Peers whose utilization exceeds ``(1 + bound)`` × the mean (bounded load:
-        ``load_bound`` for any forward, ``placement_load_bound`` for a prefix to copy)."""
-        if bound is None or len(avail) < 2:
+    def _over_bound(self, avail: list[NodeInfo]) -> set[str]:
+        """Peers whose utilization exceeds ``(1 + load_bound)`` × the mean (bounded load)."""
+        if len(avail) < 2:
             return set()
-        mean = sum(n.utilization for n in avail) / len(avail)
-        if mean <= 0.0:
-            return set()
-        limit = (1.0 + bound) * mean
-        window = self.config.load_window_s
-        # Slack of one request's worth of busy time: with light traffic (a single node active)
-        # the mean is tiny, and a node must still be able to take the next request.
-        return {
-            n.node_id
-            for n in avail
-            if not n.is_self and n.utilization > limit + n.speed.mean_service_s / window
-        }
+        mean = mean_utilization(avail)
+        bound, window = self.config.load_bound, self.config.load_window_s
+        return {n.node_id for n in avail if not n.is_self and over_bound(n, mean, bound, window)}
 
     def _round_robin(self, avail: list[NodeInfo]) -> list[NodeInfo]:
         ordered = sorted(avail, key=lambda n: n.node_id)
