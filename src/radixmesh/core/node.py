@@ -716,7 +716,7 @@ class NodeCore:
         load. A busy member keeps what it holds; new prefixes go past it, to the same member
         from every entry node whose view of the load agrees. The ring's arcs and the
         prefixes' popularity are uneven (on the real cluster one node of four owned 30 % of
-        the ring and served 40 % of MMLU's requests, its first subjects' traffic alone)."""
+        the ring and served 40 % of MMLU's requests, every subject where it was first put)."""
         def alive(m: str) -> bool:
             return m == self.node_id or self.available(m, now)
 

@@ -18,11 +18,16 @@ it can route to — and sends cold requests there when that costs little now::
             the task)
     ring  = 64 points per member (self and every routable peer; fewer above 64 members, at
             most 4,096 in all), sorted
-    owner = the first *available* member clockwise from the key (at most 8 steps)
+    owner = the first *available* member clockwise from the key (at most 8 steps) that is
+            not busier than ``(1 + placement_load_bound)`` × the mean utilization of the
+            candidates (consistent hashing with bounded load; ``NodeCore._owners``); if
+            every one is, the first available one
 
 Every node's ring holds the members it believes alive, so two nodes agree on the owner as long
 as their views of membership agree (they converge by gossip); a node that disagrees costs a
-second cold copy, never a wrong answer. Different prefixes spread evenly over members.
+second cold copy, never a wrong answer. Different prefixes spread evenly over members, and
+the bound keeps a member whose prefixes turned out popular from also collecting the new ones
+(a busy member keeps what it holds: the bound decides only who makes a copy not yet made).
 
 Hot prefixes: one owner cannot serve a prefix whose traffic exceeds its capacity, so the
 *owner set* of a key is the first ``k`` available members clockwise (:meth:`Ring.owners`),
