@@ -207,9 +207,9 @@ def test_a_busy_owner_is_passed_over_on_the_ring_by_every_entry_node(
     bound: float | None,
 ) -> None:
     """Consistent hashing with bounded load: once a prefix's owner is busier than 1.15x the
-    mean utilization (here 1.3x, within the 1.5x ``load_bound``), a new prefix goes past it to the next
-    member clockwise, the same one from every entry node, the busy one included; what it
-    holds still goes to it. Without the bound (None) the busy owner keeps getting them."""
+    mean utilization (here 1.3x, within the 1.5x ``load_bound``), a new prefix goes past it
+    to the next member clockwise, the same one from every entry node, the busy one included;
+    what it holds still goes to it. Without the bound (None) the busy owner keeps them."""
     rng = random.Random(7)
     router = RouterConfig(policy=Policy.COST, placement_load_bound=bound)
     c = TwinCluster(4, router=router, seed=11)
