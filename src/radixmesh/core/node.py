@@ -721,16 +721,17 @@ class NodeCore:
             return m == self.node_id or self.available(m, now)
 
         cfg = self.config.router
-        known = {n.node_id: n for n in nodes}
+        bound = cfg.placement_load_bound
         mean = mean_utilization([n for n in nodes if n.available])
+        if bound is None or mean <= 0.0:  # nobody can be over the bound: the plain walk
+            return self._ring.owners(key, k, alive)
+        known = {n.node_id: n for n in nodes}
 
         def room(m: str) -> bool:
             if not alive(m):
                 return False
             info = known.get(m) or self._info(m, 0, now)
-            return info is None or not over_bound(
-                info, mean, cfg.placement_load_bound, cfg.load_window_s
-            )
+            return info is None or not over_bound(info, mean, bound, cfg.load_window_s)
 
         return self._ring.owners(key, k, room) or self._ring.owners(key, k, alive)
 
