@@ -20,9 +20,11 @@ from radixmesh.core.router import (
     RouterConfig,
     Tag,
     mesh_cost,
+    over_bound,
     predict_latency,
     predict_service,
     predict_wait,
+    request_slack,
 )
 
 SPEED = SpeedReport(0.004, 8e-5, 0.007, 0.05)
@@ -285,6 +287,9 @@ def test_cost_bounded_load_ignores_utilization_when_all_idle() -> None:
     one_request = SPEED.mean_service_s / window
     light = NodeInfo("warm", False, 1200, 0.001, 0, SPEED, utilization=one_request)
     assert light.utilization > (1 + 0.5) * one_request / 2  # over the bound without the slack
+    assert request_slack(light, window) == pytest.approx(one_request)
+    assert not over_bound(light, one_request / 2, 0.5, request_slack(light, window))
+    assert over_bound(light, one_request / 2, 0.5)  # placement's walk: no slack
     assert rank(Policy.COST, req, [me(0), light])[0] == "warm"
     busy = NodeInfo("warm", False, 1200, 0.001, 0, SPEED, utilization=5 * one_request)
     assert rank(Policy.COST, req, [me(0), busy])[0] == "self"

@@ -713,8 +713,9 @@ class NodeCore:
         """The key's first ``k`` owners clockwise among the available members, passing over
         those busier than ``placement_load_bound`` allows (self included; the mean
         utilization is that of ``nodes``, the candidates): consistent hashing with bounded
-        load. A busy member keeps what it holds; new prefixes go past it, to the same member
-        from every entry node whose view of the load agrees. The ring's arcs and the
+        load, without the forward bound's slack. A busy member keeps what it holds; new
+        prefixes go past it, to the same member from every entry node whose view of the load
+        agrees. The ring's arcs and the
         prefixes' popularity are uneven (on the real cluster one node of four owned 30 % of
         the ring and served 40 % of MMLU's requests, every subject where it was first put)."""
         def alive(m: str) -> bool:
@@ -731,7 +732,7 @@ class NodeCore:
             if not alive(m):
                 return False
             info = known.get(m) or self._info(m, 0, now)
-            return info is None or not over_bound(info, mean, bound, cfg.load_window_s)
+            return info is None or not over_bound(info, mean, bound)  # no slack (request_slack)
 
         return self._ring.owners(key, k, room) or self._ring.owners(key, k, alive)
 

@@ -318,14 +318,21 @@ def mean_utilization(nodes: Sequence[NodeInfo]) -> float:
     return sum(n.utilization for n in nodes) / len(nodes) if nodes else 0.0
 
 
-def over_bound(node: NodeInfo, mean: float, bound: float | None, window_s: float) -> bool:
-    """Whether ``node`` is busier than ``(1 + bound)`` × the ``mean`` utilization (bounded
-    load; None: never), with a slack of one request's worth of busy time over the
-    utilization's window: with light traffic (a single node active) the mean is tiny, and a
-    node must still be able to take the next request."""
+def over_bound(node: NodeInfo, mean: float, bound: float | None, slack: float = 0.0) -> bool:
+    """Whether ``node`` is busier than ``(1 + bound)`` × the ``mean`` utilization plus
+    ``slack`` (bounded load; None: never)."""
     if bound is None or mean <= 0.0:
         return False
-    return node.utilization > (1.0 + bound) * mean + node.speed.mean_service_s / window_s
+    return node.utilization > (1.0 + bound) * mean + slack
+
+
+def request_slack(node: NodeInfo, window_s: float) -> float:
+    """One request's worth of ``node``'s busy time over the utilization's window: the slack
+    a *forward* bound needs, since with light traffic (a single node active) the mean is
+    tiny and a node must still be able to take the next request. Placement takes none: it
+    only names who makes a copy not yet made, and at low load the slack is as large as the
+    differences it must see (one request in a 10 s window against utilizations near 1/16)."""
+    return node.speed.mean_service_s / window_s
 
 
 class Router:
@@ -548,7 +555,10 @@ class Router:
             return set()
         mean = mean_utilization(avail)
         bound, window = self.config.load_bound, self.config.load_window_s
-        return {n.node_id for n in avail if not n.is_self and over_bound(n, mean, bound, window)}
+        return {
+            n.node_id for n in avail
+            if not n.is_self and over_bound(n, mean, bound, request_slack(n, window))
+        }
 
     def _round_robin(self, avail: list[NodeInfo]) -> list[NodeInfo]:
         ordered = sorted(avail, key=lambda n: n.node_id)
