@@ -33,7 +33,7 @@ from radixmesh.core.events import (
     Tick,
 )
 from radixmesh.core.node import NodeCore, admission, token_cap
-from radixmesh.core.router import Policy, RouterConfig, Tag
+from radixmesh.core.router import Policy, RouteInput, RouterConfig, Tag
 from radixmesh.testing import LinkConfig, TwinCluster
 
 FP = Fingerprint("test-model", "bytes", 16)
@@ -475,6 +475,36 @@ def test_rent_spent_forwarding_to_a_holder_buys_a_local_copy_in_the_end() -> Non
             assert head.placement is Tag.LOCAL_COPY
             break
     assert heads[0] == "n2" and heads[-1] == "n0" and len(heads) > 10
+
+
+def test_a_held_prefix_is_replicated_for_its_load_not_for_a_few_requests() -> None:
+    """Replicas are sized by the prefix's load: its rate here less one standard deviation of
+    the count, times the members, times the service of a request that finds what the best
+    holder holds cached (not only the placement key's blocks: that priced a hit as a cold
+    prefill and made modest prefixes look hot). A few requests in a window keep one owner;
+    a real flood gets more."""
+    rng = random.Random(9)
+    c = warm_cluster(3, policy=Policy.COST)
+    chain = hashes_of(c, "n2", rng, n=200)  # n2 holds a 3,200-token prefix
+    c.run_for(1.0)
+    n0 = c.nodes["n0"]
+    cfg = n0.config.router
+    req = RouteInput(3200, 1)
+
+    def owners(requests: int) -> int:
+        placed = None
+        for _ in range(requests):
+            nodes = [n0._self_info(0, c.now), *n0._peer_infos(chain, 3200, Policy.COST, c.now)]
+            placed = n0._placement(chain, req, nodes, c.now, observe=True)
+            c.run_for(0.01)
+        assert placed is not None
+        return len(placed[0].owners)
+
+    few = 12  # in 0.12 s: 12 a window here, 36 across the mesh
+    cold = n0._self_info(0, c.now).speed.service_s(3200, 0, 1, cfg.context_scale)
+    assert few * 3 / cfg.replica_window_s * cold > cfg.replica_load  # hot if priced cold
+    assert owners(few) == 1
+    assert owners(3000) > 1  # a flood: more than one owner
 
 
 def test_a_speed_nothing_refreshed_for_a_load_window_restarts_from_the_peers_median() -> None:

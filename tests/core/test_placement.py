@@ -135,6 +135,13 @@ def test_key_rates_follow_the_traffic_and_forget_a_cold_prefix() -> None:
     assert rates.rate(2, now) == pytest.approx(5.0, rel=0.1)
     assert rates.rate(3, now) == 0.0
     assert rates.rate(1, now + 60.0) < 0.1  # cooled: the owner set shrinks back
+    # sized by the rate less one standard deviation of the count: a prefix seen once is no
+    # evidence of a hot one; a steady 20/s (200 per window) loses about 7 %
+    assert rates.confident_rate(3, now) == 0.0
+    once = KeyRates(window_s=10.0)
+    once.add(9, 0.0)
+    assert once.confident_rate(9, 0.0) == 0.0 and once.rate(9, 0.0) == pytest.approx(0.1)
+    assert 20.0 * 0.9 < rates.confident_rate(1, now) < rates.rate(1, now)
     small = KeyRates(window_s=1.0, max_keys=8)
     for key in range(20):
         small.add(key, float(key))

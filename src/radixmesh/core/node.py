@@ -689,12 +689,15 @@ class NodeCore:
         held = depth * block
         self._update_ring(now)
         members = len(self._ring)
-        # a warm request's service here: what one replica spends on each of the key's requests
+        # a warm request's service here: what one replica spends on each of the key's
+        # requests, with what its best holder holds of this one cached (not just the key's
+        # blocks: an MMLU prompt past its subject's key is a cold prefill's worth, and
+        # priced so every subject looked 5x as hot as it was)
+        reused = min(max(held, *(n.cached_tokens for n in nodes)), req.prompt_tokens - 1)
         warm = nodes[0].speed.service_s(
-            max(req.prompt_tokens - held, 1), min(held, req.prompt_tokens - 1),
-            req.max_tokens, cfg.context_scale,
+            max(req.prompt_tokens - reused, 1), reused, req.max_tokens, cfg.context_scale,
         )
-        load = self._key_rates.rate(key, now) * members * warm
+        load = self._key_rates.confident_rate(key, now) * members * warm
         k = replicas_for(load, cfg.replica_load, members, cfg.max_replicas)
         owners = self._owners(key, k, nodes, now)
         present = {n.node_id for n in nodes}
