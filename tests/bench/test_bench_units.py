@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from radixmesh.bench.oracle import UNKNOWN, CacheMirror, fed_output, output_ids
+from radixmesh.bench.oracle import UNKNOWN, CacheMirror, Oracle, fed_output, output_ids
 from radixmesh.bench.prompts import PromptTooLong, make_admit, prompt_ids
 from radixmesh.bench.replay import Replay, _open_loop, arrival_times, mode_of
 from radixmesh.bench.runner import RunResult, batches
@@ -344,3 +344,23 @@ def test_a_gateway_whose_port_was_taken_meanwhile_starts_again_on_fresh_ports() 
     with pytest.raises(RuntimeError, match="bad flag") as info:
         Broken(["http://127.0.0.1:1"], startup_timeout_s=20)
     assert not isinstance(info.value, sglang.PortTaken) and len(Fake.ports) == 1
+
+
+def test_the_oracle_restarts_a_stale_speed_from_the_nodes_that_served() -> None:
+    """The oracle applies the nodes' stale-speed rule: a node whose warm-up looked slow is
+    not left out for good (every cold prompt went to the one that looked fastest, and the
+    others' estimates never changed). Once its estimate is a load window old it restarts
+    from the median of the nodes that served within the window, and cold prompts spread."""
+    now = [0.0]
+    oracle = Oracle(["n0", "n1"], 20_000, 16, 0.002, seed=1, clock=lambda: now[0])
+    prompt = list(range(1000))
+    for node, service in ((0, 5.0), (1, 0.1)):  # warm-ups: n0 looked 50x slower
+        oracle.finished(node, oracle.started(node, [7] * 40, 1), 40, None, service)
+    assert oracle.choose(prompt, 1, entry=0)[0] == 1  # a cold prompt leaves n0
+    window = oracle.router.config.load_window_s
+    for step in range(1, 4):  # n1 keeps serving, n0 nothing
+        now[0] = step * window / 2
+        oracle.finished(1, oracle.started(1, prompt, 1), len(prompt), None, 0.1)
+    assert oracle.speed_restarts == 0  # checked when the oracle next chooses
+    assert oracle.choose(prompt, 1, entry=0)[0] == 0  # n0 is as fast as n1 now: it stays
+    assert oracle.speed_restarts == 1

@@ -37,7 +37,8 @@ number of tokens is mirrored as unknown tokens.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from radixmesh.core.byte_tokenizer import ByteTokenizer
@@ -108,6 +109,7 @@ class Oracle:
         comm_delay_s: float,
         seed: int,
         max_context: int = 4096,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.node_ids = list(node_ids)
         self.mirrors = [CacheMirror(budget_tokens, block_size, max_context) for _ in node_ids]
@@ -118,9 +120,27 @@ class Oracle:
         self.router = Router(RouterConfig(policy=Policy.COST))
         self.rng = random.Random(seed)
         self.mismatches = 0
+        self.clock = clock
+        self.refreshed = [clock() for _ in node_ids]  # when each node's speed last changed
+        self.speed_restarts = 0
+
+    def _refresh_stale_speeds(self) -> None:
+        """The nodes' rule (``NodeCore._refresh_stale_speed``): a node's speed no request
+        refreshed for a load window, with nothing in flight there, restarts from the median
+        of the nodes that served within it. Without it the oracle sent every request of a
+        run to the node whose warm-up looked fastest (the others' estimates never changed
+        again): 100 % on one node, and under memory pressure `none`'s latency."""
+        now, window = self.clock(), self.router.config.load_window_s
+        fresh = [m.report() for m, t in zip(self.models, self.refreshed, strict=True)
+                 if now - t < window]
+        for i, model in enumerate(self.models):
+            if self.inflight[i] == 0 and now - self.refreshed[i] >= window:
+                self.refreshed[i] = now  # (checked again a window later)
+                self.speed_restarts += model.restart_from(fresh)
 
     def choose(self, prompt: Sequence[int], max_tokens: int, entry: int) -> tuple[int, int]:
         """(node index, predicted cached tokens) for a request entering at ``entry``."""
+        self._refresh_stale_speeds()
         infos = [
             NodeInfo(
                 node_id=nid,
@@ -155,6 +175,7 @@ class Oracle:
         if service_s is not None and service_s > 0:
             self.models[node].observe_prefill(prompt_len - lease.cached, lease.cached, service_s)
             self.models[node].observe_service(service_s)
+            self.refreshed[node] = self.clock()
 
     def check(self, predicted: int, actual: int | None) -> None:
         if actual is not None and actual != predicted:

@@ -146,6 +146,16 @@ class ComputeModel:
         if seconds >= 0:
             self._service.observe(seconds)
 
+    def restart_from(self, fresh: Sequence[SpeedReport]) -> bool:
+        """An estimate gone stale (nothing served for a load window) starts again from the
+        median of ``fresh``, the speeds of peers that served lately; False (kept) when there
+        are none (an idle mesh: nobody has a fresher one). Without it a node that learnt a
+        slow speed at a busy moment is sent nothing and never measures again."""
+        if not fresh:
+            return False
+        self.adopt(median_speed(fresh))
+        return True
+
     def adopt(self, speed: SpeedReport) -> None:
         """Start again from ``speed`` (the mesh's median, when this node's own estimate has
         gone stale): the next observations weigh as much as after a fresh start."""

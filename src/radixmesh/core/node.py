@@ -71,7 +71,6 @@ from radixmesh.core.estimators import (
     SpeedReport,
     Utilization,
     WaitError,
-    median_speed,
 )
 from radixmesh.core.events import (
     AcceptForward,
@@ -573,8 +572,7 @@ class NodeCore:
                 fresh.append(est.speed)
                 if len(fresh) >= SPEED_SAMPLE:
                     break
-        if fresh:  # (an idle mesh keeps its estimates: nobody has a fresher one)
-            self._compute.adopt(median_speed(fresh))
+        if self._compute.restart_from(fresh):
             self._load_cache = None
             self._count("speed_adopted")
 
