@@ -131,12 +131,15 @@ class Oracle:
         run to the node whose warm-up looked fastest (the others' estimates never changed
         again): 100 % on one node, and under memory pressure `none`'s latency."""
         now, window = self.clock(), self.router.config.load_window_s
+        stale = [i for i, t in enumerate(self.refreshed)
+                 if self.inflight[i] == 0 and now - t >= window]
+        if not stale:  # the usual case: nothing to compute per request
+            return
         fresh = [m.report() for m, t in zip(self.models, self.refreshed, strict=True)
                  if now - t < window]
-        for i, model in enumerate(self.models):
-            if self.inflight[i] == 0 and now - self.refreshed[i] >= window:
-                self.refreshed[i] = now  # (checked again a window later)
-                self.speed_restarts += model.restart_from(fresh)
+        for i in stale:
+            self.refreshed[i] = now  # (checked again a window later)
+            self.speed_restarts += self.models[i].restart_from(fresh)
 
     def choose(self, prompt: Sequence[int], max_tokens: int, entry: int) -> tuple[int, int]:
         """(node index, predicted cached tokens) for a request entering at ``entry``."""

@@ -716,9 +716,9 @@ class NodeCore:
         utilization is that of ``nodes``, the candidates): consistent hashing with bounded
         load, without the forward bound's slack. A busy member keeps what it holds; new
         prefixes go past it, to the same member from every entry node whose view of the load
-        agrees. The ring's arcs and the
-        prefixes' popularity are uneven (on the real cluster one node of four owned 30 % of
-        the ring and served 40 % of MMLU's requests, every subject where it was first put)."""
+        agrees. The ring's arcs and the prefixes' popularity are uneven (on the real cluster
+        one node of four owned 30 % of the ring and served 40 % of MMLU's requests, every
+        subject where it was first put)."""
         def alive(m: str) -> bool:
             return m == self.node_id or self.available(m, now)
 
