@@ -22,18 +22,24 @@ from pathlib import Path
 from typing import Any
 
 from radixmesh.core.config import GossipConfig
-from radixmesh.core.router import Policy, RouterConfig
+from radixmesh.core.router import RouterConfig
 from radixmesh.core.units import parse_duration, parse_optional_duration
 from radixmesh.sim import costs
 from radixmesh.sim.runner import RunResult
-from radixmesh.sim.sweep import AUTO_EPIDEMIC_ABOVE, split_csv, sweep_point
+from radixmesh.sim.sweep import AUTO_EPIDEMIC_ABOVE, parse_policies, split_csv, sweep_point
 from radixmesh.workload.schedule import Entry
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cluster")
     g.add_argument("--nodes", default="4", help="node count(s), comma-separated (default 4)")
-    g.add_argument("--policy", default="cost", help="routing policies, comma-separated")
+    g.add_argument(
+        "--policy",
+        default="cost",
+        help="routing policies, comma-separated: none, paper, cost, random, round_robin, "
+        "least_loaded, or cache_aware (a centralized gateway with sglang-router's and SMG's "
+        "policy in front of none nodes)",
+    )
     g.add_argument(
         "--cost-model",
         default="cpu-tiny",
@@ -217,7 +223,7 @@ def _run_validate(args: argparse.Namespace) -> int:
 
 def _run_sweep(args: argparse.Namespace) -> int:
     cost = costs.resolve(args.cost_model)
-    policies = [Policy.parse(p) for p in split_csv(args.policy)]
+    policies = parse_policies(args.policy)
     node_counts = [int(n) for n in split_csv(args.nodes)]
     delays = [parse_duration(d) for d in split_csv(args.comm_delay)]
     skews = _parse_skews(args.skew)

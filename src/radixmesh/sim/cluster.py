@@ -69,10 +69,11 @@ from radixmesh.core.events import (
     Tick,
 )
 from radixmesh.core.node import NodeCore
-from radixmesh.core.router import DELIBERATE, RouterConfig
+from radixmesh.core.router import DELIBERATE, Policy, RouterConfig
 from radixmesh.sim.clock import EventLoop
 from radixmesh.sim.costs import CostModel
 from radixmesh.sim.engine import SimEngine, SimRun
+from radixmesh.sim.gateway import CACHE_AWARE, CacheAwareGateway, GatewayConfig
 from radixmesh.sim.network import Network, NetworkConfig
 from radixmesh.workload.request import Request
 
@@ -97,12 +98,22 @@ class ClusterConfig:
     tokenizer: str = "bytes"
     service_noise: float = 0.0  # sigma of a mean-1 log-normal factor on each request's time
     tuned_priors: bool = False  # router priors from the cost model (else the runtime defaults)
+    # a centralized cache_aware gateway in front of the nodes (``sim/gateway.py``): every
+    # request goes through it; the nodes must not route (policy none)
+    gateway: GatewayConfig | None = None
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
             raise ValueError("nodes must be >= 1")
         if self.cache_tokens < 1 or self.block_size < 1 or self.seeds < 1:
             raise ValueError("cache_tokens, block_size and seeds must be >= 1")
+        if self.gateway is not None and self.router.policy is not Policy.NONE:
+            raise ValueError("the nodes behind a gateway run policy none")
+
+    @property
+    def policy_name(self) -> str:
+        """The run's policy: the nodes' router policy, or ``cache_aware`` for a gateway."""
+        return CACHE_AWARE if self.gateway is not None else self.router.policy.value
 
     def priors(self) -> CostPriors:
         """The default priors (what ``radixmesh serve`` runs with), or, with ``tuned_priors``,
@@ -145,6 +156,7 @@ class Flight:
     service_s: float = 0.0
     t_done: float = -1.0
     error: str | None = None
+    via_gateway: bool = False  # sent through the gateway, which chose ``entry`` (counted there)
 
     def current(self, attempt: int) -> bool:
         """Whether a callback made for try ``attempt`` still matters."""
@@ -243,6 +255,10 @@ class SimCluster:
         self.holders: dict[int, int] = {}  # block hash -> up nodes whose engine caches it
         depth = config.router.placement_depth_blocks
         self.key_depth = 16 if depth is None else depth  # blocks: the prefix copies are of
+        self.gateway = (
+            None if config.gateway is None
+            else CacheAwareGateway(config.nodes, config.gateway, config.block_size)
+        )
 
     # ------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -393,16 +409,41 @@ class SimCluster:
 
     # ------------------------------------------------------------------------- requests
     def submit(self, index: int, req: Request, tokens: list[int], entry: int) -> Flight:
-        """A client sends ``req`` (already tokenized) to node ``entry`` now."""
+        """A client sends ``req`` (already tokenized) to node ``entry`` now (or, with a
+        gateway, to the gateway, which picks the node)."""
         hashes = tuple(block_hashes(tokens, self.config.block_size, self.hash_seed))
+        if self.gateway is not None:
+            return self._through_gateway(self.gateway, index, req, tokens, hashes)
         flight = Flight(index, req, entry, tokens, hashes, self.loop.now)
-        node = self.nodes[entry]
+        self._arrive(flight)
+        return flight
+
+    def _arrive(self, flight: Flight) -> None:
+        """The request reaches its entry node (from the client, or from the gateway)."""
+        node = self.nodes[flight.entry]
         if not node.up or node.core is None or node.engine is None:
             self._fail_client(flight, "entry node down")
+            return
+        self.active[flight.index] = flight
+        local = _cached_prefix(node.engine, flight.tokens)
+        n, max_tokens = len(flight.tokens), flight.req.max_tokens
+        self.feed(node, RequestArrived(flight.index, flight.hashes, n, local, max_tokens))
+
+    def _through_gateway(
+        self, gateway: CacheAwareGateway, index: int, req: Request, tokens: list[int],
+        hashes: tuple[int, ...],
+    ) -> Flight:
+        """The gateway picks a node; the request crosses one link to it (a mesh forward's
+        one-way delay and half its hop overhead), and its answer crosses back (``_answer``)."""
+        now = self.loop.now
+        chosen = gateway.choose(tokens, [n.up for n in self.nodes], now)
+        flight = Flight(index, req, chosen or 0, tokens, hashes, now, via_gateway=True)
+        if chosen is None:
+            flight.via_gateway = False  # (not counted by the gateway)
+            self._fail_client(flight, "no worker up")
             return flight
-        self.active[index] = flight
-        local = _cached_prefix(node.engine, tokens)
-        self.feed(node, RequestArrived(index, hashes, len(tokens), local, req.max_tokens))
+        hop = self.net.delay(chosen, chosen) + self.config.cost.forward_overhead_s / 2
+        self.loop.at(now + hop, self._arrive, flight)
         return flight
 
     def _execute_locally(self, flight: Flight, action: ExecuteLocally) -> None:
@@ -596,7 +637,11 @@ class SimCluster:
         if node.idx == flight.entry:
             self._served(flight, node, run, queue_s)
             self.feed(node, RequestDone(flight.index))
-            self._complete(flight)
+            if not flight.via_gateway:
+                self._complete(flight)
+                return
+            back = self.net.delay(node.idx, node.idx) + self.config.cost.forward_overhead_s / 2
+            self.loop.at(now + back, self._back_through_gateway, flight)
             return
         if self.net.partitioned(node.idx, flight.entry, now):  # heartbeats stopped: timeout
             self._fail_after(self.config.forward.silence_timeout_s, flight, node, "timeout")
@@ -623,9 +668,15 @@ class SimCluster:
         )
         self._complete(flight)
 
+    def _back_through_gateway(self, flight: Flight) -> None:
+        if flight.t_done < 0 and flight.error is None:
+            self._complete(flight)
+
     def _complete(self, flight: Flight) -> None:
         flight.t_done = self.loop.now
         self.active.pop(flight.index, None)
+        if flight.via_gateway and self.gateway is not None:
+            self.gateway.finished(flight.entry)
         self.on_complete(flight)
 
     def _fail_client(self, flight: Flight, reason: str) -> None:

@@ -48,6 +48,7 @@ from radixmesh.sim.runner import RunSpec
 from radixmesh.sim.runner import run as run_sim
 from radixmesh.sim.sweep import (
     mean_prompt_tokens,
+    parse_policies,
     requests_for,
     split_csv,
     sweep_point,
@@ -386,7 +387,7 @@ def _crossing(ratios: dict[float, float]) -> float | None:
 def _sweep(args: argparse.Namespace, log: Log, **override: Any) -> list[dict[str, Any]]:
     """The ordinary ``radixmesh sim`` sweep at each N, requests scaled with N."""
     cost = costs.resolve(args.cost_model)
-    policies = [Policy.parse(p) for p in split_csv(args.policy)]
+    policies = parse_policies(args.policy)
     delays = [parse_duration(d) for d in split_csv(args.comm_delay)]
     many = {"nodes": True, "delay": len(delays) > 1, "interval": False, "skew": True}
     rows = []

@@ -135,7 +135,7 @@ class _Driver:
         ok = f.error is None
         return Record(
             run=self.spec.name,
-            policy=self.spec.cluster.router.policy.value,
+            policy=self.spec.cluster.policy_name,
             seq=f.index,
             id=f.req.id,
             group=f.req.group,
@@ -223,7 +223,7 @@ def _summary(
     c = spec.cluster
     out: dict[str, Any] = {
         "name": spec.name,
-        "policy": c.router.policy.value,
+        "policy": c.policy_name,
         "nodes": c.nodes,
         "workload": spec.workload,
         "skew": spec.skew,
@@ -265,6 +265,18 @@ def _sim_figures(
         "events_per_s": cluster.loop.events / wall if wall > 0 else None,
         "logs": dict(cluster.counters.logs),
         **_view_sizes(cluster),
+        **_gateway_figures(cluster),
+    }
+
+
+def _gateway_figures(cluster: SimCluster) -> dict[str, Any]:
+    """With a gateway: how many of its choices were made by load alone (imbalanced)."""
+    gw = cluster.gateway
+    if gw is None:
+        return {}
+    return {
+        "gateway_balanced_choices": gw.balanced_choices,
+        "gateway_imbalanced_choices": gw.imbalanced_choices,
     }
 
 

@@ -22,6 +22,7 @@ from radixmesh.core.router import Policy, RouterConfig
 from radixmesh.core.units import parse_duration
 from radixmesh.sim import costs
 from radixmesh.sim.cluster import ClusterConfig
+from radixmesh.sim.gateway import CACHE_AWARE, GatewayConfig
 from radixmesh.sim.network import (
     NetworkConfig,
     parse_fault,
@@ -153,10 +154,20 @@ def _label(
     return "/".join(parts)
 
 
+def parse_policies(text: str) -> list[str]:
+    """``--policy``: the routers' policies and ``cache_aware`` (a centralized gateway in
+    front of ``none`` nodes, ``sim/gateway.py``), comma-separated, checked."""
+    names = split_csv(text)
+    for name in names:
+        if name != CACHE_AWARE:
+            Policy.parse(name)  # (raises with the choices)
+    return names
+
+
 def sweep_point(
     args: argparse.Namespace,
     cost: costs.CostModel,
-    policies: list[Policy],
+    policies: list[str],
     nodes: int,
     delays: list[float],
     skew: str,
@@ -168,7 +179,7 @@ def sweep_point(
     requests, rate = _arrivals(args, cost, nodes, skew, tokenize)
     results = []
     for delay, interval, policy in itertools.product(delays, intervals, policies):
-        name = _label(policy.value, nodes, delay, interval, skew, many)
+        name = _label(policy, nodes, delay, interval, skew, many)
         cluster = _cluster_config(args, cost, policy, nodes, delay, interval, mode, tok_fp)
         spec = _run_spec(args, name, cluster, skew)
         if not args.quiet:
@@ -202,18 +213,20 @@ def _arrivals(
 def _cluster_config(
     args: argparse.Namespace,
     cost: costs.CostModel,
-    policy: Policy,
+    policy: str,
     nodes: int,
     delay: float,
     interval: float,
     mode: GossipMode,
     tok_fp: str,
 ) -> ClusterConfig:
+    gateway = GatewayConfig() if policy == CACHE_AWARE else None
     return ClusterConfig(
         nodes=nodes,
         cost=cost,
+        gateway=gateway,
         router=RouterConfig(
-            policy=policy,
+            policy=Policy.NONE if gateway is not None else Policy.parse(policy),
             context_scale=cost.context_scale if args.tuned_priors else 4096.0,
             load_bound=None if args.load_bound < 0 else args.load_bound,
         ),

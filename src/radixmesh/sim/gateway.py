@@ -1,0 +1,115 @@
+"""A centralized gateway for the simulator: the ``cache_aware`` policy of sglang-router / SMG.
+
+Theory of operation
+-------------------
+The real-cluster benchmark compares the mesh with two centralized gateways (sglang-router
+0.3.2 and SMG 1.13, ``--policy cache_aware``) in front of nodes that do not route. Those are
+Rust processes and cannot run on a virtual clock, so the simulator carries a model of their
+policy, to compare the mesh with a central router deterministically and at any size
+(``radixmesh sim --policy cache_aware``). Their documented algorithm (both gateways' source,
+the same in both; read Dec 2026):
+
+* **Load** is the number of requests the gateway has sent to a worker and not yet seen
+  answered (it counts them itself; it does not ask the worker).
+* The system is **imbalanced** when ``max - min > balance_abs`` *and*
+  ``max > balance_rel × min`` over the workers' loads; then the request goes to the least
+  loaded worker, whatever its cache.
+* Otherwise, **cache affinity**: the gateway keeps one approximate prefix tree per worker of
+  every prompt it sent there (inserted when it routes, before the worker has computed
+  anything; never told of the worker's evictions). The worker with the longest match gets the
+  request if the match covers more than ``cache_threshold`` of the prompt, else the worker
+  whose tree is smallest ("the most cache capacity left").
+* Either way the prompt is inserted into the chosen worker's tree.
+
+Differences from the real gateways, on purpose or by necessity:
+
+* The trees hold token ids (the simulator has no text); the HTTP gateways match characters.
+  The match fraction is compared with the threshold all the same.
+* Ties (equal match, equal load, equal tree size) go to the lower-numbered worker; the
+  gateways' trees pick the first tenant they find. A longest-match tie goes to the less
+  loaded worker first (SMG's event-driven mode does that; the approximate tree does not say).
+* Eviction: the gateways trim each worker's tree to ``max_tree_size`` every 60 s, least
+  recently used first; here a tree is trimmed to ``max_tree_tokens`` at insertion. At the
+  default (2^24 tokens) no simulated run reaches it, as no benchmark run reaches theirs.
+* The gateway itself is free and infinitely fast: no request waits for it, however many
+  workers there are. Its hop to a worker and back costs what a mesh forward's does (see
+  ``sim/cluster.py``); in the real benchmark that hop crosses the same emulated link.
+* It only picks workers that are up (the gateways health-check theirs) and does not retry a
+  request whose worker fails.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from radixmesh.core.radix import RadixTree
+
+CACHE_AWARE = "cache_aware"  # the simulator's policy name for a gateway in front of `none` nodes
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """The ``cache_aware`` knobs, at sglang-router 0.3.2's and SMG 1.13's defaults."""
+
+    cache_threshold: float = 0.3  # a match must cover more than this share of the prompt
+    balance_abs: int = 64  # imbalanced when max - min load exceeds this ...
+    balance_rel: float = 1.5  # ... and max exceeds this × min
+    max_tree_tokens: int = 2**24  # per worker tree, trimmed least recently used first
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ValueError("cache_threshold must be in [0, 1]")
+        if self.balance_abs < 0 or self.balance_rel < 1.0 or self.max_tree_tokens < 1:
+            raise ValueError("balance_abs >= 0, balance_rel >= 1 and max_tree_tokens >= 1")
+
+
+class CacheAwareGateway:
+    """The gateway's state (a tree and a load count per worker) and its choice."""
+
+    def __init__(self, workers: int, config: GatewayConfig, block_size: int = 16) -> None:
+        if workers < 1:
+            raise ValueError("a gateway needs at least one worker")
+        self.config = config
+        self.trees: list[RadixTree[None]] = [RadixTree(block_size, 0) for _ in range(workers)]
+        self.load = [0] * workers
+        self.balanced_choices = 0  # choices made by cache affinity (or the smallest tree)
+        self.imbalanced_choices = 0  # choices made by load alone
+
+    def choose(self, tokens: Sequence[int], up: Sequence[bool], now: float) -> int | None:
+        """The worker for a prompt of ``tokens`` among those ``up`` (None: none is), counted
+        in its load and its tree from now on."""
+        alive = [w for w, ok in enumerate(up) if ok]
+        if not alive:
+            return None
+        worker = self._pick(tokens, alive)
+        self._insert(worker, tokens, now)
+        self.load[worker] += 1
+        return worker
+
+    def finished(self, worker: int) -> None:
+        """The gateway saw ``worker``'s answer (or its failure) go back to the client."""
+        self.load[worker] = max(0, self.load[worker] - 1)
+
+    def _pick(self, tokens: Sequence[int], alive: list[int]) -> int:
+        cfg, load = self.config, self.load
+        low = min(load[w] for w in alive)
+        high = max(load[w] for w in alive)
+        if high - low > cfg.balance_abs and high > cfg.balance_rel * low:
+            self.imbalanced_choices += 1
+            return min(alive, key=lambda w: (load[w], w))
+        self.balanced_choices += 1
+        matched = {w: self.trees[w].match(tokens) for w in alive}
+        best = min(alive, key=lambda w: (-matched[w], load[w], w))
+        if tokens and matched[best] / len(tokens) > cfg.cache_threshold:
+            return best
+        return min(alive, key=lambda w: (self.trees[w].total_tokens, w))
+
+    def _insert(self, worker: int, tokens: Sequence[int], now: float) -> None:
+        tree = self.trees[worker]
+        tree.insert(tokens, now)
+        tree.drain_delta()  # (the tree journals block hashes for gossip; nobody reads them)
+        excess = tree.total_tokens - self.config.max_tree_tokens
+        if excess > 0:
+            tree.evict(excess)
+            tree.drain_delta()
