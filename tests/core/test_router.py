@@ -263,7 +263,7 @@ def test_cost_hysteresis_keeps_self_for_tiny_gains() -> None:
 
 def test_cost_bounded_load_skips_an_over_utilized_specialist() -> None:
     req = RouteInput(3000, 1)
-    hot = NodeInfo("hot", False, 2900, 0.001, 0, SPEED, utilization=0.9)
+    hot = NodeInfo("hot", False, 2900, 0.001, 1, SPEED, utilization=0.9)  # busy now too
     warm = NodeInfo("warm", False, 2000, 0.001, 0, SPEED, utilization=0.2)
     cold = NodeInfo("cold", False, 0, 0.001, 0, SPEED, utilization=0.2)
     mine = NodeInfo("self", True, 0, 0.0, 0, SPEED, utilization=0.2)
@@ -301,9 +301,12 @@ def test_cost_bound_yields_to_a_large_certain_hit_while_the_peer_has_room() -> N
     roomy = NodeInfo("warm", False, 2900, 0.001, 0, SPEED,
                      utilization=5 * SPEED.mean_service_s / window)
     assert rank(Policy.COST, req, [me(0), roomy])[0] == "warm"  # most of the time saved
-    full = NodeInfo("warm", False, 2900, 0.001, 0, SPEED, utilization=0.9)
+    full = NodeInfo("warm", False, 2900, 0.001, 1.2, SPEED, utilization=0.9)
     mine = NodeInfo("self", True, 0, 0.0, 0, SPEED, utilization=0.1)
     assert rank(Policy.COST, req, [mine, full])[0] == "self"  # no room: the bound holds
+    # as busy lately, but idle now (no queue expected): a certain hit, not a second copy
+    idle = NodeInfo("warm", False, 2900, 0.001, 0.4, SPEED, utilization=0.9)
+    assert rank(Policy.COST, req, [mine, idle])[0] == "warm"
     never = Router(RouterConfig(policy=Policy.COST, load_bound_bypass=1.0))
     assert never.rank(req, [me(0), roomy], random.Random(0))[0].is_self
 
@@ -413,7 +416,7 @@ def test_a_prefix_nobody_holds_goes_to_its_owner_and_is_tagged_first() -> None:
 
 
 def test_an_overloaded_holder_overflows_to_the_next_owner_a_deliberate_replica() -> None:
-    hot = NodeInfo("hot", False, 2900, 0.001, 0, SPEED, utilization=0.95)
+    hot = NodeInfo("hot", False, 2900, 0.001, 1, SPEED, utilization=0.95)  # busy now too
     nxt = NodeInfo("next", False, 0, 0.001, 0, SPEED, utilization=0.1)
     mine = NodeInfo("self", True, 0, 0.0, 0, SPEED, utilization=0.1)
     other = NodeInfo("other", False, 0, 0.001, 0, SPEED, utilization=0.1)
