@@ -1,13 +1,13 @@
-"""A centralized gateway for the simulator: the ``cache_aware`` policy of sglang-router / SMG.
+"""A centralized gateway for the simulator: sglang-router's ``cache_aware`` policy.
 
 Theory of operation
 -------------------
 The real-cluster benchmark compares the mesh with two centralized gateways (sglang-router
 0.3.2 and SMG 1.13, ``--policy cache_aware``) in front of nodes that do not route. Those are
-Rust processes and cannot run on a virtual clock, so the simulator carries a model of their
+Rust processes and cannot run on a virtual clock, so the simulator carries a model of the
 policy, to compare the mesh with a central router deterministically and at any size
-(``radixmesh sim --policy cache_aware``). Their documented algorithm (both gateways' source,
-the same in both; read Dec 2026):
+(``radixmesh sim --policy cache_aware``). The algorithm, as sglang-router's source has it
+and SMG's documents it for its approximate trees (read Dec 2026):
 
 * **Load** is the number of requests the gateway has sent to a worker and not yet seen
   answered (it counts them itself; it does not ask the worker).
@@ -36,6 +36,11 @@ Differences from the real gateways, on purpose or by necessity:
   ``sim/cluster.py``); in the real benchmark that hop crosses the same emulated link.
 * It only picks workers that are up (the gateways health-check theirs) and does not retry a
   request whose worker fails.
+* It is sglang-router's policy, not all of SMG 1.13's: on the real cluster SMG spread cold
+  prefixes by load (newer SMG sources send a miss, or a prefix whose owners are all busy, to
+  the less loaded of two workers by queued tokens and may add a bounded replica), where
+  sglang-router, like this model, sent them to the smallest tree and piled shared prefixes
+  onto one worker (hotspot up to 100 % under load).
 """
 
 from __future__ import annotations
