@@ -36,6 +36,8 @@ Differences from the real gateways, on purpose or by necessity:
   ``sim/cluster.py``); in the real benchmark that hop crosses the same emulated link.
 * It only picks workers that are up (the gateways health-check theirs) and does not retry a
   request whose worker fails.
+* A run's records name the chosen worker as the request's entry node (route ``local``: the
+  worker serves what it is given); the bench's records of a gateway run say ``router``.
 * It is sglang-router's policy, not all of SMG 1.13's: on the real cluster SMG spread cold
   prefixes by load (newer SMG sources send a miss, or a prefix whose owners are all busy, to
   the less loaded of two workers by queued tokens and may add a bounded replica), where
