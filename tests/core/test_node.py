@@ -595,15 +595,20 @@ def test_utilization_is_gossiped_and_bounds_forwards_to_a_busy_specialist() -> N
     c.deliver("n1", RequestServed(1100, 0, 0.09, 1, 0.0, 0.5))
     c.run_for(1.0)
     assert n0.route(chain, 1100, 0, 1, c.now)[0].node_id == "n1"
-    # n1 has been busy for most of its recent window: it takes no more forwards for now.
+    # n1 has been busy for most of its recent window, but its queue is empty now: an idle
+    # holder has room, and keeps a certain hit (a cold copy elsewhere would gain nothing).
     for _ in range(8):
         c.deliver("n1", RequestServed(1100, 0, 0.09, 1, 0.0, 1.0))
     c.run_for(1.0)
     assert n0.mesh_state(c.now)["node_id"] == "n0"
-    # Overflow leaves the busy specialist: served here, or by the prefix's next ring owner
-    # as a deliberate replica.
+    assert n0.route(chain, 1100, 0, 1, c.now)[0].node_id == "n1"
+    # ... and still busy, with requests queued: overflow leaves the busy specialist, served
+    # here or by the prefix's next ring owner as a deliberate replica.
+    c.deliver("n1", LoadChanged(3, 1, 0, 100))
+    c.run_for(0.3)
     head = n0.route(chain, 1100, 0, 1, c.now)[0]
     assert head.node_id != "n1" and (head.is_self or head.placement is Tag.REPLICA)
+    c.deliver("n1", LoadChanged(0, 0, 0, 100))
     c.run_for(60.0)  # the busy period decays away: affinity routing resumes
     assert n0.route(chain, 1100, 0, 1, c.now)[0].node_id == "n1"
 
