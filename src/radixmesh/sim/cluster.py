@@ -437,11 +437,11 @@ class SimCluster:
         one-way delay and half its hop overhead), and its answer crosses back (``_answer``)."""
         now = self.loop.now
         chosen = gateway.choose(tokens, [n.up for n in self.nodes], now)
-        flight = Flight(index, req, chosen or 0, tokens, hashes, now, via_gateway=True)
-        if chosen is None:
-            flight.via_gateway = False  # (not counted by the gateway)
+        if chosen is None:  # (nothing counted by the gateway)
+            flight = Flight(index, req, 0, tokens, hashes, now)
             self._fail_client(flight, "no worker up")
             return flight
+        flight = Flight(index, req, chosen, tokens, hashes, now, via_gateway=True)
         hop = self.net.delay(chosen, chosen) + self.config.cost.forward_overhead_s / 2
         self.loop.at(now + hop, self._arrive, flight)
         return flight
