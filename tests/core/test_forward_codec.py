@@ -61,7 +61,7 @@ requests = st.builds(
     beat_s=st.none() | st.floats(-3600.0, 3600.0),
 )
 replies: st.SearchStrategy[ForwardReply] = st.one_of(
-    st.builds(ForwardBusy, node_ids, seconds),
+    st.builds(ForwardBusy, node_ids, seconds, st.none() | seconds),
     st.builds(ForwardAccepted, node_ids, counts),
     st.just(ForwardHeartbeat()),
     st.builds(ForwardTokens, token_ids),
@@ -149,6 +149,10 @@ def test_frame_layout_and_field_order() -> None:
     frame = encode_reply(ForwardBusy("n1", 1.5))
     assert int.from_bytes(frame[:4], "big") == len(frame) - 4
     assert _reply_fields(ForwardBusy("n1", 1.5)) == [PROTOCOL_VERSION, KIND_BUSY, "n1", 1.5]
+    # a refusal as slower carries the queue wait as a fifth field; without it, four
+    slower = ForwardBusy("n1", 0.0, 0.25)
+    assert _reply_fields(slower) == [PROTOCOL_VERSION, KIND_BUSY, "n1", 0.0, 0.25]
+    assert ReplyDecoder().feed(encode_reply(slower)) == [slower]
     assert _req_fields()[:4] == [PROTOCOL_VERSION, KIND_FORWARD_REQUEST, [1, 2, 3], 8]
 
 
@@ -267,6 +271,8 @@ REPLY_HOSTILE: list[tuple[ForwardReply, int, Any]] = [
     (ForwardBusy("a", 1.0), 2, ""), (ForwardBusy("a", 1.0), 2, "x" * 129),
     (ForwardBusy("a", 1.0), 2, 5), (ForwardBusy("a", 1.0), 3, -0.5),
     (ForwardBusy("a", 1.0), 3, float("nan")), (ForwardBusy("a", 1.0), 3, True),
+    (ForwardBusy("a", 0.0, 1.0), 4, -0.5), (ForwardBusy("a", 0.0, 1.0), 4, float("inf")),
+    (ForwardBusy("a", 0.0, 1.0), 4, None), (ForwardBusy("a", 0.0, 1.0), 4, "1"),
     (ForwardAccepted("a", 1), 3, True), (ForwardAccepted("a", 1), 3, -1),
     (ForwardAccepted("a", 1), 3, 1.0), (ForwardAccepted("a", 1), 2, None),
     (ForwardTokens((1,)), 2, [True]), (ForwardTokens((1,)), 2, [-1]),

@@ -54,11 +54,24 @@ def refusal(
     beat_s: float | None = None,
 ) -> float | None:
     """Offer ``node`` a forward: None if it admits it, else the retry-after it answers."""
+    answer = refusal_answer(node, now, prompt, cached, max_tokens, beat_s)
+    return None if answer is None else answer.retry_after_s
+
+
+def refusal_answer(
+    node: NodeCore,
+    now: float,
+    prompt: int = 540,
+    cached: int = 0,
+    max_tokens: int = 1,
+    beat_s: float | None = None,
+) -> RefuseForward | None:
+    """Offer ``node`` a forward: None if it admits it, else its refusal."""
     [action] = node.handle(ForwardArrived(0, prompt, cached, max_tokens, beat_s), now)
     if isinstance(action, AcceptForward):
         return None
     assert isinstance(action, RefuseForward)
-    return action.retry_after_s
+    return action
 
 
 def lone_node(**overrides: object) -> NodeCore:
@@ -343,6 +356,36 @@ def test_busy_refusal_skips_the_peer_for_retry_after_without_suspecting_it() -> 
     assert n0.route(chain, 128, 0, 1, c.now)[0].node_id == "n1"
 
 
+def test_a_refusal_as_slower_reports_the_peers_queue_and_keeps_it_a_candidate() -> None:
+    """A peer that refused a forward only because it would not beat the sender's alternative
+    is not busy as such: the sender does not back off from it, it takes the queue wait the
+    refusal gave as a fresh report of the peer's queue (the next decision prices it; the
+    next gossip report replaces it), and the peer still gets the hits it holds when they
+    pay. (Backing off made a holder unavailable, and the prefixes it held looked held by
+    nobody: new `first` copies on the next member of the ring.)"""
+    rng = random.Random(8)
+    c = warm_cluster(3, policy=Policy.COST)
+    chain = hashes_of(c, "n1", rng, n=64)
+    c.run_for(1.0)
+    n0 = c.nodes["n0"]
+    [first] = c.deliver("n0", RequestArrived(1, tuple(chain), 1100, 0, 1))
+    assert isinstance(first, Forward) and first.peer_id == "n1"
+    [peer] = [p for p in n0.mesh_state(c.now)["peers"]  # type: ignore[attr-defined]
+              if p["node_id"] == "n1"]
+    service = peer["load"]["mean_service_s"]
+    queue_s = 40 * service
+    [then] = c.deliver("n0", ForwardRefused(1, "n1", 0.0, queue_s))
+    assert not n0.pushed_back("n1", c.now) and n0.peer_state("n1") == "alive"
+    assert not (isinstance(then, Forward) and then.peer_id == "n1")  # not tried twice
+    ranked = n0.route(chain, 1100, 0, 1, c.now)
+    holder = next(x for x in ranked if x.node_id == "n1")  # still a candidate ...
+    assert holder.wait_s == pytest.approx(queue_s, rel=0.01)  # ... behind the queue it reported
+    assert ranked[0].node_id != "n1"  # a 40-deep queue: not worth it now
+    c.run_for(1.0)  # n1's gossip: idle again
+    assert n0.route(chain, 1100, 0, 1, c.now)[0].node_id == "n1"  # its hit wins again
+    assert n0.metrics()["forwards_refused"] == 1
+
+
 def test_a_node_at_its_pushback_threshold_refuses_forwards() -> None:
     node = lone_node(pushback=PushbackConfig(queue_threshold=2, duration_s=1.5))
     node.handle(Tick(), 0.0)
@@ -367,11 +410,18 @@ def test_a_forward_is_refused_when_this_node_would_not_beat_the_senders_predicti
     assert warm_pred < cold_pred
     between = (warm_pred + cold_pred) / 2
     assert refusal(node, 0.0, 540, 512, 1, beat_s=between) is None  # cached here: pays
-    assert refusal(node, 0.0, 540, 0, 1, beat_s=between) == 0.0  # cold, idle: this one
+    cold = refusal_answer(node, 0.0, 540, 0, 1, beat_s=between)
+    assert cold == RefuseForward(0, 0.0, 0.0)  # cold, idle: this one (and no queue here)
     node.handle(LoadChanged(3, 1, 0, 100), 0.1)  # a queue: the warm one no longer pays either
-    retry = refusal(node, 0.1, 540, 512, 1, beat_s=between)
-    assert retry is not None and retry > 0  # ... and the sender backs off for the queue's wait
+    warm = refusal_answer(node, 0.1, 540, 512, 1, beat_s=between)
+    # ... and the sender learns the queue's wait; this node is not busy as such: no back-off
+    assert warm is not None and warm.retry_after_s == 0.0
+    assert warm.queue_s == pytest.approx(3 * node.own_speed().mean_service_s)
     assert node.metrics()["forwards_refused_slower"] == 2
+    # refused by its state (at the push-back threshold): back off, no queue wait given
+    node.handle(LoadChanged(9, 1, 0, 100), 0.2)
+    busy = refusal_answer(node, 0.2, 540, 512, 1, beat_s=between)
+    assert busy is not None and busy.retry_after_s > 0 and busy.queue_s is None
 
 
 def test_a_forward_is_refused_when_its_service_would_delay_this_nodes_queue_too_much() -> None:
@@ -407,7 +457,8 @@ def test_a_queue_of_cold_prefills_is_priced_by_its_tokens_not_by_the_mean_servic
     priced = node.route([], 540, 512, 1, 0.1)[0].predicted_latency_s - warm
     assert priced > 2 * mean_wait  # what the two cold prefills take, not two mean services
     beat = warm + 1.5 * mean_wait  # pays against depth x mean service
-    assert refusal(node, 0.1, 540, 512, 1, beat_s=beat) == pytest.approx(priced)
+    refused = refusal_answer(node, 0.1, 540, 512, 1, beat_s=beat)
+    assert refused is not None and refused.queue_s == pytest.approx(priced)
     warm_queue = LoadChanged(2, 1, 0, 100, queue_prompt_tokens=4000, queue_output_tokens=2,
                              queue_uncached_tokens=2)
     node.handle(warm_queue, 0.2)

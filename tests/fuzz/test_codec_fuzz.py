@@ -350,7 +350,7 @@ _fwd_ids = st.lists(st.integers(0, 2**32 - 1), max_size=8).map(tuple)
 forward_messages: st.SearchStrategy[Any] = st.one_of(
     st.builds(ForwardRequest, _fwd_ids.filter(bool), st.integers(1, 64), stream=st.booleans(),
               beat_s=st.none() | st.floats(-3600, 3600)),
-    st.builds(ForwardBusy, ident, finite),
+    st.builds(ForwardBusy, ident, finite, st.none() | finite),
     st.builds(ForwardAccepted, ident, small),
     st.just(ForwardHeartbeat()),
     st.builds(ForwardTokens, _fwd_ids),

@@ -177,6 +177,31 @@ def test_a_node_at_its_pushback_threshold_answers_busy(engine) -> None:  # type:
     assert isinstance(busy, ForwardBusy)
     assert busy.node_id == "hot"
     assert 0 < busy.retry_after_s <= 1.0
+    assert busy.queue_s is None  # refused by its state: no queue wait given
+
+
+def test_a_forward_that_would_not_pay_is_refused_with_the_queue_wait(engine) -> None:  # type: ignore[no-untyped-def]
+    """A forward whose ``beat_s`` this node cannot beat is answered busy with retry-after 0
+    (the node is not busy as such) and its queue wait, which the sender takes as a report
+    of its queue."""
+    async def first_reply() -> object:
+        cfg = ServeConfig(node_id="slow", port=18997, gossip_interval=5.0)
+        service = NodeService(cfg, engine)
+        await service.start()
+        try:
+            service.dispatch(LoadChanged(2, 1, 0, 4096))  # two requests here already
+            req = ForwardRequest(tuple(PROMPT), 8, heartbeat_s=0.1, beat_s=1e-6)
+            frames = [x async for x in service.serve_forward(req)]
+            assert len(frames) == 1 and service.metrics.refused_for_peers == 1
+            [reply] = ReplyDecoder().feed(frames[0])
+            return reply
+        finally:
+            await service.stop()
+
+    slower = asyncio.run(first_reply())
+    assert isinstance(slower, ForwardBusy) and slower.node_id == "slow"
+    assert slower.retry_after_s == 0.0
+    assert slower.queue_s is not None and slower.queue_s > 0
 
 
 @pytest.mark.parametrize("beat", [True, "0.5", float("nan"), 1e9, -1e9, [1]])

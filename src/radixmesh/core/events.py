@@ -120,11 +120,14 @@ class ForwardAccepted:
 @dataclass(frozen=True, slots=True)
 class ForwardRefused:
     """``peer_id`` answered our forward of ``rid`` with "busy": it is alive, so not suspect;
-    it is skipped for ``retry_after_s`` (0: not at all) as if it had pushed back."""
+    it is skipped for ``retry_after_s`` (0: not at all) as if it had pushed back. ``queue_s``:
+    its queue wait, when it refused as slower than our alternative (a fresh report of its
+    queue; see ``RefuseForward``)."""
 
     rid: int
     peer_id: str
     retry_after_s: float
+    queue_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,10 +273,13 @@ class AcceptForward:
 
 @dataclass(frozen=True, slots=True)
 class RefuseForward:
-    """Answer the forwarded request ``rid`` with "busy, retry after ``retry_after_s``"."""
+    """Answer the forwarded request ``rid`` with "busy, retry after ``retry_after_s``";
+    ``queue_s``: this node's queue wait, set when it refuses only because the forward would
+    not beat the sender's alternative (then ``retry_after_s`` is 0: it is not busy as such)."""
 
     rid: int
     retry_after_s: float
+    queue_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

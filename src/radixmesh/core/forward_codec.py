@@ -127,8 +127,9 @@ def encode_reply(msg: ForwardReply) -> bytes:
 
 def _reply_fields(msg: ForwardReply) -> list[Any]:
     match msg:
-        case ForwardBusy():
-            return [KIND_BUSY, msg.node_id, float(msg.retry_after_s)]
+        case ForwardBusy():  # queue_s travels only when set: a busy reply stays 3 fields
+            busy = [KIND_BUSY, msg.node_id, float(msg.retry_after_s)]
+            return busy if msg.queue_s is None else [*busy, float(msg.queue_s)]
         case ForwardAccepted():
             return [KIND_ACCEPTED, msg.node_id, msg.cached_tokens]
         case ForwardHeartbeat():
@@ -145,9 +146,10 @@ def _reply_fields(msg: ForwardReply) -> list[Any]:
 
 
 def _busy(f: list[Any], lim: ForwardLimits) -> ForwardBusy:
-    _array(f, 4, "busy")
+    _array(f, 5 if len(f) == 5 else 4, "busy")  # queue_s is the optional fifth
     node_id = _text(f[2], lim.max_id_len, "busy node id")
-    return ForwardBusy(node_id, _float(f[3], "retry_after_s"))
+    queue_s = _float(f[4], "queue_s") if len(f) == 5 else None
+    return ForwardBusy(node_id, _float(f[3], "retry_after_s"), queue_s)
 
 
 def _accepted(f: list[Any], lim: ForwardLimits) -> ForwardAccepted:

@@ -203,14 +203,19 @@ class ForwardRequest:
 
 @dataclass(frozen=True, slots=True)
 class ForwardBusy:
-    """The receiver refuses the forward; the sender should not retry it for ``retry_after_s``."""
+    """The receiver refuses the forward; the sender should not retry it for ``retry_after_s``.
+    ``queue_s``: the receiver's queue wait, when it refused because serving the request would
+    not beat the sender's alternative (``beat_s``) rather than because of its state (None)."""
 
     node_id: str
     retry_after_s: float
+    queue_s: float | None = None
 
     def __post_init__(self) -> None:
         _require(bool(self.node_id), "node_id must not be empty")
         _require(_in_range(self.retry_after_s, 0.0, math.inf), "retry_after_s must be >= 0")
+        _require(self.queue_s is None or _in_range(self.queue_s, 0.0, math.inf),
+                 "queue_s must be >= 0 (or None)")
 
 
 @dataclass(frozen=True, slots=True)

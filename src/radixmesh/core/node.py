@@ -116,6 +116,9 @@ from radixmesh.core.summary import LocalSummary
 
 IDLE_PEERS = 2  # unmatched least-loaded peers the cost policy also considers
 ROUTE_TOP_K = 8  # deepest-matching available peers considered per request
+# the largest queue depth a peer's refusal is taken to imply (a finite but absurd queue_s
+# from a broken peer must not make the mesh's mean queue infinite)
+MAX_REPORTED_QUEUE = float(2**32)
 SHARED_CHECK_MAX = 32  # members: up to this many, a request's prefix common to all is found
 MAX_REPORTED_WAIT_S = 3600.0  # a peer reporting a longer queue wait for a forward is ignored
 
@@ -215,9 +218,10 @@ class NodeCore:
         self._key_rates = KeyRates(config.router.replica_window_s)  # requests/s per prefix here
         self._key_rent = KeySums(config.router.rent_window_s)  # round trips spent per prefix
         # peer -> its latest load report: (its stamp, our forwards sent when it arrived, our
-        # clock then, its queue depth); and the sum of those queue depths (the mesh's mean)
-        self._load_seen: dict[str, tuple[float | None, int, float, int]] = {}
-        self._queue_sum = 0
+        # clock then, its queue depth — or the depth its latest refusal's queue wait implies,
+        # if newer); and the sum of those queue depths (the mesh's mean)
+        self._load_seen: dict[str, tuple[float | None, int, float, float]] = {}
+        self._queue_sum = 0.0
         self._lifecycle = Lifecycle(
             config.forward,
             lambda peer: self.peer_address(peer),
@@ -314,6 +318,24 @@ class NodeCore:
         if est is not None and est.load is not None and peer in self._gossip.routable:
             heapq.heappush(self._idle, (est.load.queue_depth, est.stamp or 0.0, peer))
             self._trim_idle()
+
+    def _queue_reported(self, peer: str, queue_s: float, now: float) -> None:
+        """``peer`` refused our forward as slower and said its queue wait: a report of its
+        queue fresher than its last gossip (its places priced at its mean service), which the
+        next decisions age like any report (``_expected_queue``). The peer stays a candidate:
+        a holder that refused one request (a cold one, say) still gets the hits it holds
+        when they pay with the queue it really has. (Backing off from it for that wait, as
+        from a pushed-back peer, made the holder unavailable to this node and its prefixes
+        look held by nobody: on 4 simulated nodes with 16 clients, `first` copies of
+        subjects queued at their owner were made on the next member of the ring.)"""
+        est = self._gossip.estimates.get(peer)
+        seen = self._load_seen.get(peer)
+        if est is None or est.load is None or seen is None:
+            return
+        speed = est.speed or self._prior_speed
+        depth = min(queue_s / max(speed.mean_service_s, 1e-6), MAX_REPORTED_QUEUE)
+        self._queue_sum += depth - seen[3]
+        self._load_seen[peer] = (seen[0], self._lifecycle.forwards_sent, now, depth)
 
     def _cache_changed(self, event: CacheChanged, now: float) -> list[Action]:
         if self._summary.apply(event.added, event.removed) is not None:
@@ -437,6 +459,8 @@ class NodeCore:
             return []
         self._count("forwards_refused")
         self._gossip.refused_forward(event.peer_id, event.retry_after_s, now)
+        if event.queue_s is not None:
+            self._queue_reported(event.peer_id, event.queue_s, now)
         return list(self._lifecycle.refused(event.rid, self._ranked_again(event.rid, now)))
 
     def _failed(self, event: ForwardFailed, now: float) -> list[Action]:
@@ -494,42 +518,35 @@ class NodeCore:
         return list(self._lifecycle.cancel(event.rid))
 
     def _forward_arrived(self, event: ForwardArrived, now: float) -> list[Action]:
-        retry = self._busy_for(
-            now, event.prompt_tokens, event.cached_tokens, event.max_tokens, event.beat_s
-        )
-        if retry is None:
-            return [AcceptForward(event.rid)]
-        return [RefuseForward(event.rid, retry)]
+        refusal = self._refusal(event, now)
+        return [AcceptForward(event.rid) if refusal is None else refusal]
 
-    def _busy_for(
-        self,
-        now: float,
-        prompt_tokens: int,
-        cached_tokens: int,
-        max_tokens: int,
-        beat_s: float | None,
-    ) -> float | None:
-        """Whether to refuse a request a peer forwarded here: None (admit it), or "busy" with
-        the seconds the peer should leave us alone (0: only this request). Client requests
+    def _refusal(self, event: ForwardArrived, now: float) -> RefuseForward | None:
+        """Whether to refuse a request a peer forwarded here (None: admit it). Client requests
         entering here are always served; forwards are refused
-        * at the push-back threshold (retry after the push-back's remaining time), and
+        * by this node's state — leaving, full, at the push-back threshold — with the
+          seconds the peer should leave us alone, and
         * when the sender said what we must beat (``beat_s``: its local prediction, the
           alternative to our answer — its way here is spent, the way back paid either way)
           and what serving it here costs, known exactly here (``mesh_cost``: our queue wait
           + its service, plus that service again for each request queued here, as the
-          sender counted its own), is more (retry after our queue's expected wait).
+          sender counted its own), is more. This node is not busy as such, so the sender
+          need not leave it alone (retry after 0): the refusal tells it our queue wait
+          instead (``queue_s``), a report of our queue fresher than gossip's.
         A sender routing on a view of our queue that is a gossip round old finds out in one
         round trip instead of waiting in a queue that many nodes picked at once."""
-        refusal = self._refusal_by_state(now, prompt_tokens, max_tokens)
-        if refusal is not None or beat_s is None:
-            return refusal
-        me = self._self_info(cached_tokens, now)
-        req = RouteInput(max(prompt_tokens, 1), max(max_tokens, 1))
+        retry = self._refusal_by_state(now, event.prompt_tokens, event.max_tokens)
+        if retry is not None:
+            return RefuseForward(event.rid, retry)
+        if event.beat_s is None:
+            return None
+        me = self._self_info(event.cached_tokens, now)
+        req = RouteInput(max(event.prompt_tokens, 1), max(event.max_tokens, 1))
         predicted = mesh_cost(req, [me], self.config.router.context_scale)[0]
-        if predicted <= beat_s:
+        if predicted <= event.beat_s:
             return None
         self._count("forwards_refused_slower")
-        return predict_wait(me)
+        return RefuseForward(event.rid, 0.0, predict_wait(me))
 
     def _refusal_by_state(self, now: float, prompt_tokens: int, max_tokens: int) -> float | None:
         """Refusals by this node's state: leaving, full (for this request's tokens: bounded
@@ -822,7 +839,9 @@ class NodeCore:
         """The queue a request sent to ``peer`` now should expect: its report, which others'
         concurrent choices make stale within a few service times (it relaxes towards the
         mean of all peers' reports, with time constant ``queue_memory`` × its mean service),
-        plus our own forwards to it that the report cannot have counted."""
+        plus our own forwards to it that the report cannot have counted. The latest report
+        is its gossip's or the queue wait it gave when it last refused us, whichever is newer
+        (``_queue_reported``)."""
         seen = self._load_seen.get(peer)
         if seen is None:
             return float(reported)
@@ -830,7 +849,7 @@ class NodeCore:
         mean = self._queue_sum / max(len(self._load_seen), 1)
         memory = self.config.router.queue_memory * max(service_s, 1e-6)
         kept = math.exp(-max(now - seen[2], 0.0) / memory)
-        return mean + (reported - mean) * kept + ours
+        return mean + (seen[3] - mean) * kept + ours
 
     def available(self, peer: str, now: float) -> bool:
         """Whether ``peer`` may be routed to now (alive, reporting load, not pushed back)."""

@@ -88,7 +88,10 @@ Because a peer's prediction includes its forward RTT, ``cost`` forwards only whe
 saving exceeds the forward cost: on a slow network it degenerates to ``none``. Its peer
 candidates carry ``beat_s``: the peer checks it against its exact queue and cache and refuses
 the forward when it cannot beat it, so a view of the peer's queue that is a gossip round old
-costs one round trip, not a long wait in a queue that many nodes chose at once. ``beat_s`` is
+costs one round trip, not a long wait in a queue that many nodes chose at once. Such a
+refusal says the peer's queue wait, which the sender takes as a fresh report of that queue;
+it does not back off from the peer (it is not busy as such, and a holder that refused a
+cold request must stay a candidate for the hits it holds). ``beat_s`` is
 what staying costs (the local prediction, plus the local miss's extra work × the local queue
 under load; × ``1 + placement_slack`` for a preferred candidate), *not* minus the RTT: when
 the forward arrives, its way out is spent, and the way back is paid whether the peer answers

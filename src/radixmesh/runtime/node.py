@@ -490,14 +490,16 @@ class NodeService:
             return ForwardExecution(self, ctx, action, stream, first, started)
         await stream.aclose()
         if isinstance(first, ForwardBusy):
-            return self._refused(ctx, action.peer_id, first.retry_after_s)
+            return self._refused(ctx, action.peer_id, first.retry_after_s, first.queue_s)
         return self.forward_failed(ctx, action.peer_id, "bad_response", 0)
 
-    def _refused(self, ctx: RequestContext, peer_id: str, retry_after_s: float
-                 ) -> Forward | ExecuteLocally:
+    def _refused(self, ctx: RequestContext, peer_id: str, retry_after_s: float,
+                 queue_s: float | None) -> Forward | ExecuteLocally:
         self.metrics.forward_failures["busy"] += 1
-        log.debug("forward to %s refused: busy (retry after %.2fs)", peer_id, retry_after_s)
-        return self._one(self.dispatch(ForwardRefused(ctx.rid or 0, peer_id, retry_after_s)), ctx)
+        log.debug("forward to %s refused: busy (retry after %.2fs, queue %s)", peer_id,
+                  retry_after_s, "?" if queue_s is None else f"{queue_s:.2f}s")
+        refused = ForwardRefused(ctx.rid or 0, peer_id, retry_after_s, queue_s)
+        return self._one(self.dispatch(refused), ctx)
 
     def forward_failed(self, ctx: RequestContext, peer_id: str, reason: str,
                        tokens_so_far: int) -> Forward | ExecuteLocally:
@@ -572,7 +574,9 @@ class NodeService:
         answer = self.dispatch(event)
         if answer and isinstance(answer[0], RefuseForward):
             self.metrics.refused_for_peers += 1
-            yield encode_reply(ForwardBusy(self.node_id, round(answer[0].retry_after_s, 3)))
+            no = answer[0]
+            queue_s = None if no.queue_s is None else round(no.queue_s, 4)
+            yield encode_reply(ForwardBusy(self.node_id, round(no.retry_after_s, 3), queue_s))
             return
         self.metrics.served_for_peers += 1
         # First byte before the engine starts: once it computes, this thread waits for the GIL.

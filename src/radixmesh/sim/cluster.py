@@ -522,7 +522,9 @@ class SimCluster:
     ) -> None:
         if flight.current(attempt):
             self.counters.forward_refusals += 1
-            event = ForwardRefused(flight.index, target.node_id, answer.retry_after_s)
+            event = ForwardRefused(
+                flight.index, target.node_id, answer.retry_after_s, answer.queue_s
+            )
             self.feed(self.nodes[flight.entry], event)
 
     def _holding(self, removed: Sequence[int] | frozenset[int], added: Sequence[int]) -> None:
