@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -45,19 +46,6 @@ def offer(c: TwinCluster, rid: int, peer: str) -> None:
     assert isinstance(action, Forward) and action.peer_id == peer
 
 
-def refusal(
-    node: NodeCore,
-    now: float,
-    prompt: int = 540,
-    cached: int = 0,
-    max_tokens: int = 1,
-    beat_s: float | None = None,
-) -> float | None:
-    """Offer ``node`` a forward: None if it admits it, else the retry-after it answers."""
-    answer = refusal_answer(node, now, prompt, cached, max_tokens, beat_s)
-    return None if answer is None else answer.retry_after_s
-
-
 def refusal_answer(
     node: NodeCore,
     now: float,
@@ -72,6 +60,12 @@ def refusal_answer(
         return None
     assert isinstance(action, RefuseForward)
     return action
+
+
+def refusal(node: NodeCore, now: float, *offer: Any, **named: Any) -> float | None:
+    """``refusal_answer``'s retry-after (None: admitted)."""
+    answer = refusal_answer(node, now, *offer, **named)
+    return None if answer is None else answer.retry_after_s
 
 
 def lone_node(**overrides: object) -> NodeCore:
