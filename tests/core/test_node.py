@@ -378,6 +378,10 @@ def test_a_refusal_as_slower_reports_the_peers_queue_and_keeps_it_a_candidate() 
     c.run_for(1.0)  # n1's gossip: idle again
     assert n0.route(chain, 1100, 0, 1, c.now)[0].node_id == "n1"  # its hit wins again
     assert n0.metrics()["forwards_refused"] == 1
+    offer(c, 2, "n1")
+    c.deliver("n0", ForwardRefused(2, "n1", 0.0, 1e9))  # an absurd wait is not believed
+    assert n0.metrics()["forward_waits_rejected"] == 1
+    assert n0.route(chain, 1100, 0, 1, c.now)[0].node_id == "n1"
 
 
 def test_a_node_at_its_pushback_threshold_refuses_forwards() -> None:

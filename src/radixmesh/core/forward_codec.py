@@ -127,7 +127,7 @@ def encode_reply(msg: ForwardReply) -> bytes:
 
 def _reply_fields(msg: ForwardReply) -> list[Any]:
     match msg:
-        case ForwardBusy():  # queue_s travels only when set: a busy reply stays 3 fields
+        case ForwardBusy():  # queue_s only when set: a refusal by state keeps the old layout
             busy = [KIND_BUSY, msg.node_id, float(msg.retry_after_s)]
             return busy if msg.queue_s is None else [*busy, float(msg.queue_s)]
         case ForwardAccepted():

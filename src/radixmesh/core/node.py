@@ -116,11 +116,9 @@ from radixmesh.core.summary import LocalSummary
 
 IDLE_PEERS = 2  # unmatched least-loaded peers the cost policy also considers
 ROUTE_TOP_K = 8  # deepest-matching available peers considered per request
-# the largest queue depth a peer's refusal is taken to imply (a finite but absurd queue_s
-# from a broken peer must not make the mesh's mean queue infinite)
-MAX_REPORTED_QUEUE = float(2**32)
 SHARED_CHECK_MAX = 32  # members: up to this many, a request's prefix common to all is found
-MAX_REPORTED_WAIT_S = 3600.0  # a peer reporting a longer queue wait for a forward is ignored
+# a peer reporting a longer queue wait (a forward's, or its refusal's) is not believed
+MAX_REPORTED_WAIT_S = 3600.0
 
 
 class _Unavailable:
@@ -328,12 +326,15 @@ class NodeCore:
         from a pushed-back peer, made the holder unavailable to this node and its prefixes
         look held by nobody: on 4 simulated nodes with 16 clients, `first` copies of
         subjects queued at their owner were made on the next member of the ring.)"""
+        if not 0.0 <= queue_s <= MAX_REPORTED_WAIT_S:  # a peer's claim: bounded
+            self._count("forward_waits_rejected")
+            return
         est = self._gossip.estimates.get(peer)
         seen = self._load_seen.get(peer)
         if est is None or est.load is None or seen is None:
             return
         speed = est.speed or self._prior_speed
-        depth = min(queue_s / max(speed.mean_service_s, 1e-6), MAX_REPORTED_QUEUE)
+        depth = queue_s / max(speed.mean_service_s, 1e-6)
         self._queue_sum += depth - seen[3]
         self._load_seen[peer] = (seen[0], self._lifecycle.forwards_sent, now, depth)
 
