@@ -310,9 +310,7 @@ class NodeCore:
         if est is not None and est.load is not None:
             seen = self._load_seen.get(peer)
             if seen is None or seen[0] != est.stamp:  # a new load report: its queue is fresh
-                depth = est.load.queue_depth
-                self._queue_sum += depth - (0 if seen is None else seen[3])
-                self._load_seen[peer] = (est.stamp, self._lifecycle.forwards_sent, now, depth)
+                self._queue_seen(peer, est.stamp, est.load.queue_depth, now)
         if est is not None and est.load is not None and peer in self._gossip.routable:
             heapq.heappush(self._idle, (est.load.queue_depth, est.stamp or 0.0, peer))
             self._trim_idle()
@@ -334,9 +332,14 @@ class NodeCore:
         if est is None or est.load is None or seen is None:
             return
         speed = est.speed or self._prior_speed
-        depth = queue_s / max(speed.mean_service_s, 1e-6)
-        self._queue_sum += depth - seen[3]
-        self._load_seen[peer] = (seen[0], self._lifecycle.forwards_sent, now, depth)
+        self._queue_seen(peer, seen[0], queue_s / max(speed.mean_service_s, 1e-6), now)
+
+    def _queue_seen(self, peer: str, stamp: float | None, depth: float, now: float) -> None:
+        """Record ``peer``'s queue ``depth`` as seen now (its load report's ``stamp``), and
+        keep the sum of the latest depths (the mesh's mean queue) in step."""
+        seen = self._load_seen.get(peer)
+        self._queue_sum += depth - (0.0 if seen is None else seen[3])
+        self._load_seen[peer] = (stamp, self._lifecycle.forwards_sent, now, depth)
 
     def _cache_changed(self, event: CacheChanged, now: float) -> list[Action]:
         if self._summary.apply(event.added, event.removed) is not None:
