@@ -350,9 +350,9 @@ class NodeCore:
         """Bring the next round forward (to ``announce_gap_s`` after the last one) so peers
         hear of a change to our cache before the next request that needs it. A chat turn or
         an agent's step follows its predecessor's answer within milliseconds, at whichever
-        node; a view a whole round old sent it where its history was not (docs/benchmarks-history.md,
-        "The round of `aed2d82`": chat with 16 simulated clients cached 68 % of its prompt tokens, 75 % with
-        announcements).
+        node; a view a whole round old sent it where its history was not
+        (docs/benchmarks-history.md, "The round of `aed2d82`": chat with 16 simulated
+        clients cached 68 % of its prompt tokens, 75 % with announcements).
         Delta mode only: a round there carries the few changed hashes to every member; a
         snapshot round carries the whole set, and an epidemic one reaches ``fanout`` members."""
         cfg = self.config.gossip
