@@ -233,6 +233,10 @@ def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 def test_cli_rejects_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["sim", "--policy", "bogus", "--quiet"]) == 2
     assert "bogus" in capsys.readouterr().err
+    assert main(["sim", "--shared-cores", "0", "--quiet"]) == 2
+    assert "--shared-cores must be > 0" in capsys.readouterr().err
+    assert main(["sim", "--shared-cores", "2", "--experiment", "scale", "--quiet"]) == 2
+    assert "--shared-cores is for a sweep" in capsys.readouterr().err
 
 
 def test_calibrate_from_records_recovers_the_simulated_model(tmp_path: Path) -> None:

@@ -56,6 +56,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--validate: the scatter of the fit)",
     )
     g.add_argument(
+        "--shared-cores",
+        type=float,
+        default=None,
+        metavar="C",
+        help="the nodes' engines share one machine of C cores (processor sharing: with n "
+        "requests running, each at min(1, C/n) speed), as 4 nodes on one GPU or the bench's "
+        "clusters on one CPU box do (default: every node has its own hardware)",
+    )
+    g.add_argument(
         "--tuned-priors",
         action="store_true",
         help="router priors from the cost model (default: the runtime's defaults, as `serve`)",
@@ -200,6 +209,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.shared_cores is not None and (args.experiment or args.validate):
+        raise ValueError("--shared-cores is for a sweep (not --experiment or --validate)")
     if args.experiment:
         from radixmesh.sim import experiments
 
@@ -208,6 +219,8 @@ def _run(args: argparse.Namespace) -> int:
         return _run_validate(args)
     if args.requests_per_node:
         raise ValueError("--requests-per-node is for --experiment scale|pushback")
+    if args.shared_cores is not None and not args.shared_cores > 0:
+        raise ValueError("--shared-cores must be > 0")
     return _run_sweep(args)
 
 

@@ -71,6 +71,7 @@ from radixmesh.core.events import (
 from radixmesh.core.node import NodeCore
 from radixmesh.core.router import DELIBERATE, Policy, RouterConfig
 from radixmesh.sim.clock import EventLoop
+from radixmesh.sim.compute import SharedCompute
 from radixmesh.sim.costs import CostModel
 from radixmesh.sim.engine import SimEngine, SimRun
 from radixmesh.sim.gateway import CACHE_AWARE, CacheAwareGateway, GatewayConfig
@@ -101,10 +102,15 @@ class ClusterConfig:
     # a centralized cache_aware gateway in front of the nodes (``sim/gateway.py``): every
     # request goes through it; the nodes must not route (policy none)
     gateway: GatewayConfig | None = None
+    # the nodes' engines share one machine of this many cores (``sim/compute.py``:
+    # processor sharing; None: every node has its own hardware)
+    shared_cores: float | None = None
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
             raise ValueError("nodes must be >= 1")
+        if self.shared_cores is not None and not self.shared_cores > 0:
+            raise ValueError("shared_cores must be > 0")
         if self.cache_tokens < 1 or self.block_size < 1 or self.seeds < 1:
             raise ValueError("cache_tokens, block_size and seeds must be >= 1")
         if self.gateway is not None and self.router.policy is not Policy.NONE:
@@ -169,6 +175,7 @@ class Work:
     attempt: int
     t_enqueued: float
     uncached: int = 0  # prompt tokens not cached when it was queued (set by ``_enqueue``)
+    compute_key: int = -1  # its request on the shared machine, while running (if shared)
 
 
 class SimNode:
@@ -259,6 +266,10 @@ class SimCluster:
             None if config.gateway is None
             else CacheAwareGateway(config.nodes, config.gateway, config.block_size)
         )
+        self.compute = (
+            None if config.shared_cores is None
+            else SharedCompute(self.loop, config.shared_cores)
+        )
 
     # ------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -329,6 +340,8 @@ class SimCluster:
         lost = list(node.queue)
         if node.running is not None:
             lost.append(node.running)
+            if self.compute is not None:
+                self.compute.cancel(node.running.compute_key)
         node.queue.clear()
         node.running = None
         node.queued_tokens = [0, 0, 0]  # (and start() gives it new queued_blocks)
@@ -594,7 +607,16 @@ class SimCluster:
         flight = work.flight
         run = node.engine.begin(flight.tokens, flight.hashes, flight.req.max_tokens, self.loop.now)
         self._load_changed(node)
-        self.loop.at(self.loop.now + run.service_s, self._finish, node, node.epoch, work, run)
+        if self.compute is None:
+            self.loop.at(self.loop.now + run.service_s, self._finish, node, node.epoch, work, run)
+            return
+        epoch = node.epoch
+
+        def done(elapsed: float) -> None:
+            _stretch(run, elapsed)  # what the node measures: its share of the machine
+            self._finish(node, epoch, work, run)
+
+        work.compute_key = self.compute.start(run.service_s, done)
 
     def _finish(self, node: SimNode, epoch: int, work: Work, run: SimRun) -> None:
         if node.epoch != epoch or node.engine is None:
@@ -686,6 +708,16 @@ class SimCluster:
             return
         flight.error = reason
         self._complete(flight)
+
+
+def _stretch(run: SimRun, elapsed: float) -> None:
+    """A run that shared the machine took ``elapsed`` instead of its service time: its
+    prefill and decode stretch alike (a real node times them on the wall clock)."""
+    if run.service_s > 0:
+        factor = elapsed / run.service_s
+        run.prefill_s *= factor
+        run.decode_s *= factor
+    run.service_s = elapsed
 
 
 def summary_version(core: NodeCore | None) -> int:

@@ -87,12 +87,18 @@ def mean_prompt_tokens(requests: list[Request], tokenize: Any) -> float:
 
 
 def capacity_rate(
-    cost: costs.CostModel, nodes: int, prompt_tokens: float, max_tokens: int
+    cost: costs.CostModel,
+    nodes: int,
+    prompt_tokens: float,
+    max_tokens: int,
+    shared_cores: float | None = None,
 ) -> float:
-    """Requests/s the cluster serves if a typical request finds 85% of its prompt cached."""
+    """Requests/s the cluster serves if a typical request finds 85% of its prompt cached
+    (on ``shared_cores`` cores when the nodes share a machine)."""
     cached = int(prompt_tokens * 0.85)
     service = cost.service_s(int(prompt_tokens) - cached, cached, max_tokens)
-    return nodes / service
+    servers = nodes if shared_cores is None else min(float(nodes), shared_cores)
+    return servers / service
 
 
 def requests_for(args: argparse.Namespace, skewed: bool, nodes: int) -> list[Request]:
@@ -205,7 +211,7 @@ def _arrivals(
         return requests, None
     max_tokens = requests[0].max_tokens
     rate = args.rate or args.load * capacity_rate(
-        cost, nodes, mean_prompt_tokens(requests, tokenize), max_tokens
+        cost, nodes, mean_prompt_tokens(requests, tokenize), max_tokens, args.shared_cores
     )
     return schedule.poisson(requests, nodes, rate, args.seed), rate
 
@@ -245,6 +251,7 @@ def _cluster_config(
         tokenizer=tok_fp,
         service_noise=args.service_noise or 0.0,
         tuned_priors=args.tuned_priors,
+        shared_cores=args.shared_cores,
     )
 
 
