@@ -173,3 +173,12 @@ def test_a_crash_releases_its_share_of_the_machine(
     # is answered, none by the crashed node, and the run ends (no share left running)
     assert len(ok) == 30 and all(r.status == 503 for r in res.records if r.status != 200)
     assert {r.served_by for r in ok} <= {"n0", "n2", "n3"}
+
+
+def test_open_loop_load_is_sized_by_the_shared_capacity() -> None:
+    from radixmesh.sim.sweep import capacity_rate
+
+    cost = costs.resolve("cpu-tiny")
+    own = capacity_rate(cost, 4, 1000.0, 8)
+    assert capacity_rate(cost, 4, 1000.0, 8, shared_cores=1.0) == pytest.approx(own / 4)
+    assert capacity_rate(cost, 4, 1000.0, 8, shared_cores=8.0) == pytest.approx(own)
