@@ -74,7 +74,7 @@ def test_a_machine_needs_a_positive_number_of_cores(cores: float) -> None:
 
 def _reference(cores: float, jobs: list[tuple[float, float]]) -> list[float]:
     """Processor sharing by small time steps: each job's end time."""
-    dt = 1e-4
+    dt = 5e-4
     left = [w for _, w in jobs]
     end = [-1.0] * len(jobs)
     t = 0.0
@@ -107,7 +107,7 @@ def test_end_times_match_processor_sharing_by_small_steps(
     ref = _reference(cores, jobs)
     for i, (start, work) in enumerate(jobs):
         end, elapsed = done[i]
-        assert end == pytest.approx(ref[i], abs=2e-3)
+        assert end == pytest.approx(ref[i], abs=5e-3)
         assert elapsed == pytest.approx(end - start)
         assert elapsed >= work - 1e-9  # never faster than alone
 
