@@ -119,3 +119,29 @@ def test_a_full_node_answers_429_with_retry_after(engine: Any) -> None:
             assert node.core.metrics()["requests_rejected"] == 1
 
     asyncio.run(scenario())
+
+
+def test_forwards_in_a_row_reuse_one_keep_alive_connection(engine: Any) -> None:
+    """A finished forward's connection goes back to the pool (keep-alive) whether or not the
+    end of its body has arrived when the answer is complete: four forwards in a row, one
+    TCP connection (``peer_connections_opened`` in /metrics)."""
+
+    async def scenario() -> None:
+        async with _serving(engine, "peer") as (peer, peer_address), \
+                _serving(engine, "entry") as (entry, entry_address):
+            entry.core.peer_address = (  # type: ignore[method-assign]
+                lambda p: peer_address if p == "peer" else None
+            )
+            body = {"model": "micro", "prompt": "reuse me " * 4, "max_tokens": 2,
+                    "temperature": 0}
+            async with aiohttp.ClientSession() as http:
+                for _ in range(4):
+                    async with http.post(f"http://{entry_address}/v1/completions", json=body,
+                                         headers={"x-radixmesh-target": "peer"}) as resp:
+                        assert resp.status == 200, await resp.text()
+                        assert resp.headers["x-radixmesh-served-by"] == "peer"
+            assert peer.metrics.served_for_peers == 4
+            assert entry.metrics.requests["forwarded"] == 4
+            assert entry.peers.connections_opened == 1
+
+    asyncio.run(scenario())

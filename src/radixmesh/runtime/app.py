@@ -19,7 +19,8 @@ Observe      GET /health, GET /metrics (Prometheus text), GET /mesh (JSON)
 Peers        POST /peer/gossip (raw gossip bytes), POST /peer/forward (an encoded
              ForwardRequest, executed here; the body of the answer is framed ForwardReply
              messages: ForwardAccepted first, or ForwardBusy when the core refuses — queue
-             at the push-back threshold, or slower than the sender's ``beat_s``)
+             at the push-back threshold, or slower than the sender's ``beat_s``);
+             /peer/forward is served by the ``PeerForward`` middleware, not a FastAPI route
 Admin        GET|POST /admin/partition (loopback clients only): cut this node off from peers;
              /admin/netem, /admin/engine-delay, /admin/debug: fault injection (runtime/debug.py)
 
@@ -134,6 +135,7 @@ def create_app(service: NodeService) -> FastAPI:
     _admin_routes(app, service)
     install_debug_routes(app, service)
     install_openapi(app)  # generated from the routes' pydantic models
+    app.add_middleware(PeerForward, service=service)  # innermost: auth and TLS checks apply
     app.add_middleware(BodyLimit, limit=service.config.max_body_bytes, service=service)
     install_api_key_check(app, service.api_key)
     install_peer_tls(app, service)  # --peer-tls-*: /peer/* needs a CA-signed client cert
@@ -740,21 +742,6 @@ def _peer_routes(app: FastAPI, service: NodeService) -> None:
                                           request.headers.get(HEADER_FROM_ADDRESS))
         return Response(status_code=204 if accepted else 503)
 
-    @app.post("/peer/forward")
-    async def forward(request: Request) -> Response:
-        if service.netem.drop_incoming(request.headers.get(HEADER_FROM),
-                                       request.headers.get(HEADER_FROM_ADDRESS)):
-            return JSONResponse(error_body("partitioned", "unavailable"), status_code=503)
-        try:
-            raw = await read_body(request, MAX_PEER_BODY)
-            service.auth.verify(request.headers, forward_purpose(FORWARD_PATH), raw)
-            req = _parse_forward(service, raw)
-        except AuthError as exc:
-            return refused(service.auth, exc, request.headers.get(HEADER_FROM))
-        except ApiError as err:
-            service.metrics.forwards_rejected += 1
-            return error_response(err)
-        return StreamingResponse(service.serve_forward(req), media_type=FORWARD_MEDIA_TYPE)
 
 
 def _parse_forward(service: NodeService, raw: bytes) -> ForwardRequest:
@@ -768,6 +755,80 @@ def _parse_forward(service: NodeService, raw: bytes) -> ForwardRequest:
     if max(req.prompt) >= service.engine.tokenizer.vocab_size:
         raise ApiError("token id out of range", param="prompt")
     return req
+
+
+class PeerForward:
+    """ASGI middleware serving ``POST /peer/forward``: a forwarded request, answered with the
+    framed replies of :meth:`NodeService.serve_forward`.
+
+    Served here rather than as a FastAPI route: a forward pays this node's HTTP handling on
+    top of the entry node's, and FastAPI's routing, dependency solving and
+    ``StreamingResponse`` (a task group per response, every frame through each middleware's
+    ``send``) cost more than the rest of the peer's side (benchmarks.md, "Node: forwarding
+    overhead"). Installed innermost, so the API-key and peer-TLS middlewares still apply."""
+
+    def __init__(self, app: ASGIApp, service: NodeService) -> None:
+        self.app, self.service = app, service
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] != "http" or scope["path"] != FORWARD_PATH
+                or scope["method"] != "POST"):
+            await self.app(scope, receive, send)
+            return
+        service, request = self.service, Request(scope, receive)
+        sender = request.headers.get(HEADER_FROM)
+        if service.netem.drop_incoming(sender, request.headers.get(HEADER_FROM_ADDRESS)):
+            response: Response = JSONResponse(error_body("partitioned", "unavailable"),
+                                              status_code=503)
+            await response(scope, receive, send)
+            return
+        try:
+            raw = await read_body(request, MAX_PEER_BODY)
+            service.auth.verify(request.headers, forward_purpose(FORWARD_PATH), raw)
+            req = _parse_forward(service, raw)
+        except AuthError as exc:
+            response = refused(service.auth, exc, sender)
+        except ApiError as err:
+            service.metrics.forwards_rejected += 1
+            response = error_response(err)
+        else:
+            await _stream_frames(service.serve_forward(req), receive, send)
+            return
+        await response(scope, receive, send)
+
+
+async def _stream_frames(frames: AsyncGenerator[bytes, None], receive: Receive, send: Send) -> None:
+    """Send ``frames`` as a chunked 200 response. The sender going away (``http.disconnect``
+    before the end) cancels this task, so the frames' generator is closed and its
+    ``finally`` aborts the work; nothing is raised to the server for it."""
+    task = asyncio.current_task()
+    assert task is not None
+    finished = gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not finished:
+            gone = True
+            task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", FORWARD_MEDIA_TYPE.encode())]})
+        async with aclosing(frames) as replies:
+            async for frame in replies:
+                await send({"type": "http.response.body", "body": frame, "more_body": True})
+        finished = True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        task.uncancel()  # the sender went away: nothing left to answer
+    finally:
+        finished = True
+        watcher.cancel()
 
 
 # ---------------------------------------------------------------------------------- admin

@@ -43,7 +43,7 @@ import logging
 import random
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
 from radixmesh.core.blocks import block_hashes
@@ -564,7 +564,7 @@ class NodeService:
             del self._running[rid]
 
     # ------------------------------------------------------------------------- peer side
-    async def serve_forward(self, req: ForwardRequest) -> AsyncIterator[bytes]:
+    async def serve_forward(self, req: ForwardRequest) -> AsyncGenerator[bytes, None]:
         """The framed replies to a forwarded request, executed here (never routed again) — or
         a single ``ForwardBusy`` when the core refuses it (queue at the push-back threshold,
         or slower than ``beat_s``): the sender then falls back at once."""
@@ -663,6 +663,7 @@ class NodeService:
             "netem_dropped_loss": float(self.netem.dropped_loss),
             "netem_dropped_partition": float(self.netem.dropped_partition),
             "netem_duplicated": float(self.netem.duplicated),
+            "peer_connections_opened": float(self.peers.connections_opened),
             "api_key_rejected": float(self.api_key.rejected),
             "drain_cancelled": float(self.drain_cancelled),
             "join_dns_resolutions": float(self.dns_resolutions),

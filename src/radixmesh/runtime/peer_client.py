@@ -104,19 +104,28 @@ class ForwardStream:
         self._response.close()
 
     async def aclose(self) -> None:
-        """Finish with the stream. After the final reply the (empty) rest of the body is read,
-        so the keep-alive connection goes back to the pool; otherwise it is closed."""
+        """Finish with the stream. After the final reply the (empty) rest of the body is read
+        in the background, so the keep-alive connection goes back to the pool without
+        delaying the answer; otherwise the connection is closed."""
         await self._chunks.aclose()  # type: ignore[attr-defined]
         if self.completed and not self._ready:
-            try:
-                async with asyncio.timeout(EOF_WAIT_S):
-                    await self._response.read()
-            except (*_TRANSPORT_ERRORS, RuntimeError):
-                self._response.close()
-                return
-            self._response.release()
+            task = asyncio.ensure_future(self._release())
+            _RELEASING.add(task)  # a strong reference until it ends
+            task.add_done_callback(_RELEASING.discard)
         else:
             self._response.close()
+
+    async def _release(self) -> None:
+        try:
+            async with asyncio.timeout(EOF_WAIT_S):
+                await self._response.read()
+        except (*_TRANSPORT_ERRORS, RuntimeError, asyncio.CancelledError):
+            self._response.close()
+            return
+        self._response.release()
+
+
+_RELEASING: set[asyncio.Future[None]] = set()  # ForwardStream._release tasks still running
 
 
 class PeerClient:
@@ -144,6 +153,7 @@ class PeerClient:
         self.gossip_sent = 0
         self.gossip_failed = 0
         self.tls_failed = 0  # gossip and forwards whose TLS handshake failed
+        self.connections_opened = 0  # TCP connections to peers (keep-alive reuses them)
 
     def use_tls(self, context: ssl.SSLContext) -> None:
         """Send every peer message over HTTPS with ``context`` (before the first message)."""
@@ -154,6 +164,8 @@ class PeerClient:
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:  # created lazily: a session needs a running event loop
+            trace = aiohttp.TraceConfig()
+            trace.on_connection_create_end.append(self._opened)
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=512, limit_per_host=0,
                                                ssl=self._ssl if self._ssl is not None else True),
@@ -162,8 +174,12 @@ class PeerClient:
                 read_bufsize=READ_BUFFER_BYTES,
                 trust_env=False,  # never pick up a proxy from the environment
                 auto_decompress=False,
+                trace_configs=[trace],
             )
         return self._session
+
+    async def _opened(self, *_: object) -> None:
+        self.connections_opened += 1
 
     async def aclose(self) -> None:
         if self._session is not None:
