@@ -177,6 +177,7 @@ def test_garbage_peer_messages_are_rejected_and_counted(cluster: LocalCluster) -
     assert metric(cluster, 2, "radixmesh_core_messages_rejected_total") >= before + 3
     bad_forward = cluster.post(2, "/peer/forward", content=b"{\"prompt_ids\": \"nope\"}")
     _assert_error(bad_forward, 400)
+    _assert_error(cluster.get(2, "/peer/forward"), 405)  # POST only, like every route
     assert complete(cluster, 2, "still serving").status_code == 200
     assert cluster.get(2, "/health").json()["status"] == "ok"
 

@@ -771,9 +771,12 @@ class PeerForward:
         self.app, self.service = app, service
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] != "http" or scope["path"] != FORWARD_PATH
-                or scope["method"] != "POST"):
+        if scope["type"] != "http" or scope["path"] != FORWARD_PATH:
             await self.app(scope, receive, send)
+            return
+        if scope["method"] != "POST":  # as FastAPI answers for its own routes
+            await error_response(ApiError("Method Not Allowed", status=405),
+                                 self.service)(scope, receive, send)
             return
         service, request = self.service, Request(scope, receive)
         sender = request.headers.get(HEADER_FROM)
