@@ -795,12 +795,16 @@ class PeerForward:
             service.metrics.forwards_rejected += 1
             response = error_response(err)
         else:
-            await _stream_frames(service.serve_forward(req), receive, send)
+            await _stream_frames(service.serve_forward(req), request, send)
             return
         await response(scope, receive, send)
 
 
-async def _stream_frames(frames: AsyncGenerator[bytes, None], receive: Receive, send: Send) -> None:
+_FORWARD_HEADERS = [(b"content-type", FORWARD_MEDIA_TYPE.encode())]
+
+
+async def _stream_frames(frames: AsyncGenerator[bytes, None], request: Request,
+                         send: Send) -> None:
     """Send ``frames`` as a chunked 200 response. The sender going away (``http.disconnect``
     before the end) cancels this task, so the frames' generator is closed and its
     ``finally`` aborts the work; nothing is raised to the server for it."""
@@ -810,16 +814,14 @@ async def _stream_frames(frames: AsyncGenerator[bytes, None], receive: Receive, 
 
     async def watch() -> None:
         nonlocal gone
-        while (await receive())["type"] != "http.disconnect":
-            pass
+        await _disconnected(request)
         if not finished:
             gone = True
             task.cancel()
 
     watcher = asyncio.ensure_future(watch())
     try:
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", FORWARD_MEDIA_TYPE.encode())]})
+        await send({"type": "http.response.start", "status": 200, "headers": _FORWARD_HEADERS})
         async with aclosing(frames) as replies:
             async for frame in replies:
                 await send({"type": "http.response.body", "body": frame, "more_body": True})

@@ -71,8 +71,10 @@ _TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueEr
 class ForwardStream:
     """An open forward: call :meth:`next_reply` until the last one; always :meth:`aclose` it."""
 
-    def __init__(self, response: aiohttp.ClientResponse, netem: Netem) -> None:
+    def __init__(self, response: aiohttp.ClientResponse, netem: Netem,
+                 releasing: set[asyncio.Task[None]]) -> None:
         self._response = response
+        self._releasing = releasing  # the client's background reads of finished bodies
         self.completed = False  # the caller saw the final reply: the connection is reusable
         self._chunks = netem.delayed(self._read())
         self._decoder = ReplyDecoder()
@@ -110,8 +112,8 @@ class ForwardStream:
         await self._chunks.aclose()  # type: ignore[attr-defined]
         if self.completed and not self._ready:
             task = asyncio.ensure_future(self._release())
-            _RELEASING.add(task)  # a strong reference until it ends
-            task.add_done_callback(_RELEASING.discard)
+            self._releasing.add(task)  # a strong reference until it ends
+            task.add_done_callback(self._releasing.discard)
         else:
             self._response.close()
 
@@ -123,9 +125,6 @@ class ForwardStream:
             self._response.close()
             return
         self._response.release()
-
-
-_RELEASING: set[asyncio.Future[None]] = set()  # ForwardStream._release tasks still running
 
 
 class PeerClient:
@@ -154,6 +153,7 @@ class PeerClient:
         self.gossip_failed = 0
         self.tls_failed = 0  # gossip and forwards whose TLS handshake failed
         self.connections_opened = 0  # TCP connections to peers (keep-alive reuses them)
+        self._releasing: set[asyncio.Task[None]] = set()  # ForwardStream._release tasks
 
     def use_tls(self, context: ssl.SSLContext) -> None:
         """Send every peer message over HTTPS with ``context`` (before the first message)."""
@@ -182,6 +182,8 @@ class PeerClient:
         self.connections_opened += 1
 
     async def aclose(self) -> None:
+        for task in self._releasing:  # their connections are closed with the session
+            task.cancel()
         if self._session is not None:
             await self._session.close()
 
@@ -231,4 +233,4 @@ class PeerClient:
                 detail = ""
             response.release()
             raise ForwardFailure(f"http_{response.status}", detail)
-        return ForwardStream(response, self.netem)
+        return ForwardStream(response, self.netem, self._releasing)
