@@ -540,20 +540,26 @@ def test_a_held_prefix_is_replicated_for_its_load_not_for_a_few_requests() -> No
     cfg = n0.config.router
     req = RouteInput(3200, 1)
 
-    def owners(requests: int) -> int:
+    def placement(requests: int) -> tuple[str, ...]:
         placed = None
         for _ in range(requests):
             nodes = [n0._self_info(0, c.now), *n0._peer_infos(chain, 3200, Policy.COST, c.now)]
             placed = n0._placement(chain, req, nodes, c.now, observe=True)
             c.run_for(0.01)
         assert placed is not None
-        return len(placed[0].owners)
+        return placed[0].owners
 
     few = 12  # in 0.12 s: 12 a window here, 36 across the mesh
     cold = n0._self_info(0, c.now).speed.service_s(3200, 0, 1, cfg.context_scale)
     assert few * 3 / cfg.replica_window_s * cold > cfg.replica_load  # hot if priced cold
-    assert owners(few) == 1
-    assert owners(3000) > 1  # a flood: more than one owner
+    assert len(placement(few)) == 1
+    # a flood whose requests never wait (its first owner's queue empty: one client sending
+    # them back to back) keeps one owner; once they queue there, more
+    [first] = placement(3000)
+    c.deliver(first, LoadChanged(4, 1, 0, 100))
+    c.run_for(0.6)  # its next gossip round reports the queue
+    flood = placement(1)
+    assert flood[0] == first and len(flood) > 1
 
 
 def test_a_speed_nothing_refreshed_for_a_load_window_restarts_from_the_peers_median() -> None:
@@ -593,6 +599,29 @@ def test_a_speed_nothing_refreshed_for_a_load_window_restarts_from_the_peers_med
         adopted.prefill_s_per_token, rel=1e-3)
     c.deliver("n0", RequestServed(1000, 0, 10 * per_token * 1000, 1, 0.0, 1.0))
     assert n0.own_speed().prefill_s_per_token > 3 * per_token  # half the way, not a fifth
+
+
+def test_a_node_that_measured_nothing_adopts_the_peers_median_at_once() -> None:
+    """A node that has served nothing advertises the configured prior, the tiny engine's
+    speed on an idle machine; peers that measured a loaded machine (5x slower here) would
+    see it as the fastest node and send it cold prefills. It adopts their median at its
+    first round after they served, not a load window later, and only once."""
+    c = warm_cluster(3, policy=Policy.COST)
+    n0, n1 = c.nodes["n0"], c.nodes["n1"]
+    prior = n0.own_speed().prefill_s_per_token
+    c.run_for(2.0)
+    assert n0.metrics()["speed_adopted"] == 0  # an idle mesh: nobody measured anything
+    for peer in ("n1", "n2"):
+        for _ in range(3):
+            c.deliver(peer, RequestServed(1000, 0, 5 * prior * 1000, 1, 0.0, 0.6))
+    c.run_for(1.5)  # the peers' reports, then n0's next round
+    assert n0.metrics()["speed_adopted"] == 1
+    assert n0.own_speed().prefill_s_per_token > 3 * prior
+    [view] = [p for p in n1.mesh_state(c.now)["peers"] if p["node_id"] == "n0"]  # type: ignore[index, union-attr]
+    assert view["load"]["prefill_s_per_token"] == pytest.approx(  # type: ignore[index]
+        n0.own_speed().prefill_s_per_token, rel=1e-3)
+    c.run_for(3.0)  # measured now (adopted): the stale-speed rule's window applies again
+    assert n0.metrics()["speed_adopted"] == 1
 
 
 def test_load_above_threshold_advertises_immediately() -> None:

@@ -19,6 +19,7 @@ from radixmesh.core.router import (
     Router,
     RouterConfig,
     Tag,
+    mean_utilization,
     mesh_cost,
     over_bound,
     predict_latency,
@@ -281,8 +282,9 @@ def test_cost_bounded_load_ignores_utilization_when_all_idle() -> None:
     assert rank(Policy.COST, req, nodes)[0] == "warm"
     # Light traffic: the warm peer alone served one request in the window. Its utilization is
     # far above (1 + load_bound) x the mean, yet it must still get the next request (the
-    # one-request slack); a little more busy time and the bound applies (its saving, 1,200 of
-    # 3,000 tokens, is too small to override the bound).
+    # one-request slack); a little more busy time and the bound applies where the peer has
+    # no room to spare (a saving of 1,200 of 3,000 tokens, less than the half that
+    # ``load_bound_bypass=0.5`` asks of a peer over the bound, keeps the request here).
     window = RouterConfig().load_window_s
     one_request = SPEED.mean_service_s / window
     light = NodeInfo("warm", False, 1200, 0.001, 0, SPEED, utilization=one_request)
@@ -292,7 +294,8 @@ def test_cost_bounded_load_ignores_utilization_when_all_idle() -> None:
     assert over_bound(light, one_request / 2, 0.5)  # placement's walk: no slack
     assert rank(Policy.COST, req, [me(0), light])[0] == "warm"
     busy = NodeInfo("warm", False, 1200, 0.001, 0, SPEED, utilization=5 * one_request)
-    assert rank(Policy.COST, req, [me(0), busy])[0] == "self"
+    halves = Router(RouterConfig(policy=Policy.COST, load_bound_bypass=0.5))
+    assert halves.rank(req, [me(0), busy], random.Random(0))[0].is_self
 
 
 def test_cost_bound_yields_to_a_large_certain_hit_while_the_peer_has_room() -> None:
@@ -309,6 +312,18 @@ def test_cost_bound_yields_to_a_large_certain_hit_while_the_peer_has_room() -> N
     assert rank(Policy.COST, req, [mine, idle])[0] == "warm"
     never = Router(RouterConfig(policy=Policy.COST, load_bound_bypass=1.0))
     assert never.rank(req, [me(0), roomy], random.Random(0))[0].is_self
+    # a small certain hit on a peer with room (an agent's scratchpad, with the system prompt
+    # cached everywhere): where nothing queues, balancing buys no time, so it is kept
+    step = RouteInput(1600, 1)
+    mine = NodeInfo("self", True, 1266, 0.0, 0, SPEED, utilization=0.1)
+    holder = NodeInfo("warm", False, 1456, 0.001, 0, SPEED, utilization=0.45)
+    assert over_bound(holder, mean_utilization([mine, holder]), 0.5)
+    assert rank(Policy.COST, step, [mine, holder])[0] == "warm"
+    halves = Router(RouterConfig(policy=Policy.COST, load_bound_bypass=0.5))
+    assert halves.rank(step, [mine, holder], random.Random(0))[0].is_self
+    # the same holder with a request queued and busy over the floor has no room: balanced
+    loaded = replace(holder, queue_depth=1.0, utilization=0.6)
+    assert rank(Policy.COST, step, [mine, loaded])[0] == "self"
 
 
 # ----------------------------------------------------------------------- paper (Algorithm 1)
@@ -523,6 +538,29 @@ def test_no_slack_for_a_holder_when_the_best_choice_holds_more_of_the_request() 
     queued = NodeInfo("self", True, 1200, 0.0, 1, SPEED)
     assert placed([queued, peer("x", 0)], ("o",), held=256, placement_slack=0.0)[0].node_id == "x"
     assert placed([queued, peer("x", 0)], ("o",), held=256)[0].is_self
+
+
+def test_a_copy_the_placement_would_make_gives_way_to_a_holder_no_slower_now() -> None:
+    """A conversation's second turn: every node holds the shared preamble (2,000 tokens), the
+    node the first turn ran on holds 80 more, past the key's block; the key's owner holds only
+    the preamble. The holder saves this node too little to be preferred for itself, the owner
+    is preferred (its copy would serve later turns), so the placement used to forward the turn
+    to the owner, which re-prefilled the first turn. The holder is cheaper now and needs no
+    copy: it gets the forward, tagged a hit, with the placement's ``beat_s``."""
+    req = RouteInput(3000, 1)
+    nodes = [me(2000), peer("o", 2000), peer("h", 2080), peer("x", 0)]
+    assert predict_latency(req, nodes[2], SCALE) < predict_latency(req, nodes[1], SCALE)
+    out = placed(nodes, ("o",), held=2016)
+    assert out[0].node_id == "h" and out[0].placement is Tag.HIT
+    local = next(c for c in out if c.is_self).predicted_latency_s
+    assert out[0].beat_s is not None and out[0].beat_s > local  # the slack's beat, not staying's
+    # an overloaded holder does not: the owner makes the copy (a replica of a busy prefix)
+    busy = replace(nodes[2], utilization=1.0)
+    idle = [replace(n, utilization=0.1) for n in (nodes[0], nodes[1], nodes[3])]
+    assert placed([idle[0], idle[1], busy, idle[2]], ("o",), held=2016)[0].node_id == "o"
+    # nor does a holder slower than the owner now
+    queued = replace(nodes[2], queue_depth=3)
+    assert placed([nodes[0], nodes[1], queued, nodes[3]], ("o",), held=2016)[0].node_id == "o"
 
 
 def test_a_holder_busy_for_the_moment_does_not_make_a_copy_here_cheap() -> None:

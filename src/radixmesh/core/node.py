@@ -190,6 +190,7 @@ class NodeCore:
         self._rtt = RttTable(config.priors)
         self._busy = Utilization(config.router.load_window_s)
         self._speed_at = now  # when the own speed estimate was last refreshed (served, adopted)
+        self._speed_measured = False  # served a request, or adopted a peer's measured speed
         # per peer: how far the queue waits our forwards met were from what we predicted
         self._wait_errors: dict[str, WaitError] = {}
         self._router = Router(config.router)
@@ -579,11 +580,21 @@ class NodeCore:
         otherwise keep it for good: it looks too slow to itself and to its peers, is sent
         nothing, and never measures again (on the real cluster such a node served nothing
         for whole runs, its engine idle while its peers queued). A node really slower than
-        the median is sent a request or two, and they bring its estimate back."""
+        the median is sent a request or two, and they bring its estimate back.
+        A node that has measured nothing yet (its speed is the configured prior) adopts the
+        peers' median at the first round after one of them has served, not a window later:
+        the default prior is the tiny engine's on an idle machine, and a node still
+        advertising it looked 4-5x faster than peers that had measured a loaded one, so in a
+        run's first seconds cold copies went to the nodes that had served nothing (one
+        client in the simulator with the fitted speeds: 2 agent tasks' steps copied cold
+        to an idle node next to the holder of 1,456 of their 1,664 tokens)."""
         window = self.config.router.load_window_s
-        if now - self._speed_at < window or self._load.queue_depth:
+        if self._load.queue_depth:
             return
-        self._speed_at = now  # (checked again a window later)
+        if self._speed_measured:
+            if now - self._speed_at < window:
+                return
+            self._speed_at = now  # (checked again a window later)
         fresh = []  # the speeds of (at most SPEED_SAMPLE) peers that served lately
         for peer in self._gossip.routable:
             est = self._gossip.estimates.get(peer)
@@ -594,12 +605,15 @@ class NodeCore:
                 if len(fresh) >= SPEED_SAMPLE:
                     break
         if self._compute.restart_from(fresh):
+            self._speed_at = now
+            self._speed_measured = True
             self._load_cache = None
             self._count("speed_adopted")
 
     def _served(self, event: RequestServed, now: float) -> list[Action]:
         self._count("requests_served")
         self._speed_at = now
+        self._speed_measured = True
         self._busy.observe(event.service_s, now)
         self._load_cache = None
         uncached = max(0, event.prompt_tokens - event.cached_tokens)
@@ -719,6 +733,8 @@ class NodeCore:
         load = self._key_rates.confident_rate(key, now) * members * warm
         k = replicas_for(load, cfg.replica_load, members, cfg.max_replicas)
         owners = self._owners(key, k, nodes, now)
+        if len(owners) > 1:
+            owners = self._owners_needed(owners, nodes, now)
         present = {n.node_id for n in nodes}
         missing = [o for o in owners if o not in present]
         if len(missing) > ROUTE_TOP_K:  # a very hot prefix: a random few of its owners (entry
@@ -730,6 +746,25 @@ class NodeCore:
                 if info is not None:
                     nodes.append(info)
         return Placement(tuple(owners), held, self._key_rent.total(key, now)), key
+
+    def _owners_needed(self, owners: list[str], nodes: list[NodeInfo], now: float) -> list[str]:
+        """A hot prefix's owners past the first are for requests that would wait: the set
+        ends at the first owner where a request arriving now is expected to find an empty
+        queue (own queue exact, a peer's expected one). The owner sets stay nested, so two
+        entry nodes that disagree still agree on the owners they share. A prefix's load
+        counts its requests, not whether they overlap: one client sending a hot prefix
+        back to back keeps one node ~90 % busy with nothing ever queued, and its load asked
+        for 2-3 owners; each replica was a cold prefill that no request waited less for
+        (the real cluster's one-client hot-prefix run: 2 of 100 requests, its slowest after
+        the first)."""
+        depth = {n.node_id: n.queue_depth for n in nodes}
+        for i, owner in enumerate(owners[:-1]):
+            if owner not in depth:
+                info = self._info(owner, 0, now)
+                depth[owner] = 0.0 if info is None else info.queue_depth
+            if depth[owner] < 1.0:
+                return owners[: i + 1]
+        return owners
 
     def _owners(self, key: int, k: int, nodes: list[NodeInfo], now: float) -> list[str]:
         """The key's first ``k`` owners clockwise among the available members, passing over
