@@ -755,8 +755,8 @@ class NodeCore:
         counts its requests, not whether they overlap: one client sending a hot prefix
         back to back keeps one node ~90 % busy with nothing ever queued, and its load asked
         for 2-3 owners; each replica was a cold prefill that no request waited less for
-        (the real cluster's one-client hot-prefix run: 2 of 100 requests, its slowest after
-        the first)."""
+        (the real cluster's one-client hot-prefix run: 2 of 100 requests, two of its four
+        slowest)."""
         depth = {n.node_id: n.queue_depth for n in nodes}
         for i, owner in enumerate(owners[:-1]):
             if owner not in depth:
