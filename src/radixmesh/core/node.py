@@ -189,8 +189,9 @@ class NodeCore:
         self._token_rate = TokenRate(config.priors)  # bounded admission's default token cap
         self._rtt = RttTable(config.priors)
         self._busy = Utilization(config.router.load_window_s)
-        self._speed_at = now  # when the own speed estimate was last refreshed (served, adopted)
-        self._speed_measured = False  # served a request, or adopted a peer's measured speed
+        # when the own speed estimate was last refreshed (served, adopted); None: it is
+        # still the configured prior
+        self._speed_at: float | None = None
         # per peer: how far the queue waits our forwards met were from what we predicted
         self._wait_errors: dict[str, WaitError] = {}
         self._router = Router(config.router)
@@ -591,7 +592,7 @@ class NodeCore:
         window = self.config.router.load_window_s
         if self._load.queue_depth:
             return
-        if self._speed_measured:
+        if self._speed_at is not None:
             if now - self._speed_at < window:
                 return
             self._speed_at = now  # (checked again a window later)
@@ -606,14 +607,12 @@ class NodeCore:
                     break
         if self._compute.restart_from(fresh):
             self._speed_at = now
-            self._speed_measured = True
             self._load_cache = None
             self._count("speed_adopted")
 
     def _served(self, event: RequestServed, now: float) -> list[Action]:
         self._count("requests_served")
         self._speed_at = now
-        self._speed_measured = True
         self._busy.observe(event.service_s, now)
         self._load_cache = None
         uncached = max(0, event.prompt_tokens - event.cached_tokens)
@@ -757,12 +756,10 @@ class NodeCore:
         for 2-3 owners; each replica was a cold prefill that no request waited less for
         (the real cluster's one-client hot-prefix run: 2 of 100 requests, two of its four
         slowest)."""
-        depth = {n.node_id: n.queue_depth for n in nodes}
+        known = {n.node_id: n for n in nodes}
         for i, owner in enumerate(owners[:-1]):
-            if owner not in depth:
-                info = self._info(owner, 0, now)
-                depth[owner] = 0.0 if info is None else info.queue_depth
-            if depth[owner] < 1.0:
+            info = known.get(owner) or self._info(owner, 0, now)
+            if info is None or info.queue_depth < 1.0:
                 return owners[: i + 1]
         return owners
 
