@@ -8,7 +8,8 @@ Everything after ``--`` is a `radixmesh` command line. Each decision whose chose
 carries one of the placement tags asked for (``first``, ``hit``, ``replica``,
 ``second_copy``, ``unplaced``, ``local_copy``; ``all`` for every decision) is printed with
 what the deciding node believed: per candidate its estimated cached tokens, expected queue,
-utilization, mesh cost (``core.router.mesh_cost``) and the error of its queue predictions,
+utilization, mesh cost (``core.router.mesh_cost``), the error of its queue predictions and
+its prefill speed as the router used it (after the robust-speed rule),
 the prefix's owners and the tokens that count as holding it, and the chosen node. At the
 end, how many decisions chose each tag. Placement (owners, tags) exists for the `cost`
 policy only; other policies' decisions are counted under ``None``.
@@ -79,9 +80,11 @@ def _show(router: r.Router, req: r.RouteInput, avail: list[r.NodeInfo],
           f"held at {held} tokens -> {chosen.node_id} ({tag})", file=sys.stderr)
     for n, cost in sorted(zip(avail, costs, strict=True), key=lambda p: p[1]):
         mark = "*" if n.is_self else " "
+        sp = n.speed
         print(f"    {n.node_id}{mark} cached {n.cached_tokens:6d}  queue {n.queue_depth:5.2f}  "
-              f"util {n.utilization:4.2f}  cost {cost:7.3f} s  wait error {n.wait_error_s:.3f} s",
-              file=sys.stderr)
+              f"util {n.utilization:4.2f}  cost {cost:7.3f} s  wait error {n.wait_error_s:.3f} s  "
+              f"speed {sp.prefill_overhead_s * 1e3:.1f} ms + {sp.prefill_s_per_token * 1e6:.0f} "
+              f"us/unit", file=sys.stderr)
 
 
 if __name__ == "__main__":
