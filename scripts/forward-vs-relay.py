@@ -2,6 +2,7 @@
 """A mesh forward against a gateway's relay hop, on the same box and the same emulated link.
 
     .venv/bin/python scripts/forward-vs-relay.py [--samples 150] [--net-delay 2ms]
+        [--peer-transport link|http]
 
 Two real nodes (``LocalCluster``, tiny preset, one torch thread each) and the delaying relay
 the benchmark puts between a centralized gateway and its workers (``bench/linkproxy.py``).
@@ -37,9 +38,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=150)
     parser.add_argument("--net-delay", default="0", help="emulated one-way delay, e.g. 2ms")
+    parser.add_argument("--peer-transport", default="link", choices=("link", "http"),
+                        help="how n0 sends its forward to n1 (the node's --peer-transport)")
     args = parser.parse_args()
     delay_s = parse_duration(args.net_delay)
-    options = {"policy": "none", "gossip_interval": 0.5, "net_delay": args.net_delay}
+    options = {"policy": "none", "gossip_interval": 0.5, "net_delay": args.net_delay,
+               "peer_transport": args.peer_transport}
     with LocalCluster(2, options, per_node={0: {"threads": 1}, 1: {"threads": 1}}) as cluster:
         n1 = urlsplit(cluster.url(1))
         relay = subprocess.Popen(
@@ -69,7 +73,8 @@ def main() -> int:
             relay.wait(timeout=10)
     med = {name: (1e3 * statistics.median(x[0] for x in v),
                   1e3 * statistics.median(x[1] for x in v)) for name, v in seen.items()}
-    print(f"net delay {args.net_delay}, {args.samples} rounds; medians, ms")
+    print(f"net delay {args.net_delay}, peer transport {args.peer_transport}, "
+          f"{args.samples} rounds; medians, ms")
     for name, (total, outside) in med.items():
         print(f"  {name:<8} {total:7.2f}   outside the engine {outside:6.2f}")
     print(f"forward - local  {med['forward'][1] - med['local'][1]:6.2f} ms (outside the engine)")

@@ -18,10 +18,22 @@ from radixmesh.core.forward_codec import (
     KIND_FORWARD_REQUEST,
     KIND_RESULT,
     KIND_TOKENS,
+    LINK_FRAME_TYPES,
+    LINK_OPEN,
+    LINK_REFUSED,
+    LINK_REPLY,
+    MAX_LINK_STREAM,
     ForwardLimits,
+    LinkDecoder,
+    LinkFrame,
     ReplyDecoder,
     decode_forward_request,
+    decode_link_open,
+    decode_link_refused,
     encode_forward_request,
+    encode_link_frame,
+    encode_link_open,
+    encode_link_refused,
     encode_reply,
 )
 from radixmesh.core.messages import (
@@ -362,3 +374,81 @@ def test_large_prompt_at_the_default_limit() -> None:
     over = _req_fields(req)
     over[2].append(1)
     _request_rejected(_pack(over))
+
+
+# ---------------------------------------------------------------------------------- links
+link_frames = st.builds(
+    LinkFrame,
+    stream=st.integers(0, MAX_LINK_STREAM),
+    type=st.sampled_from(sorted(LINK_FRAME_TYPES)),
+    body=st.binary(max_size=64),
+)
+
+
+@given(frames=st.lists(link_frames, max_size=8), data=st.data())
+def test_link_frames_survive_any_chunking(frames: list[LinkFrame], data: st.DataObject) -> None:
+    wire = b"".join(encode_link_frame(f.stream, f.type, f.body) for f in frames)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(wire)), max_size=6)))
+    decoder, out = LinkDecoder(), []
+    for a, b in zip([0, *cuts], [*cuts, len(wire)], strict=True):
+        out += decoder.feed(wire[a:b])
+    assert out == frames and decoder.pending_bytes == 0
+
+
+def test_link_frame_layout() -> None:
+    assert encode_link_frame(7, LINK_REPLY, b"ab") == (
+        b"\x00\x00\x00\x02" b"\x00\x00\x00\x07" b"\x03" b"ab")
+    for stream, kind in ((-1, LINK_OPEN), (MAX_LINK_STREAM + 1, LINK_OPEN), (1, 99)):
+        with pytest.raises(ValueError):
+            encode_link_frame(stream, kind)
+
+
+@given(token=st.text(st.characters(min_codepoint=33, max_codepoint=126), max_size=200),
+       request=st.binary(max_size=64))
+def test_link_open_roundtrip(token: str, request: bytes) -> None:
+    [frame] = LinkDecoder().feed(encode_link_open(3, token, request))
+    assert (frame.stream, frame.type) == (3, LINK_OPEN)
+    assert decode_link_open(frame.body) == (token, request)
+
+
+@pytest.mark.parametrize("body", [b"", b"\x00", b"\x00\x05abc", b"\x04\x01" + b"x" * 1100,
+                                  b"\x00\x02\xff\xfe"])
+def test_bad_link_open_bodies_are_refused(body: bytes) -> None:
+    with pytest.raises(RemoteProtocolError):
+        decode_link_open(body)
+
+
+def test_link_refusal_roundtrip_and_hostile_bodies() -> None:
+    [frame] = LinkDecoder().feed(encode_link_refused(5, 403, "no"))
+    assert frame.type == LINK_REFUSED and decode_link_refused(frame.body) == (403, "no")
+    hostile = [b"", b"\xc1", msgpack.packb([403]), msgpack.packb([99, "x"]),
+               msgpack.packb(["403", "x"]), msgpack.packb([403, 5]), msgpack.packb({"a": 1})]
+    for body in hostile:
+        with pytest.raises(RemoteProtocolError):
+            decode_link_refused(body)
+
+
+def test_link_decoder_refuses_unknown_types_and_oversize_bodies_before_buffering() -> None:
+    with pytest.raises(RemoteProtocolError):
+        LinkDecoder().feed(b"\x00\x00\x00\x00\x00\x00\x00\x01\x63")
+    small = LinkDecoder(ForwardLimits(max_frame_bytes=16))
+    with pytest.raises(RemoteProtocolError) as err:
+        small.feed(b"\x00\x00\x00\x11\x00\x00\x00\x01\x03")  # 17 bytes announced, none sent
+    assert err.value.reason == "size"
+    with pytest.raises(RemoteProtocolError):
+        small.feed(b"")  # sticky
+
+
+@given(data=st.binary(max_size=512), chunk=st.integers(1, 64))
+def test_random_bytes_on_a_link_only_raise_remote_protocol_error(data: bytes,
+                                                                 chunk: int) -> None:
+    decoder = LinkDecoder(ForwardLimits(max_frame_bytes=256))
+    with contextlib.suppress(RemoteProtocolError):
+        for i in range(0, len(data), chunk):
+            for frame in decoder.feed(data[i : i + chunk]):
+                if frame.type == LINK_OPEN:
+                    with contextlib.suppress(RemoteProtocolError):
+                        decode_link_open(frame.body)
+                if frame.type == LINK_REFUSED:
+                    with contextlib.suppress(RemoteProtocolError):
+                        decode_link_refused(frame.body)

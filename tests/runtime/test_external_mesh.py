@@ -15,7 +15,7 @@ import uvicorn
 
 from radixmesh.engine.tokenizers import ByteTokenizer
 from radixmesh.runtime import inprocess
-from radixmesh.runtime.app import create_app
+from radixmesh.runtime.app import create_app, node_server
 from radixmesh.runtime.cluster import free_port
 from radixmesh.runtime.config import ServeConfig
 from radixmesh.runtime.node import NodeService
@@ -41,8 +41,8 @@ async def node(fake: FakeEngine, name: str, port: int, peer_port: int, gossip_in
                       engine_url=fake.url, kv_events=fake.kv_endpoint,
                       kv_replay=fake.replay_endpoint, model=fake.model, cache_tokens=4096)
     service = build_external_service(cfg, tokenizer=ByteTokenizer())
-    server = uvicorn.Server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port,
-                                           log_level="warning", lifespan="on"))
+    server = node_server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port,
+                                        log_level="warning", lifespan="on"), service)
     task = asyncio.create_task(server.serve())
     await until(lambda: server.started, f"{name} to start")
     try:

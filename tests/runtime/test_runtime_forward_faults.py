@@ -1,5 +1,6 @@
 """Forward failure modes against a scripted fake peer, in process (micro preset, no sockets
-for the node itself): every broken peer still yields the correct answer, via fallback."""
+for the node itself): every broken peer still yields the correct answer, via fallback, with
+the same failure reason over either transport (one POST per forward, or a link)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,17 @@ import pytest
 
 from radixmesh.core.events import LoadChanged
 from radixmesh.core.forward_codec import (
+    LINK_END,
+    LINK_OPEN,
+    LINK_REPLY,
+    LinkDecoder,
+    LinkFrame,
     ReplyDecoder,
     decode_forward_request,
+    decode_link_open,
     encode_forward_request,
+    encode_link_frame,
+    encode_link_refused,
     encode_reply,
 )
 from radixmesh.core.messages import (
@@ -89,10 +98,94 @@ async def _busy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
     writer.write(_stream_head() + _chunk(encode_reply(ForwardBusy("fake", 0.7))) + _chunk(b""))
 
 
+# ------------------------------------------------------------------ the same, over a link
+async def _link_open(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> LinkFrame:
+    """Accept the link (its request head), then read its frames up to the first forward."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert head.startswith(b"POST /peer/link "), head[:40]
+    writer.write(_link_head())
+    decoder = LinkDecoder()
+    while True:
+        size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+        data = (await reader.readexactly(size + 2))[:-2]
+        for frame in decoder.feed(data):
+            if frame.type == LINK_OPEN:
+                return frame
+
+
+def _reply(frame: LinkFrame, *replies: object) -> bytes:
+    return _chunk(b"".join(encode_link_frame(frame.stream, LINK_REPLY, encode_reply(r))  # type: ignore[arg-type]
+                           for r in replies))
+
+
+def _link_head() -> bytes:
+    return (b"HTTP/1.1 200 OK\r\ncontent-type: application/x-radixmesh-link\r\n"
+            b"transfer-encoding: chunked\r\n\r\n")
+
+
+async def _link_http_500(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await reader.readuntil(b"\r\n\r\n")
+    writer.write(b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 4\r\n\r\noops")
+
+
+async def _link_refused(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    frame = await _link_open(reader, writer)
+    writer.write(_chunk(encode_link_refused(frame.stream, 500, "oops")))
+    await asyncio.sleep(30)  # the link stays open: only the forward was refused
+
+
+async def _link_garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await _link_open(reader, writer)
+    writer.write(_chunk(b"\x00\x00\x00\x01\x00\x00\x00\x01\x09x"))  # type 9
+
+
+async def _link_bad_reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    frame = await _link_open(reader, writer)
+    body = b"\x00\x00\x00\x05\xffnot a frame"
+    writer.write(_chunk(encode_link_frame(frame.stream, LINK_REPLY, body)))
+
+
+async def _link_silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await _link_open(reader, writer)
+    await asyncio.sleep(30)
+
+
+async def _link_dies_midstream(reader: asyncio.StreamReader,
+                               writer: asyncio.StreamWriter) -> None:
+    frame = await _link_open(reader, writer)
+    assert decode_forward_request(decode_link_open(frame.body)[1]).stream is True
+    writer.write(_reply(frame, ForwardAccepted("fake", 0),
+                                       ForwardTokens(tuple(TRUTH[:3]))))
+    await writer.drain()
+    writer.transport.abort()
+
+
+async def _link_ends_early(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    frame = await _link_open(reader, writer)
+    writer.write(_reply(frame, ForwardAccepted("fake", 0))
+                 + _chunk(encode_link_frame(frame.stream, LINK_END)))
+    await asyncio.sleep(30)
+
+
+async def _link_bad_tokens(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    frame = await _link_open(reader, writer)
+    done = ForwardResult((10**9,), "length", len(PROMPT), 0, 0.0, 0.0, 0.0)
+    writer.write(_reply(frame, ForwardAccepted("fake", 0), done))
+    await asyncio.sleep(30)
+
+
+async def _link_busy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    frame = await _link_open(reader, writer)
+    writer.write(_reply(frame, ForwardBusy("fake", 0.7))
+                 + _chunk(encode_link_frame(frame.stream, LINK_END)))
+    await asyncio.sleep(30)
+
+
 TRUTH: list[int] = []
 
 
-async def _run(engine, script: Script | None, stream: bool) -> tuple[list[int], str, dict]:  # type: ignore[no-untyped-def]
+async def _run(engine, script: Script | None, stream: bool,  # type: ignore[no-untyped-def]
+               transport: str = "http") -> tuple[list[int], str, dict]:
     server = None
     address = "127.0.0.1:9"  # nothing listens there: connection refused
     if script is not None:
@@ -106,7 +199,7 @@ async def _run(engine, script: Script | None, stream: bool) -> tuple[list[int], 
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
     cfg = ServeConfig(node_id="entry", port=18999, forward_timeout=0.5, connect_timeout=0.5,
-                      gossip_interval=5.0)
+                      gossip_interval=5.0, peer_transport=transport)
     service = NodeService(cfg, engine)
     service.core.peer_address = lambda peer: address if peer == "fake" else None  # type: ignore[method-assign]
     await service.start()
@@ -153,6 +246,47 @@ def test_broken_peer_still_gives_the_right_answer(engine, truth, script, stream,
     assert output == truth
     assert route == "fallback"
     assert failures == {reason: 1}
+
+
+@pytest.mark.parametrize(
+    ("script", "stream", "reason"),
+    [
+        (None, False, "connect"),
+        (_link_http_500, False, "http_500"),
+        (_link_refused, False, "http_500"),
+        (_link_garbage, True, "bad_response"),
+        (_link_bad_reply, True, "bad_response"),
+        (_link_silent, False, "timeout"),
+        (_link_dies_midstream, True, "disconnected"),
+        (_link_ends_early, False, "disconnected"),
+        (_link_bad_tokens, False, "bad_response"),
+        (_link_busy, False, "busy"),
+    ],
+)
+def test_broken_peer_on_a_link_still_gives_the_right_answer(  # type: ignore[no-untyped-def]
+        engine, truth, script, stream, reason) -> None:
+    output, route, failures = asyncio.run(_run(engine, script, stream, transport="link"))
+    assert output == truth
+    assert route == "fallback"
+    assert failures == {reason: 1}
+
+
+async def _no_links(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A node from before links: 404 to the link, then the forward as its own POST."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    if head.startswith(b"POST /peer/link "):
+        writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+        return
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
+    await reader.readexactly(length)
+    writer.write(_stream_head() + _chunk(encode_reply(ForwardBusy("fake", 0.7))) + _chunk(b""))
+
+
+def test_a_peer_without_links_gets_one_post_per_forward(engine, truth) -> None:  # type: ignore[no-untyped-def]
+    output, route, failures = asyncio.run(_run(engine, _no_links, False, transport="link"))
+    assert output == truth and route == "fallback"
+    assert failures == {"busy": 1}  # the POST got through: the peer's own answer
 
 
 

@@ -193,7 +193,7 @@ def test_a_stop_after_a_peer_died_midstream_stops_the_local_continuation(engine:
     """The peer sends two tokens and dies; the answer goes on here (the core's fallback) and
     the stop string, matched on all the tokens, ends the local continuation as done."""
     async def dies(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
+        await reader.readuntil(b"\r\n\r\n")  # a POST per forward (the fake knows no links)
         head = (b"HTTP/1.1 200 OK\r\ncontent-type: application/x-radixmesh-forward\r\n"
                 b"transfer-encoding: chunked\r\n\r\n")
         frames = [encode_reply(ForwardAccepted("fake", 0)), encode_reply(ForwardTokens((65, 66)))]
@@ -206,7 +206,7 @@ def test_a_stop_after_a_peer_died_midstream_stops_the_local_continuation(engine:
         address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
         scripted = scripted_engine(engine)
         node = NodeService(ServeConfig(node_id="entry", port=18997, gossip_interval=5.0,
-                                       forward_timeout=2.0), scripted)
+                                       forward_timeout=2.0, peer_transport="http"), scripted)
         node.core.peer_address = (  # type: ignore[method-assign]
             lambda peer_id: address if peer_id == "fake" else None
         )

@@ -423,6 +423,11 @@ def _hostile_cases(key: ClusterKey, now: float) -> list[Case]:
         ("forward, no header", "/peer/forward", fwd_body, {}, 401),
         ("forward, wrong key", "/peer/forward", fwd_body, {"x-radixmesh-auth": sign(
             wrong, forward_purpose("/peer/forward"), "a", fwd_body, now, nonce())}, 403),
+        ("link, no header", "/peer/link", b"", {}, 401),
+        ("link, wrong key", "/peer/link", b"", {"x-radixmesh-auth": sign(
+            wrong, forward_purpose("/peer/link"), "a", b"", now, nonce())}, 403),
+        ("forward's token replayed to /peer/link", "/peer/link", b"", {"x-radixmesh-auth": sign(
+            key, forward_purpose("/peer/forward"), "a", b"", now, nonce())}, 403),
     ]
 
 

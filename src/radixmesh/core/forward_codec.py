@@ -280,3 +280,123 @@ def _ids(v: Any, limit: int, what: str) -> tuple[int, ...]:
 
 
 _INT_ONLY = frozenset({int})
+
+
+# ---------------------------------------------------------------------------------- link
+# A *link* carries many forwards over one long-lived exchange between two nodes (the entry
+# node's request body one way, the peer's response body the other): each frame is a 9-byte
+# header (the body's length, the forward's stream id, the frame type, big-endian) then the
+# body. The bodies are what the per-forward exchange would have carried: OPEN the request
+# (after its authentication token), REPLY bytes of the framed replies (cut anywhere: the
+# receiving stream feeds them to its own ReplyDecoder), REFUSED the HTTP status and detail the
+# per-forward exchange would have answered with. HELLO (stream 0) opens a link; CANCEL
+# abandons a forward (the peer aborts its work); END closes a stream, normally after its
+# final reply.
+LINK_HELLO = 0
+LINK_OPEN = 1
+LINK_CANCEL = 2
+LINK_REPLY = 3
+LINK_END = 4
+LINK_REFUSED = 5
+LINK_FRAME_TYPES = frozenset({LINK_HELLO, LINK_OPEN, LINK_CANCEL, LINK_REPLY, LINK_END,
+                              LINK_REFUSED})
+LINK_HEADER_BYTES = 9
+MAX_LINK_STREAM = 2**32 - 1
+_MAX_TOKEN_BYTES = 1024  # an authentication token in an OPEN
+
+
+@dataclass(frozen=True, slots=True)
+class LinkFrame:
+    stream: int
+    type: int
+    body: bytes
+
+
+def encode_link_frame(stream: int, kind: int, body: bytes = b"") -> bytes:
+    """One link frame; ``stream`` in 0..2**32-1, ``kind`` one of the ``LINK_*`` types."""
+    if not 0 <= stream <= MAX_LINK_STREAM or kind not in LINK_FRAME_TYPES:
+        raise ValueError(f"bad link frame: stream {stream}, type {kind}")
+    return (len(body).to_bytes(4, "big") + stream.to_bytes(4, "big") + bytes((kind,))
+            + body)
+
+
+def encode_link_open(stream: int, token: str, request: bytes) -> bytes:
+    """OPEN: the 2-byte length of ``token`` (the request's authentication, "" without a
+    cluster key), the token, then the encoded :class:`ForwardRequest`."""
+    raw = token.encode("ascii")
+    if len(raw) > _MAX_TOKEN_BYTES:
+        raise ValueError("authentication token too long")
+    return encode_link_frame(stream, LINK_OPEN, len(raw).to_bytes(2, "big") + raw + request)
+
+
+def decode_link_open(body: bytes) -> tuple[str, bytes]:
+    """The token and the request bytes of an OPEN body (the request is decoded by
+    :func:`decode_forward_request`); :class:`RemoteProtocolError` if cut short."""
+    if len(body) < 2:
+        raise RemoteProtocolError("link open: no token length")
+    size = int.from_bytes(body[:2], "big")
+    if size > _MAX_TOKEN_BYTES or len(body) < 2 + size:
+        raise RemoteProtocolError("link open: bad token length")
+    try:
+        token = body[2 : 2 + size].decode("ascii")
+    except UnicodeDecodeError:
+        raise RemoteProtocolError("link open: token is not ASCII") from None
+    return token, body[2 + size :]
+
+
+def encode_link_refused(stream: int, status: int, detail: str) -> bytes:
+    """REFUSED: ``[status, detail]`` in msgpack (the detail cut to the error length)."""
+    return encode_link_frame(stream, LINK_REFUSED, _pack([status, detail[:MAX_ERROR_CHARS]]))
+
+
+def decode_link_refused(body: bytes) -> tuple[int, str]:
+    raw = unpack_checked(body, max_str=4 * MAX_ERROR_CHARS, max_bin=0, max_array=2)
+    if not isinstance(raw, list):
+        raise RemoteProtocolError("link refusal: expected [status, detail]")
+    _array(raw, 2, "link refusal")
+    return _int(raw[0], "status", 599, 100), _text(raw[1], MAX_ERROR_CHARS, "detail", minimum=0)
+
+
+class LinkDecoder:
+    """Cuts a link's byte stream, fed in chunks of any size, into :class:`LinkFrame` s.
+
+    Raises :class:`RemoteProtocolError` on an unknown frame type or a body above
+    ``max_frame_bytes`` (before buffering it); the link is then unusable, and every later
+    ``feed`` raises the same error."""
+
+    def __init__(self, limits: ForwardLimits | None = None) -> None:
+        self.limits = limits or ForwardLimits()
+        self._buf = bytearray()
+        self._failed: RemoteProtocolError | None = None
+
+    @property
+    def pending_bytes(self) -> int:
+        return len(self._buf)
+
+    def feed(self, data: bytes) -> list[LinkFrame]:
+        if self._failed is not None:
+            raise self._failed
+        self._buf += data
+        buf, pos = self._buf, 0
+        out: list[LinkFrame] = []
+        try:
+            while len(buf) - pos >= LINK_HEADER_BYTES:
+                size = int.from_bytes(buf[pos : pos + 4], "big")
+                kind = buf[pos + 8]
+                if size > self.limits.max_frame_bytes:
+                    raise RemoteProtocolError(f"link frame of {size} bytes exceeds the limit",
+                                              "size")
+                if kind not in LINK_FRAME_TYPES:
+                    raise RemoteProtocolError(f"unknown link frame type {kind}")
+                end = pos + LINK_HEADER_BYTES + size
+                if len(buf) < end:
+                    break
+                stream = int.from_bytes(buf[pos + 4 : pos + 8], "big")
+                out.append(LinkFrame(stream, kind, bytes(buf[pos + LINK_HEADER_BYTES : end])))
+                pos = end
+        except RemoteProtocolError as exc:
+            self._failed = exc
+            raise
+        finally:
+            del buf[:pos]
+        return out

@@ -20,7 +20,8 @@ Peers        POST /peer/gossip (raw gossip bytes), POST /peer/forward (an encode
              ForwardRequest, executed here; the body of the answer is framed ForwardReply
              messages: ForwardAccepted first, or ForwardBusy when the core refuses — queue
              at the push-back threshold, or slower than the sender's ``beat_s``);
-             /peer/forward is served by the ``PeerForward`` middleware, not a FastAPI route
+             POST /peer/link (many forwards over one open exchange: runtime/peer_link.py);
+             both are served by the ``PeerForward`` middleware, not FastAPI routes
 Admin        GET|POST /admin/partition (loopback clients only): cut this node off from peers;
              /admin/netem, /admin/engine-delay, /admin/debug: fault injection (runtime/debug.py)
 
@@ -36,6 +37,7 @@ Request headers understood on the client API:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -52,7 +54,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from radixmesh.core.auth import AuthError
 from radixmesh.core.codec import RemoteProtocolError
-from radixmesh.core.forward_codec import decode_forward_request
+from radixmesh.core.forward_codec import decode_forward_request, decode_link_open
 from radixmesh.core.messages import ForwardRequest
 from radixmesh.engine.base import SamplingParams, TokenLogprob
 from radixmesh.runtime.debug import install_debug_routes
@@ -88,6 +90,7 @@ from radixmesh.runtime.peer_auth import (
     GOSSIP_PURPOSE,
     forward_purpose,
     install_api_key_check,
+    note_refusal,
     refused,
 )
 from radixmesh.runtime.peer_client import (
@@ -96,6 +99,7 @@ from radixmesh.runtime.peer_client import (
     HEADER_FROM,
     HEADER_FROM_ADDRESS,
 )
+from radixmesh.runtime.peer_link import LINK_PATH, Refused, headers_of, serve_link
 from radixmesh.runtime.peer_tls import install_peer_tls
 
 log = logging.getLogger("radixmesh.app")
@@ -140,6 +144,28 @@ def create_app(service: NodeService) -> FastAPI:
     install_api_key_check(app, service.api_key)
     install_peer_tls(app, service)  # --peer-tls-*: /peer/* needs a CA-signed client cert
     return app
+
+
+def node_server(config: Any, service: NodeService) -> Any:
+    """uvicorn's server for ``service``'s app: when it stops, it ends the links peers opened
+    first (uvicorn waits for open requests, and a link does not end by itself)."""
+    return node_server_class()(config, service)
+
+
+@functools.cache
+def node_server_class() -> type[Any]:
+    import uvicorn
+
+    class NodeServer(uvicorn.Server):
+        def __init__(self, config: uvicorn.Config, service: NodeService) -> None:
+            super().__init__(config)
+            self.service = service
+
+        async def shutdown(self, sockets: list[Any] | None = None) -> None:
+            self.service.links.close_all()
+            await super().shutdown(sockets)
+
+    return NodeServer
 
 
 # ---------------------------------------------------------------------------------- errors
@@ -771,7 +797,7 @@ class PeerForward:
         self.app, self.service = app, service
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] != FORWARD_PATH:
+        if scope["type"] != "http" or scope["path"] not in (FORWARD_PATH, LINK_PATH):
             await self.app(scope, receive, send)
             return
         if scope["method"] != "POST":  # as FastAPI answers for its own routes
@@ -784,6 +810,9 @@ class PeerForward:
             response: Response = JSONResponse(error_body("partitioned", "unavailable"),
                                               status_code=503)
             await response(scope, receive, send)
+            return
+        if scope["path"] == LINK_PATH:
+            await self._link(request, scope, receive, send)
             return
         try:
             raw = await read_body(request, MAX_PEER_BODY)
@@ -798,6 +827,46 @@ class PeerForward:
             await _stream_frames(service.serve_forward(req), request, send)
             return
         await response(scope, receive, send)
+
+
+    async def _link(self, request: Request, scope: Scope, receive: Receive,
+                    send: Send) -> None:
+        """``POST /peer/link``: many forwards over one exchange (runtime/peer_link.py). The
+        opening is authenticated like any peer request, then each forward on its own."""
+        service = self.service
+        sender = request.headers.get(HEADER_FROM)
+        address = request.headers.get(HEADER_FROM_ADDRESS)
+        purpose = forward_purpose(LINK_PATH)
+        if service.links.closing:  # this server is stopping
+            await JSONResponse(error_body("stopping", "unavailable"),
+                               status_code=503)(scope, receive, send)
+            return
+        try:
+            service.auth.verify(request.headers, purpose, b"")
+        except AuthError as exc:
+            await refused(service.auth, exc, sender)(scope, receive, send)
+            return
+
+        def admit(body: bytes) -> ForwardRequest:
+            if service.netem.drop_incoming(sender, address):
+                raise Refused(503, "partitioned")
+            try:
+                token, raw = decode_link_open(body)
+            except RemoteProtocolError as exc:
+                service.metrics.forwards_rejected += 1
+                raise Refused(400, f"malformed forward: {exc}") from None
+            try:
+                service.auth.verify(headers_of(token), purpose, raw)
+            except AuthError as exc:
+                note_refusal(service.auth, exc, sender)
+                raise Refused(exc.http_status, f"peer authentication failed: {exc}") from None
+            try:
+                return _parse_forward(service, raw)
+            except ApiError as err:
+                service.metrics.forwards_rejected += 1
+                raise Refused(err.status, err.message) from None
+
+        await serve_link(receive, send, service.links, admit, service.serve_forward)
 
 
 _FORWARD_HEADERS = [(b"content-type", FORWARD_MEDIA_TYPE.encode())]

@@ -1,6 +1,7 @@
 """Benchmark: what forwarding adds to a request on loopback, and how long a node takes to start.
 
     python -m radixmesh.runtime.bench_forward [--samples 200] [--json] [--net-delay 0]
+        [--peer-transport link|http]
 
 Two real nodes (``LocalCluster``). The same short, already cached prompt (1 output token) is
 sent to n0 alternately
@@ -83,8 +84,10 @@ def _cpu_per_request(client: httpx.Client, url: str, headers: dict[str, str],
     return [(_cpu_s([p]) - b) / n for p, b in zip(pids, before, strict=True)]
 
 
-def measure(samples: int, net_delay: str = "0") -> dict[str, Any]:
-    options = {"policy": "none", "gossip_interval": 0.5, "net_delay": net_delay}
+def measure(samples: int, net_delay: str = "0", peer_transport: str = "link"
+            ) -> dict[str, Any]:
+    options = {"policy": "none", "gossip_interval": 0.5, "net_delay": net_delay,
+               "peer_transport": peer_transport}
     with LocalCluster(2, options, per_node={0: {"threads": 1}, 1: {"threads": 1}}) as cluster:
         parallel = max(n.startup_s or 0.0 for n in cluster.nodes)
         cluster.restart(1)
@@ -108,6 +111,7 @@ def measure(samples: int, net_delay: str = "0") -> dict[str, Any]:
     return {
         "samples": samples,
         "net_delay": net_delay,
+        "peer_transport": peer_transport,
         "local_ms": round(1e3 * med(x[0] for x in local), 3),
         "forwarded_ms": round(1e3 * med(x[0] for x in fwd), 3),
         "forward_added_ms": round(1e3 * (med(x[0] for x in fwd) - med(x[0] for x in local)), 3),
@@ -135,9 +139,11 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=200)
     parser.add_argument("--net-delay", default="0", help="emulated one-way delay, e.g. 2ms")
+    parser.add_argument("--peer-transport", default="link", choices=("link", "http"),
+                        help="how n0 sends its forwards to n1 (the node's --peer-transport)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    result = measure(args.samples, args.net_delay)
+    result = measure(args.samples, args.net_delay, args.peer_transport)
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -44,6 +44,7 @@ _ROUTER = RouterConfig()
 _GOSSIP = GossipConfig()
 _PUSHBACK = PushbackConfig()
 _FORWARD = ForwardConfig()
+PEER_TRANSPORTS = ("link", "http")
 _ADMISSION = AdmissionConfig()
 
 
@@ -159,6 +160,7 @@ class ServeConfig:
     pushback_threshold: int = _PUSHBACK.queue_threshold  # queue depth: ask peers to back off
     forward_timeout: float = _FORWARD.silence_timeout_s  # forward: first byte / silence timeout
     connect_timeout: float = _FORWARD.connect_timeout_s  # forward / gossip: TCP connect timeout
+    peer_transport: str = "link"  # link: a peer's forwards share one open exchange | http
     max_queue_requests: int = 0  # requests queued or running at most; 0 -> no count cap
     max_queue_wait: float = _ADMISSION.max_queue_wait_s  # full once this much work is queued
     max_queue_tokens: int | None = _ADMISSION.max_queue_tokens  # prompt+max_tokens; 0 -> auto
@@ -198,6 +200,8 @@ class ServeConfig:
             raise ValueError("net_loss and net_duplicate must be in [0, 1]")
         if self.debug_engine_delay < 0:
             raise ValueError("debug_engine_delay must be >= 0")
+        if self.peer_transport not in PEER_TRANSPORTS:
+            raise ValueError(f"peer_transport must be one of {', '.join(PEER_TRANSPORTS)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError("dtype must be float32, bfloat16 or float16")
         if not 0 <= self.gpu_memory_fraction <= 1:
@@ -449,6 +453,8 @@ def _help_texts() -> dict[str, str]:
         "pushback_threshold": "queue depth above which peers are asked to back off",
         "forward_timeout": "forward first-byte / silence timeout",
         "connect_timeout": "peer TCP connect timeout",
+        "peer_transport": "how forwards reach a peer: link (all of them over one long-lived "
+        "HTTP exchange per peer, opened on the first forward) | http (one POST each)",
         "max_queue_requests": "bounded admission: requests queued or running at most (0 = no cap)"
         "; beyond it a request goes to a peer with room or gets HTTP 429",
         "max_queue_wait": "bounded admission: full once this much work is queued, e.g. 30s",

@@ -49,7 +49,7 @@ from radixmesh.engine.base import (
     TokenLogprob,
 )
 from radixmesh.runtime.metrics import RuntimeMetrics
-from radixmesh.runtime.peer_client import ForwardFailure, ForwardStream
+from radixmesh.runtime.peer_client import AnyForwardStream, ForwardFailure
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,7 +270,7 @@ class ForwardExecution(Execution):
     """Runs on a peer that accepted it; a failure continues locally as the core decides."""
 
     def __init__(self, node: Host, ctx: RequestContext, action: Forward,
-                 stream: ForwardStream, accepted: ForwardAccepted, started: float) -> None:
+                 stream: AnyForwardStream, accepted: ForwardAccepted, started: float) -> None:
         self.node, self.ctx, self.peer_id = node, ctx, action.peer_id
         self.served_by, self.route = action.peer_id, action.route
         self.expected_cached, self.placement = action.expected_cached, action.placement

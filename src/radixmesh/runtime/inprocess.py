@@ -28,13 +28,13 @@ async def serving(service: Any, port: int, **uvicorn_options: Any) -> AsyncItera
     """Serve ``service`` (a ``NodeService`` configured for ``port``); yields ``host:port``."""
     import uvicorn
 
-    from radixmesh.runtime.app import create_app
+    from radixmesh.runtime.app import create_app, node_server
 
     app = create_app(service)
     options = {"log_level": "warning", "lifespan": "on", **uvicorn_options}
     if callable(options.get("app_options")):
         options.update(options.pop("app_options")(app))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, **options))
+    server = node_server(uvicorn.Config(app, host="127.0.0.1", port=port, **options), service)
     task = asyncio.create_task(server.serve())
     for _ in range(START_POLLS):
         if server.started or task.done():

@@ -27,8 +27,11 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import AsyncIterator, Iterable
+from typing import TypeVar
 
 from radixmesh.core.link import LinkConfig, Partition
+
+T = TypeVar("T")
 
 __all__ = ["Netem", "NetemConfig"]
 
@@ -89,14 +92,14 @@ class Netem:
         if self.config.active:
             await asyncio.sleep(self.one_way_delay())
 
-    async def delayed(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    async def delayed(self, chunks: AsyncIterator[T]) -> AsyncIterator[T]:
         """Relay ``chunks`` as if each crossed the link: arrival + one-way delay, in order."""
         if not self.config.active:
             async for chunk in chunks:
                 yield chunk
             return
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[float, bytes | BaseException | None]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[float, T | BaseException | None]] = asyncio.Queue()
 
         async def reader() -> None:
             # Timestamps arrivals independently of the consumer, so delays never accumulate.

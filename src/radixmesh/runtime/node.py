@@ -107,6 +107,7 @@ from radixmesh.runtime.peer_auth import (
     resolve_secret,
 )
 from radixmesh.runtime.peer_client import ForwardFailure, PeerClient
+from radixmesh.runtime.peer_link import LinkRegistry
 
 log = logging.getLogger("radixmesh.node")
 
@@ -190,7 +191,9 @@ class NodeService:
                              self.node_id)
         self.api_key = ApiKeyCheck(resolve_secret(config.api_key, var=ENV_API_KEY))
         self.peers = PeerClient(self.node_id, self.address, self.netem,
-                                config.connect_timeout, config.forward_timeout, self.auth)
+                                config.connect_timeout, config.forward_timeout, self.auth,
+                                use_links=config.peer_transport == "link")
+        self.links = LinkRegistry()  # the links peers opened to this node (their forwards)
 
     # ------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:

@@ -123,12 +123,17 @@ class PeerAuth:
 
 def refused(auth: PeerAuth, exc: AuthError, sender: str | None) -> JSONResponse:
     """The 401/403 answer to a refused peer message; logs the first of each reason loudly."""
+    note_refusal(auth, exc, sender)
+    return JSONResponse(auth_error_body(exc), status_code=exc.http_status)
+
+
+def note_refusal(auth: PeerAuth, exc: AuthError, sender: str | None) -> None:
+    """Count a refused peer message by reason; log the first of each reason loudly."""
     count = auth.rejections_logged.get(exc.reason, 0) + 1
     auth.rejections_logged[exc.reason] = count
     if count == 1 or count % 1000 == 0:
         log.warning("refused a peer message from %s (%s, #%d of this kind): %s",
                     sender or "an unknown sender", exc.reason, count, exc)
-    return JSONResponse(auth_error_body(exc), status_code=exc.http_status)
 
 
 def auth_error_body(exc: AuthError) -> dict[str, object]:

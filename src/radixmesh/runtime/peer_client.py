@@ -16,6 +16,11 @@ Timeouts: ``connect_timeout`` on the TCP connect, ``forward_timeout`` on the fir
 on every silence after it (heartbeats keep a long queue from looking like a dead peer), so a
 killed, hung or partitioned peer is detected within about one ``forward_timeout``.
 
+Links (runtime/peer_link.py, the default ``--peer-transport link``): every forward to one
+peer travels over one long-lived ``POST /peer/link`` instead of a POST of its own; the
+replies, timeouts and failure reasons are the same, and a peer without links (404/405) gets
+one POST per forward. ``--peer-transport http`` sends every forward as its own POST.
+
 TLS (``--peer-tls-*``, runtime/peer_tls.py): :meth:`PeerClient.use_tls` switches every peer
 message to ``https://`` with the node's client context (its certificate, the mesh CA, hostname
 checked); a failed handshake is the forward failure reason ``tls`` and counted.
@@ -24,9 +29,11 @@ checked); a failed handshake is the forward failure reason ``tls`` and counted.
 from __future__ import annotations
 
 import asyncio
+import logging
 import ssl
 from collections import deque
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 
@@ -35,6 +42,16 @@ from radixmesh.core.forward_codec import ReplyDecoder
 from radixmesh.core.messages import ForwardError, ForwardReply, ForwardResult
 from radixmesh.runtime.netem import Netem
 from radixmesh.runtime.peer_auth import GOSSIP_PURPOSE, PeerAuth, forward_purpose
+from radixmesh.runtime.peer_link import (
+    LINK_MEDIA_TYPE,
+    LINK_PATH,
+    LinkFailure,
+    LinkStream,
+    PeerLink,
+    token_of,
+)
+
+log = logging.getLogger(__name__)
 
 FORWARD_PATH = "/peer/forward"
 FORWARD_MEDIA_TYPE = "application/x-radixmesh-forward"  # msgpack request; framed replies
@@ -127,6 +144,9 @@ class ForwardStream:
         self._response.release()
 
 
+AnyForwardStream = ForwardStream | LinkStream  # one forward's replies, either transport
+
+
 class PeerClient:
     """Keep-alive HTTP client (aiohttp: ~10x less per-request overhead than httpx here)."""
 
@@ -138,6 +158,7 @@ class PeerClient:
         connect_timeout: float,
         forward_timeout: float,
         auth: PeerAuth | None = None,
+        use_links: bool = True,
     ) -> None:
         self.node_id = node_id
         self.auth = auth or PeerAuth("", node_id)  # signs every peer message (if keyed)
@@ -154,6 +175,11 @@ class PeerClient:
         self.tls_failed = 0  # gossip and forwards whose TLS handshake failed
         self.connections_opened = 0  # TCP connections to peers (keep-alive reuses them)
         self._releasing: set[asyncio.Task[None]] = set()  # ForwardStream._release tasks
+        self.use_links = use_links  # forwards over links (else one POST each)
+        self._links: dict[str, PeerLink] = {}  # open links, by peer address
+        self._opening: dict[str, asyncio.Future[PeerLink | None]] = {}
+        self._without_links: set[str] = set()  # peers that answered 404/405 to a link
+        self.links_opened = 0
 
     def use_tls(self, context: ssl.SSLContext) -> None:
         """Send every peer message over HTTPS with ``context`` (before the first message)."""
@@ -182,6 +208,10 @@ class PeerClient:
         self.connections_opened += 1
 
     async def aclose(self) -> None:
+        for opening in self._opening.values():
+            opening.cancel()
+        await asyncio.gather(*(link.aclose() for link in list(self._links.values())),
+                             return_exceptions=True)
         for task in self._releasing:  # their connections are closed with the session
             task.cancel()
         if self._session is not None:
@@ -213,11 +243,17 @@ class PeerClient:
         self.gossip_failed += not ok
         return ok
 
-    async def open_forward(self, address: str, peer_id: str, data: bytes) -> ForwardStream:
-        """Send an encoded ``ForwardRequest``; returns once the response headers arrived."""
+    async def open_forward(self, address: str, peer_id: str, data: bytes) -> AnyForwardStream:
+        """Send an encoded ``ForwardRequest``: on the peer's link (opened if need be), or
+        as its own POST, which returns once the response headers arrived."""
         if self.netem.drop_outgoing(peer_id, address, gossip=False):
             raise ForwardFailure("partitioned")
         await self.netem.delay()
+        if self.use_links and address not in self._without_links:
+            link = await self._link_to(address)
+            if link is not None:
+                token = token_of(self.auth.headers(forward_purpose(LINK_PATH), data))
+                return link.start(token, data, self.netem, self.forward_timeout, _from_link)
         headers = {**self._headers, "content-type": FORWARD_MEDIA_TYPE,
                    **self.auth.headers(forward_purpose(FORWARD_PATH), data)}
         try:
@@ -234,3 +270,56 @@ class PeerClient:
             response.release()
             raise ForwardFailure(f"http_{response.status}", detail)
         return ForwardStream(response, self.netem, self._releasing)
+
+    async def _link_to(self, address: str) -> PeerLink | None:
+        """The open link to ``address``, opened if need be (concurrent forwards share one
+        opening); None if the peer has no links. :class:`ForwardFailure` if it cannot open."""
+        link = self._links.get(address)
+        if link is not None and not link.closed:
+            return link
+        opening = self._opening.get(address)
+        if opening is None:
+            opening = self._opening[address] = asyncio.ensure_future(self._open_link(address))
+            opening.add_done_callback(lambda _: self._opening.pop(address, None))
+        return await asyncio.shield(opening)
+
+    async def _open_link(self, address: str) -> PeerLink | None:
+        link = PeerLink(address, self._link_closed)
+        headers = {**self._headers, "content-type": LINK_MEDIA_TYPE,
+                   **self.auth.headers(forward_purpose(LINK_PATH), b"")}
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.connect_timeout,
+                                        sock_read=None)  # a link is silent between forwards
+
+        def post(body: AsyncIterator[bytes]) -> Any:
+            return self._client().post(f"{self.scheme}://{address}{LINK_PATH}", data=body,
+                                       headers=headers, timeout=timeout)
+        try:
+            async with asyncio.timeout(self.connect_timeout + self.forward_timeout):
+                response = await link.open(post)
+        except _TRANSPORT_ERRORS as exc:
+            self.tls_failed += isinstance(exc, aiohttp.ClientSSLError)
+            raise _classify(exc) from None
+        if response.status in (404, 405):  # a node from before links
+            response.close()
+            log.info("peer %s has no links: one POST per forward", address)
+            self._without_links.add(address)
+            return None
+        if response.status != 200:
+            try:
+                detail = (await response.content.read(200)).decode("utf-8", "replace")
+            except _TRANSPORT_ERRORS:
+                detail = ""
+            response.close()
+            raise ForwardFailure(f"http_{response.status}", detail)
+        link.run(response)
+        self._links[address] = link
+        self.links_opened += 1
+        return link
+
+    def _link_closed(self, link: PeerLink) -> None:
+        if self._links.get(link.address) is link:
+            del self._links[link.address]
+
+
+def _from_link(failure: LinkFailure) -> ForwardFailure:
+    return ForwardFailure(failure.reason, failure.detail)

@@ -140,12 +140,13 @@ def _engine_model(config: ServeConfig) -> tuple[str, int]:
 def _draining_server_class() -> type[Any]:
     import uvicorn
 
-    class DrainingServer(uvicorn.Server):
-        """uvicorn's server, except that the first SIGTERM drains the node before it exits."""
+    from radixmesh.runtime.app import node_server_class
+
+    class DrainingServer(node_server_class()):  # type: ignore[misc]
+        """The node's server, except that the first SIGTERM drains the node before it exits."""
 
         def __init__(self, config: uvicorn.Config, service: Any) -> None:
-            super().__init__(config)
-            self.service = service
+            super().__init__(config, service)
             self._loop: asyncio.AbstractEventLoop | None = None
             self._draining = False
             self.drained = False  # the SIGTERM drain ran to its end: run() exits at once
@@ -168,10 +169,15 @@ def _draining_server_class() -> type[Any]:
                 log.warning("server shut down in %.2f s after the drain",
                             time.perf_counter() - t0)
 
+        def _requests_open(self) -> int:
+            """Open HTTP requests, less the links peers hold open here (their forwards count
+            in the node's own work)."""
+            return max(len(self.server_state.tasks) - len(self.service.links), 0)
+
         async def _drain(self) -> None:
             t0 = time.perf_counter()
             try:
-                await self.service.leave(busy=lambda: len(self.server_state.tasks),
+                await self.service.leave(busy=self._requests_open,
                                          linger_s=self.service.config.drain_linger)
             except Exception:  # a bug: exit anyway, the grace is the operator's limit
                 log.exception("drain failed")
