@@ -81,6 +81,10 @@ def test_concurrent_forwards_share_one_link(engine: Any) -> None:
             assert peer.metrics.served_for_peers == 12
             assert entry.peers.links_opened == 1 and peer.links.opened == 1
             assert entry.peers.connections_opened == 1  # the link's, nothing else
+            assert "radixmesh_peer_links_opened_total 1.0" in entry.prometheus()
+            scrape = peer.prometheus()
+            assert "radixmesh_peer_links_served_total 1.0" in scrape
+            assert "radixmesh_peer_links_open 1.0" in scrape
 
     asyncio.run(scenario())
 

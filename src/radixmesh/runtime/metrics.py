@@ -51,7 +51,7 @@ TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 819
 RUNTIME_GAUGES = frozenset({
     "queue_depth", "inflight", "cache_tokens", "cache_budget_tokens", "cache_locked_tokens",
     "incarnation", "peer_auth_enabled", "peer_auth_replay_cache_size", "peer_tls_enabled",
-    "kv_events_connected", "kv_index_blocks", "engine_launch_running",
+    "kv_events_connected", "kv_index_blocks", "engine_launch_running", "peer_links_open",
 })
 # The same for NodeCore.metrics(): its levels; everything else there is a counter.
 CORE_GAUGES = frozenset({
