@@ -12,6 +12,7 @@ import pytest
 
 from radixmesh.core.events import LoadChanged
 from radixmesh.core.forward_codec import (
+    LINK_CANCEL,
     LINK_END,
     LINK_OPEN,
     LINK_REPLY,
@@ -269,6 +270,36 @@ def test_broken_peer_on_a_link_still_gives_the_right_answer(  # type: ignore[no-
     assert output == truth
     assert route == "fallback"
     assert failures == {reason: 1}
+
+
+CANCELLED: list[int] = []
+
+
+async def _link_bad_reply_then_listen(reader: asyncio.StreamReader,
+                                      writer: asyncio.StreamWriter) -> None:
+    """Garbage for the forward, then keep reading the link: the entry must cancel it."""
+    frame = await _link_open(reader, writer)
+    body = b"\x00\x00\x00\x05\xffnot a frame"
+    writer.write(_chunk(encode_link_frame(frame.stream, LINK_REPLY, body)))
+    decoder = LinkDecoder()
+    while True:
+        size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+        data = (await reader.readexactly(size + 2))[:-2]
+        for later in decoder.feed(data):
+            if later.type == LINK_CANCEL:
+                CANCELLED.append(later.stream)
+                return
+
+
+def test_a_forward_given_up_on_a_link_is_cancelled_at_the_peer(engine, truth) -> None:  # type: ignore[no-untyped-def]
+    """A reply the entry cannot read: it falls back, and tells the peer to stop (CANCEL)
+    on a link that is still fine, as closing the connection did with one POST each."""
+    CANCELLED.clear()
+    output, route, failures = asyncio.run(
+        _run(engine, _link_bad_reply_then_listen, False, transport="link"))
+    assert output == truth and route == "fallback"
+    assert failures == {"bad_response": 1}
+    assert CANCELLED == [1]
 
 
 async def _no_links(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -121,30 +121,28 @@ class LinkStream:
             try:
                 async with asyncio.timeout(self._timeout_s):
                     item = await anext(self._items)
-            except TimeoutError:
+            except TimeoutError:  # the peer may still be at work: closing cancels it
                 self._link.stalled(seen)
-                raise self._failed(LinkFailure("timeout", "no reply within the forward "
-                                               "timeout")) from None
+                raise self._fail(LinkFailure("timeout", "no reply within the forward "
+                                             "timeout")) from None
             except StopAsyncIteration:
                 item = None
             except LinkFailure as exc:  # Netem.delayed raises the exceptions it relays
                 item = exc
-            if isinstance(item, LinkFailure):
-                raise self._failed(item)
+            if isinstance(item, LinkFailure):  # refused, or the link broke: nothing runs
+                self._done = True
+                raise self._fail(item)
             if item is None:
-                raise self._failed(LinkFailure("disconnected", "stream ended without a result"))
+                self._done = True
+                raise self._fail(LinkFailure("disconnected", "stream ended without a result"))
             try:
                 self._ready.extend(self._decoder.feed(item))
-            except RemoteProtocolError as exc:
-                raise self._failed(LinkFailure("bad_response", str(exc)[:200])) from None
+            except RemoteProtocolError as exc:  # closing cancels whatever the peer runs
+                raise self._fail(LinkFailure("bad_response", str(exc)[:200])) from None
         reply = self._ready.popleft()
         if isinstance(reply, ForwardResult | ForwardError):
             self.completed = self._done = True
         return reply
-
-    def _failed(self, failure: LinkFailure) -> Exception:
-        self._done = True
-        return self._fail(failure)
 
     def close_now(self) -> None:
         """Abandon the forward at once (the request was aborted): the peer stops its work."""
