@@ -23,8 +23,7 @@ from radixmesh.core.forward_codec import (
 )
 from radixmesh.core.messages import ForwardAccepted, ForwardRequest, ForwardResult
 from radixmesh.engine.factory import build_engine
-from radixmesh.runtime.config import ServeConfig
-from radixmesh.runtime.inprocess import free_port, serving
+from radixmesh.runtime.inprocess import serving_node
 from radixmesh.runtime.node import NodeService
 from radixmesh.runtime.peer_auth import forward_purpose
 from radixmesh.runtime.peer_client import ForwardFailure
@@ -38,15 +37,9 @@ def engine() -> Any:
     return build_engine("micro", cache_tokens=4096, threads=1)
 
 
-@contextlib.asynccontextmanager
-async def _serving(engine: Any, name: str, **overrides: Any
-                   ) -> AsyncIterator[tuple[NodeService, str]]:
-    port = free_port()
-    cfg = ServeConfig(node_id=name, port=port, gossip_interval=5.0, forward_timeout=2.0,
-                      **overrides)
-    service = NodeService(cfg, engine)
-    async with serving(service, port) as address:
-        yield service, address
+def _serving(engine: Any, name: str, **overrides: Any
+             ) -> contextlib.AbstractAsyncContextManager[tuple[NodeService, str]]:
+    return serving_node(engine, name, **overrides)
 
 
 def _route_to(entry: NodeService, peer_address: str) -> None:

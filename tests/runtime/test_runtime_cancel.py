@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -19,8 +19,7 @@ import pytest
 
 from radixmesh.engine.factory import build_engine
 from radixmesh.engine.testing import SlowTokens
-from radixmesh.runtime.config import ServeConfig
-from radixmesh.runtime.inprocess import free_port, serving
+from radixmesh.runtime.inprocess import serving_node
 from radixmesh.runtime.node import NodeService
 
 TOKEN_S = 0.05
@@ -34,15 +33,9 @@ def engine() -> Any:
     return build_engine("micro", cache_tokens=4096, threads=1)
 
 
-@contextlib.asynccontextmanager
-async def _serving(engine: Any, name: str, **overrides: Any
-                   ) -> AsyncIterator[tuple[NodeService, str]]:
-    port = free_port()
-    cfg = ServeConfig(node_id=name, port=port, gossip_interval=5.0, forward_timeout=2.0,
-                      **overrides)
-    service = NodeService(cfg, SlowTokens(engine, TOKEN_S))
-    async with serving(service, port) as address:
-        yield service, address
+def _serving(engine: Any, name: str, **overrides: Any
+             ) -> contextlib.AbstractAsyncContextManager[tuple[NodeService, str]]:
+    return serving_node(SlowTokens(engine, TOKEN_S), name, **overrides)
 
 
 async def _give_up(address: str, headers: dict[str, str]) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import msgpack
 
@@ -57,6 +57,7 @@ KIND_RESULT = 7
 KIND_ERROR = 8
 
 FRAME_HEADER_BYTES = 4  # big-endian payload length
+T = TypeVar("T")
 _MAX_FINISH_LEN = 16
 
 
@@ -196,14 +197,9 @@ _REPLIES: dict[int, Callable[[list[Any], ForwardLimits], ForwardReply]] = {
 }
 
 
-class ReplyDecoder:
-    """Cuts a reply stream, fed in chunks of any size, back into messages.
-
-    ``feed`` returns the messages completed by ``data`` and raises :class:`RemoteProtocolError`
-    on an oversize length prefix or an invalid payload; after that the stream is unusable and
-    every later ``feed`` raises the same error. It does not check the order of replies. At the
-    end of the body, ``pending_bytes`` > 0 means the stream was cut inside a frame.
-    """
+class _Stream(Generic[T]):
+    """A byte stream fed in chunks of any size and cut into items by :meth:`_cut`; the first
+    :class:`RemoteProtocolError` is sticky (every later ``feed`` raises it again)."""
 
     def __init__(self, limits: ForwardLimits | None = None) -> None:
         self.limits = limits or ForwardLimits()
@@ -215,18 +211,34 @@ class ReplyDecoder:
         """Bytes received that do not yet complete a frame (0 at a frame boundary)."""
         return len(self._buf)
 
-    def feed(self, data: bytes) -> list[ForwardReply]:
+    def feed(self, data: bytes) -> list[T]:
         if self._failed is not None:
             raise self._failed
         self._buf += data
         try:
-            return self._frames()
+            out, used = self._cut(self._buf)
         except RemoteProtocolError as exc:
             self._failed = exc
             raise
+        del self._buf[:used]
+        return out
 
-    def _frames(self) -> list[ForwardReply]:
-        buf, pos = self._buf, 0
+    def _cut(self, buf: bytearray) -> tuple[list[T], int]:
+        """The complete items at the start of ``buf`` and the bytes they take."""
+        raise NotImplementedError
+
+
+class ReplyDecoder(_Stream[ForwardReply]):
+    """Cuts a reply stream, fed in chunks of any size, back into messages.
+
+    ``feed`` returns the messages completed by ``data`` and raises :class:`RemoteProtocolError`
+    on an oversize length prefix or an invalid payload; after that the stream is unusable and
+    every later ``feed`` raises the same error. It does not check the order of replies. At the
+    end of the body, ``pending_bytes`` > 0 means the stream was cut inside a frame.
+    """
+
+    def _cut(self, buf: bytearray) -> tuple[list[ForwardReply], int]:
+        pos = 0
         out: list[ForwardReply] = []
         while len(buf) - pos >= FRAME_HEADER_BYTES:
             size = int.from_bytes(buf[pos : pos + FRAME_HEADER_BYTES], "big")
@@ -237,8 +249,7 @@ class ReplyDecoder:
                 break
             out.append(_reply(bytes(buf[pos + FRAME_HEADER_BYTES : end]), self.limits))
             pos = end
-        del buf[:pos]
-        return out
+        return out, pos
 
 
 def _reply(payload: bytes, lim: ForwardLimits) -> ForwardReply:
@@ -357,46 +368,27 @@ def decode_link_refused(body: bytes) -> tuple[int, str]:
     return _int(raw[0], "status", 599, 100), _text(raw[1], MAX_ERROR_CHARS, "detail", minimum=0)
 
 
-class LinkDecoder:
+class LinkDecoder(_Stream[LinkFrame]):
     """Cuts a link's byte stream, fed in chunks of any size, into :class:`LinkFrame` s.
 
     Raises :class:`RemoteProtocolError` on an unknown frame type or a body above
     ``max_frame_bytes`` (before buffering it); the link is then unusable, and every later
     ``feed`` raises the same error."""
 
-    def __init__(self, limits: ForwardLimits | None = None) -> None:
-        self.limits = limits or ForwardLimits()
-        self._buf = bytearray()
-        self._failed: RemoteProtocolError | None = None
-
-    @property
-    def pending_bytes(self) -> int:
-        return len(self._buf)
-
-    def feed(self, data: bytes) -> list[LinkFrame]:
-        if self._failed is not None:
-            raise self._failed
-        self._buf += data
-        buf, pos = self._buf, 0
+    def _cut(self, buf: bytearray) -> tuple[list[LinkFrame], int]:
+        pos = 0
         out: list[LinkFrame] = []
-        try:
-            while len(buf) - pos >= LINK_HEADER_BYTES:
-                size = int.from_bytes(buf[pos : pos + 4], "big")
-                kind = buf[pos + 8]
-                if size > self.limits.max_frame_bytes:
-                    raise RemoteProtocolError(f"link frame of {size} bytes exceeds the limit",
-                                              "size")
-                if kind not in LINK_FRAME_TYPES:
-                    raise RemoteProtocolError(f"unknown link frame type {kind}")
-                end = pos + LINK_HEADER_BYTES + size
-                if len(buf) < end:
-                    break
-                stream = int.from_bytes(buf[pos + 4 : pos + 8], "big")
-                out.append(LinkFrame(stream, kind, bytes(buf[pos + LINK_HEADER_BYTES : end])))
-                pos = end
-        except RemoteProtocolError as exc:
-            self._failed = exc
-            raise
-        finally:
-            del buf[:pos]
-        return out
+        while len(buf) - pos >= LINK_HEADER_BYTES:
+            size = int.from_bytes(buf[pos : pos + 4], "big")
+            kind = buf[pos + 8]
+            if size > self.limits.max_frame_bytes:
+                raise RemoteProtocolError(f"link frame of {size} bytes exceeds the limit", "size")
+            if kind not in LINK_FRAME_TYPES:
+                raise RemoteProtocolError(f"unknown link frame type {kind}")
+            end = pos + LINK_HEADER_BYTES + size
+            if len(buf) < end:
+                break
+            stream = int.from_bytes(buf[pos + 4 : pos + 8], "big")
+            out.append(LinkFrame(stream, kind, bytes(buf[pos + LINK_HEADER_BYTES : end])))
+            pos = end
+        return out, pos

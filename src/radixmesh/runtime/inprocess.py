@@ -6,6 +6,8 @@ waits (bounded) until it listens, and always stops it. ``app_options``: a functi
 returning more uvicorn options (e.g. ``peer_tls.uvicorn_options``). For synchronous callers
 (a blocking SDK client, a module-scoped fixture), :class:`ServedInThread` runs the same on an
 event loop of its own thread. ``until`` waits, bounded, for a condition inside a test's loop.
+``serving_node(engine, name, **config)`` builds the node too, on a free port, with what tests
+want by default (gossip every 5 s: nothing gossips unless a test asks; forward timeout 2 s).
 """
 
 from __future__ import annotations
@@ -48,6 +50,21 @@ async def serving(service: Any, port: int, **uvicorn_options: Any) -> AsyncItera
         server.should_exit = True
         async with asyncio.timeout(STOP_WAIT_S):
             await task
+
+
+@contextlib.asynccontextmanager
+async def serving_node(engine: Any, name: str, **config: Any) -> AsyncIterator[tuple[Any, str]]:
+    """A ``NodeService`` named ``name`` for ``engine`` on a free port, served; yields it and
+    its ``host:port``. ``config``: ``ServeConfig`` fields over the test defaults."""
+    from radixmesh.runtime.config import ServeConfig
+    from radixmesh.runtime.node import NodeService
+
+    port = free_port()
+    cfg = ServeConfig(**{"node_id": name, "port": port, "gossip_interval": 5.0,
+                         "forward_timeout": 2.0, **config})
+    service = NodeService(cfg, engine)
+    async with serving(service, port) as address:
+        yield service, address
 
 
 class ServedInThread:

@@ -263,12 +263,7 @@ class PeerClient:
             self.tls_failed += isinstance(exc, aiohttp.ClientSSLError)
             raise _classify(exc) from None
         if response.status != 200:
-            try:
-                detail = (await response.content.read(200)).decode("utf-8", "replace")
-            except _TRANSPORT_ERRORS:
-                detail = ""
-            response.release()
-            raise ForwardFailure(f"http_{response.status}", detail)
+            raise await _refused(response)
         return ForwardStream(response, self.netem, self._releasing)
 
     async def _link_to(self, address: str) -> PeerLink | None:
@@ -305,12 +300,7 @@ class PeerClient:
             self._without_links.add(address)
             return None
         if response.status != 200:
-            try:
-                detail = (await response.content.read(200)).decode("utf-8", "replace")
-            except _TRANSPORT_ERRORS:
-                detail = ""
-            response.close()
-            raise ForwardFailure(f"http_{response.status}", detail)
+            raise await _refused(response)
         link.run(response)
         self._links[address] = link
         self.links_opened += 1
@@ -319,6 +309,17 @@ class PeerClient:
     def _link_closed(self, link: PeerLink) -> None:
         if self._links.get(link.address) is link:
             del self._links[link.address]
+
+
+async def _refused(response: aiohttp.ClientResponse) -> ForwardFailure:
+    """A forward's (or a link's) POST answered with a status other than 200: the failure
+    ``http_<status>`` with the start of the body; the connection is closed."""
+    try:
+        detail = (await response.content.read(200)).decode("utf-8", "replace")
+    except _TRANSPORT_ERRORS:
+        detail = ""
+    response.close()
+    return ForwardFailure(f"http_{response.status}", detail)
 
 
 def _from_link(failure: LinkFailure) -> ForwardFailure:
