@@ -231,42 +231,30 @@ def test_reference_answer(truth: list[int]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("script", "stream", "reason"),
+    ("transport", "script", "stream", "reason"),
     [
-        (None, False, "connect"),
-        (_http_500, False, "http_500"),
-        (_garbage, True, "bad_response"),
-        (_silent, False, "timeout"),
-        (_dies_midstream, True, "disconnected"),
-        (_bad_tokens, False, "bad_response"),
-        (_busy, False, "busy"),
+        ("http", None, False, "connect"),
+        ("http", _http_500, False, "http_500"),
+        ("http", _garbage, True, "bad_response"),
+        ("http", _silent, False, "timeout"),
+        ("http", _dies_midstream, True, "disconnected"),
+        ("http", _bad_tokens, False, "bad_response"),
+        ("http", _busy, False, "busy"),
+        ("link", None, False, "connect"),
+        ("link", _link_http_500, False, "http_500"),
+        ("link", _link_refused, False, "http_500"),
+        ("link", _link_garbage, True, "bad_response"),
+        ("link", _link_bad_reply, True, "bad_response"),
+        ("link", _link_silent, False, "timeout"),
+        ("link", _link_dies_midstream, True, "disconnected"),
+        ("link", _link_ends_early, False, "disconnected"),
+        ("link", _link_bad_tokens, False, "bad_response"),
+        ("link", _link_busy, False, "busy"),
     ],
 )
-def test_broken_peer_still_gives_the_right_answer(engine, truth, script, stream, reason) -> None:  # type: ignore[no-untyped-def]
-    output, route, failures = asyncio.run(_run(engine, script, stream))
-    assert output == truth
-    assert route == "fallback"
-    assert failures == {reason: 1}
-
-
-@pytest.mark.parametrize(
-    ("script", "stream", "reason"),
-    [
-        (None, False, "connect"),
-        (_link_http_500, False, "http_500"),
-        (_link_refused, False, "http_500"),
-        (_link_garbage, True, "bad_response"),
-        (_link_bad_reply, True, "bad_response"),
-        (_link_silent, False, "timeout"),
-        (_link_dies_midstream, True, "disconnected"),
-        (_link_ends_early, False, "disconnected"),
-        (_link_bad_tokens, False, "bad_response"),
-        (_link_busy, False, "busy"),
-    ],
-)
-def test_broken_peer_on_a_link_still_gives_the_right_answer(  # type: ignore[no-untyped-def]
-        engine, truth, script, stream, reason) -> None:
-    output, route, failures = asyncio.run(_run(engine, script, stream, transport="link"))
+def test_broken_peer_still_gives_the_right_answer(  # type: ignore[no-untyped-def]
+        engine, truth, transport, script, stream, reason) -> None:
+    output, route, failures = asyncio.run(_run(engine, script, stream, transport))
     assert output == truth
     assert route == "fallback"
     assert failures == {reason: 1}
