@@ -105,12 +105,18 @@ async def _link_open(reader: asyncio.StreamReader, writer: asyncio.StreamWriter)
     head = await reader.readuntil(b"\r\n\r\n")
     assert head.startswith(b"POST /peer/link "), head[:40]
     writer.write(_link_head())
+    return await _next_frame(reader, LINK_OPEN)
+
+
+async def _next_frame(reader: asyncio.StreamReader, kind: int) -> LinkFrame:
+    """Read the link's chunked body up to the next frame of type ``kind`` (the entry writes
+    whole frames in each chunk)."""
     decoder = LinkDecoder()
     while True:
         size = int((await reader.readuntil(b"\r\n")).strip(), 16)
         data = (await reader.readexactly(size + 2))[:-2]
         for frame in decoder.feed(data):
-            if frame.type == LINK_OPEN:
+            if frame.type == kind:
                 return frame
 
 
@@ -269,14 +275,7 @@ async def _link_bad_reply_then_listen(reader: asyncio.StreamReader,
     frame = await _link_open(reader, writer)
     body = b"\x00\x00\x00\x05\xffnot a frame"
     writer.write(_chunk(encode_link_frame(frame.stream, LINK_REPLY, body)))
-    decoder = LinkDecoder()
-    while True:
-        size = int((await reader.readuntil(b"\r\n")).strip(), 16)
-        data = (await reader.readexactly(size + 2))[:-2]
-        for later in decoder.feed(data):
-            if later.type == LINK_CANCEL:
-                CANCELLED.append(later.stream)
-                return
+    CANCELLED.append((await _next_frame(reader, LINK_CANCEL)).stream)
 
 
 def test_a_forward_given_up_on_a_link_is_cancelled_at_the_peer(engine, truth) -> None:  # type: ignore[no-untyped-def]
