@@ -16,18 +16,22 @@ import aiohttp
 import pytest
 
 from radixmesh.core.forward_codec import (
+    LINK_CANCEL,
     LINK_HELLO,
+    LINK_OPEN,
     LinkDecoder,
     encode_forward_request,
     encode_link_frame,
 )
 from radixmesh.core.messages import ForwardAccepted, ForwardRequest, ForwardResult
 from radixmesh.engine.factory import build_engine
+from radixmesh.runtime import peer_link
 from radixmesh.runtime.inprocess import serving_node
+from radixmesh.runtime.netem import Netem, NetemConfig
 from radixmesh.runtime.node import NodeService
 from radixmesh.runtime.peer_auth import forward_purpose
 from radixmesh.runtime.peer_client import ForwardFailure
-from radixmesh.runtime.peer_link import LINK_PATH
+from radixmesh.runtime.peer_link import LINK_PATH, PeerLink
 
 KEY = "k" * 32
 
@@ -181,3 +185,69 @@ def test_a_forward_result_over_a_link_matches_the_post(engine: Any) -> None:
     link_result, post_result = over_link[-1], over_post[-1]
     assert isinstance(link_result, ForwardResult) and isinstance(post_result, ForwardResult)
     assert link_result.output_ids == post_result.output_ids
+
+
+def _stream_on_a_bare_link() -> tuple[PeerLink, Any]:
+    link = PeerLink("127.0.0.1:9", lambda _: None)  # never opened: frames stay queued
+    stream = link.start("", b"request", Netem(NetemConfig(0.0, 0.0, 0.0, 0.0)), 5.0,
+                        lambda f: ForwardFailure(f.reason, f.detail))
+    return link, stream
+
+
+def _queued(link: PeerLink) -> list[int]:
+    out = link._out
+    return [f.type for f in LinkDecoder().feed(
+        b"".join(x for x in (out.get_nowait() for _ in range(out.qsize())) if x))]
+
+
+def test_an_abandoned_forward_stops_waiting_and_is_cancelled() -> None:
+    """A drain's abort (``close_now``) while the forward waits for its next reply: the wait
+    ends at once (``disconnected``, as a closed connection did), and the peer is told."""
+    async def scenario() -> None:
+        link, stream = _stream_on_a_bare_link()
+        waiter = asyncio.ensure_future(stream.next_reply())
+        await asyncio.sleep(0.01)
+        stream.close_now()
+        with pytest.raises(ForwardFailure) as failed:
+            await asyncio.wait_for(waiter, 1.0)
+        assert failed.value.reason == "disconnected"
+        assert _queued(link) == [LINK_OPEN, LINK_CANCEL]
+
+    asyncio.run(scenario())
+
+
+def test_a_peer_that_floods_a_forward_is_cut_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(peer_link, "MAX_STREAM_BUFFER_BYTES", 1000)
+
+    async def scenario() -> None:
+        link, stream = _stream_on_a_bare_link()
+        for _ in range(3):
+            stream.push(b"x" * 400)  # never read: the third passes the bound
+        with pytest.raises(ForwardFailure) as failed:
+            for _ in range(4):
+                await stream.next_reply()
+        assert failed.value.reason == "bad_response"
+        assert _queued(link) == [LINK_OPEN, LINK_CANCEL]
+
+    asyncio.run(scenario())
+
+
+def test_an_idle_link_is_ended_by_the_peer_and_reopened(engine: Any,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(peer_link, "IDLE_CLOSE_S", 0.3)
+
+    async def scenario() -> None:
+        async with _serving(engine, "peer") as (peer, peer_address), \
+                _serving(engine, "entry") as (entry, entry_address):
+            _route_to(entry, peer_address)
+            async with aiohttp.ClientSession() as http:
+                assert (await _complete(http, entry_address, "idle one " * 3))[1] == "peer"
+                for _ in range(100):
+                    if not entry.peers._links and len(peer.links) == 0:
+                        break
+                    await asyncio.sleep(0.02)
+                assert not entry.peers._links and len(peer.links) == 0
+                assert (await _complete(http, entry_address, "idle two " * 3))[1] == "peer"
+            assert entry.peers.links_opened == 2 and entry.metrics.forward_failures == {}
+
+    asyncio.run(scenario())

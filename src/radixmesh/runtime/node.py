@@ -485,6 +485,9 @@ class NodeService:
             self.metrics.observe_forward(exc.reason, time.perf_counter() - started)
             await stream.aclose()
             return self.forward_failed(ctx, action.peer_id, exc.reason, 0)
+        except asyncio.CancelledError:  # the client went away: the peer stops too
+            stream.close_now()
+            raise
         outcome = ("accepted" if isinstance(first, AcceptedReply)
                    else "busy" if isinstance(first, ForwardBusy) else "bad_response")
         self.metrics.observe_forward(outcome, time.perf_counter() - started)

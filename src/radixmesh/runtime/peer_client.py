@@ -45,6 +45,7 @@ from radixmesh.runtime.peer_auth import GOSSIP_PURPOSE, PeerAuth, forward_purpos
 from radixmesh.runtime.peer_link import (
     LINK_MEDIA_TYPE,
     LINK_PATH,
+    MAX_LINK_REQUEST_BYTES,
     LinkFailure,
     LinkStream,
     PeerLink,
@@ -174,7 +175,7 @@ class PeerClient:
         self.gossip_failed = 0
         self.tls_failed = 0  # gossip and forwards whose TLS handshake failed
         self.connections_opened = 0  # TCP connections to peers (keep-alive reuses them)
-        self._releasing: set[asyncio.Task[None]] = set()  # ForwardStream._release tasks
+        self._releasing: set[asyncio.Task[None]] = set()  # bodies and links being closed
         self.use_links = use_links  # forwards over links (else one POST each)
         self._links: dict[str, PeerLink] = {}  # open links, by peer address
         self._opening: dict[str, asyncio.Future[PeerLink | None]] = {}
@@ -249,7 +250,8 @@ class PeerClient:
         if self.netem.drop_outgoing(peer_id, address, gossip=False):
             raise ForwardFailure("partitioned")
         await self.netem.delay()
-        if self.use_links and address not in self._without_links:
+        if (self.use_links and address not in self._without_links
+                and len(data) <= MAX_LINK_REQUEST_BYTES):  # larger: a POST of its own
             link = await self._link_to(address)
             if link is not None:
                 token = token_of(self.auth.headers(forward_purpose(LINK_PATH), data))
@@ -271,7 +273,12 @@ class PeerClient:
         opening); None if the peer has no links. :class:`ForwardFailure` if it cannot open."""
         link = self._links.get(address)
         if link is not None and not link.closed:
-            return link
+            if not link.idle_too_long:
+                return link
+            del self._links[address]  # its peer may be ending it: a new one instead
+            closing = asyncio.ensure_future(link.aclose())
+            self._releasing.add(closing)
+            closing.add_done_callback(self._releasing.discard)
         opening = self._opening.get(address)
         if opening is None:
             opening = self._opening[address] = asyncio.ensure_future(self._open_link(address))
@@ -288,19 +295,19 @@ class PeerClient:
         def post(body: AsyncIterator[bytes]) -> Any:
             return self._client().post(f"{self.scheme}://{address}{LINK_PATH}", data=body,
                                        headers=headers, timeout=timeout)
-        try:
+        try:  # the answer's headers, and the body of a refusal, within the time limit
             async with asyncio.timeout(self.connect_timeout + self.forward_timeout):
                 response = await link.open(post)
+                if response.status in (404, 405):  # a node from before links
+                    response.close()
+                    log.info("peer %s has no links: one POST per forward", address)
+                    self._without_links.add(address)
+                    return None
+                if response.status != 200:
+                    raise await _refused(response)
         except _TRANSPORT_ERRORS as exc:
             self.tls_failed += isinstance(exc, aiohttp.ClientSSLError)
             raise _classify(exc) from None
-        if response.status in (404, 405):  # a node from before links
-            response.close()
-            log.info("peer %s has no links: one POST per forward", address)
-            self._without_links.add(address)
-            return None
-        if response.status != 200:
-            raise await _refused(response)
         link.run(response)
         self._links[address] = link
         self.links_opened += 1

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import aclosing, suppress
@@ -57,6 +58,7 @@ from radixmesh.core.forward_codec import (
     LINK_REFUSED,
     LINK_REPLY,
     MAX_LINK_STREAM,
+    ForwardLimits,
     LinkDecoder,
     LinkFrame,
     ReplyDecoder,
@@ -65,7 +67,13 @@ from radixmesh.core.forward_codec import (
     encode_link_open,
     encode_link_refused,
 )
-from radixmesh.core.messages import ForwardError, ForwardReply, ForwardRequest, ForwardResult
+from radixmesh.core.messages import (
+    ForwardBusy,
+    ForwardError,
+    ForwardReply,
+    ForwardRequest,
+    ForwardResult,
+)
 
 if TYPE_CHECKING:
     from radixmesh.runtime.netem import Netem
@@ -74,6 +82,9 @@ log = logging.getLogger(__name__)
 
 LINK_PATH = "/peer/link"
 CLOSE_WAIT_S = 0.5  # a closing link: wait this long for the peer's end of the body
+IDLE_CLOSE_S = 120.0  # a served link with no forward running and nothing received: ended
+MAX_STREAM_BUFFER_BYTES = 16 * 1024 * 1024  # replies received, not yet read, per forward
+MAX_LINK_REQUEST_BYTES = ForwardLimits().max_frame_bytes - 4096  # larger: its own POST
 
 
 class LinkFailure(Exception):
@@ -103,8 +114,14 @@ class LinkStream:
         self._ready: deque[ForwardReply] = deque()
         self.completed = False  # the caller saw the final reply
         self._done = False  # the stream ended (final reply, failure or END)
+        self._buffered = 0  # reply bytes received and not yet read
 
     def push(self, item: _Item) -> None:
+        if isinstance(item, bytes):
+            self._buffered += len(item)
+            if self._buffered > MAX_STREAM_BUFFER_BYTES:  # a peer that floods a forward
+                self._link.finish(self.id, cancel=True)
+                item = LinkFailure("bad_response", "more unread replies than the limit")
         self._inbox.put_nowait(item)
 
     async def _arrivals(self) -> AsyncIterator[_Item]:
@@ -135,6 +152,7 @@ class LinkStream:
             if item is None:
                 self._done = True
                 raise self._fail(LinkFailure("disconnected", "stream ended without a result"))
+            self._buffered -= len(item)
             try:
                 self._ready.extend(self._decoder.feed(item))
             except RemoteProtocolError as exc:  # closing cancels whatever the peer runs
@@ -142,11 +160,16 @@ class LinkStream:
         reply = self._ready.popleft()
         if isinstance(reply, ForwardResult | ForwardError):
             self.completed = self._done = True
+        elif isinstance(reply, ForwardBusy):  # the peer ends the stream after it
+            self._done = True
         return reply
 
     def close_now(self) -> None:
-        """Abandon the forward at once (the request was aborted): the peer stops its work."""
+        """Abandon the forward at once (the request was aborted): the peer stops its work,
+        and a wait for the next reply ends with ``disconnected``."""
         self._link.finish(self.id, cancel=not self._done)
+        if not self._done:
+            self._inbox.put_nowait(LinkFailure("disconnected", "forward abandoned"))
         self._done = True
 
     async def aclose(self) -> None:
@@ -169,6 +192,13 @@ class PeerLink:
         self.received = 0  # bytes of the peer's body so far (a stalled forward looks at it)
         self.closed = False
         self.opened_streams = 0
+        self.last_active = time.monotonic()  # the last frame sent or received
+
+    @property
+    def idle_too_long(self) -> bool:
+        """Idle for half the time after which the peer ends it: not worth a race with its
+        end, open a new one (``IDLE_CLOSE_S``)."""
+        return not self._streams and time.monotonic() - self.last_active > IDLE_CLOSE_S / 2
 
     async def open(self, post: Callable[[AsyncIterator[bytes]], Awaitable[Any]]) -> Any:
         """Send the link's request (``post`` is the HTTP client's call with this body); returns
@@ -200,6 +230,7 @@ class PeerLink:
         try:
             async for chunk in self._response.content.iter_any():
                 self.received += len(chunk)
+                self.last_active = time.monotonic()
                 for frame in self._decoder.feed(chunk):
                     self._dispatch(frame)
         except RemoteProtocolError as exc:
@@ -242,6 +273,7 @@ class PeerLink:
         stream = LinkStream(self, stream_id, netem, timeout_s, fail)
         self._streams[stream_id] = stream
         self.opened_streams += 1
+        self.last_active = time.monotonic()
         if self.closed:  # closed since the caller got it: the forward fails like the link
             stream.push(LinkFailure("disconnected", "link closed"))
         else:
@@ -341,6 +373,14 @@ async def serve_link(
     out: asyncio.Queue[bytes | None] = asyncio.Queue()
     running: dict[int, asyncio.Task[None]] = {}
 
+    loop = asyncio.get_running_loop()
+    idle: asyncio.Timeout | None = None
+
+    def rearm() -> None:
+        """No forward running: the link ends after ``IDLE_CLOSE_S`` of silence."""
+        if idle is not None:
+            idle.reschedule(None if running else loop.time() + IDLE_CLOSE_S)
+
     async def forward(stream_id: int, req: ForwardRequest) -> None:
         try:
             async with aclosing(serve(req)) as frames:
@@ -350,6 +390,7 @@ async def serve_link(
             log.exception("a forward on a link failed")
         finally:  # cancelled (CANCEL, or the link ends): nobody is waiting for the end
             running.pop(stream_id, None)
+            rearm()
         out.put_nowait(encode_link_frame(stream_id, LINK_END))
 
     def on_frame(frame: LinkFrame) -> None:
@@ -374,34 +415,42 @@ async def serve_link(
     out.put_nowait(encode_link_frame(0, LINK_HELLO))
     decoder = LinkDecoder()
     try:
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                break  # http.disconnect: the entry node went away
-            body = message.get("body", b"")
-            if body:
-                for frame in decoder.feed(body):
-                    on_frame(frame)
-            if not message.get("more_body", False):
-                break  # the entry node ended the link
+        async with asyncio.timeout(None) as idle:
+            rearm()
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    break  # http.disconnect: the entry node went away
+                body = message.get("body", b"")
+                if body:
+                    for frame in decoder.feed(body):
+                        on_frame(frame)
+                if not message.get("more_body", False):
+                    break  # the entry node ended the link
+                rearm()
     except RemoteProtocolError as exc:
         registry.rejected += 1
         log.warning("closing a link that sent a malformed frame: %s", exc)
+    except TimeoutError:
+        pass  # idle this long: the entry node opens a new link when it needs one
     except asyncio.CancelledError:
         if not registry.closing:
             raise
         task.uncancel()  # our server is stopping: end the link cleanly
     finally:
-        work = list(running.values())
-        for one in work:
-            one.cancel()
-        await asyncio.gather(*work, return_exceptions=True)
-        out.put_nowait(None)
-        with suppress(Exception, asyncio.CancelledError):
-            async with asyncio.timeout(CLOSE_WAIT_S):
-                await asyncio.shield(writer)
-        writer.cancel()
-        registry.discard(task)
+        idle = None  # the forwards cancelled below must not re-arm a finished timer
+        try:
+            work = list(running.values())
+            for one in work:
+                one.cancel()
+            await asyncio.gather(*work, return_exceptions=True)
+            out.put_nowait(None)
+            with suppress(Exception, asyncio.CancelledError):
+                async with asyncio.timeout(CLOSE_WAIT_S):
+                    await asyncio.shield(writer)
+        finally:
+            writer.cancel()
+            registry.discard(task)
 
 
 async def _write(out: asyncio.Queue[bytes | None],
