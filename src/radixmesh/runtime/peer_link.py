@@ -33,7 +33,12 @@ on it at once (``disconnected`` / ``bad_response``) and the next forward opens a
 forward that times out on a link that has received nothing since that forward began closes
 the link (the connection is presumed dead, as a half-open TCP connection would be); a peer
 that answers ``POST /peer/link`` with 404 or 405 (a node from before links) gets one POST per
-forward from then on. A peer ends the links it serves when its server stops
+forward from then on (until this node restarts); a forward whose replies pile up unread past
+``MAX_STREAM_BUFFER_BYTES`` is cut off as ``bad_response`` (a peer cannot fill our memory);
+a served link with nothing running and nothing received for ``IDLE_CLOSE_S`` is ended by the
+peer (an entry that vanished without closing its connection leaves nothing behind), and the
+entry replaces a link idle for half that rather than race its end. A peer ends the links it
+serves when its server stops
 (:meth:`LinkRegistry.close_all`, before uvicorn waits for open requests: a link never ends
 by itself), and a node ends its own links when it stops.
 """
