@@ -828,7 +828,6 @@ class PeerForward:
             return
         await response(scope, receive, send)
 
-
     async def _link(self, request: Request, scope: Scope, receive: Receive,
                     send: Send) -> None:
         """``POST /peer/link``: many forwards over one exchange (runtime/peer_link.py). The
