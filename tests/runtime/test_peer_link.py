@@ -107,8 +107,7 @@ def test_each_forward_on_a_link_is_authenticated(engine: Any) -> None:
             assert link is not None
             signed_other = entry.auth.headers(forward_purpose(LINK_PATH), b"other bytes")
             token = next(iter(signed_other.values()))
-            stream = link.start(token, request, entry.netem, 2.0, lambda f: ForwardFailure(
-                f.reason, f.detail))
+            stream = link.start(token, request, entry.netem, 2.0)
             with pytest.raises(ForwardFailure) as refused:
                 await stream.next_reply()
             await stream.aclose()
@@ -189,8 +188,7 @@ def test_a_forward_result_over_a_link_matches_the_post(engine: Any) -> None:
 
 def _stream_on_a_bare_link() -> tuple[PeerLink, Any]:
     link = PeerLink("127.0.0.1:9", lambda _: None)  # never opened: frames stay queued
-    stream = link.start("", b"request", Netem(NetemConfig(0.0, 0.0, 0.0, 0.0)), 5.0,
-                        lambda f: ForwardFailure(f.reason, f.detail))
+    stream = link.start("", b"request", Netem(NetemConfig(0.0, 0.0, 0.0, 0.0)), 5.0)
     return link, stream
 
 

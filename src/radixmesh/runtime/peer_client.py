@@ -46,11 +46,11 @@ from radixmesh.runtime.peer_link import (
     LINK_MEDIA_TYPE,
     LINK_PATH,
     MAX_LINK_REQUEST_BYTES,
-    LinkFailure,
     LinkStream,
     PeerLink,
     token_of,
 )
+from radixmesh.runtime.peer_link import ForwardFailure as ForwardFailure  # one for both
 
 log = logging.getLogger(__name__)
 
@@ -61,14 +61,6 @@ HEADER_FROM = "x-radixmesh-from"  # sender's node id
 HEADER_FROM_ADDRESS = "x-radixmesh-from-address"  # sender's host:port
 READ_BUFFER_BYTES = 1024 * 1024  # aiohttp's read buffer for forward streams
 EOF_WAIT_S = 0.5  # after the final reply, wait this long for the end of the body
-
-
-class ForwardFailure(Exception):
-    """A forward did not produce a usable response; ``reason`` is a short metric label."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
 
 
 def _classify(exc: BaseException) -> ForwardFailure:
@@ -255,7 +247,7 @@ class PeerClient:
             link = await self._link_to(address)
             if link is not None:
                 token = token_of(self.auth.headers(forward_purpose(LINK_PATH), data))
-                return link.start(token, data, self.netem, self.forward_timeout, _from_link)
+                return link.start(token, data, self.netem, self.forward_timeout)
         headers = {**self._headers, "content-type": FORWARD_MEDIA_TYPE,
                    **self.auth.headers(forward_purpose(FORWARD_PATH), data)}
         try:
@@ -327,7 +319,3 @@ async def _refused(response: aiohttp.ClientResponse) -> ForwardFailure:
         detail = ""
     response.close()
     return ForwardFailure(f"http_{response.status}", detail)
-
-
-def _from_link(failure: LinkFailure) -> ForwardFailure:
-    return ForwardFailure(failure.reason, failure.detail)

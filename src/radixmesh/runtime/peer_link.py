@@ -92,16 +92,16 @@ MAX_STREAM_BUFFER_BYTES = 16 * 1024 * 1024  # replies received, not yet read, pe
 MAX_LINK_REQUEST_BYTES = ForwardLimits().max_frame_bytes - 4096  # larger: its own POST
 
 
-class LinkFailure(Exception):
-    """Raised by a link for one forward; ``reason`` is the forward-failure metric label
-    (``peer_client.ForwardFailure`` is built from it: this module does not import that)."""
+class ForwardFailure(Exception):
+    """A forward did not produce a usable response, over a link or a POST of its own
+    (``peer_client`` re-exports it); ``reason`` is a short metric label."""
 
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason, self.detail = reason, detail
 
 
-_Item = bytes | LinkFailure | None  # reply bytes, a failure, or the end of the stream
+_Item = bytes | ForwardFailure | None  # reply bytes, a failure, or the end of the stream
 
 
 # ----------------------------------------------------------------------- the entry node
@@ -109,10 +109,9 @@ class LinkStream:
     """One forward on a link; the interface of ``peer_client.ForwardStream``: call
     :meth:`next_reply` until the final reply, always :meth:`aclose` it."""
 
-    def __init__(self, link: PeerLink, stream_id: int, netem: Netem, timeout_s: float,
-                 fail: Callable[[LinkFailure], Exception]) -> None:
+    def __init__(self, link: PeerLink, stream_id: int, netem: Netem, timeout_s: float) -> None:
         self._link, self.id = link, stream_id
-        self._timeout_s, self._fail = timeout_s, fail
+        self._timeout_s = timeout_s
         self._inbox: asyncio.Queue[_Item] = asyncio.Queue()
         self._items = netem.delayed(self._arrivals())  # each reply crosses the emulated link
         self._decoder = ReplyDecoder()
@@ -126,7 +125,7 @@ class LinkStream:
             self._buffered += len(item)
             if self._buffered > MAX_STREAM_BUFFER_BYTES:  # a peer that floods a forward
                 self._link.finish(self.id, cancel=True)
-                item = LinkFailure("bad_response", "more unread replies than the limit")
+                item = ForwardFailure("bad_response", "more unread replies than the limit")
         self._inbox.put_nowait(item)
 
     async def _arrivals(self) -> AsyncIterator[_Item]:
@@ -145,23 +144,22 @@ class LinkStream:
                     item = await anext(self._items)
             except TimeoutError:  # the peer may still be at work: closing cancels it
                 self._link.stalled(seen)
-                raise self._fail(LinkFailure("timeout", "no reply within the forward "
-                                             "timeout")) from None
+                raise ForwardFailure("timeout", "no reply within the forward timeout") from None
             except StopAsyncIteration:
                 item = None
-            except LinkFailure as exc:  # Netem.delayed raises the exceptions it relays
+            except ForwardFailure as exc:  # Netem.delayed raises the exceptions it relays
                 item = exc
-            if isinstance(item, LinkFailure):  # refused, or the link broke: nothing runs
-                self._done = True
-                raise self._fail(item)
+            if isinstance(item, ForwardFailure):  # refused, or the link broke: nothing runs
+                self._done = True  # (one failure may be pushed to every stream: a copy each)
+                raise ForwardFailure(item.reason, item.detail)
             if item is None:
                 self._done = True
-                raise self._fail(LinkFailure("disconnected", "stream ended without a result"))
+                raise ForwardFailure("disconnected", "stream ended without a result")
             self._buffered -= len(item)
             try:
                 self._ready.extend(self._decoder.feed(item))
             except RemoteProtocolError as exc:  # closing cancels whatever the peer runs
-                raise self._fail(LinkFailure("bad_response", str(exc)[:200])) from None
+                raise ForwardFailure("bad_response", str(exc)[:200]) from None
         reply = self._ready.popleft()
         if isinstance(reply, ForwardResult | ForwardError):
             self.completed = self._done = True
@@ -174,7 +172,7 @@ class LinkStream:
         and a wait for the next reply ends with ``disconnected``."""
         self._link.finish(self.id, cancel=not self._done)
         if not self._done:
-            self._inbox.put_nowait(LinkFailure("disconnected", "forward abandoned"))
+            self._inbox.put_nowait(ForwardFailure("disconnected", "forward abandoned"))
         self._done = True
 
     async def aclose(self) -> None:
@@ -196,7 +194,6 @@ class PeerLink:
         self._reader: asyncio.Task[None] | None = None
         self.received = 0  # bytes of the peer's body so far (a stalled forward looks at it)
         self.closed = False
-        self.opened_streams = 0
         self.last_active = time.monotonic()  # the last frame sent or received
 
     @property
@@ -215,23 +212,12 @@ class PeerLink:
         self._response = response
         self._reader = asyncio.ensure_future(self._read())
 
-    async def _body(self) -> AsyncIterator[bytes]:
-        """The request body: frames as they are queued, the waiting ones sent together."""
-        while True:
-            item = await self._out.get()
-            parts: list[bytes] = []
-            while item is not None:
-                parts.append(item)
-                if self._out.empty():
-                    break
-                item = self._out.get_nowait()
-            if parts:
-                yield b"".join(parts)
-            if item is None:
-                return
+    def _body(self) -> AsyncIterator[bytes]:
+        """The request body: the frames queued for the peer (:func:`_batches`)."""
+        return _batches(self._out)
 
     async def _read(self) -> None:
-        failure = LinkFailure("disconnected", "link closed by the peer")
+        failure = ForwardFailure("disconnected", "link closed by the peer")
         try:
             async for chunk in self._response.content.iter_any():
                 self.received += len(chunk)
@@ -239,12 +225,12 @@ class PeerLink:
                 for frame in self._decoder.feed(chunk):
                     self._dispatch(frame)
         except RemoteProtocolError as exc:
-            failure = LinkFailure("bad_response", f"link: {exc}"[:200])
+            failure = ForwardFailure("bad_response", f"link: {exc}"[:200])
         except asyncio.CancelledError:
-            failure = LinkFailure("disconnected", "link closed")
+            failure = ForwardFailure("disconnected", "link closed")
             raise
         except Exception as exc:  # transport errors of any kind end the link
-            failure = LinkFailure("disconnected", type(exc).__name__)
+            failure = ForwardFailure("disconnected", type(exc).__name__)
         finally:
             self._close(failure)
 
@@ -266,21 +252,19 @@ class PeerLink:
         try:
             status, detail = decode_link_refused(frame.body)
         except RemoteProtocolError as exc:
-            stream.push(LinkFailure("bad_response", str(exc)[:200]))
+            stream.push(ForwardFailure("bad_response", str(exc)[:200]))
             return
-        stream.push(LinkFailure(f"http_{status}", detail))
+        stream.push(ForwardFailure(f"http_{status}", detail))
 
-    def start(self, token: str, request: bytes, netem: Netem, timeout_s: float,
-              fail: Callable[[LinkFailure], Exception]) -> LinkStream:
+    def start(self, token: str, request: bytes, netem: Netem, timeout_s: float) -> LinkStream:
         """Send one forward (its encoded request and authentication token)."""
         stream_id = self._next_id
         self._next_id = self._next_id % MAX_LINK_STREAM + 1  # 1..2**32-1, 0 is the link's
-        stream = LinkStream(self, stream_id, netem, timeout_s, fail)
+        stream = LinkStream(self, stream_id, netem, timeout_s)
         self._streams[stream_id] = stream
-        self.opened_streams += 1
         self.last_active = time.monotonic()
         if self.closed:  # closed since the caller got it: the forward fails like the link
-            stream.push(LinkFailure("disconnected", "link closed"))
+            stream.push(ForwardFailure("disconnected", "link closed"))
         else:
             self._out.put_nowait(encode_link_open(stream_id, token, request))
         return stream
@@ -294,11 +278,11 @@ class PeerLink:
         """A forward timed out; if nothing at all came since it began, the link is dead."""
         if self.received == received_before and not self.closed:
             log.info("link to %s silent for a whole forward timeout: closing it", self.address)
-            self._close(LinkFailure("timeout", "link silent"))
+            self._close(ForwardFailure("timeout", "link silent"))
             if self._reader is not None:
                 self._reader.cancel()
 
-    def _close(self, failure: LinkFailure) -> None:
+    def _close(self, failure: ForwardFailure) -> None:
         if self.closed:
             return
         self.closed = True
@@ -320,7 +304,7 @@ class PeerLink:
                     await asyncio.shield(self._reader)
             self._reader.cancel()
             await asyncio.gather(self._reader, return_exceptions=True)
-        self._close(LinkFailure("disconnected", "link closed"))
+        self._close(ForwardFailure("disconnected", "link closed"))
 
 
 # ---------------------------------------------------------------------------- the peer
@@ -462,19 +446,25 @@ async def _write(out: asyncio.Queue[bytes | None],
                  send: Callable[[MutableMapping[str, Any]], Awaitable[None]]) -> None:
     """The link's response body: frames as they are queued, the waiting ones sent together."""
     await send({"type": "http.response.start", "status": 200, "headers": _LINK_HEADERS})
+    async for batch in _batches(out):
+        await send({"type": "http.response.body", "body": batch, "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _batches(queue: asyncio.Queue[bytes | None]) -> AsyncIterator[bytes]:
+    """Frames as they are queued, those already waiting joined into one write, until None
+    (one side's body of a link)."""
     while True:
-        item = await out.get()
+        item = await queue.get()
         parts: list[bytes] = []
         while item is not None:
             parts.append(item)
-            if out.empty():
+            if queue.empty():
                 break
-            item = out.get_nowait()
+            item = queue.get_nowait()
         if parts:
-            await send({"type": "http.response.body", "body": b"".join(parts),
-                        "more_body": True})
+            yield b"".join(parts)
         if item is None:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
 
 
