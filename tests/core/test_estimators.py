@@ -14,10 +14,13 @@ from radixmesh.core.estimators import (
     ComputeModel,
     CostPriors,
     Ewma,
+    PrefillFit,
     QueuedBlocks,
     RttTable,
     SpeedReport,
     WaitError,
+    median_speed,
+    prefill_times,
     prefill_work,
 )
 
@@ -52,13 +55,104 @@ def test_compute_model_learns_rates() -> None:
         model.observe_decode(10, 0.5)
         model.observe_service(0.25)
     report = model.report()
-    assert report.prefill_s_per_token == pytest.approx(true_rate, rel=1e-6)
+    assert report.prefill_s_per_token == pytest.approx(true_rate, rel=0.01)
+    assert report.prefill_overhead_s == pytest.approx(PRIORS.prefill_overhead_s, rel=0.05)
     assert report.decode_s_per_token == pytest.approx(0.05)
     assert report.mean_service_s == pytest.approx(0.25)
     model.observe_prefill(0, 10, 1.0)  # ignored: nothing prefilled
     model.observe_decode(0, 1.0)
     model.observe_service(-1.0)
     assert model.report() == report
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    overhead=st.floats(0, 0.2),
+    rate=st.floats(1e-7, 1e-3),
+    sizes=st.lists(st.tuples(st.integers(1, 4000), st.integers(0, 4000)), min_size=2,
+                   max_size=6),
+)
+def test_prefill_fit_recovers_overhead_and_rate_from_any_mix_of_sizes(
+    overhead: float, rate: float, sizes: list[tuple[int, int]]
+) -> None:
+    """Noiseless prefills of a mix of sizes at least 512 work units apart: the fit predicts
+    every size within 3 % of the largest one's time (the ridge towards the prior is weak),
+    whatever the true overhead (a prefill of a few tokens no longer puts the overhead into
+    the rate). Sizes closer together than the ridge's scale keep more of the prior's
+    proportions (the next test)."""
+    works = [prefill_work(u, c, PRIORS.context_scale) for u, c in sizes]
+    if max(works) - min(works) < 512:
+        return
+    model = ComputeModel(PRIORS)
+    for _ in range(60):
+        for (u, c), work in zip(sizes, works, strict=True):
+            model.observe_prefill(u, c, overhead + rate * work)
+    report = model.report()
+    scale = overhead + rate * max(works)
+    for (u, c), work in zip(sizes, works, strict=True):
+        assert report.prefill_s(u, c, PRIORS.context_scale) == pytest.approx(
+            overhead + rate * work, abs=0.03 * scale)
+
+
+def test_prefill_fit_of_one_size_keeps_the_priors_proportions() -> None:
+    """A node that served only warm prefills of a few tokens (30 ms + 200 us a unit, against
+    a 4 ms + 80 us prior) predicts that size exactly and scales the prior for the rest: a
+    cold prompt is priced within the two figures' ratio of the truth, not 3x over it as
+    when the rate alone was learnt."""
+    model = ComputeModel(PRIORS)
+    for _ in range(200):
+        model.observe_prefill(20, 800, 0.03 + 2e-4 * prefill_work(20, 800, PRIORS.context_scale))
+    report = model.report()
+    warm = 0.03 + 2e-4 * prefill_work(20, 800, PRIORS.context_scale)
+    assert report.prefill_s(20, 800, PRIORS.context_scale) == pytest.approx(warm, rel=1e-3)
+    ratio = report.prefill_overhead_s / report.prefill_s_per_token
+    assert ratio == pytest.approx(PRIORS.prefill_overhead_s / PRIORS.prefill_s_per_token, rel=0.01)
+    cold_true = 0.03 + 2e-4 * prefill_work(1000, 0, PRIORS.context_scale)
+    assert 0.5 * cold_true < report.prefill_s(1000, 0, PRIORS.context_scale) < 2.2 * cold_true
+
+
+def test_prefill_fit_ignores_nonsense_and_restarts() -> None:
+    fit = PrefillFit(0.004, 8e-5, 0.2)
+    for work, seconds in ((0.0, 1.0), (-5.0, 1.0), (100.0, -1.0), (math.nan, 1.0),
+                          (100.0, math.inf)):
+        fit.observe(work, seconds)
+    assert (fit.overhead, fit.rate) == (0.004, 8e-5)
+    for _ in range(50):
+        fit.observe(100.0, 1.0)  # 1 s for 100 units: much slower than the prior
+    assert fit.overhead + 100 * fit.rate == pytest.approx(1.0, rel=1e-3)
+    fit.restart(0.01, 1e-4)
+    assert (fit.overhead, fit.rate) == (0.01, 1e-4)
+    with pytest.raises(ValueError):
+        PrefillFit(-1.0, 8e-5, 0.2)
+
+
+def test_prefill_fit_never_goes_negative() -> None:
+    """Noisy data where larger prefills were measured faster: overhead and rate stay >= 0."""
+    fit = PrefillFit(0.004, 8e-5, 0.5)
+    for _ in range(20):
+        fit.observe(10.0, 0.5)
+        fit.observe(3000.0, 0.01)
+    assert fit.overhead >= 0 and fit.rate >= 0
+    fit = PrefillFit(0.004, 8e-5, 0.5)
+    for _ in range(20):
+        fit.observe(100.0, 0.001)
+        fit.observe(3000.0, 1.0)  # a line through these would cross zero above 0 units
+    assert fit.overhead >= 0 and fit.rate > 0
+
+
+def test_median_speed_is_the_median_prefill_line_not_mixed_fields() -> None:
+    """Two nodes that agree on prefills of ~300 units but split them differently (one all
+    overhead, one all rate), and a third: the median's times at both reference sizes are the
+    medians of theirs (a per-field median would pair a small overhead with a small rate)."""
+    speeds = [SpeedReport(0.1, 0.0, 0.007, 0.2), SpeedReport(0.0, 3.3e-4, 0.007, 0.3),
+              SpeedReport(0.05, 1.5e-4, 0.009, 0.25)]
+    med = median_speed(speeds)
+    for i in range(2):
+        assert prefill_times(med)[i] == pytest.approx(
+            sorted(prefill_times(s)[i] for s in speeds)[1])
+    assert med.decode_s_per_token == 0.007 and med.mean_service_s == 0.25
+    with pytest.raises(ValueError):
+        median_speed([])
 
 
 def test_rtt_table_first_observation_replaces_prior_then_tracks() -> None:

@@ -293,14 +293,17 @@ def test_over_a_slow_link_cost_keeps_copies_at_the_entry_instead_of_renting_far_
     # 4 ms prior does not know), 200 ms one way. Forwarding every request to the one holder
     # of its prefix paid a 0.4 s round trip each time where none's local copies hit for free
     # after their first prefill (1.3x none on real MMLU; 1.9x here). The forwards left are
-    # made while the nodes still learn their speeds (the first ~40 of 160 requests); the
-    # copies cost keeps at the entry are counted as deliberate.
+    # made in the first ~60 of 160 requests: a cold prefill of these 2,600-token prompts
+    # (0.89 s) costs more than the round trip, so a node rents a holder's copy before it
+    # buys its own (ski rental; 1.28x none since the nodes learn overhead and rate together
+    # — 1.21x when a node serving cache hits overpriced every cold prefill); the copies
+    # cost keeps at the entry are counted as deliberate.
     reqs = make_reqs(160, groups=6, prefix_words=250)
     slow = replace(costs.resolve("cpu-tiny"), prefill_overhead_s=0.03,
                    prefill_s_per_token=2.05e-4, context_scale=2048.0)
     kw: dict[str, object] = {"cost": slow, "network": NetworkConfig(delay_s=0.2)}
     none = simulate("none", reqs, **kw).summary
     cost = simulate("cost", reqs, **kw).summary
-    assert cost["mean_latency_s"] <= 1.25 * none["mean_latency_s"]
+    assert cost["mean_latency_s"] <= 1.3 * none["mean_latency_s"]
     assert cost["forwarded_share"] < 0.2
     assert cost["sim"]["placement_local_copy"] > 0  # type: ignore[index]

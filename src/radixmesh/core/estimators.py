@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,13 +111,106 @@ class SpeedReport:
         return prefill + self.decode_s_per_token * max(0.0, output_tokens / depth - 1)
 
 
+# The prefill work (``prefill_work`` units) of a warm step, a few dozen new tokens, and of a
+# cold prompt: prefill speeds are compared, and their median taken, by their times at these
+REFERENCE_WORK = (64.0, 1024.0)
+
+
+def prefill_times(speed: SpeedReport) -> tuple[float, float]:
+    """``speed``'s prefill times at the two :data:`REFERENCE_WORK` sizes."""
+    small, large = REFERENCE_WORK
+    return (speed.prefill_overhead_s + speed.prefill_s_per_token * small,
+            speed.prefill_overhead_s + speed.prefill_s_per_token * large)
+
+
 def median_speed(speeds: Sequence[SpeedReport]) -> SpeedReport:
-    """Each field's median over ``speeds`` (at least one)."""
+    """The median of ``speeds`` (at least one): for prefill, the line through the medians of
+    their times at the :data:`REFERENCE_WORK` sizes; each other field's median. (Overhead and
+    rate are fitted together (:class:`PrefillFit`): two nodes that agree on every prefill
+    they served may split it differently, and a per-field median would pair one node's
+    overhead with another's rate.)"""
     if not speeds:
         raise ValueError("median_speed needs at least one speed")
+    (small, large), times = REFERENCE_WORK, [prefill_times(s) for s in speeds]
+    t_small = statistics.median(t[0] for t in times)
+    t_large = statistics.median(t[1] for t in times)
+    rate = max(t_large - t_small, 0.0) / (large - small)
+    overhead = t_small - rate * small
+    if overhead < 0:
+        overhead, rate = 0.0, t_large / large
     return SpeedReport(
-        *(statistics.median(getattr(s, f.name) for s in speeds) for f in fields(SpeedReport))
+        prefill_overhead_s=overhead,
+        prefill_s_per_token=rate,
+        decode_s_per_token=statistics.median(s.decode_s_per_token for s in speeds),
+        mean_service_s=statistics.median(s.mean_service_s for s in speeds),
     )
+
+
+class PrefillFit:
+    """A node's prefill time as ``overhead + rate × work`` (see :func:`prefill_work`), both
+    fitted by exponentially weighted least squares over the prefills it served (a new one
+    weighs ``alpha``, the older ones ``1 - alpha`` less each time: the weights sum to 1),
+    with a weak ridge towards the prior *scaled to the data*: ``k`` × (prior overhead,
+    prior rate), ``k`` the ratio of the observed times to the prior's for the same prefills
+    (a machine k times slower than the prior's is slower at both). Data that vary in size
+    set both figures (the ridge, ``prior_weight`` × (overhead − k·prior)² + ``prior_weight``
+    × (``x_ref`` × (rate − k·prior))², moves them by well under 1 %); data of one size (a
+    node serving only warm requests of a few uncached tokens) fit that size exactly and
+    keep the prior's proportions for the rest.
+
+    Learning the rate alone under a fixed overhead (an earlier design) put the whole time of
+    a small prefill into its rate: where the real overhead is larger than the prior's (the
+    tiny engine on the loaded test box: ~30 ms against 4 ms), a node serving mostly cache
+    hits learnt a rate 10x its peers' (simulator, chat, one client, identical nodes: one
+    node 5,198 us per unit, the others 421-534), so every cold request looked 10x slower
+    there and went elsewhere: estimates set by a node's mix of requests, not its speed."""
+
+    __slots__ = ("_a0", "_b0", "_sw", "_sx", "_sxx", "_sxy", "_sy", "alpha", "overhead",
+                 "prior_weight", "rate", "x_ref")
+
+    def __init__(self, overhead: float, rate: float, alpha: float, x_ref: float = 512.0,
+                 prior_weight: float = 1e-3) -> None:
+        if overhead < 0 or rate < 0 or not 0 < alpha <= 1 or x_ref <= 0 or prior_weight <= 0:
+            raise ValueError("PrefillFit needs overhead, rate >= 0, alpha in (0, 1], "
+                             "x_ref > 0 and prior_weight > 0")
+        self.alpha = alpha
+        self.x_ref = x_ref
+        self.prior_weight = prior_weight
+        self.restart(overhead, rate)
+
+    def restart(self, overhead: float, rate: float) -> None:
+        """Forget every observation; ``overhead`` and ``rate`` are the new prior."""
+        self._a0, self._b0 = max(overhead, 0.0), max(rate, 0.0)
+        self.overhead, self.rate = self._a0, self._b0
+        self._sw = self._sx = self._sy = self._sxx = self._sxy = 0.0
+
+    def observe(self, work: float, seconds: float) -> None:
+        if not (work > 0 and seconds >= 0 and math.isfinite(work) and math.isfinite(seconds)):
+            return
+        keep, a = 1.0 - self.alpha, self.alpha
+        self._sw = keep * self._sw + a
+        self._sx = keep * self._sx + a * work
+        self._sy = keep * self._sy + a * seconds
+        self._sxx = keep * self._sxx + a * work * work
+        self._sxy = keep * self._sxy + a * work * seconds
+        self._solve()
+
+    def _solve(self) -> None:
+        """The normal equations with the ridge, overhead and rate kept >= 0."""
+        la = self.prior_weight
+        lb = self.prior_weight * self.x_ref * self.x_ref
+        prior_time = self._a0 * self._sw + self._b0 * self._sx  # the prior's, same prefills
+        k = self._sy / prior_time if prior_time > 0 else 1.0
+        m11, m12, m22 = self._sw + la, self._sx, self._sxx + lb
+        r1, r2 = self._sy + la * k * self._a0, self._sxy + lb * k * self._b0
+        det = m11 * m22 - m12 * m12  # > 0: the ridge makes the matrix positive definite
+        a = (r1 * m22 - m12 * r2) / det
+        b = (m11 * r2 - m12 * r1) / det
+        if a < 0:  # the best line with no overhead
+            a, b = 0.0, r2 / m22
+        if b < 0:  # larger prefills measured faster (noise): a flat line at the mean time
+            a, b = r1 / m11, 0.0
+        self.overhead, self.rate = max(a, 0.0), b
 
 
 class ComputeModel:
@@ -125,8 +218,8 @@ class ComputeModel:
 
     def __init__(self, priors: CostPriors) -> None:
         self.priors = priors
-        self._overhead = priors.prefill_overhead_s
-        self._rate = Ewma(priors.prefill_s_per_token, priors.alpha)
+        self._prefill = PrefillFit(priors.prefill_overhead_s, priors.prefill_s_per_token,
+                                   priors.alpha)
         self._decode = Ewma(priors.decode_s_per_token, priors.alpha)
         self._service = Ewma(
             priors.prefill_overhead_s + 256 * priors.prefill_s_per_token, priors.alpha
@@ -135,8 +228,7 @@ class ComputeModel:
     def observe_prefill(self, uncached: int, cached: int, seconds: float) -> None:
         if uncached <= 0 or seconds < 0:
             return
-        work = prefill_work(uncached, cached, self.priors.context_scale)
-        self._rate.observe(max(0.0, seconds - self._overhead) / work)
+        self._prefill.observe(prefill_work(uncached, cached, self.priors.context_scale), seconds)
 
     def observe_decode(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds >= 0:
@@ -159,16 +251,15 @@ class ComputeModel:
     def adopt(self, speed: SpeedReport) -> None:
         """Start again from ``speed`` (the mesh's median, when this node's own estimate has
         gone stale): the next observations weigh as much as after a fresh start."""
-        self._overhead = speed.prefill_overhead_s
-        for ewma, value in ((self._rate, speed.prefill_s_per_token),
-                            (self._decode, speed.decode_s_per_token),
+        self._prefill.restart(speed.prefill_overhead_s, speed.prefill_s_per_token)
+        for ewma, value in ((self._decode, speed.decode_s_per_token),
                             (self._service, speed.mean_service_s)):
             ewma.value, ewma.count = value, 0
 
     def report(self) -> SpeedReport:
         return SpeedReport(
-            prefill_overhead_s=self._overhead,
-            prefill_s_per_token=self._rate.value,
+            prefill_overhead_s=self._prefill.overhead,
+            prefill_s_per_token=self._prefill.rate,
             decode_s_per_token=self._decode.value,
             mean_service_s=self._service.value,
         )

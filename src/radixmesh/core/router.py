@@ -107,7 +107,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from random import Random  # the type only: instances are passed in, never the global one
 
-from radixmesh.core.estimators import SpeedReport, median_speed
+from radixmesh.core.estimators import SpeedReport, median_speed, prefill_times
 from radixmesh.core.units import parse_choice
 
 
@@ -633,17 +633,21 @@ def _tag(node: NodeInfo, owners: set[str], held: int, anyone: bool) -> Tag:
     return Tag.SECOND_COPY if anyone else Tag.UNPLACED
 
 
-# The hardware's speed; not ``mean_service_s``, which follows the node's own mix of cached and
-# cold requests (it prices that node's queue) and really differs between nodes.
-_SPEED_FIELDS = ("prefill_overhead_s", "prefill_s_per_token", "decode_s_per_token")
-
-
 def _snapped(speed: SpeedReport, median: SpeedReport, tol: float) -> SpeedReport:
-    snapped = {}
-    for f in _SPEED_FIELDS:
-        mine, mid = getattr(speed, f), getattr(median, f)
-        snapped[f] = mid if mid / tol <= mine <= mid * tol else mine
-    return replace(speed, **snapped)
+    """``speed`` with its prefill line replaced by the median's if its times at both reference
+    sizes are within ``tol`` of the median's, and likewise its decode rate. The hardware's
+    speed only: not ``mean_service_s``, which follows the node's own mix of cached and cold
+    requests (it prices that node's queue) and really differs between nodes. The prefill is
+    compared as a whole: overhead and rate are fitted together, and nodes that agree on the
+    prefills they served may split them differently."""
+    mine, mid = prefill_times(speed), prefill_times(median)
+    if all(m / tol <= t <= m * tol for t, m in zip(mine, mid, strict=True)):
+        speed = replace(speed, prefill_overhead_s=median.prefill_overhead_s,
+                        prefill_s_per_token=median.prefill_s_per_token)
+    decode, mid_decode = speed.decode_s_per_token, median.decode_s_per_token
+    if mid_decode / tol <= decode <= mid_decode * tol:
+        speed = replace(speed, decode_s_per_token=mid_decode)
+    return speed
 
 
 def _by_match(avail: list[NodeInfo]) -> list[NodeInfo]:
