@@ -415,6 +415,25 @@ def test_cost_ignores_speed_differences_within_the_noise_tolerance(
     assert not untuned.rank(req, [mine, *peers], random.Random(0))[0].is_self  # old behaviour
 
 
+def test_speeds_that_split_a_prefill_differently_but_agree_on_its_time_count_as_equal() -> None:
+    """Overhead and rate are fitted together, so two nodes that agree on every prefill they
+    served may split it differently (one all overhead, one mostly rate): compared at a warm
+    step's and a cold prompt's size they are the same speed, and a cold request stays here.
+    A peer whose line is 4x faster at the cold size is really faster, and gets it."""
+    req = RouteInput(3000, 1)
+    mine = NodeInfo("self", True, 0, 0.0, 0, SpeedReport(0.004, 8e-5, 0.007, 0.05))
+    # within 1.5x of this node's times at 64 and 1,024 units, split differently; 11 % faster
+    # for this prompt, which alone would pass the 10 % hysteresis
+    split = SpeedReport(0.009, 7e-5, 0.007, 0.05)
+    peers = [NodeInfo(f"p{i}", False, 0, 0.001, 0, split) for i in range(2)]
+    assert rank(Policy.COST, req, [mine, *peers])[0] == "self"
+    untuned = Router(RouterConfig(policy=Policy.COST, speed_tolerance=None))
+    assert not untuned.rank(req, [mine, *peers], random.Random(0))[0].is_self
+    fast = SpeedReport(0.004, 2e-5, 0.007, 0.05)  # 4x faster for a cold prompt
+    peers = [NodeInfo(f"p{i}", False, 0, 0.001, 0, fast) for i in range(2)]
+    assert rank(Policy.COST, req, [mine, *peers])[0] != "self"
+
+
 # -------------------------------------------------------------- placement: owners and replicas
 def placed(
     nodes: list[NodeInfo], owners: tuple[str, ...], seed: int = 0, held: int = 256, **cfg: float
