@@ -77,7 +77,8 @@ Policies
                       peer's queue wait were off, from the waits its forwards met there
                       (``wait_error_s``); a forward must save more than that too.
                       *Robust speeds*: learnt speeds within ``speed_tolerance`` (1.5×) of the
-                      candidates' median count as the median, so that estimation noise on a
+                      candidates' median (a prefill line judged by its times at a warm step's
+                      and a cold prompt's size) count as the median, so that estimation noise on a
                       shared machine cannot send cold requests to whichever node looks fastest
                       (positive feedback: that node caches the new prefix, the others never do).
                       A speed far off the median for lack of recent requests is not noise
