@@ -16,7 +16,8 @@ policy only; other policies' decisions are counted under ``None``.
 
 The router is wrapped, not changed: the command's own output and results are the same as
 without this script. Reading these dumps for the decisions that went wrong found the causes
-behind the one-client losses of `0072f90` (docs/benchmarks.md, "Router" -> "Before that (`0072f90`)").
+behind the one-client losses of `0072f90` (docs/benchmarks.md, "Router" -> "Before that
+(`0072f90`)").
 """
 
 from __future__ import annotations

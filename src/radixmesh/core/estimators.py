@@ -215,7 +215,7 @@ class PrefillFit:
             a, b = 0.0, r2 / m22
         if b < 0:  # larger prefills measured faster (noise): a flat line at the mean time
             a, b = r1 / m11, 0.0
-        self.overhead, self.rate = max(a, 0.0), b
+        self.overhead, self.rate = a, b
 
 
 class ComputeModel:

@@ -32,7 +32,7 @@ import asyncio
 import logging
 import ssl
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import aiohttp
@@ -121,9 +121,7 @@ class ForwardStream:
         delaying the answer; otherwise the connection is closed."""
         await self._chunks.aclose()  # type: ignore[attr-defined]
         if self.completed and not self._ready:
-            task = asyncio.ensure_future(self._release())
-            self._releasing.add(task)  # a strong reference until it ends
-            task.add_done_callback(self._releasing.discard)
+            _in_background(self._release(), self._releasing)
         else:
             self._response.close()
 
@@ -268,9 +266,7 @@ class PeerClient:
             if not link.idle_too_long:
                 return link
             del self._links[address]  # its peer may be ending it: a new one instead
-            closing = asyncio.ensure_future(link.aclose())
-            self._releasing.add(closing)
-            closing.add_done_callback(self._releasing.discard)
+            _in_background(link.aclose(), self._releasing)
         opening = self._opening.get(address)
         if opening is None:
             opening = self._opening[address] = asyncio.ensure_future(self._open_link(address))
@@ -308,6 +304,14 @@ class PeerClient:
     def _link_closed(self, link: PeerLink) -> None:
         if self._links.get(link.address) is link:
             del self._links[link.address]
+
+
+def _in_background(work: Coroutine[Any, Any, None], tasks: set[asyncio.Task[None]]) -> None:
+    """Run ``work`` as a task held in ``tasks`` (a strong reference) until it ends; the
+    client cancels what is left there when it closes."""
+    task = asyncio.ensure_future(work)
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
 
 
 async def _refused(response: aiohttp.ClientResponse) -> ForwardFailure:
