@@ -168,6 +168,57 @@ def test_rtt_table_first_observation_replaces_prior_then_tracks() -> None:
     assert rtt.get("a") == PRIORS.rtt_s
 
 
+def test_a_peer_never_measured_is_priced_like_the_slowest_link_measured() -> None:
+    rtt = RttTable(PRIORS)
+    assert not rtt.known and rtt.get("new") == PRIORS.rtt_s  # nothing known: the prior
+    rtt.observe("a", 0.5, probe=True)
+    rtt.observe("b", 2.0, probe=True)
+    assert rtt.known and rtt.get("new") == 2.0 and not rtt.measured("new")
+    for _ in range(200):  # the slow link got fast: the next slowest prices the unknown
+        rtt.observe("b", 0.1)
+    assert rtt.get("new") == pytest.approx(0.5)
+    rtt.forget("a")
+    assert rtt.get("new") == pytest.approx(0.1)
+    rtt.forget("b")
+    assert not rtt.known and rtt.get("new") == PRIORS.rtt_s
+
+
+_RTT_OPS = st.lists(st.tuples(st.sampled_from("abcd"), st.floats(-0.1, 3.0), st.booleans(),
+                              st.booleans()), max_size=60)
+
+
+@given(_RTT_OPS)
+@settings(max_examples=200, deadline=None)
+def test_rtt_table_matches_a_reference_of_its_estimates(ops: list[tuple[str, float, bool,
+                                                                         bool]]) -> None:
+    """Against a plain reference: each peer's forward EWMA else its probe EWMA, and an
+    unmeasured peer at the largest of those (the incremental worst must never go stale)."""
+    rtt = RttTable(PRIORS)
+    forward: dict[str, Ewma] = {}
+    probe: dict[str, Ewma] = {}
+    for peer, seconds, is_probe, drop in ops:
+        if drop:
+            rtt.forget(peer)
+            forward.pop(peer, None)
+            probe.pop(peer, None)
+            continue
+        rtt.observe(peer, seconds, probe=is_probe)
+        table = probe if is_probe else forward
+        if seconds >= 0:
+            if peer in table:
+                table[peer].observe(seconds)
+            else:
+                table[peer] = Ewma(seconds, PRIORS.alpha)
+                table[peer].count = 1
+        own = {p: (forward.get(p) or probe[p]).value for p in {*forward, *probe}}
+        for p in "abcd":
+            assert rtt.measured(p) == (p in own)
+            if p in own:
+                assert rtt.get(p) == own[p]
+        expected = max(own.values()) if own else PRIORS.rtt_s
+        assert rtt.get("never") == pytest.approx(expected)
+
+
 def test_prefill_grows_with_context_and_is_zero_when_all_cached() -> None:
     speed = SpeedReport(0.004, 1e-4, 0.007, 0.1)
     assert speed.prefill_s(0, 500, 4096.0) == 0.0

@@ -484,6 +484,27 @@ def test_forward_succeeded_inserts_optimistically_and_measures_rtt() -> None:
     assert n0.metrics()["requests_fallback"] == 1
 
 
+def test_cost_forwards_nothing_before_a_round_trip_was_measured() -> None:
+    """On a 1 s link the gossip that shows a peer's cache arrives 2 s before the first echo
+    that measures the link: in between, the 2 ms prior made a certain cache hit there look
+    worth a forward that cost 2 s. Nothing measured: serve here; measured: the real price."""
+    c = TwinCluster(2, router=RouterConfig(policy=Policy.COST), link=LinkConfig(delay_s=1.0),
+                    seed=11)
+    n0 = c.nodes["n0"]
+    chain = hashes_of(c, "n1", random.Random(1), n=48)
+    tokens = 48 * c.fingerprint.block_size
+    while not set(chain) <= n0.estimate("n1"):
+        c.run_for(0.25)
+    [peer] = n0.mesh_state(c.now)["peers"]  # type: ignore[misc]
+    assert peer["rtt_measured"] is False
+    assert n0.route(chain, tokens, 0, 1, c.now)[0].is_self
+    while not n0.mesh_state(c.now)["peers"][0]["rtt_measured"]:  # type: ignore[index]
+        c.run_for(0.25)
+    [peer] = n0.mesh_state(c.now)["peers"]  # type: ignore[misc]
+    assert peer["rtt_s"] == pytest.approx(2.0, abs=0.1)
+    assert n0.route(chain, tokens, 0, 1, c.now)[0].is_self  # 2 s buys no 0.07 s prefill
+
+
 def test_the_queue_waits_forwards_met_teach_the_error_of_that_peers_predictions() -> None:
     c = warm_cluster(2, policy=Policy.COST)
     n0 = c.nodes["n0"]

@@ -312,19 +312,23 @@ class QueuedBlocks:
 
 
 class RttTable:
-    """Forward round-trip estimate per peer (EWMA), with the prior for peers never measured.
+    """Forward round-trip estimate per peer (EWMA), pessimistic for peers never measured.
 
     Two sources, kept apart: real forwards (``probe=False``: what a forward actually added)
     and gossip echoes (``probe=True``: cheap, available before any forward, but they include
     the gossip path's own encode/apply time, so they overstate a forward's cost). A peer's
     estimate is its forward EWMA once one forward was measured, else its probe EWMA, else the
-    prior.
+    worst estimate of the peers measured, else (nothing measured: ``known`` is False) the
+    prior. A peer never measured is priced like the slowest link known, not like the prior:
+    on a 1 s link the prior's 2 ms made the very first forward of a run cost 2 s more than
+    serving locally would have.
     """
 
     def __init__(self, priors: CostPriors) -> None:
         self._priors = priors
         self._forward: dict[str, Ewma] = {}
         self._probe: dict[str, Ewma] = {}
+        self._worst: tuple[str, float] | None = None  # (peer, its estimate); None: recompute
 
     def observe(self, peer: str, seconds: float, probe: bool = False) -> None:
         if seconds < 0:
@@ -334,12 +338,40 @@ class RttTable:
         if est is None:
             est = table[peer] = Ewma(seconds, self._priors.alpha)
             est.count = 1
+        else:
+            est.observe(seconds)
+        self._update_worst(peer)
+
+    def _update_worst(self, peer: str) -> None:
+        value = self._own(peer)
+        worst = self._worst
+        if worst is None:
             return
-        est.observe(seconds)
+        if value is not None and value >= worst[1]:
+            self._worst = (peer, value)
+        elif worst[0] == peer:  # the slowest link got faster (or was forgotten): recompute
+            self._worst = None
+
+    def _own(self, peer: str) -> float | None:
+        est = self._forward.get(peer) or self._probe.get(peer)
+        return None if est is None else est.value
+
+    @property
+    def known(self) -> bool:
+        """Whether any peer's round trip was measured (until then every estimate is the
+        prior, which says nothing about this network)."""
+        return bool(self._forward or self._probe)
 
     def get(self, peer: str) -> float:
-        est = self._forward.get(peer) or self._probe.get(peer)
-        return self._priors.rtt_s if est is None else est.value
+        own = self._own(peer)
+        if own is not None:
+            return own
+        if not self.known:
+            return self._priors.rtt_s
+        if self._worst is None:
+            self._worst = max(((p, v) for p in {*self._forward, *self._probe}
+                               if (v := self._own(p)) is not None), key=lambda pv: pv[1])
+        return self._worst[1]
 
     def measured(self, peer: str) -> bool:
         return peer in self._forward or peer in self._probe
@@ -347,6 +379,7 @@ class RttTable:
     def forget(self, peer: str) -> None:
         self._forward.pop(peer, None)
         self._probe.pop(peer, None)
+        self._update_worst(peer)
 
 
 class Utilization:

@@ -683,7 +683,9 @@ class NodeCore:
         policy = self.config.router.policy
         nodes = [self._self_info(local_cached_tokens, now)]
         placed = None
-        if policy is not Policy.NONE:
+        # cost: no forward before any round trip was measured (a first gossip echo), as
+        # the prior's guess of this network is no ground to send a request away on
+        if policy is not Policy.NONE and (policy is not Policy.COST or self._rtt.known):
             peers = self._peer_infos(hashes, prompt_tokens, policy, now)
             nodes.extend(peers)
             if policy is Policy.COST:
