@@ -474,14 +474,36 @@ def test_near_equal_preferred_candidates_are_spread_at_random_self_first() -> No
 
 
 def test_preferred_peers_may_be_slower_by_the_slack_and_carry_that_budget() -> None:
-    nodes = [me(0, queue=1), peer("o", 0), peer("x", 0)]
+    req = RouteInput(3000, 1)
+    nodes = [me(0, queue=1), peer("o", 0), peer("h", 2900), peer("x", 0)]
     out = placed(nodes, ("o",))
-    local = mesh_cost(RouteInput(3000, 1), nodes, SCALE)[0]  # what staying costs the mesh
+    local = mesh_cost(req, nodes, SCALE)[0]  # what staying costs the mesh
     beats = {c.node_id: c.beat_s for c in out}
     assert beats["self"] is None
     slack = RouterConfig().placement_slack
-    assert beats["o"] == pytest.approx(local * (1 + slack))  # an owner: the slack more
+    assert beats["h"] == pytest.approx(local * (1 + slack))  # a holder: the slack more
+    # an owner that would make the first copy: the slack's share of the copy's work only
+    assert beats["o"] == pytest.approx(local + slack * predict_service(req, me(0), SCALE))
     assert beats["x"] == pytest.approx(local)
+
+
+def test_an_owner_may_cost_a_share_of_the_first_copys_work_more_not_of_the_queue() -> None:
+    """Under load a prediction is mostly queue: a slack on all of it let new prefixes pile
+    onto their owner (1.75x the others' queue) for the sake of one copy. An owner that would
+    make the first copy may be slower than the best choice by the slack's share of the
+    copy's work; a holder keeps the slack on the whole prediction."""
+    req = RouteInput(3000, 1)
+    slack = RouterConfig().placement_slack
+    cold = predict_service(req, me(0), SCALE)
+    nodes = [me(0, queue=8), peer("o", 0, queue=10)]  # two more queued at the owner
+    here, there = mesh_cost(req, nodes, SCALE)
+    assert here + slack * cold < there <= (1 + slack) * here  # the slack on all: the owner
+    owner = placed(nodes, ("o",))
+    assert owner[0].is_self and owner[0].placement is Tag.UNPLACED
+    idle = placed([me(0), peer("o", 0)], ("o",))  # over empty queues: the owner, as before
+    assert idle[0].node_id == "o" and idle[0].placement is Tag.FIRST
+    holder = placed([me(0, queue=8), peer("h", 2900, queue=10)], ("h",))
+    assert holder[0].node_id == "h" and holder[0].placement is Tag.HIT
 
 
 def test_no_slack_for_a_copy_whose_round_trip_costs_more_than_it_can_save() -> None:
