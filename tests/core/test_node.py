@@ -484,10 +484,11 @@ def test_forward_succeeded_inserts_optimistically_and_measures_rtt() -> None:
     assert n0.metrics()["requests_fallback"] == 1
 
 
-def test_cost_forwards_nothing_before_a_round_trip_was_measured() -> None:
+def test_cost_keeps_requests_here_before_a_round_trip_was_measured() -> None:
     """On a 1 s link the gossip that shows a peer's cache arrives 2 s before the first echo
     that measures the link: in between, the 2 ms prior made a certain cache hit there look
-    worth a forward that cost 2 s. Nothing measured: serve here; measured: the real price."""
+    worth a forward that cost 2 s. Nothing measured: serve here (the peer only as a fallback,
+    for a full or leaving node); measured: the real price."""
     c = TwinCluster(2, router=RouterConfig(policy=Policy.COST), link=LinkConfig(delay_s=1.0),
                     seed=11)
     n0 = c.nodes["n0"]
@@ -497,7 +498,9 @@ def test_cost_forwards_nothing_before_a_round_trip_was_measured() -> None:
         c.run_for(0.25)
     [peer] = n0.mesh_state(c.now)["peers"]  # type: ignore[misc]
     assert peer["rtt_measured"] is False
-    assert n0.route(chain, tokens, 0, 1, c.now)[0].is_self
+    ranked = n0.route(chain, tokens, 0, 1, c.now)
+    assert ranked[0].is_self  # the peer stays behind it, for what this node cannot serve
+    assert [c.node_id for c in ranked[1:]] == ["n1"]
     while not n0.mesh_state(c.now)["peers"][0]["rtt_measured"]:  # type: ignore[index]
         c.run_for(0.25)
     [peer] = n0.mesh_state(c.now)["peers"]  # type: ignore[misc]

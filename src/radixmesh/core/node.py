@@ -683,15 +683,18 @@ class NodeCore:
         policy = self.config.router.policy
         nodes = [self._self_info(local_cached_tokens, now)]
         placed = None
-        # cost: no forward before any round trip was measured (a first gossip echo), as
-        # the prior's guess of this network is no ground to send a request away on
-        if policy is not Policy.NONE and (policy is not Policy.COST or self._rtt.known):
+        if policy is not Policy.NONE:
             peers = self._peer_infos(hashes, prompt_tokens, policy, now)
             nodes.extend(peers)
             if policy is Policy.COST:
                 placed = self._placement(hashes, req, nodes, now, observe)
         placement, key = placed if placed is not None else (None, None)
         ranked = self._router.rank(req, nodes, self._rng, placement)
+        if policy is Policy.COST and not self._rtt.known:
+            # no round trip measured yet (no gossip echo): the prior's guess of this network
+            # is no ground to send a request away on, so this node comes first; the peers
+            # stay behind it for what it cannot serve (full, leaving)
+            ranked.sort(key=lambda c: not c.is_self)  # stable: the peers keep their order
         head = ranked[0]
         if observe and key is not None:
             mine = next(c for c in ranked if c.is_self)
