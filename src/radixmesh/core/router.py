@@ -404,8 +404,6 @@ class Router:
         owners = set(placement.owners)
         held = placement.held_tokens
         anyone = any(n.cached_tokens >= held for n in nodes)
-        holder_beat = local * (1.0 + self.config.placement_slack)
-        owner_beat = local + self._copy_slack(req, me)
         out = []
         for n in order:
             if n.is_self:
@@ -413,7 +411,7 @@ class Router:
             elif n.node_id not in preferred:
                 beat = local
             else:
-                beat = holder_beat if n.cached_tokens >= held else owner_beat
+                beat = self._preferred_limit(req, local, me, n.cached_tokens >= held)
             tag = Tag.LOCAL_COPY if n.is_self and bought else _tag(n, owners, held, anyone)
             out.append(self._candidate(req, n, beat, tag))
         return out
@@ -506,11 +504,7 @@ class Router:
         if not pref:
             return best
         low = pref[0][0]  # keyed is sorted by prediction
-        if pref[0][3].cached_tokens >= held:  # a holder
-            limit = (1.0 + cfg.placement_slack) * best[0]
-        else:  # an owner that would make the first copy (so would ``best``)
-            limit = best[0] + self._copy_slack(req, best[3])
-        if low > limit:
+        if low > self._preferred_limit(req, best[0], best[3], pref[0][3].cached_tokens >= held):
             return best  # every preferred node is busy or slow now: the fastest choice wins
         near = [k for k in pref if k[0] <= low + max(cfg.min_gain_s, cfg.near_tie * low)]
         if best in near:
@@ -518,19 +512,21 @@ class Router:
         pick = next((k for k in near if k[3].is_self), None) or near[rng.randrange(len(near))]
         return self._holder_instead(pick, keyed, preferred, overloaded, held)
 
-    def _copy_slack(self, req: RouteInput, alternative: NodeInfo) -> float:
-        """How much slower than ``alternative`` (the best choice now, which would make the
-        copy itself) a prefix's owner may be for the first copy of the prefix: the placement
-        slack's share of that copy's work, not of the whole prediction. Over empty queues
-        the two are nearly the same; under load the whole prediction is mostly queue, and a
-        slack on it let an owner's queue grow to 1.75x the others' for the sake of one copy
-        (the real cluster with 16 clients: `cost`'s slowest requests were new subjects that
-        ended on one owner in the run's first seconds, 22-27 s each). Holders keep the slack
-        on the whole prediction: the simulator's MMLU with 16 clients lost 1.8 points of hit
-        rate and 4.5 % on the mean when they did not; with owners alone its p99 is 6 %
-        shorter, the mean unchanged."""
-        scale = self.config.context_scale
-        return self.config.placement_slack * predict_service(req, alternative, scale)
+    def _preferred_limit(
+        self, req: RouteInput, cost: float, alternative: NodeInfo, holder: bool
+    ) -> float:
+        """The most a preferred candidate may cost when ``alternative`` (the best choice now,
+        predicted at ``cost``) is what it is preferred to: a holder, ``placement_slack`` more
+        than all of ``cost``; an owner that would make the prefix's first copy (as would
+        ``alternative``), that share of the copy's work only. Under load ``cost`` is mostly
+        queue, and a slack on all of it let an owner's queue grow to 1.75x the others' for
+        one copy (the real cluster with 16 clients: new subjects piled onto one owner,
+        22-27 s each). Holders keep it: in the simulator (MMLU, 16 clients) the narrower
+        slack for them too cost 1.8 points of hit rate and 4.5 % on the mean."""
+        slack = self.config.placement_slack
+        if holder:
+            return cost * (1.0 + slack)
+        return cost + slack * predict_service(req, alternative, self.config.context_scale)
 
     @staticmethod
     def _holder_instead(
