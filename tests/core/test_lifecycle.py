@@ -115,6 +115,7 @@ def drive(order: list[str], outcomes: list[tuple[str, int]], attempts: int) -> l
             seen.append(("local", action.route, action.resume_after))
             break
         assert isinstance(action, Forward)
+        assert lc.peers_with_blocks() == [action.peer_id]  # the current try's only
         seen.append(("forward", action.peer_id, action.route))
         kind, tokens = queue.pop(0) if queue else ("done", 0)
         if kind == "done":
@@ -128,6 +129,7 @@ def drive(order: list[str], outcomes: list[tuple[str, int]], attempts: int) -> l
             lc.accepted(1)
             actions = list(lc.failed(1, tokens))
     assert lc.done(1, None).route == seen[-1][-2 if seen[-1][0] == "local" else -1]
+    assert lc.peers_with_blocks() == []  # no try holds a peer's blocks once it is done
     return seen
 
 
@@ -179,13 +181,19 @@ def test_forwards_in_flight_are_tracked_per_peer_until_the_try_ends() -> None:
     lc.start(arrived(2), cands(["a", "me"]))
     assert lc.forwards_sent == 2 and lc.forwards_since("a", 0) == 2
     assert lc.forwards_since("a", 1) == 1  # only the one sent after forward #1
+    assert lc.blocks_at("a", (1, 2, 3)) == 2 and lc.blocks_at("b", (1, 2)) == 0  # its prompt's
+    lc.release(1)  # refused: the try no longer counts (before the request is ranked again)
+    lc.release(1)  # ... once
+    assert lc.forwards_since("a", 0) == 1 and lc.blocks_at("a", (1, 2)) == 2  # request 2's
     lc.refused(1)  # request 1 moves on to b
     assert lc.forwards_since("a", 0) == 1 and lc.forwards_since("b", 0) == 1
+    assert sorted(lc.peers_with_blocks()) == ["a", "b"]
     lc.accepted(2)
     assert lc.forwards_since("a", 0) == 1  # streaming: still in the peer's queue
     lc.done(2, None)
     lc.cancel(1)
     assert lc.forwards_since("a", 0) == 0 and lc.forwards_since("b", 0) == 0
+    assert lc.peers_with_blocks() == [] and lc.blocks_at("a", (1, 2)) == 0
 
 
 def test_placement_tags_are_counted_when_a_peer_accepts_or_execution_starts_here() -> None:

@@ -25,6 +25,7 @@ from radixmesh.core.events import (
     Log,
     MessageReceived,
     PeerStateChanged,
+    QueueChanged,
     RefuseForward,
     RejectRequest,
     RequestArrived,
@@ -323,6 +324,74 @@ def test_pushback_excludes_the_node_for_the_advertised_time_and_no_longer() -> N
     c.run_until(t0 + 2.01)
     assert not n0.pushed_back("n1", c.now)
     assert n0.route(chain, 128, 0, 1, c.now)[0].node_id == "n1"
+
+
+def test_a_node_no_busier_than_its_peers_does_not_push_back() -> None:
+    """Push-back is for a node busier than its peers (``PushbackConfig.relative``): over the
+    threshold while every peer reports a queue as deep, it neither pushes back nor refuses
+    forwards as busy (its work would only move to nodes as busy, its prefixes computed
+    again); once its peers' queues are short, the same depth pushes back."""
+    pb = PushbackConfig(queue_threshold=4, duration_s=2.0)
+    c = warm_cluster(3, pushback=pb, link=LinkConfig(delay_s=0.001))
+    n0, n1 = c.nodes["n0"], c.nodes["n1"]
+    for peer in ("n0", "n2"):
+        c.set_load(peer, 5)  # over the threshold too: they push back (n1 reported 0)
+    c.run_for(1.0)  # their reports reach n1
+    c.set_load("n1", 9)  # over the threshold, under 2x its peers' mean
+    c.run_for(0.01)
+    assert not n0.pushed_back("n1", c.now)
+    assert refusal(n1, c.now) is None
+    assert n1.metrics()["pushback_started"] == 0
+    for peer in ("n0", "n2"):
+        c.set_load(peer, 0)
+    c.run_for(3.0)  # their push-back over, their short queues reported to n1
+    c.set_load("n1", 9)
+    c.run_for(0.01)
+    assert n0.pushed_back("n1", c.now)
+    assert refusal(n1, c.now) is not None
+    assert n1.metrics()["pushback_started"] == 1
+
+
+def test_queued_blocks_reach_the_peers_and_leave_with_their_request() -> None:
+    """Blocks a queued request will compute are advertised as held from the moment it is
+    queued (``QueueChanged``), with the next gossip round; a request that leaves the queue
+    without the engine caching them (cancelled) takes them back."""
+    rng = random.Random(21)
+    c = warm_cluster(2, policy=Policy.COST, link=LinkConfig(delay_s=0.001))
+    chain = tuple(rng.getrandbits(64) for _ in range(64))
+    n0 = c.nodes["n0"]
+    c.deliver("n1", QueueChanged(chain, True))
+    assert c.nodes["n1"].local_hashes() == frozenset(chain)
+    assert c.nodes["n1"].cached_hashes() == frozenset()  # the engine has none of them yet
+    c.run_for(1.0)
+    assert n0.estimate("n1") == frozenset(chain)
+    [first] = n0.route(chain, 1100, 0, 1, c.now)[:1]
+    assert first.node_id == "n1" and first.expected_cached_tokens == 64 * 16
+    c.deliver("n1", QueueChanged(chain, False))
+    c.run_for(1.0)
+    assert n0.estimate("n1") == frozenset()
+
+
+def test_a_forward_in_flight_holds_its_prefix_at_the_peer_for_the_next_request() -> None:
+    """Before any gossip can say so, the entry node counts the prompt of its own forward
+    in flight as held by the peer computing it; a refusal releases it before the request
+    is ranked again."""
+    rng = random.Random(22)
+    c = warm_cluster(3, policy=Policy.COST, link=LinkConfig(delay_s=0.001))
+    n0 = c.nodes["n0"]
+    chain = tuple(rng.getrandbits(64) for _ in range(64))
+    other = (*chain[:48], *(rng.getrandbits(64) for _ in range(16)))  # shares 48 blocks
+
+    def expected_at(peer: str) -> int:
+        ranked = n0.route(other, 1100, 0, 1, c.now)
+        return next(x.expected_cached_tokens for x in ranked if x.node_id == peer)
+
+    [sent] = c.deliver("n0", RequestArrived(1, chain, 1100, 0, 1, target="n1"))
+    assert isinstance(sent, Forward) and sent.peer_id == "n1"
+    assert expected_at("n1") == 48 * 16
+    assert expected_at("n2") == 0
+    c.deliver("n0", ForwardRefused(1, "n1", 0.0, 0.0))
+    assert expected_at("n1") == 0
 
 
 def test_busy_refusal_skips_the_peer_for_retry_after_without_suspecting_it() -> None:

@@ -166,10 +166,17 @@ class GossipConfig:
 class PushbackConfig:
     queue_threshold: int = 8  # queue depth above which this node asks peers to back off
     duration_s: float = 1.0  # how long peers should back off (relative: no clock sync)
+    # ... and only while its queue is also over ``relative`` x the mean queue its peers last
+    # reported: a node no busier than its peers protects nobody by pushing back (its work
+    # moves to nodes as busy, and the prefixes it holds are computed again elsewhere).
+    # None: the threshold alone (the paper's rule).
+    relative: float | None = 2.0
 
     def __post_init__(self) -> None:
         if self.queue_threshold < 1 or self.duration_s <= 0:
             raise ValueError("queue_threshold must be >= 1 and duration_s > 0")
+        if self.relative is not None and not self.relative >= 1.0:
+            raise ValueError("relative must be >= 1 (or None)")
 
 
 @dataclass(frozen=True, slots=True)

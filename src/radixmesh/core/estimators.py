@@ -288,12 +288,21 @@ class QueuedBlocks:
     def uncached(self, hashes: Sequence[int], prompt_tokens: int, cached_tokens: int) -> int:
         """Prompt tokens of a request that neither the cache (its ``cached_tokens``) nor an
         earlier queued request covers; at least 1 (the last prompt token is always computed)."""
-        covered = 0
+        return max(prompt_tokens - max(cached_tokens, self.covered_tokens(hashes)), 1)
+
+    def covered(self, hashes: Sequence[int]) -> int:
+        """How many of ``hashes`` (a request's block hashes, in order) a queued request
+        has, from the first: the blocks it will find cached behind them."""
+        n = 0
         for h in hashes:
             if h not in self._held:
                 break
-            covered += 1
-        return max(prompt_tokens - max(cached_tokens, covered * self.block_size), 1)
+            n += 1
+        return n
+
+    def covered_tokens(self, hashes: Sequence[int]) -> int:
+        """``covered`` in tokens."""
+        return self.covered(hashes) * self.block_size
 
     def add(self, hashes: Sequence[int]) -> None:
         for h in hashes:

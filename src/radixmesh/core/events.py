@@ -44,6 +44,18 @@ class CacheChanged:
 
 
 @dataclass(frozen=True, slots=True)
+class QueueChanged:
+    """A request joined (``joined``) or left this node's engine queue (waiting or running),
+    with its prompt's block hashes. Until it leaves, the node advertises those blocks as held:
+    the queue is first come, first served, so a request queued behind one that computes a
+    prefix finds it cached; peers that see it send the next request of that prefix here
+    instead of computing it a second time while the first is still queued."""
+
+    hashes: tuple[int, ...]
+    joined: bool
+
+
+@dataclass(frozen=True, slots=True)
 class LoadChanged:
     """The local engine's current load, as this node measures it."""
 
@@ -192,6 +204,7 @@ Event = (
     Tick
     | MessageReceived
     | CacheChanged
+    | QueueChanged
     | LoadChanged
     | RequestServed
     | LeaveRequested

@@ -39,9 +39,11 @@ Rules:
 * events for a request or peer the flight is not waiting for are *stale* (a timeout that
   raced a reply): ``is_current`` says so and the node ignores them.
 
-Two things the router needs are kept here, where the tries are made: the forwards in flight
+Three things the router needs are kept here, where the tries are made: the forwards in flight
 to each peer, numbered in the order they were sent (``forwards_since``: the node adds those
-a peer's last load report cannot have counted to its queue), and, per request served, the
+a peer's last load report cannot have counted to its queue), their prompts' blocks
+(``blocks_at``: a peer computing a prefix for one of our requests holds it for the next one,
+before its gossip can say so), and, per request served, the
 router's placement tag of the candidate that served it (``LifecycleCounters.placements``:
 hits, first copies, deliberate replicas, second cold copies), counted when a peer accepted
 it or it started locally.
@@ -53,11 +55,12 @@ as stale too, never raised — a shell driven by a network cannot always order i
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
 from radixmesh.core.config import ForwardConfig
+from radixmesh.core.estimators import QueuedBlocks
 from radixmesh.core.events import (
     Abort,
     ExecuteLocally,
@@ -138,6 +141,7 @@ class Lifecycle:
         self.counters = LifecycleCounters()
         self._sent = 0  # forwards sent so far (their sequence numbers)
         self._at_peer: dict[str, dict[int, int]] = {}  # peer -> rid -> sequence number
+        self._blocks_at: dict[str, QueuedBlocks] = {}  # peer -> blocks of those forwards
 
     @property
     def forwards_sent(self) -> int:
@@ -148,6 +152,22 @@ class Lifecycle:
         """Forwards to ``peer`` still in flight (offered or streaming) sent after ``seq``."""
         at = self._at_peer.get(peer)
         return 0 if not at else sum(1 for s in at.values() if s > seq)
+
+    def blocks_at(self, peer: str, hashes: Sequence[int]) -> int:
+        """How many of ``hashes`` (from the first) a forward in flight to ``peer`` has."""
+        blocks = self._blocks_at.get(peer)
+        return 0 if blocks is None else blocks.covered(hashes)
+
+    def peers_with_blocks(self) -> list[str]:
+        """The peers that forwards in flight were sent to."""
+        return list(self._blocks_at)
+
+    def release(self, rid: int) -> None:
+        """The current try of ``rid`` at a peer is over (refused, failed before it was
+        accepted): it no longer counts there, before the request is ranked again."""
+        flight = self._flights.get(rid)
+        if flight is not None:
+            self._untrack(flight)
 
     def __len__(self) -> int:
         return len(self._flights)
@@ -268,6 +288,10 @@ class Lifecycle:
         flight.stage, flight.peer, flight.choice = Stage.OFFERED, cand.node_id, cand
         self._sent += 1
         self._at_peer.setdefault(cand.node_id, {})[flight.rid] = self._sent
+        blocks = self._blocks_at.get(cand.node_id)
+        if blocks is None:
+            blocks = self._blocks_at[cand.node_id] = QueuedBlocks(1)
+        blocks.add(flight.arrived.hashes)
         flight.route = flight.label("forwarded")
         return Forward(
             flight.rid, cand.node_id, address, cand.beat_s, cand.expected_cached_tokens,
@@ -285,14 +309,18 @@ class Lifecycle:
                               _tag(flight.choice))
 
     def _untrack(self, flight: Flight) -> None:
-        """The flight's current try at a peer is over (or never was)."""
+        """The flight's current try at a peer is over (or never was; idempotent)."""
         if flight.peer is None:
             return
         at = self._at_peer.get(flight.peer)
-        if at is not None:
-            at.pop(flight.rid, None)
-            if not at:
-                del self._at_peer[flight.peer]
+        if at is None or at.pop(flight.rid, None) is None:
+            return
+        if not at:
+            del self._at_peer[flight.peer]
+        blocks = self._blocks_at[flight.peer]
+        blocks.remove(flight.arrived.hashes)
+        if not len(blocks):
+            del self._blocks_at[flight.peer]
 
     def _placed(self, flight: Flight) -> None:
         tag = None if flight.choice is None else flight.choice.placement

@@ -65,6 +65,7 @@ from radixmesh.core.events import (
     Log,
     MessageReceived,
     PeerStateChanged,
+    QueueChanged,
     RefuseForward,
     RejectRequest,
     RequestAction,
@@ -394,12 +395,14 @@ class NodeService:
         hashes = ex.ctx.hashes
         uncached = self._queued_blocks.uncached(hashes, prompt, ex.cached_estimate)
         self._queued_blocks.add(hashes)
+        self.dispatch(QueueChanged(hashes, True))
         self.queue_prompt_tokens += prompt
         self.queue_output_tokens += output
         self.queue_uncached_tokens += uncached
 
-        def finished(_: object) -> None:
-            self._queued_blocks.remove(hashes)
+        def finished(_: object) -> None:  # (after the execution's own callback: its cache
+            self._queued_blocks.remove(hashes)  # change reaches the core first)
+            self.dispatch(QueueChanged(hashes, False))
             self.queue_prompt_tokens -= prompt
             self.queue_output_tokens -= output
             self.queue_uncached_tokens -= uncached
@@ -408,6 +411,13 @@ class NodeService:
         task.add_done_callback(finished)
         self.push_load()
         return ex
+
+    def _cached_here(self, prompt: Sequence[int], hashes: Sequence[int]) -> int:
+        """Tokens of ``prompt`` this node will have cached when it runs it: what its engine
+        holds, or what a request queued here computes first (first come, first served),
+        whichever is longer."""
+        queued = min(self._queued_blocks.covered_tokens(hashes), max(len(prompt) - 1, 0))
+        return max(self.engine.match(prompt), queued)
 
     def push_cache_and_load(self) -> None:
         delta = self.engine.drain_cache_delta()
@@ -441,7 +451,7 @@ class NodeService:
         ctx = RequestContext(next(self._rids), tuple(prompt),
                              tuple(block_hashes(prompt, fp.block_size, fp.digest)),
                              sampling, stream)
-        local_cached = self.engine.match(ctx.prompt)
+        local_cached = self._cached_here(ctx.prompt, ctx.hashes)
         event = RequestArrived(ctx.rid or 0, ctx.hashes, len(ctx.prompt), local_cached,
                                sampling.max_tokens, local_only, target)
         ex = await self._start(ctx, self._one(self.dispatch(event), ctx))
@@ -575,7 +585,9 @@ class NodeService:
         a single ``ForwardBusy`` when the core refuses it (queue at the push-back threshold,
         or slower than ``beat_s``): the sender then falls back at once."""
         t0 = time.perf_counter()
-        cached = self.engine.match(req.prompt)
+        fp = self.engine.fingerprint
+        hashes = tuple(block_hashes(req.prompt, fp.block_size, fp.digest))
+        cached = self._cached_here(req.prompt, hashes)
         event = ForwardArrived(0, len(req.prompt), cached, req.max_tokens, req.beat_s)
         answer = self.dispatch(event)
         if answer and isinstance(answer[0], RefuseForward):
@@ -589,10 +601,7 @@ class NodeService:
         yield encode_reply(AcceptedReply(self.node_id, cached))
         sampling = SamplingParams(req.max_tokens, req.temperature, req.top_p, req.seed,
                                   req.stop_token_ids)
-        fp = self.engine.fingerprint
-        ctx = RequestContext(None, req.prompt,
-                             tuple(block_hashes(req.prompt, fp.block_size, fp.digest)),
-                             sampling, req.stream)
+        ctx = RequestContext(None, req.prompt, hashes, sampling, req.stream)
         ex = self._queued(LocalExecution(self, ctx, "local", cached))
         self._peer_work.add(ex)
         try:

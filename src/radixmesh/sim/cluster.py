@@ -60,6 +60,7 @@ from radixmesh.core.events import (
     Log,
     MessageReceived,
     PeerStateChanged,
+    QueueChanged,
     RefuseForward,
     RejectRequest,
     RequestArrived,
@@ -346,7 +347,7 @@ class SimCluster:
         node.running = None
         node.queued_tokens = [0, 0, 0]  # (and start() gives it new queued_blocks)
         if node.core is not None:
-            self._holding(node.core.local_hashes(), ())
+            self._holding(node.core.cached_hashes(), ())
         node.core = None
         node.engine = None
         for work in lost:
@@ -438,7 +439,7 @@ class SimCluster:
             self._fail_client(flight, "entry node down")
             return
         self.active[flight.index] = flight
-        local = _cached_prefix(node.engine, flight.tokens)
+        local = _cached_prefix(node, flight)
         n, max_tokens = len(flight.tokens), flight.req.max_tokens
         self.feed(node, RequestArrived(flight.index, flight.hashes, n, local, max_tokens))
 
@@ -473,7 +474,7 @@ class SimCluster:
         truth the simulator can see (the target's engine and summary versions)."""
         node = self.nodes[target]
         engine = node.engine
-        truth = 0 if engine is None else min(engine.match(flight.tokens), len(flight.tokens) - 1)
+        truth = 0 if engine is None else _cached_prefix(node, flight)
         flight.estimate_error = flight.expected_cached - truth
         if target == flight.entry:
             flight.view_age_s = 0.0
@@ -514,7 +515,7 @@ class SimCluster:
         assert target.engine is not None
         # the cached prefix only matters against a budget (cost policy): no match otherwise
         beat = flight.beat_s
-        cached = 0 if beat is None else _cached_prefix(target.engine, flight.tokens)
+        cached = 0 if beat is None else _cached_prefix(target, flight)
         ask = ForwardArrived(flight.index, len(flight.tokens), cached, flight.req.max_tokens, beat)
         [answer] = self.feed(target, ask)
         if isinstance(answer, RefuseForward):  # the first (and only) event back
@@ -591,13 +592,24 @@ class SimCluster:
         assert node.engine is not None
         tokens = work.flight.tokens
         work.uncached = node.queued_blocks.uncached(
-            work.flight.hashes, len(tokens), _cached_prefix(node.engine, tokens))
-        _count_queued(node, work, 1)
+            work.flight.hashes, len(tokens), _engine_prefix(node.engine, tokens))
+        self._count_queued(node, work, 1)
         node.queue.append(work)
         if node.running is None:
             self._start_next(node)
         else:
             self._load_changed(node)
+
+    def _count_queued(self, node: SimNode, work: Work, sign: int) -> None:
+        """``work`` joined (``sign`` 1) or left (-1) ``node``'s queue: its blocks and tokens,
+        for the node's load report and its summary (``QueueChanged``)."""
+        hashes = work.flight.hashes
+        (node.queued_blocks.add if sign > 0 else node.queued_blocks.remove)(hashes)
+        q = node.queued_tokens
+        q[0] += sign * len(work.flight.tokens)
+        q[1] += sign * work.flight.req.max_tokens
+        q[2] += sign * work.uncached
+        self.feed(node, QueueChanged(hashes, sign > 0))
 
     def _start_next(self, node: SimNode) -> None:
         if not node.queue or node.engine is None:
@@ -625,9 +637,9 @@ class SimCluster:
         flight = work.flight
         node.engine.finish(run, _generated(flight), now)
         node.running = None
-        _count_queued(node, work, -1)
         node.served += 1
-        self._report_served(node, flight, run)
+        self._report_served(node, flight, run)  # its cache change before it leaves the queue
+        self._count_queued(node, work, -1)  # (as in the runtime): no flicker in the summary
         self._start_next(node)
         if node.running is None:
             self._load_changed(node)
@@ -742,14 +754,16 @@ def _generated(flight: Flight) -> list[int]:
     return [32 + (base + i) % 95 for i in range(n)]
 
 
-def _count_queued(node: SimNode, work: Work, sign: int) -> None:
-    (node.queued_blocks.add if sign > 0 else node.queued_blocks.remove)(work.flight.hashes)
-    q = node.queued_tokens
-    q[0] += sign * len(work.flight.tokens)
-    q[1] += sign * work.flight.req.max_tokens
-    q[2] += sign * work.uncached
+def _cached_prefix(node: SimNode, flight: Flight) -> int:
+    """Tokens of the request ``node`` will have cached when it runs it: what its engine
+    holds, or what a request queued there computes first, whichever is longer (at least the
+    last token is computed)."""
+    assert node.engine is not None
+    tokens = flight.tokens
+    queued = node.queued_blocks.covered_tokens(flight.hashes)
+    return min(max(node.engine.match(tokens), queued), max(len(tokens) - 1, 0))
 
 
-def _cached_prefix(engine: SimEngine, tokens: list[int]) -> int:
+def _engine_prefix(engine: SimEngine, tokens: list[int]) -> int:
     """Tokens of ``tokens`` the engine would reuse (at least the last one is computed)."""
     return min(engine.match(tokens), max(len(tokens) - 1, 0))
