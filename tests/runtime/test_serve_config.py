@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.config import ForwardConfig, GossipConfig, PushbackConfig
 from radixmesh.core.router import RouterConfig
@@ -25,6 +27,17 @@ def test_default_node_config_equals_the_core_defaults_but_for_derived_timeouts()
     assert node.pushback == PushbackConfig()
     assert node.forward == ForwardConfig()
     assert node.gossip == GossipConfig.for_interval(GossipConfig().interval_s)
+
+
+def test_pushback_relative_reaches_the_core_and_zero_means_the_threshold_alone() -> None:
+    fp = Fingerprint("m", "t", 16)
+    assert ServeConfig().pushback_relative == PushbackConfig().relative
+    relative = config_from_mapping({"pushback-relative": "3"}).node_config(fp, incarnation=1)
+    assert relative.pushback.relative == 3.0
+    alone = config_from_mapping({"pushback_relative": 0}).node_config(fp, incarnation=1)
+    assert alone.pushback.relative is None
+    with pytest.raises(ValueError, match="pushback_relative"):
+        ServeConfig(pushback_relative=0.5)
 
 
 def test_forward_timeouts_reach_the_core() -> None:

@@ -158,6 +158,7 @@ class ServeConfig:
     suspect_timeout: float = 0.0  # silent this long -> suspect; 0 -> 4 gossip intervals
     dead_timeout: float = 0.0  # silent this long -> dead; 0 -> 20 gossip intervals
     pushback_threshold: int = _PUSHBACK.queue_threshold  # queue depth: ask peers to back off
+    pushback_relative: float = _PUSHBACK.relative or 0.0  # ... and x peers' mean; 0 -> off
     forward_timeout: float = _FORWARD.silence_timeout_s  # forward: first byte / silence timeout
     connect_timeout: float = _FORWARD.connect_timeout_s  # forward / gossip: TCP connect timeout
     peer_transport: str = "link"  # link: a peer's forwards share one open exchange | http
@@ -194,6 +195,8 @@ class ServeConfig:
             raise ValueError("max_queue_tokens must be >= 0 (0: auto) or off")
         if self.cache_tokens < 1 or self.pushback_threshold < 1 or self.gossip_fanout < 1:
             raise ValueError("cache_tokens, pushback_threshold and gossip_fanout must be >= 1")
+        if self.pushback_relative != 0 and not self.pushback_relative >= 1:
+            raise ValueError("pushback_relative must be >= 1 (0: the threshold alone)")
         if min(self.net_delay, self.net_jitter, self.suspect_timeout, self.dead_timeout) < 0:
             raise ValueError("durations must be >= 0")
         if not 0 <= self.net_loss <= 1 or not 0 <= self.net_duplicate <= 1:
@@ -294,7 +297,8 @@ class ServeConfig:
         return replace(_ROUTER, policy=Policy.parse(self.policy), load_bound=self.load_bound)
 
     def pushback_config(self) -> PushbackConfig:
-        return replace(_PUSHBACK, queue_threshold=self.pushback_threshold)
+        relative = self.pushback_relative or None
+        return replace(_PUSHBACK, queue_threshold=self.pushback_threshold, relative=relative)
 
     def forward_config(self) -> ForwardConfig:
         return replace(
@@ -451,6 +455,8 @@ def _help_texts() -> dict[str, str]:
         "suspect_timeout": "silence before a peer is suspect (0 = 4 gossip intervals)",
         "dead_timeout": "silence before a peer is dead (0 = 20 gossip intervals)",
         "pushback_threshold": "queue depth above which peers are asked to back off",
+        "pushback_relative": "... and only while the queue is also over this many times the "
+        "peers' mean queue (0 = the threshold alone)",
         "forward_timeout": "forward first-byte / silence timeout",
         "connect_timeout": "peer TCP connect timeout",
         "peer_transport": "how forwards reach a peer: link (all of them over one long-lived "
