@@ -75,6 +75,11 @@ def test_a_node_full_of_tokens_forwards_to_a_peer_with_room_then_answers_429(
             await _until(lambda: n0.queue_depth == 1)
             assert n0.queue_output_tokens == FILL_TOKENS and n0.queue_prompt_tokens > 0
             assert 0 < n0.queue_uncached_tokens <= n0.queue_prompt_tokens  # a cold prompt
+            # ... whose blocks n0 advertises while it is queued (QueueChanged), its engine
+            # not holding them yet, and n1 hears of them with the next gossip round
+            queued = n0.core.local_hashes() - n0.core.cached_hashes()
+            assert queued
+            await _until(lambda: queued <= n1.core.estimate("n0"))
             state = n0.mesh()["runtime"]["admission"]  # type: ignore[index]
             assert state["max_queue_tokens"] == CAP and not state["max_queue_tokens_derived"]
 
@@ -101,6 +106,7 @@ def test_a_node_full_of_tokens_forwards_to_a_peer_with_room_then_answers_429(
             for node in (n0, n1):  # every token released, however the work ended
                 assert node.queue_prompt_tokens == 0 and node.queue_output_tokens == 0
                 assert node.queue_uncached_tokens == 0 and not len(node._queued_blocks)
+                assert node.core.local_hashes() == node.core.cached_hashes()  # none queued
             assert n0.metrics.rejected == 1
 
     asyncio.run(scenario())
