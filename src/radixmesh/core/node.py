@@ -396,7 +396,8 @@ class NodeCore:
         holds look held by nobody: in the simulator, Poisson arrivals at 45 % of the capacity
         of a mesh that caches 85 % (4 nodes) turned into a collapse, every queue over the
         threshold, every node pushed back, every request computed where it entered (`cost`
-        1.0x `none`, 4 s a request, against a gateway's 0.3 s); at 16 nodes from 80 %."""
+        1.0x `none`, 3.4 s a request, against the gateway model's 0.35 s); at 16 nodes from
+        80 %."""
         pb = self.config.pushback
         if depth <= pb.queue_threshold:
             return False
@@ -893,7 +894,7 @@ class NodeCore:
         it for this request (it queues behind them) though no gossip has said so yet; into
         ``matched`` (blocks) and ``ids`` (candidates). Two requests of a new prefix entering
         here a moment apart went to two nodes, each a cold prefill, whenever the first one's
-        node had a queue (under load, most of the second copies the simulator counted)."""
+        node had a queue (the peer's gossip of its queued blocks comes a round later)."""
         lifecycle = self._lifecycle
         for peer in lifecycle.peers_with_blocks():
             blocks = lifecycle.blocks_at(peer, hashes)
@@ -985,7 +986,8 @@ class NodeCore:
         return None if member is None else member.address
 
     def local_hashes(self) -> frozenset[int]:
-        """The block hashes this node advertises (its own cache summary)."""
+        """The block hashes this node advertises (its own summary: what its engine caches
+        and what its queued requests compute)."""
         return self._summary.hashes()
 
     def cached_hashes(self) -> frozenset[int]:
