@@ -196,6 +196,16 @@ def test_forwards_in_flight_are_tracked_per_peer_until_the_try_ends() -> None:
     assert lc.peers_with_blocks() == [] and lc.blocks_at("a", (1, 2)) == 0
 
 
+def test_forwards_of_prompts_shorter_than_a_block_end_cleanly() -> None:
+    lc = lifecycle()
+    for rid in (1, 2):  # no block hashes: nothing to hold at the peer, two forwards to it
+        lc.start(RequestArrived(rid, (), 8, 0, 1), cands(["a", "me"]))
+    lc.done(1, None)
+    assert lc.peers_with_blocks() == ["a"] and lc.forwards_since("a", 0) == 1
+    lc.done(2, None)
+    assert lc.peers_with_blocks() == [] and lc.forwards_since("a", 0) == 0
+
+
 def test_placement_tags_are_counted_when_a_peer_accepts_or_execution_starts_here() -> None:
     def tagged(order: list[str], tag: Tag) -> list[Candidate]:
         return [

@@ -315,11 +315,10 @@ class Lifecycle:
         at = self._at_peer.get(flight.peer)
         if at is None or at.pop(flight.rid, None) is None:
             return
-        if not at:
+        if at:
+            self._blocks_at[flight.peer].remove(flight.arrived.hashes)
+        else:  # its last forward in flight there: no blocks left either
             del self._at_peer[flight.peer]
-        blocks = self._blocks_at[flight.peer]
-        blocks.remove(flight.arrived.hashes)
-        if not len(blocks):
             del self._blocks_at[flight.peer]
 
     def _placed(self, flight: Flight) -> None:
