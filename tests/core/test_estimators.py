@@ -328,6 +328,15 @@ def test_one_place_in_a_queue_is_priced_by_its_tokens() -> None:
     assert speed.queued_service_s(4, 6000, 9000, 64, scale) == cold
 
 
+def test_a_prompt_is_cached_when_run_as_far_as_its_engine_or_its_queue_holds_it() -> None:
+    q = QueuedBlocks(4)
+    q.add([1, 2, 3])
+    assert q.cached_when_run([1, 2, 9], 20, 0) == 8  # two blocks queued before it
+    assert q.cached_when_run([1, 2, 9], 20, 12) == 12  # the engine holds more
+    assert q.cached_when_run([1, 2, 3], 12, 0) == 11  # the last token is always computed
+    assert q.cached_when_run([7], 20, 30) == 19
+
+
 def test_queued_blocks_rejects_a_bad_block_size() -> None:
     with pytest.raises(ValueError):
         QueuedBlocks(0)

@@ -304,6 +304,13 @@ class QueuedBlocks:
         """``covered`` in tokens."""
         return self.covered(hashes) * self.block_size
 
+    def cached_when_run(self, hashes: Sequence[int], prompt_tokens: int, cached_tokens: int) -> int:
+        """Tokens of a prompt its node will have cached when it runs it (first come, first
+        served): what the engine holds (``cached_tokens``) or what a queued request computes
+        first, whichever is longer; the last prompt token is always computed."""
+        queued = min(self.covered_tokens(hashes), max(prompt_tokens - 1, 0))
+        return max(min(cached_tokens, max(prompt_tokens - 1, 0)), queued)
+
     def add(self, hashes: Sequence[int]) -> None:
         for h in hashes:
             self._held[h] = self._held.get(h, 0) + 1

@@ -413,11 +413,8 @@ class NodeService:
         return ex
 
     def _cached_here(self, prompt: Sequence[int], hashes: Sequence[int]) -> int:
-        """Tokens of ``prompt`` this node will have cached when it runs it: what its engine
-        holds, or what a request queued here computes first (first come, first served),
-        whichever is longer."""
-        queued = min(self._queued_blocks.covered_tokens(hashes), max(len(prompt) - 1, 0))
-        return max(self.engine.match(prompt), queued)
+        """Tokens of ``prompt`` this node will have cached when it runs it."""
+        return self._queued_blocks.cached_when_run(hashes, len(prompt), self.engine.match(prompt))
 
     def push_cache_and_load(self) -> None:
         delta = self.engine.drain_cache_delta()

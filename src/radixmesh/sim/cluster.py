@@ -755,13 +755,10 @@ def _generated(flight: Flight) -> list[int]:
 
 
 def _cached_prefix(node: SimNode, flight: Flight) -> int:
-    """Tokens of the request ``node`` will have cached when it runs it: what its engine
-    holds, or what a request queued there computes first, whichever is longer (at least the
-    last token is computed)."""
+    """Tokens of the request ``node`` will have cached when it runs it."""
     assert node.engine is not None
     tokens = flight.tokens
-    queued = node.queued_blocks.covered_tokens(flight.hashes)
-    return min(max(node.engine.match(tokens), queued), max(len(tokens) - 1, 0))
+    return node.queued_blocks.cached_when_run(flight.hashes, len(tokens), node.engine.match(tokens))
 
 
 def _engine_prefix(engine: SimEngine, tokens: list[int]) -> int:
