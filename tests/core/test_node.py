@@ -619,6 +619,42 @@ def test_rent_spent_forwarding_to_a_holder_buys_a_local_copy_in_the_end() -> Non
     assert heads[0] == "n2" and heads[-1] == "n0" and len(heads) > 10
 
 
+def test_the_waits_rented_forwards_met_at_the_holder_count_as_rent() -> None:
+    """A rental that waits at the holder pays that wait (beyond the wait this node predicted
+    for itself) on top of the round trip: forwards that each wait 0.1 s there buy a local
+    copy after a few requests, where forwards that find the holder idle take many more. A
+    forward the router did not choose as a rental (a target) pays nothing."""
+
+    def forwards_until_bought(waited: float) -> int:
+        c = warm_cluster(3, policy=Policy.COST)
+        chain = tuple(hashes_of(c, "n2", random.Random(3), n=200))
+        c.run_for(1.0)
+        n0 = c.nodes["n0"]
+        for rid in range(1, 500):
+            [action] = c.deliver("n0", RequestArrived(rid, chain, 3200, 0, 1))
+            if isinstance(action, ExecuteLocally):
+                return rid - 1
+            assert isinstance(action, Forward) and action.peer_id == "n2"
+            c.deliver("n0", ForwardAccepted(rid, "n2", 3200))
+            c.deliver("n0", RequestDone(rid, forward_rtt_s=0.004, forward_queue_s=waited))
+            assert n0.metrics()["forward_waits_rejected"] == 0
+        raise AssertionError("never bought")
+
+    idle, busy = forwards_until_bought(0.0), forwards_until_bought(0.1)
+    assert 1 <= busy <= 5 < 20 <= idle
+
+    c = warm_cluster(3, policy=Policy.COST)
+    chain = tuple(hashes_of(c, "n2", random.Random(3), n=200))
+    c.run_for(1.0)
+    n0 = c.nodes["n0"]
+    for rid in range(1, 6):  # aimed at n2: no rental, whatever the wait there
+        [action] = c.deliver("n0", RequestArrived(rid, chain, 3200, 0, 1, target="n2"))
+        assert isinstance(action, Forward)
+        c.deliver("n0", ForwardAccepted(rid, "n2", 3200))
+        c.deliver("n0", RequestDone(rid, forward_rtt_s=0.004, forward_queue_s=0.1))
+    assert not n0.route(list(chain), 3200, 0, 1, c.now)[0].is_self
+
+
 def test_a_held_prefix_is_replicated_for_its_load_not_for_a_few_requests() -> None:
     """Replicas are sized by the prefix's load: its rate here less one standard deviation of
     the count, times the members, times the service of a request that finds what the best

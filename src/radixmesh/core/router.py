@@ -59,14 +59,16 @@ Policies
                       copy wherever it entered. Each candidate is tagged (``placement``: hit,
                       first copy, deliberate replica, second copy, unplaced, local copy) so
                       the node can count what its decisions cost.
-                      *Ski rental*: a forward to a holder rents its copy for one round trip; a
-                      copy here costs, once, what staying costs more than forwarding now (never
-                      less than the extra service it makes here, less that round trip; a
-                      forward the slack chose, slower than staying, is no rental). The
-                      node sums the round trips it spent renting each prefix (``rent_s``) and
-                      keeps the request here (tag ``local_copy``) once they reach that price:
-                      after ~75 forwards of a prefix over a 4 ms link, at the first or second
-                      over a 400 ms one.
+                      *Ski rental*: a forward to a holder rents its copy for one round trip,
+                      plus the queue wait it met there beyond the one this node predicted for
+                      itself (signed: a holder no busier than this node costs nothing on
+                      average); a copy here costs, once, what staying costs more than
+                      forwarding now (never less than the extra service it makes here, less
+                      that round trip; a forward the slack chose, slower than staying, is no
+                      rental). The node sums that rent per prefix (``rent_s``) and keeps the
+                      request here (tag ``local_copy``) once it reaches the price: after ~75
+                      forwards of a prefix to an idle holder over a 4 ms link, at the first or
+                      second over a 400 ms one, after a few to a holder where each waits 0.1 s.
                       *Its own queue, by its tokens*: the deciding node knows what its queued
                       requests will compute (their uncached tokens, ``LoadChanged``), so each
                       place in its own queue is priced at that (``NodeInfo.queue_service_s``),
@@ -156,8 +158,8 @@ class RouterConfig:
     replica_load: float = 0.5
     max_replicas: int = 64
     replica_window_s: float = 10.0  # the time constant of a prefix's measured request rate
-    # cost: the time constant of the round trips a node remembers spending on a prefix (its
-    # rent; see Placement.rent_s)
+    # cost: the time constant of the rent a node remembers paying for a prefix's copy
+    # elsewhere (see Placement.rent_s)
     rent_window_s: float = 600.0
     # cost: the time constant of a peer's measured queue-wait prediction error (WaitError)
     error_window_s: float = 10.0
@@ -238,8 +240,9 @@ class Placement:
 
     owners: tuple[str, ...]  # its owner set, in ring order (may include self)
     held_tokens: int  # a node whose cached prefix of the request is this long holds it
-    # the forward round trips this node already spent on this prefix (recently): when they
-    # reach what a copy here costs more than a forward now, a copy is made here instead
+    # what renting this prefix's copy elsewhere recently cost this node (the forwards' round
+    # trips and the waits they met beyond its own): when it reaches what a copy here costs
+    # more than a forward now, a copy is made here instead
     rent_s: float = 0.0
 
 
@@ -274,6 +277,9 @@ class Candidate:
     placement: Tag | None = None  # cost policy with a placement only
     wait_s: float = 0.0  # the queue wait in ``predicted_latency_s`` (what a forward is checked
     #                      against when the peer reports the wait it met: ``WaitError``)
+    # the placement key whose copy this forward rents (a hit there, not here; first ranking
+    # only): the wait it meets there beyond this node's own is rent paid (``Placement.rent_s``)
+    rent_key: int | None = None
 
 
 def predict_service(req: RouteInput, node: NodeInfo, context_scale: float) -> float:
