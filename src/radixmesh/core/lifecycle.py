@@ -153,6 +153,11 @@ class Lifecycle:
         at = self._at_peer.get(peer)
         return 0 if not at else sum(1 for s in at.values() if s > seq)
 
+    def forwards_until(self, peer: str, seq: int) -> int:
+        """Forwards to ``peer`` still in flight (offered or streaming) sent up to ``seq``."""
+        at = self._at_peer.get(peer)
+        return 0 if not at else sum(1 for s in at.values() if s <= seq)
+
     def blocks_at(self, peer: str, hashes: Sequence[int]) -> int:
         """How many of ``hashes`` (from the first) a forward in flight to ``peer`` has."""
         blocks = self._blocks_at.get(peer)

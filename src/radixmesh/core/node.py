@@ -177,6 +177,17 @@ _COUNTERS = (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class QueueSeen:
+    """A peer's latest queue report as this node took it in."""
+
+    stamp: float | None  # the load report's stamp (None: no stamp)
+    sent: int  # our forwards sent so far when it arrived (``Lifecycle.forwards_sent``)
+    at: float  # our clock then
+    depth: float  # its queue depth, or the depth its latest refusal's queue wait implies
+    ours_in_flight: int  # our forwards to it in flight then (the report counted them)
+
+
 class NodeCore:
     """Local summary + peer view + membership + gossip + router of one node."""
 
@@ -221,10 +232,9 @@ class NodeCore:
         self._ring_checked = now  # when the ring's members are checked again at the latest
         self._key_rates = KeyRates(config.router.replica_window_s)  # requests/s per prefix here
         self._key_rent = KeySums(config.router.rent_window_s)  # rent paid per prefix
-        # peer -> its latest load report: (its stamp, our forwards sent when it arrived, our
-        # clock then, its queue depth — or the depth its latest refusal's queue wait implies,
-        # if newer); and the sum of those queue depths (the mesh's mean)
-        self._load_seen: dict[str, tuple[float | None, int, float, float]] = {}
+        # peer -> its latest load report (``QueueSeen``); and the sum of those reports' queue
+        # depths (the mesh's mean)
+        self._load_seen: dict[str, QueueSeen] = {}
         self._queue_sum = 0.0
         self._lifecycle = Lifecycle(
             config.forward,
@@ -316,7 +326,7 @@ class NodeCore:
         est = self._gossip.estimates.get(peer)
         if est is not None and est.load is not None:
             seen = self._load_seen.get(peer)
-            if seen is None or seen[0] != est.stamp:  # a new load report: its queue is fresh
+            if seen is None or seen.stamp != est.stamp:  # a new load report: its queue is fresh
                 self._queue_seen(peer, est.stamp, est.load.queue_depth, now)
         if est is not None and est.load is not None and peer in self._gossip.routable:
             heapq.heappush(self._idle, (est.load.queue_depth, est.stamp or 0.0, peer))
@@ -339,14 +349,17 @@ class NodeCore:
         if est is None or est.load is None or seen is None:
             return
         speed = est.speed or self._prior_speed
-        self._queue_seen(peer, seen[0], queue_s / max(speed.mean_service_s, 1e-6), now)
+        self._queue_seen(peer, seen.stamp, queue_s / max(speed.mean_service_s, 1e-6), now)
 
     def _queue_seen(self, peer: str, stamp: float | None, depth: float, now: float) -> None:
         """Record ``peer``'s queue ``depth`` as seen now (its load report's ``stamp``), and
         keep the sum of the latest depths (the mesh's mean queue) in step."""
         seen = self._load_seen.get(peer)
-        self._queue_sum += depth - (0.0 if seen is None else seen[3])
-        self._load_seen[peer] = (stamp, self._lifecycle.forwards_sent, now, depth)
+        self._queue_sum += depth - (0.0 if seen is None else seen.depth)
+        lifecycle = self._lifecycle
+        sent = lifecycle.forwards_sent
+        ours = lifecycle.forwards_until(peer, sent)
+        self._load_seen[peer] = QueueSeen(stamp, sent, now, depth, ours)
 
     def _cache_changed(self, event: CacheChanged, now: float) -> list[Action]:
         if self._holdings.cache_changed(event.added, event.removed):
@@ -491,6 +504,7 @@ class NodeCore:
             return []
         self._count("forwards_refused")
         self._gossip.refused_forward(event.peer_id, event.retry_after_s, now)
+        self._lifecycle.release(event.rid)  # not in that peer's queue (nor in its report)
         if event.queue_s is not None:
             self._queue_reported(event.peer_id, event.queue_s, now)
         return list(self._lifecycle.refused(event.rid, self._ranked_again(event.rid, now)))
@@ -941,17 +955,21 @@ class NodeCore:
         """The queue a request sent to ``peer`` now should expect: its report, which others'
         concurrent choices make stale within a few service times (it relaxes towards the
         mean of all peers' reports, with time constant ``queue_memory`` × its mean service),
-        plus our own forwards to it that the report cannot have counted. The latest report
-        is its gossip's or the queue wait it gave when it last refused us, whichever is newer
-        (``_queue_reported``)."""
+        plus our own forwards to it that the report cannot have counted, less those it
+        counted that have ended since (they left its queue: a conversation's next turn, sent
+        when the answer to the turn before is in, found the node that served it still busy
+        with it in the report). The latest report is its gossip's or the queue wait it gave
+        when it last refused us, whichever is newer (``_queue_reported``)."""
         seen = self._load_seen.get(peer)
         if seen is None:
             return float(reported)
-        ours = self._lifecycle.forwards_since(peer, seen[1])
+        lifecycle = self._lifecycle
+        ours = lifecycle.forwards_since(peer, seen.sent)
+        ended = max(seen.ours_in_flight - lifecycle.forwards_until(peer, seen.sent), 0)
         mean = self._queue_sum / max(len(self._load_seen), 1)
         memory = self.config.router.queue_memory * max(service_s, 1e-6)
-        kept = math.exp(-max(now - seen[2], 0.0) / memory)
-        return mean + (seen[3] - mean) * kept + ours
+        kept = math.exp(-max(now - seen.at, 0.0) / memory)
+        return mean + (max(seen.depth - ended, 0.0) - mean) * kept + ours
 
     def available(self, peer: str, now: float) -> bool:
         """Whether ``peer`` may be routed to now (alive, reporting load, not pushed back)."""
