@@ -454,10 +454,11 @@ def test_a_refusal_as_slower_reports_the_peers_queue_and_keeps_it_a_candidate() 
 
 
 def test_forwards_a_queue_report_counted_leave_the_expected_queue_when_they_end() -> None:
-    """A peer's reported queue counted this node's forwards then in flight there; each of
-    them that has ended since has left that queue (a chat's next turn, sent as soon as the
-    answer to the one before is in, found the holder of its history still busy with that
-    turn in the report). Forwards sent after the report are added until they end."""
+    """A peer's queue report counted this node's forwards it had accepted; each of them
+    that has ended since has left that queue (a chat's next turn, sent as soon as the answer
+    to the one before is in, found the holder of its history still busy with that turn in
+    the report). One still on its way was not counted, and its refusal takes nothing off.
+    Forwards sent after the report are added until they end."""
     rng = random.Random(8)
     c = warm_cluster(3, policy=Policy.COST)
     chain = hashes_of(c, "n1", rng, n=64)
@@ -473,8 +474,11 @@ def test_forwards_a_queue_report_counted_leave_the_expected_queue_when_they_end(
     for rid in (1, 2):
         offer(c, rid, "n1")
         c.deliver("n0", ForwardAccepted(rid, "n1", 0))
+    offer(c, 5, "n1")  # on its way, not accepted: not in the report
     offer(c, 3, "n1")
     c.deliver("n0", ForwardRefused(3, "n1", 0.0, 2 * service))  # its queue: our 1 and 2
+    assert wait_there() == pytest.approx(2 * service, rel=0.01)
+    c.deliver("n0", ForwardRefused(5, "n1", 0.0))  # never in its queue: takes nothing off
     assert wait_there() == pytest.approx(2 * service, rel=0.01)
     c.deliver("n0", RequestDone(1, forward_rtt_s=0.004))
     assert wait_there() == pytest.approx(service, rel=0.01)
@@ -654,37 +658,44 @@ def test_rent_spent_forwarding_to_a_holder_buys_a_local_copy_in_the_end() -> Non
 def test_the_waits_rented_forwards_met_at_the_holder_count_as_rent() -> None:
     """A rental that waits at the holder pays that wait (beyond the wait this node predicted
     for itself) on top of the round trip: forwards that each wait 0.1 s there buy a local
-    copy after a few requests, where forwards that find the holder idle take many more. A
-    forward the router did not choose as a rental (a target) pays nothing."""
+    copy after a few requests, where forwards that find the holder idle take many more. The
+    rent never goes below 0: waits shorter than this node's own, while it was the busier
+    one, do not delay the copy once the holder is the busy one."""
 
-    def forwards_until_bought(waited: float) -> int:
+    def setup() -> tuple[TwinCluster, tuple[int, ...]]:
         c = warm_cluster(3, policy=Policy.COST)
         chain = tuple(hashes_of(c, "n2", random.Random(3), n=200))
         c.run_for(1.0)
+        return c, chain
+
+    def forwards_until_bought(c: TwinCluster, chain: tuple[int, ...], waited: float,
+                              first: int = 1) -> int:
         n0 = c.nodes["n0"]
-        for rid in range(1, 500):
+        for rid in range(first, first + 500):
             [action] = c.deliver("n0", RequestArrived(rid, chain, 3200, 0, 1))
             if isinstance(action, ExecuteLocally):
-                return rid - 1
+                assert n0.placement_of(rid) is Tag.LOCAL_COPY  # bought, not a tie
+                return rid - first
             assert isinstance(action, Forward) and action.peer_id == "n2"
             c.deliver("n0", ForwardAccepted(rid, "n2", 3200))
             c.deliver("n0", RequestDone(rid, forward_rtt_s=0.004, forward_queue_s=waited))
             assert n0.metrics()["forward_waits_rejected"] == 0
         raise AssertionError("never bought")
 
-    idle, busy = forwards_until_bought(0.0), forwards_until_bought(0.1)
+    idle = forwards_until_bought(*setup(), 0.0)
+    busy = forwards_until_bought(*setup(), 0.1)
     assert 1 <= busy <= 5 < 20 <= idle
 
-    c = warm_cluster(3, policy=Policy.COST)
-    chain = tuple(hashes_of(c, "n2", random.Random(3), n=200))
-    c.run_for(1.0)
-    n0 = c.nodes["n0"]
-    for rid in range(1, 6):  # aimed at n2: no rental, whatever the wait there
-        [action] = c.deliver("n0", RequestArrived(rid, chain, 3200, 0, 1, target="n2"))
-        assert isinstance(action, Forward)
+    c, chain = setup()
+    # this node busy (its own queue: four cold prompts), the holder's forwards wait nothing
+    c.deliver("n0", LoadChanged(4, 1, 0, 100_000, 4 * 3200, 4, 4 * 3200))
+    for rid in range(1000, 1010):
+        [action] = c.deliver("n0", RequestArrived(rid, chain, 3200, 0, 1))
+        assert isinstance(action, Forward) and action.peer_id == "n2"
         c.deliver("n0", ForwardAccepted(rid, "n2", 3200))
-        c.deliver("n0", RequestDone(rid, forward_rtt_s=0.004, forward_queue_s=0.1))
-    assert not n0.route(list(chain), 3200, 0, 1, c.now)[0].is_self
+        c.deliver("n0", RequestDone(rid, forward_rtt_s=0.004, forward_queue_s=0.0))
+    c.deliver("n0", LoadChanged(0, 0, 0, 100_000))  # idle again; now the holder is busy
+    assert forwards_until_bought(c, chain, 0.1, first=2000) <= busy + 1
 
 
 def test_a_held_prefix_is_replicated_for_its_load_not_for_a_few_requests() -> None:

@@ -185,7 +185,9 @@ class QueueSeen:
     sent: int  # our forwards sent so far when it arrived (``Lifecycle.forwards_sent``)
     at: float  # our clock then
     depth: float  # its queue depth, or the depth its latest refusal's queue wait implies
-    ours_in_flight: int  # our forwards to it in flight then (the report counted them)
+    # our forwards it had accepted then (in its queue, so counted: ``Lifecycle.accepted_at``);
+    # none for a report relayed by another node, which may be older than our forwards
+    counted: frozenset[int]
 
 
 class NodeCore:
@@ -317,17 +319,17 @@ class NodeCore:
                 self._count(f"messages_rejected_{exc.reason}")
                 return [Log("debug", f"rejected a peer message: {exc}")]
         actions = self._gossip.receive(msg, now, self._own_load(now))
-        self._note_load(msg.sender, now)
+        self._note_load(msg.sender, now, direct=True)
         for relayed in msg.relays:
-            self._note_load(relayed.node_id, now)
+            self._note_load(relayed.node_id, now, direct=False)
         return self._account_out(actions)
 
-    def _note_load(self, peer: str, now: float) -> None:
+    def _note_load(self, peer: str, now: float, direct: bool) -> None:
         est = self._gossip.estimates.get(peer)
         if est is not None and est.load is not None:
             seen = self._load_seen.get(peer)
             if seen is None or seen.stamp != est.stamp:  # a new load report: its queue is fresh
-                self._queue_seen(peer, est.stamp, est.load.queue_depth, now)
+                self._queue_seen(peer, est.stamp, est.load.queue_depth, now, direct)
         if est is not None and est.load is not None and peer in self._gossip.routable:
             heapq.heappush(self._idle, (est.load.queue_depth, est.stamp or 0.0, peer))
             self._trim_idle()
@@ -349,17 +351,20 @@ class NodeCore:
         if est is None or est.load is None or seen is None:
             return
         speed = est.speed or self._prior_speed
-        self._queue_seen(peer, seen.stamp, queue_s / max(speed.mean_service_s, 1e-6), now)
+        self._queue_seen(peer, seen.stamp, queue_s / max(speed.mean_service_s, 1e-6), now, True)
 
-    def _queue_seen(self, peer: str, stamp: float | None, depth: float, now: float) -> None:
-        """Record ``peer``'s queue ``depth`` as seen now (its load report's ``stamp``), and
-        keep the sum of the latest depths (the mesh's mean queue) in step."""
+    def _queue_seen(
+        self, peer: str, stamp: float | None, depth: float, now: float, direct: bool
+    ) -> None:
+        """Record ``peer``'s queue ``depth`` as seen now (its load report's ``stamp``;
+        ``direct``: from the peer itself, not relayed), and keep the sum of the latest depths
+        (the mesh's mean queue; as reported: the forwards ended since are not taken off it)
+        in step."""
         seen = self._load_seen.get(peer)
         self._queue_sum += depth - (0.0 if seen is None else seen.depth)
         lifecycle = self._lifecycle
-        sent = lifecycle.forwards_sent
-        ours = lifecycle.forwards_until(peer, sent)
-        self._load_seen[peer] = QueueSeen(stamp, sent, now, depth, ours)
+        counted = lifecycle.accepted_at(peer) if direct else frozenset()
+        self._load_seen[peer] = QueueSeen(stamp, lifecycle.forwards_sent, now, depth, counted)
 
     def _cache_changed(self, event: CacheChanged, now: float) -> list[Action]:
         if self._holdings.cache_changed(event.added, event.removed):
@@ -559,7 +564,10 @@ class NodeCore:
         served 58-65 % of the requests, and its queue made the hot prefix's mean 1.18-1.30x
         `none`'s (each entry node's own copy would have cost one cold prefill)."""
         own = next((c.wait_s for c in candidates if c.is_self), 0.0)
-        self._key_rent.add(key, now, waited - own)  # signed: noise in either direction cancels
+        # signed, so noise in either direction cancels; the rent never goes below 0: a burst
+        # in which this node was the busier one must not block a copy for the rent's window
+        paid = self._key_rent.total(key, now)
+        self._key_rent.add(key, now, max(waited - own, -paid))
 
     def _spread_of(self, peer: str, now: float) -> float:
         err = self._wait_errors.get(peer)
@@ -755,7 +763,10 @@ class NodeCore:
         head = ranked[0]
         if observe and key is not None:
             mine = next(c for c in ranked if c.is_self)
-            if head.placement is Tag.HIT and mine.placement is not Tag.HIT:  # renting a copy
+            # renting a copy: a hit there, not here, predicted faster than staying (a forward
+            # the placement slack chose, slower than staying, avoids a second copy: no rent)
+            if (head.placement is Tag.HIT and mine.placement is not Tag.HIT
+                    and head.predicted_latency_s < mine.predicted_latency_s):
                 rtt = next((n.rtt_s for n in nodes if n.node_id == head.node_id), 0.0)
                 self._key_rent.add(key, now, rtt)  # the round trip it spends; the wait it
                 ranked[0] = replace(head, rent_key=key)  # meets there is added when done
@@ -955,8 +966,9 @@ class NodeCore:
         """The queue a request sent to ``peer`` now should expect: its report, which others'
         concurrent choices make stale within a few service times (it relaxes towards the
         mean of all peers' reports, with time constant ``queue_memory`` × its mean service),
-        plus our own forwards to it that the report cannot have counted, less those it
-        counted that have ended since (they left its queue: a conversation's next turn, sent
+        plus our own forwards to it that the report cannot have counted, less those it had
+        accepted when it reported that have ended since (they left its queue; a relayed
+        report may predate them, so it loses none: a conversation's next turn, sent
         when the answer to the turn before is in, found the node that served it still busy
         with it in the report). The latest report is its gossip's or the queue wait it gave
         when it last refused us, whichever is newer (``_queue_reported``)."""
@@ -965,7 +977,7 @@ class NodeCore:
             return float(reported)
         lifecycle = self._lifecycle
         ours = lifecycle.forwards_since(peer, seen.sent)
-        ended = max(seen.ours_in_flight - lifecycle.forwards_until(peer, seen.sent), 0)
+        ended = len(seen.counted) - lifecycle.still_at(peer, seen.counted)
         mean = self._queue_sum / max(len(self._load_seen), 1)
         memory = self.config.router.queue_memory * max(service_s, 1e-6)
         kept = math.exp(-max(now - seen.at, 0.0) / memory)
