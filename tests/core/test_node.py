@@ -453,42 +453,6 @@ def test_a_refusal_as_slower_reports_the_peers_queue_and_keeps_it_a_candidate() 
     assert n0.route(chain, 1100, 0, 1, c.now)[0].node_id == "n1"
 
 
-def test_forwards_a_queue_report_counted_leave_the_expected_queue_when_they_end() -> None:
-    """A peer's queue report counted this node's forwards it had accepted; each of them
-    that has ended since has left that queue (a chat's next turn, sent as soon as the answer
-    to the one before is in, found the holder of its history still busy with that turn in
-    the report). One still on its way was not counted, and its refusal takes nothing off.
-    Forwards sent after the report are added until they end."""
-    rng = random.Random(8)
-    c = warm_cluster(3, policy=Policy.COST)
-    chain = hashes_of(c, "n1", rng, n=64)
-    c.run_for(1.0)
-    n0 = c.nodes["n0"]
-    service = next(p for p in n0.mesh_state(c.now)["peers"]  # type: ignore[attr-defined]
-                   if p["node_id"] == "n1")["load"]["mean_service_s"]
-
-    def wait_there() -> float:
-        ranked = n0.route(chain, 1100, 0, 1, c.now)
-        return next(x for x in ranked if x.node_id == "n1").wait_s
-
-    for rid in (1, 2):
-        offer(c, rid, "n1")
-        c.deliver("n0", ForwardAccepted(rid, "n1", 0))
-    offer(c, 5, "n1")  # on its way, not accepted: not in the report
-    offer(c, 3, "n1")
-    c.deliver("n0", ForwardRefused(3, "n1", 0.0, 2 * service))  # its queue: our 1 and 2
-    assert wait_there() == pytest.approx(2 * service, rel=0.01)
-    c.deliver("n0", ForwardRefused(5, "n1", 0.0))  # never in its queue: takes nothing off
-    assert wait_there() == pytest.approx(2 * service, rel=0.01)
-    c.deliver("n0", RequestDone(1, forward_rtt_s=0.004))
-    assert wait_there() == pytest.approx(service, rel=0.01)
-    offer(c, 4, "n1")  # sent after the report: not in it
-    assert wait_there() == pytest.approx(2 * service, rel=0.01)
-    c.deliver("n0", RequestDone(2, forward_rtt_s=0.004))
-    c.deliver("n0", RequestDone(4, forward_rtt_s=0.004))
-    assert wait_there() == pytest.approx(0.0, abs=1e-9)
-
-
 def test_a_node_at_its_pushback_threshold_refuses_forwards() -> None:
     node = lone_node(pushback=PushbackConfig(queue_threshold=2, duration_s=1.5))
     node.handle(Tick(), 0.0)

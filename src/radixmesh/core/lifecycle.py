@@ -41,8 +41,7 @@ Rules:
 
 Three things the router needs are kept here, where the tries are made: the forwards in flight
 to each peer, numbered in the order they were sent (``forwards_since``: the node adds those
-a peer's last load report cannot have counted to its queue; ``accepted_at`` and
-``still_at``: it takes off those the report counted that have ended since), their prompts' blocks
+a peer's last load report cannot have counted to its queue), their prompts' blocks
 (``blocks_at``: a peer computing a prefix for one of our requests holds it for the next one,
 before its gossip can say so), and, per request served, the
 router's placement tag of the candidate that served it (``LifecycleCounters.placements``:
@@ -129,9 +128,6 @@ class LifecycleCounters:
     placements: dict[str, int] = field(default_factory=dict)  # router tag of who served it
 
 
-_NONE: frozenset[int] = frozenset()
-
-
 class Lifecycle:
     """The flights of one entry node and the transition rules above."""
 
@@ -156,19 +152,6 @@ class Lifecycle:
         """Forwards to ``peer`` still in flight (offered or streaming) sent after ``seq``."""
         at = self._at_peer.get(peer)
         return 0 if not at else sum(1 for s in at.values() if s > seq)
-
-    def accepted_at(self, peer: str) -> frozenset[int]:
-        """The requests whose forwards ``peer`` has accepted and is still answering: in its
-        queue, so counted by any load report it makes now."""
-        at = self._at_peer.get(peer)
-        if not at:
-            return _NONE
-        return frozenset(r for r in at if self._flights[r].stage is Stage.STREAMING)
-
-    def still_at(self, peer: str, rids: frozenset[int]) -> int:
-        """How many of ``rids`` are still in flight to ``peer``."""
-        at = self._at_peer.get(peer)
-        return 0 if not at or not rids else sum(1 for r in rids if r in at)
 
     def blocks_at(self, peer: str, hashes: Sequence[int]) -> int:
         """How many of ``hashes`` (from the first) a forward in flight to ``peer`` has."""
