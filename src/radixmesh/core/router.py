@@ -62,7 +62,7 @@ Policies
                       *Ski rental*: a forward to a holder rents its copy for one round trip,
                       plus the queue wait it met there beyond the one this node predicted for
                       itself (signed: a holder no busier than this node costs nothing on
-                      average); a copy here costs, once, what staying costs more than
+                      average; the rent never goes below 0); a copy here costs, once, what staying costs more than
                       forwarding now (never less than the extra service it makes here, less
                       that round trip; a forward the slack chose, slower than staying, is no
                       rental). The node sums that rent per prefix (``rent_s``) and keeps the
@@ -277,8 +277,9 @@ class Candidate:
     placement: Tag | None = None  # cost policy with a placement only
     wait_s: float = 0.0  # the queue wait in ``predicted_latency_s`` (what a forward is checked
     #                      against when the peer reports the wait it met: ``WaitError``)
-    # the placement key whose copy this forward rents (a hit there, not here; first ranking
-    # only): the wait it meets there beyond this node's own is rent paid (``Placement.rent_s``)
+    # the placement key whose copy this forward rents (a hit there, not here, predicted faster
+    # than staying; first ranking only): the wait it meets there beyond this node's own is
+    # rent paid (``Placement.rent_s``)
     rent_key: int | None = None
 
 
