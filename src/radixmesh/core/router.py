@@ -62,13 +62,14 @@ Policies
                       *Ski rental*: a forward to a holder rents its copy for one round trip,
                       plus the queue wait it met there beyond the one this node predicted for
                       itself (signed: a holder no busier than this node costs nothing on
-                      average; the rent never goes below 0); a copy here costs, once, what staying costs more than
-                      forwarding now (never less than the extra service it makes here, less
-                      that round trip; a forward the slack chose, slower than staying, is no
-                      rental). The node sums that rent per prefix (``rent_s``) and keeps the
-                      request here (tag ``local_copy``) once it reaches the price: after ~75
-                      forwards of a prefix to an idle holder over a 4 ms link, at the first or
-                      second over a 400 ms one, after a few to a holder where each waits 0.1 s.
+                      average; the rent never goes below 0); a copy here costs, once, what
+                      staying costs more than forwarding now (never less than the extra
+                      service it makes here, less that round trip; a forward the slack chose,
+                      slower than staying, is no rental). The node sums that rent per prefix
+                      (``rent_s``) and keeps the request here (tag ``local_copy``) once it
+                      reaches the price: after ~75 forwards of a prefix to an idle holder over
+                      a 4 ms link, at the first or second over a 400 ms one, after a few to a
+                      holder where each waits 0.1 s.
                       *Its own queue, by its tokens*: the deciding node knows what its queued
                       requests will compute (their uncached tokens, ``LoadChanged``), so each
                       place in its own queue is priced at that (``NodeInfo.queue_service_s``),
