@@ -326,6 +326,9 @@ class QueuedBlocks:
     def __len__(self) -> int:
         return len(self._held)
 
+    def __contains__(self, block: object) -> bool:
+        return block in self._held
+
 
 class RttTable:
     """Forward round-trip estimate per peer (EWMA), pessimistic for peers never measured.

@@ -412,7 +412,11 @@ class NodeCore:
             return False
         if pb.relative is None or not self._load_seen:
             return True
-        return depth > pb.relative * self._queue_sum / len(self._load_seen)
+        return depth > pb.relative * self._peers_mean_queue()
+
+    def _peers_mean_queue(self) -> float:
+        """The mean of the queue depths the peers last reported (0: no report yet)."""
+        return self._queue_sum / max(len(self._load_seen), 1)
 
     def _leave(self, event: LeaveRequested, now: float) -> list[Action]:
         """Stop taking new work and tell every peer now (push-back for the grace period)."""
@@ -966,7 +970,7 @@ class NodeCore:
         if seen is None:
             return float(reported)
         ours = self._lifecycle.forwards_since(peer, seen.sent)
-        mean = self._queue_sum / max(len(self._load_seen), 1)
+        mean = self._peers_mean_queue()
         memory = self.config.router.queue_memory * max(service_s, 1e-6)
         kept = math.exp(-max(now - seen.at, 0.0) / memory)
         return mean + (seen.depth - mean) * kept + ours

@@ -22,12 +22,13 @@ from __future__ import annotations
 import struct
 import zlib
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from itertools import pairwise
 
 import numpy as np
 import numpy.typing as npt
 
+from radixmesh.core.estimators import QueuedBlocks
 from radixmesh.core.messages import Change, Delta, Snapshot
 
 _VARINT = 0
@@ -242,7 +243,7 @@ class Holdings:
 
     def __init__(self, summary: LocalSummary) -> None:
         self.summary = summary
-        self._queued: dict[int, int] = {}  # block hash -> queued requests that have it
+        self._queued = QueuedBlocks(1)  # the queued requests' blocks, counted per request
         self._queued_only: set[int] = set()  # advertised for the queue alone
 
     def cache_changed(self, added: Iterable[int], removed: Iterable[int]) -> bool:
@@ -263,26 +264,19 @@ class Holdings:
                 gone.append(h)
         return self.summary.apply(new, gone) is not None or answered
 
-    def queue_changed(self, hashes: Iterable[int], joined: bool) -> bool:
+    def queue_changed(self, hashes: Sequence[int], joined: bool) -> bool:
         """A request with these blocks joined or left the queue; whether the summary changed."""
         queued, only = self._queued, self._queued_only
-        new: list[int] = []
-        gone: list[int] = []
-        for h in hashes:
-            if joined:
-                queued[h] = queued.get(h, 0) + 1
-                if h not in self.summary:
-                    only.add(h)
-                    new.append(h)
-                continue
-            left = queued.get(h, 0) - 1
-            if left > 0:
-                queued[h] = left
-                continue
-            queued.pop(h, None)
-            if h in only:
-                only.discard(h)
-                gone.append(h)
+        if joined:
+            queued.add(hashes)
+            new = [h for h in dict.fromkeys(hashes) if h not in self.summary]
+            only.update(new)
+            gone: list[int] = []
+        else:
+            queued.remove(hashes)
+            new = []
+            gone = [h for h in dict.fromkeys(hashes) if h in only and h not in queued]
+            only.difference_update(gone)
         return bool(new or gone) and self.summary.apply(new, gone) is not None
 
     def queued_only(self) -> frozenset[int]:
