@@ -326,7 +326,10 @@ def mesh_cost(req: RouteInput, nodes: Sequence[NodeInfo], context_scale: float) 
     out = []
     for n in nodes:
         service = predict_service(req, n, context_scale)
-        out.append(_latency(n, service) + service * n.queue_depth)
+        mean = n.speed.mean_service_s
+        arrivals = n.utilization / mean if mean > 0.0 else 0.0  # requests/s it serves
+        out.append(_latency(n, service) + service * n.queue_depth
+                   + arrivals * service * service / 2.0)
     return out
 
 
