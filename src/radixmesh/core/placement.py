@@ -211,7 +211,7 @@ class KeyRates(KeySums):
 
     def __init__(self, window_s: float, max_keys: int = 4096, min_span: float = 0.25) -> None:
         super().__init__(window_s, max_keys)
-        if not 0 < min_span:
+        if not min_span > 0:
             raise ValueError("min_span must be > 0")
         self.min_span = min_span
         self._since: float | None = None  # this node's first observed request

@@ -15,8 +15,10 @@ Policies
                       lowest node id (the paper's argmax); suspect/pushed-back peers skipped.
     ``cost``          argmin predicted latency = rtt + queue wait + prefill(uncached) + decode,
                       plus, under load, what the choice costs the requests queued behind it
-                      (:func:`mesh_cost`: the candidate's service once more for each request
-                      queued there; nothing when requests come one at a time). A peer must
+                      and those that will arrive while it runs (:func:`mesh_cost`: the
+                      candidate's service once more for each request queued there, and half
+                      of it for each one expected to arrive during it, at the rate the
+                      candidate serves requests). A peer must
                       beat self by ``min_gain_s`` and ``min_gain_frac`` of the local work
                       (hysteresis against noisy speed estimates). Equal
                       predictions keep self first, and ties among peers are broken by load,
@@ -322,7 +324,19 @@ def mesh_cost(req: RouteInput, nodes: Sequence[NodeInfo], context_scale: float) 
     free where a holder's queue makes everyone behind the forward wait: pricing every
     candidate's extra work by this node's queue alone (an earlier design) kept a node lacking
     the agentic system prompt forwarding its requests to busy holders while its engine idled
-    (1.11x `none` on the real cluster at 80 % load, round-robin entry)."""
+    (1.11x `none` on the real cluster at 80 % load, round-robin entry).
+
+    A node's queue now misses the requests that will arrive while this one runs: a node
+    serving ``utilization / mean_service_s`` requests per second (its utilization as gossiped:
+    everyone's traffic there, not only this node's forwards) sees that many × the service
+    arrive meanwhile, each waiting half of it on average, so the service counts once more
+    × that rate × half of it: quadratic in the service. A hit of a few ms at a hot prefix's
+    busy holder costs its stream next to nothing; a long prompt there holds up all of it
+    (on the real cluster at 80 % load a 3,014-token request sent to the holder of the hot
+    prefix queued the requests behind it 4-5 s), and a cold copy at a busy node likewise.
+    With it the simulator's workload matrix cached 0.2-1.9 points more of the prompt
+    tokens under load, and on one shared core its `cost`/`none` went 0.730 -> 0.714
+    (geometric mean; docs/benchmarks.md "Router" -> "Latest")."""
     out = []
     for n in nodes:
         service = predict_service(req, n, context_scale)
