@@ -311,26 +311,28 @@ def _latency(node: NodeInfo, service_s: float) -> float:
 
 
 def mesh_cost(req: RouteInput, nodes: Sequence[NodeInfo], context_scale: float) -> list[float]:
-    """What sending the request to each node costs the mesh, not only the request: its
-    predicted latency, plus the wait its service adds to the requests that will queue behind
-    it there. A node's queue now is the sample of that (``queue_depth``: exact for this node,
-    expected for a peer; in an M/M/1 queue the mean number behind a request is the mean
-    number ahead of it), so each node's service is counted once more per request queued
-    there. Nothing is queued when requests come one at a time (then this *is* the predicted
-    latency). Under load the queue-wait differences a node sees are a gossip round old,
-    while the work a miss adds is paid by everyone after it: the selfish latency alone gave
-    away cache hits as soon as queues formed (4-16 clients: `cost` hit rates near `none`'s,
-    below the centralized gateways'). And a node with an empty queue computes a miss for
-    free where a holder's queue makes everyone behind the forward wait: pricing every
-    candidate's extra work by this node's queue alone (an earlier design) kept a node lacking
-    the agentic system prompt forwarding its requests to busy holders while its engine idled
-    (1.11x `none` on the real cluster at 80 % load, round-robin entry).
+    """What sending the request to each node costs the mesh, not only the request: its predicted
+    latency, plus the wait its service adds to the requests that will queue behind it there. A
+    node's queue now is the sample of that (``queue_depth``: exact for this node, expected for a
+    peer; in an M/M/1 queue the mean number behind a request is the mean number ahead of it), so
+    each node's service is counted once more per request queued there. Nothing is queued when
+    requests come one at a time (then, at an idle node, this *is* the predicted latency). Under
+    load the queue-wait differences a node sees are a gossip round old, while the work a miss
+    adds is paid by everyone after it: the selfish latency alone gave away cache hits as soon as
+    queues formed (4-16 clients: `cost` hit rates near `none`'s, below the centralized
+    gateways'). And a node with an empty queue computes a miss for free where a holder's queue
+    makes everyone behind the forward wait: pricing every candidate's extra work by this node's
+    queue alone (an earlier design) kept a node lacking the agentic system prompt forwarding its
+    requests to busy holders while its engine idled (1.11x `none` on the real cluster at 80 %
+    load, round-robin entry).
 
-    A node's queue now misses the requests that will arrive while this one runs: a node
-    serving ``utilization / mean_service_s`` requests per second (its utilization as gossiped:
-    everyone's traffic there, not only this node's forwards) sees that many × the service
-    arrive meanwhile, each waiting half of it on average, so the service counts once more
-    × that rate × half of it: quadratic in the service. A hit of a few ms at a hot prefix's
+    That term stands for the requests arriving while this one waits, each of which waits
+    for all of its service; those arriving while it is served wait for what is left of it,
+    half on average, and a node's queue now does not show them (it is often empty at a
+    busy node): a node serving ``utilization / mean_service_s`` requests per second (its
+    utilization as gossiped: everyone's traffic there, not only this node's forwards) sees
+    that rate × the service arrive meanwhile, so the service counts once more × that rate
+    × half of it: quadratic in the service. A hit of a few ms at a hot prefix's
     busy holder costs its stream next to nothing; a long prompt there holds up all of it
     (on the real cluster at 80 % load a 3,014-token request sent to the holder of the hot
     prefix queued the requests behind it 4-5 s), and a cold copy at a busy node likewise.
