@@ -326,19 +326,19 @@ def mesh_cost(req: RouteInput, nodes: Sequence[NodeInfo], context_scale: float) 
     requests to busy holders while its engine idled (1.11x `none` on the real cluster at 80 %
     load, round-robin entry).
 
-    That term stands for the requests arriving while this one waits, each of which waits
-    for all of its service; those arriving while it is served wait for what is left of it,
-    half on average, and a node's queue now does not show them (it is often empty at a
-    busy node): a node serving ``utilization / mean_service_s`` requests per second (its
+    That term stands for the requests arriving while this one waits, each of which waits for
+    all of its service; those arriving while it is served wait for what is left of it, half
+    on average, and a node's queue now does not show them (it is often empty at a busy
+    node): a node serving ``utilization / mean_service_s`` requests per second (its
     utilization as gossiped: everyone's traffic there, not only this node's forwards) sees
-    that rate × the service arrive meanwhile, so the service counts once more × that rate
-    × half of it: quadratic in the service. A hit of a few ms at a hot prefix's
-    busy holder costs its stream next to nothing; a long prompt there holds up all of it
-    (on the real cluster at 80 % load a 3,014-token request sent to the holder of the hot
-    prefix queued the requests behind it 4-5 s), and a cold copy at a busy node likewise.
-    With it the simulator's workload matrix cached 0.2-1.9 points more of the prompt
-    tokens under load, and on one shared core its `cost`/`none` went 0.730 -> 0.714
-    (geometric mean; docs/benchmarks.md "Router" -> "Latest")."""
+    that rate × the service arrive meanwhile, so the service counts once more × that rate ×
+    half of it: quadratic in the service. A hit of a few ms at a hot prefix's busy holder
+    costs its stream next to nothing; a long prompt there holds up all of it (on the real
+    cluster at 80 % load a 3,014-token request sent to the holder of the hot prefix queued
+    the requests behind it 4-5 s), and a cold copy at a busy node likewise. With it the
+    simulator's workload matrix cached 0.1-2.1 points more of the prompt tokens on the
+    agentic, chat and RAG rows under load, and on one shared core its `cost`/`none` went
+    0.730 -> 0.714 (geometric mean; docs/benchmarks.md "Router" -> "Latest")."""
     out = []
     for n in nodes:
         service = predict_service(req, n, context_scale)
