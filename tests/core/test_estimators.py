@@ -18,6 +18,7 @@ from radixmesh.core.estimators import (
     QueuedBlocks,
     RttTable,
     SpeedReport,
+    Utilization,
     WaitError,
     median_speed,
     prefill_times,
@@ -340,3 +341,51 @@ def test_a_prompt_is_cached_when_run_as_far_as_its_engine_or_its_queue_holds_it(
 def test_queued_blocks_rejects_a_bad_block_size() -> None:
     with pytest.raises(ValueError):
         QueuedBlocks(0)
+
+
+@given(st.lists(st.tuples(st.booleans(), st.floats(0.0, 8.0)), min_size=1, max_size=12),
+       st.floats(0.5, 20.0), st.floats(0.0, 8.0))
+@settings(max_examples=150, deadline=None)
+def test_utilization_is_the_weighted_busy_time_over_the_span_it_covers(
+    steps: list[tuple[bool, float]], window: float, after: float
+) -> None:
+    """Against a reference that integrates the busy indicator in small steps: weight
+    ``exp(-age / window)``, divided by the weight of the time since the node was first busy
+    (at least a quarter window), capped at 1; 0 before it was ever busy."""
+    u = Utilization(window)
+    t, history = 0.0, []  # (start, busy) of each interval
+    for busy, dur in steps:
+        u.set_busy(busy, t)
+        history.append((t, busy))
+        t += dur
+    now = t + after
+    first = next((s for s, b in history if b), None)
+    if first is None:
+        assert u.value(now) == 0.0
+        return
+    dt, acc, x = 1e-3, 0.0, 0.0
+    bounds = [*(s for s, _ in history[1:]), now]
+    for (start, busy), end in zip(history, bounds, strict=True):
+        x = start
+        while x < end:
+            step = min(dt, end - x)
+            if busy:
+                acc += step * math.exp(-(now - (x + step / 2)) / window)
+            x += step
+    span = window * (1 - math.exp(-max(now - first, 0.25 * window) / window))
+    assert u.value(now) == pytest.approx(min(1.0, acc / span), abs=2e-3)
+
+
+def test_utilization_counts_the_busy_period_under_way() -> None:
+    """A node busy since its first request reads busy at once, not when the request ends
+    (it was a sum of finished services: 0 while a first 5 s prefill ran)."""
+    u = Utilization(10.0)
+    assert u.value(0.0) == 0.0
+    u.set_busy(True, 100.0)  # after a long idle start
+    assert u.value(103.0) == pytest.approx(1.0)
+    u.set_busy(False, 103.0)
+    assert 0.4 < u.value(106.0) < 0.5  # 3 s busy, then 3 s idle: the recent ones weigh more
+    assert u.value(200.0) < 1e-3
+    with pytest.raises(ValueError):
+        Utilization(0.0)
+

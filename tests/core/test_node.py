@@ -217,8 +217,8 @@ def test_a_busy_owner_is_passed_over_on_the_ring_by_every_entry_node(
     """Consistent hashing with bounded load: once a prefix's owner is busier than 1.15x the
     mean utilization, a new prefix goes past it to the next member clockwise, the same one
     from every entry node, the busy one included; what it holds still goes to it. Without
-    the bound (None) the busy owner keeps them. ``served``: requests of 0.1 s each in the
-    10 s window, the owner's and each other node's: 3 s against 2 s is 1.3x the mean (within
+    the bound (None) the busy owner keeps them. ``served``: busy time in requests of 0.1 s,
+    the owner's and each other node's: 3 s against 2 s is 1.3x the mean (within
     the 1.5x forward ``load_bound``); 0.2 s against 0.1 s is the real cluster's low load
     (1.6x the mean, within the forward bound's slack of one request, which placement lacks:
     with it the walk did not act there)."""
@@ -228,9 +228,7 @@ def test_a_busy_owner_is_passed_over_on_the_ring_by_every_entry_node(
     c.run_for(2.0)
     cold = [rng.getrandbits(64) for _ in range(20)]
     owner = c.nodes["n1"].route(cold, 320, 0, 1, c.now)[0].node_id
-    for name in c.nodes:
-        for _ in range(served[0] if name == owner else served[1]):
-            c.deliver(name, RequestServed(320, 0, 0.09, 1, 0.01, 0.1))
+    c.busy_for({n: 0.1 * (served[0] if n == owner else served[1]) for n in c.nodes})
     c.run_for(1.0)  # the load spreads by gossip
     heads = [c.nodes[n].route(cold, 320, 0, 1, c.now)[0] for n in sorted(c.nodes)]
     assert len({h.node_id for h in heads}) == 1  # every entry node, the owner too, agrees
@@ -690,12 +688,13 @@ def test_a_held_prefix_is_replicated_for_its_load_not_for_a_few_requests() -> No
     assert few * 3 / cfg.replica_window_s * cold > cfg.replica_load  # hot if priced cold
     assert len(placement(few)) == 1
     # a flood whose requests never wait (its first owner's queue empty: one client sending
-    # them back to back) keeps one owner; once they queue there, more
+    # them back to back) keeps one owner; once they queue there, more (the busy owner, now
+    # over the load bound, is passed over: its copy stays, new ones go to the next members)
     [first] = placement(3000)
     c.deliver(first, LoadChanged(4, 1, 0, 100))
     c.run_for(0.6)  # its next gossip round reports the queue
     flood = placement(1)
-    assert flood[0] == first and len(flood) > 1
+    assert len(flood) > 1 and first not in flood
 
 
 def test_a_speed_nothing_refreshed_for_a_load_window_restarts_from_the_peers_median() -> None:
@@ -741,12 +740,16 @@ def test_a_node_that_measured_nothing_adopts_the_peers_median_at_once() -> None:
     """A node that has served nothing advertises the configured prior, the tiny engine's
     speed on an idle machine; peers that measured a loaded machine (5x slower here) would
     see it as the fastest node and send it cold prefills. It adopts their median at its
-    first round after they served, not a load window later, and only once."""
+    first round after they served, not a load window later, and only once; while busy
+    too (its first request measures nothing until it ends)."""
     c = warm_cluster(3, policy=Policy.COST)
     n0, n1 = c.nodes["n0"], c.nodes["n1"]
     prior = n0.own_speed().prefill_s_per_token
     c.run_for(2.0)
     assert n0.metrics()["speed_adopted"] == 0  # an idle mesh: nobody measured anything
+    c.busy_for({"n1": 1.5, "n2": 1.5})  # busy with first requests: still nothing measured
+    assert n0.metrics()["speed_adopted"] == 0  # (adopting their priors would spend the rule)
+    c.set_load("n0", 1, 1)  # its own first request runs
     for peer in ("n1", "n2"):
         for _ in range(3):
             c.deliver(peer, RequestServed(1000, 0, 5 * prior * 1000, 1, 0.0, 0.6))
@@ -806,20 +809,19 @@ def test_utilization_is_gossiped_and_bounds_forwards_to_a_busy_specialist() -> N
     n0 = c.nodes["n0"]
     assert n0.route(chain, 1100, 0, 1, c.now)[0].node_id == "n1"
     # One request is no overload: light traffic must still reach the only warm node.
-    c.deliver("n1", RequestServed(1100, 0, 0.09, 1, 0.0, 0.5))
+    c.busy_for({"n1": 0.5})
     c.run_for(1.0)
     assert n0.route(chain, 1100, 0, 1, c.now)[0].node_id == "n1"
     # n1 has been busy for most of its recent window, but its queue is empty now: an idle
     # holder has room, and keeps a certain hit (a cold copy elsewhere would gain nothing).
-    for _ in range(8):
-        c.deliver("n1", RequestServed(1100, 0, 0.09, 1, 0.0, 1.0))
+    c.busy_for({"n1": 8.0})
     c.run_for(1.0)
     assert n0.mesh_state(c.now)["node_id"] == "n0"
     assert n0.route(chain, 1100, 0, 1, c.now)[0].node_id == "n1"
     # ... and still busy, with requests queued: overflow leaves the busy specialist, served
     # here or by the prefix's next ring owner as a deliberate replica.
     c.deliver("n1", LoadChanged(3, 1, 0, 100))
-    c.run_for(0.3)
+    c.run_for(0.6)  # its next gossip round reports the queue
     head = n0.route(chain, 1100, 0, 1, c.now)[0]
     assert head.node_id != "n1" and (head.is_self or head.placement is Tag.REPLICA)
     c.deliver("n1", LoadChanged(0, 0, 0, 100))

@@ -239,6 +239,8 @@ class Disseminator:
         est.stamp = stamp
         est.load = load
         if load.speed is not None:
+            if est.speed is not None and load.speed != est.speed:
+                est.speed_changed_at = now  # it measured something (its first report may not)
             est.speed = load.speed
         est.pushback_until = None if load.pushback_s is None else now + load.pushback_s
 

@@ -402,35 +402,55 @@ class RttTable:
 
 
 class Utilization:
-    """Busy fraction of a node over roughly the last ``window_s`` seconds (exponential decay).
+    """Busy fraction of a node over roughly the last ``window_s`` seconds: the time it had a
+    request queued or running, exponentially weighted (time constant ``window_s``).
 
-    Each finished request adds its service seconds; the estimate decays with time constant
-    ``window_s``, so ``value(now)`` approximates ``busy seconds / window`` — 1.0 for a node
-    that was never idle, 0.0 for one that served nothing lately.
-    """
+    The node says when it becomes busy and idle (:meth:`set_busy`, from its engine's queue
+    depth), so the figure counts the busy period under way: it is current while a long
+    request runs. (It was the service seconds of the requests *finished*, added as each
+    ended: a node prefilling its first cold 5 s prompts read 0 until they ended, and on the
+    real cluster with 16 clients the first seconds of a run put new prefixes behind those
+    prompts at a node whose utilization said it had room, their requests waiting 15-29 s.)
 
-    __slots__ = ("_acc", "_at", "window_s")
+    A weighted busy time is divided by the time it covers, ``window × (1 - exp(-t /
+    window))`` with ``t`` the time since the node was first busy, floored at ``min_span``
+    windows (as :class:`~radixmesh.core.placement.KeyRates` does): over the window itself, a
+    node busy since its first request read 26 % after 3 s; the floor keeps one short first
+    request from reading as a node always busy."""
 
-    def __init__(self, window_s: float) -> None:
-        if window_s <= 0:
-            raise ValueError("window_s must be > 0")
+    __slots__ = ("_acc", "_at", "_busy", "_since", "min_span", "window_s")
+
+    def __init__(self, window_s: float, min_span: float = 0.25) -> None:
+        if window_s <= 0 or not min_span > 0:
+            raise ValueError("window_s and min_span must be > 0")
         self.window_s = window_s
-        self._acc = 0.0
+        self.min_span = min_span
+        self._acc = 0.0  # weighted busy seconds at ``_at``
         self._at: float | None = None
+        self._busy = False
+        self._since: float | None = None  # first busy
 
-    def observe(self, busy_s: float, now: float) -> None:
-        if busy_s <= 0:
-            return
-        self._acc = self._decayed(now) + busy_s
-        self._at = now
+    def set_busy(self, busy: bool, now: float) -> None:
+        """The node is busy (it has a request queued or running) from ``now`` on, or idle."""
+        self._acc = self._weighted(now)
+        self._at = now if self._at is None else max(now, self._at)
+        self._busy = busy
+        if busy and self._since is None:
+            self._since = now
 
     def value(self, now: float) -> float:
-        return min(1.0, self._decayed(now) / self.window_s)
+        if self._since is None:
+            return 0.0
+        w = self.window_s
+        span = w * -math.expm1(-max(now - self._since, self.min_span * w) / w)
+        return min(1.0, self._weighted(now) / span)
 
-    def _decayed(self, now: float) -> float:
-        if self._at is None or now <= self._at:
-            return self._acc
-        return self._acc * math.exp(-(now - self._at) / self.window_s)
+    def _weighted(self, now: float) -> float:
+        if self._at is None:
+            return 0.0
+        w = self.window_s
+        kept = math.exp(-max(0.0, now - self._at) / w)
+        return self._acc * kept + (w * (1.0 - kept) if self._busy else 0.0)
 
 
 class WaitError:

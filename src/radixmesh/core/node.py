@@ -385,6 +385,7 @@ class NodeCore:
 
     def _load_changed(self, event: LoadChanged, now: float) -> list[Action]:
         self._load = event
+        self._busy.set_busy(event.queue_depth > 0, now)
         self._load_cache = None
         pb = self.config.pushback
         if not self._pushes_back_at(event.queue_depth):
@@ -647,10 +648,15 @@ class NodeCore:
         advertising it looked 4-5x faster than peers that had measured a loaded one, so in a
         run's first seconds cold copies went to the nodes that had served nothing (one
         client in the simulator with the fitted speeds: 2 agent tasks' steps copied cold
-        to an idle node next to the holder of 1,456 of their 1,664 tokens)."""
+        to an idle node next to the holder of 1,456 of their 1,664 tokens). It does so while
+        busy too: a node whose first requests are long cold prefills measures nothing until
+        they end, and meanwhile its prior made it the cheapest queue in the mesh (real
+        cluster, MMLU with 16 clients: in a run's first 5 s, five requests of new subjects
+        went to the one node still prefilling its first prompt, 2,496 tokens, and waited
+        13-28 s there; the other three had measured theirs)."""
         window = self.config.router.load_window_s
-        if self._load.queue_depth:
-            return
+        if self._load.queue_depth and self._speed_at is not None:
+            return  # a sample is coming
         if self._speed_at is not None:
             if now - self._speed_at < window:
                 return
@@ -658,9 +664,9 @@ class NodeCore:
         fresh = []  # the speeds of (at most SPEED_SAMPLE) peers that served lately
         for peer in self._gossip.routable:
             est = self._gossip.estimates.get(peer)
-            if est is None or est.speed is None or est.load is None:
+            if est is None or est.speed is None or est.speed_changed_at is None:
                 continue
-            if est.load.utilization * window >= est.speed.mean_service_s:
+            if now - est.speed_changed_at < window:
                 fresh.append(est.speed)
                 if len(fresh) >= SPEED_SAMPLE:
                     break
@@ -672,7 +678,6 @@ class NodeCore:
     def _served(self, event: RequestServed, now: float) -> list[Action]:
         self._count("requests_served")
         self._speed_at = now
-        self._busy.observe(event.service_s, now)
         self._load_cache = None
         uncached = max(0, event.prompt_tokens - event.cached_tokens)
         self._compute.observe_prefill(uncached, event.cached_tokens, event.prefill_s)

@@ -16,7 +16,7 @@ and ask whether every live node's estimate of every other live node equals the t
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from radixmesh.core.blocks import Fingerprint
@@ -131,6 +131,17 @@ class TwinCluster:
 
     def set_load(self, node_id: str, queue_depth: int, inflight: int = 0) -> None:
         self.deliver(node_id, LoadChanged(queue_depth, inflight, 0, 1 << 20))
+
+    def busy_for(self, seconds: Mapping[str, float]) -> None:
+        """Each named node has a request queued or running from now for its number of
+        seconds (what its utilization measures); the clock runs until the longest ends."""
+        for node_id in seconds:
+            self.set_load(node_id, 1, 1)
+        ran = 0.0
+        for node_id, s in sorted(seconds.items(), key=lambda kv: kv[1]):
+            self.run_for(max(0.0, s - ran))
+            ran = max(ran, s)
+            self.set_load(node_id, 0)
 
     def deliver(self, node_id: str, event: Event) -> list[Action]:
         node = self.nodes[node_id]
