@@ -11,7 +11,6 @@ import pytest
 from hypothesis import given, settings
 
 from radixmesh.core.estimators import (
-    BusyArrivals,
     ComputeModel,
     CostPriors,
     Ewma,
@@ -390,19 +389,3 @@ def test_utilization_counts_the_busy_period_under_way() -> None:
     with pytest.raises(ValueError):
         Utilization(0.0)
 
-
-def test_busy_arrivals_is_the_weighted_fraction_of_arrivals_that_found_the_node_busy() -> None:
-    b = BusyArrivals(10.0)
-    assert b.value() == 0.0
-    b.arrived(0, 1, 0.0)  # one client: every request finds the node idle
-    b.arrived(0, 1, 1.0)
-    assert b.value() == 0.0
-    b.arrived(3, 4, 2.0)  # a burst of four: the first finds it idle
-    assert b.value() == pytest.approx(3 / (math.exp(-0.2) + math.exp(-0.1) + 4))
-    assert b.value() == b.value()  # time alone does not change it
-    b.arrived(0, 1, 1000.0)  # long after: the old arrivals weigh nothing
-    assert b.value() == pytest.approx(0.0, abs=1e-9)
-    b.arrived(5, 2, 1001.0)  # (never more than all of them)
-    assert 0.0 < b.value() <= 1.0
-    with pytest.raises(ValueError):
-        BusyArrivals(0.0)

@@ -801,27 +801,6 @@ def test_messages_from_an_old_incarnation_are_rejected_as_stale() -> None:
     assert n0.metrics()["messages_rejected_stale"] == before + len(stale)
 
 
-def test_a_node_gossips_the_share_of_its_arrivals_that_found_it_busy() -> None:
-    """What waits behind a request there: none of one client's requests, which each come
-    when the previous one is done, however busy they keep the node; half of a burst's."""
-    c = warm_cluster(2)
-
-    def seen() -> dict[str, float]:
-        c.run_for(1.0)
-        [peer] = c.nodes["n0"].mesh_state(c.now)["peers"]  # type: ignore[misc]
-        return peer["load"]  # type: ignore[no-any-return]
-
-    for _ in range(5):
-        c.busy_for({"n1": 0.4})
-        c.run_for(0.05)
-    load = seen()
-    assert load["busy_arrivals"] == 0.0 and load["utilization"] > 0.5
-    for depth in (1, 2, 3, 4):  # one finds it idle, three busy
-        c.set_load("n1", depth, 1)
-    c.set_load("n1", 0)
-    assert 3 / 9 < seen()["busy_arrivals"] < 3 / 4  # the five earlier ones weigh less now
-
-
 def test_utilization_is_gossiped_and_bounds_forwards_to_a_busy_specialist() -> None:
     rng = random.Random(3)
     c = warm_cluster(3, policy=Policy.COST, link=LinkConfig(delay_s=0.001))

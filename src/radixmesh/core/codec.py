@@ -202,7 +202,6 @@ def _enc_load(load: Load) -> list[Any]:
         speed,
         load.pushback_s,
         load.utilization,
-        load.busy_arrivals,
     ]
 
 
@@ -252,7 +251,7 @@ class _Parser:
         return v
 
     def load(self, raw: Any) -> Load:
-        f = _array(raw, 8, "load")
+        f = _array(raw, 7, "load")
         pushback = None if f[5] is None else _float(f[5], "pushback", minimum=0.0)
         return Load(
             queue_depth=_int(f[0], "queue_depth"),
@@ -262,7 +261,6 @@ class _Parser:
             speed=None if f[4] is None else _speed(f[4]),
             pushback_s=pushback,
             utilization=min(1.0, _float(f[6], "utilization", minimum=0.0)),
-            busy_arrivals=min(1.0, _float(f[7], "busy_arrivals", minimum=0.0)),
         )
 
     def summary(self, raw: Any) -> Summary | None:

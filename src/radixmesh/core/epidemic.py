@@ -192,7 +192,6 @@ class Epidemic:
                 e.speed,
                 pushback,
                 load.utilization,
-                load.busy_arrivals,
             )
         stamp = 0.0 if e.stamp is None else e.stamp
         return NodeState(e.node_id, address, e.incarnation, e.heartbeat, stamp, load, summary)

@@ -453,42 +453,6 @@ class Utilization:
         return self._acc * kept + (w * (1.0 - kept) if self._busy else 0.0)
 
 
-class BusyArrivals:
-    """The fraction of a node's recent arrivals that found it busy (a request already queued
-    or running), each arrival weighted ``exp(-age / window_s)``.
-
-    With ``f`` that fraction and ``S`` the node's mean service time, requests arrive while it
-    serves at ``f / S`` per second (arrivals while busy over the busy time: ``f × λ / ρ``, and
-    ``ρ = λ × S``). That is what waits behind a request it serves (the router's
-    ``mesh_cost``); the node's utilization over ``S`` (``λ``, every arrival) counted arrivals
-    that never overlap: one client's requests, each sent when the previous one is done,
-    find every node idle (``f = 0``), while with Poisson arrivals ``f = ρ`` and
-    under a saturating closed loop ``f → 1``."""
-
-    __slots__ = ("_all", "_at", "_busy", "window_s")
-
-    def __init__(self, window_s: float) -> None:
-        if window_s <= 0:
-            raise ValueError("window_s must be > 0")
-        self.window_s = window_s
-        self._all = 0.0
-        self._busy = 0.0
-        self._at: float | None = None
-
-    def arrived(self, found_busy: int, total: int, now: float) -> None:
-        """``total`` requests arrived at ``now``, ``found_busy`` of them while it was busy."""
-        if total <= 0:
-            return
-        kept = 1.0 if self._at is None else math.exp(-max(0.0, now - self._at) / self.window_s)
-        self._all = self._all * kept + total
-        self._busy = self._busy * kept + min(max(found_busy, 0), total)
-        self._at = now if self._at is None else max(now, self._at)
-
-    def value(self) -> float:
-        """The fraction in [0, 1] (0 before any arrival); time alone does not change it."""
-        return self._busy / self._all if self._all > 0.0 else 0.0
-
-
 class WaitError:
     """How far this node's predictions of one peer's queue wait have lately been off, in
     seconds: an EWMA of ``|reported − predicted|`` over the forwards that peer served (each

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.estimators import SpeedReport
 
-PROTOCOL_VERSION = 2  # 2: a load report carries busy_arrivals
+PROTOCOL_VERSION = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +48,6 @@ class Load:
     speed: SpeedReport | None  # measured speed; None: unchanged since the last one sent
     pushback_s: float | None = None  # "back off for this long from when you receive this"
     utilization: float = 0.0  # recent busy fraction in [0, 1] (router's bounded-load rule)
-    busy_arrivals: float = 0.0  # fraction of recent arrivals that found it busy, in [0, 1]
 
 
 @dataclass(frozen=True, slots=True)

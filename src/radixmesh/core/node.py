@@ -66,7 +66,6 @@ from typing import Any
 from radixmesh.core.codec import Codec, Limits, RemoteProtocolError
 from radixmesh.core.config import AdmissionConfig, GossipMode, NodeConfig
 from radixmesh.core.estimators import (
-    BusyArrivals,
     ComputeModel,
     CostPriors,
     Ewma,
@@ -204,7 +203,6 @@ class NodeCore:
         self._token_rate = TokenRate(config.priors)  # bounded admission's default token cap
         self._rtt = RttTable(config.priors)
         self._busy = Utilization(config.router.load_window_s)
-        self._arrivals = BusyArrivals(config.router.load_window_s)
         # when the own speed estimate was last refreshed (served, adopted); None: it is
         # still the configured prior
         self._speed_at: float | None = None
@@ -386,9 +384,6 @@ class NodeCore:
             self._count("gossip_rounds_announced")
 
     def _load_changed(self, event: LoadChanged, now: float) -> list[Action]:
-        grown = event.queue_depth - self._load.queue_depth  # requests that arrived
-        if grown > 0:
-            self._arrivals.arrived(grown if self._load.queue_depth else grown - 1, grown, now)
         self._load = event
         self._busy.set_busy(event.queue_depth > 0, now)
         self._load_cache = None
@@ -723,8 +718,9 @@ class NodeCore:
     def _make_load(self, pushback: float | None, busy: float) -> Load:
         ev = self._load
         speed = self._compute.report()
-        return Load(ev.queue_depth, ev.inflight, ev.cache_tokens, ev.cache_budget, speed,
-                    pushback, busy, self._arrivals.value())
+        return Load(
+            ev.queue_depth, ev.inflight, ev.cache_tokens, ev.cache_budget, speed, pushback, busy
+        )
 
     def _account_out(self, actions: list[Action]) -> list[Action]:
         for a in actions:
@@ -908,7 +904,6 @@ class NodeCore:
             ev.queue_depth,
             speed,
             utilization=self._busy.value(now),
-            busy_arrivals=self._arrivals.value(),
             queue_service_s=per_place,
         )
 
@@ -963,7 +958,6 @@ class NodeCore:
             self._expected_queue(peer, load.queue_depth, speed.mean_service_s, now),
             speed,
             utilization=load.utilization,
-            busy_arrivals=load.busy_arrivals,
             wait_error_s=self._spread_of(peer, now),
         )
 
@@ -1161,8 +1155,6 @@ class NodeCore:
                 "prefill_s_per_token": speed.prefill_s_per_token,
                 "decode_s_per_token": speed.decode_s_per_token,
                 "mean_service_s": speed.mean_service_s,
-                "utilization": load.utilization,
-                "busy_arrivals": load.busy_arrivals,
             },
             "pushback_remaining_s": None if until is None else max(0.0, until - now),
             "rtt_s": self._rtt.get(peer),

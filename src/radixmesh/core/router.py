@@ -225,8 +225,6 @@ class NodeInfo:
     suspect: bool = False
     pushed_back: bool = False
     utilization: float = 0.0  # recent busy fraction in [0, 1], as the node itself measured it
-    # fraction of its recent arrivals that found it busy (``estimators.BusyArrivals``)
-    busy_arrivals: float = 0.0
     # how far the deciding node's predictions of this node's queue wait have lately been off
     # (``estimators.WaitError``: a peer's view is stale under bursty load); 0 for self
     wait_error_s: float = 0.0
@@ -328,29 +326,24 @@ def mesh_cost(req: RouteInput, nodes: Sequence[NodeInfo], context_scale: float) 
     requests to busy holders while its engine idled (1.11x `none` on the real cluster at 80 %
     load, round-robin entry).
 
-    That term stands for the requests arriving while this one waits, each of which waits for all
-    of its service; those arriving while it is served wait for what is left of it, half on
-    average, and a node's queue now does not show them (it is often empty at a busy node):
-    requests arrive at a node while it serves at ``busy_arrivals / mean_service_s`` per second
-    (the fraction of its arrivals that found it busy, as it measures and gossips it: everyone's
-    traffic there, not only this node's forwards), so the service counts once more × that rate ×
-    half of it: quadratic in the service. (Priced by every arrival, ``utilization /
-    mean_service_s``, it also counted one client's requests, which never overlap: then this was
-    not the predicted latency.) The fraction only changes when requests arrive, so it is capped
-    by the utilization, which fades when they stop: a burst long over must not price an idle
-    node's work. With Poisson arrivals the two are equal, and the cap is the earlier price. A
-    hit of a few ms at a hot prefix's busy holder costs its stream next to nothing; a long
-    prompt there holds up all of it (on the real cluster at 80 % load a 3,014-token request sent
-    to the holder of the hot prefix queued the requests behind it 4-5 s), and a cold copy at a
-    busy node likewise. With it the simulator's workload matrix cached 0.1-2.1 points more of
-    the prompt tokens on the agentic, chat and RAG rows under load, and on one shared core its
-    `cost`/`none` went 0.730 -> 0.714 (geometric mean; docs/benchmarks.md "Router" -> "Latest")."""
+    That term stands for the requests arriving while this one waits, each of which waits for
+    all of its service; those arriving while it is served wait for what is left of it, half
+    on average, and a node's queue now does not show them (it is often empty at a busy
+    node): a node serving ``utilization / mean_service_s`` requests per second (its
+    utilization as gossiped: everyone's traffic there, not only this node's forwards) sees
+    that rate × the service arrive meanwhile, so the service counts once more × that rate ×
+    half of it: quadratic in the service. A hit of a few ms at a hot prefix's busy holder
+    costs its stream next to nothing; a long prompt there holds up all of it (on the real
+    cluster at 80 % load a 3,014-token request sent to the holder of the hot prefix queued
+    the requests behind it 4-5 s), and a cold copy at a busy node likewise. With it the
+    simulator's workload matrix cached 0.1-2.1 points more of the prompt tokens on the
+    agentic, chat and RAG rows under load, and on one shared core its `cost`/`none` went
+    0.730 -> 0.714 (geometric mean; docs/benchmarks.md "Router" -> "Latest")."""
     out = []
     for n in nodes:
         service = predict_service(req, n, context_scale)
         mean = n.speed.mean_service_s
-        overlap = min(n.busy_arrivals, n.utilization)  # (see the docstring)
-        arrivals = overlap / mean if mean > 0.0 else 0.0  # per second while it serves
+        arrivals = n.utilization / mean if mean > 0.0 else 0.0  # requests/s it serves
         out.append(_latency(n, service) + service * n.queue_depth
                    + arrivals * service * service / 2.0)
     return out
