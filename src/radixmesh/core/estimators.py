@@ -408,9 +408,9 @@ class Utilization:
     The node says when it becomes busy and idle (:meth:`set_busy`, from its engine's queue
     depth), so the figure counts the busy period under way: it is current while a long
     request runs. (It was the service seconds of the requests *finished*, added as each
-    ended: a node prefilling its first cold 5 s prompts read 0 until they ended, and on the
-    real cluster with 16 clients the first seconds of a run put new prefixes behind those
-    prompts at a node whose utilization said it had room, their requests waiting 15-29 s.)
+    ended: on the real cluster with 16 clients a node prefilling its first cold 2,500-token
+    prompts, 3-6 of them queued, read 0 for the run's first 5 s, so the bounded-load rules
+    saw an idle node.)
 
     A weighted busy time is divided by the time it covers, ``window × (1 - exp(-t /
     window))`` with ``t`` the time since the node was first busy, floored at ``min_span``
