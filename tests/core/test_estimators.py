@@ -377,8 +377,8 @@ def test_utilization_is_the_weighted_busy_time_over_the_span_it_covers(
 
 
 def test_utilization_counts_the_busy_period_under_way() -> None:
-    """A node busy since its first request reads busy at once, not when the request ends
-    (it was a sum of finished services: 0 while a first 5 s prefill ran)."""
+    """A node busy since its first request reads busy while that request runs, not once it
+    ends (it was a sum of finished services: 0 while a first 5 s prefill ran)."""
     u = Utilization(10.0)
     assert u.value(0.0) == 0.0
     u.set_busy(True, 100.0)  # after a long idle start
@@ -388,4 +388,3 @@ def test_utilization_counts_the_busy_period_under_way() -> None:
     assert u.value(200.0) < 1e-3
     with pytest.raises(ValueError):
         Utilization(0.0)
-
