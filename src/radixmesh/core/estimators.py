@@ -401,6 +401,16 @@ class RttTable:
         self._update_worst(peer)
 
 
+def decayed_span(window_s: float, observed_s: float, min_span: float) -> float:
+    """The seconds an exponentially decayed sum (time constant ``window_s``) covers after
+    ``observed_s`` seconds of observation: ``window × (1 - exp(-t / window))``, ``t`` at least
+    ``min_span`` windows. Dividing such a sum by the window instead under-reports a node's
+    first windows (63 % after one); the floor keeps a first sample from counting as a
+    steady stream. What :class:`Utilization` and ``placement.KeyRates`` divide by."""
+    t = max(observed_s, min_span * window_s)
+    return window_s * -math.expm1(-t / window_s)
+
+
 class Utilization:
     """Busy fraction of a node over roughly the last ``window_s`` seconds: the time it had a
     request queued or running, exponentially weighted (time constant ``window_s``).
@@ -441,8 +451,7 @@ class Utilization:
     def value(self, now: float) -> float:
         if self._since is None:
             return 0.0
-        w = self.window_s
-        span = w * -math.expm1(-max(now - self._since, self.min_span * w) / w)
+        span = decayed_span(self.window_s, now - self._since, self.min_span)
         return min(1.0, self._weighted(now) / span)
 
     def _weighted(self, now: float) -> float:

@@ -655,10 +655,8 @@ class NodeCore:
         went to the one node still prefilling its first prompt, 2,496 tokens, and waited
         13-28 s there; the other three had measured theirs)."""
         window = self.config.router.load_window_s
-        if self._load.queue_depth and self._speed_at is not None:
-            return  # a sample is coming
-        if self._speed_at is not None:
-            if now - self._speed_at < window:
+        if self._speed_at is not None:  # measured: not while a sample is coming
+            if self._load.queue_depth or now - self._speed_at < window:
                 return
             self._speed_at = now  # (checked again a window later)
         fresh = []  # the speeds of (at most SPEED_SAMPLE) peers that served lately

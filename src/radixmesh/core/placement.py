@@ -54,6 +54,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 import xxhash
 
+from radixmesh.core.estimators import decayed_span
+
 POINTS_PER_MEMBER = 64  # virtual points of each member on the ring (spread within ~±20 %)
 MAX_RING_POINTS = 4096  # ... fewer per member in large meshes (a ring per node: memory, CPU)
 MIN_POINTS_PER_MEMBER = 4
@@ -224,9 +226,8 @@ class KeyRates(KeySums):
     def span_s(self, now: float) -> float:
         """The seconds of traffic a decayed count covers: ``window`` × (1 - exp(-t / window)),
         ``t`` the time observed (at least ``min_span`` windows)."""
-        w = self.window_s
         observed = 0.0 if self._since is None else now - self._since
-        return w * -math.expm1(-max(observed, self.min_span * w) / w)
+        return decayed_span(self.window_s, observed, self.min_span)
 
     def rate(self, key: int, now: float) -> float:
         """The key's requests per second here (0: never seen, or long cold)."""

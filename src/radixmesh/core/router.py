@@ -338,7 +338,8 @@ def mesh_cost(req: RouteInput, nodes: Sequence[NodeInfo], context_scale: float) 
     the requests behind it 4-5 s), and a cold copy at a busy node likewise. With it the
     simulator's workload matrix cached 0.1-2.1 points more of the prompt tokens on the
     agentic, chat and RAG rows under load, and on one shared core its `cost`/`none` went
-    0.730 -> 0.714 (geometric mean; docs/benchmarks.md "Router" -> "Latest")."""
+    0.730 -> 0.714 (geometric mean; docs/benchmarks.md "Router" -> "What a long request costs
+    those arriving behind it")."""
     out = []
     for n in nodes:
         service = predict_service(req, n, context_scale)
