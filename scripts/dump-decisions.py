@@ -7,15 +7,16 @@ simulation (or any other radixmesh command run in this process) makes them.
 Everything after ``--`` is a `radixmesh` command line. Each decision whose chosen candidate
 carries one of the placement tags asked for (``first``, ``hit``, ``replica``,
 ``second_copy``, ``unplaced``, ``local_copy``; ``all`` for every decision) is printed with
-what the deciding node believed: per candidate its estimated cached tokens, expected queue,
-utilization, mesh cost (``core.router.mesh_cost``), the error of its queue predictions and
-its prefill speed as the router used it (after the robust-speed rule),
-the prefix's owners and the tokens that count as holding it, and the chosen node. At the
-end, how many decisions chose each tag. Placement (owners, tags) exists for the `cost`
-policy only; other policies' decisions are counted under ``None``.
+what the deciding node believed: per candidate its rank, estimated cached tokens, expected
+queue, utilization, mesh cost (``core.router.mesh_cost``) and predicted latency, the error of
+its queue predictions and its prefill speed as reported (before the robust-speed rule), the
+prefix's owners and the tokens that count as holding it, and the chosen node: the node's
+decision record (``core/decisions.py``), printed as a real cluster's are by
+``scripts/why.py``. At the end, how many decisions chose each tag. Placement (owners, tags)
+exists for the `cost` policy only; other policies' decisions are counted under ``None``.
 
-The router is wrapped, not changed: the command's own output and results are the same as
-without this script. Reading these dumps for the decisions that went wrong found the causes
+The decision log is wrapped, not the router: the command's own output and results are the
+same as without this script. Reading these dumps for the decisions that went wrong found the causes
 behind the one-client losses of `0072f90` (docs/benchmarks.md, "Router" -> "Before that
 (`0072f90`)").
 """
@@ -27,9 +28,10 @@ import sys
 from collections import Counter
 from typing import Any
 
-from radixmesh.core import router as r
+from radixmesh.core import decisions as dl
+from radixmesh.core.router import Tag
 
-TAGS = {t.value for t in r.Tag}
+TAGS = {t.value for t in Tag}
 
 
 def main() -> int:
@@ -42,26 +44,29 @@ def main() -> int:
     parser.add_argument("--tag", default="unplaced,second_copy",
                         help="comma-separated placement tags to print, or 'all'")
     parser.add_argument("--limit", type=int, default=20, help="decisions printed at most")
-    args = parser.parse_args(argv[:cut])
-    wanted = None if args.tag == "all" else set(args.tag.split(","))
+    opts = parser.parse_args(argv[:cut])
+    wanted = None if opts.tag == "all" else set(opts.tag.split(","))
     if wanted is not None and not wanted <= TAGS:
         parser.error(f"unknown tag(s) {sorted(wanted - TAGS)}; known: {sorted(TAGS)}")
     tally: Counter[str | None] = Counter()
     printed = 0
-    original = r.Router._rank_cost
+    original = dl.DecisionLog.record
 
-    def rank_cost(self: r.Router, req: r.RouteInput, nodes: Any, avail: list[r.NodeInfo],
-                  rng: Any, placement: r.Placement | None) -> list[r.Candidate]:
+    def record(self: dl.DecisionLog, *args: Any, **kwargs: Any) -> None:
         nonlocal printed
-        out = original(self, req, nodes, avail, rng, placement)
-        tag = out[0].placement.value if out and out[0].placement is not None else None
+        original(self, *args, **kwargs)
+        probe = dl.DecisionLog(1)  # the node's own log may keep none (the simulator's)
+        original(probe, *args, **kwargs)
+        if not len(probe):
+            return
+        decision = probe.recent()[0]
+        tag = decision.placement
         tally[tag] += 1
-        if printed < args.limit and (wanted is None or tag in wanted):
+        if printed < opts.limit and (wanted is None or tag in wanted):
             printed += 1
-            _show(self, req, avail, placement, out[0], tag)
-        return out
+            print("\n".join(dl.describe(decision)), file=sys.stderr)
 
-    r.Router._rank_cost = rank_cost  # type: ignore[method-assign]
+    dl.DecisionLog.record = record  # type: ignore[method-assign]
     from radixmesh.cli import main as radixmesh
 
     try:
@@ -69,23 +74,6 @@ def main() -> int:
     finally:
         print("decisions by placement tag:",
               ", ".join(f"{k}: {v}" for k, v in tally.most_common()), file=sys.stderr)
-
-
-def _show(router: r.Router, req: r.RouteInput, avail: list[r.NodeInfo],
-          placement: r.Placement | None, chosen: r.Candidate, tag: str | None) -> None:
-    me = next(n for n in avail if n.is_self)
-    costs = r.mesh_cost(req, avail, router.config.context_scale)
-    owners = "-" if placement is None else ",".join(placement.owners)
-    held = "-" if placement is None else placement.held_tokens
-    print(f"--- at {me.node_id}: {req.prompt_tokens} prompt tokens, owners {owners}, "
-          f"held at {held} tokens -> {chosen.node_id} ({tag})", file=sys.stderr)
-    for n, cost in sorted(zip(avail, costs, strict=True), key=lambda p: p[1]):
-        mark = "*" if n.is_self else " "
-        sp = n.speed
-        print(f"    {n.node_id}{mark} cached {n.cached_tokens:6d}  queue {n.queue_depth:5.2f}  "
-              f"util {n.utilization:4.2f}  cost {cost:7.3f} s  wait error {n.wait_error_s:.3f} s  "
-              f"speed {sp.prefill_overhead_s * 1e3:.1f} ms + {sp.prefill_s_per_token * 1e6:.0f} "
-              f"us/unit", file=sys.stderr)
 
 
 if __name__ == "__main__":

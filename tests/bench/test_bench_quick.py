@@ -9,6 +9,8 @@ the oracle's predictions are exact under the sequential schedule.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
@@ -175,3 +177,29 @@ def test_paired_open_loop_on_a_trace(tmp_path: Path) -> None:
     assert all(len(v) == 3 for v in by_seq.values())
     for v in by_seq.values():  # request i went to all three before any of them answered it
         assert max(x["t_send"] for x in v) < min(x["t_done"] for x in v)
+
+
+def test_the_nodes_decisions_are_kept_beside_the_records(
+    out: Path, summary: list[dict[str, Any]], records: list[dict[str, Any]]
+) -> None:
+    """Every routed request's decisions are in ``decisions/<run>.jsonl`` under its entry node
+    and number (``x-radixmesh-request``), the first choosing where it went unless a refusal
+    re-ranked it; scripts/why.py prints them."""
+    cost = summary[2]["name"]
+    kept: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
+    for line in (out / "decisions" / f"{cost}.jsonl").read_text().splitlines():
+        d = json.loads(line)
+        kept[(d["node"], d["request"])].append(d)
+    mine = [r for r in records if r["policy"] == "cost"]
+    assert len(mine) == N
+    for r in mine:
+        first, *again = kept[(r["entry_node"], r["request"])]
+        assert first["prompt_tokens"] == r["prompt_tokens"] and not first["again"]
+        assert all(d["again"] for d in again)
+        if not again and r["route"] != "fallback":
+            assert first["chosen"] == r["served_by"] and first["placement"] == r["placement"]
+    script = Path(__file__).resolve().parents[2] / "scripts" / "why.py"
+    shown = subprocess.run([sys.executable, str(script), str(out), "--run", "cost",
+                            "--slowest", "2", "--placement", ""],
+                           capture_output=True, text=True, timeout=60, check=True).stdout
+    assert shown.count("request seq ") == 2 and shown.count("--- n") >= 2

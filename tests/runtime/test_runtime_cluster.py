@@ -126,6 +126,29 @@ def test_routes_to_the_node_holding_the_prefix(cluster: LocalCluster) -> None:
     assert streamed.text.rstrip().endswith("data: [DONE]")
 
 
+def test_the_entry_node_keeps_why_it_routed_a_request(cluster: LocalCluster) -> None:
+    complete(cluster, 1, LONG_PREFIX + "Question E?", headers=HOP)
+    wait_for(lambda: view_blocks(cluster, 0, 1) >= len(LONG_PREFIX) // 16,
+             what="n0 to learn n1's cache")
+    resp = complete(cluster, 0, LONG_PREFIX + "Question F?")
+    assert resp.headers["x-radixmesh-served-by"] == "n1"
+    request = int(resp.headers["x-radixmesh-request"])  # n0's number of it
+    body = cluster.get(0, f"/mesh/decisions?request={request}").json()
+    assert body["node_id"] == "n0" and body["capacity"] == 1024 and body["recorded"] >= 1
+    [decision] = body["decisions"]
+    assert (decision["request"], decision["chosen"], decision["placement"]) == (
+        request, "n1", "hit")
+    holder = next(c for c in decision["considered"] if c["node_id"] == "n1")
+    assert holder["rank"] == 0 and holder["cached_tokens"] >= len(LONG_PREFIX) - 16
+    assert holder["cost_s"] is not None and holder["prefill_s_per_token"] > 0
+    hits = cluster.get(0, "/mesh/decisions?placement=hit&limit=1").json()["decisions"]
+    assert len(hits) == 1 and hits[0]["placement"] == "hit"
+    for bad in ("placement=bogus", "limit=0", "limit=many"):
+        err = cluster.get(0, f"/mesh/decisions?{bad}")
+        assert err.status_code == 400, (bad, err.text)
+        assert err.json()["error"]["type"] == "invalid_request_error"
+
+
 def test_greedy_output_is_identical_on_every_node(cluster: LocalCluster) -> None:
     prompt = PREFIX + "Question D? Think step by step."
     texts = set()

@@ -28,10 +28,11 @@ def test_the_dump_shows_the_decisions_asked_for_and_changes_no_result(tmp_path: 
     )
     assert main([*SIM, "--out", str(tmp_path / "plain")]) == 0
 
-    blocks = re.findall(r"^--- at (n\d): (\d+) prompt tokens, owners (\S+), .* -> (n\d) \((\w+)\)$",
+    blocks = re.findall(r"^--- (n\d) request (\d+)(?: \(re-ranked\))? at [\d.]+: (\d+) prompt "
+                        r"tokens, owners (\S+), held at \S+ tokens -> (n\d) \((\w+)\)$",
                         dumped.stderr, re.M)
     assert len(blocks) == 3  # --limit
-    candidates = re.findall(r"^    n\d[* ] cached +\d+ +queue", dumped.stderr, re.M)
+    candidates = re.findall(r"^ +\d+ n\d[* ] cached +\d+ +queue", dumped.stderr, re.M)
     assert len(candidates) == 3 * 2  # every candidate of a 2-node mesh, each decision
     tally = re.search(r"^decisions by placement tag: (.*)$", dumped.stderr, re.M)
     assert tally is not None

@@ -21,6 +21,7 @@ H_ROUTE = "x-radixmesh-route"
 H_EXPECTED = "x-radixmesh-expected-cached-tokens"
 H_PLACEMENT = "x-radixmesh-placement"
 H_CACHED = "x-radixmesh-cached-tokens"
+H_REQUEST = "x-radixmesh-request"  # the entry node's number of the request (its decisions)
 H_TARGET = "x-radixmesh-target"  # experiments: the entry node forwards to this peer id
 H_QUEUE = "x-radixmesh-queue-s"  # seconds the request waited for the serving engine
 H_SERVICE = "x-radixmesh-service-s"  # seconds the serving engine spent on it
@@ -83,6 +84,7 @@ def fill_from_response(rec: Record, resp: httpx.Response) -> None:
     rec.route = h.get(H_ROUTE)
     rec.expected_cached_tokens = _int(h.get(H_EXPECTED))
     rec.placement = h.get(H_PLACEMENT)
+    rec.request = _int(h.get(H_REQUEST))
     rec.cached_tokens = _int(h.get(H_CACHED))
     rec.server_timing = _timing(h)
     try:

@@ -103,6 +103,29 @@ def placement_counts(urls: Sequence[str]) -> dict[str, float] | None:
     return total if answered else None
 
 
+def save_decisions(urls: Sequence[str], path: Path) -> int:
+    """Every node's kept routing decisions (``GET /mesh/decisions``, core/decisions.py), one
+    JSON line each with its ``node``, written to ``path`` (not written if there are none);
+    how many were written. A node that does not answer is skipped."""
+    lines = []
+    for url in urls:
+        try:
+            resp = httpx.get(url + "/mesh/decisions", params={"limit": 1 << 30}, timeout=10.0,
+                             trust_env=False)
+            body = resp.json()
+        except (httpx.HTTPError, ValueError):
+            continue
+        if resp.status_code != 200 or not isinstance(body, dict):
+            continue
+        node = body.get("node_id")
+        for d in body.get("decisions", []):
+            lines.append(json.dumps({"node": node} | d, separators=(",", ":")))
+    if lines:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(lines) + "\n")
+    return len(lines)
+
+
 def summary_entry(res: RunResult) -> dict[str, Any]:
     s, w = res.spec, res.spec.workload
     entry: dict[str, Any] = {
@@ -349,14 +372,16 @@ class Runner:
             res.capacity = info
             res.schedule = describe(res.requests, 1, probe.rate)
 
-    @staticmethod
-    def _stop(res: RunResult, replay: Replay, cluster: BenchCluster, progress: Any) -> None:
+    def _stop(self, res: RunResult, replay: Replay, cluster: BenchCluster, progress: Any
+              ) -> None:
         if progress is not None:
             progress.close()
         if replay.router is not None:
             replay.router.close()
         if res.spec.policy == "cost":
             res.placements = placement_counts(cluster.urls)
+        if replay.router is None:  # the nodes routed: keep why (scripts/why.py reads it)
+            save_decisions(cluster.urls, self.out / "decisions" / f"{res.spec.name}.jsonl")
         cluster.close()
         if replay.oracle is not None:
             res.oracle_mismatches = replay.oracle.mismatches

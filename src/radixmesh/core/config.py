@@ -255,6 +255,7 @@ class NodeConfig:
     forward: ForwardConfig = field(default_factory=ForwardConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     join: JoinConfig = field(default_factory=JoinConfig)  # seeds: backoff, bound
+    decision_log: int = 0  # routing decisions kept to explain them (core/decisions.py); 0: none
 
     def __post_init__(self) -> None:
         if not self.node_id or len(self.node_id) > 128:
@@ -263,3 +264,5 @@ class NodeConfig:
             raise ValueError("address must be 1..256 characters")
         if self.incarnation < 0:
             raise ValueError("incarnation must be >= 0")
+        if self.decision_log < 0:
+            raise ValueError("decision_log must be >= 0")

@@ -65,6 +65,7 @@ from typing import Any
 
 from radixmesh.core.codec import Codec, Limits, RemoteProtocolError
 from radixmesh.core.config import AdmissionConfig, GossipMode, NodeConfig
+from radixmesh.core.decisions import DecisionLog
 from radixmesh.core.estimators import (
     ComputeModel,
     CostPriors,
@@ -209,6 +210,7 @@ class NodeCore:
         # per peer: how far the queue waits our forwards met were from what we predicted
         self._wait_errors: dict[str, WaitError] = {}
         self._router = Router(config.router)
+        self.decisions = DecisionLog(config.decision_log)  # its recent routing decisions
         self._codec = Codec(
             Limits(
                 max_message_bytes=config.gossip.max_message_bytes,
@@ -492,7 +494,7 @@ class NodeCore:
         first = self._lifecycle.get(event.rid) is None  # not a re-ranking after a refusal
         return self.route(
             event.hashes, event.prompt_tokens, event.local_cached, event.max_tokens, now,
-            observe=first,
+            observe=first, request=event.rid,
         )
 
     def _accepted(self, event: ForwardAccepted, _: float) -> list[Action]:
@@ -737,9 +739,11 @@ class NodeCore:
         max_tokens: int,
         now: float,
         observe: bool = False,
+        request: int | None = None,
     ) -> list[Candidate]:
         """Rank self and the available peers for one request (head = choice); ``observe``:
-        count the request in its prefix's rate (its first ranking, not a re-ranking)."""
+        count the request in its prefix's rate (its first ranking, not a re-ranking);
+        ``request``: its number here, to keep the decision in ``decisions``."""
         self._count("routes")
         req = RouteInput(prompt_tokens, max_tokens)
         policy = self.config.router.policy
@@ -767,6 +771,9 @@ class NodeCore:
                 rtt = next((n.rtt_s for n in nodes if n.node_id == head.node_id), 0.0)
                 self._key_rent.add(key, now, rtt)  # the round trip it spends; the wait it
                 ranked[0] = replace(head, rent_key=key)  # meets there is added when done
+        if request is not None:
+            self.decisions.record(now, request, not observe, prompt_tokens, max_tokens, nodes,
+                                  placement, ranked)
         return ranked
 
     def _placement(

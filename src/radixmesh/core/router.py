@@ -284,6 +284,7 @@ class Candidate:
     # than staying; first ranking only): the wait it meets there beyond this node's own is
     # rent paid (``Placement.rent_s``)
     rent_key: int | None = None
+    cost_s: float | None = None  # cost policy: its mesh cost (``mesh_cost``), what it ranks by
 
 
 def predict_service(req: RouteInput, node: NodeInfo, context_scale: float) -> float:
@@ -427,8 +428,10 @@ class Router:
             n.node_id for n in avail if self._preferred(req, n, me, placement)
         }
         order, bought = self._by_cost(req, avail, costs, rng, placement, preferred)
+        cost_of = {n.node_id: c for n, c in zip(avail, costs, strict=True)}
         if placement is None:
-            return [self._candidate(req, n, None if n.is_self else local) for n in order]
+            return [self._candidate(req, n, None if n.is_self else local,
+                                    cost_s=cost_of[n.node_id]) for n in order]
         owners = set(placement.owners)
         held = placement.held_tokens
         anyone = any(n.cached_tokens >= held for n in nodes)
@@ -441,7 +444,7 @@ class Router:
             else:
                 beat = self._preferred_limit(req, local, me, n.cached_tokens >= held)
             tag = Tag.LOCAL_COPY if n.is_self and bought else _tag(n, owners, held, anyone)
-            out.append(self._candidate(req, n, beat, tag))
+            out.append(self._candidate(req, n, beat, tag, cost_of[n.node_id]))
         return out
 
     def _robust_speeds(self, avail: list[NodeInfo]) -> list[NodeInfo]:
@@ -664,6 +667,7 @@ class Router:
         node: NodeInfo,
         beat_s: float | None = None,
         placement: Tag | None = None,
+        cost_s: float | None = None,
     ) -> Candidate:
         expected = min(node.cached_tokens, req.prompt_tokens)
         return Candidate(
@@ -674,6 +678,7 @@ class Router:
             beat_s=beat_s,
             placement=placement,
             wait_s=predict_wait(node),
+            cost_s=cost_s,
         )
 
 

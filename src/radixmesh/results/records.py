@@ -12,6 +12,8 @@ finished). Field meanings:
 ``placement`` the router's tag of its choice (``x-radixmesh-placement``, ``core.router.Tag``:
               hit, first, replica, second_copy, unplaced, local_copy); None where the policy
               places nothing, and in folders written before the header existed
+``request``   the entry node's number of the request (``x-radixmesh-request``): its routing
+              decisions in the run's ``decisions/<run>.jsonl`` carry it (scripts/why.py)
 ``t_send``/``t_done``  seconds since the run started; ``latency_s`` = client-side wall time
               (includes the emulated network delay of a forward)
 ``server_timing``  any ``server-timing`` parts the node reported (name -> seconds)
@@ -49,6 +51,7 @@ class Record:
     output: str | None = None
     finish_reason: str | None = None
     placement: str | None = None
+    request: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         # Shallow, unlike dataclasses.asdict (which deep-copied every record: seconds per

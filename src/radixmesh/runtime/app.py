@@ -15,7 +15,9 @@ Client API   POST /v1/completions, POST /v1/chat/completions (stream or not), GE
              tokens as they arrive (also for a forwarded request, which then streams tokens
              even if the client asked for one JSON body): a match ends the request as done and
              stops the engine through the same abort as a client that went away
-Observe      GET /health, GET /metrics (Prometheus text), GET /mesh (JSON)
+Observe      GET /health, GET /metrics (Prometheus text), GET /mesh (JSON),
+             GET /mesh/decisions?limit=&placement=&request= (the routing decisions kept:
+             core/decisions.py; ``request`` is the ``x-radixmesh-request`` header's number)
 Peers        POST /peer/gossip (raw gossip bytes), POST /peer/forward (an encoded
              ForwardRequest, executed here; the body of the answer is framed ForwardReply
              messages: ForwardAccepted first, or ForwardBusy when the core refuses — queue
@@ -56,6 +58,7 @@ from radixmesh.core.auth import AuthError
 from radixmesh.core.codec import RemoteProtocolError
 from radixmesh.core.forward_codec import decode_forward_request, decode_link_open
 from radixmesh.core.messages import ForwardRequest
+from radixmesh.core.router import Tag
 from radixmesh.engine.base import SamplingParams, TokenLogprob
 from radixmesh.runtime.debug import install_debug_routes
 from radixmesh.runtime.execution import Execution, Outcome
@@ -111,6 +114,8 @@ HEADER_SERVED_BY = "x-radixmesh-served-by"
 HEADER_ROUTE = "x-radixmesh-route"
 HEADER_EXPECTED = "x-radixmesh-expected-cached-tokens"
 HEADER_PLACEMENT = "x-radixmesh-placement"  # the router's tag of the choice (cost policy)
+PLACEMENT_TAGS = frozenset(t.value for t in Tag)
+HEADER_REQUEST = "x-radixmesh-request"  # the entry node's number of the request (its decisions)
 HEADER_CACHED = "x-radixmesh-cached-tokens"
 HEADER_QUEUE = "x-radixmesh-queue-s"
 HEADER_SERVICE = "x-radixmesh-service-s"
@@ -322,6 +327,18 @@ def _client_routes(app: FastAPI, service: NodeService) -> None:
     @app.get("/mesh", summary="this node's view of the mesh", responses=_errors(401))
     async def mesh() -> dict[str, object]:
         return service.mesh()
+
+    @app.get("/mesh/decisions", summary="this node's recent routing decisions",
+             responses=_errors(400, 401))
+    async def decisions(limit: int = 100, placement: str | None = None,
+                        request: int | None = None) -> Response:
+        if limit < 1:
+            return error_response(ApiError("limit must be >= 1", param="limit"), service)
+        if placement is not None and placement not in PLACEMENT_TAGS:
+            known = ", ".join(sorted(PLACEMENT_TAGS))
+            return error_response(ApiError(f"unknown placement {placement!r}; known: {known}",
+                                           param="placement"), service)
+        return JSONResponse(service.decisions(limit, placement, request))
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse,
              responses=_errors(401))
@@ -725,7 +742,7 @@ def _start_headers(service: NodeService, ex: Execution) -> dict[str, str]:
         HEADER_EXPECTED: str(ex.expected_cached),
         HEADER_CACHED: str(ex.cached_estimate),  # streaming: the server's match at acceptance
         "cache-control": "no-cache",
-    } | _placement_header(ex)
+    } | _choice_headers(ex)
 
 
 def _outcome_headers(service: NodeService, ex: Execution, out: Outcome) -> dict[str, str]:
@@ -740,13 +757,17 @@ def _outcome_headers(service: NodeService, ex: Execution, out: Outcome) -> dict[
     }
     if out.forward_overhead_s is not None:
         headers[HEADER_OVERHEAD] = f"{out.forward_overhead_s:.6f}"
-    return headers | _placement_header(ex)
+    return headers | _choice_headers(ex)
 
 
-def _placement_header(ex: Execution) -> dict[str, str]:
-    """What the entry node's choice does to the prefix's copies (``core.router.Tag``); only
-    where the policy places prefixes (``cost``)."""
-    return {} if ex.placement is None else {HEADER_PLACEMENT: ex.placement}
+def _choice_headers(ex: Execution) -> dict[str, str]:
+    """The entry node's number of the request (its routing decisions at ``/mesh/decisions``),
+    and what its choice does to the prefix's copies (``core.router.Tag``; only where the
+    policy places prefixes: ``cost``)."""
+    out = {} if ex.ctx.rid is None else {HEADER_REQUEST: str(ex.ctx.rid)}
+    if ex.placement is not None:
+        out[HEADER_PLACEMENT] = ex.placement
+    return out
 
 
 # ---------------------------------------------------------------------------------- peers

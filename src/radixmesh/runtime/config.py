@@ -175,6 +175,7 @@ class ServeConfig:
     peer_tls_cert: str = ""  # PEM: this node's certificate (server and client); all 3 or none
     peer_tls_key: str = ""  # PEM: its private key
     peer_tls_ca: str = ""  # PEM: the mesh CA that signs every node's certificate
+    decision_log: int = 1024  # routing decisions kept for GET /mesh/decisions; 0 -> none
     max_body_bytes: int = 4 * 1024 * 1024  # client request bodies larger than this -> 413
     incarnation: int = 0  # 0 -> derived from the wall clock at start (grows across restarts)
     log_level: str = "info"
@@ -191,6 +192,8 @@ class ServeConfig:
                 raise ValueError(f"{name} must be > 0")
         if self.max_queue_requests < 0:
             raise ValueError("max_queue_requests must be >= 0 (0: no cap)")
+        if self.decision_log < 0:
+            raise ValueError("decision_log must be >= 0 (0: keep none)")
         if self.max_queue_tokens is not None and self.max_queue_tokens < 0:
             raise ValueError("max_queue_tokens must be >= 0 (0: auto) or off")
         if self.cache_tokens < 1 or self.pushback_threshold < 1 or self.gossip_fanout < 1:
@@ -319,6 +322,7 @@ class ServeConfig:
             pushback=self.pushback_config(),
             forward=self.forward_config(),
             admission=self.admission_config(),
+            decision_log=self.decision_log,
         )
 
     def admission_config(self) -> AdmissionConfig:
@@ -467,6 +471,8 @@ def _help_texts() -> dict[str, str]:
         "max_queue_tokens": "bounded admission: prompt + max_tokens of the requests queued or "
         "running at most; 'auto' = the tokens the engine gets through within --max-queue-wait "
         "at its measured rate; 'off' = no token bound",
+        "decision_log": "routing decisions kept (what the node believed of every candidate, "
+        "what it chose) for GET /mesh/decisions; 0 = none",
         "net_delay": "emulated one-way delay of peer messages, e.g. 2ms",
         "net_jitter": "emulated jitter (uniform extra delay), e.g. 1ms",
         "net_loss": "emulated gossip loss probability, e.g. 0.05",

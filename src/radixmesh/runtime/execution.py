@@ -105,6 +105,7 @@ class RequestCancelled(Exception):
 class Execution:
     """A started request. Headers are known now; tokens and the :class:`Outcome` come later."""
 
+    ctx: RequestContext
     served_by: str
     route: str
     expected_cached: int  # the router's estimate for the node that serves it

@@ -535,7 +535,7 @@ class NodeService:
         """While ``ex`` runs: reachable by the core's ``Abort``; its end reported to the core
         (done, failed, or cancelled when the consumer stops early: the client went away —
         unless a stop string ended it, ``ex.stop``: done, and the work is aborted)."""
-        rid = ex.ctx.rid  # type: ignore[attr-defined]
+        rid = ex.ctx.rid
         if rid is not None:
             self._running[rid] = ex
         try:
@@ -558,7 +558,7 @@ class NodeService:
             if cancelled:
                 ex.abort()
             return
-        ctx: RequestContext = ex.ctx  # type: ignore[attr-defined]
+        ctx = ex.ctx
         if cancelled:  # the core answers with Abort, which reaches ``ex`` through _running
             self.metrics.observe_request(ex.route, "cancelled",
                                          time.perf_counter() - ctx.arrived_s)
@@ -643,6 +643,15 @@ class NodeService:
         for attached in self.attachments:
             state[attached.name] = attached.mesh_state()
         return state
+
+    def decisions(self, limit: int = 100, placement: str | None = None,
+                  request: int | None = None) -> dict[str, object]:
+        """The routing decisions kept (``core/decisions.py``), oldest first, for
+        ``GET /mesh/decisions``: the last ``limit``, of one placement tag or request."""
+        log = self.core.decisions
+        kept = log.recent(limit, placement, request)
+        return {"node_id": self.node_id, "capacity": log.capacity, "recorded": log.recorded,
+                "decisions": [d.to_json() for d in kept]}
 
     def admission_state(self) -> dict[str, object]:
         """Bounded admission's bounds in force and what the queue holds (``/mesh``)."""

@@ -60,8 +60,10 @@ class TwinCluster:
         link: LinkConfig | None = None,
         seed: int = 0,
         fingerprint: Fingerprint = DEFAULT_FINGERPRINT,
+        decision_log: int = 0,  # routing decisions each node keeps (NodeConfig.decision_log)
     ) -> None:
         self.clock = VirtualClock()
+        self.decision_log = decision_log
         self.net = FakeNetwork(random.Random(seed), link)
         base = gossip or GossipConfig()
         self.gossip = base if mode is None else replace(base, mode=mode)
@@ -103,6 +105,7 @@ class TwinCluster:
             router=self.router,
             gossip=self.gossip,
             pushback=self.pushback,
+            decision_log=self.decision_log,
         )
         rng = random.Random(f"{self._seed}/{node_id}/{incarnation}")
         node = NodeCore(config, rng, self.clock.now)

@@ -1,0 +1,180 @@
+"""The node's recent routing decisions, kept so that a surprising one can be explained.
+
+A request's latency on a real cluster says *where* it ran; only the entry node knew *why*:
+what it believed, at that moment, about every candidate's cache, queue and speed. Without
+that record, a decision that went wrong (a cold copy of a prefix another node held, a
+forward into a busy holder) can be seen but not diagnosed. Each ranking the node makes for a
+request of its own (its first, and each re-ranking after a refusal or a failed forward) is
+kept here as a :class:`Decision`: the inputs the router saw and what it chose. The log is a
+ring of ``capacity`` decisions (the oldest go first; 0 keeps none), so it costs a bounded
+amount of memory however long the node runs.
+
+The runtime serves it at ``GET /mesh/decisions`` and `radixmesh bench` saves every node's
+log beside each run's records (``decisions/<run>.jsonl``), where ``scripts/why.py`` joins
+the two by the entry node's request number (``x-radixmesh-request``)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from radixmesh.core.router import Candidate, NodeInfo, Placement
+
+
+@dataclass(frozen=True, slots=True)
+class Considered:
+    """One node as the deciding node saw it, and the router's verdict on it."""
+
+    node_id: str
+    is_self: bool
+    cached_tokens: int  # estimated cached prefix of the request (exact for self)
+    queue_depth: float  # expected queue on arrival (exact for self)
+    utilization: float
+    rtt_s: float
+    wait_error_s: float
+    prefill_overhead_s: float  # its speed as reported (before the robust-speed rule)
+    prefill_s_per_token: float
+    decode_s_per_token: float
+    mean_service_s: float
+    queue_service_s: float | None  # what one place in its queue costs (self only)
+    suspect: bool
+    pushed_back: bool
+    # None where the router did not rank it (unavailable: suspect or pushed back)
+    rank: int | None
+    predicted_latency_s: float | None
+    cost_s: float | None  # the cost policy's mesh cost (``router.mesh_cost``)
+    placement: str | None  # the placement tag a choice of it would have had
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """One ranking of one request at its entry node."""
+
+    seq: int  # this node's decision number (0, 1, ...): a gap in a read means evicted ones
+    at: float  # the node's clock
+    request: int  # the entry node's request number (``x-radixmesh-request``)
+    again: bool  # a re-ranking after a refused or failed forward (False: the first)
+    prompt_tokens: int
+    max_tokens: int
+    owners: tuple[str, ...]  # the prefix's owner set (cost policy with placement; else ())
+    held_tokens: int | None  # a node holds the prefix with this much of it cached
+    rent_s: float | None
+    chosen: str  # the head of the ranking (the node tried first)
+    placement: str | None  # its placement tag
+    considered: tuple[Considered, ...]  # every node the router was given, ranked ones first
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {name: getattr(self, name) for name in self.__slots__}
+        out["owners"] = list(self.owners)
+        out["considered"] = [
+            {name: getattr(c, name) for name in Considered.__slots__} for c in self.considered
+        ]
+        return out
+
+
+class DecisionLog:
+    """A ring of the node's last ``capacity`` decisions."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 0:
+            raise ValueError("capacity must be >= 0")
+        self.capacity = capacity
+        self._ring: deque[Decision] = deque(maxlen=capacity or None)
+        self.recorded = 0  # decisions made since start (kept or not)
+
+    def __len__(self) -> int:
+        return len(self._ring)
+
+    def record(
+        self,
+        at: float,
+        request: int,
+        again: bool,
+        prompt_tokens: int,
+        max_tokens: int,
+        nodes: Sequence[NodeInfo],
+        placement: Placement | None,
+        ranked: Sequence[Candidate],
+    ) -> None:
+        """Keep one decision: ``nodes`` the router was given, ``ranked`` what it returned."""
+        seq = self.recorded
+        self.recorded += 1
+        if self.capacity == 0 or not ranked:
+            return
+        verdict = {c.node_id: (i, c) for i, c in enumerate(ranked)}
+        seen = []
+        for n in nodes:
+            rank, cand = verdict.get(n.node_id, (None, None))
+            sp = n.speed
+            seen.append(Considered(
+                node_id=n.node_id, is_self=n.is_self, cached_tokens=n.cached_tokens,
+                queue_depth=n.queue_depth, utilization=n.utilization, rtt_s=n.rtt_s,
+                wait_error_s=n.wait_error_s, prefill_overhead_s=sp.prefill_overhead_s,
+                prefill_s_per_token=sp.prefill_s_per_token,
+                decode_s_per_token=sp.decode_s_per_token, mean_service_s=sp.mean_service_s,
+                queue_service_s=n.queue_service_s,
+                suspect=n.suspect, pushed_back=n.pushed_back, rank=rank,
+                predicted_latency_s=None if cand is None else cand.predicted_latency_s,
+                cost_s=None if cand is None else cand.cost_s,
+                placement=None if cand is None or cand.placement is None
+                else cand.placement.value,
+            ))
+        seen.sort(key=lambda c: (c.rank is None, c.rank or 0))
+        head = ranked[0]
+        self._ring.append(Decision(
+            seq=seq, at=at, request=request, again=again, prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            owners=() if placement is None else placement.owners,
+            held_tokens=None if placement is None else placement.held_tokens,
+            rent_s=None if placement is None else placement.rent_s,
+            chosen=head.node_id,
+            placement=None if head.placement is None else head.placement.value,
+            considered=tuple(seen),
+        ))
+
+    def recent(
+        self, limit: int | None = None, placement: str | None = None,
+        request: int | None = None,
+    ) -> list[Decision]:
+        """The kept decisions, oldest first: those of ``request`` only, or whose choice had
+        the ``placement`` tag; the last ``limit`` of them."""
+        out = [d for d in self._ring
+               if (request is None or d.request == request)
+               and (placement is None or d.placement == placement)]
+        return out if limit is None else out[max(len(out) - limit, 0):]
+
+
+def describe(decision: Decision, node: str | None = None) -> list[str]:
+    """``decision`` as text: a header line, then one line per node considered, best first
+    (``*`` the deciding node; ``-`` a node the router did not rank)."""
+    d = decision
+    owners = ",".join(d.owners) or "-"
+    held = "-" if d.held_tokens is None else str(d.held_tokens)
+    who = node if node is not None else next((c.node_id for c in d.considered if c.is_self), "?")
+    again = " (re-ranked)" if d.again else ""
+    lines = [f"--- {who} request {d.request}{again} at {d.at:.3f}: {d.prompt_tokens} prompt "
+             f"tokens, owners {owners}, held at {held} tokens -> {d.chosen} ({d.placement})"]
+    for c in d.considered:
+        mark = "*" if c.is_self else " "
+        cost = "-" if c.cost_s is None else f"{c.cost_s:7.3f} s"
+        lat = "-" if c.predicted_latency_s is None else f"{c.predicted_latency_s:7.3f} s"
+        rank = "-" if c.rank is None else str(c.rank)
+        flags = "".join((" suspect" if c.suspect else "", " pushed-back" if c.pushed_back else ""))
+        lines.append(
+            f"  {rank:>2} {c.node_id}{mark} cached {c.cached_tokens:6d}  queue "
+            f"{c.queue_depth:5.2f}  util {c.utilization:4.2f}  cost {cost}  latency {lat}  "
+            f"wait error {c.wait_error_s:.3f} s  speed {c.prefill_overhead_s * 1e3:.1f} ms + "
+            f"{c.prefill_s_per_token * 1e6:.0f} us/unit  {c.placement or ''}{flags}"
+        )
+    return lines
+
+
+def from_json(obj: dict[str, Any]) -> Decision:
+    """A :class:`Decision` from ``Decision.to_json``'s output (extra keys are ignored)."""
+    fields = {k: obj[k] for k in Decision.__slots__ if k != "considered"}
+    fields["owners"] = tuple(fields["owners"])
+    considered = tuple(Considered(**{k: c[k] for k in Considered.__slots__})
+                       for c in obj["considered"])
+    return Decision(**fields, considered=considered)
