@@ -2,7 +2,8 @@
 """Why did a benchmark's requests go where they went? Joins a `radixmesh bench` folder's
 records (``requests.jsonl``) with the routing decisions its nodes kept
 (``decisions/<run>.jsonl``, core/decisions.py) and prints, for the requests asked for, what
-the entry node believed of every candidate when it chose.
+the entry node believed of every candidate when it chose (and, where the node reported them,
+the queue wait and service the request then met where it ran: the prediction's error).
 
     scripts/why.py RUN_DIR [--run NAME] [--placement second_copy,unplaced] [--slowest 5]
                            [--seq 40] [--limit 20]
@@ -69,6 +70,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"by {rec['served_by']} ({rec['route']}, {rec.get('placement')}), "
                   f"{rec['latency_s']:.3f} s, cached {rec.get('cached_tokens')} of "
                   f"{rec.get('prompt_tokens')} tokens")
+            timing = rec.get("server_timing") or {}
+            if "queue" in timing and "service" in timing:
+                print(f"  met: queue {timing['queue']:.3f} s + service {timing['service']:.3f} s "
+                      f"at {rec['served_by']}")
             found = by_request.get((rec["entry_node"], rec.get("request")), [])
             if not found:
                 print("  (no decision kept: evicted from the node's ring, or not routed)")
