@@ -23,6 +23,7 @@ from radixmesh.core.estimators import (
     median_speed,
     prefill_times,
     prefill_work,
+    speed_is_stale,
 )
 
 PRIORS = CostPriors()
@@ -388,3 +389,15 @@ def test_utilization_counts_the_busy_period_under_way() -> None:
     assert u.value(200.0) < 1e-3
     with pytest.raises(ValueError):
         Utilization(0.0)
+
+
+@given(st.one_of(st.none(), st.floats(0, 100)), st.booleans(), st.floats(0, 200),
+       st.floats(0.1, 50))
+def test_a_speed_is_stale_if_never_measured_or_idle_and_a_window_old(
+    measured_at: float | None, busy: bool, now: float, window: float
+) -> None:
+    stale = speed_is_stale(measured_at, busy, now, window)
+    if measured_at is None:
+        assert stale  # the prior: adopted at once, busy or not
+    else:
+        assert stale == (not busy and now - measured_at >= window)

@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from radixmesh.core.byte_tokenizer import ByteTokenizer
-from radixmesh.core.estimators import ComputeModel, CostPriors
+from radixmesh.core.estimators import ComputeModel, CostPriors, speed_is_stale
 from radixmesh.core.prefix_cache import Lease, PrefixCache
 from radixmesh.core.router import NodeInfo, Policy, RouteInput, Router, RouterConfig
 
@@ -121,25 +121,30 @@ class Oracle:
         self.rng = random.Random(seed)
         self.mismatches = 0
         self.clock = clock
-        self.refreshed = [clock() for _ in node_ids]  # when each node's speed last changed
+        # when each node's speed was last measured or adopted; None: still the prior
+        self.measured: list[float | None] = [None for _ in node_ids]
         self.speed_restarts = 0
 
     def _refresh_stale_speeds(self) -> None:
-        """The nodes' rule (``NodeCore._refresh_stale_speed``): a node's speed no request
-        refreshed for a load window, with nothing in flight there, restarts from the median
-        of the nodes that served within it. Without it the oracle sent every request of a
-        run to the node whose warm-up looked fastest (the others' estimates never changed
-        again): 100 % on one node, and under memory pressure `none`'s latency."""
+        """The nodes' rule (``estimators.speed_is_stale``): a node's speed that was never
+        measured, or that no request refreshed for a load window with nothing in flight
+        there, restarts from the median of the nodes that served within it. Without it the
+        oracle sent every request of a run to the node whose warm-up looked fastest (the
+        others' estimates never changed again): 100 % on one node, and under memory
+        pressure `none`'s latency."""
         now, window = self.clock(), self.router.config.load_window_s
-        stale = [i for i, t in enumerate(self.refreshed)
-                 if self.inflight[i] == 0 and now - t >= window]
+        stale = [i for i, t in enumerate(self.measured)
+                 if speed_is_stale(t, self.inflight[i] > 0, now, window)]
         if not stale:  # the usual case: nothing to compute per request
             return
-        fresh = [m.report() for m, t in zip(self.models, self.refreshed, strict=True)
-                 if now - t < window]
+        fresh = [m.report() for m, t in zip(self.models, self.measured, strict=True)
+                 if t is not None and now - t < window]
         for i in stale:
-            self.refreshed[i] = now  # (checked again a window later)
-            self.speed_restarts += self.models[i].restart_from(fresh)
+            if self.measured[i] is not None:
+                self.measured[i] = now  # (checked again a window later)
+            if self.models[i].restart_from(fresh):
+                self.measured[i] = now
+                self.speed_restarts += 1
 
     def choose(self, prompt: Sequence[int], max_tokens: int, entry: int) -> tuple[int, int]:
         """(node index, predicted cached tokens) for a request entering at ``entry``."""
@@ -178,7 +183,7 @@ class Oracle:
         if service_s is not None and service_s > 0:
             self.models[node].observe_prefill(prompt_len - lease.cached, lease.cached, service_s)
             self.models[node].observe_service(service_s)
-            self.refreshed[node] = self.clock()
+            self.measured[node] = self.clock()
 
     def check(self, predicted: int, actual: int | None) -> None:
         if actual is not None and actual != predicted:

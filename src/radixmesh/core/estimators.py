@@ -218,6 +218,17 @@ class PrefillFit:
         self.overhead, self.rate = a, b
 
 
+def speed_is_stale(measured_at: float | None, busy: bool, now: float, window_s: float) -> bool:
+    """Whether a node's own speed estimate should start again from the median of its peers
+    that served lately (``ComputeModel.restart_from``): at once if it never measured
+    anything (its speed is still the configured prior), busy or not; else once it has
+    been idle with no request refreshing it for ``window_s`` (not while a sample is
+    coming). The nodes (``NodeCore``) and the benchmark's oracle follow this one rule."""
+    if measured_at is None:
+        return True
+    return not busy and now - measured_at >= window_s
+
+
 class ComputeModel:
     """This node's own prefill/decode speed, learnt from the requests it served."""
 

@@ -74,6 +74,7 @@ from radixmesh.core.estimators import (
     SpeedReport,
     Utilization,
     WaitError,
+    speed_is_stale,
 )
 from radixmesh.core.events import (
     AcceptForward,
@@ -657,9 +658,9 @@ class NodeCore:
         went to the one node still prefilling its first prompt, 2,496 tokens, and waited
         13-28 s there; the other three had measured theirs)."""
         window = self.config.router.load_window_s
-        if self._speed_at is not None:  # measured: not while a sample is coming
-            if self._load.queue_depth or now - self._speed_at < window:
-                return
+        if not speed_is_stale(self._speed_at, self._load.queue_depth > 0, now, window):
+            return
+        if self._speed_at is not None:
             self._speed_at = now  # (checked again a window later)
         fresh = []  # the speeds of (at most SPEED_SAMPLE) peers that served lately
         for peer in self._gossip.routable:
