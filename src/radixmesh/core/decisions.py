@@ -75,13 +75,15 @@ class Decision:
 
 
 class DecisionLog:
-    """A ring of the node's last ``capacity`` decisions."""
+    """A ring of the node's last ``capacity`` decisions. Recording one keeps references to
+    the router's inputs and output (frozen, so they cannot change after): a few
+    microseconds on the request path; the :class:`Decision` records are built when read."""
 
     def __init__(self, capacity: int) -> None:
         if capacity < 0:
             raise ValueError("capacity must be >= 0")
         self.capacity = capacity
-        self._ring: deque[Decision] = deque(maxlen=capacity or None)
+        self._ring: deque[_Kept] = deque(maxlen=capacity or None)
         self.recorded = 0  # decisions made since start (kept or not)
 
     def __len__(self) -> int:
@@ -101,11 +103,45 @@ class DecisionLog:
         """Keep one decision: ``nodes`` the router was given, ``ranked`` what it returned."""
         seq = self.recorded
         self.recorded += 1
-        if self.capacity == 0 or not ranked:
-            return
-        verdict = {c.node_id: (i, c) for i, c in enumerate(ranked)}
+        if self.capacity and ranked:
+            tag = ranked[0].placement
+            self._ring.append(_Kept(seq, at, request, again, prompt_tokens, max_tokens,
+                                    tuple(nodes), placement, tuple(ranked),
+                                    None if tag is None else tag.value))
+
+    def recent(
+        self, limit: int | None = None, placement: str | None = None,
+        request: int | None = None,
+    ) -> list[Decision]:
+        """The kept decisions, oldest first: those of ``request`` only, or whose choice had
+        the ``placement`` tag; the last ``limit`` of them."""
+        out = [k for k in self._ring
+               if (request is None or k.request == request)
+               and (placement is None or k.tag == placement)]
+        if limit is not None:
+            out = out[max(len(out) - limit, 0):]
+        return [k.decision() for k in out]
+
+
+@dataclass(frozen=True, slots=True)
+class _Kept:
+    """One decision as recorded: the router's own inputs and output."""
+
+    seq: int
+    at: float
+    request: int
+    again: bool
+    prompt_tokens: int
+    max_tokens: int
+    nodes: tuple[NodeInfo, ...]
+    placement: Placement | None
+    ranked: tuple[Candidate, ...]
+    tag: str | None  # the head's placement tag
+
+    def decision(self) -> Decision:
+        verdict = {c.node_id: (i, c) for i, c in enumerate(self.ranked)}
         seen = []
-        for n in nodes:
+        for n in self.nodes:
             rank, cand = verdict.get(n.node_id, (None, None))
             sp = n.speed
             seen.append(Considered(
@@ -122,28 +158,15 @@ class DecisionLog:
                 else cand.placement.value,
             ))
         seen.sort(key=lambda c: (c.rank is None, c.rank or 0))
-        head = ranked[0]
-        self._ring.append(Decision(
-            seq=seq, at=at, request=request, again=again, prompt_tokens=prompt_tokens,
-            max_tokens=max_tokens,
-            owners=() if placement is None else placement.owners,
-            held_tokens=None if placement is None else placement.held_tokens,
-            rent_s=None if placement is None else placement.rent_s,
-            chosen=head.node_id,
-            placement=None if head.placement is None else head.placement.value,
-            considered=tuple(seen),
-        ))
-
-    def recent(
-        self, limit: int | None = None, placement: str | None = None,
-        request: int | None = None,
-    ) -> list[Decision]:
-        """The kept decisions, oldest first: those of ``request`` only, or whose choice had
-        the ``placement`` tag; the last ``limit`` of them."""
-        out = [d for d in self._ring
-               if (request is None or d.request == request)
-               and (placement is None or d.placement == placement)]
-        return out if limit is None else out[max(len(out) - limit, 0):]
+        pl = self.placement
+        return Decision(
+            seq=self.seq, at=self.at, request=self.request, again=self.again,
+            prompt_tokens=self.prompt_tokens, max_tokens=self.max_tokens,
+            owners=() if pl is None else pl.owners,
+            held_tokens=None if pl is None else pl.held_tokens,
+            rent_s=None if pl is None else pl.rent_s,
+            chosen=self.ranked[0].node_id, placement=self.tag, considered=tuple(seen),
+        )
 
 
 def describe(decision: Decision, node: str | None = None) -> list[str]:
