@@ -3,7 +3,9 @@
 records (``requests.jsonl``) with the routing decisions its nodes kept
 (``decisions/<run>.jsonl``, core/decisions.py) and prints, for the requests asked for, what
 the entry node believed of every candidate when it chose (and, where the node reported them,
-the queue wait and service the request then met where it ran: the prediction's error).
+the queue wait and service the request then met where it ran: the prediction's error); for
+a forwarded request, the serving node's verdict on the forward too (its predicted cost,
+against what the entry node said it had to beat).
 
     scripts/why.py RUN_DIR [--run NAME] [--placement second_copy,unplaced] [--slowest 5]
                            [--seq 40] [--limit 20]
@@ -31,6 +33,26 @@ def _load_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _admission(kept: list[dict[str, Any]], decision: Decision, rec: dict[str, Any]
+               ) -> dict[str, Any] | None:
+    """The serving node's verdict on this forward: the first it made on a prompt of this
+    length after the entry node's decision (the nodes of a bench cluster share one
+    machine's monotonic clock), within 5 s."""
+    for adm in kept:
+        if (adm["prompt_tokens"] == rec.get("prompt_tokens") and adm["verdict"] == "accepted"
+                and decision.at <= adm["at"] <= decision.at + 5.0):
+            return adm
+    return None
+
+
+def _admission_line(adm: dict[str, Any], node: str) -> str:
+    def s(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f} s"
+    return (f"  {node} admitted it at {adm['at']:.3f}: its cost {s(adm['cost_s'])} (queue wait "
+            f"{s(adm['wait_s'])}) against the sender's {s(adm['beat_s'])}; {adm['queue_depth']} "
+            f"queued or running there, {adm['cached_tokens']} tokens cached")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path)
@@ -55,8 +77,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.run not in run:
             continue
         by_request: dict[tuple[str, int], list[Decision]] = defaultdict(list)
+        admissions: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for obj in _load_jsonl(path):
-            by_request[(obj["node"], obj["request"])].append(from_json(obj))
+            if obj.get("kind", "route") == "route":
+                by_request[(obj["node"], obj["request"])].append(from_json(obj))
+            else:
+                admissions[obj["node"]].append(obj)
         recs = [r for r in records.get(run, []) if r.get("error") is None]
         slow = sorted(recs, key=lambda r: -r["latency_s"])[:args.slowest]
         picked = [r for r in recs if r.get("placement") in tags or r["seq"] in seqs
@@ -79,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
                 print("  (no decision kept: evicted from the node's ring, or not routed)")
             for d in found:
                 print("\n".join(describe(d, rec["entry_node"])))
+            if found and rec["served_by"] != rec["entry_node"]:
+                adm = _admission(admissions[rec["served_by"]], found[-1], rec)
+                if adm is not None:
+                    print(_admission_line(adm, rec["served_by"]))
     return 0
 
 

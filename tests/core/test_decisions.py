@@ -7,7 +7,14 @@ import random
 
 from radixmesh.core.decisions import DecisionLog, describe, from_json
 from radixmesh.core.estimators import SpeedReport
-from radixmesh.core.events import Forward, ForwardRefused, RequestArrived
+from radixmesh.core.events import (
+    AcceptForward,
+    Forward,
+    ForwardArrived,
+    ForwardRefused,
+    RefuseForward,
+    RequestArrived,
+)
 from radixmesh.core.router import (
     Candidate,
     NodeInfo,
@@ -92,4 +99,25 @@ def test_a_node_keeps_its_choice_and_its_re_ranking_after_a_refusal() -> None:
     again = n0.decisions.recent(request=1)
     assert [x.again for x in again] == [False, True]
     assert again[1].chosen != "n1"  # the refusal's 10 s queue: not worth it now
-    assert c.nodes["n1"].decisions.recent() == []  # it decided nothing
+    assert c.nodes["n1"].decisions.recent() == []  # it routed nothing ...
+    # ... and judges the forward when it arrives: its cost against n0's beat_s
+    n1 = c.nodes["n1"]
+    [ok] = n1.handle(ForwardArrived(7, 1100, 64 * 16, 1, first.beat_s), c.now)
+    [no] = n1.handle(ForwardArrived(8, 1100, 0, 1, 0.0), c.now)  # beat nothing: slower
+    assert isinstance(ok, AcceptForward) and isinstance(no, RefuseForward)
+    accepted, slower = n1.decisions.recent_admissions()
+    assert (accepted.prompt_tokens, accepted.verdict, accepted.beat_s) == (
+        1100, "accepted", first.beat_s)
+    assert accepted.cost_s is not None and first.beat_s is not None
+    assert accepted.cost_s <= first.beat_s and accepted.wait_s == 0.0
+    assert slower.verdict == "slower" and slower.cost_s is not None and slower.cost_s > 0.0
+
+
+def test_admissions_are_kept_in_their_own_ring() -> None:
+    log = DecisionLog(2)
+    for i in range(3):
+        log.admitted(float(i), 100 + i, 0, 1, 0.5, 0.7, 0.2, 1, "slower")
+    kept = log.recent_admissions()
+    assert [a.seq for a in kept] == [1, 2] and log.admissions_recorded == 3
+    assert kept[-1].to_json()["verdict"] == "slower" and log.recent() == []
+    assert [a.prompt_tokens for a in log.recent_admissions(limit=1)] == [102]

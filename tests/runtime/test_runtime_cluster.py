@@ -141,6 +141,10 @@ def test_the_entry_node_keeps_why_it_routed_a_request(cluster: LocalCluster) -> 
     holder = next(c for c in decision["considered"] if c["node_id"] == "n1")
     assert holder["rank"] == 0 and holder["cached_tokens"] >= len(LONG_PREFIX) - 16
     assert holder["cost_s"] is not None and holder["prefill_s_per_token"] > 0
+    # n1's side of it: the forward admitted, its cost there under what n0 said to beat
+    admitted = cluster.get(1, "/mesh/decisions").json()["admissions"][-1]
+    assert admitted["verdict"] == "accepted" and admitted["cached_tokens"] >= len(LONG_PREFIX) - 16
+    assert admitted["cost_s"] is not None and admitted["cost_s"] <= admitted["beat_s"]
     hits = cluster.get(0, "/mesh/decisions?placement=hit&limit=1").json()["decisions"]
     assert len(hits) == 1 and hits[0]["placement"] == "hit"
     for bad in ("placement=bogus", "limit=0", "limit=many"):

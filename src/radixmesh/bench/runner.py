@@ -104,9 +104,10 @@ def placement_counts(urls: Sequence[str]) -> dict[str, float] | None:
 
 
 def save_decisions(urls: Sequence[str], path: Path) -> int:
-    """Every node's kept routing decisions (``GET /mesh/decisions``, core/decisions.py), one
-    JSON line each with its ``node``, written to ``path`` (not written if there are none);
-    how many were written. A node that does not answer is skipped."""
+    """Every node's kept routing decisions and verdicts on forwards (``GET /mesh/decisions``,
+    core/decisions.py), one JSON line each with its ``node`` and ``kind`` (``route`` or
+    ``admission``), written to ``path`` (not written if there are none); how many were
+    written. A node that does not answer is skipped."""
     lines = []
     for url in urls:
         try:
@@ -118,8 +119,9 @@ def save_decisions(urls: Sequence[str], path: Path) -> int:
         if resp.status_code != 200 or not isinstance(body, dict):
             continue
         node = body.get("node_id")
-        for d in body.get("decisions", []):
-            lines.append(json.dumps({"node": node} | d, separators=(",", ":")))
+        for kind, key in (("route", "decisions"), ("admission", "admissions")):
+            for d in body.get(key, []):
+                lines.append(json.dumps({"node": node, "kind": kind} | d, separators=(",", ":")))
     if lines:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("\n".join(lines) + "\n")

@@ -5,8 +5,11 @@ what it believed, at that moment, about every candidate's cache, queue and speed
 that record, a decision that went wrong (a cold copy of a prefix another node held, a
 forward into a busy holder) can be seen but not diagnosed. Each ranking the node makes for a
 request of its own (its first, and each re-ranking after a refusal or a failed forward) is
-kept here as a :class:`Decision`: the inputs the router saw and what it chose. The log is a
-ring of ``capacity`` decisions (the oldest go first; 0 keeps none), so it costs a bounded
+kept here as a :class:`Decision`: the inputs the router saw and what it chose; and each
+verdict on a peer's forward (the other side of such a choice) as an :class:`Admission`: what
+serving it here would cost, against what the sender said it must beat. The log is a
+ring of ``capacity`` decisions and one of as many admissions (the oldest go first; 0 keeps
+none), so it costs a bounded
 amount of memory however long the node runs.
 
 The runtime serves it at ``GET /mesh/decisions`` and `radixmesh bench` saves every node's
@@ -74,6 +77,27 @@ class Decision:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """A peer's forward, admitted or refused here: the other side of a forward decision."""
+
+    seq: int  # this node's admission number
+    at: float  # the node's clock
+    prompt_tokens: int
+    cached_tokens: int  # this node's exact match of the prompt
+    max_tokens: int
+    beat_s: float | None  # what the sender said serving it here must beat
+    # what serving it here costs (``router.mesh_cost`` from this node's exact state; None:
+    # not computed, refused by state or no ``beat_s``), and its queue wait in that
+    cost_s: float | None
+    wait_s: float | None
+    queue_depth: int  # requests queued or running here when it arrived
+    verdict: str  # accepted | slower | busy (leaving, full, push-back)
+
+    def to_json(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
 class DecisionLog:
     """A ring of the node's last ``capacity`` decisions. Recording one keeps references to
     the router's inputs and output (frozen, so they cannot change after): a few
@@ -85,6 +109,8 @@ class DecisionLog:
         self.capacity = capacity
         self._ring: deque[_Kept] = deque(maxlen=capacity or None)
         self.recorded = 0  # decisions made since start (kept or not)
+        self._admissions: deque[Admission] = deque(maxlen=capacity or None)
+        self.admissions_recorded = 0
 
     def __len__(self) -> int:
         return len(self._ring)
@@ -108,6 +134,21 @@ class DecisionLog:
             self._ring.append(_Kept(seq, at, request, again, prompt_tokens, max_tokens,
                                     tuple(nodes), placement, tuple(ranked),
                                     None if tag is None else tag.value))
+
+    def admitted(self, at: float, prompt_tokens: int, cached_tokens: int, max_tokens: int,
+                 beat_s: float | None, cost_s: float | None, wait_s: float | None,
+                 queue_depth: int, verdict: str) -> None:
+        """Keep one verdict on a peer's forward (``NodeCore``'s admission of it)."""
+        seq = self.admissions_recorded
+        self.admissions_recorded += 1
+        if self.capacity:
+            self._admissions.append(Admission(seq, at, prompt_tokens, cached_tokens, max_tokens,
+                                              beat_s, cost_s, wait_s, queue_depth, verdict))
+
+    def recent_admissions(self, limit: int | None = None) -> list[Admission]:
+        """The kept verdicts on peers' forwards, oldest first; the last ``limit``."""
+        out = list(self._admissions)
+        return out if limit is None else out[max(len(out) - limit, 0):]
 
     def recent(
         self, limit: int | None = None, placement: str | None = None,

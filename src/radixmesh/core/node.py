@@ -587,11 +587,17 @@ class NodeCore:
         return list(self._lifecycle.cancel(event.rid))
 
     def _forward_arrived(self, event: ForwardArrived, now: float) -> list[Action]:
-        refusal = self._refusal(event, now)
+        refusal, cost, wait = self._refusal(event, now)
+        verdict = "accepted" if refusal is None else "slower" if cost is not None else "busy"
+        self.decisions.admitted(now, event.prompt_tokens, event.cached_tokens, event.max_tokens,
+                                event.beat_s, cost, wait, self._load.queue_depth, verdict)
         return [AcceptForward(event.rid) if refusal is None else refusal]
 
-    def _refusal(self, event: ForwardArrived, now: float) -> RefuseForward | None:
-        """Whether to refuse a request a peer forwarded here (None: admit it). Client requests
+    def _refusal(
+        self, event: ForwardArrived, now: float
+    ) -> tuple[RefuseForward | None, float | None, float | None]:
+        """Whether to refuse a request a peer forwarded here (None: admit it), with what
+        serving it here costs and the queue wait in that (None: not compared). Client requests
         entering here are always served; forwards are refused
         * by this node's state — leaving, full, at the push-back threshold — with the
           seconds the peer should leave us alone, and
@@ -606,16 +612,17 @@ class NodeCore:
         round trip instead of waiting in a queue that many nodes picked at once."""
         retry = self._refusal_by_state(now, event.prompt_tokens, event.max_tokens)
         if retry is not None:
-            return RefuseForward(event.rid, retry)
+            return RefuseForward(event.rid, retry), None, None
         if event.beat_s is None:
-            return None
+            return None, None, None
         me = self._self_info(event.cached_tokens, now)
         req = RouteInput(max(event.prompt_tokens, 1), max(event.max_tokens, 1))
         predicted = mesh_cost(req, [me], self.config.router.context_scale)[0]
+        wait = predict_wait(me)
         if predicted <= event.beat_s:
-            return None
+            return None, predicted, wait
         self._count("forwards_refused_slower")
-        return RefuseForward(event.rid, 0.0, predict_wait(me))
+        return RefuseForward(event.rid, 0.0, wait), predicted, wait
 
     def _refusal_by_state(self, now: float, prompt_tokens: int, max_tokens: int) -> float | None:
         """Refusals by this node's state: leaving, full (for this request's tokens: bounded

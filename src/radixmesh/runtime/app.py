@@ -16,8 +16,9 @@ Client API   POST /v1/completions, POST /v1/chat/completions (stream or not), GE
              even if the client asked for one JSON body): a match ends the request as done and
              stops the engine through the same abort as a client that went away
 Observe      GET /health, GET /metrics (Prometheus text), GET /mesh (JSON),
-             GET /mesh/decisions?limit=&placement=&request= (the routing decisions kept:
-             core/decisions.py; ``request`` is the ``x-radixmesh-request`` header's number)
+             GET /mesh/decisions?limit=&placement=&request= (the routing decisions kept, and
+             the verdicts on peers' forwards: core/decisions.py; ``request`` is the
+             ``x-radixmesh-request`` header's number)
 Peers        POST /peer/gossip (raw gossip bytes), POST /peer/forward (an encoded
              ForwardRequest, executed here; the body of the answer is framed ForwardReply
              messages: ForwardAccepted first, or ForwardBusy when the core refuses — queue

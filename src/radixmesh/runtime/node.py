@@ -647,11 +647,16 @@ class NodeService:
     def decisions(self, limit: int = 100, placement: str | None = None,
                   request: int | None = None) -> dict[str, object]:
         """The routing decisions kept (``core/decisions.py``), oldest first, for
-        ``GET /mesh/decisions``: the last ``limit``, of one placement tag or request."""
+        ``GET /mesh/decisions``: the last ``limit``, of one placement tag or request; and
+        (without those filters) the last ``limit`` verdicts on peers' forwards."""
         log = self.core.decisions
         kept = log.recent(limit, placement, request)
+        # a query for some of the routing decisions leaves the verdicts on forwards out
+        admissions = [] if placement or request is not None else log.recent_admissions(limit)
         return {"node_id": self.node_id, "capacity": log.capacity, "recorded": log.recorded,
-                "decisions": [d.to_json() for d in kept]}
+                "admissions_recorded": log.admissions_recorded,
+                "decisions": [d.to_json() for d in kept],
+                "admissions": [a.to_json() for a in admissions]}
 
     def admission_state(self) -> dict[str, object]:
         """Bounded admission's bounds in force and what the queue holds (``/mesh``)."""
