@@ -135,6 +135,12 @@ def test_prefill_fit_never_goes_negative() -> None:
         fit.observe(10.0, 0.5)
         fit.observe(3000.0, 0.01)
     assert fit.overhead >= 0 and fit.rate >= 0
+    # such data say nothing about the rate: the prior's line, scaled through their mean (a
+    # flat line would price a 3,000-unit prefill like a 10-unit one)
+    assert fit.rate / fit.overhead == pytest.approx(8e-5 / 0.004, rel=1e-6)
+    # (their weighted mean: with alpha 0.5 the last, larger prefill weighs 2/3)
+    mean_work, mean_time = (2 * 3000.0 + 10.0) / 3, (2 * 0.01 + 0.5) / 3
+    assert fit.overhead + fit.rate * mean_work == pytest.approx(mean_time, rel=1e-3)
     fit = PrefillFit(0.004, 8e-5, 0.5)
     for _ in range(20):
         fit.observe(100.0, 0.001)

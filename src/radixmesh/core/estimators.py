@@ -213,9 +213,20 @@ class PrefillFit:
         b = (m11 * r2 - m12 * r1) / det
         if a < 0:  # the best line with no overhead
             a, b = 0.0, r2 / m22
-        if b < 0:  # larger prefills measured faster (noise): a flat line at the mean time
-            a, b = r1 / m11, 0.0
+        if b < 0:  # larger prefills measured faster (noise): the data cannot tell the rate
+            a, b = self._prior_line()
         self.overhead, self.rate = a, b
+
+    def _prior_line(self) -> tuple[float, float]:
+        """The prior's line scaled through the data's mean time at their mean work: what is
+        left when the data say nothing about the slope. (A flat line at the mean time, the
+        earlier answer, priced every prefill alike: on the real cluster under memory pressure
+        a node advertising 82 ms + 0 us a unit drew a cold 1,686-token prefill, 0.49 s there,
+        away from the entry node holding 1,356 of its tokens, 0.16 s: a second copy.)"""
+        mean_x, mean_y = self._sx / self._sw, self._sy / self._sw
+        prior = self._a0 + self._b0 * mean_x
+        k = mean_y / prior if prior > 0 else 1.0
+        return k * self._a0, k * self._b0
 
 
 def speed_is_stale(measured_at: float | None, busy: bool, now: float, window_s: float) -> bool:
