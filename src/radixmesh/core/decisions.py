@@ -7,10 +7,9 @@ forward into a busy holder) can be seen but not diagnosed. Each ranking the node
 request of its own (its first, and each re-ranking after a refusal or a failed forward) is
 kept here as a :class:`Decision`: the inputs the router saw and what it chose; and each
 verdict on a peer's forward (the other side of such a choice) as an :class:`Admission`: what
-serving it here would cost, against what the sender said it must beat. The log is a
-ring of ``capacity`` decisions and one of as many admissions (the oldest go first; 0 keeps
-none), so it costs a bounded
-amount of memory however long the node runs.
+serving it here would cost, against what the sender said it must beat. The log is a ring
+of ``capacity`` decisions and one of as many admissions (the oldest go first; 0 keeps none),
+so it costs a bounded amount of memory however long the node runs.
 
 The runtime serves it at ``GET /mesh/decisions`` and `radixmesh bench` saves every node's
 log beside each run's records (``decisions/<run>.jsonl``), where ``scripts/why.py`` joins
