@@ -115,12 +115,12 @@ HEADER_SERVED_BY = "x-radixmesh-served-by"
 HEADER_ROUTE = "x-radixmesh-route"
 HEADER_EXPECTED = "x-radixmesh-expected-cached-tokens"
 HEADER_PLACEMENT = "x-radixmesh-placement"  # the router's tag of the choice (cost policy)
-PLACEMENT_TAGS = frozenset(t.value for t in Tag)
 HEADER_REQUEST = "x-radixmesh-request"  # the entry node's number of the request (its decisions)
 HEADER_CACHED = "x-radixmesh-cached-tokens"
 HEADER_QUEUE = "x-radixmesh-queue-s"
 HEADER_SERVICE = "x-radixmesh-service-s"
 HEADER_OVERHEAD = "x-radixmesh-forward-overhead-s"
+PLACEMENT_TAGS = frozenset(t.value for t in Tag)  # what /mesh/decisions?placement= takes
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 MAX_PEER_BODY = 64 * 1024 * 1024  # forward bodies (encoded prompts); gossip has its own limit
 
