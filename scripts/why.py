@@ -84,9 +84,9 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 admissions[obj["node"]].append(obj)
         recs = [r for r in records.get(run, []) if r.get("error") is None]
-        slow = sorted(recs, key=lambda r: -r["latency_s"])[:args.slowest]
-        picked = [r for r in recs if r.get("placement") in tags or r["seq"] in seqs
-                  or r in slow]
+        slow = {r["seq"] for r in sorted(recs, key=lambda r: -r["latency_s"])[:args.slowest]}
+        wanted = seqs | slow
+        picked = [r for r in recs if r.get("placement") in tags or r["seq"] in wanted]
         print(f"=== {run}: {len(picked)} of {len(recs)} requests picked")
         for rec in picked:
             if printed >= args.limit:

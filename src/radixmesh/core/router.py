@@ -423,12 +423,12 @@ class Router:
         prefix are computed once, for the choice and for the ``beat_s`` each forward carries."""
         me = next(n for n in avail if n.is_self)
         costs = mesh_cost(req, avail, self.config.context_scale)
-        local = costs[avail.index(me)]
+        cost_of = {n.node_id: c for n, c in zip(avail, costs, strict=True)}
+        local = cost_of[me.node_id]
         preferred = set() if placement is None else {
             n.node_id for n in avail if self._preferred(req, n, me, placement)
         }
         order, bought = self._by_cost(req, avail, costs, rng, placement, preferred)
-        cost_of = {n.node_id: c for n, c in zip(avail, costs, strict=True)}
         if placement is None:
             return [self._candidate(req, n, None if n.is_self else local,
                                     cost_s=cost_of[n.node_id]) for n in order]
