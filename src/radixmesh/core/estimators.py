@@ -153,80 +153,107 @@ def median_speed(speeds: Sequence[SpeedReport]) -> SpeedReport:
 
 class PrefillFit:
     """A node's prefill time as ``overhead + rate × work`` (see :func:`prefill_work`), both
-    fitted by exponentially weighted least squares over the prefills it served (a new one
-    weighs ``alpha``, the older ones ``1 - alpha`` less each time: the weights sum to 1),
-    with a weak ridge towards the prior *scaled to the data*: ``k`` × (prior overhead,
-    prior rate), ``k`` the ratio of the observed times to the prior's for the same prefills
-    (a machine k times slower than the prior's is slower at both). Data that vary in size
-    set both figures (the ridge, ``prior_weight`` × (overhead − k·prior)² + ``prior_weight``
-    × (``x_ref`` × (rate − k·prior))², moves them by well under 1 %); data of one size (a
-    node serving only warm requests of a few uncached tokens) fit that size exactly and
-    keep the prior's proportions for the rest.
+    tracked by a two-state Kalman filter whose uncertainty lies mostly along the line
+    itself: a machine that turns k times slower (or faster) is so at every size, so a
+    prefill of any size moves both figures in proportion, while the line's *shape* (how
+    overhead and rate split a prefill's time) is learnt from prefills of different sizes
+    and drifts only slowly. Measurement noise is taken as ``noise`` × the predicted time
+    (relative: a shared CPU's jitter grows with the work).
 
-    Learning the rate alone under a fixed overhead (an earlier design) put the whole time of
-    a small prefill into its rate: where the real overhead is larger than the prior's (the
-    tiny engine on the loaded test box: ~30 ms against 4 ms), a node serving mostly cache
-    hits learnt a rate 10x its peers' (simulator, chat, one client, identical nodes: one
-    node 5,198 us per unit, the others 421-534), so every cold request looked 10x slower
-    there and went elsewhere: estimates set by a node's mix of requests, not its speed."""
+    The state is (overhead, rate × ``x_ref``), both in seconds. Its covariance starts as
+    ``level_sd``² × θθᵀ + ``shape_sd``² × diag(θ²) (the prior can be off by a factor in
+    level and in shape) and grows each step by ``level_drift`` × θθᵀ + ``shape_drift`` ×
+    diag(θ²): the level may move ~√0.02 = 14 % between two prefills, the shape ~1 %.
 
-    __slots__ = ("_a0", "_b0", "_sw", "_sx", "_sxx", "_sxy", "_sy", "alpha", "overhead",
-                 "prior_weight", "rate", "x_ref")
+    Why a filter, not least squares. Exponentially weighted least squares (the previous
+    design) kept the rate of whatever prefills of *different sizes* it had last seen: a
+    node that served a burst of cold prefills on a contended CPU and then only cache hits
+    refreshed its overhead from the hits and kept the burst's rate, 2.3x too slow, for as
+    long as it served hits (real cluster, the hot prefix at Poisson 50 % right after the
+    capacity probe: three of four nodes; one advertised so lax a ``beat_s`` that a
+    1,216-token request waited 3.9 s behind a 3,014-token one). Here those hits scale the
+    rate with the overhead. (Toy check, 30 ms + 100 us a unit, lognormal noise 15 %: after
+    40 prefills at 2.3x and 25 hits at 1x, a 3,000-unit prefill is priced 1.15x its time,
+    against 2.40x by least squares; in steady state both within 3 %.)
 
-    def __init__(self, overhead: float, rate: float, alpha: float, x_ref: float = 512.0,
-                 prior_weight: float = 1e-3) -> None:
-        if overhead < 0 or rate < 0 or not 0 < alpha <= 1 or x_ref <= 0 or prior_weight <= 0:
-            raise ValueError("PrefillFit needs overhead, rate >= 0, alpha in (0, 1], "
-                             "x_ref > 0 and prior_weight > 0")
-        self.alpha = alpha
-        self.x_ref = x_ref
-        self.prior_weight = prior_weight
+    Learning the rate alone under a fixed overhead (the design before least squares) put
+    the whole time of a small prefill into its rate: a node serving mostly cache hits learnt
+    a rate 10x its peers' (simulator, chat, one client, identical nodes). Here a node that
+    served only one size predicts that size exactly and keeps roughly the prior's shape for
+    the rest (the level direction is the uncertain one).
+
+    Data that cannot tell the rate (larger prefills measured faster): an update that would
+    drive the rate below zero scales the line instead, by the move the filter would
+    have made at that size (a flat line, rate 0, priced every prefill alike: on the real
+    cluster under memory pressure a node advertising 82 ms + 0 us a unit drew a cold
+    1,686-token prefill away from the entry node holding 1,356 of its tokens)."""
+
+    __slots__ = ("_p00", "_p01", "_p11", "_x", "level_drift", "level_sd", "noise", "overhead",
+                 "rate", "shape_drift", "shape_sd", "x_ref")
+
+    def __init__(self, overhead: float, rate: float, x_ref: float = 512.0, noise: float = 0.2,
+                 level_drift: float = 0.01, shape_drift: float = 1e-4, level_sd: float = 3.0,
+                 shape_sd: float = 30.0) -> None:
+        if overhead < 0 or rate < 0 or overhead + rate <= 0 or x_ref <= 0 or noise <= 0 \
+                or level_drift < 0 or shape_drift < 0 or level_sd < 0 or shape_sd <= 0:
+            raise ValueError("PrefillFit needs overhead, rate >= 0 (not both 0), x_ref > 0, "
+                             "noise > 0, drifts >= 0, level_sd >= 0 and shape_sd > 0")
+        self.x_ref, self.noise = x_ref, noise
+        self.level_drift, self.shape_drift = level_drift, shape_drift
+        self.level_sd, self.shape_sd = level_sd, shape_sd
         self.restart(overhead, rate)
 
     def restart(self, overhead: float, rate: float) -> None:
         """Forget every observation; ``overhead`` and ``rate`` are the new prior."""
-        self._a0, self._b0 = max(overhead, 0.0), max(rate, 0.0)
-        self.overhead, self.rate = self._a0, self._b0
-        self._sw = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        self.overhead, self.rate = max(overhead, 0.0), max(rate, 0.0)
+        a, b = self.overhead, self.rate * self.x_ref
+        lv, sh = self.level_sd ** 2, self.shape_sd ** 2
+        self._p00, self._p01, self._p11 = (lv + sh) * a * a, lv * a * b, (lv + sh) * b * b
+        self._floor()
+
+    def _floor(self) -> None:
+        """Keep the covariance positive definite where a figure is 0 (a prior of no
+        overhead): some uncertainty on each, a thousandth of the other's scale."""
+        a, b = self.overhead, self.rate * self.x_ref
+        tiny = (1e-3 * max(a, b, 1e-9)) ** 2
+        self._p00 = max(self._p00, tiny)
+        self._p11 = max(self._p11, tiny)
+        bound = 0.999 * math.sqrt(self._p00 * self._p11)
+        self._p01 = min(max(self._p01, -bound), bound)
 
     def observe(self, work: float, seconds: float) -> None:
         if not (work > 0 and seconds >= 0 and math.isfinite(work) and math.isfinite(seconds)):
             return
-        keep, a = 1.0 - self.alpha, self.alpha
-        self._sw = keep * self._sw + a
-        self._sx = keep * self._sx + a * work
-        self._sy = keep * self._sy + a * seconds
-        self._sxx = keep * self._sxx + a * work * work
-        self._sxy = keep * self._sxy + a * work * seconds
-        self._solve()
-
-    def _solve(self) -> None:
-        """The normal equations with the ridge, overhead and rate kept >= 0."""
-        la = self.prior_weight
-        lb = self.prior_weight * self.x_ref * self.x_ref
-        prior_time = self._a0 * self._sw + self._b0 * self._sx  # the prior's, same prefills
-        k = self._sy / prior_time if prior_time > 0 else 1.0
-        m11, m12, m22 = self._sw + la, self._sx, self._sxx + lb
-        r1, r2 = self._sy + la * k * self._a0, self._sxy + lb * k * self._b0
-        det = m11 * m22 - m12 * m12  # > 0: the ridge makes the matrix positive definite
-        a = (r1 * m22 - m12 * r2) / det
-        b = (m11 * r2 - m12 * r1) / det
-        if a < 0:  # the best line with no overhead
-            a, b = 0.0, r2 / m22
-        if b < 0:  # larger prefills measured faster (noise): the data cannot tell the rate
-            a, b = self._prior_line()
-        self.overhead, self.rate = a, b
-
-    def _prior_line(self) -> tuple[float, float]:
-        """The prior's line scaled through the data's mean time at their mean work: what is
-        left when the data say nothing about the slope. (A flat line at the mean time, the
-        earlier answer, priced every prefill alike: on the real cluster under memory pressure
-        a node advertising 82 ms + 0 us a unit drew a cold 1,686-token prefill, 0.49 s there,
-        away from the entry node holding 1,356 of its tokens, 0.16 s: a second copy.)"""
-        mean_x, mean_y = self._sx / self._sw, self._sy / self._sw
-        prior = self._a0 + self._b0 * mean_x
-        k = mean_y / prior if prior > 0 else 1.0
-        return k * self._a0, k * self._b0
+        a, b = self.overhead, self.rate * self.x_ref
+        # the machine's level and, slowly, the line's shape may have moved since
+        q, s = self.level_drift, self.shape_drift
+        p00 = self._p00 + (q + s) * a * a
+        p01 = self._p01 + q * a * b
+        p11 = self._p11 + (q + s) * b * b
+        h = work / self.x_ref  # the observation is a + b·h
+        predicted = a + b * h
+        ph0, ph1 = p00 + p01 * h, p01 + p11 * h
+        hph = ph0 + h * ph1
+        r = (self.noise * predicted) ** 2
+        if hph + r <= 0:
+            return
+        k0, k1 = ph0 / (hph + r), ph1 / (hph + r)
+        error = seconds - predicted
+        new_a, new_b = a + k0 * error, b + k1 * error
+        if new_b < 0:
+            # larger prefills measured faster: halve the rate (never to 0 at once: a flat line
+            # prices every prefill alike) and move this prediction as the filter would have
+            target = predicted + hph / (hph + r) * error
+            new_b = 0.5 * b
+            new_a = target - new_b * h
+            if new_a < 0:  # or keep the shape and move the line's level
+                scale = max(target, 0.0) / predicted if predicted > 0 else 1.0
+                new_a, new_b = a * scale, b * scale
+        elif new_a < 0:  # no overhead: the best line through zero
+            new_a, new_b = 0.0, max(b + p11 * h / (p11 * h * h + r) * (seconds - b * h), 0.0)
+        self.overhead, self.rate = new_a, new_b / self.x_ref
+        self._p00, self._p01, self._p11 = p00 - k0 * ph0, p01 - k0 * ph1, p11 - k1 * ph1
+        self._floor()
 
 
 def speed_is_stale(measured_at: float | None, busy: bool, now: float, window_s: float) -> bool:
@@ -245,8 +272,7 @@ class ComputeModel:
 
     def __init__(self, priors: CostPriors) -> None:
         self.priors = priors
-        self._prefill = PrefillFit(priors.prefill_overhead_s, priors.prefill_s_per_token,
-                                   priors.alpha)
+        self._prefill = PrefillFit(priors.prefill_overhead_s, priors.prefill_s_per_token)
         self._decode = Ewma(priors.decode_s_per_token, priors.alpha)
         self._service = Ewma(
             priors.prefill_overhead_s + 256 * priors.prefill_s_per_token, priors.alpha
