@@ -55,7 +55,7 @@ def _speed32(s: SpeedReport) -> SpeedReport:
 
 def full_message(rng: random.Random) -> Gossip:
     hashes = tuple(sorted({rng.getrandbits(64) for _ in range(50)}))
-    load = Load(3, 1, 4096, 65536, _speed32(SPEED), 0.75, 0.5)
+    load = Load(3, 1, 4096, 65536, _speed32(SPEED), 0.75, 0.5, 1200.25)
     relay = NodeState("n7", "mem://n7", 4, 9, 12.5, load, Delta(3, (Change(4, (5, 9), (1,)),)))
     return Gossip(
         sender="n1",

@@ -260,7 +260,7 @@ def test_hostile_request_fields(index: int, value: Any) -> None:
 
 def test_request_header_and_shape() -> None:
     fields = _req_fields()
-    assert _request_rejected(_with(fields, 0, 2)).reason == "version"
+    assert _request_rejected(_with(fields, 0, PROTOCOL_VERSION + 1)).reason == "version"
     assert _request_rejected(_with(fields, 0, True)).reason == "decode"
     for kind in (1, KIND_BUSY, 99, -1, True):
         _request_rejected(_with(fields, 1, kind))

@@ -763,6 +763,30 @@ def test_a_node_that_measured_nothing_adopts_the_peers_median_at_once() -> None:
     assert n0.metrics()["speed_adopted"] == 1
 
 
+def test_peers_learn_when_a_node_last_measured_its_speed_not_when_it_adopted_one() -> None:
+    """What makes a peer's speed fresh for the stale-speed rule is that it *measured* it
+    (served a request) lately, as its load reports say (``Load.speed_measured_at``, through
+    the report's stamp). An adopted speed changes the report but is not a measurement: on the
+    real cluster (the hot prefix at Poisson 50 %, right after the capacity probe) a node that
+    adopted a probe-era speed looked fresh, and two idle peers adopted that stale speed from
+    it in turn, 3x slower than the node that was serving."""
+    c = warm_cluster(3, policy=Policy.COST)
+    n0, n1 = c.nodes["n0"], c.nodes["n1"]
+    prior = n0.own_speed().prefill_s_per_token
+    c.deliver("n1", RequestServed(1000, 0, 5 * prior * 1000, 1, 0.0, 0.6))
+    served_at = c.now
+    c.run_for(1.5)
+    assert n0.metrics()["speed_adopted"] == 1  # n0 measured nothing: adopted n1's
+    view_of_n0 = n1._gossip.estimates["n0"]
+    assert view_of_n0.speed is not None and view_of_n0.speed_measured_at is None
+    view_of_n1 = n0._gossip.estimates["n1"]
+    assert view_of_n1.speed_measured_at == pytest.approx(served_at, abs=0.05)
+    c.deliver("n0", RequestServed(1000, 0, 5 * prior * 1000, 1, 0.0, 0.6))
+    measured_at = c.now
+    c.run_for(1.5)
+    assert view_of_n0.speed_measured_at == pytest.approx(measured_at, abs=0.05)
+
+
 def test_load_above_threshold_advertises_immediately() -> None:
     node = lone_node(pushback=PushbackConfig(queue_threshold=2, duration_s=1.0))
     node.handle(Tick(), 0.0)

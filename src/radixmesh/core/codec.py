@@ -202,6 +202,7 @@ def _enc_load(load: Load) -> list[Any]:
         speed,
         load.pushback_s,
         load.utilization,
+        load.speed_measured_at,
     ]
 
 
@@ -251,8 +252,9 @@ class _Parser:
         return v
 
     def load(self, raw: Any) -> Load:
-        f = _array(raw, 7, "load")
+        f = _array(raw, 8, "load")
         pushback = None if f[5] is None else _float(f[5], "pushback", minimum=0.0)
+        measured = None if f[7] is None else _float(f[7], "speed_measured_at")
         return Load(
             queue_depth=_int(f[0], "queue_depth"),
             inflight=_int(f[1], "inflight"),
@@ -261,6 +263,7 @@ class _Parser:
             speed=None if f[4] is None else _speed(f[4]),
             pushback_s=pushback,
             utilization=min(1.0, _float(f[6], "utilization", minimum=0.0)),
+            speed_measured_at=measured,
         )
 
     def summary(self, raw: Any) -> Summary | None:

@@ -239,9 +239,10 @@ class Disseminator:
         est.stamp = stamp
         est.load = load
         if load.speed is not None:
-            if est.speed is not None and load.speed != est.speed:
-                est.speed_changed_at = now  # it measured something (its first report may not)
             est.speed = load.speed
+        # its clock to ours through the stamp (an age, whatever the two clocks read)
+        est.speed_measured_at = (None if load.speed_measured_at is None
+                                 else now - max(0.0, stamp - load.speed_measured_at))
         est.pushback_until = None if load.pushback_s is None else now + load.pushback_s
 
     def _apply_summary(self, est: Estimate, summary: Summary | None) -> None:

@@ -192,6 +192,7 @@ class Epidemic:
                 e.speed,
                 pushback,
                 load.utilization,
+                load.speed_measured_at,
             )
         stamp = 0.0 if e.stamp is None else e.stamp
         return NodeState(e.node_id, address, e.incarnation, e.heartbeat, stamp, load, summary)

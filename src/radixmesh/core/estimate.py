@@ -28,7 +28,7 @@ class Estimate:
     stamp: float | None = None  # its clock at the newest load applied
     load: Load | None = None  # its newest load report (speed may be None: see ``speed``)
     speed: SpeedReport | None = None  # its newest speed report
-    speed_changed_at: float | None = None  # our clock when a report changed it (it served)
+    speed_measured_at: float | None = None  # our clock when it last measured its speed itself
     pushback_until: float | None = None  # our clock
     # what it holds of ours and what we owe it (dissemination)
     speed_sent: SpeedReport | None = None  # OUR speed as last sent to it
@@ -55,7 +55,7 @@ class Estimate:
         self.relay_log_hashes = 0
         self.load = None
         self.speed = None
-        self.speed_changed_at = None
+        self.speed_measured_at = None
         self.speed_sent = None
         self.pushback_until = None
 

@@ -13,18 +13,20 @@ O(1), and they track drift (a node that slows down is noticed within a few reque
 Prefill is not linear in the number of uncached tokens: attention over the cached context
 grows with it. The model is ``overhead + rate * work(u, c)`` with
 ``work(u, c) = u * (1 + (c + u / 2) / context_scale)`` — ``u`` uncached tokens attending over
-``c`` cached plus (on average) half of themselves. ``overhead`` and ``rate`` are fitted together
-by exponentially weighted least squares with a weak ridge towards the prior scaled to the
-data (:class:`PrefillFit`); ``context_scale`` is a constant of the hardware/model (how many
-context tokens double a token's cost), given in the priors. (The rate alone, as an EWMA of
-``(seconds - overhead)/work`` under the prior's overhead, followed each node's mix of
-requests wherever the true overhead differed from the prior's. A plain least-squares fit of
-both, tried before that, was ill-conditioned on the narrow spread of sizes a node serves:
-on the real tiny engine, 21 % noise per request, the per-node fits differed by more than
-the router's 1.5× tolerance and at 200 ms one node took 71 % of the requests. The ridge
-keeps a one-size node on the prior's proportions, and nodes' speeds are compared by their
-times at two reference sizes (:func:`prefill_times`), not field by field: on the real
-cluster at 200 ms the busiest node now serves 25 %.)
+``c`` cached plus (on average) half of themselves. ``overhead`` and ``rate`` are tracked
+together by a two-state Kalman filter whose uncertainty lies mostly along the line itself
+(:class:`PrefillFit`: a machine that turns slower is slower at every size; the split between
+overhead and rate is learnt slowly from prefills of different sizes); ``context_scale`` is a
+constant of the hardware/model (how many context tokens double a token's cost), given in the
+priors. (The rate alone, as an EWMA of ``(seconds - overhead)/work`` under the prior's
+overhead, followed each node's mix of requests wherever the true overhead differed from the
+prior's. A plain least-squares fit of both, tried before that, was ill-conditioned on the
+narrow spread of sizes a node serves: on the real tiny engine, 21 % noise per request, the
+per-node fits differed by more than the router's 1.5× tolerance and at 200 ms one node took
+71 % of the requests. Weighted least squares with a ridge towards the prior held, but kept
+the rate of the last prefills of different sizes while the overhead followed the hits. Nodes'
+speeds are compared by their times at two reference sizes (:func:`prefill_times`), not field
+by field.)
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.estimators import SpeedReport
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Load.speed_measured_at
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +48,10 @@ class Load:
     speed: SpeedReport | None  # measured speed; None: unchanged since the last one sent
     pushback_s: float | None = None  # "back off for this long from when you receive this"
     utilization: float = 0.0  # recent busy fraction in [0, 1] (router's bounded-load rule)
+    # its clock (as ``stamp``) when it last measured its speed itself, serving a request; None:
+    # never (its speed is the configured prior or one adopted from its peers, which a peer
+    # must not take for a measurement: an adopted stale speed then spread as fresh)
+    speed_measured_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

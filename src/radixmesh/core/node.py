@@ -208,6 +208,9 @@ class NodeCore:
         # when the own speed estimate was last refreshed (served, adopted); None: it is
         # still the configured prior
         self._speed_at: float | None = None
+        # when it last measured its speed itself (served a request): what its load reports
+        # tell peers (``Load.speed_measured_at``), not the time of an adoption
+        self._measured_at: float | None = None
         # per peer: how far the queue waits our forwards met were from what we predicted
         self._wait_errors: dict[str, WaitError] = {}
         self._router = Router(config.router)
@@ -672,9 +675,9 @@ class NodeCore:
         fresh = []  # the speeds of (at most SPEED_SAMPLE) peers that served lately
         for peer in self._gossip.routable:
             est = self._gossip.estimates.get(peer)
-            if est is None or est.speed is None or est.speed_changed_at is None:
+            if est is None or est.speed is None or est.speed_measured_at is None:
                 continue
-            if now - est.speed_changed_at < window:
+            if now - est.speed_measured_at < window:
                 fresh.append(est.speed)
                 if len(fresh) >= SPEED_SAMPLE:
                     break
@@ -685,7 +688,7 @@ class NodeCore:
 
     def _served(self, event: RequestServed, now: float) -> list[Action]:
         self._count("requests_served")
-        self._speed_at = now
+        self._speed_at = self._measured_at = now
         self._load_cache = None
         uncached = max(0, event.prompt_tokens - event.cached_tokens)
         self._compute.observe_prefill(uncached, event.cached_tokens, event.prefill_s)
@@ -726,9 +729,8 @@ class NodeCore:
     def _make_load(self, pushback: float | None, busy: float) -> Load:
         ev = self._load
         speed = self._compute.report()
-        return Load(
-            ev.queue_depth, ev.inflight, ev.cache_tokens, ev.cache_budget, speed, pushback, busy
-        )
+        return Load(ev.queue_depth, ev.inflight, ev.cache_tokens, ev.cache_budget, speed,
+                    pushback, busy, self._measured_at)
 
     def _account_out(self, actions: list[Action]) -> list[Action]:
         for a in actions:
