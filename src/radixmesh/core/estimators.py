@@ -164,8 +164,10 @@ class PrefillFit:
 
     The state is (overhead, rate × ``x_ref``), both in seconds. Its covariance starts as
     ``level_sd``² × θθᵀ + ``shape_sd``² × diag(θ²) (the prior can be off by a factor in
-    level and in shape) and grows each step by ``level_drift`` × θθᵀ + ``shape_drift`` ×
-    diag(θ²): the level may move ~√0.02 = 14 % between two prefills, the shape ~1 %.
+    level, and its shape is barely trusted: with ``shape_sd`` 3 an unusual shape, 170 ms +
+    0.1 us a unit, was still 6 % off after 300 noiseless prefills) and grows each step by
+    ``level_drift`` × θθᵀ + ``shape_drift`` × diag(θ²): the level may move ~√0.01 = 10 %
+    between two prefills, the shape ~1 %.
 
     Why a filter, not least squares. Exponentially weighted least squares (the previous
     design) kept the rate of whatever prefills of *different sizes* it had last seen: a
