@@ -240,7 +240,9 @@ class Disseminator:
         est.load = load
         if load.speed is not None:
             est.speed = load.speed
-        # its clock to ours through the stamp (an age, whatever the two clocks read)
+        # its clock to ours through the stamp (an age, whatever the two clocks read; a
+        # relayed report's age counts from its stamp, so it reads younger by the relay's
+        # delay, a fraction of a second against the stale-speed rule's 10 s window)
         est.speed_measured_at = (None if load.speed_measured_at is None
                                  else now - max(0.0, stamp - load.speed_measured_at))
         est.pushback_until = None if load.pushback_s is None else now + load.pushback_s

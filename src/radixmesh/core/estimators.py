@@ -188,12 +188,14 @@ class PrefillFit:
     the rest (the level direction is the uncertain one).
 
     Data that cannot tell the rate (larger prefills measured faster): an update that would
-    drive the rate below zero scales the line instead, by the move the filter would
-    have made at that size (a flat line, rate 0, priced every prefill alike: on the real
-    cluster under memory pressure a node advertising 82 ms + 0 us a unit drew a cold
-    1,686-token prefill away from the entry node holding 1,356 of its tokens)."""
+    drive the rate below zero halves it instead and moves the prediction at that size as
+    the filter would have (or, where that needs a negative overhead, scales the whole line
+    so): never a flat line at once (rate 0 priced every prefill alike: on the real cluster
+    under memory pressure a node advertising 82 ms + 0 us a unit drew a cold 1,686-token
+    prefill away from the entry node holding 1,356 of its tokens). The covariance takes the
+    filter's update either way."""
 
-    __slots__ = ("_p00", "_p01", "_p11", "_x", "level_drift", "level_sd", "noise", "overhead",
+    __slots__ = ("_p00", "_p01", "_p11", "level_drift", "level_sd", "noise", "overhead",
                  "rate", "shape_drift", "shape_sd", "x_ref")
 
     def __init__(self, overhead: float, rate: float, x_ref: float = 512.0, noise: float = 0.2,
