@@ -766,10 +766,10 @@ def test_a_node_that_measured_nothing_adopts_the_peers_median_at_once() -> None:
 def test_peers_learn_when_a_node_last_measured_its_speed_not_when_it_adopted_one() -> None:
     """What makes a peer's speed fresh for the stale-speed rule is that it *measured* it
     (served a request) lately, as its load reports say (``Load.speed_measured_at``, through
-    the report's stamp). An adopted speed changes the report but is not a measurement: on the
-    real cluster (the hot prefix at Poisson 50 %, right after the capacity probe) a node that
-    adopted a probe-era speed looked fresh, and two idle peers adopted that stale speed from
-    it in turn, 3x slower than the node that was serving."""
+    the report's stamp). A changed report is not a measurement (an adoption changes it too):
+    on the real cluster (the hot prefix at Poisson 50 %, right after the capacity probe) a
+    node whose report changed to a probe-era speed looked fresh, and two idle peers adopted
+    that stale speed from it, 3x slower than the node that was serving."""
     c = warm_cluster(3, policy=Policy.COST)
     n0, n1 = c.nodes["n0"], c.nodes["n1"]
     prior = n0.own_speed().prefill_s_per_token
