@@ -20,9 +20,11 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from radixmesh.core.router import Candidate, NodeInfo, Placement
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,8 +148,7 @@ class DecisionLog:
 
     def recent_admissions(self, limit: int | None = None) -> list[Admission]:
         """The kept verdicts on peers' forwards, oldest first; the last ``limit``."""
-        out = list(self._admissions)
-        return out if limit is None else out[max(len(out) - limit, 0):]
+        return _last(list(self._admissions), limit)
 
     def recent(
         self, limit: int | None = None, placement: str | None = None,
@@ -158,9 +159,12 @@ class DecisionLog:
         out = [k for k in self._ring
                if (request is None or k.request == request)
                and (placement is None or k.tag == placement)]
-        if limit is not None:
-            out = out[max(len(out) - limit, 0):]
-        return [k.decision() for k in out]
+        return [k.decision() for k in _last(out, limit)]
+
+
+def _last(items: list[_T], limit: int | None) -> list[_T]:
+    """The last ``limit`` of ``items`` (all of them when ``limit`` is None)."""
+    return items if limit is None else items[max(len(items) - limit, 0):]
 
 
 @dataclass(frozen=True, slots=True)
