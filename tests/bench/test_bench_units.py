@@ -364,3 +364,69 @@ def test_the_oracle_restarts_a_stale_speed_from_the_nodes_that_served() -> None:
     assert oracle.speed_restarts == 0  # checked when the oracle next chooses
     assert oracle.choose(prompt, 1, entry=0)[0] == 0  # n0 is as fast as n1 now: it stays
     assert oracle.speed_restarts == 1
+
+
+# ------------------------------------------------------------- streamed records, goodput, failure
+def _rec(**kw: object) -> Record:
+    return Record(run="r", policy="none", seq=0, id="x", group=None, entry=0, entry_node="n0",
+                  t_send=0.0, **kw)  # type: ignore[arg-type]
+
+
+def test_a_stream_gives_ttft_tpot_usage_and_the_nodes_timing() -> None:
+    from radixmesh.bench.client import _fill_stream, _StreamState
+
+    state = _StreamState()
+    state.chunk({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}, 1.0)
+    assert state.first is None  # a chat stream's role-only opening chunk is not a token
+    for t, piece in ((1.5, "a"), (1.7, "b"), (2.1, "c")):
+        state.chunk({"choices": [{"index": 0, "delta": {"content": piece}}]}, t)
+    state.chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}, 2.2)
+    state.chunk({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3,
+                                          "prompt_tokens_details": {"cached_tokens": 4}}}, 2.3)
+    rec = _rec(cached_tokens=2)  # the header's estimate at acceptance
+    _fill_stream(rec, state, start=1.0)
+    assert rec.ttft_s == pytest.approx(0.5) and rec.tpot_s == pytest.approx(0.3)
+    assert rec.cached_tokens == 4 and rec.prompt_tokens == 9 and rec.output == "abc"
+    assert rec.finish_reason == "length" and rec.ok
+
+
+def test_an_error_inside_a_stream_fails_the_record() -> None:
+    from radixmesh.bench.client import _fill_stream, _StreamState
+
+    state = _StreamState()
+    state.chunk({"choices": [{"index": 0, "text": "a"}]}, 1.0)
+    state.chunk({"error": {"message": "node shut down", "code": 503}}, 1.1)
+    rec = _rec()
+    _fill_stream(rec, state, start=0.0)
+    assert not rec.ok and "node shut down" in (rec.error or "")
+
+
+def test_goodput_counts_failed_requests_against_it() -> None:
+    from radixmesh.results.summary import Slo, token_latencies
+
+    recs = [_rec(ttft_s=0.2, tpot_s=0.05), _rec(ttft_s=1.5, tpot_s=0.01),
+            _rec(ttft_s=0.3, tpot_s=0.2), _rec(ttft_s=0.4), _rec(error="HTTP 500: x")]
+    figures = token_latencies(recs)
+    assert figures["goodput"] == pytest.approx(2 / 5)  # the 1st and the 1-token 4th
+    assert figures["p50_ttft_s"] == 0.3 and figures["slo"] == {"ttft_s": 1.0, "tpot_s": 0.1}
+    assert token_latencies(recs, Slo(ttft_s=2.0, tpot_s=0.5))["goodput"] == pytest.approx(4 / 5)
+    assert token_latencies([_rec()]) == {}  # records without TTFT add nothing
+
+
+def test_a_run_that_sent_nothing_or_lost_too_much_fails() -> None:
+    from radixmesh.bench.runner import run_failure
+    from radixmesh.workload.build import Drops
+
+    spec = RunSpec(name="r", policy="none")
+    drops = Drops()
+    for i in range(20):
+        drops.note(Request(id=str(i), prompt="p"), "too_long")
+    empty = RunResult(spec, drops=drops)
+    assert "no request was sent" in (run_failure(empty) or "")
+    fine = RunResult(spec, records=[_rec() for _ in range(40)])
+    assert run_failure(fine) is None
+    fine.records[0].error = "HTTP 500: x"
+    assert run_failure(fine) is None  # 1 of 40 failed: 2.5 %
+    fine.records[1].error = "HTTP 500: x"
+    fine.records[2].error = "HTTP 500: x"
+    assert "3 of 40 requests failed" in (run_failure(fine) or "")

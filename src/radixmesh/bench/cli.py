@@ -368,7 +368,7 @@ def run(args: argparse.Namespace) -> int:
             print(s.name, f"requests={s.workload.requests}", f"group={s.group}",
                   f"paired={s.lockstep or '-'}")  # fmt: skip
         return 0
-    from radixmesh.bench.runner import Runner
+    from radixmesh.bench.runner import Runner, run_failure
 
     stop_on_sigterm()
     try:
@@ -387,7 +387,10 @@ def run(args: argparse.Namespace) -> int:
     interrupted = any(r.interrupted for r in results)
     if not args.no_report:
         _report(out, args.mmlu_dir)
-    return 130 if interrupted else 0
+    failures = [f for f in map(run_failure, results) if f]
+    for failure in failures:
+        print(f"radixmesh bench: run failed: {failure}", file=sys.stderr)
+    return 130 if interrupted else (1 if failures else 0)
 
 
 def _err(message: str) -> None:

@@ -1,13 +1,28 @@
 """The benchmark's HTTP client: send one workload request to one node, read what it says.
 
 Uses the OpenAI-compatible API (``/v1/completions`` for prompts, ``/v1/chat/completions`` for
-messages; greedy, non-streaming) and the radixmesh response headers. Works unchanged against
-the sglang-router gateway (which returns the worker's response as is).
+messages; greedy) and the radixmesh response headers. Works unchanged against the gateways
+(sglang-router and SMG return the worker's response as is) and against any OpenAI-compatible
+engine.
+
+Requests are streamed (``stream: true`` with ``stream_options.include_usage``) so the client
+times what serving systems are judged on, as vLLM's and guidellm's benchmarks do:
+
+``ttft_s``  time to first token: send → the first chunk that carries generated text
+            (a chat stream's opening role-only chunk does not count);
+``tpot_s``  time per output token after the first: (last token − first token) ÷
+            (completion tokens − 1); None with fewer than 2 tokens;
+``latency_s`` send → the stream's end.
+
+Usage (prompt, completion and cached tokens) comes from the stream's usage chunk; a radixmesh
+node adds its ``queue`` / ``service`` timings as an SSE comment (``: server-timing ...``, which
+SSE clients ignore) since a stream's headers leave before they are known.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from typing import Any
 
@@ -27,8 +42,12 @@ H_QUEUE = "x-radixmesh-queue-s"  # seconds the request waited for the serving en
 H_SERVICE = "x-radixmesh-service-s"  # seconds the serving engine spent on it
 
 
-def request_body(req: Request, model: str) -> tuple[str, dict[str, Any]]:
+def request_body(
+    req: Request, model: str, stream: bool = False
+) -> tuple[str, dict[str, Any]]:
     body: dict[str, Any] = {"model": model, "max_tokens": req.max_tokens, "temperature": 0.0}
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
     if req.prompt is not None:
         return "/v1/completions", {**body, "prompt": req.prompt}
     assert req.messages is not None
@@ -77,9 +96,7 @@ def _timing(headers: httpx.Headers) -> dict[str, float]:
     return out
 
 
-def fill_from_response(rec: Record, resp: httpx.Response) -> None:
-    rec.status = resp.status_code
-    h = resp.headers
+def _fill_headers(rec: Record, h: httpx.Headers) -> None:
     rec.served_by = h.get(H_SERVED)
     rec.route = h.get(H_ROUTE)
     rec.expected_cached_tokens = _int(h.get(H_EXPECTED))
@@ -87,6 +104,12 @@ def fill_from_response(rec: Record, resp: httpx.Response) -> None:
     rec.request = _int(h.get(H_REQUEST))
     rec.cached_tokens = _int(h.get(H_CACHED))
     rec.server_timing = _timing(h)
+
+
+def fill_from_response(rec: Record, resp: httpx.Response) -> None:
+    """A whole (non-streamed) response: an error, or a JSON completion."""
+    rec.status = resp.status_code
+    _fill_headers(rec, resp.headers)
     try:
         payload = resp.json()
     except ValueError:
@@ -115,18 +138,100 @@ async def send(
     t0: float,
     headers: dict[str, str] | None = None,
 ) -> Record:
-    """POST ``req`` to ``base_url``; fills ``rec`` (timing relative to ``t0``) and returns it."""
-    path, body = request_body(req, model)
+    """POST ``req`` to ``base_url`` as a stream; fills ``rec`` (timing relative to ``t0``,
+    TTFT and TPOT measured here) and returns it."""
+    path, body = request_body(req, model, stream=True)
     start = time.perf_counter()
     try:
-        resp = await client.post(base_url.rstrip("/") + path, json=body, headers=headers)
-        fill_from_response(rec, resp)
+        url = base_url.rstrip("/") + path
+        async with client.stream("POST", url, json=body, headers=headers) as resp:
+            if resp.status_code >= 400 or not _is_stream(resp):
+                await resp.aread()
+                fill_from_response(rec, resp)
+            else:
+                _fill_headers(rec, resp.headers)
+                rec.status = resp.status_code
+                await _read_stream(rec, resp, start)
     except httpx.HTTPError as exc:
         rec.error = f"{type(exc).__name__}: {exc}"[:300]
     end = time.perf_counter()
     rec.latency_s = end - start
     rec.t_done = end - t0
     return rec
+
+
+def _is_stream(resp: httpx.Response) -> bool:
+    return resp.headers.get("content-type", "").startswith("text/event-stream")
+
+
+class _StreamState:
+    """What one response stream said so far (text pieces, finish reason, token times)."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.finish: str | None = None
+        self.first: float | None = None
+        self.last: float | None = None
+        self.usage: dict[str, Any] = {}
+        self.error: str | None = None
+
+    def chunk(self, payload: dict[str, Any], now: float) -> None:
+        if "error" in payload:
+            err = payload["error"]
+            msg = err.get("message") if isinstance(err, dict) else str(err)
+            self.error = f"stream error: {msg}"[:300]
+            return
+        if payload.get("usage"):
+            self.usage = payload["usage"]
+        for choice in payload.get("choices") or []:
+            piece = choice.get("text")
+            if piece is None:
+                piece = (choice.get("delta") or {}).get("content")
+            if piece:  # a token's text (a chat's role-only opening chunk carries none)
+                self.text.append(str(piece))
+                self.first = now if self.first is None else self.first
+                self.last = now
+            if choice.get("finish_reason"):
+                self.finish = choice["finish_reason"]
+
+
+async def _read_stream(rec: Record, resp: httpx.Response, start: float) -> None:
+    state = _StreamState()
+    async for line in resp.aiter_lines():
+        if line.startswith(": server-timing "):
+            rec.server_timing |= parse_server_timing(line[len(": server-timing "):])
+            continue
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            break
+        try:
+            payload = json.loads(data)
+        except ValueError:
+            state.error = "stream chunk is not JSON"
+            continue
+        if isinstance(payload, dict):
+            state.chunk(payload, time.perf_counter())
+    _fill_stream(rec, state, start)
+
+
+def _fill_stream(rec: Record, state: _StreamState, start: float) -> None:
+    if state.error is not None:
+        rec.error = state.error
+        return
+    usage = state.usage
+    rec.prompt_tokens = usage.get("prompt_tokens")
+    rec.completion_tokens = usage.get("completion_tokens")
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if cached is not None:  # the engine's own figure beats the header's estimate
+        rec.cached_tokens = cached
+    rec.output, rec.finish_reason = "".join(state.text), state.finish
+    if state.first is not None:
+        rec.ttft_s = state.first - start
+        n = rec.completion_tokens or len(state.text)
+        if n >= 2 and state.last is not None:
+            rec.tpot_s = (state.last - state.first) / (n - 1)
 
 
 async def model_name(client: httpx.AsyncClient, base_url: str) -> str:

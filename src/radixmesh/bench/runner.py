@@ -61,6 +61,7 @@ GATEWAYS: dict[str, type[Gateway]] = {"sglang": SglangRouter, "smg": Smg}
 PROBE_SEED_OFFSET = 7919  # the capacity probe's workload: same generator, another seed
 PROBE_REQUESTS = 48
 PROBE_CLIENTS = 16
+MAX_LOST_SHARE = 0.05  # a run that dropped or failed more of its requests than this failed
 
 
 @dataclass(slots=True)
@@ -155,6 +156,25 @@ def summary_entry(res: RunResult) -> dict[str, Any]:
         entry["schedule_text"] += (f"; {100 * (w.load or 0):g} % of measured capacity "
                                    f"{res.capacity['capacity_rps']:.2f} req/s")  # fmt: skip
     return entry
+
+
+def run_failure(res: RunResult) -> str | None:
+    """Why a finished run does not count (None: it does): it sent no request, or more than
+    ``MAX_LOST_SHARE`` of its candidate requests were dropped before sending (e.g. too long
+    for the engine's context) or failed. An interrupted or skipped run says so elsewhere."""
+    if res.interrupted or res.skipped:
+        return None
+    name = res.spec.name
+    if not res.records:
+        return f"{name}: no request was sent ({res.drops.text()})"
+    dropped, examined = res.drops.total, res.drops.examined
+    failed, sent = sum(not r.ok for r in res.records), len(res.records)
+    if examined and dropped / examined > MAX_LOST_SHARE:
+        return (f"{name}: {dropped} of {examined} candidate requests dropped "
+                f"({res.drops.text()}), more than {100 * MAX_LOST_SHARE:g} %")
+    if failed / sent > MAX_LOST_SHARE:
+        return f"{name}: {failed} of {sent} requests failed, more than {100 * MAX_LOST_SHARE:g} %"
+    return None
 
 
 class Sink:

@@ -16,6 +16,9 @@ finished). Field meanings:
               decisions in the run's ``decisions/<run>.jsonl`` carry it (scripts/why.py)
 ``t_send``/``t_done``  seconds since the run started; ``latency_s`` = client-side wall time
               (includes the emulated network delay of a forward)
+``ttft_s``    time to first token, client side (the stream's first generated text); None
+              where the run did not stream (older folders) or nothing was generated
+``tpot_s``    time per output token after the first, client side; None under 2 tokens
 ``server_timing``  any ``server-timing`` parts the node reported (name -> seconds)
 ``error``     ``None`` or a short description (HTTP status + message, or the exception)
 ``finish_reason``  ``stop`` | ``length`` as the API said (what the engine cached depends on it)
@@ -52,6 +55,8 @@ class Record:
     finish_reason: str | None = None
     placement: str | None = None
     request: int | None = None
+    ttft_s: float | None = None
+    tpot_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         # Shallow, unlike dataclasses.asdict (which deep-copied every record: seconds per

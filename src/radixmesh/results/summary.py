@@ -6,6 +6,12 @@ Hit rates are token-weighted: cached prompt tokens / prompt tokens over successf
 such a node is ``stranded`` (e.g. a node that lost every early routing race never caches and
 then never wins one). ``busy_share`` is the engines' total service time over nodes × wall time.
 Percentiles use the nearest-rank method on successful requests.
+
+Where the records carry TTFT (streamed runs, the simulator on the scheduler), the summary adds
+mean / p50 / p99 of TTFT and TPOT and ``goodput``: the share of *all* requests (failed ones
+count against it) that succeeded within the SLO — TTFT ≤ ``slo.ttft_s`` and, for requests with
+at least two output tokens, TPOT ≤ ``slo.tpot_s`` (DistServe's definition of goodput as the
+requests that meet their latency objectives; default 1 s and 100 ms, the 8B profiles' SLO).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import math
 import random
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from radixmesh.results.records import Record
@@ -92,7 +99,38 @@ def summarize(records: Sequence[Record]) -> dict[str, Any]:
         "prompt_tokens_mean": mean([float(r.prompt_tokens or 0) for r in ok]),
         "wall_s": max((r.t_done for r in records), default=0.0),
         "request_placements": placement_tags(ok),
-    }
+    } | token_latencies(records)
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    """A latency objective per request: time to first token and time per output token."""
+
+    ttft_s: float = 1.0
+    tpot_s: float = 0.1
+
+    def met(self, r: Record) -> bool:
+        if not r.ok or r.ttft_s is None or r.ttft_s > self.ttft_s:
+            return False
+        return r.tpot_s is None or r.tpot_s <= self.tpot_s
+
+
+def token_latencies(records: Sequence[Record], slo: Slo | None = None) -> dict[str, Any]:
+    """TTFT / TPOT figures and goodput; {} when no record carries a TTFT."""
+    ok = [r for r in records if r.ok]
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    if not ttft:
+        return {}
+    slo = slo or Slo()
+    tpot = [r.tpot_s for r in ok if r.tpot_s is not None]
+    return {
+        "mean_ttft_s": mean(ttft), "p50_ttft_s": percentile(ttft, 50),
+        "p99_ttft_s": percentile(ttft, 99),
+        "mean_tpot_s": mean(tpot), "p50_tpot_s": percentile(tpot, 50),
+        "p99_tpot_s": percentile(tpot, 99),
+        "goodput": _ratio(sum(slo.met(r) for r in records), len(records)),
+        "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
+    }  # fmt: skip
 
 
 def placement_tags(records: Sequence[Record]) -> dict[str, int]:

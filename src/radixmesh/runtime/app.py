@@ -718,6 +718,7 @@ async def _sse(service: NodeService, api: ApiRequest, samples: Sequence[_Sample]
         usage = shaper.usage(_usage(samples, outcomes))
         if usage is not None:
             yield usage
+        yield _timing_comment(outcomes[0])
     except Exception as exc:  # headers are gone: report in-band, like OpenAI does
         if any(service.cut_by_drain(s.ex) for s in samples):
             err = _drain_cut(service)
@@ -733,6 +734,13 @@ async def _sse(service: NodeService, api: ApiRequest, samples: Sequence[_Sample]
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     yield shaper.done()
+
+
+def _timing_comment(out: Outcome) -> bytes:
+    """A stream's headers leave before the engine has run: its queue and service times follow
+    as an SSE comment (clients ignore comments; ``bench.client`` reads it)."""
+    return (f": server-timing queue;dur={out.queue_s * 1000:.3f}, "
+            f"service;dur={out.service_s * 1000:.3f}\n\n").encode()
 
 
 def _start_headers(service: NodeService, ex: Execution) -> dict[str, str]:
