@@ -355,10 +355,15 @@ def _value(value: object) -> str:
     if isinstance(value, float):
         return repr(value)  # shortest round-tripping form; TOML accepts 1e-05 and 0.25
     if isinstance(value, str):
-        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
-        escaped = escaped.replace("\n", "\\n").replace("\t", "\\t")
-        return f'"{escaped}"'
+        return '"' + "".join(_escape(ch) for ch in value) + '"'
     raise TypeError(f"cannot write {type(value).__name__} to a profile")
+
+
+def _escape(ch: str) -> str:
+    """One character of a TOML basic string: quote and backslash escaped, controls as \\uXXXX."""
+    if ch in ('"', "\\"):
+        return "\\" + ch
+    return f"\\u{ord(ch):04x}" if ord(ch) < 0x20 or ord(ch) == 0x7F else ch
 
 
 # ------------------------------------------------------------------------- shipped profiles
