@@ -64,7 +64,8 @@ def show(prof: Profile, context: int) -> str:
         f"{n // 1024}k {prof.ttft_s(n) * 1e3:,.1f} ms" for n in PROMPTS if n <= prof.context_length
     ]
     lines.append("  predicted TTFT (alone): " + ", ".join(ttfts))
-    tpots = [f"batch {b} {prof.tpot_s(b, context) * 1e3:,.2f} ms" for b in BATCHES]
+    batches = [b for b in BATCHES if b <= prof.max_running]  # more cannot run at once
+    tpots = [f"batch {b} {prof.tpot_s(b, context) * 1e3:,.2f} ms" for b in batches]
     lines.append(f"  predicted TPOT (context {context:,}): " + ", ".join(tpots))
     if prof.checks:
         lines.append("  published figures:")
