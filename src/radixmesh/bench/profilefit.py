@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -140,14 +141,6 @@ def from_builtin_fit(doc: Mapping[str, Any], *, context_length: int, kv_blocks: 
     scale = float(doc["context_scale"])
     per_token = float(doc["decode_s_per_token"])
     what = f"{doc['source']}"
-    citations = {
-        "step_base_s": f"{what}: fitted prefill overhead {o * 1e3:.3f} ms",
-        "prefill_token_s": f"{what}: fitted prefill rate {rate * 1e6:.2f} us per work unit",
-        "prefill_attn_s": f"{what}: rate / fitted context_scale {scale:.0f}",
-        "decode_seq_s": f"{what}: decode {per_token * 1e3:.3f} ms per token - step_base_s "
-        "(0 if below)",
-        "decode_kv_s": f"{what}: not measured (decodes after 64-token prompts): 0",
-    }
     prof = Profile(
         name=str(doc["name"]).replace(":", "-"),
         hardware=what,
@@ -164,7 +157,7 @@ def from_builtin_fit(doc: Mapping[str, Any], *, context_length: int, kv_blocks: 
         context_length=context_length,
         max_running=1,
         step_tokens=context_length,
-        citations=citations,
+        citations=_builtin_citations(what, o, rate, scale, per_token),
     )
     cold = [m for m in doc.get("measurements", {}).get("prefill", []) if not m["cached"]]
     points = [
@@ -182,7 +175,18 @@ def from_builtin_fit(doc: Mapping[str, Any], *, context_length: int, kv_blocks: 
     return _replace_checks(prof, _checks(prof, points))
 
 
-def _replace_checks(prof: Profile, checks: tuple[Check, ...]) -> Profile:
-    from dataclasses import replace
+def _builtin_citations(
+    what: str, o: float, rate: float, scale: float, per_token: float
+) -> dict[str, str]:
+    return {
+        "step_base_s": f"{what}: fitted prefill overhead {o * 1e3:.3f} ms",
+        "prefill_token_s": f"{what}: fitted prefill rate {rate * 1e6:.2f} us per work unit",
+        "prefill_attn_s": f"{what}: rate / fitted context_scale {scale:.0f}",
+        "decode_seq_s": f"{what}: decode {per_token * 1e3:.3f} ms per token - step_base_s "
+        "(0 if below)",
+        "decode_kv_s": f"{what}: not measured (decodes after 64-token prompts): 0",
+    }
 
+
+def _replace_checks(prof: Profile, checks: tuple[Check, ...]) -> Profile:
     return replace(prof, checks=checks)
