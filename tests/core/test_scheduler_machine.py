@@ -161,7 +161,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if not hasattr(self, "sched"):
             return
-        budget = sum(len(p) + m for p, m in zip(self.prompts.values(), self.max_tokens.values()))
+        budget = sum(
+            len(p) + m for p, m in zip(self.prompts.values(), self.max_tokens.values(), strict=True)
+        )
         for _ in range(4 * budget + 10):
             if self.sched.running == 0 and self.sched.waiting == 0:
                 break
