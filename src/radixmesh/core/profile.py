@@ -73,6 +73,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Protocol
 
+from radixmesh.core.step import SchedulerConfig
+
 COEFFICIENTS = ("step_base_s", "prefill_token_s", "prefill_attn_s", "decode_seq_s", "decode_kv_s")
 CAPACITIES = ("kv_blocks", "block_size", "context_length", "max_running", "step_tokens")
 TEXTS = ("name", "hardware", "model", "source")
@@ -80,6 +82,7 @@ METRICS = ("tpot", "ttft", "prefill_linear")
 
 
 # ------------------------------------------------------------------ what step_s reads of a Step
+# core/step.py's Step fits these; so does any stand-in with the same attributes (tests, tools).
 class PrefillLike(Protocol):
     @property
     def start(self) -> int: ...  # prompt tokens already in KV before this chunk
@@ -228,10 +231,8 @@ class Profile:
             return self.ttft_s(check.tokens)
         return self.step_base_s + self.prefill_token_s * check.tokens
 
-    def scheduler_config(self, **overrides: Any) -> Any:
-        """The scheduler's ``SchedulerConfig`` for this engine (``overrides`` win)."""
-        from radixmesh.core import scheduler  # type: ignore[attr-defined,unused-ignore]
-
+    def scheduler_config(self, **overrides: Any) -> SchedulerConfig:
+        """The scheduler's configuration for this engine (``overrides`` win)."""
         values: dict[str, Any] = {
             "block_size": self.block_size,
             "kv_blocks": self.kv_blocks,
@@ -239,7 +240,7 @@ class Profile:
             "step_tokens": self.step_tokens,
         }
         values.update(overrides)
-        return scheduler.SchedulerConfig(**values)
+        return SchedulerConfig(**values)
 
     # ---------------------------------------------------------------------------- TOML
     def to_dict(self) -> dict[str, Any]:
