@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("radixmesh.bench.cli", "run benchmark sweeps against fresh local clusters"),
     "demo": ("radixmesh.bench.demo", "4 nodes, ~300 requests, none/paper/cost, with a report"),
     "sim": ("radixmesh.sim.cli", "discrete-event simulation of the same core at scale"),
+    "profile": ("radixmesh.profiles.cli", "step-time profiles: list them, show what one predicts"),
     "calibrate": ("radixmesh.bench.calibrate", "measure the built-in engine into a cost model"),
     "chaos": ("radixmesh.chaos.cli", "fault injection and soak tests against real nodes"),
     "microbench": ("radixmesh.bench.microbench", "micro-benchmarks of the core and engine"),
