@@ -217,6 +217,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="write the (first configuration's) workload as JSONL and exit",
     )
     e = p.add_argument_group("engine")
+    e.add_argument("--engine", choices=("builtin", "emulated"), default="builtin",
+                   help="builtin: the built-in engine in each node; emulated: each node fronts "
+                        "its own `radixmesh emulate` GPU engine (--profiles) as it fronts vLLM")
+    e.add_argument("--profiles", default="",
+                   help="emulated engines' step-time profiles with counts, e.g. "
+                        "h100-llama3-8b:4,a10g-llama3-8b:12 (one bare name: every node)")
+    e.add_argument("--time-scale", type=float, default=1.0, metavar="S",
+                   help="emulated: every step, delay, interval and timeout S x longer, figures "
+                        "divided back by S (a 2-core machine cannot run GPU-speed engines in "
+                        "real time; default 1)")
     e.add_argument("--engine-preset", default="tiny", help="built-in model preset")
     e.add_argument("--model", help="local model directory instead of a preset")
     e.add_argument("--threads", type=int, default=1, help="torch threads per node")
@@ -274,6 +284,9 @@ def base_spec(args: argparse.Namespace) -> RunSpec:
         dtype=args.dtype,
         gpu_memory_fraction=args.gpu_memory_fraction,
         seed=args.seed,
+        engine=args.engine,
+        profiles=args.profiles,
+        time_scale=args.time_scale,
     )
 
 

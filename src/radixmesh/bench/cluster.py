@@ -41,6 +41,8 @@ def serve_options(spec: RunSpec) -> dict[str, object]:
         "preset": spec.preset,
         "log_level": "warning",
     }
+    if spec.engine == "emulated":
+        return _stretched(spec)
     if spec.model:
         opts["model"] = spec.model
     if spec.device != "cpu":
@@ -52,13 +54,47 @@ def serve_options(spec: RunSpec) -> dict[str, object]:
     return opts
 
 
+def _stretched(spec: RunSpec) -> dict[str, object]:
+    """An emulated mesh at time scale S: the built-in engine's options gone, every interval,
+    delay and timeout of the node S times longer (bench/emulated.py)."""
+    from radixmesh.core.config import AdmissionConfig, ForwardConfig
+
+    s = spec.time_scale
+    forward = ForwardConfig()
+    return {
+        "policy": spec.node_policy,
+        "gossip_interval": spec.gossip_interval_s * s,
+        "gossip_announce": "off" if spec.gossip_announce_s is None
+        else spec.gossip_announce_s * s,
+        "net_delay": spec.comm_delay_s * s,
+        "forward_timeout": forward.silence_timeout_s * s,
+        "connect_timeout": forward.connect_timeout_s * s,
+        "max_queue_wait": AdmissionConfig().max_queue_wait_s * s,
+        "seed": spec.seed,
+        "log_level": "warning",
+    }  # fmt: skip
+
+
+def per_node_options(spec: RunSpec) -> dict[int, dict[str, object]]:
+    """Each node's own options: for an emulated mesh, its engine's profile and ports."""
+    if spec.engine != "emulated":
+        return {}
+    from radixmesh.bench.emulated import engine_options
+    from radixmesh.runtime.cluster import free_ports
+
+    ports = free_ports(3 * spec.nodes)
+    return {i: engine_options(p, ports[3 * i: 3 * i + 3], spec.time_scale)
+            for i, p in enumerate(spec.node_profiles)}  # fmt: skip
+
+
 class _Local:
     """Adapts the runtime's ``LocalCluster`` to :class:`BenchCluster`."""
 
     def __init__(self, spec: RunSpec, log_dir: Path | None) -> None:
         from radixmesh.runtime.cluster import LocalCluster
 
-        self._cluster = LocalCluster(spec.nodes, serve_options(spec), log_dir=log_dir)
+        self._cluster = LocalCluster(spec.nodes, serve_options(spec),
+                                     per_node=per_node_options(spec), log_dir=log_dir)
         try:
             self._cluster.start(wait=False)
         except BaseException:
@@ -79,6 +115,12 @@ class _Local:
     @property
     def node_ids(self) -> list[str]:
         return list(self._cluster.node_ids)
+
+    @property
+    def engine_urls(self) -> list[str]:
+        """The nodes' external engines (emulated meshes), in node order; [] for built-in."""
+        return [str(o["engine_url"]) for _, o in sorted(self._cluster.per_node.items())
+                if "engine_url" in o]
 
     def close(self) -> None:
         self._cluster.stop()

@@ -43,7 +43,7 @@ def prompt_ids(tokenizer: Any, req: Request) -> list[int]:
 
 def make_fits(spec: RunSpec) -> Fits:
     """Requests whose prompt (in the engine's tokens) leaves room for the output."""
-    context = engine_context(spec.preset, spec.model)
+    context = engine_context(spec.preset, spec.model, spec.node_profiles)
     tokenizer = tokenizer_for(spec)
     return lambda r: len(prompt_ids(tokenizer, r)) + r.max_tokens + CONTEXT_MARGIN < context
 

@@ -99,7 +99,7 @@ class CapacityProbe:
         reqs = [replace(r, after=None) for r in self.requests]
         start = time.perf_counter()
         recs = await replay.closed_loop(http, reqs, self.clients, record=False)
-        wall = time.perf_counter() - start
+        wall = (time.perf_counter() - start) / replay.spec.time_scale  # unscaled seconds
         return sum(1 for r in recs if r.ok) / wall if wall > 0 else 0.0
 
     def to_json(self) -> dict[str, Any]:
@@ -165,9 +165,10 @@ async def _open_loop(http: httpx.AsyncClient, pairs: Sequence[Pair]) -> None:
         tasks.append(task)
 
     t0 = pairs[0][0].t0
+    scale = pairs[0][0].spec.time_scale  # arrival times are unscaled (bench/emulated.py)
     try:
         for i, t in enumerate(arrival_times(pairs)):
-            delay = t - (time.perf_counter() - t0)
+            delay = t * scale - (time.perf_counter() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
             for m in range(len(pairs)):
@@ -179,6 +180,17 @@ async def _open_loop(http: httpx.AsyncClient, pairs: Sequence[Pair]) -> None:
     finally:
         for task in tasks:
             task.cancel()
+
+
+def unscale(rec: Record, scale: float) -> None:
+    """A record of a mesh run ``scale`` times slower than the one it stands for, in that one's
+    time (bench/emulated.py): every time divided by ``scale``."""
+    rec.t_send /= scale
+    rec.t_done /= scale
+    rec.latency_s /= scale
+    rec.ttft_s = None if rec.ttft_s is None else rec.ttft_s / scale
+    rec.tpot_s = None if rec.tpot_s is None else rec.tpot_s / scale
+    rec.server_timing = {k: v / scale for k, v in rec.server_timing.items()}
 
 
 class Replay:
@@ -195,7 +207,7 @@ class Replay:
         self.router: Gateway | None = None
         self.oracle: Oracle | None = None
         self.tokenizer = tokenizer_for(spec)
-        self.max_context = engine_context(spec.preset, spec.model)
+        self.max_context = engine_context(spec.preset, spec.model, spec.node_profiles)
         self.model = ""
         self.t0 = 0.0
 
@@ -273,6 +285,8 @@ class Replay:
         else:
             url = self.router.url if self.router else self.urls[entry]
             await client.send(http, url, self.model, req, rec, self.t0)
+        if self.spec.time_scale != 1.0:
+            unscale(rec, self.spec.time_scale)
         if record:
             self.records.append(rec)
             self.sink(rec)

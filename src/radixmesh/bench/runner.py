@@ -82,6 +82,7 @@ class RunResult:
     probe_requests: list[Request] = field(default_factory=list)
     capacity: dict[str, Any] | None = None
     placements: dict[str, float] | None = None  # the nodes' placement tags (cost), summed
+    engine_lag: dict[str, Any] | None = None  # emulated engines: lag behind their profiles
 
 
 def placement_counts(urls: Sequence[str]) -> dict[str, float] | None:
@@ -151,6 +152,8 @@ def summary_entry(res: RunResult) -> dict[str, Any]:
         "device": s.device, "dtype": s.dtype,
         "ideal_hit_rate": res.ideal_hit_rate, "workload_kind": w.kind,
         "load_fraction": w.load, "capacity": res.capacity, "placements": res.placements,
+        "engine": s.engine, "profiles": s.profiles or None, "time_scale": s.time_scale,
+        "engine_lag": res.engine_lag,
     })  # fmt: skip
     if res.capacity and res.capacity.get("rate"):
         entry["schedule_text"] += (f"; {100 * (w.load or 0):g} % of measured capacity "
@@ -404,6 +407,15 @@ class Runner:
             res.placements = placement_counts(cluster.urls)
         if replay.router is None:  # the nodes routed: keep why (scripts/why.py reads it)
             save_decisions(cluster.urls, self.out / "decisions" / f"{res.spec.name}.jsonl")
+        engines = getattr(cluster, "engine_urls", [])
+        if engines:
+            from radixmesh.bench.emulated import LAG_WARN_SHARE, engine_lag
+
+            res.engine_lag = engine_lag(engines)
+            share = res.engine_lag["share"]
+            if share is not None and share > LAG_WARN_SHARE:
+                self.log(f"{res.spec.name}: the emulated engines lagged {100 * share:.1f} % of "
+                         "their busy time behind their profiles: raise --time-scale")
         cluster.close()
         if replay.oracle is not None:
             res.oracle_mismatches = replay.oracle.mismatches
@@ -439,7 +451,7 @@ class Runner:
             # its hop to the workers crosses the same emulated link as a peer forward
             replay.router = gateway(cluster.urls, log_path=log, link_delay_s=spec.comm_delay_s)
         elif spec.policy == "oracle":
-            context = engine_context(spec.preset, spec.model)
+            context = engine_context(spec.preset, spec.model, spec.node_profiles)
             replay.oracle = Oracle(cluster.node_ids, spec.cache_tokens, BLOCK_SIZE,
                                    spec.comm_delay_s, spec.seed, context)  # fmt: skip
 

@@ -10,6 +10,7 @@ and ``smg`` (SMG 1.13's ``cache_aware``, :mod:`radixmesh.bench.smg`).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,6 +50,11 @@ class RunSpec:
     seed: int = 0
     group: str = ""  # which table/figure of the report this run feeds
     lockstep: str = ""  # consecutive runs with the same non-empty key run paired in time
+    # builtin: each node runs the built-in engine in process; emulated: each node fronts its
+    # own `radixmesh emulate` engine (bench/emulated.py) with one of ``profiles`` (NAME:COUNT,..)
+    engine: str = "builtin"
+    profiles: str = ""
+    time_scale: float = 1.0  # emulated: everything timed runs S x slower; figures divided back
 
     def __post_init__(self) -> None:
         check_policy(self.policy)
@@ -58,6 +64,22 @@ class RunSpec:
             raise ValueError("comm delay must be >= 0 and gossip interval > 0")
         if (self.workload.rate or self.workload.load) and self.concurrency > 1:
             raise ValueError("an open-loop rate and closed-loop concurrency exclude each other")
+        if self.engine not in ("builtin", "emulated"):
+            raise ValueError(f"engine must be builtin or emulated, got {self.engine!r}")
+        if self.engine == "emulated" and not self.profiles:
+            raise ValueError("--engine emulated needs --profiles NAME[:COUNT],...")
+        if self.engine == "emulated" and self.policy == "oracle":
+            raise ValueError("the oracle mirrors the built-in engine's cache; it does not run "
+                             "on emulated engines yet")
+        if not self.time_scale > 0 or (self.engine == "builtin" and self.time_scale != 1):
+            raise ValueError("--time-scale must be > 0, and applies to --engine emulated only")
+
+    @property
+    def node_profiles(self) -> list[str]:
+        """Emulated engines: the profile of each node's engine, in node order."""
+        from radixmesh.bench.emulated import parse_profiles
+
+        return parse_profiles(self.profiles, self.nodes) if self.engine == "emulated" else []
 
     @property
     def node_policy(self) -> str:
@@ -68,8 +90,13 @@ class RunSpec:
         return "skewed" if self.workload.skewed else "uniform"
 
 
-def engine_context(preset: str, model: str | None) -> int:
-    """The engine's context length (prompts must be shorter), without loading weights."""
+def engine_context(preset: str, model: str | None, profiles: Sequence[str] = ()) -> int:
+    """The engine's context length (prompts must be shorter), without loading weights;
+    emulated engines: the shortest of their profiles'."""
+    if profiles:
+        from radixmesh.bench.emulated import context_length
+
+        return context_length(profiles)
     if model:
         cfg = json.loads((Path(model) / "config.json").read_text())
         text = cfg.get("text_config", cfg)

@@ -445,7 +445,8 @@ def _help_texts() -> dict[str, str]:
         "kv_events": "external engine's KV-event publisher endpoint(s), exactly as in its "
         "--kv-events-config (tcp://*:5557: we connect to the engine's host), comma list",
         "kv_replay": "external engine's replay endpoint, e.g. tcp://*:5558",
-        "tokenizer": "directory with the external engine's tokenizer.json (the same files)",
+        "tokenizer": "directory with the external engine's tokenizer.json (the same files), "
+                     "or `bytes` for an engine on the byte tokenizer (radixmesh emulate's default)",
         "engine_block_size": "external engine's KV block size (0 = take it from its events)",
         "launch": "external engine: start this command line as a child process (no shell), "
         "wait until --engine-url answers, stop it with the node",

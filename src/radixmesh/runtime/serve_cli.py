@@ -78,15 +78,16 @@ def build_external_service(config: ServeConfig, tokenizer: Any = None) -> Any:
     HttpEngine, and for vllm / sglang with ``--kv-events`` the subscriber that keeps its index
     exact, started and stopped with the service. ``tokenizer`` overrides ``--tokenizer``."""
     from radixmesh.engine.http_engine import HttpEngine
-    from radixmesh.engine.tokenizers import HFTokenizer
+    from radixmesh.engine.tokenizers import ByteTokenizer, HFTokenizer
     from radixmesh.runtime.kv_subscriber import KvSubscriber, plan_endpoints
     from radixmesh.runtime.node import NodeService
 
     if tokenizer is None:
         if not config.tokenizer:
             raise ValueError(f"--engine {config.engine} needs --tokenizer DIR: the engine's own "
-                             "tokenizer files (radixmesh sends token ids)")
-        tokenizer = HFTokenizer(config.tokenizer)
+                             "tokenizer files (radixmesh sends token ids), or `bytes`")
+        tokenizer = (ByteTokenizer() if config.tokenizer == "bytes"
+                     else HFTokenizer(config.tokenizer))
     launched = _launch_engine(config)
     try:
         name, max_context = _engine_model(config)

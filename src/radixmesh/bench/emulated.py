@@ -1,0 +1,107 @@
+"""A benchmark mesh of emulated GPU engines: each node fronts its own ``radixmesh emulate``.
+
+Theory of operation
+-------------------
+``radixmesh bench --engine emulated --profiles h100-llama3-8b:4,a10g-llama3-8b:12`` gives each
+node an emulated vLLM engine (``radixmesh emulate``: the core scheduler on the wall clock, step
+times from a cited profile, vLLM's HTTP API and KV events) in a process of its own, which the
+node starts itself (``serve --launch``) and fronts with ``--engine vllm`` exactly as it fronts a
+real vLLM: the node knows of its engine only what a gateway could (its API, its ``/metrics``,
+its KV events). Profiles with counts are dealt to the nodes in order; a bare name is every node.
+
+Time scale. A 2-core machine cannot run 16 GPU-speed engines and their nodes in real time (each
+engine streams one SSE chunk per token). ``--time-scale S`` makes every emulated step last S
+times the profile's time, and the harness stretches everything else that is time by the same S
+— link delays, gossip intervals, silence timeouts, open-loop arrival times — so the whole mesh
+runs S times slower than the deployment it stands for, as Dynamo's mocker's speed-up ratio
+does. Every figure the harness records (latency, TTFT, TPOT, server timings, arrival and
+completion times, measured capacity) is divided back by S: reports are in unscaled time. The
+node's own CPU work is not stretched, so at large S the mesh's overhead is understated by S;
+each engine exports its lag behind the profile (``emulator_lag_seconds_total`` against
+``emulator_busy_seconds_total``), which the harness reads after a run.
+
+Tokens: the engines and nodes share the byte tokenizer (``--tokenizer bytes``); one prompt
+character is one token, so prompts are ~4-5x longer in tokens than under a BPE vocabulary.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Sequence
+
+import httpx
+
+from radixmesh.core.profile import resolve
+
+BYTES = "bytes"  # the node's and the engines' tokenizer
+
+
+def parse_profiles(text: str, nodes: int) -> list[str]:
+    """``name:count,...`` (or one bare name for every node) -> one profile name per node.
+    ValueError when the counts do not add up to ``nodes`` or a profile does not resolve."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise ValueError("--profiles: name at least one profile")
+    if len(parts) == 1 and ":" not in parts[0]:
+        resolve(parts[0])
+        return [parts[0]] * nodes
+    out: list[str] = []
+    for part in parts:
+        m = re.fullmatch(r"(.+):(\d+)", part)
+        if not m or int(m.group(2)) < 1:
+            raise ValueError(f"--profiles: {part!r} is not NAME:COUNT with COUNT >= 1")
+        resolve(m.group(1))  # refused here, naming the field, rather than in 16 processes
+        out += [m.group(1)] * int(m.group(2))
+    if len(out) != nodes:
+        raise ValueError(f"--profiles: the counts add up to {len(out)} engines for {nodes} nodes")
+    return out
+
+
+def engine_options(profile: str, ports: Sequence[int], time_scale: float) -> dict[str, object]:
+    """``serve`` options of one node fronting its own emulated engine; ``ports`` = the engine's
+    HTTP, KV-event and replay ports."""
+    http, events, replay = ports
+    launch = [sys.executable, "-m", "radixmesh", "emulate", "--profile", profile,
+              "--port", str(http), "--kv-events", f"tcp://*:{events}",
+              "--kv-replay", f"tcp://*:{replay}", "--time-scale", f"{time_scale:g}"]
+    return {
+        "engine": "vllm",
+        "engine_url": f"http://127.0.0.1:{http}",
+        "kv_events": f"tcp://*:{events}",
+        "kv_replay": f"tcp://*:{replay}",
+        "tokenizer": BYTES,
+        "launch": " ".join(launch),
+    }
+
+
+def context_length(profiles: Sequence[str]) -> int:
+    """The shortest context among the mesh's engines (a prompt must fit any of them)."""
+    return min(resolve(p).context_length for p in set(profiles))
+
+
+LAG_WARN_SHARE = 0.05  # a run whose engines lagged more than this share of their busy time
+
+
+def _counter(text: str, name: str) -> float:
+    """A Prometheus counter's value in ``text`` (0 when absent)."""
+    m = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.MULTILINE)
+    return float(m.group(1)) if m else 0.0
+
+
+def engine_lag(urls: Sequence[str]) -> dict[str, float | int | None]:
+    """How far the emulated engines fell behind their profiles over a run: their lag summed
+    against their busy time (``emulator_lag_seconds_total`` / ``emulator_busy_seconds_total``,
+    wall seconds), and how many engines could not be asked."""
+    lag = busy = 0.0
+    missing = 0
+    for url in urls:
+        try:
+            text = httpx.get(url.rstrip("/") + "/metrics", timeout=5.0, trust_env=False).text
+        except httpx.HTTPError:
+            missing += 1
+            continue
+        lag += _counter(text, "emulator_lag_seconds_total")
+        busy += _counter(text, "emulator_busy_seconds_total")
+    return {"lag_s": lag, "busy_s": busy, "share": lag / busy if busy > 0 else None,
+            "engines_unread": missing}
