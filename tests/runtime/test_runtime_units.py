@@ -269,7 +269,7 @@ def test_netem_delays_each_chunk_without_accumulating() -> None:
         async def source():  # type: ignore[no-untyped-def]
             for i in range(4):  # a chunk every 10 ms, much faster than the delay
                 yield bytes([i])
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.01)  # the source's pacing (under test), not a wait
 
         t0 = loop.time()
         return [loop.time() - t0 async for _ in n.delayed(source())]
