@@ -3,7 +3,8 @@
 Every module under ``src/radixmesh`` is parsed with :mod:`ast`; every import counts, at any
 depth (inside functions and ``if TYPE_CHECKING:`` blocks too): a lazy import is still a
 dependency. The intended layering is core ← engine ← runtime, core ← sim, ``results`` and
-``workload`` below bench and sim, bench and chaos on top.
+``workload`` below bench and sim, bench and chaos on top; ``child_process`` (one OS call,
+no radixmesh imports) below everything that starts processes.
 """
 
 from __future__ import annotations
@@ -130,7 +131,10 @@ RULES = {
         "workload", forbidden=frozenset({"runtime", "sim", "bench", "chaos"})
     ),
     "results imports only results": Rule("results", allowed=frozenset({"results"})),
-    "testing imports only core": Rule("testing", allowed=frozenset({"core", "testing"})),
+    "testing imports only core and child_process": Rule(
+        "testing", allowed=frozenset({"core", "testing", "child_process"})
+    ),
+    "child_process imports nothing of radixmesh": Rule("child_process", allowed=frozenset()),
 }
 
 

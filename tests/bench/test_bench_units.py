@@ -221,7 +221,7 @@ class TimedReplay:
         start = time.perf_counter()
         self.running += 1
         self.most = max(self.most, self.running)
-        await asyncio.sleep(random.Random(seq).uniform(0.0, 0.004))
+        await asyncio.sleep(random.Random(seq).uniform(0.0, 0.004))  # a fake request's service
         self.running -= 1
         self.spans[req.id] = (start - self.t0, time.perf_counter() - self.t0)
         return rec("n0")

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import io
 import sys
-import time
+from typing import TYPE_CHECKING
 
 import pytest
 
 from radixmesh import progress
 from radixmesh.bench.progress import Progress
+
+if TYPE_CHECKING:
+    from conftest import Poll
 
 
 class Terminal(io.StringIO):
@@ -38,7 +41,9 @@ def test_a_bar_on_a_terminal_shows_counts_latency_and_errors() -> None:
     assert "mean 200 ms, errors 1" in text
 
 
-def test_the_simulator_callback_and_the_timed_bar(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_simulator_callback_and_the_timed_bar(
+    monkeypatch: pytest.MonkeyPatch, poll: Poll
+) -> None:
     out = Terminal()
     monkeypatch.setattr(sys, "stderr", out)
     cb = progress.counter("[sim] x")
@@ -46,5 +51,5 @@ def test_the_simulator_callback_and_the_timed_bar(monkeypatch: pytest.MonkeyPatc
         cb(done, 2500)
     assert "2500/2500" in out.getvalue()
     with progress.timed(2.0, "soak", stream=out, tick_s=0.01) as b:
-        time.sleep(0.1)
-    assert b.n > 0 and "soak" in out.getvalue()
+        poll.until(lambda: b.n > 0, "the timed bar to tick", 5)
+    assert "soak" in out.getvalue()

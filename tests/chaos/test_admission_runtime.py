@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import pytest
@@ -23,12 +22,13 @@ from radixmesh.runtime.config import ServeConfig
 from radixmesh.runtime.inprocess import free_port, serving
 from radixmesh.runtime.node import NodeService
 
+if TYPE_CHECKING:
+    from conftest import Poll
+
 TOKEN_S = 0.05
 MAX_TOKENS = 30  # with its prompt: over the cap below once a second request queues
 FILL_TOKENS = 80  # the requests that fill a node run 4 s (an idle node admits any size)
 CAP = 100
-
-
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def engine() -> Any:
 
 
 @contextlib.asynccontextmanager
-async def _mesh(engine: Any) -> AsyncIterator[list[tuple[NodeService, str]]]:
+async def _mesh(engine: Any, poll: Poll) -> AsyncIterator[list[tuple[NodeService, str]]]:
     ports = [free_port(), free_port()]
     nodes: list[tuple[NodeService, str]] = []
     async with contextlib.AsyncExitStack() as stack:
@@ -47,16 +47,10 @@ async def _mesh(engine: Any) -> AsyncIterator[list[tuple[NodeService, str]]]:
                               peers=(f"127.0.0.1:{other}",), max_queue_tokens=CAP)
             service = NodeService(cfg, SlowTokens(engine, TOKEN_S))
             nodes.append((service, await stack.enter_async_context(serving(service, port))))
-        await _until(lambda: all(set(n.peer_states().values()) == {"alive"}
-                                 and n.peer_states() for n, _ in nodes))
+        await poll.until_async(lambda: all(set(n.peer_states().values()) == {"alive"}
+                                           and n.peer_states() for n, _ in nodes),
+                               "both nodes to see each other alive")
         yield nodes
-
-
-async def _until(check: Callable[[], bool], limit_s: float = 10.0) -> None:
-    t0 = time.perf_counter()
-    while not check():
-        assert time.perf_counter() - t0 < limit_s, "timed out waiting"
-        await asyncio.sleep(0.02)
 
 
 def _body(text: str, max_tokens: int = MAX_TOKENS) -> dict[str, object]:
@@ -64,22 +58,23 @@ def _body(text: str, max_tokens: int = MAX_TOKENS) -> dict[str, object]:
 
 
 def test_a_node_full_of_tokens_forwards_to_a_peer_with_room_then_answers_429(
-    engine: Any,
+    engine: Any, poll: Poll,
 ) -> None:
     async def scenario() -> None:
-        async with _mesh(engine) as [(n0, a0), (n1, a1)], aiohttp.ClientSession() as http:
+        async with _mesh(engine, poll) as [(n0, a0), (n1, a1)], aiohttp.ClientSession() as http:
             hop = {"x-radixmesh-hop": "1"}  # executed where it enters: fills that node
             first = asyncio.ensure_future(
                 http.post(f"http://{a0}/v1/completions",
                           json=_body("fill n0 " * 6, FILL_TOKENS), headers=hop))
-            await _until(lambda: n0.queue_depth == 1)
+            await poll.until_async(lambda: n0.queue_depth == 1, "n0.queue_depth == 1")
             assert n0.queue_output_tokens == FILL_TOKENS and n0.queue_prompt_tokens > 0
             assert 0 < n0.queue_uncached_tokens <= n0.queue_prompt_tokens  # a cold prompt
             # ... whose blocks n0 advertises while it is queued (QueueChanged), its engine
             # not holding them yet, and n1 hears of them with the next gossip round
             queued = n0.core.local_hashes() - n0.core.cached_hashes()
             assert queued
-            await _until(lambda: queued <= n1.core.estimate("n0"))
+            await poll.until_async(lambda: queued <= n1.core.estimate("n0"),
+                                   "n1 to estimate n0's queued blocks")
             state = n0.mesh()["runtime"]["admission"]  # type: ignore[index]
             assert state["max_queue_tokens"] == CAP and not state["max_queue_tokens_derived"]
 
@@ -92,7 +87,7 @@ def test_a_node_full_of_tokens_forwards_to_a_peer_with_room_then_answers_429(
             second = asyncio.ensure_future(  # now n1 is busy too
                 http.post(f"http://{a1}/v1/completions",
                           json=_body("fill n1 " * 6, FILL_TOKENS), headers=hop))
-            await _until(lambda: n1.queue_depth == 1)
+            await poll.until_async(lambda: n1.queue_depth == 1, "n1.queue_depth == 1")
             async with http.post(f"http://{a0}/v1/completions", json=_body("nobody " * 6)) as r:
                 assert r.status == 429
                 assert int(r.headers["retry-after"]) >= 1
@@ -102,7 +97,8 @@ def test_a_node_full_of_tokens_forwards_to_a_peer_with_room_then_answers_429(
             for pending in (first, second):
                 async with await pending as ok:
                     assert ok.status == 200
-            await _until(lambda: n0.queue_depth == 0 and n1.queue_depth == 0)
+            await poll.until_async(lambda: n0.queue_depth == 0 and n1.queue_depth == 0,
+                                   "both queues to empty")
             for node in (n0, n1):  # every token released, however the work ended
                 assert node.queue_prompt_tokens == 0 and node.queue_output_tokens == 0
                 assert node.queue_uncached_tokens == 0 and not len(node._queued_blocks)

@@ -5,9 +5,14 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from radixmesh.chaos.env import _staleness
-from radixmesh.chaos.load import Outcome, percentile, summarize
+from radixmesh.chaos.load import Outcome, summarize
 from radixmesh.chaos.report import FaultResult, rss_bytes, to_json, to_markdown
+from radixmesh.results.summary import percentile
 
 
 def test_percentile_nearest_rank() -> None:
@@ -15,6 +20,23 @@ def test_percentile_nearest_rank() -> None:
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0
     assert percentile([float(i) for i in range(1, 101)], 99) == 99.0
     assert percentile([5.0], 100) == 5.0
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.0  # the lower middle: never interpolated
+    assert percentile([4.0, 1.0, 3.0, 2.0], 0) == 1.0
+    with pytest.raises(ValueError, match="q must be in"):
+        percentile([1.0], 100.5)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-50, 50), min_size=1, max_size=40), st.floats(0.0, 100.0))
+def test_percentile_is_the_smallest_value_with_q_percent_at_or_below(
+    ints: list[int], q: float
+) -> None:
+    values = [float(v) for v in ints]
+    got = percentile(values, q)
+    at_or_below = sum(1 for v in values if v <= got)
+    assert got in values and at_or_below * 100.0 >= q * len(values) - 1e-9
+    below = sum(1 for v in values if v < got)  # any smaller observed value covers too little
+    assert below == 0 or below * 100.0 < q * len(values) + 1e-9
 
 
 def test_summarize_counts_failures_and_routes() -> None:

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import pytest
@@ -18,9 +17,10 @@ from radixmesh.runtime.config import ServeConfig, config_from_mapping
 from radixmesh.runtime.inprocess import free_port, serving
 from radixmesh.runtime.node import NodeService
 
+if TYPE_CHECKING:
+    from conftest import Poll
+
 TOKEN_S = 0.05
-
-
 
 
 @pytest.fixture(scope="module")
@@ -28,15 +28,10 @@ def engine() -> Any:
     return build_engine("micro", cache_tokens=4096, threads=1)
 
 
-async def _until(check: Callable[[], bool], limit_s: float = 10.0) -> None:
-    t0 = time.perf_counter()
-    while not check():
-        assert time.perf_counter() - t0 < limit_s, "timed out waiting"
-        await asyncio.sleep(0.02)
-
-
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_request_cut_at_the_drain_deadline_gets_503(engine: Any, stream: bool) -> None:
+def test_a_request_cut_at_the_drain_deadline_gets_503(
+    engine: Any, stream: bool, poll: Poll
+) -> None:
     async def scenario() -> None:
         port = free_port()
         service = NodeService(ServeConfig(node_id="solo", port=port, gossip_interval=5.0),
@@ -46,7 +41,7 @@ def test_a_request_cut_at_the_drain_deadline_gets_503(engine: Any, stream: bool)
         async with serving(service, port) as address, aiohttp.ClientSession() as http:
             pending = asyncio.ensure_future(http.post(f"http://{address}/v1/completions",
                                                       json=body))
-            await _until(lambda: service.queue_depth == 1)
+            await poll.until_async(lambda: service.queue_depth == 1, "service.queue_depth == 1")
             cut = await service.leave(grace_s=0.3)  # 200 tokens need 10 s: cut at 0.3 s
             assert cut == 1 and service.drain_cancelled == 1
             async with await pending as resp:

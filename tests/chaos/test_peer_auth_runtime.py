@@ -16,7 +16,7 @@ from functools import cache
 import pytest
 from fastapi.testclient import TestClient
 
-from radixmesh.core.auth import HEADER, ClusterKey, sign
+from radixmesh.core.auth import ClusterKey, sign
 from radixmesh.core.forward_codec import ReplyDecoder, encode_forward_request
 from radixmesh.core.messages import ForwardRequest, ForwardResult
 from radixmesh.engine.factory import build_engine
@@ -32,6 +32,7 @@ from radixmesh.runtime.peer_auth import (
 )
 
 KEY = "a-test-cluster-key-of-enough-bytes"
+HEADER = "x-radixmesh-auth"  # the wire name, as a peer sends it
 
 
 @cache

@@ -159,7 +159,11 @@ def test_prefill_fit_never_goes_negative() -> None:
     for _ in range(20):
         fit.observe(10.0, 0.5)
         fit.observe(3000.0, 0.01)
-    assert fit.overhead >= 0 and fit.rate >= 0
+    # the line flattens towards the times' level: the rate is halved, never cut to 0 at once
+    # (nor below), and the overhead carries a level between the two measured times
+    assert fit.rate > 0 and fit.rate < 8e-5 / 2**30
+    for work in (10.0, 3000.0):
+        assert 0.01 < fit.overhead + fit.rate * work < 0.5
     fit = PrefillFit(0.004, 8e-5)
     for _ in range(20):
         fit.observe(100.0, 0.001)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -25,6 +26,9 @@ from radixmesh.engine.base import (
 from radixmesh.engine.worker import RequestStopped, ThreadedEngine, as_async_engine
 from radixmesh.runtime.config import ServeConfig
 from radixmesh.runtime.node import NodeService
+
+if TYPE_CHECKING:
+    from conftest import Poll
 
 WAIT_S = 5.0
 
@@ -59,6 +63,7 @@ class StepEngine(_CacheView):
         self.produced: dict[str, int] = {}  # tokens computed per request
         self.stopped: list[str] = []  # requests stopped by RequestStopped
         self.thread_ids: set[int] = set()
+        self.on_token: dict[str, TokenCallback | None] = {}  # what each request was given
 
     def generate(self, req: GenerateRequest, on_token: TokenCallback | None = None
                  ) -> GenerateResult:
@@ -66,6 +71,7 @@ class StepEngine(_CacheView):
         self.order.append(rid)
         self.thread_ids.add(threading.get_ident())
         self.produced[rid] = 0
+        self.on_token[rid] = on_token
         if rid.startswith("bad"):
             raise ValueError("bad request")
         out: list[int] = []
@@ -86,14 +92,6 @@ def _req(rid: str, tokens: int = 2) -> GenerateRequest:
     return GenerateRequest(rid, (1, 2, 3), SamplingParams(max_tokens=tokens))
 
 
-async def _until(check: Callable[[], bool]) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + WAIT_S
-    while not check():
-        assert loop.time() < deadline, "condition never held"
-        await asyncio.sleep(0.002)
-
-
 def _run(scenario: Callable[[ThreadedEngine, StepEngine], object]) -> None:
     async def main() -> None:
         fake = StepEngine()
@@ -108,11 +106,11 @@ def _run(scenario: Callable[[ThreadedEngine, StepEngine], object]) -> None:
 
 
 # ------------------------------------------------------------------------------ adapter
-def test_fifo_order_and_running_waiting_counts() -> None:
+def test_fifo_order_and_running_waiting_counts(poll: Poll) -> None:
     async def scenario(engine: ThreadedEngine, fake: StepEngine) -> None:
         seen: dict[str, list[int]] = {r: [] for r in "abc"}
         tasks = [asyncio.create_task(engine.generate(_req(r), seen[r].append)) for r in "abc"]
-        await _until(lambda: fake.order == ["a"])
+        await poll.until_async(lambda: fake.order == ["a"], "fake.order == ['a']")
         assert (engine.running, engine.waiting) == (1, 2)
         fake.steps.release(6)
         results = await asyncio.gather(*tasks)
@@ -125,32 +123,35 @@ def test_fifo_order_and_running_waiting_counts() -> None:
     _run(scenario)
 
 
-def test_cancel_while_waiting_never_runs() -> None:
+def test_cancel_while_waiting_never_runs(poll: Poll) -> None:
     async def scenario(engine: ThreadedEngine, fake: StepEngine) -> None:
         first = asyncio.create_task(engine.generate(_req("a")))
         queued = asyncio.create_task(engine.generate(_req("b")))
-        await _until(lambda: fake.order == ["a"] and engine.waiting == 1)
+        await poll.until_async(lambda: fake.order == ["a"] and engine.waiting == 1,
+                               "a running, b waiting")
         queued.cancel()
         with pytest.raises(asyncio.CancelledError):
             await queued
         assert (engine.running, engine.waiting) == (1, 0)  # uncounted at once
         fake.steps.release(2)
         assert (await first).output_ids == [0, 1]
-        await _until(lambda: engine.worker.cancelled == 1)
+        await poll.until_async(lambda: engine.worker.cancelled == 1, "engine.worker.cancelled == 1")
         assert fake.order == ["a"]  # b never started
         assert engine.worker.completed == 1 and engine.worker.failed == 0
 
     _run(scenario)
 
 
-def test_cancel_while_running_stops_at_the_next_token() -> None:
+def test_cancel_while_running_stops_at_the_next_token(poll: Poll) -> None:
     async def scenario(engine: ThreadedEngine, fake: StepEngine) -> None:
         seen: list[int] = []
         task = asyncio.create_task(engine.generate(_req("a", tokens=50), seen.append))
         fake.steps.release(1)
-        await _until(lambda: seen == [0])
+        await poll.until_async(lambda: seen == [0], "seen == [0]")
         task.cancel()
-        await asyncio.sleep(0.05)
+        relay = getattr(fake.on_token["a"], "__self__", None)  # the adapter's token path
+        await poll.until_async(lambda: relay is not None and relay.stopped,
+                               "the cancellation to reach the engine's token path")
         assert not task.done()  # CancelledError waits until the engine let go
         fake.steps.release(1)  # the next token: on_token raises RequestStopped there
         with pytest.raises(asyncio.CancelledError):
@@ -185,7 +186,7 @@ def test_on_token_runs_on_the_event_loop_thread() -> None:
     _run(scenario)
 
 
-def test_an_exception_in_on_token_stops_the_request_and_is_raised() -> None:
+def test_an_exception_in_on_token_stops_the_request_and_is_raised(poll: Poll) -> None:
     async def scenario(engine: ThreadedEngine, fake: StepEngine) -> None:
         calls: list[int] = []
 
@@ -195,7 +196,7 @@ def test_an_exception_in_on_token_stops_the_request_and_is_raised() -> None:
 
         task = asyncio.create_task(engine.generate(_req("a", tokens=50), boom))
         fake.steps.release(1)
-        await _until(lambda: calls == [0])
+        await poll.until_async(lambda: calls == [0], "calls == [0]")
         fake.steps.release(1)  # the next token stops it
         with pytest.raises(KeyError):
             await task
@@ -204,15 +205,16 @@ def test_an_exception_in_on_token_stops_the_request_and_is_raised() -> None:
     _run(scenario)
 
 
-def test_aclose_cancels_waiting_requests_then_refuses_new_ones() -> None:
+def test_aclose_cancels_waiting_requests_then_refuses_new_ones(poll: Poll) -> None:
     async def main() -> None:
         fake = StepEngine()
         engine = ThreadedEngine(fake)  # type: ignore[arg-type]
         running = asyncio.create_task(engine.generate(_req("a")))
         waiting = asyncio.create_task(engine.generate(_req("b")))
-        await _until(lambda: fake.order == ["a"] and engine.waiting == 1)
+        await poll.until_async(lambda: fake.order == ["a"] and engine.waiting == 1,
+                               "a running, b waiting")
         closing = asyncio.create_task(engine.aclose())
-        await _until(lambda: waiting.done())
+        await poll.until_async(lambda: waiting.done(), "waiting.done()")
         fake.steps.release(2)
         await closing
         assert (await running).output_ids == [0, 1]
@@ -265,7 +267,7 @@ def _gauge(text: str, name: str) -> float:
     return float(line.split()[1])
 
 
-def test_the_node_runs_requests_concurrently_and_reports_them_inflight() -> None:
+def test_the_node_runs_requests_concurrently_and_reports_them_inflight(poll: Poll) -> None:
     async def main() -> None:
         fake = ConcurrentEngine()
         engine: AsyncEngine = fake
@@ -287,7 +289,7 @@ def test_the_node_runs_requests_concurrently_and_reports_them_inflight() -> None
             runs = [await service.execute(list(range(i, i + 20)), sampling, stream=False)
                     for i in (0, 50)]
             results = [asyncio.create_task(ex.result()) for ex in runs]
-            await _until(lambda: fake.running == 2)
+            await poll.until_async(lambda: fake.running == 2, "fake.running == 2")
             assert (service.queue_depth, service.inflight) == (2, 2)
             assert any((ev.queue_depth, ev.inflight) == (2, 2) for ev in loads)
             assert _gauge(service.prometheus(), "radixmesh_inflight") == 2.0

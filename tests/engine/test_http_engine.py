@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -16,15 +16,13 @@ from radixmesh.core.kv_events import EngineBlockStored, KvBatch
 from radixmesh.engine.base import GenerateRequest, SamplingParams
 from radixmesh.engine.http_engine import EngineUnavailable, HttpEngine, mesh_block_size
 from radixmesh.engine.tokenizers import ByteTokenizer
-from radixmesh.runtime import inprocess
 from radixmesh.runtime.kv_subscriber import KvSubscriber, plan_endpoints
 from radixmesh.testing.fake_engine import FakeEngine, next_token, running
 
+if TYPE_CHECKING:
+    from conftest import Poll
+
 LIMIT_S = 10.0
-
-
-async def until(check: Callable[[], bool], what: str) -> None:
-    await inprocess.until(check, what, LIMIT_S, 0.01)
 
 
 def expected_tokens(prompt: list[int], n: int) -> list[int]:
@@ -50,18 +48,23 @@ def http_engine(fake: FakeEngine, kind: str = "vllm") -> HttpEngine:
 
 
 @contextlib.asynccontextmanager
-async def subscribed(fake: FakeEngine, engine: HttpEngine) -> AsyncIterator[KvSubscriber]:
+async def subscribed(
+    poll: Poll, fake: FakeEngine, engine: HttpEngine
+) -> AsyncIterator[KvSubscriber]:
     pubs, replays = plan_endpoints(fake.kv_endpoint, fake.replay_endpoint, fake.url)
     sub = KvSubscriber(engine.index, pubs, replays, replay_timeout_s=1.0)
     await sub.start()
     try:
         # the slow joiner: publish harmless batches until one arrives, then we are subscribed
-        deadline = time.monotonic() + LIMIT_S
-        while sub.counts["messages"] == 0:
-            assert time.monotonic() < deadline, "the subscriber never received a batch"
-            fake.clear_all()
-            await asyncio.sleep(0.02)
-        await settled(fake, sub)  # and handled (a first batch may still await its replay)
+        def received() -> bool:
+            if sub.counts["messages"]:
+                return True
+            fake.clear_all()  # another harmless batch for the next check
+            return False
+
+        await poll.until_async(received, "the subscriber to receive a batch", LIMIT_S,
+                               interval=0.02)
+        await settled(poll, fake, sub)  # and handled (a first batch may still await its replay)
         yield sub
     finally:
         await sub.stop()
@@ -71,8 +74,9 @@ def truth(fake: FakeEngine, seed: int) -> frozenset[int]:
     return frozenset(block_hashes(p, 16, seed)[-1] for p in fake.block_prefixes())
 
 
-async def settled(fake: FakeEngine, sub: KvSubscriber) -> None:
-    await until(lambda: sub.publishers[0].tracker.next_seq == fake.seq, "all batches applied")
+async def settled(poll: Poll, fake: FakeEngine, sub: KvSubscriber) -> None:
+    await poll.until_async(lambda: sub.publishers[0].tracker.next_seq == fake.seq,
+                           "all batches applied", LIMIT_S)
 
 
 @pytest.mark.parametrize("kind", ["vllm", "sglang", "openai"])
@@ -129,7 +133,7 @@ def test_two_requests_are_in_flight_at_once() -> None:
     asyncio.run(scenario())
 
 
-def test_cancelling_the_caller_closes_the_engine_stream() -> None:
+def test_cancelling_the_caller_closes_the_engine_stream(poll: Poll) -> None:
     async def scenario() -> None:
         async with running() as fake:
             fake.token_delay_s = 0.02
@@ -137,12 +141,12 @@ def test_cancelling_the_caller_closes_the_engine_stream() -> None:
             seen: list[int] = []
             work = engine.generate(request(prompt_of("long"), 500), seen.append)
             task = asyncio.create_task(work)
-            await until(lambda: len(seen) >= 3, "the first tokens")
+            await poll.until_async(lambda: len(seen) >= 3, "the first tokens", LIMIT_S)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
             assert engine.running == engine.waiting == 0
-            await until(lambda: fake.active == 0, "the fake to stop generating")
+            await poll.until_async(lambda: fake.active == 0, "the fake to stop generating", LIMIT_S)
             assert fake.disconnects == 1
             await engine.aclose()
         assert len(seen) < 500
@@ -182,15 +186,15 @@ def test_an_engine_error_or_a_dead_engine_is_engine_unavailable() -> None:
     asyncio.run(scenario())
 
 
-def test_the_exact_index_equals_the_fake_engines_cache_after_evictions() -> None:
+def test_the_exact_index_equals_the_fake_engines_cache_after_evictions(poll: Poll) -> None:
     async def scenario() -> None:
         async with running(cache_tokens=512) as fake:
             engine = http_engine(fake)
-            async with subscribed(fake, engine) as sub:
+            async with subscribed(poll, fake, engine) as sub:
                 stem = prompt_of("shared system prompt; " * 6)
                 for i in range(12):  # ~230-token prompts into a 512-token cache: it evicts
                     await engine.generate(request([*stem, *prompt_of(f"question {i} " * 9)], 8))
-                await settled(fake, sub)
+                await settled(poll, fake, sub)
                 assert fake.cache.evicted_tokens > 0
                 want = truth(fake, engine.fingerprint.digest)
                 assert want and engine.cache_hashes() == want

@@ -26,10 +26,10 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
@@ -41,6 +41,9 @@ from radixmesh.testing.netns import (
     netns_unavailable,
     reap_stale,
 )
+
+if TYPE_CHECKING:
+    from conftest import Poll
 
 pytestmark = pytest.mark.slow
 
@@ -108,26 +111,17 @@ class Mesh:
         return (own is not None and entry is not None and entry["view_blocks"] > 0
                 and entry["view_version"] == own["version"])
 
+    def check_up(self) -> None:
+        """Fail at once, with its log, if a host that should be up has exited."""
+        for host, proc in self.procs.items():
+            if proc.poll() is not None and host in self.expected_up:
+                raise AssertionError(f"{host} exited (rc {proc.returncode}):\n"
+                                     f"{self.log_tail(host)}")
+
     def log_tail(self, host: str, lines: int = 25) -> str:
         path = self.logs / f"{host}.log"
         text = path.read_text(errors="replace") if path.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
-
-
-def wait_for(cond: Callable[[], Any], timeout: float, what: str,
-             mesh: Mesh | None = None) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        if mesh is not None:
-            for host, proc in mesh.procs.items():
-                if proc.poll() is not None and host in mesh.expected_up:
-                    raise AssertionError(f"{host} exited (rc {proc.returncode}):\n"
-                                         f"{mesh.log_tail(host)}")
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -162,10 +156,10 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
         assert not left, left
 
 
-def test_membership_converges_through_one_seed(mesh: Mesh) -> None:
+def test_membership_converges_through_one_seed(mesh: Mesh, poll: Poll) -> None:
     others = {h: set(HOSTS) - {h} for h in HOSTS}
-    wait_for(lambda: all(mesh.alive(h) >= others[h] for h in HOSTS), START_TIMEOUT_S,
-             "every node to list the other two alive", mesh)
+    poll.until(lambda: all(mesh.alive(h) >= others[h] for h in HOSTS),
+               "every node to list the other two alive", START_TIMEOUT_S, watch=mesh.check_up)
     converged = time.monotonic() - mesh.started
     print(f"\n[emulated hosts] start -> converged membership: {converged:.1f} s")
     for host in HOSTS:  # learnt by gossip: h2 and h3 were told only h1's address
@@ -175,11 +169,12 @@ def test_membership_converges_through_one_seed(mesh: Mesh) -> None:
         assert (mesh.mesh(host) or {}).get("seeds") == []
 
 
-def test_a_prefix_cached_on_h1_is_served_by_h1_when_asked_at_h3(mesh: Mesh) -> None:
+def test_a_prefix_cached_on_h1_is_served_by_h1_when_asked_at_h3(mesh: Mesh, poll: Poll) -> None:
     first = mesh.complete("h1", PREFIX + "Question: what does a bridge forward?", HOP)
     assert first.status_code == 200, first.text
     assert first.headers["x-radixmesh-served-by"] == "h1"
-    wait_for(lambda: mesh.view_current("h3", "h1"), 15, "h3 to learn h1's cache", mesh)
+    poll.until(lambda: mesh.view_current("h3", "h1"),
+               "h3 to learn h1's cache", 15, watch=mesh.check_up)
     second = mesh.complete("h3", PREFIX + "Question: what does a veth pair carry?")
     assert second.status_code == 200, second.text
     served, route = second.headers["x-radixmesh-served-by"], second.headers["x-radixmesh-route"]
@@ -221,13 +216,14 @@ class Load:
             i += 1
 
 
-def test_sigterm_of_a_forward_target_fails_nothing(mesh: Mesh) -> None:
+def test_sigterm_of_a_forward_target_fails_nothing(mesh: Mesh, poll: Poll) -> None:
     hot = PREFIX.replace("emulated", "draining")
     assert mesh.complete("h2", hot + "Warm-up.", HOP).status_code == 200  # h2 caches it
-    wait_for(lambda: mesh.view_current("h1", "h2") and mesh.view_current("h3", "h2"), 15,
-             "h1 and h3 to learn h2's cache", mesh)
+    poll.until(lambda: mesh.view_current("h1", "h2") and mesh.view_current("h3", "h2"),
+               "h1 and h3 to learn h2's cache", 15, watch=mesh.check_up)
     with Load(mesh, hot) as load:
-        wait_for(lambda: len(load.results) >= 4, 30, "the load to run", mesh)
+        poll.until(lambda: len(load.results) >= 4,
+                   "the load to run", 30, watch=mesh.check_up)
         before = len(load.results)
         t0 = time.monotonic()
         mesh.expected_up = ("h1", "h3")
@@ -235,7 +231,8 @@ def test_sigterm_of_a_forward_target_fails_nothing(mesh: Mesh) -> None:
         rc = mesh.procs["h2"].wait(GRACE_S + 10)
         drained = time.monotonic() - t0
         n = len(load.results)
-        wait_for(lambda: len(load.results) >= n + 4, 30, "requests after h2 left", mesh)
+        poll.until(lambda: len(load.results) >= n + 4,
+                   "requests after h2 left", 30, watch=mesh.check_up)
     results = list(load.results)
     to_h2 = sum(1 for _, served, _ in results[:before] if served == "h2")
     draining = dict(Counter(f"{served}/{route}" for _, served, route in results[before:n]))
@@ -249,23 +246,25 @@ def test_sigterm_of_a_forward_target_fails_nothing(mesh: Mesh) -> None:
     assert all(served in ("h1", "h3") for _, served, _ in results[n:])
 
 
-def test_partition_and_heal_of_h3(mesh: Mesh) -> None:
+def test_partition_and_heal_of_h3(mesh: Mesh, poll: Poll) -> None:
     mesh.expected_up = ("h1", "h3")
-    wait_for(lambda: "h3" in mesh.alive("h1"), 15, "h1 to see h3 alive", mesh)
+    poll.until(lambda: "h3" in mesh.alive("h1"),
+               "h1 to see h3 alive", 15, watch=mesh.check_up)
     t0 = time.monotonic()
     mesh.net.link_down("h3")
     try:
-        wait_for(lambda: (mesh.peer("h1", "h3") or {}).get("state") == "suspect", 15,
-                 "h1 to suspect h3", mesh)
+        poll.until(lambda: (mesh.peer("h1", "h3") or {}).get("state") == "suspect",
+                   "h1 to suspect h3", 15, watch=mesh.check_up)
         suspected = time.monotonic() - t0
         during = mesh.complete("h1", "A request while h3 is cut off. " * 4)
         assert during.status_code == 200 and during.headers["x-radixmesh-served-by"] == "h1"
     finally:
         mesh.net.link_up("h3")
     t1 = time.monotonic()
-    wait_for(lambda: (mesh.peer("h1", "h3") or {}).get("state") == "alive", 15,
-             "h1 to see h3 alive again", mesh)
+    poll.until(lambda: (mesh.peer("h1", "h3") or {}).get("state") == "alive",
+               "h1 to see h3 alive again", 15, watch=mesh.check_up)
     healed = time.monotonic() - t1
-    wait_for(lambda: "h1" in mesh.alive("h3"), 15, "h3 to see h1 alive again", mesh)
+    poll.until(lambda: "h1" in mesh.alive("h3"),
+               "h3 to see h1 alive again", 15, watch=mesh.check_up)
     print(f"\n[emulated hosts] partition: h1 suspected h3 after {suspected:.2f} s; "
           f"alive again {healed:.2f} s after the heal")

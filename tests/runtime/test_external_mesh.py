@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import uvicorn
 
 from radixmesh.engine.tokenizers import ByteTokenizer
-from radixmesh.runtime import inprocess
 from radixmesh.runtime.app import create_app, node_server
 from radixmesh.runtime.cluster import free_port
 from radixmesh.runtime.config import ServeConfig
@@ -22,17 +20,17 @@ from radixmesh.runtime.node import NodeService
 from radixmesh.runtime.serve_cli import build_external_service
 from radixmesh.testing.fake_engine import FakeEngine
 
+if TYPE_CHECKING:
+    from conftest import Poll
+
 LIMIT_S = 10.0
 PREFIX = "You are a careful assistant. Answer the multiple choice question below. " * 4
 
 
-async def until(check: Callable[[], bool], what: str) -> None:
-    await inprocess.until(check, what, LIMIT_S, 0.02)
-
-
 @contextlib.asynccontextmanager
-async def node(fake: FakeEngine, name: str, port: int, peer_port: int, gossip_interval: float = 0.1,
-               gossip_announce: float | None = 0.05) -> AsyncIterator[NodeService]:
+async def node(poll: Poll, fake: FakeEngine, name: str, port: int, peer_port: int,
+               gossip_interval: float = 0.1, gossip_announce: float | None = 0.05
+               ) -> AsyncIterator[NodeService]:
     # policy "paper": forward to the deepest match; "cost" weighs measured speeds, and on a
     # loaded CI box it may rightly decide that running a ~300-token prompt locally is faster
     cfg = ServeConfig(node_id=name, port=port, peers=(f"127.0.0.1:{peer_port}",),
@@ -44,7 +42,7 @@ async def node(fake: FakeEngine, name: str, port: int, peer_port: int, gossip_in
     server = node_server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port,
                                         log_level="warning", lifespan="on"), service)
     task = asyncio.create_task(server.serve())
-    await until(lambda: server.started, f"{name} to start")
+    await poll.until_async(lambda: server.started, f"{name} to start", LIMIT_S)
     try:
         yield service
     finally:
@@ -60,17 +58,22 @@ async def complete(http: aiohttp.ClientSession, port: int, prompt: str,
         return resp.status, dict(resp.headers), await resp.json(content_type=None)
 
 
-async def subscribed(service: NodeService, fake: FakeEngine) -> None:
+async def subscribed(poll: Poll, service: NodeService, fake: FakeEngine) -> None:
     """Past ZMQ's slow joiner: harmless batches until the node's subscriber gets one."""
     sub = service.attachments[0]
-    deadline = time.monotonic() + LIMIT_S
-    while sub.counts["messages"] == 0:
-        assert time.monotonic() < deadline, "the node's subscriber never got a batch"
-        fake.clear_all()
-        await asyncio.sleep(0.02)
+
+    def got_a_batch() -> bool:
+        if sub.counts["messages"]:
+            return True
+        fake.clear_all()  # another harmless batch for the next check
+        return False
+
+    await poll.until_async(got_a_batch, "the node's subscriber to get a batch", LIMIT_S,
+                           interval=0.02)
     # and handled: a first batch may still be awaiting the replay of the gap before it
     tracker = sub.publishers[0].tracker
-    await until(lambda: tracker.next_seq == fake.seq, "the node's subscriber to catch up")
+    await poll.until_async(lambda: tracker.next_seq == fake.seq,
+                           "the node's subscriber to catch up", LIMIT_S)
 
 
 def view_blocks(service: NodeService, peer: str) -> int:
@@ -80,6 +83,7 @@ def view_blocks(service: NodeService, peer: str) -> int:
 
 
 def test_a_prefix_cached_on_engine_1_is_served_by_node_1_and_a_dead_engine_loses_nothing(
+    poll: Poll,
 ) -> None:
     async def scenario() -> None:
         fake1, fake2 = FakeEngine(cache_tokens=4096), FakeEngine(cache_tokens=4096)
@@ -87,15 +91,19 @@ def test_a_prefix_cached_on_engine_1_is_served_by_node_1_and_a_dead_engine_loses
         await fake2.start()
         p1, p2 = free_port(), free_port()
         try:
-            async with (node(fake1, "node-1", p1, p2) as n1, node(fake2, "node-2", p2, p1) as n2,
+            async with (node(poll, fake1, "node-1", p1, p2) as n1,
+                        node(poll, fake2, "node-2", p2, p1) as n2,
                         aiohttp.ClientSession() as http):
-                await until(lambda: n1.peer_states() == {"node-2": "alive"}
-                            and n2.peer_states() == {"node-1": "alive"}, "the mesh")
-                await subscribed(n1, fake1)
+                await poll.until_async(lambda: n1.peer_states() == {"node-2": "alive"}
+                                       and n2.peer_states() == {"node-1": "alive"},
+                                       "the mesh", LIMIT_S)
+                await subscribed(poll, n1, fake1)
                 status, headers, _ = await complete(http, p1, PREFIX + "Question 1?")
                 assert status == 200 and headers["x-radixmesh-served-by"] == "node-1"
-                await until(lambda: len(n1.engine.cache_hashes()) >= 10, "engine 1's events")
-                await until(lambda: view_blocks(n2, "node-1") >= 10, "node 2's view of node 1")
+                await poll.until_async(lambda: len(n1.engine.cache_hashes()) >= 10,
+                                       "engine 1's events", LIMIT_S)
+                await poll.until_async(lambda: view_blocks(n2, "node-1") >= 10,
+                                       "node 2's view of node 1", LIMIT_S)
 
                 status, headers, body = await complete(http, p2, PREFIX + "Question 2?")
                 assert status == 200, body
@@ -125,7 +133,7 @@ def test_a_prefix_cached_on_engine_1_is_served_by_node_1_and_a_dead_engine_loses
     asyncio.run(scenario())
 
 
-def test_a_new_copy_is_announced_before_the_next_round() -> None:
+def test_a_new_copy_is_announced_before_the_next_round(poll: Poll) -> None:
     """Rounds every 30 s: node 2 still hears of what engine 1 cached within seconds, because
     the cache change brings node 1's next round forward (--gossip-announce)."""
     async def scenario() -> None:
@@ -135,20 +143,21 @@ def test_a_new_copy_is_announced_before_the_next_round() -> None:
         p1, p2 = free_port(), free_port()
         slow = {"gossip_interval": 30.0}
         try:
-            async with (node(fake1, "node-1", p1, p2, **slow) as n1,
-                        node(fake2, "node-2", p2, p1, **slow) as n2,
+            async with (node(poll, fake1, "node-1", p1, p2, **slow) as n1,
+                        node(poll, fake2, "node-2", p2, p1, **slow) as n2,
                         aiohttp.ClientSession() as http):
-                await until(lambda: n1.peer_states() == {"node-2": "alive"}
-                            and n2.peer_states() == {"node-1": "alive"}, "the mesh")
-                await subscribed(n1, fake1)
-                await asyncio.sleep(0.2)  # past the joining rounds' answers
+                await poll.until_async(lambda: n1.peer_states() == {"node-2": "alive"}
+                                       and n2.peer_states() == {"node-1": "alive"},
+                                       "the mesh", LIMIT_S)
+                await subscribed(poll, n1, fake1)
                 announced = n1.core.metrics()["gossip_rounds_announced"]
                 status, headers, _ = await complete(http, p1, PREFIX + "Question 1?")
                 assert status == 200 and headers["x-radixmesh-served-by"] == "node-1"
-                await until(lambda: len(n1.engine.cache_hashes()) >= 10, "engine 1's events")
+                await poll.until_async(lambda: len(n1.engine.cache_hashes()) >= 10,
+                                       "engine 1's events", LIMIT_S)
                 # well before the next round (30 s): only an announcement gets it there
-                await inprocess.until(lambda: view_blocks(n2, "node-1") >= 10,
-                                      "node 2's view of node 1", 5.0, 0.01)
+                await poll.until_async(lambda: view_blocks(n2, "node-1") >= 10,
+                                       "node 2's view of node 1", 5.0)
                 assert n1.core.metrics()["gossip_rounds_announced"] > announced
         finally:
             await fake1.stop()

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -15,7 +15,6 @@ from radixmesh.core.blocks import block_hashes
 from radixmesh.engine.base import GenerateRequest, SamplingParams
 from radixmesh.engine.http_engine import HttpEngine
 from radixmesh.engine.tokenizers import ByteTokenizer
-from radixmesh.runtime import inprocess
 from radixmesh.runtime.cluster import free_port
 from radixmesh.runtime.kv_subscriber import (
     Endpoint,
@@ -25,19 +24,16 @@ from radixmesh.runtime.kv_subscriber import (
 )
 from radixmesh.testing.fake_engine import FakeEngine, running
 
+if TYPE_CHECKING:
+    from conftest import Poll
+
 LIMIT_S = 10.0
 
 
-async def until(check: Callable[[], bool], what: str) -> None:
-    # polled every loop iteration (sleep 0): the test then stops the subscriber in the very
-    # iteration the last replayed batch lands, the race that once hung ``stop`` (a cancel
-    # lost in wait_for while the replay's end marker arrived)
-    await inprocess.until(check, what, LIMIT_S, 0.0)
-
-
 @contextlib.asynccontextmanager
-async def setup(**fake_kwargs: object) -> AsyncIterator[tuple[FakeEngine, HttpEngine,
-                                                             KvSubscriber]]:
+async def setup(
+    poll: Poll, **fake_kwargs: object
+) -> AsyncIterator[tuple[FakeEngine, HttpEngine, KvSubscriber]]:
     async with running(**fake_kwargs) as fake:  # type: ignore[arg-type]
         engine = HttpEngine("vllm", fake.url, ByteTokenizer(), model_name=fake.model)
         pubs, replays = plan_endpoints(fake.kv_endpoint, fake.replay_endpoint, fake.url)
@@ -48,16 +44,19 @@ async def setup(**fake_kwargs: object) -> AsyncIterator[tuple[FakeEngine, HttpEn
                            on_change=lambda: changes.append(1))
         await sub.start()
         try:
-            deadline = time.monotonic() + LIMIT_S
             # past the slow joiner: wait for a batch to be *handled* (on_change fires after
             # it, and after any replay it triggers), not merely received; waiting on
             # counts["messages"] raced a first batch still awaiting its gap's replay
-            while not changes:
-                assert time.monotonic() < deadline, "no batch ever handled (on_change)"
-                fake.clear_all()
-                await asyncio.sleep(0.02)
+            def handled() -> bool:
+                if changes:
+                    return True
+                fake.clear_all()  # another harmless batch for the next check
+                return False
+
+            await poll.until_async(handled, "a batch handled (on_change)", LIMIT_S,
+                                   interval=0.02)
             assert sub.counts["messages"] > 0
-            await settled(fake, sub)
+            await settled(poll, fake, sub)
             sub.counts.update(dict.fromkeys(sub.counts, 0))  # count from here (warm-up gap)
             yield fake, engine, sub
         finally:
@@ -75,20 +74,24 @@ def truth(fake: FakeEngine, engine: HttpEngine) -> frozenset[int]:
     return frozenset(block_hashes(p, 16, seed)[-1] for p in fake.block_prefixes())
 
 
-async def settled(fake: FakeEngine, sub: KvSubscriber) -> None:
-    await until(lambda: sub.publishers[0].tracker.next_seq == fake.seq, "every batch")
+async def settled(poll: Poll, fake: FakeEngine, sub: KvSubscriber) -> None:
+    # polled every loop iteration (interval 0): the test then stops the subscriber in the very
+    # iteration the last replayed batch lands, the race that once hung ``stop`` (a cancel
+    # lost in wait_for while the replay's end marker arrived)
+    await poll.until_async(lambda: sub.publishers[0].tracker.next_seq == fake.seq,
+                           "every batch", LIMIT_S, interval=0.0)
 
 
 @pytest.mark.parametrize("replay_topic", [True, False], ids=["vllm-0.32-framing", "older"])
-def test_a_gap_is_filled_from_the_replay_socket(replay_topic: bool) -> None:
+def test_a_gap_is_filled_from_the_replay_socket(replay_topic: bool, poll: Poll) -> None:
     async def scenario() -> None:
-        async with setup() as (fake, engine, sub):
+        async with setup(poll) as (fake, engine, sub):
             fake.replay_topic = replay_topic
             await ask(engine, "the first prompt, long enough for blocks " * 2)
             fake.skip_live = 1  # the next batch is lost on the PUB stream (kept for replay)
             await ask(engine, "the second prompt, also long enough " * 2)
             await ask(engine, "a third prompt reveals the gap " * 2)
-            await settled(fake, sub)
+            await settled(poll, fake, sub)
             assert sub.counts["gaps"] == sub.counts["replays"] == 1
             assert sub.counts["replay_failures"] == sub.counts["resets"] == 0
             assert engine.cache_hashes() == truth(fake, engine)
@@ -96,27 +99,27 @@ def test_a_gap_is_filled_from_the_replay_socket(replay_topic: bool) -> None:
     asyncio.run(scenario())
 
 
-def test_a_gap_the_replay_cannot_cover_drops_the_index_and_under_reports() -> None:
+def test_a_gap_the_replay_cannot_cover_drops_the_index_and_under_reports(poll: Poll) -> None:
     async def scenario() -> None:
-        async with setup() as (fake, engine, sub):
+        async with setup(poll) as (fake, engine, sub):
             await ask(engine, "the first prompt, long enough for blocks " * 2)
             fake.skip_live, fake.skip_replay = 1, True  # lost for good
             await ask(engine, "the second prompt, also long enough " * 2)
             await ask(engine, "a third prompt reveals the gap " * 2)
-            await settled(fake, sub)
+            await settled(poll, fake, sub)
             assert sub.counts["resets"] == 1 and engine.index.counters()["drops"] == 1
             assert engine.cache_hashes() < truth(fake, engine)  # never more than the truth
 
     asyncio.run(scenario())
 
 
-def test_a_duplicate_is_dropped() -> None:
+def test_a_duplicate_is_dropped(poll: Poll) -> None:
     async def scenario() -> None:
-        async with setup() as (fake, engine, sub):
+        async with setup(poll) as (fake, engine, sub):
             fake.duplicate_next = 2
             await ask(engine, "a prompt whose batch arrives twice " * 2)
             await ask(engine, "and another one " * 4)
-            await settled(fake, sub)
+            await settled(poll, fake, sub)
             assert sub.counts["duplicates"] >= 1
             assert sub.counts["resets"] == sub.counts["gaps"] == 0
             assert engine.cache_hashes() == truth(fake, engine)
@@ -124,17 +127,17 @@ def test_a_duplicate_is_dropped() -> None:
     asyncio.run(scenario())
 
 
-def test_an_engine_restart_drops_the_index_and_rebuilds_it_fresh() -> None:
+def test_an_engine_restart_drops_the_index_and_rebuilds_it_fresh(poll: Poll) -> None:
     async def scenario() -> None:
-        async with setup() as (fake, engine, sub):
+        async with setup(poll) as (fake, engine, sub):
             await ask(engine, "before the restart, a cached prefix " * 2)
-            await settled(fake, sub)
+            await settled(poll, fake, sub)
             before = engine.cache_hashes()
             assert before
             engine.drain_cache_delta()
             fake.restart()  # seq back to 0, empty cache, no event
             await ask(engine, "after the restart, another prefix " * 2)
-            await settled(fake, sub)
+            await settled(poll, fake, sub)
             assert sub.counts["resets"] == 1
             assert engine.cache_hashes() == truth(fake, engine)
             assert not engine.cache_hashes() & before
@@ -144,32 +147,32 @@ def test_an_engine_restart_drops_the_index_and_rebuilds_it_fresh() -> None:
     asyncio.run(scenario())
 
 
-def test_a_malformed_batch_is_counted_and_drops_the_index_without_a_crash() -> None:
+def test_a_malformed_batch_is_counted_and_drops_the_index_without_a_crash(poll: Poll) -> None:
     async def scenario() -> None:
-        async with setup() as (fake, engine, sub):
+        async with setup(poll) as (fake, engine, sub):
             await ask(engine, "a prompt cached before the bad batch " * 2)
-            await settled(fake, sub)
+            await settled(poll, fake, sub)
             assert len(engine.index) > 0
             fake.publish_malformed()
-            await settled(fake, sub)
+            await settled(poll, fake, sub)
             assert sub.counts["malformed"] == 1 and len(engine.index) == 0
             await ask(engine, "the index refills from later batches " * 2)
-            await settled(fake, sub)
+            await settled(poll, fake, sub)
             assert len(engine.index) > 0 and engine.cache_hashes() <= truth(fake, engine)
             assert sub.counts["socket_errors"] == 0
 
     asyncio.run(scenario())
 
 
-def test_a_replay_socket_that_never_answers_is_survived() -> None:
+def test_a_replay_socket_that_never_answers_is_survived(poll: Poll) -> None:
     async def scenario() -> None:
-        async with setup() as (fake, engine, sub):
+        async with setup(poll) as (fake, engine, sub):
             await ask(engine, "the first prompt, long enough for blocks " * 2)
             fake.replay_enabled = False
             fake.skip_live = 1
             await ask(engine, "the second prompt, also long enough " * 2)
             await ask(engine, "a third prompt reveals the gap " * 2)
-            await settled(fake, sub)
+            await settled(poll, fake, sub)
             assert sub.counts["replay_failures"] == 1 and sub.counts["resets"] == 1
             assert engine.cache_hashes() <= truth(fake, engine)
             state = sub.mesh_state()
@@ -178,13 +181,13 @@ def test_a_replay_socket_that_never_answers_is_survived() -> None:
     asyncio.run(scenario())
 
 
-def test_the_subscriber_binds_when_the_engine_connects() -> None:
+def test_the_subscriber_binds_when_the_engine_connects(poll: Poll) -> None:
     async def scenario() -> None:
         endpoint = f"tcp://127.0.0.1:{free_port()}"
         assert resolve_endpoint(endpoint, "127.0.0.1") == Endpoint(endpoint, bind=True)
-        async with setup(kv_connect=endpoint) as (fake, engine, sub):
+        async with setup(poll, kv_connect=endpoint) as (fake, engine, sub):
             await ask(engine, "events over a connecting publisher " * 2)
-            await settled(fake, sub)
+            await settled(poll, fake, sub)
             assert engine.cache_hashes() == truth(fake, engine)
             assert sub.metrics()["kv_events_connected"] == 1.0
 

@@ -7,14 +7,17 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
 
 from radixmesh.runtime.cluster import free_ports
 from radixmesh.runtime.launch import EngineProcess
+
+if TYPE_CHECKING:
+    from conftest import Poll
 
 START_S = 90.0
 GONE_S = 20.0
@@ -26,13 +29,6 @@ def _alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state not in ("Z", "X")  # a zombie has exited (its parent may not reap it here)
-
-
-def _wait(check, what: str, limit: float) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + limit
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +44,9 @@ def _fake_cmd(port: int, kv: int, replay: int) -> str:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_the_launched_engine_serves_and_goes_with_the_node(tokenizer_dir: Path, sig: int
-                                                           ) -> None:
+def test_the_launched_engine_serves_and_goes_with_the_node(
+    tokenizer_dir: Path, sig: int, poll: Poll
+) -> None:
     node_port, port, kv, replay = free_ports(4)
     argv = [sys.executable, "-m", "radixmesh.cli", "serve", "--port", str(node_port),
             "--engine", "vllm", "--engine-url", f"http://127.0.0.1:{port}",
@@ -69,7 +66,7 @@ def test_the_launched_engine_serves_and_goes_with_the_node(tokenizer_dir: Path, 
                 except httpx.HTTPError:
                     return False
 
-            _wait(up, "the node with its launched engine", START_S)
+            poll.until(up, "the node with its launched engine", START_S)
             launch = http.get(url + "/mesh").json()["engine_launch"]
             pid = launch["pid"]
             assert launch["running"] and _alive(pid)
@@ -84,7 +81,7 @@ def test_the_launched_engine_serves_and_goes_with_the_node(tokenizer_dir: Path, 
                        and line.endswith(" 1.0") for line in metrics)
         node.send_signal(sig)
         node.wait(GONE_S)
-        _wait(lambda: not _alive(pid), "the engine to go with the node", GONE_S)
+        poll.until(lambda: not _alive(pid), "the engine to go with the node", GONE_S)
     finally:
         if node.poll() is None:
             os.killpg(node.pid, signal.SIGKILL)

@@ -17,10 +17,9 @@ import ipaddress
 import shutil
 import ssl
 import subprocess
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import pytest
@@ -32,6 +31,9 @@ from radixmesh.runtime.inprocess import free_port
 from radixmesh.runtime.inprocess import serving as serve_in_process
 from radixmesh.runtime.node import NodeService
 from radixmesh.runtime.peer_tls import PeerTls, uvicorn_options
+
+if TYPE_CHECKING:
+    from conftest import Poll
 
 GOOD_SAN = ("127.0.0.1", "localhost")
 
@@ -168,13 +170,6 @@ async def serving(engine: Any, name: str, *, port: int = 0, **overrides: Any
         yield service
 
 
-async def until(check: Callable[[], bool], what: str, limit_s: float = 10.0) -> None:
-    t0 = time.perf_counter()
-    while not check():
-        assert time.perf_counter() - t0 < limit_s, f"never happened: {what}"
-        await asyncio.sleep(0.05)
-
-
 def tls_of(node: NodeService) -> PeerTls:
     found = [a for a in node.attachments if isinstance(a, PeerTls)]
     assert len(found) == 1
@@ -207,13 +202,16 @@ def test_unusable_tls_files_stop_serve_before_the_engine(pki: Path,
     assert "cannot load the peer TLS files" in capsys.readouterr().err
 
 
-def test_two_tls_nodes_gossip_and_forward_over_mutual_tls(engine: Any, pki: Path) -> None:
+def test_two_tls_nodes_gossip_and_forward_over_mutual_tls(
+    engine: Any, pki: Path, poll: Poll
+) -> None:
     async def scenario() -> None:
         port_a = free_port()
         async with serving(engine, "a", port=port_a, **tls_files(pki, "a")) as a, \
                 serving(engine, "b", peers=(f"127.0.0.1:{port_a}",), **tls_files(pki, "b")) as b:
-            await until(lambda: a.peer_states() == {"b": "alive"}
-                        and b.peer_states() == {"a": "alive"}, "a and b see each other")
+            await poll.until_async(lambda: a.peer_states() == {"b": "alive"}
+                                   and b.peer_states() == {"a": "alive"},
+                                   "a and b see each other")
             body = {"model": "micro", "prompt": "over TLS " * 4, "max_tokens": 4}
             async with aiohttp.ClientSession() as http, http.post(
                 f"https://{a.address}/v1/completions", json=body,
@@ -261,15 +259,15 @@ def test_peer_requests_without_a_mesh_certificate_are_refused(engine: Any, pki: 
     asyncio.run(scenario())
 
 
-def test_a_node_without_tls_cannot_talk_to_a_tls_mesh(engine: Any, pki: Path) -> None:
+def test_a_node_without_tls_cannot_talk_to_a_tls_mesh(engine: Any, pki: Path, poll: Poll) -> None:
     async def scenario() -> None:
         port_a, port_c = free_port(), free_port()
         addr_a, addr_c = f"127.0.0.1:{port_a}", f"127.0.0.1:{port_c}"
         async with serving(engine, "a", port=port_a, peers=(addr_c,),
                            **tls_files(pki, "a")) as a, \
                 serving(engine, "c", port=port_c, peers=(addr_a,)) as c:
-            await until(lambda: a.peers.tls_failed >= 2 and c.peers.gossip_failed >= 2,
-                        "both sides tried")
+            await poll.until_async(lambda: a.peers.tls_failed >= 2
+                                   and c.peers.gossip_failed >= 2, "both sides tried")
             assert c.peers.gossip_sent == 0  # plain gossip never reached a
             assert a.peers.gossip_sent == 0  # nor TLS gossip c
             assert a.peer_states() == {} and c.peer_states() == {}

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import pytest
@@ -22,10 +20,11 @@ from radixmesh.engine.testing import SlowTokens
 from radixmesh.runtime.inprocess import serving_node
 from radixmesh.runtime.node import NodeService
 
+if TYPE_CHECKING:
+    from conftest import Poll
+
 TOKEN_S = 0.05
 MAX_TOKENS = 150
-
-
 
 
 @pytest.fixture(scope="module")
@@ -49,19 +48,13 @@ async def _give_up(address: str, headers: dict[str, str]) -> None:
             raise AssertionError("the request answered before the client gave up")
 
 
-async def _until(check: Callable[[], bool], limit_s: float = 5.0) -> float:
-    t0 = time.perf_counter()
-    while not check():
-        assert time.perf_counter() - t0 < limit_s, "the request was not cancelled"
-        await asyncio.sleep(0.05)
-    return time.perf_counter() - t0
-
-
-def test_a_non_streaming_client_that_goes_away_cancels_its_local_request(engine: Any) -> None:
+def test_a_non_streaming_client_that_goes_away_cancels_its_local_request(
+    engine: Any, poll: Poll
+) -> None:
     async def scenario() -> None:
         async with _serving(engine, "solo") as (node, address):
             await _give_up(address, {})
-            await _until(lambda: node.queue_depth == 0)
+            await poll.until_async(lambda: node.queue_depth == 0, "node.queue_depth == 0")
             assert node.metrics.cancelled == 1
             assert node.metrics.client_disconnects == 1
             core = node.core.metrics()
@@ -72,7 +65,7 @@ def test_a_non_streaming_client_that_goes_away_cancels_its_local_request(engine:
 
 
 def test_a_non_streaming_client_that_goes_away_cancels_the_forwarded_request(
-    engine: Any,
+    engine: Any, poll: Poll,
 ) -> None:
     async def scenario() -> None:
         async with _serving(engine, "peer") as (peer, peer_address), \
@@ -81,7 +74,7 @@ def test_a_non_streaming_client_that_goes_away_cancels_the_forwarded_request(
                 lambda p: peer_address if p == "peer" else None
             )
             await _give_up(entry_address, {"x-radixmesh-target": "peer"})
-            await _until(lambda: peer.queue_depth == 0)
+            await poll.until_async(lambda: peer.queue_depth == 0, "peer.queue_depth == 0")
             assert peer.metrics.served_for_peers == 1
             assert peer.metrics.cancelled == 1  # the peer's engine stopped too
             assert peer.metrics.completion_tokens < MAX_TOKENS
@@ -92,7 +85,7 @@ def test_a_non_streaming_client_that_goes_away_cancels_the_forwarded_request(
     asyncio.run(scenario())
 
 
-def test_a_full_node_answers_429_with_retry_after(engine: Any) -> None:
+def test_a_full_node_answers_429_with_retry_after(engine: Any, poll: Poll) -> None:
     async def scenario() -> None:
         async with _serving(engine, "full", max_queue_requests=1) as (node, address):
             body = {"model": "micro", "prompt": "fill me " * 4, "max_tokens": 20,
@@ -100,7 +93,7 @@ def test_a_full_node_answers_429_with_retry_after(engine: Any) -> None:
             url = f"http://{address}/v1/completions"
             async with aiohttp.ClientSession() as http:
                 first = asyncio.ensure_future(http.post(url, json=body))
-                await _until(lambda: node.queue_depth == 1)
+                await poll.until_async(lambda: node.queue_depth == 1, "node.queue_depth == 1")
                 async with http.post(url, json=body) as second:
                     assert second.status == 429
                     assert int(second.headers["retry-after"]) >= 1

@@ -11,9 +11,13 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
+
+if TYPE_CHECKING:
+    from conftest import Poll
 
 pytestmark = pytest.mark.slow
 
@@ -33,15 +37,6 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def _wait_gone(pids: list[int], timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if all(_gone(p) for p in pids):
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def _read_until_ready(proc: subprocess.Popen[str], timeout: float = 180.0) -> list[str]:
     lines: list[str] = []
     deadline = time.monotonic() + timeout
@@ -56,7 +51,7 @@ def _read_until_ready(proc: subprocess.Popen[str], timeout: float = 180.0) -> li
     raise AssertionError("cluster not ready:\n" + "".join(lines))
 
 
-def test_cluster_command_none_policy_never_forwards_and_stops_cleanly() -> None:
+def test_cluster_command_none_policy_never_forwards_and_stops_cleanly(poll: Poll) -> None:
     cmd = [sys.executable, "-m", "radixmesh.cli", "cluster", "--nodes", "2", "--base-port", "0",
            "--policy", "none", "--gossip-interval", "0.1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -70,14 +65,12 @@ def test_cluster_command_none_policy_never_forwards_and_stops_cleanly() -> None:
         pids = [int(p) for _, _, p in nodes]
         body = {"model": "tiny", "prompt": PREFIX + "seed", "max_tokens": 2}
         httpx.post(urls[1] + "/v1/completions", json=body, headers=HOP, timeout=60)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:  # n0 learns that n1 holds the prefix ...
+
+        def learnt() -> bool:  # n0 learns that n1 holds the prefix ...
             peers = httpx.get(urls[0] + "/mesh").json()["peers"]
-            if peers and peers[0]["view_blocks"] >= len(PREFIX) // 16:
-                break
-            time.sleep(0.05)
-        else:
-            raise AssertionError("n0 never learnt n1's cache")
+            return bool(peers) and peers[0]["view_blocks"] >= len(PREFIX) // 16
+
+        poll.until(learnt, "n0 to learn n1's cache", 20)
         for k in range(4):  # ... and still never forwards under `none`
             body["prompt"] = PREFIX + f"question {k}"
             resp = httpx.post(urls[0] + "/v1/completions", json=body, timeout=60)
@@ -89,7 +82,7 @@ def test_cluster_command_none_policy_never_forwards_and_stops_cleanly() -> None:
         assert "radixmesh_forward_attempts_total 0" in metrics
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
-        assert _wait_gone(pids), "nodes left running after SIGTERM"
+        poll.until(lambda: all(_gone(p) for p in pids), "the nodes to exit after SIGTERM", 20)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -99,7 +92,7 @@ def test_cluster_command_none_policy_never_forwards_and_stops_cleanly() -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_killing_the_launcher_leaves_no_orphans(tmp_path: Path) -> None:
+def test_killing_the_launcher_leaves_no_orphans(tmp_path: Path, poll: Poll) -> None:
     # Stand-in node processes (no model) keep this test fast; the launcher is the real one.
     fake_python = tmp_path / "fake-python"
     fake_python.write_text(f"#!{sys.executable}\nimport time\ntime.sleep(600)\n")
@@ -120,7 +113,8 @@ def test_killing_the_launcher_leaves_no_orphans(tmp_path: Path) -> None:
     try:
         launcher.kill()  # kill -9: no chance to clean up
         launcher.wait()
-        assert _wait_gone(pids), "children outlived a SIGKILLed launcher"
+        poll.until(lambda: all(_gone(p) for p in pids),
+                   "the children of a SIGKILLed launcher to exit", 20)
     finally:
         for pid in pids:
             if not _gone(pid):

@@ -8,10 +8,10 @@ ones (kill, restart) change the cluster, so they come last.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import math
 import os
-import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import openai
@@ -19,6 +19,9 @@ import pytest
 
 from radixmesh.runtime.cluster import LocalCluster
 from radixmesh.runtime.metrics import parse_samples, sample_sum
+
+if TYPE_CHECKING:
+    from conftest import Poll
 
 pytestmark = pytest.mark.slow
 
@@ -54,16 +57,6 @@ def complete(c: LocalCluster, i: int, prompt: str, headers: dict[str, str] | Non
     resp = httpx.post(c.url(i) + "/v1/completions", json=body, headers=headers or {},
                       timeout=60)
     return resp
-
-
-def wait_for(cond: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def view_blocks(c: LocalCluster, node: int, peer: int) -> int:
@@ -103,11 +96,12 @@ def test_openai_client_completions_and_chat(cluster: LocalCluster) -> None:
     assert text == chat.choices[0].message.content
 
 
-def test_routes_to_the_node_holding_the_prefix(cluster: LocalCluster) -> None:
+def test_routes_to_the_node_holding_the_prefix(cluster: LocalCluster, poll: Poll) -> None:
     seeded = complete(cluster, 1, LONG_PREFIX + "Question A?", headers=HOP)
     assert seeded.headers["x-radixmesh-served-by"] == "n1"
-    wait_for(lambda: view_blocks(cluster, 0, 1) >= len(LONG_PREFIX) // 16,
-             what="n0 to learn n1's cache")
+    assert "x-radixmesh-forward-overhead-s" not in seeded.headers  # executed where it entered
+    poll.until(lambda: view_blocks(cluster, 0, 1) >= len(LONG_PREFIX) // 16,
+               "n0 to learn n1's cache", 20)
     resp = complete(cluster, 0, LONG_PREFIX + "Question B?")
     assert resp.status_code == 200, resp.text
     h = resp.headers
@@ -117,8 +111,8 @@ def test_routes_to_the_node_holding_the_prefix(cluster: LocalCluster) -> None:
     assert int(h["x-radixmesh-expected-cached-tokens"]) >= len(LONG_PREFIX) - 16
     cached = resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached == int(h["x-radixmesh-cached-tokens"]) >= len(LONG_PREFIX) - 16
-    overhead = float(h["x-radixmesh-forward-overhead-s"])
-    assert 0 < overhead < resp.elapsed.total_seconds()  # a part of what the client waited
+    overhead = float(h["x-radixmesh-forward-overhead-s"])  # forwarded: the entry node's share
+    assert math.isfinite(overhead) and overhead > 0
     # the same through a stream: relayed token by token from n1
     streamed = complete(cluster, 0, LONG_PREFIX + "Question C?", stream=True)
     assert streamed.headers["x-radixmesh-served-by"] == "n1"
@@ -126,10 +120,12 @@ def test_routes_to_the_node_holding_the_prefix(cluster: LocalCluster) -> None:
     assert streamed.text.rstrip().endswith("data: [DONE]")
 
 
-def test_the_entry_node_keeps_why_it_routed_a_request(cluster: LocalCluster) -> None:
+def test_the_entry_node_keeps_why_it_routed_a_request(
+    cluster: LocalCluster, poll: Poll
+) -> None:
     complete(cluster, 1, LONG_PREFIX + "Question E?", headers=HOP)
-    wait_for(lambda: view_blocks(cluster, 0, 1) >= len(LONG_PREFIX) // 16,
-             what="n0 to learn n1's cache")
+    poll.until(lambda: view_blocks(cluster, 0, 1) >= len(LONG_PREFIX) // 16,
+               "n0 to learn n1's cache", 20)
     resp = complete(cluster, 0, LONG_PREFIX + "Question F?")
     assert resp.headers["x-radixmesh-served-by"] == "n1"
     request = int(resp.headers["x-radixmesh-request"])  # n0's number of it
@@ -237,7 +233,7 @@ def test_partition_makes_forwards_fall_back(cluster: LocalCluster) -> None:
     cluster.wait_ready(timeout=30)
 
 
-def test_client_disconnect_stops_the_engine(cluster: LocalCluster) -> None:
+def test_client_disconnect_stops_the_engine(cluster: LocalCluster, poll: Poll) -> None:
     body = {"model": "tiny", "prompt": "Tell me a long story.", "max_tokens": 3000,
             "temperature": 0, "stream": True}
     for entry, headers, worker in ((1, HOP, 1), (0, {"x-radixmesh-target": "n1"}, 1)):
@@ -249,8 +245,8 @@ def test_client_disconnect_stops_the_engine(cluster: LocalCluster) -> None:
             chunks = resp.iter_lines()
             for _ in range(6):  # a few tokens arrive, then the client hangs up
                 next(chunks)
-        wait_for(lambda w=worker: cluster.get(w, "/health").json()["queue_depth"] == 0,
-                 timeout=30, what="the engine to stop")
+        poll.until(lambda w=worker: cluster.get(w, "/health").json()["queue_depth"] == 0,
+                   "the engine to stop", 30)
         generated = metric(cluster, worker, "radixmesh_completion_tokens_total") - before
         assert 1 <= generated < 1000, generated  # stopped early, not run to max_tokens
         assert metric(cluster, worker, "radixmesh_cancelled_requests_total") == cancelled + 1
@@ -273,10 +269,10 @@ def test_forwarding_through_emulated_delay(cluster: LocalCluster) -> None:
 
 
 # ----------------------------------------------------------------------------- failures
-def test_kill_target_with_forwards_in_flight(cluster: LocalCluster) -> None:
+def test_kill_target_with_forwards_in_flight(cluster: LocalCluster, poll: Poll) -> None:
     prefix = LONG_PREFIX.replace("anatomy", "astronomy")
     complete(cluster, 2, prefix + "seed", headers=HOP)
-    wait_for(lambda: view_blocks(cluster, 0, 2) >= len(prefix) // 16, what="n0 to learn n2")
+    poll.until(lambda: view_blocks(cluster, 0, 2) >= len(prefix) // 16, "n0 to learn n2", 20)
     prompts = [prefix + f"Question {k}?" for k in range(6)]
 
     def send(k: int) -> httpx.Response:
@@ -284,8 +280,8 @@ def test_kill_target_with_forwards_in_flight(cluster: LocalCluster) -> None:
 
     with cf.ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(send, k) for k in range(len(prompts))]
-        wait_for(lambda: cluster.get(2, "/health").json()["queue_depth"] >= 2, timeout=30,
-                 what="forwards queued on n2")
+        poll.until(lambda: cluster.get(2, "/health").json()["queue_depth"] >= 2,
+                   "forwards queued on n2", 30)
         cluster.kill(2)  # kill -9
         responses = [f.result(timeout=120) for f in futures]
     assert all(r.status_code == 200 for r in responses)
@@ -294,10 +290,10 @@ def test_kill_target_with_forwards_in_flight(cluster: LocalCluster) -> None:
     for k, resp in enumerate(responses):
         expected = complete(cluster, 1, prompts[k], headers=HOP, max_tokens=24)
         assert _text(resp) == expected.json()["choices"][0]["text"], k
-    wait_for(lambda: metric(cluster, 0, 'radixmesh_peer_state_changes_total{state="suspect"}'),
-             what="n2 suspect")
-    wait_for(lambda: (cluster.peer_entry(0, 2) or {}).get("state") == "dead", timeout=15,
-             what="n2 dead on n0")
+    poll.until(lambda: metric(cluster, 0, 'radixmesh_peer_state_changes_total{state="suspect"}'),
+               "n2 suspect", 20)
+    poll.until(lambda: (cluster.peer_entry(0, 2) or {}).get("state") == "dead",
+               "n2 dead on n0", 15)
     assert (cluster.peer_entry(1, 2) or {}).get("state") == "suspect"  # n1 is patient
 
 
@@ -314,7 +310,9 @@ def _text(resp: httpx.Response) -> str:
     return "".join(out)
 
 
-def test_restart_replaces_the_old_estimate_and_relearns(cluster: LocalCluster) -> None:
+def test_restart_replaces_the_old_estimate_and_relearns(
+    cluster: LocalCluster, poll: Poll
+) -> None:
     old = cluster.peer_entry(1, 2)
     assert old is not None and old["view_blocks"] > 0  # n1 still holds n2's old estimate
     cluster.restart(2)  # waits until every node sees the new incarnation alive
@@ -326,5 +324,5 @@ def test_restart_replaces_the_old_estimate_and_relearns(cluster: LocalCluster) -
     prefix = PREFIX.replace("anatomy", "botany")
     complete(cluster, 2, prefix + "seed", headers=HOP)
     for observer in (0, 1):
-        wait_for(lambda o=observer: view_blocks(cluster, o, 2) >= len(prefix) // 16,
-                 what="relearning n2's cache")
+        poll.until(lambda o=observer: view_blocks(cluster, o, 2) >= len(prefix) // 16,
+                   "relearning n2's cache", 20)

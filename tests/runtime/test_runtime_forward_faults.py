@@ -154,7 +154,7 @@ async def _link_bad_reply(reader: asyncio.StreamReader, writer: asyncio.StreamWr
 
 async def _link_silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     await _link_open(reader, writer)
-    await asyncio.sleep(30)
+    await asyncio.sleep(30)  # the fake peer holds its link open: what the node must handle
 
 
 async def _link_dies_midstream(reader: asyncio.StreamReader,
@@ -171,21 +171,21 @@ async def _link_ends_early(reader: asyncio.StreamReader, writer: asyncio.StreamW
     frame = await _link_open(reader, writer)
     writer.write(_reply(frame, ForwardAccepted("fake", 0))
                  + _chunk(encode_link_frame(frame.stream, LINK_END)))
-    await asyncio.sleep(30)
+    await asyncio.sleep(30)  # the fake peer holds its link open: what the node must handle
 
 
 async def _link_bad_tokens(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     frame = await _link_open(reader, writer)
     done = ForwardResult((10**9,), "length", len(PROMPT), 0, 0.0, 0.0, 0.0)
     writer.write(_reply(frame, ForwardAccepted("fake", 0), done))
-    await asyncio.sleep(30)
+    await asyncio.sleep(30)  # the fake peer holds its link open: what the node must handle
 
 
 async def _link_busy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     frame = await _link_open(reader, writer)
     writer.write(_reply(frame, ForwardBusy("fake", 0.7))
                  + _chunk(encode_link_frame(frame.stream, LINK_END)))
-    await asyncio.sleep(30)
+    await asyncio.sleep(30)  # the fake peer holds its link open: what the node must handle
 
 
 TRUTH: list[int] = []
@@ -305,7 +305,6 @@ def test_a_peer_without_links_gets_one_post_per_forward(engine, truth) -> None: 
     output, route, failures = asyncio.run(_run(engine, _no_links, False, transport="link"))
     assert output == truth and route == "fallback"
     assert failures == {"busy": 1}  # the POST got through: the peer's own answer
-
 
 
 def test_a_node_at_its_pushback_threshold_answers_busy(engine) -> None:  # type: ignore[no-untyped-def]

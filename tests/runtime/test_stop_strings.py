@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import pytest
@@ -29,6 +29,9 @@ from radixmesh.runtime.config import ServeConfig
 from radixmesh.runtime.inprocess import free_port, serving
 from radixmesh.runtime.node import NodeService
 from radixmesh.runtime.openai_api import Detokenizer
+
+if TYPE_CHECKING:
+    from conftest import Poll
 
 TOKEN_S = 0.01
 MAX_TOKENS = 300
@@ -71,14 +74,6 @@ async def _pair(engine: Any) -> AsyncIterator[tuple[NodeService, NodeService, Sc
         yield entry, peer, peer_engine, entry_address
 
 
-async def _until(check: Callable[[], bool], rounds: int = 200) -> None:
-    for _ in range(rounds):  # bounded: 10 s at most
-        if check():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("the engine work did not end")
-
-
 BODY = {"model": "micro", "prompt": "Say it.", "max_tokens": MAX_TOKENS, "stop": ["$"]}
 
 
@@ -111,13 +106,13 @@ def _assert_done_not_cancelled(node: NodeService) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_stop_string_stops_the_local_engine(engine: Any, stream: bool) -> None:
+def test_a_stop_string_stops_the_local_engine(engine: Any, stream: bool, poll: Poll) -> None:
     async def scenario() -> None:
         async with _serving(engine, "solo") as (node, scripted, address):
             body = {**BODY, "stream": stream,
                     **({"stream_options": {"include_usage": True}} if stream else {})}
             _assert_stopped_early(*await _post(address, body))
-            await _until(lambda: node.queue_depth == 0)
+            await poll.until_async(lambda: node.queue_depth == 0, "node.queue_depth == 0")
             assert STOPPED_AT <= scripted.generated < FAR_BELOW  # the engine stopped
             assert STOPPED_AT <= node.metrics.completion_tokens < FAR_BELOW
             assert node.metrics.cancelled == 0  # a stop is not a cancellation
@@ -128,14 +123,15 @@ def test_a_stop_string_stops_the_local_engine(engine: Any, stream: bool) -> None
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_stop_string_stops_the_peer_engine_of_a_forwarded_request(engine: Any,
-                                                                    stream: bool) -> None:
+def test_a_stop_string_stops_the_peer_engine_of_a_forwarded_request(
+    engine: Any, stream: bool, poll: Poll
+) -> None:
     async def scenario() -> None:
         async with _pair(engine) as (entry, peer, peer_engine, address):
             body = {**BODY, "stream": stream,
                     **({"stream_options": {"include_usage": True}} if stream else {})}
             _assert_stopped_early(*await _post(address, body, {"x-radixmesh-target": "peer"}))
-            await _until(lambda: peer.queue_depth == 0)
+            await poll.until_async(lambda: peer.queue_depth == 0, "peer.queue_depth == 0")
             assert entry.metrics.requests["forwarded"] == 1
             assert peer.metrics.served_for_peers == 1
             assert STOPPED_AT <= peer_engine.generated < FAR_BELOW  # the peer's engine stopped
@@ -159,7 +155,7 @@ def test_without_a_match_the_answer_runs_to_max_tokens(engine: Any) -> None:
     asyncio.run(scenario())
 
 
-def test_a_stop_ends_a_node_service_execution_as_done(engine: Any) -> None:
+def test_a_stop_ends_a_node_service_execution_as_done(engine: Any, poll: Poll) -> None:
     """Without HTTP: ``Execution.stop`` then closing ``tokens()`` is a normal end for the core
     (RequestDone), and the engine task is cancelled."""
     async def scenario() -> None:
@@ -179,7 +175,7 @@ def test_a_stop_ends_a_node_service_execution_as_done(engine: Any) -> None:
                         break
             assert ex.outcome is not None
             assert (ex.outcome.output_ids, ex.outcome.finish_reason) == (seen, "stop")
-            await _until(lambda: node.queue_depth == 0)
+            await poll.until_async(lambda: node.queue_depth == 0, "node.queue_depth == 0")
             assert 5 <= scripted.generated < FAR_BELOW
             _assert_done_not_cancelled(node)
             assert node.metrics.cancelled == 0
@@ -189,7 +185,9 @@ def test_a_stop_ends_a_node_service_execution_as_done(engine: Any) -> None:
     asyncio.run(scenario())
 
 
-def test_a_stop_after_a_peer_died_midstream_stops_the_local_continuation(engine: Any) -> None:
+def test_a_stop_after_a_peer_died_midstream_stops_the_local_continuation(
+    engine: Any, poll: Poll
+) -> None:
     """The peer sends two tokens and dies; the answer goes on here (the core's fallback) and
     the stop string, matched on all the tokens, ends the local continuation as done."""
     async def dies(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -219,7 +217,7 @@ def test_a_stop_after_a_peer_died_midstream_stops_the_local_continuation(engine:
             assert text == "AB" + HEAD[:-1]
             assert ex.outcome is not None and ex.outcome.finish_reason == "stop"
             assert len(ex.outcome.output_ids) == 2 + STOPPED_AT
-            await _until(lambda: node.queue_depth == 0)
+            await poll.until_async(lambda: node.queue_depth == 0, "node.queue_depth == 0")
             assert node.metrics.forward_failures["disconnected"] == 1
             assert STOPPED_AT <= scripted.generated < FAR_BELOW  # the continuation stopped
             _assert_done_not_cancelled(node)

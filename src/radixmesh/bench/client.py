@@ -28,18 +28,18 @@ from typing import Any
 
 import httpx
 
+from radixmesh.core.headers import (
+    HEADER_CACHED,
+    HEADER_EXPECTED,
+    HEADER_PLACEMENT,
+    HEADER_QUEUE,
+    HEADER_REQUEST,
+    HEADER_ROUTE,
+    HEADER_SERVED_BY,
+    HEADER_SERVICE,
+)
 from radixmesh.results.records import Record
 from radixmesh.workload.request import Request
-
-H_SERVED = "x-radixmesh-served-by"
-H_ROUTE = "x-radixmesh-route"
-H_EXPECTED = "x-radixmesh-expected-cached-tokens"
-H_PLACEMENT = "x-radixmesh-placement"
-H_CACHED = "x-radixmesh-cached-tokens"
-H_REQUEST = "x-radixmesh-request"  # the entry node's number of the request (its decisions)
-H_TARGET = "x-radixmesh-target"  # experiments: the entry node forwards to this peer id
-H_QUEUE = "x-radixmesh-queue-s"  # seconds the request waited for the serving engine
-H_SERVICE = "x-radixmesh-service-s"  # seconds the serving engine spent on it
 
 
 def request_body(
@@ -90,19 +90,19 @@ def _output(payload: dict[str, Any]) -> tuple[str | None, str | None]:
 
 def _timing(headers: httpx.Headers) -> dict[str, float]:
     out = parse_server_timing(headers.get("server-timing"))
-    for name, key in (("queue", H_QUEUE), ("service", H_SERVICE)):
+    for name, key in (("queue", HEADER_QUEUE), ("service", HEADER_SERVICE)):
         with contextlib.suppress(ValueError):
             out[name] = float(headers.get(key, ""))
     return out
 
 
 def _fill_headers(rec: Record, h: httpx.Headers) -> None:
-    rec.served_by = h.get(H_SERVED)
-    rec.route = h.get(H_ROUTE)
-    rec.expected_cached_tokens = _int(h.get(H_EXPECTED))
-    rec.placement = h.get(H_PLACEMENT)
-    rec.request = _int(h.get(H_REQUEST))
-    rec.cached_tokens = _int(h.get(H_CACHED))
+    rec.served_by = h.get(HEADER_SERVED_BY)
+    rec.route = h.get(HEADER_ROUTE)
+    rec.expected_cached_tokens = _int(h.get(HEADER_EXPECTED))
+    rec.placement = h.get(HEADER_PLACEMENT)
+    rec.request = _int(h.get(HEADER_REQUEST))
+    rec.cached_tokens = _int(h.get(HEADER_CACHED))
     rec.server_timing = _timing(h)
 
 

@@ -36,6 +36,7 @@ from radixmesh.core.estimators import ComputeModel, CostPriors
 from radixmesh.core.peerview import PeerView
 from radixmesh.core.radix import RadixTree
 from radixmesh.core.router import NodeInfo, Policy, RouteInput, Router, RouterConfig
+from radixmesh.results.summary import percentile
 
 BLOCK = 16
 PROMPT_TOKENS = 3_000
@@ -45,11 +46,6 @@ PREFIXES_PER_PEER = 8
 SUFFIXES_PER_PREFIX = 8
 ROUTE_TOP_K = 8
 PEER_COUNTS = (4, 64, 1024)
-
-
-def _percentile(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def _time_us(fn: Callable[[], object], iterations: int) -> list[float]:
@@ -165,12 +161,12 @@ def _radix_bench(work: Workload, iterations: int) -> tuple[list[float], list[flo
     return matches, _time_us(insert, iterations)
 
 
-def _median(samples: Sequence[float]) -> float:
-    return round(statistics.median(samples), 2)
-
-
-def _p99(samples: list[float]) -> float:
-    return round(_percentile(samples, 0.99), 2)
+def _pct(samples: Sequence[float], q: float) -> float:
+    """The q-th percentile (results.summary.percentile, nearest rank) in µs, to 0.01."""
+    value = percentile(samples, q)
+    if value is None:
+        raise ValueError("no samples")
+    return round(value, 2)
 
 
 def run(quick: bool) -> dict[str, object]:
@@ -184,14 +180,14 @@ def run(quick: bool) -> dict[str, object]:
     figures = {str(peers): _route_bench(work, peers, iterations, suffixes) for peers in PEER_COUNTS}
     return {
         "timer": "thread CPU time; *_wall_* keys are wall-clock",
-        "hash_p50_us": _median(hashing),
+        "hash_p50_us": _pct(hashing, 50),
         "hash_prompt_tokens": len(prompt),
-        "radix_match_p50_us": _median(matches),
-        "radix_insert_p50_us": _median(inserts),
-        "route_p50_us": {k: _median(f.cpu_us) for k, f in figures.items()},
-        "route_p99_us": {k: _p99(f.cpu_us) for k, f in figures.items()},
-        "route_wall_p50_us": {k: _median(f.wall_us) for k, f in figures.items()},
-        "route_wall_p99_us": {k: _p99(f.wall_us) for k, f in figures.items()},
+        "radix_match_p50_us": _pct(matches, 50),
+        "radix_insert_p50_us": _pct(inserts, 50),
+        "route_p50_us": {k: _pct(f.cpu_us, 50) for k, f in figures.items()},
+        "route_p99_us": {k: _pct(f.cpu_us, 99) for k, f in figures.items()},
+        "route_wall_p50_us": {k: _pct(f.wall_us, 50) for k, f in figures.items()},
+        "route_wall_p99_us": {k: _pct(f.wall_us, 99) for k, f in figures.items()},
         "route_matched_peers_mean": {k: round(f.matched_peers, 1) for k, f in figures.items()},
         "route_policy": "cost",
         "route_top_k": ROUTE_TOP_K,

@@ -44,6 +44,7 @@ from radixmesh.bench.oracle import Oracle, fed_output, output_ids
 from radixmesh.bench.prompts import prompt_ids, tokenizer_for
 from radixmesh.bench.sglang import Gateway
 from radixmesh.bench.spec import RunSpec, engine_context
+from radixmesh.core.headers import HEADER_TARGET
 from radixmesh.results.records import Record
 from radixmesh.workload import Request
 from radixmesh.workload.schedule import Sessions, is_open_loop, poisson
@@ -303,7 +304,7 @@ class Replay:
         chosen, predicted = oracle.choose(tokens, req.max_tokens, entry)
         node = chosen if node < 0 else node
         lease = oracle.started(node, tokens, req.max_tokens)
-        headers = {client.H_TARGET: self.ids[node]} if node != entry else None
+        headers = {HEADER_TARGET: self.ids[node]} if node != entry else None
         await client.send(http, self.urls[entry], self.model, req, rec, self.t0, headers)
         rec.expected_cached_tokens = predicted if node == chosen else lease.cached
         fed = None

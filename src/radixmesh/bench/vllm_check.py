@@ -52,7 +52,8 @@ from typing import Any
 
 import httpx
 
-from radixmesh.bench.client import H_CACHED, H_EXPECTED, H_ROUTE, H_SERVED, request_body
+from radixmesh.bench.client import request_body
+from radixmesh.core.headers import HEADER_CACHED, HEADER_EXPECTED, HEADER_ROUTE, HEADER_SERVED_BY
 from radixmesh.results.records import Record
 from radixmesh.results.summary import summarize
 from radixmesh.runtime.cluster import free_ports
@@ -393,9 +394,9 @@ async def send_stream(http: httpx.AsyncClient, base_url: str, req: Request, rec:
         async with http.stream("POST", base_url.rstrip("/") + path, json=body) as resp:
             rec.status = resp.status_code
             h = resp.headers
-            rec.served_by, rec.route = h.get(H_SERVED), h.get(H_ROUTE)
-            rec.expected_cached_tokens = _int(h.get(H_EXPECTED))
-            rec.cached_tokens = _int(h.get(H_CACHED))
+            rec.served_by, rec.route = h.get(HEADER_SERVED_BY), h.get(HEADER_ROUTE)
+            rec.expected_cached_tokens = _int(h.get(HEADER_EXPECTED))
+            rec.cached_tokens = _int(h.get(HEADER_CACHED))
             if resp.status_code != 200:
                 rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
             async for line in resp.aiter_lines():

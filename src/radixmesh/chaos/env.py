@@ -30,11 +30,12 @@ from typing import Any
 import httpx
 
 from radixmesh.chaos.load import Outcome, Prompt, closed_loop
+from radixmesh.core.headers import HEADER_HOP
 from radixmesh.runtime.cluster import LocalCluster
 from radixmesh.runtime.metrics import parse_samples
 from radixmesh.workload.synthetic import synthetic_groups
 
-HOP = {"x-radixmesh-hop": "1"}
+HOP = {HEADER_HOP: "1"}  # execute on the receiving node, never forward
 
 
 @dataclass(frozen=True, slots=True)

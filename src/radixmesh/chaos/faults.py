@@ -28,6 +28,7 @@ from radixmesh.chaos.env import HOP, ChaosEnv
 from radixmesh.chaos.load import Outcome, Prompt, closed_loop
 from radixmesh.chaos.report import FaultResult
 from radixmesh.core.auth import ClusterKey, sign
+from radixmesh.core.headers import HEADER_AUTH
 from radixmesh.results.summary import percentile
 from radixmesh.runtime.metrics import parse_samples, sample_sum
 from radixmesh.runtime.peer_auth import GOSSIP_PURPOSE, forward_purpose
@@ -409,24 +410,24 @@ def _hostile_cases(key: ClusterKey, now: float) -> list[Case]:
     fwd_body = b'{"prompt_ids":[1,2,3],"sampling":{"max_tokens":1}}'
     return [
         ("gossip, no header", "/peer/gossip", body, {}, 401),
-        ("gossip, garbage header", "/peer/gossip", body, {"x-radixmesh-auth": "v1;x"}, 401),
+        ("gossip, garbage header", "/peer/gossip", body, {HEADER_AUTH: "v1;x"}, 401),
         ("gossip, wrong key", "/peer/gossip", body,
-         {"x-radixmesh-auth": sign(wrong, GOSSIP_PURPOSE, "a", body, now, nonce())}, 403),
+         {HEADER_AUTH: sign(wrong, GOSSIP_PURPOSE, "a", body, now, nonce())}, 403),
         ("gossip, tampered body", "/peer/gossip", body + b"\x00",
-         {"x-radixmesh-auth": sign(key, GOSSIP_PURPOSE, "a", body, now, nonce())}, 403),
+         {HEADER_AUTH: sign(key, GOSSIP_PURPOSE, "a", body, now, nonce())}, 403),
         ("gossip, stale (2 min old)", "/peer/gossip", body,
-         {"x-radixmesh-auth": sign(key, GOSSIP_PURPOSE, "a", body, now - 120, nonce())}, 403),
-        ("gossip, genuine", "/peer/gossip", body, {"x-radixmesh-auth": good}, 204),
-        ("gossip, replayed", "/peer/gossip", body, {"x-radixmesh-auth": good}, 403),
+         {HEADER_AUTH: sign(key, GOSSIP_PURPOSE, "a", body, now - 120, nonce())}, 403),
+        ("gossip, genuine", "/peer/gossip", body, {HEADER_AUTH: good}, 204),
+        ("gossip, replayed", "/peer/gossip", body, {HEADER_AUTH: good}, 403),
         ("gossip body replayed to /peer/forward", "/peer/forward", body,
-         {"x-radixmesh-auth": good}, 403),
+         {HEADER_AUTH: good}, 403),
         ("forward, no header", "/peer/forward", fwd_body, {}, 401),
-        ("forward, wrong key", "/peer/forward", fwd_body, {"x-radixmesh-auth": sign(
+        ("forward, wrong key", "/peer/forward", fwd_body, {HEADER_AUTH: sign(
             wrong, forward_purpose("/peer/forward"), "a", fwd_body, now, nonce())}, 403),
         ("link, no header", "/peer/link", b"", {}, 401),
-        ("link, wrong key", "/peer/link", b"", {"x-radixmesh-auth": sign(
+        ("link, wrong key", "/peer/link", b"", {HEADER_AUTH: sign(
             wrong, forward_purpose("/peer/link"), "a", b"", now, nonce())}, 403),
-        ("forward's token replayed to /peer/link", "/peer/link", b"", {"x-radixmesh-auth": sign(
+        ("forward's token replayed to /peer/link", "/peer/link", b"", {HEADER_AUTH: sign(
             key, forward_purpose("/peer/forward"), "a", b"", now, nonce())}, 403),
     ]
 

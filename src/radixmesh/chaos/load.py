@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from radixmesh.core.headers import HEADER_QUEUE, HEADER_ROUTE, HEADER_SERVED_BY, HEADER_SERVICE
 from radixmesh.results.summary import percentile
 
 
@@ -129,8 +130,8 @@ async def _send_stream(
                 return _from_response(p.id, base_url, resp, time.monotonic() - start,
                                       start - t0)
             status = 200
-            served_by = resp.headers.get("x-radixmesh-served-by")
-            route = resp.headers.get("x-radixmesh-route")
+            served_by = resp.headers.get(HEADER_SERVED_BY)
+            route = resp.headers.get(HEADER_ROUTE)
             error, done = await _read_events(resp, pieces)
     except (httpx.HTTPError, OSError, ValueError) as exc:
         error = f"{type(exc).__name__}: {exc}"[:200]
@@ -165,8 +166,8 @@ async def _read_events(resp: httpx.Response, pieces: list[str]) -> tuple[str | N
 def _from_response(
     id_: str, base_url: str, resp: httpx.Response, latency_s: float, t_start: float
 ) -> Outcome:
-    served_by = resp.headers.get("x-radixmesh-served-by")
-    route = resp.headers.get("x-radixmesh-route")
+    served_by = resp.headers.get(HEADER_SERVED_BY)
+    route = resp.headers.get(HEADER_ROUTE)
     if resp.status_code != 200:
         error: str | None = _error_message(resp)
         body: dict[str, object] = {}
@@ -187,8 +188,8 @@ def _from_response(
 def _server_s(resp: httpx.Response) -> float | None:
     """Queue + service seconds on the node that served the request (its response headers)."""
     try:
-        return float(resp.headers["x-radixmesh-queue-s"]) + float(
-            resp.headers["x-radixmesh-service-s"])
+        return float(resp.headers[HEADER_QUEUE]) + float(
+            resp.headers[HEADER_SERVICE])
     except (KeyError, ValueError):
         return None
 

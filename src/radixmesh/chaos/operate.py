@@ -47,13 +47,11 @@ from typing import Any
 
 import httpx
 
-from radixmesh.chaos.env import ChaosConfig, ChaosEnv
+from radixmesh.chaos.env import HOP, ChaosConfig, ChaosEnv
 from radixmesh.chaos.load import Outcome, Prompt, send_one
 from radixmesh.chaos.report import rss_bytes
 from radixmesh.results.summary import percentile
 from radixmesh.runtime.metrics import parse_samples
-
-HOP = {"x-radixmesh-hop": "1"}
 
 
 # ------------------------------------------------------------------------------ shared

@@ -44,7 +44,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 VERSION = "v1"
-HEADER = "x-radixmesh-auth"  # HTTP header carrying the token
 NONCE_BYTES = 16
 MIN_SECRET_BYTES = 16
 _KID_HEX = 8

@@ -72,8 +72,10 @@ class _Job:
 
 
 class EngineWorker:
-    def __init__(self, engine: Engine, name: str = "radixmesh-engine") -> None:
+    def __init__(self, engine: Engine, name: str = "radixmesh-engine", *,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.engine = engine
+        self._clock = clock  # seconds, for queue_s (tests pass a virtual one)
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._waiting = 0
@@ -111,7 +113,7 @@ class EngineWorker:
             if self._closed:
                 raise RuntimeError("engine worker is closed")
             self._waiting += 1
-            self._queue.put(_Job(req, on_token, future, time.perf_counter()))
+            self._queue.put(_Job(req, on_token, future, self._clock()))
         future.add_done_callback(self._uncount_if_cancelled)
         return future
 
@@ -153,7 +155,7 @@ class EngineWorker:
                 self._running = 1
         if not started:
             return
-        queue_s = time.perf_counter() - job.submitted
+        queue_s = self._clock() - job.submitted
         try:
             result = self.engine.generate(job.req, job.on_token)
         except BaseException as exc:

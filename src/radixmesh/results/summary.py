@@ -27,7 +27,15 @@ from radixmesh.results.records import Record
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile (``q`` in [0, 100]); None for no values."""
+    """The ``q``-th percentile (``q`` in [0, 100]) by the nearest-rank method; None for no values.
+
+    Nearest rank: the ``ceil(q / 100 * n)``-th smallest of the ``n`` values (at least the
+    first), i.e. the smallest value with at least ``q`` % of the values at or below it. It is
+    always an observed value, never interpolated: numpy's default (``method="linear"``) and
+    ``statistics.median`` on an even count can give numbers between two samples. This is the
+    one percentile of the project; every p50 / p99 figure goes through it."""
+    if not 0.0 <= q <= 100.0:
+        raise ValueError(f"q must be in [0, 100], got {q!r}")
     if not values:
         return None
     ordered = sorted(values)

@@ -58,6 +58,22 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from radixmesh.core.auth import AuthError
 from radixmesh.core.codec import RemoteProtocolError
 from radixmesh.core.forward_codec import decode_forward_request, decode_link_open
+from radixmesh.core.headers import (
+    HEADER_CACHED,
+    HEADER_EXPECTED,
+    HEADER_FROM,
+    HEADER_FROM_ADDRESS,
+    HEADER_HOP,
+    HEADER_NODE,
+    HEADER_OVERHEAD,
+    HEADER_PLACEMENT,
+    HEADER_QUEUE,
+    HEADER_REQUEST,
+    HEADER_ROUTE,
+    HEADER_SERVED_BY,
+    HEADER_SERVICE,
+    HEADER_TARGET,
+)
 from radixmesh.core.messages import ForwardRequest
 from radixmesh.core.router import Tag
 from radixmesh.engine.base import SamplingParams, TokenLogprob
@@ -97,29 +113,12 @@ from radixmesh.runtime.peer_auth import (
     note_refusal,
     refused,
 )
-from radixmesh.runtime.peer_client import (
-    FORWARD_MEDIA_TYPE,
-    FORWARD_PATH,
-    HEADER_FROM,
-    HEADER_FROM_ADDRESS,
-)
+from radixmesh.runtime.peer_client import FORWARD_MEDIA_TYPE, FORWARD_PATH
 from radixmesh.runtime.peer_link import LINK_PATH, Refused, headers_of, serve_link
 from radixmesh.runtime.peer_tls import install_peer_tls
 
 log = logging.getLogger("radixmesh.app")
 
-HEADER_HOP = "x-radixmesh-hop"
-HEADER_TARGET = "x-radixmesh-target"
-HEADER_NODE = "x-radixmesh-node"  # the entry node that answered the client
-HEADER_SERVED_BY = "x-radixmesh-served-by"
-HEADER_ROUTE = "x-radixmesh-route"
-HEADER_EXPECTED = "x-radixmesh-expected-cached-tokens"
-HEADER_PLACEMENT = "x-radixmesh-placement"  # the router's tag of the choice (cost policy)
-HEADER_REQUEST = "x-radixmesh-request"  # the entry node's number of the request (its decisions)
-HEADER_CACHED = "x-radixmesh-cached-tokens"
-HEADER_QUEUE = "x-radixmesh-queue-s"
-HEADER_SERVICE = "x-radixmesh-service-s"
-HEADER_OVERHEAD = "x-radixmesh-forward-overhead-s"
 PLACEMENT_TAGS = frozenset(t.value for t in Tag)  # what /mesh/decisions?placement= takes
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 MAX_PEER_BODY = 64 * 1024 * 1024  # forward bodies (encoded prompts); gossip has its own limit

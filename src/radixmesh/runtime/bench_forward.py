@@ -42,6 +42,13 @@ from typing import Any
 
 import httpx
 
+from radixmesh.core.headers import (
+    HEADER_HOP,
+    HEADER_OVERHEAD,
+    HEADER_QUEUE,
+    HEADER_SERVICE,
+    HEADER_TARGET,
+)
 from radixmesh.runtime.cluster import LocalCluster
 
 PROMPT = "The following are multiple choice questions (with answers) about anatomy.\n\n" * 2
@@ -54,8 +61,8 @@ def _one(client: httpx.Client, url: str, headers: dict[str, str]) -> tuple[float
     elapsed = time.perf_counter() - t0
     resp.raise_for_status()
     h = resp.headers
-    engine = float(h["x-radixmesh-queue-s"]) + float(h["x-radixmesh-service-s"])
-    overhead = float(h.get("x-radixmesh-forward-overhead-s", "nan"))
+    engine = float(h[HEADER_QUEUE]) + float(h[HEADER_SERVICE])
+    overhead = float(h.get(HEADER_OVERHEAD, "nan"))
     return elapsed, engine, overhead
 
 
@@ -93,8 +100,8 @@ def measure(samples: int, net_delay: str = "0", peer_transport: str = "link"
         cluster.restart(1)
         single = cluster.nodes[1].startup_s or 0.0
         url = cluster.url(0) + "/v1/completions"
-        local_h = {"x-radixmesh-hop": "1"}
-        fwd_h = {"x-radixmesh-target": "n1"}
+        local_h = {HEADER_HOP: "1"}
+        fwd_h = {HEADER_TARGET: "n1"}
         with httpx.Client(timeout=60, trust_env=False) as client:
             for _ in range(5):  # warm-up: caches, connections, code paths
                 _one(client, url, local_h)

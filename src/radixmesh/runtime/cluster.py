@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import json
 import os
 import shlex
@@ -48,11 +47,11 @@ from typing import Any
 
 import httpx
 
+from radixmesh.child_process import die_with_parent
 from radixmesh.core.units import parse_duration
 from radixmesh.runtime.config import add_serve_arguments, config_to_argv
 
 LOOPBACK = "127.0.0.1"
-_PR_SET_PDEATHSIG = 1
 
 
 class ClusterError(RuntimeError):
@@ -76,14 +75,6 @@ def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
 def free_port(host: str = LOOPBACK) -> int:
     """A TCP port nobody listens on right now."""
     return free_ports(1, host)[0]
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
 
 
 @dataclass
@@ -231,7 +222,7 @@ class LocalCluster:
             node.process = subprocess.Popen(
                 self.argv(node.index), stdin=subprocess.DEVNULL, stdout=log,
                 stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                preexec_fn=_die_with_parent if self.die_with_parent else None,
+                preexec_fn=die_with_parent if self.die_with_parent else None,
             )
         node.spawned_at = time.monotonic()
         node.startup_s = None

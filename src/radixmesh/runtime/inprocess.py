@@ -5,9 +5,9 @@ separate process: ``async with serving(service, port) as address: ...`` starts t
 waits (bounded) until it listens, and always stops it. ``app_options``: a function of the app
 returning more uvicorn options (e.g. ``peer_tls.uvicorn_options``). For synchronous callers
 (a blocking SDK client, a module-scoped fixture), :class:`ServedInThread` runs the same on an
-event loop of its own thread. ``until`` waits, bounded, for a condition inside a test's loop.
-``serving_node(engine, name, **config)`` builds the node too, on a free port, with what tests
-want by default (gossip every 5 s: nothing gossips unless a test asks; forward timeout 2 s).
+event loop of its own thread. ``serving_node(engine, name, **config)`` builds the node too, on
+a free port, with what tests want by default (gossip every 5 s: nothing gossips unless a test
+asks; forward timeout 2 s).
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from radixmesh.runtime.cluster import free_port as free_port  # the one implementation
@@ -98,11 +97,3 @@ class ServedInThread:
         self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(30)
 
-
-async def until(check: Callable[[], bool], what: str, limit_s: float = 10.0,
-                poll_s: float = 0.01) -> None:
-    """Return once ``check()`` holds; fail the test after ``limit_s``."""
-    deadline = time.monotonic() + limit_s
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(poll_s)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import shlex
 import signal
@@ -30,13 +29,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-_PR_SET_PDEATHSIG = 1
+from radixmesh.child_process import die_with_parent
+
 READY_POLL_S = 0.25
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class EngineProcess:
@@ -64,7 +59,7 @@ class EngineProcess:
         try:
             self.proc = subprocess.Popen(
                 self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True, preexec_fn=_die_with_parent)
+                start_new_session=True, preexec_fn=die_with_parent)
         finally:
             if out is not subprocess.DEVNULL:
                 out.close()  # type: ignore[union-attr]

@@ -30,7 +30,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixmesh.core.auth import (
     AUTH_FAILURE_REASONS,
-    HEADER,
     NONCE_BYTES,
     AuthConfig,
     AuthError,
@@ -39,6 +38,7 @@ from radixmesh.core.auth import (
     Verified,
     Verifier,
 )
+from radixmesh.core.headers import HEADER_AUTH
 
 ENV_CLUSTER_KEY = "RADIXMESH_CLUSTER_KEY"
 ENV_API_KEY = "RADIXMESH_API_KEY"
@@ -98,14 +98,14 @@ class PeerAuth:
         if self._signer is None:
             return {}
         value = self._signer.sign(purpose, body, time.time(), secrets.token_bytes(NONCE_BYTES))
-        return {HEADER: value}
+        return {HEADER_AUTH: value}
 
     def verify(self, headers: Mapping[str, str], purpose: str, body: bytes) -> Verified | None:
         """Check an incoming peer message; raises :class:`AuthError`. None in open mode."""
         if self._verifier is None:
             self.unauthenticated_accepted += 1
             return None
-        return self._verifier.verify(headers.get(HEADER), purpose, body, time.time())
+        return self._verifier.verify(headers.get(HEADER_AUTH), purpose, body, time.time())
 
     def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {"peer_auth_enabled": 1.0 if self.enabled else 0.0}

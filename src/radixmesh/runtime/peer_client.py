@@ -39,6 +39,7 @@ import aiohttp
 
 from radixmesh.core.codec import RemoteProtocolError
 from radixmesh.core.forward_codec import ReplyDecoder
+from radixmesh.core.headers import HEADER_FROM, HEADER_FROM_ADDRESS
 from radixmesh.core.messages import ForwardError, ForwardReply, ForwardResult
 from radixmesh.runtime.netem import Netem
 from radixmesh.runtime.peer_auth import GOSSIP_PURPOSE, PeerAuth, forward_purpose
@@ -57,8 +58,6 @@ log = logging.getLogger(__name__)
 FORWARD_PATH = "/peer/forward"
 FORWARD_MEDIA_TYPE = "application/x-radixmesh-forward"  # msgpack request; framed replies
 GOSSIP_PATH = "/peer/gossip"
-HEADER_FROM = "x-radixmesh-from"  # sender's node id
-HEADER_FROM_ADDRESS = "x-radixmesh-from-address"  # sender's host:port
 READ_BUFFER_BYTES = 1024 * 1024  # aiohttp's read buffer for forward streams
 EOF_WAIT_S = 0.5  # after the final reply, wait this long for the end of the body
 

@@ -53,7 +53,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import aclosing, suppress
 from typing import TYPE_CHECKING, Any
 
-from radixmesh.core.auth import HEADER as AUTH_HEADER
 from radixmesh.core.codec import RemoteProtocolError
 from radixmesh.core.forward_codec import (
     LINK_CANCEL,
@@ -72,6 +71,7 @@ from radixmesh.core.forward_codec import (
     encode_link_open,
     encode_link_refused,
 )
+from radixmesh.core.headers import HEADER_AUTH
 from radixmesh.core.messages import (
     ForwardBusy,
     ForwardError,
@@ -474,10 +474,10 @@ _LINK_HEADERS = [(b"content-type", LINK_MEDIA_TYPE.encode())]
 
 def token_of(headers: dict[str, str]) -> str:
     """The authentication token in ``PeerAuth.headers(...)`` ("" in open mode)."""
-    return headers.get(AUTH_HEADER, "")
+    return headers.get(HEADER_AUTH, "")
 
 
 def headers_of(token: str) -> dict[str, str]:
     """The inverse: the headers ``PeerAuth.verify`` reads for a token."""
-    return {AUTH_HEADER: token} if token else {}
+    return {HEADER_AUTH: token} if token else {}
 

@@ -34,6 +34,7 @@ from radixmesh.core.config import GossipConfig, GossipMode
 from radixmesh.core.events import CacheChanged
 from radixmesh.core.router import Policy, RouterConfig
 from radixmesh.core.units import parse_duration
+from radixmesh.results.summary import percentile
 from radixmesh.sim import costs
 from radixmesh.sim.cluster import (
     ClusterConfig,
@@ -154,9 +155,10 @@ def _change_trials(
 
 
 def _convergence_stats(seen: list[list[float]], nodes: int, interval_s: float) -> dict[str, Any]:
-    """Means over the changes of the median and last node's time; changes some node missed."""
+    """Means over the changes of the median (nearest-rank p50) and last node's time; changes
+    some node missed."""
     maxima = [times[-1] for times in seen if times]
-    medians = [times[len(times) // 2] for times in seen if times]
+    medians = [percentile(times, 50) or 0.0 for times in seen if times]
     return {
         "unconverged_trials": sum(1 for times in seen if len(times) < nodes - 1),
         "converge_p50_s": statistics.mean(medians) if medians else None,

@@ -32,7 +32,6 @@ Only the standard library; every command has a timeout.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import ipaddress
 import os
 import shutil
@@ -43,10 +42,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from radixmesh.child_process import die_with_parent
+
 DEFAULT_SUBNET = "10.213.0.0/24"
 TAG_PREFIX = "rmx"  # + the creating process's id: rmx<pid>-h1, rmx<pid>-br, rmx<pid>p0, ...
 _CMD_TIMEOUT_S = 10.0
-_PR_SET_PDEATHSIG = 1
 
 
 class NetnsUnavailable(RuntimeError):
@@ -111,11 +111,6 @@ def reap_stale() -> list[str]:
         _ip("netns", "del", name, check=False)
         reaped.append(name)
     return reaped
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -209,7 +204,7 @@ class EmulatedHosts:
             proc = subprocess.Popen(
                 self.exec_argv(name, argv), stdin=subprocess.DEVNULL, stdout=handle,
                 stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             )
         self.hosts[name].processes.append(proc)
         return proc

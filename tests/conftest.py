@@ -1,0 +1,61 @@
+"""Helpers shared by every test directory: one bounded poll.
+
+Theory of operation
+-------------------
+Tests that drive real processes, threads or event loops wait for a *condition* (a node sees a
+peer, a queue drains), never for a fixed time: ``poll.until(cond, what, timeout)`` calls
+``cond`` every ``interval`` seconds until it returns something truthy and returns that value;
+past ``timeout`` it fails the test with "timed out after T s waiting for WHAT".
+``await poll.until_async(...)`` is the same on a running event loop (the loop keeps running
+between checks). ``watch`` (sync only) is called between checks and may raise to fail fast,
+e.g. when a process the condition depends on has exited.
+
+It is a session fixture (``def test_x(poll: Poll)``), not an importable function, because
+test directories have conftest files of their own and no ``__init__.py``: ``import conftest``
+would find whichever was loaded last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import pytest
+
+T = TypeVar("T")
+
+
+class Poll:
+    """Bounded polling of a condition (see the module docstring)."""
+
+    def until(self, cond: Callable[[], T], what: str, timeout: float = 10.0, *,
+              interval: float = 0.02, watch: Callable[[], None] | None = None) -> T:
+        deadline = time.monotonic() + timeout
+        while True:
+            value = cond()
+            if value:
+                return value
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+            if watch is not None:
+                watch()
+            time.sleep(interval)  # the poll's period, not a synchronisation
+
+    async def until_async(self, cond: Callable[[], T], what: str, timeout: float = 10.0, *,
+                          interval: float = 0.01) -> T:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            value = cond()
+            if value:
+                return value
+            if loop.time() >= deadline:
+                raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+            await asyncio.sleep(interval)  # lets the loop run the work being waited for
+
+
+@pytest.fixture(scope="session")
+def poll() -> Poll:
+    return Poll()
