@@ -83,9 +83,9 @@ async def settled(fake: FakeEngine, sub: KvSubscriber) -> None:
 def test_a_gap_is_filled_from_the_replay_socket(replay_topic: bool) -> None:
     async def scenario() -> None:
         async with setup() as (fake, engine, sub):
-            fake.replay_topic = replay_topic
+            fake.faults.replay_topic = replay_topic
             await ask(engine, "the first prompt, long enough for blocks " * 2)
-            fake.skip_live = 1  # the next batch is lost on the PUB stream (kept for replay)
+            fake.faults.skip_live = 1  # the next batch is lost on the PUB stream (kept for replay)
             await ask(engine, "the second prompt, also long enough " * 2)
             await ask(engine, "a third prompt reveals the gap " * 2)
             await settled(fake, sub)
@@ -100,7 +100,7 @@ def test_a_gap_the_replay_cannot_cover_drops_the_index_and_under_reports() -> No
     async def scenario() -> None:
         async with setup() as (fake, engine, sub):
             await ask(engine, "the first prompt, long enough for blocks " * 2)
-            fake.skip_live, fake.skip_replay = 1, True  # lost for good
+            fake.faults.skip_live, fake.faults.skip_replay = 1, True  # lost for good
             await ask(engine, "the second prompt, also long enough " * 2)
             await ask(engine, "a third prompt reveals the gap " * 2)
             await settled(fake, sub)
@@ -113,7 +113,7 @@ def test_a_gap_the_replay_cannot_cover_drops_the_index_and_under_reports() -> No
 def test_a_duplicate_is_dropped() -> None:
     async def scenario() -> None:
         async with setup() as (fake, engine, sub):
-            fake.duplicate_next = 2
+            fake.faults.duplicate_next = 2
             await ask(engine, "a prompt whose batch arrives twice " * 2)
             await ask(engine, "and another one " * 4)
             await settled(fake, sub)
@@ -165,8 +165,8 @@ def test_a_replay_socket_that_never_answers_is_survived() -> None:
     async def scenario() -> None:
         async with setup() as (fake, engine, sub):
             await ask(engine, "the first prompt, long enough for blocks " * 2)
-            fake.replay_enabled = False
-            fake.skip_live = 1
+            fake.faults.replay_enabled = False
+            fake.faults.skip_live = 1
             await ask(engine, "the second prompt, also long enough " * 2)
             await ask(engine, "a third prompt reveals the gap " * 2)
             await settled(fake, sub)

@@ -42,9 +42,10 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_random_model_dir(tmp_path_factory.mktemp("tok"), "micro")
 
 
-def _fake_cmd(port: int, kv: int, replay: int) -> str:
+def _fake_cmd(port: int, kv: int, replay: int, tokenizer: Path) -> str:
+    # the engine knows the node's tokenizer, as a real vLLM does (it refuses ids outside it)
     return (f"{sys.executable} -m radixmesh.testing.fake_engine --port {port} "
-            f"--kv-port {kv} --replay-port {replay}")
+            f"--kv-port {kv} --replay-port {replay} --tokenizer {tokenizer}")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
@@ -55,7 +56,7 @@ def test_the_launched_engine_serves_and_goes_with_the_node(tokenizer_dir: Path, 
             "--engine", "vllm", "--engine-url", f"http://127.0.0.1:{port}",
             "--kv-events", f"tcp://*:{kv}", "--kv-replay", f"tcp://*:{replay}",
             "--tokenizer", str(tokenizer_dir), "--drain-grace", "1", "--drain-linger", "0",
-            "--launch", _fake_cmd(port, kv, replay)]
+            "--launch", _fake_cmd(port, kv, replay, tokenizer_dir)]
     node = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{node_port}"
