@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "emulate": ("radixmesh.emulate.cli", "an emulated vLLM engine: its API and KV events, a "
                 "profile's speed, no model"),
     "sim": ("radixmesh.sim.cli", "discrete-event simulation of the same core at scale"),
+    "profile": ("radixmesh.profiles.cli", "step-time profiles: list them, show what one predicts"),
     "calibrate": ("radixmesh.bench.calibrate", "measure the built-in engine into a cost model"),
     "chaos": ("radixmesh.chaos.cli", "fault injection and soak tests against real nodes"),
     "microbench": ("radixmesh.bench.microbench", "micro-benchmarks of the core and engine"),

@@ -12,6 +12,10 @@ median of ``generate`` wall time minus prefill and decode (lease, commit, sampli
 runtime's measured figure with ``--forward-overhead`` (default 3 ms, as measured on this
 machine by ``radixmesh.runtime.bench_forward``).
 
+``--profile-out FILE`` also writes a step-time profile (:mod:`radixmesh.core.profile`) of the
+same fit; ``--engine-url URL`` fits a profile to a running OpenAI/vLLM-compatible engine
+instead (:mod:`radixmesh.bench.engine_calibrate`).
+
 ``--from-records requests.jsonl`` fits the same form to a real cluster run instead
 (:func:`radixmesh.sim.costfit.from_records`). The command lives with the benchmark harness,
 above the engine it times; the simulator only reads the JSON it writes.
@@ -30,6 +34,8 @@ import sys
 import time
 from typing import Any
 
+from radixmesh.bench.profilefit import from_builtin_fit
+from radixmesh.core.profile import Profile, dumps
 from radixmesh.core.units import parse_duration
 from radixmesh.sim.costfit import fit_prefill, fitted_model, from_records, model_doc
 
@@ -67,7 +73,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--runs", default="", help="with --from-records: only these run names")
     p.add_argument("--out", default="costmodel.json", help="where to write the cost model")
+    p.add_argument(
+        "--profile-out",
+        metavar="TOML",
+        default=None,
+        help="also write a step-time profile (radixmesh.core.profile) fitted to the same "
+        "measurements; with --engine-url the profile is the only output (default profile.toml)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    _add_engine_arguments(p.add_argument_group("--engine-url: fit a running engine instead"))
+
+
+def _add_engine_arguments(g: Any) -> None:
+    g.add_argument(
+        "--engine-url",
+        default=None,
+        help="an OpenAI/vLLM-compatible engine (token-id prompts, streaming): time prefills "
+        "of --lengths one at a time and decodes at --batches concurrent streams",
+    )
+    g.add_argument("--served-model-name", default=None, help="model name (default: /v1/models)")
+    g.add_argument("--batches", default="1,4,16", help="concurrent decode streams (default 1,4,16)")
+    g.add_argument("--timeout", type=float, default=300.0, help="seconds per request at most")
+    g.add_argument("--name", default=None, help="profile name (default calibrated-MODEL)")
+    g.add_argument("--hardware", default="not stated", help="what the engine runs on, for the file")
+    # capacities the engine does not report (vLLM's /metrics and /v1/models win when present)
+    g.add_argument("--kv-blocks", type=int, default=4096, help="KV pool in blocks (vLLM log)")
+    g.add_argument("--block-size", type=int, default=16, help="KV block size (default 16)")
+    g.add_argument("--context-length", type=int, default=8192, help="max model length")
+    g.add_argument("--max-running", type=int, default=256, help="max_num_seqs (default 256)")
+    g.add_argument("--step-tokens", type=int, default=8192, help="max_num_batched_tokens")
 
 
 # --------------------------------------------------------------------------- measuring
@@ -211,15 +245,36 @@ def _median_points(prefill: list[dict[str, float]]) -> list[tuple[int, int, floa
     return [(u, c, statistics.median(v)) for (u, c), v in sorted(groups.items())]
 
 
+def _builtin_profile(args: argparse.Namespace, doc: dict[str, Any]) -> Profile:
+    from radixmesh.engine.factory import DEFAULT_CACHE_TOKENS
+    from radixmesh.engine.presets import get_preset
+
+    context = 4096 if args.model else get_preset(args.preset).max_position_embeddings
+    return from_builtin_fit(doc, context_length=context, kv_blocks=DEFAULT_CACHE_TOKENS // 16)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.engine_url:
+            from radixmesh.bench.engine_calibrate import calibrate_engine
+
+            _write(args.profile_out or "profile.toml", dumps(calibrate_engine(args)), args.quiet)
+            return 0
         doc = from_records(args) if args.from_records else calibrate(args)
-    except ValueError as exc:
+        profile = None
+        if args.profile_out and not args.from_records:
+            profile = dumps(_builtin_profile(args, doc))
+    except (ValueError, OSError) as exc:
         print(f"radixmesh calibrate: {exc}", file=sys.stderr)
         return 2
-    with open(args.out, "w", encoding="utf-8") as fh:
-        json.dump(doc, fh, indent=2)
-        fh.write("\n")
-    if not args.quiet:
-        print(f"wrote {args.out}")
+    _write(args.out, json.dumps(doc, indent=2) + "\n", args.quiet)
+    if profile is not None:
+        _write(args.profile_out, profile, args.quiet)
     return 0
+
+
+def _write(path: str, text: str, quiet: bool) -> None:
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    if not quiet:
+        print(f"wrote {path}")

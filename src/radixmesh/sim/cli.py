@@ -43,8 +43,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--cost-model",
         default="cpu-tiny",
-        help="JSON file from `radixmesh calibrate`, or a preset: "
-        + ", ".join(costs.PRESETS)
+        help="a step-time profile (`radixmesh profile list`, or a .toml file; run at batch 1 "
+        "until the simulator batches), a JSON file from `radixmesh calibrate`, or a preset: "
+        + ", ".join(
+            f"{n} (deprecated: illustrative, not measured)" if n in costs.DEPRECATED else n
+            for n in costs.PRESETS
+        )
         + " (default cpu-tiny)",
     )
     g.add_argument("--cache-tokens", type=int, default=65_536, help="KV budget per node")
@@ -174,8 +178,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--validate: 4096, the tiny preset's)",
     )
     g = p.add_argument_group("run")
-    g.add_argument("--seed", type=int, default=0,
-                   help="random seed of the workload and the simulation (default 0)")
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="random seed of the workload and the simulation (default 0)",
+    )
     g.add_argument("--warmup", default=None, help="virtual warm-up before requests")
     g.add_argument("--out", default=None, help="directory for summary.json, requests.jsonl")
     g.add_argument("--no-records", action="store_true", help="skip requests.jsonl")

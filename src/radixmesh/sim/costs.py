@@ -22,6 +22,12 @@ when), from a JSON file written by hand, or from a built-in preset:
 * ``gpu-7b`` — an *illustrative* GPU regime (a 7B fp16 model at batch 1 on one datacenter GPU:
   ~10k prefill tokens/s, ~20 ms/token decode). Assumed, not measured here: no GPU was available;
 * ``gpu-70b`` — likewise illustrative, a 70B model: ~1.7k prefill tokens/s, ~50 ms/token.
+
+``gpu-7b`` and ``gpu-70b`` are deprecated: step-time profiles (:mod:`radixmesh.core.profile`,
+``radixmesh profile list``) replace them with figures that cite their sources. Until the
+simulator runs the batching scheduler with a profile's ``step_s``, a profile (a shipped name or
+a ``.toml`` file) is turned into a batch-1 cost model by :func:`from_profile`, the one adapter
+between the two. A name that is both a preset and a profile (``cpu-tiny``) means the preset.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from radixmesh.core.estimators import prefill_work
+from radixmesh.core.profile import Profile
+from radixmesh.core.profile import resolve as resolve_profile
+from radixmesh.core.profile import shipped as shipped_profiles
 
 _DOCUMENTATION_KEYS = {"fit", "measurements"}  # written by calibrate, ignored on load
 
@@ -154,14 +163,55 @@ def _gpu_70b() -> CostModel:
 
 
 PRESETS = {"cpu-tiny": _cpu_tiny, "gpu-7b": _gpu_7b, "gpu-70b": _gpu_70b}
+DEPRECATED = ("gpu-7b", "gpu-70b")  # illustrative, not measured: use a step-time profile
+
+# HTTP work of one forward hop, as `radixmesh calibrate --forward-overhead` defaults to (measured
+# on this machine by radixmesh.runtime.bench_forward): not a property of the engine's profile.
+PROFILE_FORWARD_OVERHEAD_S = 0.003
+PROFILE_DECODE_CONTEXT = 1024  # KV tokens a decode attends to, for the per-token decode cost
+
+
+# ----------------------------------------------------------- phase-1 adapter: profile -> cost
+def from_profile(
+    profile: Profile,
+    decode_context: int = PROFILE_DECODE_CONTEXT,
+    forward_overhead_s: float = PROFILE_FORWARD_OVERHEAD_S,
+) -> CostModel:
+    """ADAPTER (to be removed when the simulator runs the scheduler with ``profile.step_s``).
+
+    The profile's time for one request served alone: a prefill is one step of ``u`` new tokens
+    after ``c`` cached, ``step_base_s + prefill_token_s * u + prefill_attn_s * u * (c + u / 2)``,
+    which is this model's ``prefill_overhead + rate * work(u, c)`` with ``rate =
+    prefill_token_s`` and ``context_scale = prefill_token_s / prefill_attn_s`` (chunking of
+    prompts beyond ``step_tokens`` is ignored: one step overhead, not one per chunk); each
+    further token is one batch-1 decode step attending to ``decode_context`` KV tokens.
+    Batching, ``max_running`` and the KV pool are lost: that is what phase 2 brings.
+    """
+    if profile.prefill_attn_s > 0:
+        scale = profile.prefill_token_s / profile.prefill_attn_s
+    else:
+        scale = 1e15  # no attention term: context never doubles a token's cost
+    return CostModel(
+        name=f"profile:{profile.name}",
+        prefill_overhead_s=profile.step_base_s,
+        prefill_s_per_token=profile.prefill_token_s,
+        context_scale=scale,
+        decode_s_per_token=profile.tpot_s(1, decode_context),
+        request_overhead_s=0.0,
+        forward_overhead_s=forward_overhead_s,
+        source=f"step-time profile {profile.name} at batch 1 ({profile.source})",
+    )
 
 
 def resolve(spec: str) -> CostModel:
-    """A preset name or the path of a JSON cost model (as written by ``radixmesh calibrate``)."""
+    """A preset name, a step-time profile (shipped name or ``.toml`` file) or the path of a JSON
+    cost model (as written by ``radixmesh calibrate``)."""
     if spec in PRESETS:
         return PRESETS[spec]()
+    if spec in shipped_profiles() or spec.endswith(".toml"):
+        return from_profile(resolve_profile(spec))
     path = Path(spec)
     if not path.exists():
-        names = ", ".join(PRESETS)
-        raise ValueError(f"cost model {spec!r} is neither a preset ({names}) nor a file")
+        names = ", ".join([*PRESETS, *(p for p in shipped_profiles() if p not in PRESETS)])
+        raise ValueError(f"cost model {spec!r} is neither a preset or profile ({names}) nor a file")
     return CostModel.load(path)

@@ -1,0 +1,146 @@
+"""``radixmesh calibrate --engine-url URL``: fit a step-time profile to a running engine.
+
+Theory of operation
+-------------------
+The engine is any OpenAI-compatible server that takes token-id prompts on ``/v1/completions``
+and streams (vLLM, SGLang's OpenAI surface, ``radixmesh emulate``, the test fake). Prompts are
+random token ids, each request's first token unique, so no request hits the engine's prefix
+cache.
+
+* Prefill: one request at a time, ``max_tokens = 1``, for each prompt length (``--lengths``),
+  ``--repeats`` times; the point is the median time to the first streamed token.
+* Decode: ``b`` concurrent streams of ``--decode-tokens`` tokens after a 64-token prompt, for
+  each batch size ``b`` (``--batches``); the point is the median gap between consecutive
+  streamed chunks over all streams (the first gap after the prompt excluded), at context
+  ``64 + decode_tokens / 2``.
+
+:func:`radixmesh.bench.profilefit.from_engine_points` fits the profile. Capacities cannot be
+seen from the outside with certainty: ``max_model_len`` comes from ``/v1/models`` when the
+engine reports it, the KV pool from vLLM's ``vllm:cache_config_info`` metric
+(``num_gpu_blocks``, ``block_size``) when ``/metrics`` has it; otherwise the flags' values.
+Every wait is bounded by ``--timeout``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import random
+import re
+import statistics
+import time
+from typing import Any
+
+import aiohttp
+
+from radixmesh.bench.profilefit import from_engine_points
+from radixmesh.core.profile import Profile
+
+DECODE_PROMPT = 64
+
+
+class _Probe:
+    def __init__(self, session: aiohttp.ClientSession, url: str, model: str, seed: int) -> None:
+        self.session, self.url, self.model = session, url.rstrip("/"), model
+        self.rng = random.Random(seed)
+        self.n = 0
+
+    def prompt(self, length: int) -> list[int]:
+        self.n += 1
+        return [10_000 + self.n, *(self.rng.randrange(1000, 9000) for _ in range(length - 1))]
+
+    async def stream(self, prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
+        """(seconds to the first token, arrival times of every token chunk)."""
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "stream": True,
+            "ignore_eos": True,
+            "temperature": 0.0,
+        }
+        t0 = time.perf_counter()
+        arrivals: list[float] = []
+        async with self.session.post(f"{self.url}/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                raise ValueError(f"engine answered HTTP {resp.status}: {await resp.text()}")
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choices = json.loads(line[6:]).get("choices") or []
+                if choices and choices[0].get("text"):
+                    arrivals.append(time.perf_counter())
+        if not arrivals:
+            raise ValueError("engine streamed no token")
+        return arrivals[0] - t0, arrivals
+
+
+async def _engine_facts(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    facts: dict[str, Any] = {}
+    async with session.get(f"{url}/v1/models") as resp:
+        data = (await resp.json())["data"][0]
+    facts["model"] = data["id"]
+    if isinstance(data.get("max_model_len"), int):
+        facts["context_length"] = data["max_model_len"]
+    try:
+        async with session.get(f"{url}/metrics") as resp:
+            text = await resp.text() if resp.status == 200 else ""
+    except aiohttp.ClientError:
+        text = ""
+    info = next((ln for ln in text.splitlines() if ln.startswith("vllm:cache_config_info")), "")
+    for key, name in (("num_gpu_blocks", "kv_blocks"), ("block_size", "block_size")):
+        match = re.search(rf'{key}="(\d+)"', info)
+        if match:
+            facts[name] = int(match.group(1))
+    return facts
+
+
+async def measure(args: argparse.Namespace) -> tuple[dict[str, Any], list[Any], list[Any]]:
+    timeout = aiohttp.ClientTimeout(total=args.timeout)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        url = args.engine_url.rstrip("/")
+        facts = await _engine_facts(session, url)
+        model = args.served_model_name or facts["model"]
+        probe = _Probe(session, url, model, args.seed)
+        await probe.stream(probe.prompt(16), 2)  # warm-up
+        prefill = []
+        for length in (int(x) for x in args.lengths.split(",")):
+            ttfts = [(await probe.stream(probe.prompt(length), 1))[0] for _ in range(args.repeats)]
+            prefill.append((length, statistics.median(ttfts)))
+        decode = []
+        for batch in (int(x) for x in args.batches.split(",")):
+            runs = await asyncio.gather(
+                *(
+                    probe.stream(probe.prompt(DECODE_PROMPT), args.decode_tokens)
+                    for _ in range(batch)
+                )
+            )
+            gaps = [b - a for _, t in runs for a, b in itertools.pairwise(t[1:])]
+            if not gaps:
+                raise ValueError("--decode-tokens must be >= 3 to time decode steps")
+            context = DECODE_PROMPT + args.decode_tokens // 2
+            decode.append((batch, context, statistics.median(gaps)))
+    return facts, prefill, decode
+
+
+def calibrate_engine(args: argparse.Namespace) -> Profile:
+    facts, prefill, decode = asyncio.run(measure(args))
+    model = args.served_model_name or facts["model"]
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    capacities = {
+        "kv_blocks": facts.get("kv_blocks", args.kv_blocks),
+        "block_size": facts.get("block_size", args.block_size),
+        "context_length": facts.get("context_length", args.context_length),
+        "max_running": args.max_running,
+        "step_tokens": args.step_tokens,
+    }
+    texts = {
+        "name": args.name or f"calibrated-{re.sub(r'[^A-Za-z0-9.]+', '-', model)}",
+        "hardware": args.hardware,
+        "model": model,
+        "source": f"radixmesh calibrate --engine-url {args.engine_url} at {when}",
+    }
+    return from_engine_points(prefill, decode, texts=texts, capacities=capacities)

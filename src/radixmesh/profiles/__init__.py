@@ -1,0 +1,1 @@
+"""Shipped step-time profiles (TOML package data): see :mod:`radixmesh.core.profile`."""
