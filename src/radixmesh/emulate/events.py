@@ -85,14 +85,13 @@ def bind_endpoint(sock: Any, endpoint: str) -> str:
 class KvEventPublisher:
     """See the module docstring. ``open()`` binds / connects; ``serve_replay()`` is a task."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, *, block_size: int, seed: int,
-                 faults: Faults, replay_keep: int = 64) -> None:
+    def __init__(self, *, block_size: int, seed: int, faults: Faults,
+                 replay_keep: int = 64) -> None:
         self.block_size = block_size
         self.seed = seed
         self.faults = faults
         self.blocks: dict[int, tuple[int | None, tuple[int, ...]]] = {}  # hash -> parent, toks
         self._replay: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=replay_keep)
-        self._ctx = ctx
         self._pub: Any = None
         self._router: Any = None
         self.seq = 0  # the next batch's sequence number
@@ -100,15 +99,16 @@ class KvEventPublisher:
         self.unresolved = 0  # added hashes no candidate sequence spelled (never expected)
         self.kv_endpoint = self.replay_endpoint = ""
 
-    def open(self, publish: str, replay: str, *, connect: bool = False) -> None:
-        self._pub = self._ctx.socket(zmq.PUB)
+    def open(self, ctx: zmq.asyncio.Context, publish: str, replay: str, *,
+             connect: bool = False) -> None:
+        self._pub = ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         if connect:
             self._pub.connect(publish)
             self.kv_endpoint = publish
         else:
             self.kv_endpoint = bind_endpoint(self._pub, publish)
-        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router = ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self.replay_endpoint = bind_endpoint(self._router, replay)
 

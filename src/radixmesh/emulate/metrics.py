@@ -32,10 +32,23 @@ def _escape(value: str) -> str:
 
 
 def render(engine: EmulatedEngine, model: str) -> str:
+    labels = {"model_name": model, "engine": "0"}
+    out: list[str] = []
+    for name, kind, help_, value in _rows(engine):
+        out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}",
+                _line(name, labels, value)]
+    info = {**labels, "profile": engine.profile.name, "hardware": engine.profile.hardware,
+            "emulated": "true", "time_scale": str(engine.loop.time_scale)}
+    out += ["# HELP emulator_info The emulated engine's profile.", "# TYPE emulator_info gauge",
+            _line("emulator_info", info, 1)]
+    return "\n".join(out) + "\n"
+
+
+def _rows(engine: EmulatedEngine) -> list[tuple[str, str, str, float]]:
+    """(name, type, help, value) of every metric but the info line."""
     sched = engine.loop.scheduler
     c = engine.loop.counters
-    labels = {"model_name": model, "engine": "0"}
-    rows: list[tuple[str, str, str, float]] = [
+    return [
         ("vllm:num_requests_running", "gauge", "Number of requests in model execution "
          "batches.", sched.running),
         ("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
@@ -64,12 +77,3 @@ def render(engine: EmulatedEngine, model: str) -> str:
         ("emulator_kv_event_batches_total", "counter", "KV-event batches published.",
          engine.events.published if engine.events else 0),
     ]
-    out: list[str] = []
-    for name, kind, help_, value in rows:
-        out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}",
-                _line(name, labels, value)]
-    info = {**labels, "profile": engine.profile.name, "hardware": engine.profile.hardware,
-            "emulated": "true", "time_scale": str(engine.loop.time_scale)}
-    out += ["# HELP emulator_info The emulated engine's profile.", "# TYPE emulator_info gauge",
-            _line("emulator_info", info, 1)]
-    return "\n".join(out) + "\n"

@@ -59,11 +59,11 @@ class EmulatedEngine:
         self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
         self.host, self.port = host, port
         self.faults = Faults()
-        self._ctx = zmq.asyncio.Context()
+        self._ctx: zmq.asyncio.Context | None = None
         self.events: KvEventPublisher | None = None
         self._kv = (kv_events, kv_replay or "tcp://127.0.0.1:0", kv_connect)
         if kv_events is not None:
-            self.events = KvEventPublisher(self._ctx, block_size=profile.block_size,
+            self.events = KvEventPublisher(block_size=profile.block_size,
                                            seed=ENGINE_SEED, faults=self.faults,
                                            replay_keep=replay_keep)
         self.loop = EngineLoop(profile, faults=self.faults, time_scale=time_scale,
@@ -76,7 +76,7 @@ class EmulatedEngine:
 
     # ------------------------------------------------------------------------- lifecycle
     async def start(self) -> None:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[_errors])
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/generate", self._generate)
@@ -90,13 +90,14 @@ class EmulatedEngine:
         port = self._runner.addresses[0][1]
         self.url = f"http://{'127.0.0.1' if self.host in ('0.0.0.0', '') else self.host}:{port}"
         publish, replay, connect = self._kv
+        self._ctx = zmq.asyncio.Context()
         if self.events is not None and publish is not None:
-            self.events.open(publish, replay, connect=connect)
+            self.events.open(self._ctx, publish, replay, connect=connect)
             self._tasks.append(asyncio.create_task(self.events.serve_replay()))
         self._tasks.append(asyncio.create_task(self.loop.run()))
 
     async def stop(self) -> None:
-        if self._ctx.closed:
+        if self._ctx is None or self._ctx.closed:
             return
         for task in self._tasks:
             await cancel(task)
@@ -313,6 +314,19 @@ class EmulatedEngine:
         except protocol.BadRequest as exc:
             self.bad_requests += 1
             return _error(str(exc), 400, exc.param)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Whatever a handler did not expect is a 500 in vLLM's error shape, never a crash."""
+    try:
+        response: web.StreamResponse = await handler(request)
+        return response
+    except (web.HTTPException, asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception as exc:
+        log.exception("unexpected error serving %s", request.path)
+        return _error(f"internal error: {exc!r}", 500)
 
 
 def _sglang_request(body: Any, tokenizer: Tokenizer, context: int) -> protocol.Completion:
