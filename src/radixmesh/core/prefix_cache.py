@@ -79,8 +79,10 @@ class Lease(Generic[V]):
 
 
 class PrefixCache(Generic[V]):
-    """Radix tree of token ids under a token budget. Mutates only in ``acquire``, ``commit``,
-    ``release``, ``clear`` (tree, LRU, budget) and ``drain_delta`` (the journal)."""
+    """Radix tree of token ids under a token budget. Mutates only in ``acquire``, ``lock``,
+    ``commit``, ``release``, ``evict``, ``clear`` (tree, LRU, budget) and ``drain_delta``
+    (the journal). ``budget`` may be lowered by an owner that first made the room
+    (``core/kv_pool.py``)."""
 
     def __init__(
         self,
@@ -132,6 +134,13 @@ class PrefixCache(Generic[V]):
         self._make_room(reserve)
         return Lease(found.length, found.node, list(found.values))
 
+    def lock(self, tokens: Sequence[int], now: float) -> Lease[V]:
+        """Match (touching LRU, splitting at the end) and lock the cached prefix of all of
+        ``tokens``, evicting nothing: a lease for an owner that makes room itself."""
+        found = self.tree.match_prefix(tokens, now)
+        self.tree.lock(found.node)
+        return Lease(found.length, found.node, list(found.values))
+
     def commit(
         self,
         lease: Lease[V],
@@ -156,6 +165,22 @@ class PrefixCache(Generic[V]):
         if lease.active:
             lease.active = False
             self.tree.unlock(lease.node)
+
+    def evict(self, n_tokens: int, spare: Sequence[Sequence[int]] = ()) -> int:
+        """Evict up to ``n_tokens`` of unlocked entries, least recently used first, sparing the
+        cached prefixes of the ``spare`` token sequences (locked meanwhile, not touched: LRU
+        order is unchanged); returns tokens freed. A caller sharing one memory pool between
+        this cache and other users (``core/kv_pool.py``) uses it to make room."""
+        if n_tokens <= 0:
+            return 0
+        pinned = [self.tree.match_node(tokens) for tokens in spare]
+        for node in pinned:
+            self.tree.lock(node)
+        try:
+            return self._evict(n_tokens)
+        finally:
+            for node in pinned:
+                self.tree.unlock(node)
 
     def clear(self) -> int:
         """Evict every unlocked entry (removals are journaled); returns tokens freed."""

@@ -134,6 +134,21 @@ class RadixTree(Generic[V]):
             node = child
         return pos
 
+    def match_node(self, tokens: Sequence[int]) -> TreeNode[V]:
+        """The deepest node the cached prefix of ``tokens`` reaches into (wholly or partly).
+        Read-only like ``match``: no split, no LRU touch."""
+        node, pos = self.root, 0
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            n = _common_prefix(tokens, pos, child.key)
+            pos += n
+            node = child
+            if n < len(child.key):
+                break
+        return node
+
     def block_hashes(self) -> frozenset[int]:
         return frozenset(self._hash_set)
 
