@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from radixmesh.runtime import inprocess
 from radixmesh.testing.fake_engine import FakeEngine, next_token, running
 
 
@@ -179,5 +180,28 @@ def test_models_health_and_metrics_say_emulated() -> None:
         assert values["vllm:generation_tokens_total"] == 3
         assert values["emulator_lag_seconds_total"] >= 0 and values["emulator_info"] == 1
         assert 'profile="fake"' in text and 'emulated="true"' in text
+
+    with_engine(scenario)
+
+
+def test_a_client_that_goes_away_aborts_its_sequence_in_the_scheduler() -> None:
+    async def scenario(fake: FakeEngine, http: aiohttp.ClientSession) -> None:
+        fake.faults.token_delay_s = 0.01  # steps last long enough to leave mid-stream
+        body = {"prompt": "a long generation", "max_tokens": 400, "stream": True}
+        resp = await http.post(fake.url + "/v1/completions", json=body)
+        chunks = 0
+        async for line in resp.content:
+            chunks += line.startswith(b"data: ")
+            if chunks == 3:
+                break
+        resp.close()  # the client goes away
+        sched = fake.loop.scheduler
+
+        def gone() -> bool:
+            return fake.loop.counters.aborted == 1 and sched.running == sched.waiting == 0
+
+        await inprocess.until(gone, "the sequence to be aborted", 10.0, 0.01)
+        assert fake.disconnects == 1 and fake.active == 0
+        assert fake.loop.counters.generation_tokens < 400
 
     with_engine(scenario)
