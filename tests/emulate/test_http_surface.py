@@ -128,6 +128,7 @@ def test_chat_completions_stream_and_whole() -> None:
     ({"prompt": [1, 2, 99999]}, "prompt"),
     ({"prompt": [[1, 2], "ok", 7]}, "prompt"),
     ({"prompt": "x", "stop_token_ids": "1"}, "stop_token_ids"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "x" * 100, "max_tokens": 500}, "max_tokens"),  # past the 512-token context
     ([1, 2, 3], None),
 ])
@@ -203,5 +204,26 @@ def test_a_client_that_goes_away_aborts_its_sequence_in_the_scheduler() -> None:
         await inprocess.until(gone, "the sequence to be aborted", 10.0, 0.01)
         assert fake.disconnects == 1 and fake.active == 0
         assert fake.loop.counters.generation_tokens < 400
+
+    with_engine(scenario)
+
+
+def test_a_failing_step_aborts_what_is_in_flight_and_the_engine_goes_on() -> None:
+    async def scenario(fake: FakeEngine, http: aiohttp.ClientSession) -> None:
+        broken = fake.loop.scheduler
+
+        def boom(now: float) -> None:
+            raise RuntimeError("a scheduler bug")
+
+        broken.schedule = boom  # type: ignore[method-assign]
+        async with http.post(fake.url + "/v1/completions",
+                             json={"prompt": "hit the bug", "max_tokens": 4}) as resp:
+            out = await resp.json()
+        assert resp.status == 200 and out["choices"][0]["finish_reason"] == "abort"
+        assert fake.loop.scheduler is not broken and fake.active == 0
+        async with http.post(fake.url + "/v1/completions",
+                             json={"prompt": "and after it", "max_tokens": 4}) as resp:
+            out = await resp.json()
+        assert out["choices"][0]["finish_reason"] == "length"
 
     with_engine(scenario)

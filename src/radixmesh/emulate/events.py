@@ -62,7 +62,7 @@ class Faults:
     fail_status: int | None = None  # every generation request answers this HTTP status
     report_cached: bool = True  # usage carries prompt_tokens_details.cached_tokens
     token_delay_s: float = 0.0  # extra seconds added to every engine step
-    barrier: int = 0            # hold every step until this many requests are in flight
+    barrier: int = 0  # hold the engine until this many requests are in flight (once, <= 5 s)
 
 
 def bind_endpoint(sock: Any, endpoint: str) -> str:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from radixmesh.core.profile import Profile
 from radixmesh.core.scheduler import Finished, Scheduler, Step
 from radixmesh.emulate.events import Faults, KvEventPublisher
 
+log = logging.getLogger("radixmesh.emulate")
 ENGINE_SEED = 0x5EED_E061_E000_0001  # the emulated engine's own block-hash seed
 BARRIER_WAIT_S = 5.0
 IDLE_POLL_S = 0.01  # an empty step with requests waiting: look again this much later
@@ -56,6 +58,7 @@ class Tracked:
     """One sequence the HTTP side waits on."""
 
     tokens: list[int]  # prompt + output so far
+    prompt_len: int
     stop_ids: frozenset[int]
     sink: Sink
     index: int  # its choice index in the HTTP answer
@@ -117,7 +120,7 @@ class EngineLoop:
                 f"{max_tokens} for the completion) (field max_tokens)")
         seq = next(self._ids)
         self.scheduler.add(seq, list(prompt), max_tokens, self._clock())
-        self._live[seq] = Tracked(list(prompt), stop_ids, sink, index)
+        self._live[seq] = Tracked(list(prompt), len(prompt), stop_ids, sink, index)
         self.counters.requests += 1
         self.counters.peak_in_flight = max(self.counters.peak_in_flight, len(self._live))
         self._wake.set()
@@ -131,15 +134,37 @@ class EngineLoop:
 
     # ------------------------------------------------------------------------- the loop
     async def run(self) -> None:
-        """Step until cancelled."""
+        """Step until cancelled. A step that raises (a bug) is logged, every sequence in
+        flight ends as aborted (its client gets an answer, not a hang) and the engine starts
+        over with an empty cache: the server never dies with it."""
         while True:
-            self._apply_aborts()
-            if not (self.scheduler.running or self.scheduler.waiting):
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            await self._hold_at_barrier()
-            await self.step_once()
+            try:
+                await self._run_once()
+            except Exception:
+                log.exception("emulated engine step failed; aborting %d sequences",
+                              len(self._live))
+                self._fail_all()
+
+    async def _run_once(self) -> None:
+        self._apply_aborts()
+        if not (self.scheduler.running or self.scheduler.waiting):
+            self._wake.clear()
+            await self._wake.wait()
+            return
+        await self._hold_at_barrier()
+        await self.step_once()
+
+    def _fail_all(self) -> None:
+        now = self._clock()
+        for seq, tracked in self._live.items():
+            output = tuple(tracked.tokens[tracked.prompt_len:])
+            tracked.sink.put_nowait((tracked.index, Finished(
+                seq, tracked.prompt_len, 0, output, "abort", 0, now, None)))
+        self._live.clear()
+        self._aborts.clear()
+        self.scheduler = self._new_scheduler()
+        if self.events is not None:
+            self.events.publish_cleared()
 
     async def step_once(self) -> Step:
         """Plan one step, last its planned duration, apply it; the step."""

@@ -148,7 +148,11 @@ def parse(body: Any, tokenizer: Tokenizer, context_length: int, *, chat: bool) -
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise BadRequest("stream_options must be an object", "stream_options")
-    return Completion(prompts, max_tokens, frozenset(stop_ids), _bool(body, "stream"),
+    stream = _bool(body, "stream")
+    if options and not stream:  # vLLM's validate_stream_options
+        raise BadRequest("Stream options can only be defined when `stream=True`.",
+                         "stream_options")
+    return Completion(prompts, max_tokens, frozenset(stop_ids), stream,
                       bool(options.get("include_usage")), _logprobs(body, chat),
                       _bool(body, "return_tokens_as_token_ids"), chat)
 
