@@ -131,6 +131,9 @@ RULES = {
     ),
     "results imports only results": Rule("results", allowed=frozenset({"results"})),
     "testing imports only core": Rule("testing", allowed=frozenset({"core", "testing"})),
+    "emulate imports only core and engine": Rule(
+        "emulate", allowed=frozenset({"core", "engine", "emulate"})
+    ),
 }
 
 

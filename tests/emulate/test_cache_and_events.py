@@ -13,12 +13,12 @@ import time
 from collections.abc import AsyncIterator
 
 from radixmesh.core.blocks import block_hashes
+from radixmesh.emulate.fake import FakeEngine, running
 from radixmesh.engine.base import GenerateRequest, SamplingParams
 from radixmesh.engine.http_engine import HttpEngine
 from radixmesh.engine.tokenizers import ByteTokenizer
 from radixmesh.runtime import inprocess
 from radixmesh.runtime.kv_subscriber import KvSubscriber, plan_endpoints
-from radixmesh.testing.fake_engine import FakeEngine, running
 
 LIMIT_S = 10.0
 

@@ -13,12 +13,12 @@ import pytest
 
 from radixmesh.core.blocks import block_hashes
 from radixmesh.core.kv_events import EngineBlockStored, KvBatch
+from radixmesh.emulate.fake import FakeEngine, next_token, running
 from radixmesh.engine.base import GenerateRequest, SamplingParams
 from radixmesh.engine.http_engine import EngineUnavailable, HttpEngine, mesh_block_size
 from radixmesh.engine.tokenizers import ByteTokenizer
 from radixmesh.runtime import inprocess
 from radixmesh.runtime.kv_subscriber import KvSubscriber, plan_endpoints
-from radixmesh.testing.fake_engine import FakeEngine, next_token, running
 
 LIMIT_S = 10.0
 

@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 import uvicorn
 
+from radixmesh.emulate.fake import FakeEngine
 from radixmesh.engine.tokenizers import ByteTokenizer
 from radixmesh.runtime import inprocess
 from radixmesh.runtime.app import create_app, node_server
@@ -20,7 +21,6 @@ from radixmesh.runtime.cluster import free_port
 from radixmesh.runtime.config import ServeConfig
 from radixmesh.runtime.node import NodeService
 from radixmesh.runtime.serve_cli import build_external_service
-from radixmesh.testing.fake_engine import FakeEngine
 
 LIMIT_S = 10.0
 PREFIX = "You are a careful assistant. Answer the multiple choice question below. " * 4

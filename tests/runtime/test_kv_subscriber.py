@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from radixmesh.core.blocks import block_hashes
+from radixmesh.emulate.fake import FakeEngine, running
 from radixmesh.engine.base import GenerateRequest, SamplingParams
 from radixmesh.engine.http_engine import HttpEngine
 from radixmesh.engine.tokenizers import ByteTokenizer
@@ -23,7 +24,6 @@ from radixmesh.runtime.kv_subscriber import (
     plan_endpoints,
     resolve_endpoint,
 )
-from radixmesh.testing.fake_engine import FakeEngine, running
 
 LIMIT_S = 10.0
 

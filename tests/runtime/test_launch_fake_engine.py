@@ -1,5 +1,6 @@
-"""``serve --launch``: the node starts the (fake) engine as its child and takes it down with it,
-whether it stops normally (SIGTERM) or is killed (SIGKILL); a bad command is a start-up error."""
+"""``serve --launch``: the node starts the engine (``radixmesh emulate``) as its child and takes
+it down with it, whether it stops normally (SIGTERM) or is killed (SIGKILL); a bad command is a
+start-up error."""
 
 from __future__ import annotations
 
@@ -43,9 +44,11 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _fake_cmd(port: int, kv: int, replay: int, tokenizer: Path) -> str:
-    # the engine knows the node's tokenizer, as a real vLLM does (it refuses ids outside it)
-    return (f"{sys.executable} -m radixmesh.testing.fake_engine --port {port} "
-            f"--kv-port {kv} --replay-port {replay} --tokenizer {tokenizer}")
+    # the one fake vLLM, as a process; it knows the node's tokenizer, as a real vLLM does
+    return (f"{sys.executable} -m radixmesh.cli emulate --profile h100-llama3-8b "
+            f"--time-scale 0 --served-model-name fake-model --port {port} "
+            f"--kv-events tcp://127.0.0.1:{kv} --kv-replay tcp://127.0.0.1:{replay} "
+            f"--tokenizer {tokenizer}")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])

@@ -24,10 +24,10 @@ goes). Output tokens are deterministic, not a model's. ``/v1/models``, ``/health
 ``emulator_lag_seconds_total`` against ``emulator_busy_seconds_total`` in ``/metrics`` tells
 whether this machine kept up with the profile's speed.
 
-Tests use the same engine in-process through ``radixmesh.testing.fake_engine`` (a zero-time
-profile and fault knobs: ``engine.faults``).
+Tests use the same engine in-process through ``radixmesh.emulate.fake`` (a zero-time profile
+over a token budget; fault knobs in ``engine.faults``).
 
 Modules: ``loop.py`` (the scheduler on the wall clock), ``server.py`` (HTTP), ``protocol.py``
 (vLLM's request / response shapes), ``events.py`` (KV events, fault knobs), ``metrics.py``,
-``cli.py``.
+``cli.py``, ``fake.py`` (the test dress).
 """

@@ -16,10 +16,9 @@ scrape; nothing here mutates.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
 
-if TYPE_CHECKING:
-    from radixmesh.emulate.server import EmulatedEngine
+from radixmesh.emulate.loop import EngineLoop
 
 
 def _line(name: str, labels: dict[str, str], value: float) -> str:
@@ -31,23 +30,26 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def render(engine: EmulatedEngine, model: str) -> str:
+def render(loop: EngineLoop, model: str, server: Mapping[str, float]) -> str:
+    """The exposition text; ``server`` holds the HTTP side's counters (``bad_requests``,
+    ``disconnects``, ``kv_event_batches``)."""
     labels = {"model_name": model, "engine": "0"}
     out: list[str] = []
-    for name, kind, help_, value in _rows(engine):
+    for name, kind, help_, value in _rows(loop, server):
         out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}",
                 _line(name, labels, value)]
-    info = {**labels, "profile": engine.profile.name, "hardware": engine.profile.hardware,
-            "emulated": "true", "time_scale": str(engine.loop.time_scale)}
+    info = {**labels, "profile": loop.profile.name, "hardware": loop.profile.hardware,
+            "emulated": "true", "time_scale": str(loop.time_scale)}
     out += ["# HELP emulator_info The emulated engine's profile.", "# TYPE emulator_info gauge",
             _line("emulator_info", info, 1)]
     return "\n".join(out) + "\n"
 
 
-def _rows(engine: EmulatedEngine) -> list[tuple[str, str, str, float]]:
+def _rows(loop: EngineLoop, server: Mapping[str, float]
+          ) -> list[tuple[str, str, str, float]]:
     """(name, type, help, value) of every metric but the info line."""
-    sched = engine.loop.scheduler
-    c = engine.loop.counters
+    sched = loop.scheduler
+    c = loop.counters
     return [
         ("vllm:num_requests_running", "gauge", "Number of requests in model execution "
          "batches.", sched.running),
@@ -71,9 +73,9 @@ def _rows(engine: EmulatedEngine) -> list[tuple[str, str, str, float]]:
          "scale).", c.busy_s),
         ("emulator_steps_total", "counter", "Engine steps run.", c.steps),
         ("emulator_bad_requests_total", "counter", "Requests refused with HTTP 400.",
-         engine.bad_requests),
+         server["bad_requests"]),
         ("emulator_disconnects_total", "counter", "Requests whose client went away.",
-         engine.disconnects),
+         server["disconnects"]),
         ("emulator_kv_event_batches_total", "counter", "KV-event batches published.",
-         engine.events.published if engine.events else 0),
+         server["kv_event_batches"]),
     ]

@@ -92,9 +92,9 @@ def _ids(value: Any, vocab: int) -> tuple[int, ...] | None:
     return None
 
 
-def parse_prompts(raw: Any, tokenizer: Tokenizer) -> tuple[tuple[int, ...], ...]:
-    """``prompt``: text, token ids, or a non-empty list of either."""
-    vocab = tokenizer.vocab_size
+def parse_prompts(raw: Any, tokenizer: Tokenizer, vocab: int
+                  ) -> tuple[tuple[int, ...], ...]:
+    """``prompt``: text, token ids (each below ``vocab``), or a non-empty list of either."""
     if isinstance(raw, str):
         return (tuple(tokenizer.encode(raw)),) if raw else _empty()
     single = _ids(raw, vocab)
@@ -119,8 +119,10 @@ def _empty() -> tuple[tuple[int, ...], ...]:
     raise BadRequest("prompt must be non-empty text, token ids, or a list of them", "prompt")
 
 
-def parse(body: Any, tokenizer: Tokenizer, context_length: int, *, chat: bool) -> Completion:
-    """A ``/v1/completions`` (or, ``chat``, ``/v1/chat/completions``) body."""
+def parse(body: Any, tokenizer: Tokenizer, context_length: int, *, chat: bool,
+          vocab: int | None = None) -> Completion:
+    """A ``/v1/completions`` (or, ``chat``, ``/v1/chat/completions``) body; token ids must be
+    below ``vocab`` (default: the tokenizer's vocabulary)."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     if chat:
@@ -131,7 +133,7 @@ def parse(body: Any, tokenizer: Tokenizer, context_length: int, *, chat: bool) -
                              "messages")
         prompts: tuple[tuple[int, ...], ...] = (tuple(tokenizer.apply_chat_template(messages)),)
     else:
-        prompts = parse_prompts(body.get("prompt"), tokenizer)
+        prompts = parse_prompts(body.get("prompt"), tokenizer, vocab or tokenizer.vocab_size)
     if _int(body, "n", 1, 1) != 1:
         raise BadRequest("the emulated engine generates one choice per prompt (n=1)", "n")
     name = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"

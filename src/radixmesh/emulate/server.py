@@ -53,10 +53,11 @@ class EmulatedEngine:
                  tokenizer: Tokenizer | None = None, host: str = "127.0.0.1", port: int = 0,
                  time_scale: float = 1.0, kv_events: str | None = None,
                  kv_replay: str | None = None, kv_connect: bool = False,
-                 replay_keep: int = 64) -> None:
+                 replay_keep: int = 64, vocab_size: int | None = None) -> None:
         self.profile = profile
         self.model = model or profile.model
         self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
+        self.vocab_size = vocab_size or self.tokenizer.vocab_size  # prompt ids must be below
         self.host, self.port = host, port
         self.faults = Faults()
         self._ctx: zmq.asyncio.Context | None = None
@@ -163,7 +164,9 @@ class EmulatedEngine:
         return web.json_response({"status": "ok", **self.describe()})
 
     async def _metrics(self, _: web.Request) -> web.Response:
-        text = metrics.render(self, self.model)
+        text = metrics.render(self.loop, self.model, {
+            "bad_requests": self.bad_requests, "disconnects": self.disconnects,
+            "kv_event_batches": self.events.published if self.events else 0})
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
     # ------------------------------------------------------------------------- generation
@@ -178,7 +181,8 @@ class EmulatedEngine:
             body = await _json(request)
             if self.faults.fail_status:
                 return _error("injected failure", self.faults.fail_status)
-            req = protocol.parse(body, self.tokenizer, self.profile.context_length, chat=chat)
+            req = protocol.parse(body, self.tokenizer, self.profile.context_length, chat=chat,
+                                 vocab=self.vocab_size)
             async with self._sequences(req) as (sink, n):
                 if req.stream:
                     return await self._stream(request, req, sink, n)
@@ -291,7 +295,8 @@ class EmulatedEngine:
             body = await _json(request)
             if self.faults.fail_status:
                 return _error("injected failure", self.faults.fail_status)
-            req = _sglang_request(body, self.tokenizer, self.profile.context_length)
+            req = _sglang_request(body, self.tokenizer, self.profile.context_length,
+                                  self.vocab_size)
             async with self._sequences(req) as (sink, n):
                 resp = await _sse_response(request)
                 out: list[int] = []
@@ -329,19 +334,20 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return _error(f"internal error: {exc!r}", 500)
 
 
-def _sglang_request(body: Any, tokenizer: Tokenizer, context: int) -> protocol.Completion:
+def _sglang_request(body: Any, tokenizer: Tokenizer, context: int, vocab: int
+                    ) -> protocol.Completion:
     if not isinstance(body, dict):
         raise protocol.BadRequest("the request body must be a JSON object")
     params = body.get("sampling_params") or {}
     if not isinstance(params, dict):
         raise protocol.BadRequest("sampling_params must be an object", "sampling_params")
     raw = body.get("input_ids") if "input_ids" in body else body.get("text")
-    prompts = protocol.parse_prompts(raw, tokenizer)[:1]
+    prompts = protocol.parse_prompts(raw, tokenizer, vocab)[:1]
     translated = {"prompt": [list(prompts[0])],
                   "max_tokens": params.get("max_new_tokens", 128),
                   "stop_token_ids": params.get("stop_token_ids"),
                   "ignore_eos": params.get("ignore_eos", False)}
-    return protocol.parse(translated, tokenizer, context, chat=False)
+    return protocol.parse(translated, tokenizer, context, chat=False, vocab=vocab)
 
 
 async def _json(request: web.Request) -> Any:
