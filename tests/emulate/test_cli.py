@@ -42,3 +42,19 @@ def test_a_profile_file_and_a_served_name(tmp_path: Path) -> None:
     assert engine.profile.name == "a10g-llama3-8b" and engine.model == "served"
     assert engine.loop.time_scale == 0.5 and engine.events is None
     assert engine.describe()["emulated"] is True
+
+
+def test_events_without_a_replay_flag_get_a_replay_socket_on_the_same_host() -> None:
+    import asyncio
+
+    async def main() -> tuple[str, str]:
+        engine = cli.build(parse("--profile", "cpu-tiny", "--port", "0",
+                                 "--kv-events", "tcp://127.0.0.1:0"))
+        await engine.start()
+        try:
+            return engine.kv_endpoint, engine.replay_endpoint
+        finally:
+            await engine.stop()
+
+    events, replay = asyncio.run(main())
+    assert events.startswith("tcp://*:") and replay.startswith("tcp://*:") and events != replay

@@ -62,7 +62,7 @@ class EmulatedEngine:
         self.faults = Faults()
         self._ctx: zmq.asyncio.Context | None = None
         self.events: KvEventPublisher | None = None
-        self._kv = (kv_events, kv_replay or "tcp://127.0.0.1:0", kv_connect)
+        self._kv = (kv_events, kv_replay or _any_port(kv_events), kv_connect)
         if kv_events is not None:
             self.events = KvEventPublisher(block_size=profile.block_size,
                                            seed=ENGINE_SEED, faults=self.faults,
@@ -348,6 +348,12 @@ def _sglang_request(body: Any, tokenizer: Tokenizer, context: int, vocab: int
                   "stop_token_ids": params.get("stop_token_ids"),
                   "ignore_eos": params.get("ignore_eos", False)}
     return protocol.parse(translated, tokenizer, context, chat=False, vocab=vocab)
+
+
+def _any_port(endpoint: str | None) -> str:
+    """The replay endpoint when none is given: the events' host, any free port."""
+    head, sep, _ = (endpoint or "").rpartition(":")
+    return f"{head}:0" if sep and head.startswith("tcp://") else "tcp://127.0.0.1:0"
 
 
 async def _json(request: web.Request) -> Any:
