@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import queue
+import threading
 from pathlib import Path
 
 import pytest
@@ -139,3 +141,41 @@ def test_engine_url_unreachable_is_a_clear_error(
     assert calibrate.run(args) == 2
     assert "radixmesh calibrate:" in capsys.readouterr().err
     assert not (tmp_path / "p.toml").exists()
+
+
+def test_calibrate_engine_url_writes_a_loadable_profile(tmp_path: Path) -> None:
+    """The whole command against the fake vLLM served from another thread's event loop."""
+    ready: queue.Queue[str] = queue.Queue()
+    stop = threading.Event()
+
+    async def serve() -> None:
+        async with running(cache_tokens=8192) as fake:
+            fake.token_delay_s = 0.002
+            ready.put(fake.url)
+            while not stop.is_set():
+                await asyncio.sleep(0.02)
+
+    thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
+    thread.start()
+    try:
+        out = tmp_path / "fake.toml"
+        assert calibrate.run(_engine_args(ready.get(timeout=30), out)) == 0
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    prof = Profile.load(out)
+    assert prof.model == "fake-model" and prof.name == "calibrated-fake-model"
+    assert {c.metric for c in prof.checks} == {"ttft", "tpot"}
+    assert "--engine-url" in prof.citations["step_base_s"]
+
+
+def test_profile_out_refused_with_records(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = argparse.ArgumentParser()
+    calibrate.add_arguments(parser)
+    args = parser.parse_args(
+        ["--from-records", str(tmp_path / "r.jsonl"), "--profile-out", str(tmp_path / "p.toml")]
+    )
+    assert calibrate.run(args) == 2
+    assert "--profile-out" in capsys.readouterr().err

@@ -22,6 +22,7 @@ from radixmesh.core.profile import (
     resolve,
     shipped,
 )
+from radixmesh.core.scheduler import Scheduler
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPECTED = {"cpu-tiny", "h100-llama3-8b", "a100-llama3-8b", "a10g-llama3-8b", "h100-qwen2.5-0.5b"}
@@ -245,3 +246,23 @@ def test_cli_list_and_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path)
     assert "mine:" in capsys.readouterr().out
     assert cli_main(["profile", "show", "no-such-profile"]) == 2
     assert "neither shipped" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------ with the scheduler
+def test_with_the_scheduler_step_and_config() -> None:
+    p = resolve("a10g-llama3-8b")
+    config = p.scheduler_config(max_overtake=3)
+    assert (config.block_size, config.kv_blocks, config.max_running, config.step_tokens) == (
+        p.block_size,
+        p.kv_blocks,
+        p.max_running,
+        p.step_tokens,
+    )
+    assert config.max_overtake == 3
+    scheduler = Scheduler(config)
+    scheduler.add(1, list(range(100, 700)), 4, 0.0)
+    first = scheduler.schedule(0.0)  # the whole 600-token prompt in one chunk
+    assert p.step_s(first) == pytest.approx(p.ttft_s(600))
+    scheduler.complete(first, {s: 7 for s in first.emitting}, 0.0)
+    second = scheduler.schedule(1.0)  # one decode attending to the prompt and its first token
+    assert p.step_s(second) == pytest.approx(p.tpot_s(1, 601))

@@ -260,10 +260,12 @@ def run(args: argparse.Namespace) -> int:
 
             _write(args.profile_out or "profile.toml", dumps(calibrate_engine(args)), args.quiet)
             return 0
+        if args.profile_out and args.from_records:
+            raise ValueError(
+                "--profile-out needs step timings: the built-in engine or --engine-url"
+            )
         doc = from_records(args) if args.from_records else calibrate(args)
-        profile = None
-        if args.profile_out and not args.from_records:
-            profile = dumps(_builtin_profile(args, doc))
+        profile = dumps(_builtin_profile(args, doc)) if args.profile_out else None
     except (ValueError, OSError) as exc:
         print(f"radixmesh calibrate: {exc}", file=sys.stderr)
         return 2

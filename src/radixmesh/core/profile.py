@@ -30,7 +30,7 @@ File format (TOML, flat; every time in seconds)::
     source = "where the figures come from, in one line"
     derived = false            # true: no figure for this exact pair was published
     step_base_s = 0.005753     # ... and the other four coefficients
-    kv_blocks = 28160          # ints: kv_blocks, block_size, context_length,
+    kv_blocks = 29205          # ints: kv_blocks, block_size, context_length,
     block_size = 16            #       max_running, step_tokens
     context_length = 131072
     max_running = 1024
@@ -49,9 +49,15 @@ File format (TOML, flat; every time in seconds)::
 
 Every step-time coefficient must carry a citation (a published figure, or ``derived: ...`` saying
 from which figure and by what ratio). Loading rejects a missing field, an unknown key, a wrong
-type, a negative coefficient, a step with no fixed cost, and impossible capacities (no KV, fewer
-KV tokens than one full context — vLLM refuses to start then — ``step_tokens < 1`` ...), with a
-ValueError naming the field. :func:`dumps` writes the same format back.
+type, a negative coefficient (all terms >= 0 make the time monotonic: more work never takes
+less), a step with no fixed cost, and impossible capacities (no KV, fewer KV tokens than one
+full context — vLLM refuses to start then — ``step_tokens < 1`` ...), with a ValueError naming
+the field. :func:`dumps` writes the same format back.
+
+What the form leaves out: published TPOT at high concurrency (e.g. 64 streams) includes the
+prefill chunks of arriving requests mixed into decode steps; a profile does not fit those
+figures, the scheduler that runs it produces those mixed steps itself. Queueing, HTTP and
+tokenization are outside the step too.
 
 Shipped profiles live in ``radixmesh/profiles/*.toml`` (package data): :func:`shipped` lists
 them, :func:`resolve` takes a shipped name or a file path.
@@ -67,6 +73,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Protocol
 
+from radixmesh.core.step import SchedulerConfig
+
 COEFFICIENTS = ("step_base_s", "prefill_token_s", "prefill_attn_s", "decode_seq_s", "decode_kv_s")
 CAPACITIES = ("kv_blocks", "block_size", "context_length", "max_running", "step_tokens")
 TEXTS = ("name", "hardware", "model", "source")
@@ -74,6 +82,7 @@ METRICS = ("tpot", "ttft", "prefill_linear")
 
 
 # ------------------------------------------------------------------ what step_s reads of a Step
+# core/step.py's Step fits these; so does any stand-in with the same attributes (tests, tools).
 class PrefillLike(Protocol):
     @property
     def start(self) -> int: ...  # prompt tokens already in KV before this chunk
@@ -222,10 +231,8 @@ class Profile:
             return self.ttft_s(check.tokens)
         return self.step_base_s + self.prefill_token_s * check.tokens
 
-    def scheduler_config(self, **overrides: Any) -> Any:
-        """The scheduler's ``SchedulerConfig`` for this engine (``overrides`` win)."""
-        from radixmesh.core import scheduler  # type: ignore[attr-defined,unused-ignore]
-
+    def scheduler_config(self, **overrides: Any) -> SchedulerConfig:
+        """The scheduler's configuration for this engine (``overrides`` win)."""
         values: dict[str, Any] = {
             "block_size": self.block_size,
             "kv_blocks": self.kv_blocks,
@@ -233,7 +240,7 @@ class Profile:
             "step_tokens": self.step_tokens,
         }
         values.update(overrides)
-        return scheduler.SchedulerConfig(**values)
+        return SchedulerConfig(**values)
 
     # ---------------------------------------------------------------------------- TOML
     def to_dict(self) -> dict[str, Any]:
