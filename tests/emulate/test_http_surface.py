@@ -125,6 +125,7 @@ def test_chat_completions_stream_and_whole() -> None:
     ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": [1, 2, 2**32]}, "prompt"),
     ({"prompt": [[1, 2], "ok", 7]}, "prompt"),
     ({"prompt": "x", "stop_token_ids": "1"}, "stop_token_ids"),

@@ -10,9 +10,11 @@ names and defaults are vLLM's ``CompletionRequest`` / ``ChatCompletionRequest``:
 (text, token ids, or a batch of either), ``max_tokens`` (completions: 16; chat: what the
 context leaves), ``stream``, ``stream_options.include_usage``, ``logprobs`` (completions: an
 int; chat: a bool with ``top_logprobs``), ``return_tokens_as_token_ids`` (logprob tokens
-spelled ``token_id:N``), ``ignore_eos``, ``stop_token_ids``, ``n`` (only 1). Fields vLLM knows
-but the emulation ignores (``temperature``, ``top_p``, ``seed``, ...) and unknown fields are
-accepted, as vLLM accepts them.
+spelled ``token_id:N``), ``ignore_eos``, ``stop_token_ids``, ``n`` (only 1). Fields that
+would change the answer's shape (``echo``, ``prompt_logprobs``, tools, structured output) are
+refused with a 400; sampling fields (``temperature``, ``top_p``, ``seed``, ...) and unknown
+fields are accepted and ignored, as vLLM accepts unknown fields (the output is deterministic
+anyway).
 
 Builders make the response objects: ``CompletionResponse`` / ``CompletionStreamResponse`` and
 the chat ones, choices with ``text`` / ``delta``, ``finish_reason`` and ``stop_reason``, and
@@ -33,6 +35,7 @@ from radixmesh.engine.base import Tokenizer
 
 TOKEN_ID_PREFIX = "token_id:"
 DEFAULT_MAX_TOKENS = 16  # vLLM CompletionRequest.max_tokens
+UNSUPPORTED = ("echo", "prompt_logprobs", "tools", "response_format", "guided_json")
 
 
 class BadRequest(ValueError):
@@ -136,6 +139,9 @@ def parse(body: Any, tokenizer: Tokenizer, context_length: int, *, chat: bool,
         prompts = parse_prompts(body.get("prompt"), tokenizer, vocab or tokenizer.vocab_size)
     if _int(body, "n", 1, 1) != 1:
         raise BadRequest("the emulated engine generates one choice per prompt (n=1)", "n")
+    for name in UNSUPPORTED:  # they change the answer's shape: refused, not silently ignored
+        if body.get(name) not in (None, False):
+            raise BadRequest(f"{name} is not supported by the emulated engine", name)
     name = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
     asked = _int(body, name, None if chat else DEFAULT_MAX_TOKENS, 1)
     max_tokens = tuple(asked if asked is not None else max(context_length - len(p), 1)
