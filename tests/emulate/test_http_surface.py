@@ -120,7 +120,7 @@ def test_chat_completions_stream_and_whole() -> None:
 
 @pytest.mark.parametrize(("body", "param"), [
     (b"{not json", None),
-    ({"model": "m"}, "prompt"),
+    ({"max_tokens": 3}, "prompt"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
@@ -150,8 +150,12 @@ def test_malformed_requests_are_400s_in_vllms_shape_and_counted(body: Any,
     with_engine(scenario)
 
 
-def test_a_bad_chat_body_is_a_400_naming_messages() -> None:
+def test_a_bad_chat_body_is_a_400_and_another_model_a_404() -> None:
     async def scenario(fake: FakeEngine, http: aiohttp.ClientSession) -> None:
+        async with http.post(fake.url + "/v1/completions",
+                             json={"model": "other", "prompt": "x"}) as resp:
+            out = await resp.json()
+        assert resp.status == 404 and out["error"]["type"] == "NotFoundError"
         async with http.post(fake.url + "/v1/chat/completions",
                              json={"messages": [{"role": "user"}]}) as resp:
             out = await resp.json()

@@ -6,7 +6,8 @@ Theory of operation
 one :class:`~.events.KvEventPublisher` (when KV events are asked for). Routes:
 
 * ``POST /v1/completions``, ``POST /v1/chat/completions``: parse (``protocol.parse``; a bad
-  body is a 400 in vLLM's error shape, counted in ``bad_requests``), submit one sequence per
+  body is a 400 in vLLM's error shape, a ``model`` other than the served one a 404, both
+  counted in ``bad_requests``), submit one sequence per
   prompt to the loop, then either stream SSE chunks (one per token, the finish reason on the
   last token's chunk, a usage chunk when ``stream_options.include_usage``, ``data: [DONE]``)
   or answer one JSON object when every sequence finished;
@@ -55,7 +56,7 @@ class EmulatedEngine:
                  kv_replay: str | None = None, kv_connect: bool = False,
                  replay_keep: int = 64, vocab_size: int | None = None) -> None:
         self.profile = profile
-        self.model = model or profile.model
+        self.model = model or default_model_name(profile)
         self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
         self.vocab_size = vocab_size or self.tokenizer.vocab_size  # prompt ids must be below
         self.host, self.port = host, port
@@ -181,6 +182,9 @@ class EmulatedEngine:
             body = await _json(request)
             if self.faults.fail_status:
                 return _error("injected failure", self.faults.fail_status)
+            if isinstance(body, dict) and body.get("model") not in (None, self.model):
+                self.bad_requests += 1  # vLLM's check_model: 404
+                return _error(f"The model `{body['model']}` does not exist.", 404, "model")
             req = protocol.parse(body, self.tokenizer, self.profile.context_length, chat=chat,
                                  vocab=self.vocab_size)
             async with self._sequences(req) as (sink, n):
@@ -348,6 +352,14 @@ def _sglang_request(body: Any, tokenizer: Tokenizer, context: int, vocab: int
                   "stop_token_ids": params.get("stop_token_ids"),
                   "ignore_eos": params.get("ignore_eos", False)}
     return protocol.parse(translated, tokenizer, context, chat=False, vocab=vocab)
+
+
+def default_model_name(profile: Profile) -> str:
+    """The served name without ``--served-model-name``: the profile's Hugging Face model id
+    (the first word of its ``model`` when that has a ``/``, as vLLM names a model by its
+    path), else the profile's name."""
+    first = profile.model.replace(",", " ").split()[0] if profile.model.strip() else ""
+    return first if "/" in first else profile.name
 
 
 def _any_port(endpoint: str | None) -> str:
