@@ -110,6 +110,24 @@ def test_a_gap_the_replay_cannot_cover_drops_the_index_and_under_reports() -> No
     asyncio.run(scenario())
 
 
+def test_a_live_batch_the_replay_already_delivered_is_a_duplicate_not_a_restart() -> None:
+    """A replay answers up to the newest batch; the live copy of a batch published while the
+    gap was being filled arrives after the replay and must not read as a restart."""
+    async def scenario() -> None:
+        async with setup() as (fake, _, sub):
+            assert fake.events is not None
+            fake.faults.skip_live = 1
+            fake.events.publish_cleared()  # seq k: lost live, kept for replay
+            fake.events.publish_cleared()  # k + 1: reveals the gap
+            fake.events.publish_cleared()  # k + 2: queued live behind k + 1, also replayed
+            await settled(fake, sub)
+            assert sub.counts["gaps"] == sub.counts["replays"] == 1, dict(sub.counts)
+            # k + 1 held during the replay and k + 2 live: both already replayed
+            assert sub.counts["duplicates"] == 2 and sub.counts["resets"] == 0, dict(sub.counts)
+
+    asyncio.run(scenario())
+
+
 def test_a_duplicate_is_dropped() -> None:
     async def scenario() -> None:
         async with setup() as (fake, engine, sub):
