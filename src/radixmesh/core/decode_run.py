@@ -43,10 +43,15 @@ class DecodeRuns:
         pure-decode batch: no prefill, no admission possible (nothing waiting, or
         ``max_running`` reached), no finish before the last of them, and the blocks they take
         already free (no eviction, no preemption). 0 when the next step is not one."""
+        if self._waiting and len(self._running) < self.config.max_running:
+            return 0
+        return self._run_bound(limit)
+
+    def _run_bound(self, limit: int) -> int:
+        """``decode_run`` but for admissions: the most decode steps the running batch can take
+        as one run (requests that arrived since a run was planned wait for its end)."""
         run = self._running
         if self._pending is not None or not run or not all(s.prefilled for s in run):
-            return 0
-        if self._waiting and len(run) < self.config.max_running:
             return 0
         hi = min(limit, *(s.max_tokens - len(s.tokens) + s.prompt_len for s in run))
         lo, free = 0, self._pool.free_blocks
@@ -66,9 +71,11 @@ class DecodeRuns:
     def apply_decodes(
         self, k: int, tokens: Mapping[SeqId, Sequence[int]], now: float
     ) -> list[Finished]:
-        """Plan and complete ``k <= decode_run(k)`` decode steps at once, as ``k`` rounds of
-        ``schedule`` + ``complete`` would (each sequence gets its ``k`` tokens in order)."""
-        if k < 1 or self.decode_run(k) < k:
+        """Plan and complete ``k`` decode steps at once, as ``k`` rounds of ``schedule`` +
+        ``complete`` would (each sequence gets its ``k`` tokens in order). ``k`` was at most
+        ``decode_run`` when the run was planned; requests added since wait for its end (a
+        caller on a clock cuts the run at the step during which one arrived)."""
+        if k < 1 or self._run_bound(k) < k:
             raise ValueError(f"k: the next {k} steps are not one decode run")
         emitting = list(self._running)
         short = [s.id for s in emitting if len(tokens.get(s.id, ())) < k]

@@ -617,8 +617,10 @@ class SimCluster:
         self._load_changed(node)
 
     def _too_long(self, node: SimNode, work: Work) -> None:
+        reason = "prompt + max_tokens exceed the engine's KV pool"
         if work.flight.entry == node.idx:
-            self._fail_client(work.flight, "prompt + max_tokens exceed the KV pool")
+            self.feed(node, RequestDone(work.flight.index, error=reason))
+            self._fail_client(work.flight, reason)
         else:
             self._work_lost(node, work)
 
