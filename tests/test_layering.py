@@ -135,6 +135,9 @@ RULES = {
         "testing", allowed=frozenset({"core", "testing", "child_process"})
     ),
     "child_process imports nothing of radixmesh": Rule("child_process", allowed=frozenset()),
+    "emulate imports only core and engine": Rule(
+        "emulate", allowed=frozenset({"core", "engine", "emulate"})
+    ),
 }
 
 

@@ -18,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cluster": ("radixmesh.runtime.cluster", "start N nodes on 127.0.0.1 and keep them running"),
     "bench": ("radixmesh.bench.cli", "run benchmark sweeps against fresh local clusters"),
     "demo": ("radixmesh.bench.demo", "4 nodes, ~300 requests, none/paper/cost, with a report"),
+    "emulate": ("radixmesh.emulate.cli", "an emulated vLLM engine: its API and KV events, a "
+                "profile's speed, no model"),
     "sim": ("radixmesh.sim.cli", "discrete-event simulation of the same core at scale"),
     "profile": ("radixmesh.profiles.cli", "step-time profiles: list them, show what one predicts"),
     "calibrate": ("radixmesh.bench.calibrate", "measure the built-in engine into a cost model"),

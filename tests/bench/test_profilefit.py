@@ -23,8 +23,8 @@ from radixmesh.bench.profilefit import (
     nonneg_lstsq,
 )
 from radixmesh.core.profile import Profile, dumps, resolve
+from radixmesh.emulate.fake import running
 from radixmesh.sim import costs
-from radixmesh.testing.fake_engine import running
 
 coef = st.floats(0, 10, allow_nan=False, allow_subnormal=False)
 
@@ -111,12 +111,13 @@ def _engine_args(url: str, out: Path) -> argparse.Namespace:
 def test_engine_url_plumbing_against_the_fake_vllm(tmp_path: Path) -> None:
     async def scenario() -> tuple[object, list[object], list[object], int]:
         async with running(cache_tokens=8192) as fake:
-            fake.token_delay_s = 0.002
+            fake.faults.token_delay_s = 0.002
             facts, prefill, decode = await measure(_engine_args(fake.url, tmp_path / "p.toml"))
             return facts, prefill, decode, fake.peak_active
 
     facts, prefill, decode, peak = asyncio.run(scenario())
-    assert facts == {"model": "fake-model"}
+    # the fake's /v1/models card carries max_model_len, as vLLM's does
+    assert facts == {"model": "fake-model", "context_length": 8192}
     assert [n for n, _ in prefill] == [32, 128, 512]  # type: ignore[misc]
     assert [(b, c) for b, c, _ in decode] == [(1, 67), (3, 67)]  # type: ignore[misc]
     assert peak == 3  # the batch-3 streams ran concurrently

@@ -13,11 +13,11 @@ import pytest
 
 from radixmesh.core.blocks import block_hashes
 from radixmesh.core.kv_events import EngineBlockStored, KvBatch
+from radixmesh.emulate.fake import FakeEngine, next_token, running
 from radixmesh.engine.base import GenerateRequest, SamplingParams
 from radixmesh.engine.http_engine import EngineUnavailable, HttpEngine, mesh_block_size
 from radixmesh.engine.tokenizers import ByteTokenizer
 from radixmesh.runtime.kv_subscriber import KvSubscriber, plan_endpoints
-from radixmesh.testing.fake_engine import FakeEngine, next_token, running
 
 if TYPE_CHECKING:
     from conftest import Poll
@@ -106,7 +106,8 @@ def test_cached_tokens_come_from_the_engine(kind: str) -> None:
             second = await engine.generate(request(prompt))
             await engine.aclose()
             assert first.cached_tokens == 0
-            assert second.cached_tokens == len(prompt) - 1  # the fake's lease: all but one
+            # vLLM's reuse: whole blocks below the last prompt token, floor(127 / 16) * 16
+            assert second.cached_tokens == (len(prompt) - 1) // 16 * 16 == 112
 
     asyncio.run(scenario())
 
@@ -114,7 +115,7 @@ def test_cached_tokens_come_from_the_engine(kind: str) -> None:
 def test_two_requests_are_in_flight_at_once() -> None:
     async def scenario() -> None:
         async with running() as fake:
-            fake.barrier = 2  # the fake holds generation until two requests are running
+            fake.faults.barrier = 2  # the fake holds generation until two requests are running
             engine = http_engine(fake)
             in_flight: list[int] = []
 
@@ -136,7 +137,7 @@ def test_two_requests_are_in_flight_at_once() -> None:
 def test_cancelling_the_caller_closes_the_engine_stream(poll: Poll) -> None:
     async def scenario() -> None:
         async with running() as fake:
-            fake.token_delay_s = 0.02
+            fake.faults.token_delay_s = 0.02
             engine = http_engine(fake)
             seen: list[int] = []
             work = engine.generate(request(prompt_of("long"), 500), seen.append)
@@ -174,7 +175,7 @@ def test_an_engine_error_or_a_dead_engine_is_engine_unavailable() -> None:
     async def scenario() -> None:
         async with running() as fake:
             engine = http_engine(fake)
-            fake.fail_status = 503
+            fake.faults.fail_status = 503
             with pytest.raises(EngineUnavailable):
                 await engine.generate(request(prompt_of("abc")))
             await fake.stop()

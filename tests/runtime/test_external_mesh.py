@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import uvicorn
 
+from radixmesh.emulate.fake import FakeEngine
 from radixmesh.engine.tokenizers import ByteTokenizer
 from radixmesh.runtime.app import create_app, node_server
 from radixmesh.runtime.cluster import free_port
 from radixmesh.runtime.config import ServeConfig
 from radixmesh.runtime.node import NodeService
 from radixmesh.runtime.serve_cli import build_external_service
-from radixmesh.testing.fake_engine import FakeEngine
 
 if TYPE_CHECKING:
     from conftest import Poll

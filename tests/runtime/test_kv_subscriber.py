@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from radixmesh.core.blocks import block_hashes
+from radixmesh.emulate.fake import FakeEngine, running
 from radixmesh.engine.base import GenerateRequest, SamplingParams
 from radixmesh.engine.http_engine import HttpEngine
 from radixmesh.engine.tokenizers import ByteTokenizer
@@ -22,7 +23,6 @@ from radixmesh.runtime.kv_subscriber import (
     plan_endpoints,
     resolve_endpoint,
 )
-from radixmesh.testing.fake_engine import FakeEngine, running
 
 if TYPE_CHECKING:
     from conftest import Poll
@@ -86,9 +86,9 @@ async def settled(poll: Poll, fake: FakeEngine, sub: KvSubscriber) -> None:
 def test_a_gap_is_filled_from_the_replay_socket(replay_topic: bool, poll: Poll) -> None:
     async def scenario() -> None:
         async with setup(poll) as (fake, engine, sub):
-            fake.replay_topic = replay_topic
+            fake.faults.replay_topic = replay_topic
             await ask(engine, "the first prompt, long enough for blocks " * 2)
-            fake.skip_live = 1  # the next batch is lost on the PUB stream (kept for replay)
+            fake.faults.skip_live = 1  # the next batch is lost on the PUB stream (kept for replay)
             await ask(engine, "the second prompt, also long enough " * 2)
             await ask(engine, "a third prompt reveals the gap " * 2)
             await settled(poll, fake, sub)
@@ -103,7 +103,7 @@ def test_a_gap_the_replay_cannot_cover_drops_the_index_and_under_reports(poll: P
     async def scenario() -> None:
         async with setup(poll) as (fake, engine, sub):
             await ask(engine, "the first prompt, long enough for blocks " * 2)
-            fake.skip_live, fake.skip_replay = 1, True  # lost for good
+            fake.faults.skip_live, fake.faults.skip_replay = 1, True  # lost for good
             await ask(engine, "the second prompt, also long enough " * 2)
             await ask(engine, "a third prompt reveals the gap " * 2)
             await settled(poll, fake, sub)
@@ -113,10 +113,30 @@ def test_a_gap_the_replay_cannot_cover_drops_the_index_and_under_reports(poll: P
     asyncio.run(scenario())
 
 
+def test_a_live_batch_the_replay_already_delivered_is_a_duplicate_not_a_restart(
+    poll: Poll,
+) -> None:
+    """A replay answers up to the newest batch; the live copy of a batch published while the
+    gap was being filled arrives after the replay and must not read as a restart."""
+    async def scenario() -> None:
+        async with setup(poll) as (fake, _, sub):
+            assert fake.events is not None
+            fake.faults.skip_live = 1
+            fake.events.publish_cleared()  # seq k: lost live, kept for replay
+            fake.events.publish_cleared()  # k + 1: reveals the gap
+            fake.events.publish_cleared()  # k + 2: queued live behind k + 1, also replayed
+            await settled(poll, fake, sub)
+            assert sub.counts["gaps"] == sub.counts["replays"] == 1, dict(sub.counts)
+            # k + 1 held during the replay and k + 2 live: both already replayed
+            assert sub.counts["duplicates"] == 2 and sub.counts["resets"] == 0, dict(sub.counts)
+
+    asyncio.run(scenario())
+
+
 def test_a_duplicate_is_dropped(poll: Poll) -> None:
     async def scenario() -> None:
         async with setup(poll) as (fake, engine, sub):
-            fake.duplicate_next = 2
+            fake.faults.duplicate_next = 2
             await ask(engine, "a prompt whose batch arrives twice " * 2)
             await ask(engine, "and another one " * 4)
             await settled(poll, fake, sub)
@@ -168,8 +188,8 @@ def test_a_replay_socket_that_never_answers_is_survived(poll: Poll) -> None:
     async def scenario() -> None:
         async with setup(poll) as (fake, engine, sub):
             await ask(engine, "the first prompt, long enough for blocks " * 2)
-            fake.replay_enabled = False
-            fake.skip_live = 1
+            fake.faults.replay_enabled = False
+            fake.faults.skip_live = 1
             await ask(engine, "the second prompt, also long enough " * 2)
             await ask(engine, "a third prompt reveals the gap " * 2)
             await settled(poll, fake, sub)

@@ -1,5 +1,6 @@
-"""``serve --launch``: the node starts the (fake) engine as its child and takes it down with it,
-whether it stops normally (SIGTERM) or is killed (SIGKILL); a bad command is a start-up error."""
+"""``serve --launch``: the node starts the engine (``radixmesh emulate``) as its child and takes
+it down with it, whether it stops normally (SIGTERM) or is killed (SIGKILL); a bad command is a
+start-up error."""
 
 from __future__ import annotations
 
@@ -38,9 +39,12 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_random_model_dir(tmp_path_factory.mktemp("tok"), "micro")
 
 
-def _fake_cmd(port: int, kv: int, replay: int) -> str:
-    return (f"{sys.executable} -m radixmesh.testing.fake_engine --port {port} "
-            f"--kv-port {kv} --replay-port {replay}")
+def _fake_cmd(port: int, kv: int, replay: int, tokenizer: Path) -> str:
+    # the one fake vLLM, as a process; it knows the node's tokenizer, as a real vLLM does
+    return (f"{sys.executable} -m radixmesh.cli emulate --profile h100-llama3-8b "
+            f"--time-scale 0 --served-model-name fake-model --port {port} "
+            f"--kv-events tcp://127.0.0.1:{kv} --kv-replay tcp://127.0.0.1:{replay} "
+            f"--tokenizer {tokenizer}")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
@@ -52,7 +56,7 @@ def test_the_launched_engine_serves_and_goes_with_the_node(
             "--engine", "vllm", "--engine-url", f"http://127.0.0.1:{port}",
             "--kv-events", f"tcp://*:{kv}", "--kv-replay", f"tcp://*:{replay}",
             "--tokenizer", str(tokenizer_dir), "--drain-grace", "1", "--drain-linger", "0",
-            "--launch", _fake_cmd(port, kv, replay)]
+            "--launch", _fake_cmd(port, kv, replay, tokenizer_dir)]
     node = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{node_port}"

@@ -14,6 +14,7 @@ from radixmesh.core.events import CacheChanged
 from radixmesh.core.router import Policy, RouterConfig
 from radixmesh.results.records import Record
 from radixmesh.sim import costs
+from radixmesh.sim import engine as sim_engine
 from radixmesh.sim.cluster import ClusterConfig, SimCluster
 from radixmesh.sim.network import Fault, NetworkConfig, Partition
 from radixmesh.sim.runner import RunSpec, run
@@ -307,3 +308,24 @@ def test_over_a_slow_link_cost_keeps_copies_at_the_entry_instead_of_renting_far_
     assert cost["mean_latency_s"] <= 1.3 * none["mean_latency_s"]
     assert cost["forwarded_share"] < 0.2
     assert cost["sim"]["placement_local_copy"] > 0  # type: ignore[index]
+
+
+def test_decode_runs_give_what_single_steps_give(
+    requests_small: list[Request], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine is the batching scheduler; one event per run of identical decode steps (an
+    arrival cutting a run at the step then running) serves every request as one event per
+    step does: same node, same cache hit, same latency up to rounding."""
+    reqs = [replace(r, max_tokens=8 + i % 24) for i, r in enumerate(requests_small)]
+    timed = schedule.poisson(reqs, 4, rate=100.0, seed=1)
+    cost = costs.resolve("h100-llama3-8b")
+    coalesced = simulate("cost", timed, schedule="poisson", cost=cost)
+    monkeypatch.setattr(sim_engine, "RUN_LIMIT", 1)
+    stepped = simulate("cost", timed, schedule="poisson", cost=cost)
+    assert coalesced.summary["errors"] == stepped.summary["errors"] == 0
+    a, b = coalesced.records, stepped.records
+    assert [(r.served_by, r.cached_tokens) for r in a] == [
+        (r.served_by, r.cached_tokens) for r in b
+    ]
+    assert [r.latency_s for r in a] == pytest.approx([r.latency_s for r in b], rel=1e-6)
+    assert coalesced.summary["sim"]["events"] < stepped.summary["sim"]["events"]

@@ -16,7 +16,7 @@ from radixmesh.core.units import parse_duration as core_parse_duration
 from radixmesh.sim import costs
 from radixmesh.sim.clock import EventLoop
 from radixmesh.sim.costfit import fit_prefill
-from radixmesh.sim.engine import SimEngine
+from radixmesh.sim.engine import SimEngine, SimRun
 from radixmesh.sim.network import (
     Network,
     NetworkConfig,
@@ -56,41 +56,59 @@ def test_fit_recovers_a_known_model() -> None:
     assert fit["rel_rmse"] < 0.03
 
 
+def _serve(eng: SimEngine, seq: int, tokens: list[int], out: list[int], now: float) -> SimRun:
+    """Add one request and run the engine until it finishes; its measured run."""
+    eng.add(seq, tokens, out, now)
+    for _ in range(1000):
+        planned = eng.plan(now, coalesce=True)
+        assert planned is not None
+        now += planned.duration_s
+        done = eng.apply(planned, now)
+        if done:
+            return done[0][1]
+    raise AssertionError("did not finish")
+
+
 def test_sim_engine_budget_locks_and_hits() -> None:
     cost = costs.resolve("cpu-tiny")
     eng = SimEngine(cost, cache_tokens=100, block_size=4, seed=1)
     a = list(range(60))
-    run = eng.begin(a, block_hashes(a, 4, 1), 1, now=0.0)
+    run = _serve(eng, 0, a, [7], 0.0)  # one request alone: the cost model's service time
     assert run.cached_tokens == 0 and run.service_s == pytest.approx(cost.service_s(60, 0, 1))
-    eng.finish(run, [7], now=1.0)
-    assert eng.match(a) == 60
-    again = eng.begin(a, block_hashes(a, 4, 1), 1, now=2.0)
-    assert again.cached_tokens == 59  # at least one token is always computed
-    eng.finish(again, [7], now=3.0)
+    assert run.decode_tokens == 1 and eng.match(a) == 60
+    again = _serve(eng, 1, a, [7], 2.0)
+    assert again.cached_tokens == 56  # whole blocks, never the last token
     assert set(eng.drain_delta()[0]) == set(block_hashes(a, 4, 1))
     b = [1000 + i for i in range(70)]  # does not fit beside a: a is evicted (LRU)
-    run_b = eng.begin(b, block_hashes(b, 4, 1), 1, now=4.0)
-    eng.finish(run_b, [7], now=5.0)
-    assert eng.total_tokens <= 100 and eng.match(b) == 70 and eng.match(a) == 0
+    _serve(eng, 2, b, [7], 4.0)
+    assert eng.total_tokens <= 100 and eng.match(b) == 68 and eng.match(a) == 0
     added, removed = eng.drain_delta()  # exactly what changed since the previous drain
     assert set(added) == set(block_hashes(b, 4, 1))
     assert set(removed) == set(block_hashes(a, 4, 1))
 
 
-def test_sim_engine_keeps_locked_path() -> None:
-    eng = SimEngine(costs.resolve("cpu-tiny"), cache_tokens=50, block_size=4, seed=1)
-    a = list(range(40))
-    r = eng.begin(a, block_hashes(a, 4, 1), 1, 0.0)
-    eng.finish(r, [1], 0.0)
-    held = eng.begin(a, block_hashes(a, 4, 1), 1, 1.0)  # locks a[:39]
-    b = [500 + i for i in range(40)]
-    rb = eng.begin(b, block_hashes(b, 4, 1), 1, 2.0)
-    eng.finish(rb, [1], 2.0)  # truncated to the room left
-    assert eng.match(a) >= 39 and eng.total_tokens <= 50
-    eng.finish(held, [1], 3.0)
+def test_sim_engine_decode_runs_are_timed_as_their_steps() -> None:
+    """A decode run lasts what its steps, timed one by one with the profile, would."""
+    cost = costs.resolve("h100-llama3-8b")
+    assert cost.profile is not None
+    eng = SimEngine(cost, cache_tokens=1 << 16, block_size=16, seed=1)
+    eng.add(0, list(range(100)), list(range(40)), 0.0)
+    eng.add(1, list(range(200, 260)), list(range(20)), 0.0)
+    first = eng.plan(0.0, coalesce=True)
+    assert first is not None and first.step is not None and first.k == 1
+    eng.apply(first, first.duration_s)
+    run = eng.plan(first.duration_s, coalesce=True)
+    assert run is not None and run.step is None and run.k == 19  # until request 1's last token
+    by_step = sum(cost.profile.step_s(eng.sched.decode_step(j)) for j in range(run.k))
+    assert run.duration_s == pytest.approx(by_step)
+    assert eng.steps_by(run, 0.0) == 1 and eng.steps_by(run, run.duration_s) == run.k
+    assert eng.steps_by(run, run.first_s * 1.5) == 2
+    cut = eng.cut(run, 5)
+    done = eng.apply(cut, 1.0)
+    assert done == [] and eng.sched.steps == 6
 
 
-def test_sim_engine_is_the_core_prefix_cache_plus_a_cost_model() -> None:
+def test_sim_engine_is_the_core_scheduler_plus_a_step_time_model() -> None:
     """Layering core <- sim: the simulator's cache is the engine's cache code, not a copy."""
     import ast
 
@@ -100,12 +118,15 @@ def test_sim_engine_is_the_core_prefix_cache_plus_a_cost_model() -> None:
     modules = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert not any(m.startswith("radixmesh.engine") for m in modules)
-    eng = SimEngine(costs.resolve("cpu-tiny"), cache_tokens=30, block_size=4, seed=1)
+    assert "radixmesh.core.scheduler" in modules
+    eng = SimEngine(costs.resolve("cpu-tiny"), cache_tokens=32, block_size=4, seed=1)
     assert isinstance(eng.cache, PrefixCache)
-    a = list(range(40))
-    eng.finish(eng.begin(a, block_hashes(a, 4, 1), 1, 0.0), [1], 0.0)  # truncated to 30
-    assert eng.total_tokens == eng.cache.usage().tokens == 30 and eng.match(a) == 30
-    assert set(eng.drain_delta()[0]) == set(block_hashes(a[:30], 4, 1))
+    with pytest.raises(ValueError, match="never fit"):
+        eng.add(0, list(range(40)), [1], 0.0)
+    a = list(range(28))
+    _serve(eng, 1, a, [1, 2, 3], 0.0)  # prompt + 2 outputs: 30 tokens, 28 in whole blocks
+    assert eng.total_tokens == eng.cache.usage().tokens == 28 and eng.match(a) == 28
+    assert set(eng.drain_delta()[0]) == set(block_hashes(a, 4, 1))
 
 
 def test_network_delay_loss_partition() -> None:

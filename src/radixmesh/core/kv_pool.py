@@ -61,10 +61,15 @@ class KvPool:
         return self.kv_blocks - self.used_blocks
 
     @property
+    def locked_blocks(self) -> int:
+        """Cache blocks no eviction can free (running sequences' cached prefixes)."""
+        return _ceil_div(self.cache.tree.locked_tokens, self.block_size)
+
+    @property
     def held_blocks(self) -> int:
         """Blocks running sequences need: their private blocks and the cached prefixes they
         lock (vLLM's ``kv_cache_usage`` counts these; unlocked cached blocks count as free)."""
-        return _ceil_div(self.cache.tree.locked_tokens, self.block_size) + self.private_blocks
+        return self.locked_blocks + self.private_blocks
 
     def blocks_for(self, kv_tokens: int, cached: int) -> int:
         """Private blocks of a sequence with ``kv_tokens`` KV tokens, ``cached`` shared."""
@@ -85,6 +90,8 @@ class KvPool:
         """Take ``n_blocks`` more private blocks, evicting cache entries as needed (those that
         ``spare`` would reuse last); False, with nothing taken, if they cannot be had."""
         if n_blocks > self.free_blocks:
+            if n_blocks > self.kv_blocks - self.private_blocks - self.locked_blocks:
+                return False  # not even evicting every unlocked entry would do (vLLM: no evict)
             self._evict(n_blocks, spare)
             if n_blocks > self.free_blocks:
                 return False

@@ -52,13 +52,21 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
 from itertools import islice
 
 from radixmesh.core.blocks import block_hashes, extend_hashes
+from radixmesh.core.decode_run import DecodeRuns
 from radixmesh.core.kv_pool import KvPool
-from radixmesh.core.prefix_cache import Lease, PrefixCache
-from radixmesh.core.step import DecodeSlot, Finished, PrefillChunk, SchedulerConfig, SeqId, Step
+from radixmesh.core.prefix_cache import PrefixCache
+from radixmesh.core.step import (
+    DecodeSlot,
+    Finished,
+    PrefillChunk,
+    SchedulerConfig,
+    SeqId,
+    SeqState,
+    Step,
+)
 
 __all__ = [
     "DecodeSlot",
@@ -73,35 +81,16 @@ __all__ = [
 WINDOW = 64  # waiting requests looked at per step (admission, eviction sparing)
 
 
-@dataclass(slots=True, eq=False)
-class _Seq:
-    id: SeqId
-    tokens: list[int]  # prompt + outputs so far
-    prompt_len: int
-    max_tokens: int
-    hashes: list[int]  # chained hashes of the whole blocks of what it prefills
-    admitted_at: float
-    lease: Lease[None] | None = None  # its lock on its cached prefix, while running
-    computed: int = 0  # tokens whose KV is in the pool
-    cached: int = 0  # leading tokens shared with the cache (whole blocks)
-    private: int = 0  # KV blocks of its own
-    hit: int = 0  # tokens reused at its last admission
-    prefilled: bool = False  # decoding (prefill done since its last admission)
-    preemptions: int = 0
-    overtaken: int = 0  # admissions that passed it in its current wait
-    first_token_at: float | None = None
-
-
-class Scheduler:
+class Scheduler(DecodeRuns):
     """Continuous batching over one KV pool; see the module docstring."""
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self._pool = KvPool(config.kv_blocks, config.block_size, config.hash_seed)
         self.cache: PrefixCache[None] = self._pool.cache  # read it only
-        self._seqs: dict[SeqId, _Seq] = {}
-        self._waiting: deque[_Seq] = deque()
-        self._running: list[_Seq] = []  # admission order
+        self._seqs: dict[SeqId, SeqState] = {}
+        self._waiting: deque[SeqState] = deque()
+        self._running: list[SeqState] = []  # admission order
         self._prefilling: Counter[int] = Counter()  # block hashes of prefilling sequences
         self._pending: Step | None = None
         self.prefill_tokens_computed = 0
@@ -156,7 +145,7 @@ class Scheduler:
                 f"pool of {self.config.kv_blocks} x {self.config.block_size} tokens"
             )
         hashes = block_hashes(prompt, self.config.block_size, self.config.hash_seed)
-        s = _Seq(seq, list(prompt), len(prompt), max_tokens, hashes, now)
+        s = SeqState(seq, list(prompt), len(prompt), max_tokens, hashes, now)
         self._seqs[seq] = s
         self._waiting.append(s)
 
@@ -234,13 +223,13 @@ class Scheduler:
         return self._emit(emitting, tokens, stop, now)
 
     # ------------------------------------------------------------------------- helpers
-    def _live(self, seq: SeqId) -> _Seq:
+    def _live(self, seq: SeqId) -> SeqState:
         s = self._seqs.get(seq)
         if s is None:
             raise ValueError(f"seq: unknown or finished id {seq}")
         return s
 
-    def _reserve(self, s: _Seq, kv_tokens: int, preempted: list[SeqId], now: float) -> bool:
+    def _reserve(self, s: SeqState, kv_tokens: int, preempted: list[SeqId], now: float) -> bool:
         """Give ``s`` the blocks for ``kv_tokens`` KV tokens, preempting from the tail of
         running (never one planned earlier in this step); False if ``s`` itself went."""
         need = self._pool.blocks_for(kv_tokens, s.cached) - s.private
@@ -262,7 +251,7 @@ class Scheduler:
         been passed ``max_overtake`` times the scan restarts at it (it is no longer deferred)."""
         window = deque(self._waiting.popleft() for _ in range(min(WINDOW, len(self._waiting))))
         spare = [w.tokens for w in window]
-        skipped: list[_Seq] = []
+        skipped: list[SeqState] = []
         while window and budget > 0 and len(self._running) < self.config.max_running:
             c = window.popleft()
             if self._defers(c):
@@ -281,7 +270,7 @@ class Scheduler:
                 skipped = []
         self._waiting.extendleft(reversed(skipped + list(window)))
 
-    def _defers(self, c: _Seq) -> bool:
+    def _defers(self, c: SeqState) -> bool:
         """A running prefill will compute >= 1 whole block of ``c`` beyond its cached prefix."""
         if not self.config.prefix_aware or not self._prefilling:
             return False
@@ -295,7 +284,7 @@ class Scheduler:
         return shared * self.config.block_size > self._pool.reusable(c.tokens)
 
     def _try_admit(
-        self, c: _Seq, budget: int, spare: list[list[int]], now: float
+        self, c: SeqState, budget: int, spare: list[list[int]], now: float
     ) -> PrefillChunk | None:
         lease = self._pool.lock(c.tokens, now)
         cached = lease.cached
@@ -311,7 +300,7 @@ class Scheduler:
         self.cached_tokens_hit += cached
         return PrefillChunk(c.id, cached, n, cached + n == len(c.tokens))
 
-    def _prefill_done(self, s: _Seq, now: float) -> None:
+    def _prefill_done(self, s: SeqState, now: float) -> None:
         """Its prompt is computed: move its whole blocks into the cache, shared from now."""
         assert s.lease is not None
         self._unmark_prefilling(s)
@@ -322,7 +311,7 @@ class Scheduler:
         if not self._pool.grow(s.private, ()):
             raise RuntimeError("KV pool accounting broke while caching a prompt")
 
-    def _unmark_prefilling(self, s: _Seq) -> None:
+    def _unmark_prefilling(self, s: SeqState) -> None:
         if not s.prefilled:
             self._prefilling.subtract(s.hashes)
             for h in s.hashes:
@@ -331,7 +320,7 @@ class Scheduler:
 
     def _emit(
         self,
-        emitting: list[_Seq],
+        emitting: list[SeqState],
         tokens: Mapping[SeqId, int],
         stop: Collection[SeqId],
         now: float,
@@ -347,7 +336,7 @@ class Scheduler:
                 done.append(self._finish(s, "stop", now))
         return done
 
-    def _preempt(self, s: _Seq) -> None:
+    def _preempt(self, s: SeqState) -> None:
         """Recompute preemption: free its KV, keep its outputs, back to the front of waiting."""
         self._unmark_prefilling(s)
         assert s.lease is not None
@@ -360,7 +349,7 @@ class Scheduler:
         self._waiting.appendleft(s)
         self.preemptions += 1
 
-    def _finish(self, s: _Seq, reason: str, now: float) -> Finished:
+    def _finish(self, s: SeqState, reason: str, now: float) -> Finished:
         assert s.lease is not None
         self._unmark_prefilling(s)
         commit = None if reason == "abort" else s.tokens[: s.computed]
@@ -371,7 +360,7 @@ class Scheduler:
         return self._record(s, reason)
 
     @staticmethod
-    def _record(s: _Seq, reason: str) -> Finished:
+    def _record(s: SeqState, reason: str) -> Finished:
         return Finished(
             s.id,
             s.prompt_len,

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from radixmesh.core.prefix_cache import Lease
+
 SeqId = int
 
 
@@ -86,3 +88,24 @@ class Finished:
     preemptions: int
     admitted_at: float  # `now` of its (last) admission (its arrival if never admitted)
     first_token_at: float | None
+
+
+@dataclass(slots=True, eq=False)
+class SeqState:
+    """The scheduler's state of one sequence (``core/scheduler.py`` only: not for callers)."""
+
+    id: SeqId
+    tokens: list[int]  # prompt + outputs so far
+    prompt_len: int
+    max_tokens: int
+    hashes: list[int]  # chained hashes of the whole blocks of what it prefills
+    admitted_at: float
+    lease: Lease[None] | None = None  # its lock on its cached prefix, while running
+    computed: int = 0  # tokens whose KV is in the pool
+    cached: int = 0  # leading tokens shared with the cache (whole blocks)
+    private: int = 0  # KV blocks of its own
+    hit: int = 0  # tokens reused at its last admission
+    prefilled: bool = False  # decoding (prefill done since its last admission)
+    preemptions: int = 0
+    overtaken: int = 0  # admissions that passed it in its current wait
+    first_token_at: float | None = None

@@ -21,8 +21,10 @@ Which side binds follows the engine's rule: the publisher binds when its endpoin
 ``::``, ``ipc://`` or ``inproc://`` — give ``--kv-events`` exactly the endpoint string of the
 engine's ``--kv-events-config``: then this node connects (``*`` / ``::`` replaced by the engine
 URL's host), otherwise the engine connects and this node binds. ``connect:`` / ``bind:`` in
-front of an endpoint force a side. A live message that repeats the previous one byte for byte
-is dropped as a duplicate (the tracker would read it as a restart). ZMQ reconnects by itself
+front of an endpoint force a side. A live message that repeats the previous one byte for byte,
+or a batch the last replay already delivered (a replay answers up to the newest batch, so the
+live copy of a batch published while the gap was being filled arrives after it), is dropped as
+a duplicate (the tracker would read it as a restart). ZMQ reconnects by itself
 with exponential backoff (100 ms .. 5 s); a socket error closes the socket and opens a new one
 after a backoff. The connection state comes from the socket monitor (``connected``, and
 ``stale_since``: since when no publisher connection has been up). Nothing here blocks the loop,
@@ -133,6 +135,7 @@ class _Publisher:
     stale_since: float | None = field(default_factory=time.time)
     last_message: float | None = None  # monotonic
     last_frames: tuple[int, bytes] | None = None  # (seq, payload) of the last live message
+    replayed: dict[int, bytes] = field(default_factory=dict)  # the last replay's batches
 
     def link(self, up: bool) -> None:
         self.links = max(self.links + (1 if up else -1), 0)
@@ -260,7 +263,8 @@ class KvSubscriber:
             self._malformed()
             self._changed()
             return
-        if pub.last_frames == (msg.seq, msg.payload):
+        if pub.last_frames == (msg.seq, msg.payload) or (
+                pub.replayed.get(msg.seq) == msg.payload):
             self.counts["duplicates"] += 1
             return
         pub.last_frames = (msg.seq, msg.payload)
@@ -322,6 +326,7 @@ class KvSubscriber:
             return pub.tracker.on_replay_failed()
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        pub.replayed.clear()
         try:
             sock.connect(pub.replay)
             await sock.send_multipart(encode_replay_request(start_seq))
@@ -349,6 +354,7 @@ class KvSubscriber:
             msg = decode_replay_frames(frames)
             if isinstance(msg, ReplayEnd):
                 return pub.tracker.on_replay_end()
+            pub.replayed[msg.seq] = msg.payload
             for step in pub.tracker.on_replay(msg.seq, self._decode(msg.payload)):
                 self._do(pub, step)
 

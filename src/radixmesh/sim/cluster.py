@@ -5,23 +5,26 @@ Theory of operation
 This is the second interpreter of ``NodeCore``'s actions (the asyncio runtime is the first).
 Every node is a real :class:`~radixmesh.core.node.NodeCore` — routing, gossip, membership,
 push-back and peer view are never re-implemented here. The shell only owns what the runtime
-owns: a clock (virtual), the engine (a :class:`SimEngine` with the real radix tree and a cost
-model), a FIFO queue per node, and the wire (a :class:`Network`).
+owns: a clock (virtual), the engine (a :class:`SimEngine`: the project's continuous-batching
+scheduler and prefix cache, its steps timed by a step-time model) and the wire (a
+:class:`Network`).
 
 What happens to a client request is decided by the entry node's core (``core.lifecycle``);
 this shell only delivers its actions and reports back what the simulated world did::
 
     entry E: tokenize, hash blocks, engine.match ── RequestArrived ──▶ E's core
-      ExecuteLocally        -> E's FIFO queue -> RequestDone
+      ExecuteLocally        -> E's engine (scheduler) -> RequestDone
       Forward(P)            -> one-way delay + hop overhead -> P's core: ForwardArrived
         RefuseForward       <- one-way delay back: ForwardRefused to E (next action follows)
-        AcceptForward       -> P's FIFO queue (hop limit 1: P executes); ForwardAccepted
+        AcceptForward       -> P's engine (hop limit 1: P executes); ForwardAccepted
                                travels back to E; the response follows it:
                                RequestDone(forward_rtt_s) to E
         P down / reset / partitioned / silent -> ForwardFailed to E (next action follows)
     (the receiver answers a first byte at once and heartbeats while queued, so a live peer's
     forward never times out, however long its queue; a partitioned one does)
     serving node X, after each request: RequestServed, CacheChanged, LoadChanged
+    engine: one event per step, or per run of identical decode steps (``SimEngine.plan``);
+    a request arriving mid-run cuts the run at the step then running
     every node: Tick at core.next_deadline(); Send actions become deliveries (or losses)
 
 Why one file over 400 lines: it is the simulator's whole world (nodes, queues, wire,
@@ -38,7 +41,6 @@ from __future__ import annotations
 
 import random
 import zlib
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -74,7 +76,7 @@ from radixmesh.core.router import DELIBERATE, Policy, RouterConfig
 from radixmesh.sim.clock import EventLoop
 from radixmesh.sim.compute import SharedCompute
 from radixmesh.sim.costs import CostModel
-from radixmesh.sim.engine import SimEngine, SimRun
+from radixmesh.sim.engine import Planned, SimEngine, SimRun
 from radixmesh.sim.gateway import CACHE_AWARE, CacheAwareGateway, GatewayConfig
 from radixmesh.sim.network import Network, NetworkConfig
 from radixmesh.workload.request import Request
@@ -176,26 +178,29 @@ class Work:
     attempt: int
     t_enqueued: float
     uncached: int = 0  # prompt tokens not cached when it was queued (set by ``_enqueue``)
-    compute_key: int = -1  # its request on the shared machine, while running (if shared)
 
 
 class SimNode:
     __slots__ = (
         "address",
+        "compute_key",
         "core",
         "engine",
         "epoch",
         "idx",
         "incarnation",
+        "next_seq",
         "node_id",
-        "queue",
+        "planned",
+        "planned_at",
+        "planned_version",
         "queued_blocks",
         "queued_tokens",
-        "running",
         "served",
         "tick_at",
         "up",
         "version_times",
+        "works",
     )
 
     def __init__(self, idx: int) -> None:
@@ -204,13 +209,17 @@ class SimNode:
         self.address = f"sim-{idx}:80"
         self.core: NodeCore | None = None
         self.engine: SimEngine | None = None
-        self.queue: deque[Work] = deque()
+        self.works: dict[int, Work] = {}  # by engine sequence id: waiting or running
+        self.next_seq = 0
+        self.planned: Planned | None = None  # the step (or decode run) in flight
+        self.planned_at = 0.0
+        self.planned_version = 0  # bumps when the step in flight is replaced (a cut run)
+        self.compute_key = -1  # the step in flight on the shared machine (if shared)
         # prompt, output budget and uncached prompt tokens of the work waiting or running,
         # summed, as the runtime reports them in LoadChanged (its bounded admission by
         # tokens, and the price of a place in its queue, see them as a real node's would)
         self.queued_tokens = [0, 0, 0]
         self.queued_blocks = QueuedBlocks(1)  # the cluster's block size: set by start()
-        self.running: Work | None = None
         self.up = False
         self.incarnation = -1
         self.epoch = 0  # bumps on crash: stale callbacks for an old life are ignored
@@ -220,7 +229,7 @@ class SimNode:
 
     @property
     def depth(self) -> int:
-        return len(self.queue) + (1 if self.running is not None else 0)
+        return len(self.works)
 
 
 @dataclass(slots=True)
@@ -338,13 +347,11 @@ class SimCluster:
         node.epoch += 1
         node.tick_at = INF
         self.net.set_down(node.idx, True)
-        lost = list(node.queue)
-        if node.running is not None:
-            lost.append(node.running)
-            if self.compute is not None:
-                self.compute.cancel(node.running.compute_key)
-        node.queue.clear()
-        node.running = None
+        lost = list(node.works.values())
+        if node.planned is not None and self.compute is not None:
+            self.compute.cancel(node.compute_key)
+        node.works = {}
+        node.planned = None
         node.queued_tokens = [0, 0, 0]  # (and start() gives it new queued_blocks)
         if node.core is not None:
             self._holding(node.core.cached_hashes(), ())
@@ -415,7 +422,7 @@ class SimCluster:
 
     def _load_changed(self, node: SimNode) -> None:
         assert node.engine is not None
-        running = 1 if node.running is not None else 0
+        running = node.engine.sched.running
         prompt, output, uncached = node.queued_tokens
         event = LoadChanged(node.depth, running, node.engine.total_tokens,
                             self.config.cache_tokens, prompt, output, uncached)
@@ -589,16 +596,33 @@ class SimCluster:
 
     # ------------------------------------------------------------------------- execution
     def _enqueue(self, node: SimNode, work: Work) -> None:
-        assert node.engine is not None
-        tokens = work.flight.tokens
+        engine = node.engine
+        assert engine is not None
+        flight, now = work.flight, self.loop.now
         work.uncached = node.queued_blocks.uncached(
-            work.flight.hashes, len(tokens), _engine_prefix(node.engine, tokens))
+            flight.hashes, len(flight.tokens), _engine_prefix(engine, flight.tokens))
+        seq = node.next_seq
+        node.next_seq += 1
+        try:
+            engine.add(seq, flight.tokens, _generated(flight), now)
+        except ValueError:  # prompt + max_tokens never fit the engine's KV pool
+            self._too_long(node, work)
+            return
+        node.works[seq] = work
         self._count_queued(node, work, 1)
-        node.queue.append(work)
-        if node.running is None:
-            self._start_next(node)
+        if node.planned is None:
+            self._run_next(node)
+        elif node.planned.step is None and self.compute is None:
+            self._cut_run(node)
+        self._load_changed(node)
+
+    def _too_long(self, node: SimNode, work: Work) -> None:
+        reason = "prompt + max_tokens exceed the engine's KV pool"
+        if work.flight.entry == node.idx:
+            self.feed(node, RequestDone(work.flight.index, error=reason))
+            self._fail_client(work.flight, reason)
         else:
-            self._load_changed(node)
+            self._work_lost(node, work)
 
     def _count_queued(self, node: SimNode, work: Work, sign: int) -> None:
         """``work`` joined (``sign`` 1) or left (-1) ``node``'s queue: its blocks and tokens,
@@ -611,51 +635,62 @@ class SimCluster:
         q[2] += sign * work.uncached
         self.feed(node, QueueChanged(hashes, sign > 0))
 
-    def _start_next(self, node: SimNode) -> None:
-        if not node.queue or node.engine is None:
+    def _run_next(self, node: SimNode) -> None:
+        """Plan the engine's next step (or decode run) and time it; idle if nothing to do."""
+        engine = node.engine
+        assert engine is not None
+        planned = engine.plan(self.loop.now, coalesce=self.compute is None)
+        node.planned = planned
+        if planned is None:
             return
-        work = node.queue.popleft()
-        node.running = work
-        flight = work.flight
-        run = node.engine.begin(flight.tokens, flight.hashes, flight.req.max_tokens, self.loop.now)
-        self._load_changed(node)
+        node.planned_at = self.loop.now
+        node.planned_version += 1
+        epoch, version = node.epoch, node.planned_version
         if self.compute is None:
-            self.loop.at(self.loop.now + run.service_s, self._finish, node, node.epoch, work, run)
+            self.loop.at(self.loop.now + planned.duration_s, self._stepped, node, epoch, version)
             return
-        epoch = node.epoch
+        node.compute_key = self.compute.start(
+            planned.duration_s, lambda _elapsed: self._stepped(node, epoch, version))
 
-        def done(elapsed: float) -> None:
-            _stretch(run, elapsed)  # what the node measures: its share of the machine
-            self._finish(node, epoch, work, run)
-
-        work.compute_key = self.compute.start(run.service_s, done)
-
-    def _finish(self, node: SimNode, epoch: int, work: Work, run: SimRun) -> None:
-        if node.epoch != epoch or node.engine is None:
+    def _cut_run(self, node: SimNode) -> None:
+        """A request arrived during a decode run: end the run with the step now running, so
+        the engine can admit it at the next step boundary."""
+        planned = node.planned
+        assert planned is not None and node.engine is not None
+        k = node.engine.steps_by(planned, self.loop.now - node.planned_at)
+        if k >= planned.k:
             return
-        now = self.loop.now
+        node.planned = cut = node.engine.cut(planned, k)
+        node.planned_version += 1
+        end = node.planned_at + cut.duration_s
+        self.loop.at(end, self._stepped, node, node.epoch, node.planned_version)
+
+    def _stepped(self, node: SimNode, epoch: int, version: int) -> None:
+        if node.epoch != epoch or node.engine is None or node.planned_version != version:
+            return
+        planned = node.planned
+        assert planned is not None
+        for finished, run in node.engine.apply(planned, self.loop.now):
+            self._finish(node, node.works.pop(finished.seq), run)
+        self._run_next(node)
+        self._load_changed(node)
+
+    def _finish(self, node: SimNode, work: Work, run: SimRun) -> None:
         flight = work.flight
-        node.engine.finish(run, _generated(flight), now)
-        node.running = None
         node.served += 1
         self._report_served(node, flight, run)  # its cache change before it leaves the queue
         self._count_queued(node, work, -1)  # (as in the runtime): no flicker in the summary
-        self._start_next(node)
-        if node.running is None:
-            self._load_changed(node)
-        queue_s = (now - run.service_s) - work.t_enqueued
         if flight.current(work.attempt):  # else the entry timed out on this try: work wasted
-            self._answer(node, work, run, queue_s)
+            self._answer(node, work, run, run.queue_s)
 
     def _report_served(self, node: SimNode, flight: Flight, run: SimRun) -> None:
-        decode_tokens = max(0, flight.req.max_tokens - 1)
         self.feed(
             node,
             RequestServed(
                 len(flight.tokens),
                 run.cached_tokens,
                 run.prefill_s,
-                decode_tokens,
+                run.decode_tokens,
                 run.decode_s,
                 run.service_s,
             ),
@@ -720,16 +755,6 @@ class SimCluster:
             return
         flight.error = reason
         self._complete(flight)
-
-
-def _stretch(run: SimRun, elapsed: float) -> None:
-    """A run that shared the machine took ``elapsed`` instead of its service time: its
-    prefill and decode stretch alike (a real node times them on the wall clock)."""
-    if run.service_s > 0:
-        factor = elapsed / run.service_s
-        run.prefill_s *= factor
-        run.decode_s *= factor
-    run.service_s = elapsed
 
 
 def summary_version(core: NodeCore | None) -> int:

@@ -21,7 +21,6 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +101,7 @@ def fitted_model(
 
 def model_doc(model: CostModel, fit: dict[str, float], points: int) -> dict[str, Any]:
     """The JSON document of a fitted cost model: its fields and the fit's quality."""
-    doc: dict[str, Any] = asdict(model)
+    doc: dict[str, Any] = model.to_dict()
     doc["fit"] = {"rel_rmse": fit["rel_rmse"], "points": points}
     return doc
 

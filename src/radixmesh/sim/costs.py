@@ -33,7 +33,7 @@ between the two. A name that is both a preset and a profile (``cpu-tiny``) means
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from radixmesh.core.estimators import prefill_work
@@ -54,6 +54,9 @@ class CostModel:
     request_overhead_s: float = 0.0  # engine/handler work per request outside prefill/decode
     forward_overhead_s: float = 0.0  # HTTP work of one forward hop (request + response)
     source: str = "constants"  # where the numbers come from (measurement, date, machine)
+    # the step-time profile this model was made from (``from_profile``): the simulated engine
+    # times its steps with it; not part of the JSON form, not compared
+    profile: Profile | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -86,15 +89,20 @@ class CostModel:
             prefill_s_per_token=self.prefill_s_per_token * factor,
             decode_s_per_token=self.decode_s_per_token * factor,
             request_overhead_s=self.request_overhead_s * factor,
+            profile=None,  # a profile's figures are not scaled: time by this model instead
         )
 
     # ------------------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, object]:
+        """The JSON form's fields (not ``profile``)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "profile"}
+
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> CostModel:
-        known = {f.name for f in fields(cls)} | _DOCUMENTATION_KEYS
+        known = {f.name for f in fields(cls) if f.name != "profile"} | _DOCUMENTATION_KEYS
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown cost model keys: {', '.join(unknown)}")
@@ -200,6 +208,7 @@ def from_profile(
         request_overhead_s=0.0,
         forward_overhead_s=forward_overhead_s,
         source=f"step-time profile {profile.name} at batch 1 ({profile.source})",
+        profile=profile,
     )
 
 
