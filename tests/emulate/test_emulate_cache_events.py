@@ -11,14 +11,17 @@ import contextlib
 import random
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from radixmesh.core.blocks import block_hashes
 from radixmesh.emulate.fake import FakeEngine, running
 from radixmesh.engine.base import GenerateRequest, SamplingParams
 from radixmesh.engine.http_engine import HttpEngine
 from radixmesh.engine.tokenizers import ByteTokenizer
-from radixmesh.runtime import inprocess
 from radixmesh.runtime.kv_subscriber import KvSubscriber, plan_endpoints
+
+if TYPE_CHECKING:
+    from conftest import Poll
 
 LIMIT_S = 10.0
 
@@ -49,9 +52,9 @@ async def subscribed(fake: FakeEngine, engine: HttpEngine) -> AsyncIterator[KvSu
         await sub.stop()
 
 
-async def settled(fake: FakeEngine, sub: KvSubscriber) -> None:
-    await inprocess.until(lambda: sub.publishers[0].tracker.next_seq == fake.seq,
-                          "every batch applied", LIMIT_S, 0.01)
+async def settled(poll: Poll, fake: FakeEngine, sub: KvSubscriber) -> None:
+    await poll.until_async(lambda: sub.publishers[0].tracker.next_seq == fake.seq,
+                           "every batch applied", LIMIT_S)
 
 
 def test_cached_tokens_are_what_the_scheduler_reused() -> None:
@@ -77,7 +80,7 @@ def test_cached_tokens_are_what_the_scheduler_reused() -> None:
     asyncio.run(scenario())
 
 
-def test_kv_events_rebuild_the_schedulers_cache_under_concurrency() -> None:
+def test_kv_events_rebuild_the_schedulers_cache_under_concurrency(poll: Poll) -> None:
     async def scenario() -> None:
         rng = random.Random(11)
         stems = [[rng.randrange(32, 127) for _ in range(120)] for _ in range(4)]
@@ -91,7 +94,7 @@ def test_kv_events_rebuild_the_schedulers_cache_under_concurrency() -> None:
                         engine.generate(request(random_prompt(rng, stems), rng.randrange(1, 80),
                                                 f"{wave}.{i}"))
                         for i in range(6)))
-                    await settled(fake, sub)
+                    await settled(poll, fake, sub)
                     seed = engine.fingerprint.digest
                     truth = frozenset(block_hashes(p, 16, seed)[-1]
                                       for p in fake.block_prefixes())

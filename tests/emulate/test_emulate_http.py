@@ -9,13 +9,15 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import pytest
 
 from radixmesh.emulate.fake import FakeEngine, next_token, running
-from radixmesh.runtime import inprocess
+
+if TYPE_CHECKING:
+    from conftest import Poll
 
 
 def expected(prompt: list[int], n: int) -> list[int]:
@@ -190,7 +192,7 @@ def test_models_health_and_metrics_say_emulated() -> None:
     with_engine(scenario)
 
 
-def test_a_client_that_goes_away_aborts_its_sequence_in_the_scheduler() -> None:
+def test_a_client_that_goes_away_aborts_its_sequence_in_the_scheduler(poll: Poll) -> None:
     async def scenario(fake: FakeEngine, http: aiohttp.ClientSession) -> None:
         fake.faults.token_delay_s = 0.01  # steps last long enough to leave mid-stream
         body = {"prompt": "a long generation", "max_tokens": 400, "stream": True}
@@ -206,7 +208,7 @@ def test_a_client_that_goes_away_aborts_its_sequence_in_the_scheduler() -> None:
         def gone() -> bool:
             return fake.loop.counters.aborted == 1 and sched.running == sched.waiting == 0
 
-        await inprocess.until(gone, "the sequence to be aborted", 10.0, 0.01)
+        await poll.until_async(gone, "the sequence to be aborted", 10.0)
         assert fake.disconnects == 1 and fake.active == 0
         assert fake.loop.counters.generation_tokens < 400
 
