@@ -58,15 +58,29 @@ class ClusterError(RuntimeError):
     """A node failed to start or the cluster did not become ready in time."""
 
 
+_HANDED_OUT: set[int] = set()  # ports this process gave out already: never given twice
+
+
 def free_ports(n: int, host: str = LOOPBACK) -> list[int]:
-    """``n`` distinct ports that were free a moment ago (the OS picks them)."""
+    """``n`` distinct ports that were free a moment ago (the OS picks them), none of them
+    handed out before by this process: clusters started one after another (a benchmark's
+    paired clusters, each node with its engine's three ports) never collide."""
     socks: list[socket.socket] = []
+    ports: list[int] = []
     try:
-        for _ in range(n):
+        for _ in range(64 * n + 64):  # bounded: the OS rarely repeats a recent port
+            if len(ports) == n:
+                break
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             s.bind((host, 0))
             socks.append(s)
-        return [s.getsockname()[1] for s in socks]
+            port = s.getsockname()[1]
+            if port not in _HANDED_OUT:
+                ports.append(port)
+        if len(ports) < n:
+            raise ClusterError(f"could not find {n} free ports")
+        _HANDED_OUT.update(ports)
+        return ports
     finally:
         for s in socks:
             s.close()

@@ -7,7 +7,7 @@ for its model name, so the engine must answer first): the command line is split 
 ``shlex`` (no shell), started in a new session (its own process group, so stopping it reaches
 the engine's own children too, e.g. vLLM's EngineCore) with ``PR_SET_PDEATHSIG`` = SIGTERM (a
 node killed with SIGKILL still takes the engine down with it), its output appended to a log
-file; then ``GET <engine-url>/v1/models`` is polled until it answers 200. The engine exiting
+file (by default, the node's own output); then ``GET <engine-url>/v1/models`` is polled until it answers 200. The engine exiting
 first, or the ready timeout, is a start-up error that carries the log's tail.
 
 Attached to the service (``service.attachments``), it is stopped with the node: SIGTERM to the
@@ -55,14 +55,16 @@ class EngineProcess:
     def start_and_wait(self) -> None:
         """Start the engine and return once it answers; raises ``ValueError`` (engine exited,
         or not ready in time: it is stopped then) or ``OSError`` (command not startable)."""
-        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        # no log file: the engine writes where the node does (its log), so a failed start
+        # says why
+        out = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115
         try:
             self.proc = subprocess.Popen(
                 self.argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True, preexec_fn=die_with_parent)
         finally:
-            if out is not subprocess.DEVNULL:
-                out.close()  # type: ignore[union-attr]
+            if out is not None:
+                out.close()
         try:
             self._wait_ready()
         except BaseException:
