@@ -4,6 +4,11 @@ Every module under ``src/radixmesh`` is parsed with :mod:`ast`; every import cou
 depth (inside functions and ``if TYPE_CHECKING:`` blocks too): a lazy import is still a
 dependency. The intended layering is core ← engine ← runtime, core ← sim, ``results`` and
 ``workload`` below bench and sim, bench and chaos on top.
+
+Inside ``core/`` two more rules are read off the syntax tree: no part reads another object's
+private attributes (``obj._name`` with ``obj`` other than ``self``/``cls``), and no function
+is longer than ``MAX_FUNCTION_LINES`` (from ``def`` to its last line, docstring included)
+unless a comment on its ``def`` line says ``# long: <reason>``.
 """
 
 from __future__ import annotations
@@ -210,3 +215,58 @@ def test_the_checks_see_lazy_imports() -> None:
     tree = ast.parse(code)
     assert [(n.lineno, only) for n, only in _imports(tree)] == [(2, True), (4, False), (6, False)]
     assert cycles([Edge("a", "b", 1), Edge("b", "c", 1), Edge("c", "a", 1)]) == [["a", "b", "c"]]
+
+
+CORE = SRC / ROOT_PACKAGE / "core"
+MAX_FUNCTION_LINES = 40
+LONG_MARK = "# long:"  # on a def line, with a reason: exempt from the length rule
+
+
+def private_reads(code: str) -> list[tuple[int, str]]:
+    """``(line, text)`` of each ``obj._name`` whose ``obj`` is not ``self`` or ``cls``
+    (dunders such as ``__class__`` are public)."""
+    found = []
+    for node in ast.walk(ast.parse(code)):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
+            continue
+        if node.attr.startswith("__") and node.attr.endswith("__"):
+            continue
+        owner = node.value
+        if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+            continue
+        found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def long_functions(code: str, limit: int = MAX_FUNCTION_LINES) -> list[tuple[int, str, int]]:
+    """``(line, name, length)`` of each function longer than ``limit`` lines, less those
+    marked ``# long: <reason>`` on their ``def`` line."""
+    lines = code.splitlines()
+    found = []
+    for node in ast.walk(ast.parse(code)):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        length = (node.end_lineno or node.lineno) - node.lineno + 1
+        marked = LONG_MARK in lines[node.lineno - 1]
+        if length > limit and not marked:
+            found.append((node.lineno, node.name, length))
+    return found
+
+
+def _core_files() -> list[Path]:
+    return sorted(CORE.glob("*.py"))
+
+
+def test_no_core_part_reads_another_objects_private_attributes() -> None:
+    bad = [f"{p.name}:{line}: {text}" for p in _core_files()
+           for line, text in private_reads(p.read_text(encoding="utf-8"))]
+    assert not bad, "private attributes read from outside their object:\n  " + "\n  ".join(bad)
+
+
+def test_the_core_checks_see_what_they_must() -> None:
+    """Checks of the checks: a foreign private read, a long function, an exemption."""
+    code = "class A:\n    def f(self, o):\n        return self._x, o._y, o.__class__, cls._z\n"
+    assert private_reads(code) == [(3, "o._y")]
+    body = "".join(f"    x{i} = {i}\n" for i in range(3))
+    assert long_functions(f"def f():\n{body}", limit=3) == [(1, "f", 4)]
+    assert long_functions(f"def f():  {LONG_MARK} a table\n{body}", limit=3) == []

@@ -46,6 +46,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
+from radixmesh.core.admission import token_cap
 from radixmesh.core.blocks import block_hashes
 from radixmesh.core.estimators import QueuedBlocks
 from radixmesh.core.events import (
@@ -86,7 +87,7 @@ from radixmesh.core.messages import (
     ForwardRequest,
     ForwardTokens,
 )
-from radixmesh.core.node import NodeCore, token_cap
+from radixmesh.core.node import NodeCore
 from radixmesh.engine.base import AsyncEngine, Engine, GenerateResult, SamplingParams
 from radixmesh.engine.worker import as_async_engine
 from radixmesh.runtime import metrics as prom
