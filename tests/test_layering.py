@@ -263,6 +263,12 @@ def test_no_core_part_reads_another_objects_private_attributes() -> None:
     assert not bad, "private attributes read from outside their object:\n  " + "\n  ".join(bad)
 
 
+def test_no_core_function_is_over_the_length_limit() -> None:
+    bad = [f"{p.name}:{line}: {name} ({length} lines)" for p in _core_files()
+           for line, name, length in long_functions(p.read_text(encoding="utf-8"))]
+    assert not bad, f"functions over {MAX_FUNCTION_LINES} lines:\n  " + "\n  ".join(bad)
+
+
 def test_the_core_checks_see_what_they_must() -> None:
     """Checks of the checks: a foreign private read, a long function, an exemption."""
     code = "class A:\n    def f(self, o):\n        return self._x, o._y, o.__class__, cls._z\n"

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from radixmesh.core.config import AdmissionConfig, NodeConfig
+from radixmesh.core.cost_model import Candidate, RouteInput, mesh_cost, predict_wait
 from radixmesh.core.decisions import DecisionLog
 from radixmesh.core.estimate import bump
 from radixmesh.core.estimators import SpeedReport
@@ -47,7 +48,6 @@ from radixmesh.core.events import (
 from radixmesh.core.messages import Load
 from radixmesh.core.own_load import OwnLoad
 from radixmesh.core.peer_loads import PeerLoads
-from radixmesh.core.router import Candidate, RouteInput, mesh_cost, predict_wait
 
 
 @dataclass(frozen=True, slots=True)

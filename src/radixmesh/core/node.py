@@ -50,6 +50,7 @@ from random import Random  # the type only: instances are passed in, never the g
 from typing import Any
 
 from radixmesh.core.config import NodeConfig
+from radixmesh.core.cost_model import Candidate, Tag
 from radixmesh.core.decisions import DecisionLog
 from radixmesh.core.estimators import SpeedReport
 from radixmesh.core.events import (
@@ -72,7 +73,6 @@ from radixmesh.core.events import (
     Tick,
 )
 from radixmesh.core.parts import build_parts
-from radixmesh.core.router import Candidate, Tag
 
 _COUNTERS = (
     "gossip_bytes_in",

@@ -22,6 +22,7 @@ peers that served lately (:meth:`OwnLoad.refresh_stale_speed`, run before every 
 from __future__ import annotations
 
 from radixmesh.core.config import NodeConfig
+from radixmesh.core.cost_model import NodeInfo
 from radixmesh.core.estimate import bump
 from radixmesh.core.estimators import (
     ComputeModel,
@@ -34,7 +35,6 @@ from radixmesh.core.estimators import (
 from radixmesh.core.events import LoadChanged, RequestServed
 from radixmesh.core.gossip import Gossiper
 from radixmesh.core.messages import Load
-from radixmesh.core.router import NodeInfo
 
 # a stale own speed restarts from the median of at most this many fresh peers' speeds
 SPEED_SAMPLE = 16

@@ -30,11 +30,11 @@ import math
 from dataclasses import dataclass
 
 from radixmesh.core.config import NodeConfig
+from radixmesh.core.cost_model import NodeInfo
 from radixmesh.core.estimate import Estimate, bump
 from radixmesh.core.estimators import RttTable, SpeedReport, WaitError
 from radixmesh.core.gossip import Gossiper
 from radixmesh.core.lifecycle import Lifecycle
-from radixmesh.core.router import NodeInfo
 
 IDLE_PEERS = 2  # unmatched least-loaded peers the cost policy also considers
 # a peer reporting a longer queue wait (a forward's, or its refusal's) is not believed

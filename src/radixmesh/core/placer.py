@@ -26,11 +26,7 @@ from collections.abc import Sequence
 from random import Random  # the type only: instances are passed in, never the global one
 
 from radixmesh.core.config import NodeConfig
-from radixmesh.core.gossip import Gossiper
-from radixmesh.core.peer_loads import PeerLoads
-from radixmesh.core.peerview import PeerView
-from radixmesh.core.placement import KeyRates, KeySums, Ring, placement_depth, replicas_for
-from radixmesh.core.router import (
+from radixmesh.core.cost_model import (
     Candidate,
     NodeInfo,
     Placement,
@@ -38,6 +34,10 @@ from radixmesh.core.router import (
     mean_utilization,
     over_bound,
 )
+from radixmesh.core.gossip import Gossiper
+from radixmesh.core.peer_loads import PeerLoads
+from radixmesh.core.peerview import PeerView
+from radixmesh.core.placement import KeyRates, KeySums, Ring, placement_depth, replicas_for
 
 ROUTE_TOP_K = 8  # deepest-matching available peers considered per request
 SHARED_CHECK_MAX = 32  # members: up to this many, a request's prefix common to all is found

@@ -20,6 +20,7 @@ to stop trying peers, the route label, continuing locally after a peer died mid-
 from __future__ import annotations
 
 from radixmesh.core.admission import AdmissionControl
+from radixmesh.core.cost_model import Candidate
 from radixmesh.core.estimate import bump
 from radixmesh.core.estimators import RttTable
 from radixmesh.core.events import (
@@ -36,7 +37,6 @@ from radixmesh.core.lifecycle import Flight, Lifecycle, Stage
 from radixmesh.core.peer_loads import PeerLoads
 from radixmesh.core.peerview import PeerView
 from radixmesh.core.placer import Placer
-from radixmesh.core.router import Candidate
 from radixmesh.core.routing import Routing
 
 

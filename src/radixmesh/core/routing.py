@@ -30,6 +30,7 @@ from dataclasses import replace
 from random import Random  # the type only: instances are passed in, never the global one
 
 from radixmesh.core.config import NodeConfig
+from radixmesh.core.cost_model import Candidate, NodeInfo, RouteInput, Tag
 from radixmesh.core.decisions import DecisionLog
 from radixmesh.core.estimate import bump
 from radixmesh.core.estimators import RttTable
@@ -40,7 +41,8 @@ from radixmesh.core.own_load import OwnLoad
 from radixmesh.core.peer_loads import PeerLoads
 from radixmesh.core.peerview import PeerView
 from radixmesh.core.placer import ROUTE_TOP_K, Placer
-from radixmesh.core.router import Candidate, NodeInfo, Policy, RouteInput, Router, Tag
+from radixmesh.core.router import Router
+from radixmesh.core.router_config import Policy
 
 
 class Unavailable:
