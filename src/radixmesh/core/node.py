@@ -117,7 +117,9 @@ class NodeCore:
     def __init__(self, config: NodeConfig, rng: Random, now: float) -> None:
         self.config = config
         self.decisions = DecisionLog(config.decision_log)  # its recent routing decisions
-        self._parts = parts = build_parts(config, rng, now, self.decisions, _COUNTERS)
+        # the lifecycle asks the node for addresses (a shell may answer for it: tests do)
+        self._parts = parts = build_parts(config, rng, now, self.decisions, _COUNTERS,
+                                          lambda peer: self.peer_address(peer))
         requests, rounds = parts.requests, parts.rounds
         self._handlers: dict[type, Callable[[Any, float], list[Action]]] = {
             Tick: rounds.tick,
@@ -158,6 +160,18 @@ class NodeCore:
         if handler is None:
             raise TypeError(f"unknown event {event!r}")  # a bug in the shell, not a peer
         return handler(event, now)
+
+    def serve(self, event: Event, now: float) -> list[Action]:
+        """``handle`` for a server that must keep running (the runtime): a part that raises
+        (a bug) is answered with ``CoreFailed``, not raised, and an event whose shell awaits
+        a request's next step always gets one (``RequestFlow.next_step``: never a lost
+        request). The simulator and tests call ``handle``, so that bugs surface there."""
+        requests = self._parts.requests
+        try:
+            actions = self.handle(event, now)
+        except Exception as exc:  # a bug in a part: the node keeps serving
+            return requests.after_error(event, exc)
+        return requests.next_step(event, actions)
 
     def next_deadline(self) -> float:
         """When the next Tick is due (the shell's clock)."""

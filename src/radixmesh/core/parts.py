@@ -12,7 +12,7 @@ estimates) first, the request flow last.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from random import Random  # the type only: instances are passed in, never the global one
 
@@ -52,9 +52,10 @@ class Parts:
 
 
 def build_parts(config: NodeConfig, rng: Random, now: float, decisions: DecisionLog,
-                counters: Iterable[str]) -> Parts:
+                counters: Iterable[str], address_of: Callable[[str], str | None]) -> Parts:
     """Make one node's parts, each given the others it consults; ``counters``: the names of
-    the counters they share (all 0 at first)."""
+    the counters they share (all 0 at first); ``address_of``: a peer's address as the node
+    answers it (``NodeCore.peer_address``: membership's), which the lifecycle forwards to."""
     metrics: dict[str, float] = dict.fromkeys(counters, 0.0)
     summary = LocalSummary(config.gossip.change_log_limit)
     holdings = Holdings(summary)  # the summary: cached + queued blocks
@@ -65,7 +66,7 @@ def build_parts(config: NodeConfig, rng: Random, now: float, decisions: Decision
                     max_hashes=config.gossip.max_hashes)
     codec = Codec(limits)
     gossip = Gossiper(config, summary, view, members, rtt, codec, rng, metrics)
-    lifecycle = Lifecycle(config.forward, members.address_of,
+    lifecycle = Lifecycle(config.forward, address_of,
                           config.admission.min_retry_after_s)
     own = OwnLoad(config, gossip, metrics)
     peers = PeerLoads(config, gossip, rtt, lifecycle, own.prior_speed, metrics)

@@ -15,19 +15,38 @@ to stop trying peers, the route label, continuing locally after a peer died mid-
     RequestDone       an RTT sample, the peer now holds the prefix (optimistic view insert),
                       the wait met against the wait predicted (WaitError), rent paid
     RequestCancelled  abort the current try
+
+A server must keep running through a bug in the core, and never lose a request it holds:
+``NodeCore.serve`` (the runtime's entry; the simulator and tests call ``handle``, which
+raises) answers a part that raised with ``CoreFailed`` (:meth:`RequestFlow.after_error`),
+and makes sure an event whose shell awaits the request's next step gets one
+(:meth:`RequestFlow.next_step`): run it here as ``fallback`` when the core gave none (a
+stale refusal or failure, or the core failed on it), and serve a peer's forward the core
+failed on (the sender chose this node; a refusal would need a reason).
 """
 
 from __future__ import annotations
+
+import traceback
 
 from radixmesh.core.admission import AdmissionControl
 from radixmesh.core.cost_model import Candidate
 from radixmesh.core.estimate import bump
 from radixmesh.core.estimators import RttTable
 from radixmesh.core.events import (
+    AcceptForward,
     Action,
+    CoreFailed,
+    Event,
+    ExecuteLocally,
+    Forward,
     ForwardAccepted,
+    ForwardArrived,
     ForwardFailed,
     ForwardRefused,
+    Log,
+    RefuseForward,
+    RejectRequest,
     RequestArrived,
     RequestCancelled,
     RequestDone,
@@ -124,3 +143,24 @@ class RequestFlow:
 
     def cancelled(self, event: RequestCancelled, _: float) -> list[Action]:
         return list(self._lifecycle.cancel(event.rid))
+
+    # --------------------------------------------------------------- the server's guard
+    def after_error(self, event: Event, exc: Exception) -> list[Action]:
+        """The core raised on ``event`` (a bug): say so, and still answer the request."""
+        error = "".join(traceback.format_exception(exc))
+        return self.next_step(event, [CoreFailed(type(event).__name__, error)])
+
+    def next_step(self, event: Event, actions: list[Action]) -> list[Action]:
+        """``actions``, plus the next step of the request ``event`` is about when its shell
+        awaits one and the core gave none: run it here (never a lost request); a peer's
+        forward is served."""
+        if isinstance(event, ForwardArrived):
+            if not any(isinstance(a, AcceptForward | RefuseForward) for a in actions):
+                return [*actions, AcceptForward(event.rid)]
+            return actions
+        if not isinstance(event, RequestArrived | ForwardRefused | ForwardFailed):
+            return actions
+        if any(isinstance(a, Forward | ExecuteLocally | RejectRequest) for a in actions):
+            return actions
+        log = Log("error", f"no lifecycle action for request {event.rid}: running it locally")
+        return [*actions, log, ExecuteLocally(event.rid, "fallback", 0)]

@@ -18,8 +18,11 @@ builds those rows from what the node knows and keeps the decision:
   trip is rent paid for the prefix (``Placer.rent_paid``; ski rental);
 * each ranking of a request goes into the node's ``DecisionLog``.
 
-:meth:`Routing.candidates` is the request-level decision of where to try: a hop-limited
-request (``local_only``) only here; an experiment's ``target`` first, then here; else the
+:meth:`Routing.candidates` is the request-level decision of where to try: only here for a
+hop-limited request (``local_only``), one whose sampling the forward protocol cannot carry
+(``plain`` false) and a prompt's later sample whose first is served here; the node serving
+a prompt's first sample first for its other samples (``sample_of``: sample affinity, they
+reuse its cached prompt), then here; an experiment's ``target`` first, then here; else the
 ranking.
 """
 
@@ -75,14 +78,19 @@ class Routing:
     def candidates(self, event: RequestArrived, now: float) -> list[Candidate]:
         """Where to try the request, best first (self always listed)."""
         me = Candidate(self._config.node_id, True, event.local_cached, 0.0)
-        if event.local_only:
+        here = self._config.node_id
+        # hop-limited, or sampling the forward protocol cannot carry: only here
+        if event.local_only or not event.plain or event.sample_of == here:
             return [me]
-        if event.target is not None and event.target != self._config.node_id:
-            return [Candidate(event.target, False, 0, 0.0), me]
-        first = self._lifecycle.get(event.rid) is None  # not a re-ranking after a refusal
+        # a prompt's other samples go where its first went (its prompt is cached there), as
+        # an experiment's target does: that peer first, then here
+        first = event.sample_of if event.sample_of is not None else event.target
+        if first is not None and first != here:
+            return [Candidate(first, False, 0, 0.0), me]
+        fresh = self._lifecycle.get(event.rid) is None  # not a re-ranking after a refusal
         return self.route(
             event.hashes, event.prompt_tokens, event.local_cached, event.max_tokens, now,
-            observe=first, request=event.rid,
+            observe=fresh, request=event.rid,
         )
 
     def route(

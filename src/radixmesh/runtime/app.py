@@ -419,17 +419,15 @@ async def _start(request: Request, service: NodeService, api: ApiRequest,
     samples: list[_Sample] = []
     try:
         for p, prompt in enumerate(prompts):
-            first_sp = _sampling(api, 0)
-            local_only = hop or not first_sp.plain  # the forward protocol carries plain only
-            ex = await service.execute(prompt, first_sp, tokens, local_only=local_only,
+            # where each runs is the core's (sampling the forward protocol cannot carry
+            # stays here; the other samples go where the first went: RequestArrived)
+            ex = await service.execute(prompt, _sampling(api, 0), tokens, local_only=hop,
                                        target=target)
             first = _Sample(p * api.n, prompt, ex)
             samples.append(first)
-            here = ex.served_by == service.node_id
             for j in range(1, api.n):
                 more = await service.execute(prompt, _sampling(api, j), tokens,
-                                             local_only=local_only or here,
-                                             target=None if here else ex.served_by)
+                                             local_only=hop, sample_of=ex.served_by)
                 samples.append(_Sample(p * api.n + j, prompt, more, first))
     except BaseException:
         await _abandon([s.ex for s in samples])

@@ -54,6 +54,7 @@ from radixmesh.core.events import (
     AcceptForward,
     Action,
     CacheChanged,
+    CoreFailed,
     Event,
     ExecuteLocally,
     Forward,
@@ -315,13 +316,9 @@ class NodeService:
     def dispatch(self, event: Event) -> list[RequestAction]:
         """Hand one event to the core and carry out its actions; returns those about one
         request (``Forward``, ``ExecuteLocally``, ``AcceptForward``, ``RefuseForward``) for the
-        caller that owns that request. Never raises."""
-        try:
-            actions = self.core.handle(event, self.clock())
-        except Exception:
-            self.metrics.core_errors += 1
-            log.exception("NodeCore.handle failed on %s", type(event).__name__)
-            return []
+        caller that owns that request. Never raises (``NodeCore.serve`` answers a core bug
+        with ``CoreFailed``, and a request's next step with it)."""
+        actions = self.core.serve(event, self.clock())
         mine: list[RequestAction] = []
         for action in actions:
             if isinstance(action, _OWNED):
@@ -337,6 +334,9 @@ class NodeService:
         elif isinstance(action, Log):
             level = logging.getLevelName(action.level.upper())
             log.log(level if isinstance(level, int) else logging.INFO, "%s", action.message)
+        elif isinstance(action, CoreFailed):
+            self.metrics.core_errors += 1
+            log.error("NodeCore.handle failed on %s:\n%s", action.event, action.error)
         elif isinstance(action, PeerStateChanged):
             self.metrics.peer_state_changes[action.new] += 1
             log.info("peer %s: %s -> %s", action.peer_id, action.old, action.new)
@@ -443,15 +443,18 @@ class NodeService:
         *,
         local_only: bool = False,
         target: str | None = None,
+        sample_of: str | None = None,
     ) -> Execution:
-        """Start one client request where the core says (``local_only``: hop-limited)."""
+        """Start one client request where the core says (``local_only``: hop-limited;
+        ``sample_of``: the node serving the first sample of the prompt this one samples)."""
         fp = self.engine.fingerprint
         ctx = RequestContext(next(self._rids), tuple(prompt),
                              tuple(block_hashes(prompt, fp.block_size, fp.digest)),
                              sampling, stream)
         local_cached = self._cached_here(ctx.prompt, ctx.hashes)
         event = RequestArrived(ctx.rid or 0, ctx.hashes, len(ctx.prompt), local_cached,
-                               sampling.max_tokens, local_only, target)
+                               sampling.max_tokens, local_only, target, sampling.plain,
+                               sample_of)
         ex = await self._start(ctx, self._one(self.dispatch(event), ctx))
         self.metrics.requests[ex.route] += 1
         return ex
@@ -465,15 +468,15 @@ class NodeService:
         return self.start_local(ctx, action)
 
     def _one(self, actions: list[RequestAction], ctx: RequestContext) -> Forward | ExecuteLocally:
-        """The core's next step for ``ctx`` (local if the core failed: never a lost request)."""
+        """The core's next step for ``ctx`` (``NodeCore.serve`` always gives one: run it
+        here when nothing else is decided, never a lost request)."""
         for action in actions:
             if isinstance(action, Forward | ExecuteLocally):
                 return action
             if isinstance(action, RejectRequest):
                 self.metrics.rejected += 1
                 raise Overloaded(action.retry_after_s)
-        log.error("no lifecycle action for request %s: running it locally", ctx.rid)
-        return ExecuteLocally(ctx.rid or 0, "fallback", 0)
+        raise RuntimeError(f"request {ctx.rid}: the core gave no next step")
 
     async def _offer(self, ctx: RequestContext, action: Forward
                      ) -> ForwardExecution | Forward | ExecuteLocally:
