@@ -3,12 +3,13 @@
 Theory of operation
 -------------------
 The core decides, this module carries out. Everything that happens becomes an event handed
-to ``NodeCore.handle(event, now)`` (``now`` = ``time.monotonic()``), and every returned action
-is executed here::
+to ``NodeCore.serve(event, now)`` (``now`` = ``time.monotonic()``; ``serve`` is ``handle``
+that answers a core bug with ``CoreFailed`` instead of raising, counted and logged here, and
+never leaves a request without its next step), and every returned action is executed here::
 
     timer task ── Tick at next_deadline() ──┐
     POST /peer/gossip ── MessageReceived ───┤
-    engine finished ── RequestServed,       ├─▶ NodeCore.handle ─▶ Send ─▶ PeerClient (netem)
+    engine finished ── RequestServed,       ├─▶ NodeCore.serve ──▶ Send ─▶ PeerClient (netem)
        CacheChanged, LoadChanged ───────────┤                     Log, PeerStateChanged
     a request's life ── RequestArrived,     │                     Forward, ExecuteLocally,
        Forward*, RequestDone/Cancelled ─────┤                     Abort (runtime/execution)
@@ -18,7 +19,9 @@ A client request: tokens → block hashes → ``engine.match`` (exact, local) �
 the core answers ``Forward(peer)`` or ``ExecuteLocally``, and every outcome of a forward
 (busy, failed, accepted, done) goes back to the core, which says what to do next. Which peer
 next, how many peers, the route label and where an answer continues after a peer died
-mid-stream are the core's (``core/lifecycle.py``), shared with the simulator.
+mid-stream are the core's (``core/lifecycle.py``), shared with the simulator; so are
+keeping a request whose sampling the forward protocol cannot carry here and sending a
+prompt's later samples where its first went (``RequestArrived.plain``, ``sample_of``).
 
 Why one file over 400 lines: it is the whole asyncio interpreter — timer, gossip I/O, the
 carrying out of every request action and the peer side of forwards — kept together so that
