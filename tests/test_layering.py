@@ -5,11 +5,19 @@ depth (inside functions and ``if TYPE_CHECKING:`` blocks too): a lazy import is 
 dependency. The intended layering is core ← engine ← runtime, core ← sim, ``results`` and
 ``workload`` below bench and sim, bench and chaos on top; ``child_process`` (one OS call,
 no radixmesh imports) below everything that starts processes.
+
+Inside ``core/`` two more rules are read off the syntax tree: no part reads another object's
+private attributes (``obj._name`` with ``obj`` other than ``self``/``cls``), and no function
+is longer than ``MAX_FUNCTION_LINES`` (from ``def`` to its last line, docstring included)
+unless a comment on its ``def`` line says ``# long: <reason>``. And docs/modules.md's
+"Request decisions" table names, for each decision about a request, a core function that
+exists (imported and looked up).
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -217,3 +225,120 @@ def test_the_checks_see_lazy_imports() -> None:
     tree = ast.parse(code)
     assert [(n.lineno, only) for n, only in _imports(tree)] == [(2, True), (4, False), (6, False)]
     assert cycles([Edge("a", "b", 1), Edge("b", "c", 1), Edge("c", "a", 1)]) == [["a", "b", "c"]]
+
+
+CORE = SRC / ROOT_PACKAGE / "core"
+MAX_FUNCTION_LINES = 40
+LONG_MARK = "# long:"  # on a def line, with a reason: exempt from the length rule
+
+
+def private_reads(code: str) -> list[tuple[int, str]]:
+    """``(line, text)`` of each ``obj._name`` whose ``obj`` is not ``self`` or ``cls``
+    (dunders such as ``__class__`` are public)."""
+    found = []
+    for node in ast.walk(ast.parse(code)):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
+            continue
+        if node.attr.startswith("__") and node.attr.endswith("__"):
+            continue
+        owner = node.value
+        if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+            continue
+        found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def long_functions(code: str, limit: int = MAX_FUNCTION_LINES) -> list[tuple[int, str, int]]:
+    """``(line, name, length)`` of each function longer than ``limit`` lines, less those
+    marked ``# long: <reason>`` on their ``def`` line."""
+    lines = code.splitlines()
+    found = []
+    for node in ast.walk(ast.parse(code)):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        length = (node.end_lineno or node.lineno) - node.lineno + 1
+        marked = LONG_MARK in lines[node.lineno - 1]
+        if length > limit and not marked:
+            found.append((node.lineno, node.name, length))
+    return found
+
+
+def _core_files() -> list[Path]:
+    return sorted(CORE.glob("*.py"))
+
+
+def test_no_core_part_reads_another_objects_private_attributes() -> None:
+    bad = [f"{p.name}:{line}: {text}" for p in _core_files()
+           for line, text in private_reads(p.read_text(encoding="utf-8"))]
+    assert not bad, "private attributes read from outside their object:\n  " + "\n  ".join(bad)
+
+
+def test_no_core_function_is_over_the_length_limit() -> None:
+    bad = [f"{p.name}:{line}: {name} ({length} lines)" for p in _core_files()
+           for line, name, length in long_functions(p.read_text(encoding="utf-8"))]
+    assert not bad, f"functions over {MAX_FUNCTION_LINES} lines:\n  " + "\n  ".join(bad)
+
+
+def test_the_core_checks_see_what_they_must() -> None:
+    """Checks of the checks: a foreign private read, a long function, an exemption."""
+    code = "class A:\n    def f(self, o):\n        return self._x, o._y, o.__class__, cls._z\n"
+    assert private_reads(code) == [(3, "o._y")]
+    body = "".join(f"    x{i} = {i}\n" for i in range(3))
+    assert long_functions(f"def f():\n{body}", limit=3) == [(1, "f", 4)]
+    assert long_functions(f"def f():  {LONG_MARK} a table\n{body}", limit=3) == []
+
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "modules.md"
+# each must appear in a row's decision (the brief's list of request decisions)
+REQUIRED_DECISIONS = ("where a request goes", "forwardability", "sample affinity",
+                      "nothing can serve", "accept or refuse a peer's forward", "push back",
+                      "suspect a peer", "retry the next peer")
+
+
+def decision_table(text: str) -> list[tuple[str, str]]:
+    """``(decision, dotted name)`` rows of docs/modules.md's "Request decisions" table."""
+    section = text.split("## Request decisions", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[1].startswith("`") and cells[1].endswith("`"):
+            rows.append((cells[0], cells[1].strip("`")))
+    return rows
+
+
+def resolve(dotted: str) -> object:
+    """The object ``dotted`` names: the longest importable module prefix, then attributes."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj: object = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ModuleNotFoundError(dotted)
+
+
+def test_the_decision_table_names_functions_that_exist() -> None:
+    rows = decision_table(DOCS.read_text(encoding="utf-8"))
+    assert len(rows) >= len(REQUIRED_DECISIONS)
+    missing = [need for need in REQUIRED_DECISIONS
+               if not any(need in decision.lower() for decision, _ in rows)]
+    assert not missing, f"decisions without a row: {missing}"
+    bad = []
+    for decision, dotted in rows:
+        try:
+            if not callable(resolve(dotted)):
+                bad.append(f"{dotted} ({decision}): not a function")
+        except (ImportError, AttributeError) as exc:
+            bad.append(f"{dotted} ({decision}): {exc}")
+    assert not bad, "docs/modules.md names what does not exist:\n  " + "\n  ".join(bad)
+
+
+def test_the_decision_table_parser_sees_rows_and_catches_a_wrong_name() -> None:
+    text = "## Request decisions\n\n| decision | fn |\n| --- | --- |\n| a | `m.f` |\n## Next\n"
+    assert decision_table(text) == [("a", "m.f")]
+    assert resolve("radixmesh.core.node.NodeCore.serve") is not None
+    with pytest.raises(AttributeError):
+        resolve("radixmesh.core.node.NodeCore.no_such_method")

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from radixmesh.core.admission import admission, token_cap
 from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.config import AdmissionConfig, GossipConfig, NodeConfig, PushbackConfig
 from radixmesh.core.events import (
@@ -34,7 +35,7 @@ from radixmesh.core.events import (
     Send,
     Tick,
 )
-from radixmesh.core.node import NodeCore, admission, token_cap
+from radixmesh.core.node import NodeCore
 from radixmesh.core.router import Policy, RouteInput, RouterConfig, Tag
 from radixmesh.testing import LinkConfig, TwinCluster
 
@@ -677,14 +678,16 @@ def test_a_held_prefix_is_replicated_for_its_load_not_for_a_few_requests() -> No
     def placement(requests: int) -> tuple[str, ...]:
         placed = None
         for _ in range(requests):
-            nodes = [n0._self_info(0, c.now), *n0._peer_infos(chain, 3200, Policy.COST, c.now)]
-            placed = n0._placement(chain, req, nodes, c.now, observe=True)
+            parts = n0._parts
+            nodes = [parts.own.self_info(0, c.now),
+                     *parts.routing.peer_infos(chain, 3200, Policy.COST, c.now)]
+            placed = parts.placer.place(chain, req, nodes, c.now, observe=True)
             c.run_for(0.01)
         assert placed is not None
         return placed[0].owners
 
     few = 12  # in 0.12 s: 12 a window here, 36 across the mesh
-    cold = n0._self_info(0, c.now).speed.service_s(3200, 0, 1, cfg.context_scale)
+    cold = n0._parts.own.self_info(0, c.now).speed.service_s(3200, 0, 1, cfg.context_scale)
     assert few * 3 / cfg.replica_window_s * cold > cfg.replica_load  # hot if priced cold
     assert len(placement(few)) == 1
     # a flood whose requests never wait (its first owner's queue empty: one client sending
@@ -777,9 +780,9 @@ def test_peers_learn_when_a_node_last_measured_its_speed_not_when_it_adopted_one
     served_at = c.now
     c.run_for(1.5)
     assert n0.metrics()["speed_adopted"] == 1  # n0 measured nothing: adopted n1's
-    view_of_n0 = n1._gossip.estimates["n0"]
+    view_of_n0 = n1._parts.gossip.estimates["n0"]
     assert view_of_n0.speed is not None and view_of_n0.speed_measured_at is None
-    view_of_n1 = n0._gossip.estimates["n1"]
+    view_of_n1 = n0._parts.gossip.estimates["n1"]
     assert view_of_n1.speed_measured_at == pytest.approx(served_at, abs=0.05)
     c.deliver("n0", RequestServed(1000, 0, 5 * prior * 1000, 1, 0.0, 0.6))
     measured_at = c.now

@@ -12,7 +12,7 @@ from typing import Any
 
 from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.estimators import CostPriors
-from radixmesh.core.router import RouterConfig
+from radixmesh.core.router_config import RouterConfig
 from radixmesh.core.units import parse_choice
 
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from radixmesh.core.router import Candidate, NodeInfo, Placement
+from radixmesh.core.cost_model import Candidate, NodeInfo, Placement
 
 _T = TypeVar("_T")
 

@@ -118,6 +118,12 @@ class RequestArrived:
     max_tokens: int
     local_only: bool = False  # hop-limited: a forward from a peer, executed here, never routed
     target: str | None = None  # experiments: try this peer first (fallbacks still apply)
+    # False: its sampling is more than the forward protocol carries (penalties,
+    # log-probabilities): the core keeps it here
+    plain: bool = True
+    # samples 2..n of one prompt (``n > 1``): the node that serves its first sample; the core
+    # sends them there (they reuse its cached prompt), or keeps them here if that is this node
+    sample_of: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,6 +244,15 @@ class PeerStateChanged:
     new: str
 
 
+@dataclass(frozen=True, slots=True)
+class CoreFailed:
+    """The core raised on an event of that type (a bug): count it and log ``error`` (the
+    traceback). Only ``NodeCore.serve`` answers this way; ``handle`` raises."""
+
+    event: str
+    error: str
+
+
 # ---------------------------------------------------- actions of one request's lifecycle
 
 
@@ -305,4 +320,4 @@ class RejectRequest:
 
 RequestAction = Forward | ExecuteLocally | Abort | AcceptForward | RefuseForward | RejectRequest
 
-Action = Send | Log | PeerStateChanged | RequestAction
+Action = Send | Log | PeerStateChanged | CoreFailed | RequestAction

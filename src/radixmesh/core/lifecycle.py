@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from radixmesh.core.config import ForwardConfig
+from radixmesh.core.cost_model import Candidate
 from radixmesh.core.estimators import QueuedBlocks
 from radixmesh.core.events import (
     Abort,
@@ -69,7 +70,6 @@ from radixmesh.core.events import (
     RequestAction,
     RequestArrived,
 )
-from radixmesh.core.router import Candidate
 
 AddressOf = Callable[[str], str | None]  # peer id -> address (None: not a known member)
 

@@ -105,6 +105,11 @@ class Membership:
     def get(self, node_id: str) -> Member | None:
         return self._members.get(node_id)
 
+    def address_of(self, node_id: str) -> str | None:
+        """``node_id``'s address (None: not a known member)."""
+        member = self.get(node_id)
+        return None if member is None else member.address
+
     def count(self, state: MemberState) -> int:
         return sum(1 for m in self._members.values() if m.state is state)
 

@@ -20,7 +20,7 @@ it can route to — and sends cold requests there when that costs little now::
             most 4,096 in all), sorted
     owner = the first *available* member clockwise from the key (at most 8 steps) that is
             not busier than ``(1 + placement_load_bound)`` × the mean utilization of the
-            candidates (consistent hashing with bounded load; ``NodeCore._owners``); if
+            candidates (consistent hashing with bounded load; ``core/placer.py``); if
             every one is, the first available one
 
 Every node's ring holds the members it believes alive, so two nodes agree on the owner as long

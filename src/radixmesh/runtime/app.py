@@ -9,8 +9,10 @@ Client API   POST /v1/completions, POST /v1/chat/completions (stream or not), GE
              runtime/openai_api.py (FastAPI validates them; a failure is an OpenAI error with
              400, never FastAPI's 422) after ``BodyLimit`` read them (413 over the limit).
              A response's choices are one execution each (prompts x n), started through
-             the node's request path one after the other: a prompt's first sample routed on
-             its own, its other samples where it went (they reuse its cached prompt).
+             the node's request path one after the other; where each runs is the core's
+             decision (``RequestArrived.plain``, ``sample_of``: its other samples go where
+             the first went, reusing its cached prompt; sampling the forward protocol cannot
+             carry stays here).
              Stop strings are matched here, on the
              tokens as they arrive (also for a forwarded request, which then streams tokens
              even if the client asked for one JSON body): a match ends the request as done and
@@ -409,26 +411,25 @@ def _check_engine(service: NodeService, api: ApiRequest) -> None:
 
 async def _start(request: Request, service: NodeService, api: ApiRequest,
                  prompts: list[list[int]]) -> list[_Sample]:
-    """One execution per prompt and sample, each through the node's request path: a prompt's
-    first sample is routed on its own; its other samples go where it went, after it (they
-    reuse its cached prompt; the engine runs requests in order)."""
+    """One execution per prompt and sample, each through the node's request path, in order:
+    a prompt's first sample, then its others, reported with the node that serves the first
+    (the core sends them there: they reuse its cached prompt; the engine runs requests in
+    order)."""
     hop = request.headers.get(HEADER_HOP) is not None
     target = request.headers.get(HEADER_TARGET) or None
     tokens = api.stream or bool(api.stop)  # stop strings: tokens as they come, matched here
     samples: list[_Sample] = []
     try:
         for p, prompt in enumerate(prompts):
-            first_sp = _sampling(api, 0)
-            local_only = hop or not first_sp.plain  # the forward protocol carries plain only
-            ex = await service.execute(prompt, first_sp, tokens, local_only=local_only,
+            # where each runs is the core's (sampling the forward protocol cannot carry
+            # stays here; the other samples go where the first went: RequestArrived)
+            ex = await service.execute(prompt, _sampling(api, 0), tokens, local_only=hop,
                                        target=target)
             first = _Sample(p * api.n, prompt, ex)
             samples.append(first)
-            here = ex.served_by == service.node_id
             for j in range(1, api.n):
                 more = await service.execute(prompt, _sampling(api, j), tokens,
-                                             local_only=local_only or here,
-                                             target=None if here else ex.served_by)
+                                             local_only=hop, sample_of=ex.served_by)
                 samples.append(_Sample(p * api.n + j, prompt, more, first))
     except BaseException:
         await _abandon([s.ex for s in samples])

@@ -7,8 +7,9 @@ for its model name, so the engine must answer first): the command line is split 
 ``shlex`` (no shell), started in a new session (its own process group, so stopping it reaches
 the engine's own children too, e.g. vLLM's EngineCore) with ``PR_SET_PDEATHSIG`` = SIGTERM (a
 node killed with SIGKILL still takes the engine down with it), its output appended to a log
-file (by default, the node's own output); then ``GET <engine-url>/v1/models`` is polled until it answers 200. The engine exiting
-first, or the ready timeout, is a start-up error that carries the log's tail.
+file (by default, the node's own output); then ``GET <engine-url>/v1/models`` is polled until
+it answers 200. The engine exiting first, or the ready timeout, is a start-up error that
+carries the log's tail.
 
 Attached to the service (``service.attachments``), it is stopped with the node: SIGTERM to the
 process group, SIGKILL after ``stop_timeout_s``. ``/mesh`` shows ``engine_launch`` (pid,

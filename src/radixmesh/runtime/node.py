@@ -3,12 +3,13 @@
 Theory of operation
 -------------------
 The core decides, this module carries out. Everything that happens becomes an event handed
-to ``NodeCore.handle(event, now)`` (``now`` = ``time.monotonic()``), and every returned action
-is executed here::
+to ``NodeCore.serve(event, now)`` (``now`` = ``time.monotonic()``; ``serve`` is ``handle``
+that answers a core bug with ``CoreFailed`` instead of raising, counted and logged here, and
+never leaves a request without its next step), and every returned action is executed here::
 
     timer task ── Tick at next_deadline() ──┐
     POST /peer/gossip ── MessageReceived ───┤
-    engine finished ── RequestServed,       ├─▶ NodeCore.handle ─▶ Send ─▶ PeerClient (netem)
+    engine finished ── RequestServed,       ├─▶ NodeCore.serve ──▶ Send ─▶ PeerClient (netem)
        CacheChanged, LoadChanged ───────────┤                     Log, PeerStateChanged
     a request's life ── RequestArrived,     │                     Forward, ExecuteLocally,
        Forward*, RequestDone/Cancelled ─────┤                     Abort (runtime/execution)
@@ -18,7 +19,9 @@ A client request: tokens → block hashes → ``engine.match`` (exact, local) �
 the core answers ``Forward(peer)`` or ``ExecuteLocally``, and every outcome of a forward
 (busy, failed, accepted, done) goes back to the core, which says what to do next. Which peer
 next, how many peers, the route label and where an answer continues after a peer died
-mid-stream are the core's (``core/lifecycle.py``), shared with the simulator.
+mid-stream are the core's (``core/lifecycle.py``), shared with the simulator; so are
+keeping a request whose sampling the forward protocol cannot carry here and sending a
+prompt's later samples where its first went (``RequestArrived.plain``, ``sample_of``).
 
 Why one file over 400 lines: it is the whole asyncio interpreter — timer, gossip I/O, the
 carrying out of every request action and the peer side of forwards — kept together so that
@@ -46,6 +49,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
+from radixmesh.core.admission import token_cap
 from radixmesh.core.blocks import block_hashes
 from radixmesh.core.estimators import QueuedBlocks
 from radixmesh.core.events import (
@@ -53,6 +57,7 @@ from radixmesh.core.events import (
     AcceptForward,
     Action,
     CacheChanged,
+    CoreFailed,
     Event,
     ExecuteLocally,
     Forward,
@@ -86,7 +91,7 @@ from radixmesh.core.messages import (
     ForwardRequest,
     ForwardTokens,
 )
-from radixmesh.core.node import NodeCore, token_cap
+from radixmesh.core.node import NodeCore
 from radixmesh.engine.base import AsyncEngine, Engine, GenerateResult, SamplingParams
 from radixmesh.engine.worker import as_async_engine
 from radixmesh.runtime import metrics as prom
@@ -314,13 +319,9 @@ class NodeService:
     def dispatch(self, event: Event) -> list[RequestAction]:
         """Hand one event to the core and carry out its actions; returns those about one
         request (``Forward``, ``ExecuteLocally``, ``AcceptForward``, ``RefuseForward``) for the
-        caller that owns that request. Never raises."""
-        try:
-            actions = self.core.handle(event, self.clock())
-        except Exception:
-            self.metrics.core_errors += 1
-            log.exception("NodeCore.handle failed on %s", type(event).__name__)
-            return []
+        caller that owns that request. Never raises (``NodeCore.serve`` answers a core bug
+        with ``CoreFailed``, and a request's next step with it)."""
+        actions = self.core.serve(event, self.clock())
         mine: list[RequestAction] = []
         for action in actions:
             if isinstance(action, _OWNED):
@@ -336,6 +337,9 @@ class NodeService:
         elif isinstance(action, Log):
             level = logging.getLevelName(action.level.upper())
             log.log(level if isinstance(level, int) else logging.INFO, "%s", action.message)
+        elif isinstance(action, CoreFailed):
+            self.metrics.core_errors += 1
+            log.error("NodeCore.handle failed on %s:\n%s", action.event, action.error)
         elif isinstance(action, PeerStateChanged):
             self.metrics.peer_state_changes[action.new] += 1
             log.info("peer %s: %s -> %s", action.peer_id, action.old, action.new)
@@ -442,15 +446,18 @@ class NodeService:
         *,
         local_only: bool = False,
         target: str | None = None,
+        sample_of: str | None = None,
     ) -> Execution:
-        """Start one client request where the core says (``local_only``: hop-limited)."""
+        """Start one client request where the core says (``local_only``: hop-limited;
+        ``sample_of``: the node serving the first sample of the prompt this one samples)."""
         fp = self.engine.fingerprint
         ctx = RequestContext(next(self._rids), tuple(prompt),
                              tuple(block_hashes(prompt, fp.block_size, fp.digest)),
                              sampling, stream)
         local_cached = self._cached_here(ctx.prompt, ctx.hashes)
         event = RequestArrived(ctx.rid or 0, ctx.hashes, len(ctx.prompt), local_cached,
-                               sampling.max_tokens, local_only, target)
+                               sampling.max_tokens, local_only, target, sampling.plain,
+                               sample_of)
         ex = await self._start(ctx, self._one(self.dispatch(event), ctx))
         self.metrics.requests[ex.route] += 1
         return ex
@@ -464,15 +471,15 @@ class NodeService:
         return self.start_local(ctx, action)
 
     def _one(self, actions: list[RequestAction], ctx: RequestContext) -> Forward | ExecuteLocally:
-        """The core's next step for ``ctx`` (local if the core failed: never a lost request)."""
+        """The core's next step for ``ctx`` (``NodeCore.serve`` always gives one: run it
+        here when nothing else is decided, never a lost request)."""
         for action in actions:
             if isinstance(action, Forward | ExecuteLocally):
                 return action
             if isinstance(action, RejectRequest):
                 self.metrics.rejected += 1
                 raise Overloaded(action.retry_after_s)
-        log.error("no lifecycle action for request %s: running it locally", ctx.rid)
-        return ExecuteLocally(ctx.rid or 0, "fallback", 0)
+        raise RuntimeError(f"request {ctx.rid}: the core gave no next step")
 
     async def _offer(self, ctx: RequestContext, action: Forward
                      ) -> ForwardExecution | Forward | ExecuteLocally:

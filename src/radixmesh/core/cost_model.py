@@ -1,0 +1,249 @@
+"""The cost model: what the deciding node believes of each node, and what a request costs there.
+
+Theory of operation
+-------------------
+One :class:`NodeInfo` per node (self included) says what the deciding node *believes*: how
+many of the request's tokens it has cached, whether it is available, its forward round trip,
+its queue (exact for self, expected for a peer), speed and utilization. From those:
+
+* :func:`predict_service` — engine time (the uncached part prefilled, then decode);
+* :func:`predict_wait` — queue wait (each place priced by the queued tokens for self, else
+  at the mean service time);
+* :func:`predict_latency` — round trip (peers) + wait + service: what the request sees;
+* :func:`mesh_cost` — that, plus what the choice costs the requests queued behind it and
+  those arriving while it runs: what the cost policy ranks by;
+* bounded load — :func:`mean_utilization`, :func:`over_bound`, :func:`request_slack`;
+* :func:`robust_speeds` — speeds within a tolerance of the candidates' median count as the
+  median (noise must not pull cold traffic to whichever node looks fastest);
+* :func:`candidate` — a ranked :class:`Candidate` for one node, tagged (:class:`Tag`) with
+  what serving there does to the prefix's copies.
+
+All pure functions of their arguments; the policies (``core/router.py``,
+``core/cost_policy.py``) rank with them, admission (``core/admission.py``) checks a peer's
+forward with :func:`mesh_cost` too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from enum import StrEnum
+
+from radixmesh.core.estimators import SpeedReport, median_speed, prefill_times
+
+
+@dataclass(frozen=True, slots=True)
+class RouteInput:
+    prompt_tokens: int
+    max_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """What the deciding node believes about one node (itself included)."""
+
+    node_id: str
+    is_self: bool
+    cached_tokens: int  # estimated cached prefix of this request (exact for self)
+    rtt_s: float  # forward round-trip overhead; 0 for self
+    # requests waiting or running: exact for self; for a peer, what the deciding node expects
+    # it to be when the request arrives (its report, aged, plus our forwards since)
+    queue_depth: float
+    speed: SpeedReport
+    suspect: bool = False
+    pushed_back: bool = False
+    utilization: float = 0.0  # recent busy fraction in [0, 1], as the node itself measured it
+    # how far the deciding node's predictions of this node's queue wait have lately been off
+    # (``estimators.WaitError``: a peer's view is stale under bursty load); 0 for self
+    wait_error_s: float = 0.0
+    # what one place in its queue costs, from its queued requests' tokens (self only: its
+    # exact queue; ``SpeedReport.queued_service_s``); None: the speed's mean service time
+    queue_service_s: float | None = None
+
+    @property
+    def available(self) -> bool:
+        return self.is_self or not (self.suspect or self.pushed_back)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where the request's prefix should live (cost policy; see ``core/placement.py``)."""
+
+    owners: tuple[str, ...]  # its owner set, in ring order (may include self)
+    held_tokens: int  # a node whose cached prefix of the request is this long holds it
+    # what renting this prefix's copy elsewhere recently cost this node (the forwards' round
+    # trips and the waits they met beyond its own): when it reaches what a copy here costs
+    # more than a forward now, a copy is made here instead
+    rent_s: float = 0.0
+
+
+class Tag(StrEnum):
+    """What serving a request on a candidate does to its prefix's copies (cost policy)."""
+
+    HIT = "hit"  # the candidate holds the prefix
+    FIRST = "first"  # nobody holds it; the candidate is its owner: the one cold copy
+    REPLICA = "replica"  # others hold it; the candidate is an owner: a deliberate replica
+    SECOND_COPY = "second_copy"  # others hold it; not an owner: an accidental cold copy
+    UNPLACED = "unplaced"  # nobody holds it; not an owner (placement gave way to load)
+    # a peer holds it, this node does not; kept here because the round trips spent renting
+    # that copy reached what a copy here costs (``Placement.rent_s``): a deliberate replica
+    LOCAL_COPY = "local_copy"
+
+
+# the tags of copies made on purpose (hot-prefix replicas, rented copies bought), as opposed
+# to an accidental second copy
+DELIBERATE = frozenset({Tag.REPLICA, Tag.LOCAL_COPY})
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    node_id: str
+    is_self: bool
+    expected_cached_tokens: int
+    predicted_latency_s: float
+    # cost policy, peers only: the queue wait + service the peer must beat for the forward to
+    # pay (what staying here costs: see the module docstring). Sent with the forward; the peer,
+    # which knows its queue and cache exactly, refuses it if it cannot (``RefuseForward``).
+    beat_s: float | None = None
+    placement: Tag | None = None  # cost policy with a placement only
+    wait_s: float = 0.0  # the queue wait in ``predicted_latency_s`` (what a forward is checked
+    #                      against when the peer reports the wait it met: ``WaitError``)
+    # the placement key whose copy this forward rents (a hit there, not here, predicted faster
+    # than staying; first ranking only): the wait it meets there beyond this node's own is
+    # rent paid (``Placement.rent_s``)
+    rent_key: int | None = None
+    cost_s: float | None = None  # cost policy: its mesh cost (``mesh_cost``), what it ranks by
+
+
+def predict_service(req: RouteInput, node: NodeInfo, context_scale: float) -> float:
+    """The engine time the request would take on ``node`` (its uncached part prefilled)."""
+    cached = min(node.cached_tokens, max(0, req.prompt_tokens - 1))
+    uncached = req.prompt_tokens - cached
+    return node.speed.service_s(uncached, cached, req.max_tokens, context_scale)
+
+
+def predict_wait(node: NodeInfo) -> float:
+    """The queue wait a request meets on ``node``: its queue, each place priced by what the
+    queued requests will compute (else at the node's mean service time)."""
+    per = node.speed.mean_service_s if node.queue_service_s is None else node.queue_service_s
+    return node.queue_depth * per
+
+
+def predict_latency(req: RouteInput, node: NodeInfo, context_scale: float) -> float:
+    return _latency(node, predict_service(req, node, context_scale))
+
+
+def _latency(node: NodeInfo, service_s: float) -> float:
+    """Round trip (peers only) + queue wait + ``service_s``."""
+    rtt = 0.0 if node.is_self else node.rtt_s
+    return rtt + predict_wait(node) + service_s
+
+
+def mesh_cost(req: RouteInput, nodes: Sequence[NodeInfo], context_scale: float) -> list[float]:
+    """What sending the request to each node costs the mesh, not only the request: its predicted
+    latency, plus the wait its service adds to the requests that will queue behind it there. A
+    node's queue now is the sample of that (``queue_depth``: exact for this node, expected for a
+    peer; in an M/M/1 queue the mean number behind a request is the mean number ahead of it), so
+    each node's service is counted once more per request queued there. Nothing is queued when
+    requests come one at a time (then, at an idle node, this *is* the predicted latency). Under
+    load the queue-wait differences a node sees are a gossip round old, while the work a miss
+    adds is paid by everyone after it: the selfish latency alone gave away cache hits as soon as
+    queues formed (4-16 clients: `cost` hit rates near `none`'s, below the centralized
+    gateways'). And a node with an empty queue computes a miss for free where a holder's queue
+    makes everyone behind the forward wait: pricing every candidate's extra work by this node's
+    queue alone (an earlier design) kept a node lacking the agentic system prompt forwarding its
+    requests to busy holders while its engine idled (1.11x `none` on the real cluster at 80 %
+    load, round-robin entry).
+
+    That term stands for the requests arriving while this one waits, each of which waits for
+    all of its service; those arriving while it is served wait for what is left of it, half
+    on average, and a node's queue now does not show them (it is often empty at a busy
+    node): a node serving ``utilization / mean_service_s`` requests per second (its
+    utilization as gossiped: everyone's traffic there, not only this node's forwards) sees
+    that rate × the service arrive meanwhile, so the service counts once more × that rate ×
+    half of it: quadratic in the service. A hit of a few ms at a hot prefix's busy holder
+    costs its stream next to nothing; a long prompt there holds up all of it (on the real
+    cluster at 80 % load a 3,014-token request sent to the holder of the hot prefix queued
+    the requests behind it 4-5 s), and a cold copy at a busy node likewise. With it the
+    simulator's workload matrix cached 0.1-2.1 points more of the prompt tokens on the
+    agentic, chat and RAG rows under load, and on one shared core its `cost`/`none` went
+    0.730 -> 0.714 (geometric mean; docs/benchmarks.md "Router" -> "What a long request costs
+    those arriving behind it")."""
+    out = []
+    for n in nodes:
+        service = predict_service(req, n, context_scale)
+        mean = n.speed.mean_service_s
+        arrivals = n.utilization / mean if mean > 0.0 else 0.0  # requests/s it serves
+        out.append(_latency(n, service) + service * n.queue_depth
+                   + arrivals * service * service / 2.0)
+    return out
+
+
+def mean_utilization(nodes: Sequence[NodeInfo]) -> float:
+    """The mean of the nodes' utilizations (0 for none): what bounded load compares to."""
+    return sum(n.utilization for n in nodes) / len(nodes) if nodes else 0.0
+
+
+def over_bound(node: NodeInfo, mean: float, bound: float | None, slack: float = 0.0) -> bool:
+    """Whether ``node`` is busier than ``(1 + bound)`` × the ``mean`` utilization plus
+    ``slack`` (bounded load; None: never)."""
+    if bound is None or mean <= 0.0:
+        return False
+    return node.utilization > (1.0 + bound) * mean + slack
+
+
+def request_slack(node: NodeInfo, window_s: float) -> float:
+    """One request's worth of ``node``'s busy time over the utilization's window: the slack
+    a *forward* bound needs, since with light traffic (a single node active) the mean is
+    tiny and a node must still be able to take the next request. Placement takes none: it
+    only names who makes a copy not yet made, and at low load the slack is as large as the
+    differences it must see (one request in a 10 s window against utilizations near 1/16)."""
+    return node.speed.mean_service_s / window_s
+
+
+def robust_speeds(avail: list[NodeInfo], tol: float | None) -> list[NodeInfo]:
+    """Speeds within ``tol`` (``speed_tolerance``) of the candidates' median are the median:
+    only a difference larger than measurement noise (another GPU, a throttled node) counts."""
+    if tol is None or len(avail) < 2:
+        return avail
+    median = median_speed([n.speed for n in avail])
+    return [replace(n, speed=_snapped(n.speed, median, tol)) for n in avail]
+
+
+def _snapped(speed: SpeedReport, median: SpeedReport, tol: float) -> SpeedReport:
+    """``speed`` with its prefill line replaced by the median's if its times at both reference
+    sizes are within ``tol`` of the median's, and likewise its decode rate. The hardware's
+    speed only: not ``mean_service_s``, which follows the node's own mix of cached and cold
+    requests (it prices that node's queue) and really differs between nodes. The prefill is
+    compared as a whole: overhead and rate are fitted together, and nodes that agree on the
+    prefills they served may split them differently."""
+    mine, mid = prefill_times(speed), prefill_times(median)
+    if all(m / tol <= t <= m * tol for t, m in zip(mine, mid, strict=True)):
+        speed = replace(speed, prefill_overhead_s=median.prefill_overhead_s,
+                        prefill_s_per_token=median.prefill_s_per_token)
+    decode, mid_decode = speed.decode_s_per_token, median.decode_s_per_token
+    if mid_decode / tol <= decode <= mid_decode * tol:
+        speed = replace(speed, decode_s_per_token=mid_decode)
+    return speed
+
+
+def candidate(
+    req: RouteInput,
+    node: NodeInfo,
+    context_scale: float,
+    beat_s: float | None = None,
+    placement: Tag | None = None,
+    cost_s: float | None = None,
+) -> Candidate:
+    """``node`` as a ranked candidate for the request (its predictions filled in)."""
+    expected = min(node.cached_tokens, req.prompt_tokens)
+    return Candidate(
+        node_id=node.node_id,
+        is_self=node.is_self,
+        expected_cached_tokens=expected,
+        predicted_latency_s=predict_latency(req, node, context_scale),
+        beat_s=beat_s,
+        placement=placement,
+        wait_s=predict_wait(node),
+        cost_s=cost_s,
+    )

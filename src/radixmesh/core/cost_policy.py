@@ -1,0 +1,376 @@
+"""The ``cost`` routing policy: rank by what each choice costs the mesh, keep prefixes placed.
+
+Theory of operation
+-------------------
+Argmin predicted latency = rtt + queue wait + prefill(uncached) + decode,
+plus, under load, what the choice costs the requests queued behind it
+and those that will arrive while it runs (:func:`mesh_cost`: the
+candidate's service once more for each request queued there, and half
+of it for each one expected to arrive during it, at the rate the
+candidate serves requests). A peer must
+beat self by ``min_gain_s`` and ``min_gain_frac`` of the local work
+(hysteresis against noisy speed estimates). Equal
+predictions keep self first, and ties among peers are broken by load,
+then at random — never "the first peer".
+*Bounded load*: a peer whose gossiped utilization exceeds
+``(1 + load_bound)`` × the mean utilization of the available nodes
+(default 1.5×) takes no forwards (it stays in the fallback order).
+Affinity alone makes the first node to cache a popular prefix a
+hotspot even when queues are empty (one client, the paper's schedule);
+with the bound, the overflow is served where it enters, that node caches
+the prefix too, and hot prefixes end up replicated on as many nodes as
+their traffic needs. The bound yields to a peer with room: one over
+it that has room (utilization < 0.5, or no queue expected when the
+request arrives) and is predicted to answer fastest still gets the
+request — where nothing queues, balancing buys no time and must not
+throw away hits (``load_bound_bypass`` can ask for a larger saving).
+*Placement and replicas* (``core/placement.py``): each request's prefix
+has an *owner set* on a consistent-hashing ring of the routable members
+— one owner for a cold or lukewarm prefix, as many as its measured load
+needs for a hot one. The preferred candidates are the owners and the
+nodes that hold the prefix; the best of them (near-equal ones picked at
+random, self first: two entry nodes with the same stale view do not
+pick the same peer) wins when it is predicted at most
+``placement_slack`` (75 %) slower than the best choice now (an
+owner making the first copy: 75 % of that copy's work slower), if
+that choice would copy the prefix or holds less of the request (by
+more than the hysteresis is worth). A member busier than
+``(1 + placement_load_bound)`` × the mean utilization (1.15×, tighter
+than ``load_bound``) is passed over on the ring, self included:
+it keeps the prefixes it holds, and new ones go to the next member
+clockwise (consistent hashing with bounded load; the ring's arcs and
+the prefixes' popularity are uneven: on the real cluster one node of
+four owned 30 % of the ring and served 40 % of MMLU's requests). A peer is
+preferred only if a later request entering elsewhere would gain at
+least a round trip by using its copy (else nobody would be forwarded
+to it: over a slow link every node keeping its own copy wins). So every
+entry node sends a new prefix to the same node (no second cold copy),
+new prefixes spread over all nodes, and a hot prefix's overflow goes to
+the next owner on the ring — a deliberate replica — instead of a cold
+copy wherever it entered. Each candidate is tagged (``placement``: hit,
+first copy, deliberate replica, second copy, unplaced, local copy) so
+the node can count what its decisions cost.
+*Ski rental*: a forward to a holder rents its copy for one round trip,
+plus the queue wait it met there beyond the one this node predicted for
+itself (signed: a holder no busier than this node costs nothing on
+average; the rent never goes below 0); a copy here costs, once, what
+staying costs more than forwarding now (never less than the extra
+service it makes here, less that round trip; a forward the slack chose,
+slower than staying, is no rental). The node sums that rent per prefix
+(``rent_s``) and keeps the request here (tag ``local_copy``) once it
+reaches the price: after ~75 forwards of a prefix to an idle holder over
+a 4 ms link, at the first or second over a 400 ms one, after a few to a
+holder where each waits 0.1 s.
+*Its own queue, by its tokens*: the deciding node knows what its queued
+requests will compute (their uncached tokens, ``LoadChanged``), so each
+place in its own queue is priced at that (``NodeInfo.queue_service_s``),
+here and in the refusal check; at depth × mean service a queue of cold
+prefills behind mostly warm traffic looked half as long as it was. A
+peer's queue stays at its mean service: gossiping the price was tried,
+and a report prices a queue that is gone when the forward lands.
+*Stale queues*: per peer, the node learns how far its predictions of the
+peer's queue wait were off, from the waits its forwards met there
+(``wait_error_s``); a forward must save more than that too.
+*Robust speeds*: learnt speeds within ``speed_tolerance`` (1.5×) of the
+candidates' median (a prefill line judged by its times at a warm step's
+and a cold prompt's size) count as the median, so that estimation noise on a
+shared machine cannot send cold requests to whichever node looks fastest
+(positive feedback: that node caches the new prefix, the others never do).
+A speed far off the median for lack of recent requests is not noise
+the tolerance can absorb: the node restarts it (``OwnLoad.refresh_stale_speed``).
+
+Because a peer's prediction includes its forward RTT, ``cost`` forwards only when the predicted
+saving exceeds the forward cost: on a slow network it degenerates to ``none``. Its peer
+candidates carry ``beat_s``: the peer checks it against its exact queue and cache and refuses
+the forward when it cannot beat it, so a view of the peer's queue that is a gossip round old
+costs one round trip, not a long wait in a queue that many nodes chose at once. Such a
+refusal says the peer's queue wait, which the sender takes as a fresh report of that queue;
+it does not back off from the peer (it is not busy as such, and a holder that refused a
+cold request must stay a candidate for the hits it holds). ``beat_s`` is
+what staying costs (the local prediction, plus the local miss's extra work × the local queue
+under load; × ``1 + placement_slack`` for a preferred holder, + ``placement_slack`` × the
+copy's work for an owner making the first copy), *not* minus the RTT: when
+the forward arrives, its way out is spent, and the way back is paid whether the peer answers
+the request or refuses it — so the peer should take it whenever its wait + service beats what
+the sender would do instead. (Subtracting the RTT refused forwards
+that still paid: at 16–1,024 simulated nodes 0.4–0.5 refusals per request.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from random import Random  # the type only: instances are passed in, never the global one
+
+from radixmesh.core.cost_model import (
+    Candidate,
+    NodeInfo,
+    Placement,
+    RouteInput,
+    Tag,
+    candidate,
+    mean_utilization,
+    mesh_cost,
+    over_bound,
+    predict_service,
+    predict_wait,
+    request_slack,
+)
+from radixmesh.core.router_config import RouterConfig
+
+# a candidate as the cost policy sorts them: (mesh cost, queue depth, tie-break, node)
+_Keyed = tuple[float, float, float, NodeInfo]
+
+
+class CostPolicy:
+    """The cost policy's ranking (stateless: its configuration only)."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+
+    def rank(
+        self,
+        req: RouteInput,
+        nodes: Sequence[NodeInfo],
+        avail: list[NodeInfo],
+        rng: Random,
+        placement: Placement | None,
+    ) -> list[Candidate]:
+        """The cost policy: each candidate's mesh cost and whether it is preferred for the
+        prefix are computed once, for the choice and for the ``beat_s`` each forward carries."""
+        me = next(n for n in avail if n.is_self)
+        costs = mesh_cost(req, avail, self.config.context_scale)
+        cost_of = {n.node_id: c for n, c in zip(avail, costs, strict=True)}
+        local = cost_of[me.node_id]
+        preferred = set() if placement is None else {
+            n.node_id for n in avail if self._preferred(req, n, me, placement)
+        }
+        order, bought = self._by_cost(req, avail, costs, rng, placement, preferred)
+        if placement is None:
+            return [candidate(req, n, self.config.context_scale, None if n.is_self else local,
+                                    cost_s=cost_of[n.node_id]) for n in order]
+        owners = set(placement.owners)
+        held = placement.held_tokens
+        anyone = any(n.cached_tokens >= held for n in nodes)
+        out = []
+        for n in order:
+            if n.is_self:
+                beat = None
+            elif n.node_id not in preferred:
+                beat = local
+            else:
+                beat = self._preferred_limit(req, local, me, n.cached_tokens >= held)
+            tag = Tag.LOCAL_COPY if n.is_self and bought else _tag(n, owners, held, anyone)
+            out.append(candidate(req, n, self.config.context_scale, beat, tag, cost_of[n.node_id]))
+        return out
+
+    def _by_cost(
+        self,
+        req: RouteInput,
+        avail: list[NodeInfo],
+        costs: list[float],
+        rng: Random,
+        placement: Placement | None,
+        preferred: set[str],
+    ) -> tuple[list[NodeInfo], bool]:
+        """The candidates, best first (``costs``: their mesh costs), and whether staying here
+        is a bought copy (rent); ``preferred``: the owners and holders worth a round trip."""
+        me = next(n for n in avail if n.is_self)
+        keyed = [(c, n.queue_depth, rng.random(), n) for c, n in zip(costs, avail, strict=True)]
+        keyed.sort(key=lambda k: (k[0], not k[3].is_self, k[1], k[2]))
+        order = [k[3] for k in keyed]
+        overloaded = self._over_bound(avail)
+        mine = next(k for k in keyed if k[3].is_self)
+        best = next((k for k in keyed if k[3].node_id not in overloaded), mine)
+        if self._bypasses_bound(keyed[0], best):
+            best = keyed[0]  # a large certain saving (a long cached prefix) beats balancing
+        # Hysteresis against noisy *speed* estimates: a share of the local work, not of the
+        # local queue wait (under load 10 % of the wait exceeded any cache saving); and
+        # against stale *queue* views: what predictions of the peer's wait are lately off by.
+        if mine[0] - best[0] < self._needed(mine[0] - predict_wait(me)) + best[3].wait_error_s:
+            best = mine
+        bought = False
+        if placement is not None:
+            held = placement.held_tokens
+            best = self._placed(req, keyed, best, preferred, overloaded, rng, held)
+            if self._buys_copy(req, mine, best, placement):
+                best, bought = mine, True
+        return [best[3], *(n for n in order if n is not best[3])], bought
+
+    def _buys_copy(self, req: RouteInput, mine: _Keyed, best: _Keyed, placement: Placement) -> bool:
+        """Ski rental: a forward to a holder rents its copy for one round trip; a copy here
+        costs, once, what staying costs more than the forward now. Rent until the round
+        trips spent on this prefix reach that price, then buy. Over a 4 ms link against
+        a 0.3 s prefill that takes ~75 forwards of one prefix from this node (a hot one
+        is then copied here too); over a 400 ms one, where every node keeping its own
+        copy is what wins, the first or second request buys.
+        (A forward the placement slack chose, slower now than staying, is not a rental:
+        it avoids a second copy while gossip is a round behind.)
+        The price is never below the extra service the copy makes this node compute,
+        less the round trip it saves now: a holder that is busy for the moment makes
+        the forward slow, not the copy cheap (under load, copies bought while holders
+        were busy cost 6-9 points of hit rate and no latency in the simulator)."""
+        me, there = mine[3], best[3]
+        gain = mine[0] - best[0]
+        scale = self.config.context_scale
+        extra_service = predict_service(req, me, scale) - predict_service(req, there, scale)
+        price = max(gain, extra_service - there.rtt_s)
+        held = placement.held_tokens
+        renting = there.cached_tokens >= held > me.cached_tokens  # a hit there, not here
+        return renting and gain > 0.0 and price <= placement.rent_s + there.rtt_s
+
+    def _placed(
+        self,
+        req: RouteInput,
+        keyed: list[_Keyed],
+        best: _Keyed,
+        preferred: set[str],
+        overloaded: set[str],
+        rng: Random,
+        held: int,
+    ) -> _Keyed:
+        """The best preferred candidate (an owner, or a node holding the prefix) if it costs
+        at most ``placement_slack`` more than ``best`` now; near-equal ones are picked at
+        random, self first (entry nodes sharing a stale view must not all pick one peer).
+        The slack avoids a copy: where ``best`` holds the prefix (``held`` tokens) already,
+        only a candidate holding more of the request than ``best``, by more than the
+        hysteresis is worth, has one to avoid (a conversation whose newer turns a peer holds
+        must not stay on the node that holds its first ones: the chat workload re-prefilled
+        its history on the stale holder). Candidates over the load bound are not preferred."""
+        cfg = self.config
+        copies = best[3].cached_tokens < held  # serving at ``best`` copies the prefix
+        pref = [
+            k for k in keyed
+            if k[3].node_id in preferred and k[3].node_id not in overloaded
+            and (k is best or copies or self._holds_more(req, k[3], best[3]))
+        ]
+        if not pref:
+            return best
+        low = pref[0][0]  # keyed is sorted by prediction
+        if low > self._preferred_limit(req, best[0], best[3], pref[0][3].cached_tokens >= held):
+            return best  # every preferred node is busy or slow now: the fastest choice wins
+        near = [k for k in pref if k[0] <= low + max(cfg.min_gain_s, cfg.near_tie * low)]
+        if best in near:
+            return best
+        pick = next((k for k in near if k[3].is_self), None) or near[rng.randrange(len(near))]
+        return self._holder_instead(pick, keyed, preferred, overloaded, held)
+
+    def _preferred_limit(
+        self, req: RouteInput, cost: float, alternative: NodeInfo, holder: bool
+    ) -> float:
+        """The most a preferred candidate may cost when ``alternative`` (the best choice now,
+        predicted at ``cost``) is what it is preferred to: a holder, ``placement_slack`` more
+        than all of ``cost``; an owner that would make the prefix's first copy (as would
+        ``alternative``), that share of the copy's work only. Under load ``cost`` is mostly
+        queue, and a slack on all of it let an owner's queue grow to 1.75x the others' for
+        one copy (the real cluster with 16 clients: new subjects piled onto one owner,
+        22-27 s each). Holders keep it: in the simulator (MMLU, 16 clients) the narrower
+        slack for them too cost 1.8 points of hit rate and 4.5 % on the mean."""
+        slack = self.config.placement_slack
+        if holder:
+            return cost * (1.0 + slack)
+        return cost + slack * predict_service(req, alternative, self.config.context_scale)
+
+    @staticmethod
+    def _holder_instead(
+        pick: _Keyed,
+        keyed: list[_Keyed],
+        preferred: set[str],
+        overloaded: set[str],
+        held: int,
+    ) -> _Keyed:
+        """A peer the placement picked to make a copy gives way to a holder of the prefix
+        predicted no slower now (the cheapest, within the load bound): the forward is made
+        either way, and the holder needs no copy. (A holder that saves this node less than
+        the hysteresis is not preferred for itself, so a chat conversation's second turn went
+        to the owner of its key, which re-prefilled the first turn that the node it ran on
+        held: 8 of 100 one-client requests, 811 tokens.) The holder carries the placement's
+        ``beat_s`` (it joins ``preferred``)."""
+        if pick[3].is_self or pick[3].cached_tokens >= held:
+            return pick
+        for k in keyed:  # sorted by prediction: the first one found is the cheapest
+            if k[0] > pick[0]:
+                break
+            if k[3].cached_tokens >= held and k[3].node_id not in overloaded:
+                preferred.add(k[3].node_id)
+                return k
+        return pick
+
+    def _holds_more(self, req: RouteInput, node: NodeInfo, than: NodeInfo) -> bool:
+        """Whether ``node`` holds more of the request than ``than`` by more than the
+        hysteresis: what its longer cached prefix would save on ``than``'s speed."""
+        if node.cached_tokens <= than.cached_tokens:
+            return False
+        scale = self.config.context_scale
+        there = predict_service(req, than, scale)
+        saved = there - predict_service(req, replace(than, cached_tokens=node.cached_tokens), scale)
+        return saved >= self._needed(there)
+
+    def _needed(self, work_s: float) -> float:
+        """The least a forward must save over staying, for local work ``work_s``."""
+        return max(self.config.min_gain_s, self.config.min_gain_frac * work_s)
+
+    def _preferred(
+        self, req: RouteInput, node: NodeInfo, me: NodeInfo, placement: Placement
+    ) -> bool:
+        """Whether ``node`` is preferred for the request's prefix: an owner or a holder, and,
+        for a peer, one whose copy is worth a round trip. A copy there saves a later request
+        entering elsewhere (here, say) the prefill of what it holds beyond this node's cache
+        (a holder: its cached prefix; an owner: at most this whole prompt). Less the round
+        trip and the queue error, that gain must be at least the hysteresis and at least one
+        more round trip: else later requests would rent it briefly or not at all (ski
+        rental), so concentrating the prefix there buys little.
+        (At 1 s one way the slack sent cold 3,000-token prompts across a 2 s round trip; at
+        200 ms it sent MMLU requests to holders of a 1,500-token prefix it took 0.3 s to
+        prefill; with a long prompt every node holds, agentic steps to their scratchpad's
+        holder for a few hundred tokens.)"""
+        holds = node.cached_tokens >= placement.held_tokens
+        if not holds and node.node_id not in placement.owners:
+            return False
+        if node.is_self:
+            return True
+        scale = self.config.context_scale
+        copy = node.cached_tokens if holds else req.prompt_tokens
+        here = predict_service(req, replace(node, cached_tokens=me.cached_tokens), scale)
+        there = predict_service(req, replace(node, cached_tokens=copy), scale)
+        net = here - there - node.rtt_s - node.wait_error_s  # what a later forward gains
+        return net >= max(self._needed(here), node.rtt_s)
+
+    def _bypasses_bound(
+        self, top: _Keyed, best: _Keyed
+    ) -> bool:
+        """Whether the fastest candidate, over the load bound, gets the request anyway: it has
+        room (utilization under ``load_bound_floor``, or less than one request expected in
+        its queue when this one arrives) and saves at least ``load_bound_bypass`` of the
+        time. Utilization is a 10 s average: a holder that made a few long cold prefills
+        lately is over the floor while idle now, and one client's requests never queue
+        behind each other. On gpu-70b with one client (simulator panel, "g70 seq 2ms") the
+        floor alone made 8 of 500 requests cold `replica` copies next to an idle holder
+        (1.3 s instead of 0.2 s each); with the queue as well, 2 (mean 0.95x, p99 0.71x).
+        The saving asked was half the time until an agent's step whose scratchpad its
+        holder had (a few hundred tokens of 1,600) counted as small: with one client the
+        bound kept steps off the holder of their previous one, each re-prefilling its
+        scratchpad next to an idle holder (simulator, fitted speeds: 90.1 % of the prompt
+        tokens cached against the gateway's 91.8 %; 91.1-91.8 % asking no saving)."""
+        cfg = self.config
+        room = top[3].utilization < cfg.load_bound_floor or top[3].queue_depth < 1.0
+        return room and top[0] < (1.0 - cfg.load_bound_bypass) * best[0]
+
+    def _over_bound(self, avail: list[NodeInfo]) -> set[str]:
+        """Peers whose utilization exceeds ``(1 + load_bound)`` × the mean (bounded load)."""
+        if len(avail) < 2:
+            return set()
+        mean = mean_utilization(avail)
+        bound, window = self.config.load_bound, self.config.load_window_s
+        return {
+            n.node_id for n in avail
+            if not n.is_self and over_bound(n, mean, bound, request_slack(n, window))
+        }
+
+
+def _tag(node: NodeInfo, owners: set[str], held: int, anyone: bool) -> Tag:
+    if node.cached_tokens >= held:
+        return Tag.HIT
+    if node.node_id in owners:
+        return Tag.REPLICA if anyone else Tag.FIRST
+    return Tag.SECOND_COPY if anyone else Tag.UNPLACED

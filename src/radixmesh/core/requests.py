@@ -1,0 +1,166 @@
+"""The events of a request that entered this node, and what the rest of the node learns.
+
+Theory of operation
+-------------------
+:class:`~radixmesh.core.lifecycle.Lifecycle` decides a request's tries (which peer next, when
+to stop trying peers, the route label, continuing locally after a peer died mid-stream);
+:class:`RequestFlow` feeds it and tells the node's other parts what each event shows::
+
+    RequestArrived    admission (full? serve while leaving?) + routing -> Lifecycle.start
+    ForwardAccepted   the try streams (placement counted)
+    ForwardRefused    back off from the peer for its retry-after; its queue wait is a fresh
+                      report (PeerLoads); ranked again from the current view -> next try
+    ForwardFailed     suspect the peer (gossip's failure detector); ranked again -> next try
+                      (or, once accepted, continue here after the tokens already sent)
+    RequestDone       an RTT sample, the peer now holds the prefix (optimistic view insert),
+                      the wait met against the wait predicted (WaitError), rent paid
+    RequestCancelled  abort the current try
+
+A server must keep running through a bug in the core, and never lose a request it holds:
+``NodeCore.serve`` (the runtime's entry; the simulator and tests call ``handle``, which
+raises) answers a part that raised with ``CoreFailed`` (:meth:`RequestFlow.after_error`),
+and makes sure an event whose shell awaits the request's next step gets one
+(:meth:`RequestFlow.next_step`): run it here as ``fallback`` when the core gave none (a
+stale refusal or failure, or the core failed on it), and serve a peer's forward the core
+failed on (the sender chose this node; a refusal would need a reason).
+"""
+
+from __future__ import annotations
+
+import traceback
+
+from radixmesh.core.admission import AdmissionControl
+from radixmesh.core.cost_model import Candidate
+from radixmesh.core.estimate import bump
+from radixmesh.core.estimators import RttTable
+from radixmesh.core.events import (
+    AcceptForward,
+    Action,
+    CoreFailed,
+    Event,
+    ExecuteLocally,
+    Forward,
+    ForwardAccepted,
+    ForwardArrived,
+    ForwardFailed,
+    ForwardRefused,
+    Log,
+    RefuseForward,
+    RejectRequest,
+    RequestArrived,
+    RequestCancelled,
+    RequestDone,
+)
+from radixmesh.core.gossip import Gossiper
+from radixmesh.core.lifecycle import Flight, Lifecycle, Stage
+from radixmesh.core.peer_loads import PeerLoads
+from radixmesh.core.peerview import PeerView
+from radixmesh.core.placer import Placer
+from radixmesh.core.routing import Routing
+
+
+class RequestFlow:
+    """Applies the request events of the entry node (see the module docstring)."""
+
+    def __init__(self, lifecycle: Lifecycle, routing: Routing, admission: AdmissionControl,
+                 peers: PeerLoads, placer: Placer, gossip: Gossiper, view: PeerView,
+                 rtt: RttTable, metrics: dict[str, float]) -> None:
+        self._lifecycle, self._routing, self._admission = lifecycle, routing, admission
+        self._peers, self._placer, self._gossip = peers, placer, gossip
+        self._view, self._rtt = view, rtt
+        self._metrics = metrics
+
+    def arrived(self, event: RequestArrived, now: float) -> list[Action]:
+        full = self._admission.full_for(event.prompt_tokens, event.max_tokens)
+        candidates = self._routing.candidates(event, now)
+        last_resort = self._admission.leaving and self._admission.serves_while_leaving(
+            event, candidates, now)
+        return list(self._lifecycle.start(event, candidates, full, last_resort))
+
+    def accepted(self, event: ForwardAccepted, _: float) -> list[Action]:
+        if self._lifecycle.is_current(event.rid, event.peer_id, "accepted"):
+            self._lifecycle.accepted(event.rid)
+        return []
+
+    def refused(self, event: ForwardRefused, now: float) -> list[Action]:
+        if not self._lifecycle.is_current(event.rid, event.peer_id, "refused"):
+            return []
+        bump(self._metrics, "forwards_refused")
+        self._gossip.refused_forward(event.peer_id, event.retry_after_s, now)
+        if event.queue_s is not None:
+            self._peers.queue_reported(event.peer_id, event.queue_s, now)
+        return list(self._lifecycle.refused(event.rid, self._ranked_again(event.rid, now)))
+
+    def failed(self, event: ForwardFailed, now: float) -> list[Action]:
+        if not self._lifecycle.is_current(event.rid, event.peer_id, "failed"):
+            return []
+        bump(self._metrics, "forwards_failed")
+        actions = self._gossip.forward_failed(event.peer_id, now)
+        fresh = self._ranked_again(event.rid, now)
+        actions.extend(self._lifecycle.failed(event.rid, event.tokens_so_far, fresh))
+        return actions
+
+    def _ranked_again(self, rid: int, now: float) -> list[Candidate] | None:
+        """The request ranked from the current view (after a refusal or a failure)."""
+        flight = self._lifecycle.get(rid)
+        if flight is None or flight.stage is Stage.STREAMING:
+            return None  # (accepted: the answer continues here whatever the view says)
+        self._lifecycle.release(rid)  # its try there no longer holds the prompt's blocks
+        return self._routing.candidates(flight.arrived, now)
+
+    def done(self, event: RequestDone, now: float) -> list[Action]:
+        flight = self._lifecycle.get(event.rid)
+        peer = None if flight is None else flight.peer
+        if not self._lifecycle.is_current(event.rid, peer, "done"):
+            return []
+        flight = self._lifecycle.done(event.rid, event.error)
+        if flight.peer is None or event.error is not None:
+            return []
+        if event.forward_rtt_s is not None:
+            self._forward_ok(flight.peer, flight.arrived.hashes, event.forward_rtt_s)
+        if event.forward_queue_s is not None:
+            self._waited(flight, event.forward_queue_s, now)
+        return []
+
+    def _waited(self, flight: Flight, waited: float, now: float) -> None:
+        """The forward met a queue wait ``waited`` at its peer: the prediction's error, and
+        for a rental, rent paid."""
+        choice = flight.choice
+        if choice is None or flight.peer is None or choice.node_id != flight.peer:
+            return
+        if self._peers.believable_wait(waited):
+            self._peers.wait_met(flight.peer, waited - choice.wait_s, now)
+            if choice.rent_key is not None:
+                self._placer.rent_waited(choice.rent_key, waited, flight.candidates, now)
+
+    def _forward_ok(self, peer: str, hashes: tuple[int, ...], rtt_s: float) -> None:
+        """A peer answered a forward: an RTT sample, and it now holds the request's prefix."""
+        bump(self._metrics, "forwards_succeeded")
+        self._rtt.observe(peer, rtt_s)
+        est = self._gossip.estimates.get(peer)
+        if est is not None and est.version is not None and hashes:
+            self._view.optimistic_insert(peer, hashes)
+
+    def cancelled(self, event: RequestCancelled, _: float) -> list[Action]:
+        return list(self._lifecycle.cancel(event.rid))
+
+    # --------------------------------------------------------------- the server's guard
+    def after_error(self, event: Event, exc: Exception) -> list[Action]:
+        """The core raised on ``event`` (a bug): say so, and still answer the request."""
+        error = "".join(traceback.format_exception(exc))
+        return self.next_step(event, [CoreFailed(type(event).__name__, error)])
+
+    def next_step(self, event: Event, actions: list[Action]) -> list[Action]:
+        """``actions``, plus the next step of the request ``event`` is about when its shell
+        awaits one and the core gave none: run it here (never a lost request); a peer's
+        forward is served."""
+        if isinstance(event, ForwardArrived):
+            if not any(isinstance(a, AcceptForward | RefuseForward) for a in actions):
+                return [*actions, AcceptForward(event.rid)]
+            return actions
+        if not isinstance(event, RequestArrived | ForwardRefused | ForwardFailed):
+            return actions
+        if any(isinstance(a, Forward | ExecuteLocally | RejectRequest) for a in actions):
+            return actions
+        log = Log("error", f"no lifecycle action for request {event.rid}: running it locally")
+        return [*actions, log, ExecuteLocally(event.rid, "fallback", 0)]
