@@ -24,7 +24,7 @@ from radixmesh.results.records import Record
 WINDOW, STRIDE = 300, 30
 COLORS = {"none": "tab:gray", "paper": "tab:orange", "cost": "tab:blue", "oracle": "tab:green",
           "sglang": "tab:red", "random": "tab:purple", "round_robin": "tab:brown",
-          "least_loaded": "tab:pink"}  # fmt: skip
+          "least_loaded": "tab:pink", "llmd": "tab:olive", "smg": "tab:cyan"}  # fmt: skip
 DELAYS_MS = (2.0, 200.0, 1000.0)
 
 

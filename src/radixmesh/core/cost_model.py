@@ -59,6 +59,7 @@ class NodeInfo:
     # what one place in its queue costs, from its queued requests' tokens (self only: its
     # exact queue; ``SpeedReport.queued_service_s``); None: the speed's mean service time
     queue_service_s: float | None = None
+    kv_usage: float = 0.0  # its KV cache's fill in [0, 1] as last reported (cache / budget)
 
     @property
     def available(self) -> bool:

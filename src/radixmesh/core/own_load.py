@@ -154,6 +154,7 @@ class OwnLoad:
             speed,
             utilization=self._busy.value(now),
             queue_service_s=per_place,
+            kv_usage=ev.cache_tokens / ev.cache_budget if ev.cache_budget > 0 else 0.0,
         )
 
     def refresh_stale_speed(self, now: float) -> None:

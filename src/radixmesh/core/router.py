@@ -17,6 +17,8 @@ Policies
                       load, placement of prefixes on a ring, hot-prefix replicas and ski
                       rental: ``core/cost_policy.py`` (its rules and their evidence).
     ``random``, ``round_robin``, ``least_loaded``  baselines over available nodes.
+    ``llmd``          llm-d's default scheduling profile run by every node on its own view
+                      (``core/scorer.py``): prefix 3 : queue 2 : KV utilization 2.
 
 The parts, by concern::
 
@@ -52,6 +54,7 @@ from radixmesh.core.cost_model import (
 )
 from radixmesh.core.cost_policy import CostPolicy
 from radixmesh.core.router_config import Policy, RouterConfig
+from radixmesh.core.scorer import llmd_order
 
 __all__ = [
     "DELIBERATE",
@@ -104,6 +107,8 @@ class Router:
             return [Candidate(me.node_id, True, 0, latency)]
         if policy is Policy.PAPER:
             order = _by_match(avail)
+        elif policy is Policy.LLMD:
+            order = llmd_order(req, avail, rng)
         elif policy is Policy.RANDOM:
             order = avail[:]
             rng.shuffle(order)

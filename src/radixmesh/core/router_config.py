@@ -22,6 +22,7 @@ class Policy(StrEnum):
     RANDOM = "random"
     ROUND_ROBIN = "round_robin"
     LEAST_LOADED = "least_loaded"
+    LLMD = "llmd"
 
     @classmethod
     def parse(cls, text: str) -> Policy:

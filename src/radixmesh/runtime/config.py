@@ -435,7 +435,8 @@ def _help_texts() -> dict[str, str]:
         "gossip_announce": "delta mode: a change to this node's cache brings the next gossip "
         "round forward to this long after the last one, e.g. 50ms; 'off': rounds only every "
         "--gossip-interval (the paper's polling)",
-        "policy": "routing policy: cost | paper | none | random | round_robin | least_loaded",
+        "policy": "routing policy: cost | paper | none | random | round_robin | least_loaded "
+                  "| llmd",
         "load_bound": "cost policy: no forwards to peers busier than (1+x) x the mean; 'off'",
         "preset": "built-in model preset (tiny | qwen2.5-0.5b)",
         "model": "local Hugging Face model directory (overrides --preset); with an external "

@@ -37,8 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--policy",
         default="cost",
         help="routing policies, comma-separated: none, paper, cost, random, round_robin, "
-        "least_loaded, or cache_aware (a centralized gateway with sglang-router's policy in "
-        "front of none nodes)",
+        "least_loaded, llmd (llm-d's default scorer profile), or cache_aware (a centralized "
+        "gateway with sglang-router's policy in front of none nodes)",
     )
     g.add_argument(
         "--cost-model",
