@@ -9,8 +9,9 @@ on one GPU (``--gpu-memory-fraction``), or the benchmark's 4-node clusters on on
 machine. There, a node that is idle adds no capacity: moving a request to it moves the work,
 it does not do it sooner, and the policy that computes least wins.
 
-:class:`SharedCompute` models that. Each running request holds *work*: its service time on an
-otherwise idle machine (the cost model's figure). ``cores`` is how many requests the machine
+:class:`SharedCompute` models that. Each engine runs one step (or run of decode steps) at a
+time, and that step holds *work*: its time on an otherwise idle machine (the step-time
+model's figure); below, "a request" is such a step. ``cores`` is how many requests the machine
 runs at full speed at once; with ``n`` running, each progresses at ``min(1, cores / n)``
 seconds of work per second (egalitarian processor sharing, as the OS scheduler shares cores
 between engine processes, each of which runs one request at a time). Whenever a request

@@ -24,10 +24,12 @@ when), from a JSON file written by hand, or from a built-in preset:
 * ``gpu-70b`` — likewise illustrative, a 70B model: ~1.7k prefill tokens/s, ~50 ms/token.
 
 ``gpu-7b`` and ``gpu-70b`` are deprecated: step-time profiles (:mod:`radixmesh.core.profile`,
-``radixmesh profile list``) replace them with figures that cite their sources. Until the
-simulator runs the batching scheduler with a profile's ``step_s``, a profile (a shipped name or
-a ``.toml`` file) is turned into a batch-1 cost model by :func:`from_profile`, the one adapter
-between the two. A name that is both a preset and a profile (``cpu-tiny``) means the preset.
+``radixmesh profile list``) replace them with figures that cite their sources. A profile (a
+shipped name or a ``.toml`` file) becomes a cost model by :func:`from_profile`, which keeps the
+profile (``CostModel.profile``): the simulated engine (``sim/engine.py``) times its batched steps
+with ``profile.step_s``; the batch-1 figures derived from it serve the router's priors and the
+sweep's capacity estimate. A name that is both a preset and a profile (``cpu-tiny``) means the
+preset.
 """
 
 from __future__ import annotations
@@ -185,7 +187,9 @@ def from_profile(
     decode_context: int = PROFILE_DECODE_CONTEXT,
     forward_overhead_s: float = PROFILE_FORWARD_OVERHEAD_S,
 ) -> CostModel:
-    """ADAPTER (to be removed when the simulator runs the scheduler with ``profile.step_s``).
+    """A cost model made from a step-time profile, keeping it (``profile``): the simulated
+    engine times its steps with ``profile.step_s``; these batch-1 figures are for the router's
+    priors and the sweep's capacity estimate.
 
     The profile's time for one request served alone: a prefill is one step of ``u`` new tokens
     after ``c`` cached, ``step_base_s + prefill_token_s * u + prefill_attn_s * u * (c + u / 2)``,
@@ -193,7 +197,8 @@ def from_profile(
     prefill_token_s`` and ``context_scale = prefill_token_s / prefill_attn_s`` (chunking of
     prompts beyond ``step_tokens`` is ignored: one step overhead, not one per chunk); each
     further token is one batch-1 decode step attending to ``decode_context`` KV tokens.
-    Batching, ``max_running`` and the KV pool are lost: that is what phase 2 brings.
+    Batching, ``max_running`` and the KV pool are not in these figures (they are in the
+    simulated engine, which runs the scheduler).
     """
     if profile.prefill_attn_s > 0:
         scale = profile.prefill_token_s / profile.prefill_attn_s
