@@ -150,7 +150,7 @@ def test_calibrate_engine_url_writes_a_loadable_profile(tmp_path: Path) -> None:
 
     async def serve() -> None:
         async with running(cache_tokens=8192) as fake:
-            fake.token_delay_s = 0.002
+            fake.faults.token_delay_s = 0.002
             ready.put(fake.url)
             while not stop.is_set():
                 await asyncio.sleep(0.02)

@@ -22,6 +22,7 @@ import contextlib
 from typing import Any
 
 from radixmesh.core.profile import COEFFICIENTS, Profile
+from radixmesh.emulate.events import Faults
 from radixmesh.emulate.loop import next_token
 from radixmesh.emulate.server import EmulatedEngine
 from radixmesh.engine.base import Tokenizer
@@ -42,6 +43,9 @@ def fake_profile(cache_tokens: int, block_size: int, model: str) -> Profile:
         step_tokens=8192, citations=dict.fromkeys(COEFFICIENTS, "test fake: no time"))
 
 
+_FAULT_KNOBS = frozenset(Faults.__dataclass_fields__)
+
+
 class FakeEngine(EmulatedEngine):
     """See the module docstring. ``await start()``, then ``url`` / ``kv_endpoint`` /
     ``replay_endpoint``; ``await stop()`` ends everything (also a "kill" mid-test)."""
@@ -58,6 +62,12 @@ class FakeEngine(EmulatedEngine):
                          kv_replay=f"tcp://127.0.0.1:{replay_port}",
                          kv_connect=kv_connect is not None, replay_keep=replay_keep,
                          vocab_size=ANY_TOKEN_ID)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # the fault knobs live on ``faults``: setting one here would silently do nothing
+        if name in _FAULT_KNOBS:
+            raise AttributeError(f"set fake.faults.{name}, not fake.{name}")
+        super().__setattr__(name, value)
 
     @property
     def active(self) -> int:

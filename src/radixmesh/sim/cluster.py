@@ -163,6 +163,8 @@ class Flight:
     cached: int = 0
     queue_s: float = 0.0
     service_s: float = 0.0
+    decode_s: float = 0.0  # first token to the last on the serving engine
+    decode_tokens: int = 0  # tokens it generated
     t_done: float = -1.0
     error: str | None = None
     via_gateway: bool = False  # sent through the gateway, which chose ``entry`` (counted there)
@@ -725,6 +727,8 @@ class SimCluster:
         flight.cached = run.cached_tokens
         flight.queue_s = queue_s
         flight.service_s = run.service_s
+        flight.decode_s = run.decode_s
+        flight.decode_tokens = run.decode_tokens
 
     def _response(
         self, flight: Flight, attempt: int, node: SimNode, run: SimRun, queue_s: float

@@ -154,6 +154,10 @@ class _Driver:
             server_timing={"queue": f.queue_s, "service": f.service_s} if ok else {},
             status=200 if ok else 503,
             error=f.error,
+            # a streamed response: every token crosses the same way back, so the client sees
+            # the first one the engine's decode time before the last
+            ttft_s=f.t_done - f.t_arrival - f.decode_s if ok else None,
+            tpot_s=f.decode_s / (f.decode_tokens - 1) if ok and f.decode_tokens > 1 else None,
         )
 
     def _wait_joined(self) -> None:
