@@ -1,0 +1,51 @@
+#!/usr/bin/env python3
+"""Print one Markdown row per run of a bench folder: TTFT mean / p99, TPOT, goodput, hit rate,
+forwarded share, the busiest node's share and the emulated engines' lag (docs/benchmarks.md).
+
+    scripts/ttft-table.py runs/X [runs/Y ...]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _ms(v: float | None) -> str:
+    return "—" if v is None else f"{1000 * v:.1f}"
+
+
+def _pct(v: float | None) -> str:
+    return "—" if v is None else f"{100 * v:.1f} %"
+
+
+def rows(folder: Path) -> list[str]:
+    runs = json.loads((folder / "summary.json").read_text())["runs"]
+    base = next((r for r in runs if r["policy"] == "none"), None)
+    out = []
+    for r in runs:
+        ratio = "—"
+        if base and base.get("mean_ttft_s") and r.get("mean_ttft_s"):
+            ratio = f"{r['mean_ttft_s'] / base['mean_ttft_s']:.2f}"
+        lag = (r.get("engine_lag") or {}).get("share")
+        out.append(" | ".join([
+            "", r["policy"], str(r["requests"] - r["errors"]), _ms(r.get("mean_ttft_s")), ratio,
+            _ms(r.get("p99_ttft_s")), _ms(r.get("mean_tpot_s")), _pct(r.get("goodput")),
+            _pct(r.get("actual_hit_rate")), _pct(r.get("forwarded_share")),
+            _pct(r.get("hotspot_share")), _pct(lag), ""]).strip())
+    return out
+
+
+def main(argv: list[str]) -> int:
+    print("| policy | ok | TTFT mean ms | ÷ none | TTFT p99 ms | TPOT mean ms | goodput | hit | "
+          "fwd | busiest node | engine lag |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for folder in argv:
+        for line in rows(Path(folder)):
+            print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
