@@ -23,6 +23,7 @@ def test_profiles_with_counts_are_dealt_in_order() -> None:
     ("h100-llama3-8b:0", 0, "COUNT >= 1"),
     ("nonesuch:2", 2, "nonesuch"),
     ("", 2, "at least one profile"),
+    ("h100-llama3-8b:1,h100-qwen2.5-0.5b:1", 2, "different models"),
 ])
 def test_bad_profile_lists_are_refused_naming_what_is_wrong(text: str, nodes: int,
                                                             says: str) -> None:
@@ -53,7 +54,7 @@ def test_each_node_fronts_its_own_engine_at_the_stretched_time_scale() -> None:
     assert "--time-scale 10" in str(per[0]["launch"])
     ports = {per[i]["engine_url"] for i in (0, 1)}
     assert len(ports) == 2  # one engine per node
-    assert context_length(spec.node_profiles) == 8192  # the A10G profile's Llama-3-8B
+    assert context_length(spec.node_profiles) == 32_768  # the A10G profile: --max-model-len
 
 
 def test_records_of_a_stretched_run_come_back_in_unscaled_time() -> None:

@@ -55,6 +55,10 @@ def parse_profiles(text: str, nodes: int) -> list[str]:
         out += [m.group(1)] * int(m.group(2))
     if len(out) != nodes:
         raise ValueError(f"--profiles: the counts add up to {len(out)} engines for {nodes} nodes")
+    models = sorted({resolve(p).model for p in set(out)})
+    if len(models) > 1:  # nodes refuse peers of another model: the mesh would fall apart
+        raise ValueError(f"--profiles: the engines would serve different models "
+                         f"({'; '.join(models)}); a mesh serves one model")
     return out
 
 
