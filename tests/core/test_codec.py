@@ -55,7 +55,7 @@ def _speed32(s: SpeedReport) -> SpeedReport:
 
 def full_message(rng: random.Random) -> Gossip:
     hashes = tuple(sorted({rng.getrandbits(64) for _ in range(50)}))
-    load = Load(3, 1, 4096, 65536, _speed32(SPEED), 0.75, 0.5, 1200.25, slots=256)
+    load = Load(3, 1, 4096, 65536, _speed32(SPEED), 0.75, 0.5, 1200.25)
     relay = NodeState("n7", "mem://n7", 4, 9, 12.5, load, Delta(3, (Change(4, (5, 9), (1,)),)))
     return Gossip(
         sender="n1",
@@ -267,13 +267,3 @@ def test_wrong_shaped_fields_raise_only_remote_protocol_error(
     _replace_at(tree, path, value)
     with contextlib.suppress(RemoteProtocolError):
         Codec().decode(msgpack.packb(tree, use_bin_type=True))
-
-
-def test_a_load_with_no_slot_is_refused() -> None:
-    """``Load.slots`` (protocol 3): an engine runs at least one request at a time."""
-    codec = Codec()
-    msg = full_message(random.Random(3))
-    raw = msgpack.unpackb(codec.encode(msg), raw=False, strict_map_key=False)
-    raw[9][8] = 0  # the sender's load, its slots
-    with pytest.raises(RemoteProtocolError, match="slots"):
-        codec.decode(msgpack.packb(raw, use_bin_type=True))

@@ -75,7 +75,6 @@ def engine_options(profile: str, ports: Sequence[int], time_scale: float) -> dic
         "kv_events": f"tcp://*:{events}",
         "kv_replay": f"tcp://*:{replay}",
         "tokenizer": BYTES,
-        "engine_slots": resolve(profile).max_running,
         "launch": " ".join(launch),
     }
 

@@ -51,7 +51,6 @@ _PACK_CACHE = 4096  # packed hash sets remembered by the encoder
 _SPEED = struct.Struct("<4f")
 _INT_MAX = 2**63 - 1
 _U64_MAX = 2**64 - 1
-_SLOTS_MAX = 1 << 20  # an engine running more requests at once than this is a bad report
 _T = TypeVar("_T")
 
 
@@ -204,7 +203,6 @@ def _enc_load(load: Load) -> list[Any]:
         load.pushback_s,
         load.utilization,
         load.speed_measured_at,
-        load.slots,
     ]
 
 
@@ -254,7 +252,7 @@ class _Parser:
         return v
 
     def load(self, raw: Any) -> Load:
-        f = _array(raw, 9, "load")
+        f = _array(raw, 8, "load")
         pushback = None if f[5] is None else _float(f[5], "pushback", minimum=0.0)
         measured = None if f[7] is None else _float(f[7], "speed_measured_at")
         return Load(
@@ -266,7 +264,6 @@ class _Parser:
             pushback_s=pushback,
             utilization=min(1.0, _float(f[6], "utilization", minimum=0.0)),
             speed_measured_at=measured,
-            slots=_int(f[8], "slots", _SLOTS_MAX, minimum=1),
         )
 
     def summary(self, raw: Any) -> Summary | None:

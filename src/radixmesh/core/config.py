@@ -256,13 +256,8 @@ class NodeConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     join: JoinConfig = field(default_factory=JoinConfig)  # seeds: backoff, bound
     decision_log: int = 0  # routing decisions kept to explain them (core/decisions.py); 0: none
-    # requests its engine runs at once (a batching engine's max running sequences; 1: one at a
-    # time, as the built-in engine): a queue waits only past them (cost_model.predict_wait)
-    engine_slots: int = 1
 
     def __post_init__(self) -> None:
-        if self.engine_slots < 1:
-            raise ValueError("engine_slots must be >= 1")
         if not self.node_id or len(self.node_id) > 128:
             raise ValueError("node_id must be 1..128 characters")
         if not self.address or len(self.address) > 256:

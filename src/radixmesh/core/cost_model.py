@@ -60,12 +60,6 @@ class NodeInfo:
     # exact queue; ``SpeedReport.queued_service_s``); None: the speed's mean service time
     queue_service_s: float | None = None
     kv_usage: float = 0.0  # its KV cache's fill in [0, 1] as last reported (cache / budget)
-    slots: int = 1  # requests its engine runs at once (1: one at a time)
-
-    @property
-    def waiting(self) -> float:
-        """Of its ``queue_depth``, the requests not yet running: all but ``slots`` of them."""
-        return self.queue_depth if self.slots <= 1 else max(0.0, self.queue_depth - self.slots)
 
     @property
     def available(self) -> bool:
@@ -131,14 +125,9 @@ def predict_service(req: RouteInput, node: NodeInfo, context_scale: float) -> fl
 
 def predict_wait(node: NodeInfo) -> float:
     """The queue wait a request meets on ``node``: its queue, each place priced by what the
-    queued requests will compute (else at the node's mean service time). An engine running
-    ``slots`` requests at once starts a new one at once while a slot is free, and past them
-    frees one every service ÷ slots on average: the wait counts only the requests beyond
-    the slots (with one slot, the whole queue, as before batching engines)."""
+    queued requests will compute (else at the node's mean service time)."""
     per = node.speed.mean_service_s if node.queue_service_s is None else node.queue_service_s
-    if node.slots <= 1:
-        return node.queue_depth * per
-    return (node.waiting + 1.0) * per / node.slots if node.waiting > 0 else 0.0
+    return node.queue_depth * per
 
 
 def predict_latency(req: RouteInput, node: NodeInfo, context_scale: float) -> float:
@@ -186,11 +175,8 @@ def mesh_cost(req: RouteInput, nodes: Sequence[NodeInfo], context_scale: float) 
         service = predict_service(req, n, context_scale)
         mean = n.speed.mean_service_s
         arrivals = n.utilization / mean if mean > 0.0 else 0.0  # requests/s it serves
-        # on an engine of several slots a request delays those behind it only once they
-        # queue past the slots, and then by its service shared among the slots
-        slots = max(n.slots, 1)
-        out.append(_latency(n, service) + service * n.waiting / slots
-                   + arrivals * service * service / (2.0 * slots))
+        out.append(_latency(n, service) + service * n.queue_depth
+                   + arrivals * service * service / 2.0)
     return out
 
 

@@ -193,7 +193,6 @@ class Epidemic:
                 pushback,
                 load.utilization,
                 load.speed_measured_at,
-                load.slots,
             )
         stamp = 0.0 if e.stamp is None else e.stamp
         return NodeState(e.node_id, address, e.incarnation, e.heartbeat, stamp, load, summary)

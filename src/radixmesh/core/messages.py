@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.estimators import SpeedReport
 
-PROTOCOL_VERSION = 3  # 2: Load.speed_measured_at; 3: Load.slots
+PROTOCOL_VERSION = 2  # 2: Load.speed_measured_at
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +52,6 @@ class Load:
     # never (its speed is the configured prior or one adopted from its peers, which a peer
     # must not take for a measurement: an adopted stale speed then spread as fresh)
     speed_measured_at: float | None = None
-    slots: int = 1  # requests its engine runs at once (NodeConfig.engine_slots)
 
 
 @dataclass(frozen=True, slots=True)

@@ -133,7 +133,7 @@ class OwnLoad:
         ev = self._load
         speed = self._compute.report()
         return Load(ev.queue_depth, ev.inflight, ev.cache_tokens, ev.cache_budget, speed,
-                    pushback, busy, self._measured_at, self._config.engine_slots)
+                    pushback, busy, self._measured_at)
 
     def self_info(self, cached_tokens: int, now: float) -> NodeInfo:
         """This node as the router sees it: exact cache match, own queue, own speed; each
@@ -155,7 +155,6 @@ class OwnLoad:
             utilization=self._busy.value(now),
             queue_service_s=per_place,
             kv_usage=ev.cache_tokens / ev.cache_budget if ev.cache_budget > 0 else 0.0,
-            slots=self._config.engine_slots,
         )
 
     def refresh_stale_speed(self, now: float) -> None:

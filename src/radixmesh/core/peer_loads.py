@@ -141,7 +141,6 @@ class PeerLoads:
             utilization=load.utilization,
             wait_error_s=self.spread_of(peer, now),
             kv_usage=load.cache_tokens / load.cache_budget if load.cache_budget > 0 else 0.0,
-            slots=load.slots,
         )
 
     def expected_queue(self, peer: str, reported: int, service_s: float, now: float) -> float:

@@ -36,13 +36,13 @@ KV_WEIGHT = 2.0
 
 def llmd_scores(req: RouteInput, nodes: Sequence[NodeInfo]) -> list[float]:
     """Each node's weighted score (higher is better), in ``nodes``' order."""
-    queues = [n.waiting for n in nodes]  # vLLM's num_requests_waiting
+    queues = [n.queue_depth for n in nodes]
     lo, hi = (min(queues), max(queues)) if queues else (0.0, 0.0)
     prompt = max(req.prompt_tokens, 1)
     out = []
     for n in nodes:
         prefix = min(n.cached_tokens / prompt, 1.0)
-        queue = 1.0 if hi == lo else (hi - n.waiting) / (hi - lo)
+        queue = 1.0 if hi == lo else (hi - n.queue_depth) / (hi - lo)
         kv = 1.0 - min(max(n.kv_usage, 0.0), 1.0)
         out.append(PREFIX_WEIGHT * prefix + QUEUE_WEIGHT * queue + KV_WEIGHT * kv)
     return out

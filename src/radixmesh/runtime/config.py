@@ -149,7 +149,6 @@ class ServeConfig:
     kv_replay: str = ""  # its replay endpoint (one: rank i uses port + i)
     tokenizer: str = ""  # external engine: the model directory whose tokenizer it loads
     engine_block_size: int = 0  # external engine's KV block size; 0 -> from its events
-    engine_slots: int = 1  # requests the engine runs at once (vLLM's max_num_seqs); 1: FIFO
     launch: str = ""  # external engine: start it as a child with this command, stop it with us
     device: str = "cpu"
     dtype: str = "float32"  # built-in engine weights / KV: float32 | bfloat16 | float16
@@ -195,10 +194,6 @@ class ServeConfig:
             raise ValueError("max_queue_requests must be >= 0 (0: no cap)")
         if self.decision_log < 0:
             raise ValueError("decision_log must be >= 0 (0: keep none)")
-        if self.engine_slots < 1:
-            raise ValueError("engine_slots must be >= 1")
-        if self.engine_slots > 1 and self.engine == "builtin":
-            raise ValueError("--engine-slots: the built-in engine runs one request at a time")
         if self.max_queue_tokens is not None and self.max_queue_tokens < 0:
             raise ValueError("max_queue_tokens must be >= 0 (0: auto) or off")
         if self.cache_tokens < 1 or self.pushback_threshold < 1 or self.gossip_fanout < 1:
@@ -328,7 +323,6 @@ class ServeConfig:
             forward=self.forward_config(),
             admission=self.admission_config(),
             decision_log=self.decision_log,
-            engine_slots=self.engine_slots,
         )
 
     def admission_config(self) -> AdmissionConfig:
@@ -455,8 +449,6 @@ def _help_texts() -> dict[str, str]:
         "tokenizer": "directory with the external engine's tokenizer.json (the same files), "
                      "or `bytes` for an engine on the byte tokenizer (radixmesh emulate's default)",
         "engine_block_size": "external engine's KV block size (0 = take it from its events)",
-        "engine_slots": "requests the external engine runs at once (vLLM's --max-num-seqs): "
-                        "the router counts a queue only past them (default 1: one at a time)",
         "launch": "external engine: start this command line as a child process (no shell), "
         "wait until --engine-url answers, stop it with the node",
         "cache_tokens": "KV cache budget in tokens",

@@ -109,13 +109,6 @@ class ClusterConfig:
     # processor sharing; None: every node has its own hardware)
     shared_cores: float | None = None
 
-    @property
-    def engine_slots(self) -> int:
-        """Requests a node's engine runs at once: the profile's ``max_running`` (a plain cost
-        model's engine runs one at a time). The node's router is told (NodeConfig)."""
-        profile = self.cost.profile
-        return 1 if profile is None else profile.max_running
-
     def __post_init__(self) -> None:
         if self.nodes < 1:
             raise ValueError("nodes must be >= 1")
@@ -347,7 +340,6 @@ class SimCluster:
             pushback=cfg.pushback,
             priors=cfg.priors(),
             forward=cfg.forward,
-            engine_slots=cfg.engine_slots,
         )
 
     def crash(self, node: SimNode) -> None:
