@@ -21,7 +21,8 @@ usage as cache tokens over budget. A node's queue depth counts its requests wait
 running (it sees an external engine's requests in flight, not the engine's own split), where
 llm-d's queue scorer reads vLLM's waiting count: scoring the waiting count alone (always 0
 on an H100 profile's 1,024-sequence batch) made this policy pile requests on prefix holders,
-0.64 → 0.93× `none`'s mean TTFT on 16 emulated H100s (docs/ideas-tried.md). Ties go in random order (the max-score picker's shuffle).
+0.64 → 0.93× `none`'s mean TTFT on 16 emulated H100s (docs/ideas-tried.md). Ties go in
+random order (the max-score picker's shuffle).
 It is the baseline the regime issue asks for: a load + prefix heuristic with the weights
 people deploy, judged on the same engines as ``cost``.
 """
