@@ -94,11 +94,13 @@ def placement_counts(urls: Sequence[str]) -> dict[str, float] | None:
     answered = False
     for url in urls:
         try:
-            text = httpx.get(url + "/metrics", timeout=5.0, trust_env=False).text
+            resp = httpx.get(url + "/metrics", timeout=5.0, trust_env=False)
         except httpx.HTTPError:
             continue
+        if resp.status_code != 200:  # an error page is no answer (its counts would read 0)
+            continue
         answered = True
-        samples = parse_samples(text)
+        samples = parse_samples(resp.text)
         for tag in total:
             name = f"radixmesh_core_placement_{tag}"
             total[tag] += sample_sum(samples, name + "_total") or sample_sum(samples, name)
