@@ -122,21 +122,16 @@ class RadixTree(Generic[V]):
 
     def match(self, tokens: Sequence[int]) -> int:
         """Length of the cached prefix of ``tokens``. Read-only: no split, no LRU touch."""
-        node, pos = self.root, 0
-        while pos < len(tokens):
-            child = node.children.get(tokens[pos])
-            if child is None:
-                break
-            n = _common_prefix(tokens, pos, child.key)
-            pos += n
-            if n < len(child.key):
-                break
-            node = child
-        return pos
+        return self._walk(tokens)[1]
 
     def match_node(self, tokens: Sequence[int]) -> TreeNode[V]:
         """The deepest node the cached prefix of ``tokens`` reaches into (wholly or partly).
         Read-only like ``match``: no split, no LRU touch."""
+        return self._walk(tokens)[0]
+
+    def _walk(self, tokens: Sequence[int]) -> tuple[TreeNode[V], int]:
+        """(the deepest node the cached prefix of ``tokens`` reaches into, wholly or partly;
+        that prefix's length), read-only."""
         node, pos = self.root, 0
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
@@ -147,7 +142,7 @@ class RadixTree(Generic[V]):
             node = child
             if n < len(child.key):
                 break
-        return node
+        return node, pos
 
     def block_hashes(self) -> frozenset[int]:
         return frozenset(self._hash_set)
