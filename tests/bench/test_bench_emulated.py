@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 
 from radixmesh.bench.cluster import per_node_options, serve_options
-from radixmesh.bench.emulated import _counter, context_length, parse_profiles
+from radixmesh.bench.emulated import context_length, parse_profiles
 from radixmesh.bench.replay import unscale
 from radixmesh.bench.spec import RunSpec
 from radixmesh.results.records import Record
+from radixmesh.runtime.metrics import parse_samples, sample_sum
 
 
 def test_profiles_with_counts_are_dealt_in_order() -> None:
@@ -65,6 +66,11 @@ def test_records_of_a_stretched_run_come_back_in_unscaled_time() -> None:
     assert (rec.t_send, rec.t_done, rec.latency_s) == pytest.approx((2.0, 3.0, 1.0))
     assert (rec.ttft_s, rec.tpot_s, rec.server_timing["service"]) == pytest.approx(
         (0.2, 0.01, 0.5))
+
+
+def _counter(text: str, name: str) -> float:
+    """What bench/after_run.py reads of an engine's ``/metrics`` page."""
+    return sample_sum(parse_samples(text), name)
 
 
 def test_lag_counters_are_read_from_prometheus_text() -> None:

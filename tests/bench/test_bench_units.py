@@ -414,7 +414,7 @@ def test_goodput_counts_failed_requests_against_it() -> None:
 
 
 def test_a_run_that_sent_nothing_or_lost_too_much_fails() -> None:
-    from radixmesh.bench.runner import run_failure
+    from radixmesh.bench.after_run import run_failure
     from radixmesh.workload.build import Drops
 
     spec = RunSpec(name="r", policy="none")

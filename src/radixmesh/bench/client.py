@@ -37,6 +37,7 @@ from radixmesh.core.headers import (
     HEADER_ROUTE,
     HEADER_SERVED_BY,
     HEADER_SERVICE,
+    STREAM_TIMING_COMMENT,
 )
 from radixmesh.results.records import Record
 from radixmesh.workload.request import Request
@@ -117,8 +118,7 @@ def fill_from_response(rec: Record, resp: httpx.Response) -> None:
         return
     if resp.status_code >= 400 or "error" in payload:
         err = payload.get("error") if isinstance(payload, dict) else None
-        msg = err.get("message") if isinstance(err, dict) else str(err or payload)[:200]
-        rec.error = f"HTTP {resp.status_code}: {msg}"
+        rec.error = f"HTTP {resp.status_code}: {_error_message(err or payload)[:200]}"
         return
     usage = payload.get("usage") or {}
     rec.prompt_tokens = usage.get("prompt_tokens")
@@ -160,6 +160,11 @@ async def send(
     return rec
 
 
+def _error_message(err: object) -> str:
+    """The message of an OpenAI-style error object (its text when it is not one)."""
+    return str(err.get("message")) if isinstance(err, dict) else str(err)
+
+
 def _is_stream(resp: httpx.Response) -> bool:
     return resp.headers.get("content-type", "").startswith("text/event-stream")
 
@@ -177,9 +182,7 @@ class _StreamState:
 
     def chunk(self, payload: dict[str, Any], now: float) -> None:
         if "error" in payload:
-            err = payload["error"]
-            msg = err.get("message") if isinstance(err, dict) else str(err)
-            self.error = f"stream error: {msg}"[:300]
+            self.error = f"stream error: {_error_message(payload['error'])}"[:300]
             return
         if payload.get("usage"):
             self.usage = payload["usage"]
@@ -198,8 +201,8 @@ class _StreamState:
 async def _read_stream(rec: Record, resp: httpx.Response, start: float) -> None:
     state = _StreamState()
     async for line in resp.aiter_lines():
-        if line.startswith(": server-timing "):
-            rec.server_timing |= parse_server_timing(line[len(": server-timing "):])
+        if line.startswith(STREAM_TIMING_COMMENT):
+            rec.server_timing |= parse_server_timing(line[len(STREAM_TIMING_COMMENT):])
             continue
         if not line.startswith("data:"):
             continue

@@ -29,20 +29,22 @@ ClusterFactory = Callable[[RunSpec], BenchCluster]
 
 
 def serve_options(spec: RunSpec) -> dict[str, object]:
-    """The ``radixmesh serve`` options (ServeConfig fields) every node of the run gets."""
+    """The ``radixmesh serve`` options (ServeConfig fields) every node of the run gets; an
+    emulated mesh's nodes get no built-in engine's options, and every interval, delay and
+    timeout ``time_scale`` times longer (bench/emulated.py; 1 otherwise)."""
+    s = spec.time_scale
     opts: dict[str, object] = {
         "policy": spec.node_policy,
-        "gossip_interval": spec.gossip_interval_s,
-        "gossip_announce": "off" if spec.gossip_announce_s is None else spec.gossip_announce_s,
-        "net_delay": spec.comm_delay_s,
-        "cache_tokens": spec.cache_tokens,
-        "threads": spec.threads,
+        "gossip_interval": spec.gossip_interval_s * s,
+        "gossip_announce": "off" if spec.gossip_announce_s is None
+        else spec.gossip_announce_s * s,
+        "net_delay": spec.comm_delay_s * s,
         "seed": spec.seed,
-        "preset": spec.preset,
         "log_level": "warning",
-    }
+    }  # fmt: skip
     if spec.engine == "emulated":
-        return _stretched(spec)
+        return opts | _stretched_timeouts(s)
+    opts |= {"cache_tokens": spec.cache_tokens, "threads": spec.threads, "preset": spec.preset}
     if spec.model:
         opts["model"] = spec.model
     if spec.device != "cpu":
@@ -54,25 +56,16 @@ def serve_options(spec: RunSpec) -> dict[str, object]:
     return opts
 
 
-def _stretched(spec: RunSpec) -> dict[str, object]:
-    """An emulated mesh at time scale S: the built-in engine's options gone, every interval,
-    delay and timeout of the node S times longer (bench/emulated.py)."""
+def _stretched_timeouts(scale: float) -> dict[str, object]:
+    """The node's forward and admission timeouts, ``scale`` times their defaults."""
     from radixmesh.core.config import AdmissionConfig, ForwardConfig
 
-    s = spec.time_scale
     forward = ForwardConfig()
     return {
-        "policy": spec.node_policy,
-        "gossip_interval": spec.gossip_interval_s * s,
-        "gossip_announce": "off" if spec.gossip_announce_s is None
-        else spec.gossip_announce_s * s,
-        "net_delay": spec.comm_delay_s * s,
-        "forward_timeout": forward.silence_timeout_s * s,
-        "connect_timeout": forward.connect_timeout_s * s,
-        "max_queue_wait": AdmissionConfig().max_queue_wait_s * s,
-        "seed": spec.seed,
-        "log_level": "warning",
-    }  # fmt: skip
+        "forward_timeout": forward.silence_timeout_s * scale,
+        "connect_timeout": forward.connect_timeout_s * scale,
+        "max_queue_wait": AdmissionConfig().max_queue_wait_s * scale,
+    }
 
 
 def per_node_options(spec: RunSpec) -> dict[int, dict[str, object]]:

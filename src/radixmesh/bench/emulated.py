@@ -18,7 +18,7 @@ does. Every figure the harness records (latency, TTFT, TPOT, server timings, arr
 completion times, measured capacity) is divided back by S: reports are in unscaled time. The
 node's own CPU work is not stretched, so at large S the mesh's overhead is understated by S;
 each engine exports its lag behind the profile (``emulator_lag_seconds_total`` against
-``emulator_busy_seconds_total``), which the harness reads after a run.
+``emulator_busy_seconds_total``), which the harness reads after a run (bench/after_run.py).
 
 Tokens: the engines and nodes share the byte tokenizer (``--tokenizer bytes``); one prompt
 character is one token, so prompts are ~4-5x longer in tokens than under a BPE vocabulary.
@@ -29,8 +29,6 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Sequence
-
-import httpx
 
 from radixmesh.core.profile import resolve
 
@@ -83,29 +81,3 @@ def context_length(profiles: Sequence[str]) -> int:
     """The shortest context among the mesh's engines (a prompt must fit any of them)."""
     return min(resolve(p).context_length for p in set(profiles))
 
-
-LAG_WARN_SHARE = 0.05  # a run whose engines lagged more than this share of their busy time
-
-
-def _counter(text: str, name: str) -> float:
-    """A Prometheus counter's value in ``text`` (0 when absent)."""
-    m = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.MULTILINE)
-    return float(m.group(1)) if m else 0.0
-
-
-def engine_lag(urls: Sequence[str]) -> dict[str, float | int | None]:
-    """How far the emulated engines fell behind their profiles over a run: their lag summed
-    against their busy time (``emulator_lag_seconds_total`` / ``emulator_busy_seconds_total``,
-    wall seconds), and how many engines could not be asked."""
-    lag = busy = 0.0
-    missing = 0
-    for url in urls:
-        try:
-            text = httpx.get(url.rstrip("/") + "/metrics", timeout=5.0, trust_env=False).text
-        except httpx.HTTPError:
-            missing += 1
-            continue
-        lag += _counter(text, "emulator_lag_seconds_total")
-        busy += _counter(text, "emulator_busy_seconds_total")
-    return {"lag_s": lag, "busy_s": busy, "share": lag / busy if busy > 0 else None,
-            "engines_unread": missing}

@@ -38,8 +38,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
-import httpx
-
+from radixmesh.bench.after_run import (
+    engine_lag,
+    placement_counts,
+    save_decisions,
+)
 from radixmesh.bench.cluster import BenchCluster, ClusterFactory, local_cluster
 from radixmesh.bench.oracle import Oracle
 from radixmesh.bench.progress import Progress
@@ -48,10 +51,8 @@ from radixmesh.bench.replay import CapacityProbe, Replay, mode_of, replay_togeth
 from radixmesh.bench.sglang import Gateway, SglangRouter
 from radixmesh.bench.smg import Smg
 from radixmesh.bench.spec import RunSpec, engine_context
-from radixmesh.core.router import Tag
 from radixmesh.results.records import Record
 from radixmesh.results.summary import node_figures, summarize
-from radixmesh.runtime.metrics import parse_samples, sample_sum
 from radixmesh.workload import Request, Schedule
 from radixmesh.workload.build import TOO_LONG, Drops, build_counted
 from radixmesh.workload.schedule import describe
@@ -61,7 +62,6 @@ GATEWAYS: dict[str, type[Gateway]] = {"sglang": SglangRouter, "smg": Smg}
 PROBE_SEED_OFFSET = 7919  # the capacity probe's workload: same generator, another seed
 PROBE_REQUESTS = 48
 PROBE_CLIENTS = 16
-MAX_LOST_SHARE = 0.05  # a run that dropped or failed more of its requests than this failed
 
 
 @dataclass(slots=True)
@@ -83,53 +83,6 @@ class RunResult:
     capacity: dict[str, Any] | None = None
     placements: dict[str, float] | None = None  # the nodes' placement tags (cost), summed
     engine_lag: dict[str, Any] | None = None  # emulated engines: lag behind their profiles
-
-
-def placement_counts(urls: Sequence[str]) -> dict[str, float] | None:
-    """The cost router's placement tags (core/router.Tag: hit, first, replica, second_copy,
-    unplaced, local_copy), summed over the cluster's nodes from their ``/metrics`` (each
-    request counted once, by the node that decided it; warm-up requests included); None if
-    no node answered."""
-    total = {tag.value: 0.0 for tag in Tag}
-    answered = False
-    for url in urls:
-        try:
-            resp = httpx.get(url + "/metrics", timeout=5.0, trust_env=False)
-        except httpx.HTTPError:
-            continue
-        if resp.status_code != 200:  # an error page is no answer (its counts would read 0)
-            continue
-        answered = True
-        samples = parse_samples(resp.text)
-        for tag in total:
-            name = f"radixmesh_core_placement_{tag}"
-            total[tag] += sample_sum(samples, name + "_total") or sample_sum(samples, name)
-    return total if answered else None
-
-
-def save_decisions(urls: Sequence[str], path: Path) -> int:
-    """Every node's kept routing decisions and verdicts on forwards (``GET /mesh/decisions``,
-    core/decisions.py), one JSON line each with its ``node`` and ``kind`` (``route`` or
-    ``admission``), written to ``path`` (not written if there are none); how many were
-    written. A node that does not answer is skipped."""
-    lines = []
-    for url in urls:
-        try:
-            resp = httpx.get(url + "/mesh/decisions", params={"limit": 1 << 30}, timeout=10.0,
-                             trust_env=False)
-            body = resp.json()
-        except (httpx.HTTPError, ValueError):
-            continue
-        if resp.status_code != 200 or not isinstance(body, dict):
-            continue
-        node = body.get("node_id")
-        for kind, key in (("route", "decisions"), ("admission", "admissions")):
-            for d in body.get(key, []):
-                lines.append(json.dumps({"node": node, "kind": kind} | d, separators=(",", ":")))
-    if lines:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("\n".join(lines) + "\n")
-    return len(lines)
 
 
 def summary_entry(res: RunResult) -> dict[str, Any]:
@@ -161,25 +114,6 @@ def summary_entry(res: RunResult) -> dict[str, Any]:
         entry["schedule_text"] += (f"; {100 * (w.load or 0):g} % of measured capacity "
                                    f"{res.capacity['capacity_rps']:.2f} req/s")  # fmt: skip
     return entry
-
-
-def run_failure(res: RunResult) -> str | None:
-    """Why a finished run does not count (None: it does): it sent no request, or more than
-    ``MAX_LOST_SHARE`` of its candidate requests were dropped before sending (e.g. too long
-    for the engine's context) or failed. An interrupted or skipped run says so elsewhere."""
-    if res.interrupted or res.skipped:
-        return None
-    name = res.spec.name
-    if not res.records:
-        return f"{name}: no request was sent ({res.drops.text()})"
-    dropped, examined = res.drops.total, res.drops.examined
-    failed, sent = sum(not r.ok for r in res.records), len(res.records)
-    if examined and dropped / examined > MAX_LOST_SHARE:
-        return (f"{name}: {dropped} of {examined} candidate requests dropped "
-                f"({res.drops.text()}), more than {100 * MAX_LOST_SHARE:g} %")
-    if failed / sent > MAX_LOST_SHARE:
-        return f"{name}: {failed} of {sent} requests failed, more than {100 * MAX_LOST_SHARE:g} %"
-    return None
 
 
 class Sink:
@@ -411,13 +345,7 @@ class Runner:
             save_decisions(cluster.urls, self.out / "decisions" / f"{res.spec.name}.jsonl")
         engines = getattr(cluster, "engine_urls", [])
         if engines:
-            from radixmesh.bench.emulated import LAG_WARN_SHARE, engine_lag
-
-            res.engine_lag = engine_lag(engines)
-            share = res.engine_lag["share"]
-            if share is not None and share > LAG_WARN_SHARE:
-                self.log(f"{res.spec.name}: the emulated engines lagged {100 * share:.1f} % of "
-                         "their busy time behind their profiles: raise --time-scale")
+            res.engine_lag = engine_lag(engines, res.spec.name, self.log)
         cluster.close()
         if replay.oracle is not None:
             res.oracle_mismatches = replay.oracle.mismatches

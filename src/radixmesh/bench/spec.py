@@ -73,6 +73,7 @@ class RunSpec:
                              "on emulated engines yet")
         if not self.time_scale > 0 or (self.engine == "builtin" and self.time_scale != 1):
             raise ValueError("--time-scale must be > 0, and applies to --engine emulated only")
+        self.node_profiles  # noqa: B018 -- refused here, naming the bad --profiles entry
 
     @property
     def node_profiles(self) -> list[str]:

@@ -30,6 +30,9 @@ answer) as golden fixtures for the decoder tests. Figures are
 printed and written to ``OUT/vllm_check.md`` and ``OUT/vllm_check.json``; records per request
 to ``OUT/records-<policy>.jsonl``. Every process it starts is stopped on exit (process
 groups; the nodes die with this process too).
+
+Why one file over 400 lines: it is one script outside CI, read top to bottom (model dir,
+engines, nodes, replay, per-request index check, report); its parts serve nothing else.
 """
 
 from __future__ import annotations

@@ -28,6 +28,9 @@ HEADER_REQUEST = "x-radixmesh-request"  # the entry node's number of the request
 HEADER_CACHED = "x-radixmesh-cached-tokens"  # prompt tokens from cache (a stream: index match)
 HEADER_QUEUE = "x-radixmesh-queue-s"  # seconds the request waited for the serving engine
 HEADER_SERVICE = "x-radixmesh-service-s"  # seconds the serving engine spent on it
+# A stream's headers leave before the engine has run: its last event before ``[DONE]`` is this
+# SSE comment (clients ignore comments) with the queue and service times in Server-Timing form.
+STREAM_TIMING_COMMENT = ": server-timing "
 HEADER_OVERHEAD = "x-radixmesh-forward-overhead-s"  # forwarded: client time minus remote's
 
 # Peer to peer (gossip, forwards, links).

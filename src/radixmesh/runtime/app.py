@@ -75,6 +75,7 @@ from radixmesh.core.headers import (
     HEADER_SERVED_BY,
     HEADER_SERVICE,
     HEADER_TARGET,
+    STREAM_TIMING_COMMENT,
 )
 from radixmesh.core.messages import ForwardRequest
 from radixmesh.core.router import Tag
@@ -739,7 +740,7 @@ async def _sse(service: NodeService, api: ApiRequest, samples: Sequence[_Sample]
 def _timing_comment(out: Outcome) -> bytes:
     """A stream's headers leave before the engine has run: its queue and service times follow
     as an SSE comment (clients ignore comments; ``bench.client`` reads it)."""
-    return (f": server-timing queue;dur={out.queue_s * 1000:.3f}, "
+    return (f"{STREAM_TIMING_COMMENT}queue;dur={out.queue_s * 1000:.3f}, "
             f"service;dur={out.service_s * 1000:.3f}\n\n").encode()
 
 
