@@ -26,11 +26,11 @@ def test_every_flag_has_help(command: str) -> None:
 
 
 def test_demo_durations_take_units_like_bench() -> None:
-    args = _parser("demo").parse_args(["--comm-delay", "2ms", "--gossip-interval", "0.5s"])
-    assert (args.comm_delay, args.gossip_interval) == (0.002, 0.5)
-    assert _parser("demo").parse_args(["--comm-delay", "0.01"]).comm_delay == 0.01
+    args = _parser("demo").parse_args(["--net-delay", "2ms", "--gossip-interval", "0.5s"])
+    assert (args.net_delay, args.gossip_interval) == (0.002, 0.5)
+    assert _parser("demo").parse_args(["--net-delay", "0.01"]).net_delay == 0.01
     with pytest.raises(SystemExit):
-        _parser("demo").parse_args(["--comm-delay", "2 parsecs"])
+        _parser("demo").parse_args(["--net-delay", "2 parsecs"])
 
 
 def test_cluster_ready_timeout_takes_units() -> None:

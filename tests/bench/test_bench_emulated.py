@@ -43,7 +43,7 @@ def test_an_emulated_run_needs_profiles_and_no_builtin_time_scale() -> None:
 
 def test_each_node_fronts_its_own_engine_at_the_stretched_time_scale() -> None:
     spec = RunSpec(name="r", policy="cost", nodes=2, engine="emulated", time_scale=10.0,
-                   profiles="h100-llama3-8b:1,a10g-llama3-8b:1", comm_delay_s=0.001,
+                   profiles="h100-llama3-8b:1,a10g-llama3-8b:1", net_delay_s=0.001,
                    gossip_interval_s=0.5)
     opts = serve_options(spec)
     assert opts["gossip_interval"] == pytest.approx(5.0)

@@ -1,4 +1,4 @@
-"""End to end: ``radixmesh bench --preset quick`` on real local clusters, then its invariants.
+"""End to end: ``radixmesh bench --sweep quick`` on real local clusters, then its invariants.
 
 One module-scoped sweep (4 policies × a fresh 4-node cluster each); every test reads its
 outputs. Invariants from the issue: no errors; ``none`` never forwards and never claims an
@@ -32,7 +32,7 @@ SUMMARY_KEYS = {
 @pytest.fixture(scope="module")
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("quick")
-    code = main(["bench", "--preset", "quick", "--requests", str(N), "--synthetic-scale", "0.1",
+    code = main(["bench", "--sweep", "quick", "--requests", str(N), "--synthetic-scale", "0.1",
                  "--out", str(d), "--no-progress"])  # fmt: skip
     assert code == 0
     return d
@@ -157,7 +157,7 @@ def test_paired_open_loop_on_a_trace(tmp_path: Path, capsys: pytest.CaptureFixtu
     One of the trace's 9 lines is too long: over 5 % dropped, so every run is reported failed
     (exit 1) after it ran and was summarized."""
     out = tmp_path / "open"
-    code = main(["bench", "--policies", "none,cost,oracle", "--nodes", "2", "--rate", "4",
+    code = main(["bench", "--policy", "none,cost,oracle", "--nodes", "2", "--rate", "4",
                  "--trace", str(chat_trace(tmp_path / "chat.jsonl")), "--out", str(out),
                  "--no-progress", "--no-report"])  # fmt: skip
     assert code == 1

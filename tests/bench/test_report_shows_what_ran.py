@@ -88,7 +88,7 @@ def test_a_pressure_batch_alone_is_reported_as_pressure_with_its_figure(tmp_path
     out = _folder(tmp_path, [("none", 2.0, 4, 400, 0.7), ("cost", 2.0, 4, 400, 0.4),
                              ("paper", 2.0, 4, 400, 0.6)])
     summary = json.loads((out / "summary.json").read_text())
-    for run in summary["runs"]:  # as `bench --preset paper --only pressure` writes them
+    for run in summary["runs"]:  # as `bench --sweep paper --only pressure` writes them
         run["group"], run["cache_tokens"] = "pressure", 20_000
     (out / "summary.json").write_text(json.dumps(summary))
     text = write_report(out).read_text()

@@ -2,16 +2,16 @@
 
 Examples::
 
-    radixmesh bench --preset quick --out runs/quick
-    radixmesh bench --preset paper --mmlu-dir DIR --out runs/paper
-    radixmesh bench --policies none,cost,oracle --comm-delay 2ms,200ms,1s --skew uniform,skewed \\
+    radixmesh bench --sweep quick --out runs/quick
+    radixmesh bench --sweep paper --mmlu-dir DIR --out runs/paper
+    radixmesh bench --policy none,cost,oracle --net-delay 2ms,200ms,1s --skew uniform,skewed \\
         --mmlu-dir DIR --requests 1000 --out runs/sweep
-    radixmesh bench --policies none,cost,paper --rate 1 --requests 60 --synthetic-scale 0.25 \\
+    radixmesh bench --policy none,cost,paper --rate 1 --requests 60 --synthetic-scale 0.25 \\
         --out runs/open            # paired open loop: 3 clusters up, one arrival schedule
     radixmesh bench --report-only --out runs/paper        # rebuild report.md + figures
     radixmesh bench --export-trace wl.jsonl --skew skewed  # write the workload, run nothing
     radixmesh bench --workload chat,rag,agentic,hotprefix --concurrency 4 --load 0.5 \
-        --policies none,paper,cost,oracle,sglang,smg --batch-limit 6 --interleave \
+        --policy none,paper,cost,oracle,sglang,smg --batch-limit 6 --interleave \
         --requests 100 --synthetic-scale 0.3 --out runs/wl   # the routing issue's matrix
     radixmesh bench --tables --out runs/wl                 # one table per workload × schedule
 
@@ -23,6 +23,12 @@ every schedule given (default: ``--concurrency 1`` when no rate or load is given
 runs (``--rate``, ``--load``, or a trace whose lines carry ``t``) of the policies at one sweep
 point run paired in time by default; ``--interleave`` pairs sequential and closed-loop points
 too.
+
+The node options (``--policy``, ``--net-delay``, ``--gossip-*``, ``--cache-tokens``, ``--nodes``,
+``--preset``, ...) are ``radixmesh serve``'s, from radixmesh/options.py, as lists. Renamed in
+this release (the old names warn): ``--policies`` -> ``--policy``, ``--comm-delay`` ->
+``--net-delay``, ``--engine-preset`` -> ``--preset`` (the model preset, as in serve and chaos),
+and ``--preset paper|quick`` (a named sweep) -> ``--sweep paper|quick``.
 
 Why one file over 400 lines: most of it is the argument table (every flag with its help) and
 the one function that turns the flags into run specs; split, the flags would sit apart from
@@ -41,9 +47,9 @@ from typing import TypeVar
 
 from radixmesh.bench.prompts import TOO_LONG_ACTIONS, PromptTooLong
 from radixmesh.bench.spec import ALL_POLICIES, RunSpec, check_policy
-from radixmesh.bench.sweep import ABUNDANT_CACHE, PRESETS, SweepAxes, expand, paired
+from radixmesh.bench.sweep import ABUNDANT_CACHE, SWEEPS, SweepAxes, expand, paired
 from radixmesh.core.config import GossipConfig
-from radixmesh.core.units import parse_duration, parse_optional_duration
+from radixmesh.options import add_option, add_options, warn_renamed
 from radixmesh.workload import Schedule, WorkloadSpec, trace
 from radixmesh.workload.build import WORKLOADS, build_counted
 from radixmesh.workload.schedule import Entry
@@ -82,47 +88,19 @@ def _skew(text: str) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/bench", help="output folder (default runs/bench)")
-    p.add_argument("--preset", choices=sorted(PRESETS), help="a named sweep (overrides lists)")
+    p.add_argument("--sweep", choices=sorted(SWEEPS), help="a named sweep (overrides lists)")
     p.add_argument(
         "--only",
         type=_list(str),
-        help="with --preset: run only these groups (see --dry-run), e.g. t1,skew,pressure",
+        help="with --sweep: run only these groups (see --dry-run), e.g. t1,skew,pressure",
     )
     g = p.add_argument_group("sweep (comma-separated lists; cartesian product)")
-    g.add_argument(
-        "--policies",
-        type=_list(check_policy),
-        default=["none", "paper", "cost"],
-        help=f"from {', '.join(ALL_POLICIES)}",
-    )
-    g.add_argument(
-        "--comm-delay",
-        type=_list(parse_duration),
-        default=[0.002],
-        help="emulated one-way peer delay, e.g. 2ms,200ms,1s (node --net-delay)",
-    )
-    g.add_argument(
-        "--gossip-interval",
-        type=_list(parse_duration),
-        default=[0.5],
-        help="anti-entropy period Δpoll, e.g. 20ms,100ms,500ms,2s,300s",
-    )
-    g.add_argument(
-        "--gossip-announce",
-        type=parse_optional_duration,
-        default=GossipConfig().announce_gap_s,
-        help="a node's cache change brings its next gossip round forward to this long after "
-        "the last one (node --gossip-announce); 'off': rounds only every Δpoll, as the paper "
-        "polls",
-    )
+    add_option(g, "policy", ["none", "paper", "cost"], type=_list(check_policy),
+               help=f"routing policies, from {', '.join(ALL_POLICIES)}")
+    add_options(g, {"net_delay": [0.002], "gossip_interval": [0.5]}, sweep=True)
+    add_option(g, "gossip_announce", GossipConfig().announce_gap_s)
     g.add_argument("--skew", type=_list(_skew), default=["uniform"], help="uniform,skewed")
-    g.add_argument(
-        "--cache-tokens",
-        type=_list(int),
-        default=[ABUNDANT_CACHE],
-        help="KV budget per node, tokens",
-    )
-    g.add_argument("--nodes", type=_list(int), default=[4], help="nodes per cluster, e.g. 4,8")
+    add_options(g, {"cache_tokens": [ABUNDANT_CACHE], "nodes": [4]}, sweep=True)
     g.add_argument(
         "--rate",
         type=_list(float),
@@ -231,14 +209,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="emulated: every step, delay, interval and timeout S x longer, figures "
                         "divided back by S (a 2-core machine cannot run GPU-speed engines in "
                         "real time; default 1)")
-    e.add_argument("--engine-preset", default="tiny", help="built-in model preset")
-    e.add_argument("--model", help="local model directory instead of a preset")
-    e.add_argument("--threads", type=int, default=1, help="torch threads per node")
-    e.add_argument("--device", default="cpu", help="torch device of the nodes' engines: cpu, cuda")
-    e.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                   help="engine weights and KV cache")
-    e.add_argument("--gpu-memory-fraction", type=float, default=0.0,
-                   help="cuda: each node process's share of the GPU's memory (0 = no cap)")
+    add_option(e, "preset", "tiny", help="built-in model preset (paper | quick: the "
+               "deprecated spelling of --sweep)")
+    add_option(e, "model", None)
+    add_options(e, {"threads": 1, "device": "cpu"})
+    add_option(e, "dtype", "float32", choices=("float32", "bfloat16", "float16"))
+    add_option(e, "gpu_memory_fraction", 0.0)
     p.add_argument("--report-only", action="store_true", help="rebuild the report from --out")
     p.add_argument(
         "--tables",
@@ -255,8 +231,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="list the configurations and exit")
 
 
+def _sweep_of(args: argparse.Namespace) -> str | None:
+    """``--sweep``; ``--preset paper|quick`` is its old spelling (warned, once)."""
+    if args.preset in SWEEPS:
+        warn_renamed(f"--preset {args.preset}", f"--sweep {args.preset}")
+        args.sweep, args.preset = args.preset, "tiny"
+    return getattr(args, "sweep", None)
+
+
 def base_spec(args: argparse.Namespace) -> RunSpec:
-    quick = args.preset == "quick"
+    quick = _sweep_of(args) == "quick"
     rate = args.rate[0] if args.rate else None
     workloads = getattr(args, "workload", None) or ["mmlu"]
     w = WorkloadSpec(
@@ -276,12 +260,12 @@ def base_spec(args: argparse.Namespace) -> RunSpec:
         policy="none",
         workload=w,
         nodes=args.nodes[0],
-        comm_delay_s=args.comm_delay[0],
+        net_delay_s=args.net_delay[0],
         gossip_interval_s=args.gossip_interval[0],
         gossip_announce_s=args.gossip_announce,
         cache_tokens=args.cache_tokens[0],
         concurrency=(args.concurrency or [1])[0],
-        preset=args.engine_preset,
+        preset=args.preset,
         model=args.model,
         threads=args.threads,
         device=args.device,
@@ -296,13 +280,13 @@ def base_spec(args: argparse.Namespace) -> RunSpec:
 
 def specs_from_args(args: argparse.Namespace) -> list[RunSpec]:
     base = base_spec(args)
-    if args.preset:
-        runs = PRESETS[args.preset](base)
+    if args.sweep:
+        runs = SWEEPS[args.sweep](base)
         if args.only:
             known = {r.group for r in runs}
             if unknown := set(args.only) - known:
-                raise ValueError(f"--only: no group {', '.join(sorted(unknown))} in preset "
-                                 f"{args.preset} (groups: {', '.join(sorted(known))})")
+                raise ValueError(f"--only: no group {', '.join(sorted(unknown))} in sweep "
+                                 f"{args.sweep} (groups: {', '.join(sorted(known))})")
             runs = [r for r in runs if r.group in args.only]
         return [_tagged(r, _entry_tag(base)) for r in runs]
     loads = getattr(args, "load", None) or []
@@ -321,7 +305,7 @@ def specs_from_args(args: argparse.Namespace) -> list[RunSpec]:
         points += [([None], [1], load) for load in loads]
         for rates, conc, load in points:
             axes = SweepAxes(
-                policies=args.policies, comm_delays_s=args.comm_delay,
+                policies=args.policy, net_delays_s=args.net_delay,
                 gossip_intervals_s=args.gossip_interval, skews=args.skew,
                 cache_tokens=args.cache_tokens, nodes=args.nodes, rates=rates, concurrency=conc,
             )  # fmt: skip

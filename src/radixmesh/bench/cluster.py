@@ -38,7 +38,7 @@ def serve_options(spec: RunSpec) -> dict[str, object]:
         "gossip_interval": spec.gossip_interval_s * s,
         "gossip_announce": "off" if spec.gossip_announce_s is None
         else spec.gossip_announce_s * s,
-        "net_delay": spec.comm_delay_s * s,
+        "net_delay": spec.net_delay_s * s,
         "seed": spec.seed,
         "log_level": "warning",
     }  # fmt: skip

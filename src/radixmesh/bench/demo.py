@@ -20,6 +20,7 @@ from radixmesh.bench.folder import Ratio, Results
 from radixmesh.bench.spec import RunSpec, check_policy
 from radixmesh.bench.sweep import run_name
 from radixmesh.core.units import parse_duration
+from radixmesh.options import add_option
 from radixmesh.workload import WorkloadSpec
 
 
@@ -28,13 +29,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=300,
                    help="requests replayed against each policy's cluster (default 300)")
     p.add_argument("--nodes", type=int, default=4, help="nodes per cluster (default 4)")
-    p.add_argument("--policies", default="none,paper,cost",
-                   help="comma-separated routing policies to compare (default none,paper,cost)")
+    add_option(p, "policy", "none,paper,cost", raw=True,  # old name --policies (options.py)
+               help="comma-separated routing policies to compare (default none,paper,cost)")
     p.add_argument("--mmlu-dir", help="use MMLU (original release layout) instead of synthetic")
     p.add_argument("--skewed", action="store_true", help="80%% of requests from 20%% of groups")
     p.add_argument("--scale", type=float, default=0.25, help="synthetic prompt length scale")
-    p.add_argument("--comm-delay", type=parse_duration, default=0.002, metavar="DURATION",
-                   help="emulated one-way delay between nodes, e.g. 2ms (default 2ms)")
+    add_option(p, "net_delay", 0.002)  # old name --comm-delay (options.py)
     p.add_argument("--gossip-interval", type=parse_duration, default=0.2, metavar="DURATION",
                    help="gossip interval Δpoll, e.g. 200ms (default 200ms)")
     p.add_argument("--cache-tokens", type=int, default=100_000, help="KV budget per node")
@@ -49,11 +49,11 @@ def specs(args: argparse.Namespace) -> list[RunSpec]:
     w = WorkloadSpec(requests=args.requests, skewed=args.skewed, seed=args.seed,
                      mmlu_dir=args.mmlu_dir, synthetic_scale=args.scale)  # fmt: skip
     base = RunSpec(name="demo", policy="none", workload=w, nodes=args.nodes,
-                   comm_delay_s=args.comm_delay, gossip_interval_s=args.gossip_interval,
+                   net_delay_s=args.net_delay, gossip_interval_s=args.gossip_interval,
                    cache_tokens=args.cache_tokens, threads=args.threads, seed=args.seed,
                    group="t1")  # fmt: skip
     out = []
-    for pol in args.policies.split(","):
+    for pol in args.policy.split(","):
         spec = replace(base, policy=check_policy(pol.strip()))
         out.append(replace(spec, name=run_name(spec)))
     return out

@@ -89,7 +89,7 @@ def summary_entry(res: RunResult) -> dict[str, Any]:
     s, w = res.spec, res.spec.workload
     entry: dict[str, Any] = {
         "name": s.name, "policy": s.policy, "nodes": s.nodes, "workload": w.source,
-        "skew": s.skew, "comm_delay_ms": s.comm_delay_s * 1000.0,
+        "skew": s.skew, "comm_delay_ms": s.net_delay_s * 1000.0,
         "gossip_interval_ms": s.gossip_interval_s * 1000.0, "cache_tokens": s.cache_tokens,
         "gossip_announce_ms": None if s.gossip_announce_s is None
         else s.gossip_announce_s * 1000.0,
@@ -379,11 +379,11 @@ class Runner:
         if gateway is not None:
             log = log_dir / f"{spec.policy}.log" if log_dir is not None else None
             # its hop to the workers crosses the same emulated link as a peer forward
-            replay.router = gateway(cluster.urls, log_path=log, link_delay_s=spec.comm_delay_s)
+            replay.router = gateway(cluster.urls, log_path=log, link_delay_s=spec.net_delay_s)
         elif spec.policy == "oracle":
             context = engine_context(spec.preset, spec.model, spec.node_profiles)
             replay.oracle = Oracle(cluster.node_ids, spec.cache_tokens, BLOCK_SIZE,
-                                   spec.comm_delay_s, spec.seed, context)  # fmt: skip
+                                   spec.net_delay_s, spec.seed, context)  # fmt: skip
 
     def write_summary(self) -> dict[str, Any]:
         current = [summary_entry(r) for r in self.results]

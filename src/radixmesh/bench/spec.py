@@ -35,7 +35,7 @@ class RunSpec:
     policy: str
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
     nodes: int = 4
-    comm_delay_s: float = 0.002  # emulated one-way delay of every peer message (--net-delay)
+    net_delay_s: float = 0.002  # emulated one-way delay of every peer message (--net-delay)
     gossip_interval_s: float = 0.5  # Δpoll
     # a cache change brings the next round forward to this long after the last (None: off)
     gossip_announce_s: float | None = GossipConfig().announce_gap_s
@@ -60,7 +60,7 @@ class RunSpec:
         check_policy(self.policy)
         if self.nodes < 1 or self.concurrency < 1 or self.cache_tokens < 1:
             raise ValueError("nodes, concurrency and cache_tokens must be >= 1")
-        if self.comm_delay_s < 0 or self.gossip_interval_s <= 0:
+        if self.net_delay_s < 0 or self.gossip_interval_s <= 0:
             raise ValueError("comm delay must be >= 0 and gossip interval > 0")
         if (self.workload.rate or self.workload.load) and self.concurrency > 1:
             raise ValueError("an open-loop rate and closed-loop concurrency exclude each other")

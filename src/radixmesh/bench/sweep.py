@@ -25,7 +25,7 @@ def fmt_s(seconds: float) -> str:
 
 
 def run_name(s: RunSpec) -> str:
-    parts = [s.policy, s.skew, f"d{fmt_s(s.comm_delay_s)}", f"g{fmt_s(s.gossip_interval_s)}",
+    parts = [s.policy, s.skew, f"d{fmt_s(s.net_delay_s)}", f"g{fmt_s(s.gossip_interval_s)}",
              f"c{s.cache_tokens}", f"n{s.nodes}"]  # fmt: skip
     if s.workload.rate:
         parts.append(f"r{s.workload.rate:g}")
@@ -37,7 +37,7 @@ def run_name(s: RunSpec) -> str:
 @dataclass(frozen=True, slots=True)
 class SweepAxes:
     policies: Sequence[str] = ("none", "paper", "cost")
-    comm_delays_s: Sequence[float] = (0.002,)
+    net_delays_s: Sequence[float] = (0.002,)
     gossip_intervals_s: Sequence[float] = (0.5,)
     skews: Sequence[str] = ("uniform",)
     cache_tokens: Sequence[int] = (ABUNDANT_CACHE,)
@@ -60,7 +60,7 @@ def paired(specs: Sequence[RunSpec]) -> list[RunSpec]:
 def expand(axes: SweepAxes, base: RunSpec) -> list[RunSpec]:
     out: list[RunSpec] = []
     product = itertools.product(
-        axes.skews, axes.comm_delays_s, axes.gossip_intervals_s, axes.cache_tokens,
+        axes.skews, axes.net_delays_s, axes.gossip_intervals_s, axes.cache_tokens,
         axes.nodes, axes.rates, axes.concurrency, axes.policies,
     )  # fmt: skip
     for skew, delay, gossip, cache, nodes, rate, conc, policy in product:
@@ -71,7 +71,7 @@ def expand(axes: SweepAxes, base: RunSpec) -> list[RunSpec]:
             schedule=Schedule.POISSON if rate else Schedule.SEQUENTIAL,
         )
         spec = replace(
-            base, policy=policy, workload=w, comm_delay_s=delay, gossip_interval_s=gossip,
+            base, policy=policy, workload=w, net_delay_s=delay, gossip_interval_s=gossip,
             cache_tokens=cache, nodes=nodes, concurrency=conc,
         )  # fmt: skip
         out.append(replace(spec, name=run_name(spec)))
@@ -110,9 +110,9 @@ def paper_preset(base: RunSpec, with_sglang: bool = True) -> list[RunSpec]:
     for key, delay in (("d200ms", 0.2), ("d1s", 1.0)):
         # paper forwards whatever the network costs (~2 s a request at 1 s): fewer requests
         runs += _together(key, [
-            _mk(base, "delay", "none", comm_delay_s=delay),
-            _mk(base, "delay", "cost", comm_delay_s=delay),
-            _mk(base, "delay", "paper", comm_delay_s=delay, requests=third),
+            _mk(base, "delay", "none", net_delay_s=delay),
+            _mk(base, "delay", "cost", net_delay_s=delay),
+            _mk(base, "delay", "paper", net_delay_s=delay, requests=third),
         ])  # fmt: skip
     runs += _together("sglang", [_mk(base, "sglang", p) for p in gateways])
     for k in (4, 16):  # closed loop: the batch's clusters run their k clients at the same time
@@ -156,4 +156,4 @@ def quick_preset(base: RunSpec) -> list[RunSpec]:
     return [replace(r, lockstep="quick") for r in runs]
 
 
-PRESETS = {"paper": paper_preset, "quick": quick_preset}
+SWEEPS = {"paper": paper_preset, "quick": quick_preset}  # bench --sweep NAME

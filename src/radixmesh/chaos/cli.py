@@ -27,6 +27,7 @@ from radixmesh.chaos.faults import FaultPlan, run_all
 from radixmesh.chaos.report import FaultResult, to_markdown
 from radixmesh.chaos.soak import SoakConfig, run_soak
 from radixmesh.core.units import parse_duration
+from radixmesh.options import NETWORKS, add_option, add_options
 from radixmesh.progress import timed
 
 FAULTS = ("auth", "kill", "hang", "stream", "loss", "partition", "slow", "wrongkey", "sidechannel")
@@ -40,14 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=float, default=3.0, help="soak: requests per second")
     parser.add_argument("--kill-every", default="45s", help="soak: one kill+restart per ...")
     parser.add_argument("--only", default="", help=f"comma-separated subset of {FAULTS}")
-    parser.add_argument("--nodes", type=int, default=3, help="nodes in the cluster (default 3)")
-    parser.add_argument("--preset", default="micro", help="model preset every node runs")
-    parser.add_argument("--policy", default="paper", help="routing policy of the nodes")
-    parser.add_argument("--gossip-interval", default="0.2", help="Δpoll, e.g. 0.2 or 200ms")
-    parser.add_argument("--forward-timeout", default="1.0",
-                        help="first-byte timeout of a forward, e.g. 1s or 500ms (default 1s)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed of the engines' weights, the prompts and the soak (default 0)")
+    local = NETWORKS["local"]  # the nodes share this machine: the local preset's timings
+    add_options(parser, {"nodes": 3, "preset": "micro", "policy": "paper",
+                         "gossip_interval": local["gossip_interval"],
+                         "forward_timeout": local["forward_timeout"]})
+    add_option(parser, "seed", 0,
+               help="seed of the engines' weights, the prompts and the soak (default 0)")
     parser.add_argument("--no-key", action="store_true",
                         help="run without a cluster key (peer authentication off)")
     parser.add_argument("--log-dir", help="keep node logs here (default: a temp dir)")
@@ -69,8 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _config(args: argparse.Namespace) -> ChaosConfig:
     return ChaosConfig(
         nodes=args.nodes, preset=args.preset, policy=args.policy,
-        gossip_interval=parse_duration(args.gossip_interval),
-        forward_timeout=parse_duration(args.forward_timeout), seed=args.seed,
+        gossip_interval=args.gossip_interval, forward_timeout=args.forward_timeout,
+        seed=args.seed,
         keyed=not args.no_key, log_dir=args.log_dir,
     )
 

@@ -9,9 +9,12 @@ Every flag has a TOML key of the same name (dashes or underscores), e.g.::
     gossip-interval = 0.1
     net-delay = "2ms"
 
-Precedence: built-in defaults < TOML file (``--config``) < command-line flags. The result is one
-frozen, validated :class:`ServeConfig`; :meth:`ServeConfig.node_config` turns it into the pure
-core's :class:`~radixmesh.core.config.NodeConfig`.
+Precedence: built-in defaults < the ``--network`` preset (local | lan | wan, radixmesh/options.py)
+< TOML file (``--config``) < command-line flags. The result is one frozen, validated
+:class:`ServeConfig`; :meth:`ServeConfig.node_config` turns it into the pure core's
+:class:`~radixmesh.core.config.NodeConfig`. The options other commands share (``cluster``,
+``bench``, ``sim``, ``chaos``) take their flag, help and renamed (deprecated) names from
+radixmesh/options.py's table; an old name still works for one release, with a warning.
 
 Why one file over 400 lines: it is the node's whole operator surface — every field, its
 validation, its conversion from TOML or a flag, and its help text — kept side by side so that a
@@ -38,6 +41,15 @@ from radixmesh.core.config import (
 )
 from radixmesh.core.router import Policy, RouterConfig
 from radixmesh.core.units import parse_duration, parse_optional_duration
+from radixmesh.options import (
+    NETWORKS,
+    OPTIONS,
+    add_renamed,
+    canonical_key,
+    check_network,
+    parse_fraction,
+    parse_optional_fraction,
+)
 
 # The core's defaults, which ServeConfig's defaults are read from (one place declares each).
 _ROUTER = RouterConfig()
@@ -46,29 +58,6 @@ _PUSHBACK = PushbackConfig()
 _FORWARD = ForwardConfig()
 PEER_TRANSPORTS = ("link", "http")
 _ADMISSION = AdmissionConfig()
-
-
-def parse_fraction(text: str | float | int) -> float:
-    """A probability from ``"0.1"``, ``0.1`` or ``"10%"``."""
-    if isinstance(text, str) and text.strip().endswith("%"):
-        value = float(text.strip()[:-1]) / 100.0
-    else:
-        value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"fraction must be in [0, 1]: {text!r}")
-    return value
-
-
-def parse_optional_fraction(text: str | float | int | None) -> float | None:
-    """A number >= 0, or None from ``"off"`` / ``"none"`` (the feature is disabled)."""
-    if text is None or (isinstance(text, str) and text.strip().lower() in ("off", "none", "")):
-        return None
-    if isinstance(text, bool):
-        raise ValueError(f"not a number: {text!r}")
-    value = float(text)
-    if value < 0:
-        raise ValueError(f"must be >= 0 or 'off': {text!r}")
-    return value
 
 
 def parse_token_cap(text: str | int | None) -> int | None:
@@ -179,10 +168,32 @@ class ServeConfig:
     max_body_bytes: int = 4 * 1024 * 1024  # client request bodies larger than this -> 413
     incarnation: int = 0  # 0 -> derived from the wall clock at start (grows across restarts)
     log_level: str = "info"
+    network: str = "lan"  # timing preset under the rest: local | lan | wan (options.NETWORKS)
+
+    @classmethod
+    def for_network(cls, network: str, **values: Any) -> ServeConfig:
+        """The ``network`` preset's timings, then ``values``."""
+        return cls(**{**NETWORKS[check_network(network)], "network": network, **values})
+
+    @classmethod
+    def local(cls, **values: Any) -> ServeConfig:
+        """One machine: 0.2 s gossip rounds, 1 s forward silence, 0.25 s connects."""
+        return cls.for_network("local", **values)
+
+    @classmethod
+    def lan(cls, **values: Any) -> ServeConfig:
+        """A data-centre network: the defaults."""
+        return cls.for_network("lan", **values)
+
+    @classmethod
+    def wan(cls, **values: Any) -> ServeConfig:
+        """Regions apart: GossipConfig.wan()'s rounds, timeouts and cadences, 5 s forwards."""
+        return cls.for_network("wan", **values)
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError("port must be in 1..65535")
+        check_network(self.network)
         GossipMode.parse(self.gossip_mode)
         Policy.parse(self.policy)
         positive = ("gossip_interval", "forward_timeout", "connect_timeout", "max_queue_wait",
@@ -291,6 +302,9 @@ class ServeConfig:
             overrides["suspect_after_s"] = self.suspect_timeout
         if self.dead_timeout:
             overrides["dead_after_s"] = self.dead_timeout
+        if self.network == "wan":  # cadences counted in rounds: halved (GossipConfig.wan)
+            wan = GossipConfig.wan()
+            overrides |= {"membership": wan.membership, "exchange": wan.exchange}
         gossip = GossipConfig.for_interval(self.gossip_interval, **overrides)
         if gossip.dead_after_s < gossip.suspect_after_s:  # only suspect given: keep the order
             gossip = replace(gossip, dead_after_s=5 * gossip.suspect_after_s)
@@ -375,14 +389,17 @@ def config_from_mapping(
     """Apply ``values`` (keys with dashes or underscores) over ``base``; unknown keys raise."""
     changes: dict[str, Any] = {}
     for raw_key, value in values.items():
-        key = raw_key.replace("-", "_")
+        key = canonical_key(raw_key)
         key = _ALIASES.get(key, key)
         if key not in _FIELDS or key == "config":
             raise ValueError(f"unknown configuration key {raw_key!r}")
         if key in changes:
-            raise ValueError(f"{raw_key!r}: set twice (join and peers are one setting)")
+            raise ValueError(f"{raw_key!r}: set twice (two names of one setting, such as "
+                             "join and peers)")
         changes[key] = _convert(key, value)
-    return replace(base or ServeConfig(), **changes)
+    if base is None:  # a network preset lies under the other values
+        base = ServeConfig.for_network(changes.get("network", "lan"))
+    return replace(base, **changes)
 
 
 def load_toml(path: str | Path) -> dict[str, object]:
@@ -412,10 +429,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser, skip: Sequence[str] = (
             metavar="HOST:PORT,..." if name == "peers" else name.upper(),
             help=f"{helps.get(name, '')} (default: {shown!r})",
         )
+        if name in OPTIONS and OPTIONS[name].old:
+            add_renamed(group, OPTIONS[name])
 
 
 def _help_texts() -> dict[str, str]:
-    return {
+    """Each flag's help: the shared options' from radixmesh/options.py, the rest here."""
+    return {o.name: o.help for o in OPTIONS.values()} | {
         "node_id": "unique node name",
         "host": "interface to bind",
         "port": "TCP port (client API and peer endpoints; HTTPS with --peer-tls-*)",
@@ -429,16 +449,6 @@ def _help_texts() -> dict[str, str]:
         "then exit 0 (what still runs is cancelled)",
         "drain_linger": "SIGTERM: keep the port open (new requests go to peers) at least this "
         "long, so load balancers see /health 503 before it closes (capped at --drain-grace)",
-        "gossip_interval": "gossip period, e.g. 0.5 or 100ms",
-        "gossip_mode": "delta | snapshot | epidemic",
-        "gossip_fanout": "epidemic mode: peers per round",
-        "gossip_announce": "delta mode: a change to this node's cache brings the next gossip "
-        "round forward to this long after the last one, e.g. 50ms; 'off': rounds only every "
-        "--gossip-interval (the paper's polling)",
-        "policy": "routing policy: cost | paper | none | random | round_robin | least_loaded "
-                  "| llmd",
-        "load_bound": "cost policy: no forwards to peers busier than (1+x) x the mean; 'off'",
-        "preset": "built-in model preset (tiny | qwen2.5-0.5b)",
         "model": "local Hugging Face model directory (overrides --preset); with an external "
         "--engine: the model name the engine serves (default: asked from its /v1/models)",
         "engine": "builtin (this process) | vllm | sglang | openai (an engine at --engine-url)",
@@ -451,19 +461,10 @@ def _help_texts() -> dict[str, str]:
         "engine_block_size": "external engine's KV block size (0 = take it from its events)",
         "launch": "external engine: start this command line as a child process (no shell), "
         "wait until --engine-url answers, stop it with the node",
-        "cache_tokens": "KV cache budget in tokens",
-        "device": "torch device (cpu, cuda)",
-        "dtype": "built-in engine weights and KV cache: float32 | bfloat16 | float16",
-        "gpu_memory_fraction": "cuda: cap this process's share of the GPU's memory, e.g. 0.2 "
-        "(several nodes on one GPU; 0 = no cap)",
-        "threads": "torch threads (0 = default)",
-        "seed": "seed of preset weights and of routing randomness",
         "suspect_timeout": "silence before a peer is suspect (0 = 4 gossip intervals)",
         "dead_timeout": "silence before a peer is dead (0 = 20 gossip intervals)",
-        "pushback_threshold": "queue depth above which peers are asked to back off",
         "pushback_relative": "... and only while the queue is also over this many times the "
         "peers' mean queue (0 = the threshold alone)",
-        "forward_timeout": "forward first-byte / silence timeout",
         "connect_timeout": "peer TCP connect timeout",
         "peer_transport": "how forwards reach a peer: link (all of them over one long-lived "
         "HTTP exchange per peer, opened on the first forward) | http (one POST each)",
@@ -475,9 +476,6 @@ def _help_texts() -> dict[str, str]:
         "at its measured rate; 'off' = no token bound",
         "decision_log": "routing decisions kept (what the node believed of every candidate, "
         "what it chose) for GET /mesh/decisions; 0 = none",
-        "net_delay": "emulated one-way delay of peer messages, e.g. 2ms",
-        "net_jitter": "emulated jitter (uniform extra delay), e.g. 1ms",
-        "net_loss": "emulated gossip loss probability, e.g. 0.05",
         "net_duplicate": "emulated gossip duplication probability, e.g. 0.1",
         "debug_engine_delay": "chaos testing: sleep this long before each request on the engine",
         "cluster_key": "secret (>= 16 bytes) authenticating peer messages; prefer the "
@@ -495,13 +493,14 @@ def _help_texts() -> dict[str, str]:
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
-    """Defaults < ``--config`` TOML < explicit flags."""
+    """Defaults < the ``--network`` preset (a flag's, else the TOML's) < ``--config`` TOML <
+    explicit flags."""
     given = {k: v for k, v in vars(args).items() if k in _FIELDS}
-    base = ServeConfig()
     path = getattr(args, "config", None)
-    if path:
-        base = config_from_mapping(load_toml(path), base)
-    return config_from_mapping(given, base)
+    toml = load_toml(path) if path else {}
+    network = given.get("network") or toml.get("network") or "lan"
+    base = ServeConfig.for_network(str(network))
+    return config_from_mapping(given, config_from_mapping(toml, base))
 
 
 def config_to_argv(values: Mapping[str, object]) -> list[str]:

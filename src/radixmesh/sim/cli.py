@@ -1,7 +1,11 @@
 """``radixmesh sim``: simulate a mesh of N nodes — the same NodeCore — on a virtual clock.
 
 Sweeps like ``radixmesh bench`` (comma-separated policies, delays, gossip intervals, skews) and
-writes the same ``summary.json`` / ``requests.jsonl`` into ``--out DIR``.
+writes the same ``summary.json`` / ``requests.jsonl`` into ``--out DIR``. The node options
+(``--policy``, ``--net-delay``, ``--gossip-*``, ...) are ``radixmesh serve``'s, from
+radixmesh/options.py; renamed in this release (the old names warn): ``--comm-delay`` ->
+``--net-delay``, ``--jitter`` -> ``--net-jitter``, ``--loss`` -> ``--net-loss``, ``--fanout`` ->
+``--gossip-fanout``, ``--load-bound -1`` -> ``--load-bound off``.
 
 Defaults are chosen to scale: open-loop Poisson arrivals at half the cluster's estimated
 capacity (``--load 0.5``), and ``--gossip-mode auto`` = delta (every peer each round, the
@@ -23,7 +27,8 @@ from typing import Any
 
 from radixmesh.core.config import GossipConfig
 from radixmesh.core.router import RouterConfig
-from radixmesh.core.units import parse_duration, parse_optional_duration
+from radixmesh.core.units import parse_duration
+from radixmesh.options import add_option, add_options, parse_optional_fraction, warn_renamed
 from radixmesh.sim import costs
 from radixmesh.sim.runner import RunResult
 from radixmesh.sim.sweep import AUTO_EPIDEMIC_ABOVE, parse_policies, split_csv, sweep_point
@@ -32,10 +37,12 @@ from radixmesh.workload.schedule import Entry
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cluster")
-    g.add_argument("--nodes", default="4", help="node count(s), comma-separated (default 4)")
-    g.add_argument(
-        "--policy",
-        default="cost",
+    add_option(g, "nodes", "4", raw=True, help="node count(s), comma-separated (default 4)")
+    add_option(
+        g,
+        "policy",
+        "cost",
+        raw=True,
         help="routing policies, comma-separated: none, paper, cost, random, round_robin, "
         "least_loaded, llmd (llm-d's default scorer profile), or cache_aware (a centralized "
         "gateway with sglang-router's policy in front of none nodes)",
@@ -51,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         )
         + " (default cpu-tiny)",
     )
-    g.add_argument("--cache-tokens", type=int, default=65_536, help="KV budget per node")
+    add_option(g, "cache_tokens", 65_536)
     g.add_argument(
         "--service-noise",
         type=float,
@@ -73,39 +80,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="router priors from the cost model (default: the runtime's defaults, as `serve`)",
     )
-    g.add_argument("--pushback-threshold", type=int, default=8, help="queue depth for push-back")
-    g.add_argument(
-        "--load-bound",
-        type=float,
-        default=RouterConfig().load_bound,
-        help="cost policy: no forwards to peers above (1+x) x mean utilization (-1: off)",
-    )
-    g.add_argument("--forward-timeout", default="2s", help="first-byte timeout of a forward")
+    add_option(g, "pushback_threshold", 8)
+    add_option(g, "load_bound", RouterConfig().load_bound, type=_load_bound)
+    add_option(g, "forward_timeout", "2s", raw=True)
     g.add_argument("--seeds", type=int, default=3, help="seed nodes each node joins through")
     g = p.add_argument_group("gossip")
-    g.add_argument(
-        "--gossip-interval",
-        default="auto",
+    add_option(
+        g,
+        "gossip_interval",
+        "auto",
+        raw=True,
         help="Δpoll value(s), comma-separated, e.g. 500ms,2s (auto: 0.5s, 1s above "
         f"{AUTO_EPIDEMIC_ABOVE} nodes)",
     )
-    g.add_argument(
-        "--gossip-mode",
-        default="auto",
+    add_option(
+        g,
+        "gossip_mode",
+        "auto",
+        raw=True,
         help=f"delta | snapshot | epidemic | auto (epidemic above {AUTO_EPIDEMIC_ABOVE} nodes)",
     )
-    g.add_argument("--fanout", type=int, default=3, help="epidemic mode: peers per round")
-    g.add_argument(
-        "--gossip-announce",
-        type=parse_optional_duration,
-        default=GossipConfig().announce_gap_s,
-        help="delta mode: a cache change brings the next round forward to this long after the "
-        "last one; 'off': rounds only every Δpoll (the paper's polling)",
-    )
+    add_options(g, {"gossip_fanout": 3, "gossip_announce": GossipConfig().announce_gap_s})
     g = p.add_argument_group("network")
-    g.add_argument("--comm-delay", default="2ms", help="one-way delay(s), comma-separated")
-    g.add_argument("--jitter", default="0ms", help="extra one-way delay, uniform in [0, J]")
-    g.add_argument("--loss", type=float, default=0.0, help="gossip loss probability")
+    add_option(g, "net_delay", "2ms", raw=True, help="one-way delay(s), comma-separated")
+    add_option(g, "net_jitter", "0ms", raw=True)
+    add_option(g, "net_loss", 0.0)
     g.add_argument("--regions", default="", help="region names, e.g. us,eu,ap (round-robin)")
     g.add_argument(
         "--region-delays",
@@ -207,6 +206,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _load_bound(text: str) -> float | None:
+    """--load-bound X or 'off'; a negative number was the old spelling of 'off' (warned)."""
+    try:
+        if float(text) < 0:
+            warn_renamed(f"--load-bound {text}", "--load-bound off", "value")
+            return None
+    except ValueError:
+        pass
+    try:
+        return parse_optional_fraction(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 # ----------------------------------------------------------------------------------- run
 def run(args: argparse.Namespace) -> int:
     try:
@@ -246,7 +259,7 @@ def _run_sweep(args: argparse.Namespace) -> int:
     cost = costs.resolve(args.cost_model)
     policies = parse_policies(args.policy)
     node_counts = [int(n) for n in split_csv(args.nodes)]
-    delays = [parse_duration(d) for d in split_csv(args.comm_delay)]
+    delays = [parse_duration(d) for d in split_csv(args.net_delay)]
     skews = _parse_skews(args.skew)
     many = {
         "nodes": len(node_counts) > 1,

@@ -277,8 +277,8 @@ def run_convergence(args: argparse.Namespace, log: Log) -> list[dict[str, Any]]:
                 n,
                 mode,
                 interval,
-                parse_duration(split_csv(args.comm_delay)[0]),
-                args.fanout,
+                parse_duration(split_csv(args.net_delay)[0]),
+                args.gossip_fanout,
                 args.seed,
                 seeds=args.seeds,
                 trials=args.trials,
@@ -390,7 +390,7 @@ def _sweep(args: argparse.Namespace, log: Log, **override: Any) -> list[dict[str
     """The ordinary ``radixmesh sim`` sweep at each N, requests scaled with N."""
     cost = costs.resolve(args.cost_model)
     policies = parse_policies(args.policy)
-    delays = [parse_duration(d) for d in split_csv(args.comm_delay)]
+    delays = [parse_duration(d) for d in split_csv(args.net_delay)]
     many = {"nodes": True, "delay": len(delays) > 1, "interval": False, "skew": True}
     rows = []
     for n in (int(x) for x in split_csv(args.nodes)):

@@ -72,8 +72,8 @@ def network_config(args: argparse.Namespace, delay_s: float) -> NetworkConfig:
         regions, matrix = parse_regions(args.regions, args.region_delays)
     return NetworkConfig(
         delay_s=delay_s,
-        jitter_s=parse_duration(args.jitter),
-        loss=args.loss,
+        jitter_s=parse_duration(args.net_jitter),
+        loss=args.net_loss,
         regions=regions,
         region_delay_s=matrix,
         partitions=tuple(parse_partition(t) for t in args.partition),
@@ -216,6 +216,11 @@ def _arrivals(
     return schedule.poisson(requests, nodes, rate, args.seed), rate
 
 
+def _bound(load_bound: float | None) -> float | None:
+    """The load bound, None (off) for None or a negative number (the old spelling of off)."""
+    return None if load_bound is None or load_bound < 0 else load_bound
+
+
 def _cluster_config(
     args: argparse.Namespace,
     cost: costs.CostModel,
@@ -234,12 +239,12 @@ def _cluster_config(
         router=RouterConfig(
             policy=Policy.NONE if gateway is not None else Policy.parse(policy),
             context_scale=cost.context_scale if args.tuned_priors else 4096.0,
-            load_bound=None if args.load_bound < 0 else args.load_bound,
+            load_bound=_bound(args.load_bound),
         ),
         gossip=GossipConfig.for_interval(
             interval,
             mode=mode,
-            fanout=args.fanout,
+            fanout=args.gossip_fanout,
             announce_gap_s=args.gossip_announce,
         ),
         pushback=PushbackConfig(queue_threshold=args.pushback_threshold),
