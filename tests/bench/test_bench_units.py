@@ -383,6 +383,7 @@ def test_a_stream_gives_ttft_tpot_usage_and_the_nodes_timing() -> None:
     state.chunk({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}, 2.2)
     state.chunk({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3,
                                           "prompt_tokens_details": {"cached_tokens": 4}}}, 2.3)
+    state.done = True  # data: [DONE] (a stream without it is an error: the next test)
     rec = _rec(cached_tokens=2)  # the header's estimate at acceptance
     _fill_stream(rec, state, start=1.0)
     assert rec.ttft_s == pytest.approx(0.5) and rec.tpot_s == pytest.approx(0.3)
@@ -399,6 +400,16 @@ def test_an_error_inside_a_stream_fails_the_record() -> None:
     rec = _rec()
     _fill_stream(rec, state, start=0.0)
     assert not rec.ok and "node shut down" in (rec.error or "")
+
+
+def test_a_stream_that_breaks_off_without_done_fails_the_record() -> None:
+    from radixmesh.bench.client import _fill_stream, _StreamState
+
+    state = _StreamState()
+    state.chunk({"choices": [{"index": 0, "text": "a"}]}, 1.0)
+    rec = _rec()
+    _fill_stream(rec, state, start=0.0)
+    assert not rec.ok and rec.error == "stream ended without [DONE]"
 
 
 def test_goodput_counts_failed_requests_against_it() -> None:

@@ -16,7 +16,12 @@ times what serving systems are judged on, as vLLM's and guidellm's benchmarks do
 
 Usage (prompt, completion and cached tokens) comes from the stream's usage chunk; a radixmesh
 node adds its ``queue`` / ``service`` timings as an SSE comment (``: server-timing ...``, which
-SSE clients ignore) since a stream's headers leave before they are known.
+SSE clients ignore) since a stream's headers leave before they are known. A stream that ends
+without ``data: [DONE]`` (a server or a forward that died mid-answer) is an error.
+
+The one load generator's client: the benchmark's replays and ``radixmesh chaos``
+(chaos/load.py) both send through :func:`send`; ``stream=False`` sends one plain request (the
+API's non-streamed path, which chaos also tests).
 """
 
 from __future__ import annotations
@@ -116,6 +121,9 @@ def fill_from_response(rec: Record, resp: httpx.Response) -> None:
     except ValueError:
         rec.error = f"HTTP {resp.status_code}: body is not JSON"
         return
+    if not isinstance(payload, dict):
+        rec.error = f"HTTP {resp.status_code}: body is not a JSON object"
+        return
     if resp.status_code >= 400 or "error" in payload:
         err = payload.get("error") if isinstance(payload, dict) else None
         rec.error = f"HTTP {resp.status_code}: {_error_message(err or payload)[:200]}"
@@ -123,9 +131,9 @@ def fill_from_response(rec: Record, resp: httpx.Response) -> None:
     usage = payload.get("usage") or {}
     rec.prompt_tokens = usage.get("prompt_tokens")
     rec.completion_tokens = usage.get("completion_tokens")
-    if rec.cached_tokens is None:
-        details = usage.get("prompt_tokens_details") or {}
-        rec.cached_tokens = details.get("cached_tokens")
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if cached is not None:  # the engine's own figure beats the header's (as in a stream)
+        rec.cached_tokens = cached
     rec.output, rec.finish_reason = _output(payload)
 
 
@@ -137,22 +145,32 @@ async def send(
     rec: Record,
     t0: float,
     headers: dict[str, str] | None = None,
+    *,
+    stream: bool = True,
+    timeout_s: float | None = None,
 ) -> Record:
-    """POST ``req`` to ``base_url`` as a stream; fills ``rec`` (timing relative to ``t0``,
-    TTFT and TPOT measured here) and returns it."""
-    path, body = request_body(req, model, stream=True)
+    """POST ``req`` to ``base_url`` (a stream unless ``stream`` is False); fills ``rec``
+    (timing relative to ``t0``, TTFT and TPOT measured here) and returns it. Never raises:
+    a transport error or a timeout (``timeout_s``, else the client's) is ``rec.error``."""
+    path, body = request_body(req, model, stream=stream)
+    url = base_url.rstrip("/") + path
+    timeout: Any = httpx.USE_CLIENT_DEFAULT if timeout_s is None else timeout_s
     start = time.perf_counter()
     try:
-        url = base_url.rstrip("/") + path
-        async with client.stream("POST", url, json=body, headers=headers) as resp:
-            if resp.status_code >= 400 or not _is_stream(resp):
-                await resp.aread()
-                fill_from_response(rec, resp)
-            else:
-                _fill_headers(rec, resp.headers)
-                rec.status = resp.status_code
-                await _read_stream(rec, resp, start)
-    except httpx.HTTPError as exc:
+        if not stream:
+            fill_from_response(rec, await client.post(url, json=body, headers=headers,
+                                                      timeout=timeout))
+        else:
+            async with client.stream("POST", url, json=body, headers=headers,
+                                     timeout=timeout) as resp:
+                if resp.status_code >= 400 or not _is_stream(resp):
+                    await resp.aread()
+                    fill_from_response(rec, resp)
+                else:
+                    _fill_headers(rec, resp.headers)
+                    rec.status = resp.status_code
+                    await _read_stream(rec, resp, start)
+    except (httpx.HTTPError, OSError) as exc:
         rec.error = f"{type(exc).__name__}: {exc}"[:300]
     end = time.perf_counter()
     rec.latency_s = end - start
@@ -179,6 +197,7 @@ class _StreamState:
         self.last: float | None = None
         self.usage: dict[str, Any] = {}
         self.error: str | None = None
+        self.done = False  # data: [DONE] arrived
 
     def chunk(self, payload: dict[str, Any], now: float) -> None:
         if "error" in payload:
@@ -208,6 +227,7 @@ async def _read_stream(rec: Record, resp: httpx.Response, start: float) -> None:
             continue
         data = line[5:].strip()
         if data == "[DONE]":
+            state.done = True
             break
         try:
             payload = json.loads(data)
@@ -220,6 +240,8 @@ async def _read_stream(rec: Record, resp: httpx.Response, start: float) -> None:
 
 
 def _fill_stream(rec: Record, state: _StreamState, start: float) -> None:
+    if state.error is None and not state.done:
+        state.error = "stream ended without [DONE]"
     if state.error is not None:
         rec.error = state.error
         return

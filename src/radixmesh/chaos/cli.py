@@ -111,8 +111,8 @@ def _soak(args: argparse.Namespace, cfg: ChaosConfig) -> tuple[dict[str, object]
     doc: dict[str, object] = {"soak": report, "config": {**asdict(cfg), "soak": asdict(soak)}}
     if not args.json:
         keys = ("duration_s", "rate", "requests", "errors", "lost_or_wrong", "p50_s", "p99_s",
-                "max_s", "kills", "restarts", "locked_tokens_at_end", "nodes_down_at_end",
-                "chaos_error", "passed")
+                "max_s", "ttft_p50_s", "ttft_p99_s", "kills", "restarts", "locked_tokens_at_end",
+                "nodes_down_at_end", "chaos_error", "passed")
         for k in keys:
             print(f"{k:>22}: {report[k]}")
         for sample in report["rss_mb"]:  # type: ignore[attr-defined]

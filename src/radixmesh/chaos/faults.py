@@ -135,11 +135,12 @@ def kill_forward_target(env: ChaosEnv, plan: FaultPlan, sig: int = signal.SIGKIL
 
 
 def _kill_group(env: ChaosEnv, hung: bool, stream: bool) -> list[Prompt]:
-    """The prompt group of one kill variant (streaming clients ask for 48 tokens)."""
+    """The prompt group of one kill variant: streaming clients ask for 48 tokens, the others
+    send the API's plain (non-streamed) request."""
     group = env.groups[6 if stream else 1 if hung else 0]
     if stream:
-        group = [Prompt(p.id + "-sse", p.text, 48, True) for p in group]
-    return list(group)
+        return [Prompt(p.id + "-sse", p.text, 48, True) for p in group]
+    return [Prompt(p.id, p.text, p.max_tokens, stream=False) for p in group]
 
 
 def _forwarding_baseline(env: ChaosEnv, r: FaultResult, entry: int, target: int,

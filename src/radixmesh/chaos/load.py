@@ -1,9 +1,16 @@
 """Client-side load for fault injection: send completions, record every outcome.
 
 A client-visible failure is anything a user of the OpenAI API would notice: a transport error,
-a timeout, or a status other than 200. Each :class:`Outcome` keeps the response text (greedy
-decoding, so outputs can be compared with a reference), which node served it and how it was
-routed (the ``x-radixmesh-*`` headers).
+a timeout, a status other than 200, or a stream that breaks off (no ``[DONE]``). Each
+:class:`Outcome` keeps the response text (greedy decoding, so outputs can be compared with a
+reference), which node served it and how it was routed (the ``x-radixmesh-*`` headers), and
+for a streamed answer its time to first token.
+
+One load generator: every request goes through the benchmark's client (bench/client.py
+:func:`~radixmesh.bench.client.send`, which times TTFT and TPOT on the stream); this module
+only turns its :class:`~radixmesh.results.records.Record` into an :class:`Outcome`. Prompts
+stream by default, as the bench's requests do; ``Prompt(stream=False)`` sends the API's plain
+(non-streamed) request, which the faults also test.
 
 Two drivers: :func:`closed_loop` (``concurrency`` workers, each sends when its previous request
 finished) and :func:`open_loop` (arrivals on a fixed-rate schedule that does not wait for
@@ -13,7 +20,6 @@ responses: the load a real population of users puts on a cluster, so slow nodes 
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -21,8 +27,10 @@ from dataclasses import dataclass
 
 import httpx
 
-from radixmesh.core.headers import HEADER_QUEUE, HEADER_ROUTE, HEADER_SERVED_BY, HEADER_SERVICE
+from radixmesh.bench.client import send
+from radixmesh.results.records import Record
 from radixmesh.results.summary import percentile
+from radixmesh.workload.request import Request
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +38,7 @@ class Prompt:
     id: str
     text: str
     max_tokens: int = 4
-    stream: bool = False  # server-sent events; the answer is the concatenated text pieces
+    stream: bool = True  # server-sent events, as the bench sends; False: one JSON response
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,46 +54,23 @@ class Outcome:
     route: str | None = None  # local | forwarded | fallback
     cached_tokens: int | None = None
     server_s: float | None = None  # the serving node's queue + service (x-radixmesh-*-s)
+    ttft_s: float | None = None  # streamed: send -> the first token's text
 
     @property
     def ok(self) -> bool:
         return self.status == 200 and self.error is None
 
 
-def completion_body(p: Prompt, model: str) -> dict[str, object]:
-    body: dict[str, object] = {"model": model, "prompt": p.text, "max_tokens": p.max_tokens,
-                               "temperature": 0}
-    if p.stream:
-        body["stream"] = True
-    return body
-
-
-def _cached_tokens(body: dict[str, object]) -> int | None:
-    usage = body.get("usage")
-    if not isinstance(usage, dict):
-        return None
-    details = usage.get("prompt_tokens_details")
-    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-        return int(details["cached_tokens"])
-    return None
-
-
-def _text(body: dict[str, object]) -> str | None:
-    choices = body.get("choices")
-    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-        text = choices[0].get("text")
-        return text if isinstance(text, str) else None
-    return None
-
-
-def _error_message(resp: httpx.Response) -> str:
-    try:
-        body = resp.json()
-        err = body.get("error", body) if isinstance(body, dict) else body
-        msg = err.get("message", err) if isinstance(err, dict) else err
-        return f"HTTP {resp.status_code}: {str(msg)[:200]}"
-    except ValueError:
-        return f"HTTP {resp.status_code}: {resp.text[:200]}"
+def outcome_of(rec: Record, base_url: str, t_start: float) -> Outcome:
+    """What the bench's client recorded of one request, as the chaos checks read it."""
+    timing = rec.server_timing
+    server_s = timing["queue"] + timing["service"] if {"queue", "service"} <= set(timing) else None
+    error = rec.error
+    if error is None and rec.status != 200:
+        error = f"HTTP {rec.status}"
+    return Outcome(rec.id, base_url, rec.status, error, rec.latency_s, t_start,
+                   text=rec.output, served_by=rec.served_by, route=rec.route,
+                   cached_tokens=rec.cached_tokens, server_s=server_s, ttft_s=rec.ttft_s)
 
 
 async def send_one(
@@ -97,101 +82,15 @@ async def send_one(
     timeout_s: float = 60.0,
     headers: dict[str, str] | None = None,
 ) -> Outcome:
-    """POST one completion; never raises (failures become outcomes)."""
-    if p.stream:
-        return await _send_stream(client, base_url, p, model, t0, timeout_s, headers)
+    """Send one completion through the bench's client; never raises (failures are outcomes).
+    ``t0``: the driver's start on ``time.monotonic()``."""
+    rec = Record(run="chaos", policy="", seq=0, id=p.id, group=None, entry=0,
+                 entry_node=base_url, t_send=0.0)
+    req = Request(p.id, prompt=p.text, max_tokens=p.max_tokens)
     start = time.monotonic()
-    try:
-        resp = await client.post(
-            f"{base_url}/v1/completions", json=completion_body(p, model), timeout=timeout_s,
-            headers=headers,
-        )
-    except (httpx.HTTPError, OSError) as exc:
-        error = f"{type(exc).__name__}: {exc}"[:200]
-        return Outcome(p.id, base_url, None, error, time.monotonic() - start, start - t0)
-    return _from_response(p.id, base_url, resp, time.monotonic() - start, start - t0)
-
-
-async def _send_stream(
-    client: httpx.AsyncClient, base_url: str, p: Prompt, model: str, t0: float,
-    timeout_s: float, headers: dict[str, str] | None,
-) -> Outcome:
-    """A streamed completion: OK only if it ends with ``[DONE]`` and carried no error event."""
-    start = time.monotonic()
-    pieces: list[str] = []
-    error: str | None = None
-    status: int | None = None
-    done = False
-    try:
-        async with client.stream("POST", f"{base_url}/v1/completions", timeout=timeout_s,
-                                 json=completion_body(p, model), headers=headers) as resp:
-            if resp.status_code != 200:
-                await resp.aread()
-                return _from_response(p.id, base_url, resp, time.monotonic() - start,
-                                      start - t0)
-            status = 200
-            served_by = resp.headers.get(HEADER_SERVED_BY)
-            route = resp.headers.get(HEADER_ROUTE)
-            error, done = await _read_events(resp, pieces)
-    except (httpx.HTTPError, OSError, ValueError) as exc:
-        error = f"{type(exc).__name__}: {exc}"[:200]
-        served_by = route = None
-    if error is None and not done:
-        error = "stream ended without [DONE]"
-    return Outcome(p.id, base_url, status, error,
-                   time.monotonic() - start, start - t0, text="".join(pieces),
-                   served_by=served_by, route=route)
-
-
-async def _read_events(resp: httpx.Response, pieces: list[str]) -> tuple[str | None, bool]:
-    """Read SSE events into ``pieces`` (kept if the stream breaks); (error event, [DONE] seen)."""
-    error: str | None = None
-    done = False
-    async for line in resp.aiter_lines():
-        if not line.startswith("data: "):
-            continue
-        data = line[6:]
-        if data == "[DONE]":
-            done = True
-            continue
-        event = json.loads(data)
-        if "error" in event:
-            error = f"stream error: {str(event['error'])[:200]}"
-            continue
-        for choice in event.get("choices", []):
-            pieces.append(choice.get("text", ""))
-    return error, done
-
-
-def _from_response(
-    id_: str, base_url: str, resp: httpx.Response, latency_s: float, t_start: float
-) -> Outcome:
-    served_by = resp.headers.get(HEADER_SERVED_BY)
-    route = resp.headers.get(HEADER_ROUTE)
-    if resp.status_code != 200:
-        error: str | None = _error_message(resp)
-        body: dict[str, object] = {}
-    else:
-        try:
-            parsed = resp.json()
-            body = parsed if isinstance(parsed, dict) else {}
-            error = None if body else "response is not a JSON object"
-        except ValueError:
-            body, error = {}, "response is not JSON"
-    return Outcome(
-        id_, base_url, resp.status_code, error, latency_s, t_start,
-        text=_text(body), served_by=served_by, route=route, cached_tokens=_cached_tokens(body),
-        server_s=_server_s(resp),
-    )
-
-
-def _server_s(resp: httpx.Response) -> float | None:
-    """Queue + service seconds on the node that served the request (its response headers)."""
-    try:
-        return float(resp.headers[HEADER_QUEUE]) + float(
-            resp.headers[HEADER_SERVICE])
-    except (KeyError, ValueError):
-        return None
+    await send(client, base_url, model, req, rec, time.perf_counter(), headers,
+               stream=p.stream, timeout_s=timeout_s)
+    return outcome_of(rec, base_url, start - t0)
 
 
 async def closed_loop(
@@ -260,6 +159,7 @@ async def open_loop(
 
 def summarize(outcomes: Sequence[Outcome]) -> dict[str, object]:
     lat = [o.latency_s for o in outcomes if o.ok]
+    ttft = [o.ttft_s for o in outcomes if o.ok and o.ttft_s is not None]
     routes: dict[str, int] = {}
     for o in outcomes:
         routes[o.route or "none"] = routes.get(o.route or "none", 0) + 1
@@ -269,5 +169,7 @@ def summarize(outcomes: Sequence[Outcome]) -> dict[str, object]:
         "p50_s": percentile(lat, 50),
         "p99_s": percentile(lat, 99),
         "max_s": max(lat) if lat else None,
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
         "routes": routes,
     }

@@ -81,6 +81,9 @@ def _latency(outcomes: Sequence[Outcome], status: int = 200) -> dict[str, float 
     out: dict[str, float | None] = {
         "n": float(len(lat)), "p50_s": _r(percentile(lat, 50)), "p99_s": _r(percentile(lat, 99)),
         "max_s": _r(max(lat) if lat else None)}
+    ttft = [o.ttft_s for o in picked if o.ttft_s is not None]  # streamed (chaos/load.py)
+    if ttft:
+        out.update(ttft_p50_s=_r(percentile(ttft, 50)), ttft_p99_s=_r(percentile(ttft, 99)))
     server = [o.server_s for o in picked if o.server_s is not None]
     if server:
         out.update(server_p50_s=_r(percentile(server, 50)), server_p99_s=_r(percentile(server, 99)))

@@ -204,6 +204,8 @@ def run_soak(env: ChaosEnv, cfg: SoakConfig) -> dict[str, object]:
         "p50_s": stats["p50_s"],
         "p99_s": percentile(lat, 99),
         "max_s": stats["max_s"],
+        "ttft_p50_s": stats["ttft_p50_s"],  # streamed requests (chaos/load.py)
+        "ttft_p99_s": stats["ttft_p99_s"],
         "routes": stats["routes"],
         "kills": st.kills,
         "restarts": st.restarts,
