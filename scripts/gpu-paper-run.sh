@@ -71,12 +71,12 @@ RADIXMESH_MMLU="$MMLU" RADIXMESH_BENCH_MODEL="$MODEL_DIR" RADIXMESH_BENCH_DEVICE
   | tee "$OUT/microbench.json"
 
 common=(--out "$OUT/bench" --mmlu-dir "$MMLU" --model "$MODEL_DIR" --device "$DEVICE"
-        --dtype "$DTYPE" --gpu-memory-fraction "$MEM_FRACTION" --policies none,paper,cost
+        --dtype "$DTYPE" --gpu-memory-fraction "$MEM_FRACTION" --policy none,paper,cost
         --requests "$REQUESTS" --interleave --no-progress)
 stamp "bench: uniform, Δcomm 2 ms and 200 ms"
-"$PY" -m radixmesh bench "${common[@]}" --skew uniform --comm-delay 2ms,200ms
+"$PY" -m radixmesh bench "${common[@]}" --skew uniform --net-delay 2ms,200ms
 stamp "bench: skewed, Δcomm 2 ms"
-"$PY" -m radixmesh bench "${common[@]}" --skew skewed --comm-delay 2ms --resume
+"$PY" -m radixmesh bench "${common[@]}" --skew skewed --net-delay 2ms --resume
 
 cp "$OUT/bench/summary.json" "$OUT/bench/report.md" "$OUT/" 2>/dev/null || true
 stamp "done: $OUT (summary.json, report.md, figures under $OUT/bench)"

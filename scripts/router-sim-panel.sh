@@ -60,10 +60,10 @@ one "mmlu seq" "${M[@]}"
 one "mmlu seq skew" "${M[@]}" --skew skewed
 one "mmlu seq 20k" "${M[@]}" --cache-tokens 20000
 F=(--cost-model "$FIT" --max-context 4096)
-for d in 2ms 200ms 1s; do one "fit seq $d" "${M[@]}" --comm-delay "$d" "${F[@]}"; done
+for d in 2ms 200ms 1s; do one "fit seq $d" "${M[@]}" --net-delay "$d" "${F[@]}"; done
 one "fit seq skew" "${M[@]}" "${F[@]}" --skew skewed
 one "fit seq 20k" "${M[@]}" "${F[@]}" --cache-tokens 20000
-for d in 2ms 1s; do one "g70 seq $d" "${M[@]}" --comm-delay "$d" --cost-model gpu-70b; done
+for d in 2ms 1s; do one "g70 seq $d" "${M[@]}" --net-delay "$d" --cost-model gpu-70b; done
 one "fit mmlu k4" "${M[@]}" --concurrency 4 "${F[@]}"
 one "fit mmlu k16" "${M[@]}" --concurrency 16 "${F[@]}"
 workloads random " rand"

@@ -24,9 +24,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from radixmesh.core.config import GossipConfig, GossipMode
 from radixmesh.core.units import parse_duration, parse_optional_duration
 
 NEXT_RELEASE = "the old name goes in the next release"
@@ -119,6 +120,32 @@ NETWORKS: dict[str, dict[str, object]] = {
     "wan": {"gossip_interval": 2.0, "suspect_timeout": 10.0, "dead_timeout": 60.0,
             "forward_timeout": 5.0, "connect_timeout": 2.0},
 }
+
+
+def gossip_config(
+    interval_s: float,
+    mode: str,
+    fanout: int,
+    announce_gap_s: float | None,
+    suspect_s: float = 0.0,
+    dead_s: float = 0.0,
+    network: str = "lan",
+) -> GossipConfig:
+    """The core's gossip configuration from the options (``serve`` and ``sim`` both build it
+    here): timeouts 4 and 20 rounds unless given (0), ``wan``'s round-counted cadences."""
+    overrides: dict[str, Any] = {"mode": GossipMode.parse(mode), "fanout": fanout,
+                                 "announce_gap_s": announce_gap_s}
+    if suspect_s:
+        overrides["suspect_after_s"] = suspect_s
+    if dead_s:
+        overrides["dead_after_s"] = dead_s
+    if network == "wan":  # cadences counted in rounds: halved (GossipConfig.wan)
+        wan = GossipConfig.wan()
+        overrides |= {"membership": wan.membership, "exchange": wan.exchange}
+    gossip = GossipConfig.for_interval(interval_s, **overrides)
+    if gossip.dead_after_s < gossip.suspect_after_s:  # only suspect given: keep the order
+        gossip = replace(gossip, dead_after_s=5 * gossip.suspect_after_s)
+    return gossip
 
 
 def check_network(name: str) -> str:

@@ -67,8 +67,8 @@ def test_random_entry_is_named_and_reaches_the_workload() -> None:
     ]
     assert all(s.workload.entry is Entry.RANDOM for s in specs)
     assert len({s.lockstep for s in specs}) == 1  # still paired with each other
-    preset = cli.specs_from_args(_args("--sweep", "paper", "--only", "t1", "--entry", "random"))
-    assert preset and all(s.name.endswith("@uniform-erandom") for s in preset)
+    sweep = cli.specs_from_args(_args("--sweep", "paper", "--only", "t1", "--entry", "random"))
+    assert sweep and all(s.name.endswith("@uniform-erandom") for s in sweep)
     given = cli.specs_from_args(_args("--workload", "agentic", "--policy", "none"))
     assert given[0].workload.entry is Entry.GIVEN and "-e" not in given[0].name.split("-w")[1]
     with pytest.raises(SystemExit):
@@ -365,7 +365,7 @@ def test_batch_clusters_spawn_together_and_failures_close_every_one(tmp_path: An
     assert [res.spec.name for res, *_ in live] == ["a", "b", "c"] and "close a" not in events
 
 
-def test_the_paper_presets_poll_sweep_polls_only() -> None:
+def test_the_paper_sweeps_poll_group_polls_only() -> None:
     """Δpoll means the paper's polling only with announcements off: they would spread every
     cache change within their gap whatever Δpoll is. The other batches keep the default."""
     specs = cli.specs_from_args(_args("--sweep", "paper", "--only", "t1,poll"))

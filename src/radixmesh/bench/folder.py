@@ -50,7 +50,7 @@ def same_time(a: Run, b: Run) -> bool:
 
 def _cache_points(runs: Sequence[Run]) -> tuple[int, int | None]:
     """The cache budgets of the default point and of memory pressure (None: no pressure run).
-    The paper preset names its pressure batch (group ``pressure``), which is then known even
+    The paper sweep names its pressure batch (group ``pressure``), which is then known even
     in a folder holding nothing else (``--only pressure``): its runs must not stand in for the
     abundant-cache ones (no default point then: -1 matches no run). Otherwise, with two or
     more budgets, the smallest is the pressure and the largest the default."""

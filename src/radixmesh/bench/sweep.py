@@ -1,4 +1,4 @@
-"""Sweeps: flag lists → the cartesian product of :class:`RunSpec`, and the named presets.
+"""Sweeps: flag lists → the cartesian product of :class:`RunSpec`, and the named sweeps.
 
 ``paper`` reproduces §4–5 (Tables 1–3, Figs 2–4) plus the baselines, in priority order (the
 runs the headline targets need come first, so a sweep cut short still answers them).
@@ -91,7 +91,7 @@ def _together(key: str, runs: list[RunSpec]) -> list[RunSpec]:
     return [replace(r, lockstep=key, name=f"{r.name}@{key}") for r in runs]
 
 
-def paper_preset(base: RunSpec, with_sglang: bool = True) -> list[RunSpec]:
+def paper_sweep(base: RunSpec, with_sglang: bool = True) -> list[RunSpec]:
     """The paper's experiments (+ oracle, sglang and simple baselines), most important first.
 
     Each comparison runs *interleaved*: the clusters of one batch (e.g. none, cost, paper,
@@ -129,7 +129,7 @@ def paper_preset(base: RunSpec, with_sglang: bool = True) -> list[RunSpec]:
     return runs
 
 
-# Open-loop arrivals of the paper preset, sized for the 2-core box: three 4-node clusters up at
+# Open-loop arrivals of the paper sweep, sized for the 2-core box: three 4-node clusters up at
 # once share 2 cores (~0.67 core each); an MMLU request costs a tiny node ~0.3-1 s of CPU at
 # the hit rates seen there, so ~1 req/s saturates a cluster and 0.5 req/s keeps it near half.
 OPEN_RATE = 0.5
@@ -141,7 +141,7 @@ def _mk_open(base: RunSpec, policy: str, rate: float, requests: int) -> RunSpec:
     return replace(spec, name=run_name(spec))
 
 
-def quick_preset(base: RunSpec) -> list[RunSpec]:
+def quick_sweep(base: RunSpec) -> list[RunSpec]:
     """CI-sized: none/paper/cost/oracle paired on a small synthetic workload (the CLI
     defaults it to 32 requests over 6 groups at 0.2x MMLU length), gossip every 100 ms;
     interleaved one at a time, or, with a rate, on one shared open-loop arrival schedule."""
@@ -156,4 +156,4 @@ def quick_preset(base: RunSpec) -> list[RunSpec]:
     return [replace(r, lockstep="quick") for r in runs]
 
 
-SWEEPS = {"paper": paper_preset, "quick": quick_preset}  # bench --sweep NAME
+SWEEPS = {"paper": paper_sweep, "quick": quick_sweep}  # bench --sweep NAME

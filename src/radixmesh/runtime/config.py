@@ -47,6 +47,7 @@ from radixmesh.options import (
     add_renamed,
     canonical_key,
     check_network,
+    gossip_config,
     parse_fraction,
     parse_optional_fraction,
 )
@@ -293,22 +294,9 @@ class ServeConfig:
         return name, port or self.port
 
     def gossip_config(self) -> GossipConfig:
-        overrides: dict[str, object] = {
-            "mode": GossipMode.parse(self.gossip_mode),
-            "fanout": self.gossip_fanout,
-            "announce_gap_s": self.gossip_announce,
-        }
-        if self.suspect_timeout:
-            overrides["suspect_after_s"] = self.suspect_timeout
-        if self.dead_timeout:
-            overrides["dead_after_s"] = self.dead_timeout
-        if self.network == "wan":  # cadences counted in rounds: halved (GossipConfig.wan)
-            wan = GossipConfig.wan()
-            overrides |= {"membership": wan.membership, "exchange": wan.exchange}
-        gossip = GossipConfig.for_interval(self.gossip_interval, **overrides)
-        if gossip.dead_after_s < gossip.suspect_after_s:  # only suspect given: keep the order
-            gossip = replace(gossip, dead_after_s=5 * gossip.suspect_after_s)
-        return gossip
+        return gossip_config(self.gossip_interval, self.gossip_mode, self.gossip_fanout,
+                             self.gossip_announce, self.suspect_timeout, self.dead_timeout,
+                             self.network)
 
     def router_config(self) -> RouterConfig:
         return replace(_ROUTER, policy=Policy.parse(self.policy), load_bound=self.load_bound)

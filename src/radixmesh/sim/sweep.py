@@ -17,9 +17,10 @@ from dataclasses import replace
 from typing import Any
 
 from radixmesh.core.byte_tokenizer import ByteTokenizer
-from radixmesh.core.config import ForwardConfig, GossipConfig, GossipMode, PushbackConfig
+from radixmesh.core.config import ForwardConfig, GossipMode, PushbackConfig
 from radixmesh.core.router import Policy, RouterConfig
 from radixmesh.core.units import parse_duration
+from radixmesh.options import gossip_config
 from radixmesh.sim import costs
 from radixmesh.sim.cluster import ClusterConfig
 from radixmesh.sim.gateway import CACHE_AWARE, GatewayConfig
@@ -241,12 +242,7 @@ def _cluster_config(
             context_scale=cost.context_scale if args.tuned_priors else 4096.0,
             load_bound=_bound(args.load_bound),
         ),
-        gossip=GossipConfig.for_interval(
-            interval,
-            mode=mode,
-            fanout=args.gossip_fanout,
-            announce_gap_s=args.gossip_announce,
-        ),
+        gossip=gossip_config(interval, mode, args.gossip_fanout, args.gossip_announce),
         pushback=PushbackConfig(queue_threshold=args.pushback_threshold),
         network=network_config(args, delay),
         cache_tokens=args.cache_tokens,
