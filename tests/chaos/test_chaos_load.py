@@ -84,3 +84,31 @@ def test_closed_loop_answers_every_prompt_once_and_summarize_reports_ttft(  # ty
     summary = summarize(outs)
     assert summary["requests"] == 9 and summary["failures"] == 3
     assert summary["ttft_p50_s"] is not None and summary["routes"] == {"forwarded": 6, "none": 3}
+
+
+def test_open_loop_sends_rate_x_duration_or_until_stopped(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from radixmesh.chaos.load import open_loop
+
+    orig = httpx.AsyncClient.__init__
+
+    def init(self: httpx.AsyncClient, *a: object, **kw: object) -> None:
+        orig(self, *a, transport=httpx.MockTransport(_handler), **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(httpx.AsyncClient, "__init__", init)
+    prompt = Prompt("p", "hi")
+    timed = asyncio.run(open_loop(lambda i: "http://n0", lambda i: prompt, "m", 400.0, 0.02))
+    assert len(timed) == 8 and all(o.ok for o in timed)
+
+    async def until_stopped() -> list[Outcome]:
+        stop = asyncio.Event()
+        ticks: list[float] = []
+
+        def tick(t: float) -> None:  # the 5th arrival stops the schedule
+            ticks.append(t)
+            if len(ticks) == 5:
+                stop.set()
+
+        return await open_loop(lambda i: "http://n0", lambda i: prompt, "m", 1000.0, None,
+                               on_tick=tick, stop=stop)
+
+    assert len(asyncio.run(until_stopped())) == 5

@@ -20,6 +20,7 @@ responses: the load a real population of users puts on a cluster, so slow nodes 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -133,24 +134,35 @@ async def open_loop(
     prompt_at: Callable[[int], Prompt],
     model: str,
     rate: float,
-    duration_s: float,
+    duration_s: float | None,
     timeout_s: float = 60.0,
     on_tick: Callable[[float], None] | None = None,
+    *,
+    stop: asyncio.Event | None = None,
+    t0: float | None = None,
 ) -> list[Outcome]:
-    """Arrivals every ``1/rate`` seconds for ``duration_s``; waits for all to finish."""
-    t0 = time.monotonic()
+    """Arrivals every ``1/rate`` seconds for ``duration_s`` (None: until ``stop`` is set),
+    from ``t0`` (``time.monotonic()``; default now); waits for every answer."""
+    t0 = time.monotonic() if t0 is None else t0
+    stop = stop or asyncio.Event()
+    n = math.inf if duration_s is None else max(1, math.floor(rate * duration_s))
     tasks: list[asyncio.Task[Outcome]] = []
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     async with httpx.AsyncClient(limits=limits, trust_env=False) as client:
-        n = max(1, math.floor(rate * duration_s))
-        for i in range(n):
+        i = 0
+        while i < n and not stop.is_set():
             delay = t0 + i / rate - time.monotonic()
             if delay > 0:
-                await asyncio.sleep(delay)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(delay):
+                        await stop.wait()
+                if stop.is_set():
+                    break
             if on_tick is not None:
                 on_tick(time.monotonic() - t0)
             coro = send_one(client, entries(i), prompt_at(i), model, t0, timeout_s)
             tasks.append(asyncio.create_task(coro))
+            i += 1
         return list(await asyncio.gather(*tasks))
 
 

@@ -48,7 +48,7 @@ from typing import Any
 import httpx
 
 from radixmesh.chaos.env import HOP, ChaosConfig, ChaosEnv
-from radixmesh.chaos.load import Outcome, Prompt, send_one
+from radixmesh.chaos.load import Outcome, Prompt, open_loop, send_one
 from radixmesh.chaos.report import rss_bytes
 from radixmesh.results.summary import percentile
 from radixmesh.runtime.metrics import parse_samples
@@ -154,22 +154,7 @@ async def _open_loop_until(entry: Callable[[int], str], prompt_at: Callable[[int
                            model: str, rate: float, stop: asyncio.Event, timeout_s: float,
                            t0: float) -> list[Outcome]:
     """Arrivals every ``1/rate`` s until ``stop`` is set; waits for every answer."""
-    tasks: list[asyncio.Task[Outcome]] = []
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-    async with httpx.AsyncClient(limits=limits, trust_env=False) as client:
-        i = 0
-        while not stop.is_set():
-            delay = t0 + i / rate - time.monotonic()
-            if delay > 0:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(delay):
-                        await stop.wait()
-                if stop.is_set():
-                    break
-            tasks.append(asyncio.create_task(
-                send_one(client, entry(i), prompt_at(i), model, t0, timeout_s)))
-            i += 1
-        return list(await asyncio.gather(*tasks))
+    return await open_loop(entry, prompt_at, model, rate, None, timeout_s, stop=stop, t0=t0)
 
 
 # ------------------------------------------------------------------------------ rolling
