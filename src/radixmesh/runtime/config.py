@@ -495,7 +495,8 @@ def config_to_argv(values: Mapping[str, object]) -> list[str]:
     """Flags that reproduce ``values`` (keys as in :class:`ServeConfig`) on a command line."""
     argv: list[str] = []
     for key, value in values.items():
-        name = key.replace("-", "_")
+        name = canonical_key(key)
+        name = _ALIASES.get(name, name)
         if name not in _FIELDS:
             raise ValueError(f"unknown configuration key {key!r}")
         if value is None:
