@@ -31,23 +31,23 @@ def check_policy(name: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class RunSpec:
-    name: str
-    policy: str
-    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
-    nodes: int = 4
+    name: str  # the run's name in summary.json and requests.jsonl
+    policy: str  # a node policy (serve --policy) or a client-side baseline (oracle, sglang, smg)
+    workload: WorkloadSpec = field(default_factory=WorkloadSpec)  # requests and their schedule
+    nodes: int = 4  # nodes in the run's cluster
     net_delay_s: float = 0.002  # emulated one-way delay of every peer message (--net-delay)
     gossip_interval_s: float = 0.5  # Δpoll
     # a cache change brings the next round forward to this long after the last (None: off)
     gossip_announce_s: float | None = GossipConfig().announce_gap_s
     cache_tokens: int = 160_000  # KV budget per node, tokens
     concurrency: int = 1  # closed-loop clients (1 = the paper's one-at-a-time schedule)
-    preset: str = "tiny"
+    preset: str = "tiny"  # the built-in engine's model preset (serve --preset)
     model: str | None = None  # local model directory instead of a preset
     threads: int = 1  # torch threads per node
     device: str = "cpu"  # torch device of every node's engine (cuda: nodes share the GPU)
     dtype: str = "float32"  # engine weights and KV cache
     gpu_memory_fraction: float = 0.0  # cuda: each node process's share of the GPU; 0: no cap
-    seed: int = 0
+    seed: int = 0  # workload, engine weights and routing randomness
     group: str = ""  # which table/figure of the report this run feeds
     lockstep: str = ""  # consecutive runs with the same non-empty key run paired in time
     # builtin: each node runs the built-in engine in process; emulated: each node fronts its

@@ -116,7 +116,7 @@ def parse_endpoint_list(value: str | Sequence[str]) -> str:
 class ServeConfig:
     node_id: str = ""  # unique name in the mesh; "" -> "node-<port>"
     host: str = "127.0.0.1"  # interface to bind
-    port: int = 8000
+    port: int = 8000  # TCP port: the client API and the peer endpoints
     advertise: str = ""  # host:port peers use to reach us; "" -> host:port (not 0.0.0.0)
     peers: tuple[str, ...] = ()  # --join (alias --peers): seed addresses, host:port
     join_dns: str = ""  # NAME[:PORT]: its A/AAAA records are seeds (port: ours if omitted)
@@ -140,7 +140,7 @@ class ServeConfig:
     tokenizer: str = ""  # external engine: the model directory whose tokenizer it loads
     engine_block_size: int = 0  # external engine's KV block size; 0 -> from its events
     launch: str = ""  # external engine: start it as a child with this command, stop it with us
-    device: str = "cpu"
+    device: str = "cpu"  # torch device of the built-in engine: cpu | cuda[:N]
     dtype: str = "float32"  # built-in engine weights / KV: float32 | bfloat16 | float16
     gpu_memory_fraction: float = 0.0  # cuda: this process's share of the GPU; 0 -> no cap
     threads: int = 0  # torch intra-op threads; 0 -> torch's default
@@ -168,7 +168,7 @@ class ServeConfig:
     decision_log: int = 1024  # routing decisions kept for GET /mesh/decisions; 0 -> none
     max_body_bytes: int = 4 * 1024 * 1024  # client request bodies larger than this -> 413
     incarnation: int = 0  # 0 -> derived from the wall clock at start (grows across restarts)
-    log_level: str = "info"
+    log_level: str = "info"  # debug | info | warning | error
     network: str = "lan"  # timing preset under the rest: local | lan | wan (options.NETWORKS)
 
     @classmethod
