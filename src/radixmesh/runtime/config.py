@@ -374,7 +374,8 @@ def _convert(key: str, value: object) -> object:
 def config_from_mapping(
     values: Mapping[str, object], base: ServeConfig | None = None
 ) -> ServeConfig:
-    """Apply ``values`` (keys with dashes or underscores) over ``base``; unknown keys raise."""
+    """Apply ``values`` (keys with dashes or underscores; renamed keys warn) over ``base``, or,
+    without one, over the preset of ``values``' ``network`` (default lan); unknown keys raise."""
     changes: dict[str, Any] = {}
     for raw_key, value in values.items():
         key = canonical_key(raw_key)
