@@ -154,3 +154,26 @@ def test_chaos_defaults_are_the_local_preset() -> None:
     assert args.gossip_interval == NETWORKS["local"]["gossip_interval"]
     assert args.forward_timeout == NETWORKS["local"]["forward_timeout"]
     assert args.preset == "micro" and args.policy == "paper"
+
+
+def test_cluster_takes_the_toml_file_under_its_flags_and_keeps_secrets_off_argv(  # type: ignore[no-untyped-def]
+    tmp_path, capsys
+) -> None:
+    from radixmesh.runtime.cluster import LocalCluster, cluster_options
+
+    toml = tmp_path / "mesh.toml"
+    toml.write_text('policy = "paper"\ngossip-interval = "200ms"\ncomm-delay = "3ms"\n'
+                    'cluster-key = "0123456789abcdef0123"\n')
+    args = _parser("cluster").parse_args(["--config", str(toml), "--policy", "cost"])
+    options, env = cluster_options(args)
+    assert options == {"policy": "cost", "gossip_interval": "200ms", "net_delay": "3ms"}
+    assert env == {"RADIXMESH_CLUSTER_KEY": "0123456789abcdef0123"}
+    assert "comm-delay is deprecated" in capsys.readouterr().err
+    argv = LocalCluster(2, options, ports=[1, 2]).argv(0)
+    assert "--policy" in argv and "--cluster-key" not in argv
+    toml.write_text('join = ["127.0.0.1:9"]\n')
+    with pytest.raises(ValueError, match="set per node"):
+        LocalCluster(2, cluster_options(args)[0], ports=[1, 2])
+    toml.write_text('policy = "fastest"\n')
+    with pytest.raises(ValueError):
+        cluster_options(args)

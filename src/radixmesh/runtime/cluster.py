@@ -49,7 +49,13 @@ import httpx
 
 from radixmesh.child_process import die_with_parent
 from radixmesh.core.units import parse_duration
-from radixmesh.runtime.config import add_serve_arguments, config_to_argv
+from radixmesh.options import canonical_key
+from radixmesh.runtime.config import (
+    add_serve_arguments,
+    config_from_mapping,
+    config_to_argv,
+    load_toml,
+)
 
 LOOPBACK = "127.0.0.1"
 
@@ -418,17 +424,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="DURATION",
                         help="how long to wait for all nodes to be healthy and gossiping, "
                         "e.g. 180s, 5m (default 180s)")
+    parser.add_argument("--config", metavar="TOML",
+                        help="every node's options from this TOML file (serve's keys); flags win")
     add_serve_arguments(parser, skip=_RESERVED)
 
 
+_SECRET_ENV = {"cluster_key": "RADIXMESH_CLUSTER_KEY", "api_key": "RADIXMESH_API_KEY"}
+
+
+def cluster_options(args: argparse.Namespace) -> tuple[dict[str, object], dict[str, str]]:
+    """Every node's options (the ``--config`` file's, then the flags) and the environment its
+    secrets travel in (never argv, where ``ps`` shows them)."""
+    options: dict[str, object] = {}
+    if getattr(args, "config", None):
+        toml = load_toml(args.config)
+        config_from_mapping(toml)  # a bad file fails here, before any node starts
+        options = {_key(k): v for k, v in toml.items()}
+    options |= {k: v for k, v in vars(args).items()
+                if k not in ("nodes", "base_port", "log_dir", "ready_timeout", "config")}
+    env = {_SECRET_ENV[k]: str(options.pop(k)) for k in list(options) if k in _SECRET_ENV}
+    return options, env
+
+
+def _key(key: str) -> str:
+    name = canonical_key(key)
+    return "peers" if name == "join" else name
+
+
 def run(args: argparse.Namespace) -> int:
-    options = {k: v for k, v in vars(args).items()
-               if k not in ("nodes", "base_port", "log_dir", "ready_timeout")}
     stop = _StopSignal()
     try:
+        options, secrets = cluster_options(args)
         cluster = LocalCluster(args.nodes, options, base_port=args.base_port or None,
-                               log_dir=args.log_dir, ready_timeout=args.ready_timeout)
-    except ValueError as exc:
+                               log_dir=args.log_dir, ready_timeout=args.ready_timeout,
+                               env={**os.environ, **secrets} if secrets else None)
+    except (ValueError, OSError) as exc:
         print(f"radixmesh cluster: {exc}", file=sys.stderr)
         return 2
     print(f"starting {args.nodes} nodes (logs in {cluster.log_dir}) ...", flush=True)
@@ -463,7 +493,8 @@ def banner(cluster: LocalCluster, model: str) -> str:
     lines = [f"{node.node_id}  {node.url}  (ready in {node.startup_s or 0:.1f}s, pid {node.pid})"
              for node in cluster.nodes]
     body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 8})
-    key = ("" if not cluster.options.get("api_key") else
+    api_key = cluster.options.get("api_key") or (cluster.env or {}).get("RADIXMESH_API_KEY")
+    key = ("" if not api_key else
            " -H 'authorization: Bearer <your --api-key>'")
     lines += [
         "",
