@@ -522,10 +522,9 @@ class SimCluster:
             self._fail_after(back, flight, target, "connection reset")
             return
         assert target.engine is not None
-        # the cached prefix only matters against a budget (cost policy): no match otherwise
-        beat = flight.beat_s
-        cached = 0 if beat is None else _cached_prefix(target, flight)
-        ask = ForwardArrived(flight.index, len(flight.tokens), cached, flight.req.max_tokens, beat)
+        cached = _cached_prefix(target, flight)  # (the runtime's count: differential test)
+        ask = ForwardArrived(flight.index, len(flight.tokens), cached, flight.req.max_tokens,
+                             flight.beat_s)
         [answer] = self.feed(target, ask)
         if isinstance(answer, RefuseForward):  # the first (and only) event back
             self.loop.at(self.loop.now + back, self._refused, flight, attempt, target, answer)
