@@ -290,7 +290,8 @@ class RuntimeMesh:
     def __init__(self, rounds: list[Round], policy: Policy) -> None:
         self.clock = VirtualClock()
         self.time = VirtualTime(self.clock)
-        net, outputs = MemoryNet(ForwardFailure), outputs_of(rounds)
+        self.net = net = MemoryNet(ForwardFailure)
+        outputs = outputs_of(rounds)
         addresses = [f"10.0.0.{i}:8000" for i in range(N)]
         self.services = []
         for i, address in enumerate(addresses):
@@ -394,3 +395,29 @@ def test_runtime_and_simulator_make_the_same_decisions(
         assert by_node(served, node) == by_node(simulated, node), node  # at one instant)
     kinds = {row[-1][0][0] for row in _requests(simulated) if row[-1]}
     assert {"Forward", "ExecuteLocally", "AcceptForward"} <= kinds  # the script decides things
+
+
+def test_memory_transport_partitions_and_failures() -> None:
+    """The in-memory transport's failures are the ones the runtime's HTTP client reports."""
+    async def main() -> None:
+        mesh = RuntimeMesh(script(0, rounds=1), Policy.COST)
+        net: MemoryNet = mesh.net
+        a, b = mesh.services[0], mesh.services[1]
+        rejected = b.core.metrics()["messages_rejected"]
+        assert await a.peers.send_gossip(b.address, b"x", "n1") is True  # delivered ...
+        assert b.core.metrics()["messages_rejected"] == rejected + 1  # ... and refused there
+        net.partition({a.address})
+        assert await a.peers.send_gossip(b.address, b"x", "n1") is False
+        assert b.core.metrics()["messages_rejected"] == rejected + 1
+        with pytest.raises(ForwardFailure) as cut:
+            await a.peers.open_forward(b.address, "n1", b"")
+        net.heal()
+        with pytest.raises(ForwardFailure) as bad:
+            await a.peers.open_forward(b.address, "n1", b"not msgpack")
+        with pytest.raises(ForwardFailure) as nobody:
+            await a.peers.open_forward("10.9.9.9:1", "n9", b"")
+        assert (cut.value.reason, bad.value.reason, nobody.value.reason) == (
+            "partitioned", "http_400", "connect")
+        await mesh.stop()
+
+    asyncio.run(main())

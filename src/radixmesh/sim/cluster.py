@@ -410,11 +410,12 @@ class SimCluster:
         c = self.counters
         c.gossip_messages += 1
         c.gossip_bytes += len(action.payload)
-        if dst is None or not self.net.gossip_delivered(node.idx, dst.idx, self.loop.now):
+        now = self.loop.now
+        copies = () if dst is None else self.net.gossip_copies(node.idx, dst.idx, now)
+        if not copies:
             c.gossip_lost += 1
-            return
-        delay = self.net.delay(node.idx, dst.idx)
-        self.loop.at(self.loop.now + delay, self._deliver, dst, action, node.address)
+        for delay in copies:
+            self.loop.at(now + delay, self._deliver, dst, action, node.address)
 
     def _deliver(self, dst: SimNode, sent: Send, source: str) -> None:
         # In process, the decoded message travels with its bytes: the receiver skips decoding

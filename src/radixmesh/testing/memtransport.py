@@ -16,22 +16,24 @@ Each node sends through its own :class:`MemoryTransport`::
                      (``connect``, ``partitioned``, ``disconnected``, ``bad_response``) are the
                      ones the shell sees from HTTP
 
-Nothing here sleeps or reads a clock: delivery is immediate and in order, so a test that
-drives the nodes on a virtual clock owns all of time. Partitions use the core's
-:class:`~radixmesh.core.link.Partition`, as :class:`~radixmesh.testing.fakenet.FakeNetwork`
-does; delays and loss are FakeNetwork's business (datagrams on a virtual clock), not this one's.
+Which messages arrive is the core's in-memory network's to say (:class:`~radixmesh.core.link.
+Wire`, as for the simulator and :class:`~radixmesh.testing.fakenet.FakeNetwork`): partitions
+cut gossip and forwards, a lossy link loses gossip (forwards ride on a stream that retransmits).
+Nothing here sleeps or reads a clock: what arrives arrives at once, in order, so a test that
+drives the nodes on a virtual clock owns all of time (the link's delays are not waited).
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 from collections import deque
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, Protocol
 
 from radixmesh.core.codec import RemoteProtocolError
 from radixmesh.core.forward_codec import ReplyDecoder, decode_forward_request
-from radixmesh.core.link import Partition
+from radixmesh.core.link import LinkConfig, Wire
 from radixmesh.core.messages import ForwardError, ForwardReply, ForwardRequest, ForwardResult
 
 __all__ = ["MemoryNet", "MemoryReplies", "MemoryTransport", "TransportFailure"]
@@ -51,10 +53,12 @@ class Receiver(Protocol):
 class MemoryNet:
     """Who listens where, and who is cut off from whom."""
 
-    def __init__(self, failure: type[Exception] = TransportFailure) -> None:
+    def __init__(self, failure: type[Exception] = TransportFailure,
+                 link: LinkConfig | None = None, seed: int = 0) -> None:
         self.failure = failure  # the exception open_forward raises (reason, detail)
         self.receivers: dict[str, Receiver] = {}
-        self._cut: Partition[str] = Partition(())
+        every = link or LinkConfig()  # the link between every two addresses
+        self.wire: Wire[str] = Wire(random.Random(seed), lambda a, b: every)
         self.gossip_delivered = 0
         self.forwards_opened = 0
 
@@ -66,10 +70,10 @@ class MemoryNet:
 
     def partition(self, *groups: Iterable[str]) -> None:
         """Addresses in different groups cannot reach each other (unnamed: one more group)."""
-        self._cut = Partition.of(*groups)
+        self.wire.partition(*groups)
 
     def heal(self) -> None:
-        self._cut = Partition(())
+        self.wire.heal()
 
     def transport(self, node_id: str, address: str) -> MemoryTransport:
         return MemoryTransport(self, node_id, address)
@@ -85,8 +89,8 @@ class MemoryTransport:
     async def send_gossip(self, address: str, payload: bytes, peer_id: str | None) -> bool:
         net = self.net
         receiver = net.receivers.get(address)
-        if receiver is None or net._cut.separates(self.address, address):
-            return False
+        if receiver is None or not net.wire.copies(self.address, address):
+            return False  # nobody there, partitioned or lost
         ok = receiver.receive_gossip(payload, self.node_id, self.address)
         net.gossip_delivered += ok
         return ok
@@ -94,14 +98,14 @@ class MemoryTransport:
     async def open_forward(self, address: str, peer_id: str, data: bytes) -> MemoryReplies:
         await asyncio.sleep(0)  # on the wire: what else happens now happens first
         net = self.net
-        if net._cut.separates(self.address, address):
+        if net.wire.separated(self.address, address):
             raise net.failure("partitioned", "")
         receiver = net.receivers.get(address)
         if receiver is None:
             raise net.failure("connect", f"nothing listens at {address}")
         try:
             req = decode_forward_request(data)
-        except ValueError as exc:  # the HTTP handler answers 400
+        except RemoteProtocolError as exc:  # the HTTP handler answers 400
             raise net.failure("http_400", str(exc)[:200]) from None
         net.forwards_opened += 1
         replies = MemoryReplies(receiver.serve_forward(req), net.failure)
