@@ -78,19 +78,23 @@ Step = tuple[int, str, list[int], int]  # entry node, request id, prompt tokens,
 Round = list[Step]  # requests that arrive at the same instant
 
 
-def script(seed: int, rounds: int = 12, burst: int = 1) -> list[Round]:
+Crash = tuple[int, int] | None  # (round, node): the node crashes as that round begins
+
+
+def script(seed: int, rounds: int = 12, burst: int = 1, crash: Crash = None) -> list[Round]:
     """Rounds of up to ``burst`` simultaneous requests over a few shared prefixes (long
-    enough that where they are cached matters), from every entry node."""
+    enough that where they are cached matters), from every entry node (but a crashed one)."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(1, 30_000) for _ in range(rng.choice((256, 512, 1024)))]
                 for _ in range(4)]
     out, ids = [], itertools.count()
-    for _ in range(rounds):
+    for i in range(rounds):
+        live = [n for n in range(N) if crash is None or i < crash[0] or n != crash[1]]
         steps = []
         for _ in range(rng.randint(1, burst)):
             p = prefixes[rng.randrange(len(prefixes))]
             tail = [rng.randrange(1, 30_000) for _ in range(rng.randrange(8, 40))]
-            steps.append((rng.randrange(N), f"r{next(ids)}", p + tail, rng.choice((1, 4, 16))))
+            steps.append((rng.choice(live), f"r{next(ids)}", p + tail, rng.choice((1, 4, 16))))
         out.append(steps)
     return out
 
@@ -153,12 +157,14 @@ def outputs_of(rounds: list[Round]) -> dict[tuple[int, ...], list[int]]:
 
 
 # --------------------------------------------------------------------- the simulator shell
-def run_simulator(rounds: list[Round], policy: Policy) -> None:
+def run_simulator(rounds: list[Round], policy: Policy, crash: Crash = None) -> None:
     sim = SimCluster(replace(CONFIG, router=RouterConfig(policy=policy)))
     sim.start()
     t, index = SETTLE_S, itertools.count()
     sim.loop.run(until=t)
-    for steps in rounds:
+    for i, steps in enumerate(rounds):
+        if crash is not None and crash[0] == i:
+            sim.crash(sim.nodes[crash[1]])
         for entry, rid, prompt, max_tokens in steps:
             req = Request(rid, prompt="x", max_tokens=max_tokens)
             sim.submit(next(index), req, prompt, entry)
@@ -306,23 +312,30 @@ class RuntimeMesh:
             service.core = NodeCore(config, rng, self.clock.now)
             net.listen(address, service)
             self.services.append(service)
+        self.live = list(self.services)
 
     async def start(self) -> None:
         for service in self.services:  # what start() does, without the wall-clock timer
             service.push_cache_and_load()
             service.dispatch(Tick())
 
+    def crash(self, node: int) -> None:
+        """``node`` stops at once: nothing listens at its address, its timers stop."""
+        service = self.services[node]
+        self.net.stop_listening(service.address)
+        self.live.remove(service)
+
     async def step(self, t_end: float) -> bool:
         """Run what is due now, then move the clock to the next deadline or timer (False:
         that is past ``t_end``; the clock is at ``t_end``)."""
         await _idle()
-        t = min(min(s.core.next_deadline() for s in self.services), self.time.next_time())
+        t = min(min(s.core.next_deadline() for s in self.live), self.time.next_time())
         if t > t_end:
             self.clock.advance_to(t_end)
             return False
         self.clock.advance_to(t)
         self.time.fire_due()
-        for s in self.services:
+        for s in self.live:
             if s.core.next_deadline() <= self.clock.now:
                 s.dispatch(Tick())
         return True
@@ -350,20 +363,22 @@ class RuntimeMesh:
             await service.stop()
 
 
-async def _runtime(rounds: list[Round], policy: Policy) -> None:
+async def _runtime(rounds: list[Round], policy: Policy, crash: Crash) -> None:
     mesh = RuntimeMesh(rounds, policy)
     await mesh.start()
     t = SETTLE_S
     await mesh.run_until(t)
-    for steps in rounds:
+    for i, steps in enumerate(rounds):
+        if crash is not None and crash[0] == i:
+            mesh.crash(crash[1])
         await mesh.requests(steps)
         t = max(t + SETTLE_S, mesh.clock.now)
         await mesh.run_until(t)
     await mesh.stop()
 
 
-def run_runtime(rounds: list[Round], policy: Policy) -> None:
-    asyncio.run(_runtime(rounds, policy))
+def run_runtime(rounds: list[Round], policy: Policy, crash: Crash = None) -> None:
+    asyncio.run(_runtime(rounds, policy, crash))
 
 
 # ------------------------------------------------------------------------------- the tests
@@ -380,21 +395,26 @@ def _requests(trace: Trace) -> Iterator[tuple[Any, ...]]:
     return (row for row in trace if row[1] != "RequestDone")
 
 
-@pytest.mark.parametrize(("policy", "seed", "burst"), [
-    (Policy.COST, 0, 1), (Policy.COST, 1, 1), (Policy.COST, 2, 4),
-    (Policy.PAPER, 0, 1), (Policy.LEAST_LOADED, 3, 4),
+@pytest.mark.parametrize(("policy", "seed", "burst", "crash", "seen"), [
+    (Policy.COST, 0, 1, None, set()), (Policy.COST, 1, 1, None, set()),
+    (Policy.COST, 2, 4, None, set()), (Policy.PAPER, 0, 1, None, set()),
+    (Policy.LEAST_LOADED, 3, 4, None, set()),
+    (Policy.COST, 5, 3, (4, 1), {"ForwardFailed", "ForwardRefused"}),  # fallback, busy peers
+    (Policy.ROUND_ROBIN, 6, 3, (3, 2), set()),
 ])
 def test_runtime_and_simulator_make_the_same_decisions(
-        record: Callable[[], Trace], policy: Policy, seed: int, burst: int) -> None:
-    rounds = script(seed, burst=burst)
-    run_simulator(rounds, policy)
+        record: Callable[[], Trace], policy: Policy, seed: int, burst: int, crash: Crash,
+        seen: set[str]) -> None:
+    rounds = script(seed, burst=burst, crash=crash)
+    run_simulator(rounds, policy, crash)
     simulated = record()
-    run_runtime(rounds, policy)
+    run_runtime(rounds, policy, crash)
     served = record()
     for node in (f"n{i}" for i in range(N)):  # each core's own sequence (nodes interleave
         assert by_node(served, node) == by_node(simulated, node), node  # at one instant)
     kinds = {row[-1][0][0] for row in _requests(simulated) if row[-1]}
     assert {"Forward", "ExecuteLocally", "AcceptForward"} <= kinds  # the script decides things
+    assert seen <= {row[1] for row in simulated}  # ... and reaches the paths it is for
 
 
 def test_memory_transport_partitions_and_failures() -> None:
