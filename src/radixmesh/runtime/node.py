@@ -157,8 +157,7 @@ class NodeService:
         self.engine: AsyncEngine = as_async_engine(engine)
         self.clock = clock
         self.incarnation = incarnation or config.incarnation or time.time_ns() // 1_000_000
-        node_cfg = config.node_config(engine.fingerprint, self.incarnation)
-        self.node_config = node_cfg
+        self.node_config = node_cfg = config.node_config(engine.fingerprint, self.incarnation)
         self.node_id = node_cfg.node_id
         self.address = node_cfg.address
         self.core = NodeCore(node_cfg, random.Random(config.seed ^ self.incarnation), clock())
@@ -178,12 +177,9 @@ class NodeService:
         # and not finished (client requests and work for peers), reported in LoadChanged;
         # and the prompt tokens not cached when each was queued (what one place in the queue
         # costs: core ``SpeedReport.queued_service_s``)
-        self.queue_prompt_tokens = 0
-        self.queue_output_tokens = 0
-        self.queue_uncached_tokens = 0
+        self.queue_prompt_tokens = self.queue_output_tokens = self.queue_uncached_tokens = 0
         self._queued_blocks = QueuedBlocks(engine.fingerprint.block_size)
-        self.dns_resolutions = 0  # --join-dns: answers received / failed look-ups
-        self.dns_failures = 0
+        self.dns_resolutions = self.dns_failures = 0  # --join-dns: answers / failed look-ups
         # started and stopped with the node, shown in /mesh and /metrics (the KV-event
         # subscriber of an external engine): start(), stop(), name, mesh_state(), metrics()
         self.attachments: list[Any] = []
