@@ -20,11 +20,9 @@ differs between the two is what each shell reports to its cores and when.
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
 import math
 import random
-from collections.abc import Callable
 from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
@@ -39,10 +37,10 @@ from radixmesh.runtime.config import ServeConfig
 from radixmesh.runtime.node import NodeService
 from radixmesh.runtime.transport import ForwardFailure
 from radixmesh.sim import costs
+from radixmesh.sim.clock import EventLoop
 from radixmesh.sim.cluster import ClusterConfig, SimCluster, _generated
 from radixmesh.sim.engine import Planned, SimEngine
 from radixmesh.sim.network import NetworkConfig
-from radixmesh.testing.fakenet import VirtualClock
 from radixmesh.testing.memtransport import MemoryNet
 from radixmesh.workload.request import Request
 
@@ -103,34 +101,15 @@ def run_simulator(rounds: list[Round], policy: Policy, crash: Crash = None) -> N
 
 
 # ------------------------------------------------------------------------ the runtime shell
-class VirtualTime:
-    """Callbacks at virtual times: ``at(t, fn)`` runs ``fn()`` once the driver reaches ``t``."""
-
-    def __init__(self, clock: VirtualClock) -> None:
-        self.clock = clock
-        self._timers: list[tuple[float, int, Callable[[], None]]] = []
-        self._seq = itertools.count()
-
-    def at(self, t: float, fn: Callable[[], None]) -> None:
-        heapq.heappush(self._timers, (t, next(self._seq), fn))
-
-    def next_time(self) -> float:
-        return self._timers[0][0] if self._timers else math.inf
-
-    def fire_due(self) -> None:
-        while self._timers and self._timers[0][0] <= self.clock.now:
-            heapq.heappop(self._timers)[2]()
-
-
 class SimBackedEngine:
     """The simulator's engine as an ``AsyncEngine`` on virtual time, stepped as the
     simulator's shell steps it (``SimCluster._run_next`` / ``_cut_run`` / ``_stepped``): plan
     a step or decode run, apply it at its planned end; a request arriving during a decode
     run cuts the run at the step then running."""
 
-    def __init__(self, time: VirtualTime, outputs: dict[tuple[int, ...], list[int]]) -> None:
+    def __init__(self, loop: EventLoop, outputs: dict[tuple[int, ...], list[int]]) -> None:
         self.sim = SimEngine(COST, CONFIG.cache_tokens, CONFIG.block_size, FINGERPRINT.digest)
-        self.time, self.outputs = time, outputs
+        self.loop, self.outputs = loop, outputs
         self.fingerprint, self.model_name, self.max_context = FINGERPRINT, "diff", 1 << 20
         self.tokenizer = SimpleNamespace(vocab_size=1 << 20)
         self._seqs = itertools.count()
@@ -162,7 +141,7 @@ class SimBackedEngine:
     async def generate(self, req: GenerateRequest, on_token: Any = None) -> GenerateResult:
         seq, prompt = next(self._seqs), req.prompt_ids
         output = self.outputs[prompt][: req.sampling.max_tokens]
-        self.sim.add(seq, prompt, output, self.time.clock.now)
+        self.sim.add(seq, prompt, output, self.loop.now)
         done = asyncio.get_running_loop().create_future()
         self._waiting[seq] = (done, on_token, [0, *output])  # [tokens sent, *output]
         if self._planned is None:
@@ -174,27 +153,27 @@ class SimBackedEngine:
                               run.cached_tokens, run.queue_s, run.prefill_s, run.decode_s)
 
     def _plan(self) -> None:
-        now = self.time.clock.now
+        now = self.loop.now
         self._planned = planned = self.sim.plan(now, coalesce=True)
         if planned is not None:
             self._planned_at, self._version = now, self._version + 1
             version = self._version
-            self.time.at(now + planned.duration_s, lambda: self._stepped(version))
+            self.loop.at(now + planned.duration_s, self._stepped, version)
 
     def _cut(self) -> None:
         planned = self._planned
         assert planned is not None
-        k = self.sim.steps_by(planned, self.time.clock.now - self._planned_at)
+        k = self.sim.steps_by(planned, self.loop.now - self._planned_at)
         if k < planned.k:
             self._planned = cut = self.sim.cut(planned, k)
             self._version += 1
             version = self._version
-            self.time.at(self._planned_at + cut.duration_s, lambda: self._stepped(version))
+            self.loop.at(self._planned_at + cut.duration_s, self._stepped, version)
 
     def _stepped(self, version: int) -> None:
         if version != self._version or self._planned is None:
             return
-        finished = self.sim.apply(self._planned, self.time.clock.now)
+        finished = self.sim.apply(self._planned, self.loop.now)
         for seq, (_, on_token, sent) in self._waiting.items():
             upto = self.sim._emitted.get(seq, len(sent) - 1)  # what apply took of it
             for tok in sent[1 + sent[0]: 1 + upto]:
@@ -223,8 +202,7 @@ class RuntimeMesh:
     """N ``NodeService``s on one virtual clock, connected in memory."""
 
     def __init__(self, rounds: list[Round], policy: Policy) -> None:
-        self.clock = VirtualClock()
-        self.time = VirtualTime(self.clock)
+        self.loop = EventLoop()  # the simulator's loop: its clock and the engines' timers
         self.net = net = MemoryNet(ForwardFailure)
         outputs = outputs_of(rounds)
         addresses = [f"10.0.0.{i}:8000" for i in range(N)]
@@ -232,13 +210,13 @@ class RuntimeMesh:
         for i, address in enumerate(addresses):
             cfg = ServeConfig(node_id=f"n{i}", advertise=address, peers=tuple(addresses),
                               decision_log=0, policy=policy.value)
-            service = NodeService(cfg, SimBackedEngine(self.time, outputs),
-                                  clock=lambda: self.clock.now, incarnation=1,
+            service = NodeService(cfg, SimBackedEngine(self.loop, outputs),
+                                  clock=lambda: self.loop.now, incarnation=1,
                                   peers=net.transport(f"n{i}", address))
             # the core the simulator boots: incarnation 0, its random stream (its seeding)
             config = replace(service.node_config, incarnation=0)
             rng = random.Random(f"node/{CONFIG.seed}/{i}/0")
-            service.core = NodeCore(config, rng, self.clock.now)
+            service.core = NodeCore(config, rng, self.loop.now)
             net.listen(address, service)
             self.services.append(service)
         self.live = list(self.services)
@@ -258,14 +236,17 @@ class RuntimeMesh:
         """Run what is due now, then move the clock to the next deadline or timer (False:
         that is past ``t_end``; the clock is at ``t_end``)."""
         await idle()
-        t = min(min(s.core.next_deadline() for s in self.live), self.time.next_time())
+        loop = self.loop
+        engine = loop.next_time()  # the engines' next step end (None: all idle)
+        t = min(min(s.core.next_deadline() for s in self.live),
+                math.inf if engine is None else engine)
         if t > t_end:
-            self.clock.advance_to(t_end)
+            loop.now = max(loop.now, t_end)
             return False
-        self.clock.advance_to(t)
-        self.time.fire_due()
+        loop.run(until=t)  # the engines' steps due by then (callbacks in time order)
+        loop.now = max(loop.now, t)
         for s in self.live:
-            if s.core.next_deadline() <= self.clock.now:
+            if s.core.next_deadline() <= loop.now:
                 s.dispatch(Tick())
         return True
 
@@ -301,7 +282,7 @@ async def _runtime(rounds: list[Round], policy: Policy, crash: Crash) -> None:
         if crash is not None and crash[0] == i:
             mesh.crash(crash[1])
         await mesh.requests(steps)
-        t = max(t + SETTLE_S, mesh.clock.now)
+        t = max(t + SETTLE_S, mesh.loop.now)
         await mesh.run_until(t)
     await mesh.stop()
 
