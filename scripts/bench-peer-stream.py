@@ -1,6 +1,6 @@
 """The peer stream alone: today's link and POST (aiohttp -> uvicorn, HTTP/1.1) against HTTP/2.
 
-    pip install hypercorn==0.18.0 h2==4.4.1      # HTTP/2 only (not project dependencies)
+    pip install hypercorn==0.18.0 h2==4.4.1 websockets==17.4   # not project dependencies
     python scripts/bench-peer-stream.py [--samples 1000] [--concurrency 32]
 
 One peer process serves a forward whose work takes no time (replies: ForwardAccepted, then a
@@ -12,7 +12,9 @@ request, opens a stream, reads and decodes the replies. Three transports:
 * ``post``  ``PeerClient`` with one ``POST /peer/forward`` per forward, uvicorn;
 * ``h2``    one HTTP/2 stream per forward on one connection (``httpx`` with ``h2``, prior
   knowledge) to the same ASGI handler served by hypercorn (uvicorn has no HTTP/2): the
-  protocol's streams, RST_STREAM and END_STREAM in place of our frames.
+  protocol's streams, RST_STREAM and END_STREAM in place of our frames;
+* ``ws``    one WebSocket (aiohttp's client; uvicorn with ``websockets``), each message a 4-byte
+  stream id and a request or reply: the multiplexing stays ours, only the framing changes.
 
 Figures: median and p99 of one forward at a time (ms), forwards per second with
 ``--concurrency`` in flight, and CPU per forward on each side (ms: the entry is this process,
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics
@@ -63,6 +66,9 @@ async def peer_app(scope: dict[str, Any], receive: Callable[[], Awaitable[Any]],
             await send({"type": "lifespan.startup.complete"})
         await send({"type": "lifespan.shutdown.complete"})
         return
+    if scope["type"] == "websocket":
+        await _serve_ws(receive, send)
+        return
     if scope["path"] == "/peer/link":
         global _REGISTRY
         _REGISTRY = _REGISTRY or LinkRegistry()
@@ -78,6 +84,24 @@ async def peer_app(scope: dict[str, Any], receive: Callable[[], Awaitable[Any]],
 _REGISTRY: Any = None
 
 
+async def _serve_ws(receive: Callable[[], Awaitable[Any]],
+                    send: Callable[[Any], Awaitable[None]]) -> None:
+    """Each message: stream id (4 bytes) + a request; each reply goes back with its id."""
+    await receive()  # websocket.connect
+    await send({"type": "websocket.accept"})
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def one(sid: bytes, req: ForwardRequest) -> None:
+        async for frame in _replies(req):
+            await send({"type": "websocket.send", "bytes": sid + frame})
+
+    while (msg := await receive())["type"] == "websocket.receive":
+        req = decode_forward_request(msg["bytes"][4:])
+        task = asyncio.ensure_future(one(msg["bytes"][:4], req))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+
 def serve(kind: str, port: int) -> None:
     if kind == "h2":
         from hypercorn.asyncio import serve as hserve
@@ -91,7 +115,7 @@ def serve(kind: str, port: int) -> None:
         import uvicorn
 
         uvicorn.run(peer_app, host="127.0.0.1", port=port, log_level="warning",
-                    http="httptools", loop="asyncio")
+                    http="httptools", loop="asyncio", ws="websockets")
 
 
 # ----------------------------------------------------------------------------- the entry
@@ -137,10 +161,41 @@ def h2_forward(address: str) -> tuple[Forward, Callable[[], Any]]:
     return one, client.aclose
 
 
+def ws_forward(address: str) -> tuple[Forward, Callable[[], Any]]:
+    import aiohttp
+
+    state: dict[str, Any] = {"ids": itertools.count(1), "waiting": {}}
+
+    async def reader(ws: Any) -> None:
+        async for msg in ws:
+            decoder = state["waiting"][int.from_bytes(msg.data[:4], "big")]
+            decoder[1].extend(decoder[0].feed(msg.data[4:]))
+            if isinstance(decoder[1][-1], ForwardResult):
+                decoder[2].set()
+
+    async def one() -> None:
+        if "ws" not in state:
+            state["session"] = aiohttp.ClientSession()
+            state["ws"] = await state["session"].ws_connect(f"http://{address}/peer/ws")
+            state["reader"] = asyncio.ensure_future(reader(state["ws"]))
+        sid = next(state["ids"])
+        entry = state["waiting"][sid] = (ReplyDecoder(), [], asyncio.Event())
+        await state["ws"].send_bytes(sid.to_bytes(4, "big") + REQUEST)
+        await entry[2].wait()
+        del state["waiting"][sid]
+
+    async def close() -> None:
+        await state["ws"].close()
+        state["reader"].cancel()
+        await state["session"].close()
+
+    return one, close
+
+
 async def measure(kind: str, address: str, samples: int, concurrency: int,
                   server_cpu: Callable[[], float]) -> dict[str, float]:
-    one, close = h2_forward(address) if kind == "h2" else peer_client_forward(
-        address, links=kind == "link")
+    one, close = (h2_forward(address) if kind == "h2" else ws_forward(address) if kind == "ws"
+                  else peer_client_forward(address, links=kind == "link"))
     for _ in range(50):
         await one()
     latencies = []
@@ -193,7 +248,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--only", default="link,post,h2")
+    parser.add_argument("--only", default="link,post,h2,ws")
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
