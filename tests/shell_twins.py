@@ -59,12 +59,13 @@ Round = list[Step]  # requests that arrive at the same instant
 Crash = tuple[int, int] | None  # (round, node): the node crashes as that round begins
 
 
-def script(seed: int, rounds: int = 12, burst: int = 1, crash: Crash = None) -> list[Round]:
-    """Rounds of up to ``burst`` simultaneous requests over a few shared prefixes (long
+def script(seed: int, rounds: int = 12, burst: int = 1, crash: Crash = None,
+           families: int = 4) -> list[Round]:
+    """Rounds of up to ``burst`` simultaneous requests over ``families`` shared prefixes (long
     enough that where they are cached matters), from every entry node (but a crashed one)."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(1, 30_000) for _ in range(rng.choice((256, 512, 1024)))]
-                for _ in range(4)]
+                for _ in range(families)]
     out, ids = [], itertools.count()
     for i in range(rounds):
         live = [n for n in range(N) if crash is None or i < crash[0] or n != crash[1]]

@@ -109,17 +109,22 @@ def _requests(trace: Trace) -> Iterator[tuple[Any, ...]]:
     return (row for row in trace if row[1] != "RequestDone")
 
 
-@pytest.mark.parametrize(("policy", "seed", "burst", "crash", "seen"), [
-    (Policy.COST, 0, 1, None, set()), (Policy.COST, 1, 1, None, set()),
-    (Policy.COST, 2, 4, None, set()), (Policy.PAPER, 0, 1, None, set()),
-    (Policy.LEAST_LOADED, 3, 4, None, set()),
-    (Policy.COST, 5, 3, (4, 1), {"ForwardFailed", "ForwardRefused"}),  # fallback, busy peers
-    (Policy.ROUND_ROBIN, 6, 3, (3, 2), set()),
-])
+CASES = [  # policy, seed, burst, crash, prefix families, events the case must reach
+    (Policy.COST, 0, 1, None, 4, set()), (Policy.COST, 1, 1, None, 4, set()),
+    (Policy.COST, 2, 4, None, 4, set()), (Policy.PAPER, 0, 1, None, 4, set()),
+    (Policy.LEAST_LOADED, 3, 4, None, 4, set()),
+    (Policy.COST, 5, 3, (4, 1), 4, {"ForwardFailed", "ForwardRefused"}),  # fallback, busy
+    (Policy.ROUND_ROBIN, 6, 3, (3, 2), 4, set()),
+    # one prefix, bursts: a request finds the blocks a queued one computes (QueuedBlocks)
+    (Policy.COST, 7, 4, None, 1, set()), (Policy.LEAST_LOADED, 9, 4, None, 1, set()),
+]
+
+
+@pytest.mark.parametrize(("policy", "seed", "burst", "crash", "families", "seen"), CASES)
 def test_runtime_and_simulator_make_the_same_decisions(
         record: Callable[[], Trace], policy: Policy, seed: int, burst: int, crash: Crash,
-        seen: set[str]) -> None:
-    rounds = script(seed, burst=burst, crash=crash)
+        families: int, seen: set[str]) -> None:
+    rounds = script(seed, burst=burst, crash=crash, families=families)
     run_simulator(rounds, policy, crash)
     simulated = record()
     run_runtime(rounds, policy, crash)
