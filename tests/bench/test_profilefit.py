@@ -152,8 +152,7 @@ def test_calibrate_engine_url_writes_a_loadable_profile(tmp_path: Path) -> None:
         async with running(cache_tokens=8192) as fake:
             fake.faults.token_delay_s = 0.002
             ready.put(fake.url)
-            while not stop.is_set():
-                await asyncio.sleep(0.02)
+            await asyncio.to_thread(stop.wait)  # until the test is done with it
 
     thread = threading.Thread(target=asyncio.run, args=(serve(),), daemon=True)
     thread.start()

@@ -5,7 +5,6 @@ nothing runs. In-process uvicorn on 127.0.0.1, the ``micro`` engine slowed to 50
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -68,15 +67,27 @@ def _events(text: str) -> list[dict[str, Any]]:
             if line.startswith("data: ") and line != "data: [DONE]"]
 
 
+class Ticking:
+    """A node's clock that moves 10 ms at every reading (no wall clock in the assertion)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        self.now += 0.01
+        return self.now
+
+
 def test_leave_lingers_when_nothing_runs(engine: Any) -> None:
     async def scenario() -> None:
         config = ServeConfig(node_id="idle", port=free_port())
-        service = NodeService(config, SlowTokens(engine, TOKEN_S))
+        clock = Ticking()
+        service = NodeService(config, SlowTokens(engine, TOKEN_S), clock=clock)
         await service.start()
         try:
-            t0 = time.monotonic()
+            t0 = clock.now
             assert await service.leave(grace_s=5.0, linger_s=0.4) == 0
-            assert time.monotonic() - t0 >= 0.4  # the port would stay open this long
+            assert 0.4 <= clock.now - t0 < 5.0  # the port stays open this long, on its clock
             assert service.health()["status"] == "leaving"
         finally:
             await service.stop()

@@ -168,7 +168,7 @@ def test_prefill_fit_never_goes_negative() -> None:
     for _ in range(20):
         fit.observe(100.0, 0.001)
         fit.observe(3000.0, 1.0)  # a line through these would cross zero above 0 units
-    assert fit.overhead >= 0 and fit.rate > 0
+    assert fit.overhead == 0.0 and fit.rate > 0  # the best line through zero instead
     fit = PrefillFit(0.004, 8e-5)
     for _ in range(30):
         for work in (50.0, 1500.0, 3000.0):
@@ -177,7 +177,7 @@ def test_prefill_fit_never_goes_negative() -> None:
     for _ in range(3):
         fit.observe(1800.0, 0.1)
         fit.observe(1500.0, 0.3)
-    assert fit.rate > 0.5 * rate and fit.overhead >= 0
+    assert fit.rate > 0.5 * rate and 0.01 < fit.overhead < 0.1  # level near the 30 ms
 
 
 def test_median_speed_is_the_median_prefill_line_not_mixed_fields() -> None:

@@ -6,7 +6,10 @@ import random
 
 import pytest
 
+from radixmesh.core.codec import Codec
 from radixmesh.core.config import GossipConfig, GossipMode
+from radixmesh.core.events import MessageReceived
+from radixmesh.core.messages import Gossip
 from radixmesh.testing import LinkConfig, TwinCluster
 
 DIRECT = [GossipMode.SNAPSHOT, GossipMode.DELTA]
@@ -193,3 +196,54 @@ def test_epidemic_rumors_reach_every_node_quickly_beyond_the_full_digest() -> No
     took = c.run_until_converged(20.0, step_s=0.05)
     assert took is not None
     assert took <= 5 * gossip.interval_s, took
+
+
+def _sent(c: TwinCluster, src: str, dst: str) -> list[Gossip]:
+    """From now on, every message ``src`` sends ``dst`` (decoded), in order."""
+    out: list[Gossip] = []
+    send, codec = c.net.send, Codec()
+
+    def spy(a: str, b: str, payload: bytes, now: float) -> None:
+        if (a, b) == (c.address(src), c.address(dst)):
+            out.append(codec.decode(payload))
+        send(a, b, payload, now)
+
+    c.net.send = spy  # type: ignore[method-assign]
+    return out
+
+
+def test_identity_rides_until_acknowledged_then_every_sixteenth_message() -> None:
+    """Protocol 3: address and fingerprint go with the first messages to a peer and then
+    with one in ``identity_every`` (16): a peer that knows us needs neither."""
+    c = TwinCluster(2, seed=3)
+    msgs = _sent(c, "n0", "n1")
+    c.run_for(20 * DELTA_T)
+    with_identity = [m.address is not None for m in msgs]
+    assert with_identity[0] and msgs[0].fingerprint is not None
+    assert all((m.address is None) == (m.fingerprint is None) for m in msgs)
+    assert not all(with_identity[2:])  # left out once acknowledged ...
+    assert all(any(with_identity[i:i + 16]) for i in range(len(msgs) - 15))  # ... not for long
+    assert c.converged()
+
+
+def test_a_message_without_identity_from_a_stranger_is_refused() -> None:
+    c = TwinCluster(2, seed=4)
+    msgs = _sent(c, "n0", "n1")
+    c.run_for(20 * DELTA_T)
+    anonymous = next(m for m in msgs if m.address is None)
+    stranger = c.add_node("n2", seeds=())  # knows nobody
+    before = stranger.metrics()["messages_rejected_unverified"]
+    c.deliver("n2", MessageReceived(Codec().encode(anonymous), c.address("n0")))
+    assert stranger.metrics()["messages_rejected_unverified"] == before + 1
+    assert stranger.peer_state("n0") is None  # not taken for a member
+    c.nodes["n1"].handle(MessageReceived(Codec().encode(anonymous), None), c.now)  # known:
+    assert c.nodes["n1"].metrics()["messages_rejected_unverified"] == 0  # accepted
+
+
+def test_a_restarted_peer_gets_our_identity_again() -> None:
+    c = TwinCluster(3, seed=5)
+    c.run_for(10 * DELTA_T)
+    c.change_cache("n0", [11, 12, 13])
+    c.restart("n1")  # forgets everyone; n0 had stopped sending it our identity
+    assert c.run_until_converged(timeout_s=10 * DELTA_T) is not None
+    assert c.nodes["n1"].peer_state("n0") == "alive"

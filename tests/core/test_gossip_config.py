@@ -19,7 +19,8 @@ BEFORE = {
     "membership": {"max_members": 8192, "max_refused": 4096, "peer_sample": 4,
                    "sample_every": 8, "dead_probe_every": 8, "seed_every": 10},
     "exchange": {"resend_after_rounds": 2.5, "echo_every": 8, "max_rtt_s": 60.0,
-                 "speed_every": 16, "speed_change": 0.05, "max_retry_after_s": 60.0},
+                 "speed_every": 16, "speed_change": 0.05, "max_retry_after_s": 60.0,
+                 "identity_every": 16},  # (new with protocol 3)
     "epidemic": {"digest_full": 64, "digest_sample": 48, "max_rumors": 16, "rumor_sends": 3,
                  "max_recent": 64, "max_knows": 64, "rumor_changes": 4,
                  "rumor_snapshot_hashes": 1024, "relay_log_hashes": 4096, "max_relays": 16,

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixmesh.core.link import REST, LinkConfig, Partition, RegionDelays, separated
+from radixmesh.core.link import REST, LinkConfig, Partition, RegionDelays, Wire, separated
 from radixmesh.core.units import parse_duration
 
 seconds = st.floats(0.0, 10.0)
@@ -218,3 +218,18 @@ def test_duration_rejects_with_a_clear_error(bad: object) -> None:
                                              ("m", 60.0), ("", 1.0)]))
 def test_duration_round_trips_numbers(value: float, unit: tuple[str, float]) -> None:
     assert parse_duration(f"{value!r}{unit[0]}") == pytest.approx(value * unit[1], rel=1e-12)
+
+
+def test_wire_draws_as_the_link_and_nothing_across_a_partition() -> None:
+    link = LinkConfig(delay_s=0.01, jitter_s=0.002, loss=0.3, duplicate=0.2)
+    wire: Wire[str] = Wire(random.Random(5), lambda a, b: link)
+    mirror = random.Random(5)
+    for _ in range(50):
+        assert wire.copies("a", "b") == link.copies(mirror)
+    wire.partition({"a"})
+    state = wire.rng.getstate()
+    assert wire.separated("a", "b") and wire.copies("a", "b") == () and wire.copies("b", "a") == ()
+    assert wire.rng.getstate() == state  # decided without a draw
+    assert wire.copies("b", "c") == link.copies(mirror)  # the rest still talk
+    wire.heal()
+    assert not wire.separated("a", "b") and wire.copies("a", "b") == link.copies(mirror)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from radixmesh.bench import micro_gossip
+from radixmesh.core.config import GossipMode
 
 
 def test_quick_run_reports_its_figures() -> None:
@@ -14,3 +15,11 @@ def test_quick_run_reports_its_figures() -> None:
     assert isinstance(idle, float) and isinstance(churn, float)
     assert 0 < idle < churn  # bytes follow churn
     assert figures["delta_churn_changes_per_s"] == 12.0
+
+
+def test_summary_and_load_gossip_stay_under_one_kilobyte_per_second() -> None:
+    """The budget of issue 50 (docs/benchmarks.md, "Gossip encoding and bandwidth"): the
+    headline churn, exact byte counts on a virtual clock (a size, not a timing)."""
+    rate, blocks = micro_gossip.HEADLINE
+    sent = micro_gossip._bytes_per_s(GossipMode.DELTA, rate, blocks, 60.0)
+    assert 0 < sent <= 1000.0, sent

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -37,16 +36,17 @@ def random_prompt(rng: random.Random, stems: list[list[int]]) -> list[int]:
 
 
 @contextlib.asynccontextmanager
-async def subscribed(fake: FakeEngine, engine: HttpEngine) -> AsyncIterator[KvSubscriber]:
+async def subscribed(poll: Poll, fake: FakeEngine, engine: HttpEngine
+                     ) -> AsyncIterator[KvSubscriber]:
     pubs, replays = plan_endpoints(fake.kv_endpoint, fake.replay_endpoint, fake.url)
     sub = KvSubscriber(engine.index, pubs, replays, replay_timeout_s=1.0)
     await sub.start()
     try:
-        deadline = time.monotonic() + LIMIT_S
-        while sub.counts["messages"] == 0:  # past ZMQ's slow joiner
-            assert time.monotonic() < deadline, "the subscriber never received a batch"
+        def received() -> bool:  # past ZMQ's slow joiner: publish until a batch arrives
             fake.clear_all()
-            await asyncio.sleep(0.02)
+            return sub.counts["messages"] > 0
+
+        await poll.until_async(received, "the subscriber's first batch", LIMIT_S, interval=0.02)
         yield sub
     finally:
         await sub.stop()
@@ -87,7 +87,7 @@ def test_kv_events_rebuild_the_schedulers_cache_under_concurrency(poll: Poll) ->
         # a 384-token pool, 6 requests of up to ~240 tokens at once: it evicts and preempts
         async with running(cache_tokens=384) as fake:
             engine = HttpEngine("vllm", fake.url, ByteTokenizer(), model_name=fake.model)
-            async with subscribed(fake, engine) as sub:
+            async with subscribed(poll, fake, engine) as sub:
                 for wave in range(5):
                     fake.faults.barrier = 6  # hold the engine until all six are in
                     await asyncio.gather(*(

@@ -10,24 +10,20 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
 
 from radixmesh.runtime.cluster import free_ports
 
+if TYPE_CHECKING:
+    from conftest import Poll
+
 START_S = 90.0
 PREFIX = "You are a careful assistant. Answer the multiple choice question below. " * 3
-
-
-def _wait(check: Callable[[], bool], what: str, limit: float) -> None:
-    deadline = time.monotonic() + limit
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def _start(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
@@ -55,7 +51,7 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def mesh(tokenizer_dir: Path, tmp_path: Path) -> Iterator[tuple[str, str, Path]]:
+def mesh(tokenizer_dir: Path, tmp_path: Path, poll: Poll) -> Iterator[tuple[str, str, Path]]:
     """(node url, engine url, engine log): an emulated engine and a node in front of it."""
     node_port, port, kv, replay = free_ports(4)
     engine = _start(["emulate", "--profile", "h100-llama3-8b", "--port", str(port),
@@ -74,7 +70,7 @@ def mesh(tokenizer_dir: Path, tmp_path: Path) -> Iterator[tuple[str, str, Path]]
                 except httpx.HTTPError:
                     return False
 
-            _wait(engine_up, "the emulated engine", START_S)
+            poll.until(engine_up, "the emulated engine", START_S, interval=0.1)
         node = _start(["serve", "--port", str(node_port), "--engine", "vllm",
                        "--engine-url", engine_url, "--tokenizer", str(tokenizer_dir),
                        "--kv-events", f"connect:tcp://127.0.0.1:{kv}",
@@ -88,7 +84,7 @@ def mesh(tokenizer_dir: Path, tmp_path: Path) -> Iterator[tuple[str, str, Path]]
 
 
 def test_a_node_fronts_the_emulated_engine_with_an_exact_index(
-        mesh: tuple[str, str, Path]) -> None:
+        mesh: tuple[str, str, Path], poll: Poll) -> None:
     url, engine_url, engine_log = mesh
     with httpx.Client(timeout=30.0, trust_env=False) as http:
         def node_up() -> bool:
@@ -97,7 +93,7 @@ def test_a_node_fronts_the_emulated_engine_with_an_exact_index(
             except httpx.HTTPError:
                 return False
 
-        _wait(node_up, "the node", START_S)
+        poll.until(node_up, "the node", START_S, interval=0.1)
         line = engine_log.read_text().splitlines()[0]
         assert "EMULATED" in line and "h100-llama3-8b" in line
         card = http.get(engine_url + "/v1/models").json()["data"][0]
@@ -112,16 +108,15 @@ def test_a_node_fronts_the_emulated_engine_with_an_exact_index(
             assert resp.status_code == 200, resp.text
             return resp
 
-        # past ZMQ's slow joiner: the first batch the node sees makes it replay from seq 0
-        n = 0
-        while indexed() == 0:
-            assert n < 50, "the node never indexed a KV event"
-            ask(f"warm-up request number {n}, long enough for a whole block")
-            n += 1
-            time.sleep(0.1)
+        def warmed_up() -> bool:  # past ZMQ's slow joiner: the first batch the node sees
+            ask("a warm-up request, long enough for a whole block")  # makes it replay from 0
+            return indexed() > 0
+
+        poll.until(warmed_up, "the node indexing a KV event", 30, interval=0.1)
         before = indexed()
         ask(PREFIX + "Question 1: which is larger, 3 or 7?")
-        _wait(lambda: indexed() > before, "the first prompt's blocks in the node's index", 10)
+        poll.until(lambda: indexed() > before, "the first prompt's blocks in the node's index",
+                   10, interval=0.1)
         resp = ask(PREFIX + "Question 2: which is smaller, 3 or 7?")
         expected = int(resp.headers["x-radixmesh-expected-cached-tokens"])
         reported = resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]

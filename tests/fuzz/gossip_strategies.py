@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import strategies as st
 
 from radixmesh.core.blocks import Fingerprint
@@ -31,9 +33,8 @@ hashes = st.lists(st.integers(0, 2**64 - 1), max_size=40, unique=True).map(
     lambda xs: tuple(sorted(xs))
 )
 speed = st.builds(SpeedReport, finite, finite, finite, finite)
-load = st.builds(
-    Load, small, small, u63, u63, st.none() | speed, st.none() | finite, st.floats(0.0, 1.0)
-)
+percent = st.integers(0, 100).map(lambda p: p / 100)  # utilization travels in whole percent
+load = st.builds(Load, small, small, u63, u63, st.none() | speed, st.none() | finite, percent)
 snapshot = st.builds(Snapshot, u63, hashes)
 
 
@@ -59,7 +60,7 @@ def gossip_strategy(
     """Valid messages; ``senders``, ``fingerprints`` and ``ids`` (peer ids) narrow fields."""
     peer_id = ident if ids is None else ids
     relay = st.builds(NodeState, peer_id, ident, u63, u63, finite, st.none() | load, summary)
-    return st.builds(
+    messages = st.builds(
         Gossip,
         sender=ident if senders is None else senders,
         address=ident,
@@ -80,3 +81,8 @@ def gossip_strategy(
         relays=st.lists(relay, max_size=3).map(tuple),
         reply=st.booleans(),
     )
+    if fingerprints is not None:  # (messages a receiver must accept: with their identity)
+        return messages
+    # protocol 3: a sender the receiver acknowledged leaves its address and fingerprint out
+    return st.tuples(messages, st.booleans()).map(
+        lambda m: replace(m[0], address=None, fingerprint=None) if m[1] else m[0])

@@ -93,8 +93,8 @@ def check_invariants(msg: Gossip, limits: Limits) -> None:
     """What any successfully decoded message must satisfy."""
     assert isinstance(msg, Gossip)
     assert 1 <= len(msg.sender) <= limits.max_id_len
-    assert 1 <= len(msg.address) <= limits.max_address_len
-    assert min(msg.incarnation, msg.version, msg.heartbeat, msg.fingerprint) >= 0
+    assert msg.address is None or 1 <= len(msg.address) <= limits.max_address_len
+    assert min(msg.incarnation, msg.version, msg.heartbeat, msg.fingerprint or 0) >= 0
     assert math.isfinite(msg.stamp)
     assert _finite_load(msg.load) and all(_finite_load(r.load) for r in msg.relays)
     assert _hash_count(msg) <= limits.max_hashes

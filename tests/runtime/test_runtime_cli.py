@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,18 +36,21 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def _read_until_ready(proc: subprocess.Popen[str], timeout: float = 180.0) -> list[str]:
+def _read_until_ready(proc: subprocess.Popen[str], poll: Poll, timeout: float = 180.0
+                      ) -> list[str]:
     lines: list[str] = []
-    deadline = time.monotonic() + timeout
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
+    stdout = proc.stdout
+    assert stdout is not None
+
+    def ready() -> bool:  # one line of the launcher's output per check
+        line = stdout.readline()
         if not line:
             raise AssertionError("launcher exited early:\n" + "".join(lines))
         lines.append(line)
-        if "healthy and gossiping" in line:
-            return lines
-    raise AssertionError("cluster not ready:\n" + "".join(lines))
+        return "healthy and gossiping" in line
+
+    poll.until(ready, "the cluster's banner", timeout, interval=0.0)
+    return lines
 
 
 def test_cluster_command_none_policy_never_forwards_and_stops_cleanly(poll: Poll) -> None:
@@ -57,7 +59,7 @@ def test_cluster_command_none_policy_never_forwards_and_stops_cleanly(poll: Poll
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     pids: list[int] = []
     try:
-        lines = _read_until_ready(proc)
+        lines = _read_until_ready(proc, poll)
         nodes = re.findall(r"^(n\d)\s+(http://127\.0\.0\.1:\d+).*pid (\d+)\)", "".join(lines),
                            re.M)
         assert [n for n, _, _ in nodes] == ["n0", "n1"]

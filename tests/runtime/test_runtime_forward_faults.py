@@ -69,6 +69,11 @@ async def _http_500(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) 
     writer.write(b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 4\r\n\r\noops")
 
 
+async def _hang() -> None:
+    """A fake peer that goes silent: wait until the test's server cancels us (no timer)."""
+    await asyncio.Event().wait()
+
+
 async def _garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     await _read_request(reader)
     writer.write(_stream_head() + _chunk(b"\x00\x00\x00\x05\xffnot a frame"))
@@ -76,7 +81,7 @@ async def _garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -
 
 async def _silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     await _read_request(reader)
-    await asyncio.sleep(30)  # never answers: the first-byte timeout must fire
+    await _hang()  # never answers: the first-byte timeout must fire
 
 
 async def _dies_midstream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -138,7 +143,7 @@ async def _link_http_500(reader: asyncio.StreamReader, writer: asyncio.StreamWri
 async def _link_refused(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     frame = await _link_open(reader, writer)
     writer.write(_chunk(encode_link_refused(frame.stream, 500, "oops")))
-    await asyncio.sleep(30)  # the link stays open: only the forward was refused
+    await _hang()  # the link stays open: only the forward was refused
 
 
 async def _link_garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -154,7 +159,7 @@ async def _link_bad_reply(reader: asyncio.StreamReader, writer: asyncio.StreamWr
 
 async def _link_silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     await _link_open(reader, writer)
-    await asyncio.sleep(30)  # the fake peer holds its link open: what the node must handle
+    await _hang()  # the fake peer holds its link open: what the node must handle
 
 
 async def _link_dies_midstream(reader: asyncio.StreamReader,
@@ -171,21 +176,21 @@ async def _link_ends_early(reader: asyncio.StreamReader, writer: asyncio.StreamW
     frame = await _link_open(reader, writer)
     writer.write(_reply(frame, ForwardAccepted("fake", 0))
                  + _chunk(encode_link_frame(frame.stream, LINK_END)))
-    await asyncio.sleep(30)  # the fake peer holds its link open: what the node must handle
+    await _hang()  # the fake peer holds its link open: what the node must handle
 
 
 async def _link_bad_tokens(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     frame = await _link_open(reader, writer)
     done = ForwardResult((10**9,), "length", len(PROMPT), 0, 0.0, 0.0, 0.0)
     writer.write(_reply(frame, ForwardAccepted("fake", 0), done))
-    await asyncio.sleep(30)  # the fake peer holds its link open: what the node must handle
+    await _hang()  # the fake peer holds its link open: what the node must handle
 
 
 async def _link_busy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     frame = await _link_open(reader, writer)
     writer.write(_reply(frame, ForwardBusy("fake", 0.7))
                  + _chunk(encode_link_frame(frame.stream, LINK_END)))
-    await asyncio.sleep(30)  # the fake peer holds its link open: what the node must handle
+    await _hang()  # the fake peer holds its link open: what the node must handle
 
 
 TRUTH: list[int] = []

@@ -142,7 +142,7 @@ def test_network_delay_loss_partition() -> None:
     )
     delays = [net.delay(0, 1) for _ in range(200)]
     assert min(delays) >= 0.01 and max(delays) <= 0.012
-    delivered = sum(net.gossip_delivered(1, 2, 0.0) for _ in range(1000))
+    delivered = sum(bool(net.gossip_copies(1, 2, 0.0)) for _ in range(1000))
     assert 400 < delivered < 600
     assert net.partitioned(0, 1, 1.5) and not net.partitioned(1, 2, 1.5)
     assert not net.partitioned(0, 1, 2.5)
@@ -162,12 +162,13 @@ def test_network_draws_exactly_as_before() -> None:
                         partitions=(Partition(1.0, 2.0, frozenset({0})),))
     net, mirror = Network(cfg, 3, random.Random(9)), random.Random(9)
     assert net.delay(0, 1) == 0.01 + 0.002 * mirror.random()
-    assert net.gossip_delivered(1, 2, 0.0) == (not mirror.random() < 0.25)
-    assert not net.gossip_delivered(0, 1, 1.5)  # partitioned: no draw
+    lost = mirror.random() < 0.25  # the loss draw, then (delivered) the delay's
+    assert net.gossip_copies(1, 2, 0.0) == (() if lost else (0.01 + 0.002 * mirror.random(),))
+    assert net.gossip_copies(0, 1, 1.5) == ()  # partitioned: no draw
     assert net.delay(1, 0) == 0.01 + 0.002 * mirror.random()
     quiet = Network(NetworkConfig(delay_s=0.01), 2, random.Random(9))
     state = quiet._rng.getstate()
-    assert quiet.delay(0, 1) == 0.01 and quiet.gossip_delivered(0, 1, 0.0)
+    assert quiet.delay(0, 1) == 0.01 and quiet.gossip_copies(0, 1, 0.0) == (0.01,)
     assert quiet._rng.getstate() == state
 
 

@@ -5,7 +5,8 @@ Theory of operation
 A message is a msgpack array ``[PROTOCOL_VERSION, KIND, field, field, ...]`` with fields in
 declaration order (positional: no field names on the wire). Hash sets travel as opaque ``bin``
 blocks packed by :func:`summary.pack_hashes` (~7 bytes per hash at 100k hashes); the speed
-report as four little-endian float32.
+report as four little-endian float32; utilization in whole percent (the node rounds it to
+0.01); the sender's address and fingerprint digest as nil once the receiver knows them.
 
 Decoding treats every byte as hostile: msgpack's own limits bound strings, arrays and binaries
 before anything is allocated; then each field is type- and range-checked by hand (bools are not
@@ -201,7 +202,7 @@ def _enc_load(load: Load) -> list[Any]:
         load.cache_budget,
         speed,
         load.pushback_s,
-        load.utilization,
+        round(load.utilization * 100),  # whole percent: 1 byte, not a float64's 9
         load.speed_measured_at,
     ]
 
@@ -226,11 +227,12 @@ class _Parser:
             raise RemoteProtocolError(f"unknown message kind {f[1]}")
         return Gossip(
             sender=self.text(f[2], self.lim.max_id_len, "sender"),
-            address=self.text(f[3], self.lim.max_address_len, "address"),
+            address=None if f[3] is None else self.text(f[3], self.lim.max_address_len,
+                                                        "address"),
             incarnation=_int(f[4], "incarnation"),
             version=_int(f[5], "version"),
             heartbeat=_int(f[6], "heartbeat"),
-            fingerprint=_int(f[7], "fingerprint", _U64_MAX),
+            fingerprint=None if f[7] is None else _int(f[7], "fingerprint", _U64_MAX),
             stamp=_float(f[8], "stamp"),
             load=self.load(f[9]),
             summary=self.summary(f[10]),
@@ -262,7 +264,7 @@ class _Parser:
             cache_budget=_int(f[3], "cache_budget"),
             speed=None if f[4] is None else _speed(f[4]),
             pushback_s=pushback,
-            utilization=min(1.0, _float(f[6], "utilization", minimum=0.0)),
+            utilization=min(100, _int(f[6], "utilization")) / 100,
             speed_measured_at=measured,
         )
 

@@ -53,13 +53,16 @@ class ExchangeConfig:
     max_rtt_s: float = 60.0  # echoes implying a longer round trip are ignored
     speed_every: int = 16  # messages to one peer between unconditional speed reports
     speed_change: float = 0.05  # relative change of a speed figure worth reporting at once
+    # messages to one peer between repeats of our address and fingerprint (sent until it
+    # acknowledges us; a repeat lets a peer that forgot us without saying so take us back)
+    identity_every: int = 16
     max_retry_after_s: float = 60.0  # a "busy" answer asking for a longer back-off is ignored
 
     def __post_init__(self) -> None:
         if self.resend_after_rounds <= 0 or self.max_rtt_s <= 0 or self.max_retry_after_s <= 0:
             raise ValueError("resend_after_rounds, max_rtt_s and max_retry_after_s must be > 0")
-        if self.echo_every < 1 or self.speed_every < 1:
-            raise ValueError("echo_every and speed_every must be >= 1")
+        if self.echo_every < 1 or self.speed_every < 1 or self.identity_every < 1:
+            raise ValueError("echo_every, speed_every and identity_every must be >= 1")
         if self.speed_change < 0:
             raise ValueError("speed_change must be >= 0")
 

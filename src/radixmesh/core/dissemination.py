@@ -23,8 +23,10 @@ Modes (``GossipConfig.mode``)
     epidemic   delta to ``fanout`` random members per round, push-pull, plus digests, rumors
                and relays of others' states (:mod:`epidemic`).
 
-Alongside the payload ride: load (with our speed only when it moved by ``speed_change`` or
-every ``speed_every`` messages), push-back, membership (peer lists, :mod:`failure`) and RTT
+Alongside the payload ride: our address and fingerprint (until the receiver acknowledges
+this incarnation, then every ``identity_every`` messages: it knows them), load (with our speed
+only when it moved by ``speed_change`` or every ``speed_every`` messages), push-back,
+membership (peer lists, :mod:`failure`) and RTT
 echoes: each message now and then echoes the last stamp received from its destination and how
 long it was held, so the destination computes ``rtt = now - stamp - held`` on its own clock,
 without clock sync. Dead members are probed every ``dead_probe_every`` rounds.
@@ -129,13 +131,15 @@ class Disseminator:
         summary = self._summary_for(est, now)
         first = est is None or est.acked is None or isinstance(summary, Snapshot)
         target = None if est is None else est.node_id
+        every = self.xcfg.identity_every  # (else: the receiver knows who we are)
+        known = not (first or full) and est is not None and bool(est.sent % every)
         return Gossip(
             sender=self.config.node_id,
-            address=self.config.address,
+            address=None if known else self.config.address,
             incarnation=self.config.incarnation,
             version=self.payload.version,
             heartbeat=self.failure.heartbeat,
-            fingerprint=self.fingerprint,
+            fingerprint=None if known else self.fingerprint,
             stamp=now,
             load=load if est is None else self._load_for(est, load),
             summary=summary,

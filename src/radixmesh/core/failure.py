@@ -232,7 +232,7 @@ class FailureDetector:
         if msg.incarnation == self.config.incarnation or self._self_clash_logged:
             return []
         self._self_clash_logged = True
-        text = f"another node at {msg.address} uses this node's id {msg.sender!r}"
+        text = f"another node at {msg.address or '?'} uses this node's id {msg.sender!r}"
         return [Log("error", text)]
 
     # ====================================================== what membership sends along

@@ -71,11 +71,16 @@ class Gossiper:
         """Apply one decoded message; returns replies, logs and state changes."""
         if msg.sender == self.config.node_id:
             return self.failure.reject_self(msg)
-        if msg.fingerprint != self.config.fingerprint.digest:
+        failure = self.failure
+        address = msg.address if msg.fingerprint is not None else self._known_address(msg)
+        if address is None:  # no identity, and we do not know it: it repeats it soon
+            bump(self.metrics, "messages_rejected_unverified")
+            bump(self.metrics, "messages_rejected")
+            return []
+        if msg.fingerprint is not None and msg.fingerprint != self.config.fingerprint.digest:
             return self._refuse(msg, now, load)
         actions: list[Action] = []
-        failure = self.failure
-        est = failure.resolve(msg.sender, msg.incarnation, msg.address, now, actions)
+        est = failure.resolve(msg.sender, msg.incarnation, address, now, actions)
         if est is None:  # an older incarnation, or a new id while the member table is full
             full = msg.sender not in failure.members
             bump(self.metrics, "messages_rejected_members_full" if full else
@@ -100,11 +105,25 @@ class Gossiper:
                 )
         return actions
 
+    def _known_address(self, msg: Gossip) -> str | None:
+        """The address of a sender that left its identity out (protocol 3: it did once we
+        acknowledged it): the one we hold, if we heard this incarnation first-hand (its
+        fingerprint was checked then) or a later one (the message is stale: refused as
+        such); None otherwise."""
+        if msg.address is not None:  # an address without its fingerprint: not a sender's
+            return None
+        member = self.failure.members.get(msg.sender)
+        est = self.estimates.get(msg.sender)
+        if member is None or est is None or est.hearsay:
+            return None
+        return member.address if msg.incarnation <= member.incarnation else None
+
     def _refuse(self, msg: Gossip, now: float, load: Load) -> list[Action]:
         """Another model's node: say why once, and tell it who we are (it refuses us too)."""
         log = self.failure.refuse(msg)
         if log is None:
             return []
+        assert msg.address is not None  # (a fingerprint comes with its address)
         return [log, self.dissemination.hello(msg.address, now, load, reply=False)]
 
     def round(self, now: float, load: Load) -> list[Action]:

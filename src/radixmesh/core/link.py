@@ -18,15 +18,18 @@ it with real time (the runtime sleeps between the steps) call :meth:`LinkConfig.
 
 A :class:`Partition` splits nodes (any hashable name) into groups that cannot reach each other,
 in both directions, during ``[start_s, end_s)``; nodes no group names form one more group, "the
-rest". :class:`RegionDelays` replaces the one-way delay by a per-region-pair matrix. Nothing
-here sleeps, reads a clock or owns a random stream: the shells (``runtime/netem.py``,
-``sim/network.py``, ``testing/fakenet.py``) pass time and randomness in.
+rest". :class:`RegionDelays` replaces the one-way delay by a per-region-pair matrix.
+:class:`Wire` is the in-memory network built of them (a link per pair of endpoints, the
+partitions, one random stream): the one that the simulator, the twin cluster and the in-memory
+peer transport share. Nothing here sleeps, reads a clock or owns a random stream: the shells
+(``runtime/netem.py``, ``sim/network.py``, ``testing/fakenet.py``,
+``testing/memtransport.py``) pass time and randomness in.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field, replace
 from random import Random  # the type only: instances are passed in, never the global one
 from typing import Generic, TypeVar
@@ -169,3 +172,41 @@ class RegionDelays:
     def links(self, base: LinkConfig) -> tuple[tuple[LinkConfig, ...], ...]:
         """``base`` with each region pair's delay: ``links(base)[i][j]`` is the i -> j link."""
         return tuple(tuple(base.with_delay(d) for d in row) for row in self.delay_s)
+
+
+class Wire(Generic[K]):
+    """The in-memory network between named endpoints: which link joins two of them, which
+    partitions cut them apart, and so what becomes of each message sent now (the copies that
+    arrive, after which delays). One random stream, passed in, decides every message in the
+    order it is sent: the simulator (``sim/network.py``), the twin cluster's datagrams
+    (``testing/fakenet.py``) and the in-memory peer transport (``testing/memtransport.py``)
+    all ask it; none keeps a partition or draws a fault of its own."""
+
+    def __init__(self, rng: Random, link: Callable[[K, K], LinkConfig],
+                 partitions: Iterable[Partition[K]] = ()) -> None:
+        self.rng = rng  # the run's own stream (never the global one)
+        self.link = link  # the link a -> b
+        self.partitions: tuple[Partition[K], ...] = tuple(partitions)
+
+    def partition(self, *groups: Iterable[K]) -> None:
+        """From now on, until :meth:`heal`: the groups cannot reach each other (the endpoints
+        no group names form one more group)."""
+        self.partitions = (Partition.of(*groups),)
+
+    def heal(self) -> None:
+        self.partitions = ()
+
+    def separated(self, a: K, b: K, now: float = 0.0) -> bool:
+        """Whether a partition cuts ``a`` from ``b`` at ``now`` (no random draw)."""
+        return bool(self.partitions) and separated(self.partitions, a, b, now)
+
+    def copies(self, a: K, b: K, now: float = 0.0) -> tuple[float, ...]:
+        """The delays of the copies of one message ``a -> b`` sent at ``now`` that arrive
+        (none across a partition: no draw then; see :meth:`LinkConfig.copies`)."""
+        if self.separated(a, b, now):
+            return ()
+        return self.link(a, b).copies(self.rng)
+
+    def delay(self, a: K, b: K) -> float:
+        """One one-way delay ``a -> b`` (a message that cannot be lost: a stream's bytes)."""
+        return self.link(a, b).sample_delay(self.rng)

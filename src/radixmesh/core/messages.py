@@ -34,7 +34,9 @@ from dataclasses import dataclass
 from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.estimators import SpeedReport
 
-PROTOCOL_VERSION = 2  # 2: Load.speed_measured_at
+# 2: Load.speed_measured_at; 3: address and fingerprint on first contact only, utilization in
+# whole percent (gossip under 1 KB/s per node: docs/benchmarks.md)
+PROTOCOL_VERSION = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,11 +138,14 @@ class Gossip:
     """One anti-entropy message: the sender's own state, plus membership and relays."""
 
     sender: str
-    address: str
+    # the sender's identity, address and Fingerprint.digest (model + tokenizer + block size):
+    # sent until the receiver acknowledges this incarnation, and every
+    # ``ExchangeConfig.identity_every`` messages; None otherwise (the receiver knows them)
+    address: str | None
     incarnation: int
     version: int  # the sender's current state version
     heartbeat: int  # the sender's round counter (this incarnation)
-    fingerprint: int  # Fingerprint.digest: model + tokenizer + block size
+    fingerprint: int | None  # (see ``address``)
     stamp: float  # the sender's own clock when sending (never compared with ours)
     load: Load
     summary: Summary | None = None  # the sender's cache: snapshot, delta or nothing new

@@ -88,6 +88,7 @@ _COUNTERS = (
     "messages_rejected_fingerprint",
     "messages_rejected_stale",
     "messages_rejected_self",
+    "messages_rejected_unverified",  # no address and fingerprint, from a sender not known
     "gossip_snapshots_applied",
     "gossip_deltas_applied",
     "gossip_stale_summaries",

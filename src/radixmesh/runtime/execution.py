@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, aclosing
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -49,7 +49,7 @@ from radixmesh.engine.base import (
     TokenLogprob,
 )
 from radixmesh.runtime.metrics import RuntimeMetrics
-from radixmesh.runtime.peer_client import AnyForwardStream, ForwardFailure
+from radixmesh.runtime.transport import ForwardFailure, ForwardReplies
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +87,7 @@ class Host(Protocol):
     engine: AsyncEngine
     metrics: RuntimeMetrics
     pending: int  # generate calls started by this node, not finished (event-loop view)
+    clock: Callable[[], float]  # the node's clock: every duration reported to the core
 
     def push_load(self) -> None: ...
     def push_cache_and_load(self) -> None: ...
@@ -155,7 +156,7 @@ class LocalExecution(Execution):
         self.served_by = node.node_id
         self.cached_estimate = node.engine.match(ctx.prompt)
         self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        self._t0 = time.perf_counter()
+        self._t0 = node.clock()
         self._emitted = emitted  # tokens a failed peer already sent (the answer goes on)
         self._generated = 0  # tokens delivered so far
         self.logprobs = []
@@ -172,12 +173,11 @@ class LocalExecution(Execution):
         on_prompt = None if sampling.prompt_logprobs is None else self._scored
         req = GenerateRequest(uuid.uuid4().hex, (*ctx.prompt, *self._emitted), sampling,
                               on_logprob, on_prompt)
-        self._t0 = time.perf_counter()
+        self._t0 = self.node.clock()
         task = asyncio.create_task(self.node.engine.generate(req, self._on_token),
                                    name=f"radixmesh-generate-{req.request_id[:8]}")
         self.node.pending += 1
-        task.add_done_callback(self._finished)
-        self.node.push_load()
+        task.add_done_callback(self._finished)  # (the node reports the load: ``_queued``)
         return task
 
     def _scored(self, entries: tuple[TokenLogprob | None, ...]) -> None:  # on the event loop
@@ -206,7 +206,7 @@ class LocalExecution(Execution):
             self._failed(exc)
             return
         result = task.result()
-        service_s = max(time.perf_counter() - self._t0 - result.queue_s, 0.0)
+        service_s = max(self.node.clock() - self._t0 - result.queue_s, 0.0)
         self.node.local_done(result, service_s)
         self.queue.put_nowait(("done", (result, service_s)))
 
@@ -248,7 +248,7 @@ class LocalExecution(Execution):
         prompt_len = len(self.ctx.prompt)
         cached = 0 if self.ctx.sampling.prompt_logprobs is not None else self.cached_estimate
         return Outcome(output_ids, "stop", prompt_len, min(cached, prompt_len),
-                       self.served_by, self.route, 0.0, time.perf_counter() - self._t0, None,
+                       self.served_by, self.route, 0.0, self.node.clock() - self._t0, None,
                        self.logprobs[: len(output_ids)], self.prompt_logprobs)
 
 
@@ -271,7 +271,7 @@ class ForwardExecution(Execution):
     """Runs on a peer that accepted it; a failure continues locally as the core decides."""
 
     def __init__(self, node: Host, ctx: RequestContext, action: Forward,
-                 stream: AnyForwardStream, accepted: ForwardAccepted, started: float) -> None:
+                 stream: ForwardReplies, accepted: ForwardAccepted, started: float) -> None:
         self.node, self.ctx, self.peer_id = node, ctx, action.peer_id
         self.served_by, self.route = action.peer_id, action.route
         self.expected_cached, self.placement = action.expected_cached, action.placement
@@ -312,7 +312,7 @@ class ForwardExecution(Execution):
             return self._local.outcome
         prompt_len = len(self.ctx.prompt)
         return Outcome(output_ids, "stop", prompt_len, min(self.cached_estimate, prompt_len),
-                       self.peer_id, self.route, 0.0, time.perf_counter() - self._started)
+                       self.peer_id, self.route, 0.0, self.node.clock() - self._started)
 
     async def _relay(self, emitted: list[int]) -> AsyncIterator[int]:
         while True:
@@ -339,7 +339,7 @@ class ForwardExecution(Execution):
         output = list(self._checked(res.output_ids))
         if emitted and output[: len(emitted)] != emitted:
             raise ForwardFailure("bad_response", "result disagrees with streamed tokens")
-        overhead = max(time.perf_counter() - self._started - res.handler_s, 0.0)
+        overhead = max(self.node.clock() - self._started - res.handler_s, 0.0)
         prompt_len = len(self.ctx.prompt)
         return Outcome(
             output, res.finish_reason, prompt_len, min(res.cached_tokens, prompt_len),
@@ -347,10 +347,10 @@ class ForwardExecution(Execution):
         )
 
 
-def result_reply(value: tuple[GenerateResult, float], t0: float) -> ForwardReply:
+def result_reply(value: tuple[GenerateResult, float], handler_s: float) -> ForwardReply:
     result, service_s = value
     return ForwardResult(
         tuple(result.output_ids), result.finish_reason, result.prompt_tokens,
         result.cached_tokens, max(result.queue_s, 0.0), service_s,
-        max(time.perf_counter() - t0, 0.0),
+        max(handler_s, 0.0),
     )

@@ -114,6 +114,7 @@ from radixmesh.runtime.peer_auth import (
 )
 from radixmesh.runtime.peer_client import ForwardFailure, PeerClient
 from radixmesh.runtime.peer_link import LinkRegistry
+from radixmesh.runtime.transport import PeerTransport
 
 log = logging.getLogger("radixmesh.node")
 
@@ -150,17 +151,17 @@ class NodeService:
         *,
         clock: Callable[[], float] = time.monotonic,
         incarnation: int | None = None,
+        peers: PeerTransport | None = None,
     ) -> None:
         self.config = config
         self.engine: AsyncEngine = as_async_engine(engine)
         self.clock = clock
         self.incarnation = incarnation or config.incarnation or time.time_ns() // 1_000_000
-        node_cfg = config.node_config(engine.fingerprint, self.incarnation)
-        self.node_config = node_cfg
+        self.node_config = node_cfg = config.node_config(engine.fingerprint, self.incarnation)
         self.node_id = node_cfg.node_id
         self.address = node_cfg.address
         self.core = NodeCore(node_cfg, random.Random(config.seed ^ self.incarnation), clock())
-        self._wire(config)
+        self._wire(config, peers)
         self.metrics = prom.RuntimeMetrics()
         self.started_monotonic = clock()
         self._wake: asyncio.Future[None] | None = None  # the timer's sleep; set = wake up
@@ -176,17 +177,14 @@ class NodeService:
         # and not finished (client requests and work for peers), reported in LoadChanged;
         # and the prompt tokens not cached when each was queued (what one place in the queue
         # costs: core ``SpeedReport.queued_service_s``)
-        self.queue_prompt_tokens = 0
-        self.queue_output_tokens = 0
-        self.queue_uncached_tokens = 0
+        self.queue_prompt_tokens = self.queue_output_tokens = self.queue_uncached_tokens = 0
         self._queued_blocks = QueuedBlocks(engine.fingerprint.block_size)
-        self.dns_resolutions = 0  # --join-dns: answers received / failed look-ups
-        self.dns_failures = 0
+        self.dns_resolutions = self.dns_failures = 0  # --join-dns: answers / failed look-ups
         # started and stopped with the node, shown in /mesh and /metrics (the KV-event
         # subscriber of an external engine): start(), stop(), name, mesh_state(), metrics()
         self.attachments: list[Any] = []
 
-    def _wire(self, config: ServeConfig) -> None:
+    def _wire(self, config: ServeConfig, peers: PeerTransport | None) -> None:
         """The network side: emulation, peer authentication, client key, peer client."""
         self.netem = Netem(
             NetemConfig(config.net_delay, config.net_jitter, config.net_loss,
@@ -196,9 +194,9 @@ class NodeService:
         self.auth = PeerAuth(resolve_secret(config.cluster_key, var=ENV_CLUSTER_KEY),
                              self.node_id)
         self.api_key = ApiKeyCheck(resolve_secret(config.api_key, var=ENV_API_KEY))
-        self.peers = PeerClient(self.node_id, self.address, self.netem,
-                                config.connect_timeout, config.forward_timeout, self.auth,
-                                use_links=config.peer_transport == "link")
+        self.peers: PeerTransport = peers or PeerClient(
+            self.node_id, self.address, self.netem, config.connect_timeout,
+            config.forward_timeout, self.auth, use_links=config.peer_transport == "link")
         self.links = LinkRegistry()  # the links peers opened to this node (their forwards)
 
     # ------------------------------------------------------------------------- lifecycle
@@ -420,10 +418,13 @@ class NodeService:
         """Tokens of ``prompt`` this node will have cached when it runs it."""
         return self._queued_blocks.cached_when_run(hashes, len(prompt), self.engine.match(prompt))
 
-    def push_cache_and_load(self) -> None:
+    def push_cache(self) -> None:
         delta = self.engine.drain_cache_delta()
         if delta.added or delta.removed:
             self.dispatch(CacheChanged(delta.added, delta.removed))
+
+    def push_cache_and_load(self) -> None:
+        self.push_cache()
         self.push_load()
 
     def local_done(self, result: GenerateResult, service_s: float) -> None:
@@ -435,7 +436,7 @@ class NodeService:
                          result.cached_tokens)
         self.dispatch(RequestServed(result.prompt_tokens, result.cached_tokens, result.prefill_s,
                                     len(result.output_ids), result.decode_s, service_s))
-        self.push_cache_and_load()
+        self.push_cache()  # the load follows once the request has left the queue (_queued)
 
     # ------------------------------------------------------------------------- requests
     async def execute(
@@ -485,7 +486,7 @@ class NodeService:
                      ) -> ForwardExecution | Forward | ExecuteLocally:
         """Send the forward; the peer's first reply decides between streaming and next try."""
         self.metrics.forward_attempts += 1
-        started = time.perf_counter()
+        started = self.clock()
         body = forward_request(ctx, action.beat_s, self.node_config.forward.heartbeat_s)
         try:
             stream = await self.peers.open_forward(action.address, action.peer_id,
@@ -588,7 +589,7 @@ class NodeService:
         """The framed replies to a forwarded request, executed here (never routed again) — or
         a single ``ForwardBusy`` when the core refuses it (queue at the push-back threshold,
         or slower than ``beat_s``): the sender then falls back at once."""
-        t0 = time.perf_counter()
+        t0 = self.clock()
         fp = self.engine.fingerprint
         hashes = tuple(block_hashes(req.prompt, fp.block_size, fp.digest))
         cached = self._cached_here(req.prompt, hashes)
@@ -609,7 +610,7 @@ class NodeService:
         ex = self._queued(LocalExecution(self, ctx, "local", cached))
         self._peer_work.add(ex)
         try:
-            async for frame in _replies(ex, req.heartbeat_s, t0):
+            async for frame in _replies(ex, req.heartbeat_s, lambda: self.clock() - t0):
                 yield frame
         finally:
             self._peer_work.discard(ex)
@@ -696,8 +697,8 @@ class NodeService:
             "netem_dropped_loss": float(self.netem.dropped_loss),
             "netem_dropped_partition": float(self.netem.dropped_partition),
             "netem_duplicated": float(self.netem.duplicated),
-            "peer_connections_opened": float(self.peers.connections_opened),
-            "peer_links_opened": float(self.peers.links_opened),
+            "peer_connections_opened": float(getattr(self.peers, "connections_opened", 0)),
+            "peer_links_opened": float(getattr(self.peers, "links_opened", 0)),
             "peer_links_served": float(self.links.opened),
             "peer_links_rejected": float(self.links.rejected),
             "peer_links_open": float(len(self.links)),
@@ -719,7 +720,8 @@ def _wake_up(fut: asyncio.Future[None] | None) -> None:
         fut.set_result(None)
 
 
-async def _replies(ex: LocalExecution, heartbeat_s: float, t0: float) -> AsyncIterator[bytes]:
+async def _replies(ex: LocalExecution, heartbeat_s: float,
+                   handler_s: Callable[[], float]) -> AsyncIterator[bytes]:
     """Frames of a local execution for the peer that forwarded it: heartbeats while it waits,
     tokens as they come (batched), then the result or an error."""
     pending: asyncio.Task[tuple[str, Any]] | None = None
@@ -735,7 +737,7 @@ async def _replies(ex: LocalExecution, heartbeat_s: float, t0: float) -> AsyncIt
             pending = None
             while not ex.queue.empty():
                 items.append(ex.queue.get_nowait())
-            for frame in _frames(items, t0):
+            for frame in _frames(items, handler_s):
                 yield frame
             if items[-1][0] != "tok":
                 return
@@ -744,7 +746,7 @@ async def _replies(ex: LocalExecution, heartbeat_s: float, t0: float) -> AsyncIt
             pending.cancel()
 
 
-def _frames(items: list[tuple[str, Any]], t0: float) -> list[bytes]:
+def _frames(items: list[tuple[str, Any]], handler_s: Callable[[], float]) -> list[bytes]:
     frames: list[bytes] = []
     toks: list[int] = []
     for kind, value in items:
@@ -755,7 +757,7 @@ def _frames(items: list[tuple[str, Any]], t0: float) -> list[bytes]:
             frames.append(encode_reply(ForwardTokens(tuple(toks))))
             toks = []
         if kind == "done":
-            frames.append(encode_reply(result_reply(value, t0)))
+            frames.append(encode_reply(result_reply(value, handler_s())))
         else:
             text = f"{type(value).__name__}: {value}"
             frames.append(encode_reply(ForwardError.truncated(text)))

@@ -410,11 +410,12 @@ class SimCluster:
         c = self.counters
         c.gossip_messages += 1
         c.gossip_bytes += len(action.payload)
-        if dst is None or not self.net.gossip_delivered(node.idx, dst.idx, self.loop.now):
+        now = self.loop.now
+        copies = () if dst is None else self.net.gossip_copies(node.idx, dst.idx, now)
+        if not copies:
             c.gossip_lost += 1
-            return
-        delay = self.net.delay(node.idx, dst.idx)
-        self.loop.at(self.loop.now + delay, self._deliver, dst, action, node.address)
+        for delay in copies:
+            self.loop.at(now + delay, self._deliver, dst, action, node.address)
 
     def _deliver(self, dst: SimNode, sent: Send, source: str) -> None:
         # In process, the decoded message travels with its bytes: the receiver skips decoding
@@ -522,10 +523,9 @@ class SimCluster:
             self._fail_after(back, flight, target, "connection reset")
             return
         assert target.engine is not None
-        # the cached prefix only matters against a budget (cost policy): no match otherwise
-        beat = flight.beat_s
-        cached = 0 if beat is None else _cached_prefix(target, flight)
-        ask = ForwardArrived(flight.index, len(flight.tokens), cached, flight.req.max_tokens, beat)
+        cached = _cached_prefix(target, flight)  # (the runtime's count: differential test)
+        ask = ForwardArrived(flight.index, len(flight.tokens), cached, flight.req.max_tokens,
+                             flight.beat_s)
         [answer] = self.feed(target, ask)
         if isinstance(answer, RefuseForward):  # the first (and only) event back
             self.loop.at(self.loop.now + back, self._refused, flight, attempt, target, answer)

@@ -4,8 +4,10 @@ crashes/restarts, the partition schedule, region assignment and the CLI spelling
 Theory of operation
 -------------------
 Nodes are numbered ``0..N-1``. A message from ``a`` to ``b`` sent at ``t`` either arrives at
-``t + delay(a, b)`` or never; every decision is the core link model's
-(:class:`radixmesh.core.link.LinkConfig`, drawn from this run's own ``random.Random``):
+``t + delay(a, b)`` or never; every decision is the core's in-memory network's
+(:class:`radixmesh.core.link.Wire` over :class:`radixmesh.core.link.LinkConfig`, drawn from
+this run's own ``random.Random``; the twin cluster and the in-memory peer transport of the
+tests use the same ``Wire``):
 
 * ``delay(a, b)`` is one sample of the link ``a -> b``: its base is ``delay_s`` or, with
   regions, the one-way delay between the two nodes' regions (nodes are assigned to regions
@@ -28,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from radixmesh.core import link as core_link
-from radixmesh.core.link import LinkConfig, RegionDelays
+from radixmesh.core.link import LinkConfig, RegionDelays, Wire
 from radixmesh.core.units import parse_duration
 
 __all__ = [
@@ -117,7 +119,7 @@ class Network:
         self._links = config.links()  # [region of a][region of b]
         self._modulus = len(self._links)
         self._down: set[int] = set()
-        self._cuts = tuple(p.cut() for p in config.partitions)
+        self.wire: Wire[int] = Wire(rng, self.link, (p.cut() for p in config.partitions))
         self.time_offset = 0.0  # partition times count from here (the end of warm-up)
         for p in config.partitions:
             if any(not 0 <= i < n_nodes for i in p.side):
@@ -139,20 +141,19 @@ class Network:
         return self.link(a, b).delay_s
 
     def delay(self, a: int, b: int) -> float:
-        m = self._modulus  # self.link(a, b), inlined: this is the simulator's hottest call
+        m = self._modulus  # self.wire.delay(a, b), inlined: the simulator's hottest call
         return self._links[a % m][b % m].sample_delay(self._rng)
 
     def is_up(self, node: int) -> bool:
         return node not in self._down
 
     def partitioned(self, a: int, b: int, now: float) -> bool:
-        return core_link.separated(self._cuts, a, b, now - self.time_offset)
+        return self.wire.separated(a, b, now - self.time_offset)
 
-    def gossip_delivered(self, a: int, b: int, now: float) -> bool:
-        """Whether a gossip message sent now from ``a`` reaches ``b`` (loss + partitions)."""
-        if self._cuts and self.partitioned(a, b, now):
-            return False
-        return not self.link(a, b).lost(self._rng)
+    def gossip_copies(self, a: int, b: int, now: float) -> tuple[float, ...]:
+        """The delays after which a gossip message sent now from ``a`` reaches ``b``: none
+        if lost or partitioned (``Wire.copies``: the loss draw, then the delay's)."""
+        return self.wire.copies(a, b, now - self.time_offset)
 
     # --------------------------------------------------------------------------- mutations
     def set_down(self, node: int, down: bool) -> None:

@@ -2,9 +2,9 @@
 
 Theory of operation
 -------------------
-``send(src, dst, payload, now)`` asks the core link model
-(:meth:`radixmesh.core.link.LinkConfig.copies`, with the network's own seeded
-``random.Random``) what happens to one datagram on the link ``src -> dst``::
+``send(src, dst, payload, now)`` asks the core's in-memory network
+(:meth:`radixmesh.core.link.Wire.copies`, with the network's own seeded ``random.Random``;
+the simulator asks the same) what happens to one datagram on the link ``src -> dst``::
 
     partitioned?  -> dropped            loss?      -> dropped
     delay = base + U(0, jitter) [+ U(0, reorder_window) with probability reorder]
@@ -22,7 +22,7 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from radixmesh.core.link import LinkConfig, Partition
+from radixmesh.core.link import LinkConfig, Wire
 
 __all__ = ["DEFAULT_LINK", "Delivery", "FakeNetwork", "LinkConfig", "VirtualClock"]
 
@@ -52,10 +52,9 @@ class FakeNetwork:
     """Datagrams between addresses, with per-link faults and partitions."""
 
     def __init__(self, rng: random.Random, default: LinkConfig | None = None) -> None:
-        self._rng = rng
         self.default = default or DEFAULT_LINK
         self._links: dict[tuple[str, str], LinkConfig] = {}
-        self._cut: Partition[str] = Partition(())  # no groups: everyone reaches everyone
+        self.wire: Wire[str] = Wire(rng, self.link)
         self._queue: list[tuple[float, int, Delivery]] = []
         self._seq = 0
         self.stats = {"sent": 0, "delivered": 0, "dropped": 0, "duplicated": 0, "bytes": 0}
@@ -67,16 +66,19 @@ class FakeNetwork:
     def set_default(self, config: LinkConfig) -> None:
         self.default = config
 
+    def link(self, src: str, dst: str) -> LinkConfig:
+        return self._links.get((src, dst), self.default)
+
     def partition(self, *groups: Iterable[str]) -> None:
         """Split the given addresses into groups that cannot reach each other (addresses no
         group names form one more group)."""
-        self._cut = Partition.of(*groups)
+        self.wire.partition(*groups)
 
     def heal(self) -> None:
-        self._cut = Partition(())
+        self.wire.heal()
 
     def reachable(self, src: str, dst: str) -> bool:
-        return not self._cut.separates(src, dst)
+        return not self.wire.separated(src, dst)
 
     # ------------------------------------------------------------------------- datagrams
     def send(self, src: str, dst: str, payload: bytes, now: float) -> None:
@@ -85,7 +87,7 @@ class FakeNetwork:
         if not self.reachable(src, dst):
             self.stats["dropped"] += 1
             return
-        copies = self._links.get((src, dst), self.default).copies(self._rng)
+        copies = self.wire.copies(src, dst)
         if not copies:
             self.stats["dropped"] += 1
         elif len(copies) > 1:
