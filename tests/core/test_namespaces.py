@@ -1,0 +1,115 @@
+"""Cache namespaces: the seed derivation (core/blocks.py), the scheduler's isolation and the
+tenant helpers (core/tenants.py)."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import given, settings
+
+from radixmesh.core.blocks import (
+    NAMESPACE_TOKEN_BASE,
+    block_hashes,
+    namespace_block,
+    namespace_seed,
+)
+from radixmesh.core.scheduler import Finished, Scheduler, SchedulerConfig
+from radixmesh.core.tenants import ApiKeys, Namespacer, check_cache_field, parse_api_keys
+
+BASE = 0x1234_5678_9ABC_DEF0
+tokens_st = st.lists(st.integers(0, NAMESPACE_TOKEN_BASE - 1), min_size=0, max_size=96)
+ns_st = st.none() | st.text(max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(a=tokens_st, b=tokens_st, na=ns_st, nb=ns_st, bs=st.sampled_from([1, 4, 16]))
+def test_two_namespaces_never_share_a_block_hash(a: list[int], b: list[int], na: str | None,
+                                                 nb: str | None, bs: int) -> None:
+    ha = block_hashes(a, bs, namespace_seed(BASE, na, bs))
+    hb = block_hashes(b, bs, namespace_seed(BASE, nb, bs))
+    if na != nb:
+        assert not set(ha) & set(hb)
+    else:  # one namespace: hashes name prefixes, as without namespaces
+        common = 0
+        while common < min(len(ha), len(hb)) and a[: (common + 1) * bs] == b[: (common + 1) * bs]:
+            common += 1
+        assert ha[:common] == hb[:common]
+
+
+@given(ns=st.text(max_size=300), bs=st.integers(1, 64))
+def test_the_virtual_block_is_out_of_every_vocabulary(ns: str, bs: int) -> None:
+    block = namespace_block(ns, bs)
+    assert len(block) == bs and all(NAMESPACE_TOKEN_BASE <= t < 2**32 for t in block)
+    assert namespace_seed(BASE, ns, bs) == block_hashes(block, bs, BASE)[0]
+
+
+def test_no_namespace_is_todays_seed() -> None:
+    assert namespace_seed(BASE, None, 16) == BASE
+
+
+def _run(sched: Scheduler) -> list[Finished]:
+    done: list[Finished] = []
+    for t in range(1000):
+        step = sched.schedule(float(t))
+        if step.empty:
+            break
+        done += sched.complete(step, dict.fromkeys(step.emitting, 7), float(t))
+    return done
+
+
+PROMPT = list(range(200))
+
+
+def test_scheduler_isolates_namespaces_and_reports_without_the_virtual_block() -> None:
+    sched = Scheduler(SchedulerConfig(hash_seed=BASE))
+    sched.add(1, PROMPT, 2, 0.0, namespace="a")
+    (first,) = _run(sched)
+    assert (first.prompt_tokens, first.cached_tokens) == (200, 0)
+    added, _ = sched.drain_cache_delta()
+    want = block_hashes([*PROMPT, 7], 16, namespace_seed(BASE, "a", 16))
+    assert set(added) == set(want)  # the mesh's namespaced names, no virtual block
+    assert sched.cached_prefix(PROMPT, "a") == 192
+    assert sched.cached_prefix(PROMPT, "b") == 0 and sched.cached_prefix(PROMPT) == 0
+    for seq, ns in ((2, "b"), (3, None), (4, "a")):
+        sched.add(seq, PROMPT, 2, 1.0, namespace=ns)
+    hits = {f.seq: f.cached_tokens for f in _run(sched)}
+    assert hits == {2: 0, 3: 0, 4: 192}
+
+
+def test_cache_fields_are_short_strings() -> None:
+    assert check_cache_field("cache_salt", None) is None
+    assert check_cache_field("cache_salt", "") is None
+    assert check_cache_field("cache_salt", "x" * 256) == "x" * 256
+    for bad in ("x" * 257, 5, ["a"], {"a": 1}, True):
+        with pytest.raises(ValueError, match="cache_salt"):
+            check_cache_field("cache_salt", bad)
+
+
+def test_namespace_ids_are_keyed_and_scoped_to_the_tenant() -> None:
+    one, other = Namespacer(b"k" * 16), Namespacer(b"j" * 16)
+    assert one.namespace_id(None, None) is None
+    ids = {one.namespace_id(t, s) for t in (None, "a", "b") for s in (None, "x", "")}
+    assert len(ids) == 9 and None in ids  # (None, None) alone is None; all others distinct
+    assert one.namespace_id("a", "x") != other.namespace_id("a", "x")
+    assert one.namespace_id("a", "x") == Namespacer(b"k" * 16).namespace_id("a", "x")
+    assert one.namespace_id("ab", None) != one.namespace_id("a", "b")
+
+
+def test_api_keys_file_and_callers() -> None:
+    keys = parse_api_keys("# tenants\nkey-of-acme-000001 acme\n\nkey-of-umbrella-01 umbrella\n")
+    assert keys == {"key-of-acme-000001": "acme", "key-of-umbrella-01": "umbrella"}
+    for bad, why in (("short acme", "16"), ("a-long-enough-key1 acme x", "fields"),
+                     ("a-long-enough-key1 a/b", "tenant"),
+                     ("a-long-enough-key1 a\na-long-enough-key1 b", "twice")):
+        with pytest.raises(ValueError, match=why):
+            parse_api_keys(bad)
+    api = ApiKeys("operator-key-00001", keys)
+    assert api.caller("Bearer operator-key-00001") is not None
+    op = api.caller("Bearer operator-key-00001")
+    assert op is not None and op.operator and op.tenant is None
+    acme = api.caller("Bearer key-of-acme-000001")
+    assert acme is not None and acme.tenant == "acme" and not acme.operator
+    assert api.caller("Bearer nope") is None and api.caller(None) is None
+    assert api.rejected == 2
+    open_api = ApiKeys()
+    assert not open_api.enabled and open_api.caller(None) == op
