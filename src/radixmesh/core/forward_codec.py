@@ -35,6 +35,7 @@ from radixmesh.core.codec import (
 )
 from radixmesh.core.messages import (
     MAX_ERROR_CHARS,
+    MAX_NAMESPACE_CHARS,
     PROTOCOL_VERSION,
     SEED_MAX,
     SEED_MIN,
@@ -78,7 +79,7 @@ class ForwardLimits:
 
 # ------------------------------------------------------------------------------- request
 def encode_forward_request(req: ForwardRequest) -> bytes:
-    """The request body: ``[version, kind, prompt, max_tokens, ..., beat_s]``."""
+    """The request body: ``[version, kind, prompt, max_tokens, ..., beat_s, namespace]``."""
     fields = [
         PROTOCOL_VERSION,
         KIND_FORWARD_REQUEST,
@@ -91,6 +92,7 @@ def encode_forward_request(req: ForwardRequest) -> bytes:
         req.stream,
         float(req.heartbeat_s),
         None if req.beat_s is None else float(req.beat_s),
+        req.namespace,
     ]
     return _pack(fields)
 
@@ -105,7 +107,7 @@ def decode_forward_request(data: bytes, limits: ForwardLimits | None = None) -> 
 
 
 def _request(f: list[Any], lim: ForwardLimits) -> ForwardRequest:
-    _array(f, 11, "forward request")
+    _array(f, 12, "forward request")
     return ForwardRequest(
         prompt=_ids(f[2], lim.max_prompt_tokens, "prompt"),
         max_tokens=_int(f[3], "max_tokens"),
@@ -116,6 +118,7 @@ def _request(f: list[Any], lim: ForwardLimits) -> ForwardRequest:
         stream=_bool(f[8], "stream"),
         heartbeat_s=_float(f[9], "heartbeat_s"),
         beat_s=None if f[10] is None else _float(f[10], "beat_s"),
+        namespace=None if f[11] is None else _text(f[11], MAX_NAMESPACE_CHARS, "namespace"),
     )
 
 

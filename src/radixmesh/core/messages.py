@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.estimators import SpeedReport
 
-PROTOCOL_VERSION = 2  # 2: Load.speed_measured_at
+MAX_NAMESPACE_CHARS = 256
+PROTOCOL_VERSION = 3  # 2: Load.speed_measured_at; 3: ForwardRequest.namespace
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +192,7 @@ class ForwardRequest:
     stream: bool = False  # send ForwardTokens as they are generated
     heartbeat_s: float = 0.5  # in [0.01, 60]: the longest silence before a ForwardHeartbeat
     beat_s: float | None = None  # in [-3600, 3600]: predicted latency to beat; None: no condition
+    namespace: str | None = None  # the cache namespace (core/tenants.py), 1..256 characters
 
     def __post_init__(self) -> None:
         _require(len(self.prompt) >= 1, "prompt must not be empty")
@@ -203,6 +205,8 @@ class ForwardRequest:
         _require(_in_range(self.heartbeat_s, 0.01, 60.0), "heartbeat_s must be in [0.01, 60]")
         _require(self.beat_s is None or _in_range(self.beat_s, -3600.0, 3600.0),
                  "beat_s must be in [-3600, 3600]")
+        _require(self.namespace is None or 1 <= len(self.namespace) <= MAX_NAMESPACE_CHARS,
+                 f"namespace must have 1..{MAX_NAMESPACE_CHARS} characters")
 
 
 @dataclass(frozen=True, slots=True)

@@ -203,7 +203,8 @@ class EmulatedEngine:
         try:
             for i, (prompt, max_tokens) in enumerate(zip(req.prompts, req.max_tokens,
                                                          strict=True)):
-                seqs.append(self.loop.submit(prompt, max_tokens, req.stop_ids, sink, i))
+                seqs.append(self.loop.submit(prompt, max_tokens, req.stop_ids, sink, i,
+                                             req.cache_salt))
         except ValueError as exc:
             for seq in seqs:
                 self.loop.abort(seq)

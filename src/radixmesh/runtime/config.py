@@ -172,6 +172,7 @@ class ServeConfig:
     debug_engine_delay: float = 0.0  # test/chaos only: extra seconds per request on the engine
     cluster_key: str = field(default="", repr=False)  # peer-message secret; "" -> env or none
     api_key: str = field(default="", repr=False)  # client bearer token; "" -> env or none
+    api_keys: str = ""  # (tenants) FILE of 'KEY TENANT' lines: tenant keys, core/tenants.py
     peer_tls_cert: str = ""  # PEM: this node's certificate (server and client); all 3 or none
     peer_tls_key: str = ""  # PEM: its private key
     peer_tls_ca: str = ""  # PEM: the mesh CA that signs every node's certificate
@@ -483,6 +484,8 @@ def _help_texts() -> dict[str, str]:
         "cluster_key": "secret (>= 16 bytes) authenticating peer messages; prefer the "
         "RADIXMESH_CLUSTER_KEY environment variable or the config file (flags show in ps)",
         "api_key": "require 'Authorization: Bearer KEY' on the client API (or RADIXMESH_API_KEY)",
+        "api_keys": "FILE of 'KEY TENANT' lines: each key opens /v1/* for its tenant, whose "
+        "cache is its own (beside --api-key, the operator's key: shared cache, every route)",
         "max_body_bytes": "largest accepted client request body",
         "peer_tls_cert": "PEM certificate of this node, signed by --peer-tls-ca, SAN = its "
         "advertised host: the port then serves HTTPS and /peer/* needs a client certificate "

@@ -59,6 +59,7 @@ class RequestContext:
     hashes: tuple[int, ...]
     sampling: SamplingParams
     stream: bool
+    namespace: str | None = None  # the cache namespace (core/tenants.py); None: shared
     arrived_s: float = field(default_factory=time.perf_counter, compare=False)  # perf_counter
 
 
@@ -171,7 +172,7 @@ class LocalExecution(Execution):
         on_logprob = None if sampling.logprobs is None else self.logprobs.append
         on_prompt = None if sampling.prompt_logprobs is None else self._scored
         req = GenerateRequest(uuid.uuid4().hex, (*ctx.prompt, *self._emitted), sampling,
-                              on_logprob, on_prompt)
+                              on_logprob, on_prompt, cache_namespace=ctx.namespace)
         self._t0 = time.perf_counter()
         task = asyncio.create_task(self.node.engine.generate(req, self._on_token),
                                    name=f"radixmesh-generate-{req.request_id[:8]}")
@@ -263,7 +264,7 @@ def forward_request(ctx: RequestContext, beat_s: float | None, heartbeat_s: floa
         raise ValueError("penalties and log-probabilities cannot be forwarded")
     return ForwardRequest(
         ctx.prompt, sp.max_tokens, sp.temperature, sp.top_p, sp.seed, sp.stop_token_ids,
-        ctx.stream, heartbeat_s, None if beat_s is None else round(beat_s, 6),
+        ctx.stream, heartbeat_s, None if beat_s is None else round(beat_s, 6), ctx.namespace,
     )
 
 

@@ -50,7 +50,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
 from radixmesh.core.admission import token_cap
-from radixmesh.core.blocks import block_hashes
+from radixmesh.core.blocks import block_hashes, namespace_seed
 from radixmesh.core.estimators import QueuedBlocks
 from radixmesh.core.events import (
     Abort,
@@ -92,7 +92,14 @@ from radixmesh.core.messages import (
     ForwardTokens,
 )
 from radixmesh.core.node import NodeCore
-from radixmesh.engine.base import AsyncEngine, Engine, GenerateResult, SamplingParams
+from radixmesh.core.tenants import Namespacer, parse_api_keys
+from radixmesh.engine.base import (
+    AsyncEngine,
+    Engine,
+    GenerateResult,
+    SamplingParams,
+    match_in,
+)
 from radixmesh.engine.worker import as_async_engine
 from radixmesh.runtime import metrics as prom
 from radixmesh.runtime.config import ServeConfig
@@ -195,7 +202,9 @@ class NodeService:
         )
         self.auth = PeerAuth(resolve_secret(config.cluster_key, var=ENV_CLUSTER_KEY),
                              self.node_id)
-        self.api_key = ApiKeyCheck(resolve_secret(config.api_key, var=ENV_API_KEY))
+        self.api_key = ApiKeyCheck(resolve_secret(config.api_key, var=ENV_API_KEY),
+                                   load_api_keys(config.api_keys))
+        self.namespacer = Namespacer(self.auth.key.secret if self.auth.key else None)
         self.peers = PeerClient(self.node_id, self.address, self.netem,
                                 config.connect_timeout, config.forward_timeout, self.auth,
                                 use_links=config.peer_transport == "link")
@@ -416,9 +425,17 @@ class NodeService:
         self.push_load()
         return ex
 
-    def _cached_here(self, prompt: Sequence[int], hashes: Sequence[int]) -> int:
-        """Tokens of ``prompt`` this node will have cached when it runs it."""
-        return self._queued_blocks.cached_when_run(hashes, len(prompt), self.engine.match(prompt))
+    def _cached_here(self, prompt: Sequence[int], hashes: Sequence[int],
+                     namespace: str | None = None) -> int:
+        """Tokens of ``prompt`` this node will have cached when it runs it (in ``namespace``)."""
+        here = match_in(self.engine, prompt, namespace)
+        return self._queued_blocks.cached_when_run(hashes, len(prompt), here)
+
+    def hashes_of(self, prompt: Sequence[int], namespace: str | None) -> tuple[int, ...]:
+        """The mesh's block hashes of ``prompt`` in cache ``namespace`` (core/blocks.py)."""
+        fp = self.engine.fingerprint
+        seed = namespace_seed(fp.digest, namespace, fp.block_size)
+        return tuple(block_hashes(prompt, fp.block_size, seed))
 
     def push_cache_and_load(self) -> None:
         delta = self.engine.drain_cache_delta()
@@ -447,14 +464,14 @@ class NodeService:
         local_only: bool = False,
         target: str | None = None,
         sample_of: str | None = None,
+        namespace: str | None = None,
     ) -> Execution:
         """Start one client request where the core says (``local_only``: hop-limited;
-        ``sample_of``: the node serving the first sample of the prompt this one samples)."""
-        fp = self.engine.fingerprint
-        ctx = RequestContext(next(self._rids), tuple(prompt),
-                             tuple(block_hashes(prompt, fp.block_size, fp.digest)),
-                             sampling, stream)
-        local_cached = self._cached_here(ctx.prompt, ctx.hashes)
+        ``sample_of``: the node serving the first sample of the prompt this one samples;
+        ``namespace``: its cache namespace, core/tenants.py)."""
+        ctx = RequestContext(next(self._rids), tuple(prompt), self.hashes_of(prompt, namespace),
+                             sampling, stream, namespace)
+        local_cached = self._cached_here(ctx.prompt, ctx.hashes, namespace)
         event = RequestArrived(ctx.rid or 0, ctx.hashes, len(ctx.prompt), local_cached,
                                sampling.max_tokens, local_only, target, sampling.plain,
                                sample_of)
@@ -589,9 +606,8 @@ class NodeService:
         a single ``ForwardBusy`` when the core refuses it (queue at the push-back threshold,
         or slower than ``beat_s``): the sender then falls back at once."""
         t0 = time.perf_counter()
-        fp = self.engine.fingerprint
-        hashes = tuple(block_hashes(req.prompt, fp.block_size, fp.digest))
-        cached = self._cached_here(req.prompt, hashes)
+        hashes = self.hashes_of(req.prompt, req.namespace)
+        cached = self._cached_here(req.prompt, hashes, req.namespace)
         event = ForwardArrived(0, len(req.prompt), cached, req.max_tokens, req.beat_s)
         answer = self.dispatch(event)
         if answer and isinstance(answer[0], RefuseForward):
@@ -605,7 +621,7 @@ class NodeService:
         yield encode_reply(AcceptedReply(self.node_id, cached))
         sampling = SamplingParams(req.max_tokens, req.temperature, req.top_p, req.seed,
                                   req.stop_token_ids)
-        ctx = RequestContext(None, req.prompt, hashes, sampling, req.stream)
+        ctx = RequestContext(None, req.prompt, hashes, sampling, req.stream, req.namespace)
         ex = self._queued(LocalExecution(self, ctx, "local", cached))
         self._peer_work.add(ex)
         try:
@@ -762,6 +778,19 @@ def _frames(items: list[tuple[str, Any]], t0: float) -> list[bytes]:
     if toks:
         frames.append(encode_reply(ForwardTokens(tuple(toks))))
     return frames
+
+
+def load_api_keys(path: str) -> dict[str, str]:
+    """The tenants' keys of ``--api-keys FILE`` (none without one); ValueError naming the
+    file and line."""
+    if not path.strip():
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ValueError(f"--api-keys {path}: {exc.strerror or exc}") from None
+    return parse_api_keys(text, path)
 
 
 def socket_addresses(infos: Sequence[tuple[Any, ...]]) -> list[str]:
