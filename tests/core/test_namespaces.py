@@ -13,8 +13,11 @@ from radixmesh.core.blocks import (
     namespace_block,
     namespace_seed,
 )
+from radixmesh.core.events import Forward, RequestArrived
+from radixmesh.core.router import Policy, RouterConfig
 from radixmesh.core.scheduler import Finished, Scheduler, SchedulerConfig
 from radixmesh.core.tenants import ApiKeys, Namespacer, check_cache_field, parse_api_keys
+from radixmesh.testing import TwinCluster
 
 BASE = 0x1234_5678_9ABC_DEF0
 tokens_st = st.lists(st.integers(0, NAMESPACE_TOKEN_BASE - 1), min_size=0, max_size=96)
@@ -113,3 +116,25 @@ def test_api_keys_file_and_callers() -> None:
     assert api.rejected == 2
     open_api = ApiKeys()
     assert not open_api.enabled and open_api.caller(None) == op
+
+
+@pytest.mark.parametrize("policy", [Policy.PAPER, Policy.COST])
+def test_on_the_twin_tenant_b_never_routes_by_tenant_a_prefix(policy: Policy) -> None:
+    c = TwinCluster(3, router=RouterConfig(policy=policy), seed=11, decision_log=64)
+    c.run_for(2.0)
+    fp = c.fingerprint
+    tokens = list(range(1024))
+
+    def chain(ns: str | None) -> tuple[int, ...]:
+        return tuple(block_hashes(tokens, fp.block_size,
+                                  namespace_seed(fp.digest, ns, fp.block_size)))
+
+    c.change_cache("n1", list(chain("tenant-a")))
+    c.run_for(1.0)
+    for rid, ns in enumerate((None, "tenant-b", "tenant-a:other-salt"), 1):
+        [action] = c.deliver("n0", RequestArrived(rid, chain(ns), len(tokens), 0, 4))
+        assert action.expected_cached == 0, (ns, action)
+        assert action.placement in (None, "first", "unplaced", "local_copy"), action
+    [same] = c.deliver("n0", RequestArrived(9, chain("tenant-a"), len(tokens), 0, 4))
+    assert isinstance(same, Forward) and same.peer_id == "n1"
+    assert same.expected_cached >= len(tokens) - fp.block_size
