@@ -43,6 +43,7 @@ from radixmesh.core.messages import (
     Snapshot,
     Summary,
 )
+from radixmesh.core.sessions import MAX_GOSSIP_SESSIONS
 from radixmesh.core.summary import pack_hashes, unpack_hashes
 
 KIND_GOSSIP = 1  # kinds 2.. are forward messages (forward_codec)
@@ -109,6 +110,7 @@ class Codec:
             [[d.node_id, d.incarnation, d.version, d.heartbeat] for d in msg.digest],
             [self._enc_state(s) for s in msg.relays],
             msg.reply,
+            pack_hashes(msg.sessions) if msg.sessions else None,
         ]
         return bytes(msgpack.packb(fields, use_bin_type=True))
 
@@ -219,7 +221,7 @@ class _Parser:
         self.hash_budget = limits.max_hashes
 
     def gossip(self, raw: Any) -> Gossip:
-        f = _array(raw, 18, "message")
+        f = _array(raw, 19, "message")
         if _int(f[0], "protocol version") != PROTOCOL_VERSION:
             raise RemoteProtocolError(f"unsupported protocol version {f[0]}", "version")
         if _int(f[1], "kind") != KIND_GOSSIP:
@@ -241,7 +243,16 @@ class _Parser:
             digest=tuple(self.digest_entry(d) for d in self.items(f[15], "digest")),
             relays=tuple(self.state(s) for s in self.items(f[16], "relays")),
             reply=_bool(f[17], "reply"),
+            sessions=() if f[18] is None else self.sessions(f[18]),
         )
+
+    def sessions(self, raw: Any) -> tuple[int, ...]:
+        if not isinstance(raw, bytes):
+            raise RemoteProtocolError("sessions must be binary")
+        try:
+            return unpack_hashes(raw, MAX_GOSSIP_SESSIONS)
+        except ValueError as exc:
+            raise RemoteProtocolError(f"sessions: {exc}") from None
 
     def text(self, v: Any, limit: int, what: str) -> str:
         return _text(v, limit, what)

@@ -54,6 +54,7 @@ from radixmesh.core.messages import (
     Summary,
 )
 from radixmesh.core.payload import Payload
+from radixmesh.core.sessions import SessionTable
 
 
 class Disseminator:
@@ -81,6 +82,7 @@ class Disseminator:
         self.metrics = metrics
         self.fingerprint = config.fingerprint.digest
         self.epidemic = Epidemic(config.gossip, failure, payload, rng)
+        self.sessions: SessionTable | None = None  # (tenants) core/sessions.py, set by parts
 
     # ================================================================= outgoing rounds
     def round(self, now: float, load: Load) -> list[Action]:
@@ -146,6 +148,7 @@ class Disseminator:
             digest=self.epidemic.digest(target) if self.epidemic.enabled else (),
             relays=self._relays(est, now),  # evaluated last: rng draws stay in this order
             reply=reply,
+            sessions=() if self.sessions is None else self.sessions.recent(now),
         )
 
     def _relays(self, est: Estimate | None, now: float) -> tuple[NodeState, ...]:
@@ -216,6 +219,8 @@ class Disseminator:
         self._apply_load(est, msg.stamp, msg.load, now)
         self._apply_summary(est, msg.summary)
         self._apply_echo(est, msg, now)
+        if msg.sessions and self.sessions is not None:
+            self.sessions.learn(msg.sender, msg.sessions, now)
         if newest:
             self._apply_ack(est, msg.ack, now)
             if msg.digest:

@@ -59,6 +59,7 @@ KIND_ERROR = 8
 
 FRAME_HEADER_BYTES = 4  # big-endian payload length
 T = TypeVar("T")
+_U64_MAX = 2**64 - 1
 _MAX_FINISH_LEN = 16
 
 
@@ -79,7 +80,7 @@ class ForwardLimits:
 
 # ------------------------------------------------------------------------------- request
 def encode_forward_request(req: ForwardRequest) -> bytes:
-    """The request body: ``[version, kind, prompt, max_tokens, ..., beat_s, namespace]``."""
+    """The request body: ``[version, kind, prompt, max_tokens, ..., namespace, session]``."""
     fields = [
         PROTOCOL_VERSION,
         KIND_FORWARD_REQUEST,
@@ -93,6 +94,7 @@ def encode_forward_request(req: ForwardRequest) -> bytes:
         float(req.heartbeat_s),
         None if req.beat_s is None else float(req.beat_s),
         req.namespace,
+        req.session,
     ]
     return _pack(fields)
 
@@ -107,7 +109,7 @@ def decode_forward_request(data: bytes, limits: ForwardLimits | None = None) -> 
 
 
 def _request(f: list[Any], lim: ForwardLimits) -> ForwardRequest:
-    _array(f, 12, "forward request")
+    _array(f, 13, "forward request")
     return ForwardRequest(
         prompt=_ids(f[2], lim.max_prompt_tokens, "prompt"),
         max_tokens=_int(f[3], "max_tokens"),
@@ -119,6 +121,7 @@ def _request(f: list[Any], lim: ForwardLimits) -> ForwardRequest:
         heartbeat_s=_float(f[9], "heartbeat_s"),
         beat_s=None if f[10] is None else _float(f[10], "beat_s"),
         namespace=None if f[11] is None else _text(f[11], MAX_NAMESPACE_CHARS, "namespace"),
+        session=None if f[12] is None else _int(f[12], "session", _U64_MAX),
     )
 
 

@@ -32,6 +32,7 @@ from radixmesh.core.placer import Placer
 from radixmesh.core.requests import RequestFlow
 from radixmesh.core.rounds import GossipRounds
 from radixmesh.core.routing import Routing
+from radixmesh.core.sessions import SessionTable
 from radixmesh.core.summary import Holdings, LocalSummary
 
 
@@ -49,6 +50,7 @@ class Parts:
     lifecycle: Lifecycle
     requests: RequestFlow
     report: NodeReport
+    sessions: SessionTable
 
 
 def build_parts(config: NodeConfig, rng: Random, now: float, decisions: DecisionLog,
@@ -72,8 +74,10 @@ def build_parts(config: NodeConfig, rng: Random, now: float, decisions: Decision
     peers = PeerLoads(config, gossip, rtt, lifecycle, own.prior_speed, metrics)
     admission = AdmissionControl(config, own, peers, decisions, metrics)
     placer = Placer(config, gossip, view, peers, rng, now)
+    sessions = SessionTable(config.node_id, config.sessions)
+    gossip.dissemination.sessions = sessions
     routing = Routing(config, own, peers, placer, gossip, view, lifecycle, rtt, rng, decisions,
-                      metrics)
+                      metrics, sessions)
     report = NodeReport(config, metrics, summary, holdings, view, members, gossip, lifecycle,
                         own, admission, peers, rtt)
     return Parts(
@@ -85,4 +89,5 @@ def build_parts(config: NodeConfig, rng: Random, now: float, decisions: Decision
         requests=RequestFlow(lifecycle, routing, admission, peers, placer, gossip, view, rtt,
                              metrics),
         report=report,
+        sessions=sessions,
     )

@@ -46,6 +46,7 @@ from radixmesh.core.peerview import PeerView
 from radixmesh.core.placer import ROUTE_TOP_K, Placer
 from radixmesh.core.router import Router
 from radixmesh.core.router_config import Policy
+from radixmesh.core.sessions import SessionTable
 
 
 class Unavailable:
@@ -66,7 +67,8 @@ class Routing:
 
     def __init__(self, config: NodeConfig, own: OwnLoad, peers: PeerLoads, placer: Placer,
                  gossip: Gossiper, view: PeerView, lifecycle: Lifecycle, rtt: RttTable,
-                 rng: Random, decisions: DecisionLog, metrics: dict[str, float]) -> None:
+                 rng: Random, decisions: DecisionLog, metrics: dict[str, float],
+                 sessions: SessionTable | None = None) -> None:
         self._config = config
         self._own, self._peers, self._placer = own, peers, placer
         self._gossip, self._view, self._lifecycle, self._rtt = gossip, view, lifecycle, rtt
@@ -74,6 +76,7 @@ class Routing:
         self._decisions = decisions
         self._metrics = metrics
         self._router = Router(config.router)
+        self._sessions = sessions
 
     def candidates(self, event: RequestArrived, now: float) -> list[Candidate]:
         """Where to try the request, best first (self always listed)."""
@@ -88,10 +91,16 @@ class Routing:
         if first is not None and first != here:
             return [Candidate(first, False, 0, 0.0), me]
         fresh = self._lifecycle.get(event.rid) is None  # not a re-ranking after a refusal
-        return self.route(
+        ranked = self.route(
             event.hashes, event.prompt_tokens, event.local_cached, event.max_tokens, now,
             observe=fresh, request=event.rid,
         )
+        if event.session is None or self._sessions is None:
+            return ranked
+        # (tenants) a session goes where it went last unless predicted slower by the margin
+        return self._sessions.prefer(ranked, event.session, now,
+                                     self._config.router.policy is Policy.COST,
+                                     lambda peer: self._peers.available(peer, now))
 
     def route(
         self,

@@ -71,6 +71,10 @@ class Namespacer:
             return None
         return self.keyed(b"ns", tenant, salt)
 
+    def session_id(self, tenant: str | None, key: str) -> int:
+        """The 64-bit session id of ``prompt_cache_key`` ``key`` for ``tenant``."""
+        return int(self.keyed(b"session", tenant, key)[:16], 16)
+
     def keyed(self, kind: bytes, *parts: str | None) -> str:
         """32 hex digits naming ``parts`` (None distinct from ""), under this mesh's key."""
         mac = hmac.new(self._key, _field(kind), hashlib.sha256)

@@ -376,9 +376,9 @@ async def _generate(request: Request, service: NodeService, models: Sequence[str
         api = (parse_completion(body, models) if isinstance(body, CompletionRequest)
                else parse_chat(body, models))
         _check_engine(service, api)
-        namespace = _namespace(request, service, api)
+        namespace, session = _namespace(request, service, api)
         prompts = _tokenize(service, api)
-        samples = await _start(request, service, api, prompts, namespace)
+        samples = await _start(request, service, api, prompts, namespace, session)
     except ApiError as err:
         return error_response(err, service)
     except Overloaded as full:
@@ -414,24 +414,29 @@ def _check_engine(service: NodeService, api: ApiRequest) -> None:
                        param="n", code="unsupported_value")
 
 
-def _namespace(request: Request, service: NodeService, api: ApiRequest) -> str | None:
-    """The request's cache namespace: its tenant (``--api-keys``) and ``cache_salt``
-    (core/tenants.py); refused (400) on an engine that would share its cache anyway."""
+def _namespace(request: Request, service: NodeService, api: ApiRequest
+               ) -> tuple[str | None, int | None]:
+    """The request's cache namespace — its tenant (``--api-keys``) and ``cache_salt``
+    (core/tenants.py); refused (400) on an engine that would share its cache anyway — and
+    its session id (``prompt_cache_key``, else ``x-session-id``; core/sessions.py)."""
     try:
-        check_cache_field(HEADER_SESSION, request.headers.get(HEADER_SESSION))
+        header = check_cache_field(HEADER_SESSION, request.headers.get(HEADER_SESSION))
     except ValueError as exc:
         raise ApiError(f"{exc}.", param=HEADER_SESSION, code="invalid_value") from None
-    namespace = service.namespacer.namespace_id(
-        request_tenant(request.scope.get("state") or {}), api.cache_salt)
+    tenant = request_tenant(request.scope.get("state") or {})
+    key = api.prompt_cache_key or header
+    session = None if key is None else service.namespacer.session_id(tenant, key)
+    namespace = service.namespacer.namespace_id(tenant, api.cache_salt)
     if namespace is not None and not isolates(service.engine):
         raise ApiError("'cache_salt' and tenant keys need an engine that keeps cache "
                        "namespaces apart; this node's engine does not.", param="cache_salt",
                        code="unsupported_value")
-    return namespace
+    return namespace, session
 
 
 async def _start(request: Request, service: NodeService, api: ApiRequest,
-                 prompts: list[list[int]], namespace: str | None = None) -> list[_Sample]:
+                 prompts: list[list[int]], namespace: str | None = None,
+                 session: int | None = None) -> list[_Sample]:
     """One execution per prompt and sample, each through the node's request path, in order:
     a prompt's first sample, then its others, reported with the node that serves the first
     (the core sends them there: they reuse its cached prompt; the engine runs requests in
@@ -445,7 +450,7 @@ async def _start(request: Request, service: NodeService, api: ApiRequest,
             # where each runs is the core's (sampling the forward protocol cannot carry
             # stays here; the other samples go where the first went: RequestArrived)
             ex = await service.execute(prompt, _sampling(api, 0), tokens, local_only=hop,
-                                       target=target, namespace=namespace)
+                                       target=target, namespace=namespace, session=session)
             first = _Sample(p * api.n, prompt, ex)
             samples.append(first)
             for j in range(1, api.n):

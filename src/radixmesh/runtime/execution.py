@@ -60,6 +60,7 @@ class RequestContext:
     sampling: SamplingParams
     stream: bool
     namespace: str | None = None  # the cache namespace (core/tenants.py); None: shared
+    session: int | None = None  # the session id (core/sessions.py)
     arrived_s: float = field(default_factory=time.perf_counter, compare=False)  # perf_counter
 
 
@@ -265,6 +266,7 @@ def forward_request(ctx: RequestContext, beat_s: float | None, heartbeat_s: floa
     return ForwardRequest(
         ctx.prompt, sp.max_tokens, sp.temperature, sp.top_p, sp.seed, sp.stop_token_ids,
         ctx.stream, heartbeat_s, None if beat_s is None else round(beat_s, 6), ctx.namespace,
+        ctx.session,
     )
 
 

@@ -465,16 +465,18 @@ class NodeService:
         target: str | None = None,
         sample_of: str | None = None,
         namespace: str | None = None,
+        session: int | None = None,
     ) -> Execution:
         """Start one client request where the core says (``local_only``: hop-limited;
         ``sample_of``: the node serving the first sample of the prompt this one samples;
-        ``namespace``: its cache namespace, core/tenants.py)."""
+        ``namespace``: its cache namespace, core/tenants.py; ``session``: its session id,
+        core/sessions.py)."""
         ctx = RequestContext(next(self._rids), tuple(prompt), self.hashes_of(prompt, namespace),
-                             sampling, stream, namespace)
+                             sampling, stream, namespace, session)
         local_cached = self._cached_here(ctx.prompt, ctx.hashes, namespace)
         event = RequestArrived(ctx.rid or 0, ctx.hashes, len(ctx.prompt), local_cached,
                                sampling.max_tokens, local_only, target, sampling.plain,
-                               sample_of)
+                               sample_of, session)
         ex = await self._start(ctx, self._one(self.dispatch(event), ctx))
         self.metrics.requests[ex.route] += 1
         return ex
@@ -608,7 +610,8 @@ class NodeService:
         t0 = time.perf_counter()
         hashes = self.hashes_of(req.prompt, req.namespace)
         cached = self._cached_here(req.prompt, hashes, req.namespace)
-        event = ForwardArrived(0, len(req.prompt), cached, req.max_tokens, req.beat_s)
+        event = ForwardArrived(0, len(req.prompt), cached, req.max_tokens, req.beat_s,
+                               req.session)
         answer = self.dispatch(event)
         if answer and isinstance(answer[0], RefuseForward):
             self.metrics.refused_for_peers += 1
@@ -621,7 +624,8 @@ class NodeService:
         yield encode_reply(AcceptedReply(self.node_id, cached))
         sampling = SamplingParams(req.max_tokens, req.temperature, req.top_p, req.seed,
                                   req.stop_token_ids)
-        ctx = RequestContext(None, req.prompt, hashes, sampling, req.stream, req.namespace)
+        ctx = RequestContext(None, req.prompt, hashes, sampling, req.stream, req.namespace,
+                             req.session)
         ex = self._queued(LocalExecution(self, ctx, "local", cached))
         self._peer_work.add(ex)
         try:
