@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import random
@@ -197,14 +198,16 @@ async def _send(http: aiohttp.ClientSession, port: int, prompt: str, key: str | 
     return elapsed, seen
 
 
+def _text(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz     ") for _ in range(n))
+
+
 async def measure(profile: str, isolated: bool, probes: int, seed: int, policy: str = "cost"
                   ) -> dict[str, Any]:
     """One set-up: ``probes`` right and ``probes`` wrong guesses (see the module docstring)."""
     rng = random.Random(seed)
 
-    def text(n: int) -> str:
-        return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz     ") for _ in range(n))
-
+    text = functools.partial(_text, rng)
     secret = OPENING + text(2000)
     victim, attacker = (KEYS["victim"], KEYS["attacker"]) if isolated else (None, None)
     kinds = ["right"] * probes + ["wrong"] * probes

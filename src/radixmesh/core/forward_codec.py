@@ -59,8 +59,7 @@ KIND_ERROR = 8
 
 FRAME_HEADER_BYTES = 4  # big-endian payload length
 T = TypeVar("T")
-_U64_MAX = 2**64 - 1
-_MAX_FINISH_LEN = 16
+_U64_MAX, _MAX_FINISH_LEN = 2**64 - 1, 16
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,11 +44,9 @@ chained block hashes (``core/blocks.py``): the running prefilling sequences' has
 in a multiset, and since hashes chain, a waiting request's matching hashes are a prefix of its
 own. ``prefix_aware=False`` is strict FCFS.
 
-Cache namespaces (``add(..., namespace=)``, see ``core/blocks.py``): a namespaced request runs
-as its namespace's virtual block followed by its prompt, so the token-keyed cache keeps
-namespaces apart and its blocks carry the mesh's namespaced hashes. The virtual block is
-reported nowhere: ``Finished`` counts prompt and cached tokens without it, and its hash never
-leaves ``drain_cache_delta`` (it names the namespace, not a prefix).
+Cache namespaces (``add(..., namespace=)``, ``core/blocks.py``): a namespaced request runs as
+its namespace's virtual block + its prompt, so the cache keeps namespaces apart under the mesh's
+namespaced hashes; the block is reported nowhere (``Finished``, ``drain_cache_delta``).
 
 Cost: a step is O(running + admitted + 64): at most the first ``WINDOW`` waiting requests are
 looked at, so a long queue costs nothing per step.
@@ -132,14 +130,11 @@ class Scheduler(DecodeRuns):
 
     def _head(self, namespace: str | None) -> tuple[int, ...]:
         """The virtual block in front of ``namespace``'s prompts (none without one)."""
-        if namespace is None:
-            return ()
-        known = self._heads.get(namespace)
-        if known is None:
+        if namespace is not None and namespace not in self._heads:
             block = namespace_block(namespace, self.config.block_size)
-            known = block, block_hashes(block, self.config.block_size, self.config.hash_seed)[0]
-            self._heads[namespace] = known
-        return known[0]
+            seed = self.config.hash_seed
+            self._heads[namespace] = block, block_hashes(block, len(block), seed)[0]
+        return () if namespace is None else self._heads[namespace][0]
 
     def seq_tokens(self, seq: SeqId) -> Sequence[int]:
         """Prompt + output so far of a live sequence (behind its namespace's virtual block)."""
