@@ -138,3 +138,21 @@ def test_on_the_twin_tenant_b_never_routes_by_tenant_a_prefix(policy: Policy) ->
     [same] = c.deliver("n0", RequestArrived(9, chain("tenant-a"), len(tokens), 0, 4))
     assert isinstance(same, Forward) and same.peer_id == "n1"
     assert same.expected_cached >= len(tokens) - fp.block_size
+
+
+def test_a_salted_root_is_indexed_in_its_namespace_and_odd_extra_keys_stay_opaque() -> None:
+    from radixmesh.core.engine_index import EngineIndex
+    from radixmesh.core.kv_events import EngineBlockStored, salt_of
+
+    assert salt_of([["s"], None], 2) == "s" and salt_of([["s"]], 1) == "s"
+    for odd in ([["s", "t"], None], [[7], None], [["s"], ["x"]], [["s"]], "s",
+                [["x" * 257], None], [[""], None], None, [None, None]):
+        assert salt_of(odd, 2) is None, odd  # not one short salt, or not one entry per block
+    tokens = list(range(64))
+    index = EngineIndex(16, BASE)
+    index.apply_event(EngineBlockStored((11, 12), None, tuple(tokens[:32]), 16, salt="acme"))
+    index.apply_event(EngineBlockStored((13, 14), 12, tuple(tokens[32:]), 16))
+    index.apply_event(EngineBlockStored((21,), None, tuple(tokens[:16]), 16, keyed=(True,)))
+    assert index.match([*tokens, 0], "acme") == 64
+    assert index.match([*tokens, 0]) == 0 and index.match([*tokens, 0], "other") == 0
+    assert index.hashes() == set(block_hashes(tokens, 16, namespace_seed(BASE, "acme", 16)))
