@@ -98,6 +98,7 @@ def test_tenant_b_never_sees_tenant_a_prefix_and_a_still_hits(poll: Poll, tmp_pa
                                        and n2.peer_states() == {"node-1": "alive"},
                                        "the mesh", LIMIT_S)
                 await _isolation(poll, http, n1, n2, p1, p2, fake1)
+                await _sessions(http, p1)
                 await _bad_input(http, p2)
         finally:
             await fake1.stop()
@@ -137,6 +138,28 @@ async def _isolation(poll: Poll, http: aiohttp.ClientSession, n1: NodeService,
     assert headers["x-radixmesh-route"] == "forwarded"
     assert headers["x-radixmesh-served-by"] == "node-1"
     assert min(cached(headers, body)) >= len(tokens) - 16
+
+
+async def _sessions(http: aiohttp.ClientSession, p1: int) -> None:
+    """A session's turns follow its first (sent to node 2 on purpose), whatever their prefix;
+    the same key of another tenant is another session."""
+    acme, umbrella = KEYS["acme"], KEYS["umbrella"]
+    status, headers, _ = await complete(http, p1, "Turn 1 of a chat.", acme,
+                                        prompt_cache_key="chat-1",
+                                        headers={"x-radixmesh-target": "node-2"})
+    assert status == 200 and headers["x-radixmesh-served-by"] == "node-2"
+    for turn, (key, field) in enumerate(((acme, "prompt_cache_key"), (acme, "header"))):
+        extra: dict[str, Any] = ({"prompt_cache_key": "chat-1"} if field != "header"
+                                 else {"headers": {"x-session-id": "chat-1"}})
+        status, headers, body = await complete(http, p1, f"Turn {turn + 2}, new text.", key,
+                                               **extra)
+        assert status == 200, body
+        assert headers["x-radixmesh-served-by"] == "node-2", (field, headers)
+    status, headers, _ = await complete(http, p1, "Another tenant's chat.", umbrella,
+                                        prompt_cache_key="chat-1")
+    assert headers["x-radixmesh-served-by"] == "node-1"  # unknown session: as any request
+    status, headers, _ = await complete(http, p1, "No session at all.", acme)
+    assert headers["x-radixmesh-served-by"] == "node-1"
 
 
 async def _bad_input(http: aiohttp.ClientSession, port: int) -> None:
