@@ -180,3 +180,27 @@ async def _bad_input(http: aiohttp.ClientSession, port: int) -> None:
         assert resp.status == 200
     async with http.get(f"http://127.0.0.1:{port}/v1/models", headers=auth) as resp:
         assert resp.status == 200
+
+
+def test_an_engine_that_does_not_isolate_refuses_a_namespace(tmp_path: Path) -> None:
+    """The built-in engine (until it passes namespaces to its scheduler): a cache_salt or a
+    tenant key is a 400, never a run in the shared cache; the operator's requests run."""
+    from radixmesh.engine.factory import build_engine
+    from radixmesh.runtime.inprocess import serving_node
+
+    keys_file = tmp_path / "keys.txt"
+    keys_file.write_text(f"{KEYS['acme']} acme\n")
+
+    async def scenario() -> None:
+        engine = build_engine("micro", cache_tokens=4096, threads=1)
+        async with (serving_node(engine, "solo", api_key=OPERATOR, api_keys=str(keys_file))
+                    as (service, address), aiohttp.ClientSession() as http):
+            port = int(address.rsplit(":", 1)[1])
+            model = service.engine.model_name
+            for key, fields in ((KEYS["acme"], {}), (OPERATOR, {"cache_salt": "s"})):
+                status, _, body = await complete(http, port, "hello", key, model=model, **fields)
+                assert status == 400 and body["error"]["param"] == "cache_salt", body
+            status, _, body = await complete(http, port, "hello", OPERATOR, model=model)
+            assert status == 200, body
+
+    asyncio.run(scenario())
