@@ -156,3 +156,17 @@ def test_a_salted_root_is_indexed_in_its_namespace_and_odd_extra_keys_stay_opaqu
     assert index.match([*tokens, 0], "acme") == 64
     assert index.match([*tokens, 0]) == 0 and index.match([*tokens, 0], "other") == 0
     assert index.hashes() == set(block_hashes(tokens, 16, namespace_seed(BASE, "acme", 16)))
+
+
+def test_namespace_heads_are_bounded_and_filter_only_virtual_hashes() -> None:
+    from radixmesh.core.blocks import NamespaceHeads
+
+    heads = NamespaceHeads(16, BASE, keep=2)
+    a = heads.head("a")
+    assert heads.head(None) == () and heads.head("a") == a == namespace_block("a", 16)
+    h_a = namespace_seed(BASE, "a", 16)
+    assert heads.real([1, h_a, 2]) == [1, 2]
+    heads.head("b")
+    heads.head("c")  # "a" is forgotten (least recently used)
+    assert heads.real([h_a]) == [h_a]
+    assert heads.real([namespace_seed(BASE, "c", 16)]) == []

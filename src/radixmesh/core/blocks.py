@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -119,3 +120,33 @@ def namespace_seed(base_seed: int, namespace: str | None, block_size: int) -> in
     if namespace is None:
         return base_seed
     return block_hashes(namespace_block(namespace, block_size), block_size, base_seed)[0]
+
+
+class NamespaceHeads:
+    """The virtual blocks an engine puts in front of namespaced prompts, and their hashes (which
+    name a namespace, not a prefix: an engine leaves them out of what it reports). Bounded: the
+    ``keep`` most recently used namespaces are remembered (a block is recomputed at need)."""
+
+    def __init__(self, block_size: int, seed: int, keep: int = 65_536) -> None:
+        self.block_size, self.seed, self.keep = block_size, seed, keep
+        self._heads: OrderedDict[str, tuple[tuple[int, ...], int]] = OrderedDict()
+        self._virtual: set[int] = set()
+
+    def head(self, namespace: str | None) -> tuple[int, ...]:
+        """The block in front of ``namespace``'s prompts (none without a namespace)."""
+        if namespace is None:
+            return ()
+        known = self._heads.get(namespace)
+        if known is None:
+            block = namespace_block(namespace, self.block_size)
+            known = self._heads[namespace] = block, block_hashes(block, len(block), self.seed)[0]
+            self._virtual.add(known[1])
+            if len(self._heads) > self.keep:
+                self._virtual.discard(self._heads.popitem(last=False)[1][1])
+        self._heads.move_to_end(namespace)
+        return known[0]
+
+    def real(self, hashes: Sequence[int]) -> list[int]:
+        """``hashes`` without the virtual blocks' ones."""
+        virtual = self._virtual
+        return [h for h in hashes if h not in virtual] if virtual else list(hashes)

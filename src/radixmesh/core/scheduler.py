@@ -58,7 +58,7 @@ from collections import Counter, deque
 from collections.abc import Collection, Mapping, Sequence
 from itertools import islice
 
-from radixmesh.core.blocks import block_hashes, extend_hashes, namespace_block
+from radixmesh.core.blocks import NamespaceHeads, block_hashes, extend_hashes
 from radixmesh.core.decode_run import DecodeRuns
 from radixmesh.core.kv_pool import KvPool
 from radixmesh.core.prefix_cache import PrefixCache
@@ -96,7 +96,7 @@ class Scheduler(DecodeRuns):
         self._waiting: deque[SeqState] = deque()
         self._running: list[SeqState] = []  # admission order
         self._prefilling: Counter[int] = Counter()  # block hashes of prefilling sequences
-        self._heads: dict[str, tuple[tuple[int, ...], int]] = {}  # namespace -> block, hash
+        self._heads = NamespaceHeads(config.block_size, config.hash_seed)
         self._pending: Step | None = None
         self.prefill_tokens_computed = 0
         self.cached_tokens_hit = 0
@@ -129,12 +129,7 @@ class Scheduler(DecodeRuns):
         return max(self._pool.reusable([*head, *prompt]) - len(head), 0)
 
     def _head(self, namespace: str | None) -> tuple[int, ...]:
-        """The virtual block in front of ``namespace``'s prompts (none without one)."""
-        if namespace is not None and namespace not in self._heads:
-            block = namespace_block(namespace, self.config.block_size)
-            seed = self.config.hash_seed
-            self._heads[namespace] = block, block_hashes(block, len(block), seed)[0]
-        return () if namespace is None else self._heads[namespace][0]
+        return self._heads.head(namespace)
 
     def seq_tokens(self, seq: SeqId) -> Sequence[int]:
         """Prompt + output so far of a live sequence (behind its namespace's virtual block)."""
@@ -144,10 +139,7 @@ class Scheduler(DecodeRuns):
         """Block hashes (added, removed) in the prefix cache since the previous call
         (namespaces' virtual blocks left out)."""
         added, removed = self.cache.drain_delta()
-        if not self._heads:
-            return added, removed
-        virtual = {h for _, h in self._heads.values()}
-        return [h for h in added if h not in virtual], [h for h in removed if h not in virtual]
+        return self._heads.real(added), self._heads.real(removed)
 
     # ------------------------------------------------------------------------- requests
     def add(self, seq: SeqId, prompt: Sequence[int], max_tokens: int, now: float, *,
