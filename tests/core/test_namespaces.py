@@ -170,3 +170,25 @@ def test_namespace_heads_are_bounded_and_filter_only_virtual_hashes() -> None:
     heads.head("c")  # "a" is forgotten (least recently used)
     assert heads.real([h_a]) == [h_a]
     assert heads.real([namespace_seed(BASE, "c", 16)]) == []
+
+
+def test_a_forward_carries_its_namespace_and_session_and_refuses_bad_ones() -> None:
+    import msgpack
+
+    from radixmesh.core.codec import RemoteProtocolError
+    from radixmesh.core.forward_codec import decode_forward_request, encode_forward_request
+    from radixmesh.core.messages import PROTOCOL_VERSION, ForwardRequest
+
+    req = ForwardRequest((1, 2, 3), 4, namespace="ab" * 16, session=2**64 - 1)
+    assert decode_forward_request(encode_forward_request(req)) == req
+    plain = ForwardRequest((1, 2, 3), 4)
+    assert decode_forward_request(encode_forward_request(plain)) == plain
+    fields = msgpack.unpackb(encode_forward_request(req))
+    for index, bad in ((11, "x" * 257), (11, ""), (11, 5), (12, -1), (12, 1.5), (12, "1")):
+        wrong = list(fields)
+        wrong[index] = bad
+        with pytest.raises(RemoteProtocolError):
+            decode_forward_request(msgpack.packb(wrong))
+    older = [PROTOCOL_VERSION - 1, *fields[1:11]]  # a version-2 peer's forward
+    with pytest.raises(RemoteProtocolError):
+        decode_forward_request(msgpack.packb(older))
