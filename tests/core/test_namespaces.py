@@ -135,6 +135,8 @@ def test_on_the_twin_tenant_b_never_routes_by_tenant_a_prefix(policy: Policy) ->
         [action] = c.deliver("n0", RequestArrived(rid, chain(ns), len(tokens), 0, 4))
         assert action.expected_cached == 0, (ns, action)
         assert action.placement in (None, "first", "unplaced", "local_copy"), action
+        [kept] = c.nodes["n0"].decisions.recent(request=rid)  # the decision log: nothing held
+        assert all(seen.cached_tokens == 0 for seen in kept.considered), kept
     [same] = c.deliver("n0", RequestArrived(9, chain("tenant-a"), len(tokens), 0, 4))
     assert isinstance(same, Forward) and same.peer_id == "n1"
     assert same.expected_cached >= len(tokens) - fp.block_size
