@@ -258,6 +258,7 @@ class NodeConfig:
     join: JoinConfig = field(default_factory=JoinConfig)  # seeds: backoff, bound
     decision_log: int = 0  # routing decisions kept to explain them (core/decisions.py); 0: none
     sessions: SessionConfig = field(default_factory=SessionConfig)  # core/sessions.py
+    adapters: tuple[int, ...] = ()  # keys of the LoRA adapters this node serves (advertised)
 
     def __post_init__(self) -> None:
         if not self.node_id or len(self.node_id) > 128:

@@ -127,6 +127,8 @@ class RequestArrived:
     # the request's session id (core/sessions.py: a keyed hash of its prompt_cache_key, scoped
     # to its tenant): the node that served it last is preferred
     session: int | None = None
+    # the key of the LoRA adapter it names (core/adapters.py): only peers advertising it serve
+    adapter: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

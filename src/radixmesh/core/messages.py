@@ -36,7 +36,7 @@ from radixmesh.core.estimators import SpeedReport
 
 MAX_NAMESPACE_CHARS = 256
 PROTOCOL_VERSION = 3  # 2: Load.speed_measured_at; 3: ForwardRequest namespace and session,
-#                       Gossip.sessions
+#                       Gossip.sessions and adapters
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +154,7 @@ class Gossip:
     relays: tuple[NodeState, ...] = ()  # epidemic: others' state the receiver lacks
     reply: bool = False  # the sender asks for an immediate answer (join, push-pull)
     sessions: tuple[int, ...] = ()  # session ids the sender served lately (core/sessions.py)
+    adapters: tuple[int, ...] = ()  # keys of the LoRA adapters it serves (core/adapters.py)
 
 
 Message = Gossip

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from random import Random  # the type only: instances are passed in, never the global one
 
+from radixmesh.core.adapters import PeerAdapters
 from radixmesh.core.admission import AdmissionControl
 from radixmesh.core.codec import Codec, Limits
 from radixmesh.core.config import NodeConfig
@@ -76,8 +77,9 @@ def build_parts(config: NodeConfig, rng: Random, now: float, decisions: Decision
     placer = Placer(config, gossip, view, peers, rng, now)
     sessions = SessionTable(config.node_id, config.sessions)
     gossip.dissemination.sessions = sessions
+    adapters = gossip.dissemination.adapters = PeerAdapters()
     routing = Routing(config, own, peers, placer, gossip, view, lifecycle, rtt, rng, decisions,
-                      metrics, sessions)
+                      metrics, sessions, adapters)
     report = NodeReport(config, metrics, summary, holdings, view, members, gossip, lifecycle,
                         own, admission, peers, rtt)
     return Parts(
