@@ -31,14 +31,14 @@ KEYS = {"acme": "key-of-acme-0000001", "umbrella": "key-of-umbrella-001"}
 
 
 @contextlib.asynccontextmanager
-async def node(fake: FakeEngine, name: str, port: int, peer_port: int, keys_file: Path
-               ) -> AsyncIterator[NodeService]:
+async def node(fake: FakeEngine, name: str, port: int, peer_port: int, keys_file: Path,
+               adapters: str = "") -> AsyncIterator[NodeService]:
     cfg = ServeConfig(node_id=name, port=port, peers=(f"127.0.0.1:{peer_port}",),
                       gossip_interval=0.1, gossip_announce=0.05, forward_timeout=2.0,
                       engine="vllm", policy="paper", engine_url=fake.url,
                       kv_events=fake.kv_endpoint, kv_replay=fake.replay_endpoint,
                       model=fake.model, cache_tokens=4096, api_key=OPERATOR,
-                      api_keys=str(keys_file))
+                      api_keys=str(keys_file), adapters=adapters)
     service = build_external_service(cfg, tokenizer=ByteTokenizer())
     async with serving(service, port):
         yield service
@@ -204,3 +204,68 @@ def test_an_engine_that_does_not_isolate_refuses_a_namespace(tmp_path: Path) -> 
             assert status == 200, body
 
     asyncio.run(scenario())
+
+
+DIGEST_A, DIGEST_B = "a" * 64, "b" * 64
+
+
+def test_an_adapter_is_known_by_its_digest_and_its_kv_is_its_own(poll: Poll, tmp_path: Path
+                                                                  ) -> None:
+    """Both engines serve "sql-lora", node 2 with other weights: node 1 never sends its
+    sql-lora requests there; its own sql-lora KV is indexed under the adapter and reused by
+    sql-lora only; an unknown model is a 404 naming it; /v1/models lists the adapter."""
+    keys_file = tmp_path / "keys.txt"
+    keys_file.write_text("".join(f"{k} {t}\n" for t, k in KEYS.items()))
+
+    async def scenario() -> None:
+        fake1 = FakeEngine(cache_tokens=4096, adapters=("sql-lora",))
+        fake2 = FakeEngine(cache_tokens=4096, adapters=("sql-lora",))
+        await fake1.start()
+        await fake2.start()
+        p1, p2 = free_port(), free_port()
+        try:
+            async with (node(fake1, "node-1", p1, p2, keys_file, f"sql-lora={DIGEST_A}") as n1,
+                        node(fake2, "node-2", p2, p1, keys_file, f"sql-lora={DIGEST_B}") as n2,
+                        aiohttp.ClientSession() as http):
+                await poll.until_async(lambda: n1.peer_states() == {"node-2": "alive"}
+                                       and n2.peer_states() == {"node-1": "alive"},
+                                       "the mesh", LIMIT_S)
+                await subscribed(poll, n1, fake1)
+                await subscribed(poll, n2, fake2)
+                await _adapters(poll, http, n1, n2, p1, p2)
+        finally:
+            await fake1.stop()
+            await fake2.stop()
+
+    asyncio.run(scenario())
+
+
+async def _adapters(poll: Poll, http: aiohttp.ClientSession, n1: NodeService,
+                    n2: NodeService, p1: int, p2: int) -> None:
+    op = OPERATOR
+    for model in ("fake-model", "sql-lora"):  # node 2 caches the prefix under both
+        status, headers, body = await complete(http, p2, PREFIX + "Q0?", op, model=model)
+        assert status == 200 and headers["x-radixmesh-served-by"] == "node-2", body
+    await poll.until_async(lambda: view_blocks(n1, "node-2") >= 20, "node 1's view", LIMIT_S)
+    status, headers, body = await complete(http, p1, PREFIX + "Q1?", op, model="sql-lora")
+    assert status == 200, body
+    assert headers["x-radixmesh-served-by"] == "node-1"  # node 2's sql-lora is other weights
+    assert cached(headers, body) == (0, 0)
+    await poll.until_async(lambda: len(n1.engine.cache_hashes()) >= 10, "node 1's index",
+                           LIMIT_S)
+    status, headers, body = await complete(http, p1, PREFIX + "Q2?", op, model="sql-lora")
+    assert headers["x-radixmesh-served-by"] == "node-1" and min(cached(headers, body)) > 0
+    status, headers, body = await complete(http, p1, PREFIX + "Q4?", op, model="sql-lora",
+                                           headers={"x-radixmesh-target": "node-2"})
+    assert headers["x-radixmesh-served-by"] == "node-1", headers  # the constraint outranks it
+    status, headers, body = await complete(http, p1, PREFIX + "Q3?", op,
+                                           headers={"x-radixmesh-hop": "1"})
+    assert headers["x-radixmesh-served-by"] == "node-1"
+    assert cached(headers, body) == (0, 0)  # the base model never reuses the adapter's KV
+    status, _, body = await complete(http, p1, "hello", op, model="nope-lora")
+    assert status == 404 and "nope-lora" in body["error"]["message"]
+    async with http.get(f"http://127.0.0.1:{p1}/v1/models",
+                        headers={"authorization": f"Bearer {op}"}) as resp:
+        listed = {m["id"]: m for m in (await resp.json())["data"]}
+    assert listed["sql-lora"]["parent"] == "fake-model"
+    assert listed["sql-lora"]["digest"] == DIGEST_A

@@ -85,3 +85,21 @@ def by_name(adapters: Iterable[Adapter]) -> Mapping[str, Adapter]:
             raise ValueError(f"adapter {a.name} is listed twice")
         out[a.name] = a
     return out
+
+
+def parse_adapter_spec(text: str) -> list[tuple[str, str]]:
+    """``NAME=VALUE[,NAME=VALUE...]`` (``--adapters``) as (name, value) pairs; VALUE is a digest
+    (16-64 hex digits, optionally ``sha256:``) or an adapter directory (the shell reads it)."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip() or not value.strip():
+            raise ValueError(f"--adapters: expected NAME=DIGEST or NAME=DIR, got {item!r}")
+        pairs.append((name.strip(), value.strip()))
+    return pairs
+
+
+def given_digest(value: str) -> str | None:
+    """The digest ``value`` states (``sha256:HEX`` or ``HEX``), None if it is not one."""
+    hexpart = value.removeprefix("sha256:")
+    return hexpart if _DIGEST_RE.fullmatch(hexpart) else None

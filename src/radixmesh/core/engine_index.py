@@ -228,7 +228,10 @@ class EngineIndex:
             self._counts["skipped_kind"] += n
             return
         self.observed_block_size = ev.block_size
-        opaque_all = ev.lora_id is not None or ev.lora_name is not None
+        # a LoRA run is named by its salt (the node's namespace holds the adapter's digest):
+        # a salted root, or a child of one (rooted only if its parent is); else opaque
+        lora = ev.lora_id is not None or ev.lora_name is not None
+        opaque_all = lora and ev.parent_hash is None and ev.salt is None
         parent = ev.parent_hash
         size = ev.block_size
         for i, key in enumerate(ev.block_hashes):

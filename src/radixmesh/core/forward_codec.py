@@ -79,7 +79,7 @@ class ForwardLimits:
 
 # ------------------------------------------------------------------------------- request
 def encode_forward_request(req: ForwardRequest) -> bytes:
-    """The request body: ``[version, kind, prompt, max_tokens, ..., namespace, session]``."""
+    """The request body: ``[version, kind, prompt, max_tokens, ..., session, adapter]``."""
     fields = [
         PROTOCOL_VERSION,
         KIND_FORWARD_REQUEST,
@@ -94,6 +94,7 @@ def encode_forward_request(req: ForwardRequest) -> bytes:
         None if req.beat_s is None else float(req.beat_s),
         req.namespace,
         req.session,
+        req.adapter,
     ]
     return _pack(fields)
 
@@ -108,7 +109,7 @@ def decode_forward_request(data: bytes, limits: ForwardLimits | None = None) -> 
 
 
 def _request(f: list[Any], lim: ForwardLimits) -> ForwardRequest:
-    _array(f, 13, "forward request")
+    _array(f, 14, "forward request")
     return ForwardRequest(
         prompt=_ids(f[2], lim.max_prompt_tokens, "prompt"),
         max_tokens=_int(f[3], "max_tokens"),
@@ -121,6 +122,7 @@ def _request(f: list[Any], lim: ForwardLimits) -> ForwardRequest:
         beat_s=None if f[10] is None else _float(f[10], "beat_s"),
         namespace=None if f[11] is None else _text(f[11], MAX_NAMESPACE_CHARS, "namespace"),
         session=None if f[12] is None else _int(f[12], "session", _U64_MAX),
+        adapter=None if f[13] is None else _text(f[13], 64, "adapter", 16),
     )
 
 

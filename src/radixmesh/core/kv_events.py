@@ -304,6 +304,17 @@ def _keyed(v: Any, n_blocks: int) -> tuple[bool, ...]:
     return (True,) * n_blocks  # a shape we do not know: every block is keyed (never indexed)
 
 
+def without_lora(v: Any, lora: str | None) -> Any:
+    """``extra_keys`` with a LoRA request's adapter name taken off the front of each block's
+    keys (vLLM puts it first in every block: ``_gen_lora_extra_hash_keys``); unchanged when
+    the shape is not that."""
+    if lora is None or not isinstance(v, list):
+        return v
+    if not all(isinstance(e, list) and e[:1] == [lora] for e in v):
+        return v
+    return [e[1:] or None for e in v]
+
+
 def salt_of(v: Any, n_blocks: int) -> str | None:
     """The ``cache_salt`` of a run starting at token 0 whose only extra key is that salt: vLLM
     puts ``[request.cache_salt]`` into the first block's extra keys (vllm/v1/core/
@@ -372,6 +383,8 @@ class _BatchParser:
         size = _block_size(f.get("block_size"), len(hashes), len(tokens))
         parent = f.get("parent_block_hash")
         extra = f.get("extra_keys")
+        lora = _opt_str(f.get("lora_name"), "lora_name")
+        extra = without_lora(extra, lora)
         salt = salt_of(extra, len(hashes)) if parent is None else None
         return EngineBlockStored(
             block_hashes=hashes,
@@ -381,7 +394,7 @@ class _BatchParser:
             medium=_opt_str(f.get("medium"), "medium"),
             group_idx=_group(f.get("group_idx")),
             lora_id=_opt_int(f.get("lora_id"), "lora_id"),
-            lora_name=_opt_str(f.get("lora_name"), "lora_name"),
+            lora_name=lora,
             keyed=() if salt is not None else _keyed(extra, len(hashes)),
             spec_kind=_opt_str(f.get("kv_cache_spec_kind"), "kv_cache_spec_kind"),
             salt=salt,

@@ -197,6 +197,7 @@ class ForwardRequest:
     beat_s: float | None = None  # in [-3600, 3600]: predicted latency to beat; None: no condition
     namespace: str | None = None  # the cache namespace (core/tenants.py), 1..256 characters
     session: int | None = None  # the session id (core/sessions.py), a u64
+    adapter: str | None = None  # the content digest of its LoRA adapter (core/adapters.py)
 
     def __post_init__(self) -> None:
         _require(len(self.prompt) >= 1, "prompt must not be empty")
@@ -210,6 +211,7 @@ class ForwardRequest:
         _require(self.beat_s is None or _in_range(self.beat_s, -3600.0, 3600.0),
                  "beat_s must be in [-3600, 3600]")
         _require(self.session is None or 0 <= self.session < 2**64, "session must be a u64")
+        _require(self.adapter is None or 16 <= len(self.adapter) <= 64, "adapter: a digest")
         _require(self.namespace is None or 1 <= len(self.namespace) <= MAX_NAMESPACE_CHARS,
                  f"namespace must have 1..{MAX_NAMESPACE_CHARS} characters")
 

@@ -65,8 +65,12 @@ class Namespacer:
     def __init__(self, key: bytes | None) -> None:
         self._key = hmac.new(key or _UNKEYED, _NAMESPACE_LABEL, hashlib.sha256).digest()
 
-    def namespace_id(self, tenant: str | None, salt: str | None) -> str | None:
-        """The cache namespace of a request (None: the shared cache)."""
+    def namespace_id(self, tenant: str | None, salt: str | None,
+                     adapter: str | None = None) -> str | None:
+        """The cache namespace of a request (None: the shared cache); ``adapter``: the content
+        digest of its LoRA adapter (core/adapters.py), whose KV is never the base model's."""
+        if adapter is not None:
+            return self.keyed(b"ns+adapter", tenant, salt, adapter)
         if tenant is None and salt is None:
             return None
         return self.keyed(b"ns", tenant, salt)

@@ -102,7 +102,8 @@ class KvEventPublisher:
         self.seq = 0  # the next batch's sequence number
         self.published = 0
         self.unresolved = 0  # added hashes no candidate sequence spelled (never expected)
-        self._salts: dict[tuple[int, ...], str] = {}  # a salt's virtual block -> the salt
+        # a namespace's virtual block -> its (salt, LoRA adapter)
+        self._salts: dict[tuple[int, ...], tuple[str | None, str | None]] = {}
         self.kv_endpoint = self.replay_endpoint = ""
 
     def open(self, ctx: zmq.asyncio.Context, publish: str, replay: str, *,
@@ -152,11 +153,13 @@ class KvEventPublisher:
         return out
 
     # ------------------------------------------------------------------------- events
-    def note_salt(self, salt: str, head: tuple[int, ...]) -> None:
-        """``head`` is ``salt``'s virtual block (bounded: forgotten past 65,536 salts)."""
+    def note_salt(self, salt: str | None, head: tuple[int, ...], lora: str | None = None
+                  ) -> None:
+        """``head`` is the virtual block of ``salt`` and ``lora`` (bounded: forgotten past
+        65,536 of them)."""
         if len(self._salts) >= 65_536:
             self._salts.clear()
-        self._salts[head] = salt
+        self._salts[head] = (salt, lora)
 
     def publish_delta(self, added: Collection[int], removed: Collection[int],
                       sequences: Iterable[Sequence[int]]) -> None:
@@ -181,9 +184,10 @@ class KvEventPublisher:
             if not left:
                 break
             hashes = block_hashes(seq, bs, self.seed)
-            salt = (self._salts.get(tuple(seq[:bs])) if seq and seq[0] >= NAMESPACE_TOKEN_BASE
+            keys = (self._salts.get(tuple(seq[:bs])) if seq and seq[0] >= NAMESPACE_TOKEN_BASE
                     else None)
-            first = 0 if salt is None else 1  # a salt's virtual block is never published
+            salt, lora = keys or (None, None)
+            first = 0 if keys is None else 1  # a virtual block is never published
             run: dict[str, Any] | None = None
             for i, h in enumerate(hashes[first:], first):
                 if h not in left:
@@ -193,15 +197,15 @@ class KvEventPublisher:
                 parent = hashes[i - 1] if i > first else None
                 tokens = list(seq[i * bs:(i + 1) * bs])
                 self.blocks[h] = (parent, tuple(tokens))
+                extra = [*([lora] if lora else []), *([salt] if salt and i == first else [])]
                 if run is not None:
                     run["block_hashes"].append(h)
                     run["token_ids"].extend(tokens)
-                    run["extra_keys"].append(None)
+                    run["extra_keys"].append(extra or None)
                     continue
-                extra = [salt] if salt is not None and i == first else None
                 run = {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": parent,
                        "token_ids": tokens, "block_size": bs, "lora_id": None,
-                       "medium": MEDIUM, "lora_name": None, "extra_keys": [extra],
+                       "medium": MEDIUM, "lora_name": lora, "extra_keys": [extra or None],
                        "group_idx": 0, "kv_cache_spec_kind": "full_attention"}
                 events.append(run)
         self.unresolved += len(left)

@@ -118,7 +118,8 @@ class EngineLoop:
 
     # ------------------------------------------------------------------------- requests
     def submit(self, prompt: Sequence[int], max_tokens: int, stop_ids: frozenset[int],
-               sink: Sink, index: int = 0, cache_salt: str | None = None) -> int:
+               sink: Sink, index: int = 0, cache_salt: str | None = None,
+               lora: str | None = None) -> int:
         """A new sequence; its id. ValueError (naming the field) when it can never run.
         ``cache_salt`` (vLLM's): it reuses only prefixes computed with the same salt."""
         limit = self.profile.context_length
@@ -128,12 +129,14 @@ class EngineLoop:
                 f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, "
                 f"{max_tokens} for the completion) (field max_tokens)")
         seq = next(self._ids)
-        self.scheduler.add(seq, list(prompt), max_tokens, self._clock(), namespace=cache_salt)
+        # as vLLM: a salt and an adapter each key the KV (the adapter every block)
+        namespace = cache_salt if lora is None else f"lora:{lora}\x00{cache_salt or ''}"
+        self.scheduler.add(seq, list(prompt), max_tokens, self._clock(), namespace=namespace)
         head = ()
-        if cache_salt is not None:
-            head = namespace_block(cache_salt, self.profile.block_size)
+        if namespace is not None:
+            head = namespace_block(namespace, self.profile.block_size)
             if self.events is not None:
-                self.events.note_salt(cache_salt, head)
+                self.events.note_salt(cache_salt, head, lora)
         self._live[seq] = Tracked(list(prompt), len(prompt), stop_ids, sink, index, head)
         self.counters.requests += 1
         self.counters.peak_in_flight = max(self.counters.peak_in_flight, len(self._live))

@@ -59,6 +59,7 @@ class Completion:
     token_ids: bool  # return_tokens_as_token_ids
     chat: bool
     cache_salt: str | None = None  # vLLM's: prefixes are reused only under the same salt
+    lora: str | None = None  # the LoRA adapter it names (its ``model``), if any
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:

@@ -132,6 +132,8 @@ class GenerateRequest:
     # the request's cache namespace (core/blocks.py: None = the shared cache); an engine whose
     # ``cache_namespaces`` attribute is true reuses only that namespace's prefixes
     cache_namespace: str | None = None
+    # the served name of the LoRA adapter it runs with (core/adapters.py); None: the base model
+    adapter: str | None = None
 
 
 FinishReason = Literal["stop", "length"]

@@ -259,7 +259,7 @@ class HttpEngine:
             return "/generate", {"input_ids": list(req.prompt_ids), "sampling_params": params,
                                  "stream": True}
         body: dict[str, Any] = {
-            "model": self._model_name, "prompt": list(req.prompt_ids),
+            "model": req.adapter or self._model_name, "prompt": list(req.prompt_ids),
             "max_tokens": sp.max_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
             "stream": True, "stream_options": {"include_usage": True},
         }

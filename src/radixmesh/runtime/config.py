@@ -175,6 +175,7 @@ class ServeConfig:
     api_key: str = field(default="", repr=False)  # client bearer token; "" -> env or none
     api_keys: str = ""  # (tenants) FILE of 'KEY TENANT' lines: tenant keys, core/tenants.py
     session_margin: float = SessionConfig().margin_s  # (tenants) core/sessions.py
+    adapters: str = ""  # (tenants) NAME=DIGEST|DIR,...: the LoRA adapters the engine serves
     peer_tls_cert: str = ""  # PEM: this node's certificate (server and client); all 3 or none
     peer_tls_key: str = ""  # PEM: its private key
     peer_tls_ca: str = ""  # PEM: the mesh CA that signs every node's certificate
@@ -488,6 +489,8 @@ def _help_texts() -> dict[str, str]:
         "cluster_key": "secret (>= 16 bytes) authenticating peer messages; prefer the "
         "RADIXMESH_CLUSTER_KEY environment variable or the config file (flags show in ps)",
         "api_key": "require 'Authorization: Bearer KEY' on the client API (or RADIXMESH_API_KEY)",
+        "adapters": "NAME=DIGEST|DIR[,...]: LoRA adapters the engine serves under NAME (as "
+        "vLLM's --lora-modules), known by their content digest (given, or SHA-256 of DIR)",
         "session_margin": "a session (prompt_cache_key, x-session-id) goes to the node that "
         "served it last unless that node is predicted slower than the best by more than this",
         "api_keys": "FILE of 'KEY TENANT' lines: each key opens /v1/* for its tenant, whose "

@@ -47,8 +47,17 @@ import random
 import socket
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
+from radixmesh.core.adapters import (
+    Adapter,
+    by_name,
+    files_digest,
+    given_digest,
+    parse_adapter_spec,
+)
 from radixmesh.core.admission import token_cap
 from radixmesh.core.blocks import block_hashes, namespace_seed
 from radixmesh.core.estimators import QueuedBlocks
@@ -162,7 +171,9 @@ class NodeService:
         self.engine: AsyncEngine = as_async_engine(engine)
         self.clock = clock
         self.incarnation = incarnation or config.incarnation or time.time_ns() // 1_000_000
-        node_cfg = config.node_config(engine.fingerprint, self.incarnation)
+        self.adapters = load_adapters(config.adapters)  # (tenants) served name -> Adapter
+        node_cfg = replace(config.node_config(engine.fingerprint, self.incarnation),
+                           adapters=tuple(a.key for a in self.adapters.values()))
         self.node_config = node_cfg
         self.node_id = node_cfg.node_id
         self.address = node_cfg.address
@@ -431,6 +442,10 @@ class NodeService:
         here = match_in(self.engine, prompt, namespace)
         return self._queued_blocks.cached_when_run(hashes, len(prompt), here)
 
+    def adapter_of(self, digest: str | None) -> Adapter | None:
+        """This node's adapter of that content digest (None: none, or no digest)."""
+        return next((a for a in self.adapters.values() if a.digest == digest), None)
+
     def hashes_of(self, prompt: Sequence[int], namespace: str | None) -> tuple[int, ...]:
         """The mesh's block hashes of ``prompt`` in cache ``namespace`` (core/blocks.py)."""
         fp = self.engine.fingerprint
@@ -466,17 +481,18 @@ class NodeService:
         sample_of: str | None = None,
         namespace: str | None = None,
         session: int | None = None,
+        adapter: Adapter | None = None,
     ) -> Execution:
         """Start one client request where the core says (``local_only``: hop-limited;
         ``sample_of``: the node serving the first sample of the prompt this one samples;
         ``namespace``: its cache namespace, core/tenants.py; ``session``: its session id,
         core/sessions.py)."""
         ctx = RequestContext(next(self._rids), tuple(prompt), self.hashes_of(prompt, namespace),
-                             sampling, stream, namespace, session)
+                             sampling, stream, namespace, session, adapter)
         local_cached = self._cached_here(ctx.prompt, ctx.hashes, namespace)
         event = RequestArrived(ctx.rid or 0, ctx.hashes, len(ctx.prompt), local_cached,
                                sampling.max_tokens, local_only, target, sampling.plain,
-                               sample_of, session)
+                               sample_of, session, None if adapter is None else adapter.key)
         ex = await self._start(ctx, self._one(self.dispatch(event), ctx))
         self.metrics.requests[ex.route] += 1
         return ex
@@ -625,7 +641,7 @@ class NodeService:
         sampling = SamplingParams(req.max_tokens, req.temperature, req.top_p, req.seed,
                                   req.stop_token_ids)
         ctx = RequestContext(None, req.prompt, hashes, sampling, req.stream, req.namespace,
-                             req.session)
+                             req.session, self.adapter_of(req.adapter))
         ex = self._queued(LocalExecution(self, ctx, "local", cached))
         self._peer_work.add(ex)
         try:
@@ -782,6 +798,23 @@ def _frames(items: list[tuple[str, Any]], t0: float) -> list[bytes]:
     if toks:
         frames.append(encode_reply(ForwardTokens(tuple(toks))))
     return frames
+
+
+def load_adapters(spec: str) -> dict[str, Adapter]:
+    """``--adapters``: each name with its digest, given or computed from its directory's
+    files (core/adapters.py); ValueError naming the adapter otherwise."""
+    out = []
+    for name, value in parse_adapter_spec(spec):
+        digest = given_digest(value)
+        if digest is None:
+            root = Path(value)
+            if not root.is_dir():
+                raise ValueError(f"--adapters {name}: {value} is neither a digest nor a folder")
+            files = [(str(p.relative_to(root)), p.read_bytes())
+                     for p in root.rglob("*") if p.is_file()]
+            digest = files_digest(files)
+        out.append(Adapter(name, digest))
+    return dict(by_name(out))
 
 
 def load_api_keys(path: str) -> dict[str, str]:

@@ -334,6 +334,8 @@ class ModelEntry(BaseModel):
     owned_by: str
     max_model_len: int
     radixmesh: ServerDefaults
+    parent: str | None = None  # a LoRA adapter's base model (core/adapters.py)
+    digest: str | None = None  # ... and its content digest
 
 
 class ModelList(BaseModel):
