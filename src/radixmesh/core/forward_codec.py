@@ -49,13 +49,8 @@ from radixmesh.core.messages import (
     ForwardTokens,
 )
 
-KIND_FORWARD_REQUEST = 2
-KIND_BUSY = 3
-KIND_ACCEPTED = 4
-KIND_HEARTBEAT = 5
-KIND_TOKENS = 6
-KIND_RESULT = 7
-KIND_ERROR = 8
+KIND_FORWARD_REQUEST, KIND_BUSY, KIND_ACCEPTED, KIND_HEARTBEAT = 2, 3, 4, 5
+KIND_TOKENS, KIND_RESULT, KIND_ERROR = 6, 7, 8
 
 FRAME_HEADER_BYTES = 4  # big-endian payload length
 T = TypeVar("T")
