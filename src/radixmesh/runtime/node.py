@@ -59,7 +59,8 @@ from radixmesh.core.adapters import (
     parse_adapter_spec,
 )
 from radixmesh.core.admission import token_cap
-from radixmesh.core.blocks import block_hashes, namespace_seed
+from radixmesh.core.blocks import Fingerprint, block_hashes, namespace_seed
+from radixmesh.core.config import NodeConfig
 from radixmesh.core.estimators import QueuedBlocks
 from radixmesh.core.events import (
     Abort,
@@ -171,9 +172,7 @@ class NodeService:
         self.engine: AsyncEngine = as_async_engine(engine)
         self.clock = clock
         self.incarnation = incarnation or config.incarnation or time.time_ns() // 1_000_000
-        self.adapters = load_adapters(config.adapters)  # (tenants) served name -> Adapter
-        node_cfg = replace(config.node_config(engine.fingerprint, self.incarnation),
-                           adapters=tuple(a.key for a in self.adapters.values()))
+        node_cfg = self._node_config(config, engine.fingerprint)
         self.node_config = node_cfg
         self.node_id = node_cfg.node_id
         self.address = node_cfg.address
@@ -203,6 +202,12 @@ class NodeService:
         # started and stopped with the node, shown in /mesh and /metrics (the KV-event
         # subscriber of an external engine): start(), stop(), name, mesh_state(), metrics()
         self.attachments: list[Any] = []
+
+    def _node_config(self, config: ServeConfig, fingerprint: Fingerprint) -> NodeConfig:
+        """The core's configuration, with the adapters this node serves (``--adapters``)."""
+        self.adapters = load_adapters(config.adapters)  # (tenants) served name -> Adapter
+        return replace(config.node_config(fingerprint, self.incarnation),
+                       adapters=tuple(a.key for a in self.adapters.values()))
 
     def _wire(self, config: ServeConfig) -> None:
         """The network side: emulation, peer authentication, client key, peer client."""
