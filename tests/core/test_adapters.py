@@ -68,3 +68,16 @@ def test_on_the_twin_an_adapter_request_goes_only_to_peers_that_serve_it(policy:
     [plain] = c.deliver("n0", RequestArrived(20, chain, 1024, 0, 4))
     if policy is Policy.PAPER:  # without an adapter the copies count again
         assert isinstance(plain, Forward) and plain.peer_id in ("n1", "n3")
+
+
+def test_a_profile_names_the_adapters_the_emulated_engine_serves() -> None:
+    from radixmesh.core.profile import Profile, dumps, resolve
+
+    base = resolve("h100-llama3-8b")
+    p = replace(base, adapters=("sql-lora", "chat-lora"))
+    assert Profile.loads(dumps(p)) == p and base.adapters == ()
+    text = dumps(base)
+    for bad in ('[[adapters]]\nname = ""', '[[adapters]]\nname = 3',
+                '[[adapters]]\nname = "a"\ndigest = "x"', 'adapters = "sql-lora"'):
+        with pytest.raises(ValueError, match="adapters"):
+            Profile.loads(text + "\n" + bad + "\n")

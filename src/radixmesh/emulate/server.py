@@ -59,7 +59,7 @@ class EmulatedEngine:
                  adapters: tuple[str, ...] = ()) -> None:
         self.profile = profile
         self.model = model or default_model_name(profile)
-        self.adapters = adapters  # LoRA adapters served by name (vLLM's --lora-modules)
+        self.adapters = (*profile.adapters, *adapters)  # LoRA adapters served by name
         self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
         self.vocab_size = vocab_size or self.tokenizer.vocab_size  # prompt ids must be below
         self.host, self.port = host, port
