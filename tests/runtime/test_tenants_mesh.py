@@ -269,3 +269,22 @@ async def _adapters(poll: Poll, http: aiohttp.ClientSession, n1: NodeService,
         listed = {m["id"]: m for m in (await resp.json())["data"]}
     assert listed["sql-lora"]["parent"] == "fake-model"
     assert listed["sql-lora"]["digest"] == DIGEST_A
+
+
+def test_adapters_flag_reads_digests_and_folders(tmp_path: Path) -> None:
+    import pytest
+
+    from radixmesh.core.adapters import files_digest
+    from radixmesh.runtime.node import load_adapters
+
+    folder = tmp_path / "sql"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "adapter_config.json").write_bytes(b"{}")
+    (folder / "sub" / "w.bin").write_bytes(b"weights")
+    got = load_adapters(f"sql-lora={folder}, chat=sha256:{DIGEST_A}")
+    want = files_digest([("adapter_config.json", b"{}"), ("sub/w.bin", b"weights")])
+    assert got["sql-lora"].digest == want and got["chat"].digest == DIGEST_A
+    assert load_adapters("") == {}
+    for bad in ("sql-lora", f"x={tmp_path / 'missing'}", f"a={DIGEST_A},a={DIGEST_B}"):
+        with pytest.raises(ValueError):
+            load_adapters(bad)
