@@ -16,10 +16,11 @@ its own emulated vLLM (``emulate/``: prefill time from a hardware profile, defau
   attacker tenant ``attacker``, and each attacker probe names a fresh ``cache_salt`` (its own
   probes must not help each other: the right guesses share the secret).
 
-Probes alternate right and wrong in a seeded random order, one at a time, each timed by the
-client (whole request, ``max_tokens`` 1). Per set-up it reports the medians, the difference of
-medians with a 95 % bootstrap interval (2,000 resamples, seeded), the two-sided Mann-Whitney
-U p-value (normal approximation), and for every cache-revealing field
+Probes alternate right and wrong in a seeded random order (every prompt made beforehand), one
+at a time, each timed by the client (whole request, ``max_tokens`` 1). Per set-up it reports
+the medians, the difference of medians with a 95 % bootstrap interval (2,000 resamples,
+seeded), the two-sided Mann-Whitney U p-value (normal approximation), and for every
+cache-revealing field
 (``x-radixmesh-cached-tokens``, ``-expected-cached-tokens``, ``-placement``, ``-served-by``,
 ``-route``, ``usage.prompt_tokens_details.cached_tokens``), the values seen for right and for
 wrong guesses. ``python -m radixmesh.bench.sidechannel --probes 200`` runs both set-ups.
@@ -206,7 +207,6 @@ async def measure(profile: str, isolated: bool, probes: int, seed: int, policy: 
                   ) -> dict[str, Any]:
     """One set-up: ``probes`` right and ``probes`` wrong guesses (see the module docstring)."""
     rng = random.Random(seed)
-
     text = functools.partial(_text, rng)
     secret = OPENING + text(2000)
     victim, attacker = (KEYS["victim"], KEYS["attacker"]) if isolated else (None, None)
@@ -218,11 +218,12 @@ async def measure(profile: str, isolated: bool, probes: int, seed: int, policy: 
         ports = [port for port, _ in nodes]
         await _send(http, ports[0], secret + " Question: " + text(40), victim, here=True)
         await _until(lambda: _view_blocks(nodes[1][1], "n0") >= 2000 // 16)
-        for k, kind in enumerate(kinds):
-            head = secret if kind == "right" else OPENING + text(2000)
+        # made beforehand: no harness work between probes differs between right and wrong
+        prompts = [(secret if kind == "right" else OPENING + text(2000)) + " Question: "
+                   + text(40) for kind in kinds]
+        for k, (kind, prompt) in enumerate(zip(kinds, prompts, strict=True)):
             salt = f"probe-{k}" if isolated else None
-            elapsed, seen = await _send(http, ports[1], head + " Question: " + text(40),
-                                        attacker, salt)
+            elapsed, seen = await _send(http, ports[1], prompt, attacker, salt)
             times[kind].append(elapsed)
             for name, value in seen.items():
                 fields[kind].setdefault(name, Counter())[value] += 1
