@@ -17,8 +17,12 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
+from dataclasses import replace
 
+from radixmesh.core.codec import Codec
 from radixmesh.core.config import GossipConfig, GossipMode
+from radixmesh.core.messages import Gossip, Load
+from radixmesh.core.sessions import SessionConfig
 from radixmesh.core.summary import LocalSummary, pack_hashes, unpack_hashes
 from radixmesh.testing import LinkConfig, TwinCluster
 
@@ -32,7 +36,26 @@ def run(quick: bool = False) -> dict[str, object]:
     out: dict[str, object] = {}
     out.update(_snapshot_figures(quick))
     out.update(_delta_figures(quick))
+    out.update(_session_figures())
     return out
+
+
+# ------------------------------------------------------------------------------- sessions
+def _session_figures() -> dict[str, object]:
+    """(tenants) The line of session ids (core/sessions.py): what they add to one message at
+    the most a message carries (``SessionConfig.max_gossip``), and per second to ``PEERS``
+    peers every ``INTERVAL_S``; exact byte counts."""
+    rng = random.Random(3)
+    n = SessionConfig().max_gossip
+    base = Gossip("n1", "127.0.0.1:9001", 1, 1, 1, 7, 0.0, Load(0, 0, 0, 0, None))
+    ids = tuple(rng.getrandbits(64) for _ in range(n))
+    codec = Codec()
+    extra = len(codec.encode(replace(base, sessions=ids))) - len(codec.encode(base))
+    return {
+        "sessions_per_message_max": n,
+        "sessions_bytes_per_message_max": extra,
+        "sessions_bytes_per_s_max": round(extra * PEERS / INTERVAL_S),
+    }
 
 
 # ------------------------------------------------------------------------------- snapshot

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import msgpack
 
+from radixmesh.core.adapters import MAX_ADAPTERS
 from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.estimators import SpeedReport
 from radixmesh.core.messages import (
@@ -44,6 +45,7 @@ from radixmesh.core.messages import (
     Snapshot,
     Summary,
 )
+from radixmesh.core.sessions import MAX_GOSSIP_SESSIONS
 from radixmesh.core.summary import pack_hashes, unpack_hashes
 
 KIND_GOSSIP = 1  # kinds 2.. are forward messages (forward_codec)
@@ -110,6 +112,8 @@ class Codec:
             [[d.node_id, d.incarnation, d.version, d.heartbeat] for d in msg.digest],
             [self._enc_state(s) for s in msg.relays],
             msg.reply,
+            pack_hashes(msg.sessions) if msg.sessions else None,
+            pack_hashes(msg.adapters) if msg.adapters else None,
         ]
         return bytes(msgpack.packb(fields, use_bin_type=True))
 
@@ -220,7 +224,7 @@ class _Parser:
         self.hash_budget = limits.max_hashes
 
     def gossip(self, raw: Any) -> Gossip:
-        f = _array(raw, 18, "message")
+        f = _array(raw, 20, "message")
         if _int(f[0], "protocol version") != PROTOCOL_VERSION:
             raise RemoteProtocolError(f"unsupported protocol version {f[0]}", "version")
         if _int(f[1], "kind") != KIND_GOSSIP:
@@ -243,7 +247,18 @@ class _Parser:
             digest=tuple(self.digest_entry(d) for d in self.items(f[15], "digest")),
             relays=tuple(self.state(s) for s in self.items(f[16], "relays")),
             reply=_bool(f[17], "reply"),
+            sessions=() if f[18] is None else self.keys(f[18], MAX_GOSSIP_SESSIONS, "sessions"),
+            adapters=() if f[19] is None else self.keys(f[19], MAX_ADAPTERS, "adapters"),
         )
+
+    def keys(self, raw: Any, limit: int, what: str) -> tuple[int, ...]:
+        """A packed set of at most ``limit`` 64-bit keys (session ids, adapter keys)."""
+        if not isinstance(raw, bytes):
+            raise RemoteProtocolError(f"{what} must be binary")
+        try:
+            return unpack_hashes(raw, limit)
+        except ValueError as exc:
+            raise RemoteProtocolError(f"{what}: {exc}") from None
 
     def text(self, v: Any, limit: int, what: str) -> str:
         return _text(v, limit, what)

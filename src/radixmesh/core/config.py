@@ -13,6 +13,7 @@ from typing import Any
 from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.estimators import CostPriors
 from radixmesh.core.router_config import RouterConfig
+from radixmesh.core.sessions import SessionConfig
 from radixmesh.core.units import parse_choice
 
 
@@ -259,6 +260,8 @@ class NodeConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     join: JoinConfig = field(default_factory=JoinConfig)  # seeds: backoff, bound
     decision_log: int = 0  # routing decisions kept to explain them (core/decisions.py); 0: none
+    sessions: SessionConfig = field(default_factory=SessionConfig)  # core/sessions.py
+    adapters: tuple[int, ...] = ()  # keys of the LoRA adapters this node serves (advertised)
 
     def __post_init__(self) -> None:
         if not self.node_id or len(self.node_id) > 128:

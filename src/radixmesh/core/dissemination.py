@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import replace
 from random import Random  # the type only: instances are passed in, never the global one
 
+from radixmesh.core.adapters import PeerAdapters
 from radixmesh.core.codec import Codec
 from radixmesh.core.config import GossipMode, NodeConfig
 from radixmesh.core.epidemic import Epidemic
@@ -56,6 +57,7 @@ from radixmesh.core.messages import (
     Summary,
 )
 from radixmesh.core.payload import Payload
+from radixmesh.core.sessions import SessionTable
 
 
 class Disseminator:
@@ -83,6 +85,8 @@ class Disseminator:
         self.metrics = metrics
         self.fingerprint = config.fingerprint.digest
         self.epidemic = Epidemic(config.gossip, failure, payload, rng)
+        self.sessions: SessionTable | None = None  # (tenants) core/sessions.py, set by parts
+        self.adapters: PeerAdapters | None = None  # (tenants) core/adapters.py, set by parts
 
     # ================================================================= outgoing rounds
     def round(self, now: float, load: Load) -> list[Action]:
@@ -150,6 +154,8 @@ class Disseminator:
             digest=self.epidemic.digest(target) if self.epidemic.enabled else (),
             relays=self._relays(est, now),  # evaluated last: rng draws stay in this order
             reply=reply,
+            sessions=() if self.sessions is None else self.sessions.recent(now),
+            adapters=self.config.adapters,
         )
 
     def _relays(self, est: Estimate | None, now: float) -> tuple[NodeState, ...]:
@@ -220,6 +226,10 @@ class Disseminator:
         self._apply_load(est, msg.stamp, msg.load, now)
         self._apply_summary(est, msg.summary)
         self._apply_echo(est, msg, now)
+        if msg.sessions and self.sessions is not None:
+            self.sessions.learn(msg.sender, msg.sessions, now)
+        if self.adapters is not None:
+            self.adapters.learn(msg.sender, msg.adapters)
         if newest:
             self._apply_ack(est, msg.ack, now)
             if msg.digest:

@@ -19,8 +19,12 @@ any size that ``B`` divides, or that divide ``B``, work; other sizes are refused
 
 Removing an engine block un-roots it and every rooted block below it (their hashes leave the
 index) but keeps the descendants in the store: an engine may evict a parent and keep the
-child, and when the parent is stored again its subtree is rooted again. Blocks with a LoRA
-adapter or extra keys (images, cache salt) are stored *opaque*: their KV is not named by the
+child, and when the parent is stored again its subtree is rooted again. A root block
+whose only extra key is a ``cache_salt`` (``EngineBlockStored.salt``) is indexed in that
+namespace: its chain starts from ``namespace_seed(seed, salt)`` (``core/blocks.py``; the node
+sends the namespace as the salt), so it matches only ``match(tokens, namespace=salt)``.
+Blocks with a LoRA
+adapter or other extra keys (images) are stored *opaque*: their KV is not named by the
 tokens alone, so neither they nor anything chained below them is ever indexed. Blocks outside
 device memory, of another KV group (hybrid models) or of a group that is not full attention
 (vLLM's ``kv_cache_spec_kind``: sliding window, mamba, ...) are skipped without being stored.
@@ -40,7 +44,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Iterable, Sequence
 
-from radixmesh.core.blocks import block_hashes
+from radixmesh.core.blocks import block_hashes, namespace_seed
 from radixmesh.core.kv_events import (
     EngineAllCleared,
     EngineBlockRemoved,
@@ -91,12 +95,14 @@ def check_block_sizes(engine_block_size: int, block_size: int) -> None:
 class _Block:
     """One engine block in the store."""
 
-    __slots__ = ("depth", "hashes", "last", "opaque", "parent", "rooted", "tokens")
+    __slots__ = ("depth", "hashes", "last", "opaque", "parent", "rooted", "salt", "tokens")
 
-    def __init__(self, parent: EngineHash | None, tokens: array[int], opaque: bool) -> None:
+    def __init__(self, parent: EngineHash | None, tokens: array[int], opaque: bool,
+                 salt: str | None = None) -> None:
         self.parent = parent
         self.tokens = tokens
         self.opaque = opaque
+        self.salt = salt  # a root block's cache_salt: its chain is in that namespace
         self.rooted = False
         self.depth = 0  # tokens from the root to this block's end (while rooted)
         self.last = 0  # radixmesh hash at the last boundary <= depth (while rooted)
@@ -157,10 +163,12 @@ class EngineIndex:
         """Token ids held in the store (incl. blocks not indexable now)."""
         return self._tokens
 
-    def match(self, tokens: Sequence[int]) -> int:
-        """Tokens of the longest indexed prefix of ``tokens`` (a multiple of the block size)."""
+    def match(self, tokens: Sequence[int], namespace: str | None = None) -> int:
+        """Tokens of the longest indexed prefix of ``tokens`` in ``namespace`` (a multiple of
+        the block size)."""
         n = 0
-        for h in block_hashes(tokens, self.block_size, self.seed):
+        seed = namespace_seed(self.seed, namespace, self.block_size)
+        for h in block_hashes(tokens, self.block_size, seed):
             if h not in self._refs:
                 break
             n += 1
@@ -220,12 +228,16 @@ class EngineIndex:
             self._counts["skipped_kind"] += n
             return
         self.observed_block_size = ev.block_size
-        opaque_all = ev.lora_id is not None or ev.lora_name is not None
+        # a LoRA run is named by its salt (the node's namespace holds the adapter's digest):
+        # a salted root, or a child of one (rooted only if its parent is); else opaque
+        lora = ev.lora_id is not None or ev.lora_name is not None
+        opaque_all = lora and ev.parent_hash is None and ev.salt is None
         parent = ev.parent_hash
         size = ev.block_size
         for i, key in enumerate(ev.block_hashes):
             opaque = opaque_all or (bool(ev.keyed) and ev.keyed[i])
-            self._put(key, parent, ev.token_ids[i * size : (i + 1) * size], opaque)
+            salt = ev.salt if i == 0 and ev.parent_hash is None else None
+            self._put(key, parent, ev.token_ids[i * size : (i + 1) * size], opaque, salt)
             parent = key
 
     def _accepts(self, medium: str | None, group_idx: int, n_blocks: int) -> bool:
@@ -251,12 +263,13 @@ class EngineIndex:
         return True
 
     def _put(
-        self, key: EngineHash, parent: EngineHash | None, tokens: Sequence[int], opaque: bool
+        self, key: EngineHash, parent: EngineHash | None, tokens: Sequence[int], opaque: bool,
+        salt: str | None = None,
     ) -> None:
         packed = array(_UINT32, tokens)
         old = self._blocks.get(key)
         if old is not None:
-            if old.parent == parent and old.tokens == packed and old.opaque == opaque:
+            if (old.parent, old.tokens, old.opaque, old.salt) == (parent, packed, opaque, salt):
                 self._counts["duplicate_stores"] += 1
                 return
             self._counts["replaced_stores"] += 1
@@ -266,7 +279,7 @@ class EngineIndex:
             return
         self._counts["opaque_blocks"] += int(opaque)
         self._counts["blocks_stored"] += 1
-        self._link(key, _Block(parent, packed, opaque))
+        self._link(key, _Block(parent, packed, opaque, salt))
 
     def _link(self, key: EngineHash, block: _Block) -> None:
         self._blocks[key] = block
@@ -297,7 +310,8 @@ class EngineIndex:
         """Give ``block`` (whose parent is rooted) its radixmesh hashes."""
         parent = None if block.parent is None else self._blocks[block.parent]
         start = 0 if parent is None else parent.depth
-        last = self.seed if parent is None else parent.last
+        last = (namespace_seed(self.seed, block.salt, self.block_size) if parent is None
+                else parent.last)
         lead = start % self.block_size  # tokens of a partial radixmesh block before ours
         head = self._tail_tokens(block.parent, lead) if lead else []
         buf = [*head, *block.tokens]

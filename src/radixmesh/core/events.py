@@ -124,6 +124,11 @@ class RequestArrived:
     # samples 2..n of one prompt (``n > 1``): the node that serves its first sample; the core
     # sends them there (they reuse its cached prompt), or keeps them here if that is this node
     sample_of: str | None = None
+    # the request's session id (core/sessions.py: a keyed hash of its prompt_cache_key, scoped
+    # to its tenant): the node that served it last is preferred
+    session: int | None = None
+    # the key of the LoRA adapter it names (core/adapters.py): only peers advertising it serve
+    adapter: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +199,7 @@ class ForwardArrived:
     cached_tokens: int  # this node's exact match of the prompt
     max_tokens: int
     beat_s: float | None  # the latency we must beat for the forward to pay (None: admit)
+    session: int | None = None  # its session id (core/sessions.py): served here if admitted
 
 
 RequestEvent = (

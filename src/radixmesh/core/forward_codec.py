@@ -35,6 +35,7 @@ from radixmesh.core.codec import (
 )
 from radixmesh.core.messages import (
     MAX_ERROR_CHARS,
+    MAX_NAMESPACE_CHARS,
     PROTOCOL_VERSION,
     SEED_MAX,
     SEED_MIN,
@@ -48,17 +49,12 @@ from radixmesh.core.messages import (
     ForwardTokens,
 )
 
-KIND_FORWARD_REQUEST = 2
-KIND_BUSY = 3
-KIND_ACCEPTED = 4
-KIND_HEARTBEAT = 5
-KIND_TOKENS = 6
-KIND_RESULT = 7
-KIND_ERROR = 8
+KIND_FORWARD_REQUEST, KIND_BUSY, KIND_ACCEPTED, KIND_HEARTBEAT = 2, 3, 4, 5
+KIND_TOKENS, KIND_RESULT, KIND_ERROR = 6, 7, 8
 
 FRAME_HEADER_BYTES = 4  # big-endian payload length
 T = TypeVar("T")
-_MAX_FINISH_LEN = 16
+_U64_MAX, _MAX_FINISH_LEN = 2**64 - 1, 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +74,7 @@ class ForwardLimits:
 
 # ------------------------------------------------------------------------------- request
 def encode_forward_request(req: ForwardRequest) -> bytes:
-    """The request body: ``[version, kind, prompt, max_tokens, ..., beat_s]``."""
+    """The request body: ``[version, kind, prompt, max_tokens, ..., session, adapter]``."""
     fields = [
         PROTOCOL_VERSION,
         KIND_FORWARD_REQUEST,
@@ -91,6 +87,9 @@ def encode_forward_request(req: ForwardRequest) -> bytes:
         req.stream,
         float(req.heartbeat_s),
         None if req.beat_s is None else float(req.beat_s),
+        req.namespace,
+        req.session,
+        req.adapter,
     ]
     return _pack(fields)
 
@@ -105,7 +104,7 @@ def decode_forward_request(data: bytes, limits: ForwardLimits | None = None) -> 
 
 
 def _request(f: list[Any], lim: ForwardLimits) -> ForwardRequest:
-    _array(f, 11, "forward request")
+    _array(f, 14, "forward request")
     return ForwardRequest(
         prompt=_ids(f[2], lim.max_prompt_tokens, "prompt"),
         max_tokens=_int(f[3], "max_tokens"),
@@ -116,6 +115,9 @@ def _request(f: list[Any], lim: ForwardLimits) -> ForwardRequest:
         stream=_bool(f[8], "stream"),
         heartbeat_s=_float(f[9], "heartbeat_s"),
         beat_s=None if f[10] is None else _float(f[10], "beat_s"),
+        namespace=None if f[11] is None else _text(f[11], MAX_NAMESPACE_CHARS, "namespace"),
+        session=None if f[12] is None else _int(f[12], "session", _U64_MAX),
+        adapter=None if f[13] is None else _text(f[13], 64, "adapter", 16),
     )
 
 

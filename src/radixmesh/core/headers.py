@@ -17,6 +17,7 @@ from __future__ import annotations
 # Requests from a client (or the entry node, forwarding) to a node.
 HEADER_HOP = "x-radixmesh-hop"  # already forwarded once: execute here (hop limit 1)
 HEADER_TARGET = "x-radixmesh-target"  # experiments: forward to this peer id (fallbacks apply)
+HEADER_SESSION = "x-session-id"  # a session key, as prompt_cache_key (core/sessions.py)
 
 # Responses of a node to its client.
 HEADER_NODE = "x-radixmesh-node"  # the entry node that answered the client
@@ -53,5 +54,6 @@ __all__ = [
     "HEADER_ROUTE",
     "HEADER_SERVED_BY",
     "HEADER_SERVICE",
+    "HEADER_SESSION",
     "HEADER_TARGET",
 ]

@@ -90,6 +90,7 @@ class EngineBlockStored:
     lora_name: str | None = None
     keyed: tuple[bool, ...] = ()  # per block: carries extra keys (images, salt); () = none
     spec_kind: str | None = None  # vLLM's kv_cache_spec_kind ("full_attention", ...); None: unsaid
+    salt: str | None = None  # the cache_salt of a root block (keyed only by it), see salt_of
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.group_idx < 0:
@@ -303,6 +304,32 @@ def _keyed(v: Any, n_blocks: int) -> tuple[bool, ...]:
     return (True,) * n_blocks  # a shape we do not know: every block is keyed (never indexed)
 
 
+def without_lora(v: Any, lora: str | None) -> Any:
+    """``extra_keys`` with a LoRA request's adapter name taken off the front of each block's
+    keys (vLLM puts it first in every block: ``_gen_lora_extra_hash_keys``); unchanged when
+    the shape is not that."""
+    if lora is None or not isinstance(v, list):
+        return v
+    if not all(isinstance(e, list) and e[:1] == [lora] for e in v):
+        return v
+    return [e[1:] or None for e in v]
+
+
+def salt_of(v: Any, n_blocks: int) -> str | None:
+    """The ``cache_salt`` of a run starting at token 0 whose only extra key is that salt: vLLM
+    puts ``[request.cache_salt]`` into the first block's extra keys (vllm/v1/core/
+    kv_cache_utils.py, ``generate_block_hash_extra_keys``) and publishes them per block
+    (vllm/distributed/kv_events.py, ``BlockStored.extra_keys``); None for any other shape."""
+    if not isinstance(v, list) or len(v) != n_blocks or not v:
+        return None
+    first = v[0]
+    if not (isinstance(first, list) and len(first) == 1 and isinstance(first[0], str)):
+        return None
+    if not 0 < len(first[0]) <= 256 or any(item for item in v[1:]):
+        return None
+    return first[0]
+
+
 class _BatchParser:
     """Checks one decoded batch tree; holds its token and hash budgets."""
 
@@ -355,6 +382,10 @@ class _BatchParser:
         tokens = self.tokens(f.get("token_ids"))
         size = _block_size(f.get("block_size"), len(hashes), len(tokens))
         parent = f.get("parent_block_hash")
+        extra = f.get("extra_keys")
+        lora = _opt_str(f.get("lora_name"), "lora_name")
+        extra = without_lora(extra, lora)
+        salt = salt_of(extra, len(hashes)) if parent is None else None
         return EngineBlockStored(
             block_hashes=hashes,
             parent_hash=None if parent is None else self.hash(parent),
@@ -363,9 +394,10 @@ class _BatchParser:
             medium=_opt_str(f.get("medium"), "medium"),
             group_idx=_group(f.get("group_idx")),
             lora_id=_opt_int(f.get("lora_id"), "lora_id"),
-            lora_name=_opt_str(f.get("lora_name"), "lora_name"),
-            keyed=_keyed(f.get("extra_keys"), len(hashes)),
+            lora_name=lora,
+            keyed=() if salt is not None else _keyed(extra, len(hashes)),
             spec_kind=_opt_str(f.get("kv_cache_spec_kind"), "kv_cache_spec_kind"),
+            salt=salt,
         )
 
     def hashes(self, v: Any) -> tuple[EngineHash, ...]:

@@ -34,8 +34,10 @@ from dataclasses import dataclass
 from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.estimators import SpeedReport
 
+MAX_NAMESPACE_CHARS = 256
 # 2: Load.speed_measured_at; 3: address and fingerprint on first contact only, utilization in
-# whole percent (gossip under 1 KB/s per node: docs/benchmarks.md)
+# whole percent (gossip under 1 KB/s per node: docs/benchmarks.md); ForwardRequest namespace,
+# session and adapter; Gossip.sessions and adapters
 PROTOCOL_VERSION = 3
 
 
@@ -156,6 +158,8 @@ class Gossip:
     digest: tuple[DigestEntry, ...] = ()  # epidemic: what the sender knows of others
     relays: tuple[NodeState, ...] = ()  # epidemic: others' state the receiver lacks
     reply: bool = False  # the sender asks for an immediate answer (join, push-pull)
+    sessions: tuple[int, ...] = ()  # session ids the sender served lately (core/sessions.py)
+    adapters: tuple[int, ...] = ()  # keys of the LoRA adapters it serves (core/adapters.py)
 
 
 Message = Gossip
@@ -196,6 +200,9 @@ class ForwardRequest:
     stream: bool = False  # send ForwardTokens as they are generated
     heartbeat_s: float = 0.5  # in [0.01, 60]: the longest silence before a ForwardHeartbeat
     beat_s: float | None = None  # in [-3600, 3600]: predicted latency to beat; None: no condition
+    namespace: str | None = None  # the cache namespace (core/tenants.py), 1..256 characters
+    session: int | None = None  # the session id (core/sessions.py), a u64
+    adapter: str | None = None  # the content digest of its LoRA adapter (core/adapters.py)
 
     def __post_init__(self) -> None:
         _require(len(self.prompt) >= 1, "prompt must not be empty")
@@ -208,6 +215,10 @@ class ForwardRequest:
         _require(_in_range(self.heartbeat_s, 0.01, 60.0), "heartbeat_s must be in [0.01, 60]")
         _require(self.beat_s is None or _in_range(self.beat_s, -3600.0, 3600.0),
                  "beat_s must be in [-3600, 3600]")
+        _require(self.session is None or 0 <= self.session < 2**64, "session must be a u64")
+        _require(self.adapter is None or 16 <= len(self.adapter) <= 64, "adapter: a digest")
+        _require(self.namespace is None or 1 <= len(self.namespace) <= MAX_NAMESPACE_CHARS,
+                 f"namespace must have 1..{MAX_NAMESPACE_CHARS} characters")
 
 
 @dataclass(frozen=True, slots=True)

@@ -54,6 +54,7 @@ from radixmesh.core.cost_model import Candidate, Tag
 from radixmesh.core.decisions import DecisionLog
 from radixmesh.core.estimators import SpeedReport
 from radixmesh.core.events import (
+    AcceptForward,
     Action,
     CacheChanged,
     Event,
@@ -68,11 +69,13 @@ from radixmesh.core.events import (
     RequestArrived,
     RequestCancelled,
     RequestDone,
+    RequestEvent,
     RequestServed,
     SeedsDiscovered,
     Tick,
 )
 from radixmesh.core.parts import build_parts
+from radixmesh.core.sessions import observe_sessions
 
 _COUNTERS = (
     "gossip_bytes_in",
@@ -135,7 +138,7 @@ class NodeCore:
             ForwardFailed: requests.failed,
             RequestDone: requests.done,
             RequestCancelled: requests.cancelled,
-            ForwardArrived: parts.admission.forward_arrived,
+            ForwardArrived: self._forward_arrived,
             LeaveRequested: self._leave,
             SeedsDiscovered: rounds.seeds_discovered,
         }
@@ -160,7 +163,20 @@ class NodeCore:
         handler = self._handlers.get(type(event))
         if handler is None:
             raise TypeError(f"unknown event {event!r}")  # a bug in the shell, not a peer
-        return handler(event, now)
+        actions = handler(event, now)
+        if isinstance(event, RequestEvent):  # (tenants) where each session goes
+            observe_sessions(self._parts.sessions, self._session_of, actions, now)
+        return actions
+
+    def _session_of(self, rid: int) -> int | None:
+        flight = self._parts.lifecycle.get(rid)
+        return None if flight is None else flight.arrived.session
+
+    def _forward_arrived(self, event: ForwardArrived, now: float) -> list[Action]:
+        actions = self._parts.admission.forward_arrived(event, now)
+        if event.session is not None and any(isinstance(a, AcceptForward) for a in actions):
+            self._parts.sessions.served(event.session, now)
+        return actions
 
     def serve(self, event: Event, now: float) -> list[Action]:
         """``handle`` for a server that must keep running (the runtime): a part that raises

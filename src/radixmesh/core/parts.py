@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from random import Random  # the type only: instances are passed in, never the global one
 
+from radixmesh.core.adapters import PeerAdapters
 from radixmesh.core.admission import AdmissionControl
 from radixmesh.core.codec import Codec, Limits
 from radixmesh.core.config import NodeConfig
@@ -32,6 +33,7 @@ from radixmesh.core.placer import Placer
 from radixmesh.core.requests import RequestFlow
 from radixmesh.core.rounds import GossipRounds
 from radixmesh.core.routing import Routing
+from radixmesh.core.sessions import SessionTable
 from radixmesh.core.summary import Holdings, LocalSummary
 
 
@@ -49,6 +51,7 @@ class Parts:
     lifecycle: Lifecycle
     requests: RequestFlow
     report: NodeReport
+    sessions: SessionTable
 
 
 def build_parts(config: NodeConfig, rng: Random, now: float, decisions: DecisionLog,
@@ -72,8 +75,11 @@ def build_parts(config: NodeConfig, rng: Random, now: float, decisions: Decision
     peers = PeerLoads(config, gossip, rtt, lifecycle, own.prior_speed, metrics)
     admission = AdmissionControl(config, own, peers, decisions, metrics)
     placer = Placer(config, gossip, view, peers, rng, now)
+    sessions = SessionTable(config.node_id, config.sessions)
+    gossip.dissemination.sessions = sessions
+    adapters = gossip.dissemination.adapters = PeerAdapters()
     routing = Routing(config, own, peers, placer, gossip, view, lifecycle, rtt, rng, decisions,
-                      metrics)
+                      metrics, sessions, adapters)
     report = NodeReport(config, metrics, summary, holdings, view, members, gossip, lifecycle,
                         own, admission, peers, rtt)
     return Parts(
@@ -85,4 +91,5 @@ def build_parts(config: NodeConfig, rng: Random, now: float, decisions: Decision
         requests=RequestFlow(lifecycle, routing, admission, peers, placer, gossip, view, rtt,
                              metrics),
         report=report,
+        sessions=sessions,
     )

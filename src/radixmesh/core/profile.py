@@ -47,6 +47,9 @@ File format (TOML, flat; every time in seconds)::
     tolerance = 0.10           # relative
     source = "H100-80GB vLLM FP16 Llama-3-8B TPOT p50 at concurrency 16"
 
+    [[adapters]]               # optional: LoRA adapters the emulated engine serves, by name
+    name = "sql-lora"
+
 Every step-time coefficient must carry a citation (a published figure, or ``derived: ...`` saying
 from which figure and by what ratio). Loading rejects a missing field, an unknown key, a wrong
 type, a negative coefficient (all terms >= 0 make the time monotonic: more work never takes
@@ -61,6 +64,9 @@ tokenization are outside the step too.
 
 Shipped profiles live in ``radixmesh/profiles/*.toml`` (package data): :func:`shipped` lists
 them, :func:`resolve` takes a shipped name or a file path.
+
+Why one file over 400 lines: the format, the checks of every field and its writer are one
+contract (a field added is read, checked and written here, side by side).
 """
 
 from __future__ import annotations
@@ -171,6 +177,7 @@ class Profile:
     step_tokens: int
     citations: Mapping[str, str] = field(default_factory=dict)
     checks: tuple[Check, ...] = ()
+    adapters: tuple[str, ...] = ()  # LoRA adapters served by name (the emulated engine)
 
     def __post_init__(self) -> None:
         for name in COEFFICIENTS:
@@ -251,6 +258,8 @@ class Profile:
                 out[f.name] = dict(value)
             elif f.name == "checks":
                 out[f.name] = [{g.name: getattr(c, g.name) for g in fields(Check)} for c in value]
+            elif f.name == "adapters":
+                out[f.name] = [{"name": name} for name in value]
             else:
                 out[f.name] = value
         return out
@@ -268,6 +277,8 @@ class Profile:
             kwargs[name] = _typed(name, data[name])
         kwargs["citations"] = _citations(data.get("citations", {}))
         kwargs["checks"] = tuple(_check(c) for c in _table_list(data.get("checks", [])))
+        kwargs["adapters"] = tuple(_adapter(a) for a in _table_list(data.get("adapters", []),
+                                                                    "adapters"))
         return cls(**kwargs)
 
     @classmethod
@@ -313,10 +324,17 @@ def _citations(value: object) -> dict[str, str]:
     return dict(value)
 
 
-def _table_list(value: object) -> list[dict[str, Any]]:
+def _table_list(value: object, what: str = "checks") -> list[dict[str, Any]]:
     if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
-        raise ValueError("checks must be an array of tables ([[checks]])")
+        raise ValueError(f"{what} must be an array of tables ([[{what}]])")
     return value
+
+
+def _adapter(data: dict[str, Any]) -> str:
+    name = data.get("name")
+    if set(data) != {"name"} or not isinstance(name, str) or not 0 < len(name) <= 128:
+        raise ValueError("adapters: each is {name = \"1-128 characters\"} and nothing else")
+    return name
 
 
 def _check(data: dict[str, Any]) -> Check:
@@ -351,6 +369,8 @@ def dumps(profile: Profile) -> str:
     for check in data["checks"]:
         lines += ["", "[[checks]]"]
         lines += [f"{key} = {_value(value)}" for key, value in check.items()]
+    for adapter in data["adapters"]:
+        lines += ["", "[[adapters]]", f"name = {_value(adapter['name'])}"]
     return "\n".join(lines) + "\n"
 
 

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from random import Random  # the type only: instances are passed in, never the global one
 
+from radixmesh.core.adapters import PeerAdapters
 from radixmesh.core.config import NodeConfig
 from radixmesh.core.cost_model import Candidate, NodeInfo, RouteInput, Tag
 from radixmesh.core.decisions import DecisionLog
@@ -46,6 +47,7 @@ from radixmesh.core.peerview import PeerView
 from radixmesh.core.placer import ROUTE_TOP_K, Placer
 from radixmesh.core.router import Router
 from radixmesh.core.router_config import Policy
+from radixmesh.core.sessions import SessionTable
 
 
 class Unavailable:
@@ -66,7 +68,9 @@ class Routing:
 
     def __init__(self, config: NodeConfig, own: OwnLoad, peers: PeerLoads, placer: Placer,
                  gossip: Gossiper, view: PeerView, lifecycle: Lifecycle, rtt: RttTable,
-                 rng: Random, decisions: DecisionLog, metrics: dict[str, float]) -> None:
+                 rng: Random, decisions: DecisionLog, metrics: dict[str, float],
+                 sessions: SessionTable | None = None,
+                 adapters: PeerAdapters | None = None) -> None:
         self._config = config
         self._own, self._peers, self._placer = own, peers, placer
         self._gossip, self._view, self._lifecycle, self._rtt = gossip, view, lifecycle, rtt
@@ -74,9 +78,19 @@ class Routing:
         self._decisions = decisions
         self._metrics = metrics
         self._router = Router(config.router)
+        self._sessions = sessions
+        self._adapters = adapters
 
     def candidates(self, event: RequestArrived, now: float) -> list[Candidate]:
-        """Where to try the request, best first (self always listed)."""
+        """Where to try the request, best first (self always listed); with an adapter, only
+        the peers that advertise it (a hard constraint, core/adapters.py)."""
+        ranked = self._candidates(event, now)
+        if event.adapter is None or self._adapters is None:
+            return ranked
+        serves = self._adapters.serves
+        return [c for c in ranked if c.is_self or serves(c.node_id, event.adapter)]
+
+    def _candidates(self, event: RequestArrived, now: float) -> list[Candidate]:
         me = Candidate(self._config.node_id, True, event.local_cached, 0.0)
         here = self._config.node_id
         # hop-limited, or sampling the forward protocol cannot carry: only here
@@ -88,10 +102,16 @@ class Routing:
         if first is not None and first != here:
             return [Candidate(first, False, 0, 0.0), me]
         fresh = self._lifecycle.get(event.rid) is None  # not a re-ranking after a refusal
-        return self.route(
+        ranked = self.route(
             event.hashes, event.prompt_tokens, event.local_cached, event.max_tokens, now,
             observe=fresh, request=event.rid,
         )
+        if event.session is None or self._sessions is None:
+            return ranked
+        # (tenants) a session goes where it went last unless predicted slower by the margin
+        return self._sessions.prefer(ranked, event.session, now,
+                                     self._config.router.policy is Policy.COST,
+                                     lambda peer: self._peers.available(peer, now))
 
     def route(
         self,

@@ -44,6 +44,10 @@ chained block hashes (``core/blocks.py``): the running prefilling sequences' has
 in a multiset, and since hashes chain, a waiting request's matching hashes are a prefix of its
 own. ``prefix_aware=False`` is strict FCFS.
 
+Cache namespaces (``add(..., namespace=)``, ``core/blocks.py``): a namespaced request runs as
+its namespace's virtual block + its prompt, so the cache keeps namespaces apart under the mesh's
+namespaced hashes; the block is reported nowhere (``Finished``, ``drain_cache_delta``).
+
 Cost: a step is O(running + admitted + 64): at most the first ``WINDOW`` waiting requests are
 looked at, so a long queue costs nothing per step.
 """
@@ -54,7 +58,7 @@ from collections import Counter, deque
 from collections.abc import Collection, Mapping, Sequence
 from itertools import islice
 
-from radixmesh.core.blocks import block_hashes, extend_hashes
+from radixmesh.core.blocks import NamespaceHeads, block_hashes, extend_hashes
 from radixmesh.core.decode_run import DecodeRuns
 from radixmesh.core.kv_pool import KvPool
 from radixmesh.core.prefix_cache import PrefixCache
@@ -92,6 +96,7 @@ class Scheduler(DecodeRuns):
         self._waiting: deque[SeqState] = deque()
         self._running: list[SeqState] = []  # admission order
         self._prefilling: Counter[int] = Counter()  # block hashes of prefilling sequences
+        self._heads = NamespaceHeads(config.block_size, config.hash_seed)
         self._pending: Step | None = None
         self.prefill_tokens_computed = 0
         self.cached_tokens_hit = 0
@@ -118,34 +123,43 @@ class Scheduler(DecodeRuns):
         the cached prefixes they lock) over the pool; unlocked cached blocks count as free."""
         return self._pool.held_blocks / self.config.kv_blocks
 
-    def cached_prefix(self, prompt: Sequence[int]) -> int:
+    def cached_prefix(self, prompt: Sequence[int], namespace: str | None = None) -> int:
         """Prompt tokens a request added now would reuse (whole blocks, never the last)."""
-        return self._pool.reusable(prompt)
+        head = self._head(namespace)
+        return max(self._pool.reusable([*head, *prompt]) - len(head), 0)
+
+    def _head(self, namespace: str | None) -> tuple[int, ...]:
+        return self._heads.head(namespace)
 
     def seq_tokens(self, seq: SeqId) -> Sequence[int]:
-        """Prompt + output so far of a live sequence."""
+        """Prompt + output so far of a live sequence (behind its namespace's virtual block)."""
         return tuple(self._live(seq).tokens)
 
     def drain_cache_delta(self) -> tuple[list[int], list[int]]:
-        """Block hashes (added, removed) in the prefix cache since the previous call."""
-        return self.cache.drain_delta()
+        """Block hashes (added, removed) in the prefix cache since the previous call
+        (namespaces' virtual blocks left out)."""
+        added, removed = self.cache.drain_delta()
+        return self._heads.real(added), self._heads.real(removed)
 
     # ------------------------------------------------------------------------- requests
-    def add(self, seq: SeqId, prompt: Sequence[int], max_tokens: int, now: float) -> None:
-        """Queue a request at the back of waiting."""
+    def add(self, seq: SeqId, prompt: Sequence[int], max_tokens: int, now: float, *,
+            namespace: str | None = None) -> None:
+        """Queue a request at the back of waiting (in ``namespace``'s cache, if given)."""
         if seq in self._seqs:
             raise ValueError(f"seq: duplicate id {seq}")
         if len(prompt) == 0:
             raise ValueError("prompt: must not be empty")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-        if self._pool.blocks_for(len(prompt) + max_tokens - 1, 0) > self.config.kv_blocks:
+        tokens = [*self._head(namespace), *prompt]
+        if self._pool.blocks_for(len(tokens) + max_tokens - 1, 0) > self.config.kv_blocks:
             raise ValueError(
-                f"prompt + max_tokens: {len(prompt)} + {max_tokens} tokens never fit the KV "
+                f"prompt + max_tokens: {len(tokens)} + {max_tokens} tokens never fit the KV "
                 f"pool of {self.config.kv_blocks} x {self.config.block_size} tokens"
             )
-        hashes = block_hashes(prompt, self.config.block_size, self.config.hash_seed)
-        s = SeqState(seq, list(prompt), len(prompt), max_tokens, hashes, now)
+        hashes = block_hashes(tokens, self.config.block_size, self.config.hash_seed)
+        s = SeqState(seq, tokens, len(tokens), max_tokens, hashes, now,
+                     hidden=len(tokens) - len(prompt))
         self._seqs[seq] = s
         self._waiting.append(s)
 
@@ -363,8 +377,8 @@ class Scheduler(DecodeRuns):
     def _record(s: SeqState, reason: str) -> Finished:
         return Finished(
             s.id,
-            s.prompt_len,
-            s.hit,
+            s.prompt_len - s.hidden,
+            max(s.hit - s.hidden, 0),
             tuple(s.tokens[s.prompt_len :]),
             reason,
             s.preemptions,

@@ -109,3 +109,4 @@ class SeqState:
     preemptions: int = 0
     overtaken: int = 0  # admissions that passed it in its current wait
     first_token_at: float | None = None
+    hidden: int = 0  # leading tokens of its namespace's virtual block (core/blocks.py)

@@ -37,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="each step lasts profile step time x S (0: as fast as possible)")
     parser.add_argument("--served-model-name", metavar="N",
                         help="the model name clients send (default: the profile's model)")
+    parser.add_argument("--lora-modules", nargs="*", default=[], metavar="NAME",
+                        help="LoRA adapters served by name, as vLLM's (their KV is their own)")
 
 
 def build(args: argparse.Namespace) -> EmulatedEngine:
@@ -57,7 +59,8 @@ def build(args: argparse.Namespace) -> EmulatedEngine:
             raise ValueError(f"--tokenizer {args.tokenizer}: {exc}") from exc
     return EmulatedEngine(profile, model=args.served_model_name, tokenizer=tokenizer,
                           host=args.host, port=args.port, time_scale=args.time_scale,
-                          kv_events=args.kv_events, kv_replay=args.kv_replay)
+                          kv_events=args.kv_events, kv_replay=args.kv_replay,
+                          adapters=tuple(name.split("=", 1)[0] for name in args.lora_modules))
 
 
 async def serve(engine: EmulatedEngine) -> None:

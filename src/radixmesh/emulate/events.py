@@ -14,6 +14,11 @@ sequence), or ``AllBlocksCleared``. The publisher binds (the subscriber connects
 (``tests/fixtures/vllm_0_32/live.msgpack``): the batch an array ``[ts, events, 0]``, the topic
 empty, every event with ``group_idx`` 0, ``BlockStored`` with ``lora_id`` / ``lora_name`` nil,
 one nil ``extra_keys`` entry per block and ``kv_cache_spec_kind: "full_attention"``.
+A request with a ``cache_salt`` is cached behind its salt's virtual block
+(``core/blocks.namespace_block``); as vLLM, whose first block of a salted request carries the
+salt among its extra keys (``generate_block_hash_extra_keys`` in
+vllm/v1/core/kv_cache_utils.py), that block is published with ``parent_block_hash`` nil and
+``extra_keys[0] = [salt]``, and the virtual block itself never.
 
 The ROUTER replay socket keeps the last ``replay_keep`` batches. A request ``[identity, b"",
 start seq (8 bytes)]`` is answered with every kept batch from ``start`` in vLLM 0.32's
@@ -44,7 +49,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from radixmesh.core.blocks import block_hashes
+from radixmesh.core.blocks import NAMESPACE_TOKEN_BASE, block_hashes
 
 TOPIC = b""  # vLLM's default KVEventsConfig.topic (what 0.32 sends, tests/fixtures/vllm_0_32)
 MEDIUM = "GPU"
@@ -97,6 +102,8 @@ class KvEventPublisher:
         self.seq = 0  # the next batch's sequence number
         self.published = 0
         self.unresolved = 0  # added hashes no candidate sequence spelled (never expected)
+        # a namespace's virtual block -> its (salt, LoRA adapter)
+        self._salts: dict[tuple[int, ...], tuple[str | None, str | None]] = {}
         self.kv_endpoint = self.replay_endpoint = ""
 
     def open(self, ctx: zmq.asyncio.Context, publish: str, replay: str, *,
@@ -146,6 +153,14 @@ class KvEventPublisher:
         return out
 
     # ------------------------------------------------------------------------- events
+    def note_salt(self, salt: str | None, head: tuple[int, ...], lora: str | None = None
+                  ) -> None:
+        """``head`` is the virtual block of ``salt`` and ``lora`` (bounded: forgotten past
+        65,536 of them)."""
+        if len(self._salts) >= 65_536:
+            self._salts.clear()
+        self._salts[head] = (salt, lora)
+
     def publish_delta(self, added: Collection[int], removed: Collection[int],
                       sequences: Iterable[Sequence[int]]) -> None:
         """One batch: ``removed`` blocks, then ``added`` ones spelled from ``sequences``."""
@@ -169,23 +184,28 @@ class KvEventPublisher:
             if not left:
                 break
             hashes = block_hashes(seq, bs, self.seed)
+            keys = (self._salts.get(tuple(seq[:bs])) if seq and seq[0] >= NAMESPACE_TOKEN_BASE
+                    else None)
+            salt, lora = keys or (None, None)
+            first = 0 if keys is None else 1  # a virtual block is never published
             run: dict[str, Any] | None = None
-            for i, h in enumerate(hashes):
+            for i, h in enumerate(hashes[first:], first):
                 if h not in left:
                     run = None
                     continue
                 left.discard(h)
-                parent = hashes[i - 1] if i else None
+                parent = hashes[i - 1] if i > first else None
                 tokens = list(seq[i * bs:(i + 1) * bs])
                 self.blocks[h] = (parent, tuple(tokens))
+                extra = [*([lora] if lora else []), *([salt] if salt and i == first else [])]
                 if run is not None:
                     run["block_hashes"].append(h)
                     run["token_ids"].extend(tokens)
-                    run["extra_keys"].append(None)
+                    run["extra_keys"].append(extra or None)
                     continue
                 run = {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": parent,
                        "token_ids": tokens, "block_size": bs, "lora_id": None,
-                       "medium": MEDIUM, "lora_name": None, "extra_keys": [None],
+                       "medium": MEDIUM, "lora_name": lora, "extra_keys": [extra or None],
                        "group_idx": 0, "kv_cache_spec_kind": "full_attention"}
                 events.append(run)
         self.unresolved += len(left)

@@ -53,7 +53,7 @@ class FakeEngine(EmulatedEngine):
     def __init__(self, *, block_size: int = 16, cache_tokens: int = 512, replay_keep: int = 64,
                  model: str = "fake-model", kv_connect: str | None = None, port: int = 0,
                  kv_port: int = 0, replay_port: int = 0,
-                 tokenizer: Tokenizer | None = None) -> None:
+                 tokenizer: Tokenizer | None = None, adapters: tuple[str, ...] = ()) -> None:
         self.cache_tokens = cache_tokens
         self.kv_connect = kv_connect
         super().__init__(fake_profile(cache_tokens, block_size, model), model=model,
@@ -61,7 +61,7 @@ class FakeEngine(EmulatedEngine):
                          kv_events=kv_connect or f"tcp://127.0.0.1:{kv_port}",
                          kv_replay=f"tcp://127.0.0.1:{replay_port}",
                          kv_connect=kv_connect is not None, replay_keep=replay_keep,
-                         vocab_size=ANY_TOKEN_ID)
+                         vocab_size=ANY_TOKEN_ID, adapters=adapters)
 
     def __setattr__(self, name: str, value: Any) -> None:
         # the fault knobs live on ``faults``: setting one here would silently do nothing

@@ -37,6 +37,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixmesh.core.blocks import namespace_block
 from radixmesh.core.profile import Profile
 from radixmesh.core.scheduler import Finished, Scheduler, Step
 from radixmesh.emulate.events import Faults, KvEventPublisher
@@ -62,6 +63,13 @@ class Tracked:
     stop_ids: frozenset[int]
     sink: Sink
     index: int  # its choice index in the HTTP answer
+    head: tuple[int, ...] = ()  # its cache_salt's virtual block (core/blocks.namespace_block)
+
+
+def _spelled(tracked: Tracked) -> Sequence[int]:
+    """What the scheduler's cache holds for ``tracked``: its salt's virtual block, then its
+    tokens."""
+    return [*tracked.head, *tracked.tokens] if tracked.head else tracked.tokens
 
 
 @dataclass(slots=True)
@@ -110,8 +118,10 @@ class EngineLoop:
 
     # ------------------------------------------------------------------------- requests
     def submit(self, prompt: Sequence[int], max_tokens: int, stop_ids: frozenset[int],
-               sink: Sink, index: int = 0) -> int:
-        """A new sequence; its id. ValueError (naming the field) when it can never run."""
+               sink: Sink, index: int = 0, cache_salt: str | None = None,
+               lora: str | None = None) -> int:
+        """A new sequence; its id. ValueError (naming the field) when it can never run.
+        ``cache_salt`` (vLLM's): it reuses only prefixes computed with the same salt."""
         limit = self.profile.context_length
         if len(prompt) + max_tokens > limit:
             raise ValueError(
@@ -119,8 +129,15 @@ class EngineLoop:
                 f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, "
                 f"{max_tokens} for the completion) (field max_tokens)")
         seq = next(self._ids)
-        self.scheduler.add(seq, list(prompt), max_tokens, self._clock())
-        self._live[seq] = Tracked(list(prompt), len(prompt), stop_ids, sink, index)
+        # as vLLM: a salt and an adapter each key the KV (the adapter every block)
+        namespace = cache_salt if lora is None else f"lora:{lora}\x00{cache_salt or ''}"
+        self.scheduler.add(seq, list(prompt), max_tokens, self._clock(), namespace=namespace)
+        head = ()
+        if namespace is not None:
+            head = namespace_block(namespace, self.profile.block_size)
+            if self.events is not None:
+                self.events.note_salt(cache_salt, head, lora)
+        self._live[seq] = Tracked(list(prompt), len(prompt), stop_ids, sink, index, head)
         self.counters.requests += 1
         self.counters.peak_in_flight = max(self.counters.peak_in_flight, len(self._live))
         self._wake.set()
@@ -257,12 +274,12 @@ class EngineLoop:
         if step is not None:
             for chunk in step.prefills:
                 if chunk.seq in self._live:
-                    yield self._live[chunk.seq].tokens
+                    yield _spelled(self._live[chunk.seq])
         for fin in finished:
             if fin.seq in self._live:
-                yield self._live[fin.seq].tokens
+                yield _spelled(self._live[fin.seq])
         for tracked in list(self._live.values()):
-            yield tracked.tokens
+            yield _spelled(tracked)
 
     # ------------------------------------------------------------------------- faults
     def restart(self) -> None:

@@ -58,6 +58,8 @@ class Completion:
     logprobs: int | None  # None: no logprobs object
     token_ids: bool  # return_tokens_as_token_ids
     chat: bool
+    cache_salt: str | None = None  # vLLM's: prefixes are reused only under the same salt
+    lora: str | None = None  # the LoRA adapter it names (its ``model``), if any
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
@@ -162,7 +164,16 @@ def parse(body: Any, tokenizer: Tokenizer, context_length: int, *, chat: bool,
                          "stream_options")
     return Completion(prompts, max_tokens, frozenset(stop_ids), stream,
                       bool(options.get("include_usage")), _logprobs(body, chat),
-                      _bool(body, "return_tokens_as_token_ids"), chat)
+                      _bool(body, "return_tokens_as_token_ids"), chat, _salt(body))
+
+
+def _salt(body: Mapping[str, Any]) -> str | None:
+    """vLLM's ``cache_salt``: absent, or a non-empty string."""
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise BadRequest("Parameter 'cache_salt' must be a non-empty string if provided.",
+                         "cache_salt")
+    return salt
 
 
 def _logprobs(body: Mapping[str, Any], chat: bool) -> int | None:

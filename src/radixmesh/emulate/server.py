@@ -28,6 +28,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import zmq.asyncio
@@ -54,9 +55,11 @@ class EmulatedEngine:
                  tokenizer: Tokenizer | None = None, host: str = "127.0.0.1", port: int = 0,
                  time_scale: float = 1.0, kv_events: str | None = None,
                  kv_replay: str | None = None, kv_connect: bool = False,
-                 replay_keep: int = 64, vocab_size: int | None = None) -> None:
+                 replay_keep: int = 64, vocab_size: int | None = None,
+                 adapters: tuple[str, ...] = ()) -> None:
         self.profile = profile
         self.model = model or default_model_name(profile)
+        self.adapters = (*profile.adapters, *adapters)  # LoRA adapters served by name
         self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
         self.vocab_size = vocab_size or self.tokenizer.vocab_size  # prompt ids must be below
         self.host, self.port = host, port
@@ -159,7 +162,9 @@ class EmulatedEngine:
                 "root": self.model, "parent": None,
                 "max_model_len": self.profile.context_length, "permission": [],
                 **self.describe()}
-        return web.json_response({"object": "list", "data": [card]})
+        loras = [{**card, "id": name, "root": name, "parent": self.model}
+                 for name in self.adapters]
+        return web.json_response({"object": "list", "data": [card, *loras]})
 
     async def _health(self, _: web.Request) -> web.Response:
         return web.json_response({"status": "ok", **self.describe()})
@@ -182,11 +187,14 @@ class EmulatedEngine:
             body = await _json(request)
             if self.faults.fail_status:
                 return _error("injected failure", self.faults.fail_status)
-            if isinstance(body, dict) and body.get("model") not in (None, self.model):
+            if isinstance(body, dict) and body.get("model") not in (None, self.model,
+                                                                    *self.adapters):
                 self.bad_requests += 1  # vLLM's check_model: 404
                 return _error(f"The model `{body['model']}` does not exist.", 404, "model")
             req = protocol.parse(body, self.tokenizer, self.profile.context_length, chat=chat,
                                  vocab=self.vocab_size)
+            if body.get("model") in self.adapters:
+                req = replace(req, lora=body["model"])
             async with self._sequences(req) as (sink, n):
                 if req.stream:
                     return await self._stream(request, req, sink, n)
@@ -203,7 +211,8 @@ class EmulatedEngine:
         try:
             for i, (prompt, max_tokens) in enumerate(zip(req.prompts, req.max_tokens,
                                                          strict=True)):
-                seqs.append(self.loop.submit(prompt, max_tokens, req.stop_ids, sink, i))
+                seqs.append(self.loop.submit(prompt, max_tokens, req.stop_ids, sink, i,
+                                             req.cache_salt, req.lora))
         except ValueError as exc:
             for seq in seqs:
                 self.loop.abort(seq)

@@ -29,6 +29,12 @@ The :class:`AsyncEngine` contract
 * The cache view (``match``, ``usage``, ``drain_cache_delta``, ``cache_hashes``) answers at once
   and may be read while requests run; only the delta drain mutates (the journal).
 
+Cache namespaces (tenants, ``cache_salt``): an engine whose ``cache_namespaces`` attribute is
+true keeps them apart — ``match(prompt_ids, namespace=...)`` and ``GenerateRequest.
+cache_namespace`` — and its cache view names blocks with the namespaced hashes
+(``core/blocks.namespace_seed``). The node refuses a namespaced request (400) on any other
+engine rather than share its cache.
+
 Penalties and log-probabilities (``SamplingParams`` beyond ``plain``) are honoured by an engine
 whose ``extended_sampling`` attribute is true (the built-in one); the node refuses them with a
 400 on any other engine rather than ignore them.
@@ -123,6 +129,11 @@ class GenerateRequest:
     # with ``sampling.prompt_logprobs``: receives them as soon as the prompt is scored
     on_prompt_logprobs: PromptLogprobCallback | None = field(default=None, compare=False,
                                                              repr=False)
+    # the request's cache namespace (core/blocks.py: None = the shared cache); an engine whose
+    # ``cache_namespaces`` attribute is true reuses only that namespace's prefixes
+    cache_namespace: str | None = None
+    # the served name of the LoRA adapter it runs with (core/adapters.py); None: the base model
+    adapter: str | None = None
 
 
 FinishReason = Literal["stop", "length"]
@@ -171,7 +182,8 @@ class PrefixCacheView(Protocol):
 
     def match(self, prompt_ids: Sequence[int]) -> int:
         """Prompt tokens a request would reuse now (cached prefix, at most len - 1); read-only
-        (no LRU touch)."""
+        (no LRU touch). An engine with ``cache_namespaces`` also takes ``namespace=``
+        (``match_in`` below calls it so)."""
         ...
 
     def usage(self) -> CacheUsage: ...
@@ -237,3 +249,19 @@ class AsyncEngine(PrefixCacheView, ModelInfo, Protocol):
     async def aclose(self) -> None:
         """Cancel waiting requests, let running ones finish, release the engine."""
         ...
+
+
+def isolates(engine: object) -> bool:
+    """Whether ``engine`` keeps cache namespaces apart (see the module docstring)."""
+    return bool(getattr(engine, "cache_namespaces", False))
+
+
+def match_in(view: PrefixCacheView, prompt_ids: Sequence[int], namespace: str | None) -> int:
+    """``view.match`` within ``namespace`` (None: the shared cache). A namespace on a view
+    that does not isolate matches nothing (never another namespace's blocks)."""
+    if namespace is None:
+        return view.match(prompt_ids)
+    if not isolates(view):
+        return 0
+    match = view.match
+    return int(match(prompt_ids, namespace=namespace))  # type: ignore[call-arg]

@@ -109,6 +109,9 @@ class HttpEngine:
         self.cache_tokens = cache_tokens
         seed = self._fingerprint.digest
         self.exact = kind != "openai"
+        # (tenants) vLLM keeps cache_salt requests apart and its events say which salt
+        # (core/kv_events.salt_of); SGLang and plain OpenAI servers are not wired for it
+        self.cache_namespaces = kind == "vllm"
         self.index = EngineIndex(block_size, seed, engine_block_size=engine_block_size)
         self.approx: PrefixCache[None] = PrefixCache(cache_tokens, block_size, seed)
         self._timeout = aiohttp.ClientTimeout(sock_connect=CONNECT_TIMEOUT_S,
@@ -145,13 +148,13 @@ class HttpEngine:
         return self._waiting
 
     # ------------------------------------------------------------------------- cache view
-    def match(self, prompt_ids: Sequence[int]) -> int:
+    def match(self, prompt_ids: Sequence[int], namespace: str | None = None) -> int:
         """Prompt tokens the engine will find cached: the view's match, at most all but the
         last prompt token (the engine computes that one), in whole engine blocks (it reuses
         nothing finer: vLLM's ``num_tokens - 1`` cap, floored to its block size)."""
         if not self.exact:
             return min(self.approx.match(prompt_ids), max(len(prompt_ids) - 1, 0))
-        found = min(self.index.match(prompt_ids), max(len(prompt_ids) - 1, 0))
+        found = min(self.index.match(prompt_ids, namespace), max(len(prompt_ids) - 1, 0))
         return found - found % self.index.reuse_block_size
 
     def usage(self) -> CacheUsage:
@@ -183,7 +186,7 @@ class HttpEngine:
         if self._closed:
             raise RuntimeError("engine is closed")
         session = self._ensure_session()
-        matched = self.match(req.prompt_ids)
+        matched = self.match(req.prompt_ids, req.cache_namespace)
         path, body = self._request_body(req)
         t0 = time.perf_counter()
         self._waiting += 1
@@ -256,7 +259,7 @@ class HttpEngine:
             return "/generate", {"input_ids": list(req.prompt_ids), "sampling_params": params,
                                  "stream": True}
         body: dict[str, Any] = {
-            "model": self._model_name, "prompt": list(req.prompt_ids),
+            "model": req.adapter or self._model_name, "prompt": list(req.prompt_ids),
             "max_tokens": sp.max_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
             "stream": True, "stream_options": {"include_usage": True},
         }
@@ -266,6 +269,8 @@ class HttpEngine:
             body.update(return_tokens_as_token_ids=True, logprobs=1)
             if sp.stop_token_ids:
                 body["stop_token_ids"] = list(sp.stop_token_ids)
+            if req.cache_namespace is not None:  # (tenants) the namespace is vLLM's salt
+                body["cache_salt"] = req.cache_namespace
         return "/v1/completions", body
 
     def _remember(self, prompt: Sequence[int], output: Sequence[int]) -> None:

@@ -57,6 +57,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from radixmesh.core.adapters import Adapter
 from radixmesh.core.auth import AuthError
 from radixmesh.core.codec import RemoteProtocolError
 from radixmesh.core.forward_codec import decode_forward_request, decode_link_open
@@ -74,12 +75,14 @@ from radixmesh.core.headers import (
     HEADER_ROUTE,
     HEADER_SERVED_BY,
     HEADER_SERVICE,
+    HEADER_SESSION,
     HEADER_TARGET,
     STREAM_TIMING_COMMENT,
 )
 from radixmesh.core.messages import ForwardRequest
 from radixmesh.core.router import Tag
-from radixmesh.engine.base import SamplingParams, TokenLogprob
+from radixmesh.core.tenants import check_cache_field
+from radixmesh.engine.base import SamplingParams, TokenLogprob, isolates
 from radixmesh.runtime.debug import install_debug_routes
 from radixmesh.runtime.execution import Execution, Outcome
 from radixmesh.runtime.node import NodeService, Overloaded
@@ -115,6 +118,7 @@ from radixmesh.runtime.peer_auth import (
     install_api_key_check,
     note_refusal,
     refused,
+    request_tenant,
 )
 from radixmesh.runtime.peer_client import FORWARD_MEDIA_TYPE, FORWARD_PATH
 from radixmesh.runtime.peer_link import LINK_PATH, Refused, headers_of, serve_link
@@ -286,7 +290,7 @@ def _generation_responses(model: type[Any]) -> dict[int | str, dict[str, Any]]:
 
 
 def _client_routes(app: FastAPI, service: NodeService) -> None:
-    models = [service.engine.model_name]
+    models = [service.engine.model_name, *service.adapters]  # (tenants) adapters by name
 
     completion_body, chat_body = served_request_models(models)
 
@@ -351,9 +355,13 @@ def _client_routes(app: FastAPI, service: NodeService) -> None:
 
 
 def _model_entry(service: NodeService, model: str, created: int) -> ModelEntry:
-    """OpenAI's model object, plus this server's limits and defaults (``radixmesh``)."""
+    """OpenAI's model object, plus this server's limits and defaults (``radixmesh``); an
+    adapter names its base model (``parent``, as vLLM) and its content digest."""
+    adapter = service.adapters.get(model)
     return ModelEntry(id=model, object="model", created=created, owned_by="radixmesh",
-                      max_model_len=service.engine.max_context, radixmesh=server_defaults())
+                      max_model_len=service.engine.max_context, radixmesh=server_defaults(),
+                      parent=None if adapter is None else service.engine.model_name,
+                      digest=None if adapter is None else adapter.digest)
 
 
 @dataclass(slots=True)
@@ -373,8 +381,10 @@ async def _generate(request: Request, service: NodeService, models: Sequence[str
         api = (parse_completion(body, models) if isinstance(body, CompletionRequest)
                else parse_chat(body, models))
         _check_engine(service, api)
+        adapter = service.adapters.get(api.model)  # (an unknown model was a 404 already)
+        namespace, session = _namespace(request, service, api, adapter)
         prompts = _tokenize(service, api)
-        samples = await _start(request, service, api, prompts)
+        samples = await _start(request, service, api, prompts, namespace, session, adapter)
     except ApiError as err:
         return error_response(err, service)
     except Overloaded as full:
@@ -410,8 +420,30 @@ def _check_engine(service: NodeService, api: ApiRequest) -> None:
                        param="n", code="unsupported_value")
 
 
+def _namespace(request: Request, service: NodeService, api: ApiRequest,
+               adapter: Adapter | None = None) -> tuple[str | None, int | None]:
+    """The request's cache namespace — its tenant (``--api-keys``) and ``cache_salt``
+    (core/tenants.py); refused (400) on an engine that would share its cache anyway — and
+    its session id (``prompt_cache_key``, else ``x-session-id``; core/sessions.py)."""
+    try:
+        header = check_cache_field(HEADER_SESSION, request.headers.get(HEADER_SESSION))
+    except ValueError as exc:
+        raise ApiError(f"{exc}.", param=HEADER_SESSION, code="invalid_value") from None
+    tenant = request_tenant(request.scope.get("state") or {})
+    key = api.prompt_cache_key or header
+    session = None if key is None else service.namespacer.session_id(tenant, key)
+    namespace = service.namespacer.namespace_id(tenant, api.cache_salt,
+                                                None if adapter is None else adapter.digest)
+    if namespace is not None and not isolates(service.engine):
+        raise ApiError("'cache_salt' and tenant keys need an engine that keeps cache "
+                       "namespaces apart; this node's engine does not.", param="cache_salt",
+                       code="unsupported_value")
+    return namespace, session
+
+
 async def _start(request: Request, service: NodeService, api: ApiRequest,
-                 prompts: list[list[int]]) -> list[_Sample]:
+                 prompts: list[list[int]], namespace: str | None = None,
+                 session: int | None = None, adapter: Adapter | None = None) -> list[_Sample]:
     """One execution per prompt and sample, each through the node's request path, in order:
     a prompt's first sample, then its others, reported with the node that serves the first
     (the core sends them there: they reuse its cached prompt; the engine runs requests in
@@ -425,12 +457,14 @@ async def _start(request: Request, service: NodeService, api: ApiRequest,
             # where each runs is the core's (sampling the forward protocol cannot carry
             # stays here; the other samples go where the first went: RequestArrived)
             ex = await service.execute(prompt, _sampling(api, 0), tokens, local_only=hop,
-                                       target=target)
+                                       target=target, namespace=namespace, session=session,
+                                       adapter=adapter)
             first = _Sample(p * api.n, prompt, ex)
             samples.append(first)
             for j in range(1, api.n):
                 more = await service.execute(prompt, _sampling(api, j), tokens,
-                                             local_only=hop, sample_of=ex.served_by)
+                                             local_only=hop, sample_of=ex.served_by,
+                                             namespace=namespace, adapter=adapter)
                 samples.append(_Sample(p * api.n + j, prompt, more, first))
     except BaseException:
         await _abandon([s.ex for s in samples])
@@ -811,6 +845,12 @@ def _parse_forward(service: NodeService, raw: bytes) -> ForwardRequest:
         raise ApiError("prompt + max_tokens exceed the context", code="context_length_exceeded")
     if max(req.prompt) >= service.engine.tokenizer.vocab_size:
         raise ApiError("token id out of range", param="prompt")
+    if req.namespace is not None and not isolates(service.engine):
+        raise ApiError("this node's engine does not keep cache namespaces apart",
+                       param="namespace", code="unsupported_value")
+    if req.adapter is not None and service.adapter_of(req.adapter) is None:
+        raise ApiError(f"no adapter of digest {req.adapter} is served here", status=404,
+                       param="adapter", code="model_not_found")
     return req
 
 

@@ -40,6 +40,7 @@ from radixmesh.core.config import (
     PushbackConfig,
 )
 from radixmesh.core.router import Policy, RouterConfig
+from radixmesh.core.sessions import SessionConfig
 from radixmesh.core.units import parse_duration, parse_optional_duration
 from radixmesh.options import (
     NETWORKS,
@@ -162,6 +163,9 @@ class ServeConfig:
     debug_engine_delay: float = 0.0  # test/chaos only: extra seconds per request on the engine
     cluster_key: str = field(default="", repr=False)  # peer-message secret; "" -> env or none
     api_key: str = field(default="", repr=False)  # client bearer token; "" -> env or none
+    api_keys: str = ""  # (tenants) FILE of 'KEY TENANT' lines: tenant keys, core/tenants.py
+    session_margin: float = SessionConfig().margin_s  # (tenants) core/sessions.py
+    adapters: str = ""  # (tenants) NAME=DIGEST|DIR,...: the LoRA adapters the engine serves
     peer_tls_cert: str = ""  # PEM: this node's certificate (server and client); all 3 or none
     peer_tls_key: str = ""  # PEM: its private key
     peer_tls_ca: str = ""  # PEM: the mesh CA that signs every node's certificate
@@ -325,6 +329,7 @@ class ServeConfig:
             forward=self.forward_config(),
             admission=self.admission_config(),
             decision_log=self.decision_log,
+            sessions=SessionConfig(margin_s=self.session_margin),
         )
 
     def admission_config(self) -> AdmissionConfig:
@@ -342,6 +347,7 @@ _CONVERT: dict[str, Any] = {
     "forward_timeout": parse_duration,
     "connect_timeout": parse_duration,
     "max_queue_wait": parse_duration,
+    "session_margin": parse_duration,
     "max_queue_tokens": parse_token_cap,
     "join_dns_interval": parse_duration,
     "drain_grace": parse_duration,
@@ -470,6 +476,12 @@ def _help_texts() -> dict[str, str]:
         "cluster_key": "secret (>= 16 bytes) authenticating peer messages; prefer the "
         "RADIXMESH_CLUSTER_KEY environment variable or the config file (flags show in ps)",
         "api_key": "require 'Authorization: Bearer KEY' on the client API (or RADIXMESH_API_KEY)",
+        "adapters": "NAME=DIGEST|DIR[,...]: LoRA adapters the engine serves under NAME (as "
+        "vLLM's --lora-modules), known by their content digest (given, or SHA-256 of DIR)",
+        "session_margin": "a session (prompt_cache_key, x-session-id) goes to the node that "
+        "served it last unless that node is predicted slower than the best by more than this",
+        "api_keys": "FILE of 'KEY TENANT' lines: each key opens /v1/* for its tenant, whose "
+        "cache is its own (beside --api-key, the operator's key: shared cache, every route)",
         "max_body_bytes": "largest accepted client request body",
         "peer_tls_cert": "PEM certificate of this node, signed by --peer-tls-ca, SAN = its "
         "advertised host: the port then serves HTTPS and /peer/* needs a client certificate "

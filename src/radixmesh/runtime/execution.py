@@ -31,6 +31,7 @@ from contextlib import AbstractAsyncContextManager, aclosing
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from radixmesh.core.adapters import Adapter
 from radixmesh.core.events import ExecuteLocally, Forward
 from radixmesh.core.messages import (
     ForwardAccepted,
@@ -59,6 +60,9 @@ class RequestContext:
     hashes: tuple[int, ...]
     sampling: SamplingParams
     stream: bool
+    namespace: str | None = None  # the cache namespace (core/tenants.py); None: shared
+    session: int | None = None  # the session id (core/sessions.py)
+    adapter: Adapter | None = None  # its LoRA adapter (core/adapters.py)
     arrived_s: float = field(default_factory=time.perf_counter, compare=False)  # perf_counter
 
 
@@ -172,7 +176,8 @@ class LocalExecution(Execution):
         on_logprob = None if sampling.logprobs is None else self.logprobs.append
         on_prompt = None if sampling.prompt_logprobs is None else self._scored
         req = GenerateRequest(uuid.uuid4().hex, (*ctx.prompt, *self._emitted), sampling,
-                              on_logprob, on_prompt)
+                              on_logprob, on_prompt, cache_namespace=ctx.namespace,
+                              adapter=None if ctx.adapter is None else ctx.adapter.name)
         self._t0 = self.node.clock()
         task = asyncio.create_task(self.node.engine.generate(req, self._on_token),
                                    name=f"radixmesh-generate-{req.request_id[:8]}")
@@ -263,7 +268,8 @@ def forward_request(ctx: RequestContext, beat_s: float | None, heartbeat_s: floa
         raise ValueError("penalties and log-probabilities cannot be forwarded")
     return ForwardRequest(
         ctx.prompt, sp.max_tokens, sp.temperature, sp.top_p, sp.seed, sp.stop_token_ids,
-        ctx.stream, heartbeat_s, None if beat_s is None else round(beat_s, 6),
+        ctx.stream, heartbeat_s, None if beat_s is None else round(beat_s, 6), ctx.namespace,
+        ctx.session, None if ctx.adapter is None else ctx.adapter.digest,
     )
 
 

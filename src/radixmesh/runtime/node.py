@@ -47,10 +47,20 @@ import random
 import socket
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
+from radixmesh.core.adapters import (
+    Adapter,
+    by_name,
+    files_digest,
+    given_digest,
+    parse_adapter_spec,
+)
 from radixmesh.core.admission import token_cap
-from radixmesh.core.blocks import block_hashes
+from radixmesh.core.blocks import Fingerprint, block_hashes, namespace_seed
+from radixmesh.core.config import NodeConfig
 from radixmesh.core.estimators import QueuedBlocks
 from radixmesh.core.events import (
     Abort,
@@ -92,7 +102,14 @@ from radixmesh.core.messages import (
     ForwardTokens,
 )
 from radixmesh.core.node import NodeCore
-from radixmesh.engine.base import AsyncEngine, Engine, GenerateResult, SamplingParams
+from radixmesh.core.tenants import Namespacer, parse_api_keys
+from radixmesh.engine.base import (
+    AsyncEngine,
+    Engine,
+    GenerateResult,
+    SamplingParams,
+    match_in,
+)
 from radixmesh.engine.worker import as_async_engine
 from radixmesh.runtime import metrics as prom
 from radixmesh.runtime.config import ServeConfig
@@ -157,7 +174,8 @@ class NodeService:
         self.engine: AsyncEngine = as_async_engine(engine)
         self.clock = clock
         self.incarnation = incarnation or config.incarnation or time.time_ns() // 1_000_000
-        self.node_config = node_cfg = config.node_config(engine.fingerprint, self.incarnation)
+        node_cfg = self._node_config(config, engine.fingerprint)
+        self.node_config = node_cfg
         self.node_id = node_cfg.node_id
         self.address = node_cfg.address
         self.core = NodeCore(node_cfg, random.Random(config.seed ^ self.incarnation), clock())
@@ -184,6 +202,12 @@ class NodeService:
         # subscriber of an external engine): start(), stop(), name, mesh_state(), metrics()
         self.attachments: list[Any] = []
 
+    def _node_config(self, config: ServeConfig, fingerprint: Fingerprint) -> NodeConfig:
+        """The core's configuration, with the adapters this node serves (``--adapters``)."""
+        self.adapters = load_adapters(config.adapters)  # (tenants) served name -> Adapter
+        return replace(config.node_config(fingerprint, self.incarnation),
+                       adapters=tuple(a.key for a in self.adapters.values()))
+
     def _wire(self, config: ServeConfig, peers: PeerTransport | None) -> None:
         """The network side: emulation, peer authentication, client key, peer client."""
         self.netem = Netem(
@@ -193,7 +217,9 @@ class NodeService:
         )
         self.auth = PeerAuth(resolve_secret(config.cluster_key, var=ENV_CLUSTER_KEY),
                              self.node_id)
-        self.api_key = ApiKeyCheck(resolve_secret(config.api_key, var=ENV_API_KEY))
+        self.api_key = ApiKeyCheck(resolve_secret(config.api_key, var=ENV_API_KEY),
+                                   load_api_keys(config.api_keys))
+        self.namespacer = Namespacer(self.auth.key.secret if self.auth.key else None)
         self.peers: PeerTransport = peers or PeerClient(
             self.node_id, self.address, self.netem, config.connect_timeout,
             config.forward_timeout, self.auth, use_links=config.peer_transport == "link")
@@ -414,9 +440,21 @@ class NodeService:
         self.push_load()
         return ex
 
-    def _cached_here(self, prompt: Sequence[int], hashes: Sequence[int]) -> int:
-        """Tokens of ``prompt`` this node will have cached when it runs it."""
-        return self._queued_blocks.cached_when_run(hashes, len(prompt), self.engine.match(prompt))
+    def _cached_here(self, prompt: Sequence[int], hashes: Sequence[int],
+                     namespace: str | None = None) -> int:
+        """Tokens of ``prompt`` this node will have cached when it runs it (in ``namespace``)."""
+        here = match_in(self.engine, prompt, namespace)
+        return self._queued_blocks.cached_when_run(hashes, len(prompt), here)
+
+    def adapter_of(self, digest: str | None) -> Adapter | None:
+        """This node's adapter of that content digest (None: none, or no digest)."""
+        return next((a for a in self.adapters.values() if a.digest == digest), None)
+
+    def hashes_of(self, prompt: Sequence[int], namespace: str | None) -> tuple[int, ...]:
+        """The mesh's block hashes of ``prompt`` in cache ``namespace`` (core/blocks.py)."""
+        fp = self.engine.fingerprint
+        seed = namespace_seed(fp.digest, namespace, fp.block_size)
+        return tuple(block_hashes(prompt, fp.block_size, seed))
 
     def push_cache(self) -> None:
         delta = self.engine.drain_cache_delta()
@@ -448,17 +486,20 @@ class NodeService:
         local_only: bool = False,
         target: str | None = None,
         sample_of: str | None = None,
+        namespace: str | None = None,
+        session: int | None = None,
+        adapter: Adapter | None = None,
     ) -> Execution:
         """Start one client request where the core says (``local_only``: hop-limited;
-        ``sample_of``: the node serving the first sample of the prompt this one samples)."""
-        fp = self.engine.fingerprint
-        ctx = RequestContext(next(self._rids), tuple(prompt),
-                             tuple(block_hashes(prompt, fp.block_size, fp.digest)),
-                             sampling, stream)
-        local_cached = self._cached_here(ctx.prompt, ctx.hashes)
+        ``sample_of``: the node serving the first sample of the prompt this one samples;
+        ``namespace``: its cache namespace, core/tenants.py; ``session``: its session id,
+        core/sessions.py)."""
+        ctx = RequestContext(next(self._rids), tuple(prompt), self.hashes_of(prompt, namespace),
+                             sampling, stream, namespace, session, adapter)
+        local_cached = self._cached_here(ctx.prompt, ctx.hashes, namespace)
         event = RequestArrived(ctx.rid or 0, ctx.hashes, len(ctx.prompt), local_cached,
                                sampling.max_tokens, local_only, target, sampling.plain,
-                               sample_of)
+                               sample_of, session, None if adapter is None else adapter.key)
         ex = await self._start(ctx, self._one(self.dispatch(event), ctx))
         self.metrics.requests[ex.route] += 1
         return ex
@@ -590,10 +631,10 @@ class NodeService:
         a single ``ForwardBusy`` when the core refuses it (queue at the push-back threshold,
         or slower than ``beat_s``): the sender then falls back at once."""
         t0 = self.clock()
-        fp = self.engine.fingerprint
-        hashes = tuple(block_hashes(req.prompt, fp.block_size, fp.digest))
-        cached = self._cached_here(req.prompt, hashes)
-        event = ForwardArrived(0, len(req.prompt), cached, req.max_tokens, req.beat_s)
+        hashes = self.hashes_of(req.prompt, req.namespace)
+        cached = self._cached_here(req.prompt, hashes, req.namespace)
+        event = ForwardArrived(0, len(req.prompt), cached, req.max_tokens, req.beat_s,
+                               req.session)
         answer = self.dispatch(event)
         if answer and isinstance(answer[0], RefuseForward):
             self.metrics.refused_for_peers += 1
@@ -606,7 +647,8 @@ class NodeService:
         yield encode_reply(AcceptedReply(self.node_id, cached))
         sampling = SamplingParams(req.max_tokens, req.temperature, req.top_p, req.seed,
                                   req.stop_token_ids)
-        ctx = RequestContext(None, req.prompt, hashes, sampling, req.stream)
+        ctx = RequestContext(None, req.prompt, hashes, sampling, req.stream, req.namespace,
+                             req.session, self.adapter_of(req.adapter))
         ex = self._queued(LocalExecution(self, ctx, "local", cached))
         self._peer_work.add(ex)
         try:
@@ -764,6 +806,36 @@ def _frames(items: list[tuple[str, Any]], handler_s: Callable[[], float]) -> lis
     if toks:
         frames.append(encode_reply(ForwardTokens(tuple(toks))))
     return frames
+
+
+def load_adapters(spec: str) -> dict[str, Adapter]:
+    """``--adapters``: each name with its digest, given or computed from its directory's
+    files (core/adapters.py); ValueError naming the adapter otherwise."""
+    out = []
+    for name, value in parse_adapter_spec(spec):
+        digest = given_digest(value)
+        if digest is None:
+            root = Path(value)
+            if not root.is_dir():
+                raise ValueError(f"--adapters {name}: {value} is neither a digest nor a folder")
+            files = [(str(p.relative_to(root)), p.read_bytes())
+                     for p in root.rglob("*") if p.is_file()]
+            digest = files_digest(files)
+        out.append(Adapter(name, digest))
+    return dict(by_name(out))
+
+
+def load_api_keys(path: str) -> dict[str, str]:
+    """The tenants' keys of ``--api-keys FILE`` (none without one); ValueError naming the
+    file and line."""
+    if not path.strip():
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise ValueError(f"--api-keys {path}: {exc.strerror or exc}") from None
+    return parse_api_keys(text, path)
 
 
 def socket_addresses(infos: Sequence[tuple[Any, ...]]) -> list[str]:

@@ -41,6 +41,11 @@ Defaults (also under ``radixmesh`` in each ``/v1/models`` entry): ``temperature`
 serves); ``max_tokens`` is :data:`DEFAULT_MAX_TOKENS` (16) on both endpoints — chat included,
 unlike OpenAI's "up to the context".
 
+Tenancy fields (core/tenants.py): ``cache_salt`` (vLLM's) and ``prompt_cache_key`` (OpenAI's)
+are strings of at most 256 characters (else a 400 naming the field); the salt, with the
+caller's tenant (``--api-keys``), picks the request's cache namespace; the key is a session's
+routing hint (core/sessions.py).
+
 Stop strings are matched by :class:`Detokenizer` on the node that answers the client, on the
 tokens as they arrive (runtime/app.py); a match ends the request there and stops the engine.
 
@@ -70,6 +75,7 @@ from pydantic import (
 )
 
 from radixmesh.core.messages import SEED_MAX, SEED_MIN
+from radixmesh.core.tenants import MAX_CACHE_FIELD_CHARS
 from radixmesh.engine.base import MAX_LOGPROBS, SamplingParams, TokenLogprob
 
 MAX_STOP_SEQUENCES = 4
@@ -143,6 +149,9 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+CacheField = Annotated[StrictStr, Field(max_length=MAX_CACHE_FIELD_CHARS)] | None
+
+
 class StreamOptions(BaseModel):
     include_usage: StrictBool | None = None
 
@@ -168,6 +177,10 @@ class _Sampling(BaseModel):
     presence_penalty: Annotated[Number, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[Number, Field(ge=-2, le=2)] | None = None
     user: StrictStr | None = None
+    cache_salt: CacheField = Field(None, description="vLLM's: prefixes are shared only with "
+                                   "requests of the same salt (and tenant)")
+    prompt_cache_key: CacheField = Field(None, description="OpenAI's: requests with the same "
+                                         "key go to the node that served it last")
     logit_bias: Annotated[dict[str, Number], Field(max_length=0)] | None = Field(
         None, description="only an empty map (no bias) is accepted")
     response_format: ResponseFormat | None = Field(
@@ -321,6 +334,8 @@ class ModelEntry(BaseModel):
     owned_by: str
     max_model_len: int
     radixmesh: ServerDefaults
+    parent: str | None = None  # a LoRA adapter's base model (core/adapters.py)
+    digest: str | None = None  # ... and its content digest
 
 
 class ModelList(BaseModel):
@@ -420,6 +435,8 @@ class ApiRequest:
     logprobs: int | None = None  # alternatives per generated token (None: no logprobs)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    cache_salt: str | None = None  # "" reads as None (core/tenants.check_cache_field)
+    prompt_cache_key: str | None = None
 
     @property
     def prompt_text(self) -> str | None:
@@ -512,6 +529,8 @@ def _common(req: _Sampling, models: Sequence[str]) -> dict[str, Any]:
         "user": req.user, "n": req.n or 1,
         "presence_penalty": req.presence_penalty or 0.0,
         "frequency_penalty": req.frequency_penalty or 0.0,
+        "cache_salt": req.cache_salt or None,
+        "prompt_cache_key": req.prompt_cache_key or None,
     }
 
 

@@ -17,7 +17,6 @@ so load balancers and the launcher can poll it.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import secrets
@@ -39,12 +38,14 @@ from radixmesh.core.auth import (
     Verifier,
 )
 from radixmesh.core.headers import HEADER_AUTH
+from radixmesh.core.tenants import ApiKeys, Caller
 
 ENV_CLUSTER_KEY = "RADIXMESH_CLUSTER_KEY"
 ENV_API_KEY = "RADIXMESH_API_KEY"
 ENV_PREVIOUS_KEY = "RADIXMESH_CLUSTER_KEY_PREVIOUS"  # still accepted (not used to sign): rotation
 GOSSIP_PURPOSE = "gossip"
 API_PROTECTED_PREFIXES = ("/v1/", "/mesh", "/metrics", "/admin/")  # /health stays open
+TENANT_STATE = "radixmesh_tenant"  # the request-state key of the caller's tenant
 
 log = logging.getLogger("radixmesh.auth")
 
@@ -149,26 +150,26 @@ def auth_error_body(exc: AuthError) -> dict[str, object]:
 
 
 class ApiKeyCheck:
-    """Optional bearer-token check of the client API."""
+    """Optional bearer-token check of the client API: the operator key (``--api-key``) and
+    the tenants' keys (``--api-keys FILE``), see core/tenants.py."""
 
-    def __init__(self, api_key: str) -> None:
-        self._expected = api_key.strip().encode("utf-8") if api_key.strip() else None
-        self.rejected = 0
+    def __init__(self, api_key: str, tenant_keys: Mapping[str, str] | None = None) -> None:
+        self.keys = ApiKeys(api_key, tenant_keys)
 
     @property
     def enabled(self) -> bool:
-        return self._expected is not None
+        return self.keys.enabled
+
+    @property
+    def rejected(self) -> int:
+        return self.keys.rejected
+
+    def caller(self, authorization: str | None) -> Caller | None:
+        """Who sent it (None: no known key)."""
+        return self.keys.caller(authorization)
 
     def allows(self, authorization: str | None) -> bool:
-        if self._expected is None:
-            return True
-        scheme, _, token = (authorization or "").partition(" ")
-        ok = scheme.lower() == "bearer" and hmac.compare_digest(
-            token.strip().encode("utf-8"), self._expected
-        )
-        if not ok:
-            self.rejected += 1
-        return ok
+        return self.caller(authorization) is not None
 
     @staticmethod
     def error_body() -> dict[str, object]:
@@ -190,14 +191,32 @@ class ApiKeyMiddleware:
         self.check = check
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and str(scope["path"]).startswith(API_PROTECTED_PREFIXES):
+        path = str(scope.get("path", ""))
+        if scope["type"] == "http" and path.startswith(API_PROTECTED_PREFIXES):
             raw = dict(scope.get("headers") or []).get(b"authorization")
-            if not self.check.allows(None if raw is None else raw.decode("latin-1")):
+            caller = self.check.caller(None if raw is None else raw.decode("latin-1"))
+            if caller is None:
                 response = JSONResponse(ApiKeyCheck.error_body(), status_code=401,
                                         headers={"www-authenticate": "Bearer"})
                 await response(scope, receive, send)
                 return
+            if not caller.operator and not path.startswith("/v1/"):
+                await JSONResponse(_tenant_refused(), status_code=403)(scope, receive, send)
+                return
+            scope.setdefault("state", {})[TENANT_STATE] = caller.tenant
         await self.app(scope, receive, send)
+
+
+def _tenant_refused() -> dict[str, object]:
+    return {"error": {"message": "a tenant's API key opens /v1/* only (/mesh, /metrics and "
+                      "/admin need the operator key, --api-key)", "type": "permission_error",
+                      "param": None, "code": "tenant_key_not_allowed"}}
+
+
+def request_tenant(state: Mapping[str, Any]) -> str | None:
+    """The tenant the API-key middleware found for a request (None: operator or open)."""
+    tenant = state.get(TENANT_STATE)
+    return tenant if isinstance(tenant, str) else None
 
 
 def install_api_key_check(app: Any, check: ApiKeyCheck) -> None:

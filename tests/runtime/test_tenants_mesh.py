@@ -1,0 +1,290 @@
+"""Tenants on a real two-node mesh in this process, each node in front of a fake vLLM: tenant B
+never hits, nor is routed by, tenant A's prefix, while A's own requests still do; the
+operator key shares nothing with tenants; bad tenancy input is a 4xx."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from radixmesh.core.blocks import block_hashes
+from radixmesh.emulate.fake import FakeEngine
+from radixmesh.engine.tokenizers import ByteTokenizer
+from radixmesh.runtime.cluster import free_port
+from radixmesh.runtime.config import ServeConfig
+from radixmesh.runtime.inprocess import serving
+from radixmesh.runtime.node import NodeService
+from radixmesh.runtime.serve_cli import build_external_service
+
+if TYPE_CHECKING:
+    from conftest import Poll
+
+LIMIT_S = 10.0
+PREFIX = "You are a careful assistant. Answer the multiple choice question below. " * 4
+OPERATOR = "operator-key-000001"
+KEYS = {"acme": "key-of-acme-0000001", "umbrella": "key-of-umbrella-001"}
+
+
+@contextlib.asynccontextmanager
+async def node(fake: FakeEngine, name: str, port: int, peer_port: int, keys_file: Path,
+               adapters: str = "") -> AsyncIterator[NodeService]:
+    cfg = ServeConfig(node_id=name, port=port, peers=(f"127.0.0.1:{peer_port}",),
+                      gossip_interval=0.1, gossip_announce=0.05, forward_timeout=2.0,
+                      engine="vllm", policy="paper", engine_url=fake.url,
+                      kv_events=fake.kv_endpoint, kv_replay=fake.replay_endpoint,
+                      model=fake.model, cache_tokens=4096, api_key=OPERATOR,
+                      api_keys=str(keys_file), adapters=adapters)
+    service = build_external_service(cfg, tokenizer=ByteTokenizer())
+    async with serving(service, port):
+        yield service
+
+
+async def complete(http: aiohttp.ClientSession, port: int, prompt: str, key: str,
+                   **fields: Any) -> tuple[int, dict[str, str], Any]:
+    body = {"model": "fake-model", "prompt": prompt, "max_tokens": 4, **fields}
+    headers = {"authorization": f"Bearer {key}", **fields.pop("headers", {})}
+    body.pop("headers", None)
+    async with http.post(f"http://127.0.0.1:{port}/v1/completions", json=body,
+                         headers=headers) as resp:
+        return resp.status, dict(resp.headers), await resp.json(content_type=None)
+
+
+async def subscribed(poll: Poll, service: NodeService, fake: FakeEngine) -> None:
+    """Past ZMQ's slow joiner (as tests/runtime/test_external_mesh.py)."""
+    sub = service.attachments[0]
+
+    def got_a_batch() -> bool:
+        if sub.counts["messages"]:
+            return True
+        fake.clear_all()
+        return False
+
+    await poll.until_async(got_a_batch, "the subscriber's first batch", LIMIT_S, interval=0.02)
+    tracker = sub.publishers[0].tracker
+    await poll.until_async(lambda: tracker.next_seq == fake.seq, "the subscriber", LIMIT_S)
+
+
+def view_blocks(service: NodeService, peer: str) -> int:
+    peers = service.mesh()["peers"]
+    assert isinstance(peers, list)
+    return next((int(p["view_blocks"]) for p in peers if p["node_id"] == peer), 0)
+
+
+def cached(headers: dict[str, str], body: Any) -> tuple[int, int]:
+    return (int(headers["x-radixmesh-cached-tokens"]),
+            body["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_tenant_b_never_sees_tenant_a_prefix_and_a_still_hits(poll: Poll, tmp_path: Path
+                                                               ) -> None:
+    keys_file = tmp_path / "keys.txt"
+    keys_file.write_text("".join(f"{k} {t}\n" for t, k in KEYS.items()))
+
+    async def scenario() -> None:
+        fake1, fake2 = FakeEngine(cache_tokens=4096), FakeEngine(cache_tokens=4096)
+        await fake1.start()
+        await fake2.start()
+        p1, p2 = free_port(), free_port()
+        try:
+            async with (node(fake1, "node-1", p1, p2, keys_file) as n1,
+                        node(fake2, "node-2", p2, p1, keys_file) as n2,
+                        aiohttp.ClientSession() as http):
+                await poll.until_async(lambda: n1.peer_states() == {"node-2": "alive"}
+                                       and n2.peer_states() == {"node-1": "alive"},
+                                       "the mesh", LIMIT_S)
+                await _isolation(poll, http, n1, n2, p1, p2, fake1)
+                await _sessions(http, p1)
+                await _bad_input(http, p2)
+        finally:
+            await fake1.stop()
+            await fake2.stop()
+
+    asyncio.run(scenario())
+
+
+async def _isolation(poll: Poll, http: aiohttp.ClientSession, n1: NodeService,
+                     n2: NodeService, p1: int, p2: int, fake1: FakeEngine) -> None:
+    acme, umbrella = KEYS["acme"], KEYS["umbrella"]
+    await subscribed(poll, n1, fake1)
+    status, headers, _ = await complete(http, p1, PREFIX + "Question A0?", acme)
+    assert status == 200 and headers["x-radixmesh-served-by"] == "node-1"
+    await poll.until_async(lambda: len(n1.engine.cache_hashes()) >= 10, "engine 1's events",
+                           LIMIT_S)
+    tokens = ByteTokenizer().encode(PREFIX)
+    ns = n1.namespacer.namespace_id("acme", None)
+    theirs = set(n1.hashes_of(tokens, ns))
+    plain = set(block_hashes(tokens, 16, n1.engine.fingerprint.digest))
+    held = n1.engine.cache_hashes()
+    assert theirs <= held and not plain & held  # indexed in acme's namespace only
+    await poll.until_async(lambda: view_blocks(n2, "node-1") >= 10, "node 2's view", LIMIT_S)
+
+    status, headers, body = await complete(http, p2, PREFIX + "Question B?", umbrella)
+    assert status == 200, body
+    assert headers["x-radixmesh-route"] == "local" and headers["x-radixmesh-served-by"] == "node-2"
+    assert headers["x-radixmesh-expected-cached-tokens"] == "0" and cached(headers, body) == (0, 0)
+    status, headers, body = await complete(http, p2, PREFIX + "Question O?", OPERATOR)
+    assert headers["x-radixmesh-route"] == "local" and cached(headers, body) == (0, 0)
+    status, headers, body = await complete(http, p2, PREFIX + "Question S?", acme,
+                                           cache_salt="another salt")
+    assert headers["x-radixmesh-route"] == "local" and cached(headers, body) == (0, 0)
+
+    status, headers, body = await complete(http, p2, PREFIX + "Question A?", acme)
+    assert status == 200, body
+    assert headers["x-radixmesh-route"] == "forwarded"
+    assert headers["x-radixmesh-served-by"] == "node-1"
+    assert min(cached(headers, body)) >= len(tokens) - 16
+
+
+async def _sessions(http: aiohttp.ClientSession, p1: int) -> None:
+    """A session's turns follow its first (sent to node 2 on purpose), whatever their prefix;
+    the same key of another tenant is another session."""
+    acme, umbrella = KEYS["acme"], KEYS["umbrella"]
+    status, headers, _ = await complete(http, p1, "Turn 1 of a chat.", acme,
+                                        prompt_cache_key="chat-1",
+                                        headers={"x-radixmesh-target": "node-2"})
+    assert status == 200 and headers["x-radixmesh-served-by"] == "node-2"
+    for turn, (key, field) in enumerate(((acme, "prompt_cache_key"), (acme, "header"))):
+        extra: dict[str, Any] = ({"prompt_cache_key": "chat-1"} if field != "header"
+                                 else {"headers": {"x-session-id": "chat-1"}})
+        status, headers, body = await complete(http, p1, f"Turn {turn + 2}, new text.", key,
+                                               **extra)
+        assert status == 200, body
+        assert headers["x-radixmesh-served-by"] == "node-2", (field, headers)
+    status, headers, _ = await complete(http, p1, "Another tenant's chat.", umbrella,
+                                        prompt_cache_key="chat-1")
+    assert headers["x-radixmesh-served-by"] == "node-1"  # unknown session: as any request
+    status, headers, _ = await complete(http, p1, "No session at all.", acme)
+    assert headers["x-radixmesh-served-by"] == "node-1"
+
+
+async def _bad_input(http: aiohttp.ClientSession, port: int) -> None:
+    acme = KEYS["acme"]
+    for fields, param in (({"cache_salt": 5}, "cache_salt"),
+                          ({"cache_salt": "x" * 257}, "cache_salt"),
+                          ({"prompt_cache_key": ["a"]}, "prompt_cache_key"),
+                          ({"headers": {"x-session-id": "s" * 257}}, "x-session-id")):
+        status, _, body = await complete(http, port, "hello there", acme, **fields)
+        assert status == 400 and body["error"]["param"] == param, body
+    status, _, body = await complete(http, port, "hello there", "not-a-known-key-0001")
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    auth = {"authorization": f"Bearer {acme}"}
+    async with http.get(f"http://127.0.0.1:{port}/mesh", headers=auth) as resp:
+        assert resp.status == 403
+    async with http.get(f"http://127.0.0.1:{port}/mesh",
+                        headers={"authorization": f"Bearer {OPERATOR}"}) as resp:
+        assert resp.status == 200
+    async with http.get(f"http://127.0.0.1:{port}/v1/models", headers=auth) as resp:
+        assert resp.status == 200
+
+
+def test_an_engine_that_does_not_isolate_refuses_a_namespace(tmp_path: Path) -> None:
+    """The built-in engine (until it passes namespaces to its scheduler): a cache_salt or a
+    tenant key is a 400, never a run in the shared cache; the operator's requests run."""
+    from radixmesh.engine.factory import build_engine
+    from radixmesh.runtime.inprocess import serving_node
+
+    keys_file = tmp_path / "keys.txt"
+    keys_file.write_text(f"{KEYS['acme']} acme\n")
+
+    async def scenario() -> None:
+        engine = build_engine("micro", cache_tokens=4096, threads=1)
+        async with (serving_node(engine, "solo", api_key=OPERATOR, api_keys=str(keys_file))
+                    as (service, address), aiohttp.ClientSession() as http):
+            port = int(address.rsplit(":", 1)[1])
+            model = service.engine.model_name
+            for key, fields in ((KEYS["acme"], {}), (OPERATOR, {"cache_salt": "s"})):
+                status, _, body = await complete(http, port, "hello", key, model=model, **fields)
+                assert status == 400 and body["error"]["param"] == "cache_salt", body
+            status, _, body = await complete(http, port, "hello", OPERATOR, model=model)
+            assert status == 200, body
+
+    asyncio.run(scenario())
+
+
+DIGEST_A, DIGEST_B = "a" * 64, "b" * 64
+
+
+def test_an_adapter_is_known_by_its_digest_and_its_kv_is_its_own(poll: Poll, tmp_path: Path
+                                                                  ) -> None:
+    """Both engines serve "sql-lora", node 2 with other weights: node 1 never sends its
+    sql-lora requests there; its own sql-lora KV is indexed under the adapter and reused by
+    sql-lora only; an unknown model is a 404 naming it; /v1/models lists the adapter."""
+    keys_file = tmp_path / "keys.txt"
+    keys_file.write_text("".join(f"{k} {t}\n" for t, k in KEYS.items()))
+
+    async def scenario() -> None:
+        fake1 = FakeEngine(cache_tokens=4096, adapters=("sql-lora",))
+        fake2 = FakeEngine(cache_tokens=4096, adapters=("sql-lora",))
+        await fake1.start()
+        await fake2.start()
+        p1, p2 = free_port(), free_port()
+        try:
+            async with (node(fake1, "node-1", p1, p2, keys_file, f"sql-lora={DIGEST_A}") as n1,
+                        node(fake2, "node-2", p2, p1, keys_file, f"sql-lora={DIGEST_B}") as n2,
+                        aiohttp.ClientSession() as http):
+                await poll.until_async(lambda: n1.peer_states() == {"node-2": "alive"}
+                                       and n2.peer_states() == {"node-1": "alive"},
+                                       "the mesh", LIMIT_S)
+                await subscribed(poll, n1, fake1)
+                await subscribed(poll, n2, fake2)
+                await _adapters(poll, http, n1, n2, p1, p2)
+        finally:
+            await fake1.stop()
+            await fake2.stop()
+
+    asyncio.run(scenario())
+
+
+async def _adapters(poll: Poll, http: aiohttp.ClientSession, n1: NodeService,
+                    n2: NodeService, p1: int, p2: int) -> None:
+    op = OPERATOR
+    for model in ("fake-model", "sql-lora"):  # node 2 caches the prefix under both
+        status, headers, body = await complete(http, p2, PREFIX + "Q0?", op, model=model)
+        assert status == 200 and headers["x-radixmesh-served-by"] == "node-2", body
+    await poll.until_async(lambda: view_blocks(n1, "node-2") >= 20, "node 1's view", LIMIT_S)
+    status, headers, body = await complete(http, p1, PREFIX + "Q1?", op, model="sql-lora")
+    assert status == 200, body
+    assert headers["x-radixmesh-served-by"] == "node-1"  # node 2's sql-lora is other weights
+    assert cached(headers, body) == (0, 0)
+    await poll.until_async(lambda: len(n1.engine.cache_hashes()) >= 10, "node 1's index",
+                           LIMIT_S)
+    status, headers, body = await complete(http, p1, PREFIX + "Q2?", op, model="sql-lora")
+    assert headers["x-radixmesh-served-by"] == "node-1" and min(cached(headers, body)) > 0
+    status, headers, body = await complete(http, p1, PREFIX + "Q4?", op, model="sql-lora",
+                                           headers={"x-radixmesh-target": "node-2"})
+    assert headers["x-radixmesh-served-by"] == "node-1", headers  # the constraint outranks it
+    status, headers, body = await complete(http, p1, PREFIX + "Q3?", op,
+                                           headers={"x-radixmesh-hop": "1"})
+    assert headers["x-radixmesh-served-by"] == "node-1"
+    assert cached(headers, body) == (0, 0)  # the base model never reuses the adapter's KV
+    status, _, body = await complete(http, p1, "hello", op, model="nope-lora")
+    assert status == 404 and "nope-lora" in body["error"]["message"]
+    async with http.get(f"http://127.0.0.1:{p1}/v1/models",
+                        headers={"authorization": f"Bearer {op}"}) as resp:
+        listed = {m["id"]: m for m in (await resp.json())["data"]}
+    assert listed["sql-lora"]["parent"] == "fake-model"
+    assert listed["sql-lora"]["digest"] == DIGEST_A
+
+
+def test_adapters_flag_reads_digests_and_folders(tmp_path: Path) -> None:
+    import pytest
+
+    from radixmesh.core.adapters import files_digest
+    from radixmesh.runtime.node import load_adapters
+
+    folder = tmp_path / "sql"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "adapter_config.json").write_bytes(b"{}")
+    (folder / "sub" / "w.bin").write_bytes(b"weights")
+    got = load_adapters(f"sql-lora={folder}, chat=sha256:{DIGEST_A}")
+    want = files_digest([("adapter_config.json", b"{}"), ("sub/w.bin", b"weights")])
+    assert got["sql-lora"].digest == want and got["chat"].digest == DIGEST_A
+    assert load_adapters("") == {}
+    for bad in ("sql-lora", f"x={tmp_path / 'missing'}", f"a={DIGEST_A},a={DIGEST_B}"):
+        with pytest.raises(ValueError):
+            load_adapters(bad)
