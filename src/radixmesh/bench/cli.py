@@ -101,6 +101,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_option(g, "gossip_announce", GossipConfig().announce_gap_s)
     g.add_argument("--skew", type=_list(_skew), default=["uniform"], help="uniform,skewed")
     add_options(g, {"cache_tokens": [ABUNDANT_CACHE], "nodes": [4]}, sweep=True)
+    n = p.add_argument_group("regions (as radixmesh sim's; bench/regions.py)")
+    n.add_argument("--regions", default="",
+                   help="region names, e.g. us,eu,ap: node i in region i mod R, clients enter "
+                        "in every region, the gateways stand in the first")
+    n.add_argument("--region-delays", default="",
+                   help="one-way ms matrix, rows ';' (row = from), the diagonal inside a "
+                        "region, e.g. '1,40,90;40,1,120;90,120,1' (replaces --net-delay)")
     g.add_argument(
         "--rate",
         type=_list(float),
@@ -275,6 +282,8 @@ def base_spec(args: argparse.Namespace) -> RunSpec:
         engine=args.engine,
         profiles=args.profiles,
         time_scale=args.time_scale,
+        regions=getattr(args, "regions", ""),
+        region_delays=getattr(args, "region_delays", ""),
     )
 
 
@@ -323,7 +332,10 @@ def specs_from_args(args: argparse.Namespace) -> list[RunSpec]:
 
 
 def _entry_tag(spec: RunSpec) -> str:
-    return "" if spec.workload.entry is Entry.GIVEN else f"-e{spec.workload.entry.value}"
+    """Run-name tags of the axes every run of the sweep shares: random entries, regions."""
+    tag = "" if spec.workload.entry is Entry.GIVEN else f"-e{spec.workload.entry.value}"
+    regions = spec.region_map
+    return tag + ("" if regions is None else "-R" + "+".join(regions.names))
 
 
 def _tagged(spec: RunSpec, suffix: str) -> RunSpec:

@@ -211,6 +211,7 @@ class Replay:
         self.max_context = engine_context(spec.preset, spec.model, spec.node_profiles)
         self.model = ""
         self.t0 = 0.0
+        self.regions = spec.region_map  # clients enter in every region (bench/regions.py)
 
     async def setup(self, http: httpx.AsyncClient) -> None:
         self.model = await client.model_name(http, self.urls[0])
@@ -273,6 +274,14 @@ class Replay:
             t_send=time.perf_counter() - self.t0,
         )
 
+    def client_link(self, entry: int) -> tuple[float, float] | None:
+        """The (out, back) delays of a client whose request enters at node ``entry``, to
+        where it sends (its node, or the gateway), in the mesh's (scaled) time."""
+        if self.regions is None:
+            return None
+        out, back = self.regions.client_link(entry, gateway=self.router is not None)
+        return out * self.spec.time_scale, back * self.spec.time_scale
+
     async def one(
         self, http: httpx.AsyncClient, seq: int, req: Request, record: bool = True
     ) -> Record:
@@ -285,7 +294,8 @@ class Replay:
             await self._via_oracle(http, rec, req, entry)
         else:
             url = self.router.url if self.router else self.urls[entry]
-            await client.send(http, url, self.model, req, rec, self.t0)
+            await client.send(http, url, self.model, req, rec, self.t0,
+                              link=self.client_link(entry))
         if self.spec.time_scale != 1.0:
             unscale(rec, self.spec.time_scale)
         if record:
@@ -305,7 +315,8 @@ class Replay:
         node = chosen if node < 0 else node
         lease = oracle.started(node, tokens, req.max_tokens)
         headers = {HEADER_TARGET: self.ids[node]} if node != entry else None
-        await client.send(http, self.urls[entry], self.model, req, rec, self.t0, headers)
+        await client.send(http, self.urls[entry], self.model, req, rec, self.t0, headers,
+                          link=self.client_link(entry))
         rec.expected_cached_tokens = predicted if node == chosen else lease.cached
         fed = None
         if rec.ok:

@@ -109,6 +109,7 @@ def summary_entry(res: RunResult) -> dict[str, Any]:
         "load_fraction": w.load, "capacity": res.capacity, "placements": res.placements,
         "engine": s.engine, "profiles": s.profiles or None, "time_scale": s.time_scale,
         "engine_lag": res.engine_lag,
+        "regions": None if s.region_map is None else s.region_map.to_json(),
     })  # fmt: skip
     if res.capacity and res.capacity.get("rate"):
         entry["schedule_text"] += (f"; {100 * (w.load or 0):g} % of measured capacity "
@@ -378,8 +379,13 @@ class Runner:
         gateway = GATEWAYS.get(spec.policy)
         if gateway is not None:
             log = log_dir / f"{spec.policy}.log" if log_dir is not None else None
-            # its hop to the workers crosses the same emulated link as a peer forward
-            replay.router = gateway(cluster.urls, log_path=log, link_delay_s=spec.net_delay_s)
+            # its hop to the workers crosses the same emulated link as a peer forward (with
+            # regions: from the gateway's region to each worker's), in the mesh's time
+            scale, regions = spec.time_scale, spec.region_map
+            links = None if regions is None else [
+                (o * scale, b * scale) for o, b in regions.gateway_links(spec.nodes)]
+            replay.router = gateway(cluster.urls, log_path=log,
+                                    link_delay_s=spec.net_delay_s * scale, links=links)
         elif spec.policy == "oracle":
             context = engine_context(spec.preset, spec.model, spec.node_profiles)
             replay.oracle = Oracle(cluster.node_ids, spec.cache_tokens, BLOCK_SIZE,

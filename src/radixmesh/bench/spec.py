@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from radixmesh.bench.regions import Regions
 from radixmesh.core.config import GossipConfig
 from radixmesh.core.router import Policy
 from radixmesh.workload import WorkloadSpec
@@ -55,6 +56,10 @@ class RunSpec:
     engine: str = "builtin"
     profiles: str = ""
     time_scale: float = 1.0  # emulated: everything timed runs S x slower; figures divided back
+    # --regions / --region-delays (the simulator's spelling, bench/regions.py): region names
+    # and the one-way ms matrix; empty = one flat network at net_delay_s
+    regions: str = ""
+    region_delays: str = ""
 
     def __post_init__(self) -> None:
         check_policy(self.policy)
@@ -74,6 +79,12 @@ class RunSpec:
         if not self.time_scale > 0 or (self.engine == "builtin" and self.time_scale != 1):
             raise ValueError("--time-scale must be > 0, and applies to --engine emulated only")
         self.node_profiles  # noqa: B018 -- refused here, naming the bad --profiles entry
+        self.region_map  # noqa: B018 -- likewise a bad --regions / --region-delays
+
+    @property
+    def region_map(self) -> Regions | None:
+        """The run's regions (None: one flat network)."""
+        return Regions.parse(self.regions, self.region_delays)
 
     @property
     def node_profiles(self) -> list[str]:

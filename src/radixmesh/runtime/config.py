@@ -51,6 +51,7 @@ from radixmesh.options import (
     parse_fraction,
     parse_optional_fraction,
 )
+from radixmesh.runtime.netem import parse_peer_delays
 
 # The core's defaults, which ServeConfig's defaults are read from (one place declares each).
 _ROUTER = RouterConfig()
@@ -159,6 +160,7 @@ class ServeConfig:
     net_jitter: float = 0.0  # emulated extra delay, uniform in [0, jitter], seconds
     net_loss: float = 0.0  # emulated loss probability of gossip messages
     net_duplicate: float = 0.0  # emulated duplication probability of gossip messages
+    net_peer_delays: str = ""  # ADDRESS=OUT[/BACK],...: these peers' own one-way delays
     debug_engine_delay: float = 0.0  # test/chaos only: extra seconds per request on the engine
     cluster_key: str = field(default="", repr=False)  # peer-message secret; "" -> env or none
     api_key: str = field(default="", repr=False)  # client bearer token; "" -> env or none
@@ -218,6 +220,7 @@ class ServeConfig:
             raise ValueError("net_loss and net_duplicate must be in [0, 1]")
         if self.debug_engine_delay < 0:
             raise ValueError("debug_engine_delay must be >= 0")
+        parse_peer_delays(self.net_peer_delays)  # refused here, naming the bad entry
         if self.peer_transport not in PEER_TRANSPORTS:
             raise ValueError(f"peer_transport must be one of {', '.join(PEER_TRANSPORTS)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -466,6 +469,8 @@ def _help_texts() -> dict[str, str]:
         "decision_log": "routing decisions kept (what the node believed of every candidate, "
         "what it chose) for GET /mesh/decisions; 0 = none",
         "net_duplicate": "emulated gossip duplication probability, e.g. 0.1",
+        "net_peer_delays": "emulated one-way delays to particular peers instead of --net-delay,"
+        " ADDRESS=OUT[/BACK],... (BACK: their answers'; what bench --regions sets)",
         "debug_engine_delay": "chaos testing: sleep this long before each request on the engine",
         "cluster_key": "secret (>= 16 bytes) authenticating peer messages; prefer the "
         "RADIXMESH_CLUSTER_KEY environment variable or the config file (flags show in ps)",
