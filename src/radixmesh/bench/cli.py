@@ -49,10 +49,12 @@ from radixmesh.bench.prompts import TOO_LONG_ACTIONS, PromptTooLong
 from radixmesh.bench.spec import ALL_POLICIES, RunSpec, check_policy
 from radixmesh.bench.sweep import ABUNDANT_CACHE, SWEEPS, SweepAxes, expand, paired
 from radixmesh.core.config import GossipConfig
+from radixmesh.core.units import parse_duration
 from radixmesh.options import add_option, add_options, warn_renamed
 from radixmesh.workload import Schedule, WorkloadSpec, trace
 from radixmesh.workload.build import WORKLOADS, build_counted
-from radixmesh.workload.schedule import Entry
+from radixmesh.workload.lengths import OutputLengths
+from radixmesh.workload.schedule import DEFAULT_CV, Entry
 
 T = TypeVar("T")
 
@@ -84,6 +86,32 @@ def _skew(text: str) -> str:
     if text not in ("uniform", "skewed"):
         raise ValueError(f"skew must be uniform or skewed, not {text!r}")
     return text
+
+
+def _arrivals(text: str) -> Schedule:
+    kind = Schedule(text) if text in ("poisson", "bursty") else None
+    if kind is None:
+        raise ValueError(f"arrivals must be poisson or bursty, not {text!r}")
+    return kind
+
+
+def _lengths(text: str) -> str:
+    try:
+        if text:
+            OutputLengths.parse(text)  # refused here, naming the flag
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _warmup(text: str) -> tuple[int, float]:
+    """``50`` (requests) or ``30s`` (seconds) -> (requests, seconds)."""
+    if text.strip().isdigit():
+        return int(text), 0.0
+    try:
+        return 0, parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected N (requests) or a duration: {exc}") from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -139,6 +167,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="open-loop Poisson at these fractions of the capacity measured first in the same "
         "run (a short saturating closed loop on the same clusters), e.g. 0.5,0.8 or 50%%,80%%",
+    )
+    g.add_argument(
+        "--arrivals",
+        type=_list(_arrivals),
+        default=[Schedule.POISSON],
+        help="open-loop arrivals (--rate, --load): poisson, bursty (gamma gaps of coefficient "
+        "of variation --arrival-cv), or both: poisson,bursty (bursty runs' names get -bursty)",
+    )
+    g.add_argument("--arrival-cv", type=float, default=DEFAULT_CV, metavar="CV",
+                   help=f"bursty arrivals: the gaps' coefficient of variation (default "
+                        f"{DEFAULT_CV:g}; 1 = Poisson, 2-4 bursty)")
+    g.add_argument(
+        "--exclude-warmup",
+        type=_warmup,
+        default=None,
+        metavar="N|Ss",
+        help="leave the first N requests (e.g. 50) or those sent in the first S seconds (e.g. "
+        "30s, unscaled) out of the figures; they are still sent and kept in requests.jsonl "
+        "with \"warmup\": true",
     )
     g.add_argument(
         "--batch-limit",
@@ -198,6 +245,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=1.0,
         help="prompt length multiplier of the synthetic and generated workloads (1.0 = MMLU-sized)",
     )
+    w.add_argument("--max-tokens", type=_lengths, default="", metavar="DIST",
+                   help="output lengths instead of the workload's own: N, uniform:LO:HI, "
+                        "lognormal:MEAN:SIGMA or exponential:MEAN (tokens; seeded per request; "
+                        "optional :cap=N, default 32768)")
+    w.add_argument("--think-time", type=parse_duration, default=0.0, metavar="S",
+                   help="multi-turn sessions (chat, agentic): a session's next turn goes this "
+                        "long on average (exponential, seeded) after the last answer (default 0)")
     w.add_argument("--synthetic-groups", type=int, default=57,
                    help="synthetic MMLU shape: prefix groups (MMLU has 57 subjects)")
     w.add_argument(
@@ -261,7 +315,11 @@ def base_spec(args: argparse.Namespace) -> RunSpec:
         synthetic_scale=args.synthetic_scale or (0.2 if quick else 1.0),
         synthetic_groups=args.synthetic_groups or (6 if quick else 57),
         entry=getattr(args, "entry", Entry.GIVEN),
+        arrival_cv=getattr(args, "arrival_cv", DEFAULT_CV),
+        max_tokens=getattr(args, "max_tokens", ""),
+        think_s=getattr(args, "think_time", 0.0),
     )
+    warm = getattr(args, "exclude_warmup", None) or (0, 0.0)
     return RunSpec(
         name="base",
         policy="none",
@@ -284,6 +342,8 @@ def base_spec(args: argparse.Namespace) -> RunSpec:
         time_scale=args.time_scale,
         regions=getattr(args, "regions", ""),
         region_delays=getattr(args, "region_delays", ""),
+        warmup_requests=warm[0],
+        warmup_s=warm[1],
     )
 
 
@@ -306,13 +366,14 @@ def specs_from_args(args: argparse.Namespace) -> list[RunSpec]:
     for kind in getattr(args, "workload", None) or ["mmlu"]:
         b = replace(base, workload=replace(base.workload, kind=kind))
         tag = ("" if kind == "mmlu" else f"-w{kind}") + _entry_tag(base)
-        points: list[tuple[list[float | None], list[int], float | None]] = []
+        points: list[tuple[list[float | None], list[int], float | None, Schedule]] = []
         if closed:
-            points.append(([None], closed, None))
+            points.append(([None], closed, None, Schedule.POISSON))
+        kinds = getattr(args, "arrivals", None) or [Schedule.POISSON]
         if args.rate:
-            points.append((list(args.rate), [1], None))
-        points += [([None], [1], load) for load in loads]
-        for rates, conc, load in points:
+            points += [(list(args.rate), [1], None, kind) for kind in kinds]
+        points += [([None], [1], load, kind) for load in loads for kind in kinds]
+        for rates, conc, load, kind in points:
             axes = SweepAxes(
                 policies=args.policy, net_delays_s=args.net_delay,
                 gossip_intervals_s=args.gossip_interval, skews=args.skew,
@@ -324,9 +385,12 @@ def specs_from_args(args: argparse.Namespace) -> list[RunSpec]:
             suffix = tag
             if load is not None:
                 suffix += f"-L{load:g}"
-                timed = Schedule.POISSON
-                got = [replace(s, workload=replace(s.workload, load=load, schedule=timed))
+                got = [replace(s, workload=replace(s.workload, load=load, schedule=kind))
                        for s in got]  # fmt: skip
+            elif kind is Schedule.BURSTY and rates != [None]:
+                got = [replace(s, workload=replace(s.workload, schedule=kind)) for s in got]
+            if kind is Schedule.BURSTY and (load is not None or rates != [None]):
+                suffix += "-bursty"
             specs += [_tagged(s, suffix) for s in got]
     return specs
 

@@ -47,7 +47,7 @@ from radixmesh.bench.spec import RunSpec, engine_context
 from radixmesh.core.headers import HEADER_TARGET
 from radixmesh.results.records import Record
 from radixmesh.workload import Request
-from radixmesh.workload.schedule import Sessions, is_open_loop, poisson
+from radixmesh.workload.schedule import Sessions, is_open_loop, think_time, timed
 
 WARMUP_PROMPT = "radixmesh warm-up {i}: hello"
 MODES = ("sequential", "closed", "open")
@@ -91,7 +91,8 @@ class CapacityProbe:
         if not self.capacity_rps or self.capacity_rps <= 0:
             raise RuntimeError("capacity probe completed no request")
         self.rate = self.load * self.capacity_rps
-        return [(r, poisson(reqs, r.spec.nodes, self.rate, r.spec.workload.seed))
+        return [(r, timed(reqs, r.spec.nodes, self.rate, r.spec.workload.seed,
+                          r.spec.workload.arrivals, r.spec.workload.arrival_cv))
                 for r, reqs in pairs]  # fmt: skip
 
     async def _measure(self, http: httpx.AsyncClient, replay: Replay) -> float:
@@ -212,6 +213,7 @@ class Replay:
         self.model = ""
         self.t0 = 0.0
         self.regions = spec.region_map  # clients enter in every region (bench/regions.py)
+        self.answered: dict[str, float] = {}  # request id -> when its answer was in (clock)
 
     async def setup(self, http: httpx.AsyncClient) -> None:
         self.model = await client.model_name(http, self.urls[0])
@@ -274,6 +276,18 @@ class Replay:
             t_send=time.perf_counter() - self.t0,
         )
 
+    async def _think(self, req: Request) -> None:
+        """A later turn of a session waits for its user's think time after the answer to the
+        turn before (``--think-time``; in the mesh's scaled time)."""
+        w = self.spec.workload
+        done = self.answered.get(req.after) if req.after is not None else None
+        if done is None or w.think_s <= 0:
+            return
+        think = think_time(req.id, w.think_s, w.seed) * self.spec.time_scale
+        wait = done + think - time.perf_counter()
+        if wait > 0:
+            await asyncio.sleep(wait)
+
     def client_link(self, entry: int) -> tuple[float, float] | None:
         """The (out, back) delays of a client whose request enters at node ``entry``, to
         where it sends (its node, or the gateway), in the mesh's (scaled) time."""
@@ -289,6 +303,7 @@ class Replay:
         False for requests that are not part of the run (a capacity probe): the oracle's
         mirrors still see them, the run's records and sink do not."""
         entry = (req.entry or 0) % len(self.urls)
+        await self._think(req)
         rec = self._record(seq, req, entry)
         if self.oracle is not None:
             await self._via_oracle(http, rec, req, entry)
@@ -296,8 +311,10 @@ class Replay:
             url = self.router.url if self.router else self.urls[entry]
             await client.send(http, url, self.model, req, rec, self.t0,
                               link=self.client_link(entry))
+        self.answered[req.id] = time.perf_counter()
         if self.spec.time_scale != 1.0:
             unscale(rec, self.spec.time_scale)
+        rec.warmup = self.spec.is_warmup(seq, rec.t_send)
         if record:
             self.records.append(rec)
             self.sink(rec)

@@ -55,7 +55,7 @@ from radixmesh.results.records import Record
 from radixmesh.results.summary import node_figures, summarize
 from radixmesh.workload import Request, Schedule
 from radixmesh.workload.build import TOO_LONG, Drops, build_counted
-from radixmesh.workload.schedule import describe
+from radixmesh.workload.schedule import arrival_text, describe
 
 BATCH_LIMIT = 4  # clusters up at once (default)
 GATEWAYS: dict[str, type[Gateway]] = {"sglang": SglangRouter, "smg": Smg}
@@ -94,8 +94,10 @@ def summary_entry(res: RunResult) -> dict[str, Any]:
         "gossip_announce_ms": None if s.gossip_announce_s is None
         else s.gossip_announce_s * 1000.0,
     }  # fmt: skip
-    entry.update(summarize(res.records))
-    entry.update(node_figures(res.records, res.node_ids))
+    measured = [r for r in res.records if not r.warmup]
+    excluded = len(res.records) - len(measured)
+    entry.update(summarize(measured))
+    entry.update(node_figures(measured, res.node_ids))
     entry.update({"group": s.group, "planned_requests": w.requests, "seed": w.seed})
     entry.update(res.schedule or describe([], s.concurrency, w.rate))
     entry.update({
@@ -110,10 +112,16 @@ def summary_entry(res: RunResult) -> dict[str, Any]:
         "engine": s.engine, "profiles": s.profiles or None, "time_scale": s.time_scale,
         "engine_lag": res.engine_lag,
         "regions": None if s.region_map is None else s.region_map.to_json(),
+        "warmup": {"requests": s.warmup_requests, "seconds": s.warmup_s,
+                   "excluded": excluded},
+        "output_lengths": w.output_lengths.text() if w.output_lengths else None,
+        "think_s": w.think_s,
     })  # fmt: skip
     if res.capacity and res.capacity.get("rate"):
         entry["schedule_text"] += (f"; {100 * (w.load or 0):g} % of measured capacity "
                                    f"{res.capacity['capacity_rps']:.2f} req/s")  # fmt: skip
+    if excluded:
+        entry["schedule_text"] += f"; {excluded} warm-up requests excluded"
     return entry
 
 
@@ -222,11 +230,13 @@ class Runner:
         reqs, drops, ideal = self._built[key]
         res = RunResult(spec, drops=drops, requests=reqs, ideal_hit_rate=ideal)
         res.mode = mode_of(spec, reqs)
-        res.schedule = describe(reqs, spec.concurrency, spec.workload.rate)
-        if spec.workload.load is not None:  # timed once the capacity is measured
+        w = spec.workload
+        res.schedule = describe(reqs, spec.concurrency, w.rate, w.arrivals, w.arrival_cv)
+        if w.load is not None:  # timed once the capacity is measured
             res.probe_requests = self._probe_workload(spec)
-            text = f"open loop, Poisson at {100 * spec.workload.load:g} % of capacity (unmeasured)"
-            res.schedule.update({"schedule": Schedule.POISSON.value, "schedule_text": text})
+            text = (f"open loop, {arrival_text(w.arrivals, w.arrival_cv)} at {100 * w.load:g} % "
+                    "of capacity (unmeasured)")  # fmt: skip
+            res.schedule.update({"schedule": w.arrivals.value, "schedule_text": text})
         return res
 
     def _probe_workload(self, spec: RunSpec) -> list[Request]:
@@ -326,13 +336,15 @@ class Runner:
         if probe is None:
             return
         info = probe.to_json()
+        w = first.spec.workload
         self.log(f"capacity {probe.capacity_rps:.2f} req/s ({probe.basis}; "
                  f"{', '.join(f'{k} {v:.2f}' for k, v in probe.throughput.items())}); "
-                 f"Poisson at {100 * probe.load:g} %: {probe.rate:.2f} req/s")  # fmt: skip
+                 f"{arrival_text(w.arrivals, w.arrival_cv)} at {100 * probe.load:g} %: "
+                 f"{probe.rate:.2f} req/s")  # fmt: skip
         for (res, *_), (_, timed) in zip(live, ran, strict=True):
             res.requests = list(timed)
             res.capacity = info
-            res.schedule = describe(res.requests, 1, probe.rate)
+            res.schedule = describe(res.requests, 1, probe.rate, w.arrivals, w.arrival_cv)
 
     def _stop(self, res: RunResult, replay: Replay, cluster: BenchCluster, progress: Any
               ) -> None:

@@ -60,11 +60,17 @@ class RunSpec:
     # and the one-way ms matrix; empty = one flat network at net_delay_s
     regions: str = ""
     region_delays: str = ""
+    # --exclude-warmup: the first N requests / those sent in the first S (unscaled) seconds
+    # are sent but left out of the figures (records carry "warmup": true)
+    warmup_requests: int = 0
+    warmup_s: float = 0.0
 
     def __post_init__(self) -> None:
         check_policy(self.policy)
         if self.nodes < 1 or self.concurrency < 1 or self.cache_tokens < 1:
             raise ValueError("nodes, concurrency and cache_tokens must be >= 1")
+        if self.warmup_requests < 0 or self.warmup_s < 0:
+            raise ValueError("--exclude-warmup must be >= 0 requests or seconds")
         if self.net_delay_s < 0 or self.gossip_interval_s <= 0:
             raise ValueError("comm delay must be >= 0 and gossip interval > 0")
         if (self.workload.rate or self.workload.load) and self.concurrency > 1:
@@ -92,6 +98,10 @@ class RunSpec:
         from radixmesh.bench.emulated import parse_profiles
 
         return parse_profiles(self.profiles, self.nodes) if self.engine == "emulated" else []
+
+    def is_warmup(self, seq: int, t_send: float) -> bool:
+        """Whether a request (its position, its unscaled send time) is part of the warm-up."""
+        return seq < self.warmup_requests or t_send < self.warmup_s
 
     @property
     def node_policy(self) -> str:
