@@ -116,6 +116,7 @@ def test_a_workload_sends_the_drawn_lengths_and_admission_sees_them() -> None:
     lengths = spec.output_lengths
     assert lengths is not None and len(set(seen)) > 10
     assert all(r.max_tokens <= 100 for r in kept) and drops.dropped["too_long"] > 0
+    assert not drops.truncated  # a drawn length is no shortened prompt
     assert all(r.max_tokens == lengths.apply(r, 2).max_tokens for r in kept)
     with pytest.raises(ValueError, match=r"max.tokens"):
         WorkloadSpec(max_tokens="lognormal")

@@ -122,6 +122,11 @@ class _Local:
         return list(self._cluster.node_ids)
 
     @property
+    def pids(self) -> dict[str, int | None]:
+        """Each node's process id, by node id (None: not running)."""
+        return {n.node_id: n.pid for n in self._cluster.nodes}
+
+    @property
     def engine_urls(self) -> list[str]:
         """The nodes' external engines (emulated meshes), in node order; [] for built-in."""
         return [str(o["engine_url"]) for _, o in sorted(self._cluster.per_node.items())

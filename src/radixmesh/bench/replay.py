@@ -112,16 +112,20 @@ class CapacityProbe:
 
 
 async def replay_together(
-    pairs: Sequence[Pair], mode: str, probe: CapacityProbe | None = None
+    pairs: Sequence[Pair], mode: str, probe: CapacityProbe | None = None,
+    started: Callable[[], None] | None = None,
 ) -> list[Pair]:
     """Run every pair's requests in ``mode`` (see the module docstring), paired in time; with
-    ``probe``, measure the capacity first and run the timed requests it returns. Returns what
-    ran (the pairs as timed)."""
+    ``probe``, measure the capacity first and run the timed requests it returns; ``started``
+    is called as the run's own requests start (after warm-up and probe). Returns what ran (the
+    pairs as timed)."""
     async with new_http_client() as http:
         for replay, _ in pairs:
             await replay.setup(http)
         if probe is not None:
             pairs = await probe.apply(http, pairs)
+        if started is not None:
+            started()
         t0 = time.perf_counter()
         for replay, _ in pairs:
             replay.t0 = t0

@@ -32,9 +32,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -48,13 +47,14 @@ from radixmesh.bench.oracle import Oracle
 from radixmesh.bench.progress import Progress
 from radixmesh.bench.prompts import BLOCK_SIZE, ideal_hit_rate, make_admit, tokenizer_for
 from radixmesh.bench.replay import CapacityProbe, Replay, mode_of, replay_together
+from radixmesh.bench.run_result import RunResult, summary_entry
 from radixmesh.bench.sglang import Gateway, SglangRouter
 from radixmesh.bench.smg import Smg
 from radixmesh.bench.spec import RunSpec, engine_context
+from radixmesh.bench.usage import CpuMeter, write_load
 from radixmesh.results.records import Record
-from radixmesh.results.summary import node_figures, summarize
 from radixmesh.workload import Request, Schedule
-from radixmesh.workload.build import TOO_LONG, Drops, build_counted
+from radixmesh.workload.build import Drops, build_counted
 from radixmesh.workload.schedule import arrival_text, describe
 
 BATCH_LIMIT = 4  # clusters up at once (default)
@@ -64,65 +64,13 @@ PROBE_REQUESTS = 48
 PROBE_CLIENTS = 16
 
 
-@dataclass(slots=True)
-class RunResult:
-    spec: RunSpec
-    records: list[Record] = field(default_factory=list)
-    interrupted: bool = False
-    skipped: str | None = None
-    drops: Drops = field(default_factory=Drops)
-    schedule: dict[str, Any] = field(default_factory=dict)
-    requests: list[Request] = field(default_factory=list)
-    mode: str = "sequential"
-    oracle_mismatches: int | None = None
-    ideal_hit_rate: float | None = None
-    node_ids: list[str] = field(default_factory=list)
-    batch: str = ""
-    paired_with: list[str] = field(default_factory=list)
-    probe_requests: list[Request] = field(default_factory=list)
-    capacity: dict[str, Any] | None = None
-    placements: dict[str, float] | None = None  # the nodes' placement tags (cost), summed
-    engine_lag: dict[str, Any] | None = None  # emulated engines: lag behind their profiles
-
-
-def summary_entry(res: RunResult) -> dict[str, Any]:
-    s, w = res.spec, res.spec.workload
-    entry: dict[str, Any] = {
-        "name": s.name, "policy": s.policy, "nodes": s.nodes, "workload": w.source,
-        "skew": s.skew, "comm_delay_ms": s.net_delay_s * 1000.0,
-        "gossip_interval_ms": s.gossip_interval_s * 1000.0, "cache_tokens": s.cache_tokens,
-        "gossip_announce_ms": None if s.gossip_announce_s is None
-        else s.gossip_announce_s * 1000.0,
-    }  # fmt: skip
-    measured = [r for r in res.records if not r.warmup]
-    excluded = len(res.records) - len(measured)
-    entry.update(summarize(measured))
-    entry.update(node_figures(measured, res.node_ids))
-    entry.update({"group": s.group, "planned_requests": w.requests, "seed": w.seed})
-    entry.update(res.schedule or describe([], s.concurrency, w.rate))
-    entry.update({
-        "dropped": res.drops.to_json(), "dropped_too_long": res.drops.dropped[TOO_LONG],
-        "interrupted": res.interrupted, "skipped": res.skipped,
-        "oracle_mismatches": res.oracle_mismatches, "lockstep": s.lockstep, "batch": res.batch,
-        "paired_with": res.paired_with, "clusters_at_once": 1 + len(res.paired_with),
-        "cpu_cores": os.cpu_count(), "threads_per_node": s.threads,
-        "device": s.device, "dtype": s.dtype,
-        "ideal_hit_rate": res.ideal_hit_rate, "workload_kind": w.kind,
-        "load_fraction": w.load, "capacity": res.capacity, "placements": res.placements,
-        "engine": s.engine, "profiles": s.profiles or None, "time_scale": s.time_scale,
-        "engine_lag": res.engine_lag,
-        "regions": None if s.region_map is None else s.region_map.to_json(),
-        "warmup": {"requests": s.warmup_requests, "seconds": s.warmup_s,
-                   "excluded": excluded},
-        "output_lengths": w.output_lengths.text() if w.output_lengths else None,
-        "think_s": w.think_s,
-    })  # fmt: skip
-    if res.capacity and res.capacity.get("rate"):
-        entry["schedule_text"] += (f"; {100 * (w.load or 0):g} % of measured capacity "
-                                   f"{res.capacity['capacity_rps']:.2f} req/s")  # fmt: skip
-    if excluded:
-        entry["schedule_text"] += f"; {excluded} warm-up requests excluded"
-    return entry
+def process_ids(cluster: BenchCluster, replay: Replay) -> dict[str, int | None]:
+    """The processes the bench started for a run, by label: each node (by id), and a
+    gateway's process and its relay."""
+    pids: dict[str, int | None] = dict(getattr(cluster, "pids", {}))
+    if replay.router is not None:
+        pids |= replay.router.pids
+    return pids
 
 
 class Sink:
@@ -332,7 +280,13 @@ class Runner:
         if load is not None:
             clients = min(self.probe_clients, len(first.probe_requests))
             probe = CapacityProbe(first.probe_requests, clients, load)
-        ran = asyncio.run(replay_together(pairs, first.mode, probe))
+        meters = [CpuMeter(process_ids(cluster, replay)) for _, replay, cluster, _ in live]
+        try:
+            ran = asyncio.run(replay_together(pairs, first.mode, probe,
+                                              started=lambda: [m.start() for m in meters]))
+        finally:
+            for (res, *_), meter in zip(live, meters, strict=True):
+                res.cpu = meter.stop()
         if probe is None:
             return
         info = probe.to_json()
@@ -350,6 +304,8 @@ class Runner:
               ) -> None:
         if progress is not None:
             progress.close()
+        res.load = write_load(self.out / "load" / f"{res.spec.name}.csv", res.records,
+                              res.node_ids)  # fmt: skip
         if replay.router is not None:
             replay.router.close()
         if res.spec.policy == "cost":

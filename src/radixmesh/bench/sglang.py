@@ -134,6 +134,12 @@ class Gateway:
                 stream.close()
 
     @property
+    def pids(self) -> dict[str, int | None]:
+        """The gateway's process id and its relay's (bench/usage.py measures their CPU)."""
+        return {"gateway": None if self._proc is None else self._proc.pid,
+                "relay": None if self._relay is None else self._relay.pid}  # fmt: skip
+
+    @property
     def url(self) -> str:
         """Where the client sends every request."""
         return f"http://127.0.0.1:{self.port}"

@@ -124,8 +124,8 @@ class Drops:
             self.dropped[outcome] += 1
             self.by_group.setdefault(outcome, Counter())[group] += 1
             return None
-        if outcome is not req:
-            self.truncated[group] += 1
+        if outcome is not req and (outcome.prompt, outcome.messages) != (req.prompt, req.messages):
+            self.truncated[group] += 1  # shortened (a drawn output length is no shortening)
         return outcome
 
     @property
