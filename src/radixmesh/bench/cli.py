@@ -302,28 +302,11 @@ def _sweep_of(args: argparse.Namespace) -> str | None:
 
 def base_spec(args: argparse.Namespace) -> RunSpec:
     quick = _sweep_of(args) == "quick"
-    rate = args.rate[0] if args.rate else None
-    workloads = getattr(args, "workload", None) or ["mmlu"]
-    w = WorkloadSpec(
-        kind=workloads[0],
-        rate=rate,
-        schedule=Schedule.POISSON if rate else Schedule.SEQUENTIAL,
-        requests=args.requests or (32 if quick else 1000),
-        seed=args.seed,
-        mmlu_dir=args.mmlu_dir,
-        trace=args.trace,
-        synthetic_scale=args.synthetic_scale or (0.2 if quick else 1.0),
-        synthetic_groups=args.synthetic_groups or (6 if quick else 57),
-        entry=getattr(args, "entry", Entry.GIVEN),
-        arrival_cv=getattr(args, "arrival_cv", DEFAULT_CV),
-        max_tokens=getattr(args, "max_tokens", ""),
-        think_s=getattr(args, "think_time", 0.0),
-    )
     warm = getattr(args, "exclude_warmup", None) or (0, 0.0)
     return RunSpec(
         name="base",
         policy="none",
-        workload=w,
+        workload=_workload_spec(args, quick),
         nodes=args.nodes[0],
         net_delay_s=args.net_delay[0],
         gossip_interval_s=args.gossip_interval[0],
@@ -347,6 +330,26 @@ def base_spec(args: argparse.Namespace) -> RunSpec:
     )
 
 
+def _workload_spec(args: argparse.Namespace, quick: bool) -> WorkloadSpec:
+    rate = args.rate[0] if args.rate else None
+    workloads = getattr(args, "workload", None) or ["mmlu"]
+    return WorkloadSpec(
+        kind=workloads[0],
+        rate=rate,
+        schedule=Schedule.POISSON if rate else Schedule.SEQUENTIAL,
+        requests=args.requests or (32 if quick else 1000),
+        seed=args.seed,
+        mmlu_dir=args.mmlu_dir,
+        trace=args.trace,
+        synthetic_scale=args.synthetic_scale or (0.2 if quick else 1.0),
+        synthetic_groups=args.synthetic_groups or (6 if quick else 57),
+        entry=getattr(args, "entry", Entry.GIVEN),
+        arrival_cv=getattr(args, "arrival_cv", DEFAULT_CV),
+        max_tokens=getattr(args, "max_tokens", ""),
+        think_s=getattr(args, "think_time", 0.0),
+    )
+
+
 def specs_from_args(args: argparse.Namespace) -> list[RunSpec]:
     base = base_spec(args)
     if args.sweep:
@@ -366,14 +369,7 @@ def specs_from_args(args: argparse.Namespace) -> list[RunSpec]:
     for kind in getattr(args, "workload", None) or ["mmlu"]:
         b = replace(base, workload=replace(base.workload, kind=kind))
         tag = ("" if kind == "mmlu" else f"-w{kind}") + _entry_tag(base)
-        points: list[tuple[list[float | None], list[int], float | None, Schedule]] = []
-        if closed:
-            points.append(([None], closed, None, Schedule.POISSON))
-        kinds = getattr(args, "arrivals", None) or [Schedule.POISSON]
-        if args.rate:
-            points += [(list(args.rate), [1], None, kind) for kind in kinds]
-        points += [([None], [1], load, kind) for load in loads for kind in kinds]
-        for rates, conc, load, kind in points:
+        for rates, conc, load, kind in _points(args, closed, loads):
             axes = SweepAxes(
                 policies=args.policy, net_delays_s=args.net_delay,
                 gossip_intervals_s=args.gossip_interval, skews=args.skew,
@@ -393,6 +389,19 @@ def specs_from_args(args: argparse.Namespace) -> list[RunSpec]:
                 suffix += "-bursty"
             specs += [_tagged(s, suffix) for s in got]
     return specs
+
+
+Point = tuple[list[float | None], list[int], float | None, Schedule]  # rates, clients, load
+
+
+def _points(args: argparse.Namespace, closed: list[int], loads: list[float]) -> list[Point]:
+    """The schedules of the sweep: closed loops, then each rate and each load under each
+    kind of arrivals."""
+    points: list[Point] = [([None], closed, None, Schedule.POISSON)] if closed else []
+    kinds = getattr(args, "arrivals", None) or [Schedule.POISSON]
+    if args.rate:
+        points += [(list(args.rate), [1], None, kind) for kind in kinds]
+    return points + [([None], [1], load, kind) for load in loads for kind in kinds]
 
 
 def _entry_tag(spec: RunSpec) -> str:

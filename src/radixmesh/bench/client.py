@@ -164,6 +164,20 @@ async def send(
     start = time.perf_counter()
     if out > 0:
         await asyncio.sleep(out)
+    await _exchange(client, url, body, headers, timeout, stream, rec, start)
+    if back > 0:  # the answer's way back; its first token was that much later too
+        await asyncio.sleep(back)
+        rec.ttft_s = None if rec.ttft_s is None else rec.ttft_s + back
+    end = time.perf_counter()
+    rec.latency_s = end - start
+    rec.t_done = end - t0
+    return rec
+
+
+async def _exchange(client: httpx.AsyncClient, url: str, body: dict[str, Any],
+                    headers: dict[str, str] | None, timeout: Any, stream: bool, rec: Record,
+                    start: float) -> None:
+    """The request and its (streamed) answer, into ``rec``; never raises."""
     try:
         if not stream:
             fill_from_response(rec, await client.post(url, json=body, headers=headers,
@@ -180,13 +194,6 @@ async def send(
                     await _read_stream(rec, resp, start)
     except (httpx.HTTPError, OSError) as exc:
         rec.error = f"{type(exc).__name__}: {exc}"[:300]
-    if back > 0:  # the answer's way back; its first token was that much later too
-        await asyncio.sleep(back)
-        rec.ttft_s = None if rec.ttft_s is None else rec.ttft_s + back
-    end = time.perf_counter()
-    rec.latency_s = end - start
-    rec.t_done = end - t0
-    return rec
 
 
 def _error_message(err: object) -> str:

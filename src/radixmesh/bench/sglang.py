@@ -73,9 +73,8 @@ class Gateway:
         self._relay: subprocess.Popen[bytes] | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         try:
-            routed = self.workers
-            if link_delay_s > 0 or links:
-                routed = self._start_relay(link_delay_s, startup_timeout_s, links)
+            routed = (self._start_relay(link_delay_s, startup_timeout_s, links)
+                      if link_delay_s > 0 or links else self.workers)  # fmt: skip
             for attempt in range(1, PORT_ATTEMPTS + 1):
                 self._proc = subprocess.Popen(
                     self.command(self.port, routed), stdout=self._log, stderr=subprocess.STDOUT,

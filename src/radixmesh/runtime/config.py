@@ -220,7 +220,6 @@ class ServeConfig:
             raise ValueError("net_loss and net_duplicate must be in [0, 1]")
         if self.debug_engine_delay < 0:
             raise ValueError("debug_engine_delay must be >= 0")
-        parse_peer_delays(self.net_peer_delays)  # refused here, naming the bad entry
         if self.peer_transport not in PEER_TRANSPORTS:
             raise ValueError(f"peer_transport must be one of {', '.join(PEER_TRANSPORTS)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -251,6 +250,7 @@ class ServeConfig:
         return bool(self.peer_tls_cert.strip())
 
     def _check_join(self) -> None:
+        parse_peer_delays(self.net_peer_delays)  # refused here, naming the bad entry
         if self.drain_grace < 0 or self.drain_linger < 0:
             raise ValueError("drain_grace and drain_linger must be >= 0")
         if self.join_dns:
