@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -170,3 +171,37 @@ def test_replay_gives_each_client_its_regions_link_in_the_meshs_time() -> None:
     assert replay.client_link(1) == (0.041, 0.040)
     flat = Replay(RunSpec(name="r", policy="none", nodes=3), Cluster(), lambda rec: None)
     assert flat.client_link(1) is None
+
+
+def test_the_gateway_reaches_each_worker_from_its_region_in_the_meshs_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from radixmesh.bench import runner
+
+    got: dict[str, object] = {}
+
+    class FakeGateway:
+        def __init__(self, urls: list[str], **kw: object) -> None:
+            got.update(kw)
+
+    monkeypatch.setitem(runner.GATEWAYS, "smg", FakeGateway)
+    spec = RunSpec(name="r", policy="smg", nodes=3, regions="us,eu,ap", region_delays=MATRIX,
+                   engine="emulated", profiles="h100-llama3-8b", time_scale=10.0)
+    replay = SimpleNamespace(router=None)
+    cluster = SimpleNamespace(urls=["http://a", "http://b", "http://c"])
+    runner.Runner._attach_baseline(replay, spec, cluster)  # type: ignore[arg-type]
+    assert got["links"] == [pytest.approx((0.01, 0.01)), pytest.approx((0.40, 0.41)),
+                            pytest.approx((0.90, 0.91))]
+    assert got["link_delay_s"] == pytest.approx(0.02)  # the flat --net-delay, scaled too
+
+
+def test_run_names_say_the_regions() -> None:
+    import argparse
+
+    from radixmesh.bench import cli
+
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    args = p.parse_args(["--regions", "us,eu", "--region-delays", "1,40;40,1", "--nodes", "2",
+                         "--policy", "none"])
+    [spec] = cli.specs_from_args(args)
+    assert spec.name.endswith("-Rus+eu") and spec.region_map is not None

@@ -140,7 +140,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--rate",
         type=_list(float),
         default=None,
-        help="open-loop Poisson arrivals, requests/s (default: the paper's sequential; with "
+        help="open-loop arrivals, requests/s (Poisson unless --arrivals; default: the "
+        "paper's sequential; with "
         "--trace, replaces the trace's own times)",
     )
     g.add_argument(
