@@ -279,7 +279,7 @@ def test_link_relay_delays_each_way_and_relays_requests_intact(workers: list[str
 def test_link_relay_rejects_a_bad_target() -> None:
     from radixmesh.bench.linkproxy import parse_target
 
-    assert parse_target("127.0.0.1:80") == ("127.0.0.1", 80)
+    assert parse_target("127.0.0.1:80") == ("127.0.0.1", 80, None)
     for bad in ("127.0.0.1", "host:0", ":80", "host:port"):
         with pytest.raises(argparse.ArgumentTypeError, match="HOST:PORT"):
             parse_target(bad)

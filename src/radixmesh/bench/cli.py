@@ -49,10 +49,12 @@ from radixmesh.bench.prompts import TOO_LONG_ACTIONS, PromptTooLong
 from radixmesh.bench.spec import ALL_POLICIES, RunSpec, check_policy
 from radixmesh.bench.sweep import ABUNDANT_CACHE, SWEEPS, SweepAxes, expand, paired
 from radixmesh.core.config import GossipConfig
+from radixmesh.core.units import parse_duration
 from radixmesh.options import add_option, add_options, warn_renamed
 from radixmesh.workload import Schedule, WorkloadSpec, trace
 from radixmesh.workload.build import WORKLOADS, build_counted
-from radixmesh.workload.schedule import Entry
+from radixmesh.workload.lengths import OutputLengths
+from radixmesh.workload.schedule import DEFAULT_CV, Entry
 
 T = TypeVar("T")
 
@@ -86,6 +88,32 @@ def _skew(text: str) -> str:
     return text
 
 
+def _arrivals(text: str) -> Schedule:
+    kind = Schedule(text) if text in ("poisson", "bursty") else None
+    if kind is None:
+        raise ValueError(f"arrivals must be poisson or bursty, not {text!r}")
+    return kind
+
+
+def _lengths(text: str) -> str:
+    try:
+        if text:
+            OutputLengths.parse(text)  # refused here, naming the flag
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _warmup(text: str) -> tuple[int, float]:
+    """``50`` (requests) or ``30s`` (seconds) -> (requests, seconds)."""
+    if text.strip().isdigit():
+        return int(text), 0.0
+    try:
+        return 0, parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected N (requests) or a duration: {exc}") from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/bench", help="output folder (default runs/bench)")
     p.add_argument("--sweep", choices=sorted(SWEEPS), help="a named sweep (overrides lists)")
@@ -101,11 +129,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_option(g, "gossip_announce", GossipConfig().announce_gap_s)
     g.add_argument("--skew", type=_list(_skew), default=["uniform"], help="uniform,skewed")
     add_options(g, {"cache_tokens": [ABUNDANT_CACHE], "nodes": [4]}, sweep=True)
+    n = p.add_argument_group("regions (as radixmesh sim's; bench/regions.py)")
+    n.add_argument("--regions", default="",
+                   help="region names, e.g. us,eu,ap: node i in region i mod R, clients enter "
+                        "in every region, the gateways stand in the first")
+    n.add_argument("--region-delays", default="",
+                   help="one-way ms matrix, rows ';' (row = from), the diagonal inside a "
+                        "region, e.g. '1,40,90;40,1,120;90,120,1' (replaces --net-delay)")
     g.add_argument(
         "--rate",
         type=_list(float),
         default=None,
-        help="open-loop Poisson arrivals, requests/s (default: the paper's sequential; with "
+        help="open-loop arrivals, requests/s (Poisson unless --arrivals; default: the "
+        "paper's sequential; with "
         "--trace, replaces the trace's own times)",
     )
     g.add_argument(
@@ -132,6 +168,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="open-loop Poisson at these fractions of the capacity measured first in the same "
         "run (a short saturating closed loop on the same clusters), e.g. 0.5,0.8 or 50%%,80%%",
+    )
+    g.add_argument(
+        "--arrivals",
+        type=_list(_arrivals),
+        default=[Schedule.POISSON],
+        help="open-loop arrivals (--rate, --load): poisson, bursty (gamma gaps of coefficient "
+        "of variation --arrival-cv), or both: poisson,bursty (bursty runs' names get -bursty)",
+    )
+    g.add_argument("--arrival-cv", type=float, default=DEFAULT_CV, metavar="CV",
+                   help=f"bursty arrivals: the gaps' coefficient of variation (default "
+                        f"{DEFAULT_CV:g}; 1 = Poisson, 2-4 bursty)")
+    g.add_argument(
+        "--exclude-warmup",
+        type=_warmup,
+        default=None,
+        metavar="N|Ss",
+        help="leave the first N requests (e.g. 50) or those sent in the first S seconds (e.g. "
+        "30s, unscaled) out of the figures; they are still sent and kept in requests.jsonl "
+        "with \"warmup\": true",
     )
     g.add_argument(
         "--batch-limit",
@@ -191,6 +246,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=1.0,
         help="prompt length multiplier of the synthetic and generated workloads (1.0 = MMLU-sized)",
     )
+    w.add_argument("--max-tokens", type=_lengths, default="", metavar="DIST",
+                   help="output lengths instead of the workload's own: N, uniform:LO:HI, "
+                        "lognormal:MEAN:SIGMA or exponential:MEAN (tokens; seeded per request; "
+                        "optional :cap=N, default 32768)")
+    w.add_argument("--think-time", type=parse_duration, default=0.0, metavar="S",
+                   help="multi-turn sessions (chat, agentic): a session's next turn goes this "
+                        "long on average (exponential, seeded) after the last answer (default 0)")
     w.add_argument("--synthetic-groups", type=int, default=57,
                    help="synthetic MMLU shape: prefix groups (MMLU has 57 subjects)")
     w.add_argument(
@@ -241,24 +303,11 @@ def _sweep_of(args: argparse.Namespace) -> str | None:
 
 def base_spec(args: argparse.Namespace) -> RunSpec:
     quick = _sweep_of(args) == "quick"
-    rate = args.rate[0] if args.rate else None
-    workloads = getattr(args, "workload", None) or ["mmlu"]
-    w = WorkloadSpec(
-        kind=workloads[0],
-        rate=rate,
-        schedule=Schedule.POISSON if rate else Schedule.SEQUENTIAL,
-        requests=args.requests or (32 if quick else 1000),
-        seed=args.seed,
-        mmlu_dir=args.mmlu_dir,
-        trace=args.trace,
-        synthetic_scale=args.synthetic_scale or (0.2 if quick else 1.0),
-        synthetic_groups=args.synthetic_groups or (6 if quick else 57),
-        entry=getattr(args, "entry", Entry.GIVEN),
-    )
+    warm = getattr(args, "exclude_warmup", None) or (0, 0.0)
     return RunSpec(
         name="base",
         policy="none",
-        workload=w,
+        workload=_workload_spec(args, quick),
         nodes=args.nodes[0],
         net_delay_s=args.net_delay[0],
         gossip_interval_s=args.gossip_interval[0],
@@ -275,6 +324,30 @@ def base_spec(args: argparse.Namespace) -> RunSpec:
         engine=args.engine,
         profiles=args.profiles,
         time_scale=args.time_scale,
+        regions=getattr(args, "regions", ""),
+        region_delays=getattr(args, "region_delays", ""),
+        warmup_requests=warm[0],
+        warmup_s=warm[1],
+    )
+
+
+def _workload_spec(args: argparse.Namespace, quick: bool) -> WorkloadSpec:
+    rate = args.rate[0] if args.rate else None
+    workloads = getattr(args, "workload", None) or ["mmlu"]
+    return WorkloadSpec(
+        kind=workloads[0],
+        rate=rate,
+        schedule=Schedule.POISSON if rate else Schedule.SEQUENTIAL,
+        requests=args.requests or (32 if quick else 1000),
+        seed=args.seed,
+        mmlu_dir=args.mmlu_dir,
+        trace=args.trace,
+        synthetic_scale=args.synthetic_scale or (0.2 if quick else 1.0),
+        synthetic_groups=args.synthetic_groups or (6 if quick else 57),
+        entry=getattr(args, "entry", Entry.GIVEN),
+        arrival_cv=getattr(args, "arrival_cv", DEFAULT_CV),
+        max_tokens=getattr(args, "max_tokens", ""),
+        think_s=getattr(args, "think_time", 0.0),
     )
 
 
@@ -297,13 +370,7 @@ def specs_from_args(args: argparse.Namespace) -> list[RunSpec]:
     for kind in getattr(args, "workload", None) or ["mmlu"]:
         b = replace(base, workload=replace(base.workload, kind=kind))
         tag = ("" if kind == "mmlu" else f"-w{kind}") + _entry_tag(base)
-        points: list[tuple[list[float | None], list[int], float | None]] = []
-        if closed:
-            points.append(([None], closed, None))
-        if args.rate:
-            points.append((list(args.rate), [1], None))
-        points += [([None], [1], load) for load in loads]
-        for rates, conc, load in points:
+        for rates, conc, load, kind in _points(args, closed, loads):
             axes = SweepAxes(
                 policies=args.policy, net_delays_s=args.net_delay,
                 gossip_intervals_s=args.gossip_interval, skews=args.skew,
@@ -315,15 +382,34 @@ def specs_from_args(args: argparse.Namespace) -> list[RunSpec]:
             suffix = tag
             if load is not None:
                 suffix += f"-L{load:g}"
-                timed = Schedule.POISSON
-                got = [replace(s, workload=replace(s.workload, load=load, schedule=timed))
+                got = [replace(s, workload=replace(s.workload, load=load, schedule=kind))
                        for s in got]  # fmt: skip
+            elif kind is Schedule.BURSTY and rates != [None]:
+                got = [replace(s, workload=replace(s.workload, schedule=kind)) for s in got]
+            if kind is Schedule.BURSTY and (load is not None or rates != [None]):
+                suffix += "-bursty"
             specs += [_tagged(s, suffix) for s in got]
     return specs
 
 
+Point = tuple[list[float | None], list[int], float | None, Schedule]  # rates, clients, load
+
+
+def _points(args: argparse.Namespace, closed: list[int], loads: list[float]) -> list[Point]:
+    """The schedules of the sweep: closed loops, then each rate and each load under each
+    kind of arrivals."""
+    points: list[Point] = [([None], closed, None, Schedule.POISSON)] if closed else []
+    kinds = getattr(args, "arrivals", None) or [Schedule.POISSON]
+    if args.rate:
+        points += [(list(args.rate), [1], None, kind) for kind in kinds]
+    return points + [([None], [1], load, kind) for load in loads for kind in kinds]
+
+
 def _entry_tag(spec: RunSpec) -> str:
-    return "" if spec.workload.entry is Entry.GIVEN else f"-e{spec.workload.entry.value}"
+    """Run-name tags of the axes every run of the sweep shares: random entries, regions."""
+    tag = "" if spec.workload.entry is Entry.GIVEN else f"-e{spec.workload.entry.value}"
+    regions = spec.region_map
+    return tag + ("" if regions is None else "-R" + "+".join(regions.names))
 
 
 def _tagged(spec: RunSpec, suffix: str) -> RunSpec:

@@ -26,6 +26,7 @@ API's non-streamed path, which chaos also tests).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -148,14 +149,35 @@ async def send(
     *,
     stream: bool = True,
     timeout_s: float | None = None,
+    link: tuple[float, float] | None = None,
 ) -> Record:
     """POST ``req`` to ``base_url`` (a stream unless ``stream`` is False); fills ``rec``
     (timing relative to ``t0``, TTFT and TPOT measured here) and returns it. Never raises:
-    a transport error or a timeout (``timeout_s``, else the client's) is ``rec.error``."""
+    a transport error or a timeout (``timeout_s``, else the client's) is ``rec.error``.
+    ``link`` = (out, back): the client stands that far from the server (bench --regions):
+    the request leaves ``out`` seconds late, and the answer reaches the client ``back``
+    seconds after it was read (TTFT and latency include both; TPOT is unchanged)."""
     path, body = request_body(req, model, stream=stream)
     url = base_url.rstrip("/") + path
     timeout: Any = httpx.USE_CLIENT_DEFAULT if timeout_s is None else timeout_s
+    out, back = link or (0.0, 0.0)
     start = time.perf_counter()
+    if out > 0:
+        await asyncio.sleep(out)
+    await _exchange(client, url, body, headers, timeout, stream, rec, start)
+    if back > 0:  # the answer's way back; its first token was that much later too
+        await asyncio.sleep(back)
+        rec.ttft_s = None if rec.ttft_s is None else rec.ttft_s + back
+    end = time.perf_counter()
+    rec.latency_s = end - start
+    rec.t_done = end - t0
+    return rec
+
+
+async def _exchange(client: httpx.AsyncClient, url: str, body: dict[str, Any],
+                    headers: dict[str, str] | None, timeout: Any, stream: bool, rec: Record,
+                    start: float) -> None:
+    """The request and its (streamed) answer, into ``rec``; never raises."""
     try:
         if not stream:
             fill_from_response(rec, await client.post(url, json=body, headers=headers,
@@ -172,10 +194,6 @@ async def send(
                     await _read_stream(rec, resp, start)
     except (httpx.HTTPError, OSError) as exc:
         rec.error = f"{type(exc).__name__}: {exc}"[:300]
-    end = time.perf_counter()
-    rec.latency_s = end - start
-    rec.t_done = end - t0
-    return rec
 
 
 def _error_message(err: object) -> str:

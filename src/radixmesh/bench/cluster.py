@@ -68,26 +68,38 @@ def _stretched_timeouts(scale: float) -> dict[str, object]:
     }
 
 
-def per_node_options(spec: RunSpec) -> dict[int, dict[str, object]]:
-    """Each node's own options: for an emulated mesh, its engine's profile and ports."""
-    if spec.engine != "emulated":
-        return {}
-    from radixmesh.bench.emulated import engine_options
+def per_node_options(spec: RunSpec, addresses: list[str] | None = None
+                     ) -> dict[int, dict[str, object]]:
+    """Each node's own options: for an emulated mesh, its engine's profile and ports; with
+    regions, its one-way delay to every other node (``addresses``, in node order)."""
     from radixmesh.runtime.cluster import free_ports
 
-    ports = free_ports(3 * spec.nodes)
-    return {i: engine_options(p, ports[3 * i: 3 * i + 3], spec.time_scale)
-            for i, p in enumerate(spec.node_profiles)}  # fmt: skip
+    out: dict[int, dict[str, object]] = {i: {} for i in range(spec.nodes)}
+    if spec.engine == "emulated":
+        from radixmesh.bench.emulated import engine_options
+
+        ports = free_ports(3 * spec.nodes)
+        for i, p in enumerate(spec.node_profiles):
+            out[i] |= engine_options(p, ports[3 * i: 3 * i + 3], spec.time_scale)
+    regions = spec.region_map
+    if regions is not None:
+        if addresses is None or len(addresses) != spec.nodes:
+            raise ValueError("regions need every node's address before the nodes start")
+        for i in out:
+            out[i]["net_peer_delays"] = regions.peer_delays(i, addresses, spec.time_scale)
+    return {i: o for i, o in out.items() if o}
 
 
 class _Local:
     """Adapts the runtime's ``LocalCluster`` to :class:`BenchCluster`."""
 
     def __init__(self, spec: RunSpec, log_dir: Path | None) -> None:
-        from radixmesh.runtime.cluster import LocalCluster
+        from radixmesh.runtime.cluster import LOOPBACK, LocalCluster, free_ports
 
-        self._cluster = LocalCluster(spec.nodes, serve_options(spec),
-                                     per_node=per_node_options(spec), log_dir=log_dir)
+        ports = free_ports(spec.nodes)  # known up front: regions name each node's peers
+        per_node = per_node_options(spec, [f"{LOOPBACK}:{p}" for p in ports])
+        self._cluster = LocalCluster(spec.nodes, serve_options(spec), per_node=per_node,
+                                     log_dir=log_dir, ports=ports)  # fmt: skip
         try:
             self._cluster.start(wait=False)
         except BaseException:
@@ -108,6 +120,11 @@ class _Local:
     @property
     def node_ids(self) -> list[str]:
         return list(self._cluster.node_ids)
+
+    @property
+    def pids(self) -> dict[str, int | None]:
+        """Each node's process id, by node id (None: not running)."""
+        return {n.node_id: n.pid for n in self._cluster.nodes}
 
     @property
     def engine_urls(self) -> list[str]:

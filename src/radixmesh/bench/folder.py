@@ -83,7 +83,8 @@ class Results:
                 for line in fh:
                     if line.strip():
                         rec = Record.from_json(json.loads(line))
-                        records[rec.run].append(rec)
+                        if not rec.warmup:  # sent, but not part of the figures
+                            records[rec.run].append(rec)
         return cls(summary["runs"], dict(records))
 
     def find(

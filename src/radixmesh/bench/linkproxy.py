@@ -9,6 +9,10 @@ this relay as a process of its own between the gateway and each worker::
 
     python -m radixmesh.bench.linkproxy --delay 0.002 --to 127.0.0.1:8001 --to 127.0.0.1:8002
 
+A target may carry its own one-way delays, ``--to HOST:PORT=OUT[/BACK]`` (seconds or units as
+``40ms``; BACK defaults to OUT): a gateway in one region reaching workers in others
+(bench/regions.py). ``--delay`` is then the default of the targets without one.
+
 It listens on one free port of 127.0.0.1 per ``--to`` and prints ``READY port port ...`` (in
 ``--to`` order) once listening. Each connection is relayed byte for byte in both directions;
 every chunk is released one emulated one-way delay after it arrived, in order (the runtime's
@@ -28,7 +32,7 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 
 from radixmesh.core.link import LinkConfig
-from radixmesh.runtime.netem import Netem
+from radixmesh.runtime.netem import Netem, parse_peer_delays
 
 CHUNK = 65536
 
@@ -50,12 +54,18 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link
         writer.close()
 
 
+Target = tuple[str, int, tuple[float, float] | None]  # host, port, own (out, back) delays
+
+
 class Relay:
     """Listens for one worker; every accepted connection gets its own pair of delayed pipes."""
 
-    def __init__(self, target: tuple[str, int], config: LinkConfig, seed: int) -> None:
-        self.target = target
-        self.config = config
+    def __init__(self, target: Target, config: LinkConfig, seed: int) -> None:
+        host, port, own = target
+        self.target = (host, port)
+        out, back = own if own is not None else (config.delay_s, config.delay_s)
+        self.config = config.with_delay(out)
+        self.back = config.with_delay(back)
         self._seed = seed
         self._connections = 0
 
@@ -70,7 +80,7 @@ class Relay:
         try:
             await asyncio.gather(
                 _pipe(down_r, up_w, Netem(self.config, base)),
-                _pipe(up_r, down_w, Netem(self.config, base + 1)),
+                _pipe(up_r, down_w, Netem(self.back, base + 1)),
             )
         finally:
             for w in (up_w, down_w):
@@ -79,14 +89,20 @@ class Relay:
                     await w.wait_closed()
 
 
-def parse_target(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
+def parse_target(text: str) -> Target:
+    """``HOST:PORT`` or ``HOST:PORT=OUT[/BACK]``."""
+    address, sep, _ = text.partition("=")
+    try:
+        own = parse_peer_delays(text)[address] if sep else None
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    host, sep, port = address.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
-    return host, int(port)
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT[=OUT[/BACK]], got {text!r}")
+    return host, int(port), own
 
 
-async def serve(targets: Sequence[tuple[str, int]], config: LinkConfig) -> None:
+async def serve(targets: Sequence[Target], config: LinkConfig) -> None:
     servers = []
     for i, target in enumerate(targets):
         relay = Relay(target, config, seed=i)
@@ -114,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--delay", type=float, required=True,
                         help="emulated one-way delay, seconds")  # fmt: skip
     parser.add_argument("--to", type=parse_target, action="append", required=True,
-                        help="a worker HOST:PORT (repeatable)")  # fmt: skip
+                        help="a worker HOST:PORT[=OUT[/BACK]] (repeatable)")  # fmt: skip
     args = parser.parse_args(argv)
     asyncio.run(serve(args.to, LinkConfig(delay_s=args.delay)))
     return 0

@@ -47,7 +47,7 @@ from radixmesh.bench.spec import RunSpec, engine_context
 from radixmesh.core.headers import HEADER_TARGET
 from radixmesh.results.records import Record
 from radixmesh.workload import Request
-from radixmesh.workload.schedule import Sessions, is_open_loop, poisson
+from radixmesh.workload.schedule import Sessions, is_open_loop, think_time, timed
 
 WARMUP_PROMPT = "radixmesh warm-up {i}: hello"
 MODES = ("sequential", "closed", "open")
@@ -91,7 +91,8 @@ class CapacityProbe:
         if not self.capacity_rps or self.capacity_rps <= 0:
             raise RuntimeError("capacity probe completed no request")
         self.rate = self.load * self.capacity_rps
-        return [(r, poisson(reqs, r.spec.nodes, self.rate, r.spec.workload.seed))
+        return [(r, timed(reqs, r.spec.nodes, self.rate, r.spec.workload.seed,
+                          r.spec.workload.arrivals, r.spec.workload.arrival_cv))
                 for r, reqs in pairs]  # fmt: skip
 
     async def _measure(self, http: httpx.AsyncClient, replay: Replay) -> float:
@@ -111,16 +112,20 @@ class CapacityProbe:
 
 
 async def replay_together(
-    pairs: Sequence[Pair], mode: str, probe: CapacityProbe | None = None
+    pairs: Sequence[Pair], mode: str, probe: CapacityProbe | None = None,
+    started: Callable[[], None] | None = None,
 ) -> list[Pair]:
     """Run every pair's requests in ``mode`` (see the module docstring), paired in time; with
-    ``probe``, measure the capacity first and run the timed requests it returns. Returns what
-    ran (the pairs as timed)."""
+    ``probe``, measure the capacity first and run the timed requests it returns; ``started``
+    is called as the run's own requests start (after warm-up and probe). Returns what ran (the
+    pairs as timed)."""
     async with new_http_client() as http:
         for replay, _ in pairs:
             await replay.setup(http)
         if probe is not None:
             pairs = await probe.apply(http, pairs)
+        if started is not None:
+            started()
         t0 = time.perf_counter()
         for replay, _ in pairs:
             replay.t0 = t0
@@ -211,6 +216,8 @@ class Replay:
         self.max_context = engine_context(spec.preset, spec.model, spec.node_profiles)
         self.model = ""
         self.t0 = 0.0
+        self.regions = spec.region_map  # clients enter in every region (bench/regions.py)
+        self.answered: dict[str, float] = {}  # request id -> when its answer was in (clock)
 
     async def setup(self, http: httpx.AsyncClient) -> None:
         self.model = await client.model_name(http, self.urls[0])
@@ -273,6 +280,26 @@ class Replay:
             t_send=time.perf_counter() - self.t0,
         )
 
+    async def _think(self, req: Request) -> None:
+        """A later turn of a session waits for its user's think time after the answer to the
+        turn before (``--think-time``; in the mesh's scaled time)."""
+        w = self.spec.workload
+        done = self.answered.get(req.after) if req.after is not None else None
+        if done is None or w.think_s <= 0:
+            return
+        think = think_time(req.id, w.think_s, w.seed) * self.spec.time_scale
+        wait = done + think - time.perf_counter()
+        if wait > 0:
+            await asyncio.sleep(wait)
+
+    def client_link(self, entry: int) -> tuple[float, float] | None:
+        """The (out, back) delays of a client whose request enters at node ``entry``, to
+        where it sends (its node, or the gateway), in the mesh's (scaled) time."""
+        if self.regions is None:
+            return None
+        out, back = self.regions.client_link(entry, gateway=self.router is not None)
+        return out * self.spec.time_scale, back * self.spec.time_scale
+
     async def one(
         self, http: httpx.AsyncClient, seq: int, req: Request, record: bool = True
     ) -> Record:
@@ -280,14 +307,18 @@ class Replay:
         False for requests that are not part of the run (a capacity probe): the oracle's
         mirrors still see them, the run's records and sink do not."""
         entry = (req.entry or 0) % len(self.urls)
+        await self._think(req)
         rec = self._record(seq, req, entry)
         if self.oracle is not None:
             await self._via_oracle(http, rec, req, entry)
         else:
             url = self.router.url if self.router else self.urls[entry]
-            await client.send(http, url, self.model, req, rec, self.t0)
+            await client.send(http, url, self.model, req, rec, self.t0,
+                              link=self.client_link(entry))
+        self.answered[req.id] = time.perf_counter()
         if self.spec.time_scale != 1.0:
             unscale(rec, self.spec.time_scale)
+        rec.warmup = self.spec.is_warmup(seq, rec.t_send)
         if record:
             self.records.append(rec)
             self.sink(rec)
@@ -305,7 +336,8 @@ class Replay:
         node = chosen if node < 0 else node
         lease = oracle.started(node, tokens, req.max_tokens)
         headers = {HEADER_TARGET: self.ids[node]} if node != entry else None
-        await client.send(http, self.urls[entry], self.model, req, rec, self.t0, headers)
+        await client.send(http, self.urls[entry], self.model, req, rec, self.t0, headers,
+                          link=self.client_link(entry))
         rec.expected_cached_tokens = predicted if node == chosen else lease.cached
         fed = None
         if rec.ok:

@@ -32,9 +32,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -48,14 +47,15 @@ from radixmesh.bench.oracle import Oracle
 from radixmesh.bench.progress import Progress
 from radixmesh.bench.prompts import BLOCK_SIZE, ideal_hit_rate, make_admit, tokenizer_for
 from radixmesh.bench.replay import CapacityProbe, Replay, mode_of, replay_together
+from radixmesh.bench.run_result import RunResult, summary_entry
 from radixmesh.bench.sglang import Gateway, SglangRouter
 from radixmesh.bench.smg import Smg
 from radixmesh.bench.spec import RunSpec, engine_context
+from radixmesh.bench.usage import CpuMeter, write_load
 from radixmesh.results.records import Record
-from radixmesh.results.summary import node_figures, summarize
 from radixmesh.workload import Request, Schedule
-from radixmesh.workload.build import TOO_LONG, Drops, build_counted
-from radixmesh.workload.schedule import describe
+from radixmesh.workload.build import Drops, build_counted
+from radixmesh.workload.schedule import arrival_text, describe
 
 BATCH_LIMIT = 4  # clusters up at once (default)
 GATEWAYS: dict[str, type[Gateway]] = {"sglang": SglangRouter, "smg": Smg}
@@ -64,56 +64,13 @@ PROBE_REQUESTS = 48
 PROBE_CLIENTS = 16
 
 
-@dataclass(slots=True)
-class RunResult:
-    spec: RunSpec
-    records: list[Record] = field(default_factory=list)
-    interrupted: bool = False
-    skipped: str | None = None
-    drops: Drops = field(default_factory=Drops)
-    schedule: dict[str, Any] = field(default_factory=dict)
-    requests: list[Request] = field(default_factory=list)
-    mode: str = "sequential"
-    oracle_mismatches: int | None = None
-    ideal_hit_rate: float | None = None
-    node_ids: list[str] = field(default_factory=list)
-    batch: str = ""
-    paired_with: list[str] = field(default_factory=list)
-    probe_requests: list[Request] = field(default_factory=list)
-    capacity: dict[str, Any] | None = None
-    placements: dict[str, float] | None = None  # the nodes' placement tags (cost), summed
-    engine_lag: dict[str, Any] | None = None  # emulated engines: lag behind their profiles
-
-
-def summary_entry(res: RunResult) -> dict[str, Any]:
-    s, w = res.spec, res.spec.workload
-    entry: dict[str, Any] = {
-        "name": s.name, "policy": s.policy, "nodes": s.nodes, "workload": w.source,
-        "skew": s.skew, "comm_delay_ms": s.net_delay_s * 1000.0,
-        "gossip_interval_ms": s.gossip_interval_s * 1000.0, "cache_tokens": s.cache_tokens,
-        "gossip_announce_ms": None if s.gossip_announce_s is None
-        else s.gossip_announce_s * 1000.0,
-    }  # fmt: skip
-    entry.update(summarize(res.records))
-    entry.update(node_figures(res.records, res.node_ids))
-    entry.update({"group": s.group, "planned_requests": w.requests, "seed": w.seed})
-    entry.update(res.schedule or describe([], s.concurrency, w.rate))
-    entry.update({
-        "dropped": res.drops.to_json(), "dropped_too_long": res.drops.dropped[TOO_LONG],
-        "interrupted": res.interrupted, "skipped": res.skipped,
-        "oracle_mismatches": res.oracle_mismatches, "lockstep": s.lockstep, "batch": res.batch,
-        "paired_with": res.paired_with, "clusters_at_once": 1 + len(res.paired_with),
-        "cpu_cores": os.cpu_count(), "threads_per_node": s.threads,
-        "device": s.device, "dtype": s.dtype,
-        "ideal_hit_rate": res.ideal_hit_rate, "workload_kind": w.kind,
-        "load_fraction": w.load, "capacity": res.capacity, "placements": res.placements,
-        "engine": s.engine, "profiles": s.profiles or None, "time_scale": s.time_scale,
-        "engine_lag": res.engine_lag,
-    })  # fmt: skip
-    if res.capacity and res.capacity.get("rate"):
-        entry["schedule_text"] += (f"; {100 * (w.load or 0):g} % of measured capacity "
-                                   f"{res.capacity['capacity_rps']:.2f} req/s")  # fmt: skip
-    return entry
+def process_ids(cluster: BenchCluster, replay: Replay) -> dict[str, int | None]:
+    """The processes the bench started for a run, by label: each node (by id), and a
+    gateway's process and its relay."""
+    pids: dict[str, int | None] = dict(getattr(cluster, "pids", {}))
+    if replay.router is not None:
+        pids |= replay.router.pids
+    return pids
 
 
 class Sink:
@@ -221,11 +178,13 @@ class Runner:
         reqs, drops, ideal = self._built[key]
         res = RunResult(spec, drops=drops, requests=reqs, ideal_hit_rate=ideal)
         res.mode = mode_of(spec, reqs)
-        res.schedule = describe(reqs, spec.concurrency, spec.workload.rate)
-        if spec.workload.load is not None:  # timed once the capacity is measured
+        w = spec.workload
+        res.schedule = describe(reqs, spec.concurrency, w.rate, w.arrivals, w.arrival_cv)
+        if w.load is not None:  # timed once the capacity is measured
             res.probe_requests = self._probe_workload(spec)
-            text = f"open loop, Poisson at {100 * spec.workload.load:g} % of capacity (unmeasured)"
-            res.schedule.update({"schedule": Schedule.POISSON.value, "schedule_text": text})
+            text = (f"open loop, {arrival_text(w.arrivals, w.arrival_cv)} at {100 * w.load:g} % "
+                    "of capacity (unmeasured)")  # fmt: skip
+            res.schedule.update({"schedule": w.arrivals.value, "schedule_text": text})
         return res
 
     def _probe_workload(self, spec: RunSpec) -> list[Request]:
@@ -321,22 +280,32 @@ class Runner:
         if load is not None:
             clients = min(self.probe_clients, len(first.probe_requests))
             probe = CapacityProbe(first.probe_requests, clients, load)
-        ran = asyncio.run(replay_together(pairs, first.mode, probe))
+        meters = [CpuMeter(process_ids(cluster, replay)) for _, replay, cluster, _ in live]
+        try:
+            ran = asyncio.run(replay_together(pairs, first.mode, probe,
+                                              started=lambda: [m.start() for m in meters]))
+        finally:
+            for (res, *_), meter in zip(live, meters, strict=True):
+                res.cpu = meter.stop()
         if probe is None:
             return
         info = probe.to_json()
+        w = first.spec.workload
         self.log(f"capacity {probe.capacity_rps:.2f} req/s ({probe.basis}; "
                  f"{', '.join(f'{k} {v:.2f}' for k, v in probe.throughput.items())}); "
-                 f"Poisson at {100 * probe.load:g} %: {probe.rate:.2f} req/s")  # fmt: skip
+                 f"{arrival_text(w.arrivals, w.arrival_cv)} at {100 * probe.load:g} %: "
+                 f"{probe.rate:.2f} req/s")  # fmt: skip
         for (res, *_), (_, timed) in zip(live, ran, strict=True):
             res.requests = list(timed)
             res.capacity = info
-            res.schedule = describe(res.requests, 1, probe.rate)
+            res.schedule = describe(res.requests, 1, probe.rate, w.arrivals, w.arrival_cv)
 
     def _stop(self, res: RunResult, replay: Replay, cluster: BenchCluster, progress: Any
               ) -> None:
         if progress is not None:
             progress.close()
+        res.load = write_load(self.out / "load" / f"{res.spec.name}.csv", res.records,
+                              res.node_ids)  # fmt: skip
         if replay.router is not None:
             replay.router.close()
         if res.spec.policy == "cost":
@@ -378,8 +347,13 @@ class Runner:
         gateway = GATEWAYS.get(spec.policy)
         if gateway is not None:
             log = log_dir / f"{spec.policy}.log" if log_dir is not None else None
-            # its hop to the workers crosses the same emulated link as a peer forward
-            replay.router = gateway(cluster.urls, log_path=log, link_delay_s=spec.net_delay_s)
+            # its hop to the workers crosses the same emulated link as a peer forward (with
+            # regions: from the gateway's region to each worker's), in the mesh's time
+            scale, regions = spec.time_scale, spec.region_map
+            links = None if regions is None else [
+                (o * scale, b * scale) for o, b in regions.gateway_links(spec.nodes)]
+            replay.router = gateway(cluster.urls, log_path=log,
+                                    link_delay_s=spec.net_delay_s * scale, links=links)
         elif spec.policy == "oracle":
             context = engine_context(spec.preset, spec.model, spec.node_profiles)
             replay.oracle = Oracle(cluster.node_ids, spec.cache_tokens, BLOCK_SIZE,

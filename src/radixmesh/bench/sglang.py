@@ -14,7 +14,7 @@ the first worker; the runner therefore also offers it with concurrency.
 The gateway→worker hop crosses the same emulated link as a mesh node's forward: with
 ``link_delay_s`` > 0 the workers are reached through :mod:`radixmesh.bench.linkproxy`, which
 delays every chunk by the one-way delay each way (a gateway is one network hop from its
-workers, as a peer is from the entry node).
+workers, as a peer is from the entry node); with regions (``links``) each worker by its own.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ class Gateway:
         startup_timeout_s: float = 60.0,
         log_path: str | Path | None = None,
         link_delay_s: float = 0.0,
+        links: Sequence[tuple[float, float]] | None = None,
     ) -> None:
         if not self.available():
             raise RuntimeError(self.install_hint)
@@ -72,9 +73,8 @@ class Gateway:
         self._relay: subprocess.Popen[bytes] | None = None
         self._proc: subprocess.Popen[bytes] | None = None
         try:
-            routed = self.workers
-            if link_delay_s > 0:
-                routed = self._start_relay(link_delay_s, startup_timeout_s)
+            routed = (self._start_relay(link_delay_s, startup_timeout_s, links)
+                      if link_delay_s > 0 or links else self.workers)  # fmt: skip
             for attempt in range(1, PORT_ATTEMPTS + 1):
                 self._proc = subprocess.Popen(
                     self.command(self.port, routed), stdout=self._log, stderr=subprocess.STDOUT,
@@ -93,14 +93,19 @@ class Gateway:
             self.close()
             raise
 
-    def _start_relay(self, delay_s: float, timeout_s: float) -> list[str]:
-        """Start the delaying relay in front of the workers; the URLs the gateway uses."""
+    def _start_relay(self, delay_s: float, timeout_s: float,
+                     links: Sequence[tuple[float, float]] | None = None) -> list[str]:
+        """Start the delaying relay in front of the workers (``links``: each worker's own
+        (out, back) delays); the URLs the gateway uses."""
         targets = [urlsplit(u) for u in self.workers]
         if any(t.hostname is None or t.port is None for t in targets):
             raise ValueError(f"worker URLs need a host and a port: {self.workers}")
+        if links is not None and len(links) != len(targets):
+            raise ValueError("one (out, back) link per worker")
         cmd = [sys.executable, "-m", "radixmesh.bench.linkproxy", "--delay", repr(delay_s)]
-        for t in targets:
-            cmd += ["--to", f"{t.hostname}:{t.port}"]
+        for i, t in enumerate(targets):
+            own = "" if links is None else f"={links[i][0]!r}/{links[i][1]!r}"
+            cmd += ["--to", f"{t.hostname}:{t.port}{own}"]
         relay = self._relay = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             start_new_session=True,
@@ -126,6 +131,12 @@ class Gateway:
         for stream in (proc.stdin, proc.stdout):
             if stream is not None:
                 stream.close()
+
+    @property
+    def pids(self) -> dict[str, int | None]:
+        """The gateway's process id and its relay's (bench/usage.py measures their CPU)."""
+        return {"gateway": None if self._proc is None else self._proc.pid,
+                "relay": None if self._relay is None else self._relay.pid}  # fmt: skip
 
     @property
     def url(self) -> str:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from radixmesh.bench.regions import Regions
 from radixmesh.core.config import GossipConfig
 from radixmesh.core.router import Policy
 from radixmesh.workload import WorkloadSpec
@@ -55,11 +56,21 @@ class RunSpec:
     engine: str = "builtin"
     profiles: str = ""
     time_scale: float = 1.0  # emulated: everything timed runs S x slower; figures divided back
+    # --regions / --region-delays (the simulator's spelling, bench/regions.py): region names
+    # and the one-way ms matrix; empty = one flat network at net_delay_s
+    regions: str = ""
+    region_delays: str = ""
+    # --exclude-warmup: the first N requests / those sent in the first S (unscaled) seconds
+    # are sent but left out of the figures (records carry "warmup": true)
+    warmup_requests: int = 0
+    warmup_s: float = 0.0
 
     def __post_init__(self) -> None:
         check_policy(self.policy)
         if self.nodes < 1 or self.concurrency < 1 or self.cache_tokens < 1:
             raise ValueError("nodes, concurrency and cache_tokens must be >= 1")
+        if self.warmup_requests < 0 or self.warmup_s < 0:
+            raise ValueError("--exclude-warmup must be >= 0 requests or seconds")
         if self.net_delay_s < 0 or self.gossip_interval_s <= 0:
             raise ValueError("comm delay must be >= 0 and gossip interval > 0")
         if (self.workload.rate or self.workload.load) and self.concurrency > 1:
@@ -74,6 +85,12 @@ class RunSpec:
         if not self.time_scale > 0 or (self.engine == "builtin" and self.time_scale != 1):
             raise ValueError("--time-scale must be > 0, and applies to --engine emulated only")
         self.node_profiles  # noqa: B018 -- refused here, naming the bad --profiles entry
+        self.region_map  # noqa: B018 -- likewise a bad --regions / --region-delays
+
+    @property
+    def region_map(self) -> Regions | None:
+        """The run's regions (None: one flat network)."""
+        return Regions.parse(self.regions, self.region_delays)
 
     @property
     def node_profiles(self) -> list[str]:
@@ -81,6 +98,10 @@ class RunSpec:
         from radixmesh.bench.emulated import parse_profiles
 
         return parse_profiles(self.profiles, self.nodes) if self.engine == "emulated" else []
+
+    def is_warmup(self, seq: int, t_send: float) -> bool:
+        """Whether a request (its position, its unscaled send time) is part of the warm-up."""
+        return seq < self.warmup_requests or t_send < self.warmup_s
 
     @property
     def node_policy(self) -> str:

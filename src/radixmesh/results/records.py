@@ -22,6 +22,8 @@ finished). Field meanings:
 ``server_timing``  any ``server-timing`` parts the node reported (name -> seconds)
 ``error``     ``None`` or a short description (HTTP status + message, or the exception)
 ``finish_reason``  ``stop`` | ``length`` as the API said (what the engine cached depends on it)
+``warmup``    sent during the run's warm-up (``bench --exclude-warmup``): kept here, left out of
+              the run's figures
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class Record:
     request: int | None = None
     ttft_s: float | None = None
     tpot_s: float | None = None
+    warmup: bool = False
 
     def to_json(self) -> dict[str, Any]:
         # Shallow, unlike dataclasses.asdict (which deep-copied every record: seconds per

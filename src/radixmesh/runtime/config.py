@@ -52,6 +52,7 @@ from radixmesh.options import (
     parse_fraction,
     parse_optional_fraction,
 )
+from radixmesh.runtime.netem import parse_peer_delays
 
 # The core's defaults, which ServeConfig's defaults are read from (one place declares each).
 _ROUTER = RouterConfig()
@@ -160,6 +161,7 @@ class ServeConfig:
     net_jitter: float = 0.0  # emulated extra delay, uniform in [0, jitter], seconds
     net_loss: float = 0.0  # emulated loss probability of gossip messages
     net_duplicate: float = 0.0  # emulated duplication probability of gossip messages
+    net_peer_delays: str = ""  # ADDRESS=OUT[/BACK],...: these peers' own one-way delays
     debug_engine_delay: float = 0.0  # test/chaos only: extra seconds per request on the engine
     cluster_key: str = field(default="", repr=False)  # peer-message secret; "" -> env or none
     api_key: str = field(default="", repr=False)  # client bearer token; "" -> env or none
@@ -252,6 +254,7 @@ class ServeConfig:
         return bool(self.peer_tls_cert.strip())
 
     def _check_join(self) -> None:
+        parse_peer_delays(self.net_peer_delays)  # refused here, naming the bad entry
         if self.drain_grace < 0 or self.drain_linger < 0:
             raise ValueError("drain_grace and drain_linger must be >= 0")
         if self.join_dns:
@@ -472,6 +475,8 @@ def _help_texts() -> dict[str, str]:
         "decision_log": "routing decisions kept (what the node believed of every candidate, "
         "what it chose) for GET /mesh/decisions; 0 = none",
         "net_duplicate": "emulated gossip duplication probability, e.g. 0.1",
+        "net_peer_delays": "emulated one-way delays to particular peers instead of --net-delay,"
+        " ADDRESS=OUT[/BACK],... (BACK: their answers'; what bench --regions sets)",
         "debug_engine_delay": "chaos testing: sleep this long before each request on the engine",
         "cluster_key": "secret (>= 16 bytes) authenticating peer messages; prefer the "
         "RADIXMESH_CLUSTER_KEY environment variable or the config file (flags show in ps)",

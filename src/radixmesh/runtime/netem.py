@@ -16,6 +16,12 @@ partition is a set of peers (node ids or ``host:port`` addresses) this node is c
 messages to them are not sent (forwards fail at once, like an unreachable host) and messages
 from them are dropped on arrival. Partitions are changed at run time (``POST /admin/partition``).
 
+Per-peer delays (``serve --net-peer-delays ADDRESS=OUT[/BACK],...``, what ``radixmesh bench
+--regions`` gives each node): the exchanges this node starts with that peer take OUT as the
+request's one-way delay and BACK (default OUT) as each response chunk's, instead of
+``--net-delay``; jitter, loss and the rest still come from the one link config. A peer is named
+by the address this node reaches it at (``host:port``).
+
 Every decision (lost? duplicated? which delay? cut off?) is the core link model's
 (:mod:`radixmesh.core.link`); this module only sleeps, delays streams and counts. Its
 ``reorder`` probability adds a hold-back to a delay (gossip then arrives out of order; the
@@ -26,23 +32,54 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import TypeVar
 
 from radixmesh.core.link import LinkConfig, Partition
+from radixmesh.core.units import parse_duration
 
 T = TypeVar("T")
 
-__all__ = ["Netem", "NetemConfig"]
+__all__ = ["Netem", "NetemConfig", "PeerDelays", "format_peer_delays", "parse_peer_delays"]
 
 NetemConfig = LinkConfig  # the runtime's name for the link one node emulates
+PeerDelays = Mapping[str, tuple[float, float]]  # peer address -> (out, back) one-way delays
+
+
+def parse_peer_delays(text: str) -> dict[str, tuple[float, float]]:
+    """``"127.0.0.1:8001=40ms,127.0.0.1:8002=90ms/120ms"`` -> {address: (out_s, back_s)};
+    BACK defaults to OUT. ValueError naming the bad entry."""
+    out: dict[str, tuple[float, float]] = {}
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        address, sep, delays = part.rpartition("=")
+        there, _, back = delays.partition("/")
+        try:
+            if not sep or not address.strip():
+                raise ValueError("no ADDRESS=")
+            pair = (parse_duration(there), parse_duration(back or there))
+        except ValueError as exc:
+            raise ValueError(f"net_peer_delays: {part!r} is not ADDRESS=OUT[/BACK] ({exc})"
+                             ) from None  # fmt: skip
+        if min(pair) < 0:
+            raise ValueError(f"net_peer_delays: {part!r}: delays must be >= 0")
+        out[address.strip()] = pair
+    return out
+
+
+def format_peer_delays(delays: PeerDelays) -> str:
+    """The flag text :func:`parse_peer_delays` reads back (seconds, 9 significant digits)."""
+    return ",".join(f"{a}={o:.9g}/{b:.9g}" for a, (o, b) in delays.items())
 
 
 class Netem:
     """The link model one node applies; owns its own ``random.Random``."""
 
-    def __init__(self, config: LinkConfig, seed: int = 0) -> None:
+    def __init__(self, config: LinkConfig, seed: int = 0, peers: PeerDelays | None = None
+                 ) -> None:
         self.config = config
+        self.peers = dict(peers or {})  # address -> (out, back): this peer's own delays
         self._rng = random.Random(seed)
         self._cut: Partition[str] = Partition(())  # one group: the peers this node can't reach
         self.dropped_loss = 0  # gossip messages dropped by emulated loss
@@ -84,17 +121,24 @@ class Netem:
         return False
 
     # ------------------------------------------------------------------------ delay
-    def one_way_delay(self) -> float:
-        return self.config.sample_delay(self._rng)
+    def _link(self, peer: str | None, back: bool) -> LinkConfig:
+        """The link toward ``peer`` (``back``: from it), its own delay if it has one."""
+        own = self.peers.get(peer) if peer is not None else None
+        return self.config if own is None else self.config.with_delay(own[1] if back else own[0])
 
-    async def delay(self) -> None:
-        """Sleep one emulated one-way delay (no-op without emulation)."""
-        if self.config.active:
-            await asyncio.sleep(self.one_way_delay())
+    def one_way_delay(self, peer: str | None = None, back: bool = False) -> float:
+        return self._link(peer, back).sample_delay(self._rng)
 
-    async def delayed(self, chunks: AsyncIterator[T]) -> AsyncIterator[T]:
-        """Relay ``chunks`` as if each crossed the link: arrival + one-way delay, in order."""
-        if not self.config.active:
+    async def delay(self, peer: str | None = None) -> None:
+        """Sleep one emulated one-way delay toward ``peer`` (no-op without emulation)."""
+        if self._link(peer, False).active:
+            await asyncio.sleep(self.one_way_delay(peer))
+
+    async def delayed(self, chunks: AsyncIterator[T], peer: str | None = None
+                      ) -> AsyncIterator[T]:
+        """Relay ``chunks`` as if each crossed the link from ``peer``: arrival + one-way
+        delay, in order."""
+        if not self._link(peer, True).active:
             async for chunk in chunks:
                 yield chunk
             return
@@ -106,7 +150,7 @@ class Netem:
             release = 0.0
             try:
                 async for chunk in chunks:
-                    release = max(release, loop.time() + self.one_way_delay())
+                    release = max(release, loop.time() + self.one_way_delay(peer, True))
                     queue.put_nowait((release, chunk))
                 queue.put_nowait((release, None))
             except Exception as exc:  # surfaced to the consumer, in order

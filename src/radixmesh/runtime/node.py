@@ -121,7 +121,7 @@ from radixmesh.runtime.execution import (
     forward_request,
     result_reply,
 )
-from radixmesh.runtime.netem import Netem, NetemConfig
+from radixmesh.runtime.netem import Netem, NetemConfig, parse_peer_delays
 from radixmesh.runtime.peer_auth import (
     ENV_API_KEY,
     ENV_CLUSTER_KEY,
@@ -214,6 +214,7 @@ class NodeService:
             NetemConfig(config.net_delay, config.net_jitter, config.net_loss,
                         config.net_duplicate),
             seed=config.seed ^ self.incarnation ^ 0x5EED,
+            peers=parse_peer_delays(config.net_peer_delays),
         )
         self.auth = PeerAuth(resolve_secret(config.cluster_key, var=ENV_CLUSTER_KEY),
                              self.node_id)

@@ -81,11 +81,11 @@ class ForwardStream:
     """An open forward: call :meth:`next_reply` until the last one; always :meth:`aclose` it."""
 
     def __init__(self, response: aiohttp.ClientResponse, netem: Netem,
-                 releasing: set[asyncio.Task[None]]) -> None:
+                 releasing: set[asyncio.Task[None]], address: str | None = None) -> None:
         self._response = response
         self._releasing = releasing  # the client's background reads of finished bodies
         self.completed = False  # the caller saw the final reply: the connection is reusable
-        self._chunks = netem.delayed(self._read())
+        self._chunks = netem.delayed(self._read(), address)  # crossing the link from it
         self._decoder = ReplyDecoder()
         self._ready: deque[ForwardReply] = deque()
 
@@ -211,12 +211,12 @@ class PeerClient:
         """Push one gossip message; False if dropped (netem) or failed. Never raises."""
         if self.netem.drop_outgoing(peer_id, address, gossip=True):
             return False
-        await self.netem.delay()
+        await self.netem.delay(address)
         headers = {**self._headers, "content-type": "application/octet-stream",
                    **self.auth.headers(GOSSIP_PURPOSE, payload)}
         ok = await self._post_gossip(address, payload, headers)
         if self.netem.duplicate_now():  # the same bytes again, later (a replay, if keyed)
-            await self.netem.delay()
+            await self.netem.delay(address)
             await self._post_gossip(address, payload, headers)
         return ok
 
@@ -238,7 +238,7 @@ class PeerClient:
         as its own POST, which returns once the response headers arrived."""
         if self.netem.drop_outgoing(peer_id, address, gossip=False):
             raise ForwardFailure("partitioned")
-        await self.netem.delay()
+        await self.netem.delay(address)
         if (self.use_links and address not in self._without_links
                 and len(data) <= MAX_LINK_REQUEST_BYTES):  # larger: a POST of its own
             link = await self._link_to(address)
@@ -255,7 +255,7 @@ class PeerClient:
             raise _classify(exc) from None
         if response.status != 200:
             raise await _refused(response)
-        return ForwardStream(response, self.netem, self._releasing)
+        return ForwardStream(response, self.netem, self._releasing, address)
 
     async def _link_to(self, address: str) -> PeerLink | None:
         """The open link to ``address``, opened if need be (concurrent forwards share one

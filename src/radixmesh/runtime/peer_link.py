@@ -113,7 +113,8 @@ class LinkStream:
         self._link, self.id = link, stream_id
         self._timeout_s = timeout_s
         self._inbox: asyncio.Queue[_Item] = asyncio.Queue()
-        self._items = netem.delayed(self._arrivals())  # each reply crosses the emulated link
+        # each reply crosses the emulated link from that peer
+        self._items = netem.delayed(self._arrivals(), link.address)
         self._decoder = ReplyDecoder()
         self._ready: deque[ForwardReply] = deque()
         self.completed = False  # the caller saw the final reply

@@ -36,8 +36,9 @@ from radixmesh.workload import (
     trace,
 )
 from radixmesh.workload.corpus import Corpus
+from radixmesh.workload.lengths import OutputLengths
 from radixmesh.workload.request import Request
-from radixmesh.workload.schedule import Entry
+from radixmesh.workload.schedule import DEFAULT_CV, Entry
 
 WORKLOADS = ("mmlu", *generated.KINDS)  # "mmlu": MMLU with mmlu_dir, else its synthetic shape
 
@@ -58,14 +59,30 @@ class WorkloadSpec:
     kind: str = "mmlu"  # one of WORKLOADS
     load: float | None = None  # Poisson at this fraction of the measured capacity (runner)
     entry: Entry = Entry.GIVEN  # RANDOM: every request's entry drawn at random
+    arrival_cv: float = DEFAULT_CV  # bursty schedule: the gaps' coefficient of variation
+    max_tokens: str = ""  # output lengths (workload/lengths.py spelling); "" = the workload's
+    think_s: float = 0.0  # mean think time before a session's next turn (exponential); 0 = none
 
     def __post_init__(self) -> None:
+        if not self.arrival_cv > 0 or not self.think_s >= 0:
+            raise ValueError("arrival_cv must be > 0 and think_s >= 0")
+        self.output_lengths  # noqa: B018 -- refused here, naming --max-tokens
         if self.kind not in WORKLOADS:
             raise ValueError(f"unknown workload {self.kind!r}; choose from {', '.join(WORKLOADS)}")
         if self.generated and (self.skewed or self.trace or self.requests is None):
             raise ValueError(f"workload {self.kind!r} takes a request count, no skew and no trace")
         if self.load is not None and (self.load <= 0 or self.rate):
             raise ValueError("load is a fraction of capacity > 0, exclusive with a fixed rate")
+
+    @property
+    def arrivals(self) -> schedule.Schedule:
+        """How open-loop arrivals at a rate or load come: the schedule if it is a timed one
+        (poisson, bursty), else Poisson."""
+        return self.schedule if self.schedule.timed else schedule.Schedule.POISSON
+
+    @property
+    def output_lengths(self) -> OutputLengths | None:
+        return OutputLengths.parse(self.max_tokens) if self.max_tokens else None
 
     @property
     def generated(self) -> bool:
@@ -107,8 +124,8 @@ class Drops:
             self.dropped[outcome] += 1
             self.by_group.setdefault(outcome, Counter())[group] += 1
             return None
-        if outcome is not req:
-            self.truncated[group] += 1
+        if outcome is not req and (outcome.prompt, outcome.messages) != (req.prompt, req.messages):
+            self.truncated[group] += 1  # shortened (a drawn output length is no shortening)
         return outcome
 
     @property
@@ -180,8 +197,12 @@ def build(spec: WorkloadSpec, nodes: int, fits: Fits | None = None) -> list[Requ
 
 
 def build_counted(spec: WorkloadSpec, nodes: int, admit: Admit) -> tuple[list[Request], Drops]:
-    """The request sequence and what admission dropped or shortened on the way."""
+    """The request sequence and what admission dropped or shortened on the way (each
+    request with its drawn output length first, when ``spec.max_tokens`` states one)."""
     drops = Drops()
+    lengths = spec.output_lengths
+    if lengths is not None:
+        admit = _with_lengths(admit, lengths, spec.seed)
     if spec.trace:
         return entries(spec, _from_trace(spec, nodes, admit, drops), nodes), drops
     if spec.generated:
@@ -191,7 +212,11 @@ def build_counted(spec: WorkloadSpec, nodes: int, admit: Admit) -> tuple[list[Re
     reqs = entries(spec, reqs, nodes)
     if spec.load is not None:  # timed once the runner has measured the capacity
         return schedule.round_robin(reqs, nodes), drops
-    return schedule.apply(reqs, spec.schedule, nodes, spec.rate, spec.seed), drops
+    return schedule.apply(reqs, spec.schedule, nodes, spec.rate, spec.seed, spec.arrival_cv), drops
+
+
+def _with_lengths(admit: Admit, lengths: OutputLengths, seed: int) -> Admit:
+    return lambda r: admit(lengths.apply(r, seed))
 
 
 def entries(spec: WorkloadSpec, reqs: list[Request], nodes: int) -> list[Request]:
@@ -227,7 +252,7 @@ def _from_trace(spec: WorkloadSpec, nodes: int, admit: Admit, drops: Drops) -> l
             reqs.append(kept)
     check_times(reqs, spec.trace or "")
     if spec.rate:
-        return schedule.poisson(reqs, nodes, spec.rate, spec.seed)
+        return schedule.timed(reqs, nodes, spec.rate, spec.seed, spec.arrivals, spec.arrival_cv)
     return schedule.round_robin(reqs, nodes)
 
 

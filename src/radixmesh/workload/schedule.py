@@ -7,12 +7,17 @@
 * ``poisson``: open-loop arrivals at ``rate`` requests/s with exponential gaps (seeded); the
   client sends at ``t`` whether or not earlier requests finished, so queues and push-back
   matter. Entries still round-robin.
+* ``bursty``: open loop at ``rate`` with gamma-distributed gaps of coefficient of variation
+  ``cv`` (shape 1/cv², so cv 1 is Poisson; 2-4 is the bursty traffic serving benchmarks use),
+  conditioned on the run's length as ``poisson`` is.
 * ``trace``: open loop at the arrival times ``t`` a trace's lines carry.
 Whatever the schedule, a request naming an earlier one in ``after`` (the next turn of a
 conversation, the next step of an agent's task) is not sent before that one has finished
 (:class:`Sessions`): a closed-loop client takes the next request that may go, an open-loop
 arrival whose predecessor is still running is held until it finishes (its latency counts from
-when it was sent: what its user waits). A request list without ``after`` runs as before.
+when it was sent: what its user waits). With a think time (:func:`think_time`, ``--think-time``)
+such a turn goes no earlier than its predecessor's answer plus the user's think time. A request
+list without ``after`` runs as before.
 A request that already names an ``entry`` (e.g. from a trace) keeps it, unless entries are
 drawn at random (:func:`random_entries`, ``--entry random``: clients spread over the nodes by
 DNS or an L4 balancer, where round-robin entry thins the arrivals evenly and so makes no
@@ -35,7 +40,16 @@ class Schedule(StrEnum):
     SEQUENTIAL = "sequential"
     CLOSED = "closed"
     POISSON = "poisson"
+    BURSTY = "bursty"
     TRACE = "trace"
+
+    @property
+    def timed(self) -> bool:
+        """Open-loop arrivals at a rate (Poisson or bursty)."""
+        return self in (Schedule.POISSON, Schedule.BURSTY)
+
+
+DEFAULT_CV = 3.0  # bursty arrivals: the gaps' coefficient of variation (--arrival-cv)
 
 
 class Entry(StrEnum):
@@ -113,6 +127,15 @@ class Sessions:
         return self._held.pop(i, [])
 
 
+def think_time(request_id: str, mean_s: float, seed: int) -> float:
+    """How long a session's user thinks before sending ``request_id`` (a later turn): an
+    exponential draw of mean ``mean_s`` from the request's own stream (seed and id), so every
+    policy's run waits the same; 0 when ``mean_s`` is 0."""
+    if mean_s <= 0:
+        return 0.0
+    return random.Random(f"think/{seed}/{request_id}").expovariate(1.0 / mean_s)
+
+
 def random_entries(requests: Sequence[Request], nodes: int, seed: int) -> list[Request]:
     """Every request at a node drawn uniformly at random (seeded), whatever it named."""
     if nodes < 1:
@@ -140,9 +163,42 @@ def poisson(requests: Sequence[Request], nodes: int, rate: float, seed: int) -> 
     if rate <= 0:
         raise ValueError("rate must be > 0 requests/s")
     rng = random.Random(f"poisson/{seed}")
-    timed = round_robin(requests, nodes)
-    gaps = [rng.expovariate(1.0) for _ in timed[1:]]
-    scale = len(gaps) / rate / sum(gaps) if gaps else 0.0
+    return _spaced(round_robin(requests, nodes), rate, [rng.expovariate(1.0) for _ in requests[1:]])
+
+
+def bursty(
+    requests: Sequence[Request], nodes: int, rate: float, cv: float, seed: int
+) -> list[Request]:
+    """Open-loop arrivals offering exactly ``rate`` with gamma gaps of coefficient of
+    variation ``cv`` (shape k = 1/cv², scale 1/k: mean 1), conditioned on the run's length as
+    :func:`poisson` is. Large ``cv`` = long quiet spells and dense bursts."""
+    if rate <= 0:
+        raise ValueError("rate must be > 0 requests/s")
+    if not cv > 0:
+        raise ValueError(f"arrival cv must be > 0, got {cv!r}")
+    rng = random.Random(f"bursty/{seed}/{cv!r}")
+    k = 1.0 / (cv * cv)
+    return _spaced(round_robin(requests, nodes), rate,
+                   [rng.gammavariate(k, 1.0 / k) for _ in requests[1:]])  # fmt: skip
+
+
+def timed(
+    requests: Sequence[Request], nodes: int, rate: float, seed: int,
+    kind: Schedule = Schedule.POISSON, cv: float = DEFAULT_CV,
+) -> list[Request]:
+    """``requests`` timed at ``rate`` by the open-loop ``kind`` (poisson or bursty)."""
+    if kind is Schedule.BURSTY:
+        return bursty(requests, nodes, rate, cv, seed)
+    if kind is Schedule.POISSON:
+        return poisson(requests, nodes, rate, seed)
+    raise ValueError(f"{kind.value} arrivals are not timed at a rate")
+
+
+def _spaced(timed: list[Request], rate: float, gaps: list[float]) -> list[Request]:
+    """``timed`` at ``gaps`` (one fewer than requests) scaled so that the n arrivals span
+    (n - 1) / rate seconds."""
+    total = sum(gaps)
+    scale = len(gaps) / rate / total if gaps and total > 0 else 0.0
     t = 0.0
     out: list[Request] = []
     for i, r in enumerate(timed):
@@ -153,12 +209,13 @@ def poisson(requests: Sequence[Request], nodes: int, rate: float, seed: int) -> 
 
 
 def apply(
-    requests: Sequence[Request], schedule: Schedule, nodes: int, rate: float | None, seed: int
+    requests: Sequence[Request], schedule: Schedule, nodes: int, rate: float | None, seed: int,
+    cv: float = DEFAULT_CV,
 ) -> list[Request]:
-    if schedule is Schedule.POISSON:
+    if schedule.timed:
         if rate is None:
-            raise ValueError("the poisson schedule needs an arrival rate")
-        return poisson(requests, nodes, rate, seed)
+            raise ValueError(f"the {schedule.value} schedule needs an arrival rate")
+        return timed(requests, nodes, rate, seed, schedule, cv)
     if schedule is Schedule.TRACE:
         return round_robin(requests, nodes)
     return sequential(requests, nodes)
@@ -169,7 +226,8 @@ def is_open_loop(requests: Sequence[Request]) -> bool:
 
 
 def describe(
-    requests: Sequence[Request], concurrency: int = 1, rate: float | None = None
+    requests: Sequence[Request], concurrency: int = 1, rate: float | None = None,
+    arrivals: Schedule = Schedule.POISSON, cv: float | None = None,
 ) -> dict[str, Any]:
     """The schedule a request list runs under, as recorded in ``summary.json``: ``schedule``
     (a :class:`Schedule` value), ``arrival_rate`` (the Poisson rate asked for), the measured
@@ -184,11 +242,19 @@ def describe(
     times = [r.t or 0.0 for r in requests]
     span = max(times) - min(times)
     offered = (len(times) - 1) / span if span > 0 else None
-    kind = Schedule.POISSON if rate else Schedule.TRACE
-    text = f"open loop, {f'Poisson {rate:g} req/s' if rate else 'trace times'}"
+    kind = arrivals if rate else Schedule.TRACE
+    text = f"open loop, {f'{arrival_text(arrivals, cv)} {rate:g} req/s' if rate else 'trace times'}"
     if offered is not None:
         text += f" (offered {offered:.2f} req/s over {span:.0f} s)"
-    return _described(kind, rate, offered, None, text)
+    out = _described(kind, rate, offered, None, text)
+    if kind is Schedule.BURSTY:
+        out["arrival_cv"] = cv
+    return out
+
+
+def arrival_text(arrivals: Schedule, cv: float | None) -> str:
+    """``Poisson`` or ``bursty (gamma, CV 3)``: how a timed schedule's arrivals come."""
+    return "Poisson" if arrivals is Schedule.POISSON else f"bursty (gamma, CV {cv:g})"
 
 
 def _round_robin(requests: Sequence[Request]) -> bool:
