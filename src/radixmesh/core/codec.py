@@ -43,6 +43,7 @@ from radixmesh.core.messages import (
     Snapshot,
     Summary,
 )
+from radixmesh.core.shadow_state import PACKED_SIZE, BatchState
 from radixmesh.core.summary import pack_hashes, unpack_hashes
 
 KIND_GOSSIP = 1  # kinds 2.. are forward messages (forward_codec)
@@ -203,6 +204,7 @@ def _enc_load(load: Load) -> list[Any]:
         load.pushback_s,
         load.utilization,
         load.speed_measured_at,
+        None if load.batch is None else load.batch.pack(),
     ]
 
 
@@ -252,7 +254,7 @@ class _Parser:
         return v
 
     def load(self, raw: Any) -> Load:
-        f = _array(raw, 8, "load")
+        f = _array(raw, 9, "load")
         pushback = None if f[5] is None else _float(f[5], "pushback", minimum=0.0)
         measured = None if f[7] is None else _float(f[7], "speed_measured_at")
         return Load(
@@ -264,6 +266,7 @@ class _Parser:
             pushback_s=pushback,
             utilization=min(1.0, _float(f[6], "utilization", minimum=0.0)),
             speed_measured_at=measured,
+            batch=None if f[8] is None else _batch(f[8]),
         )
 
     def summary(self, raw: Any) -> Summary | None:
@@ -347,6 +350,15 @@ def _speed(raw: Any) -> SpeedReport:
     if not all(math.isfinite(x) and x >= 0 for x in speeds):
         raise RemoteProtocolError("load: speed figures must be finite and >= 0")
     return SpeedReport(*speeds)
+
+
+def _batch(raw: Any) -> BatchState:
+    if not isinstance(raw, bytes) or len(raw) != PACKED_SIZE:
+        raise RemoteProtocolError("load: bad batch report")
+    try:
+        return BatchState.unpack(raw)
+    except ValueError as exc:
+        raise RemoteProtocolError(f"load: {exc}") from None
 
 
 def _array(v: Any, n: int, what: str) -> list[Any]:

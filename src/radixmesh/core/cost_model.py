@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from radixmesh.core.estimators import SpeedReport, median_speed, prefill_times
+from radixmesh.core.shadow_state import BatchState, decode_s, ttft_parts
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +61,9 @@ class NodeInfo:
     # exact queue; ``SpeedReport.queued_service_s``); None: the speed's mean service time
     queue_service_s: float | None = None
     kv_usage: float = 0.0  # its KV cache's fill in [0, 1] as last reported (cache / budget)
+    # a batching engine's batch (exact for self, from its shadow; a peer's report aged):
+    # its wait and service are then its predicted TTFT's parts (``core/shadow_state.py``)
+    batch: BatchState | None = None
 
     @property
     def available(self) -> bool:
@@ -114,20 +118,44 @@ class Candidate:
     # rent paid (``Placement.rent_s``)
     rent_key: int | None = None
     cost_s: float | None = None  # cost policy: its mesh cost (``mesh_cost``), what it ranks by
+    ttft_s: float | None = None  # its predicted time to first token (round trip included)
 
 
 def predict_service(req: RouteInput, node: NodeInfo, context_scale: float) -> float:
-    """The engine time the request would take on ``node`` (its uncached part prefilled)."""
+    """The engine time the request would take on ``node`` (its uncached part prefilled);
+    on a batching engine, its own prefill in the current batch, then its decode steps."""
+    if node.batch is not None:
+        prefill = predict_prefill(req, node, context_scale)
+        return prefill + decode_s(node.batch, req.max_tokens, req.prompt_tokens)
     cached = min(node.cached_tokens, max(0, req.prompt_tokens - 1))
     uncached = req.prompt_tokens - cached
     return node.speed.service_s(uncached, cached, req.max_tokens, context_scale)
 
 
+def predict_prefill(req: RouteInput, node: NodeInfo, context_scale: float) -> float:
+    """The part of the service before the first token: on a batching engine its own
+    prefill in the current batch (``shadow_state.ttft_parts``), else the prefill line's."""
+    cached = min(node.cached_tokens, max(0, req.prompt_tokens - 1))
+    uncached = req.prompt_tokens - cached
+    if node.batch is not None:
+        return ttft_parts(node.batch, uncached, cached)[1]
+    return node.speed.prefill_s(uncached, cached, context_scale)
+
+
 def predict_wait(node: NodeInfo) -> float:
     """The queue wait a request meets on ``node``: its queue, each place priced by what the
-    queued requests will compute (else at the node's mean service time)."""
+    queued requests will compute (else at the node's mean service time); on a batching
+    engine, the prompt work ahead of it and the step under way (``ttft_parts``)."""
+    if node.batch is not None:
+        return ttft_parts(node.batch, 1, 0)[0]
     per = node.speed.mean_service_s if node.queue_service_s is None else node.queue_service_s
     return node.queue_depth * per
+
+
+def predict_ttft(req: RouteInput, node: NodeInfo, context_scale: float) -> float:
+    """Round trip (peers only) + queue wait + the prefill until the first token."""
+    rtt = 0.0 if node.is_self else node.rtt_s
+    return rtt + predict_wait(node) + predict_prefill(req, node, context_scale)
 
 
 def predict_latency(req: RouteInput, node: NodeInfo, context_scale: float) -> float:
@@ -173,11 +201,24 @@ def mesh_cost(req: RouteInput, nodes: Sequence[NodeInfo], context_scale: float) 
     out = []
     for n in nodes:
         service = predict_service(req, n, context_scale)
+        if n.batch is not None:
+            out.append(_latency(n, service) + batch_externality(req, n, context_scale))
+            continue
         mean = n.speed.mean_service_s
         arrivals = n.utilization / mean if mean > 0.0 else 0.0  # requests/s it serves
         out.append(_latency(n, service) + service * n.queue_depth
                    + arrivals * service * service / 2.0)
     return out
+
+
+def batch_externality(req: RouteInput, node: NodeInfo, context_scale: float) -> float:
+    """What the request's prefill on a batching engine costs the requests arriving there
+    while it waits and computes (``BatchState.rate`` per second): each arriving during its
+    wait queues behind all of its prefill, each arriving during it for half on average.
+    (A batch's decodes ride in every step: the running requests' first tokens are out.)"""
+    assert node.batch is not None
+    own = predict_prefill(req, node, context_scale)
+    return node.batch.rate * own * (predict_wait(node) + own / 2.0)
 
 
 def mean_utilization(nodes: Sequence[NodeInfo]) -> float:
@@ -247,4 +288,5 @@ def candidate(
         placement=placement,
         wait_s=predict_wait(node),
         cost_s=cost_s,
+        ttft_s=predict_ttft(req, node, context_scale),
     )

@@ -33,8 +33,9 @@ from dataclasses import dataclass
 
 from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.estimators import SpeedReport
+from radixmesh.core.shadow_state import BatchState
 
-PROTOCOL_VERSION = 2  # 2: Load.speed_measured_at
+PROTOCOL_VERSION = 3  # 2: Load.speed_measured_at; 3: Load.batch
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +53,9 @@ class Load:
     # never (its speed is the configured prior or one adopted from its peers, which a peer
     # must not take for a measurement: an adopted stale speed then spread as fresh)
     speed_measured_at: float | None = None
+    # a batching engine's step-time coefficients and current batch, from the node's shadow
+    # of it (core/shadow_state.py: what a peer needs to predict its TTFT); None: not known
+    batch: BatchState | None = None
 
 
 @dataclass(frozen=True, slots=True)

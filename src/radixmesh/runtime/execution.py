@@ -89,6 +89,7 @@ class Host(Protocol):
     pending: int  # generate calls started by this node, not finished (event-loop view)
 
     def push_load(self) -> None: ...
+    def first_token(self, ex: LocalExecution) -> None: ...
     def push_cache_and_load(self) -> None: ...
     def local_done(self, result: GenerateResult, service_s: float) -> None: ...
     def tracked(self, ex: Execution) -> AbstractAsyncContextManager[None]: ...
@@ -186,7 +187,7 @@ class LocalExecution(Execution):
     def _on_token(self, tok: int) -> None:  # on the event loop
         self._generated += 1
         if self._generated == 1:  # it runs now: the engine's running count changed
-            self.node.push_load()
+            self.node.first_token(self)
         if self.ctx.stream:
             self.queue.put_nowait(("tok", tok))
 
