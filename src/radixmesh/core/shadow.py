@@ -23,7 +23,9 @@ It is reconciled with what the engine reports, so it never drifts far:
 :meth:`Shadow.state` is the engine's batch as :class:`~radixmesh.core.shadow_state.BatchState`
 (what the node's router uses for itself and gossips to its peers); :meth:`Shadow.add`
 returns the TTFT it predicts for the request added, from the state just before (exact
-for this node's own engine but for the profile's error). Pure: ``now`` is passed in.
+for this node's own engine but for the profile's error); the first token's lateness
+against that prediction is the overhead the state reports (its running median: what HTTP, the
+engine's lag and the node's own event loop add). Pure: ``now`` is passed in.
 
 Cost: a step is the scheduler's (O(running)); :meth:`state` is O(live requests), cached
 until the next change. :meth:`advance` runs at most ``MAX_STEPS`` steps per call (a node
@@ -43,6 +45,7 @@ from radixmesh.core.shadow_state import BatchState, ttft_parts
 MAX_STEPS = 4096  # steps one advance() may run; a longer gap jumps the clock
 SYNC_STEPS = 256  # steps first_token() may run at once to catch up with the engine
 RATE_WINDOW_S = 10.0  # the arrival rate's time constant, in profile seconds
+OVERHEAD_STEP = 0.05  # one first token moves the measured overhead by this share of its TTFT
 
 
 def scaled(profile: Profile, time_scale: float) -> Profile:
@@ -81,6 +84,8 @@ class Shadow:
         self._rate = 0.0
         self._rate_at: float | None = None
         self._window = RATE_WINDOW_S * time_scale
+        self._predicted: dict[SeqId, tuple[float, float]] = {}  # seq -> (added at, TTFT)
+        self._overhead = 0.0  # the median lateness of first tokens (a stochastic median)
         self.synced_steps = 0  # steps run at once to catch up with the engine
         self.jumps = 0  # advances that jumped the clock
 
@@ -100,14 +105,23 @@ class Shadow:
             return wait + own  # never fits this engine: the engine will refuse it too
         self._tracks[seq] = _Track(len(prompt), cached, max_tokens)
         self._arrival(now)
+        self._predicted[seq] = (now, wait + own - self._overhead)
         if self._step is None:
             self._clock = now
         self._state = None
         return wait + own
 
     def first_token(self, seq: SeqId, now: float) -> None:
-        """The engine sent ``seq``'s first token: catch up if the shadow has not."""
+        """The engine sent ``seq``'s first token: catch up if the shadow has not; how much
+        later than predicted it came feeds the overhead the state reports."""
         self.advance(now)
+        added = self._predicted.pop(seq, None)
+        if added is not None:  # the median, not the mean: a few requests that a burst
+            late = now - added[0] - added[1]  # joining their step delayed must not shift all
+            step = OVERHEAD_STEP * max(added[1], self.profile.step_base_s)
+            if abs(late - self._overhead) > step:  # (within a step: no move, no dither)
+                self._overhead += step if late > self._overhead else -step
+            self._state = None
         track = self._tracks.get(seq)
         runs = 0
         while track is not None and track.emitted == 0 and runs < SYNC_STEPS:
@@ -120,6 +134,7 @@ class Shadow:
     def finished(self, seq: SeqId, now: float) -> None:
         """The engine ended ``seq`` (however): drop it if the shadow still runs it."""
         self.advance(now)
+        self._predicted.pop(seq, None)
         if self._tracks.pop(seq, None) is not None:
             self._sched.abort(seq, now)
             self._state = None
@@ -223,7 +238,7 @@ class Shadow:
             p.step_base_s, p.prefill_token_s, p.prefill_attn_s, p.decode_seq_s, p.decode_kv_s,
             cfg.step_tokens, cfg.max_running, kv, running, len(self._tracks) - running,
             decoding, decode_kv, ahead, int(self._sched.kv_usage * kv), ahead_s, 0.0,
-            0.0 if soonest is None else soonest * fixed, self._rate)
+            0.0 if soonest is None else soonest * fixed, self._rate, self._overhead)
 
 
 def _compute(p: Profile, tokens: int, start: int) -> float:

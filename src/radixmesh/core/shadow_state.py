@@ -16,11 +16,13 @@ step that computes its last prompt chunk, and until then it waits for
   ``decode_kv_s`` per KV token they attend to), ``ceil((ahead + own) / (step_tokens -
   decoding))`` steps;
 * when the engine is full (``max_running`` sequences, or KV for fewer tokens than it needs)
-  the soonest finish of a running sequence (``free_s``).
+  the soonest finish of a running sequence (``free_s``);
+* what the node measured its engine's first tokens to take beyond its shadow's predictions
+  (``overhead_s``: HTTP, the engine's lag behind its profile, the node's own event loop).
 
 :class:`BatchState` carries exactly what that needs — the engine's profile coefficients (so
 no configuration says which node is faster: an A10G's report says it), its capacities, and
-its current batch — in a fixed 72-byte record a node gossips with its load
+its current batch — in a fixed 76-byte record a node gossips with its load
 (``messages.Load.batch``). A node builds its own from its shadow of the engine
 (``core/shadow.py``); a peer's is aged by :func:`aged` (the work ahead drains at the engine's
 speed while the report travels; our forwards since are added).
@@ -36,8 +38,9 @@ import math
 import struct
 from dataclasses import dataclass, replace
 
-# coefficients (5 floats), capacities and batch (9 unsigned ints), timings (4 floats)
-_PACK = struct.Struct("<5f9I4f")
+# coefficients (5 floats), capacities and batch (9 unsigned ints), timings (4 floats),
+# the measured overhead (1 float)
+_PACK = struct.Struct("<5f9I5f")
 _U32 = (1 << 32) - 1
 
 
@@ -64,6 +67,9 @@ class BatchState:
     residual_s: float  # what is left of the step under way (0: idle)
     free_s: float  # until the soonest running sequence finishes (0: none running)
     rate: float  # requests added per second lately
+    # how much longer than its shadow predicted the engine's first tokens lately came (HTTP,
+    # the engine's own lag, the node's event loop): measured, signed (``Shadow.first_token``)
+    overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("step_base_s", "prefill_token_s", "prefill_attn_s", "decode_seq_s",
@@ -71,6 +77,8 @@ class BatchState:
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"batch.{name} must be a finite number >= 0, got {value}")
+        if not math.isfinite(self.overhead_s):
+            raise ValueError("batch.overhead_s must be finite")
         for name in ("step_tokens", "max_running", "kv_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"batch.{name} must be >= 1")
@@ -94,7 +102,7 @@ class BatchState:
             self.decode_kv_s, self.step_tokens, self.max_running, self.kv_tokens,
             min(self.running, _U32), min(self.waiting, _U32), min(self.decoding, _U32),
             min(self.decode_kv, _U32), min(self.ahead_tokens, _U32), min(self.kv_used, _U32),
-            self.ahead_s, self.residual_s, self.free_s, self.rate)
+            self.ahead_s, self.residual_s, self.free_s, self.rate, self.overhead_s)
 
     @classmethod
     def unpack(cls, raw: bytes) -> BatchState:
@@ -117,7 +125,7 @@ def ttft_parts(b: BatchState, uncached: int, cached: int) -> tuple[float, float]
     fixed = b.step_fixed_s(b.decoding, b.decode_kv)
     steps_ahead = b.ahead_tokens // budget  # whole steps of others' prompts before ours
     steps_all = -(-(b.ahead_tokens + uncached) // budget)
-    wait = b.residual_s + b.ahead_s + steps_ahead * fixed
+    wait = max(0.0, b.residual_s + b.ahead_s + steps_ahead * fixed + b.overhead_s)
     if b.running + b.waiting >= b.max_running or b.kv_used + uncached + cached > b.kv_tokens:
         wait += b.free_s
     own = b.prefill_compute_s(uncached, cached) + (steps_all - steps_ahead) * fixed
