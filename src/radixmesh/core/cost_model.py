@@ -289,14 +289,20 @@ def candidate(
 ) -> Candidate:
     """``node`` as a ranked candidate for the request (its predictions filled in)."""
     expected = min(node.cached_tokens, req.prompt_tokens)
+    ahead = (0.0 if node.is_self else node.rtt_s) + predict_wait(node)  # each once: hot path
+    prefill = predict_prefill(req, node, context_scale)
+    if node.batch is not None:
+        service = prefill + decode_s(node.batch, req.max_tokens, req.prompt_tokens)
+    else:
+        service = predict_service(req, node, context_scale)
     return Candidate(
         node_id=node.node_id,
         is_self=node.is_self,
         expected_cached_tokens=expected,
-        predicted_latency_s=predict_latency(req, node, context_scale),
+        predicted_latency_s=ahead + service,
         beat_s=beat_s,
         placement=placement,
-        wait_s=predict_wait(node),
+        wait_s=ahead - (0.0 if node.is_self else node.rtt_s),
         cost_s=cost_s,
-        ttft_s=predict_ttft(req, node, context_scale),
+        ttft_s=ahead + prefill,
     )
