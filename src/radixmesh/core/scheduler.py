@@ -51,7 +51,7 @@ looked at, so a long queue costs nothing per step.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from itertools import islice
 
 from radixmesh.core.blocks import block_hashes, extend_hashes
@@ -65,6 +65,7 @@ from radixmesh.core.step import (
     SchedulerConfig,
     SeqId,
     SeqState,
+    SeqView,
     Step,
 )
 
@@ -121,6 +122,17 @@ class Scheduler(DecodeRuns):
     def cached_prefix(self, prompt: Sequence[int]) -> int:
         """Prompt tokens a request added now would reuse (whole blocks, never the last)."""
         return self._pool.reusable(prompt)
+
+    def sequences(self) -> Iterator[SeqView]:
+        """The running sequences (admission order), then the first ``WINDOW`` waiting ones
+        (what a report of the engine's state reads: ``core/shadow.py``)."""
+        for s in self._running:
+            yield SeqView(s.id, s.prompt_len if s.prefilled else len(s.tokens),
+                          min(s.computed, len(s.tokens)), len(s.tokens) - s.prompt_len,
+                          s.max_tokens, True)
+        for s in islice(self._waiting, WINDOW):
+            yield SeqView(s.id, len(s.tokens), self._pool.reusable(s.tokens),
+                          len(s.tokens) - s.prompt_len, s.max_tokens, False)
 
     def seq_tokens(self, seq: SeqId) -> Sequence[int]:
         """Prompt + output so far of a live sequence."""

@@ -63,11 +63,7 @@ def scaled(profile: Profile, time_scale: float) -> Profile:
 class _Track:
     """One live request as the shadow follows it."""
 
-    prompt: int  # prompt tokens (grows when a preempted sequence must recompute outputs)
-    computed: int  # prompt tokens in KV (its cached prefix once admitted)
-    max_tokens: int
     emitted: int = 0  # tokens generated
-    admitted: bool = False
 
 
 class Shadow:
@@ -103,7 +99,7 @@ class Shadow:
             self._sched.add(seq, prompt, max_tokens, now)
         except ValueError:
             return wait + own  # never fits this engine: the engine will refuse it too
-        self._tracks[seq] = _Track(len(prompt), cached, max_tokens)
+        self._tracks[seq] = _Track()
         self._arrival(now)
         self._predicted[seq] = (now, wait + own - self._overhead)
         if self._step is None:
@@ -170,11 +166,6 @@ class Shadow:
         step = self._step
         assert step is not None
         end = now if at_once else self._step_end
-        for seq in step.preempted:
-            track = self._tracks.get(seq)
-            if track is not None:
-                track.admitted, track.computed = False, 0
-                track.prompt += track.emitted
         done = self._sched.complete(step, dict.fromkeys(step.emitting, 0), end)
         self._apply(step)
         for fin in done:
@@ -184,11 +175,6 @@ class Shadow:
         return True
 
     def _apply(self, step: Step) -> None:
-        for chunk in step.prefills:
-            track = self._tracks.get(chunk.seq)
-            if track is not None:
-                track.admitted = True
-                track.computed = chunk.start + chunk.tokens
         for seq in step.emitting:
             track = self._tracks.get(seq)
             if track is not None:
@@ -215,30 +201,40 @@ class Shadow:
         return replace(self._state, residual_s=residual)
 
     def _build(self) -> BatchState:
-        p = self.profile
-        decoding = decode_kv = ahead = running = 0
-        ahead_s, soonest = 0.0, None
-        under_way = {} if self._step is None else {
-            c.seq: c.start + c.tokens for c in self._step.prefills}  # the residual covers them
-        for seq, t in self._tracks.items():
-            running += t.admitted or seq in under_way
-            left = t.prompt - under_way.get(seq, t.computed)
-            if left > 0 or (t.emitted == 0 and seq not in under_way):
-                ahead += max(left, 0)
-                ahead_s += _compute(p, max(left, 0), t.prompt - max(left, 0))
-                continue
-            decoding += 1
-            decode_kv += t.prompt + t.emitted
-            remaining = t.max_tokens - t.emitted
-            soonest = remaining if soonest is None else min(soonest, remaining)
-        fixed = p.step_base_s + p.decode_seq_s * decoding + p.decode_kv_s * decode_kv
-        cfg = self._sched.config
-        kv = cfg.kv_blocks * cfg.block_size
-        return BatchState(
-            p.step_base_s, p.prefill_token_s, p.prefill_attn_s, p.decode_seq_s, p.decode_kv_s,
-            cfg.step_tokens, cfg.max_running, kv, running, len(self._tracks) - running,
-            decoding, decode_kv, ahead, int(self._sched.kv_usage * kv), ahead_s, 0.0,
-            0.0 if soonest is None else soonest * fixed, self._rate, self._overhead)
+        return batch_state(self._sched, self.profile, self._step, 0.0, self._rate,
+                           self._overhead)
+
+
+def batch_state(sched: Scheduler, p: Profile, under_way: Step | None, residual_s: float,
+                rate: float, overhead_s: float) -> BatchState:
+    """The state of an engine running ``sched`` with step times ``p``: its sequences' work
+    ahead and decodes (``Scheduler.sequences``), the prompt chunks of the step ``under_way``
+    counted as done (``residual_s`` covers them). The shadow's and the simulator's alike."""
+    done = {} if under_way is None else {c.seq: c.start + c.tokens for c in under_way.prefills}
+    decoding = decode_kv = ahead = running = waiting = 0
+    ahead_s, soonest = 0.0, None
+    for v in sched.sequences():
+        running += v.admitted
+        waiting += not v.admitted
+        computed = done.get(v.seq, v.computed)
+        left = v.prompt - computed
+        if left > 0:
+            ahead += left
+            ahead_s += _compute(p, left, computed)
+            continue
+        decoding += 1
+        decode_kv += v.prompt + v.emitted
+        remaining = v.max_tokens - v.emitted
+        soonest = remaining if soonest is None else min(soonest, remaining)
+    waiting += max(0, sched.waiting - waiting)  # beyond the window: counted, not priced
+    fixed = p.step_base_s + p.decode_seq_s * decoding + p.decode_kv_s * decode_kv
+    cfg = sched.config
+    kv = cfg.kv_blocks * cfg.block_size
+    return BatchState(
+        p.step_base_s, p.prefill_token_s, p.prefill_attn_s, p.decode_seq_s, p.decode_kv_s,
+        cfg.step_tokens, cfg.max_running, kv, running, waiting, decoding, decode_kv, ahead,
+        int(sched.kv_usage * kv), ahead_s, residual_s,
+        0.0 if soonest is None else soonest * fixed, rate, overhead_s)
 
 
 def _compute(p: Profile, tokens: int, start: int) -> float:
