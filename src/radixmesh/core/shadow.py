@@ -206,10 +206,12 @@ class Shadow:
 
 
 def batch_state(sched: Scheduler, p: Profile, under_way: Step | None, residual_s: float,
-                rate: float, overhead_s: float) -> BatchState:
+                rate: float, overhead_s: float, decoded: int = 0) -> BatchState:
     """The state of an engine running ``sched`` with step times ``p``: its sequences' work
     ahead and decodes (``Scheduler.sequences``), the prompt chunks of the step ``under_way``
-    counted as done (``residual_s`` covers them). The shadow's and the simulator's alike."""
+    counted as done (``residual_s`` covers them), and ``decoded`` decode steps done that
+    ``sched`` has not applied yet (the simulator's runs of decode steps, one event each).
+    The shadow's and the simulator's alike."""
     done = {} if under_way is None else {c.seq: c.start + c.tokens for c in under_way.prefills}
     decoding = decode_kv = ahead = running = waiting = 0
     ahead_s, soonest = 0.0, None
@@ -223,8 +225,8 @@ def batch_state(sched: Scheduler, p: Profile, under_way: Step | None, residual_s
             ahead_s += _compute(p, left, computed)
             continue
         decoding += 1
-        decode_kv += v.prompt + v.emitted
-        remaining = v.max_tokens - v.emitted
+        decode_kv += v.prompt + v.emitted + decoded
+        remaining = v.max_tokens - v.emitted - decoded
         soonest = remaining if soonest is None else min(soonest, remaining)
     waiting += max(0, sched.waiting - waiting)  # beyond the window: counted, not priced
     fixed = p.step_base_s + p.decode_seq_s * decoding + p.decode_kv_s * decode_kv

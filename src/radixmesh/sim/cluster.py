@@ -447,10 +447,14 @@ class SimCluster:
         if not isinstance(engine.timer, Profile):
             return None
         planned, now = node.planned, self.loop.now
-        residual = 0.0 if planned is None else max(0.0, node.planned_at + planned.duration_s - now)
         rate = node.rate * math.exp(-max(now - node.rate_at, 0.0) / RATE_WINDOW_S)
-        step = None if planned is None else planned.step
-        return batch_state(engine.sched, engine.timer, step, residual, rate, 0.0)
+        if planned is None:
+            return batch_state(engine.sched, engine.timer, None, 0.0, rate, 0.0)
+        # a run of decode steps: the step under way is its j-th, j - 1 of them done
+        j = engine.steps_by(planned, now - node.planned_at)
+        end = node.planned_at + j * planned.first_s + planned.delta_s * j * (j - 1) / 2
+        return batch_state(engine.sched, engine.timer, planned.step, max(0.0, end - now), rate,
+                           0.0, j - 1)
 
     # ------------------------------------------------------------------------- requests
     def submit(self, index: int, req: Request, tokens: list[int], entry: int) -> Flight:
