@@ -376,14 +376,18 @@ class Runner:
         replay: Replay, spec: RunSpec, cluster: BenchCluster, log_dir: Path | None = None
     ) -> None:
         gateway = GATEWAYS.get(spec.policy)
+        # the emulated link's one-way delay in the cluster's clock: an emulated mesh runs
+        # time_scale times slower, its nodes' links stretched by as much (bench/cluster.py
+        # serve_options); unstretched, a gateway's hop cost it 1/20 of a peer forward's delay
+        delay = spec.comm_delay_s * spec.time_scale
         if gateway is not None:
             log = log_dir / f"{spec.policy}.log" if log_dir is not None else None
             # its hop to the workers crosses the same emulated link as a peer forward
-            replay.router = gateway(cluster.urls, log_path=log, link_delay_s=spec.comm_delay_s)
+            replay.router = gateway(cluster.urls, log_path=log, link_delay_s=delay)
         elif spec.policy == "oracle":
             context = engine_context(spec.preset, spec.model, spec.node_profiles)
             replay.oracle = Oracle(cluster.node_ids, spec.cache_tokens, BLOCK_SIZE,
-                                   spec.comm_delay_s, spec.seed, context)  # fmt: skip
+                                   delay, spec.seed, context)  # fmt: skip
 
     def write_summary(self) -> dict[str, Any]:
         current = [summary_entry(r) for r in self.results]
