@@ -51,6 +51,7 @@ from radixmesh.bench.replay import CapacityProbe, Replay, mode_of, replay_togeth
 from radixmesh.bench.sglang import Gateway, SglangRouter
 from radixmesh.bench.smg import Smg
 from radixmesh.bench.spec import RunSpec, engine_context
+from radixmesh.core.profile import resolve as resolve_profile
 from radixmesh.results.records import Record
 from radixmesh.results.summary import node_figures, summarize
 from radixmesh.workload import Request, Schedule
@@ -386,8 +387,11 @@ class Runner:
             replay.router = gateway(cluster.urls, log_path=log, link_delay_s=delay)
         elif spec.policy == "oracle":
             context = engine_context(spec.preset, spec.model, spec.node_profiles)
+            profiles = ([resolve_profile(p) for p in spec.node_profiles]
+                        if spec.engine == "emulated" else None)
             replay.oracle = Oracle(cluster.node_ids, spec.cache_tokens, BLOCK_SIZE,
-                                   delay, spec.seed, context)  # fmt: skip
+                                   delay, spec.seed, context, profiles=profiles,
+                                   time_scale=spec.time_scale)  # fmt: skip
 
     def write_summary(self) -> dict[str, Any]:
         current = [summary_entry(r) for r in self.results]

@@ -188,6 +188,10 @@ class Shadow:
         self._rate_at = now
 
     # ------------------------------------------------------------------------ reading
+    def cached_prefix(self, prompt: Sequence[int]) -> int:
+        """Prompt tokens the engine would reuse if ``prompt`` were added now."""
+        return self._sched.cached_prefix(prompt)
+
     @property
     def live(self) -> int:
         return len(self._tracks)
