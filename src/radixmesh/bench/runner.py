@@ -377,20 +377,16 @@ class Runner:
         replay: Replay, spec: RunSpec, cluster: BenchCluster, log_dir: Path | None = None
     ) -> None:
         gateway = GATEWAYS.get(spec.policy)
-        # the emulated link's one-way delay in the cluster's clock: an emulated mesh runs
-        # time_scale times slower, its nodes' links stretched by as much (bench/cluster.py
-        # serve_options); unstretched, a gateway's hop cost it 1/20 of a peer forward's delay
-        delay = spec.comm_delay_s * spec.time_scale
+        delay = spec.comm_delay_s * spec.time_scale  # stretched as the nodes' links are
         if gateway is not None:
             log = log_dir / f"{spec.policy}.log" if log_dir is not None else None
             # its hop to the workers crosses the same emulated link as a peer forward
             replay.router = gateway(cluster.urls, log_path=log, link_delay_s=delay)
         elif spec.policy == "oracle":
             context = engine_context(spec.preset, spec.model, spec.node_profiles)
-            profiles = ([resolve_profile(p) for p in spec.node_profiles]
-                        if spec.engine == "emulated" else None)
-            replay.oracle = Oracle(cluster.node_ids, spec.cache_tokens, BLOCK_SIZE,
-                                   delay, spec.seed, context, profiles=profiles,
+            shadowed = [resolve_profile(p) for p in spec.node_profiles] or None
+            replay.oracle = Oracle(cluster.node_ids, spec.cache_tokens, BLOCK_SIZE, delay,
+                                   spec.seed, context, profiles=shadowed,
                                    time_scale=spec.time_scale)  # fmt: skip
 
     def write_summary(self) -> dict[str, Any]:
