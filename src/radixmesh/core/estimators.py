@@ -27,6 +27,10 @@ per-node fits differed by more than the router's 1.5× tolerance and at 200 ms o
 the rate of the last prefills of different sizes while the overhead followed the hits. Nodes'
 speeds are compared by their times at two reference sizes (:func:`prefill_times`), not field
 by field.)
+
+Why one file over 400 lines: every online estimate the router reads (speed, round trip,
+utilization, wait error, queued blocks) shares the priors and the EWMA defined here; split,
+each would import the others' vocabulary back.
 """
 
 from __future__ import annotations
