@@ -18,6 +18,6 @@ def test_the_oracle_sends_a_cold_prompt_to_the_faster_engine_and_tracks_it() -> 
     lease = oracle.started(node, prompt, 4)
     assert oracle.shadows is not None and oracle.shadows[0].live == 1
     now[0] = 0.2
-    oracle.finished(node, lease, len(prompt), prompt + [1, 2, 3], 0.08)
+    oracle.finished(node, lease, len(prompt), [*prompt, 1, 2, 3], 0.08)
     assert oracle.shadows[0].live == 0
-    assert oracle.shadows[0].cached_prefix(prompt + [9]) >= 2592  # its cache has the prompt
+    assert oracle.shadows[0].cached_prefix([*prompt, 9]) >= 2592  # its cache has the prompt
