@@ -37,8 +37,8 @@ def test_an_emulated_run_needs_profiles_and_no_builtin_time_scale() -> None:
         RunSpec(name="r", policy="cost", engine="emulated")
     with pytest.raises(ValueError, match="time-scale"):
         RunSpec(name="r", policy="cost", time_scale=4.0)
-    with pytest.raises(ValueError, match="oracle"):
-        RunSpec(name="r", policy="oracle", engine="emulated", profiles="h100-llama3-8b")
+    # the oracle runs on emulated engines too: it shadows each engine's scheduler
+    RunSpec(name="r", policy="oracle", engine="emulated", profiles="h100-llama3-8b")
 
 
 def test_each_node_fronts_its_own_engine_at_the_stretched_time_scale() -> None:
@@ -48,6 +48,8 @@ def test_each_node_fronts_its_own_engine_at_the_stretched_time_scale() -> None:
     opts = serve_options(spec)
     assert opts["gossip_interval"] == pytest.approx(5.0)
     assert opts["net_delay"] == pytest.approx(0.01)
+    assert per_node_options(spec)[1]["profile"] == "a10g-llama3-8b"  # the node's shadow's
+    assert per_node_options(spec)[1]["profile_time_scale"] == 10.0
     assert "preset" not in opts and "threads" not in opts  # no built-in engine
     per = per_node_options(spec)
     assert per[0]["engine"] == per[1]["engine"] == "vllm"

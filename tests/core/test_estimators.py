@@ -214,9 +214,10 @@ def test_a_peer_never_measured_is_priced_like_the_slowest_link_measured() -> Non
     rtt.observe("a", 0.5, probe=True)
     rtt.observe("b", 2.0, probe=True)
     assert rtt.known and rtt.get("new") == 2.0 and not rtt.measured("new")
-    for _ in range(200):  # the slow link got fast: the next slowest prices the unknown
-        rtt.observe("b", 0.1)
-    assert rtt.get("new") == pytest.approx(0.5)
+    for _ in range(200):  # the slow link got fast: the next slowest prices the unknown,
+        rtt.observe("b", 0.1)  # and b's probe said 20x its forwards: a's probe is scaled too
+    assert rtt.get("a") == pytest.approx(0.5 * 0.1 / 2.0)
+    assert rtt.get("new") == pytest.approx(0.1)
     rtt.forget("a")
     assert rtt.get("new") == pytest.approx(0.1)
     rtt.forget("b")
@@ -236,6 +237,7 @@ def test_rtt_table_matches_a_reference_of_its_estimates(ops: list[tuple[str, flo
     rtt = RttTable(PRIORS)
     forward: dict[str, Ewma] = {}
     probe: dict[str, Ewma] = {}
+    ratio = Ewma(1.0, PRIORS.alpha)  # forward / probe of the peers measured both ways
     for peer, seconds, is_probe, drop in ops:
         if drop:
             rtt.forget(peer)
@@ -244,17 +246,20 @@ def test_rtt_table_matches_a_reference_of_its_estimates(ops: list[tuple[str, flo
             continue
         rtt.observe(peer, seconds, probe=is_probe)
         table = probe if is_probe else forward
+        if seconds >= 0 and not is_probe and peer in probe and probe[peer].value > 0:
+            ratio.observe(min(seconds / probe[peer].value, 1.0))
         if seconds >= 0:
             if peer in table:
                 table[peer].observe(seconds)
             else:
                 table[peer] = Ewma(seconds, PRIORS.alpha)
                 table[peer].count = 1
-        own = {p: (forward.get(p) or probe[p]).value for p in {*forward, *probe}}
+        own = {p: forward[p].value if p in forward else probe[p].value * ratio.value
+               for p in {*forward, *probe}}
         for p in "abcd":
             assert rtt.measured(p) == (p in own)
             if p in own:
-                assert rtt.get(p) == own[p]
+                assert rtt.get(p) == pytest.approx(own[p])
         expected = max(own.values()) if own else PRIORS.rtt_s
         assert rtt.get("never") == pytest.approx(expected)
 

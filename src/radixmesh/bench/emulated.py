@@ -74,6 +74,8 @@ def engine_options(profile: str, ports: Sequence[int], time_scale: float) -> dic
         "kv_replay": f"tcp://*:{replay}",
         "tokenizer": BYTES,
         "launch": " ".join(launch),
+        "profile": profile,
+        "profile_time_scale": time_scale,
     }
 
 

@@ -28,6 +28,12 @@ Design (client-side, so no node needs a special mode):
   same fallback rules), so a forward costs exactly what it costs any policy. The decision
   itself (a few µs in the client) is free — that is the "instantaneous knowledge".
 
+On an emulated mesh (``profiles`` given) the oracle also keeps each engine's scheduler, as
+a node's shadow does (``core/shadow.py``, the engine's profile and time scale, fed every
+request started and ended there): the cached prefix it ranks with is that scheduler's (the
+engine's KV pool, not ``budget_tokens``), and every node is priced by its predicted TTFT
+from its exact batch, as a profiled node prices itself.
+
 Limitations (stated in the report): under concurrency, the order in which a node's engine
 starts and finishes requests can differ from the client's, so the mirror may drift slightly
 (mismatches are counted); an output that a non-byte tokenizer does not re-encode to the same
@@ -44,7 +50,9 @@ from typing import Any
 from radixmesh.core.byte_tokenizer import ByteTokenizer
 from radixmesh.core.estimators import ComputeModel, CostPriors, speed_is_stale
 from radixmesh.core.prefix_cache import Lease, PrefixCache
+from radixmesh.core.profile import Profile
 from radixmesh.core.router import NodeInfo, Policy, RouteInput, Router, RouterConfig
+from radixmesh.core.shadow import Shadow
 
 HTTP_OVERHEAD_S = 0.001
 UNKNOWN = 2**32 - 1  # a token id no tokenizer produces (block hashes pack ids as uint32)
@@ -110,8 +118,13 @@ class Oracle:
         seed: int,
         max_context: int = 4096,
         clock: Callable[[], float] = time.monotonic,
+        profiles: Sequence[Profile] | None = None,
+        time_scale: float = 1.0,
     ) -> None:
         self.node_ids = list(node_ids)
+        self.shadows = None if profiles is None else [Shadow(p, time_scale) for p in profiles]
+        self._shadowed: dict[int, tuple[int, int]] = {}  # id(lease) -> (node, shadow seq)
+        self._seq = 0
         self.mirrors = [CacheMirror(budget_tokens, block_size, max_context) for _ in node_ids]
         self.rtt_s = 2 * comm_delay_s + HTTP_OVERHEAD_S
         priors = CostPriors(rtt_s=self.rtt_s)
@@ -149,14 +162,17 @@ class Oracle:
     def choose(self, prompt: Sequence[int], max_tokens: int, entry: int) -> tuple[int, int]:
         """(node index, predicted cached tokens) for a request entering at ``entry``."""
         self._refresh_stale_speeds()
+        now, shadows = self.clock(), self.shadows
         infos = [
             NodeInfo(
                 node_id=nid,
                 is_self=i == entry,
-                cached_tokens=self.mirrors[i].match(prompt),
+                cached_tokens=self.mirrors[i].match(prompt) if shadows is None
+                else shadows[i].cached_prefix(prompt),
                 rtt_s=0.0 if i == entry else self.rtt_s,
                 queue_depth=self.inflight[i],
                 speed=self.models[i].report(),
+                batch=None if shadows is None else shadows[i].state(now),
             )
             for i, nid in enumerate(self.node_ids)
         ]
@@ -166,7 +182,12 @@ class Oracle:
     def started(self, node: int, prompt: Sequence[int], max_tokens: int) -> Lease[None]:
         """The request is on its way to ``node``: its cache step there (lease.cached)."""
         self.inflight[node] += 1
-        return self.mirrors[node].start(prompt, max_tokens)
+        lease = self.mirrors[node].start(prompt, max_tokens)
+        if self.shadows is not None:
+            self._seq += 1
+            self._shadowed[id(lease)] = (node, self._seq)
+            self.shadows[node].add(self._seq, prompt, max_tokens, self.clock())
+        return lease
 
     def finished(
         self,
@@ -179,6 +200,9 @@ class Oracle:
         """The request ended: commit ``fed`` (prompt + generated ids, None if it failed) and
         learn the node's speed from ``service_s``."""
         self.inflight[node] -= 1
+        shadowed = self._shadowed.pop(id(lease), None)
+        if self.shadows is not None and shadowed is not None:
+            self.shadows[shadowed[0]].finished(shadowed[1], self.clock())
         self.mirrors[node].finish(lease, fed)
         if service_s is not None and service_s > 0:
             self.models[node].observe_prefill(prompt_len - lease.cached, lease.cached, service_s)

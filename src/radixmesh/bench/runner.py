@@ -52,6 +52,7 @@ from radixmesh.bench.sglang import Gateway, SglangRouter
 from radixmesh.bench.smg import Smg
 from radixmesh.bench.spec import RunSpec, engine_context
 from radixmesh.bench.usage import CpuMeter, write_load
+from radixmesh.core.profile import resolve as resolve_profile
 from radixmesh.results.records import Record
 from radixmesh.workload import Request, Schedule
 from radixmesh.workload.build import Drops, build_counted
@@ -345,6 +346,7 @@ class Runner:
         replay: Replay, spec: RunSpec, cluster: BenchCluster, log_dir: Path | None = None
     ) -> None:
         gateway = GATEWAYS.get(spec.policy)
+        delay = spec.net_delay_s * spec.time_scale  # stretched as the nodes' links are
         if gateway is not None:
             log = log_dir / f"{spec.policy}.log" if log_dir is not None else None
             # its hop to the workers crosses the same emulated link as a peer forward (with
@@ -352,12 +354,13 @@ class Runner:
             scale, regions = spec.time_scale, spec.region_map
             links = None if regions is None else [
                 (o * scale, b * scale) for o, b in regions.gateway_links(spec.nodes)]
-            replay.router = gateway(cluster.urls, log_path=log,
-                                    link_delay_s=spec.net_delay_s * scale, links=links)
+            replay.router = gateway(cluster.urls, log_path=log, link_delay_s=delay, links=links)
         elif spec.policy == "oracle":
             context = engine_context(spec.preset, spec.model, spec.node_profiles)
-            replay.oracle = Oracle(cluster.node_ids, spec.cache_tokens, BLOCK_SIZE,
-                                   spec.net_delay_s, spec.seed, context)  # fmt: skip
+            shadowed = [resolve_profile(p) for p in spec.node_profiles] or None
+            replay.oracle = Oracle(cluster.node_ids, spec.cache_tokens, BLOCK_SIZE, delay,
+                                   spec.seed, context, profiles=shadowed,
+                                   time_scale=spec.time_scale)  # fmt: skip
 
     def write_summary(self) -> dict[str, Any]:
         current = [summary_entry(r) for r in self.results]

@@ -79,9 +79,6 @@ class RunSpec:
             raise ValueError(f"engine must be builtin or emulated, got {self.engine!r}")
         if self.engine == "emulated" and not self.profiles:
             raise ValueError("--engine emulated needs --profiles NAME[:COUNT],...")
-        if self.engine == "emulated" and self.policy == "oracle":
-            raise ValueError("the oracle mirrors the built-in engine's cache; it does not run "
-                             "on emulated engines yet")
         if not self.time_scale > 0 or (self.engine == "builtin" and self.time_scale != 1):
             raise ValueError("--time-scale must be > 0, and applies to --engine emulated only")
         self.node_profiles  # noqa: B018 -- refused here, naming the bad --profiles entry

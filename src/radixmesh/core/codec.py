@@ -46,6 +46,7 @@ from radixmesh.core.messages import (
     Summary,
 )
 from radixmesh.core.sessions import MAX_GOSSIP_SESSIONS
+from radixmesh.core.shadow_state import PACKED_SIZE, BatchState
 from radixmesh.core.summary import pack_hashes, unpack_hashes
 
 KIND_GOSSIP = 1  # kinds 2.. are forward messages (forward_codec)
@@ -208,6 +209,7 @@ def _enc_load(load: Load) -> list[Any]:
         load.pushback_s,
         round(load.utilization * 100),  # whole percent: 1 byte, not a float64's 9
         load.speed_measured_at,
+        None if load.batch is None else load.batch.pack(),
     ]
 
 
@@ -269,7 +271,7 @@ class _Parser:
         return v
 
     def load(self, raw: Any) -> Load:
-        f = _array(raw, 8, "load")
+        f = _array(raw, 9, "load")
         pushback = None if f[5] is None else _float(f[5], "pushback", minimum=0.0)
         measured = None if f[7] is None else _float(f[7], "speed_measured_at")
         return Load(
@@ -281,6 +283,7 @@ class _Parser:
             pushback_s=pushback,
             utilization=min(100, _int(f[6], "utilization")) / 100,
             speed_measured_at=measured,
+            batch=None if f[8] is None else _batch(f[8]),
         )
 
     def summary(self, raw: Any) -> Summary | None:
@@ -364,6 +367,15 @@ def _speed(raw: Any) -> SpeedReport:
     if not all(math.isfinite(x) and x >= 0 for x in speeds):
         raise RemoteProtocolError("load: speed figures must be finite and >= 0")
     return SpeedReport(*speeds)
+
+
+def _batch(raw: Any) -> BatchState:
+    if not isinstance(raw, bytes) or len(raw) != PACKED_SIZE:
+        raise RemoteProtocolError("load: bad batch report")
+    try:
+        return BatchState.unpack(raw)
+    except ValueError as exc:
+        raise RemoteProtocolError(f"load: {exc}") from None
 
 
 def _array(v: Any, n: int, what: str) -> list[Any]:

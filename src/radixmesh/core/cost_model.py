@@ -12,11 +12,22 @@ its queue (exact for self, expected for a peer), speed and utilization. From tho
 * :func:`predict_latency` — round trip (peers) + wait + service: what the request sees;
 * :func:`mesh_cost` — that, plus what the choice costs the requests queued behind it and
   those arriving while it runs: what the cost policy ranks by;
+* :func:`predict_ttft` — round trip + wait + the prefill until the first token;
 * bounded load — :func:`mean_utilization`, :func:`over_bound`, :func:`request_slack`;
 * :func:`robust_speeds` — speeds within a tolerance of the candidates' median count as the
   median (noise must not pull cold traffic to whichever node looks fastest);
 * :func:`candidate` — a ranked :class:`Candidate` for one node, tagged (:class:`Tag`) with
   what serving there does to the prefix's copies.
+
+A node that reports a batching engine's batch (``NodeInfo.batch``: its shadow of the engine,
+``core/shadow.py``, exact for self, a peer's gossiped report aged) is priced by what its
+engine will do, not as a FIFO queue of whole services: the wait is the prompt work ahead
+and the step under way, the service its own prefill in that batch then its decode steps
+(``shadow_state.ttft_parts``), its cost to others what its prefill delays the requests
+arriving meanwhile (:func:`batch_externality`), and the load bound does not apply to it
+(its predicted TTFT already holds its load). The FIFO model priced an H100 running a few
+requests as seconds busy and gave away hits: 16 emulated H100s, RAG at 80 %, `cost` cached
+76 % against the gateways' 87 %.
 
 All pure functions of their arguments; the policies (``core/router.py``,
 ``core/cost_policy.py``) rank with them, admission (``core/admission.py``) checks a peer's
@@ -30,6 +41,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from radixmesh.core.estimators import SpeedReport, median_speed, prefill_times
+from radixmesh.core.shadow_state import BatchState, decode_s, ttft_parts
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +72,9 @@ class NodeInfo:
     # exact queue; ``SpeedReport.queued_service_s``); None: the speed's mean service time
     queue_service_s: float | None = None
     kv_usage: float = 0.0  # its KV cache's fill in [0, 1] as last reported (cache / budget)
+    # a batching engine's batch (exact for self, from its shadow; a peer's report aged):
+    # its wait and service are then its predicted TTFT's parts (``core/shadow_state.py``)
+    batch: BatchState | None = None
 
     @property
     def available(self) -> bool:
@@ -114,20 +129,44 @@ class Candidate:
     # rent paid (``Placement.rent_s``)
     rent_key: int | None = None
     cost_s: float | None = None  # cost policy: its mesh cost (``mesh_cost``), what it ranks by
+    ttft_s: float | None = None  # its predicted time to first token (round trip included)
 
 
 def predict_service(req: RouteInput, node: NodeInfo, context_scale: float) -> float:
-    """The engine time the request would take on ``node`` (its uncached part prefilled)."""
+    """The engine time the request would take on ``node`` (its uncached part prefilled);
+    on a batching engine, its own prefill in the current batch, then its decode steps."""
+    if node.batch is not None:
+        prefill = predict_prefill(req, node, context_scale)
+        return prefill + decode_s(node.batch, req.max_tokens, req.prompt_tokens)
     cached = min(node.cached_tokens, max(0, req.prompt_tokens - 1))
     uncached = req.prompt_tokens - cached
     return node.speed.service_s(uncached, cached, req.max_tokens, context_scale)
 
 
+def predict_prefill(req: RouteInput, node: NodeInfo, context_scale: float) -> float:
+    """The part of the service before the first token: on a batching engine its own
+    prefill in the current batch (``shadow_state.ttft_parts``), else the prefill line's."""
+    cached = min(node.cached_tokens, max(0, req.prompt_tokens - 1))
+    uncached = req.prompt_tokens - cached
+    if node.batch is not None:
+        return ttft_parts(node.batch, uncached, cached)[1]
+    return node.speed.prefill_s(uncached, cached, context_scale)
+
+
 def predict_wait(node: NodeInfo) -> float:
     """The queue wait a request meets on ``node``: its queue, each place priced by what the
-    queued requests will compute (else at the node's mean service time)."""
+    queued requests will compute (else at the node's mean service time); on a batching
+    engine, the prompt work ahead of it and the step under way (``ttft_parts``)."""
+    if node.batch is not None:
+        return ttft_parts(node.batch, 1, 0)[0]
     per = node.speed.mean_service_s if node.queue_service_s is None else node.queue_service_s
     return node.queue_depth * per
+
+
+def predict_ttft(req: RouteInput, node: NodeInfo, context_scale: float) -> float:
+    """Round trip (peers only) + queue wait + the prefill until the first token."""
+    rtt = 0.0 if node.is_self else node.rtt_s
+    return rtt + predict_wait(node) + predict_prefill(req, node, context_scale)
 
 
 def predict_latency(req: RouteInput, node: NodeInfo, context_scale: float) -> float:
@@ -170,14 +209,26 @@ def mesh_cost(req: RouteInput, nodes: Sequence[NodeInfo], context_scale: float) 
     agentic, chat and RAG rows under load, and on one shared core its `cost`/`none` went
     0.730 -> 0.714 (geometric mean; docs/benchmarks.md "Router" -> "What a long request costs
     those arriving behind it")."""
-    out = []
-    for n in nodes:
-        service = predict_service(req, n, context_scale)
-        mean = n.speed.mean_service_s
-        arrivals = n.utilization / mean if mean > 0.0 else 0.0  # requests/s it serves
-        out.append(_latency(n, service) + service * n.queue_depth
-                   + arrivals * service * service / 2.0)
-    return out
+    return [_mesh_cost(req, n, context_scale) for n in nodes]
+
+
+def _mesh_cost(req: RouteInput, n: NodeInfo, context_scale: float) -> float:
+    service = predict_service(req, n, context_scale)
+    if n.batch is not None:
+        return _latency(n, service) + batch_externality(req, n, context_scale)
+    mean = n.speed.mean_service_s
+    arrivals = n.utilization / mean if mean > 0.0 else 0.0  # requests/s it serves
+    return _latency(n, service) + service * n.queue_depth + arrivals * service * service / 2.0
+
+
+def batch_externality(req: RouteInput, node: NodeInfo, context_scale: float) -> float:
+    """What the request's prefill on a batching engine costs the requests arriving there
+    while it waits and computes (``BatchState.rate`` per second): each arriving during its
+    wait queues behind all of its prefill, each arriving during it for half on average.
+    (A batch's decodes ride in every step: the running requests' first tokens are out.)"""
+    assert node.batch is not None
+    own = predict_prefill(req, node, context_scale)
+    return node.batch.rate * own * (predict_wait(node) + own / 2.0)
 
 
 def mean_utilization(nodes: Sequence[NodeInfo]) -> float:
@@ -238,13 +289,20 @@ def candidate(
 ) -> Candidate:
     """``node`` as a ranked candidate for the request (its predictions filled in)."""
     expected = min(node.cached_tokens, req.prompt_tokens)
+    ahead = (0.0 if node.is_self else node.rtt_s) + predict_wait(node)  # each once: hot path
+    prefill = predict_prefill(req, node, context_scale)
+    if node.batch is not None:
+        service = prefill + decode_s(node.batch, req.max_tokens, req.prompt_tokens)
+    else:
+        service = predict_service(req, node, context_scale)
     return Candidate(
         node_id=node.node_id,
         is_self=node.is_self,
         expected_cached_tokens=expected,
-        predicted_latency_s=predict_latency(req, node, context_scale),
+        predicted_latency_s=ahead + service,
         beat_s=beat_s,
         placement=placement,
-        wait_s=predict_wait(node),
+        wait_s=ahead - (0.0 if node.is_self else node.rtt_s),
         cost_s=cost_s,
+        ttft_s=ahead + prefill,
     )

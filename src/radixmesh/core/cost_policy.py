@@ -364,7 +364,8 @@ class CostPolicy:
         bound, window = self.config.load_bound, self.config.load_window_s
         return {
             n.node_id for n in avail
-            if not n.is_self and over_bound(n, mean, bound, request_slack(n, window))
+            if not n.is_self and n.batch is None
+            and over_bound(n, mean, bound, request_slack(n, window))
         }
 
 

@@ -50,6 +50,7 @@ class Considered:
     predicted_latency_s: float | None
     cost_s: float | None  # the cost policy's mesh cost (``router.mesh_cost``)
     placement: str | None  # the placement tag a choice of it would have had
+    predicted_ttft_s: float | None = None  # its predicted time to first token (rtt included)
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +201,7 @@ class _Kept:
                 cost_s=None if cand is None else cand.cost_s,
                 placement=None if cand is None or cand.placement is None
                 else cand.placement.value,
+                predicted_ttft_s=None if cand is None else cand.ttft_s,
             ))
         seen.sort(key=lambda c: (c.rank is None, c.rank or 0))
         pl = self.placement

@@ -193,6 +193,7 @@ class Epidemic:
                 pushback,
                 load.utilization,
                 load.speed_measured_at,
+                load.batch,
             )
         stamp = 0.0 if e.stamp is None else e.stamp
         return NodeState(e.node_id, address, e.incarnation, e.heartbeat, stamp, load, summary)

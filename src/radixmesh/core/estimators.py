@@ -27,6 +27,10 @@ per-node fits differed by more than the router's 1.5× tolerance and at 200 ms o
 the rate of the last prefills of different sizes while the overhead followed the hits. Nodes'
 speeds are compared by their times at two reference sizes (:func:`prefill_times`), not field
 by field.)
+
+Why one file over 400 lines: every online estimate the router reads (speed, round trip,
+utilization, wait error, queued blocks) shares the priors and the EWMA defined here; split,
+each would import the others' vocabulary back.
 """
 
 from __future__ import annotations
@@ -396,6 +400,12 @@ class RttTable:
     prior. A peer never measured is priced like the slowest link known, not like the prior:
     on a 1 s link the prior's 2 ms made the very first forward of a run cost 2 s more than
     serving locally would have.
+
+    A probe-only estimate is scaled by how much the probes of the peers measured both ways
+    overstated their forwards (``forward / probe``, an EWMA of the peers' ratios, at most 1):
+    on 16 emulated H100s sharing the 2-core box, the gossip echoes of peers a node had not
+    forwarded to read 22-30 ms against 6-8 ms for the forwards it made, and the cost policy
+    bought cold local copies of prefixes a peer held rather than pay those (25 of 400).
     """
 
     def __init__(self, priors: CostPriors) -> None:
@@ -403,10 +413,15 @@ class RttTable:
         self._forward: dict[str, Ewma] = {}
         self._probe: dict[str, Ewma] = {}
         self._worst: tuple[str, float] | None = None  # (peer, its estimate); None: recompute
+        self._ratio = Ewma(1.0, priors.alpha)  # forward / probe round trip, over the peers
 
     def observe(self, peer: str, seconds: float, probe: bool = False) -> None:
         if seconds < 0:
             return
+        probed = self._probe.get(peer)
+        if not probe and probed is not None and probed.value > 0:
+            self._ratio.observe(min(seconds / probed.value, 1.0))
+            self._worst = None  # every probe-only estimate moved
         table = self._probe if probe else self._forward
         est = table.get(peer)
         if est is None:
@@ -427,8 +442,11 @@ class RttTable:
             self._worst = None
 
     def _own(self, peer: str) -> float | None:
-        est = self._forward.get(peer) or self._probe.get(peer)
-        return None if est is None else est.value
+        est = self._forward.get(peer)
+        if est is not None:
+            return est.value
+        est = self._probe.get(peer)
+        return None if est is None else est.value * min(self._ratio.value, 1.0)
 
     @property
     def known(self) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from radixmesh.core.messages import Gossip
+from radixmesh.core.shadow_state import BatchState
 
 # ----------------------------------------------------------------------------------- events
 
@@ -67,6 +68,8 @@ class LoadChanged:
     queue_output_tokens: int = 0  # their max_tokens (output budgets), summed
     # their prompt tokens not cached when each was queued (what their prefills will compute)
     queue_uncached_tokens: int = 0
+    # a batching engine's state from the node's shadow of it (core/shadow.py); None: none
+    batch: BatchState | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,11 +33,12 @@ from dataclasses import dataclass
 
 from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.estimators import SpeedReport
+from radixmesh.core.shadow_state import BatchState
 
 MAX_NAMESPACE_CHARS = 256
 # 2: Load.speed_measured_at; 3: address and fingerprint on first contact only, utilization in
 # whole percent (gossip under 1 KB/s per node: docs/benchmarks.md); ForwardRequest namespace,
-# session and adapter; Gossip.sessions and adapters
+# session and adapter; Gossip.sessions and adapters; Load.batch (a batching engine's state)
 PROTOCOL_VERSION = 3
 
 
@@ -56,6 +57,9 @@ class Load:
     # never (its speed is the configured prior or one adopted from its peers, which a peer
     # must not take for a measurement: an adopted stale speed then spread as fresh)
     speed_measured_at: float | None = None
+    # a batching engine's step-time coefficients and current batch, from the node's shadow
+    # of it (core/shadow_state.py: what a peer needs to predict its TTFT); None: not known
+    batch: BatchState | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,7 @@ from radixmesh.core.estimators import (
 from radixmesh.core.events import LoadChanged, RequestServed
 from radixmesh.core.gossip import Gossiper
 from radixmesh.core.messages import Load
+from radixmesh.core.shadow_state import aged
 
 # a stale own speed restarts from the median of at most this many fresh peers' speeds
 SPEED_SAMPLE = 16
@@ -83,6 +84,7 @@ class OwnLoad:
         # tell peers (``Load.speed_measured_at``), not the time of an adoption
         self._measured_at: float | None = None
         self._load = LoadChanged(0, 0, 0, 0)
+        self._load_at = 0.0  # when the shell reported it (a batch report ages from then)
         self.prior_speed = self._compute.report()  # (for peers whose speed is not known yet)
         self._load_cache: Load | None = None
 
@@ -105,6 +107,7 @@ class OwnLoad:
 
     def load_changed(self, event: LoadChanged, now: float) -> None:
         self._load = event
+        self._load_at = now
         self._busy.set_busy(event.queue_depth > 0, now)
         self._load_cache = None
 
@@ -133,7 +136,7 @@ class OwnLoad:
         ev = self._load
         speed = self._compute.report()
         return Load(ev.queue_depth, ev.inflight, ev.cache_tokens, ev.cache_budget, speed,
-                    pushback, busy, self._measured_at)
+                    pushback, busy, self._measured_at, ev.batch)
 
     def self_info(self, cached_tokens: int, now: float) -> NodeInfo:
         """This node as the router sees it: exact cache match, own queue, own speed; each
@@ -142,6 +145,7 @@ class OwnLoad:
         that is gone when the forward lands — worse in the simulator)."""
         ev = self._load
         speed = self._compute.report()
+        batch = None if ev.batch is None else aged(ev.batch, now - self._load_at)
         per_place = speed.queued_service_s(
             ev.queue_depth, ev.queue_prompt_tokens, ev.queue_uncached_tokens,
             ev.queue_output_tokens, self._config.router.context_scale)
@@ -155,6 +159,7 @@ class OwnLoad:
             utilization=self._busy.value(now),
             queue_service_s=per_place,
             kv_usage=ev.cache_tokens / ev.cache_budget if ev.cache_budget > 0 else 0.0,
+            batch=batch,
         )
 
     def refresh_stale_speed(self, now: float) -> None:

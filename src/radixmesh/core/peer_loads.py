@@ -35,6 +35,7 @@ from radixmesh.core.estimate import Estimate, bump
 from radixmesh.core.estimators import RttTable, SpeedReport, WaitError
 from radixmesh.core.gossip import Gossiper
 from radixmesh.core.lifecycle import Lifecycle
+from radixmesh.core.shadow_state import BatchState, aged
 
 IDLE_PEERS = 2  # unmatched least-loaded peers the cost policy also considers
 # a peer reporting a longer queue wait (a forward's, or its refusal's) is not believed
@@ -124,20 +125,26 @@ class PeerLoads:
         return self._queue_sum / max(len(self._load_seen), 1)
 
     # ----------------------------------------------------------------------- routing
-    def info(self, peer: str, cached_tokens: int, now: float) -> NodeInfo | None:
-        """``peer`` as the router sees it (None: not available, or no load report)."""
+    def info(self, peer: str, cached_tokens: int, now: float,
+             prompt_tokens: int = 0) -> NodeInfo | None:
+        """``peer`` as the router sees it (None: not available, or no load report);
+        ``prompt_tokens``: the request's (what each of our forwards since its report is
+        taken to add to a batching engine's work ahead)."""
         est = self._gossip.estimates.get(peer)
         if est is None or not self._available(peer, est, now) or est.load is None:
             return None
         load = est.load
         speed = est.speed or self._prior_speed
+        batch = self._batch(peer, load.batch, max(prompt_tokens - cached_tokens, 1), now)
+        queue = self.expected_queue(peer, load.queue_depth, speed.mean_service_s, now)
         return NodeInfo(
             peer,
             False,
             cached_tokens,
             self._rtt.get(peer),
-            self.expected_queue(peer, load.queue_depth, speed.mean_service_s, now),
+            queue,
             speed,
+            batch=batch,
             utilization=load.utilization,
             wait_error_s=self.spread_of(peer, now),
             kv_usage=load.cache_tokens / load.cache_budget if load.cache_budget > 0 else 0.0,
@@ -161,6 +168,16 @@ class PeerLoads:
         memory = self._config.router.queue_memory * max(service_s, 1e-6)
         kept = math.exp(-max(now - seen.at, 0.0) / memory)
         return mean + (seen.depth - mean) * kept + ours
+
+    def _batch(self, peer: str, batch: BatchState | None, tokens: int, now: float
+               ) -> BatchState | None:
+        """``peer``'s batch report aged since it arrived, with our forwards sent since
+        (each taken to add ``tokens`` prompt tokens ahead: ``shadow_state.aged``)."""
+        seen = self._load_seen.get(peer)
+        if batch is None or seen is None:
+            return batch
+        ours = self._lifecycle.forwards_since(peer, seen.sent)
+        return aged(batch, now - seen.at, tokens * ours, ours)
 
     def available(self, peer: str, now: float) -> bool:
         """Whether ``peer`` may be routed to now (alive, reporting load, not pushed back)."""

@@ -48,6 +48,7 @@ from radixmesh.core.cost_model import (
     over_bound,
     predict_latency,
     predict_service,
+    predict_ttft,
     predict_wait,
     request_slack,
     robust_speeds,
@@ -104,7 +105,8 @@ class Router:
             # No view is consulted, so no cache hit is claimed (the paper's no-route baseline).
             me = selves[0]
             latency = predict_latency(req, me, self.config.context_scale)
-            return [Candidate(me.node_id, True, 0, latency)]
+            ttft = predict_ttft(req, me, self.config.context_scale)
+            return [Candidate(me.node_id, True, 0, latency, ttft_s=ttft)]
         if policy is Policy.PAPER:
             order = _by_match(avail)
         elif policy is Policy.LLMD:

@@ -178,7 +178,8 @@ class Routing:
         block = self._config.fingerprint.block_size
         out = []
         for peer in ids:
-            info = self._peers.info(peer, min(matched.get(peer, 0) * block, prompt_tokens), now)
+            cached = min(matched.get(peer, 0) * block, prompt_tokens)
+            info = self._peers.info(peer, cached, now, prompt_tokens)
             if info is not None:
                 out.append(info)
         return out

@@ -55,7 +55,7 @@ looked at, so a long queue costs nothing per step.
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from itertools import islice
 
 from radixmesh.core.blocks import NamespaceHeads, block_hashes, extend_hashes
@@ -69,6 +69,7 @@ from radixmesh.core.step import (
     SchedulerConfig,
     SeqId,
     SeqState,
+    SeqView,
     Step,
 )
 
@@ -130,6 +131,17 @@ class Scheduler(DecodeRuns):
 
     def _head(self, namespace: str | None) -> tuple[int, ...]:
         return self._heads.head(namespace)
+
+    def sequences(self) -> Iterator[SeqView]:
+        """The running sequences (admission order), then the first ``WINDOW`` waiting ones
+        (what a report of the engine's state reads: ``core/shadow.py``)."""
+        for s in self._running:
+            yield SeqView(s.id, s.prompt_len if s.prefilled else len(s.tokens),
+                          min(s.computed, len(s.tokens)), len(s.tokens) - s.prompt_len,
+                          s.max_tokens, True)
+        for s in islice(self._waiting, WINDOW):
+            yield SeqView(s.id, len(s.tokens), self._pool.reusable(s.tokens),
+                          len(s.tokens) - s.prompt_len, s.max_tokens, False)
 
     def seq_tokens(self, seq: SeqId) -> Sequence[int]:
         """Prompt + output so far of a live sequence (behind its namespace's virtual block)."""

@@ -90,6 +90,18 @@ class Finished:
     first_token_at: float | None
 
 
+@dataclass(frozen=True, slots=True)
+class SeqView:
+    """A live sequence as a reader of the scheduler's state sees it (``Scheduler.sequences``)."""
+
+    seq: SeqId
+    prompt: int  # tokens it prefills (its prompt, + outputs to recompute after a preemption)
+    computed: int  # of those, in KV (running) or reusable from the cache now (waiting)
+    emitted: int  # tokens generated so far
+    max_tokens: int
+    admitted: bool  # running (False: waiting)
+
+
 @dataclass(slots=True, eq=False)
 class SeqState:
     """The scheduler's state of one sequence (``core/scheduler.py`` only: not for callers)."""

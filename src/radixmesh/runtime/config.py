@@ -142,6 +142,10 @@ class ServeConfig:
     tokenizer: str = ""  # external engine: the model directory whose tokenizer it loads
     engine_block_size: int = 0  # external engine's KV block size; 0 -> from its events
     launch: str = ""  # external engine: start it as a child with this command, stop it with us
+    # external engine: its step-time profile (core/profile.py; a shipped name or a TOML file):
+    # the node shadows its scheduler (core/shadow.py) and routes on predicted TTFT
+    profile: str = ""
+    profile_time_scale: float = 1.0  # the engine's steps last this many times the profile's
     device: str = "cpu"  # torch device of the built-in engine: cpu | cuda[:N]
     dtype: str = "float32"  # built-in engine weights / KV: float32 | bfloat16 | float16
     gpu_memory_fraction: float = 0.0  # cuda: this process's share of the GPU; 0 -> no cap
@@ -280,6 +284,10 @@ class ServeConfig:
             raise ValueError("--kv-replay needs --kv-events")
         if self.engine_block_size < 0:
             raise ValueError("engine_block_size must be >= 0 (0: from the events)")
+        if self.profile and self.engine == "builtin":
+            raise ValueError("--profile describes an external engine: give --engine vllm|sglang")
+        if not self.profile_time_scale > 0:
+            raise ValueError("profile_time_scale must be > 0")
         if self.launch and self.engine == "builtin":
             raise ValueError("--launch starts an external engine: give --engine and --engine-url")
 
@@ -457,6 +465,10 @@ def _help_texts() -> dict[str, str]:
         "tokenizer": "directory with the external engine's tokenizer.json (the same files), "
                      "or `bytes` for an engine on the byte tokenizer (radixmesh emulate's default)",
         "engine_block_size": "external engine's KV block size (0 = take it from its events)",
+        "profile": "external engine: its step-time profile (a shipped name, `radixmesh profile "
+        "list`, or a TOML file): the node shadows its scheduler and routes on predicted TTFT",
+        "profile_time_scale": "external engine: its steps last this many times the profile's "
+        "(an emulated engine's --time-scale)",
         "launch": "external engine: start this command line as a child process (no shell), "
         "wait until --engine-url answers, stop it with the node",
         "suspect_timeout": "silence before a peer is suspect (0 = 4 gossip intervals)",

@@ -94,6 +94,7 @@ class Host(Protocol):
     clock: Callable[[], float]  # the node's clock: every duration reported to the core
 
     def push_load(self) -> None: ...
+    def first_token(self, ex: LocalExecution) -> None: ...
     def push_cache_and_load(self) -> None: ...
     def local_done(self, result: GenerateResult, service_s: float) -> None: ...
     def tracked(self, ex: Execution) -> AbstractAsyncContextManager[None]: ...
@@ -191,7 +192,7 @@ class LocalExecution(Execution):
     def _on_token(self, tok: int) -> None:  # on the event loop
         self._generated += 1
         if self._generated == 1:  # it runs now: the engine's running count changed
-            self.node.push_load()
+            self.node.first_token(self)
         if self.ctx.stream:
             self.queue.put_nowait(("tok", tok))
 

@@ -102,6 +102,8 @@ from radixmesh.core.messages import (
     ForwardTokens,
 )
 from radixmesh.core.node import NodeCore
+from radixmesh.core.profile import resolve as resolve_profile
+from radixmesh.core.shadow import Shadow
 from radixmesh.core.tenants import Namespacer, parse_api_keys
 from radixmesh.engine.base import (
     AsyncEngine,
@@ -197,6 +199,12 @@ class NodeService:
         # costs: core ``SpeedReport.queued_service_s``)
         self.queue_prompt_tokens = self.queue_output_tokens = self.queue_uncached_tokens = 0
         self._queued_blocks = QueuedBlocks(engine.fingerprint.block_size)
+        # an external engine with a --profile: the node's shadow of its scheduler
+        # (core/shadow.py), fed the engine work started here, keyed by execution
+        self.shadow = (Shadow(resolve_profile(config.profile), config.profile_time_scale)
+                       if config.profile else None)
+        self._shadowed: dict[int, int] = {}  # id(execution) -> shadow sequence number
+        self._shadow_ids = itertools.count(1)
         self.dns_resolutions = self.dns_failures = 0  # --join-dns: answers / failed look-ups
         # started and stopped with the node, shown in /mesh and /metrics (the KV-event
         # subscriber of an external engine): start(), stop(), name, mesh_state(), metrics()
@@ -409,9 +417,31 @@ class NodeService:
 
     def push_load(self) -> None:
         usage = self.engine.usage()
+        batch = None if self.shadow is None else self.shadow.state(self.clock())
         self.dispatch(LoadChanged(self.queue_depth, self.inflight, usage.tokens, usage.budget,
                                   self.queue_prompt_tokens, self.queue_output_tokens,
-                                  self.queue_uncached_tokens))
+                                  self.queue_uncached_tokens, batch))
+
+    def first_token(self, ex: LocalExecution) -> None:
+        """``ex``'s engine call sent its first token: the shadow catches up if behind."""
+        seq = self._shadowed.get(id(ex))
+        if self.shadow is not None and seq is not None:
+            self.shadow.first_token(seq, self.clock())
+        self.push_load()
+
+    def _shadow_add(self, ex: LocalExecution, prompt: int, output: int, uncached: int) -> None:
+        """The engine work ``ex`` started goes into the shadow (until it ends)."""
+        if self.shadow is None:
+            return
+        seq = next(self._shadow_ids)
+        self._shadowed[id(ex)] = seq
+        self.shadow.add(seq, ex.ctx.prompt, max(output, 1), self.clock(),
+                        min(prompt - uncached, len(ex.ctx.prompt) - 1))
+
+    def _shadow_done(self, ex: LocalExecution) -> None:
+        seq = self._shadowed.pop(id(ex), None)
+        if self.shadow is not None and seq is not None:
+            self.shadow.finished(seq, self.clock())
 
     def _queued(self, ex: LocalExecution, emitted: int = 0) -> LocalExecution:
         """Count ``ex``'s tokens (prompt + max_tokens, as the engine gets them) as queued
@@ -428,9 +458,11 @@ class NodeService:
         self.queue_prompt_tokens += prompt
         self.queue_output_tokens += output
         self.queue_uncached_tokens += uncached
+        self._shadow_add(ex, prompt, output, uncached)
 
         def finished(_: object) -> None:  # (after the execution's own callback: its cache
-            self._queued_blocks.remove(hashes)  # change reaches the core first)
+            self._shadow_done(ex)  # change reaches the core first)
+            self._queued_blocks.remove(hashes)
             self.dispatch(QueueChanged(hashes, False))
             self.queue_prompt_tokens -= prompt
             self.queue_output_tokens -= output

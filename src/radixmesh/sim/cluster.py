@@ -39,6 +39,7 @@ incarnation and an empty cache.
 
 from __future__ import annotations
 
+import math
 import random
 import zlib
 from collections.abc import Callable, Sequence
@@ -72,7 +73,10 @@ from radixmesh.core.events import (
     Tick,
 )
 from radixmesh.core.node import NodeCore
+from radixmesh.core.profile import Profile
 from radixmesh.core.router import DELIBERATE, Policy, RouterConfig
+from radixmesh.core.shadow import RATE_WINDOW_S, batch_state
+from radixmesh.core.shadow_state import BatchState
 from radixmesh.sim.clock import EventLoop
 from radixmesh.sim.compute import SharedCompute
 from radixmesh.sim.costs import CostModel
@@ -198,6 +202,8 @@ class SimNode:
         "planned_version",
         "queued_blocks",
         "queued_tokens",
+        "rate",
+        "rate_at",
         "served",
         "tick_at",
         "up",
@@ -227,6 +233,8 @@ class SimNode:
         self.epoch = 0  # bumps on crash: stale callbacks for an old life are ignored
         self.tick_at = INF
         self.served = 0
+        self.rate = 0.0  # requests its engine took per second lately (a batch report's rate)
+        self.rate_at = 0.0
         self.version_times: list[float] = []  # [v - 1]: when summary version v was made
 
     @property
@@ -428,8 +436,26 @@ class SimCluster:
         running = node.engine.sched.running
         prompt, output, uncached = node.queued_tokens
         event = LoadChanged(node.depth, running, node.engine.total_tokens,
-                            self.config.cache_tokens, prompt, output, uncached)
+                            self.config.cache_tokens, prompt, output, uncached,
+                            self._batch(node))
         self.feed(node, event)
+
+    def _batch(self, node: SimNode) -> BatchState | None:
+        """A profiled engine's batch as its node's shadow would report it (exact here: the
+        node runs the engine), so the simulator routes as an emulated mesh does."""
+        engine = node.engine
+        assert engine is not None
+        if not isinstance(engine.timer, Profile):
+            return None
+        planned, now = node.planned, self.loop.now
+        rate = node.rate * math.exp(-max(now - node.rate_at, 0.0) / RATE_WINDOW_S)
+        if planned is None:
+            return batch_state(engine.sched, engine.timer, None, 0.0, rate, 0.0)
+        # a run of decode steps: the step under way is its j-th, j - 1 of them done
+        j = engine.steps_by(planned, now - node.planned_at)
+        end = node.planned_at + j * planned.first_s + planned.delta_s * j * (j - 1) / 2
+        return batch_state(engine.sched, engine.timer, planned.step, max(0.0, end - now), rate,
+                           0.0, j - 1)
 
     # ------------------------------------------------------------------------- requests
     def submit(self, index: int, req: Request, tokens: list[int], entry: int) -> Flight:
@@ -611,6 +637,9 @@ class SimCluster:
             self._too_long(node, work)
             return
         node.works[seq] = work
+        node.rate = node.rate * math.exp(-max(now - node.rate_at, 0.0) / RATE_WINDOW_S) \
+            + 1.0 / RATE_WINDOW_S
+        node.rate_at = now
         self._count_queued(node, work, 1)
         if node.planned is None:
             self._run_next(node)

@@ -1,0 +1,249 @@
+"""The node's shadow of an external batching engine: the core scheduler on the node's clock.
+
+Theory of operation
+-------------------
+A node fronting an engine it does not run (vLLM, SGLang, ``radixmesh emulate``) knows what
+it sent there and what came back, and the engine's profile (``core/profile.py``; ``serve
+--profile``). :class:`Shadow` runs the one engine scheduler (``core/scheduler.py``) over
+those requests on the node's own clock, each step lasting what the profile predicts (times
+``time_scale`` for a time-scaled emulated engine), so the node knows, at any moment, what
+the engine is doing: which sequences wait, which prefill how far, which decode, how much
+KV they hold. Its prefix cache is the scheduler's own (same block size and capacity as the
+engine's), so what a queued request will reuse is the scheduler's answer too.
+
+It is reconciled with what the engine reports, so it never drifts far:
+
+* :meth:`Shadow.first_token` — the engine sent a request's first token: if the shadow has
+  not computed that prompt yet it is behind (the engine is faster than its profile), and
+  its steps are run at once until it has (bounded);
+* :meth:`Shadow.finished` — the engine ended a request (done, stopped early, failed,
+  aborted): the shadow drops it if still live. A shadow ahead of its engine finishes a
+  request early, and keeps it at most until then.
+
+:meth:`Shadow.state` is the engine's batch as :class:`~radixmesh.core.shadow_state.BatchState`
+(what the node's router uses for itself and gossips to its peers); :meth:`Shadow.add`
+returns the TTFT it predicts for the request added, from the state just before (exact
+for this node's own engine but for the profile's error); the first token's lateness
+against that prediction is the overhead the state reports (its running median: what HTTP, the
+engine's lag and the node's own event loop add). Pure: ``now`` is passed in.
+
+Cost: a step is the scheduler's (O(running)); :meth:`state` is O(live requests), cached
+until the next change. :meth:`advance` runs at most ``MAX_STEPS`` steps per call (a node
+asleep for long jumps its clock instead of replaying every step).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from radixmesh.core.profile import Profile
+from radixmesh.core.scheduler import Scheduler, SeqId, Step
+from radixmesh.core.shadow_state import BatchState, ttft_parts
+
+MAX_STEPS = 4096  # steps one advance() may run; a longer gap jumps the clock
+SYNC_STEPS = 256  # steps first_token() may run at once to catch up with the engine
+RATE_WINDOW_S = 10.0  # the arrival rate's time constant, in profile seconds
+OVERHEAD_STEP = 0.05  # one first token moves the measured overhead by this share of its TTFT
+
+
+def scaled(profile: Profile, time_scale: float) -> Profile:
+    """``profile`` with every step-time coefficient ``time_scale`` times larger."""
+    if not time_scale > 0:
+        raise ValueError(f"time_scale must be > 0, got {time_scale}")
+    return replace(profile, step_base_s=profile.step_base_s * time_scale,
+                   prefill_token_s=profile.prefill_token_s * time_scale,
+                   prefill_attn_s=profile.prefill_attn_s * time_scale,
+                   decode_seq_s=profile.decode_seq_s * time_scale,
+                   decode_kv_s=profile.decode_kv_s * time_scale)
+
+
+@dataclass(slots=True)
+class _Track:
+    """One live request as the shadow follows it."""
+
+    emitted: int = 0  # tokens generated
+
+
+class Shadow:
+    """The shadow scheduler of one external engine (see the module docstring)."""
+
+    def __init__(self, profile: Profile, time_scale: float = 1.0) -> None:
+        self.profile = scaled(profile, time_scale)
+        self._sched = Scheduler(profile.scheduler_config())
+        self._tracks: dict[SeqId, _Track] = {}
+        self._step: Step | None = None
+        self._clock = 0.0  # when the step under way began, or the shadow last idled
+        self._step_end = 0.0
+        self._state: BatchState | None = None
+        self._rate = 0.0
+        self._rate_at: float | None = None
+        self._window = RATE_WINDOW_S * time_scale
+        self._predicted: dict[SeqId, tuple[float, float]] = {}  # seq -> (added at, TTFT)
+        self._overhead = 0.0  # the median lateness of first tokens (a stochastic median)
+        self.synced_steps = 0  # steps run at once to catch up with the engine
+        self.jumps = 0  # advances that jumped the clock
+
+    # ------------------------------------------------------------------------ requests
+    def add(self, seq: SeqId, prompt: Sequence[int], max_tokens: int, now: float,
+            cached: int | None = None) -> float:
+        """The node sent the engine a request; returns the TTFT predicted for it, with
+        ``cached`` prompt tokens reused (default: the shadow's cache now; the node's own
+        estimate also counts what requests queued before it will have cached)."""
+        self.advance(now)
+        if cached is None:
+            cached = self._sched.cached_prefix(prompt)
+        wait, own = ttft_parts(self.state(now), len(prompt) - cached, cached)
+        try:
+            self._sched.add(seq, prompt, max_tokens, now)
+        except ValueError:
+            return wait + own  # never fits this engine: the engine will refuse it too
+        self._tracks[seq] = _Track()
+        self._arrival(now)
+        self._predicted[seq] = (now, wait + own - self._overhead)
+        if self._step is None:
+            self._clock = now
+        self._state = None
+        return wait + own
+
+    def first_token(self, seq: SeqId, now: float) -> None:
+        """The engine sent ``seq``'s first token: catch up if the shadow has not; how much
+        later than predicted it came feeds the overhead the state reports."""
+        self.advance(now)
+        added = self._predicted.pop(seq, None)
+        if added is not None:  # the median, not the mean: a few requests that a burst
+            late = now - added[0] - added[1]  # joining their step delayed must not shift all
+            step = OVERHEAD_STEP * max(added[1], self.profile.step_base_s)
+            if abs(late - self._overhead) > step:  # (within a step: no move, no dither)
+                self._overhead += step if late > self._overhead else -step
+            self._state = None
+        track = self._tracks.get(seq)
+        runs = 0
+        while track is not None and track.emitted == 0 and runs < SYNC_STEPS:
+            if not self._run_step(now, at_once=True):
+                break
+            runs += 1
+            track = self._tracks.get(seq)
+        self.synced_steps += runs
+
+    def finished(self, seq: SeqId, now: float) -> None:
+        """The engine ended ``seq`` (however): drop it if the shadow still runs it."""
+        self.advance(now)
+        self._predicted.pop(seq, None)
+        if self._tracks.pop(seq, None) is not None:
+            self._sched.abort(seq, now)
+            self._state = None
+
+    # ------------------------------------------------------------------------ stepping
+    def advance(self, now: float) -> None:
+        """Run the steps that end by ``now``."""
+        for _ in range(MAX_STEPS):
+            if self._step is None and not self._plan(max(self._clock, 0.0)):
+                self._clock = max(self._clock, now)
+                return
+            if self._step_end > now:
+                return
+            self._run_step(now, at_once=False)
+        self.jumps += 1  # a long sleep: start again from now
+        self._clock = now
+        if self._step is not None:
+            self._step_end = now
+
+    def _plan(self, at: float) -> bool:
+        step = self._sched.schedule(at)
+        if step.empty:
+            return False
+        self._step, self._clock = step, at
+        self._step_end = at + self.profile.step_s(step)
+        self._state = None
+        return True
+
+    def _run_step(self, now: float, at_once: bool) -> bool:
+        """Complete the step under way (planning one if none); False: nothing to run."""
+        if self._step is None and not self._plan(self._clock if not at_once else now):
+            return False
+        step = self._step
+        assert step is not None
+        end = now if at_once else self._step_end
+        done = self._sched.complete(step, dict.fromkeys(step.emitting, 0), end)
+        self._apply(step)
+        for fin in done:
+            self._tracks.pop(fin.seq, None)
+        self._step, self._clock = None, end
+        self._state = None
+        return True
+
+    def _apply(self, step: Step) -> None:
+        for seq in step.emitting:
+            track = self._tracks.get(seq)
+            if track is not None:
+                track.emitted += 1
+
+    def _arrival(self, now: float) -> None:
+        """The arrival rate: an exponentially decaying count over ``RATE_WINDOW_S``."""
+        if self._rate_at is not None:
+            self._rate *= math.exp(-max(now - self._rate_at, 0.0) / self._window)
+        self._rate += 1.0 / self._window
+        self._rate_at = now
+
+    # ------------------------------------------------------------------------ reading
+    def cached_prefix(self, prompt: Sequence[int]) -> int:
+        """Prompt tokens the engine would reuse if ``prompt`` were added now."""
+        return self._sched.cached_prefix(prompt)
+
+    @property
+    def live(self) -> int:
+        return len(self._tracks)
+
+    def state(self, now: float) -> BatchState:
+        """The engine's batch now (the steps due run first; cached until the next change)."""
+        self.advance(now)
+        if self._state is None:
+            self._state = self._build()
+        residual = max(0.0, self._step_end - now) if self._step is not None else 0.0
+        return replace(self._state, residual_s=residual)
+
+    def _build(self) -> BatchState:
+        return batch_state(self._sched, self.profile, self._step, 0.0, self._rate,
+                           self._overhead)
+
+
+def batch_state(sched: Scheduler, p: Profile, under_way: Step | None, residual_s: float,
+                rate: float, overhead_s: float, decoded: int = 0) -> BatchState:
+    """The state of an engine running ``sched`` with step times ``p``: its sequences' work
+    ahead and decodes (``Scheduler.sequences``), the prompt chunks of the step ``under_way``
+    counted as done (``residual_s`` covers them), and ``decoded`` decode steps done that
+    ``sched`` has not applied yet (the simulator's runs of decode steps, one event each).
+    The shadow's and the simulator's alike."""
+    done = {} if under_way is None else {c.seq: c.start + c.tokens for c in under_way.prefills}
+    decoding = decode_kv = ahead = running = waiting = 0
+    ahead_s, soonest = 0.0, None
+    for v in sched.sequences():
+        running += v.admitted
+        waiting += not v.admitted
+        computed = done.get(v.seq, v.computed)
+        left = v.prompt - computed
+        if left > 0:
+            ahead += left
+            ahead_s += _compute(p, left, computed)
+            continue
+        decoding += 1
+        decode_kv += v.prompt + v.emitted + decoded
+        remaining = v.max_tokens - v.emitted - decoded
+        soonest = remaining if soonest is None else min(soonest, remaining)
+    waiting += max(0, sched.waiting - waiting)  # beyond the window: counted, not priced
+    fixed = p.step_base_s + p.decode_seq_s * decoding + p.decode_kv_s * decode_kv
+    cfg = sched.config
+    kv = cfg.kv_blocks * cfg.block_size
+    return BatchState(
+        p.step_base_s, p.prefill_token_s, p.prefill_attn_s, p.decode_seq_s, p.decode_kv_s,
+        cfg.step_tokens, cfg.max_running, kv, running, waiting, decoding, decode_kv, ahead,
+        int(sched.kv_usage * kv), ahead_s, residual_s,
+        0.0 if soonest is None else soonest * fixed, rate, overhead_s)
+
+
+def _compute(p: Profile, tokens: int, start: int) -> float:
+    if tokens <= 0:
+        return 0.0
+    return tokens * (p.prefill_token_s + p.prefill_attn_s * (start + tokens / 2.0))

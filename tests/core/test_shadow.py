@@ -1,0 +1,126 @@
+"""The shadow scheduler of an external engine and the TTFT it predicts (core/shadow*.py)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from radixmesh.core.cost_model import NodeInfo, RouteInput, predict_ttft
+from radixmesh.core.estimators import SpeedReport
+from radixmesh.core.profile import resolve
+from radixmesh.core.scheduler import Scheduler
+from radixmesh.core.shadow import Shadow
+from radixmesh.core.shadow_state import BatchState, aged, ttft_parts
+
+H100 = resolve("h100-llama3-8b")
+
+
+def _engine_run(rate: float, n: int, seed: int, shadow: Shadow) -> list[tuple[float, float]]:
+    """An engine (the same scheduler, stepping on the profile's time) and its shadow, fed the
+    same Poisson arrivals in time order: (predicted, actual) TTFT of each request."""
+    rng = random.Random(seed)
+    eng = Scheduler(H100.scheduler_config())
+    t, arrivals = 0.0, []
+    for i in range(n):
+        t += rng.expovariate(rate)
+        shared = [rng.randrange(4)] * 16 * rng.randrange(1, 12)
+        prompt = shared + [rng.randrange(1 << 20) for _ in range(rng.randrange(50, 2500))]
+        arrivals.append((t, i, prompt, rng.randrange(1, 16)))
+    pred: dict[int, tuple[float, float]] = {}
+    first: dict[int, float] = {}
+    clock, ai = 0.0, 0
+
+    def arrive(until: float) -> None:
+        nonlocal ai
+        while ai < len(arrivals) and arrivals[ai][0] <= until:
+            ta, i, prompt, out = arrivals[ai]
+            pred[i] = (shadow.add(i, prompt, out, ta, eng.cached_prefix(prompt)), ta)
+            eng.add(i, prompt, out, ta)
+            ai += 1
+
+    while ai < len(arrivals) or eng.running or eng.waiting:
+        arrive(clock)
+        step = eng.schedule(clock)
+        if step.empty:
+            clock = arrivals[ai][0]
+            continue
+        end = clock + H100.step_s(step)
+        arrive(end)  # arrivals during the step come before its end's events (time order)
+        for seq in step.emitting:
+            if seq not in first:
+                first[seq] = end
+                shadow.first_token(seq, end)
+        for fin in eng.complete(step, dict.fromkeys(step.emitting, 0), end):
+            shadow.finished(fin.seq, end)
+        clock = end
+    return [(pred[i][0], first[i] - pred[i][1]) for i in first]
+
+
+def test_shadow_of_an_engine_on_its_profile_predicts_within_2_percent_at_light_load() -> None:
+    shadow = Shadow(H100)
+    got = _engine_run(rate=2.0, n=60, seed=1, shadow=shadow)
+    assert len(got) == 60
+    for p, a in got:
+        assert p == pytest.approx(a, rel=0.02)  # decodes alongside grow their KV
+    assert shadow.synced_steps == 0 and shadow.live == 0
+
+
+def test_shadow_under_load_stays_in_step_and_predicts_the_median_within_10_percent() -> None:
+    shadow = Shadow(H100)
+    got = _engine_run(rate=20.0, n=200, seed=2, shadow=shadow)
+    errors = sorted(abs(p - a) / a for p, a in got)
+    assert shadow.synced_steps == 0  # never behind an engine on its own profile
+    assert errors[len(errors) // 2] <= 0.10
+    print("median", errors[len(errors) // 2], "p90", errors[int(0.9 * len(errors))])
+
+
+def test_a_shadow_behind_its_engine_catches_up_at_the_first_token() -> None:
+    slow = Shadow(H100, time_scale=10.0)  # thinks each step lasts 10x what it does
+    slow.add(1, list(range(3000)), 4, 0.0)
+    slow.first_token(1, 0.06)
+    assert slow.synced_steps >= 1
+    state = slow.state(0.06)
+    assert state.ahead_tokens == 0 and state.decoding == 1
+    slow.finished(1, 0.07)
+    assert slow.live == 0 and slow.state(0.07).running == 0
+
+
+def test_batch_state_round_trips_and_refuses_bad_figures() -> None:
+    s = Shadow(H100)
+    s.add(1, list(range(500)), 8, 0.0)
+    state = s.state(0.001)
+    back = BatchState.unpack(state.pack())
+    assert back.ahead_tokens == state.ahead_tokens and back.step_tokens == 8192
+    with pytest.raises(ValueError, match=r"batch\.ahead_s"):
+        replace(state, ahead_s=float("nan"))
+    with pytest.raises(ValueError, match="bytes"):
+        BatchState.unpack(b"x")
+
+
+def test_ttft_grows_with_the_work_ahead_and_ages_as_it_drains() -> None:
+    s = Shadow(H100)
+    idle = s.state(0.0)
+    s.add(1, list(range(4000)), 8, 0.0)
+    s.add(2, list(range(10**6, 10**6 + 4000)), 8, 0.0)
+    busy = s.state(0.0)
+    assert sum(ttft_parts(busy, 500, 0)) > sum(ttft_parts(idle, 500, 0)) + 0.05
+    later = aged(busy, 10.0)
+    # drained: its work ahead gone, its decodes (which the report still shows) riding along
+    assert sum(ttft_parts(later, 500, 0)) == pytest.approx(sum(ttft_parts(idle, 500, 0)),
+                                                           abs=0.005)
+    more = aged(busy, 0.0, added_tokens=2000, added=1)
+    assert sum(ttft_parts(more, 500, 0)) > sum(ttft_parts(busy, 500, 0))
+
+
+def test_a_node_reporting_a_batch_is_priced_by_its_ttft_not_a_fifo_queue() -> None:
+    s = Shadow(H100)
+    for i in range(8):  # eight requests decoding: a FIFO model prices eight services
+        s.add(i, list(range(i * 10**5, i * 10**5 + 300)), 200, 0.0)
+    state = s.state(0.5)
+    speed = SpeedReport(0.01, 2e-5, 0.006, 1.2)  # 1.2 s per request served
+    node = NodeInfo("a", True, 0, 0.0, 8.0, speed, batch=state)
+    ttft = predict_ttft(RouteInput(2000, 4), node, 4096.0)
+    assert ttft < 0.1  # batched in: one prefill and a step's residual, not 8 x 1.2 s
+    assert ttft == pytest.approx(sum(ttft_parts(state, 2000, 0)))
