@@ -306,7 +306,14 @@ async def _let_go(relay: _Relay, future: Future[GenerateResult],
 
 
 def as_async_engine(engine: Engine | AsyncEngine) -> AsyncEngine:
-    """``engine`` itself if its ``generate`` is a coroutine function, else a ThreadedEngine."""
+    """``engine`` itself if its ``generate`` is a coroutine function, the built-in engine on
+    its batching loop (``BatchedEngine``), else a ThreadedEngine (one request at a time)."""
     if inspect.iscoroutinefunction(engine.generate):
         return cast(AsyncEngine, engine)
+    from radixmesh.engine.builtin import TransformersEngine  # torch: only when needed
+
+    if isinstance(engine, TransformersEngine):
+        from radixmesh.engine.batched import BatchedEngine
+
+        return BatchedEngine(engine)
     return ThreadedEngine(cast(Engine, engine))
