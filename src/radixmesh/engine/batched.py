@@ -30,6 +30,7 @@ import logging
 import queue
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any
 
 from radixmesh.core.blocks import Fingerprint
@@ -54,9 +55,10 @@ class BatchedEngine:
     extended_sampling = True
 
     def __init__(self, engine: TransformersEngine, name: str = "radixmesh-engine") -> None:
-        if engine.owned:
-            raise RuntimeError("the engine already has a BatchedEngine")
-        engine.owned = True
+        if engine.driver is not None:
+            raise RuntimeError("the engine already has a BatchedEngine (use ``for_engine``)")
+        engine.driver = self
+        self.users = 1  # nodes sharing it (``for_engine``); the last ``aclose`` closes it
         self.engine = engine
         self._runner = engine.runner
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -114,12 +116,44 @@ class BatchedEngine:
             raise relay.error
         return result
 
-    async def aclose(self) -> None:
+    def run_blocking(self, req: GenerateRequest, on_token: TokenCallback | None
+                     ) -> GenerateResult:
+        """``generate`` for a thread other than the engine's (the synchronous engine API):
+        ``on_token`` runs on the engine thread; blocks until the request is done."""
         if self._closed:
+            raise RuntimeError("engine is closed")
+        self.engine.budget(req)
+        done: Future[GenerateResult] = Future()
+
+        def on_done(outcome: GenerateResult | BaseException) -> None:
+            if isinstance(outcome, BaseException):
+                done.set_exception(outcome)
+            else:
+                done.set_result(outcome)
+
+        with self._count_lock:
+            self._queued += 1
+        self._inbox.put(("submit", (req, on_token, on_done)))
+        return done.result()
+
+    @classmethod
+    def for_engine(cls, engine: TransformersEngine) -> BatchedEngine:
+        """The engine's BatchedEngine: the running one (one more user), else a new one."""
+        driver = engine.driver
+        if isinstance(driver, BatchedEngine) and not driver._closed:
+            driver.users += 1
+            return driver
+        return cls(engine)
+
+    async def aclose(self) -> None:
+        self.users -= 1
+        if self._closed or self.users > 0:
             return
         self._closed = True
         self._inbox.put(("close", None))
         await asyncio.to_thread(self._thread.join, CLOSE_WAIT_S)
+        if not self._thread.is_alive() and self.engine.driver is self:
+            self.engine.driver = None  # the synchronous API steps the runner again
 
     # ------------------------------------------------------------------------- the thread
     def _loop(self) -> None:

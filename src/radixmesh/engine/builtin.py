@@ -8,7 +8,8 @@ paged KV pool (``engine/batch.py``, ``engine/paged_kv.py``). A node runs it thro
 :class:`~radixmesh.engine.batched.BatchedEngine` (its step loop on one thread, many requests
 at once); ``generate`` here is the synchronous path (tests, benchmarks, an engine proxy under
 ``ThreadedEngine``): it submits one request and steps the runner on the calling thread until it
-is done, so it is not re-entrant and must not be used while a ``BatchedEngine`` owns the runner.
+is done (not re-entrant); once a ``BatchedEngine`` drives the runner, ``generate`` hands the
+request to its thread and waits (``on_token`` then runs on that thread).
 
 The KV pool (``cache_tokens``) holds both the prefix cache and the running sequences' KV, in
 blocks of ``block_size`` tokens; a prefix is reused in whole blocks (never the prompt's last
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
@@ -89,7 +91,7 @@ class TransformersEngine:
         )
         self.runner = BatchRunner(model, config, self._allowed,
                                   stop_ids, device)
-        self.owned = False  # a BatchedEngine steps the runner on its own thread
+        self.driver: Any = None  # a BatchedEngine stepping the runner on its own thread
 
     # ------------------------------------------------------------------------- identity
     @property
@@ -175,8 +177,11 @@ class TransformersEngine:
 
     def _run_alone(self, req: GenerateRequest, on_token: TokenCallback | None,
                    logits: list[torch.Tensor] | None) -> GenerateResult:
-        if self.owned:
-            raise RuntimeError("the engine is driven by a BatchedEngine: use its generate")
+        if self.driver is not None:  # its thread steps the runner: hand the request over
+            if logits is not None:
+                raise RuntimeError("prefill_logits needs the engine without a BatchedEngine")
+            result: GenerateResult = self.driver.run_blocking(req, on_token)
+            return result
         outcome: list[GenerateResult | BaseException] = []
         self.runner.submit(req, self.budget(req), on_token, outcome.append, logits)
         while not outcome:

@@ -315,5 +315,5 @@ def as_async_engine(engine: Engine | AsyncEngine) -> AsyncEngine:
     if isinstance(engine, TransformersEngine):
         from radixmesh.engine.batched import BatchedEngine
 
-        return BatchedEngine(engine)
+        return BatchedEngine.for_engine(engine)
     return ThreadedEngine(cast(Engine, engine))
