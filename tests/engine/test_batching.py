@@ -39,7 +39,8 @@ def _batch(engine: TransformersEngine, reqs: list[GenerateRequest]) -> list[Gene
     """Submit every request at once and step until all are done."""
     results: dict[int, Any] = {}
     for i, r in enumerate(reqs):
-        engine.runner.submit(r, engine.budget(r), None, lambda res, i=i: results.__setitem__(i, res))
+        engine.runner.submit(r, engine.budget(r), None,
+                             lambda res, i=i: results.__setitem__(i, res))
     while len(results) < len(reqs):
         assert engine.runner.step()
     return [results[i] for i in range(len(reqs))]
