@@ -231,7 +231,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="emulated: every step, delay, interval and timeout S x longer, figures "
                         "divided back by S (a 2-core machine cannot run GPU-speed engines in "
                         "real time; default 1)")
-    e.add_argument("--engine-preset", default="tiny", help="built-in model preset")
+    e.add_argument("--engine-preset", default="mini", help="built-in model preset")
     e.add_argument("--model", help="local model directory instead of a preset")
     e.add_argument("--threads", type=int, default=1, help="torch threads per node")
     e.add_argument("--device", default="cpu", help="torch device of the nodes' engines: cpu, cuda")

@@ -54,6 +54,7 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa
 from transformers import AttentionInterface
 
 ATTENTION = "radixmesh_paged"
+QUERY_ROWS = 256  # prefill queries per SDPA call: 32k context x 4 heads x 256 rows = 128 MiB
 SeqId = int
 
 
@@ -221,12 +222,16 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     pv[batch.write] = value[0].transpose(0, 1)
     out = torch.empty_like(query[0].transpose(0, 1))  # [T, heads, dim]
     for row, n, start, ctx in batch.prefills:
-        q = query[:, :, row : row + n]
         k = pk[ctx].transpose(0, 1).unsqueeze(0)
         v = pv[ctx].transpose(0, 1).unsqueeze(0)
-        causal = torch.ones(n, start + n, dtype=torch.bool, device=q.device).tril(start)
-        o = sdpa(q, k, v, attn_mask=causal, scale=scaling, enable_gqa=True)
-        out[row : row + n] = o[0].transpose(0, 1)
+        for a in range(0, n, QUERY_ROWS):  # bounds the scores: heads x rows x context
+            b = min(a + QUERY_ROWS, n)
+            q = query[:, :, row + a : row + b]
+            mask = torch.ones(b - a, start + b, dtype=torch.bool, device=q.device)
+            mask = mask.tril(start + a)
+            o = sdpa(q, k[:, :, : start + b], v[:, :, : start + b], attn_mask=mask,
+                     scale=scaling, enable_gqa=True)
+            out[row + a : row + b] = o[0].transpose(0, 1)
     if batch.decode_rows is not None:
         assert batch.decode_slots is not None and batch.decode_mask is not None
         q = query[0][:, batch.decode_rows].transpose(0, 1).unsqueeze(2)  # [B, heads, 1, dim]

@@ -140,7 +140,7 @@ class ServeConfig:
     gossip_fanout: int = _GOSSIP.fanout  # epidemic mode: peers per round
     policy: str = _ROUTER.policy.value  # cost | paper | none | random | round_robin | ...
     load_bound: float | None = _ROUTER.load_bound  # cost: bounded load; None = off
-    preset: str = "tiny"  # built-in engine preset (ignored when model is set)
+    preset: str = "mini"  # built-in engine preset (ignored when model is set; engine/presets.py)
     model: str = ""  # local Hugging Face model directory; "" -> preset
     cache_tokens: int = 65_536  # KV cache budget in tokens
     engine: str = "builtin"  # builtin | vllm | sglang | openai (external engines over HTTP)
@@ -438,7 +438,7 @@ def _help_texts() -> dict[str, str]:
         "policy": "routing policy: cost | paper | none | random | round_robin | least_loaded "
                   "| llmd",
         "load_bound": "cost policy: no forwards to peers busier than (1+x) x the mean; 'off'",
-        "preset": "built-in model preset (tiny | qwen2.5-0.5b)",
+        "preset": "built-in model preset (mini | tiny | qwen2.5-0.5b)",
         "model": "local Hugging Face model directory (overrides --preset); with an external "
         "--engine: the model name the engine serves (default: asked from its /v1/models)",
         "engine": "builtin (this process) | vllm | sglang | openai (an engine at --engine-url)",
