@@ -24,6 +24,9 @@ logits), ``cached_tokens`` is then 0.
 
 from __future__ import annotations
 
+import dataclasses
+import queue
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -92,6 +95,7 @@ class TransformersEngine:
         self.runner = BatchRunner(model, config, self._allowed,
                                   stop_ids, device)
         self.driver: Any = None  # a BatchedEngine stepping the runner on its own thread
+        self._step_lock = threading.Lock()  # the synchronous path's callers step one at a time
 
     # ------------------------------------------------------------------------- identity
     @property
@@ -177,16 +181,42 @@ class TransformersEngine:
 
     def _run_alone(self, req: GenerateRequest, on_token: TokenCallback | None,
                    logits: list[torch.Tensor] | None) -> GenerateResult:
+        """Submit ``req`` and step the runner until it is done. Several threads may do this
+        at once (nodes sharing one engine under ``ThreadedEngine``s): steps are serialised
+        by ``_step_lock``, whichever thread steps advances every sequence, and each request's
+        callbacks run on its own caller's thread, from a queue, outside the lock."""
         if self.driver is not None:  # its thread steps the runner: hand the request over
             if logits is not None:
                 raise RuntimeError("prefill_logits needs the engine without a BatchedEngine")
             result: GenerateResult = self.driver.run_blocking(req, on_token)
             return result
-        outcome: list[GenerateResult | BaseException] = []
-        self.runner.submit(req, self.budget(req), on_token, outcome.append, logits)
-        while not outcome:
-            if not self.runner.step():
-                raise RuntimeError("the engine stalled with a request in flight")
-        if isinstance(outcome[0], BaseException):
-            raise outcome[0]
-        return outcome[0]
+        events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        user_logprob = req.on_logprob
+        if user_logprob is not None:
+            req = dataclasses.replace(req, on_logprob=lambda e: events.put(("logprob", e)))
+        with self._step_lock:
+            seq = self.runner.submit(req, self.budget(req), lambda t: events.put(("token", t)),
+                                     lambda o: events.put(("done", o)), logits)
+        error: BaseException | None = None
+        while True:
+            while True:
+                try:
+                    kind, value = events.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "done":
+                    if error is not None:
+                        raise error
+                    if isinstance(value, BaseException):
+                        raise value
+                    return value  # type: ignore[no-any-return]
+                try:
+                    callback = on_token if kind == "token" else user_logprob
+                    if callback is not None and error is None:
+                        callback(value)
+                except Exception as exc:  # the caller stops: the sequence ends
+                    error = exc
+                    with self._step_lock:
+                        self.runner.abort(seq, exc)
+            with self._step_lock:
+                self.runner.step()

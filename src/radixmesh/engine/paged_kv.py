@@ -6,7 +6,7 @@ The core scheduler (``core/scheduler.py``) decides *how many* KV blocks each seq
 prefix cache hold (``core/kv_pool.py`` counts them); this module decides *which* physical
 blocks, and holds the tensors::
 
-    k, v : [layers, kv_blocks * block_size, kv_heads, head_dim]     (slot = block * bs + offset)
+    k, v : [layers, kv_heads, kv_blocks * block_size, head_dim]     (slot = block * bs + offset)
 
 Every physical block has exactly one owner: the free list, one running sequence (its private
 blocks), or the prefix cache (``_cached``: chained block hash -> block, the same hashes as the
@@ -82,7 +82,7 @@ class PagedKV:
     def __init__(self, layers: int, kv_heads: int, head_dim: int, kv_blocks: int,
                  block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         kv_blocks += slack_blocks(kv_blocks)
-        shape = (layers, kv_blocks * block_size, kv_heads, head_dim)
+        shape = (layers, kv_heads, kv_blocks * block_size, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size = block_size
@@ -212,33 +212,37 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
                     **kwargs: object) -> tuple[torch.Tensor, None]:
     """transformers attention over the paged pool (module docstring); ``query`` is
     ``[1, heads, T, dim]``, ``key`` / ``value`` ``[1, kv_heads, T, dim]``; returns
-    ``[1, T, heads, dim]``."""
+    ``[1, T, heads, dim]``. Grouped-query heads are folded into the query rows of their KV
+    head (head ``h`` reads KV head ``h // group``, as transformers' ``repeat_kv``), so no KV is
+    expanded."""
     batch = kwargs.get("rm_batch")
     if not isinstance(batch, StepBatch):
         return _dense(query, key, value, attention_mask, scaling), None
     layer = int(getattr(module, "layer_idx"))  # noqa: B009 - set by every HF attention module
-    pk, pv = batch.kv.k[layer], batch.kv.v[layer]
-    pk[batch.write] = key[0].transpose(0, 1)
-    pv[batch.write] = value[0].transpose(0, 1)
-    out = torch.empty_like(query[0].transpose(0, 1))  # [T, heads, dim]
+    pk, pv = batch.kv.k[layer], batch.kv.v[layer]  # [kv_heads, slots, dim]
+    pk.index_copy_(1, batch.write, key[0])
+    pv.index_copy_(1, batch.write, value[0])
+    heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[3]
+    group = heads // kv_heads
+    out = torch.empty(query.shape[2], heads, dim, dtype=query.dtype, device=query.device)
     for row, n, start, ctx in batch.prefills:
-        k = pk[ctx].transpose(0, 1).unsqueeze(0)
-        v = pv[ctx].transpose(0, 1).unsqueeze(0)
+        k, v = pk.index_select(1, ctx), pv.index_select(1, ctx)  # [kv_heads, start + n, dim]
         for a in range(0, n, QUERY_ROWS):  # bounds the scores: heads x rows x context
             b = min(a + QUERY_ROWS, n)
-            q = query[:, :, row + a : row + b]
+            q = query[0, :, row + a : row + b].reshape(kv_heads, group * (b - a), dim)
             mask = torch.ones(b - a, start + b, dtype=torch.bool, device=q.device)
-            mask = mask.tril(start + a)
-            o = sdpa(q, k[:, :, : start + b], v[:, :, : start + b], attn_mask=mask,
-                     scale=scaling, enable_gqa=True)
-            out[row + a : row + b] = o[0].transpose(0, 1)
+            mask = mask.tril(start + a).repeat(group, 1)
+            o = sdpa(q, k[:, : start + b], v[:, : start + b], attn_mask=mask, scale=scaling)
+            out[row + a : row + b] = o.view(heads, b - a, dim).transpose(0, 1)
     if batch.decode_rows is not None:
         assert batch.decode_slots is not None and batch.decode_mask is not None
-        q = query[0][:, batch.decode_rows].transpose(0, 1).unsqueeze(2)  # [B, heads, 1, dim]
-        k = pk[batch.decode_slots].permute(0, 2, 1, 3)  # [B, kv_heads, Lmax, dim]
-        v = pv[batch.decode_slots].permute(0, 2, 1, 3)
-        o = sdpa(q, k, v, attn_mask=batch.decode_mask, scale=scaling, enable_gqa=True)
-        out[batch.decode_rows] = o[:, :, 0]
+        n_dec, lmax = batch.decode_slots.shape
+        flat = batch.decode_slots.reshape(-1)
+        k = pk.index_select(1, flat).view(kv_heads, n_dec, lmax, dim).transpose(0, 1)
+        v = pv.index_select(1, flat).view(kv_heads, n_dec, lmax, dim).transpose(0, 1)
+        q = query[0][:, batch.decode_rows].transpose(0, 1).reshape(n_dec, kv_heads, group, dim)
+        o = sdpa(q, k, v, attn_mask=batch.decode_mask, scale=scaling)  # [B, kv_heads, group, dim]
+        out[batch.decode_rows] = o.reshape(n_dec, heads, dim)
     return out.unsqueeze(0), None
 
 
