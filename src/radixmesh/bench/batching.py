@@ -15,7 +15,8 @@ one-request-at-a-time worker)::
 3. prefix-aware admission (needs ``build_engine(prefix_aware=...)``, this version on): 8 requests
    sharing a 2,000-token prefix (distinct 48-token tails) arriving together, on an engine with
    the scheduler's prefix-aware admission and on one with plain FCFS: prefill tokens computed
-   and mean time to first token.
+   and mean time to first token, at the default step of 2,048 tokens (one such prompt fills a
+   step, so FCFS cannot admit a second beside the first) and at vLLM's 8,192.
 
 Prompts are token ids (the preset's vocabulary, pseudo-words through its tokenizer), so a byte
 and a BPE preset get the same number of tokens. Every figure is wall-clock on this machine:
@@ -106,11 +107,12 @@ async def latency(engine: Any, tok: Any, seed: int, levels: Sequence[int]
     return out
 
 
-async def prefix_admission(preset: str, prefix_aware: bool, seed: int) -> dict[str, float]:
+async def prefix_admission(preset: str, prefix_aware: bool, step_tokens: int, seed: int
+                           ) -> dict[str, float]:
     from radixmesh.engine.factory import build_engine
     from radixmesh.engine.worker import as_async_engine
 
-    raw = build_engine(preset, prefix_aware=prefix_aware)
+    raw = build_engine(preset, prefix_aware=prefix_aware, step_tokens=step_tokens)
     engine = as_async_engine(raw)
     try:
         shared = make_prompts(raw.tokenizer, 1, 2000, seed + 7)[0]
@@ -145,11 +147,13 @@ async def main_async(args: argparse.Namespace) -> None:
     if args.skip_prefix or "prefix_aware" not in inspect.signature(
             factory.build_engine).parameters:
         return
-    for aware in (True, False):
-        r = await prefix_admission(args.preset, aware, args.seed)
-        print(f"shared 2,000-token prefix x 8, {'prefix-aware' if aware else 'FCFS        '}: "
-              f"prefill tokens {r['prefill_tokens']:.0f}, mean TTFT {r['mean_ttft_s']:.2f} s, "
-              f"kv_bytes_copied {r['kv_bytes_copied']:.0f}")
+    for step_tokens in (2048, 8192):
+        for aware in (True, False):
+            r = await prefix_admission(args.preset, aware, step_tokens, args.seed)
+            print(f"shared 2,000-token prefix x 8, step {step_tokens} tokens, "
+                  f"{'prefix-aware' if aware else 'FCFS        '}: prefill tokens "
+                  f"{r['prefill_tokens']:.0f}, mean TTFT {r['mean_ttft_s']:.2f} s, "
+                  f"kv_bytes_copied {r['kv_bytes_copied']:.0f}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

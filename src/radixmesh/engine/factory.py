@@ -37,7 +37,7 @@ from safetensors import SafetensorError, safe_open
 
 from radixmesh.core.blocks import DEFAULT_BLOCK_SIZE
 from radixmesh.engine.base import Tokenizer
-from radixmesh.engine.builtin import EngineSpec, TransformersEngine
+from radixmesh.engine.builtin import STEP_TOKENS, EngineSpec, TransformersEngine
 from radixmesh.engine.presets import DEFAULT_PRESET, build_random_model, get_preset
 from radixmesh.engine.tokenizers import ByteTokenizer, HFTokenizer
 
@@ -75,9 +75,11 @@ def build_engine(
     model_name: str | None = None,
     tokenizer: Tokenizer | None = None,
     prefix_aware: bool = True,
+    step_tokens: int = STEP_TOKENS,
 ) -> TransformersEngine:
     """Build the built-in engine. ``model_path`` wins over ``preset`` when both are given.
-    ``prefix_aware=False`` makes the scheduler's admission plain FCFS (benchmarks)."""
+    ``prefix_aware=False`` makes the scheduler's admission plain FCFS; ``step_tokens`` is the
+    tokens one step computes (the prefill chunk; vLLM's ``max_num_batched_tokens``)."""
     if threads is not None:
         if threads < 1:
             raise ValueError("threads must be >= 1")
@@ -87,7 +89,7 @@ def build_engine(
     dev, tdtype = resolve_device(device), resolve_dtype(dtype)
     if model_path is not None:
         return _from_dir(Path(model_path), cache_tokens, block_size, dev, dtype, model_name,
-                         tokenizer, prefix_aware)
+                         tokenizer, prefix_aware, step_tokens)
     if preset is None:
         raise ValueError("give a preset or a model_path")
     spec = get_preset(preset)
@@ -99,6 +101,7 @@ def build_engine(
         block_size=block_size,
         cache_tokens=cache_tokens,
         prefix_aware=prefix_aware,
+        step_tokens=step_tokens,
     )
     return TransformersEngine(model, tokenizer or _preset_tokenizer(spec.tokenizer),
                               engine_spec, dev)
@@ -121,6 +124,7 @@ def _from_dir(
     model_name: str | None,
     tokenizer: Tokenizer | None,
     prefix_aware: bool,
+    step_tokens: int,
 ) -> TransformersEngine:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -147,6 +151,7 @@ def _from_dir(
         block_size=block_size,
         cache_tokens=cache_tokens,
         prefix_aware=prefix_aware,
+        step_tokens=step_tokens,
     )
     return TransformersEngine(model, tokenizer or HFTokenizer(root), spec, dev)
 
