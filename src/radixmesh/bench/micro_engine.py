@@ -79,8 +79,8 @@ def _decode_per_token(engine: TransformersEngine, prompt: list[int], n: int) -> 
 
 def _stored_kv_bytes_per_token(engine: TransformersEngine) -> float:
     kv = engine.runner.kv  # the paged pool: bytes per slot (token position)
-    total = (kv.k.numel() + kv.v.numel()) * kv.k.element_size()
-    return total / (kv.kv_blocks * kv.block_size)
+    slots = kv.k.shape[2]  # kv_blocks * block_size + the zeroed padding slot
+    return (kv.k.numel() + kv.v.numel()) * kv.k.element_size() / slots
 
 
 def _max_logit_diff(engine: TransformersEngine, prompt: list[int], cached: int) -> float:

@@ -82,9 +82,15 @@ class PagedKV:
     def __init__(self, layers: int, kv_heads: int, head_dim: int, kv_blocks: int,
                  block_size: int, dtype: torch.dtype, device: torch.device) -> None:
         kv_blocks += slack_blocks(kv_blocks)
-        shape = (layers, kv_heads, kv_blocks * block_size, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # torch.empty: a page is committed only when a token is first written there (a big pool
+        # costs no memory up front); one more slot, zeroed, pads the decode batch's contexts
+        # (garbage there could be NaN, and NaN x a zero attention weight is still NaN).
+        shape = (layers, kv_heads, kv_blocks * block_size + 1, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.null_slot = kv_blocks * block_size
+        self.k[:, :, self.null_slot].zero_()
+        self.v[:, :, self.null_slot].zero_()
         self.block_size = block_size
         self.kv_blocks = kv_blocks
         self.device = device
@@ -194,7 +200,8 @@ class PagedKV:
             row += n
         if decodes:
             lmax = max(c for _, c in decodes)
-            idx = torch.zeros(len(decodes), lmax, dtype=torch.long, device=self.device)
+            idx = torch.full((len(decodes), lmax), self.null_slot, dtype=torch.long,
+                             device=self.device)
             mask = torch.zeros(len(decodes), 1, 1, lmax, dtype=torch.bool, device=self.device)
             for i, (seq, ctx_len) in enumerate(decodes):
                 idx[i, :ctx_len] = self.slots(seq, 0, ctx_len)
