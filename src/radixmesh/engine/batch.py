@@ -31,7 +31,7 @@ sequence and is not in ``output_ids`` (its logprob entry is still delivered). An
 that raises aborts its sequence (the prompt's whole blocks stay cached: they were published when
 its prefill completed) and ``on_done`` gets the exception. Prompt log-probabilities need logits a
 cached prefix does not have, so such a request is first scored by a plain forward over its whole
-prompt (``SCORE_CHUNK`` tokens at a time) and then generates like any other (``cached_tokens``
+prompt (``sampling.score_prompt``) and then generates like any other (``cached_tokens``
 0). Not thread-safe but for the cache view, which takes ``lock``.
 """
 
@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from radixmesh.core.blocks import extend_hashes
 from radixmesh.core.scheduler import Finished, Scheduler, SchedulerConfig, Step
@@ -57,9 +57,8 @@ from radixmesh.engine.base import (
     TokenLogprob,
 )
 from radixmesh.engine.paged_kv import ATTENTION, PagedKV
-from radixmesh.engine.sampling import Sampler, scored
+from radixmesh.engine.sampling import Sampler, score_prompt
 
-SCORE_CHUNK = 512  # prompt tokens per forward when scoring a prompt (bounds its logits)
 Done = Callable[[GenerateResult | BaseException], None]
 
 
@@ -194,7 +193,7 @@ class BatchRunner:
                     time.perf_counter(), logits=logits)
         seq = next(self._ids)
         if sp.prompt_logprobs is not None:
-            live.scored = self._score(prompt, sp.prompt_logprobs)
+            live.scored = score_prompt(self.model, prompt, sp.prompt_logprobs, self._allowed)
             if req.on_prompt_logprobs is not None:
                 req.on_prompt_logprobs(live.scored)
             if budget == 0:
@@ -380,26 +379,3 @@ class BatchRunner:
             0 if live.req.sampling.prompt_logprobs is not None else cached,
             admitted - live.submitted, first - admitted, now - first,
             tuple(live.logprobs), live.scored)
-
-    @torch.inference_mode()
-    def _score(self, prompt: list[int], k: int) -> tuple[TokenLogprob | None, ...]:
-        """Every prompt token's log-probability given the ones before it (the first has
-        none): a plain forward from position 0, ``SCORE_CHUNK`` tokens at a time."""
-        cache = DynamicCache()
-        out: list[TokenLogprob | None] = [None]
-        last: torch.Tensor | None = None
-        for start in range(0, len(prompt), SCORE_CHUNK):
-            chunk = prompt[start : start + SCORE_CHUNK]
-            ids = torch.tensor([chunk], device=self.device)
-            pos = torch.arange(start, start + len(chunk), device=self.device).unsqueeze(0)
-            res = self.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True,
-                             logits_to_keep=0)
-            logits = res.logits[0, :, : self._allowed].float()
-            if last is not None:  # the previous chunk's last row predicts this chunk's first
-                logits = torch.cat((last.unsqueeze(0), logits))
-                nxt = chunk
-            else:
-                nxt = chunk[1:]
-            last = logits[-1]
-            out.extend(scored(logits[: len(nxt)], nxt, k))
-        return tuple(out)

@@ -181,10 +181,9 @@ class TransformersEngine:
 
     def _run_alone(self, req: GenerateRequest, on_token: TokenCallback | None,
                    logits: list[torch.Tensor] | None) -> GenerateResult:
-        """Submit ``req`` and step the runner until it is done. Several threads may do this
-        at once (nodes sharing one engine under ``ThreadedEngine``s): steps are serialised
-        by ``_step_lock``, whichever thread steps advances every sequence, and each request's
-        callbacks run on its own caller's thread, from a queue, outside the lock."""
+        """Submit ``req``, step the runner until it is done. Threads may do this at once (nodes
+        sharing an engine): steps are serialised by ``_step_lock``, any step advances every
+        sequence, each request's callbacks run on its caller's thread, outside the lock."""
         if self.driver is not None:  # its thread steps the runner: hand the request over
             if logits is not None:
                 raise RuntimeError("prefill_logits needs the engine without a BatchedEngine")
@@ -210,10 +209,11 @@ class TransformersEngine:
                     if isinstance(value, BaseException):
                         raise value
                     return value  # type: ignore[no-any-return]
+                callback = on_token if kind == "token" else user_logprob
+                if callback is None or error is not None:
+                    continue
                 try:
-                    callback = on_token if kind == "token" else user_logprob
-                    if callback is not None and error is None:
-                        callback(value)
+                    callback(value)
                 except Exception as exc:  # the caller stops: the sequence ends
                     error = exc
                     with self._step_lock:

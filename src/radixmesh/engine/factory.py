@@ -77,9 +77,8 @@ def build_engine(
     prefix_aware: bool = True,
     step_tokens: int = STEP_TOKENS,
 ) -> TransformersEngine:
-    """Build the built-in engine. ``model_path`` wins over ``preset`` when both are given.
-    ``prefix_aware=False`` makes the scheduler's admission plain FCFS; ``step_tokens`` is the
-    tokens one step computes (the prefill chunk; vLLM's ``max_num_batched_tokens``)."""
+    """Build the built-in engine (``model_path`` wins over ``preset``). ``prefix_aware=False``:
+    FCFS admission; ``step_tokens``: tokens per step (vLLM's ``max_num_batched_tokens``)."""
     if threads is not None:
         if threads < 1:
             raise ValueError("threads must be >= 1")
@@ -94,15 +93,9 @@ def build_engine(
         raise ValueError("give a preset or a model_path")
     spec = get_preset(preset)
     model = build_random_model(spec, seed).to(device=dev, dtype=tdtype)
-    engine_spec = EngineSpec(
-        model_name=model_name or preset,
-        model_identity=f"preset:{preset}:seed{seed}:{dtype}",
-        max_context=spec.max_position_embeddings,
-        block_size=block_size,
-        cache_tokens=cache_tokens,
-        prefix_aware=prefix_aware,
-        step_tokens=step_tokens,
-    )
+    engine_spec = EngineSpec(model_name or preset, f"preset:{preset}:seed{seed}:{dtype}",
+                             spec.max_position_embeddings, block_size, cache_tokens,
+                             step_tokens=step_tokens, prefix_aware=prefix_aware)
     return TransformersEngine(model, tokenizer or _preset_tokenizer(spec.tokenizer),
                               engine_spec, dev)
 

@@ -15,6 +15,9 @@ token and, when asked, its :class:`TokenLogprob`:
   ``temperature == 0`` (or below ``MIN_TEMPERATURE``: softmax(logits / T) overflows), otherwise
   softmax(logits / T) restricted to the smallest top-p nucleus, drawn from the generator.
 
+Prompt log-probabilities (``score_prompt``) come from a plain forward over the whole prompt: a
+cached prefix has no logits.
+
 Each sequence's row is sampled on its own, so a batch's neighbours never change a request's
 draw: a seeded request samples the same tokens batched or alone (given the same logits).
 """
@@ -24,9 +27,11 @@ from __future__ import annotations
 import secrets
 
 import torch
+from transformers import DynamicCache, PreTrainedModel
 
 from radixmesh.engine.base import SamplingParams, TokenLogprob
 
+SCORE_CHUNK = 512  # prompt tokens per forward when scoring a prompt (bounds its logits)
 MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy (and softmax(logits / T) is NaN)
 
 
@@ -103,3 +108,28 @@ def top_p(probs: torch.Tensor, p: float) -> torch.Tensor:
     out = torch.zeros_like(probs)
     out[order] = sorted_p
     return out / out.sum()
+
+
+@torch.inference_mode()
+def score_prompt(model: PreTrainedModel, prompt: list[int], k: int, allowed: int
+                 ) -> tuple[TokenLogprob | None, ...]:
+    """Every prompt token's log-probability given the ones before it (the first has none) and
+    its ``k`` alternatives: a plain forward from position 0, ``SCORE_CHUNK`` tokens at a time
+    (each chunk attends to the KV of the ones before; the logits held at once are one chunk's),
+    over the tokenizer's first ``allowed`` ids."""
+    cache = DynamicCache()
+    out: list[TokenLogprob | None] = [None]
+    last: torch.Tensor | None = None
+    for start in range(0, len(prompt), SCORE_CHUNK):
+        chunk = prompt[start : start + SCORE_CHUNK]
+        ids = torch.tensor([chunk], device=model.device)
+        pos = torch.arange(start, start + len(chunk), device=model.device).unsqueeze(0)
+        res = model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True,
+                    logits_to_keep=0)
+        logits = res.logits[0, :, :allowed].float()
+        nxt = chunk if last is not None else chunk[1:]
+        if last is not None:  # the previous chunk's last row predicts this chunk's first
+            logits = torch.cat((last.unsqueeze(0), logits))
+        last = logits[-1]
+        out.extend(scored(logits[: len(nxt)], nxt, k))
+    return tuple(out)
