@@ -43,7 +43,7 @@ from radixmesh.engine.base import (
     Tokenizer,
 )
 from radixmesh.engine.builtin import TransformersEngine
-from radixmesh.engine.worker import CLOSE_WAIT_S, RequestStopped, _Relay
+from radixmesh.engine.relay import CLOSE_WAIT_S, Relay, RequestStopped
 
 log = logging.getLogger("radixmesh.engine")
 _Submit = tuple[GenerateRequest, TokenCallback, Any]  # (req, on_token, on_done)
@@ -89,7 +89,7 @@ class BatchedEngine:
         if self._closed:
             raise RuntimeError("engine is closed")
         loop = asyncio.get_running_loop()
-        relay = _Relay(loop, on_token, req.on_logprob, req.on_prompt_logprobs)
+        relay = Relay(loop, on_token, req.on_logprob, req.on_prompt_logprobs)
         if req.on_logprob is not None:
             req = dataclasses.replace(req, on_logprob=relay.logprob_from_engine)
         if req.on_prompt_logprobs is not None:
