@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -59,6 +59,8 @@ class BatchedEngine:
             raise RuntimeError("the engine already has a BatchedEngine (use ``for_engine``)")
         engine.driver = self
         self.users = 1  # nodes sharing it (``for_engine``); the last ``aclose`` closes it
+        self.before_request: Callable[[], None] | None = None  # on the engine thread (debug)
+        self.proxy: object = None  # the engine proxy that made this (runtime/debug.py)
         self.engine = engine
         self._runner = engine.runner
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -197,6 +199,8 @@ class BatchedEngine:
             on_done(asyncio.CancelledError())
             return
         key = id(on_done)
+        if self.before_request is not None:
+            self.before_request()
 
         def finished(outcome: GenerateResult | BaseException) -> None:
             self._by_key.pop(key, None)

@@ -266,6 +266,9 @@ def as_async_engine(engine: Engine | AsyncEngine) -> AsyncEngine:
     its batching loop (``BatchedEngine``), else a ThreadedEngine (one request at a time)."""
     if inspect.iscoroutinefunction(engine.generate):
         return cast(AsyncEngine, engine)
+    as_async = getattr(type(engine), "as_async", None)  # a proxy that knows (runtime/debug.py)
+    if as_async is not None:
+        return cast(AsyncEngine, as_async(engine))
     from radixmesh.engine.builtin import TransformersEngine  # torch: only when needed
 
     if isinstance(engine, TransformersEngine):
