@@ -100,6 +100,11 @@ def build_engine(
                               engine_spec, dev)
 
 
+def preset_tokenizer(preset: str) -> Tokenizer:
+    """The tokenizer a preset's engine uses (without building the model)."""
+    return _preset_tokenizer(get_preset(preset).tokenizer)
+
+
 def _preset_tokenizer(kind: str) -> Tokenizer:
     if kind == "bpe8k":
         from radixmesh.engine import bpe
