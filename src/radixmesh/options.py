@@ -73,7 +73,7 @@ _TABLE = (
     Option("nodes", "nodes in the mesh", int),
     Option("policy", "routing policy: cost | paper | none | random | round_robin | "
            "least_loaded | llmd", old=("policies",)),
-    Option("preset", "built-in model preset (tiny | micro | qwen2.5-0.5b)",
+    Option("preset", "built-in model preset (mini | tiny | micro | qwen2.5-0.5b)",
            old=("engine_preset",)),
     Option("model", "local Hugging Face model directory (overrides --preset)"),
     Option("seed", "seed of preset weights and of routing randomness", int),

@@ -159,7 +159,7 @@ def test_paired_open_loop_on_a_trace(tmp_path: Path, capsys: pytest.CaptureFixtu
     out = tmp_path / "open"
     code = main(["bench", "--policy", "none,cost,oracle", "--nodes", "2", "--rate", "4",
                  "--trace", str(chat_trace(tmp_path / "chat.jsonl")), "--out", str(out),
-                 "--no-progress", "--no-report"])  # fmt: skip
+                 "--no-progress", "--no-report", "--engine-preset", "tiny"])  # fmt: skip
     assert code == 1
     err = capsys.readouterr().err
     assert err.count("run failed") == 3 and "1 of 9 candidate requests dropped" in err

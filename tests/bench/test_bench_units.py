@@ -53,7 +53,7 @@ def multi_turn(generate: Generate, turns: int) -> None:
     for conv in range(2):
         msgs: tuple[Message, ...] = (Message("user", f"conversation {conv}: hello $$ $$"),)
         for turn in range(turns):
-            req = Request(id=f"c{conv}t{turn}", messages=msgs, max_tokens=5)
+            req = Request(id=f"c{conv}t{turn}", messages=msgs, max_tokens=20)  # > 1 KV block
             _, text, _, _ = generate(req)
             msgs = (*msgs, Message("assistant", text), Message("user", f"and then {turn}?"))
 
@@ -132,7 +132,8 @@ def long_trace(tmp_path: Path) -> str:
 
 
 def test_drops_counted_per_reason_and_group(long_trace: str) -> None:
-    spec = RunSpec(name="t", policy="none", workload=WorkloadSpec(trace=long_trace, requests=None))
+    spec = RunSpec(name="t", policy="none", preset="tiny",  # 4,096 byte tokens
+                   workload=WorkloadSpec(trace=long_trace, requests=None))
     reqs, drops = build_counted(spec.workload, 2, make_admit(spec, "drop"))
     assert len(reqs) == 6 and drops.examined == 9
     assert drops.to_json()["by_reason"] == {"too_long": 3}
@@ -141,7 +142,8 @@ def test_drops_counted_per_reason_and_group(long_trace: str) -> None:
 
 
 def test_truncate_or_fail_instead_of_dropping(long_trace: str) -> None:
-    spec = RunSpec(name="t", policy="none", workload=WorkloadSpec(trace=long_trace, requests=None))
+    spec = RunSpec(name="t", policy="none", preset="tiny",  # 4,096 byte tokens
+                   workload=WorkloadSpec(trace=long_trace, requests=None))
     reqs, drops = build_counted(spec.workload, 2, make_admit(spec, "truncate"))
     assert len(reqs) == 9 and drops.total == 0 and drops.to_json()["truncated"] == 3
     tok = ByteTokenizer()
@@ -152,7 +154,7 @@ def test_truncate_or_fail_instead_of_dropping(long_trace: str) -> None:
 
 
 def test_truncating_chat_messages_keeps_the_leading_ones() -> None:
-    spec = RunSpec(name="t", policy="none")
+    spec = RunSpec(name="t", policy="none", preset="tiny")  # 4,096 byte tokens
     req = Request(id="c", messages=(Message("system", "s" * 3000), Message("user", "u" * 3000)))
     out = make_admit(spec, "truncate")(req)
     assert isinstance(out, Request) and out.messages is not None
@@ -161,11 +163,12 @@ def test_truncating_chat_messages_keeps_the_leading_ones() -> None:
 
 # ----------------------------------------------------------------------------- schedules
 def test_rate_honoured_for_traces_and_trace_times_kept(long_trace: str) -> None:
-    spec = RunSpec(name="t", policy="none", workload=WorkloadSpec(trace=long_trace, requests=None))
+    spec = RunSpec(name="t", policy="none", preset="tiny",  # 4,096 byte tokens
+                   workload=WorkloadSpec(trace=long_trace, requests=None))
     runner_res = _plan(spec)
     assert runner_res.mode == "open" and runner_res.schedule["schedule"] == "trace"
     assert [r.t for r in runner_res.requests][:2] == [0.5, 1.0]  # lines 1, 2 (line 0 dropped)
-    timed = RunSpec(name="p", policy="none",
+    timed = RunSpec(name="p", policy="none", preset="tiny",
                     workload=WorkloadSpec(trace=long_trace, requests=None, rate=50.0))  # fmt: skip
     res = _plan(timed)
     assert res.schedule["schedule"] == "poisson" and res.schedule["arrival_rate"] == 50.0

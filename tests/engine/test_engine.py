@@ -19,6 +19,11 @@ def micro(cache_tokens: int = 4096) -> TransformersEngine:
     return build_engine("micro", cache_tokens=cache_tokens, seed=0)
 
 
+def whole_blocks(tokens: int, block_size: int = 16) -> int:
+    """A prefix is reused in whole KV blocks (the paged pool's unit, as vLLM)."""
+    return tokens // block_size * block_size
+
+
 def req(prompt: list[int], **sampling: object) -> GenerateRequest:
     return GenerateRequest("r", tuple(prompt), SamplingParams(**sampling))  # type: ignore[arg-type]
 
@@ -38,10 +43,10 @@ def test_outputs_identical_whatever_the_cache_state(sampling: dict[str, object])
     cold = micro().generate(req(prompt, **sampling))
     assert cold.cached_tokens == 0
 
-    warm = micro()  # the same prompt seen before: everything but the last token cached
+    warm = micro()  # the same prompt seen before: its whole blocks but the last token cached
     first = warm.generate(req(prompt, **sampling))
     again = warm.generate(req(prompt, **sampling))
-    assert again.cached_tokens == len(prompt) - 1
+    assert again.cached_tokens == whole_blocks(len(prompt) - 1)
 
     partial = micro()  # a sibling shares 48 tokens
     partial.generate(req(sibling, max_tokens=1))
@@ -65,7 +70,8 @@ def test_generated_tokens_are_cached_for_the_next_turn() -> None:
     out = engine.generate(req(prompt, max_tokens=6)).output_ids
     follow = prompt + out + [1, 2, 3]
     res = engine.generate(req(follow, max_tokens=1))
-    assert res.cached_tokens == len(prompt) + len(out) - 1  # the last sampled token had no KV
+    # the last sampled token had no KV; reuse is in whole blocks
+    assert res.cached_tokens == whole_blocks(len(prompt) + len(out) - 1)
     ref = micro().generate(req(follow, max_tokens=1))
     assert res.output_ids == ref.output_ids
 
@@ -132,7 +138,7 @@ def test_failing_callback_unlocks_and_keeps_the_computed_kv() -> None:
     with pytest.raises(RuntimeError, match="went away"):
         engine.generate(req(prompt, max_tokens=5), on_token=boom)
     assert engine.usage().locked_tokens == 0
-    assert engine.match(prompt) == len(prompt) - 1
+    assert engine.match(prompt) == whole_blocks(len(prompt) - 1)  # published at prefill end
 
 
 def test_context_limit_truncates_generation() -> None:
@@ -174,7 +180,7 @@ def test_tiny_preset_shape_and_exact_reuse() -> None:
         engine.clear_cache()
         engine.prefill_logits(prompt[:split])
         logits, cached = engine.prefill_logits(prompt)
-        assert cached == min(split, n - 1)
+        assert cached == whole_blocks(min(split, n - 1))
         torch.testing.assert_close(logits, reference, atol=1e-4, rtol=0)
 
 

@@ -104,7 +104,7 @@ def test_penalties_follow_openai_semantics(engine: Any, presence: float, frequen
 
 
 def test_a_prompt_longer_than_a_scoring_chunk_is_scored_exactly(engine: Any) -> None:
-    from radixmesh.engine.builtin import SCORE_CHUNK
+    from radixmesh.engine.sampling import SCORE_CHUNK
 
     assert len(LONG) > 2 * SCORE_CHUNK
     res = _run(engine, LONG, max_tokens=1, prompt_logprobs=1, logprobs=0)

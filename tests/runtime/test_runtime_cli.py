@@ -55,7 +55,7 @@ def _read_until_ready(proc: subprocess.Popen[str], poll: Poll, timeout: float = 
 
 def test_cluster_command_none_policy_never_forwards_and_stops_cleanly(poll: Poll) -> None:
     cmd = [sys.executable, "-m", "radixmesh.cli", "cluster", "--nodes", "2", "--base-port", "0",
-           "--policy", "none", "--gossip-interval", "0.1"]
+           "--policy", "none", "--gossip-interval", "0.1", "--preset", "tiny"]  # byte tokens
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     pids: list[int] = []
     try:

@@ -40,7 +40,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     # mean utilization (timing-dependent), and these tests check that the runtime carries out
     # what the cost policy decides from the cache view. The bound is tested in tests/core.
     options = {"gossip_interval": 0.1, "suspect_timeout": 0.5, "forward_timeout": 2.0,
-               "policy": "cost", "load_bound": "off"}
+               "policy": "cost", "load_bound": "off", "preset": "tiny"}  # byte tokens
     # n0 declares silent peers dead quickly; n1 waits long, so a restart reaches it as a new
     # incarnation of a still-known peer rather than as a fresh join.
     per_node = {0: {"dead_timeout": 3.0}, 1: {"dead_timeout": 120.0}, 2: {"dead_timeout": 3.0}}

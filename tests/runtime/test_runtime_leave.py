@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 HOP = {"x-radixmesh-hop": "1"}  # execute on the receiving node, never forward
 GRACE_S = 12.0  # n1's --drain-grace: its in-flight request needs ~2 s of it
 OPTIONS = {"gossip_interval": 0.1, "suspect_timeout": 0.5, "dead_timeout": 3.0,
-           "forward_timeout": 2.0, "policy": "cost"}
+           "forward_timeout": 2.0, "policy": "cost", "preset": "tiny"}  # byte tokens
 
 
 @pytest.fixture(scope="module")

@@ -271,7 +271,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="emulated: every step, delay, interval and timeout S x longer, figures "
                         "divided back by S (a 2-core machine cannot run GPU-speed engines in "
                         "real time; default 1)")
-    add_option(e, "preset", "tiny", help="built-in model preset (paper | quick: the "
+    add_option(e, "preset", "mini", help="built-in model preset (paper | quick: the "
                "deprecated spelling of --sweep)")
     add_option(e, "model", None)
     add_options(e, {"threads": 1, "device": "cpu"})
@@ -297,7 +297,7 @@ def _sweep_of(args: argparse.Namespace) -> str | None:
     """``--sweep``; ``--preset paper|quick`` is its old spelling (warned, once)."""
     if args.preset in SWEEPS:
         warn_renamed(f"--preset {args.preset}", f"--sweep {args.preset}")
-        args.sweep, args.preset = args.preset, "tiny"
+        args.sweep, args.preset = args.preset, RunSpec.preset
     return getattr(args, "sweep", None)
 
 

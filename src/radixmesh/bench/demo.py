@@ -1,10 +1,11 @@
 """``radixmesh demo``: 4 local nodes, ~300 requests, routing policies side by side.
 
-Starts a fresh 4-node cluster of the built-in ``tiny`` engine (random weights, byte tokenizer,
-one torch thread per node) for each of ``none`` (no routing), ``paper`` (the paper's longest
-estimated prefix match) and ``cost`` (radixmesh's cost-model router); replays the same
-MMLU-shaped workload against them with the paper's schedule (round-robin entry node, one
-request at a time); prints a comparison table and writes a report of what ran (tables + figures).
+Starts a fresh 4-node cluster of the built-in ``mini`` engine (random weights, the shipped BPE
+tokenizer, 32k context, continuous batching, one torch thread per node) for each of ``none`` (no
+routing), ``paper`` (the paper's longest estimated prefix match) and ``cost`` (radixmesh's
+cost-model router); replays the same MMLU-shaped workload against them with the paper's
+schedule (round-robin entry node, one request at a time); prints a comparison table and writes
+a report of what ran (tables + figures).
 The synthetic prompts are scaled to a quarter of MMLU's length so the demo fits in about three
 minutes on a 2-core machine; ``--mmlu-dir`` uses the real questions instead.
 """
@@ -102,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"radixmesh demo: {exc}", file=sys.stderr)
         return 2
     src = f"MMLU ({args.mmlu_dir})" if args.mmlu_dir else f"synthetic MMLU-shaped x{args.scale}"
-    print(f"radixmesh demo: {args.nodes} nodes (tiny engine), {args.requests} requests of "
+    print(f"radixmesh demo: {args.nodes} nodes (mini engine), {args.requests} requests of "
           f"{src}, policies {', '.join(s.policy for s in plan)}", file=sys.stderr)  # fmt: skip
     runner = Runner(out, progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr))
     results = runner.run_all(plan)

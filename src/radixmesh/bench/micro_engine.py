@@ -66,7 +66,8 @@ def _prefill_with(engine: TransformersEngine, prompt: list[int], cached: int) ->
     if cached:
         engine.prefill_logits(prompt[:cached])
     res = engine.generate(GenerateRequest("bench", tuple(prompt), SamplingParams(max_tokens=1)))
-    assert res.cached_tokens == min(cached, len(prompt) - 1)
+    bs = engine.spec.block_size  # reuse is in whole KV blocks
+    assert res.cached_tokens == min(cached, len(prompt) - 1) // bs * bs
     return res.prefill_s
 
 
@@ -77,14 +78,9 @@ def _decode_per_token(engine: TransformersEngine, prompt: list[int], n: int) -> 
 
 
 def _stored_kv_bytes_per_token(engine: TransformersEngine) -> float:
-    tree = engine.cache.tree
-    total, stack = 0, list(tree.root.children.values())
-    while stack:
-        node = stack.pop()
-        if node.value is not None:
-            total += node.value.numel() * node.value.element_size()
-        stack.extend(node.children.values())
-    return total / max(tree.total_tokens, 1)
+    kv = engine.runner.kv  # the paged pool: bytes per slot (token position)
+    slots = kv.k.shape[2]  # kv_blocks * block_size + the zeroed padding slot
+    return (kv.k.numel() + kv.v.numel()) * kv.k.element_size() / slots
 
 
 def _max_logit_diff(engine: TransformersEngine, prompt: list[int], cached: int) -> float:

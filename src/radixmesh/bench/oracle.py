@@ -88,22 +88,27 @@ class CacheMirror:
         self._clock = 0.0
 
     def match(self, prompt: Sequence[int]) -> int:
-        """Tokens the node would reuse (the engine keeps >= 1 token uncached)."""
-        return self.cache.reusable(prompt)
+        """Tokens the node would reuse: whole KV blocks, never the last token (the built-in
+        engine's paged pool, ``core/kv_pool.KvPool.reusable``)."""
+        bs = self.cache.tree.block_size
+        return self.cache.reusable(prompt) // bs * bs
 
     def start(self, prompt: Sequence[int], max_tokens: int) -> Lease[None]:
-        """``generate``'s first cache step: lock the cached prefix, make room."""
+        """``generate``'s first cache step: lock the cached whole blocks, make room."""
         self._clock += 1.0
         budget = min(max_tokens, self.max_context - len(prompt))
-        return self.cache.acquire(prompt, self.cache.reserve_for(prompt, budget), self._clock)
+        reserve = self.cache.reserve_for(prompt, budget)
+        return self.cache.acquire(prompt[: self.match(prompt) + 1], reserve, self._clock)
 
     def finish(self, lease: Lease[None], fed: Sequence[int] | None) -> None:
-        """``generate``'s last step: insert what went through the model (None: nothing)."""
+        """``generate``'s last step: insert the whole blocks of what went through the model
+        (None: nothing)."""
         self._clock += 1.0
         if fed is None:
             self.cache.release(lease)
         else:
-            self.cache.commit(lease, fed, self._clock)
+            bs = self.cache.tree.block_size
+            self.cache.commit(lease, fed[: len(fed) // bs * bs], self._clock)
 
 
 class Oracle:

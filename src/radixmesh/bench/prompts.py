@@ -28,9 +28,17 @@ class PromptTooLong(ValueError):
 
 
 def tokenizer_for(spec: RunSpec) -> Any:
+    """The nodes' tokenizer: the model directory's, bytes for emulated engines, else the
+    built-in preset's (the default ``mini`` is a BPE)."""
     from radixmesh.engine.tokenizers import ByteTokenizer, HFTokenizer
 
-    return HFTokenizer(spec.model) if spec.model else ByteTokenizer()
+    if spec.model:
+        return HFTokenizer(spec.model)
+    if spec.node_profiles:
+        return ByteTokenizer()
+    from radixmesh.engine.factory import preset_tokenizer
+
+    return preset_tokenizer(spec.preset)
 
 
 def prompt_ids(tokenizer: Any, req: Request) -> list[int]:

@@ -42,7 +42,7 @@ class RunSpec:
     gossip_announce_s: float | None = GossipConfig().announce_gap_s
     cache_tokens: int = 160_000  # KV budget per node, tokens
     concurrency: int = 1  # closed-loop clients (1 = the paper's one-at-a-time schedule)
-    preset: str = "tiny"
+    preset: str = "mini"  # the built-in default (engine/presets.py)
     model: str | None = None  # local model directory instead of a preset
     threads: int = 1  # torch threads per node
     device: str = "cpu"  # torch device of every node's engine (cuda: nodes share the GPU)

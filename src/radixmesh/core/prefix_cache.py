@@ -2,13 +2,13 @@
 
 Theory of operation
 -------------------
-This is the one cache-management implementation; the built-in engine (values = KV tensor
-slices, see ``engine/radix_cache.py``) and the simulator (values = nothing, see
-``sim/engine.py``) are both built on it, so a simulated node caches, evicts and gossips exactly
-what a real node fed the same requests would. A value is opaque here: it covers exactly its
-node's token positions, and when an insert or a serving match ends inside a node the tree
-splits the value with the ``split_value`` function given at construction (required as soon as
-values are stored).
+This is the one cache-management implementation; every engine's scheduler
+(``core/kv_pool.py``: values = nothing; the built-in engine keeps its KV blocks beside it,
+``engine/paged_kv.py``) and the simulator (``sim/engine.py``) are built on it, so a simulated
+node caches, evicts and gossips exactly what a real node fed the same requests would. A value is
+opaque here: it covers exactly its node's token positions, and when an insert or a serving match
+ends inside a node the tree splits the value with the ``split_value`` function given at
+construction (required as soon as values are stored).
 
 Lease lifecycle of one request (the paper's Algorithm 1, lines 7-13)::
 

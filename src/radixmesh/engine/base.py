@@ -8,8 +8,9 @@ Two levels, as an engine either runs one request at a time or batches many:
 * :class:`AsyncEngine` — what the node runs on: the same cache view and identity, an
   ``async generate`` that many callers may await at once, ``running`` / ``waiting`` counts and
   ``aclose``. A batching engine (vLLM / SGLang behind HTTP) implements it directly; the
-  built-in engine gets it from :class:`~radixmesh.engine.worker.ThreadedEngine` (one thread,
-  FIFO).
+  built-in engine gets it from :class:`~radixmesh.engine.batched.BatchedEngine` (continuous
+  batching on the core scheduler), any other synchronous engine from
+  :class:`~radixmesh.engine.worker.ThreadedEngine` (one thread, FIFO).
 
 The :class:`AsyncEngine` contract
 ---------------------------------

@@ -1,122 +1,101 @@
-"""The built-in engine: a transformers causal LM + the radix KV cache, one request at a time.
+"""The built-in engine: a transformers causal LM executed by continuous batching.
 
 Theory of operation
 -------------------
-``generate(req)``::
+``TransformersEngine`` holds the model, its identity and limits, and a
+:class:`~radixmesh.engine.batch.BatchRunner`: the core scheduler's steps run with torch over a
+paged KV pool (``engine/batch.py``, ``engine/paged_kv.py``). A node runs it through
+:class:`~radixmesh.engine.batched.BatchedEngine` (its step loop on one thread, many requests
+at once); ``generate`` here is the synchronous path (tests, benchmarks, an engine proxy under
+``ThreadedEngine``): it submits one request and steps the runner on the calling thread until it
+is done (not re-entrant); once a ``BatchedEngine`` drives the runner, ``generate`` hands the
+request to its thread and waits (``on_token`` then runs on that thread).
 
-    lease = cache.acquire(prompt)           # cached prefix P (<= len-1 tokens), path locked,
-                                            # LRU leaves evicted so the request's tokens fit
-    cache = RequestCache(path tensors)      # per layer [1, kv_heads, P + room, head_dim]
-    prefill prompt[P:] at positions P..len-1 on that cache   -> last-position logits
-    decode: sample, feed the token at the next position, until max_tokens / EOS / stop id /
-            max_context
-    cache.commit(lease, fed tokens, request KV)   # prompt + generated tokens, then unlock
+The KV pool (``cache_tokens``) holds both the prefix cache and the running sequences' KV, in
+blocks of ``block_size`` tokens; a prefix is reused in whole blocks (never the prompt's last
+token: there must be logits to sample from), as in vLLM. A request whose prompt + output can
+never fit the pool is refused (``ValueError``). Position ids are explicit, so a cached block is
+only read at its original positions (a chained block hash guarantees it).
 
-The silent-wrong pitfalls (GUIDE §4) and how they are avoided: position ids are passed
-explicitly and continue after the cached length; no attention mask is passed (batch 1, no
-padding, so causal over cached + new tokens is exact); a KV segment is only reused at its
-original absolute positions (a radix path guarantees it); stored slices are clones; at least
-one prompt token is always computed so there are logits to sample from.
-
-Sampling: presence / frequency penalties first (OpenAI's: counts of the tokens generated so
-far, ``SamplingParams``); then greedy when ``temperature == 0``, otherwise softmax(logits / T)
-restricted to the smallest top-p nucleus, drawn from a ``torch.Generator`` seeded by ``seed``
-(or fresh entropy when ``seed`` is None). Logits above the tokenizer's vocabulary are masked
-(a model's embedding matrix is often padded beyond its tokenizer). A stop token (EOS, the
-tokenizer's other ``stop_ids`` such as an end-of-turn marker, or a ``stop_token_ids`` member) ends
-generation and is *not* part of ``output_ids``; ``on_token`` is called for every token that is.
-
-Log-probabilities (``logprobs`` = k): log_softmax of the raw logits (before penalties,
-temperature and top-p) of the tokenizer's vocabulary, the chosen token's and the k largest;
-the request's ``on_logprob`` gets each entry just before ``on_token`` (the ending stop token
-too). Prompt log-probabilities (``prompt_logprobs`` = k, what ``echo`` + ``logprobs`` scoring
-needs): a cached prefix has no logits, so such a request computes its *whole* prompt from
-position 0 (in chunks of ``SCORE_CHUNK`` tokens, every position's logits kept, one chunk's at a
-time) instead of reusing the cache — exact, at the cost of a full prefill plus the output layer at
-every prompt position (measured on the tiny preset, CPU, 2,000 tokens: 1.6 s against 0.65 s
-uncached and 0.02 s with the prefix cached); its KV is still committed, and
-``cached_tokens`` is 0.
-
-``on_token`` runs on the calling (worker) thread; if it raises, generation stops, the KV
-computed so far is still cached, the path is unlocked, and the exception propagates.
+Sampling and log-probabilities: ``engine/sampling.py``. Prompt log-probabilities (``echo`` +
+``logprobs`` scoring) are computed by a full forward over the prompt (a cached prefix has no
+logits), ``cached_tokens`` is then 0.
 """
 
 from __future__ import annotations
 
-import secrets
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+import dataclasses
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
 from radixmesh.core.blocks import Fingerprint
+from radixmesh.core.scheduler import SchedulerConfig
 from radixmesh.engine.base import (
     CacheDelta,
     CacheUsage,
-    FinishReason,
     GenerateRequest,
     GenerateResult,
-    LogprobCallback,
     SamplingParams,
     TokenCallback,
     Tokenizer,
-    TokenLogprob,
 )
-from radixmesh.engine.radix_cache import KVLease, LayerKV, RadixKVCache, RequestCache
+from radixmesh.engine.batch import BatchRunner
+
+STEP_TOKENS = 2048  # tokens one step computes (vLLM's max_num_batched_tokens): prefill chunk
+MAX_RUNNING = 64  # sequences batched at once (vLLM's max_num_seqs)
 
 
 @dataclass(frozen=True, slots=True)
 class EngineSpec:
-    """What ``build_engine`` resolved: identity and limits of the loaded model."""
+    """What ``build_engine`` resolved: identity and limits of the loaded model, and the
+    batching knobs of the core scheduler."""
 
     model_name: str
     model_identity: str  # e.g. "preset:tiny:seed0:float32" or "dir:<digest>:float32"
     max_context: int
     block_size: int
-    cache_tokens: int
-
-
-@dataclass(slots=True)
-class _Run:
-    """Mutable state of one request while it runs."""
-
-    fed: list[int]  # every token whose KV is in ``cache`` (prompt + generated so far)
-    cache: RequestCache
-    output: list[int]
-    finish: FinishReason = "length"
-    logprobs: list[TokenLogprob] = field(default_factory=list)
+    cache_tokens: int  # the KV pool: prefix cache + running sequences
+    step_tokens: int = STEP_TOKENS
+    max_running: int = MAX_RUNNING
+    prefix_aware: bool = True  # the scheduler's "pioneers first" admission; False = FCFS
 
 
 class TransformersEngine:
-    """Implements :class:`radixmesh.engine.base.Engine`: the prefix-cache view delegates to
-    ``self.cache`` (the shared ``core.prefix_cache`` with KV values), the model part is below.
-    Not re-entrant: use ``EngineWorker``."""
+    """Implements :class:`radixmesh.engine.base.Engine` (the synchronous path) and carries the
+    ``runner`` a :class:`~radixmesh.engine.batched.BatchedEngine` drives."""
 
     extended_sampling = True  # penalties and log-probabilities (engine/base.py)
 
-    def __init__(
-        self,
-        model: PreTrainedModel,
-        tokenizer: Tokenizer,
-        spec: EngineSpec,
-        device: torch.device,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, model: PreTrainedModel, tokenizer: Tokenizer, spec: EngineSpec,
+                 device: torch.device) -> None:
         self.model = model
         self._tokenizer = tokenizer
         self.spec = spec
         self.device = device
         self._fingerprint = Fingerprint(spec.model_identity, tokenizer.fingerprint, spec.block_size)
-        self.cache = RadixKVCache(spec.cache_tokens, spec.block_size, self._fingerprint.digest)
         self._vocab = int(model.get_input_embeddings().num_embeddings)
-        self._n_layers = int(model.config.get_text_config().num_hidden_layers)
-        self._allowed = min(tokenizer.vocab_size, self._vocab)
+        self._allowed = min(tokenizer.vocab_size, self._vocab)  # ids the tokenizer can decode
         eos = tokenizer.eos_token_id
         default_stops = frozenset() if eos is None else frozenset({eos})
-        self._stop_ids: frozenset[int] = getattr(tokenizer, "stop_ids", default_stops)
-        self._clock = clock  # LRU timestamps
+        stop_ids: frozenset[int] = getattr(tokenizer, "stop_ids", default_stops)
+        config = SchedulerConfig(
+            block_size=spec.block_size,
+            kv_blocks=max(spec.cache_tokens // spec.block_size, 1),
+            max_running=min(spec.max_running, spec.step_tokens),
+            step_tokens=spec.step_tokens,
+            prefix_aware=spec.prefix_aware,
+            hash_seed=self._fingerprint.digest,
+        )
+        self.runner = BatchRunner(model, config, self._allowed,
+                                  stop_ids, device)
+        self.driver: Any = None  # a BatchedEngine stepping the runner on its own thread
+        self._step_lock = threading.Lock()  # the synchronous path's callers step one at a time
 
     # ------------------------------------------------------------------------- identity
     @property
@@ -142,23 +121,31 @@ class TransformersEngine:
         elem = torch.empty((), dtype=self.model.dtype).element_size()
         return int(cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * elem)
 
-    # ------------------------------------------------------------------------- cache queries
+    # ------------------------------------------------------------------------- cache view
     def match(self, prompt_ids: Sequence[int]) -> int:
-        return self.cache.reusable(prompt_ids)
+        return self.runner.match(list(prompt_ids))
 
     def drain_cache_delta(self) -> CacheDelta:
-        added, removed = self.cache.drain_delta()
-        return CacheDelta(tuple(added), tuple(removed))
+        return self.runner.drain_cache_delta()
 
     def cache_hashes(self) -> frozenset[int]:
-        return self.cache.block_hashes()
+        return self.runner.cache_hashes()
 
     def usage(self) -> CacheUsage:
-        return self.cache.usage()
+        return self.runner.usage()
 
     def clear_cache(self) -> int:
-        """Drop every unlocked cached prefix; returns the tokens freed."""
-        return self.cache.clear()
+        """Drop every cached prefix when nothing runs; returns the tokens freed."""
+        return self.runner.clear_cache()
+
+    def stats(self) -> dict[str, int]:
+        """Counters for ``/mesh`` and benchmarks (``kv_bytes_copied`` stays 0: prefix hits
+        read the cached blocks in place)."""
+        sched = self.runner.sched
+        return {**self.runner.stats, "kv_bytes_copied": self.runner.kv_bytes_copied,
+                "prefill_tokens_computed": sched.prefill_tokens_computed,
+                "cached_tokens_hit": sched.cached_tokens_hit,
+                "preemptions": sched.preemptions}
 
     # ------------------------------------------------------------------------- generation
     def validate(self, prompt_ids: Sequence[int]) -> None:
@@ -172,210 +159,64 @@ class TransformersEngine:
         if min(prompt_ids) < 0 or max(prompt_ids) >= self._vocab:
             raise ValueError(f"token ids must be in [0, {self._vocab})")
 
+    def budget(self, req: GenerateRequest) -> int:
+        """Validate ``req``; the new tokens it may generate (its max_tokens, cut at the
+        context)."""
+        self.validate(req.prompt_ids)
+        return min(req.sampling.max_tokens, self.max_context - len(req.prompt_ids))
+
     def generate(
         self, req: GenerateRequest, on_token: TokenCallback | None = None
     ) -> GenerateResult:
-        prompt = list(req.prompt_ids)
-        self.validate(prompt)
-        sp = req.sampling
-        budget = min(sp.max_tokens, self.max_context - len(prompt))
-        lease = self.cache.acquire(prompt, self.cache.reserve_for(prompt, budget), self._clock())
-        run: _Run | None = None
-        scored: tuple[TokenLogprob | None, ...] = ()
-        try:
-            t0 = time.perf_counter()
-            if sp.prompt_logprobs is None:
-                run, logits = self._prefill(prompt, lease, budget)
-                cached = lease.cached
-            else:  # no logits for a cached prefix: compute the whole prompt (module doc)
-                run, logits, scored = self._score_prompt(prompt, budget, sp.prompt_logprobs)
-                cached = 0
-                if req.on_prompt_logprobs is not None:
-                    req.on_prompt_logprobs(scored)
-            t1 = time.perf_counter()
-            if budget > 0:
-                self._decode(run, logits, sp, budget, on_token, req.on_logprob)
-            t2 = time.perf_counter()
-        finally:
-            self._finish(lease, run)
-        return GenerateResult(
-            req.request_id, run.output, run.finish, len(prompt), cached, 0.0, t1 - t0, t2 - t1,
-            tuple(run.logprobs), scored,
-        )
+        """Run one request to its end on the calling thread (module docstring)."""
+        return self._run_alone(req, on_token, None)
 
-    def prefill_logits(
-        self, prompt_ids: Sequence[int], *, insert: bool = True
-    ) -> tuple[torch.Tensor, int]:
-        """Last-position logits of ``prompt_ids`` computed over the cached prefix.
+    def prefill_logits(self, prompt_ids: Sequence[int]) -> tuple[torch.Tensor, int]:
+        """Last-position fp32 logits (CPU) of ``prompt_ids`` computed over the cached prefix,
+        and the cached tokens reused; the prompt is cached afterwards. For tests, benchmarks."""
+        logits: list[torch.Tensor] = []
+        req = GenerateRequest("prefill", tuple(prompt_ids), SamplingParams(max_tokens=1))
+        result = self._run_alone(req, None, logits)
+        return logits[0], result.cached_tokens
 
-        Returns (fp32 logits on the CPU, cached tokens reused). With ``insert`` the prompt's KV
-        is added to the cache afterwards, as ``generate`` would. For tests and benchmarks.
-        """
-        prompt = list(prompt_ids)
-        self.validate(prompt)
-        lease = self.cache.acquire(prompt, self.cache.reserve_for(prompt, 0), self._clock())
-        run: _Run | None = None
-        try:
-            run, logits = self._prefill(prompt, lease)
-        finally:
-            self._finish(lease, run if insert else None)
-        return logits.cpu(), lease.cached
-
-    def _finish(self, lease: KVLease, run: _Run | None) -> None:
-        if run is None or not run.fed:
-            self.cache.release(lease)
-            return
-        kv: LayerKV = [(layer.keys, layer.values) for layer in run.cache.layers]
-        n_kv = int(kv[0][0].shape[2]) if kv else 0
-        self.cache.commit(lease, run.fed[:n_kv], kv, self._clock())
-
-    @torch.inference_mode()
-    def _prefill(
-        self, prompt: list[int], lease: KVLease, max_new: int = 0
-    ) -> tuple[_Run, torch.Tensor]:
-        values = [v.to(self.device) for v in lease.values]
-        cache = RequestCache(self._n_layers, len(prompt) + max_new, values)
-        run = _Run(fed=list(prompt[: lease.cached]), cache=cache, output=[])
-        logits = self._forward(run, prompt[lease.cached :])
-        return run, logits
-
-    @torch.inference_mode()
-    def _score_prompt(
-        self, prompt: list[int], max_new: int, k: int
-    ) -> tuple[_Run, torch.Tensor, tuple[TokenLogprob | None, ...]]:
-        """The whole prompt from position 0, in chunks of :data:`SCORE_CHUNK` tokens (exact:
-        each chunk attends to the KV of the ones before it; the logits held at once are one
-        chunk's, not ``prompt_len x vocab``): each prompt token's log-probability given the
-        ones before it (the first has none), and the last position's logits."""
-        run = _Run(fed=[], cache=RequestCache(self._n_layers, len(prompt) + max_new), output=[])
-        scored: list[TokenLogprob | None] = [None]
-        last: torch.Tensor | None = None
-        for start in range(0, len(prompt), SCORE_CHUNK):
-            chunk = prompt[start : start + SCORE_CHUNK]
-            ids = torch.tensor([chunk], dtype=torch.long, device=self.device)
-            pos = torch.arange(start, start + len(chunk), device=self.device).unsqueeze(0)
-            out = self.model(input_ids=ids, position_ids=pos, cache=run.cache, use_cache=True,
-                             logits_to_keep=0)
-            run.fed.extend(chunk)
-            logits = out.logits[0, :, : self._allowed].float()
-            if last is not None:  # the previous chunk's last row predicts this chunk's first
-                logits = torch.cat((last.unsqueeze(0), logits))
-                nxt = prompt[start : start + len(chunk)]
-            else:
-                nxt = chunk[1:]
-            last = logits[-1]
-            scored.extend(_scored(logits[: len(nxt)], nxt, k))
-        assert last is not None
-        return run, last, tuple(scored)
-
-    @torch.inference_mode()
-    def _forward(self, run: _Run, tokens: list[int]) -> torch.Tensor:
-        start = len(run.fed)
-        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        pos = torch.arange(start, start + len(tokens), device=self.device).unsqueeze(0)
-        out = self.model(
-            input_ids=ids, position_ids=pos, cache=run.cache, use_cache=True, logits_to_keep=1
-        )
-        run.fed.extend(tokens)
-        return out.logits[0, -1].float()
-
-    @torch.inference_mode()
-    def _decode(
-        self,
-        run: _Run,
-        logits: torch.Tensor,
-        sp: SamplingParams,
-        budget: int,
-        on_token: TokenCallback | None,
-        on_logprob: LogprobCallback | None = None,
-    ) -> None:
-        stops = self._stop_ids | set(sp.stop_token_ids)
-        gen = self._generator(sp)
-        counts = torch.zeros(self._allowed, device=logits.device) if sp.penalized else None
+    def _run_alone(self, req: GenerateRequest, on_token: TokenCallback | None,
+                   logits: list[torch.Tensor] | None) -> GenerateResult:
+        """Submit ``req``, step the runner until it is done. Threads may do this at once (nodes
+        sharing an engine): steps are serialised by ``_step_lock``, any step advances every
+        sequence, each request's callbacks run on its caller's thread, outside the lock."""
+        if self.driver is not None:  # its thread steps the runner: hand the request over
+            if logits is not None:
+                raise RuntimeError("prefill_logits needs the engine without a BatchedEngine")
+            result: GenerateResult = self.driver.run_blocking(req, on_token)
+            return result
+        events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        user_logprob = req.on_logprob
+        if user_logprob is not None:
+            req = dataclasses.replace(req, on_logprob=lambda e: events.put(("logprob", e)))
+        with self._step_lock:
+            seq = self.runner.submit(req, self.budget(req), lambda t: events.put(("token", t)),
+                                     lambda o: events.put(("done", o)), logits)
+        error: BaseException | None = None
         while True:
-            raw = logits[: self._allowed]
-            token = self._sample(raw if counts is None else _penalize(raw, counts, sp), sp, gen)
-            if sp.logprobs is not None:
-                entry = _logprob(raw, token, sp.logprobs)
-                run.logprobs.append(entry)
-                if on_logprob is not None:
-                    on_logprob(entry)
-            if token in stops:
-                run.finish = "stop"
-                return
-            run.output.append(token)
-            if counts is not None:
-                counts[token] += 1
-            if on_token is not None:
-                on_token(token)
-            if len(run.output) >= budget:
-                return
-            logits = self._forward(run, [token])
-
-    def _generator(self, sp: SamplingParams) -> torch.Generator | None:
-        if sp.temperature == 0:
-            return None
-        # On the engine's device: sampling reads back one token, never the logits.
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(sp.seed if sp.seed is not None else secrets.randbits(63))
-        return gen
-
-    def _sample(self, logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None) -> int:
-        logits = logits[: self._allowed]
-        if gen is None or sp.temperature < MIN_TEMPERATURE:  # tiny T: logits/T overflows
-            return int(torch.argmax(logits).item())
-        scaled = (logits.float() - logits.max().float()) / sp.temperature
-        probs = torch.softmax(scaled, dim=-1)
-        if sp.top_p < 1.0:
-            probs = _top_p(probs, sp.top_p)
-        return int(torch.multinomial(probs, 1, generator=gen).item())
-
-
-MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy (and softmax(logits / T) is NaN)
-
-
-def _penalize(logits: torch.Tensor, counts: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
-    """OpenAI's presence / frequency penalties: ``counts`` = times each token was generated."""
-    return (logits.float() - counts * sp.frequency_penalty
-            - (counts > 0).float() * sp.presence_penalty)
-
-
-SCORE_CHUNK = 512  # prompt tokens per forward when scoring a prompt (bounds its logits)
-
-
-def _scored(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
-    """Row ``i`` of ``logits`` is the distribution of ``tokens[i]``: its log-probability and
-    the ``k`` most likely tokens, per row."""
-    if not tokens:
-        return []
-    lp = torch.log_softmax(logits, dim=-1)
-    nxt = torch.tensor(tokens, dtype=torch.long, device=lp.device)
-    chosen = lp.gather(1, nxt.unsqueeze(1)).squeeze(1).cpu().tolist()
-    if k > 0:
-        top_v, top_i = (t.cpu().tolist() for t in torch.topk(lp, k, dim=-1))
-    else:
-        top_v = top_i = [[] for _ in tokens]
-    return [TokenLogprob(tok, value, tuple(zip(ids_k, vals_k, strict=True)))
-            for tok, value, ids_k, vals_k in zip(tokens, chosen, top_i, top_v, strict=True)]
-
-
-def _logprob(logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
-    """``token``'s log-probability under ``logits`` and the ``k`` most likely tokens."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    top: tuple[tuple[int, float], ...] = ()
-    if k > 0:
-        values, ids = torch.topk(lp, k)
-        top = tuple(zip(ids.cpu().tolist(), values.cpu().tolist(), strict=True))
-    return TokenLogprob(token, float(lp[token].item()), top)
-
-
-def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Zero out everything outside the smallest set whose mass reaches ``top_p``."""
-    sorted_p, order = torch.sort(probs, descending=True)
-    before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly before each token
-    drop = before >= top_p
-    drop[0] = False  # the most likely token always stays (a tiny top_p rounds to 0 in fp32)
-    sorted_p[drop] = 0.0
-    out = torch.zeros_like(probs)
-    out[order] = sorted_p
-    return out / out.sum()
+            while True:
+                try:
+                    kind, value = events.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "done":
+                    if error is not None:
+                        raise error
+                    if isinstance(value, BaseException):
+                        raise value
+                    return value  # type: ignore[no-any-return]
+                callback = on_token if kind == "token" else user_logprob
+                if callback is None or error is not None:
+                    continue
+                try:
+                    callback(value)
+                except Exception as exc:  # the caller stops: the sequence ends
+                    error = exc
+                    with self._step_lock:
+                        self.runner.abort(seq, exc)
+            with self._step_lock:
+                self.runner.step()

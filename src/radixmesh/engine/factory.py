@@ -2,9 +2,9 @@
 
 Two ways in:
 
-* ``build_engine(preset="tiny", seed=0)`` — a Qwen2-architecture model with seeded random
-  weights (see :mod:`radixmesh.engine.presets`) and the byte tokenizer. Model identity:
-  ``preset:<name>:seed<seed>:<dtype>``.
+* ``build_engine(preset="mini", seed=0)`` — a Qwen2-architecture model with seeded random
+  weights and the preset's tokenizer (see :mod:`radixmesh.engine.presets`: the shipped BPE for
+  ``mini``, bytes for the others). Model identity: ``preset:<name>:seed<seed>:<dtype>``.
 * ``build_engine(model_path="/models/Qwen2.5-0.5B-Instruct")`` — the path real users take:
   ``config.json`` + ``*.safetensors`` + ``tokenizer.json`` (+ ``tokenizer_config.json`` for
   EOS and the chat template), loaded with ``local_files_only=True`` — never the network.
@@ -37,8 +37,8 @@ from safetensors import SafetensorError, safe_open
 
 from radixmesh.core.blocks import DEFAULT_BLOCK_SIZE
 from radixmesh.engine.base import Tokenizer
-from radixmesh.engine.builtin import EngineSpec, TransformersEngine
-from radixmesh.engine.presets import build_random_model, get_preset
+from radixmesh.engine.builtin import STEP_TOKENS, EngineSpec, TransformersEngine
+from radixmesh.engine.presets import DEFAULT_PRESET, build_random_model, get_preset
 from radixmesh.engine.tokenizers import ByteTokenizer, HFTokenizer
 
 DEFAULT_CACHE_TOKENS = 32_768
@@ -63,7 +63,7 @@ def resolve_dtype(dtype: str) -> torch.dtype:
 
 
 def build_engine(
-    preset: str | None = "tiny",
+    preset: str | None = DEFAULT_PRESET,
     *,
     model_path: str | Path | None = None,
     cache_tokens: int = DEFAULT_CACHE_TOKENS,
@@ -74,8 +74,11 @@ def build_engine(
     threads: int | None = None,
     model_name: str | None = None,
     tokenizer: Tokenizer | None = None,
+    prefix_aware: bool = True,
+    step_tokens: int = STEP_TOKENS,
 ) -> TransformersEngine:
-    """Build the built-in engine. ``model_path`` wins over ``preset`` when both are given."""
+    """Build the built-in engine (``model_path`` wins over ``preset``). ``prefix_aware=False``:
+    FCFS admission; ``step_tokens``: tokens per step (vLLM's ``max_num_batched_tokens``)."""
     if threads is not None:
         if threads < 1:
             raise ValueError("threads must be >= 1")
@@ -84,21 +87,30 @@ def build_engine(
         raise ValueError("cache_tokens must be >= 0")
     dev, tdtype = resolve_device(device), resolve_dtype(dtype)
     if model_path is not None:
-        return _from_dir(
-            Path(model_path), cache_tokens, block_size, dev, dtype, model_name, tokenizer
-        )
+        return _from_dir(Path(model_path), cache_tokens, block_size, dev, dtype, model_name,
+                         tokenizer, prefix_aware, step_tokens)
     if preset is None:
         raise ValueError("give a preset or a model_path")
     spec = get_preset(preset)
     model = build_random_model(spec, seed).to(device=dev, dtype=tdtype)
-    engine_spec = EngineSpec(
-        model_name=model_name or preset,
-        model_identity=f"preset:{preset}:seed{seed}:{dtype}",
-        max_context=spec.max_position_embeddings,
-        block_size=block_size,
-        cache_tokens=cache_tokens,
-    )
-    return TransformersEngine(model, tokenizer or ByteTokenizer(), engine_spec, dev)
+    engine_spec = EngineSpec(model_name or preset, f"preset:{preset}:seed{seed}:{dtype}",
+                             spec.max_position_embeddings, block_size, cache_tokens,
+                             step_tokens=step_tokens, prefix_aware=prefix_aware)
+    return TransformersEngine(model, tokenizer or _preset_tokenizer(spec.tokenizer),
+                              engine_spec, dev)
+
+
+def preset_tokenizer(preset: str) -> Tokenizer:
+    """The tokenizer a preset's engine uses (without building the model)."""
+    return _preset_tokenizer(get_preset(preset).tokenizer)
+
+
+def _preset_tokenizer(kind: str) -> Tokenizer:
+    if kind == "bpe8k":
+        from radixmesh.engine import bpe
+
+        return bpe.load()
+    return ByteTokenizer()
 
 
 def _from_dir(
@@ -109,6 +121,8 @@ def _from_dir(
     dtype: str,
     model_name: str | None,
     tokenizer: Tokenizer | None,
+    prefix_aware: bool,
+    step_tokens: int,
 ) -> TransformersEngine:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -134,6 +148,8 @@ def _from_dir(
         max_context=int(text_cfg.max_position_embeddings),
         block_size=block_size,
         cache_tokens=cache_tokens,
+        prefix_aware=prefix_aware,
+        step_tokens=step_tokens,
     )
     return TransformersEngine(model, tokenizer or HFTokenizer(root), spec, dev)
 

@@ -1,6 +1,12 @@
 """Model presets: Qwen2-architecture configs built with seeded, deterministic random weights.
 
-``tiny`` (the default for tests and the demo): hidden 256, 4 layers, 4 heads, 2 KV heads,
+``mini`` (the default: ``radixmesh serve`` / ``demo`` / ``cluster`` without a model): the
+``tiny`` architecture with the shipped 8,192-id BPE tokenizer (``engine/bpe.py``) and 32,768
+positions, so agent and RAG prompts of 10-30k characters fit (~3 characters per token on English
+text against 1 for bytes) — 6.0M parameters, 4 KiB of fp32 KV per token, small enough for two
+CPU cores.
+
+``tiny`` (tests): hidden 256, 4 layers, 4 heads, 2 KV heads,
 MLP 1024, vocab 32,768, 4,096 positions — 12.2M parameters, 4 KiB of fp32 KV per token. The
 vocabulary is sized like a real small model's (so the LM head costs what it would), not like
 the byte tokenizer's 263 ids; the engine masks logits above the tokenizer's vocabulary, so a
@@ -36,6 +42,7 @@ class Preset:
     max_position_embeddings: int
     rope_theta: float = 1_000_000.0
     rms_norm_eps: float = 1e-6
+    tokenizer: str = "byte"  # "byte" (core/byte_tokenizer.py) | "bpe8k" (engine/bpe.py)
 
     def config(self) -> Qwen2Config:
         return Qwen2Config(
@@ -55,7 +62,9 @@ class Preset:
         )
 
 
+DEFAULT_PRESET = "mini"
 PRESETS: dict[str, Preset] = {
+    "mini": Preset("mini", 256, 1024, 4, 4, 2, 8192, 32_768, tokenizer="bpe8k"),
     "tiny": Preset("tiny", 256, 1024, 4, 4, 2, 32_768, 4096),
     "qwen2.5-0.5b": Preset("qwen2.5-0.5b", 896, 4864, 24, 14, 2, 151_936, 32_768),
     "micro": Preset("micro", 64, 128, 2, 4, 2, 512, 4096),

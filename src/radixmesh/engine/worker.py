@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.prefix_cache import CacheUsage
@@ -49,18 +49,10 @@ from radixmesh.engine.base import (
     Engine,
     GenerateRequest,
     GenerateResult,
-    LogprobCallback,
-    PromptLogprobCallback,
     TokenCallback,
     Tokenizer,
-    TokenLogprob,
 )
-
-CLOSE_WAIT_S = 5.0  # ThreadedEngine.aclose(): how long to wait for the running request
-
-
-class RequestStopped(Exception):
-    """Raised from ``on_token`` on the engine thread to stop a request (its caller cancelled)."""
+from radixmesh.engine.relay import CLOSE_WAIT_S, Relay, RequestStopped
 
 
 @dataclass(slots=True)
@@ -180,42 +172,6 @@ class EngineWorker:
 
 
 # ------------------------------------------------------------------------------ async adapter
-class _Relay:
-    """One request's token path from the engine thread to the loop; cut once ``stopped``."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, on_token: TokenCallback | None,
-                 on_logprob: LogprobCallback | None = None,
-                 on_prompt: PromptLogprobCallback | None = None) -> None:
-        self._loop, self._on_token, self._on_logprob = loop, on_token, on_logprob
-        self._on_prompt = on_prompt
-        self.stopped = False  # written on the loop, read on the engine thread
-        self.error: Exception | None = None  # what on_token raised (it stopped the request)
-
-    def from_engine(self, tok: int) -> None:  # on the engine thread
-        if self.stopped:
-            raise RequestStopped("the request was stopped")
-        if self._on_token is not None:
-            self._loop.call_soon_threadsafe(self._deliver, self._on_token, tok)
-
-    def logprob_from_engine(self, entry: TokenLogprob) -> None:  # on the engine thread
-        if self._on_logprob is not None and not self.stopped:
-            self._loop.call_soon_threadsafe(self._deliver, self._on_logprob, entry)
-
-    def prompt_from_engine(self, entries: tuple[TokenLogprob | None, ...]) -> None:
-        if self._on_prompt is not None and not self.stopped:  # on the engine thread
-            self._loop.call_soon_threadsafe(self._deliver, self._on_prompt, entries)
-
-    def _deliver(self, callback: Callable[[Any], None], value: object) -> None:  # on the loop
-        """Hand ``value`` to the request's ``callback``; an exception from it stops the
-        request (kept in ``error``)."""
-        if self.stopped:
-            return
-        try:
-            callback(value)
-        except Exception as exc:
-            self.error, self.stopped = exc, True
-
-
 class ThreadedEngine:
     """A synchronous :class:`Engine` as an :class:`AsyncEngine`: one request at a time on an
     :class:`EngineWorker` thread, FIFO. ``engine`` (the wrapped engine) and ``worker`` stay
@@ -243,7 +199,7 @@ class ThreadedEngine:
     ) -> GenerateResult:
         """As :class:`AsyncEngine`; ``req.on_logprob`` and ``req.on_prompt_logprobs`` run on
         the loop too, in the order the engine called them (a logprob just before its token)."""
-        relay = _Relay(asyncio.get_running_loop(), on_token, req.on_logprob,
+        relay = Relay(asyncio.get_running_loop(), on_token, req.on_logprob,
                        req.on_prompt_logprobs)
         if req.on_logprob is not None:
             req = dataclasses.replace(req, on_logprob=relay.logprob_from_engine)
@@ -295,7 +251,7 @@ class ThreadedEngine:
         return self.engine.cache_hashes()
 
 
-async def _let_go(relay: _Relay, future: Future[GenerateResult],
+async def _let_go(relay: Relay, future: Future[GenerateResult],
                   done: asyncio.Future[GenerateResult]) -> None:
     """Stop a cancelled request and wait until the worker no longer holds it."""
     relay.stopped = True  # running: the next token raises RequestStopped
@@ -306,7 +262,17 @@ async def _let_go(relay: _Relay, future: Future[GenerateResult],
 
 
 def as_async_engine(engine: Engine | AsyncEngine) -> AsyncEngine:
-    """``engine`` itself if its ``generate`` is a coroutine function, else a ThreadedEngine."""
+    """``engine`` itself if its ``generate`` is a coroutine function, the built-in engine on
+    its batching loop (``BatchedEngine``), else a ThreadedEngine (one request at a time)."""
     if inspect.iscoroutinefunction(engine.generate):
         return cast(AsyncEngine, engine)
+    as_async = getattr(type(engine), "as_async", None)  # a proxy that knows (runtime/debug.py)
+    if as_async is not None:
+        return cast(AsyncEngine, as_async(engine))
+    from radixmesh.engine.builtin import TransformersEngine  # torch: only when needed
+
+    if isinstance(engine, TransformersEngine):
+        from radixmesh.engine.batched import BatchedEngine
+
+        return BatchedEngine.for_engine(engine)
     return ThreadedEngine(cast(Engine, engine))

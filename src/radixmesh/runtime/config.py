@@ -132,7 +132,7 @@ class ServeConfig:
     gossip_fanout: int = _GOSSIP.fanout  # epidemic mode: peers per round
     policy: str = _ROUTER.policy.value  # cost | paper | none | random | round_robin | ...
     load_bound: float | None = _ROUTER.load_bound  # cost: bounded load; None = off
-    preset: str = "tiny"  # built-in engine preset (ignored when model is set)
+    preset: str = "mini"  # built-in engine preset (ignored when model is set; engine/presets.py)
     model: str = ""  # local Hugging Face model directory; "" -> preset
     cache_tokens: int = 65_536  # KV cache budget in tokens
     engine: str = "builtin"  # builtin | vllm | sglang | openai (external engines over HTTP)

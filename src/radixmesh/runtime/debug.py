@@ -7,7 +7,8 @@
 ``GET  /admin/debug``         current values of both
 
 The engine delay is an engine proxy (:class:`DelayedEngine`) wrapped around the real engine at
-start-up (``--debug-engine-delay`` sets its initial value), under the node's ``ThreadedEngine``.
+start-up (``--debug-engine-delay`` sets its initial value), under the node's ``ThreadedEngine``
+(the built-in engine: its ``BatchedEngine``, which sleeps before each request joins).
 The sleep happens on the engine's single worker thread, so it holds the FIFO queue exactly as a
 slow device would: queue depth grows, the node's measured service time grows, and push-back is
 advertised through gossip.
@@ -48,11 +49,31 @@ class DelayedEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
+    def as_async(self) -> Any:
+        """What the node runs (``engine.worker.as_async_engine``): over the built-in engine
+        its batching loop, sleeping ``delay_s`` on the engine thread before each request joins
+        (every step waits, as on a stalled device); over any other engine a ThreadedEngine."""
+        from radixmesh.engine.builtin import TransformersEngine
+
+        if isinstance(self._engine, TransformersEngine):
+            from radixmesh.engine.batched import BatchedEngine
+
+            batched = BatchedEngine.for_engine(self._engine)
+            batched.before_request, batched.proxy = self._sleep, self
+            return batched
+        return ThreadedEngine(self)
+
+    def _sleep(self) -> None:
+        if self.delay_s > 0:
+            time.sleep(self.delay_s)
+
 
 def delayed_engine(service: Any) -> DelayedEngine | None:
-    """The node's :class:`DelayedEngine` (under its ThreadedEngine), or None without one."""
+    """The node's :class:`DelayedEngine` (under its ThreadedEngine or BatchedEngine), or None
+    without one."""
     engine = service.engine
     inner = engine.engine if isinstance(engine, ThreadedEngine) else engine
+    inner = getattr(inner, "proxy", inner)
     return inner if isinstance(inner, DelayedEngine) else None
 
 

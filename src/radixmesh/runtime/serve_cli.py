@@ -1,6 +1,6 @@
 """``radixmesh serve``: run one node (OpenAI-compatible API + peer endpoints) with uvicorn.
 
-With no engine flags the node runs the built-in ``tiny`` preset, so
+With no engine flags the node runs the built-in ``mini`` preset (BPE, 32k context), so
 ``radixmesh serve --port 8001`` just works. ``--config node.toml`` takes the same keys as the
 flags; flags win.
 

@@ -1,0 +1,381 @@
+"""The built-in engine's step loop: the core scheduler's steps executed with torch.
+
+Theory of operation
+-------------------
+::
+
+    submit(req) ─▶ [prompt scored if asked] ─▶ Scheduler.add (the one call site)
+    step():  schedule(now) ─▶ PagedKV: preempted dropped, evictions freed, admissions mapped
+             onto cached blocks, blocks for the step's tokens
+          ─▶ one packed forward of every prefill chunk and decode token (paged attention)
+          ─▶ a token per emitting sequence (its own Sampler) ─▶ complete(step, tokens, stop)
+          ─▶ cache journal: published / committed blocks adopted by the cache, evicted freed
+          ─▶ callbacks: on_logprob, on_token, and on_done with the GenerateResult
+
+Every scheduling decision (admission order, prefix-aware deferral, chunk sizes, preemption,
+eviction) is the core :class:`~radixmesh.core.scheduler.Scheduler`'s, as for the emulated
+engine and the simulator; this module only executes it. The node's index stays exact: the
+journal it drains (``drain_cache_delta``) is the scheduler's own cache journal, whose blocks are
+exactly the ones :class:`~radixmesh.engine.paged_kv.PagedKV` holds for the cache.
+
+Why not transformers' continuous batching (``transformers/generation/continuous_batching``,
+5.25): it brings its own scheduler (FIFO / prefill-first), its own block allocator and prefix
+sharing, and its own generation thread; the decisions would be its, and its cache contents
+would not be the scheduler's journal the node's index reads. What it offers that we need is
+the model forward over packed sequences with a paged cache; that takes one registered
+attention function (``paged_kv.paged_attention``) under the stock transformers model, so the
+model code stays transformers' own.
+
+Stops: a stop token (EOS, the tokenizer's ``stop_ids``, a ``stop_token_ids`` member) ends the
+sequence and is not in ``output_ids`` (its logprob entry is still delivered). An ``on_token``
+that raises aborts its sequence (the prompt's whole blocks stay cached: they were published when
+its prefill completed) and ``on_done`` gets the exception. Prompt log-probabilities need logits a
+cached prefix does not have, so such a request is first scored by a plain forward over its whole
+prompt (``sampling.score_prompt``) and then generates like any other (``cached_tokens``
+0). Not thread-safe but for the cache view, which takes ``lock``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+
+from radixmesh.core.blocks import extend_hashes
+from radixmesh.core.scheduler import Finished, Scheduler, SchedulerConfig, Step
+from radixmesh.engine.base import (
+    CacheDelta,
+    CacheUsage,
+    GenerateRequest,
+    GenerateResult,
+    TokenCallback,
+    TokenLogprob,
+)
+from radixmesh.engine.paged_kv import ATTENTION, PagedKV
+from radixmesh.engine.sampling import Sampler, score_prompt
+
+Done = Callable[[GenerateResult | BaseException], None]
+
+
+@dataclass(slots=True, eq=False)
+class Live:
+    """One request in the engine."""
+
+    req: GenerateRequest
+    tokens: list[int]  # prompt + outputs (the scheduler's view of the sequence)
+    budget: int
+    sampler: Sampler
+    stops: frozenset[int]
+    on_token: TokenCallback | None
+    on_done: Done
+    submitted: float
+    scored: tuple[TokenLogprob | None, ...] = ()
+    hashes: list[int] = field(default_factory=list)
+    output: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    admitted: float | None = None
+    first: float | None = None
+    logits: list[torch.Tensor] | None = None  # receives the first output's raw logits
+
+
+class BatchRunner:
+    """Continuous batching of one model on the core scheduler (module docstring)."""
+
+    def __init__(self, model: PreTrainedModel, config: SchedulerConfig, allowed: int,
+                 stop_ids: frozenset[int], device: torch.device) -> None:
+        model.set_attn_implementation(ATTENTION)
+        self.model, self.config, self.device = model, config, device
+        self._allowed, self._stop_ids = allowed, stop_ids
+        cfg = model.config.get_text_config()
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self._kv_shape = (int(cfg.num_hidden_layers), int(cfg.num_key_value_heads), int(head_dim))
+        self.lock = threading.Lock()  # the scheduler's cache, read from other threads
+        self._reset()
+        self._ids = itertools.count(1)
+        self.stats = {"steps": 0, "batched_tokens": 0, "max_batch": 0, "prefill_tokens": 0,
+                      "reclaims": 0}
+
+    def _reset(self) -> None:
+        self.sched = Scheduler(self.config)
+        layers, heads, dim = self._kv_shape
+        self.kv = PagedKV(layers, heads, dim, self.config.kv_blocks, self.config.block_size,
+                          self.model.dtype, self.device)
+        self._live: dict[int, Live] = {}
+        self._admitted = 0  # of them admitted
+        self._added: set[int] = set()  # the node's journal, net
+        self._removed: set[int] = set()
+
+    # ------------------------------------------------------------------------- cache view
+    def match(self, prompt: list[int] | tuple[int, ...]) -> int:
+        with self.lock:
+            return self.sched.cached_prefix(prompt)
+
+    def usage(self) -> CacheUsage:
+        with self.lock:
+            return self.sched.cache.usage()
+
+    def cache_hashes(self) -> frozenset[int]:
+        with self.lock:
+            return self.sched.cache.block_hashes()
+
+    def drain_cache_delta(self) -> CacheDelta:
+        with self.lock:
+            added, removed = tuple(self._added), tuple(self._removed)
+            self._added, self._removed = set(), set()
+        return CacheDelta(added, removed)
+
+    def clear_cache(self) -> int:
+        """Drop every cached block (only when idle: like vLLM's ``reset_prefix_cache``)."""
+        with self.lock:
+            if self._live:
+                return 0
+            tokens = self.sched.cache.usage().tokens
+            self._journal([], self.kv.clear())
+            added, removed = self._added, self._removed
+            self._reset()
+            self._added, self._removed = added, removed
+            return tokens
+
+    @property
+    def idle(self) -> bool:
+        return not self._live
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._live)
+
+    @property
+    def waiting(self) -> int:
+        """Requests not admitted yet (read from any thread: two integer reads)."""
+        return len(self._live) - self._admitted
+
+    def has(self, seq: int) -> bool:
+        return seq in self._live
+
+    def restart(self, error: BaseException) -> None:
+        """After a failed step: every request ends with ``error``, the cache starts empty
+        (the node is told every block went)."""
+        lives = list(self._live.values())
+        with self.lock:
+            self._journal([], list(self.sched.cache.block_hashes()))
+            added, removed = self._added, self._removed
+            self._reset()
+            self._added, self._removed = added, removed
+        for live in lives:
+            live.on_done(error)
+
+    @property
+    def kv_bytes_copied(self) -> int:
+        return self.kv.kv_bytes_copied
+
+    def waiting_ids(self) -> list[int]:
+        return [seq for seq, live in self._live.items() if live.admitted is None]
+
+    def _pop(self, seq: int) -> Live | None:
+        live = self._live.pop(seq, None)
+        if live is not None and live.admitted is not None:
+            self._admitted -= 1
+        return live
+
+    # ------------------------------------------------------------------------- requests
+    def submit(self, req: GenerateRequest, budget: int, on_token: TokenCallback | None,
+               on_done: Done, logits: list[torch.Tensor] | None = None) -> int:
+        """Queue a validated request (``budget`` = its max new tokens, >= 0); its id."""
+        sp = req.sampling
+        prompt = list(req.prompt_ids)
+        live = Live(req, prompt, budget, Sampler(sp, self._allowed, self.device),
+                    self._stop_ids | frozenset(sp.stop_token_ids), on_token, on_done,
+                    time.perf_counter(), logits=logits)
+        seq = next(self._ids)
+        if sp.prompt_logprobs is not None:
+            live.scored = score_prompt(self.model, prompt, sp.prompt_logprobs, self._allowed)
+            if req.on_prompt_logprobs is not None:
+                req.on_prompt_logprobs(live.scored)
+            if budget == 0:
+                on_done(self._result(live, "length", 0))
+                return seq
+        with self.lock:
+            self.sched.add(seq, prompt, budget, time.monotonic())
+        live.hashes = extend_hashes([], prompt, self.config.block_size, self.config.hash_seed)
+        self._live[seq] = live
+        return seq
+
+    def abort(self, seq: int, error: BaseException) -> None:
+        """End a request wherever it is; ``on_done`` gets ``error``."""
+        live = self._pop(seq)
+        if live is None:
+            return
+        with self.lock:
+            self.sched.abort(seq, time.monotonic())
+            self.kv.drop(seq)
+            self._journal(*self.sched.drain_cache_delta())
+        live.on_done(error)
+
+    # ------------------------------------------------------------------------- stepping
+    def step(self) -> bool:
+        """Plan, run and apply one step; False when there was nothing to run."""
+        with self.lock:
+            step = self.sched.schedule(time.monotonic())
+            self._prepare(step)
+        if step.empty:
+            return False
+        rows = self._forward(step)
+        tokens: dict[int, int] = {}
+        stop: list[int] = []
+        emitted: list[tuple[int, Live, int, TokenLogprob | None]] = []
+        for i, seq in enumerate(step.emitting):
+            live = self._live[seq]
+            raw = rows[i, : self._allowed]
+            if live.logits is not None and not live.logits:
+                live.logits.append(rows[i].cpu())
+            token, entry = live.sampler.next(raw)
+            tokens[seq] = token
+            if token in live.stops:
+                stop.append(seq)
+            emitted.append((seq, live, token, entry))
+        with self.lock:
+            finished = self.sched.complete(step, tokens, time.monotonic(), stop)
+            self._settle(step, finished)
+        self._deliver(emitted, {f.seq: f for f in finished})
+        return True
+
+    def _prepare(self, step: Step) -> None:
+        """Mirror the scheduler's plan in the blocks (under the lock)."""
+        for seq in step.preempted:
+            self.kv.drop(seq)
+        added, removed = self.sched.drain_cache_delta()
+        self.kv.forget(removed)
+        self._journal(added, removed)
+        now = time.perf_counter()
+        for chunk in step.prefills:
+            live = self._live[chunk.seq]
+            if not self.kv.has(chunk.seq):  # admitted (again, after a preemption)
+                live.hashes = self._hashes(live, len(live.tokens))
+                self.kv.admit(chunk.seq, live.hashes, chunk.start)
+                if live.admitted is None:
+                    live.admitted = now
+                    self._admitted += 1
+            self.kv.ensure(chunk.seq, chunk.start + chunk.tokens, self._reclaim)
+        for slot in step.decodes:
+            self.kv.ensure(slot.seq, slot.context, self._reclaim)
+
+    def _reclaim(self) -> bool:
+        """Evict the least recently used unlocked cache entry (``paged_kv``: the pool is short
+        of physical blocks); False if there is none."""
+        freed = self.sched.cache.evict(1)
+        added, removed = self.sched.drain_cache_delta()
+        self.kv.forget(removed)
+        self._journal(added, removed)
+        self.stats["reclaims"] += 1
+        return freed > 0
+
+    def _hashes(self, live: Live, n_tokens: int) -> list[int]:
+        bs = self.config.block_size
+        return extend_hashes(live.hashes, live.tokens[:n_tokens], bs, self.config.hash_seed)
+
+    @torch.inference_mode()
+    def _forward(self, step: Step) -> torch.Tensor:
+        """One packed forward; the logits rows of ``step.emitting``, in order."""
+        ids: list[int] = []
+        pos: list[int] = []
+        keep: list[int] = []
+        for chunk in step.prefills:
+            live = self._live[chunk.seq]
+            ids += live.tokens[chunk.start : chunk.start + chunk.tokens]
+            pos += range(chunk.start, chunk.start + chunk.tokens)
+            if chunk.last:
+                keep.append(len(ids) - 1)
+        for slot in step.decodes:
+            ids.append(self._live[slot.seq].tokens[slot.context - 1])
+            pos.append(slot.context - 1)
+            keep.append(len(ids) - 1)
+        batch = self.kv.batch([(c.seq, c.start, c.tokens) for c in step.prefills],
+                              [(d.seq, d.context) for d in step.decodes])
+        dev = self.device
+        out = self.model(input_ids=torch.tensor([ids], device=dev),
+                         position_ids=torch.tensor([pos], device=dev), use_cache=False,
+                         logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev),
+                         rm_batch=batch)
+        st = self.stats
+        st["steps"] += 1
+        st["batched_tokens"] += len(ids)
+        st["prefill_tokens"] += step.prefill_tokens
+        st["max_batch"] = max(st["max_batch"], len(step.prefills) + len(step.decodes))
+        return out.logits[0].float()
+
+    def _settle(self, step: Step, finished: list[Finished]) -> None:
+        """Apply the cache journal of ``complete`` to the blocks (under the lock)."""
+        kv_len = {c.seq: c.start + c.tokens for c in step.prefills if c.last}
+        kv_len.update((d.seq, d.context) for d in step.decodes)
+        added, removed = self.sched.drain_cache_delta()
+        fresh = set(added)
+        ended = {f.seq for f in finished}
+        for seq, n in kv_len.items():
+            live = self._live[seq]
+            last = any(c.seq == seq and c.last for c in step.prefills)
+            if not (last or seq in ended):
+                continue
+            live.hashes = self._hashes(live, n)
+            if fresh:
+                self.kv.adopt(seq, live.hashes, fresh)
+            if seq in ended:
+                self.kv.drop(seq)
+            else:
+                self.kv.dedupe(seq, live.hashes)
+        self.kv.forget(removed)
+        self._journal(added, removed)
+
+    def _journal(self, added: list[int], removed: list[int]) -> None:
+        for h in removed:
+            if h in self._added:
+                self._added.discard(h)
+            else:
+                self._removed.add(h)
+        for h in added:
+            if h in self._removed:
+                self._removed.discard(h)
+            else:
+                self._added.add(h)
+
+    def _deliver(self, emitted: list[tuple[int, Live, int, TokenLogprob | None]],
+                 finished: dict[int, Finished]) -> None:
+        now = time.perf_counter()
+        for seq, live, token, entry in emitted:
+            live.first = live.first or now
+            live.tokens.append(token)
+            try:
+                if entry is not None:
+                    live.logprobs.append(entry)
+                    if live.req.on_logprob is not None:
+                        live.req.on_logprob(entry)
+                if token not in live.stops:
+                    live.output.append(token)
+                    if live.on_token is not None:
+                        live.on_token(token)
+            except Exception as exc:  # the request's consumer failed: it ends, nothing else
+                if seq in finished:
+                    self._pop(seq)
+                    live.on_done(exc)
+                else:
+                    self.abort(seq, exc)
+                continue
+            fin = finished.get(seq)
+            if fin is not None:
+                self._pop(seq)
+                live.on_done(self._result(live, fin.reason, fin.cached_tokens))
+
+    def _result(self, live: Live, reason: str, cached: int) -> GenerateResult:
+        now = time.perf_counter()
+        admitted = live.admitted or now
+        first = live.first or now
+        finish = "stop" if reason == "stop" else "length"
+        return GenerateResult(
+            live.req.request_id, live.output, finish, len(live.req.prompt_ids),
+            0 if live.req.sampling.prompt_logprobs is not None else cached,
+            admitted - live.submitted, first - admitted, now - first,
+            tuple(live.logprobs), live.scored)

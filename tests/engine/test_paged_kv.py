@@ -1,0 +1,156 @@
+"""The paged KV pool: cached-prefix logits equal uncached ones; block ownership stays in step
+with the scheduler's counts and its journal; prefixes are shared by reference, never copied."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from radixmesh.core.blocks import block_hashes
+from radixmesh.engine.base import GenerateRequest, SamplingParams
+from radixmesh.engine.builtin import TransformersEngine
+from radixmesh.engine.factory import build_engine
+from radixmesh.engine.testing import uncached_logits
+
+ATOL = 1e-4
+
+
+def micro_engine(cache_tokens: int = 4096, block_size: int = 16) -> TransformersEngine:
+    return build_engine("micro", cache_tokens=cache_tokens, block_size=block_size, seed=0)
+
+
+def random_prompt(rng: random.Random, n: int, vocab: int = 256) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def check_invariants(engine: TransformersEngine) -> None:
+    """Every block has one owner; the pool's cached blocks are exactly the scheduler's cache
+    (the node's index); nothing is held when idle; nothing was ever copied."""
+    runner = engine.runner
+    kv, sched = runner.kv, runner.sched
+    assert kv.cached_blocks == len(engine.cache_hashes())
+    assert kv.free_blocks + kv.cached_blocks == kv.kv_blocks  # idle: no private blocks
+    assert sched.kv_used_blocks <= kv.cached_blocks  # the tree counts shared tokens once
+    assert engine.usage().locked_tokens == 0
+    assert runner.kv_bytes_copied == 0
+
+
+def assert_prefix_reuse_is_exact(engine: TransformersEngine, prompt: list[int], cached: int):
+    logits, got = engine.prefill_logits(prompt)
+    assert got == cached
+    torch.testing.assert_close(logits, uncached_logits(engine, prompt), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("split", [0, 1, 15, 16, 17, 32, 47, 63, 64])
+def test_cached_prefix_logits_equal_uncached_at_every_split(split: int) -> None:
+    engine = micro_engine()
+    prompt = random_prompt(random.Random(split), 64)
+    if split:
+        engine.prefill_logits(prompt[:split])  # caches the whole blocks of `split` tokens
+    cached = min(split, len(prompt) - 1) // 16 * 16
+    assert engine.match(prompt) == cached
+    assert_prefix_reuse_is_exact(engine, prompt, cached)
+    check_invariants(engine)
+
+
+def test_random_prompts_and_divergent_prefixes() -> None:
+    rng = random.Random(7)
+    engine = micro_engine()
+    base = random_prompt(rng, 120)
+    engine.prefill_logits(base)
+    for _ in range(12):
+        keep = rng.randrange(0, 121)
+        prompt = base[:keep] + random_prompt(rng, rng.randrange(1, 40))
+        expected = engine.match(prompt)
+        assert expected >= min(keep, len(prompt) - 1) // 16 * 16
+        assert_prefix_reuse_is_exact(engine, prompt, expected)
+    check_invariants(engine)
+
+
+def test_exact_after_evictions_with_a_small_pool() -> None:
+    rng = random.Random(3)
+    engine = micro_engine(cache_tokens=160)
+    shared = random_prompt(rng, 40)
+    prompts = [shared + random_prompt(rng, rng.randrange(5, 60)) for _ in range(10)]
+    prompts += [random_prompt(rng, 70) for _ in range(4)]
+    for prompt in prompts * 2:
+        assert_prefix_reuse_is_exact(engine, prompt, engine.match(prompt))
+        check_invariants(engine)
+        assert engine.usage().tokens <= 160
+
+
+def test_pool_accounting_holds_under_random_generation() -> None:
+    rng = random.Random(11)
+    engine = micro_engine(cache_tokens=112)
+    roots = [random_prompt(rng, 30) for _ in range(3)]
+    for i in range(25):
+        prompt = rng.choice(roots)[: rng.randrange(1, 31)] + random_prompt(
+            rng, rng.randrange(0, 50)
+        )
+        sampling = SamplingParams(max_tokens=rng.randrange(1, 6))
+        engine.generate(GenerateRequest(str(i), tuple(prompt), sampling))
+        check_invariants(engine)
+
+
+def test_a_request_that_never_fits_the_pool_is_refused() -> None:
+    engine = micro_engine(cache_tokens=32)
+    with pytest.raises(ValueError, match="never fit"):
+        engine.generate(GenerateRequest("r", tuple(range(40)), SamplingParams(max_tokens=2)))
+    check_invariants(engine)
+
+
+def test_block_hash_journal_tracks_inserts_and_evictions() -> None:
+    engine = micro_engine(cache_tokens=64, block_size=16)
+    seed = engine.fingerprint.digest
+    a = random_prompt(random.Random(1), 50)
+    engine.prefill_logits(a)
+    delta = engine.drain_cache_delta()
+    assert list(delta.added) == block_hashes(a, 16, seed) or set(delta.added) == set(
+        block_hashes(a, 16, seed))  # 50 tokens -> 3 full blocks
+    assert delta.removed == ()
+    assert engine.cache_hashes() == frozenset(delta.added)
+    b = random_prompt(random.Random(2), 60)
+    engine.prefill_logits(b)  # needs room: `a` is evicted
+    delta = engine.drain_cache_delta()
+    assert set(delta.removed) == set(block_hashes(a, 16, seed))
+    assert set(delta.added) == set(block_hashes(b, 16, seed))
+    assert engine.cache_hashes() == frozenset(block_hashes(b, 16, seed))
+    check_invariants(engine)
+
+
+def test_clear_journals_removals() -> None:
+    engine = micro_engine()
+    a, b = random_prompt(random.Random(1), 40), random_prompt(random.Random(2), 40)
+    engine.prefill_logits(a)
+    engine.prefill_logits(b)
+    engine.drain_cache_delta()
+    assert engine.clear_cache() == 64  # two whole blocks each
+    assert engine.match(a) == engine.match(b) == 0
+    assert len(engine.drain_cache_delta().removed) == 4
+    assert engine.usage().tokens == 0 and engine.cache_hashes() == frozenset()
+    check_invariants(engine)
+
+
+def test_a_shared_prefix_is_read_in_place() -> None:
+    """Two running sequences over one cached prefix hold the same physical blocks."""
+    engine = micro_engine()
+    rng = random.Random(4)
+    shared = random_prompt(rng, 48)
+    engine.prefill_logits([*shared, 1])
+    runner = engine.runner
+    done: list[object] = []
+    for i in range(2):
+        req = GenerateRequest(str(i), tuple(shared + random_prompt(rng, 9)),
+                              SamplingParams(max_tokens=4))
+        runner.submit(req, 4, None, done.append)
+    runner.step()  # both admitted, prefix hit
+    seqs = list(runner._live)
+    heads = [runner.kv.table(seq)[:3] for seq in seqs]
+    assert heads[0] == heads[1]
+    while len(done) != 2:
+        runner.step()
+    assert runner.kv_bytes_copied == 0
+    assert engine.stats()["cached_tokens_hit"] == 96
+    check_invariants(engine)
