@@ -27,6 +27,7 @@ from radixmesh.core.units import parse_duration, parse_optional_duration
 from radixmesh.sim import costs
 from radixmesh.sim.runner import RunResult
 from radixmesh.sim.sweep import AUTO_EPIDEMIC_ABOVE, parse_policies, split_csv, sweep_point
+from radixmesh.workload.build import WORKLOADS
 from radixmesh.workload.schedule import Entry
 
 
@@ -39,6 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="routing policies, comma-separated: none, paper, cost, random, round_robin, "
         "least_loaded, llmd (llm-d's default scorer profile), or cache_aware (a centralized "
         "gateway with sglang-router's policy in front of none nodes)",
+    )
+    g.add_argument(
+        "--profiles",
+        default="",
+        help="mixed hardware, the bench's syntax: NAME:COUNT,... step-time profiles dealt to "
+        "the nodes in order, e.g. h100-llama3-8b:4,a10g-llama3-8b:12 (replaces --cost-model)",
     )
     g.add_argument(
         "--cost-model",
@@ -133,6 +140,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="experiments: at least this many requests per node",
     )
     g.add_argument("--skew", default="uniform", help="uniform, skewed or uniform,skewed")
+    g.add_argument(
+        "--workload",
+        default="mmlu",
+        choices=list(WORKLOADS),
+        help="mmlu (MMLU with --mmlu-dir, else synthetic questions) or a generated workload: "
+        "chat, rag, agentic, hotprefix (workload/generated.py; a session's next turn is sent "
+        "once its last one is answered)",
+    )
     g.add_argument("--mmlu-dir", default=None, help="MMLU release directory (else synthetic)")
     g.add_argument("--trace", default=None, help="replay a JSONL trace")
     g.add_argument(
@@ -154,8 +169,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--schedule",
         default="poisson",
-        choices=["poisson", "sequential"],
-        help="open-loop Poisson (default) or the paper's closed loop",
+        choices=["poisson", "bursty", "sequential"],
+        help="open-loop Poisson (default), open-loop bursty (gamma gaps, --arrival-cv) or the "
+        "paper's closed loop",
+    )
+    g.add_argument(
+        "--arrival-cv",
+        type=float,
+        default=3.0,
+        help="bursty: the gaps' coefficient of variation (1 = Poisson; default 3)",
     )
     g.add_argument(
         "--concurrency",

@@ -112,10 +112,15 @@ class ClusterConfig:
     # the nodes' engines share one machine of this many cores (``sim/compute.py``:
     # processor sharing; None: every node has its own hardware)
     shared_cores: float | None = None
+    # mixed hardware (``--profiles``): each node's own cost model, in node order; empty: every
+    # node runs ``cost`` (which then stands for the cluster: priors, forward overhead)
+    node_costs: tuple[CostModel, ...] = ()
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
             raise ValueError("nodes must be >= 1")
+        if self.node_costs and len(self.node_costs) != self.nodes:
+            raise ValueError(f"node_costs: {len(self.node_costs)} for {self.nodes} nodes")
         if self.shared_cores is not None and not self.shared_cores > 0:
             raise ValueError("shared_cores must be > 0")
         if self.cache_tokens < 1 or self.block_size < 1 or self.seeds < 1:
@@ -127,6 +132,10 @@ class ClusterConfig:
     def policy_name(self) -> str:
         """The run's policy: the nodes' router policy, or ``cache_aware`` for a gateway."""
         return CACHE_AWARE if self.gateway is not None else self.router.policy.value
+
+    def cost_of(self, idx: int) -> CostModel:
+        """Node ``idx``'s cost model (its own under mixed hardware, else ``cost``)."""
+        return self.node_costs[idx] if self.node_costs else self.cost
 
     def priors(self) -> CostPriors:
         """The default priors (what ``radixmesh serve`` runs with), or, with ``tuned_priors``,
@@ -322,7 +331,7 @@ class SimCluster:
         node.version_times = []
         node.queued_blocks = QueuedBlocks(cfg.block_size)
         node.engine = SimEngine(
-            cfg.cost,
+            cfg.cost_of(node.idx),
             cfg.cache_tokens,
             cfg.block_size,
             self.hash_seed,
