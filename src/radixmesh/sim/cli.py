@@ -224,8 +224,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--experiment",
         default=None,
-        choices=["convergence", "scale", "pushback", "breakeven"],
-        help="run an experiment of docs/scale.md instead of a sweep",
+        choices=["convergence", "scale", "pushback", "breakeven", "regimes"],
+        help="run an experiment of docs/scale.md instead of a sweep; regimes: issue #52's "
+        "simulated matrix (sim/regimes.py; --policy narrows its four policies, --regimes its "
+        "regimes)",
+    )
+    g.add_argument(
+        "--regimes",
+        default="",
+        help="--experiment regimes: which, comma-separated (default all: h100-16, mixed-16, "
+        "regions-16, h100-1024)",
     )
 
 
@@ -241,6 +249,10 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.shared_cores is not None and (args.experiment or args.validate):
         raise ValueError("--shared-cores is for a sweep (not --experiment or --validate)")
+    if args.experiment == "regimes":
+        from radixmesh.sim import regimes
+
+        return regimes.main(args)
     if args.experiment:
         from radixmesh.sim import experiments
 

@@ -137,6 +137,12 @@ class ClusterConfig:
         """Node ``idx``'s cost model (its own under mixed hardware, else ``cost``)."""
         return self.node_costs[idx] if self.node_costs else self.cost
 
+    def cache_of(self, idx: int) -> int:
+        """Node ``idx``'s KV pool in tokens: under mixed hardware its profile's own (as its
+        emulated engine has), else ``cache_tokens``."""
+        profile = self.node_costs[idx].profile if self.node_costs else None
+        return self.cache_tokens if profile is None else profile.kv_blocks * profile.block_size
+
     def priors(self) -> CostPriors:
         """The default priors (what ``radixmesh serve`` runs with), or, with ``tuned_priors``,
         priors taken from the cost model and the network, as a deployment configured for its
@@ -332,7 +338,7 @@ class SimCluster:
         node.queued_blocks = QueuedBlocks(cfg.block_size)
         node.engine = SimEngine(
             cfg.cost_of(node.idx),
-            cfg.cache_tokens,
+            cfg.cache_of(node.idx),
             cfg.block_size,
             self.hash_seed,
             cfg.service_noise,
@@ -444,7 +450,7 @@ class SimCluster:
         running = node.engine.sched.running
         prompt, output, uncached = node.queued_tokens
         event = LoadChanged(node.depth, running, node.engine.total_tokens,
-                            self.config.cache_tokens, prompt, output, uncached,
+                            self.config.cache_of(node.idx), prompt, output, uncached,
                             self._batch(node))
         self.feed(node, event)
 
