@@ -215,7 +215,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="BENCH_DIR",
         default=None,
         help="replay a `radixmesh bench` output's configurations (give the same workload "
-        "flags) and compare; --cost-model fit (default here) fits it to that run",
+        "flags) and compare; --cost-model fit (default here) fits it to that run. An "
+        "--engine emulated run is replayed from its own records (send times, entries) on its "
+        "profiles (sim/replay.py)",
     )
     g.add_argument(
         "--forward-overhead", default="3ms", help="with --validate: HTTP work of one forward"
@@ -267,8 +269,10 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _run_validate(args: argparse.Namespace) -> int:
-    from radixmesh.sim import validate
+    from radixmesh.sim import replay, validate
 
+    if replay.is_emulated(Path(args.validate)):  # replays the run's own trace
+        return replay.main(args)
     if args.cost_model == "cpu-tiny":  # the default: fit to the real run instead
         args.cost_model = "fit"
     if args.max_context is None:  # the bench drops prompts beyond the tiny preset's
