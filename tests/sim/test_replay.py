@@ -116,3 +116,19 @@ def test_a_record_the_workload_lacks_is_refused_by_id(tmp_path: Path) -> None:
     path.write_text("\n".join([json.dumps(rec), *lines[1:]]) + "\n")
     with pytest.raises(ValueError, match="not-in-the-workload"):
         replay.main(_args(folder, tmp_path / "out"))
+
+
+def test_the_regime_tables_give_ratios_to_none_and_their_geometric_mean() -> None:
+    from radixmesh.sim.regimes import REGIMES, _row, condensed, markdown
+
+    regime = REGIMES[1]
+    none = {"policy": "none", "requests": 10, "errors": 0, "mean_ttft_s": 0.4,
+            "p99_ttft_s": 2.0, "mean_tpot_s": 0.02, "goodput": 0.5, "actual_hit_rate": 0.5}
+    rows = []
+    for i, (mean, p99) in enumerate(((0.1, 1.0), (0.4, 4.0))):
+        cost = none | {"policy": "cost", "mean_ttft_s": mean, "p99_ttft_s": p99}
+        rows += [_row(regime, "rag", 0.8, "poisson" if i else "bursty", s, none)
+                 for s in (none, cost)]  # fmt: skip
+    assert [r["mean_ratio"] for r in rows] == [1.0, 0.25, 1.0, 1.0]
+    assert "| mixed-16 | cost | 2 | 0.50 (1.00) | 1.00 (2.00) | 50.0 | 50.0 |" in condensed(rows)
+    assert "### mixed-16 (simulated)" in markdown(rows)

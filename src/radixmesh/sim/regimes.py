@@ -20,7 +20,8 @@ sessions send their next turn once the last is answered) x loads {50 %, 80 %} of
 the sweep estimates (``sweep.batched_rate``: what a batching engine sustains within the TPOT SLO)
 x arrivals {Poisson, bursty: gamma gaps of CV 3} x policies {none, cost, llmd (llm-d's default
 scorer weights), cache_aware (one centralized gateway with sglang-router's cache-aware policy
-in front of ``none`` nodes, ``sim/gateway.py``)}. No SMG model exists in the simulator: SMG's
+in front of ``none`` nodes, ``sim/gateway.py``)}; ``--policy`` (other than its default) and
+``--workload`` narrow the grid. No SMG model exists in the simulator: SMG's
 ``cache_aware`` policy is sglang-router's, so ``cache_aware`` stands for both gateways here.
 Every run of one (regime, workload, load, arrivals) point replays the same timed requests.
 
@@ -98,6 +99,8 @@ def run_regime(
     """Every point of ``regime``'s grid, all policies each; ``saved`` after every point."""
     rows: list[Row] = []
     workloads, loads, arrivals = regime.grid
+    if args.workload != "mmlu":  # --workload KIND narrows the grid to it
+        workloads = [w for w in workloads if w == args.workload]
     for workload, load, arrival in itertools.product(workloads, loads, arrivals):
         point = _point_args(args, regime, workload, load, arrival)
         costs = profile_costs(regime.profiles, regime.nodes)
