@@ -12,9 +12,10 @@ recorded send time (``t_send``, unscaled) into its recorded entry node, with the
 it got. The prompts come from the workload the run was built from (``workload_kind``,
 ``planned_requests``, ``seed`` of its summary; ``--trace`` or a ``trace.jsonl`` in the folder,
 ``--mmlu-dir`` and ``--synthetic-scale`` as given to the bench), matched by request id: an id
-the workload does not have is refused, naming it. Regenerating nothing else — not the arrival
-times, not the entries, not the draws a bursty or session schedule made — the comparison is of
-the mesh alone.
+the workload does not have is refused, naming it, and the mean prompt length of both sides is
+reported (``prompt_tokens``: other workload flags give other prompts under the same ids).
+Regenerating nothing else — not the arrival times, not the entries, not the draws a bursty or
+session schedule made — the comparison is of the mesh alone.
 
 The simulated mesh is the real one's: each node's engine on its profile (``profiles``, the
 bench's syntax and parser; the profile's KV pool), the run's link delay, and its regions when
@@ -134,7 +135,13 @@ def simulate(real: Row, args: argparse.Namespace, records: list[Row], real_dir: 
     cfg = cluster_like(real, args, tok_fp)
     spec = RunSpec(real["name"], cfg, real.get("workload", "trace"), real.get("skew", "uniform"),
                    "poisson")  # open loop: the recorded times  # fmt: skip
-    return run_sim(spec, reqs, tokenize).summary
+    summary = run_sim(spec, reqs, tokenize).summary
+    real_tokens = [int(r["prompt_tokens"]) for r in records if r.get("prompt_tokens")]
+    summary["replay_prompt_tokens"] = {  # the same prompts? (an engine's template adds a few)
+        "real": sum(real_tokens) / len(real_tokens) if real_tokens else None,
+        "sim": sum(len(tokenize(r)) for r in reqs) / len(reqs) if reqs else None,
+    }
+    return summary
 
 
 def compare(real: list[Row], sim: list[Row]) -> list[Row]:
@@ -150,6 +157,7 @@ def compare(real: list[Row], sim: list[Row]) -> list[Row]:
             "sim_mean_ratio": _ratio(s, sn, "mean_ttft_s"),
             "real_p99_ratio": _ratio(r, rn, "p99_ttft_s"),
             "sim_p99_ratio": _ratio(s, sn, "p99_ttft_s"),
+            "prompt_tokens": s.get("replay_prompt_tokens"),
         })  # fmt: skip
     return rows
 
