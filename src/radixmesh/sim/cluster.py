@@ -187,6 +187,7 @@ class Flight:
     t_done: float = -1.0
     error: str | None = None
     via_gateway: bool = False  # sent through the gateway, which chose ``entry`` (counted there)
+    client_leg_s: float = 0.0  # via the gateway, across regions: the client's one-way delay to it
 
     def current(self, attempt: int) -> bool:
         """Whether a callback made for try ``attempt`` still matters."""
@@ -477,7 +478,7 @@ class SimCluster:
         gateway, to the gateway, which picks the node)."""
         hashes = tuple(block_hashes(tokens, self.config.block_size, self.hash_seed))
         if self.gateway is not None:
-            return self._through_gateway(self.gateway, index, req, tokens, hashes)
+            return self._through_gateway(self.gateway, index, req, tokens, hashes, entry)
         flight = Flight(index, req, entry, tokens, hashes, self.loop.now)
         self._arrive(flight)
         return flight
@@ -495,10 +496,12 @@ class SimCluster:
 
     def _through_gateway(
         self, gateway: CacheAwareGateway, index: int, req: Request, tokens: list[int],
-        hashes: tuple[int, ...],
-    ) -> Flight:
+        hashes: tuple[int, ...], client: int,
+    ) -> Flight:  # fmt: skip
         """The gateway picks a node; the request crosses one link to it (a mesh forward's
-        one-way delay and half its hop overhead), and its answer crosses back (``_answer``)."""
+        one-way delay and half its hop overhead), and its answer crosses back (``_answer``).
+        Across regions the gateway stands in the first region (node 0's, as the bench places
+        it) and the client, in its entry node's region, crosses to it and back too."""
         now = self.loop.now
         chosen = gateway.choose(tokens, [n.up for n in self.nodes], now)
         if chosen is None:  # (nothing counted by the gateway)
@@ -506,9 +509,17 @@ class SimCluster:
             self._fail_client(flight, "no worker up")
             return flight
         flight = Flight(index, req, chosen, tokens, hashes, now, via_gateway=True)
-        hop = self.net.delay(chosen, chosen) + self.config.cost.forward_overhead_s / 2
+        if self.config.network.regions:
+            flight.client_leg_s = self.net.delay(client, 0)
+        hop = (flight.client_leg_s + self.net.delay(self._gateway_at(chosen), chosen)
+               + self.config.cost.forward_overhead_s / 2)  # fmt: skip
         self.loop.at(now + hop, self._arrive, flight)
         return flight
+
+    def _gateway_at(self, node: int) -> int:
+        """The node whose region the gateway stands in, seen from ``node``: the first region
+        across regions, else ``node``'s own link (a flat network: one hop as any)."""
+        return 0 if self.config.network.regions else node
 
     def _execute_locally(self, flight: Flight, action: ExecuteLocally) -> None:
         flight.attempt += 1
@@ -757,7 +768,8 @@ class SimCluster:
             if not flight.via_gateway:
                 self._complete(flight)
                 return
-            back = self.net.delay(node.idx, node.idx) + self.config.cost.forward_overhead_s / 2
+            back = (flight.client_leg_s + self.net.delay(node.idx, self._gateway_at(node.idx))
+                    + self.config.cost.forward_overhead_s / 2)  # fmt: skip
             self.loop.at(now + back, self._back_through_gateway, flight)
             return
         if self.net.partitioned(node.idx, flight.entry, now):  # heartbeats stopped: timeout
