@@ -100,11 +100,14 @@ def capacity_rate(
     node_costs: Sequence[costs.CostModel] = (),
 ) -> float:
     """Requests/s the cluster serves if a typical request finds 85% of its prompt cached
-    (on ``shared_cores`` cores when the nodes share a machine; under mixed hardware the sum
-    of every node's own). A profiled (batching) node's is :func:`batched_rate`; a legacy cost
-    model serves one request at a time."""
+    (on ``shared_cores`` cores when the nodes share a machine). Under mixed hardware, what
+    ``none``'s even spread sustains: every node gets 1/N of the arrivals, so the slowest node
+    saturates first (N x its rate), as the bench's capacity, measured with ``none``, does. A
+    profiled (batching) node's rate is :func:`batched_rate`; a legacy cost model serves one
+    request at a time."""
     if node_costs:
-        return sum(capacity_rate(c, 1, prompt_tokens, max_tokens) for c in node_costs)
+        rates = [capacity_rate(c, 1, prompt_tokens, max_tokens) for c in node_costs]
+        return len(rates) * min(rates)
     cached = int(prompt_tokens * 0.85)
     if cost.profile is not None and shared_cores is None:
         return nodes * batched_rate(cost.profile, int(prompt_tokens), cached, max_tokens)
