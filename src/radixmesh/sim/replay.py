@@ -32,7 +32,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from radixmesh.bench.emulated import BYTES
 from radixmesh.core.router import Policy, RouterConfig
 from radixmesh.sim.cluster import ClusterConfig
 from radixmesh.sim.gateway import CACHE_AWARE, GatewayConfig
@@ -130,7 +129,7 @@ def _network(real: Row, args: argparse.Namespace) -> NetworkConfig:
 
 
 def simulate(real: Row, args: argparse.Namespace, records: list[Row], real_dir: Path) -> Row:
-    tokenize, tok_fp = TOKENIZERS[BYTES]()  # the emulated mesh's tokenizer
+    tokenize, tok_fp = TOKENIZERS["bytes"]()  # the emulated mesh's (bench/emulated.py)
     reqs = replayed(records, workload_pool(real, args, real_dir))
     cfg = cluster_like(real, args, tok_fp)
     spec = RunSpec(real["name"], cfg, real.get("workload", "trace"), real.get("skew", "uniform"),

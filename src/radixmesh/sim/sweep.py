@@ -17,11 +17,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from radixmesh.bench.emulated import parse_profiles
 from radixmesh.core.byte_tokenizer import ByteTokenizer
 from radixmesh.core.config import ForwardConfig, GossipConfig, GossipMode, PushbackConfig
 from radixmesh.core.profile import Profile
 from radixmesh.core.profile import resolve as resolve_profile
+from radixmesh.core.profile_mix import parse_profiles
 from radixmesh.core.router import Policy, RouterConfig
 from radixmesh.core.units import parse_duration
 from radixmesh.results.summary import Slo
