@@ -183,6 +183,19 @@ def test_the_gateway_hop_costs_a_forward_each_way() -> None:
     assert gw.latency_s - none.latency_s == pytest.approx(2 * 0.005 + hop)
 
 
+def test_across_regions_the_client_crosses_to_the_gateway_in_the_first_region() -> None:
+    # node 1 is in eu; the gateway stands in us (node 0's region), 40 ms away one way
+    net = NetworkConfig(delay_s=0.001, regions=("us", "eu"), region_delay_s=((0.001, 0.04),
+                                                                            (0.04, 0.001)))
+    reqs = [Request(id="r0", prompt="one cold prompt " * 20, entry=1)]
+    none = _simulate("none", reqs, network=net).records[0]
+    gw = _simulate(CACHE_AWARE, reqs, network=net).records[0]
+    hop = costs.resolve("cpu-tiny").forward_overhead_s
+    assert gw.entry_node == "n0"  # all trees empty: the first worker, beside the gateway
+    # eu client -> us gateway -> n0 and back: 2 x (40 + 1) ms
+    assert gw.latency_s - none.latency_s == pytest.approx(2 * 0.041 + hop)
+
+
 def test_one_client_behind_the_gateway_keeps_each_prefix_on_one_worker(
     make_reqs: Callable[..., list[Request]],
 ) -> None:

@@ -26,38 +26,14 @@ character is one token, so prompts are ~4-5x longer in tokens than under a BPE v
 
 from __future__ import annotations
 
-import re
 import sys
 from collections.abc import Sequence
 
 from radixmesh.core.profile import resolve
+from radixmesh.core.profile_mix import parse_profiles
 
 BYTES = "bytes"  # the node's and the engines' tokenizer
-
-
-def parse_profiles(text: str, nodes: int) -> list[str]:
-    """``name:count,...`` (or one bare name for every node) -> one profile name per node.
-    ValueError when the counts do not add up to ``nodes`` or a profile does not resolve."""
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    if not parts:
-        raise ValueError("--profiles: name at least one profile")
-    if len(parts) == 1 and ":" not in parts[0]:
-        resolve(parts[0])
-        return [parts[0]] * nodes
-    out: list[str] = []
-    for part in parts:
-        m = re.fullmatch(r"(.+):(\d+)", part)
-        if not m or int(m.group(2)) < 1:
-            raise ValueError(f"--profiles: {part!r} is not NAME:COUNT with COUNT >= 1")
-        resolve(m.group(1))  # refused here, naming the field, rather than in 16 processes
-        out += [m.group(1)] * int(m.group(2))
-    if len(out) != nodes:
-        raise ValueError(f"--profiles: the counts add up to {len(out)} engines for {nodes} nodes")
-    models = sorted({resolve(p).model for p in set(out)})
-    if len(models) > 1:  # nodes refuse peers of another model: the mesh would fall apart
-        raise ValueError(f"--profiles: the engines would serve different models "
-                         f"({'; '.join(models)}); a mesh serves one model")
-    return out
+__all__ = ["BYTES", "context_length", "engine_options", "parse_profiles"]  # the parser: core
 
 
 def engine_options(profile: str, ports: Sequence[int], time_scale: float) -> dict[str, object]:

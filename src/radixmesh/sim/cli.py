@@ -32,6 +32,7 @@ from radixmesh.options import add_option, add_options, parse_optional_fraction, 
 from radixmesh.sim import costs
 from radixmesh.sim.runner import RunResult
 from radixmesh.sim.sweep import AUTO_EPIDEMIC_ABOVE, parse_policies, split_csv, sweep_point
+from radixmesh.workload.build import WORKLOADS
 from radixmesh.workload.schedule import Entry
 
 
@@ -46,6 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="routing policies, comma-separated: none, paper, cost, random, round_robin, "
         "least_loaded, llmd (llm-d's default scorer profile), or cache_aware (a centralized "
         "gateway with sglang-router's policy in front of none nodes)",
+    )
+    g.add_argument(
+        "--profiles",
+        default="",
+        help="mixed hardware, the bench's syntax: NAME:COUNT,... step-time profiles dealt to "
+        "the nodes in order, e.g. h100-llama3-8b:4,a10g-llama3-8b:12 (replaces --cost-model)",
     )
     g.add_argument(
         "--cost-model",
@@ -132,6 +139,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="experiments: at least this many requests per node",
     )
     g.add_argument("--skew", default="uniform", help="uniform, skewed or uniform,skewed")
+    g.add_argument(
+        "--workload",
+        default="mmlu",
+        choices=list(WORKLOADS),
+        help="mmlu (MMLU with --mmlu-dir, else synthetic questions) or a generated workload: "
+        "chat, rag, agentic, hotprefix (workload/generated.py; a session's next turn is sent "
+        "once its last one is answered)",
+    )
     g.add_argument("--mmlu-dir", default=None, help="MMLU release directory (else synthetic)")
     g.add_argument("--trace", default=None, help="replay a JSONL trace")
     g.add_argument(
@@ -153,8 +168,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--schedule",
         default="poisson",
-        choices=["poisson", "sequential"],
-        help="open-loop Poisson (default) or the paper's closed loop",
+        choices=["poisson", "bursty", "sequential"],
+        help="open-loop Poisson (default), open-loop bursty (gamma gaps, --arrival-cv) or the "
+        "paper's closed loop",
+    )
+    g.add_argument(
+        "--arrival-cv",
+        type=float,
+        default=3.0,
+        help="bursty: the gaps' coefficient of variation (1 = Poisson; default 3)",
     )
     g.add_argument(
         "--concurrency",
@@ -192,7 +214,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="BENCH_DIR",
         default=None,
         help="replay a `radixmesh bench` output's configurations (give the same workload "
-        "flags) and compare; --cost-model fit (default here) fits it to that run",
+        "flags) and compare; --cost-model fit (default here) fits it to that run. An "
+        "--engine emulated run is replayed from its own records (send times, entries) on its "
+        "profiles (sim/replay.py)",
     )
     g.add_argument(
         "--forward-overhead", default="3ms", help="with --validate: HTTP work of one forward"
@@ -201,8 +225,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--experiment",
         default=None,
-        choices=["convergence", "scale", "pushback", "breakeven"],
-        help="run an experiment of docs/scale.md instead of a sweep",
+        choices=["convergence", "scale", "pushback", "breakeven", "regimes"],
+        help="run an experiment of docs/scale.md instead of a sweep; regimes: issue #52's "
+        "simulated matrix (sim/regimes.py; --policy narrows its four policies, --regimes its "
+        "regimes)",
+    )
+    g.add_argument(
+        "--regimes",
+        default="",
+        help="--experiment regimes: which, comma-separated (default all: h100-16, mixed-16, "
+        "regions-16, h100-1024)",
     )
 
 
@@ -232,6 +264,10 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.shared_cores is not None and (args.experiment or args.validate):
         raise ValueError("--shared-cores is for a sweep (not --experiment or --validate)")
+    if args.experiment == "regimes":
+        from radixmesh.sim import regimes
+
+        return regimes.main(args)
     if args.experiment:
         from radixmesh.sim import experiments
 
@@ -246,8 +282,10 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _run_validate(args: argparse.Namespace) -> int:
-    from radixmesh.sim import validate
+    from radixmesh.sim import replay, validate
 
+    if replay.is_emulated(Path(args.validate)):  # replays the run's own trace
+        return replay.main(args)
     if args.cost_model == "cpu-tiny":  # the default: fit to the real run instead
         args.cost_model = "fit"
     if args.max_context is None:  # the bench drops prompts beyond the tiny preset's

@@ -112,10 +112,15 @@ class ClusterConfig:
     # the nodes' engines share one machine of this many cores (``sim/compute.py``:
     # processor sharing; None: every node has its own hardware)
     shared_cores: float | None = None
+    # mixed hardware (``--profiles``): each node's own cost model, in node order; empty: every
+    # node runs ``cost`` (which then stands for the cluster: priors, forward overhead)
+    node_costs: tuple[CostModel, ...] = ()
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
             raise ValueError("nodes must be >= 1")
+        if self.node_costs and len(self.node_costs) != self.nodes:
+            raise ValueError(f"node_costs: {len(self.node_costs)} for {self.nodes} nodes")
         if self.shared_cores is not None and not self.shared_cores > 0:
             raise ValueError("shared_cores must be > 0")
         if self.cache_tokens < 1 or self.block_size < 1 or self.seeds < 1:
@@ -127,6 +132,16 @@ class ClusterConfig:
     def policy_name(self) -> str:
         """The run's policy: the nodes' router policy, or ``cache_aware`` for a gateway."""
         return CACHE_AWARE if self.gateway is not None else self.router.policy.value
+
+    def cost_of(self, idx: int) -> CostModel:
+        """Node ``idx``'s cost model (its own under mixed hardware, else ``cost``)."""
+        return self.node_costs[idx] if self.node_costs else self.cost
+
+    def cache_of(self, idx: int) -> int:
+        """Node ``idx``'s KV pool in tokens: under mixed hardware its profile's own (as its
+        emulated engine has), else ``cache_tokens``."""
+        profile = self.node_costs[idx].profile if self.node_costs else None
+        return self.cache_tokens if profile is None else profile.kv_blocks * profile.block_size
 
     def priors(self) -> CostPriors:
         """The default priors (what ``radixmesh serve`` runs with), or, with ``tuned_priors``,
@@ -172,6 +187,7 @@ class Flight:
     t_done: float = -1.0
     error: str | None = None
     via_gateway: bool = False  # sent through the gateway, which chose ``entry`` (counted there)
+    client_leg_s: float = 0.0  # via the gateway, across regions: the client's one-way delay to it
 
     def current(self, attempt: int) -> bool:
         """Whether a callback made for try ``attempt`` still matters."""
@@ -322,8 +338,8 @@ class SimCluster:
         node.version_times = []
         node.queued_blocks = QueuedBlocks(cfg.block_size)
         node.engine = SimEngine(
-            cfg.cost,
-            cfg.cache_tokens,
+            cfg.cost_of(node.idx),
+            cfg.cache_of(node.idx),
             cfg.block_size,
             self.hash_seed,
             cfg.service_noise,
@@ -436,7 +452,7 @@ class SimCluster:
         running = node.engine.sched.running
         prompt, output, uncached = node.queued_tokens
         event = LoadChanged(node.depth, running, node.engine.total_tokens,
-                            self.config.cache_tokens, prompt, output, uncached,
+                            self.config.cache_of(node.idx), prompt, output, uncached,
                             self._batch(node))
         self.feed(node, event)
 
@@ -463,7 +479,7 @@ class SimCluster:
         gateway, to the gateway, which picks the node)."""
         hashes = tuple(block_hashes(tokens, self.config.block_size, self.hash_seed))
         if self.gateway is not None:
-            return self._through_gateway(self.gateway, index, req, tokens, hashes)
+            return self._through_gateway(self.gateway, index, req, tokens, hashes, entry)
         flight = Flight(index, req, entry, tokens, hashes, self.loop.now)
         self._arrive(flight)
         return flight
@@ -481,10 +497,12 @@ class SimCluster:
 
     def _through_gateway(
         self, gateway: CacheAwareGateway, index: int, req: Request, tokens: list[int],
-        hashes: tuple[int, ...],
-    ) -> Flight:
+        hashes: tuple[int, ...], client: int,
+    ) -> Flight:  # fmt: skip
         """The gateway picks a node; the request crosses one link to it (a mesh forward's
-        one-way delay and half its hop overhead), and its answer crosses back (``_answer``)."""
+        one-way delay and half its hop overhead), and its answer crosses back (``_answer``).
+        Across regions the gateway stands in the first region (node 0's, as the bench places
+        it) and the client, in its entry node's region, crosses to it and back too."""
         now = self.loop.now
         chosen = gateway.choose(tokens, [n.up for n in self.nodes], now)
         if chosen is None:  # (nothing counted by the gateway)
@@ -492,9 +510,17 @@ class SimCluster:
             self._fail_client(flight, "no worker up")
             return flight
         flight = Flight(index, req, chosen, tokens, hashes, now, via_gateway=True)
-        hop = self.net.delay(chosen, chosen) + self.config.cost.forward_overhead_s / 2
+        if self.config.network.regions:
+            flight.client_leg_s = self.net.delay(client, 0)
+        hop = (flight.client_leg_s + self.net.delay(self._gateway_at(chosen), chosen)
+               + self.config.cost.forward_overhead_s / 2)  # fmt: skip
         self.loop.at(now + hop, self._arrive, flight)
         return flight
+
+    def _gateway_at(self, node: int) -> int:
+        """The node whose region the gateway stands in, seen from ``node``: the first region
+        across regions, else ``node``'s own link (a flat network: one hop as any)."""
+        return 0 if self.config.network.regions else node
 
     def _execute_locally(self, flight: Flight, action: ExecuteLocally) -> None:
         flight.attempt += 1
@@ -742,7 +768,8 @@ class SimCluster:
             if not flight.via_gateway:
                 self._complete(flight)
                 return
-            back = self.net.delay(node.idx, node.idx) + self.config.cost.forward_overhead_s / 2
+            back = (flight.client_leg_s + self.net.delay(node.idx, self._gateway_at(node.idx))
+                    + self.config.cost.forward_overhead_s / 2)  # fmt: skip
             self.loop.at(now + back, self._back_through_gateway, flight)
             return
         if self.net.partitioned(node.idx, flight.entry, now):  # heartbeats stopped: timeout

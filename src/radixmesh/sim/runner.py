@@ -44,7 +44,7 @@ class RunSpec:
     cluster: ClusterConfig
     workload: str = "synthetic"  # label: synthetic | mmlu | trace
     skew: str = "uniform"  # label: uniform | skewed
-    schedule: str = "sequential"  # sequential | poisson (requests carry their times)
+    schedule: str = "sequential"  # sequential | poisson | bursty (open loop: requests are timed)
     concurrency: int = 1  # sequential: closed-loop clients (1 = the paper's one at a time)
     warmup_s: float | None = None  # None: 4 gossip intervals (>= 0.5 s), then until joined
     max_join_s: float = 120.0  # with warmup_s None: give up waiting for the join after this
@@ -186,7 +186,7 @@ class _Driver:
         self._gossip_at_start = (cluster.counters.gossip_bytes, cluster.counters.gossip_messages)
         if not self.requests:
             return
-        if self.spec.schedule == "poisson":
+        if self.spec.schedule != "sequential":  # open loop: poisson or bursty
             cluster.loop.at(self.t0 + (self.requests[0].t or 0.0), self._send_open, 0)
         else:  # closed loop: each client sends the next request when its last one is done
             self.idle_clients = self.spec.concurrency

@@ -12,15 +12,19 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
 from radixmesh.core.byte_tokenizer import ByteTokenizer
 from radixmesh.core.config import ForwardConfig, GossipMode, PushbackConfig
+from radixmesh.core.profile import Profile
+from radixmesh.core.profile import resolve as resolve_profile
+from radixmesh.core.profile_mix import parse_profiles
 from radixmesh.core.router import Policy, RouterConfig
 from radixmesh.core.units import parse_duration
 from radixmesh.options import gossip_config
+from radixmesh.results.summary import Slo
 from radixmesh.sim import costs
 from radixmesh.sim.cluster import ClusterConfig
 from radixmesh.sim.gateway import CACHE_AWARE, GatewayConfig
@@ -93,19 +97,66 @@ def capacity_rate(
     prompt_tokens: float,
     max_tokens: int,
     shared_cores: float | None = None,
+    node_costs: Sequence[costs.CostModel] = (),
 ) -> float:
     """Requests/s the cluster serves if a typical request finds 85% of its prompt cached
-    (on ``shared_cores`` cores when the nodes share a machine)."""
+    (on ``shared_cores`` cores when the nodes share a machine). Under mixed hardware, what
+    ``none``'s even spread sustains: every node gets 1/N of the arrivals, so the slowest node
+    saturates first (N x its rate), as the bench's capacity, measured with ``none``, does. A
+    profiled (batching) node's rate is :func:`batched_rate`; a legacy cost model serves one
+    request at a time."""
+    if node_costs:
+        rates = [capacity_rate(c, 1, prompt_tokens, max_tokens) for c in node_costs]
+        return len(rates) * min(rates)
     cached = int(prompt_tokens * 0.85)
+    if cost.profile is not None and shared_cores is None:
+        return nodes * batched_rate(cost.profile, int(prompt_tokens), cached, max_tokens)
     service = cost.service_s(int(prompt_tokens) - cached, cached, max_tokens)
     servers = nodes if shared_cores is None else min(float(nodes), shared_cores)
     return servers / service
+
+
+def batched_rate(profile: Profile, prompt: int, cached: int, max_tokens: int) -> float:
+    """Requests/s one batching engine sustains within the default TPOT SLO: the largest batch
+    ``b`` (up to ``max_running`` and what its KV pool holds) whose decode step stays within
+    ``Slo().tpot_s``, each request's prefill (``prompt - cached`` new tokens) and ``max_tokens``
+    batch-``b`` decode steps shared ``b`` ways. A planning figure (the loads' 100 %), not a
+    measurement: the simulation then shows what the engine does at that rate."""
+    context = prompt + max_tokens // 2
+    kv_fit = profile.kv_blocks * profile.block_size // max(1, prompt + max_tokens)
+    b = max(1, min(profile.max_running, kv_fit))
+    while b > 1 and profile.tpot_s(b, context) > Slo().tpot_s:
+        b -= 1
+    new = max(0, prompt - cached)
+    prefill = profile.prefill_token_s * new + profile.prefill_attn_s * new * (cached + new / 2)
+    per_request = prefill + max_tokens * profile.tpot_s(b, context) / b
+    return 1.0 / per_request
+
+
+def profile_costs(text: str, nodes: int) -> tuple[costs.CostModel, ...]:
+    """``--profiles NAME:COUNT,...`` (the bench's syntax and parser) -> each node's cost
+    model, in node order; ``()`` for an empty text (every node runs ``--cost-model``)."""
+    if not text:
+        return ()
+    names = parse_profiles(text, nodes)
+    made = {n: costs.from_profile(resolve_profile(n)) for n in set(names)}
+    return tuple(made[n] for n in names)
+
+
+def cluster_cost(args: argparse.Namespace, node_costs: Sequence[costs.CostModel]
+                 ) -> costs.CostModel:  # fmt: skip
+    """The cluster's cost model: ``--cost-model``, or under ``--profiles`` the first node's
+    (the priors' and forward overhead's source), named after the mix."""
+    if not node_costs:
+        return costs.resolve(args.cost_model)
+    return replace(node_costs[0], name=f"profiles:{args.profiles}")
 
 
 def requests_for(args: argparse.Namespace, skewed: bool, nodes: int) -> list[Request]:
     """The workload in the paper's order, round-robin entries unless random ones are asked
     for (``--entry``; times added later)."""
     spec = WorkloadSpec(
+        kind=getattr(args, "workload", None) or "mmlu",
         requests=args.requests,
         skewed=skewed,
         seed=args.seed,
@@ -116,7 +167,7 @@ def requests_for(args: argparse.Namespace, skewed: bool, nodes: int) -> list[Req
         entry=getattr(args, "entry", Entry.GIVEN),
     )
     fits = _fits(args.max_context)
-    if spec.trace:
+    if spec.trace or spec.generated:
         reqs = build(spec, nodes, fits)
     else:  # as workload.build, with the question pool generated once per process
         drawn = entries(spec, sample(spec, _groups(spec, args.max_context)), nodes)
@@ -183,11 +234,15 @@ def sweep_point(
     tokenize, tok_fp = tokenizer_for(args, nodes)
     mode = auto_mode(nodes, args.gossip_mode)
     intervals = [auto_interval(nodes, t) for t in split_csv(args.gossip_interval)]
-    requests, rate = _arrivals(args, cost, nodes, skew, tokenize)
+    node_costs = profile_costs(getattr(args, "profiles", ""), nodes)
+    if node_costs:
+        cost = cluster_cost(args, node_costs)
+    requests, rate = _arrivals(args, cost, nodes, skew, tokenize, node_costs)
     results = []
     for delay, interval, policy in itertools.product(delays, intervals, policies):
         name = _label(policy, nodes, delay, interval, skew, many)
         cluster = _cluster_config(args, cost, policy, nodes, delay, interval, mode, tok_fp)
+        cluster = replace(cluster, node_costs=node_costs)
         spec = _run_spec(args, name, cluster, skew)
         if not args.quiet:
             extra = f", {rate:.1f} req/s" if rate else ""
@@ -203,17 +258,21 @@ def sweep_point(
 
 
 def _arrivals(
-    args: argparse.Namespace, cost: costs.CostModel, nodes: int, skew: str, tokenize: Tokenize
-) -> tuple[list[Request], float | None]:
+    args: argparse.Namespace, cost: costs.CostModel, nodes: int, skew: str, tokenize: Tokenize,
+    node_costs: Sequence[costs.CostModel] = (),
+) -> tuple[list[Request], float | None]:  # fmt: skip
     """The point's requests, with Poisson arrival times under ``--schedule poisson`` (at
     ``--rate``, else ``--load`` x the estimated capacity), and that rate (None otherwise)."""
     requests = requests_for(args, skew == "skewed", nodes)
-    if args.schedule != "poisson" or not requests:
+    if args.schedule == "sequential" or not requests:
         return requests, None
     max_tokens = requests[0].max_tokens
     rate = args.rate or args.load * capacity_rate(
-        cost, nodes, mean_prompt_tokens(requests, tokenize), max_tokens, args.shared_cores
+        cost, nodes, mean_prompt_tokens(requests, tokenize), max_tokens, args.shared_cores,
+        node_costs,
     )
+    if args.schedule == "bursty":
+        return schedule.bursty(requests, nodes, rate, args.arrival_cv, args.seed), rate
     return schedule.poisson(requests, nodes, rate, args.seed), rate
 
 
@@ -260,12 +319,21 @@ def _run_spec(args: argparse.Namespace, name: str, cluster: ClusterConfig, skew:
     return RunSpec(
         name=name,
         cluster=cluster,
-        workload="trace" if args.trace else ("mmlu" if args.mmlu_dir else "synthetic"),
+        workload=_workload_label(args),
         skew=skew,
         schedule=args.schedule,
         concurrency=cluster.nodes if args.concurrency == "nodes" else int(args.concurrency),
         warmup_s=parse_duration(args.warmup) if args.warmup else None,
     )
+
+
+def _workload_label(args: argparse.Namespace) -> str:
+    kind = getattr(args, "workload", None) or "mmlu"
+    if args.trace:
+        return "trace"
+    if kind != "mmlu":
+        return kind
+    return "mmlu" if args.mmlu_dir else "synthetic"
 
 
 def _report_speed(res: RunResult) -> None:

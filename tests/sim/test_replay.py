@@ -1,0 +1,135 @@
+"""Mixed hardware in the simulator and ``sim --validate`` replaying an emulated run's trace.
+
+The recorded run folder is a fixture made by the simulator itself (a real emulated mesh needs
+32 processes): a simulated run written in the bench's format, marked ``engine: emulated``.
+Replaying a run's own records into the same mesh must then give back that run's figures — the
+replay adds nothing of its own (no regenerated times, entries or output lengths).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from radixmesh.core.router import Policy, RouterConfig
+from radixmesh.sim import replay
+from radixmesh.sim.cluster import ClusterConfig, SimCluster
+from radixmesh.sim.network import NetworkConfig, parse_regions
+from radixmesh.sim.runner import RunSpec, run
+from radixmesh.sim.sweep import batched_rate, cluster_cost, profile_costs
+from radixmesh.sim.tokens import byte_tokenize
+from radixmesh.workload import schedule
+from radixmesh.workload.build import corpus_for, generate
+from radixmesh.workload.schedule import bursty
+
+MIX = "h100-llama3-8b:1,a10g-llama3-8b:2"
+REGIONS = ("us,eu", "1,40;40,1")
+
+
+def test_profiles_are_dealt_in_order_and_each_node_gets_its_own_engine() -> None:
+    node_costs = profile_costs(MIX, 3)
+    assert [c.name for c in node_costs] == ["profile:h100-llama3-8b"] + [
+        "profile:a10g-llama3-8b"
+    ] * 2
+    cfg = ClusterConfig(nodes=3, cost=cluster_cost(argparse.Namespace(profiles=MIX), node_costs),
+                        node_costs=node_costs)  # fmt: skip
+    cluster = SimCluster(cfg)
+    cluster.start()
+    cluster.loop.run(until=0.1)
+    pools = [n.engine.sched.config.kv_blocks for n in cluster.nodes if n.engine is not None]
+    assert pools == [29205, 2192, 2192]  # each profile's own KV pool
+    with pytest.raises(ValueError, match="counts add up"):
+        profile_costs(MIX, 4)
+
+
+def test_an_h100_sustains_several_times_an_a10gs_rate() -> None:
+    h100, a10g = (c.profile for c in profile_costs(MIX, 3)[:2])
+    assert h100 is not None and a10g is not None
+    assert batched_rate(h100, 2000, 1700, 64) > 3 * batched_rate(a10g, 2000, 1700, 64)
+
+
+def test_bursty_arrivals_offer_the_rate_with_the_asked_spread() -> None:
+    reqs = generate("rag", 2000, 0, corpus_for(None), 0.2)
+    timed = bursty(reqs, 4, 10.0, 3.0, 0)
+    times = [r.t or 0.0 for r in timed]
+    assert times == sorted(times) and times[-1] == pytest.approx(1999 / 10.0)
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    mean = sum(gaps) / len(gaps)
+    cv = (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5 / mean
+    assert 2.0 < cv < 4.0  # Poisson would be ~1
+
+
+def _recorded_folder(tmp: Path, regions: bool) -> Path:
+    """A simulated run in the bench's output format, marked as an emulated mesh's."""
+    reqs = schedule.poisson(generate("rag", 60, 3, corpus_for(None), 0.3), 3, 40.0, 3)
+    node_costs = profile_costs(MIX, 3)
+    names, matrix = parse_regions(*REGIONS) if regions else ((), ())
+    tokenize, tok_fp = byte_tokenize()
+    runs, lines = [], []
+    for policy in ("none", "cost"):
+        cfg = ClusterConfig(
+            nodes=3, cost=cluster_cost(argparse.Namespace(profiles=MIX), node_costs),
+            node_costs=node_costs, router=RouterConfig(policy=Policy.parse(policy)),
+            network=NetworkConfig(delay_s=0.002, regions=names, region_delay_s=matrix), seed=3,
+            tokenizer=tok_fp,
+        )  # fmt: skip
+        res = run(RunSpec(policy, cfg, "rag", "uniform", "poisson"), reqs, tokenize)
+        runs.append(res.summary | {
+            "engine": "emulated", "profiles": MIX, "workload_kind": "rag", "seed": 3,
+            "planned_requests": 60,
+            **({"regions": REGIONS[0], "region_delays": REGIONS[1]} if regions else {}),
+        })  # fmt: skip
+        lines += [json.dumps(r.to_json()) for r in res.records]
+    (tmp / "summary.json").write_text(json.dumps({"runs": runs}))
+    (tmp / "requests.jsonl").write_text("\n".join(lines) + "\n")
+    return tmp
+
+
+def _args(folder: Path, out: Path) -> argparse.Namespace:
+    return argparse.Namespace(validate=str(folder), out=str(out), trace=None, mmlu_dir=None,
+                              synthetic_scale=0.3, synthetic_groups=57, regions="",
+                              region_delays="")  # fmt: skip
+
+
+@pytest.mark.parametrize("regions", [False, True])
+def test_replaying_a_runs_own_trace_gives_back_its_figures(tmp_path: Path, regions: bool) -> None:
+    folder = _recorded_folder(tmp_path, regions)
+    assert replay.is_emulated(folder)
+    assert replay.main(_args(folder, tmp_path / "out")) == 0
+    rows = json.loads((tmp_path / "out" / "validation.json").read_text())["rows"]
+    assert [r["policy"] for r in rows] == ["none", "cost"]
+    for r in rows:
+        assert r["hit_diff_points"] == pytest.approx(0.0, abs=1.0)
+        assert r["sim_mean_ttft_s"] == pytest.approx(r["real_mean_ttft_s"], rel=0.05)
+        assert r["sim_p99_ratio"] == pytest.approx(r["real_p99_ratio"], rel=0.05)
+    assert "| cost |" in (tmp_path / "out" / "validation.md").read_text()
+
+
+def test_a_record_the_workload_lacks_is_refused_by_id(tmp_path: Path) -> None:
+    folder = _recorded_folder(tmp_path, False)
+    path = folder / "requests.jsonl"
+    lines = path.read_text().splitlines()
+    rec = json.loads(lines[0]) | {"id": "not-in-the-workload"}
+    path.write_text("\n".join([json.dumps(rec), *lines[1:]]) + "\n")
+    with pytest.raises(ValueError, match="not-in-the-workload"):
+        replay.main(_args(folder, tmp_path / "out"))
+
+
+def test_the_regime_tables_give_ratios_to_none_and_their_geometric_mean() -> None:
+    from radixmesh.sim.regimes import REGIMES, _row, condensed, markdown
+
+    regime = REGIMES[1]
+    none = {"policy": "none", "requests": 10, "errors": 0, "mean_ttft_s": 0.4,
+            "p99_ttft_s": 2.0, "mean_tpot_s": 0.02, "goodput": 0.5, "actual_hit_rate": 0.5}
+    rows = []
+    for i, (mean, p99) in enumerate(((0.1, 1.0), (0.4, 4.0))):
+        cost = none | {"policy": "cost", "mean_ttft_s": mean, "p99_ttft_s": p99}
+        rows += [_row(regime, "rag", 0.8, "poisson" if i else "bursty", s, none)
+                 for s in (none, cost)]  # fmt: skip
+    assert [r["mean_ratio"] for r in rows] == [1.0, 0.25, 1.0, 1.0]
+    assert "| mixed-16 | cost | 2 | 0.50 (1.00) | 1.00 (2.00) | 50.0 | 50.0 |" in condensed(rows)
+    assert "### mixed-16 (simulated)" in markdown(rows)
