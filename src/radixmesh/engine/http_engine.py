@@ -151,8 +151,15 @@ class HttpEngine:
         nothing finer: vLLM's ``num_tokens - 1`` cap, floored to its block size)."""
         if not self.exact:
             return min(self.approx.match(prompt_ids), max(len(prompt_ids) - 1, 0))
-        found = min(self.index.match(prompt_ids), max(len(prompt_ids) - 1, 0))
-        return found - found % self.index.reuse_block_size
+        return exact_match(self.index, prompt_ids)
+
+    def forget_cache(self) -> None:
+        """The engine died or came back empty: forget what it held (the index refills from
+        its events; the approximate view from what this node sends next)."""
+        if self.exact:
+            self.index.drop()
+        else:
+            self.approx.clear()
 
     def usage(self) -> CacheUsage:
         if self.exact:
@@ -298,6 +305,14 @@ class HttpEngine:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def exact_match(index: EngineIndex, prompt_ids: Sequence[int]) -> int:
+    """What an engine reports cached for ``prompt_ids`` when ``index`` is its cache: the match,
+    at most all but the last token, floored to whole engine blocks (also the mismatch
+    classifier's replayed prediction, ``bench/mismatch.py``)."""
+    found = min(index.match(prompt_ids), max(len(prompt_ids) - 1, 0))
+    return found - found % index.reuse_block_size
 
 
 def mesh_block_size(block_size: int, engine_block_size: int | None) -> int:
