@@ -1,0 +1,130 @@
+"""``EngineHealth``: notices an external engine going down and coming back, and tells the node.
+
+Theory of operation
+-------------------
+Three ways to learn the engine is gone, whichever comes first::
+
+    --launch child exited          polled every CHILD_POLL_S (waitpid, no I/O): at once
+    GET <engine>/health            every probe_interval_s (≤ 1 s), answer within
+                                   probe_timeout_s: a killed engine refuses the connection, a
+                                   stopped one (SIGSTOP) times out
+    a request found it unreachable NodeService.engine_failed (EngineUnavailable) at once
+
+``down`` → :meth:`NodeService.engine_state` (``up=False``): the node drops its cache index
+(what the engine held is gone, or will be when it comes back: a restarted engine starts
+empty) so its gossip stops advertising it, and the core takes no new work here
+(``EngineStateChanged``: own clients' requests go to peers, forwards refused, push-back).
+``up`` needs ``UP_AFTER`` consecutive good probes (a SIGCONT'd engine answers at once, but a
+restarting one may answer ``/health`` before it serves); then the node takes work again with
+an index refilled from the engine's events (a restarted engine republishes from seq 0: the
+subscriber's tracker reads that as a restart and starts over). With ``--launch`` the node
+does not restart a dead child; an engine restarted at the same URL is taken back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import aiohttp
+
+log = logging.getLogger("radixmesh.engine_health")
+
+PROBE_INTERVAL_S = 0.5
+PROBE_TIMEOUT_S = 1.0
+CHILD_POLL_S = 0.1
+UP_AFTER = 2
+
+
+class EngineHealth:
+    """Watches one engine for a node (an attachment: ``start`` / ``stop`` with it)."""
+
+    name = "engine_health"
+
+    def __init__(self, service: Any, url: str, *, launched: Any = None,
+                 probe_interval_s: float = PROBE_INTERVAL_S,
+                 probe_timeout_s: float = PROBE_TIMEOUT_S) -> None:
+        if not 0 < probe_interval_s <= 1.0:
+            raise ValueError("probe_interval_s must be in (0, 1]")
+        self.service = service
+        self.url = url.rstrip("/") + "/health"
+        self.launched = launched
+        self.probe_interval_s = probe_interval_s
+        self.probe_timeout_s = probe_timeout_s
+        self.up = True
+        self.since = time.time()
+        self.reason = ""
+        self.counts = {"probes": 0, "probe_failures": 0, "downs": 0, "ups": 0}
+        self._good = 0
+        self._child_exit_seen = False
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="radixmesh-engine-health")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    def mark(self, up: bool, reason: str) -> None:
+        """Record a verdict (from a probe, the child, or a failed request)."""
+        if up == self.up:
+            return
+        self.up, self.reason, self.since = up, reason, time.time()
+        self.counts["ups" if up else "downs"] += 1
+        log.warning("engine %s: %s", "back" if up else "down", reason)
+        self.service.engine_state(up, reason)
+
+    async def _run(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.probe_timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout) as http:
+            next_probe = 0.0
+            while True:
+                self._check_child()
+                now = time.monotonic()
+                if now >= next_probe:
+                    next_probe = now + self.probe_interval_s
+                    await self._probe(http)
+                await asyncio.sleep(CHILD_POLL_S if self.launched is not None
+                                    else max(next_probe - time.monotonic(), 0.0))
+
+    async def _probe(self, http: aiohttp.ClientSession) -> None:
+        self.counts["probes"] += 1
+        ok, why = False, ""
+        try:
+            async with http.get(self.url) as resp:
+                ok, why = resp.status == 200, f"/health answered {resp.status}"
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            why = f"/health: {type(exc).__name__}"
+        if ok:
+            self._good += 1
+            if self._good >= UP_AFTER:
+                self.mark(True, "/health answers again")
+            return
+        self.counts["probe_failures"] += 1
+        self._good = 0
+        self.mark(False, why)
+
+    def _check_child(self) -> None:
+        """The launched child's exit is a verdict once (an engine restarted at the same URL
+        by someone else is then judged by its probes)."""
+        proc = None if self.launched is None else self.launched.proc
+        if proc is None or self._child_exit_seen or (rc := proc.poll()) is None:
+            return
+        self._child_exit_seen = True
+        self._good = 0
+        self.mark(False, f"launched engine exited with {rc}")
+
+    def mesh_state(self) -> dict[str, object]:
+        return {"up": self.up, "since": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+                                                      time.gmtime(self.since)),
+                "reason": self.reason, "url": self.url, **self.counts}
+
+    def metrics(self) -> dict[str, float]:
+        return {"engine_up": float(self.up),
+                **{f"engine_health_{k}": float(v) for k, v in self.counts.items()}}
+
