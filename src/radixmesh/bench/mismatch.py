@@ -27,6 +27,9 @@ with the very formula the node uses (:func:`radixmesh.engine.http_engine.exact_m
     P != A and the index consistent and R == A  ->  timing: "evicted" (A < P: blocks the node
         counted were removed before the engine scheduled the request) or "inserted" (A > P:
         blocks stored by a request scheduled in between)
+    P only at a replay point up to LAG_S either side of the window, and R == A  ->  timing:
+        "lagged" (the node's subscriber and the bench's saw a batch at moments further apart
+        than ``slack``: either process starved on a loaded machine)
     anything else                               ->  "index_error" (with why)
 
 ``slack`` covers the few milliseconds between the bench's subscriber and the node's seeing the
@@ -48,7 +51,8 @@ from radixmesh.engine.http_engine import exact_match
 
 DEFAULT_SLACK_S = 0.05
 FIRST_SLACK_S = 0.5  # the step's events may reach the bench after its first token does
-CLASSES = ("match", "evicted", "inserted", "index_error")
+LAG_S = 1.0
+CLASSES = ("match", "evicted", "inserted", "lagged", "index_error")
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,10 +142,15 @@ def classify(stream: EventStream, seen: Seen, slack_s: float = DEFAULT_SLACK_S) 
     first = max(stream.position(seen.t_first + FIRST_SLACK_S), hi)
     cuts = stream.own_stores(seen.prompt, a, lo, first)
     values = stream.matches(seen.prompt, first, lo)  # values[i]: after lo + i events
+    lagged = False
     if p not in values[:hi - lo + 1]:
-        return Verdict(seen.id, "index_error", p, a, None,
-                       f"no replay point in the acceptance window gives {p} "
-                       f"(window values {sorted(set(values[:hi - lo + 1]))})")
+        early = stream.position(seen.t_sent - LAG_S)
+        late = max(stream.position(seen.t_headers + LAG_S), lo)
+        lagged = p in stream.matches(seen.prompt, late, early)
+        if not lagged:
+            return Verdict(seen.id, "index_error", p, a, None,
+                           f"no replay point in the acceptance window gives {p} "
+                           f"(window values {sorted(set(values[:hi - lo + 1]))})")
     if p == a:
         return Verdict(seen.id, "match", p, a, a)
     if cuts:
@@ -154,7 +163,8 @@ def classify(stream: EventStream, seen: Seen, slack_s: float = DEFAULT_SLACK_S) 
         why = "" if ok else f"no replay point up to its first token gives {a}"
     if not ok:
         return Verdict(seen.id, "index_error", p, a, replayed, why)
-    return Verdict(seen.id, "evicted" if a < p else "inserted", p, a, replayed,
+    kind = "lagged" if lagged else "evicted" if a < p else "inserted"
+    return Verdict(seen.id, kind, p, a, replayed,
                    "own store found" if cuts else "no own store: window point")
 
 
@@ -170,7 +180,8 @@ class Tally:
 
     def to_json(self, keep: int = 20) -> dict[str, object]:
         odd = [v.to_json() for v in self.verdicts if v.kind == "index_error"][:keep]
-        timing = [v.to_json() for v in self.verdicts if v.kind in ("evicted", "inserted")]
+        timing = [v.to_json() for v in self.verdicts
+                  if v.kind in ("evicted", "inserted", "lagged")]
         return {"counts": self.counts(), "index_errors": odd, "timing_examples": timing[:5]}
 
 

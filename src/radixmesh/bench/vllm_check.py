@@ -185,6 +185,8 @@ class VllmServer:
     log_path: Path
     threads: int = 1
     max_model_len: int = 4096
+    extra_args: tuple[str, ...] = ()  # chaos/engines.py restarts it with other settings
+    extra_env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -199,12 +201,14 @@ class VllmServer:
                 "--block-size", str(self.block_size),
                 "--num-gpu-blocks-override", str(self.num_blocks),
                 "--enable-prompt-tokens-details",
-                "--kv-events-config", kv_events_config(self.events_port, self.replay_port)]
+                "--kv-events-config", kv_events_config(self.events_port, self.replay_port),
+                *self.extra_args]
 
     def start(self) -> None:
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
                    OMP_NUM_THREADS=str(self.threads), VLLM_SERVER_DEV_MODE="1",
-                   PYTHONUNBUFFERED="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1")
+                   PYTHONUNBUFFERED="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1",
+                   **self.extra_env)
         with open(self.log_path, "ab") as log:
             log.write(f"--- {' '.join(self.argv())}\n".encode())
             log.flush()
@@ -341,12 +345,13 @@ def pick_fixture_frames(frames: Sequence[list[bytes]], max_bytes: int = 256 * 10
     return chosen
 
 
-def save_run_fixture(directory: Path, timed: Sequence[tuple[float, list[bytes]]],
+def save_run_fixture(path: Path, timed: Sequence[tuple[float, list[bytes]]],
                      agreement: Agreement, block_size: int, engine_block_size: int,
                      max_bytes: int = 384 * 1024) -> int:
     """Engine 0's batches from the start of a concurrent run up to its first requests that
-    include 3 classified mismatches (at most 16 requests, ``max_bytes`` of batches), with
-    those requests and their verdicts: ``run.msgpack`` for the classifier's test."""
+    include 3 classified mismatches (at most 24 requests, ``max_bytes`` of batches), with
+    those requests and their verdicts (a match re-judged with the replay: it must agree with
+    its stream too): the classifier's test fixture at ``path``."""
     import msgpack
 
     picked: list[dict[str, Any]] = []
@@ -356,7 +361,7 @@ def save_run_fixture(directory: Path, timed: Sequence[tuple[float, list[bytes]]]
         picked.append({"id": s.id, "prompt": list(s.prompt), "predicted": s.predicted,
                        "actual": s.actual, "t_sent": s.t_sent, "t_headers": s.t_headers,
                        "t_first": s.t_first, "class": kind})
-        if sum(p["class"] != "match" for p in picked) >= 3 or len(picked) >= 16:
+        if sum(p["class"] != "match" for p in picked) >= 3 or len(picked) >= 24:
             break
     end = max((p["t_first"] for p in picked), default=0.0) + 1.0
     frames: list[list[Any]] = []
@@ -371,8 +376,8 @@ def save_run_fixture(directory: Path, timed: Sequence[tuple[float, list[bytes]]]
         size += len(f[-1])
     if cut:  # keep the requests whose whole window the kept batches cover
         picked = [p for p in picked if p["t_first"] + 1.0 <= frames[-1][0]]
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "run.msgpack").write_bytes(msgpack.packb(
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(msgpack.packb(
         {"frames": frames, "requests": picked, "block_size": block_size,
          "engine_block_size": engine_block_size}))
     return len(picked)
@@ -529,7 +534,7 @@ def markdown(result: dict[str, Any]) -> str:
     checks = "; ".join(
         f"{p['policy']}: counters {c[0]}, usage {c[1]}" for p in result["policies"]
         if (c := p["agreement"].get("counter_hits_vs_usage_sum")) is not None)
-    if result.get("concurrency", 1) == 1:
+    if str(result.get("concurrency", 1)) == "1":
         truth = ("\"engine\": the served engine's `vllm:prefix_cache_hits` delta for that "
                  "request (its usage `cached_tokens` agreed on "
                  + ", ".join(f"{p['agreement']['usage_equals_metrics']}/"
@@ -697,7 +702,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--engine-threads", type=int, default=1)
     ap.add_argument("--gossip-interval", default="0.1")
     ap.add_argument("--policies", default="cost,none")
-    ap.add_argument("--concurrency", type=int, default=1, help="requests in flight")
+    ap.add_argument("--concurrency", default="1",
+                    help="requests in flight; a list (4,16) runs every policy at each")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--capture", metavar="DIR", help="save raw event batches as fixtures")
     ap.add_argument("--capture-run", metavar="DIR",
@@ -717,21 +723,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"engines ready in {time.perf_counter() - t_start:.0f} s", flush=True)
         # both publishers, each in its own seq order, as the nodes see them (fixtures: #0)
         capture = Capture([f"tcp://127.0.0.1:{e.events_port}" for e in engines])
+        levels = [int(c) for c in str(args.concurrency).split(",")]
         try:
-            for policy in args.policies.split(","):
+            for level, policy in itertools.product(levels, args.policies.split(",")):
+                args.concurrency = level
                 t0 = time.perf_counter()
                 records, agreement = run_policy(policy, args, model_dir, out, engines, reqs)
                 classify_run(agreement, capture, args.block_size)
-                if args.capture_run and policy == args.policies.split(",")[0]:
-                    n = save_run_fixture(Path(args.capture_run), capture.timed[0], agreement,
+                name = policy if len(levels) == 1 else f"{policy}-c{args.concurrency}"
+                if args.capture_run:
+                    n = save_run_fixture(Path(args.capture_run) / f"run-{name}.msgpack",
+                                         capture.timed[0], agreement,
                                          _mesh_block(args.block_size), args.block_size)
                     print(f"captured {n} requests of a {args.concurrency}-in-flight run into "
                           f"{args.capture_run}", flush=True)
-                with open(out / f"records-{policy}.jsonl", "w", encoding="utf-8") as fh:
+                with open(out / f"records-{name}.jsonl", "w", encoding="utf-8") as fh:
                     for r in records:
                         fh.write(json.dumps(r.to_json()) + "\n")
                 summary = summarize(records)
-                policies.append({"policy": policy, "summary": summary,
+                policies.append({"policy": name, "summary": summary,
                                  "agreement": agreement.to_json()})
                 print(f"{policy}: {len(records)} requests in {time.perf_counter() - t0:.0f} s; "
                       f"predicted==actual {agreement.equal}/{agreement.requests}; "
@@ -753,7 +763,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = {"vllm_version": version, "date": time.strftime("%Y-%m-%d"),
               "model": "hidden 256, 4 layers, fp32", "block_size": args.block_size,
               "num_blocks": args.num_blocks, "requests": len(reqs), "groups": args.groups,
-              "concurrency": args.concurrency,
+              "concurrency": ",".join(map(str, levels)),
               "prompt_tokens_mean": mean_tokens, "policies": policies,
               "command": " ".join(["python -m radixmesh.bench.vllm_check", *(argv or
                                                                               sys.argv[1:])])}

@@ -10,6 +10,12 @@ Three ways to learn the engine is gone, whichever comes first::
                                    stopped one (SIGSTOP) times out
     a request found it unreachable NodeService.engine_failed (EngineUnavailable) at once
 
+A fourth verdict is a refusal: an engine whose KV events carry another block size than the
+node was configured with (``--engine-block-size``; restarted with another ``--block-size``)
+sets the index's ``config_error``; the node then counts the engine down with that error as
+the reason (``/mesh`` ``engine_health.reason``, the log) until the engine goes away (a failed
+probe clears the error: a restarted engine is judged afresh).
+
 ``down`` → :meth:`NodeService.engine_state` (``up=False``): the node drops its cache index
 (what the engine held is gone, or will be when it comes back: a restarted engine starts
 empty) so its gossip stops advertising it, and the core takes no new work here
@@ -100,6 +106,12 @@ class EngineHealth:
                 ok, why = resp.status == 200, f"/health answered {resp.status}"
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             why = f"/health: {type(exc).__name__}"
+        index = getattr(self.service.engine, "index", None)
+        refused = getattr(index, "config_error", None)
+        if ok and refused:
+            self._good = 0
+            self.mark(False, f"refused: {refused}")
+            return
         if ok:
             self._good += 1
             if self._good >= UP_AFTER:
@@ -107,6 +119,8 @@ class EngineHealth:
             return
         self.counts["probe_failures"] += 1
         self._good = 0
+        if refused:  # the refused engine is gone: the next one is judged afresh
+            index.config_error = None
         self.mark(False, why)
 
     def _check_child(self) -> None:
