@@ -28,7 +28,8 @@ The prefix-cache view is one of two:
   this node sent, LRU under ``cache_tokens``: it guesses what the engine kept.
 
 ``cached_tokens`` of a result is the engine's own figure when it reports one
-(``usage.prompt_tokens_details.cached_tokens`` / SGLang's ``meta_info.cached_tokens``), else
+(``usage.prompt_tokens_details.cached_tokens`` / SGLang's ``meta_info.cached_tokens`` /
+llama.cpp's ``timings.cache_n``), else
 the view's match when the request was sent. ``waiting`` counts requests sent with no token
 back yet, ``running`` those streaming; a result's ``queue_s`` is 0 (the engine's queue is not
 visible), ``prefill_s`` is the time to the first token.
@@ -353,6 +354,7 @@ def _completion_tokens(chunk: dict[str, Any], progress: _Progress,
                        tokenizer: Tokenizer) -> list[int]:
     """``/v1/completions`` chunk: token ids from ``token_id:N`` logprob tokens, else the text."""
     _usage(chunk.get("usage"), progress)
+    _timings(chunk.get("timings"), progress)
     choices = chunk.get("choices") or []
     if not choices:
         return []
@@ -372,6 +374,14 @@ def _usage(usage: Any, progress: _Progress) -> None:
     details = usage.get("prompt_tokens_details")
     if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
         progress.cached = details["cached_tokens"]
+
+
+def _timings(timings: Any, progress: _Progress) -> None:
+    """llama.cpp's server: ``timings.cache_n``, the prompt tokens it reused from its cache
+    (when the usage says nothing of them)."""
+    if progress.cached is None and isinstance(timings, dict) and isinstance(
+            timings.get("cache_n"), int):
+        progress.cached = timings["cache_n"]
 
 
 def _sglang_tokens(chunk: dict[str, Any], progress: _Progress) -> list[int]:
