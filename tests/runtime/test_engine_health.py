@@ -9,11 +9,16 @@ import asyncio
 from typing import TYPE_CHECKING
 
 import aiohttp
+import uvicorn
+from tests.runtime.test_external_mesh import LIMIT_S, PREFIX, complete, node, subscribed
 
 from radixmesh.emulate.fake import FakeEngine
+from radixmesh.engine.tokenizers import ByteTokenizer
+from radixmesh.runtime.app import create_app, node_server
 from radixmesh.runtime.cluster import free_port
+from radixmesh.runtime.config import ServeConfig
 from radixmesh.runtime.node import NodeService
-from tests.runtime.test_external_mesh import LIMIT_S, PREFIX, complete, node, subscribed
+from radixmesh.runtime.serve_cli import build_external_service
 
 if TYPE_CHECKING:
     from conftest import Poll
@@ -110,3 +115,34 @@ def test_a_stalled_engine_is_left_alone_until_it_answers_again(poll: Poll) -> No
                                LIMIT_S)
 
     asyncio.run(mesh_of_two(poll, scenario))
+
+
+def test_an_engine_with_another_block_size_is_refused_with_the_reason(poll: Poll) -> None:
+    """Told 32-token engine blocks, the node gets 16: the engine counts as down, the error as
+    the reason, until it goes away."""
+    async def scenario() -> None:
+        fake = FakeEngine(cache_tokens=4096, block_size=16)
+        await fake.start()
+        port = free_port()
+        cfg = ServeConfig(node_id="solo", port=port, engine="vllm", policy="paper",
+                          engine_url=fake.url, kv_events=fake.kv_endpoint,
+                          kv_replay=fake.replay_endpoint, model=fake.model,
+                          cache_tokens=4096, engine_block_size=32)
+        service = build_external_service(cfg, tokenizer=ByteTokenizer())
+        server = node_server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port,
+                                            log_level="warning", lifespan="on"), service)
+        task = asyncio.create_task(server.serve())
+        try:
+            await poll.until_async(lambda: server.started, "the node to start", LIMIT_S)
+            await subscribed(poll, service, fake)
+            async with aiohttp.ClientSession() as http:
+                await complete(http, port, PREFIX + "sixteen-token blocks")
+            await poll.until_async(lambda: health(service)["up"] is False, "the refusal",
+                                   LIMIT_S)
+            assert "16 tokens, configured 32" in str(health(service)["reason"])
+        finally:
+            server.should_exit = True
+            await asyncio.wait_for(task, LIMIT_S)
+            await fake.stop()
+
+    asyncio.run(scenario())
