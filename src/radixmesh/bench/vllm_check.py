@@ -653,10 +653,13 @@ def prompt_ids(model_dir: Path) -> Callable[[Request], list[int]]:
     return ids
 
 
-def classify_run(agreement: Agreement, capture: Capture, block_size: int) -> None:
-    """Every mismatch of one policy's run classified against the engines' own streams."""
+def classify_run(agreement: Agreement, capture: Capture, block_size: int, since: float) -> None:
+    """Every mismatch of one policy's run classified against the engines' own streams, from
+    ``since`` on (the caches' reset before the run: its nodes start with empty indexes, and a
+    reset need not publish AllBlocksCleared, so earlier batches would haunt the replay)."""
     mesh = _mesh_block(block_size)
-    streams = [stream_of(list(t), mesh, block_size) for t in capture.timed]
+    streams = [stream_of([f for f in t if f[0] >= since], mesh, block_size)
+               for t in capture.timed]
     tally = classify_all(streams, agreement.seen)
     agreement.verdicts = [v.kind for v in tally.verdicts]
     agreement.mismatch = tally.to_json() | {
@@ -729,11 +732,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.concurrency = level
                 t0 = time.perf_counter()
                 records, agreement = run_policy(policy, args, model_dir, out, engines, reqs)
-                classify_run(agreement, capture, args.block_size)
+                classify_run(agreement, capture, args.block_size, since=t0)
                 name = policy if len(levels) == 1 else f"{policy}-c{args.concurrency}"
                 if args.capture_run:
                     n = save_run_fixture(Path(args.capture_run) / f"run-{name}.msgpack",
-                                         capture.timed[0], agreement,
+                                         [f for f in capture.timed[0] if f[0] >= t0], agreement,
                                          _mesh_block(args.block_size), args.block_size)
                     print(f"captured {n} requests of a {args.concurrency}-in-flight run into "
                           f"{args.capture_run}", flush=True)
