@@ -9,12 +9,15 @@ node ``n1``) takes one fault after the other, each while the load runs::
 
     kill      SIGKILL of its process group, restarted on the same ports
     stop      SIGSTOP for --hold seconds, then SIGCONT
-    seed      restarted with PYTHONHASHSEED and --prefix-caching-hash-algo changed: other
+    seed      restarted with PYTHONHASHSEED and --prefix-caching-hash-algo sha256_cbor: other
               engine hashes for the same tokens (the node's index keys on tokens: rebuilt)
     blocksize restarted with --block-size 64 (the node was told 128): refused with the
               error as the reason, then restarted as it was
 
-Per fault: client requests that failed, split by whether a token had already reached the
+The load's client waits out a 429 (``Retry-After``, at most 5 s, 5 times) as the OpenAI SDK
+does: with one engine gone the mesh has half its capacity, and its admission control sheds
+load with 429s rather than queue without bound. Per fault: client requests that failed
+(after those retries), split by whether a token had already reached the
 client (those may end with an error event: they were streaming from the dead engine) or not
 (target 0: retried on the peer); ``detect_s`` from the fault to ``n1``'s ``/mesh`` saying the
 engine is down (polled every 50 ms); ``back_s`` from the engine answering again to ``n1``
@@ -54,6 +57,8 @@ from radixmesh.workload.request import Request
 
 FAULTS = ("kill", "stop", "seed", "blocksize")
 POLL_S = 0.05
+MAX_RETRIES = 5  # a client's retries of a 429, each after min(Retry-After, MAX_WAIT_S)
+MAX_WAIT_S = 5.0
 
 
 @dataclass(slots=True)
@@ -67,6 +72,7 @@ class Sent:
     error: str | None = None
     predicted: int | None = None  # x-radixmesh-cached-tokens
     cached: int | None = None  # the engine's usage cached_tokens
+    retries: int = 0  # 429s answered by waiting Retry-After (as the OpenAI SDK does)
 
 
 @dataclass(slots=True)
@@ -103,20 +109,35 @@ class Load:
             await asyncio.gather(*(worker() for _ in range(self.concurrency)))
 
     async def _one(self, http: httpx.AsyncClient, url: str, req: Request) -> None:
-        path, body = request_body(req, "tiny", stream=True)
         s = Sent(time.monotonic())
         self.sent.append(s)
+        while True:
+            wait = await self._try(http, url, req, s)
+            if wait is None or s.retries >= MAX_RETRIES or self._stop.is_set():
+                break
+            s.retries += 1
+            s.error = None
+            await asyncio.sleep(wait)
+        s.t_end = time.monotonic()
+
+    async def _try(self, http: httpx.AsyncClient, url: str, req: Request, s: Sent
+                   ) -> float | None:
+        """One attempt; the seconds to wait before the next one after a 429 (else None)."""
+        path, body = request_body(req, "tiny", stream=True)
         try:
             async with http.stream("POST", url + path, json=body) as resp:
                 s.served_by = resp.headers.get(HEADER_SERVED_BY)
                 s.predicted = int(resp.headers.get(HEADER_CACHED, "0") or 0)
                 if resp.status_code != 200:
                     s.error = f"HTTP {resp.status_code}"
+                    if resp.status_code == 429:
+                        retry = float(resp.headers.get("retry-after", "1") or 1)
+                        return min(max(retry, 0.1), MAX_WAIT_S)
                 async for line in resp.aiter_lines():
                     _chunk(line, s)
         except (httpx.HTTPError, ValueError) as exc:
             s.error = s.error or type(exc).__name__
-        s.t_end = time.monotonic()
+        return None
 
 
 def _chunk(line: str, s: Sent) -> None:
@@ -188,7 +209,7 @@ def run_fault(name: str, cluster: LocalCluster, engines: Sequence[VllmServer], l
     elif name in ("kill", "blocksize"):
         t_up = _restart(eng, block_size=args.block_size)
     else:
-        t_up = _restart(eng, {"PYTHONHASHSEED": "12345"}, hash_algo="xxhash")
+        t_up = _restart(eng, {"PYTHONHASHSEED": "12345"}, hash_algo="sha256_cbor")
     out["back_s"] = _wait(lambda: _health(cluster, 1).get("up") is True, 120)
     out["routed_s"] = _wait(lambda: any(s.served_by == cluster.node_ids[1]
                                         for s in load.since(t_up)), 120)
@@ -204,6 +225,7 @@ def _tally(sent: Sequence[Sent], node: str) -> dict[str, Any]:
     return {"requests": len(sent), "failed_before_a_token": sum(not s.tokens for s in failed),
             "failed_while_streaming": sum(bool(s.tokens) for s in failed),
             "errors": sorted({s.error or "" for s in failed})[:5],
+            "retried_429": sum(s.retries for s in sent),
             "served_by_engine_node": len(mine),
             "index_equals_engine": sum(s.predicted == s.cached for s in mine)}
 
