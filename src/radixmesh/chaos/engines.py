@@ -177,7 +177,9 @@ def _restart(engine: VllmServer, extra_env: dict[str, str] | None = None,
     """Stop ``engine`` if it runs, start it again (other settings if given); its start time."""
     engine.stop()
     engine.extra_env = extra_env or {}
-    engine.block_size = block_size or engine.block_size
+    if block_size:  # the same KV tokens (vLLM refuses a cache shorter than --max-model-len)
+        engine.num_blocks = engine.num_blocks * engine.block_size // block_size
+        engine.block_size = block_size
     engine.extra_args = ("--prefix-caching-hash-algo", hash_algo) if hash_algo else ()
     engine.start()
     engine.wait_ready(time.monotonic() + READY_TIMEOUT_S)
