@@ -32,7 +32,10 @@ to ``OUT/records-<policy>.jsonl``. Every process it starts is stopped on exit (p
 groups; the nodes die with this process too).
 
 Why one file over 400 lines: it is one script outside CI, read top to bottom (model dir,
-engines, nodes, replay, per-request index check, report); its parts serve nothing else.
+engines, nodes, replay, per-request index check, report); ``chaos/engines.py`` and
+``bench/llamacpp_check.py`` reuse its engine and workload parts. ``--concurrency 4,16`` runs
+every policy at each level on the same engines; every mismatch at concurrency is classified
+(``bench/mismatch.py``) from the engines' own KV events, which the bench subscribes to itself.
 """
 
 from __future__ import annotations
@@ -433,8 +436,7 @@ async def replay_run(policy: str, urls: Sequence[str], node_ids: Sequence[str],
             before = [e.counters() for e in engines] if concurrency == 1 else []
             rec = Record(run="vllm-check", policy=policy, seq=seq, id=req.id, group=req.group,
                          entry=entry, entry_node=node_ids[entry], t_send=time.perf_counter() - t0)
-            marks: dict[str, float] = {}
-            usage = await send_stream(http, urls[entry], req, rec, t0, marks)
+            usage = await send_stream(http, urls[entry], req, rec, t0, marks := {})
             records.append(rec)
             if not rec.ok:
                 continue
@@ -544,16 +546,19 @@ def markdown(result: dict[str, Any]) -> str:
         truth = ("\"engine\": the served engine's usage `prompt_tokens_details.cached_tokens` "
                  "for that request (with requests overlapping, the counters are checked in "
                  "total only)")
-    lines += [f"- {p['policy']}: mismatches classified {c['counts']} (events seen per engine "
-              f"{c['events']}, seq gaps {c['seq_gaps']})"
-              for p in result["policies"] if (c := p["agreement"].get("classified"))]
-    lines += ["", truth + f"; run totals of cached tokens ({checks}). "
+    lines += [*_classified_lines(result), "", truth + f"; run totals of cached tokens ({checks}). "
               "\"index\": the serving node's KV-event index match when it "
               "accepted the request (`x-radixmesh-cached-tokens` of a stream). \"router\": the "
               "estimate the entry node routed on (`x-radixmesh-expected-cached-tokens`; "
               "`none` claims 0 by design). Hit rate: engine-cached / prompt tokens. "
               "Latency: whole stream, client side."]
     return "\n".join(lines) + "\n"
+
+
+def _classified_lines(result: dict[str, Any]) -> list[str]:
+    return [f"- {p['policy']}: mismatches {c['counts']} (events {c['events']}, seq gaps "
+            f"{c['seq_gaps']})" for p in result["policies"]
+            if (c := p["agreement"].get("classified"))]
 
 
 def _int(value: str | None) -> int | None:
@@ -692,7 +697,7 @@ def _wait_subscribed(cluster: Any, timeout: float = 30.0) -> None:
     raise RuntimeError("the nodes' KV-event subscribers did not connect")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m radixmesh.bench.vllm_check",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
@@ -710,9 +715,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--capture", metavar="DIR", help="save raw event batches as fixtures")
     ap.add_argument("--capture-run", metavar="DIR",
-                    help="save engine 0's timed batches and requests of the first policy "
-                    "with their verdicts (the mismatch classifier's fixture)")
-    args = ap.parse_args(argv)
+                    help="save engine 0's timed batches and requests of each run with their "
+                    "verdicts (the mismatch classifier's fixtures)")
+    return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model_dir = save_model_dir(out / "model", args.seed)
@@ -720,61 +729,72 @@ def main(argv: Sequence[str] | None = None) -> int:
     version = vllm_version(args.vllm_python)
     print(f"vllm {version}; {len(reqs)} requests; starting 2 engines (logs in {out})",
           flush=True)
-    policies: list[dict[str, Any]] = []
+    levels = [int(c) for c in str(args.concurrency).split(",")]
     t_start = time.perf_counter()
     with engines_running(args, model_dir, out) as engines:
         print(f"engines ready in {time.perf_counter() - t_start:.0f} s", flush=True)
         # both publishers, each in its own seq order, as the nodes see them (fixtures: #0)
         capture = Capture([f"tcp://127.0.0.1:{e.events_port}" for e in engines])
-        levels = [int(c) for c in str(args.concurrency).split(",")]
         try:
-            for level, policy in itertools.product(levels, args.policies.split(",")):
-                args.concurrency = level
-                t0 = time.perf_counter()
-                records, agreement = run_policy(policy, args, model_dir, out, engines, reqs)
-                classify_run(agreement, capture, args.block_size, since=t0)
-                name = policy if len(levels) == 1 else f"{policy}-c{args.concurrency}"
-                if args.capture_run:
-                    n = save_run_fixture(Path(args.capture_run) / f"run-{name}.msgpack",
-                                         [f for f in capture.timed[0] if f[0] >= t0], agreement,
-                                         _mesh_block(args.block_size), args.block_size)
-                    print(f"captured {n} requests of a {args.concurrency}-in-flight run into "
-                          f"{args.capture_run}", flush=True)
-                with open(out / f"records-{name}.jsonl", "w", encoding="utf-8") as fh:
-                    for r in records:
-                        fh.write(json.dumps(r.to_json()) + "\n")
-                summary = summarize(records)
-                policies.append({"policy": name, "summary": summary,
-                                 "agreement": agreement.to_json()})
-                print(f"{policy}: {len(records)} requests in {time.perf_counter() - t0:.0f} s; "
-                      f"predicted==actual {agreement.equal}/{agreement.requests}; "
-                      f"hit rate {_pct(summary['actual_hit_rate'])}; "
-                      f"mean {_ms(summary['mean_latency_s'])}, "
-                      f"p99 {_ms(summary['p99_latency_s'])}", flush=True)
+            policies = [run_one(level, policy, args, model_dir, out, engines, reqs, capture,
+                                len(levels) > 1)
+                        for level, policy in itertools.product(levels,
+                                                               args.policies.split(","))]
             if args.capture:
-                replay = capture.replay(f"tcp://127.0.0.1:{engines[0].replay_port}")
-                live = pick_fixture_frames(capture.frames)
-                save_fixtures(Path(args.capture), live, replay[:2] + replay[-1:],
-                              {"vllm": version, "block_size": args.block_size,
-                               "captured": time.strftime("%Y-%m-%d"),
-                               "live_messages_seen": len(capture.frames)})
-                print(f"captured {len(live)} live + {min(len(replay), 3)} replay messages "
-                      f"into {args.capture}", flush=True)
+                _save_capture(args, capture, engines, version)
         finally:
             capture.close()
-    mean_tokens = summarize_prompt_mean(policies)
     result = {"vllm_version": version, "date": time.strftime("%Y-%m-%d"),
               "model": "hidden 256, 4 layers, fp32", "block_size": args.block_size,
               "num_blocks": args.num_blocks, "requests": len(reqs), "groups": args.groups,
               "concurrency": ",".join(map(str, levels)),
-              "prompt_tokens_mean": mean_tokens, "policies": policies,
-              "command": " ".join(["python -m radixmesh.bench.vllm_check", *(argv or
-                                                                              sys.argv[1:])])}
+              "prompt_tokens_mean": summarize_prompt_mean(policies), "policies": policies,
+              "command": " ".join(["python -m radixmesh.bench.vllm_check",
+                                   *(argv or sys.argv[1:])])}
     (out / "vllm_check.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
     text = markdown(result)
     (out / "vllm_check.md").write_text(text, encoding="utf-8")
     print(text)
     return 0
+
+
+def run_one(level: int, policy: str, args: argparse.Namespace, model_dir: Path, out: Path,
+            engines: Sequence[VllmServer], reqs: Sequence[Request], capture: Capture,
+            several: bool) -> dict[str, Any]:
+    """One policy at one concurrency: records, agreement, classified mismatches."""
+    args.concurrency = level
+    t0 = time.perf_counter()
+    records, agreement = run_policy(policy, args, model_dir, out, engines, reqs)
+    classify_run(agreement, capture, args.block_size, since=t0)
+    name = f"{policy}-c{level}" if several else policy
+    if args.capture_run:
+        n = save_run_fixture(Path(args.capture_run) / f"run-{name}.msgpack",
+                             [f for f in capture.timed[0] if f[0] >= t0], agreement,
+                             _mesh_block(args.block_size), args.block_size)
+        print(f"captured {n} requests of a {level}-in-flight run into {args.capture_run}",
+              flush=True)
+    with open(out / f"records-{name}.jsonl", "w", encoding="utf-8") as fh:
+        for r in records:
+            fh.write(json.dumps(r.to_json()) + "\n")
+    summary = summarize(records)
+    print(f"{name}: {len(records)} requests in {time.perf_counter() - t0:.0f} s; "
+          f"predicted==actual {agreement.equal}/{agreement.requests}; "
+          f"hit rate {_pct(summary['actual_hit_rate'])}; "
+          f"mean {_ms(summary['mean_latency_s'])}, p99 {_ms(summary['p99_latency_s'])}",
+          flush=True)
+    return {"policy": name, "summary": summary, "agreement": agreement.to_json()}
+
+
+def _save_capture(args: argparse.Namespace, capture: Capture, engines: Sequence[VllmServer],
+                  version: str) -> None:
+    replay = capture.replay(f"tcp://127.0.0.1:{engines[0].replay_port}")
+    live = pick_fixture_frames(capture.frames)
+    save_fixtures(Path(args.capture), live, replay[:2] + replay[-1:],
+                  {"vllm": version, "block_size": args.block_size,
+                   "captured": time.strftime("%Y-%m-%d"),
+                   "live_messages_seen": len(capture.frames)})
+    print(f"captured {len(live)} live + {min(len(replay), 3)} replay messages into "
+          f"{args.capture}", flush=True)
 
 
 def summarize_prompt_mean(policies: Sequence[dict[str, Any]]) -> float:
