@@ -101,12 +101,19 @@ def test_a_request_whose_engine_dies_before_its_first_token_goes_on_at_the_peer(
     asyncio.run(mesh_of_two(poll, scenario))
 
 
-def test_a_stalled_engine_is_left_alone_until_it_answers_again(poll: Poll) -> None:
+def test_a_stalled_engine_keeps_its_index_and_is_left_alone_until_it_answers(
+        poll: Poll) -> None:
     async def scenario(http: aiohttp.ClientSession, n1: NodeService, n2: NodeService,
                        p1: int, p2: int, engines: list[FakeEngine]) -> None:
+        await subscribed(poll, n2, engines[1])
+        await complete(http, p2, PREFIX + "warm node 2 before the stall")
+        await poll.until_async(lambda: len(n2.engine.cache_hashes()) > 0, "node 2's index",
+                               LIMIT_S)
+        held = len(n2.engine.cache_hashes())
         engines[1].faults.stalled = True  # SIGSTOP
         await poll.until_async(lambda: health(n2)["up"] is False, "the probe to time out",
                                LIMIT_S)
+        assert len(n2.engine.cache_hashes()) == held  # stalled, not gone: the index stays
         status, headers, body = await complete(http, p2, "sent while engine 2 is stopped")
         assert status == 200, body
         assert headers["x-radixmesh-served-by"] == "node-1"

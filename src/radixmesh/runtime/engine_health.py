@@ -16,14 +16,17 @@ sets the index's ``config_error``; the node then counts the engine down with tha
 the reason (``/mesh`` ``engine_health.reason``, the log) until the engine goes away (a failed
 probe clears the error: a restarted engine is judged afresh).
 
-``down`` → :meth:`NodeService.engine_state` (``up=False``): the node drops its cache index
-(what the engine held is gone, or will be when it comes back: a restarted engine starts
-empty) so its gossip stops advertising it, and the core takes no new work here
+``down`` → :meth:`NodeService.engine_state` (``up=False``): when the engine is gone (exited,
+connection refused, refused for its block size) the node drops its cache index so its gossip
+stops advertising it; when it only does not answer in time (stopped, or starved on a loaded
+machine: vLLM's ``/health`` once took over 1 s here) the index stays, since the cache is
+still there and a restart would reset the index anyway (the subscriber's tracker reads the
+new seq stream as a restart). Either way the core takes no new work here
 (``EngineStateChanged``: own clients' requests go to peers, forwards refused, push-back).
 ``up`` needs ``UP_AFTER`` consecutive good probes (a SIGCONT'd engine answers at once, but a
 restarting one may answer ``/health`` before it serves); then the node takes work again with
-an index refilled from the engine's events (a restarted engine republishes from seq 0: the
-subscriber's tracker reads that as a restart and starts over). With ``--launch`` the node
+the index it kept, or one refilled from a restarted engine's events (its seq starts at 0
+again: the subscriber's tracker reads a restart and starts over). With ``--launch`` the node
 does not restart a dead child; an engine restarted at the same URL is taken back.
 """
 
@@ -76,14 +79,15 @@ class EngineHealth:
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
 
-    def mark(self, up: bool, reason: str) -> None:
-        """Record a verdict (from a probe, the child, or a failed request)."""
+    def mark(self, up: bool, reason: str, gone: bool = True) -> None:
+        """Record a verdict (from a probe, the child, or a failed request); ``gone``: the
+        engine's cache is gone with it (exited, refused the connection), not just slow."""
         if up == self.up:
             return
         self.up, self.reason, self.since = up, reason, time.time()
         self.counts["ups" if up else "downs"] += 1
         log.warning("engine %s: %s", "back" if up else "down", reason)
-        self.service.engine_state(up, reason)
+        self.service.engine_state(up, reason, forget=gone and not up)
 
     async def _run(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self.probe_timeout_s)
@@ -101,11 +105,14 @@ class EngineHealth:
     async def _probe(self, http: aiohttp.ClientSession) -> None:
         self.counts["probes"] += 1
         ok, why = False, ""
+        gone = False
         try:
             async with http.get(self.url) as resp:
                 ok, why = resp.status == 200, f"/health answered {resp.status}"
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             why = f"/health: {type(exc).__name__}"
+            gone = isinstance(exc, aiohttp.ClientConnectionError | OSError) and not isinstance(
+                exc, TimeoutError | aiohttp.ServerTimeoutError)
         index = getattr(self.service.engine, "index", None)
         refused = getattr(index, "config_error", None)
         if ok and refused:
@@ -121,7 +128,7 @@ class EngineHealth:
         self._good = 0
         if refused:  # the refused engine is gone: the next one is judged afresh
             index.config_error = None
-        self.mark(False, why)
+        self.mark(False, why, gone)
 
     def _check_child(self) -> None:
         """The launched child's exit is a verdict once (an engine restarted at the same URL

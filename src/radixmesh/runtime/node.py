@@ -439,14 +439,14 @@ class NodeService:
         self.push_cache_and_load()
 
     # ------------------------------------------------------------------- engine health
-    def engine_state(self, up: bool, reason: str) -> None:
-        """The engine went down or came back (``runtime/engine_health.py``): its cache index
-        is dropped either way (gone; or refilled from a restarted engine's own events) and
-        the core told (no new work here while down)."""
-        forget = getattr(self.engine, "forget_cache", None)
-        if forget is not None:
-            forget()
-        self.push_cache_and_load()
+    def engine_state(self, up: bool, reason: str, forget: bool = False) -> None:
+        """The engine went down or came back (``runtime/engine_health.py``): the core is told
+        (no new work here while down); ``forget``: its cache went with it, drop the index
+        (gossip withdraws it)."""
+        drop = getattr(self.engine, "forget_cache", None)
+        if forget and drop is not None:
+            drop()
+            self.push_cache_and_load()
         self.dispatch(EngineStateChanged(up, reason))
 
     def engine_failed(self, reason: str) -> bool:
@@ -455,7 +455,7 @@ class NodeService:
         health = next((a for a in self.attachments if a.name == "engine_health"), None)
         if health is None:
             return False
-        health.mark(False, reason)
+        health.mark(False, reason, gone="Timeout" not in reason)  # slow is not gone
         return True
 
     async def retry_elsewhere(self, ctx: RequestContext) -> Execution:
