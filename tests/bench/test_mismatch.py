@@ -91,9 +91,9 @@ def test_an_exact_index_never_makes_an_index_error(ops: list[tuple[bool, int]], 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in FIXTURE.glob("run-*.msgpack")))
 def test_captured_vllm_batches_classify_as_the_real_run_did(name: str) -> None:
-    """Batches of one real vLLM 0.32 engine at 4 in flight with the requests it served
-    (``make vllm-check`` with ``--concurrency 4 --capture-run DIR``): the verdicts are the
-    run's, timing mismatches among them and no index error."""
+    """Batches of one real vLLM 0.32 engine at 4 or 16 in flight with the requests it served
+    (``make vllm-concurrency``: ``--capture-run DIR``): the verdicts are the run's, timing
+    mismatches among them."""
     doc = msgpack.unpackb((FIXTURE / name).read_bytes(), raw=False)
     assert any(r["class"] in ("evicted", "inserted", "lagged") for r in doc["requests"])
     s = stream_of([(t, f) for t, f in doc["frames"]], doc["block_size"],
