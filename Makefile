@@ -70,7 +70,8 @@ llamacpp-check: $(STAMP) $(LLAMACPP_VENV)/.installed
 		--llama-server $(LLAMACPP_VENV)/bin/llama-server \
 		--gguf-python $(LLAMACPP_VENV)/bin/python --out runs/llamacpp-check $(LLAMACPP_CHECK_ARGS)
 
-# SGLang's CPU build, tried in its own venv (docs/reliability.md says how far it got here).
+# SGLang from PyPI in its own venv: it installs, but its kernels are CUDA-only (launch fails on
+# a CPU-only machine: libcuda.so.1; docs/reliability.md). Its CPU build needs Intel AMX.
 SGLANG_VENV := .venv-sglang
 $(SGLANG_VENV)/.installed:
 	$(PY) -m venv $(SGLANG_VENV)
