@@ -113,7 +113,7 @@ def test_a_stalled_engine_keeps_its_index_and_is_left_alone_until_it_answers(
         engines[1].faults.stalled = True  # SIGSTOP
         await poll.until_async(lambda: health(n2)["up"] is False, "the probe to time out",
                                LIMIT_S)
-        assert len(n2.engine.cache_hashes()) == held  # stalled, not gone: the index stays
+        assert len(n2.engine.cache_hashes()) >= held > 0  # stalled, not gone: the index stays
         status, headers, body = await complete(http, p2, "sent while engine 2 is stopped")
         assert status == 200, body
         assert headers["x-radixmesh-served-by"] == "node-1"
