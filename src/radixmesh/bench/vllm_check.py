@@ -32,7 +32,10 @@ to ``OUT/records-<policy>.jsonl``. Every process it starts is stopped on exit (p
 groups; the nodes die with this process too).
 
 Why one file over 400 lines: it is one script outside CI, read top to bottom (model dir,
-engines, nodes, replay, per-request index check, report); its parts serve nothing else.
+engines, nodes, replay, per-request index check, report); ``chaos/engines.py`` and
+``bench/llamacpp_check.py`` reuse its engine and workload parts. ``--concurrency 4,16`` runs
+every policy at each level on the same engines; every mismatch at concurrency is classified
+(``bench/mismatch.py``) from the engines' own KV events, which the bench subscribes to itself.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -48,7 +52,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +60,7 @@ from typing import Any
 import httpx
 
 from radixmesh.bench.client import request_body
+from radixmesh.bench.mismatch import Seen, classify_all, stream_of
 from radixmesh.core.headers import HEADER_CACHED, HEADER_EXPECTED, HEADER_ROUTE, HEADER_SERVED_BY
 from radixmesh.results.records import Record
 from radixmesh.results.summary import summarize
@@ -110,6 +115,20 @@ class Agreement:
     misses: list[dict[str, Any]] = field(default_factory=list)
     usage_sum: int = 0  # the engines' usage cached_tokens, summed
     counter_check: tuple[int, int] | None = None  # (counters' hit delta, usage_sum) of a run
+    prompts: Any = None  # request -> prompt token ids (set by the caller: the tokenizer)
+    seen: list[tuple[int, Seen]] = field(default_factory=list)  # (engine, request) to classify
+    mismatch: dict[str, Any] | None = None  # bench/mismatch.py's tally, once classified
+    verdicts: list[str] = field(default_factory=list)  # per entry of ``seen``
+
+    def note_seen(self, rec: Record, req: Request, marks: dict[str, float], actual: int,
+                  node_engine: dict[str, int]) -> None:
+        idx = node_engine.get(rec.served_by or "")
+        if self.prompts is None or idx is None or "headers" not in marks:
+            return
+        end = marks["sent"] + rec.latency_s
+        self.seen.append((idx, Seen(rec.id, tuple(self.prompts(req)), rec.cached_tokens or 0,
+                                    actual, marks["sent"], marks["headers"],
+                                    marks.get("first", end))))
 
     def add(self, rec: Record, seen: Observed) -> None:
         self.requests += 1
@@ -136,7 +155,7 @@ class Agreement:
                 "counter_hits_vs_usage_sum": self.counter_check,
                 "by_route": {k: {"requests": v[0], "equal": v[1]}
                              for k, v in sorted(self.by_route.items())},
-                "first_mismatches": self.misses}
+                "first_mismatches": self.misses, "classified": self.mismatch}
 
 
 # ---------------------------------------------------------------------------- processes
@@ -169,6 +188,8 @@ class VllmServer:
     log_path: Path
     threads: int = 1
     max_model_len: int = 4096
+    extra_args: tuple[str, ...] = ()  # chaos/engines.py restarts it with other settings
+    extra_env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -183,12 +204,14 @@ class VllmServer:
                 "--block-size", str(self.block_size),
                 "--num-gpu-blocks-override", str(self.num_blocks),
                 "--enable-prompt-tokens-details",
-                "--kv-events-config", kv_events_config(self.events_port, self.replay_port)]
+                "--kv-events-config", kv_events_config(self.events_port, self.replay_port),
+                *self.extra_args]
 
     def start(self) -> None:
         env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
                    OMP_NUM_THREADS=str(self.threads), VLLM_SERVER_DEV_MODE="1",
-                   PYTHONUNBUFFERED="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1")
+                   PYTHONUNBUFFERED="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1",
+                   **self.extra_env)
         with open(self.log_path, "ab") as log:
             log.write(f"--- {' '.join(self.argv())}\n".encode())
             log.flush()
@@ -247,7 +270,8 @@ class Capture:
 
         self._zmq = zmq
         self._ctx = zmq.Context()
-        self.frames: list[list[bytes]] = []
+        # per publisher: (arrival on the perf_counter clock, [topic, seq, payload])
+        self.timed: list[list[tuple[float, list[bytes]]]] = [[] for _ in endpoints]
         self._stop = threading.Event()
         self._socks = []
         for ep in endpoints:
@@ -263,9 +287,16 @@ class Capture:
         poller = self._zmq.Poller()
         for s in self._socks:
             poller.register(s, self._zmq.POLLIN)
+        which = {id(s): i for i, s in enumerate(self._socks)}
         while not self._stop.is_set():
             for sock, _ in poller.poll(200):
-                self.frames.append(list(sock.recv_multipart()))
+                frames = list(sock.recv_multipart())
+                self.timed[which[id(sock)]].append((time.perf_counter(), frames))
+
+    @property
+    def frames(self) -> list[list[bytes]]:
+        """The first publisher's messages, in arrival order (the fixtures' source)."""
+        return [f for _, f in self.timed[0]]
 
     def replay(self, endpoint: str, start_seq: int = 0) -> list[list[bytes]]:
         """One replay answer (DEALER): every buffered batch from ``start_seq``, end marker."""
@@ -317,6 +348,44 @@ def pick_fixture_frames(frames: Sequence[list[bytes]], max_bytes: int = 256 * 10
     return chosen
 
 
+def save_run_fixture(path: Path, timed: Sequence[tuple[float, list[bytes]]],
+                     agreement: Agreement, block_size: int, engine_block_size: int,
+                     max_bytes: int = 384 * 1024) -> int:
+    """Engine 0's batches from the start of a concurrent run up to its first requests that
+    include 3 classified mismatches (at most 24 requests, ``max_bytes`` of batches), with
+    those requests and their verdicts (a match re-judged with the replay: it must agree with
+    its stream too): the classifier's test fixture at ``path``."""
+    import msgpack
+
+    picked: list[dict[str, Any]] = []
+    for (idx, s), kind in zip(agreement.seen, agreement.verdicts, strict=True):
+        if idx != 0:
+            continue
+        picked.append({"id": s.id, "prompt": list(s.prompt), "predicted": s.predicted,
+                       "actual": s.actual, "t_sent": s.t_sent, "t_headers": s.t_headers,
+                       "t_first": s.t_first, "class": kind})
+        if sum(p["class"] != "match" for p in picked) >= 3 or len(picked) >= 24:
+            break
+    end = max((p["t_first"] for p in picked), default=0.0) + 1.0
+    frames: list[list[Any]] = []
+    size, cut = 0, False
+    for t, f in timed:
+        if t > end:
+            break
+        if size > max_bytes:
+            cut = True
+            break
+        frames.append([t, list(f)])
+        size += len(f[-1])
+    if cut:  # keep the requests whose whole window the kept batches cover
+        picked = [p for p in picked if p["t_first"] + 1.0 <= frames[-1][0]]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(msgpack.packb(
+        {"frames": frames, "requests": picked, "block_size": block_size,
+         "engine_block_size": engine_block_size}))
+    return len(picked)
+
+
 def save_fixtures(directory: Path, live: Sequence[list[bytes]],
                   replay: Sequence[list[bytes]], meta: dict[str, Any]) -> None:
     import msgpack
@@ -347,13 +416,14 @@ def build_workload(requests: int, groups: int, scale: float, seed: int) -> list[
 
 async def replay_run(policy: str, urls: Sequence[str], node_ids: Sequence[str],
                      engines: Sequence[VllmServer], node_engine: dict[str, int],
-                     reqs: Sequence[Request], concurrency: int = 1
+                     reqs: Sequence[Request], concurrency: int = 1,
+                     prompts: Callable[[Request], list[int]] | None = None
                      ) -> tuple[list[Record], Agreement]:
     """Send ``reqs`` in order, ``concurrency`` in flight (closed loop). One in flight: each
     request's truth is the served engine's counter delta around it. More: the counters mix
     requests, so the truth is the engine's per-request usage figure, and the run's summed
     usage is checked against the counters' total delta (``Agreement.counter_check``)."""
-    agreement = Agreement()
+    agreement = Agreement(prompts=prompts)
     records: list[Record] = []
     t0 = time.perf_counter()
     start = [e.counters() for e in engines]
@@ -366,7 +436,7 @@ async def replay_run(policy: str, urls: Sequence[str], node_ids: Sequence[str],
             before = [e.counters() for e in engines] if concurrency == 1 else []
             rec = Record(run="vllm-check", policy=policy, seq=seq, id=req.id, group=req.group,
                          entry=entry, entry_node=node_ids[entry], t_send=time.perf_counter() - t0)
-            usage = await send_stream(http, urls[entry], req, rec, t0)
+            usage = await send_stream(http, urls[entry], req, rec, t0, marks := {})
             records.append(rec)
             if not rec.ok:
                 continue
@@ -375,6 +445,7 @@ async def replay_run(policy: str, urls: Sequence[str], node_ids: Sequence[str],
             if actual is not None:
                 agreement.add(rec, Observed(rec.cached_tokens or 0,
                                             rec.expected_cached_tokens or 0, usage, actual))
+                agreement.note_seen(rec, req, marks, actual, node_engine)
 
     async with httpx.AsyncClient(timeout=600.0, trust_env=False) as http:
         await asyncio.gather(*(worker(http) for _ in range(max(1, concurrency))))
@@ -386,15 +457,19 @@ async def replay_run(policy: str, urls: Sequence[str], node_ids: Sequence[str],
 
 
 async def send_stream(http: httpx.AsyncClient, base_url: str, req: Request, rec: Record,
-                      t0: float) -> int | None:
+                      t0: float, marks: dict[str, float] | None = None) -> int | None:
     """POST ``req`` streaming; fills ``rec`` from the start headers and the usage chunk;
-    returns the engine's ``cached_tokens`` from that chunk (None if absent)."""
+    returns the engine's ``cached_tokens`` from that chunk (None if absent). ``marks`` gets
+    the perf_counter instants "sent", "headers" and "first" (the first chunk)."""
     path, body = request_body(req, "tiny")
     body.update(stream=True, stream_options={"include_usage": True})
     start = time.perf_counter()
+    marks = {} if marks is None else marks
+    marks["sent"] = start
     engine_cached: int | None = None
     try:
         async with http.stream("POST", base_url.rstrip("/") + path, json=body) as resp:
+            marks["headers"] = time.perf_counter()
             rec.status = resp.status_code
             h = resp.headers
             rec.served_by, rec.route = h.get(HEADER_SERVED_BY), h.get(HEADER_ROUTE)
@@ -406,6 +481,7 @@ async def send_stream(http: httpx.AsyncClient, base_url: str, req: Request, rec:
                 data = line[5:].strip() if line.startswith("data:") else ""
                 if not data or data == "[DONE]":
                     continue
+                marks.setdefault("first", time.perf_counter())
                 chunk = json.loads(data)
                 if "error" in chunk:
                     rec.error = str(chunk["error"])[:300]
@@ -460,7 +536,7 @@ def markdown(result: dict[str, Any]) -> str:
     checks = "; ".join(
         f"{p['policy']}: counters {c[0]}, usage {c[1]}" for p in result["policies"]
         if (c := p["agreement"].get("counter_hits_vs_usage_sum")) is not None)
-    if result.get("concurrency", 1) == 1:
+    if str(result.get("concurrency", 1)) == "1":
         truth = ("\"engine\": the served engine's `vllm:prefix_cache_hits` delta for that "
                  "request (its usage `cached_tokens` agreed on "
                  + ", ".join(f"{p['agreement']['usage_equals_metrics']}/"
@@ -470,13 +546,19 @@ def markdown(result: dict[str, Any]) -> str:
         truth = ("\"engine\": the served engine's usage `prompt_tokens_details.cached_tokens` "
                  "for that request (with requests overlapping, the counters are checked in "
                  "total only)")
-    lines += ["", truth + f"; run totals of cached tokens ({checks}). "
+    lines += [*_classified_lines(result), "", truth + f"; run totals of cached tokens ({checks}). "
               "\"index\": the serving node's KV-event index match when it "
               "accepted the request (`x-radixmesh-cached-tokens` of a stream). \"router\": the "
               "estimate the entry node routed on (`x-radixmesh-expected-cached-tokens`; "
               "`none` claims 0 by design). Hit rate: engine-cached / prompt tokens. "
               "Latency: whole stream, client side."]
     return "\n".join(lines) + "\n"
+
+
+def _classified_lines(result: dict[str, Any]) -> list[str]:
+    return [f"- {p['policy']}: mismatches {c['counts']} (events {c['events']}, seq gaps "
+            f"{c['seq_gaps']})" for p in result["policies"]
+            if (c := p["agreement"].get("classified"))]
 
 
 def _int(value: str | None) -> int | None:
@@ -557,7 +639,52 @@ def run_policy(policy: str, args: argparse.Namespace, model_dir: Path, out: Path
         _wait_subscribed(cluster)
         node_engine = {nid: i for i, nid in enumerate(cluster.node_ids)}
         return asyncio.run(replay_run(policy, cluster.urls, cluster.node_ids, engines,
-                                      node_engine, reqs, args.concurrency))
+                                      node_engine, reqs, args.concurrency,
+                                      prompt_ids(model_dir)))
+
+
+def prompt_ids(model_dir: Path) -> Callable[[Request], list[int]]:
+    """A request's prompt token ids as the node makes them (``runtime/app.py``)."""
+    from radixmesh.engine.tokenizers import HFTokenizer
+
+    tok = HFTokenizer(model_dir)
+
+    def ids(req: Request) -> list[int]:
+        if req.prompt is not None:
+            return list(tok.encode(req.prompt))
+        assert req.messages is not None
+        return list(tok.apply_chat_template([{"role": m.role, "content": m.content}
+                                             for m in req.messages]))
+    return ids
+
+
+def classify_run(agreement: Agreement, capture: Capture, block_size: int, since: float) -> None:
+    """Every mismatch of one policy's run classified against the engines' own streams, from
+    ``since`` on (the caches' reset before the run: its nodes start with empty indexes, and a
+    reset need not publish AllBlocksCleared, so earlier batches would haunt the replay)."""
+    mesh = _mesh_block(block_size)
+    streams = [stream_of([f for f in t if f[0] >= since], mesh, block_size)
+               for t in capture.timed]
+    tally = classify_all(streams, agreement.seen)
+    agreement.verdicts = [v.kind for v in tally.verdicts]
+    agreement.mismatch = tally.to_json() | {
+        "events": [len(st.events) for st in streams],
+        "messages": [len(t) for t in capture.timed],
+        "seq_gaps": [_seq_gaps(t) for t in capture.timed]}
+
+
+def _mesh_block(engine_block_size: int) -> int:
+    """The nodes' block size in front of engines of ``engine_block_size``."""
+    from radixmesh.core.blocks import DEFAULT_BLOCK_SIZE
+    from radixmesh.engine.http_engine import mesh_block_size
+
+    return mesh_block_size(DEFAULT_BLOCK_SIZE, engine_block_size)
+
+
+def _seq_gaps(timed: Sequence[tuple[float, Sequence[bytes]]]) -> int:
+    """Messages the bench's own subscriber missed (seq jumps), which would blur its replay."""
+    seqs = [int.from_bytes(f[1], "big") for _, f in timed if len(f) == 3]
+    return sum(1 for a, b in itertools.pairwise(seqs) if b != a + 1)
 
 
 def _wait_subscribed(cluster: Any, timeout: float = 30.0) -> None:
@@ -570,7 +697,7 @@ def _wait_subscribed(cluster: Any, timeout: float = 30.0) -> None:
     raise RuntimeError("the nodes' KV-event subscribers did not connect")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m radixmesh.bench.vllm_check",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
@@ -583,10 +710,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--engine-threads", type=int, default=1)
     ap.add_argument("--gossip-interval", default="0.1")
     ap.add_argument("--policies", default="cost,none")
-    ap.add_argument("--concurrency", type=int, default=1, help="requests in flight")
+    ap.add_argument("--concurrency", default="1",
+                    help="requests in flight; a list (4,16) runs every policy at each")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--capture", metavar="DIR", help="save raw event batches as fixtures")
-    args = ap.parse_args(argv)
+    ap.add_argument("--capture-run", metavar="DIR",
+                    help="save engine 0's timed batches and requests of each run with their "
+                    "verdicts (the mismatch classifier's fixtures)")
+    return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model_dir = save_model_dir(out / "model", args.seed)
@@ -594,53 +729,72 @@ def main(argv: Sequence[str] | None = None) -> int:
     version = vllm_version(args.vllm_python)
     print(f"vllm {version}; {len(reqs)} requests; starting 2 engines (logs in {out})",
           flush=True)
-    policies: list[dict[str, Any]] = []
+    levels = [int(c) for c in str(args.concurrency).split(",")]
     t_start = time.perf_counter()
     with engines_running(args, model_dir, out) as engines:
         print(f"engines ready in {time.perf_counter() - t_start:.0f} s", flush=True)
-        # one publisher only: its messages are then one seq order, as a node sees them
-        capture = Capture([f"tcp://127.0.0.1:{engines[0].events_port}"]) \
-            if args.capture else None
+        # both publishers, each in its own seq order, as the nodes see them (fixtures: #0)
+        capture = Capture([f"tcp://127.0.0.1:{e.events_port}" for e in engines])
         try:
-            for policy in args.policies.split(","):
-                t0 = time.perf_counter()
-                records, agreement = run_policy(policy, args, model_dir, out, engines, reqs)
-                with open(out / f"records-{policy}.jsonl", "w", encoding="utf-8") as fh:
-                    for r in records:
-                        fh.write(json.dumps(r.to_json()) + "\n")
-                summary = summarize(records)
-                policies.append({"policy": policy, "summary": summary,
-                                 "agreement": agreement.to_json()})
-                print(f"{policy}: {len(records)} requests in {time.perf_counter() - t0:.0f} s; "
-                      f"predicted==actual {agreement.equal}/{agreement.requests}; "
-                      f"hit rate {_pct(summary['actual_hit_rate'])}; "
-                      f"mean {_ms(summary['mean_latency_s'])}, "
-                      f"p99 {_ms(summary['p99_latency_s'])}", flush=True)
-            if capture is not None:
-                replay = capture.replay(f"tcp://127.0.0.1:{engines[0].replay_port}")
-                live = pick_fixture_frames(capture.frames)
-                save_fixtures(Path(args.capture), live, replay[:2] + replay[-1:],
-                              {"vllm": version, "block_size": args.block_size,
-                               "captured": time.strftime("%Y-%m-%d"),
-                               "live_messages_seen": len(capture.frames)})
-                print(f"captured {len(live)} live + {min(len(replay), 3)} replay messages "
-                      f"into {args.capture}", flush=True)
+            policies = [run_one(level, policy, args, model_dir, out, engines, reqs, capture,
+                                len(levels) > 1)
+                        for level, policy in itertools.product(levels,
+                                                               args.policies.split(","))]
+            if args.capture:
+                _save_capture(args, capture, engines, version)
         finally:
-            if capture is not None:
-                capture.close()
-    mean_tokens = summarize_prompt_mean(policies)
+            capture.close()
     result = {"vllm_version": version, "date": time.strftime("%Y-%m-%d"),
               "model": "hidden 256, 4 layers, fp32", "block_size": args.block_size,
               "num_blocks": args.num_blocks, "requests": len(reqs), "groups": args.groups,
-              "concurrency": args.concurrency,
-              "prompt_tokens_mean": mean_tokens, "policies": policies,
-              "command": " ".join(["python -m radixmesh.bench.vllm_check", *(argv or
-                                                                              sys.argv[1:])])}
+              "concurrency": ",".join(map(str, levels)),
+              "prompt_tokens_mean": summarize_prompt_mean(policies), "policies": policies,
+              "command": " ".join(["python -m radixmesh.bench.vllm_check",
+                                   *(argv or sys.argv[1:])])}
     (out / "vllm_check.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
     text = markdown(result)
     (out / "vllm_check.md").write_text(text, encoding="utf-8")
     print(text)
     return 0
+
+
+def run_one(level: int, policy: str, args: argparse.Namespace, model_dir: Path, out: Path,
+            engines: Sequence[VllmServer], reqs: Sequence[Request], capture: Capture,
+            several: bool) -> dict[str, Any]:
+    """One policy at one concurrency: records, agreement, classified mismatches."""
+    args.concurrency = level
+    t0 = time.perf_counter()
+    records, agreement = run_policy(policy, args, model_dir, out, engines, reqs)
+    classify_run(agreement, capture, args.block_size, since=t0)
+    name = f"{policy}-c{level}" if several else policy
+    if args.capture_run:
+        n = save_run_fixture(Path(args.capture_run) / f"run-{name}.msgpack",
+                             [f for f in capture.timed[0] if f[0] >= t0], agreement,
+                             _mesh_block(args.block_size), args.block_size)
+        print(f"captured {n} requests of a {level}-in-flight run into {args.capture_run}",
+              flush=True)
+    with open(out / f"records-{name}.jsonl", "w", encoding="utf-8") as fh:
+        for r in records:
+            fh.write(json.dumps(r.to_json()) + "\n")
+    summary = summarize(records)
+    print(f"{name}: {len(records)} requests in {time.perf_counter() - t0:.0f} s; "
+          f"predicted==actual {agreement.equal}/{agreement.requests}; "
+          f"hit rate {_pct(summary['actual_hit_rate'])}; "
+          f"mean {_ms(summary['mean_latency_s'])}, p99 {_ms(summary['p99_latency_s'])}",
+          flush=True)
+    return {"policy": name, "summary": summary, "agreement": agreement.to_json()}
+
+
+def _save_capture(args: argparse.Namespace, capture: Capture, engines: Sequence[VllmServer],
+                  version: str) -> None:
+    replay = capture.replay(f"tcp://127.0.0.1:{engines[0].replay_port}")
+    live = pick_fixture_frames(capture.frames)
+    save_fixtures(Path(args.capture), live, replay[:2] + replay[-1:],
+                  {"vllm": version, "block_size": args.block_size,
+                   "captured": time.strftime("%Y-%m-%d"),
+                   "live_messages_seen": len(capture.frames)})
+    print(f"captured {len(live)} live + {min(len(replay), 3)} replay messages into "
+          f"{args.capture}", flush=True)
 
 
 def summarize_prompt_mean(policies: Sequence[dict[str, Any]]) -> float:

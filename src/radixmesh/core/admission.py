@@ -18,7 +18,10 @@ Three states of this node keep work away, each decided here and nowhere else:
   field: every peer already honours it, so old and new nodes interoperate with the wire
   format unchanged; when the node is gone, the silence timeouts take over. A leaving node
   still serves a request no peer took while its predicted latency ends within the grace
-  (:meth:`AdmissionControl.serves_while_leaving`).
+  (:meth:`AdmissionControl.serves_while_leaving`);
+* **engine down** (``EngineStateChanged(up=False)``): as leaving, but until the engine is back
+  and with no last resort here (nothing can run): full for everything new, forwards refused
+  (retry after ``min_retry_after_s``), push-back advertised while down.
 
 A peer's forward is answered here too (:meth:`AdmissionControl.forward_arrived`): refused by
 the states above, or — when the sender said what serving it here must beat — when this
@@ -112,6 +115,7 @@ class AdmissionControl:
         self._metrics = metrics
         self._pushback_until: float | None = None
         self._leaving_until: float | None = None  # LeaveRequested: end of the grace period
+        self.engine_down = False  # EngineStateChanged: nothing new can run here
 
     @property
     def leaving(self) -> bool:
@@ -162,6 +166,8 @@ class AdmissionControl:
         if self._leaving_until is not None:
             leave = max(self._leaving_until - now, self._config.pushback.duration_s)
             left = leave if left is None else max(left, leave)
+        if self.engine_down:
+            left = max(left or 0.0, self._config.pushback.duration_s)
         return left
 
     def advertised_load(self, now: float) -> Load:
@@ -177,12 +183,22 @@ class AdmissionControl:
         self._own.invalidate()
         return Log("info", f"leaving: draining for {grace_s:g} s")
 
+    def engine_state(self, up: bool, reason: str) -> Log | None:
+        """The engine went down or came back (None: no change); the shell's next round tells
+        every peer (push-back while down)."""
+        if self.engine_down != up:
+            return None
+        self.engine_down = not up
+        self._own.invalidate()
+        bump(self._metrics, "engine_came_back" if up else "engine_went_down")
+        return Log("info" if up else "warning", f"engine {'back' if up else 'down'}: {reason}")
+
     # ----------------------------------------------------------------- own requests
     def full_for(self, prompt_tokens: int, max_tokens: int) -> float | None:
         """None if this node has room for one more request of ``prompt_tokens`` +
         ``max_tokens``; else its queue's expected wait (0 while leaving: it has no room for
         anything new, whatever its queue). The decision is :func:`admission`'s."""
-        if self._leaving_until is not None:
+        if self._leaving_until is not None or self.engine_down:
             return 0.0
         full = admission(self._config.admission, self._own.speed(), self._own.token_rate(),
                          self._own.load, prompt_tokens, max_tokens)
@@ -249,6 +265,9 @@ class AdmissionControl:
         """Refusals by this node's state: leaving, full (for this request's tokens: bounded
         admission), or at the push-back threshold."""
         adm = self._config.admission
+        if self.engine_down:
+            bump(self._metrics, "forwards_refused_engine_down")
+            return adm.min_retry_after_s
         if self._leaving_until is not None:
             bump(self._metrics, "forwards_refused_leaving")
             cap = self._config.gossip.exchange.max_retry_after_s

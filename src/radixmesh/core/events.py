@@ -95,6 +95,17 @@ class LeaveRequested:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineStateChanged:
+    """The node's engine went down (its process exited, its health probe failed, a request
+    found it unreachable) or came back. While down the node takes no new work, as if leaving,
+    but reversibly: its own clients' requests go to peers (or are rejected), peers' forwards
+    are refused, push-back is advertised; the shell has already dropped its cache index."""
+
+    up: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class SeedsDiscovered:
     """Addresses (``host:port``) to join through, found after start (a DNS name resolved
     again). New ones are seeds, contacted at once and then with backoff until they answer;
@@ -223,6 +234,7 @@ Event = (
     | LoadChanged
     | RequestServed
     | LeaveRequested
+    | EngineStateChanged
     | SeedsDiscovered
     | RequestEvent
 )

@@ -18,6 +18,7 @@ Theory of operation
       request done / client gone      ── RequestDone / RequestCancelled ▶ RTT, view | Abort
       a peer forwards to us           ── ForwardArrived ▶ AcceptForward | RefuseForward
       SIGTERM                         ── LeaveRequested ▶ no new work, gossip round at once
+      engine died / came back         ── EngineStateChanged ▶ no new work while down, round
       a DNS name resolved again       ── SeedsDiscovered ▶ greet new seed addresses
                                       ◀── Send / Log / PeerStateChanged / request actions
 
@@ -57,6 +58,7 @@ from radixmesh.core.events import (
     AcceptForward,
     Action,
     CacheChanged,
+    EngineStateChanged,
     Event,
     ForwardAccepted,
     ForwardArrived,
@@ -107,6 +109,9 @@ _COUNTERS = (
     "forwards_refused_slower",  # ... and because we would not beat their local prediction
     "forwards_refused_full",  # ... and because our queue is full (bounded admission)
     "forwards_refused_leaving",  # ... and because this node is leaving (drain)
+    "forwards_refused_engine_down",  # ... and because its engine is down
+    "engine_went_down",  # EngineStateChanged: the engine went down
+    "engine_came_back",  # ... came back
     "seeds_discovered",  # new seed addresses learnt after start (DNS)
     "requests_served",
     "speed_adopted",  # an own speed estimate gone stale restarted from the peers' median
@@ -140,6 +145,7 @@ class NodeCore:
             RequestCancelled: requests.cancelled,
             ForwardArrived: self._forward_arrived,
             LeaveRequested: self._leave,
+            EngineStateChanged: self._engine_state,
             SeedsDiscovered: rounds.seeds_discovered,
         }
 
@@ -213,6 +219,13 @@ class NodeCore:
         if log is None:
             return []
         return [log, *self._parts.rounds.round(now)]  # the push-back goes out in this round
+
+    def _engine_state(self, event: EngineStateChanged, now: float) -> list[Action]:
+        """The engine went down or came back: tell every peer now (push-back while down)."""
+        log = self._parts.admission.engine_state(event.up, event.reason)
+        if log is None:
+            return []
+        return [log, *self._parts.rounds.round(now)]
 
     # -------------------------------------------------------------------------- routing
     def route(

@@ -56,6 +56,7 @@ class NodeReport:
         out["incarnation"] = float(self.config.incarnation)
         out["queue_depth"] = float(self.own.load.queue_depth)
         out["leaving"] = float(self.admission.leaving)
+        out["engine_down"] = float(self.admission.engine_down)
         out.update(self._lifecycle_metrics())
         return out
 
@@ -93,6 +94,7 @@ class NodeReport:
             "queue_depth": self.own.load.queue_depth,
             "pushback_remaining_s": self.admission.pushback_remaining(now),
             "leaving": self.admission.leaving,
+            "engine_down": self.admission.engine_down,
             "seeds": list(self.members.seeds),
             "peers": [self._peer_state(m.node_id, now) for m in self.members],
         }

@@ -72,7 +72,7 @@ class RequestFlow:
 
     def arrived(self, event: RequestArrived, now: float) -> list[Action]:
         full = self._admission.full_for(event.prompt_tokens, event.max_tokens)
-        candidates = self._routing.candidates(event, now)
+        candidates = self._candidates(event, now)
         last_resort = self._admission.leaving and self._admission.serves_while_leaving(
             event, candidates, now)
         return list(self._lifecycle.start(event, candidates, full, last_resort))
@@ -106,7 +106,19 @@ class RequestFlow:
         if flight is None or flight.stage is Stage.STREAMING:
             return None  # (accepted: the answer continues here whatever the view says)
         self._lifecycle.release(rid)  # its try there no longer holds the prompt's blocks
-        return self._routing.candidates(flight.arrived, now)
+        return self._candidates(flight.arrived, now)
+
+    def _candidates(self, event: RequestArrived, now: float) -> list[Candidate]:
+        """The routing's ranking; with this node's engine down, every available peer after
+        it (least loaded first): a policy that would not look past this node (``none``, or
+        ``paper`` with no peer holding the prefix) must not reject what a peer can run."""
+        ranked = self._routing.candidates(event, now)
+        if not self._admission.engine_down or event.local_only or not event.plain:
+            return ranked
+        listed = {c.node_id for c in ranked}
+        more = [p for p in self._peers.least_loaded(now) if p not in listed]
+        more += [p for p in self._gossip.routable if p not in listed and p not in more]
+        return ranked + [Candidate(p, False, 0, 0.0) for p in more]
 
     def done(self, event: RequestDone, now: float) -> list[Action]:
         flight = self._lifecycle.get(event.rid)

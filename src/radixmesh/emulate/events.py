@@ -68,6 +68,7 @@ class Faults:
     report_cached: bool = True  # usage carries prompt_tokens_details.cached_tokens
     token_delay_s: float = 0.0  # extra seconds added to every engine step
     barrier: int = 0  # hold the engine until this many requests are in flight (once, <= 5 s)
+    stalled: bool = False  # SIGSTOP'd: no step runs and /health does not answer until False
 
 
 def bind_endpoint(sock: Any, endpoint: str) -> str:

@@ -12,7 +12,8 @@ tokenizers), binds HTTP and both ZMQ sockets on 127.0.0.1 (any free port unless 
 watch: ``active`` / ``peak_active`` requests in flight, ``disconnects``, ``seq``, ``cache``,
 ``block_prefixes()``. Fault knobs live in ``fake.faults`` (``events.Faults``): skipped /
 duplicated batches, replay on/off and framing, ``fail_status``, ``token_delay_s``,
-``barrier``; ``restart()``, ``clear_all()`` and ``publish_malformed()`` are methods. Output
+``barrier``, ``stalled`` (SIGSTOP: no step, no ``/health`` answer); ``restart()``,
+``clear_all()`` and ``publish_malformed()`` are methods. Output
 tokens follow :func:`next_token`.
 """
 

@@ -169,6 +169,8 @@ class EngineLoop:
             await self._wake.wait()
             return
         await self._hold_at_barrier()
+        while self.faults.stalled:  # fault knob: a stopped process (SIGSTOP)
+            await asyncio.sleep(0.01)
         await self.step_once()
 
     def _fail_all(self) -> None:

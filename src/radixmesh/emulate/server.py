@@ -167,6 +167,8 @@ class EmulatedEngine:
         return web.json_response({"object": "list", "data": [card, *loras]})
 
     async def _health(self, _: web.Request) -> web.Response:
+        while self.faults.stalled:  # fault knob: a stopped process answers nothing
+            await asyncio.sleep(0.01)
         return web.json_response({"status": "ok", **self.describe()})
 
     async def _metrics(self, _: web.Request) -> web.Response:

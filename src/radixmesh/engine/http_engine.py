@@ -28,7 +28,8 @@ The prefix-cache view is one of two:
   this node sent, LRU under ``cache_tokens``: it guesses what the engine kept.
 
 ``cached_tokens`` of a result is the engine's own figure when it reports one
-(``usage.prompt_tokens_details.cached_tokens`` / SGLang's ``meta_info.cached_tokens``), else
+(``usage.prompt_tokens_details.cached_tokens`` / SGLang's ``meta_info.cached_tokens`` /
+llama.cpp's ``timings.cache_n``), else
 the view's match when the request was sent. ``waiting`` counts requests sent with no token
 back yet, ``running`` those streaming; a result's ``queue_s`` is 0 (the engine's queue is not
 visible), ``prefill_s`` is the time to the first token.
@@ -154,8 +155,15 @@ class HttpEngine:
         nothing finer: vLLM's ``num_tokens - 1`` cap, floored to its block size)."""
         if not self.exact:
             return min(self.approx.match(prompt_ids), max(len(prompt_ids) - 1, 0))
-        found = min(self.index.match(prompt_ids, namespace), max(len(prompt_ids) - 1, 0))
-        return found - found % self.index.reuse_block_size
+        return exact_match(self.index, prompt_ids, namespace)
+
+    def forget_cache(self) -> None:
+        """The engine died or came back empty: forget what it held (the index refills from
+        its events; the approximate view from what this node sends next)."""
+        if self.exact:
+            self.index.drop()
+        else:
+            self.approx.clear()
 
     def usage(self) -> CacheUsage:
         if self.exact:
@@ -305,6 +313,15 @@ class HttpEngine:
             self._session = None
 
 
+def exact_match(index: EngineIndex, prompt_ids: Sequence[int], namespace: str | None = None
+                ) -> int:  # fmt: skip
+    """What an engine reports cached for ``prompt_ids`` (in cache ``namespace``) when ``index``
+    is its cache: the match, at most all but the last token, floored to whole engine blocks
+    (also the mismatch classifier's replayed prediction, ``bench/mismatch.py``)."""
+    found = min(index.match(prompt_ids, namespace), max(len(prompt_ids) - 1, 0))
+    return found - found % index.reuse_block_size
+
+
 def mesh_block_size(block_size: int, engine_block_size: int | None) -> int:
     """The mesh's block size in front of an engine: the engine's own when it is a larger
     multiple of ``block_size`` (vLLM's CPU build: 128), so every hash the mesh gossips names a
@@ -343,6 +360,7 @@ def _completion_tokens(chunk: dict[str, Any], progress: _Progress,
                        tokenizer: Tokenizer) -> list[int]:
     """``/v1/completions`` chunk: token ids from ``token_id:N`` logprob tokens, else the text."""
     _usage(chunk.get("usage"), progress)
+    _timings(chunk.get("timings"), progress)
     choices = chunk.get("choices") or []
     if not choices:
         return []
@@ -362,6 +380,14 @@ def _usage(usage: Any, progress: _Progress) -> None:
     details = usage.get("prompt_tokens_details")
     if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
         progress.cached = details["cached_tokens"]
+
+
+def _timings(timings: Any, progress: _Progress) -> None:
+    """llama.cpp's server: ``timings.cache_n``, the prompt tokens it reused from its cache
+    (when the usage says nothing of them)."""
+    if progress.cached is None and isinstance(timings, dict) and isinstance(
+            timings.get("cache_n"), int):
+        progress.cached = timings["cache_n"]
 
 
 def _sglang_tokens(chunk: dict[str, Any], progress: _Progress) -> list[int]:

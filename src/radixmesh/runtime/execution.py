@@ -49,6 +49,7 @@ from radixmesh.engine.base import (
     SamplingParams,
     TokenLogprob,
 )
+from radixmesh.engine.http_engine import EngineUnavailable
 from radixmesh.runtime.metrics import RuntimeMetrics
 from radixmesh.runtime.transport import ForwardFailure, ForwardReplies
 
@@ -102,6 +103,8 @@ class Host(Protocol):
                        tokens_so_far: int) -> Forward | ExecuteLocally: ...
     def start_local(self, ctx: RequestContext, action: Forward | ExecuteLocally,
                     emitted: tuple[int, ...] = ()) -> LocalExecution: ...
+    def engine_failed(self, reason: str) -> bool: ...
+    async def retry_elsewhere(self, ctx: RequestContext) -> Execution: ...
 
 
 class RequestCancelled(Exception):
@@ -164,6 +167,7 @@ class LocalExecution(Execution):
         self._t0 = node.clock()
         self._emitted = emitted  # tokens a failed peer already sent (the answer goes on)
         self._generated = 0  # tokens delivered so far
+        self.may_retry = True  # an unreachable engine: go on elsewhere (once)
         self.logprobs = []
         self._task = self._start(len(emitted))
 
@@ -225,6 +229,24 @@ class LocalExecution(Execution):
         self.node.push_cache_and_load()
 
     async def tokens(self) -> AsyncGenerator[int, None]:
+        """The engine's tokens; a client request whose engine turned out unreachable before
+        its first token goes on elsewhere, once (``NodeService.retry_elsewhere``)."""
+        try:
+            async for tok in self._engine_tokens():
+                yield tok
+        except EngineUnavailable as exc:
+            if self._generated or self.ctx.rid is None or not self.may_retry or (
+                    not self.node.engine_failed(str(exc))):
+                raise
+            other = await self.node.retry_elsewhere(self.ctx)
+            if isinstance(other, LocalExecution):
+                other.may_retry = False
+            self.served_by, self.route = other.served_by, other.route
+            async for tok in other.tokens():
+                yield tok
+            self.outcome = other.outcome
+
+    async def _engine_tokens(self) -> AsyncGenerator[int, None]:
         async with self.node.tracked(self):
             while True:
                 kind, value = await self.queue.get()

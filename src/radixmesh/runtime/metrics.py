@@ -56,7 +56,7 @@ RUNTIME_GAUGES = frozenset({
 # The same for NodeCore.metrics(): its levels; everything else there is a counter.
 CORE_GAUGES = frozenset({
     "peers_routable", "view_peers", "view_entries", "summary_version", "summary_blocks",
-    "leaving", "requests_in_flight",
+    "leaving", "engine_down", "requests_in_flight",
 })
 # NodeCore.metrics() names the runtime already exports under its own name (not twice).
 CORE_DUPLICATES = frozenset({
@@ -86,6 +86,7 @@ class RuntimeMetrics:
     cancelled: int = 0  # engine requests stopped because their client went away
     client_disconnects: int = 0  # non-streaming clients that went away before their answer
     rejected: int = 0  # client requests answered 429: full here and no peer took them
+    engine_retries: int = 0  # client requests routed again: the engine died before a token
     forwards_rejected: int = 0  # peers' forwards refused as malformed (400), never executed
     forward_attempts: int = 0
     forward_failures: Counter[str] = field(default_factory=Counter)  # by reason
@@ -179,6 +180,8 @@ _RUNTIME_COUNTERS: tuple[tuple[str, str, str], ...] = (
      "Client requests answered 429: this node full and no peer took them."),
     ("client_disconnects", "client_disconnects",
      "Non-streaming clients that went away before their answer."),
+    ("engine_retries", "engine_retries",
+     "Client requests routed again: the engine died before their first token."),
     ("forwards_rejected", "forwards_rejected",
      "Peers' forwards refused as malformed, never executed."),
     ("forward_attempts", "forward_attempts", "Forwards started."),

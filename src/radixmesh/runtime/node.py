@@ -68,6 +68,7 @@ from radixmesh.core.events import (
     Action,
     CacheChanged,
     CoreFailed,
+    EngineStateChanged,
     Event,
     ExecuteLocally,
     Forward,
@@ -508,6 +509,32 @@ class NodeService:
         self.dispatch(RequestServed(result.prompt_tokens, result.cached_tokens, result.prefill_s,
                                     len(result.output_ids), result.decode_s, service_s))
         self.push_cache()  # the load follows once the request has left the queue (_queued)
+
+    # ------------------------------------------------------------------- engine health
+    def engine_state(self, up: bool, reason: str, forget: bool = False) -> None:
+        """The engine went down or came back (``runtime/engine_health.py``): the core is told
+        (no new work here while down); ``forget``: its cache went with it, drop the index
+        (gossip withdraws it)."""
+        drop = getattr(self.engine, "forget_cache", None)
+        if forget and drop is not None:
+            drop()
+            self.push_cache_and_load()
+        self.dispatch(EngineStateChanged(up, reason))
+
+    def engine_failed(self, reason: str) -> bool:
+        """A request found the engine unreachable: down at once when a health monitor will
+        bring it back (True), else nothing changes (False: the request may not be retried)."""
+        health = next((a for a in self.attachments if a.name == "engine_health"), None)
+        if health is None:
+            return False
+        health.mark(False, reason, gone="Timeout" not in reason)  # slow is not gone
+        return True
+
+    async def retry_elsewhere(self, ctx: RequestContext) -> Execution:
+        """A client request whose engine call failed before its first token, this node's
+        engine now down: routed again (to a peer; ``Overloaded`` when none takes it)."""
+        self.metrics.engine_retries += 1
+        return await self.execute(ctx.prompt, ctx.sampling, ctx.stream)
 
     # ------------------------------------------------------------------------- requests
     async def execute(

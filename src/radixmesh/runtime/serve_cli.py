@@ -108,6 +108,9 @@ def build_external_service(config: ServeConfig, tokenizer: Any = None) -> Any:
     else:
         log.warning("no --kv-events: the cache view of %s is approximate (what this node "
                     "sent, LRU)", config.engine_url)
+    from radixmesh.runtime.engine_health import EngineHealth  # (wave 3, real engines)
+
+    service.attachments.append(EngineHealth(service, config.engine_url, launched=launched))
     return service
 
 

@@ -1,0 +1,195 @@
+"""``make llamacpp-check``: llama.cpp servers behind radixmesh nodes (``--engine openai``).
+
+Theory of operation
+-------------------
+llama.cpp publishes no KV events, so a node in front of it keeps the *approximate* view
+(``engine/http_engine.py``: an LRU of the prompts and outputs it sent). This check measures
+how good that guess is and what routing on it buys::
+
+    save_model_dir (bench/vllm_check.py: the random-weight Qwen2 "tiny")
+        --> bench/gguf_model.py (in the llama.cpp venv) --> tiny.gguf
+    N x  llama-server -m tiny.gguf --port P -c CTX -np 1 -t 1   (its own process group)
+    for policy in (cost, none): N x radixmesh serve --engine openai --engine-url ...
+        --tokenizer DIR (peers of each other); the same requests, CONCURRENCY in flight,
+        entry round-robin; the servers restarted between policies (empty caches)
+
+Per request: the serving node's predicted cached tokens at acceptance
+(``x-radixmesh-cached-tokens`` of a stream: its approximate match) against what llama.cpp
+says it reused (``timings.cache_n``, which the node passes on as the usage's
+``prompt_tokens_details.cached_tokens``). Written to ``OUT/llamacpp_check.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from radixmesh.bench.vllm_check import (
+    _ms,
+    _pct,
+    _stop_group,
+    build_workload,
+    save_model_dir,
+    send_stream,
+    tail,
+)
+from radixmesh.results.records import Record
+from radixmesh.results.summary import summarize
+from radixmesh.runtime.cluster import LocalCluster, free_ports
+from radixmesh.workload.request import Request
+
+
+@dataclass(slots=True)
+class LlamaServer:
+    binary: str
+    gguf: Path
+    port: int
+    log_path: Path
+    ctx: int = 8192
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        argv = [self.binary, "-m", str(self.gguf), "--host", "127.0.0.1", "--port",
+                str(self.port), "-c", str(self.ctx), "-np", "1", "-t", "1"]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited:\n{tail(self.log_path)}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"llama-server not ready:\n{tail(self.log_path)}")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            _stop_group(self.proc)
+
+
+async def run_requests(urls: Sequence[str], reqs: Sequence[Request], policy: str,
+                       concurrency: int) -> tuple[list[Record], list[tuple[int, int]]]:
+    """Closed loop; returns the records and (predicted, actual) per ok request."""
+    queue = list(enumerate(reqs))[::-1]
+    records: list[Record] = []
+    pairs: list[tuple[int, int]] = []
+    t0 = time.perf_counter()
+
+    async def worker(http: httpx.AsyncClient) -> None:
+        while queue:
+            seq, req = queue.pop()
+            entry = seq % len(urls)
+            rec = Record(run="llamacpp-check", policy=policy, seq=seq, id=req.id,
+                         group=req.group, entry=entry, entry_node=str(entry),
+                         t_send=time.perf_counter() - t0)
+            actual = await send_stream(http, urls[entry], req, rec, t0)
+            records.append(rec)
+            if rec.ok and actual is not None:
+                pairs.append((rec.cached_tokens or 0, actual))
+
+    async with httpx.AsyncClient(timeout=600.0, trust_env=False) as http:
+        await asyncio.gather(*(worker(http) for _ in range(concurrency)))
+    records.sort(key=lambda r: r.seq)
+    return records, pairs
+
+
+def one_policy(policy: str, args: argparse.Namespace, model_dir: Path, gguf: Path,
+               out: Path, reqs: Sequence[Request]) -> dict[str, Any]:
+    ports = free_ports(args.servers)
+    servers = [LlamaServer(args.llama_server, gguf, p, out / f"llama{i}-{policy}.log")
+               for i, p in enumerate(ports)]
+    try:
+        for s in servers:
+            s.start()
+        for s in servers:
+            s.wait_ready()
+        options = {"policy": policy, "log_level": "warning", "engine": "openai",
+                   "tokenizer": str(model_dir), "model": "tiny", "threads": 1,
+                   "gossip_interval": args.gossip_interval,
+                   "cache_tokens": args.cache_tokens}
+        per_node = {i: {"engine_url": s.url} for i, s in enumerate(servers)}
+        with LocalCluster(args.servers, options, per_node=per_node,
+                          log_dir=out / f"nodes-{policy}", python=sys.executable) as cluster:
+            records, pairs = asyncio.run(run_requests(cluster.urls, reqs, policy,
+                                                      args.concurrency))
+    finally:
+        for s in servers:
+            s.stop()
+    summary = summarize(records)
+    equal = sum(p == a for p, a in pairs)
+    mae = sum(abs(p - a) for p, a in pairs) / len(pairs) if pairs else None
+    return {"policy": policy, "summary": summary, "requests": len(records),
+            "compared": len(pairs), "predicted_equal": equal, "mean_abs_error_tokens": mae,
+            "over": sum(p > a for p, a in pairs), "under": sum(p < a for p, a in pairs)}
+
+
+def markdown(res: dict[str, Any]) -> str:
+    lines = [f"llama.cpp server ({res['servers']} servers, one slot each), random-weight Qwen2 "
+             f"`tiny` as GGUF F32; {res['requests']} requests, {res['concurrency']} in flight, "
+             "entry round-robin; nodes with `--engine openai` (approximate view).", "",
+             "| policy | predicted == llama.cpp | over / under | mean abs error | hit rate | "
+             "mean latency | p99 latency | errors |", "|---|---|---|---|---|---|---|---|"]
+    for p in res["policies"]:
+        s = p["summary"]
+        mae = "n/a" if p["mean_abs_error_tokens"] is None else f"{p['mean_abs_error_tokens']:.0f}"
+        lines.append(f"| {p['policy']} | {p['predicted_equal']}/{p['compared']} | "
+                     f"{p['over']} / {p['under']} | {mae} tokens | "
+                     f"{_pct(s['actual_hit_rate'])} | {_ms(s['mean_latency_s'])} | "
+                     f"{_ms(s['p99_latency_s'])} | {s['errors']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m radixmesh.bench.llamacpp_check",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llama-server", default=".venv-llamacpp/bin/llama-server")
+    ap.add_argument("--gguf-python", default=".venv-llamacpp/bin/python",
+                    help="a python with the gguf package (writes the model)")
+    ap.add_argument("--out", default="runs/llamacpp-check")
+    ap.add_argument("--servers", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=100)
+    ap.add_argument("--concurrency", type=int, default=2)
+    ap.add_argument("--policies", default="cost,none")
+    ap.add_argument("--cache-tokens", type=int, default=16384)
+    ap.add_argument("--gossip-interval", default="0.1")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = save_model_dir(out / "model", 0)
+    gguf = out / "tiny.gguf"
+    script = Path(__file__).with_name("gguf_model.py")
+    subprocess.run([args.gguf_python, str(script), str(model_dir), str(gguf)], check=True,
+                   timeout=300)
+    reqs = build_workload(args.requests, 8, 0.5, 0)
+    res = {"servers": args.servers, "requests": len(reqs), "concurrency": args.concurrency,
+           "policies": [one_policy(p, args, model_dir, gguf, out, reqs)
+                        for p in args.policies.split(",")]}
+    (out / "llamacpp_check.json").write_text(json.dumps(res, indent=2), encoding="utf-8")
+    text = markdown(res)
+    (out / "llamacpp_check.md").write_text(text, encoding="utf-8")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
