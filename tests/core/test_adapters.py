@@ -50,7 +50,7 @@ def test_on_the_twin_an_adapter_request_goes_only_to_peers_that_serve_it(policy:
     a, b = Adapter("sql-lora", DIGEST_A), Adapter("sql-lora", DIGEST_B)  # one name, two weights
     c = TwinCluster(4, router=RouterConfig(policy=policy), seed=4)
     for node, served in (("n0", (a,)), ("n1", (b,)), ("n2", (a,))):
-        cfg = replace(c.nodes[node].config, adapters=tuple(x.key for x in served))
+        cfg = replace(c.nodes[node].config, adapters=served)
         c.nodes[node] = NodeCore(cfg, random.Random(node), c.now)
     c.run_for(2.0)
     known = c.nodes["n0"]._parts.routing._adapters

@@ -31,13 +31,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from radixmesh.core.adapters import Adapter
 from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.estimators import SpeedReport
 
 MAX_NAMESPACE_CHARS = 256
 # 2: Load.speed_measured_at; 3: address and fingerprint on first contact only, utilization in
 # whole percent (gossip under 1 KB/s per node: docs/benchmarks.md); ForwardRequest namespace,
-# session and adapter; Gossip.sessions and adapters
+# session and adapter; Gossip.sessions, adapters and adapter_names
 PROTOCOL_VERSION = 3
 
 
@@ -160,6 +161,8 @@ class Gossip:
     reply: bool = False  # the sender asks for an immediate answer (join, push-pull)
     sessions: tuple[int, ...] = ()  # session ids the sender served lately (core/sessions.py)
     adapters: tuple[int, ...] = ()  # keys of the LoRA adapters it serves (core/adapters.py)
+    # their served names and digests: sent with the identity (see ``address``)
+    adapter_names: tuple[Adapter, ...] = ()
 
 
 Message = Gossip

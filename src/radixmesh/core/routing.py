@@ -82,13 +82,15 @@ class Routing:
         self._adapters = adapters
 
     def candidates(self, event: RequestArrived, now: float) -> list[Candidate]:
-        """Where to try the request, best first (self always listed); with an adapter, only
-        the peers that advertise it (a hard constraint, core/adapters.py)."""
+        """Where to try the request, best first (self listed); with an adapter, only the
+        nodes that serve it (a hard constraint, core/adapters.py): not even self if it does
+        not (the lifecycle then refuses the request once no holder took it)."""
         ranked = self._candidates(event, now)
         if event.adapter is None or self._adapters is None:
             return ranked
-        serves = self._adapters.serves
-        return [c for c in ranked if c.is_self or serves(c.node_id, event.adapter)]
+        serves, key = self._adapters.serves, event.adapter
+        here = any(a.key == key for a in self._config.adapters)
+        return [c for c in ranked if (here if c.is_self else serves(c.node_id, key))]
 
     def _candidates(self, event: RequestArrived, now: float) -> list[Candidate]:
         me = Candidate(self._config.node_id, True, event.local_cached, 0.0)
