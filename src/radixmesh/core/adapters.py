@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 MAX_ADAPTERS = 256  # keys one gossip message may advertise
@@ -97,15 +97,18 @@ class PeerAdapters:
     def learn_names(self, peer: str, adapters: Iterable[Adapter]) -> None:
         self._names[peer] = tuple(adapters)[:MAX_ADAPTERS]
 
-    def named(self, name: str) -> set[Adapter]:
-        """The adapters peers serve now under ``name``."""
-        return {a for peer, named in self._names.items() for a in named
-                if a.name == name and self.serves(peer, a.key)}
+    def named(self, name: str, live: Container[str]) -> set[Adapter]:
+        """The adapters ``live`` peers serve now under ``name``."""
+        return {a for a in self._served(live) if a.name == name}
 
-    def names(self) -> set[str]:
-        """Every adapter name some peer serves now."""
-        return {a.name for peer, named in self._names.items() for a in named
-                if self.serves(peer, a.key)}
+    def names(self, live: Container[str]) -> set[str]:
+        """Every adapter name some ``live`` peer serves now."""
+        return {a.name for a in self._served(live)}
+
+    def _served(self, live: Container[str]) -> Iterator[Adapter]:
+        for peer, named in self._names.items():
+            if peer in live:
+                yield from (a for a in named if self.serves(peer, a.key))
 
     def learn(self, peer: str, keys: Iterable[int]) -> None:
         keys = frozenset(keys)
@@ -117,17 +120,22 @@ class PeerAdapters:
     def serves(self, peer: str, key: int) -> bool:
         return key in self._by_peer.get(peer, frozenset())
 
+    def holders(self, key: int) -> list[str]:
+        """The peers advertising ``key`` (in id order)."""
+        return sorted(p for p, keys in self._by_peer.items() if key in keys)
+
     def forget(self, peer: str) -> None:
         self._by_peer.pop(peer, None)
         self._names.pop(peer, None)
 
 
 def resolve(name: str, own: Mapping[str, Adapter], peers: PeerAdapters | None,
-            pin: str | None = None) -> Adapter:
-    """The adapter a request naming ``name`` (and pinning digest ``pin``) runs with (see the
-    module docstring); UnknownAdapter / AmbiguousAdapter otherwise."""
+            live: Container[str], pin: str | None = None) -> Adapter:
+    """The adapter a request naming ``name`` (and pinning digest ``pin``) runs with, here or
+    at one of the ``live`` peers (see the module docstring); UnknownAdapter /
+    AmbiguousAdapter otherwise."""
     mine = own.get(name)
-    mesh = set() if peers is None else peers.named(name)
+    mesh = set() if peers is None else peers.named(name, live)
     if pin is not None:
         key = int(pin[:16], 16)
         match = [a for a in ([mine] if mine else []) + sorted(mesh, key=_order) if a.key == key]

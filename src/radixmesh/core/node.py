@@ -234,12 +234,13 @@ class NodeCore:
                 ) -> Adapter:
         """The adapter a request naming ``name`` runs with, here or at a peer
         (core/adapters.py ``resolve``: UnknownAdapter, AmbiguousAdapter)."""
-        return resolve(name, own, self._parts.gossip.dissemination.adapters, pin)
+        gossip = self._parts.gossip
+        return resolve(name, own, gossip.dissemination.adapters, gossip.routable, pin)
 
     def adapter_names(self) -> set[str]:
-        """The adapter names peers serve now (learned from gossip)."""
+        """The adapter names live peers serve now (learned from gossip)."""
         known = self._parts.gossip.dissemination.adapters
-        return set() if known is None else known.names()
+        return set() if known is None else known.names(self._parts.gossip.routable)
 
     def available(self, peer: str, now: float) -> bool:
         """Whether ``peer`` may be routed to now (alive, reporting load, not pushed back)."""
