@@ -208,7 +208,8 @@ class Profile:
                 f"kv_blocks: {self.kv_blocks} blocks of {self.block_size} tokens hold less than "
                 f"one context of {self.context_length} tokens"
             )
-        unknown = sorted(set(self.citations) - set(COEFFICIENTS) - set(CAPACITIES))
+        known = {*COEFFICIENTS, *CAPACITIES, "lora_load_s"}
+        unknown = sorted(set(self.citations) - known)
         if unknown:
             raise ValueError(f"citations: unknown fields {', '.join(unknown)}")
 

@@ -92,7 +92,9 @@ class Routing:
         # a node without the adapter ranks every holder, matched or not
         ranked = self._candidates(event, now, () if here else self._adapters.holders(key))
         serves = self._adapters.serves
-        return [c for c in ranked if (here if c.is_self else serves(c.node_id, key))]
+        kept = [c for c in ranked if (here if c.is_self else serves(c.node_id, key))]
+        # no alternative here: a holder has nothing to beat (it refuses only when full)
+        return kept if here else [replace(c, beat_s=None) for c in kept]
 
     def _candidates(self, event: RequestArrived, now: float, also: Sequence[str] = ()
                     ) -> list[Candidate]:

@@ -110,7 +110,8 @@ class EngineLoop:
         self._aborts: set[int] = set()
         self._ids = itertools.count(1)
         self._wake = asyncio.Event()
-        self._resident: dict[str, None] = {}  # LoRA adapters loaded, least recent first
+        # LoRA adapters loaded, least recent first: the first slots' worth at start
+        self._resident = dict.fromkeys(profile.adapters[:profile.lora_slots])
 
     def _new_scheduler(self) -> Scheduler:
         return Scheduler(self.profile.scheduler_config(hash_seed=ENGINE_SEED))
