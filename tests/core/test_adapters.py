@@ -151,3 +151,15 @@ def test_gossip_carries_adapter_names_and_refuses_bad_ones() -> None:
     for bad in ([["sql-lora"]], [[3, DIGEST_A]], [["a b", DIGEST_A]], "x"):
         with pytest.raises(RemoteProtocolError, match="adapter_names"):
             codec.decode(msgpack.packb([*msgpack.unpackb(codec.encode(msg))[:20], bad]))
+
+
+def test_a_profile_prices_loading_a_cold_adapter() -> None:
+    from radixmesh.core.profile import Profile, dumps, resolve
+
+    base = resolve("h100-llama3-8b")
+    p = replace(base, adapters=("a",), lora_slots=2, lora_load_s=0.5,
+                citations={**base.citations, "lora_load_s": "LoRAX issue #433"})
+    assert Profile.loads(dumps(p)) == p
+    for bad in ("lora_slots = -1", "lora_slots = 1.5", 'lora_load_s = "x"'):
+        with pytest.raises(ValueError, match="lora"):
+            Profile.loads(bad + "\n" + dumps(base))
