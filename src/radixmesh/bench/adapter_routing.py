@@ -133,6 +133,7 @@ async def run(aware: bool, args: argparse.Namespace) -> dict[str, Any]:
         "routing": "aware" if aware else "blind", "nodes": args.nodes,
         "adapters": args.adapters, "requests": len(results),
         "hit_rate": round(sum(r[2] for r in results) / sum(r[1] for r in results), 3),
+        "ttft_mean_s": round(float(ttft.mean()), 4),
         "ttft_p50_s": round(float(np.median(ttft)), 4),
         "ttft_p90_s": round(float(np.percentile(ttft, 90)), 4),
         "adapter_loads": loads,
