@@ -40,6 +40,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from radixmesh.bench.cluster import _stretched_timeouts
 from radixmesh.bench.sidechannel import _subscribed, _until
 from radixmesh.core.profile import Profile, resolve
 from radixmesh.emulate.server import EmulatedEngine
@@ -82,7 +83,7 @@ async def mesh(profile: str, names: Sequence[str], aware: bool, n: int, scale: f
                 peers=tuple(f"127.0.0.1:{p}" for p in ports[:i][-3:]), engine="vllm",
                 engine_url=eng.url, kv_events=eng.kv_endpoint, kv_replay=eng.replay_endpoint,
                 model="emulated", policy="cost", cache_tokens=eng.profile.kv_blocks
-                * eng.profile.block_size,
+                * eng.profile.block_size, **_stretched_timeouts(scale),
                 adapters=",".join(f"{a}={digest(a)}" for a in served[i]))
             service = build_external_service(cfg, tokenizer=ByteTokenizer())
             await stack.enter_async_context(serving(service, ports[i]))
