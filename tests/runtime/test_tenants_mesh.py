@@ -311,3 +311,13 @@ def test_adapters_flag_reads_digests_and_folders(tmp_path: Path) -> None:
     for bad in ("sql-lora", f"x={tmp_path / 'missing'}", f"a={DIGEST_A},a={DIGEST_B}"):
         with pytest.raises(ValueError):
             load_adapters(bad)
+
+
+def test_a_forward_carries_beat_s_within_the_protocols_bound() -> None:
+    """A local prediction past an hour (a stalled engine at a large time scale) is clamped,
+    not a 500 when the forward is built; one that is not finite sets no condition."""
+    from radixmesh.runtime.execution import _wire_beat
+
+    assert _wire_beat(5000.0) == 3600.0 and _wire_beat(-5000.0) == -3600.0
+    assert _wire_beat(float("inf")) is None and _wire_beat(float("nan")) is None
+    assert _wire_beat(None) is None and _wire_beat(1.2345678) == 1.234568
