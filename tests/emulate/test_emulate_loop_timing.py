@@ -88,3 +88,29 @@ def test_scale_zero_runs_as_fast_as_it_can_and_a_delay_adds_to_every_step() -> N
 def test_a_negative_scale_is_refused() -> None:
     with pytest.raises(ValueError, match="time_scale"):
         EngineLoop(resolve("h100-llama3-8b"), faults=Faults(), time_scale=-1.0)
+
+
+def test_a_cold_lora_adapter_stalls_its_step_for_the_profiles_load_time() -> None:
+    """One slot, two adapters: the resident one (the first listed) runs at the profile's
+    speed; the other first waits lora_load_s × scale, and then evicts the first."""
+    from dataclasses import replace
+
+    base = resolve("h100-llama3-8b")
+    prof = replace(base, adapters=("a", "b"), lora_slots=1, lora_load_s=0.5,
+                   citations={**base.citations, "lora_load_s": "test"})
+
+    async def main() -> list[float]:
+        clock = VirtualClock()
+        loop = EngineLoop(prof, faults=Faults(), time_scale=2.0, clock=clock, sleep=clock.sleep)
+        sink: Sink = asyncio.Queue()
+        extra = []
+        for lora in ("a", "b", "b", "a"):
+            loop.submit(list(range(40, 140)), 1, frozenset(), sink, 0, lora=lora)
+            step = await loop.step_once()
+            extra.append(loop.counters.last_planned_s[-1] - loop.planned_s(step))
+        assert loop.counters.lora_loads == 2
+        return extra
+
+    assert asyncio.run(main()) == pytest.approx([0.0, 1.0, 0.0, 1.0])
+    with pytest.raises(ValueError, match="citation"):
+        replace(base, lora_slots=1, lora_load_s=0.5)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 import uvicorn
-from tests.runtime.test_external_mesh import LIMIT_S, PREFIX, complete, node, subscribed
+from test_external_mesh import LIMIT_S, PREFIX, complete, node, subscribed
 
 from radixmesh.emulate.fake import FakeEngine
 from radixmesh.engine.tokenizers import ByteTokenizer

@@ -206,26 +206,29 @@ def test_an_engine_that_does_not_isolate_refuses_a_namespace(tmp_path: Path) -> 
     asyncio.run(scenario())
 
 
-DIGEST_A, DIGEST_B = "a" * 64, "b" * 64
+DIGEST_A, DIGEST_B, DIGEST_C = "a" * 64, "b" * 64, "c" * 64
 
 
 def test_an_adapter_is_known_by_its_digest_and_its_kv_is_its_own(poll: Poll, tmp_path: Path
                                                                   ) -> None:
     """Both engines serve "sql-lora", node 2 with other weights: node 1 never sends its
     sql-lora requests there; its own sql-lora KV is indexed under the adapter and reused by
-    sql-lora only; an unknown model is a 404 naming it; /v1/models lists the adapter."""
+    sql-lora only; an unknown model is a 404 naming it; /v1/models lists the adapter.
+    Node 2 alone serves chat-lora: node 1 forwards chat-lora requests to it, and node 2
+    forwards sql-lora requests pinned to node 1's digest there."""
     keys_file = tmp_path / "keys.txt"
     keys_file.write_text("".join(f"{k} {t}\n" for t, k in KEYS.items()))
 
     async def scenario() -> None:
         fake1 = FakeEngine(cache_tokens=4096, adapters=("sql-lora",))
-        fake2 = FakeEngine(cache_tokens=4096, adapters=("sql-lora",))
+        fake2 = FakeEngine(cache_tokens=4096, adapters=("sql-lora", "chat-lora"))
         await fake1.start()
         await fake2.start()
         p1, p2 = free_port(), free_port()
         try:
             async with (node(fake1, "node-1", p1, p2, keys_file, f"sql-lora={DIGEST_A}") as n1,
-                        node(fake2, "node-2", p2, p1, keys_file, f"sql-lora={DIGEST_B}") as n2,
+                        node(fake2, "node-2", p2, p1, keys_file,
+                             f"sql-lora={DIGEST_B},chat-lora={DIGEST_C}") as n2,
                         aiohttp.ClientSession() as http):
                 await poll.until_async(lambda: n1.peer_states() == {"node-2": "alive"}
                                        and n2.peer_states() == {"node-1": "alive"},
@@ -233,6 +236,7 @@ def test_an_adapter_is_known_by_its_digest_and_its_kv_is_its_own(poll: Poll, tmp
                 await subscribed(poll, n1, fake1)
                 await subscribed(poll, n2, fake2)
                 await _adapters(poll, http, n1, n2, p1, p2)
+                await _forwarded_adapters(poll, http, n1, p1, p2)
         finally:
             await fake1.stop()
             await fake2.stop()
@@ -271,6 +275,25 @@ async def _adapters(poll: Poll, http: aiohttp.ClientSession, n1: NodeService,
     assert listed["sql-lora"]["digest"] == DIGEST_A
 
 
+async def _forwarded_adapters(poll: Poll, http: aiohttp.ClientSession, n1: NodeService,
+                              p1: int, p2: int) -> None:
+    op = OPERATOR
+    await poll.until_async(lambda: "chat-lora" in n1.core.adapter_names(), "the adverts",
+                           LIMIT_S)
+    status, headers, body = await complete(http, p1, PREFIX + "C1?", op, model="chat-lora")
+    assert status == 200 and headers["x-radixmesh-served-by"] == "node-2", (headers, body)
+    pin = {"x-radixmesh-adapter-digest": f"sha256:{DIGEST_A}"}
+    status, headers, body = await complete(http, p2, PREFIX + "C2?", op, model="sql-lora",
+                                           headers=pin)
+    assert status == 200 and headers["x-radixmesh-served-by"] == "node-1", (headers, body)
+    status, _, body = await complete(http, p1, "hi", op, model="sql-lora",
+                                     headers={"x-radixmesh-adapter-digest": "zz"})
+    assert status == 400 and "x-radixmesh-adapter-digest" in body["error"]["message"]
+    status, _, body = await complete(http, p1, "hi", op, model="chat-lora",
+                                     headers={"x-radixmesh-adapter-digest": "d" * 64})
+    assert status == 404 and "chat-lora" in body["error"]["message"]
+
+
 def test_adapters_flag_reads_digests_and_folders(tmp_path: Path) -> None:
     import pytest
 
@@ -288,3 +311,13 @@ def test_adapters_flag_reads_digests_and_folders(tmp_path: Path) -> None:
     for bad in ("sql-lora", f"x={tmp_path / 'missing'}", f"a={DIGEST_A},a={DIGEST_B}"):
         with pytest.raises(ValueError):
             load_adapters(bad)
+
+
+def test_a_forward_carries_beat_s_within_the_protocols_bound() -> None:
+    """A local prediction past an hour (a stalled engine at a large time scale) is clamped,
+    not a 500 when the forward is built; one that is not finite sets no condition."""
+    from radixmesh.runtime.execution import _wire_beat
+
+    assert _wire_beat(5000.0) == 3600.0 and _wire_beat(-5000.0) == -3600.0
+    assert _wire_beat(float("inf")) is None and _wire_beat(float("nan")) is None
+    assert _wire_beat(None) is None and _wire_beat(1.2345678) == 1.234568

@@ -16,6 +16,7 @@ that: the node counts it and drops the message, it never crashes and never touch
 
 This module holds gossip and the checked low-level readers (``_int``, ``_float``, ``_text``,
 ...); :mod:`forward_codec` encodes forwarded requests and their replies with the same readers.
+(Just over 400 lines: gossip's fields and their checked readers stay together.)
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any, TypeVar
 
 import msgpack
 
-from radixmesh.core.adapters import MAX_ADAPTERS
+from radixmesh.core.adapters import MAX_ADAPTERS, Adapter, adapters_from_wire
 from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.estimators import SpeedReport
 from radixmesh.core.messages import (
@@ -115,6 +116,7 @@ class Codec:
             msg.reply,
             pack_hashes(msg.sessions) if msg.sessions else None,
             pack_hashes(msg.adapters) if msg.adapters else None,
+            [[a.name, a.digest] for a in msg.adapter_names] or None,
         ]
         return bytes(msgpack.packb(fields, use_bin_type=True))
 
@@ -226,7 +228,7 @@ class _Parser:
         self.hash_budget = limits.max_hashes
 
     def gossip(self, raw: Any) -> Gossip:
-        f = _array(raw, 20, "message")
+        f = _array(raw, 21, "message")
         if _int(f[0], "protocol version") != PROTOCOL_VERSION:
             raise RemoteProtocolError(f"unsupported protocol version {f[0]}", "version")
         if _int(f[1], "kind") != KIND_GOSSIP:
@@ -251,7 +253,14 @@ class _Parser:
             reply=_bool(f[17], "reply"),
             sessions=() if f[18] is None else self.keys(f[18], MAX_GOSSIP_SESSIONS, "sessions"),
             adapters=() if f[19] is None else self.keys(f[19], MAX_ADAPTERS, "adapters"),
+            adapter_names=() if f[20] is None else self.adapter_names(f[20]),
         )
+
+    def adapter_names(self, raw: Any) -> tuple[Adapter, ...]:
+        try:
+            return adapters_from_wire(raw)
+        except ValueError as exc:
+            raise RemoteProtocolError(f"adapter_names: {exc}") from None
 
     def keys(self, raw: Any, limit: int, what: str) -> tuple[int, ...]:
         """A packed set of at most ``limit`` 64-bit keys (session ids, adapter keys)."""

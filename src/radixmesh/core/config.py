@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from radixmesh.core.adapters import Adapter
 from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.estimators import CostPriors
 from radixmesh.core.router_config import RouterConfig
@@ -261,7 +262,7 @@ class NodeConfig:
     join: JoinConfig = field(default_factory=JoinConfig)  # seeds: backoff, bound
     decision_log: int = 0  # routing decisions kept to explain them (core/decisions.py); 0: none
     sessions: SessionConfig = field(default_factory=SessionConfig)  # core/sessions.py
-    adapters: tuple[int, ...] = ()  # keys of the LoRA adapters this node serves (advertised)
+    adapters: tuple[Adapter, ...] = ()  # the LoRA adapters this node serves (advertised)
 
     def __post_init__(self) -> None:
         if not self.node_id or len(self.node_id) > 128:

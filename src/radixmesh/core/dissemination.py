@@ -155,7 +155,8 @@ class Disseminator:
             relays=self._relays(est, now),  # evaluated last: rng draws stay in this order
             reply=reply,
             sessions=() if self.sessions is None else self.sessions.recent(now),
-            adapters=self.config.adapters,
+            adapters=tuple(a.key for a in self.config.adapters),
+            adapter_names=() if known else self.config.adapters,
         )
 
     def _relays(self, est: Estimate | None, now: float) -> tuple[NodeState, ...]:
@@ -230,6 +231,8 @@ class Disseminator:
             self.sessions.learn(msg.sender, msg.sessions, now)
         if self.adapters is not None:
             self.adapters.learn(msg.sender, msg.adapters)
+            if msg.address is not None:  # (its identity: the names come with it)
+                self.adapters.learn_names(msg.sender, msg.adapter_names)
         if newest:
             self._apply_ack(est, msg.ack, now)
             if msg.digest:

@@ -333,7 +333,8 @@ class RefuseForward:
 
 @dataclass(frozen=True, slots=True)
 class RejectRequest:
-    """This node is full and no peer took ``rid``: answer "overloaded, retry after"."""
+    """This node is full (or lacks the adapter ``rid`` names) and no peer took ``rid``:
+    answer "overloaded, retry after"."""
 
     rid: int
     retry_after_s: float

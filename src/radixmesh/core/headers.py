@@ -18,6 +18,7 @@ from __future__ import annotations
 HEADER_HOP = "x-radixmesh-hop"  # already forwarded once: execute here (hop limit 1)
 HEADER_TARGET = "x-radixmesh-target"  # experiments: forward to this peer id (fallbacks apply)
 HEADER_SESSION = "x-session-id"  # a session key, as prompt_cache_key (core/sessions.py)
+HEADER_ADAPTER_DIGEST = "x-radixmesh-adapter-digest"  # pins an adapter's digest (adapters.py)
 
 # Responses of a node to its client.
 HEADER_NODE = "x-radixmesh-node"  # the entry node that answered the client

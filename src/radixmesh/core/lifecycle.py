@@ -8,7 +8,7 @@ actions; every decision — which peer next, when to give up on peers, the route
 the answer continues after a peer died mid-stream — is taken here, once::
 
                     RequestArrived
-                          │ route: ranked candidates (self always listed)
+                          │ route: ranked candidates (self listed unless it lacks the adapter)
                           ▼
       ┌────────────── next try ◀────────────── ForwardRefused / ForwardFailed (not accepted)
       │ peer, attempts < max          │ self, or attempts used up
@@ -273,6 +273,8 @@ class Lifecycle:
                 continue
             return self._forward(flight, cand, address)
         if flight.full_for_s is not None and not flight.last_resort_local:
+            return self._reject(flight)
+        if not any(c.is_self for c in cands):  # not runnable here (an adapter it lacks)
             return self._reject(flight)
         return self._local(flight, 0)
 

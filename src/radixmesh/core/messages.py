@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from radixmesh.core.adapters import Adapter
 from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.estimators import SpeedReport
 from radixmesh.core.shadow_state import BatchState
@@ -38,7 +39,8 @@ from radixmesh.core.shadow_state import BatchState
 MAX_NAMESPACE_CHARS = 256
 # 2: Load.speed_measured_at; 3: address and fingerprint on first contact only, utilization in
 # whole percent (gossip under 1 KB/s per node: docs/benchmarks.md); ForwardRequest namespace,
-# session and adapter; Gossip.sessions and adapters; Load.batch (a batching engine's state)
+# session and adapter; Gossip.sessions, adapters and adapter_names; Load.batch (a batching
+# engine's state)
 PROTOCOL_VERSION = 3
 
 
@@ -164,6 +166,8 @@ class Gossip:
     reply: bool = False  # the sender asks for an immediate answer (join, push-pull)
     sessions: tuple[int, ...] = ()  # session ids the sender served lately (core/sessions.py)
     adapters: tuple[int, ...] = ()  # keys of the LoRA adapters it serves (core/adapters.py)
+    # their served names and digests: sent with the identity (see ``address``)
+    adapter_names: tuple[Adapter, ...] = ()
 
 
 Message = Gossip

@@ -46,10 +46,11 @@ across nodes (push-back durations and RTT echoes are relative). Randomness comes
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from random import Random  # the type only: instances are passed in, never the global one
 from typing import Any
 
+from radixmesh.core.adapters import Adapter, resolve
 from radixmesh.core.config import NodeConfig
 from radixmesh.core.cost_model import Candidate, Tag
 from radixmesh.core.decisions import DecisionLog
@@ -241,6 +242,18 @@ class NodeCore:
         """Rank self and the available peers for one request (``Routing.route``)."""
         return self._parts.routing.route(hashes, prompt_tokens, local_cached_tokens,
                                          max_tokens, now, observe, request)
+
+    def adapter(self, name: str, own: Mapping[str, Adapter], pin: str | None = None
+                ) -> Adapter:
+        """The adapter a request naming ``name`` runs with, here or at a peer
+        (core/adapters.py ``resolve``: UnknownAdapter, AmbiguousAdapter)."""
+        gossip = self._parts.gossip
+        return resolve(name, own, gossip.dissemination.adapters, gossip.routable, pin)
+
+    def adapter_names(self) -> set[str]:
+        """The adapter names live peers serve now (learned from gossip)."""
+        known = self._parts.gossip.dissemination.adapters
+        return set() if known is None else known.names(self._parts.gossip.routable)
 
     def available(self, peer: str, now: float) -> bool:
         """Whether ``peer`` may be routed to now (alive, reporting load, not pushed back)."""

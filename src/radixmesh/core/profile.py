@@ -49,6 +49,9 @@ File format (TOML, flat; every time in seconds)::
 
     [[adapters]]               # optional: LoRA adapters the emulated engine serves, by name
     name = "sql-lora"
+    # optional: at most lora_slots adapters resident (vLLM's --max-loras); a step that needs
+    # another first loads it for lora_load_s (cited: citations.lora_load_s), LRU eviction.
+    # 0 slots (the default): every adapter resident, never a load
 
 Every step-time coefficient must carry a citation (a published figure, or ``derived: ...`` saying
 from which figure and by what ratio). Loading rejects a missing field, an unknown key, a wrong
@@ -178,6 +181,9 @@ class Profile:
     citations: Mapping[str, str] = field(default_factory=dict)
     checks: tuple[Check, ...] = ()
     adapters: tuple[str, ...] = ()  # LoRA adapters served by name (the emulated engine)
+    lora_slots: int = 0  # adapters resident at once (0: all, never loaded)
+    lora_load_s: float = 0.0  # loading a cold adapter stalls its step this long
+
 
     def __post_init__(self) -> None:
         for name in COEFFICIENTS:
@@ -186,6 +192,10 @@ class Profile:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
             if name not in self.citations:
                 raise ValueError(f"{name} has no citation (citations.{name})")
+        if self.lora_slots < 0 or not 0 <= self.lora_load_s < math.inf:
+            raise ValueError("lora_slots and lora_load_s must be >= 0")
+        if self.lora_load_s and "lora_load_s" not in self.citations:
+            raise ValueError("lora_load_s has no citation (citations.lora_load_s)")
         if self.step_base_s <= 0:
             raise ValueError("step_base_s must be > 0 (every step has a fixed cost)")
         for name in CAPACITIES:
@@ -198,7 +208,8 @@ class Profile:
                 f"kv_blocks: {self.kv_blocks} blocks of {self.block_size} tokens hold less than "
                 f"one context of {self.context_length} tokens"
             )
-        unknown = sorted(set(self.citations) - set(COEFFICIENTS) - set(CAPACITIES))
+        known = {*COEFFICIENTS, *CAPACITIES, "lora_load_s"}
+        unknown = sorted(set(self.citations) - known)
         if unknown:
             raise ValueError(f"citations: unknown fields {', '.join(unknown)}")
 
@@ -277,6 +288,9 @@ class Profile:
             kwargs[name] = _typed(name, data[name])
         kwargs["citations"] = _citations(data.get("citations", {}))
         kwargs["checks"] = tuple(_check(c) for c in _table_list(data.get("checks", [])))
+        for name in ("lora_slots", "lora_load_s"):
+            if name in data:
+                kwargs[name] = _typed(name, data[name])
         kwargs["adapters"] = tuple(_adapter(a) for a in _table_list(data.get("adapters", []),
                                                                     "adapters"))
         return cls(**kwargs)
@@ -306,7 +320,7 @@ def _typed(name: str, value: object) -> object:
         if not isinstance(value, bool):
             raise ValueError("derived must be true or false")
         return value
-    if name in CAPACITIES:
+    if name in (*CAPACITIES, "lora_slots"):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{name} must be an integer, got {value!r}")
         return value
@@ -364,6 +378,8 @@ def dumps(profile: Profile) -> str:
     data = profile.to_dict()
     lines = [f"{key} = {_value(data[key])}" for key in (*TEXTS, "derived", *COEFFICIENTS)]
     lines += [f"{key} = {_value(data[key])}" for key in CAPACITIES]
+    lines += [f"{key} = {_value(data[key])}" for key in ("lora_slots", "lora_load_s")
+              if data[key]]
     lines += ["", "[citations]"]
     lines += [f"{key} = {_value(text)}" for key, text in data["citations"].items()]
     for check in data["checks"]:

@@ -82,15 +82,22 @@ class Routing:
         self._adapters = adapters
 
     def candidates(self, event: RequestArrived, now: float) -> list[Candidate]:
-        """Where to try the request, best first (self always listed); with an adapter, only
-        the peers that advertise it (a hard constraint, core/adapters.py)."""
-        ranked = self._candidates(event, now)
-        if event.adapter is None or self._adapters is None:
-            return ranked
+        """Where to try the request, best first (self listed); with an adapter, only the
+        nodes that serve it (a hard constraint, core/adapters.py): not even self if it does
+        not (the lifecycle then refuses the request once no holder took it)."""
+        key = event.adapter
+        if key is None or self._adapters is None:
+            return self._candidates(event, now)
+        here = any(a.key == key for a in self._config.adapters)
+        # a node without the adapter ranks every holder, matched or not
+        ranked = self._candidates(event, now, () if here else self._adapters.holders(key))
         serves = self._adapters.serves
-        return [c for c in ranked if c.is_self or serves(c.node_id, event.adapter)]
+        kept = [c for c in ranked if (here if c.is_self else serves(c.node_id, key))]
+        # no alternative here: a holder has nothing to beat (it refuses only when full)
+        return kept if here else [replace(c, beat_s=None) for c in kept]
 
-    def _candidates(self, event: RequestArrived, now: float) -> list[Candidate]:
+    def _candidates(self, event: RequestArrived, now: float, also: Sequence[str] = ()
+                    ) -> list[Candidate]:
         me = Candidate(self._config.node_id, True, event.local_cached, 0.0)
         here = self._config.node_id
         # hop-limited, or sampling the forward protocol cannot carry: only here
@@ -104,7 +111,7 @@ class Routing:
         fresh = self._lifecycle.get(event.rid) is None  # not a re-ranking after a refusal
         ranked = self.route(
             event.hashes, event.prompt_tokens, event.local_cached, event.max_tokens, now,
-            observe=fresh, request=event.rid,
+            observe=fresh, request=event.rid, also=also,
         )
         if event.session is None or self._sessions is None:
             return ranked
@@ -122,17 +129,19 @@ class Routing:
         now: float,
         observe: bool = False,
         request: int | None = None,
+        also: Sequence[str] = (),
     ) -> list[Candidate]:
         """Rank self and the available peers for one request (head = choice); ``observe``:
         count the request in its prefix's rate (its first ranking, not a re-ranking);
-        ``request``: its number here, to keep the decision in the decision log."""
+        ``request``: its number here, to keep the decision in the decision log; ``also``:
+        peers to consider whatever they hold (an adapter's holders)."""
         bump(self._metrics, "routes")
         req = RouteInput(prompt_tokens, max_tokens)
         policy = self._config.router.policy
         nodes = [self._own.self_info(local_cached_tokens, now)]
         placed = None
         if policy is not Policy.NONE:
-            nodes.extend(self.peer_infos(hashes, prompt_tokens, policy, now))
+            nodes.extend(self.peer_infos(hashes, prompt_tokens, policy, now, also))
             if policy is Policy.COST:
                 placed = self._placer.place(hashes, req, nodes, now, observe)
         placement, key = placed if placed is not None else (None, None)
@@ -162,7 +171,8 @@ class Routing:
             ranked[0] = replace(head, rent_key=key)
 
     def peer_infos(
-        self, hashes: Sequence[int], prompt_tokens: int, policy: Policy, now: float
+        self, hashes: Sequence[int], prompt_tokens: int, policy: Policy, now: float,
+        also: Sequence[str] = (),
     ) -> list[NodeInfo]:
         """The peers the policy considers for the request, as the router sees them."""
         if policy in (Policy.PAPER, Policy.COST):
@@ -172,6 +182,7 @@ class Routing:
             if policy is Policy.COST:
                 self._in_flight_blocks(hashes, matched, ids, skip)
                 ids.extend(p for p in self._peers.least_loaded(now) if p not in matched)
+            ids.extend(p for p in also if p not in ids and p not in skip)
         else:  # baselines consider every node anyway
             matched = self._view.match(hashes)
             ids = list(self._gossip.routable)

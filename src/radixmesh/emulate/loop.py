@@ -64,6 +64,7 @@ class Tracked:
     sink: Sink
     index: int  # its choice index in the HTTP answer
     head: tuple[int, ...] = ()  # its cache_salt's virtual block (core/blocks.namespace_block)
+    lora: str | None = None  # the LoRA adapter it runs with
 
 
 def _spelled(tracked: Tracked) -> Sequence[int]:
@@ -85,6 +86,7 @@ class LoopCounters:
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache (vLLM's queries)
     prefix_hits: int = 0  # of which found cached
     peak_in_flight: int = 0
+    lora_loads: int = 0  # cold adapters loaded (profile lora_slots / lora_load_s)
     last_planned_s: list[float] = field(default_factory=list)  # the last few steps' plans
 
 
@@ -108,6 +110,8 @@ class EngineLoop:
         self._aborts: set[int] = set()
         self._ids = itertools.count(1)
         self._wake = asyncio.Event()
+        # LoRA adapters loaded, least recent first: the first slots' worth at start
+        self._resident = dict.fromkeys(profile.adapters[:profile.lora_slots])
 
     def _new_scheduler(self) -> Scheduler:
         return Scheduler(self.profile.scheduler_config(hash_seed=ENGINE_SEED))
@@ -137,7 +141,7 @@ class EngineLoop:
             head = namespace_block(namespace, self.profile.block_size)
             if self.events is not None:
                 self.events.note_salt(cache_salt, head, lora)
-        self._live[seq] = Tracked(list(prompt), len(prompt), stop_ids, sink, index, head)
+        self._live[seq] = Tracked(list(prompt), len(prompt), stop_ids, sink, index, head, lora)
         self.counters.requests += 1
         self.counters.peak_in_flight = max(self.counters.peak_in_flight, len(self._live))
         self._wake.set()
@@ -194,7 +198,7 @@ class EngineLoop:
         if step.empty:
             await self._sleep(IDLE_POLL_S)
             return step
-        planned = self.planned_s(step)
+        planned = self.planned_s(step) + self._load_loras(step)
         await self._sleep(max(start + planned - self._clock(), 0.0))
         if sched is not self.scheduler:
             return step  # restarted while the step ran: it never happened
@@ -215,6 +219,24 @@ class EngineLoop:
         """How long ``step`` lasts: the profile's step time × the time scale (+ a fault's
         extra delay)."""
         return self.profile.step_s(step) * self.time_scale + self.faults.token_delay_s
+
+    def _load_loras(self, step: Step) -> float:
+        """The step first loads the cold adapters its sequences need (as vLLM's LRU of
+        ``--max-loras`` GPU slots): ``lora_load_s`` × the time scale each."""
+        slots, cost = self.profile.lora_slots, 0.0
+        if not slots:
+            return 0.0
+        seqs = [c.seq for c in step.prefills] + [d.seq for d in step.decodes]
+        for lora in dict.fromkeys(t.lora for s in seqs if (t := self._live.get(s)) and t.lora):
+            assert lora is not None
+            if lora not in self._resident:
+                cost += self.profile.lora_load_s * self.time_scale
+                self.counters.lora_loads += 1
+            self._resident.pop(lora, None)
+            self._resident[lora] = None
+            while len(self._resident) > slots:
+                del self._resident[next(iter(self._resident))]
+        return cost
 
     def _account(self, planned: float, start: float) -> None:
         c = self.counters

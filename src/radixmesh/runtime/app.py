@@ -57,11 +57,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from radixmesh.core.adapters import Adapter
+from radixmesh.core.adapters import Adapter, AmbiguousAdapter, UnknownAdapter, given_digest
 from radixmesh.core.auth import AuthError
 from radixmesh.core.codec import RemoteProtocolError
 from radixmesh.core.forward_codec import decode_forward_request, decode_link_open
 from radixmesh.core.headers import (
+    HEADER_ADAPTER_DIGEST,
     HEADER_CACHED,
     HEADER_EXPECTED,
     HEADER_FROM,
@@ -378,10 +379,11 @@ class _Sample:
 async def _generate(request: Request, service: NodeService, models: Sequence[str],
                     body: CompletionRequest | ChatRequest) -> Response:
     try:
-        api = (parse_completion(body, models) if isinstance(body, CompletionRequest)
-               else parse_chat(body, models))
+        known = [*models, *sorted(service.core.adapter_names().difference(models))]
+        api = (parse_completion(body, known) if isinstance(body, CompletionRequest)
+               else parse_chat(body, known))
         _check_engine(service, api)
-        adapter = service.adapters.get(api.model)  # (an unknown model was a 404 already)
+        adapter = _adapter(request, service, api.model)
         namespace, session = _namespace(request, service, api, adapter)
         prompts = _tokenize(service, api)
         samples = await _start(request, service, api, prompts, namespace, session, adapter)
@@ -418,6 +420,26 @@ def _check_engine(service: NodeService, api: ApiRequest) -> None:
     if api.max_tokens == 0 and api.n > 1:
         raise ApiError("'n' must be 1 with max_tokens 0 (the samples would be identical).",
                        param="n", code="unsupported_value")
+
+
+def _adapter(request: Request, service: NodeService, model: str) -> Adapter | None:
+    """The adapter ``model`` names, served here or by a peer (core/adapters.py ``resolve``;
+    None: the base model): 404 when no node serves it, 409 when peers serve different weights
+    under the name and the request pins no digest (``x-radixmesh-adapter-digest``)."""
+    raw = request.headers.get(HEADER_ADAPTER_DIGEST)
+    pin = None if raw is None else given_digest(raw.strip().lower())
+    if raw is not None and pin is None:
+        raise ApiError(f"{HEADER_ADAPTER_DIGEST} must be 16-64 hex digits (sha256:HEX or HEX).",
+                       param=HEADER_ADAPTER_DIGEST, code="invalid_value")
+    if model == service.engine.model_name and pin is None:
+        return None
+    try:
+        return service.core.adapter(model, service.adapters, pin)
+    except UnknownAdapter as exc:
+        raise ApiError(f"The model '{model}' does not exist: {exc}.", status=404,
+                       param="model", code="model_not_found") from None
+    except AmbiguousAdapter as exc:
+        raise ApiError(f"{exc}.", status=409, param="model", code="model_ambiguous") from None
 
 
 def _namespace(request: Request, service: NodeService, api: ApiRequest,

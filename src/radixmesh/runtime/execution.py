@@ -24,6 +24,7 @@ stops the engine or the peer's stream (``NodeService._ended``). Requests served 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
@@ -281,6 +282,15 @@ class LocalExecution(Execution):
 
 
 # ------------------------------------------------------------------------------ forward
+def _wire_beat(beat_s: float | None) -> float | None:
+    """``beat_s`` within the forward protocol's bound (an hour): a prediction past it (a
+    stalled or cold engine here, emulated at a large time scale) is clamped to it — any
+    peer predicted faster than an hour beats it; not finite: no condition."""
+    if beat_s is None or not math.isfinite(beat_s):
+        return None
+    return round(max(-3600.0, min(beat_s, 3600.0)), 6)
+
+
 def forward_request(ctx: RequestContext, beat_s: float | None, heartbeat_s: float
                     ) -> ForwardRequest:
     """The wire form of ``ctx``: it carries plain sampling only (penalties and
@@ -291,7 +301,7 @@ def forward_request(ctx: RequestContext, beat_s: float | None, heartbeat_s: floa
         raise ValueError("penalties and log-probabilities cannot be forwarded")
     return ForwardRequest(
         ctx.prompt, sp.max_tokens, sp.temperature, sp.top_p, sp.seed, sp.stop_token_ids,
-        ctx.stream, heartbeat_s, None if beat_s is None else round(beat_s, 6), ctx.namespace,
+        ctx.stream, heartbeat_s, _wire_beat(beat_s), ctx.namespace,
         ctx.session, None if ctx.adapter is None else ctx.adapter.digest,
     )
 

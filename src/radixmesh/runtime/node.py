@@ -215,7 +215,7 @@ class NodeService:
         """The core's configuration, with the adapters this node serves (``--adapters``)."""
         self.adapters = load_adapters(config.adapters)  # (tenants) served name -> Adapter
         return replace(config.node_config(fingerprint, self.incarnation),
-                       adapters=tuple(a.key for a in self.adapters.values()))
+                       adapters=tuple(self.adapters.values()))
 
     def _wire(self, config: ServeConfig, peers: PeerTransport | None) -> None:
         """The network side: emulation, peer authentication, client key, peer client."""
