@@ -541,13 +541,13 @@ def test_forward_succeeded_inserts_optimistically_and_measures_rtt() -> None:
     c.deliver("n0", RequestArrived(1, (11, 22, 33), 128, 0, 1, target="n1"))
     c.deliver("n0", ForwardAccepted(1, "n1", 0))
     assert not {11, 22, 33} & n0.estimate("n1")  # accepted is not answered yet
-    c.deliver("n0", RequestDone(1, forward_rtt_s=0.004))
+    c.deliver("n0", RequestDone(1, forward_overhead_s=0.004))
     assert {11, 22, 33} <= n0.estimate("n1")
     [peer] = n0.mesh_state(c.now)["peers"]  # type: ignore[misc]
     assert peer["rtt_measured"] is True
     assert n0.metrics()["requests_fallback"] == 0 and n0.metrics()["requests_forwarded"] == 1
     c.deliver("n0", RequestArrived(2, (1,), 128, 0, 1, target="ghost"))
-    c.deliver("n0", RequestDone(2, forward_rtt_s=0.004))  # served here: no insert for anyone
+    c.deliver("n0", RequestDone(2, forward_overhead_s=0.004))  # served here: no insert for anyone
     assert n0.estimate("ghost") == frozenset()
     assert n0.metrics()["requests_fallback"] == 1
 
@@ -583,7 +583,7 @@ def test_the_queue_waits_forwards_met_teach_the_error_of_that_peers_predictions(
     def forward(rid: int, waited: float) -> None:
         offer(c, rid, "n1")
         c.deliver("n0", ForwardAccepted(rid, "n1", 0))
-        c.deliver("n0", RequestDone(rid, forward_rtt_s=0.004, forward_queue_s=waited))
+        c.deliver("n0", RequestDone(rid, forward_overhead_s=0.004, forward_queue_s=waited))
 
     def error() -> float:
         [peer] = n0.mesh_state(c.now)["peers"]  # type: ignore[misc]
@@ -641,7 +641,7 @@ def test_the_waits_rented_forwards_met_at_the_holder_count_as_rent() -> None:
                 return rid - first
             assert isinstance(action, Forward) and action.peer_id == "n2"
             c.deliver("n0", ForwardAccepted(rid, "n2", 3200))
-            c.deliver("n0", RequestDone(rid, forward_rtt_s=0.004, forward_queue_s=waited))
+            c.deliver("n0", RequestDone(rid, forward_overhead_s=0.004, forward_queue_s=waited))
             assert n0.metrics()["forward_waits_rejected"] == 0
         raise AssertionError("never bought")
 
@@ -656,7 +656,7 @@ def test_the_waits_rented_forwards_met_at_the_holder_count_as_rent() -> None:
         [action] = c.deliver("n0", RequestArrived(rid, chain, 3200, 0, 1))
         assert isinstance(action, Forward) and action.peer_id == "n2"
         c.deliver("n0", ForwardAccepted(rid, "n2", 3200))
-        c.deliver("n0", RequestDone(rid, forward_rtt_s=0.004, forward_queue_s=0.0))
+        c.deliver("n0", RequestDone(rid, forward_overhead_s=0.004, forward_queue_s=0.0))
     c.deliver("n0", LoadChanged(0, 0, 0, 100_000))  # idle again; now the holder is busy
     assert forwards_until_bought(c, chain, 0.1, first=2000) <= busy + 1
 

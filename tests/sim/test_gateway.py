@@ -15,7 +15,7 @@ from radixmesh.sim import costs
 from radixmesh.sim.cluster import ClusterConfig
 from radixmesh.sim.gateway import CACHE_AWARE, CacheAwareGateway, GatewayConfig
 from radixmesh.sim.network import NetworkConfig
-from radixmesh.sim.runner import RunSpec, run
+from radixmesh.sim.runner import SimSpec, run
 from radixmesh.sim.sweep import parse_policies
 from radixmesh.sim.tokens import byte_tokenize
 from radixmesh.workload.request import Request
@@ -170,7 +170,7 @@ def _config(policy: str, **kw: object) -> ClusterConfig:
 
 def _simulate(policy: str, reqs: list[Request], **kw: object):  # type: ignore[no-untyped-def]
     tokenize, _ = byte_tokenize()
-    return run(RunSpec(name=policy, cluster=_config(policy, **kw)), reqs, tokenize)
+    return run(SimSpec(name=policy, cluster=_config(policy, **kw)), reqs, tokenize)
 
 
 def test_the_gateway_hop_costs_a_forward_each_way() -> None:

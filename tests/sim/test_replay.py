@@ -19,7 +19,7 @@ from radixmesh.core.router import Policy, RouterConfig
 from radixmesh.sim import replay
 from radixmesh.sim.cluster import ClusterConfig, SimCluster
 from radixmesh.sim.network import NetworkConfig, parse_regions
-from radixmesh.sim.runner import RunSpec, run
+from radixmesh.sim.runner import SimSpec, run
 from radixmesh.sim.sweep import batched_rate, cluster_cost, profile_costs
 from radixmesh.sim.tokens import byte_tokenize
 from radixmesh.workload import schedule
@@ -77,7 +77,7 @@ def _recorded_folder(tmp: Path, regions: bool) -> Path:
             network=NetworkConfig(delay_s=0.002, regions=names, region_delay_s=matrix), seed=3,
             tokenizer=tok_fp,
         )  # fmt: skip
-        res = run(RunSpec(policy, cfg, "rag", "uniform", "poisson"), reqs, tokenize)
+        res = run(SimSpec(policy, cfg, "rag", "uniform", "poisson"), reqs, tokenize)
         runs.append(res.summary | {
             "engine": "emulated", "profiles": MIX, "workload_kind": "rag", "seed": 3,
             "planned_requests": 60,

@@ -16,7 +16,7 @@ from radixmesh.sim import costs
 from radixmesh.sim.clock import EventLoop
 from radixmesh.sim.cluster import ClusterConfig
 from radixmesh.sim.compute import SharedCompute
-from radixmesh.sim.runner import RunSpec, run
+from radixmesh.sim.runner import SimSpec, run
 from radixmesh.sim.tokens import byte_tokenize
 from radixmesh.workload.request import Request
 
@@ -126,7 +126,7 @@ def _config(policy: str, **kw: object) -> ClusterConfig:
 
 def _simulate(policy: str, reqs: list[Request], clients: int, **kw: object):  # type: ignore[no-untyped-def]
     tokenize, _ = byte_tokenize()
-    spec = RunSpec(name=policy, cluster=_config(policy, **kw), concurrency=clients)
+    spec = SimSpec(name=policy, cluster=_config(policy, **kw), concurrency=clients)
     return run(spec, reqs, tokenize)
 
 

@@ -16,8 +16,8 @@ from radixmesh.results.records import Record
 from radixmesh.sim import costs
 from radixmesh.sim import engine as sim_engine
 from radixmesh.sim.cluster import ClusterConfig, SimCluster
-from radixmesh.sim.network import Fault, NetworkConfig, Partition
-from radixmesh.sim.runner import RunSpec, run
+from radixmesh.sim.network import Fault, NetworkConfig, PartitionWindow
+from radixmesh.sim.runner import SimSpec, run
 from radixmesh.sim.tokens import byte_tokenize, word_tokenize
 from radixmesh.workload import schedule
 from radixmesh.workload.request import Request
@@ -44,7 +44,7 @@ def simulate(policy: str, reqs: list[Request], **kw: object):  # type: ignore[no
     tokenize, _ = byte_tokenize()
     sched = str(kw.pop("schedule", "sequential"))
     return run(
-        RunSpec(name=policy, cluster=cluster_config(policy, **kw), schedule=sched), reqs, tokenize
+        SimSpec(name=policy, cluster=cluster_config(policy, **kw), schedule=sched), reqs, tokenize
     )
 
 
@@ -126,7 +126,7 @@ def test_a_turn_is_sent_only_once_the_last_one_finished(
     if sched == "poisson":
         reqs = schedule.poisson(reqs, 4, rate=500.0, seed=1)
     clients = 8 if sched == "sequential" else 1
-    spec = RunSpec("cost", cluster_config("cost"), schedule=sched, concurrency=clients)
+    spec = SimSpec("cost", cluster_config("cost"), schedule=sched, concurrency=clients)
     res = run(spec, reqs, byte_tokenize()[0])
     done = {r.id: r.t_done for r in res.records}
     assert len(done) == len(reqs) and res.summary["errors"] == 0
@@ -168,7 +168,7 @@ def test_crash_and_restart(make_reqs: Callable[..., list[Request]]) -> None:
     fault = Fault(node=1, crash_s=1.0, restart_s=3.0)
     cfg_net = NetworkConfig(faults=(fault,))
     tokenize, _ = byte_tokenize()
-    spec = RunSpec("cost", cluster_config("cost", network=cfg_net), schedule="poisson")
+    spec = SimSpec("cost", cluster_config("cost", network=cfg_net), schedule="poisson")
     timed = schedule.poisson(reqs, 4, rate=40.0, seed=2)
     res = run(spec, timed, tokenize)
     recs = res.records
@@ -203,7 +203,7 @@ def test_crash_marks_peer_suspect_then_dead_and_restart_replaces() -> None:
 
 
 def test_partition_blocks_gossip_both_ways() -> None:
-    part = Partition(0.0, 100.0, frozenset({0}))
+    part = PartitionWindow(0.0, 100.0, frozenset({0}))
     cl = SimCluster(cluster_config("paper", network=NetworkConfig(partitions=(part,))))
     cl.start()
     cl.schedule_faults(0.0)
@@ -226,8 +226,8 @@ def test_forward_to_partitioned_peer_falls_back(
         r.with_entry(3 if i < 8 else i % 3).with_time(0.1 * i if i < 8 else 0.95 + 0.02 * i)
         for i, r in enumerate(reqs)
     ]
-    part = Partition(1.0, 1000.0, frozenset({3}))
-    spec = RunSpec(
+    part = PartitionWindow(1.0, 1000.0, frozenset({3}))
+    spec = SimSpec(
         "paper",
         cluster_config("paper", network=NetworkConfig(partitions=(part,))),
         schedule="poisson",
@@ -266,7 +266,7 @@ def test_copies_of_prefixes_are_counted_from_the_truth_and_by_the_router(
     records: dict[str, list[Record]] = {}
 
     def go(policy: str) -> dict[str, object]:
-        spec = RunSpec(policy, cluster_config(policy, **kw), concurrency=8)
+        spec = SimSpec(policy, cluster_config(policy, **kw), concurrency=8)
         result = run(spec, reqs, tokenize)
         records[policy] = result.records
         return result.summary

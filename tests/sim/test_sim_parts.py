@@ -20,7 +20,7 @@ from radixmesh.sim.engine import SimEngine, SimRun
 from radixmesh.sim.network import (
     Network,
     NetworkConfig,
-    Partition,
+    PartitionWindow,
     parse_duration,
     parse_fault,
     parse_partition,
@@ -135,7 +135,7 @@ def test_network_delay_loss_partition() -> None:
             delay_s=0.01,
             jitter_s=0.002,
             loss=0.5,
-            partitions=(Partition(1.0, 2.0, frozenset({0})),),
+            partitions=(PartitionWindow(1.0, 2.0, frozenset({0})),),
         ),
         3,
         random.Random(0),
@@ -159,7 +159,7 @@ def test_network_draws_exactly_as_before() -> None:
     (``base + jitter * random()``), loss one per gossip, and nothing when either is off or a
     partition already decided."""
     cfg = NetworkConfig(delay_s=0.01, jitter_s=0.002, loss=0.25,
-                        partitions=(Partition(1.0, 2.0, frozenset({0})),))
+                        partitions=(PartitionWindow(1.0, 2.0, frozenset({0})),))
     net, mirror = Network(cfg, 3, random.Random(9)), random.Random(9)
     assert net.delay(0, 1) == 0.01 + 0.002 * mirror.random()
     lost = mirror.random() < 0.25  # the loss draw, then (delivered) the delay's
@@ -191,11 +191,11 @@ def test_network_regions_and_config_checks() -> None:
         with pytest.raises(ValueError):
             NetworkConfig(**bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
-        Partition(2.0, 1.0, frozenset({0}))
+        PartitionWindow(2.0, 1.0, frozenset({0}))
     with pytest.raises(ValueError):
-        Partition(0.0, 1.0, frozenset())
+        PartitionWindow(0.0, 1.0, frozenset())
     with pytest.raises(ValueError, match="outside"):
-        Network(NetworkConfig(partitions=(Partition(0.0, 1.0, frozenset({5})),)), 3,
+        Network(NetworkConfig(partitions=(PartitionWindow(0.0, 1.0, frozenset({5})),)), 3,
                 random.Random(0))
 
 

@@ -128,8 +128,8 @@ class RequestFlow:
         flight = self._lifecycle.done(event.rid, event.error)
         if flight.peer is None or event.error is not None:
             return []
-        if event.forward_rtt_s is not None:
-            self._forward_ok(flight.peer, flight.arrived.hashes, event.forward_rtt_s)
+        if event.forward_overhead_s is not None:
+            self._forward_ok(flight.peer, flight.arrived.hashes, event.forward_overhead_s)
         if event.forward_queue_s is not None:
             self._waited(flight, event.forward_queue_s, now)
         return []

@@ -14,7 +14,7 @@ so both paths run identical engine work. Figures (medians over ``--samples`` pai
 ``forward_added_ms``         client latency forwarded minus local
 ``forward_added_net_ms``     the same after subtracting each request's own engine queue+service
                              time (removes engine noise: what HTTP + relay actually add)
-``forward_overhead_node_ms`` n0's own measurement (``RequestDone.forward_rtt_s``): time to the
+``forward_overhead_node_ms`` n0's own measurement (``RequestDone.forward_overhead_s``): time to the
                              peer's result minus the peer's reported handling time
 ``forward_added_cpu_ms``     CPU time (both nodes, user + system) a forwarded request costs
                              beyond a local one: what the forward adds on an idle machine,

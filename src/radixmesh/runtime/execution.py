@@ -13,7 +13,7 @@ The core's lifecycle (``core/lifecycle.py``) decides; the classes here only move
                          core's answer (ExecuteLocally) continues the same answer here
 
 Every end is reported to the core: ``RequestDone`` (with the forward's overhead), or
-``RequestCancelled`` when the consumer stops early (the client went away), whose ``Abort``
+``ExecutionAborted`` when the consumer stops early (the client went away), whose ``Abort``
 then cancels the engine task or closes the peer stream. A stop string is the consumer's
 (it detokenizes): on a match it calls :meth:`Execution.stop` with the tokens so far and closes
 :meth:`Execution.tokens`; that end is ``RequestDone`` (finish "stop"), and the same abort
@@ -108,7 +108,7 @@ class Host(Protocol):
     async def retry_elsewhere(self, ctx: RequestContext) -> Execution: ...
 
 
-class RequestCancelled(Exception):
+class ExecutionAborted(Exception):
     """How a local execution ends when it was aborted (the client went away)."""
 
 
@@ -210,7 +210,7 @@ class LocalExecution(Execution):
     def _finished(self, task: asyncio.Task[GenerateResult]) -> None:
         self.node.pending -= 1
         if task.cancelled():
-            self._failed(RequestCancelled("the client went away"))
+            self._failed(ExecutionAborted("the client went away"))
             return
         exc = task.exception()
         if exc is not None:
@@ -224,7 +224,7 @@ class LocalExecution(Execution):
     def _failed(self, exc: BaseException) -> None:
         """Ended without a result: the tokens it produced still count."""
         self.node.metrics.completion_tokens += self._generated
-        if isinstance(exc, RequestCancelled) and not self.stopped:
+        if isinstance(exc, ExecutionAborted) and not self.stopped:
             self.node.metrics.cancelled += 1
         self.queue.put_nowait(("err", exc))
         self.node.push_cache_and_load()

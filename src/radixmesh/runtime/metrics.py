@@ -90,7 +90,7 @@ class RuntimeMetrics:
     forwards_rejected: int = 0  # peers' forwards refused as malformed (400), never executed
     forward_attempts: int = 0
     forward_failures: Counter[str] = field(default_factory=Counter)  # by reason
-    forward_overhead_s_sum: float = 0.0  # RequestDone.forward_rtt_s, summed
+    forward_overhead_s_sum: float = 0.0  # RequestDone.forward_overhead_s, summed
     forward_overhead_count: int = 0
     gossip_in_messages: int = 0
     gossip_in_bytes: int = 0

@@ -30,7 +30,7 @@ from radixmesh.core.router import RouterConfig
 from radixmesh.core.units import parse_duration
 from radixmesh.options import add_option, add_options, parse_optional_fraction, warn_renamed
 from radixmesh.sim import costs
-from radixmesh.sim.runner import RunResult
+from radixmesh.sim.runner import SimResult
 from radixmesh.sim.sweep import AUTO_EPIDEMIC_ABOVE, parse_policies, split_csv, sweep_point
 from radixmesh.workload.build import WORKLOADS
 from radixmesh.workload.schedule import Entry
@@ -328,7 +328,7 @@ def _parse_skews(text: str) -> list[str]:
 
 
 def _collect(
-    points: Iterable[list[RunResult]], out: Path | None, records: bool
+    points: Iterable[list[SimResult]], out: Path | None, records: bool
 ) -> list[dict[str, Any]]:
     """Run the sweep's points, rewriting ``summary.json`` and appending ``requests.jsonl``
     (unless ``records`` is off) after every run, so a sweep cut short keeps what finished."""
@@ -348,7 +348,7 @@ def _collect(
     return summaries
 
 
-def _write_records(fh: Any, res: RunResult) -> None:
+def _write_records(fh: Any, res: SimResult) -> None:
     for rec, extra in zip(res.records, res.extras, strict=True):
         obj = rec.to_json()
         obj.update(extra)

@@ -18,7 +18,7 @@ this shell only delivers its actions and reports back what the simulated world d
         RefuseForward       <- one-way delay back: ForwardRefused to E (next action follows)
         AcceptForward       -> P's engine (hop limit 1: P executes); ForwardAccepted
                                travels back to E; the response follows it:
-                               RequestDone(forward_rtt_s) to E
+                               RequestDone(forward_overhead_s) to E
         P down / reset / partitioned / silent -> ForwardFailed to E (next action follows)
     (the receiver answers a first byte at once and heartbeats while queued, so a live peer's
     forward never times out, however long its queue; a partitioned one does)
@@ -160,7 +160,7 @@ class ClusterConfig:
 
 
 @dataclass(slots=True)
-class Flight:
+class Journey:
     """One client request, from arrival at its entry node to the response."""
 
     index: int  # also the request id the entry's core knows it by
@@ -196,7 +196,7 @@ class Flight:
 
 @dataclass(slots=True)
 class Work:
-    flight: Flight
+    flight: Journey
     attempt: int
     t_enqueued: float
     uncached: int = 0  # prompt tokens not cached when it was queued (set by ``_enqueue``)
@@ -275,7 +275,7 @@ class Counters:
     peer_states: list[tuple[float, str, str, str, str]] = field(default_factory=list)
 
 
-Completion = Callable[[Flight], None]
+Completion = Callable[[Journey], None]
 
 
 class SimCluster:
@@ -293,7 +293,7 @@ class SimCluster:
         self.by_id = {n.node_id: n for n in self.nodes}
         self.counters = Counters()
         self.on_complete: Completion = lambda f: None
-        self.active: dict[int, Flight] = {}
+        self.active: dict[int, Journey] = {}
         self.record_peer_states = config.nodes <= 64
         self.holders: dict[int, int] = {}  # block hash -> up nodes whose engine caches it
         depth = config.router.placement_depth_blocks
@@ -474,17 +474,17 @@ class SimCluster:
                            0.0, j - 1)
 
     # ------------------------------------------------------------------------- requests
-    def submit(self, index: int, req: Request, tokens: list[int], entry: int) -> Flight:
+    def submit(self, index: int, req: Request, tokens: list[int], entry: int) -> Journey:
         """A client sends ``req`` (already tokenized) to node ``entry`` now (or, with a
         gateway, to the gateway, which picks the node)."""
         hashes = tuple(block_hashes(tokens, self.config.block_size, self.hash_seed))
         if self.gateway is not None:
             return self._through_gateway(self.gateway, index, req, tokens, hashes, entry)
-        flight = Flight(index, req, entry, tokens, hashes, self.loop.now)
+        flight = Journey(index, req, entry, tokens, hashes, self.loop.now)
         self._arrive(flight)
         return flight
 
-    def _arrive(self, flight: Flight) -> None:
+    def _arrive(self, flight: Journey) -> None:
         """The request reaches its entry node (from the client, or from the gateway)."""
         node = self.nodes[flight.entry]
         if not node.up or node.core is None or node.engine is None:
@@ -498,7 +498,7 @@ class SimCluster:
     def _through_gateway(
         self, gateway: CacheAwareGateway, index: int, req: Request, tokens: list[int],
         hashes: tuple[int, ...], client: int,
-    ) -> Flight:  # fmt: skip
+    ) -> Journey:  # fmt: skip
         """The gateway picks a node; the request crosses one link to it (a mesh forward's
         one-way delay and half its hop overhead), and its answer crosses back (``_answer``).
         Across regions the gateway stands in the first region (node 0's, as the bench places
@@ -506,10 +506,10 @@ class SimCluster:
         now = self.loop.now
         chosen = gateway.choose(tokens, [n.up for n in self.nodes], now)
         if chosen is None:  # (nothing counted by the gateway)
-            flight = Flight(index, req, 0, tokens, hashes, now)
+            flight = Journey(index, req, 0, tokens, hashes, now)
             self._fail_client(flight, "no worker up")
             return flight
-        flight = Flight(index, req, chosen, tokens, hashes, now, via_gateway=True)
+        flight = Journey(index, req, chosen, tokens, hashes, now, via_gateway=True)
         if self.config.network.regions:
             flight.client_leg_s = self.net.delay(client, 0)
         hop = (flight.client_leg_s + self.net.delay(self._gateway_at(chosen), chosen)
@@ -522,7 +522,7 @@ class SimCluster:
         across regions, else ``node``'s own link (a flat network: one hop as any)."""
         return 0 if self.config.network.regions else node
 
-    def _execute_locally(self, flight: Flight, action: ExecuteLocally) -> None:
+    def _execute_locally(self, flight: Journey, action: ExecuteLocally) -> None:
         flight.attempt += 1
         flight.route = action.route
         flight.expected_cached, flight.placement = action.expected_cached, action.placement
@@ -531,7 +531,7 @@ class SimCluster:
             self._count_copy(flight, self.nodes[flight.entry])
         self._enqueue(self.nodes[flight.entry], Work(flight, flight.attempt, self.loop.now))
 
-    def _record_estimate(self, flight: Flight, target: int) -> None:
+    def _record_estimate(self, flight: Journey, target: int) -> None:
         """Error and age of the estimate the entry node used for ``target``, against the
         truth the simulator can see (the target's engine and summary versions)."""
         node = self.nodes[target]
@@ -545,7 +545,7 @@ class SimCluster:
         times = node.version_times
         flight.view_age_s = self.loop.now - times[held] if held < len(times) else 0.0
 
-    def _forward(self, flight: Flight, action: Forward) -> None:
+    def _forward(self, flight: Journey, action: Forward) -> None:
         target = self.by_address[action.address]
         now = self.loop.now
         flight.attempt += 1
@@ -567,7 +567,7 @@ class SimCluster:
         hop = self.config.cost.forward_overhead_s / 2
         self.loop.at(now + out + hop, self._arrive_remote, target, target.epoch, flight, attempt)
 
-    def _arrive_remote(self, target: SimNode, epoch: int, flight: Flight, attempt: int) -> None:
+    def _arrive_remote(self, target: SimNode, epoch: int, flight: Journey, attempt: int) -> None:
         if not flight.current(attempt):
             return  # the entry already gave up on this try
         back = self.net.delay(target.idx, flight.entry)
@@ -587,13 +587,13 @@ class SimCluster:
         self.loop.at(self.loop.now + back, self._accepted, flight, attempt, target, cached)
         self._enqueue(target, Work(flight, attempt, self.loop.now))
 
-    def _accepted(self, flight: Flight, attempt: int, target: SimNode, cached: int) -> None:
+    def _accepted(self, flight: Journey, attempt: int, target: SimNode, cached: int) -> None:
         if flight.current(attempt):
             event = ForwardAccepted(flight.index, target.node_id, cached)
             self.feed(self.nodes[flight.entry], event)
 
     def _refused(
-        self, flight: Flight, attempt: int, target: SimNode, answer: RefuseForward
+        self, flight: Journey, attempt: int, target: SimNode, answer: RefuseForward
     ) -> None:
         if flight.current(attempt):
             self.counters.forward_refusals += 1
@@ -613,7 +613,7 @@ class SimCluster:
         for h in added:
             holders[h] = holders.get(h, 0) + 1
 
-    def _count_copy(self, flight: Flight, node: SimNode) -> None:
+    def _count_copy(self, flight: Journey, node: SimNode) -> None:
         """A request is placed on ``node``: count a cold copy of its prefix if another node's
         engine holds that prefix now (the truth, not any node's view)."""
         if not flight.hashes or node.engine is None:
@@ -630,10 +630,10 @@ class SimCluster:
         else:
             self.counters.second_cold_copies += 1
 
-    def _fail_after(self, delay: float, flight: Flight, target: SimNode, reason: str) -> None:
+    def _fail_after(self, delay: float, flight: Journey, target: SimNode, reason: str) -> None:
         self.loop.at(self.loop.now + delay, self._failed, flight, flight.attempt, target, reason)
 
-    def _failed(self, flight: Flight, attempt: int, target: SimNode, reason: str) -> None:
+    def _failed(self, flight: Journey, attempt: int, target: SimNode, reason: str) -> None:
         if flight.current(attempt):
             self.counters.forward_failures += 1
             event = ForwardFailed(flight.index, target.node_id, reason)
@@ -740,7 +740,7 @@ class SimCluster:
         if flight.current(work.attempt):  # else the entry timed out on this try: work wasted
             self._answer(node, work, run, run.queue_s)
 
-    def _report_served(self, node: SimNode, flight: Flight, run: SimRun) -> None:
+    def _report_served(self, node: SimNode, flight: Journey, run: SimRun) -> None:
         self.feed(
             node,
             RequestServed(
@@ -778,7 +778,7 @@ class SimCluster:
         back = self.net.delay(node.idx, flight.entry) + self.config.cost.forward_overhead_s / 2
         self.loop.at(now + back, self._response, flight, work.attempt, node, run, queue_s)
 
-    def _served(self, flight: Flight, node: SimNode, run: SimRun, queue_s: float) -> None:
+    def _served(self, flight: Journey, node: SimNode, run: SimRun, queue_s: float) -> None:
         flight.served_by = node.idx
         flight.cached = run.cached_tokens
         flight.queue_s = queue_s
@@ -787,7 +787,7 @@ class SimCluster:
         flight.decode_tokens = run.decode_tokens
 
     def _response(
-        self, flight: Flight, attempt: int, node: SimNode, run: SimRun, queue_s: float
+        self, flight: Journey, attempt: int, node: SimNode, run: SimRun, queue_s: float
     ) -> None:
         if not flight.current(attempt):
             return
@@ -795,22 +795,22 @@ class SimCluster:
         rtt = (self.loop.now - flight.sent_at) - queue_s - run.service_s
         self.feed(
             self.nodes[flight.entry],
-            RequestDone(flight.index, forward_rtt_s=rtt, forward_queue_s=queue_s),
+            RequestDone(flight.index, forward_overhead_s=rtt, forward_queue_s=queue_s),
         )
         self._complete(flight)
 
-    def _back_through_gateway(self, flight: Flight) -> None:
+    def _back_through_gateway(self, flight: Journey) -> None:
         if flight.t_done < 0 and flight.error is None:
             self._complete(flight)
 
-    def _complete(self, flight: Flight) -> None:
+    def _complete(self, flight: Journey) -> None:
         flight.t_done = self.loop.now
         self.active.pop(flight.index, None)
         if flight.via_gateway and self.gateway is not None:
             self.gateway.finished(flight.entry)
         self.on_complete(flight)
 
-    def _fail_client(self, flight: Flight, reason: str) -> None:
+    def _fail_client(self, flight: Journey, reason: str) -> None:
         if flight.t_done >= 0:
             return
         flight.error = reason
@@ -832,14 +832,14 @@ def routable_count(core: NodeCore | None) -> int:
     return 0 if core is None else core.routable_count()
 
 
-def _generated(flight: Flight) -> list[int]:
+def _generated(flight: Journey) -> list[int]:
     """Stand-in output ids (the simulator does not sample): deterministic per request."""
     n = flight.req.max_tokens
     base = zlib.crc32(flight.req.id.encode("utf-8")) & 0x7F
     return [32 + (base + i) % 95 for i in range(n)]
 
 
-def _cached_prefix(node: SimNode, flight: Flight) -> int:
+def _cached_prefix(node: SimNode, flight: Journey) -> int:
     """Tokens of the request ``node`` will have cached when it runs it."""
     assert node.engine is not None
     tokens = flight.tokens

@@ -45,7 +45,7 @@ from radixmesh.sim.cluster import (
 )
 from radixmesh.sim.costs import CostModel
 from radixmesh.sim.network import NetworkConfig
-from radixmesh.sim.runner import RunSpec
+from radixmesh.sim.runner import SimSpec
 from radixmesh.sim.runner import run as run_sim
 from radixmesh.sim.sweep import (
     mean_prompt_tokens,
@@ -355,7 +355,7 @@ def simulated_breakeven(args: argparse.Namespace, model: CostModel, scale: float
             seed=args.seed,
             tokenizer=tok_fp,
         )
-        res = run_sim(RunSpec(policy.value, cfg, schedule="sequential"), reqs, tokenize)
+        res = run_sim(SimSpec(policy.value, cfg, schedule="sequential"), reqs, tokenize)
         return float(res.summary["mean_latency_s"])
 
     base = mean_latency(Policy.NONE, BREAKEVEN_DELAYS[0])  # none never forwards

@@ -15,11 +15,11 @@ tests use the same ``Wire``):
   (as the runtime's ``--net-jitter``);
 * gossip is lost with probability ``loss`` (forwards are not lost: they ride on TCP, which
   retransmits; a lossy link shows up in their latency instead);
-* a message between the two sides of an active :class:`Partition` is dropped (a forward across
+* a message between the two sides of an active :class:`PartitionWindow` is dropped (a forward across
   it times out);
 * a crashed node receives nothing (a forward to it is refused after one round trip).
 
-Crashes and partitions are a schedule (:class:`Fault`, :class:`Partition`), applied by the
+Crashes and partitions are a schedule (:class:`Fault`, :class:`PartitionWindow`), applied by the
 runner at their times; this module only answers "can a reach b now, and how late".
 """
 
@@ -37,7 +37,7 @@ __all__ = [
     "Fault",
     "Network",
     "NetworkConfig",
-    "Partition",
+    "PartitionWindow",
     "parse_duration",
     "parse_fault",
     "parse_nodes",
@@ -47,7 +47,7 @@ __all__ = [
 
 
 @dataclass(frozen=True, slots=True)
-class Partition:
+class PartitionWindow:
     """During ``[start_s, end_s)`` nodes in ``side`` cannot reach the others (both ways)."""
 
     start_s: float  # simulated seconds after warm-up at which the cut starts
@@ -90,7 +90,7 @@ class NetworkConfig:
     loss: float = 0.0  # probability a gossip message is lost
     regions: tuple[str, ...] = ()  # region names; empty = one flat network
     region_delay_s: tuple[tuple[float, ...], ...] = ()  # one-way delay matrix [from][to]
-    partitions: tuple[Partition, ...] = ()  # the partition schedule
+    partitions: tuple[PartitionWindow, ...] = ()  # the partition schedule
     faults: tuple[Fault, ...] = field(default=())  # the crash/restart schedule
 
     def __post_init__(self) -> None:
@@ -182,13 +182,13 @@ def parse_nodes(text: str) -> frozenset[int]:
     return frozenset(out)
 
 
-def parse_partition(text: str) -> Partition:
+def parse_partition(text: str) -> PartitionWindow:
     """``"START-END:NODES"``, e.g. ``"10s-20s:0-1"`` cuts nodes 0 and 1 off for 10 s."""
     window, _, nodes = text.partition(":")
     start, sep, end = window.partition("-")
     if not sep or not nodes:
         raise ValueError(f"partition {text!r}: expected START-END:NODES, e.g. 10s-20s:0-1")
-    return Partition(parse_duration(start), parse_duration(end), parse_nodes(nodes))
+    return PartitionWindow(parse_duration(start), parse_duration(end), parse_nodes(nodes))
 
 
 def parse_fault(text: str) -> Fault:

@@ -36,7 +36,7 @@ from radixmesh.core.router import Policy, RouterConfig
 from radixmesh.sim.cluster import ClusterConfig
 from radixmesh.sim.gateway import CACHE_AWARE, GatewayConfig
 from radixmesh.sim.network import NetworkConfig, parse_regions
-from radixmesh.sim.runner import RunSpec
+from radixmesh.sim.runner import SimSpec
 from radixmesh.sim.runner import run as run_sim
 from radixmesh.sim.sweep import cluster_cost, profile_costs
 from radixmesh.sim.tokens import TOKENIZERS
@@ -132,7 +132,7 @@ def simulate(real: Row, args: argparse.Namespace, records: list[Row], real_dir: 
     tokenize, tok_fp = TOKENIZERS["bytes"]()  # the emulated mesh's (bench/emulated.py)
     reqs = replayed(records, workload_pool(real, args, real_dir))
     cfg = cluster_like(real, args, tok_fp)
-    spec = RunSpec(real["name"], cfg, real.get("workload", "trace"), real.get("skew", "uniform"),
+    spec = SimSpec(real["name"], cfg, real.get("workload", "trace"), real.get("skew", "uniform"),
                    "poisson")  # open loop: the recorded times  # fmt: skip
     summary = run_sim(spec, reqs, tokenize).summary
     real_tokens = [int(r["prompt_tokens"]) for r in records if r.get("prompt_tokens")]

@@ -32,14 +32,14 @@ from typing import Any
 from radixmesh.core.router import Tag
 from radixmesh.results.records import Record
 from radixmesh.results.summary import mean, percentile, summarize
-from radixmesh.sim.cluster import ClusterConfig, Flight, SimCluster, routable_count
+from radixmesh.sim.cluster import ClusterConfig, Journey, SimCluster, routable_count
 from radixmesh.sim.tokens import Tokenize
 from radixmesh.workload.request import Request
 from radixmesh.workload.schedule import Sessions
 
 
 @dataclass(frozen=True, slots=True)
-class RunSpec:
+class SimSpec:
     name: str
     cluster: ClusterConfig
     workload: str = "synthetic"  # label: synthetic | mmlu | trace
@@ -57,8 +57,8 @@ class RunSpec:
 
 
 @dataclass(slots=True)
-class RunResult:
-    spec: RunSpec
+class SimResult:
+    spec: SimSpec
     records: list[Record]
     summary: dict[str, Any]
     extras: list[dict[str, Any]] = field(default_factory=list)  # per record, sim-only fields
@@ -71,7 +71,7 @@ JOIN_PEERS = 64  # warm-up: routable peers each node needs before clients start 
 class _Driver:
     """Feeds the workload into a cluster and turns completions into records."""
 
-    def __init__(self, spec: RunSpec, requests: Sequence[Request], tokenize: Tokenize) -> None:
+    def __init__(self, spec: SimSpec, requests: Sequence[Request], tokenize: Tokenize) -> None:
         self.spec = spec
         self.requests = requests
         self.tokenize = tokenize
@@ -103,7 +103,7 @@ class _Driver:
             t = self.requests[nxt].t
             self.cluster.loop.at(self.t0 + (t or 0.0), self._send_open, nxt)
 
-    def _completed(self, f: Flight) -> None:
+    def _completed(self, f: Journey) -> None:
         self.records[f.index] = self._record(f)
         self.extras[f.index] = {
             "estimate_error_tokens": f.estimate_error,
@@ -130,7 +130,7 @@ class _Driver:
             self.idle_clients -= 1
             self.cluster.loop.at(self.cluster.loop.now, self._send, i)
 
-    def _record(self, f: Flight) -> Record:
+    def _record(self, f: Journey) -> Record:
         nodes = self.cluster.nodes
         ok = f.error is None
         return Record(
@@ -196,11 +196,11 @@ class _Driver:
 
 
 def run(
-    spec: RunSpec,
+    spec: SimSpec,
     requests: Sequence[Request],
     tokenize: Tokenize,
     progress: Progress | None = None,
-) -> RunResult:
+) -> SimResult:
     driver = _Driver(spec, requests, tokenize)
     driver.progress = progress
     wall0 = time.perf_counter()
@@ -218,11 +218,11 @@ def run(
     records = [r for r in driver.records if r is not None]
     extras = [e for e in driver.extras if e is not None]
     summary = _summary(spec, driver, records, extras, wall)
-    return RunResult(spec, records, summary, extras)
+    return SimResult(spec, records, summary, extras)
 
 
 def _summary(
-    spec: RunSpec, driver: _Driver, records: list[Record], extras: list[dict[str, Any]], wall: float
+    spec: SimSpec, driver: _Driver, records: list[Record], extras: list[dict[str, Any]], wall: float
 ) -> dict[str, Any]:
     c = spec.cluster
     out: dict[str, Any] = {

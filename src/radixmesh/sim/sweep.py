@@ -34,7 +34,7 @@ from radixmesh.sim.network import (
     parse_partition,
     parse_regions,
 )
-from radixmesh.sim.runner import RunResult, RunSpec
+from radixmesh.sim.runner import SimResult, SimSpec
 from radixmesh.sim.runner import run as run_sim
 from radixmesh.sim.tokens import TOKENIZERS, Tokenize
 from radixmesh.workload import WorkloadSpec, build, schedule
@@ -230,7 +230,7 @@ def sweep_point(
     delays: list[float],
     skew: str,
     many: dict[str, bool],
-) -> list[RunResult]:
+) -> list[SimResult]:
     tokenize, tok_fp = tokenizer_for(args, nodes)
     mode = auto_mode(nodes, args.gossip_mode)
     intervals = [auto_interval(nodes, t) for t in split_csv(args.gossip_interval)]
@@ -315,8 +315,8 @@ def _cluster_config(
     )
 
 
-def _run_spec(args: argparse.Namespace, name: str, cluster: ClusterConfig, skew: str) -> RunSpec:
-    return RunSpec(
+def _run_spec(args: argparse.Namespace, name: str, cluster: ClusterConfig, skew: str) -> SimSpec:
+    return SimSpec(
         name=name,
         cluster=cluster,
         workload=_workload_label(args),
@@ -336,7 +336,7 @@ def _workload_label(args: argparse.Namespace) -> str:
     return "mmlu" if args.mmlu_dir else "synthetic"
 
 
-def _report_speed(res: RunResult) -> None:
+def _report_speed(res: SimResult) -> None:
     s = res.summary["sim"]
     _say(
         f"[sim]   {s['events']:,} events in {s['wall_s']:.1f}s wall = "

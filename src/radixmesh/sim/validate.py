@@ -36,7 +36,7 @@ from radixmesh.core.router import Policy, RouterConfig
 from radixmesh.sim.cluster import ClusterConfig
 from radixmesh.sim.costs import CostModel
 from radixmesh.sim.network import NetworkConfig
-from radixmesh.sim.runner import RunSpec
+from radixmesh.sim.runner import SimSpec
 from radixmesh.sim.runner import run as run_sim
 from radixmesh.sim.sweep import requests_for, tokenizer_for
 from radixmesh.workload import schedule
@@ -88,7 +88,7 @@ def simulate_like(
         tokenizer=tok_fp,
         service_noise=noise,
     )
-    res = run_sim(RunSpec(real["name"], cfg, real.get("workload", "synthetic"), real["skew"],
+    res = run_sim(SimSpec(real["name"], cfg, real.get("workload", "synthetic"), real["skew"],
                           sched), reqs, tokenize)  # fmt: skip
     return res.summary
 
