@@ -17,7 +17,7 @@ exists for the `cost` policy only; other policies' decisions are counted under `
 
 The decision log is wrapped, not the router: the command's own output and results are the
 same as without this script. Reading these dumps for the decisions that went wrong found the causes
-behind the one-client losses of `0072f90` (docs/benchmarks.md, "Router" -> "Before that
+behind the one-client losses of `0072f90` (docs/design.md and docs/ideas-tried.md; "Before that
 (`0072f90`)").
 """
 

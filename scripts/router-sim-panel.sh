@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The router's simulator panel (docs/benchmarks.md, "Router"): one policy over
+# The router's simulator panel (docs/design.md): one policy over
 # 60 cases on 4 simulated nodes -- the four generated workloads under Poisson arrivals (50 %
 # and 80 % of capacity) and 16 closed-loop clients, and MMLU one at a time (2 ms, skewed, a
 # 20k-token cache; speeds fitted to a real run at 2 ms, 200 ms and 1 s; gpu-70b) and with 4
