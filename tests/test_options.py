@@ -11,6 +11,7 @@ import pytest
 
 from radixmesh.cli import COMMANDS
 from radixmesh.core.config import GossipConfig
+from radixmesh.engine.presets import DEFAULT_PRESET
 from radixmesh.options import NETWORKS, OPTIONS, RENAMED
 from radixmesh.runtime.config import (
     ServeConfig,
@@ -89,7 +90,7 @@ def test_bench_preset_names_the_model_and_a_sweep_name_is_deprecated(capsys) -> 
     by_sweep = cli.specs_from_args(_parser("bench").parse_args(["--sweep", "quick",
                                                                  "--requests", "4"]))
     assert [s.name for s in specs] == [s.name for s in by_sweep]
-    assert {s.preset for s in specs} == {"tiny"}
+    assert {s.preset for s in specs} == {DEFAULT_PRESET}
     micro = cli.specs_from_args(_parser("bench").parse_args(["--preset", "micro"]))
     assert {s.preset for s in micro} == {"micro"} and capsys.readouterr().err == ""
 

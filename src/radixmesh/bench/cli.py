@@ -297,7 +297,9 @@ def _sweep_of(args: argparse.Namespace) -> str | None:
     """``--sweep``; ``--preset paper|quick`` is its old spelling (warned, once)."""
     if args.preset in SWEEPS:
         warn_renamed(f"--preset {args.preset}", f"--sweep {args.preset}")
-        args.sweep, args.preset = args.preset, RunSpec.preset
+        from radixmesh.engine.presets import DEFAULT_PRESET  # torch: only on this old path
+
+        args.sweep, args.preset = args.preset, DEFAULT_PRESET
     return getattr(args, "sweep", None)
 
 
