@@ -184,7 +184,8 @@ class RequestDone:
     """``rid`` finished (its answer is complete, or it failed with ``error``).
 
     ``forward_overhead_s``: for a request a peer answered, the forwarding overhead —
-    client-observed time minus the queue and service time the peer reported (what the network and HTTP added).
+    client-observed time minus the queue and service time the peer reported (what the network
+    and HTTP added).
     ``forward_queue_s``: the queue wait that peer reported (the router learns how far its
     predictions of peers' queues are off: ``WaitError``).
     """
