@@ -7,9 +7,18 @@ from dataclasses import replace
 
 import pytest
 
-from radixmesh.core.cost_model import NodeInfo, RouteInput, predict_ttft
+from radixmesh.core.cost_model import (
+    NodeInfo,
+    Placement,
+    RouteInput,
+    Tag,
+    batch_externality,
+    predict_ttft,
+)
 from radixmesh.core.estimators import SpeedReport
 from radixmesh.core.profile import resolve
+from radixmesh.core.router import Policy, Router
+from radixmesh.core.router_config import RouterConfig
 from radixmesh.core.scheduler import Scheduler
 from radixmesh.core.shadow import Shadow
 from radixmesh.core.shadow_state import BatchState, aged, ttft_parts
@@ -124,3 +133,32 @@ def test_a_node_reporting_a_batch_is_priced_by_its_ttft_not_a_fifo_queue() -> No
     ttft = predict_ttft(RouteInput(2000, 4), node, 4096.0)
     assert ttft < 0.1  # batched in: one prefill and a step's residual, not 8 x 1.2 s
     assert ttft == pytest.approx(sum(ttft_parts(state, 2000, 0)))
+
+
+def test_a_batching_node_buys_a_copy_only_once_the_rent_paid_reaches_its_ttft_price() -> None:
+    """Ski rental on a batching engine: the copy costs this node's TTFT for the whole prompt
+    beyond the forward's (and what its prefill delays the batch); the forward now is rent
+    still to pay. A round trip as long as the copy's price bought at the first forward under
+    the FIFO rule; here the copy is bought only once the rent paid before reaches it."""
+    s = Shadow(H100)
+    for i in range(4):
+        s.add(i, list(range(i * 10**5, i * 10**5 + 300)), 200, 0.0)
+    state = s.state(0.5)
+    speed = SpeedReport(0.004, 8e-5, 0.007, 0.05)
+    req = RouteInput(3000, 1)
+    mine = NodeInfo("self", True, 0, 0.0, 4.0, speed, batch=state)
+    warm = replace(mine, cached_tokens=2900)
+    scale = RouterConfig().context_scale
+    saved = predict_ttft(req, mine, scale) - predict_ttft(req, warm, scale)
+    holder = NodeInfo("h", False, 2900, 0.6 * saved, 0.0, speed, batch=state)
+    router = Router(RouterConfig(policy=Policy.COST))
+    fresh = router.rank(req, [mine, holder], random.Random(0), Placement(("h",), 256))
+    assert fresh[0].node_id == "h" and fresh[0].placement is Tag.HIT  # rented, not bought
+    extra = saved + batch_externality(req, mine, scale) - batch_externality(req, warm, scale)
+    price = max(predict_ttft(req, mine, scale) - predict_ttft(req, holder, scale), extra)
+    short = router.rank(req, [mine, holder], random.Random(0),
+                        Placement(("h",), 256, rent_s=0.99 * price))
+    assert short[0].node_id == "h"
+    paid = router.rank(req, [mine, holder], random.Random(0),
+                       Placement(("h",), 256, rent_s=price))
+    assert paid[0].is_self and paid[0].placement is Tag.LOCAL_COPY
