@@ -21,6 +21,8 @@ peers that served lately (:meth:`OwnLoad.refresh_stale_speed`, run before every 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from radixmesh.core.config import NodeConfig
 from radixmesh.core.cost_model import NodeInfo
 from radixmesh.core.estimate import bump
@@ -35,10 +37,11 @@ from radixmesh.core.estimators import (
 from radixmesh.core.events import LoadChanged, RequestServed
 from radixmesh.core.gossip import Gossiper
 from radixmesh.core.messages import Load
-from radixmesh.core.shadow_state import aged
+from radixmesh.core.shadow_state import BatchState, aged, changed
 
 # a stale own speed restarts from the median of at most this many fresh peers' speeds
 SPEED_SAMPLE = 16
+BATCH_REFRESH_ROUNDS = 8  # gossip intervals an unchanged batch report is left out at most
 
 
 class TokenRate:
@@ -87,6 +90,7 @@ class OwnLoad:
         self._load_at = 0.0  # when the shell reported it (a batch report ages from then)
         self.prior_speed = self._compute.report()  # (for peers whose speed is not known yet)
         self._load_cache: Load | None = None
+        self._batch_sent: tuple[BatchState, float] | None = None  # last sent, and when
 
     @property
     def load(self) -> LoadChanged:
@@ -125,18 +129,43 @@ class OwnLoad:
         """This node's load as advertised now, with ``pushback`` seconds of back-off asked
         (cached while no push-back is running)."""
         busy = round(self._busy.value(now), 2)  # 0.01 steps: the cache survives idle decay
+        batch = self._batch_to_send(now)
         if pushback is not None:
-            return self._make_load(pushback, busy)
+            return replace(self._make_load(pushback, busy), batch=batch)
         cached = self._load_cache
         if cached is None or cached.utilization != busy:
             cached = self._load_cache = self._make_load(None, busy)
-        return cached
+        return cached if batch is None else replace(cached, batch=batch)
 
     def _make_load(self, pushback: float | None, busy: float) -> Load:
         ev = self._load
         speed = self._compute.report()
         return Load(ev.queue_depth, ev.inflight, ev.cache_tokens, ev.cache_budget, speed,
-                    pushback, busy, self._measured_at, ev.batch)
+                    pushback, busy, self._measured_at)
+
+    def _batch_to_send(self, now: float) -> BatchState | None:
+        """The engine's batch if it changed materially since the last report that carried it
+        (``shadow_state.changed``: against that report aged as its receivers age it), or
+        that report is ``BATCH_REFRESH_ROUNDS`` gossip intervals old; else None (receivers
+        keep the last one, ``PeerLoads``). Sent with every load, the 76-byte record was
+        most of a batching node's gossip bytes (``microbench --only gossip``,
+        ``delta_bytes_per_s_batch``)."""
+        if self._load.batch is None:
+            return None
+        batch = aged(self._load.batch, now - self._load_at)
+        last = self._batch_sent
+        interval = self._config.gossip.interval_s
+        if last is None or now - last[1] >= BATCH_REFRESH_ROUNDS * interval:
+            self._batch_sent = (batch, now)
+            return batch
+        # compared half a round on, when a receiver uses it on average: a prompt computed
+        # by then (an H100 prefills a few thousand tokens in a fraction of a round) is news
+        # to nobody, a queue or a rate that lasts is
+        later = now - last[1] + interval / 2.0
+        if changed(aged(last[0], later), aged(batch, interval / 2.0)):
+            self._batch_sent = (batch, now)
+            return batch
+        return None
 
     def self_info(self, cached_tokens: int, now: float) -> NodeInfo:
         """This node as the router sees it: exact cache match, own queue, own speed; each

@@ -160,3 +160,16 @@ def aged(b: BatchState, age_s: float, added_tokens: int = 0, added: int = 0) -> 
         residual = b.step_fixed_s(b.decoding, b.decode_kv) / 2.0  # some step is under way
     return replace(b, ahead_s=ahead_s, ahead_tokens=tokens, residual_s=residual,
                    waiting=b.waiting + added, free_s=max(0.0, b.free_s - age))
+
+
+def changed(sent: BatchState, now: BatchState, tolerance: float = 0.2) -> bool:
+    """Whether ``now`` differs materially from the report last sent (``sent``, aged to now
+    as its receivers age it): the TTFT it predicts for a 512-token prompt off by more than
+    ``tolerance`` of it and two steps' fixed part, its arrival rate by more than
+    ``tolerance`` (and 0.1 per second). Unchanged reports are not
+    gossiped again (``OwnLoad.advertised``): a receiver's own aging is as good."""
+    ref_then, ref_now = sum(ttft_parts(sent, 512, 0)), sum(ttft_parts(now, 512, 0))
+    floor = 2.0 * now.step_base_s
+    if abs(ref_now - ref_then) > max(tolerance * ref_now, floor):
+        return True
+    return abs(now.rate - sent.rate) > max(tolerance * now.rate, 0.1)
