@@ -125,11 +125,13 @@ class OwnLoad:
         self._compute.observe_service(event.service_s)
         self._token_rate.observe(event.prompt_tokens + event.decode_tokens, event.service_s)
 
-    def advertised(self, now: float, pushback: float | None) -> Load:
+    def advertised(self, now: float, pushback: float | None, for_round: bool = True) -> Load:
         """This node's load as advertised now, with ``pushback`` seconds of back-off asked
-        (cached while no push-back is running)."""
+        (cached while no push-back is running). ``for_round``: for a gossip round, which
+        records the batch it carries as sent (a reply or a greeting carries it when the
+        round would, and records nothing: it may not be sent)."""
         busy = round(self._busy.value(now), 2)  # 0.01 steps: the cache survives idle decay
-        batch = self._batch_to_send(now)
+        batch = self._batch_to_send(now, for_round)
         if pushback is not None:
             return replace(self._make_load(pushback, busy), batch=batch)
         cached = self._load_cache
@@ -143,7 +145,7 @@ class OwnLoad:
         return Load(ev.queue_depth, ev.inflight, ev.cache_tokens, ev.cache_budget, speed,
                     pushback, busy, self._measured_at)
 
-    def _batch_to_send(self, now: float) -> BatchState | None:
+    def _batch_to_send(self, now: float, record: bool) -> BatchState | None:
         """The engine's batch if it changed materially since the last report that carried it
         (``shadow_state.changed``: against that report aged as its receivers age it), or
         that report is ``BATCH_REFRESH_ROUNDS`` gossip intervals old; else None (receivers
@@ -155,17 +157,16 @@ class OwnLoad:
         batch = aged(self._load.batch, now - self._load_at)
         last = self._batch_sent
         interval = self._config.gossip.interval_s
-        if last is None or now - last[1] >= BATCH_REFRESH_ROUNDS * interval:
-            self._batch_sent = (batch, now)
-            return batch
         # compared half a round on, when a receiver uses it on average: a prompt computed
         # by then (an H100 prefills a few thousand tokens in a fraction of a round) is news
         # to nobody, a queue or a rate that lasts is
-        later = now - last[1] + interval / 2.0
-        if changed(aged(last[0], later), aged(batch, interval / 2.0)):
+        if (last is not None and now - last[1] < BATCH_REFRESH_ROUNDS * interval
+                and not changed(aged(last[0], now - last[1] + interval / 2.0),
+                                aged(batch, interval / 2.0))):
+            return None
+        if record:
             self._batch_sent = (batch, now)
-            return batch
-        return None
+        return batch
 
     def self_info(self, cached_tokens: int, now: float) -> NodeInfo:
         """This node as the router sees it: exact cache match, own queue, own speed; each

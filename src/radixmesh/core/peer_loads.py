@@ -196,11 +196,16 @@ class PeerLoads:
 
     def _batch(self, peer: str, tokens: int, now: float) -> BatchState | None:
         """``peer``'s latest batch report aged since it arrived, with our forwards sent since
-        (each taken to add ``tokens`` prompt tokens ahead: ``shadow_state.aged``)."""
+        its latest load report (each taken to add ``tokens`` prompt tokens ahead:
+        ``shadow_state.aged``): a report that left the batch out says the batch, aged, is
+        still right, our forwards before it included (it is sent again when they change it
+        for longer than a round: ``OwnLoad.advertised``)."""
         kept = self._batches.get(peer)
         if kept is None:
             return None
-        ours = self._lifecycle.forwards_since(peer, kept.sent)
+        seen = self._load_seen.get(peer)
+        ours = self._lifecycle.forwards_since(peer, kept.sent if seen is None
+                                              else max(kept.sent, seen.sent))
         return aged(kept.batch, now - kept.at, tokens * ours, ours)
 
     def available(self, peer: str, now: float) -> bool:
