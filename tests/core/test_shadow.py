@@ -17,13 +17,18 @@ from radixmesh.core.cost_model import (
 )
 from radixmesh.core.estimators import SpeedReport
 from radixmesh.core.events import LoadChanged
-from radixmesh.core.own_load import BATCH_REFRESH_ROUNDS
 from radixmesh.core.profile import resolve
 from radixmesh.core.router import Policy, Router
 from radixmesh.core.router_config import RouterConfig
 from radixmesh.core.scheduler import Scheduler
 from radixmesh.core.shadow import Shadow
-from radixmesh.core.shadow_state import BatchState, aged, ttft_parts
+from radixmesh.core.shadow_state import (
+    BATCH_REFRESH_ROUNDS,
+    BatchState,
+    aged,
+    ttft_parts,
+    worth_sending,
+)
 from radixmesh.testing import TwinCluster
 
 H100 = resolve("h100-llama3-8b")
@@ -168,24 +173,23 @@ def test_a_batching_node_buys_a_copy_only_once_the_rent_paid_reaches_its_ttft_pr
 
 
 def test_an_unchanged_batch_is_left_out_of_load_reports_and_peers_keep_the_last_one() -> None:
-    """A batching node's batch rides its load report when it changed materially (or every
-    ``BATCH_REFRESH_ROUNDS`` rounds); the reports between leave it out, and a peer keeps
-    the last one it got, aged from its arrival (``PeerLoads``)."""
+    """A batching node's batch rides its message to a peer when that peer's copy changed
+    materially (or is ``BATCH_REFRESH_ROUNDS`` rounds old); the messages between leave it
+    out, and the peer keeps the last one it got, aged from its arrival (``PeerLoads``)."""
     c = TwinCluster(2, seed=0)
     c.run_for(3.0)
     s = Shadow(H100)
     s.add(1, list(range(3000)), 8, c.now)
     c.deliver("n0", LoadChanged(1, 1, 0, 1 << 20, batch=s.state(c.now)))
-    own = c.nodes["n0"]._parts.own
-    assert own.advertised(c.now, None, for_round=False).batch is not None  # news: not sent yet
-    c.run_for(1.5)  # a round sent it
-    assert own.advertised(c.now, None, for_round=False).batch is None  # unchanged: left out
+    c.run_for(1.5)
     peers = c.nodes["n1"]._parts.peers
     seen = peers.info("n0", 0, c.now)
     assert seen is not None and seen.batch is not None
     est = c.nodes["n1"]._parts.gossip.estimates["n0"]
-    assert est.load is not None and est.load.batch is None  # the latest report left it out
+    assert est.load is not None and est.load.batch is None  # the latest message left it out
     first = peers._batches["n0"].at
     interval = c.nodes["n0"].config.gossip.interval_s
     c.run_for(BATCH_REFRESH_ROUNDS * interval)
     assert peers._batches["n0"].at > first  # refreshed, unchanged as it is
+    assert worth_sending(None, s.state(c.now), c.now, interval)
+    assert not worth_sending((s.state(c.now), c.now), s.state(c.now), c.now, interval)

@@ -164,10 +164,9 @@ class AdmissionControl:
             left = leave if left is None else max(left, leave)
         return left
 
-    def advertised_load(self, now: float, for_round: bool = True) -> Load:
-        """This node's load as its gossip advertises it now (with any push-back); ``for_round``:
-        for a gossip round (``OwnLoad.advertised``)."""
-        return self._own.advertised(now, self.pushback_left(now), for_round)
+    def advertised_load(self, now: float) -> Load:
+        """This node's load as its gossip advertises it now (with any push-back)."""
+        return self._own.advertised(now, self.pushback_left(now))
 
     def leave(self, grace_s: float, now: float) -> Log | None:
         """Stop taking new work (None: already leaving); the shell's next round tells every

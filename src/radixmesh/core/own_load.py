@@ -37,11 +37,10 @@ from radixmesh.core.estimators import (
 from radixmesh.core.events import LoadChanged, RequestServed
 from radixmesh.core.gossip import Gossiper
 from radixmesh.core.messages import Load
-from radixmesh.core.shadow_state import BatchState, aged, changed
+from radixmesh.core.shadow_state import aged
 
 # a stale own speed restarts from the median of at most this many fresh peers' speeds
 SPEED_SAMPLE = 16
-BATCH_REFRESH_ROUNDS = 8  # gossip intervals an unchanged batch report is left out at most
 
 
 class TokenRate:
@@ -90,7 +89,6 @@ class OwnLoad:
         self._load_at = 0.0  # when the shell reported it (a batch report ages from then)
         self.prior_speed = self._compute.report()  # (for peers whose speed is not known yet)
         self._load_cache: Load | None = None
-        self._batch_sent: tuple[BatchState, float] | None = None  # last sent, and when
 
     @property
     def load(self) -> LoadChanged:
@@ -125,13 +123,13 @@ class OwnLoad:
         self._compute.observe_service(event.service_s)
         self._token_rate.observe(event.prompt_tokens + event.decode_tokens, event.service_s)
 
-    def advertised(self, now: float, pushback: float | None, for_round: bool = True) -> Load:
+    def advertised(self, now: float, pushback: float | None) -> Load:
         """This node's load as advertised now, with ``pushback`` seconds of back-off asked
-        (cached while no push-back is running). ``for_round``: for a gossip round, which
-        records the batch it carries as sent (a reply or a greeting carries it when the
-        round would, and records nothing: it may not be sent)."""
+        (cached while no push-back is running), with its engine's batch as of now (each
+        message leaves it out when its receiver's copy is still good: ``Dissemination``)."""
         busy = round(self._busy.value(now), 2)  # 0.01 steps: the cache survives idle decay
-        batch = self._batch_to_send(now, for_round)
+        ev = self._load
+        batch = None if ev.batch is None else aged(ev.batch, now - self._load_at)
         if pushback is not None:
             return replace(self._make_load(pushback, busy), batch=batch)
         cached = self._load_cache
@@ -144,29 +142,6 @@ class OwnLoad:
         speed = self._compute.report()
         return Load(ev.queue_depth, ev.inflight, ev.cache_tokens, ev.cache_budget, speed,
                     pushback, busy, self._measured_at)
-
-    def _batch_to_send(self, now: float, record: bool) -> BatchState | None:
-        """The engine's batch if it changed materially since the last report that carried it
-        (``shadow_state.changed``: against that report aged as its receivers age it), or
-        that report is ``BATCH_REFRESH_ROUNDS`` gossip intervals old; else None (receivers
-        keep the last one, ``PeerLoads``). Sent with every load, the 76-byte record was
-        most of a batching node's gossip bytes (``microbench --only gossip``,
-        ``delta_bytes_per_s_batch``)."""
-        if self._load.batch is None:
-            return None
-        batch = aged(self._load.batch, now - self._load_at)
-        last = self._batch_sent
-        interval = self._config.gossip.interval_s
-        # compared half a round on, when a receiver uses it on average: a prompt computed
-        # by then (an H100 prefills a few thousand tokens in a fraction of a round) is news
-        # to nobody, a queue or a rate that lasts is
-        if (last is not None and now - last[1] < BATCH_REFRESH_ROUNDS * interval
-                and not changed(aged(last[0], now - last[1] + interval / 2.0),
-                                aged(batch, interval / 2.0))):
-            return None
-        if record:
-            self._batch_sent = (batch, now)
-        return batch
 
     def self_info(self, cached_tokens: int, now: float) -> NodeInfo:
         """This node as the router sees it: exact cache match, own queue, own speed; each

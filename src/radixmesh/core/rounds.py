@@ -92,7 +92,7 @@ class GossipRounds:
                 bump(self._metrics, "messages_rejected")
                 bump(self._metrics, f"messages_rejected_{exc.reason}")
                 return [Log("debug", f"rejected a peer message: {exc}")]
-        actions = self._gossip.receive(msg, now, self._admission.advertised_load(now, False))
+        actions = self._gossip.receive(msg, now, self._admission.advertised_load(now))
         self._peers.note_load(msg.sender, now)
         for relayed in msg.relays:
             self._peers.note_load(relayed.node_id, now)
@@ -130,7 +130,7 @@ class GossipRounds:
         if not added:
             return []
         bump(self._metrics, "seeds_discovered", len(added))
-        load = self._admission.advertised_load(now, False)
+        load = self._admission.advertised_load(now)
         hello = self._gossip.dissemination.hello
         actions: list[Action] = [hello(a, now, load, reply=True) for a in added]
         self._account_out(actions)
