@@ -7,12 +7,29 @@ from dataclasses import replace
 
 import pytest
 
-from radixmesh.core.cost_model import NodeInfo, RouteInput, predict_ttft
+from radixmesh.core.cost_model import (
+    NodeInfo,
+    Placement,
+    RouteInput,
+    Tag,
+    batch_externality,
+    predict_ttft,
+)
 from radixmesh.core.estimators import SpeedReport
+from radixmesh.core.events import LoadChanged
 from radixmesh.core.profile import resolve
+from radixmesh.core.router import Policy, Router
+from radixmesh.core.router_config import RouterConfig
 from radixmesh.core.scheduler import Scheduler
 from radixmesh.core.shadow import Shadow
-from radixmesh.core.shadow_state import BatchState, aged, ttft_parts
+from radixmesh.core.shadow_state import (
+    BATCH_REFRESH_ROUNDS,
+    BatchState,
+    aged,
+    ttft_parts,
+    worth_sending,
+)
+from radixmesh.testing import TwinCluster
 
 H100 = resolve("h100-llama3-8b")
 
@@ -124,3 +141,55 @@ def test_a_node_reporting_a_batch_is_priced_by_its_ttft_not_a_fifo_queue() -> No
     ttft = predict_ttft(RouteInput(2000, 4), node, 4096.0)
     assert ttft < 0.1  # batched in: one prefill and a step's residual, not 8 x 1.2 s
     assert ttft == pytest.approx(sum(ttft_parts(state, 2000, 0)))
+
+
+def test_a_batching_node_buys_a_copy_only_once_the_rent_paid_reaches_its_ttft_price() -> None:
+    """Ski rental on a batching engine: the copy costs this node's TTFT for the whole prompt
+    beyond the forward's (and what its prefill delays the batch); the forward now is rent
+    still to pay. A round trip as long as the copy's price bought at the first forward under
+    the FIFO rule; here the copy is bought only once the rent paid before reaches it."""
+    s = Shadow(H100)
+    for i in range(4):
+        s.add(i, list(range(i * 10**5, i * 10**5 + 300)), 200, 0.0)
+    state = s.state(0.5)
+    speed = SpeedReport(0.004, 8e-5, 0.007, 0.05)
+    req = RouteInput(3000, 1)
+    mine = NodeInfo("self", True, 0, 0.0, 4.0, speed, batch=state)
+    warm = replace(mine, cached_tokens=2900)
+    scale = RouterConfig().context_scale
+    saved = predict_ttft(req, mine, scale) - predict_ttft(req, warm, scale)
+    holder = NodeInfo("h", False, 2900, 0.6 * saved, 0.0, speed, batch=state)
+    router = Router(RouterConfig(policy=Policy.COST))
+    fresh = router.rank(req, [mine, holder], random.Random(0), Placement(("h",), 256))
+    assert fresh[0].node_id == "h" and fresh[0].placement is Tag.HIT  # rented, not bought
+    extra = saved + batch_externality(req, mine, scale) - batch_externality(req, warm, scale)
+    price = max(predict_ttft(req, mine, scale) - predict_ttft(req, holder, scale), extra)
+    short = router.rank(req, [mine, holder], random.Random(0),
+                        Placement(("h",), 256, rent_s=0.99 * price))
+    assert short[0].node_id == "h"
+    paid = router.rank(req, [mine, holder], random.Random(0),
+                       Placement(("h",), 256, rent_s=price))
+    assert paid[0].is_self and paid[0].placement is Tag.LOCAL_COPY
+
+
+def test_an_unchanged_batch_is_left_out_of_load_reports_and_peers_keep_the_last_one() -> None:
+    """A batching node's batch rides its message to a peer when that peer's copy changed
+    materially (or is ``BATCH_REFRESH_ROUNDS`` rounds old); the messages between leave it
+    out, and the peer keeps the last one it got, aged from its arrival (``PeerLoads``)."""
+    c = TwinCluster(2, seed=0)
+    c.run_for(3.0)
+    s = Shadow(H100)
+    s.add(1, list(range(3000)), 8, c.now)
+    c.deliver("n0", LoadChanged(1, 1, 0, 1 << 20, batch=s.state(c.now)))
+    c.run_for(1.5)
+    peers = c.nodes["n1"]._parts.peers
+    seen = peers.info("n0", 0, c.now)
+    assert seen is not None and seen.batch is not None
+    est = c.nodes["n1"]._parts.gossip.estimates["n0"]
+    assert est.load is not None and est.load.batch is None  # the latest message left it out
+    first = peers._batches["n0"].at
+    interval = c.nodes["n0"].config.gossip.interval_s
+    c.run_for(BATCH_REFRESH_ROUNDS * interval)
+    assert peers._batches["n0"].at > first  # refreshed, unchanged as it is
+    assert worth_sending(None, s.state(c.now), c.now, interval)
+    assert not worth_sending((s.state(c.now), c.now), s.state(c.now), c.now, interval)

@@ -21,8 +21,11 @@ from dataclasses import replace
 
 from radixmesh.core.codec import Codec
 from radixmesh.core.config import GossipConfig, GossipMode
+from radixmesh.core.events import LoadChanged
 from radixmesh.core.messages import Gossip, Load
+from radixmesh.core.profile import resolve
 from radixmesh.core.sessions import SessionConfig
+from radixmesh.core.shadow import Shadow
 from radixmesh.core.summary import LocalSummary, pack_hashes, unpack_hashes
 from radixmesh.testing import LinkConfig, TwinCluster
 
@@ -102,6 +105,12 @@ def _delta_figures(quick: bool) -> dict[str, object]:
     }
     out["delta_bytes_per_s"] = _bytes_per_s(GossipMode.DELTA, *HEADLINE, seconds)
     out["delta_bytes_per_s_idle"] = _bytes_per_s(GossipMode.DELTA, 0.0, 0, seconds)
+    # a node fronting a batching engine (load changes at each request's start and end):
+    # without its batch report, and with it (what ``Load.batch`` adds is the difference)
+    out["delta_bytes_per_s_busy"] = _bytes_per_s(GossipMode.DELTA, *HEADLINE, seconds,
+                                                 busy=True)
+    out["delta_bytes_per_s_batch"] = _bytes_per_s(GossipMode.DELTA, *HEADLINE, seconds,
+                                                  busy=True, batch=True)
     sweep = [] if quick else [(1.0, 29), (5.0, 6), (5.0, 29), (20.0, 6)]
     for rate, blocks in sweep:
         key = f"delta_bytes_per_s_{rate:g}rps_{blocks}blocks"
@@ -111,20 +120,34 @@ def _delta_figures(quick: bool) -> dict[str, object]:
     return out
 
 
-def _bytes_per_s(mode: GossipMode, rate: float, blocks: int, seconds: float) -> float:
-    """Bytes/s sent by one node with a full cache at steady churn, to PEERS peers."""
+def _bytes_per_s(mode: GossipMode, rate: float, blocks: int, seconds: float,
+                 busy: bool = False, batch: bool = False) -> float:
+    """Bytes/s sent by one node with a full cache at steady churn, to PEERS peers. ``busy``:
+    its load changes when each request arrives and again halfway to the next (its end);
+    ``batch``: with its shadow's batch (``Load.batch``) of an H100 (``core/shadow.py``)."""
     rng = random.Random(1)
     gossip = GossipConfig(interval_s=INTERVAL_S, mode=mode)
     c = TwinCluster(PEERS + 1, gossip=gossip, seed=1, link=LinkConfig(delay_s=0.0005))
     resident = deque(rng.getrandbits(64) for _ in range(CACHE_BLOCKS))
     c.change_cache("n0", resident)
+    shadow = Shadow(resolve("h100-llama3-8b")) if batch else None
     c.run_for(5.0)  # join and first snapshots
     node = c.nodes["n0"]
     start = node.metrics()["gossip_bytes_out"]
     t_end = c.now + seconds
     while c.now < t_end:
         gap = 1.0 / rate if rate > 0 else seconds
-        c.run_for(min(rng.expovariate(1.0 / gap), t_end - c.now))
+        wait = min(rng.expovariate(1.0 / gap), t_end - c.now)
+        if busy:
+            c.run_for(wait / 2)
+            c.deliver("n0", _load(0, shadow, c.now))
+            wait /= 2
+        c.run_for(wait)
+        if busy and c.now < t_end:
+            prompt = [rng.getrandbits(20) for _ in range(512)]  # (the same arrivals either way)
+            if shadow is not None:
+                shadow.add(c.now, prompt, 64, c.now)
+            c.deliver("n0", _load(1, shadow, c.now))
         if rate > 0 and c.now < t_end:
             added = [rng.getrandbits(64) for _ in range(blocks)]
             removed = [resident.popleft() for _ in range(blocks)]
@@ -135,3 +158,9 @@ def _bytes_per_s(mode: GossipMode, rate: float, blocks: int, seconds: float) -> 
     if not c.converged():  # the figure is only worth something if the views are right
         raise RuntimeError("peers' views did not converge after the benchmark")
     return round(sent / seconds, 1)
+
+
+def _load(depth: int, shadow: Shadow | None, now: float) -> LoadChanged:
+    """A load report of ``depth`` requests, with the shadow's batch if any."""
+    batch = None if shadow is None else shadow.state(now)
+    return LoadChanged(depth, depth, 0, 1 << 20, batch=batch)

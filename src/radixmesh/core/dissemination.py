@@ -58,6 +58,7 @@ from radixmesh.core.messages import (
 )
 from radixmesh.core.payload import Payload
 from radixmesh.core.sessions import SessionTable
+from radixmesh.core.shadow_state import worth_sending
 
 
 class Disseminator:
@@ -145,7 +146,7 @@ class Disseminator:
             heartbeat=self.failure.heartbeat,
             fingerprint=None if known else self.fingerprint,
             stamp=now,
-            load=load if est is None else self._load_for(est, load),
+            load=load if est is None else self._load_for(est, load, now),
             summary=summary,
             fingerprint_detail=self.config.fingerprint if first or full else None,
             ack=None if est is None else _ack(est),
@@ -162,8 +163,14 @@ class Disseminator:
     def _relays(self, est: Estimate | None, now: float) -> tuple[NodeState, ...]:
         return self.epidemic.relays(est, now) if self.epidemic.enabled and est is not None else ()
 
-    def _load_for(self, est: Estimate, load: Load) -> Load:
-        """Our load for ``est``, its speed left out when the peer has a close enough one."""
+    def _load_for(self, est: Estimate, load: Load, now: float) -> Load:
+        """Our load for ``est``, its speed left out when the peer has a close enough one,
+        its batch when the peer's copy is still good (``shadow_state.worth_sending``)."""
+        if load.batch is not None:
+            if worth_sending(est.batch_sent, load.batch, now, self.cfg.interval_s):
+                est.batch_sent = (load.batch, now)
+            else:
+                load = replace(load, batch=None)
         if load.speed is None:
             return load
         sent, x = est.speed_sent, self.xcfg

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from radixmesh.core.estimators import SpeedReport
 from radixmesh.core.messages import Ack, Change, DigestEntry, Load
+from radixmesh.core.shadow_state import BatchState
 
 
 @dataclass(slots=True)
@@ -32,6 +33,7 @@ class Estimate:
     pushback_until: float | None = None  # our clock
     # what it holds of ours and what we owe it (dissemination)
     speed_sent: SpeedReport | None = None  # OUR speed as last sent to it
+    batch_sent: tuple[BatchState, float] | None = None  # OUR batch as last sent to it, when
     acked: Ack | None = None  # which of OUR states it holds (from its latest message)
     sent_version: int | None = None  # our newest version sent to it (maybe not received)
     unacked_since: float | None = None  # when we started sending beyond its ack
@@ -57,6 +59,7 @@ class Estimate:
         self.speed = None
         self.speed_measured_at = None
         self.speed_sent = None
+        self.batch_sent = None
         self.pushback_until = None
 
     def restart(self, incarnation: int) -> None:

@@ -21,6 +21,8 @@ peers that served lately (:meth:`OwnLoad.refresh_stale_speed`, run before every 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from radixmesh.core.config import NodeConfig
 from radixmesh.core.cost_model import NodeInfo
 from radixmesh.core.estimate import bump
@@ -123,20 +125,23 @@ class OwnLoad:
 
     def advertised(self, now: float, pushback: float | None) -> Load:
         """This node's load as advertised now, with ``pushback`` seconds of back-off asked
-        (cached while no push-back is running)."""
+        (cached while no push-back is running), with its engine's batch as of now (each
+        message leaves it out when its receiver's copy is still good: ``Dissemination``)."""
         busy = round(self._busy.value(now), 2)  # 0.01 steps: the cache survives idle decay
+        ev = self._load
+        batch = None if ev.batch is None else aged(ev.batch, now - self._load_at)
         if pushback is not None:
-            return self._make_load(pushback, busy)
+            return replace(self._make_load(pushback, busy), batch=batch)
         cached = self._load_cache
         if cached is None or cached.utilization != busy:
             cached = self._load_cache = self._make_load(None, busy)
-        return cached
+        return cached if batch is None else replace(cached, batch=batch)
 
     def _make_load(self, pushback: float | None, busy: float) -> Load:
         ev = self._load
         speed = self._compute.report()
         return Load(ev.queue_depth, ev.inflight, ev.cache_tokens, ev.cache_budget, speed,
-                    pushback, busy, self._measured_at, ev.batch)
+                    pushback, busy, self._measured_at)
 
     def self_info(self, cached_tokens: int, now: float) -> NodeInfo:
         """This node as the router sees it: exact cache match, own queue, own speed; each

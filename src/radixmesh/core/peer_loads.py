@@ -52,6 +52,16 @@ class QueueSeen:
     depth: float  # its queue depth, or the depth its latest refusal's queue wait implies
 
 
+@dataclass(frozen=True, slots=True)
+class BatchSeen:
+    """A peer's latest batch report (``Load.batch``) as this node took it in."""
+
+    batch: BatchState
+    at: float  # our clock when it arrived
+    sent: int  # our forwards sent so far then
+    incarnation: int  # the peer's incarnation that sent it
+
+
 class PeerLoads:
     """The peers' queues, availability and wait errors as this node expects them."""
 
@@ -71,18 +81,33 @@ class PeerLoads:
         self._idle: list[tuple[int, float, str]] = []  # (queue depth, stamp, peer) lazy heap
         # per peer: how far the queue waits our forwards met were from what we predicted
         self._wait_errors: dict[str, WaitError] = {}
+        self._batches: dict[str, BatchSeen] = {}  # peer -> its latest batch report
 
     # ------------------------------------------------------------------------ reports
     def note_load(self, peer: str, now: float) -> None:
         """A message from or about ``peer`` was applied: take in its load report if new."""
         est = self._gossip.estimates.get(peer)
         if est is not None and est.load is not None:
+            self._batch_seen(peer, est, now)
             seen = self._load_seen.get(peer)
             if seen is None or seen.stamp != est.stamp:  # a new load report: its queue is fresh
                 self._queue_seen(peer, est.stamp, est.load.queue_depth, now)
         if est is not None and est.load is not None and peer in self._gossip.routable:
             heapq.heappush(self._idle, (est.load.queue_depth, est.stamp or 0.0, peer))
             self._trim_idle()
+
+    def _batch_seen(self, peer: str, est: Estimate, now: float) -> None:
+        """Keep ``peer``'s latest batch report: a load without one (sent unchanged, see
+        ``OwnLoad.advertised``) leaves the last one in force, aged from its own arrival; a new
+        incarnation's reports start afresh."""
+        assert est.load is not None
+        batch, kept = est.load.batch, self._batches.get(peer)
+        if batch is not None:
+            if kept is None or kept.batch is not batch:
+                self._batches[peer] = BatchSeen(batch, now, self._lifecycle.forwards_sent,
+                                                est.incarnation)
+        elif kept is not None and kept.incarnation != est.incarnation:
+            del self._batches[peer]
 
     def queue_reported(self, peer: str, queue_s: float, now: float) -> None:
         """``peer`` refused our forward as slower and said its queue wait: a report of its
@@ -135,7 +160,7 @@ class PeerLoads:
             return None
         load = est.load
         speed = est.speed or self._prior_speed
-        batch = self._batch(peer, load.batch, max(prompt_tokens - cached_tokens, 1), now)
+        batch = self._batch(peer, max(prompt_tokens - cached_tokens, 1), now)
         queue = self.expected_queue(peer, load.queue_depth, speed.mean_service_s, now)
         return NodeInfo(
             peer,
@@ -169,15 +194,19 @@ class PeerLoads:
         kept = math.exp(-max(now - seen.at, 0.0) / memory)
         return mean + (seen.depth - mean) * kept + ours
 
-    def _batch(self, peer: str, batch: BatchState | None, tokens: int, now: float
-               ) -> BatchState | None:
-        """``peer``'s batch report aged since it arrived, with our forwards sent since
-        (each taken to add ``tokens`` prompt tokens ahead: ``shadow_state.aged``)."""
+    def _batch(self, peer: str, tokens: int, now: float) -> BatchState | None:
+        """``peer``'s latest batch report aged since it arrived, with our forwards sent since
+        its latest load report (each taken to add ``tokens`` prompt tokens ahead:
+        ``shadow_state.aged``): a report that left the batch out says the batch, aged, is
+        still right, our forwards before it included (it is sent again when they change it
+        for longer than a round: ``OwnLoad.advertised``)."""
+        kept = self._batches.get(peer)
+        if kept is None:
+            return None
         seen = self._load_seen.get(peer)
-        if batch is None or seen is None:
-            return batch
-        ours = self._lifecycle.forwards_since(peer, seen.sent)
-        return aged(batch, now - seen.at, tokens * ours, ours)
+        ours = self._lifecycle.forwards_since(peer, kept.sent if seen is None
+                                              else max(kept.sent, seen.sent))
+        return aged(kept.batch, now - kept.at, tokens * ours, ours)
 
     def available(self, peer: str, now: float) -> bool:
         """Whether ``peer`` may be routed to now (alive, reporting load, not pushed back)."""
