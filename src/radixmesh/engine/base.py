@@ -266,3 +266,38 @@ def match_in(view: PrefixCacheView, prompt_ids: Sequence[int], namespace: str | 
         return 0
     match = view.match
     return int(match(prompt_ids, namespace=namespace))  # type: ignore[call-arg]
+
+
+class EngineFacade:
+    """What an async wrapper of an engine (``worker.ThreadedEngine``, ``batched.BatchedEngine``)
+    passes through unchanged: the engine's identity and its prefix-cache view."""
+
+    engine: Engine
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def fingerprint(self) -> Fingerprint:
+        return self.engine.fingerprint
+
+    @property
+    def max_context(self) -> int:
+        return self.engine.max_context
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def match(self, prompt_ids: Sequence[int]) -> int:
+        return self.engine.match(prompt_ids)
+
+    def usage(self) -> CacheUsage:
+        return self.engine.usage()
+
+    def drain_cache_delta(self) -> CacheDelta:
+        return self.engine.drain_cache_delta()
+
+    def cache_hashes(self) -> frozenset[int]:
+        return self.engine.cache_hashes()

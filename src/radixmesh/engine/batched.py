@@ -29,18 +29,15 @@ import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from radixmesh.core.blocks import Fingerprint
 from radixmesh.engine.base import (
-    CacheDelta,
-    CacheUsage,
+    EngineFacade,
     GenerateRequest,
     GenerateResult,
     TokenCallback,
-    Tokenizer,
 )
 from radixmesh.engine.builtin import TransformersEngine
 from radixmesh.engine.relay import CLOSE_WAIT_S, Relay, RequestStopped
@@ -49,7 +46,7 @@ log = logging.getLogger("radixmesh.engine")
 _Submit = tuple[GenerateRequest, TokenCallback, Any]  # (req, on_token, on_done)
 
 
-class BatchedEngine:
+class BatchedEngine(EngineFacade):
     """See the module docstring. ``engine`` stays valid until ``aclose``."""
 
     extended_sampling = True
@@ -214,34 +211,6 @@ class BatchedEngine:
         if self._runner.has(seq):
             self._by_key[key] = seq
 
-    # ------------------------------------------------------------------------- the engine's
-    @property
-    def model_name(self) -> str:
-        return self.engine.model_name
-
-    @property
-    def fingerprint(self) -> Fingerprint:
-        return self.engine.fingerprint
-
-    @property
-    def max_context(self) -> int:
-        return self.engine.max_context
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self.engine.tokenizer
-
-    def match(self, prompt_ids: Sequence[int]) -> int:
-        return self.engine.match(prompt_ids)
-
-    def usage(self) -> CacheUsage:
-        return self.engine.usage()
-
-    def drain_cache_delta(self) -> CacheDelta:
-        return self.engine.drain_cache_delta()
-
-    def cache_hashes(self) -> frozenset[int]:
-        return self.engine.cache_hashes()
 
 
 def _settle(done: asyncio.Future[GenerateResult], outcome: GenerateResult | BaseException

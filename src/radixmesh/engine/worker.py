@@ -36,21 +36,18 @@ import inspect
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import cast
 
-from radixmesh.core.blocks import Fingerprint
-from radixmesh.core.prefix_cache import CacheUsage
 from radixmesh.engine.base import (
     AsyncEngine,
-    CacheDelta,
     Engine,
+    EngineFacade,
     GenerateRequest,
     GenerateResult,
     TokenCallback,
-    Tokenizer,
 )
 from radixmesh.engine.relay import CLOSE_WAIT_S, Relay, RequestStopped
 
@@ -172,7 +169,7 @@ class EngineWorker:
 
 
 # ------------------------------------------------------------------------------ async adapter
-class ThreadedEngine:
+class ThreadedEngine(EngineFacade):
     """A synchronous :class:`Engine` as an :class:`AsyncEngine`: one request at a time on an
     :class:`EngineWorker` thread, FIFO. ``engine`` (the wrapped engine) and ``worker`` stay
     valid until ``aclose``; the cache view and identity are the engine's, read directly."""
@@ -221,34 +218,6 @@ class ThreadedEngine:
     async def aclose(self) -> None:
         await asyncio.to_thread(self.worker.close, CLOSE_WAIT_S)
 
-    # ------------------------------------------------------------------------- the engine's
-    @property
-    def model_name(self) -> str:
-        return self.engine.model_name
-
-    @property
-    def fingerprint(self) -> Fingerprint:
-        return self.engine.fingerprint
-
-    @property
-    def max_context(self) -> int:
-        return self.engine.max_context
-
-    @property
-    def tokenizer(self) -> Tokenizer:
-        return self.engine.tokenizer
-
-    def match(self, prompt_ids: Sequence[int]) -> int:
-        return self.engine.match(prompt_ids)
-
-    def usage(self) -> CacheUsage:
-        return self.engine.usage()
-
-    def drain_cache_delta(self) -> CacheDelta:
-        return self.engine.drain_cache_delta()
-
-    def cache_hashes(self) -> frozenset[int]:
-        return self.engine.cache_hashes()
 
 
 async def _let_go(relay: Relay, future: Future[GenerateResult],
