@@ -29,15 +29,18 @@ PREFIX = "You are a careful assistant. Answer the multiple choice question below
 
 @contextlib.asynccontextmanager
 async def node(poll: Poll, fake: FakeEngine, name: str, port: int, peer_port: int,
-               gossip_interval: float = 0.1, gossip_announce: float | None = 0.05
-               ) -> AsyncIterator[NodeService]:
+               gossip_interval: float = 0.1, gossip_announce: float | None = 0.05,
+               **options: Any) -> AsyncIterator[NodeService]:
+    """A node in front of ``fake``; ``options``: more ServeConfig fields (other tests' nodes)."""
     # policy "paper": forward to the deepest match; "cost" weighs measured speeds, and on a
     # loaded CI box it may rightly decide that running a ~300-token prompt locally is faster
+    fields: dict[str, Any] = {"policy": "paper", **options}
     cfg = ServeConfig(node_id=name, port=port, peers=(f"127.0.0.1:{peer_port}",),
                       gossip_interval=gossip_interval, gossip_announce=gossip_announce,
-                      forward_timeout=2.0, engine="vllm", policy="paper",
+                      forward_timeout=2.0, engine="vllm",
                       engine_url=fake.url, kv_events=fake.kv_endpoint,
-                      kv_replay=fake.replay_endpoint, model=fake.model, cache_tokens=4096)
+                      kv_replay=fake.replay_endpoint, model=fake.model, cache_tokens=4096,
+                      **fields)
     service = build_external_service(cfg, tokenizer=ByteTokenizer())
     server = node_server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port,
                                         log_level="warning", lifespan="on"), service)

@@ -8,50 +8,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import aiohttp
-import uvicorn
+from test_external_mesh import LIMIT_S, PREFIX, complete
+from test_external_mesh import node as mesh_node
 
 from radixmesh.emulate.fake import FakeEngine
-from radixmesh.engine.tokenizers import ByteTokenizer
-from radixmesh.runtime.app import create_app, node_server
 from radixmesh.runtime.cluster import free_port
-from radixmesh.runtime.config import ServeConfig
 from radixmesh.runtime.node import NodeService
-from radixmesh.runtime.serve_cli import build_external_service
 
 if TYPE_CHECKING:
     from conftest import Poll
 
-LIMIT_S = 10.0
-PREFIX = "You are a careful assistant. Answer the multiple choice question below. " * 4
-
-
 @contextlib.asynccontextmanager
 async def node(poll: Poll, fake: FakeEngine, name: str, port: int, peer_port: int
                ) -> AsyncIterator[NodeService]:
-    cfg = ServeConfig(node_id=name, port=port, peers=(f"127.0.0.1:{peer_port}",),
-                      gossip_interval=0.1, gossip_announce=0.05, forward_timeout=2.0,
-                      engine="vllm", policy="cost", engine_url=fake.url,
-                      kv_events=fake.kv_endpoint, kv_replay=fake.replay_endpoint,
-                      model=fake.model, cache_tokens=4096, profile="h100-llama3-8b")
-    service = build_external_service(cfg, tokenizer=ByteTokenizer())
-    server = node_server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port,
-                                        log_level="warning", lifespan="on"), service)
-    task = asyncio.create_task(server.serve())
-    await poll.until_async(lambda: server.started, f"{name} to start", LIMIT_S)
-    try:
+    """test_external_mesh's node with ``cost`` and the engine's profile (its shadow)."""
+    async with mesh_node(poll, fake, name, port, peer_port, policy="cost",
+                         profile="h100-llama3-8b") as service:
         yield service
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, LIMIT_S)
-
-
-async def complete(http: aiohttp.ClientSession, port: int, prompt: str) -> tuple[int, Any]:
-    body = {"model": "fake-model", "prompt": prompt, "max_tokens": 8}
-    async with http.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
-        return resp.status, await resp.json(content_type=None)
 
 
 def test_a_profiled_node_shadows_its_engine_and_gossips_its_batch(poll: Poll) -> None:
@@ -67,7 +43,7 @@ def test_a_profiled_node_shadows_its_engine_and_gossips_its_batch(poll: Poll) ->
                 assert n1.shadow is not None and n2.shadow is not None
                 await poll.until_async(lambda: n1.peer_states() == {"node-2": "alive"},
                                        "the mesh", LIMIT_S)
-                status, body = await complete(http, p1, PREFIX + "Question 1?")
+                status, _, body = await complete(http, p1, PREFIX + "Question 1?")
                 assert status == 200, body
                 assert n1.shadow.live == 0  # the engine ended it: the shadow dropped it
                 gossip = n2.core._parts.gossip
