@@ -32,7 +32,6 @@ import asyncio
 import contextlib
 import json
 import random
-import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 from typing import Any
@@ -41,7 +40,7 @@ import aiohttp
 import numpy as np
 
 from radixmesh.bench.cluster import _stretched_timeouts
-from radixmesh.bench.sidechannel import _subscribed, _until
+from radixmesh.bench.sidechannel import Completion, _subscribed, _until, completion
 from radixmesh.core.profile import Profile, resolve
 from radixmesh.emulate.server import EmulatedEngine
 from radixmesh.engine.tokenizers import ByteTokenizer
@@ -97,17 +96,9 @@ async def mesh(profile: str, names: Sequence[str], aware: bool, n: int, scale: f
 
 
 async def _one(http: aiohttp.ClientSession, port: int, model: str, prompt: str
-               ) -> tuple[float, int, int, str]:
+               ) -> Completion:
     body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
-    t0 = time.perf_counter()
-    async with http.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
-        data = await resp.json(content_type=None)
-        if resp.status != 200:
-            raise RuntimeError(f"request failed: {resp.status} {data}")
-    usage = data["usage"]
-    return (time.perf_counter() - t0, usage["prompt_tokens"],
-            usage["prompt_tokens_details"]["cached_tokens"],
-            resp.headers.get("x-radixmesh-route", "?"))
+    return await completion(http, port, body)
 
 
 async def run(aware: bool, args: argparse.Namespace) -> dict[str, Any]:
@@ -117,7 +108,7 @@ async def run(aware: bool, args: argparse.Namespace) -> dict[str, Any]:
     systems = {a: "".join(rng.choice(letters) for _ in range(args.system_chars)) for a in names}
     jobs = [(a, systems[a] + " Q: " + "".join(rng.choice(letters) for _ in range(60)))
             for a in (rng.choice(names) for _ in range(args.requests))]
-    results: list[tuple[float, int, int, str]] = []
+    results: list[Completion] = []
     async with (mesh(args.profile, names, aware, args.nodes, args.time_scale) as nodes,
                 aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http):
         ports, queue = [p for p, _, _ in nodes], list(reversed(jobs))
@@ -129,16 +120,17 @@ async def run(aware: bool, args: argparse.Namespace) -> dict[str, Any]:
 
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         loads = sum(e.loop.counters.lora_loads for _, _, e in nodes)
-    ttft = np.array([r[0] for r in results]) / args.time_scale
+    ttft = np.array([r.elapsed_s for r in results]) / args.time_scale
     return {
         "routing": "aware" if aware else "blind", "nodes": args.nodes,
         "adapters": args.adapters, "requests": len(results),
-        "hit_rate": round(sum(r[2] for r in results) / sum(r[1] for r in results), 3),
+        "hit_rate": round(sum(r.cached_tokens for r in results)
+                          / sum(r.prompt_tokens for r in results), 3),
         "ttft_mean_s": round(float(ttft.mean()), 4),
         "ttft_p50_s": round(float(np.median(ttft)), 4),
         "ttft_p90_s": round(float(np.percentile(ttft, 90)), 4),
         "adapter_loads": loads,
-        "forwarded": sum(r[3] != "local" for r in results),
+        "forwarded": sum(r.headers.get("x-radixmesh-route", "?") != "local" for r in results),
     }
 
 

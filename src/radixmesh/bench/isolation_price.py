@@ -24,33 +24,21 @@ import argparse
 import asyncio
 import json
 import random
-import time
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
-import numpy as np
 
-from radixmesh.bench.sidechannel import KEYS, mesh
+from radixmesh.bench.sidechannel import KEYS, Completion, completion, hit_summary, mesh
 
 TENANTS = ("victim", "attacker")  # the harness's two tenant keys, here two ordinary tenants
 
 
 async def _one(http: aiohttp.ClientSession, port: int, prompt: str, key: str | None
-               ) -> tuple[float, int, int, str]:
+               ) -> Completion:
     body = {"model": "emulated", "prompt": prompt, "max_tokens": 1, "temperature": 0}
     headers = {"authorization": f"Bearer {key}"} if key else {}
-    t0 = time.perf_counter()
-    async with http.post(f"http://127.0.0.1:{port}/v1/completions", json=body,
-                         headers=headers) as resp:
-        data = await resp.json(content_type=None)
-        if resp.status != 200:
-            raise RuntimeError(f"request failed: {resp.status} {data}")
-    usage = data["usage"]
-    return (time.perf_counter() - t0, usage["prompt_tokens"],
-            usage["prompt_tokens_details"]["cached_tokens"],
-            resp.headers.get("x-radixmesh-served-by", "?"))
+    return await completion(http, port, body, headers)
 
 
 async def run(workload: str, isolated: bool, requests: int, concurrency: int,
@@ -63,7 +51,7 @@ async def run(workload: str, isolated: bool, requests: int, concurrency: int,
     jobs = [(t, systems[t] + " Question: " + "".join(rng.choice(letters) for _ in range(60)))
             for _ in range(requests) for t in range(len(TENANTS))]
     rng.shuffle(jobs)
-    results: list[tuple[float, int, int, str]] = []
+    results: list[Completion] = []
     async with mesh(profile, isolated, "cost") as nodes, aiohttp.ClientSession() as http:
         ports = [port for port, _ in nodes]
         queue = list(reversed(jobs))
@@ -75,15 +63,8 @@ async def run(workload: str, isolated: bool, requests: int, concurrency: int,
                 results.append(await _one(http, rng.choice(ports), prompt, key))
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-    lat = np.array([r[0] for r in results])
-    return {
-        "workload": workload, "setup": "isolated" if isolated else "shared",
-        "requests": len(results), "hit_rate": round(sum(r[2] for r in results)
-                                                    / sum(r[1] for r in results), 3),
-        "latency_p50_s": round(float(np.median(lat)), 4),
-        "latency_p90_s": round(float(np.percentile(lat, 90)), 4),
-        "served_by": dict(sorted(Counter(r[3] for r in results).items())),
-    }
+    return {"workload": workload, "setup": "isolated" if isolated else "shared",
+            **hit_summary(results, "x-radixmesh-served-by")}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

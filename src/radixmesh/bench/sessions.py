@@ -18,44 +18,27 @@ import argparse
 import asyncio
 import json
 import random
-import time
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
-import numpy as np
 
-from radixmesh.bench.sidechannel import mesh
-
-LETTERS = "abcdefghijklmnopqrstuvwxyz     "
-
-
-def _text(rng: random.Random, n: int) -> str:
-    return "".join(rng.choice(LETTERS) for _ in range(n))
+from radixmesh.bench.sidechannel import Completion, _text, completion, hit_summary, mesh
 
 
 async def _turn(http: aiohttp.ClientSession, port: int, prompt: str, answer: int,
-                key: str | None) -> tuple[float, int, int, str, str]:
+                key: str | None) -> Completion:
     body: dict[str, Any] = {"model": "emulated", "prompt": prompt, "max_tokens": answer,
                             "temperature": 0}
     if key is not None:
         body["prompt_cache_key"] = key
-    t0 = time.perf_counter()
-    async with http.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
-        data = await resp.json(content_type=None)
-        if resp.status != 200:
-            raise RuntimeError(f"request failed: {resp.status} {data}")
-    usage = data["usage"]
-    return (time.perf_counter() - t0, usage["prompt_tokens"],
-            usage["prompt_tokens_details"]["cached_tokens"],
-            resp.headers.get("x-radixmesh-served-by", "?"), data["choices"][0]["text"])
+    return await completion(http, port, body)
 
 
 async def run(sessions: bool, chats: int, turns: int, answer: int, seed: int,
               profile: str) -> dict[str, Any]:
     rng = random.Random(seed)
-    results: list[tuple[float, int, int, str, str]] = []
+    results: list[Completion] = []
     async with mesh(profile, False, "cost") as nodes, aiohttp.ClientSession() as http:
         ports = [port for port, _ in nodes]
 
@@ -66,17 +49,10 @@ async def run(sessions: bool, chats: int, turns: int, answer: int, seed: int,
                 out = await _turn(http, rng.choice(ports), prompt, answer,
                                   f"chat-{c}" if sessions else None)
                 results.append(out)
-                history = prompt + out[4]
+                history = prompt + out.data["choices"][0]["text"]
 
         await asyncio.gather(*(chat(c) for c in range(chats)))
-    lat = np.array([r[0] for r in results])
-    return {
-        "sessions": sessions, "requests": len(results),
-        "hit_rate": round(sum(r[2] for r in results) / sum(r[1] for r in results), 3),
-        "latency_p50_s": round(float(np.median(lat)), 4),
-        "latency_p90_s": round(float(np.percentile(lat, 90)), 4),
-        "served_by": dict(sorted(Counter(r[3] for r in results).items())),
-    }
+    return {"sessions": sessions, **hit_summary(results, "x-radixmesh-served-by")}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

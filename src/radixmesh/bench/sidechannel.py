@@ -38,7 +38,8 @@ import random
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +179,50 @@ def _view_blocks(service: NodeService, peer: str) -> int:
     return next((int(p["view_blocks"]) for p in peers if p["node_id"] == peer), 0)
 
 
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """One timed ``/v1/completions`` answer of a node (the harnesses of the tenants issue)."""
+
+    elapsed_s: float
+    data: dict[str, Any]
+    headers: Mapping[str, str]
+
+    @property
+    def prompt_tokens(self) -> int:
+        return int(self.data["usage"]["prompt_tokens"])
+
+    @property
+    def cached_tokens(self) -> int:
+        return int(self.data["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+async def completion(http: aiohttp.ClientSession, port: int, body: dict[str, Any],
+                     headers: dict[str, str] | None = None) -> Completion:
+    """POST ``body`` to the node on ``port``, timed to its whole answer; a non-200 raises."""
+    t0 = time.perf_counter()
+    async with http.post(f"http://127.0.0.1:{port}/v1/completions", json=body,
+                         headers=headers or {}) as resp:
+        data = await resp.json(content_type=None)
+        elapsed = time.perf_counter() - t0
+        if resp.status != 200:
+            raise RuntimeError(f"request failed: {resp.status} {data}")
+        return Completion(elapsed, data, resp.headers.copy())  # case-insensitive
+
+
+def hit_summary(results: Sequence[Completion], served_by: str) -> dict[str, Any]:
+    """Hit rate, latency p50 / p90 and the spread over ``served_by`` (a response header)."""
+    lat = np.array([r.elapsed_s for r in results])
+    return {
+        "requests": len(results),
+        "hit_rate": round(sum(r.cached_tokens for r in results)
+                          / sum(r.prompt_tokens for r in results), 3),
+        "latency_p50_s": round(float(np.median(lat)), 4),
+        "latency_p90_s": round(float(np.percentile(lat, 90)), 4),
+        "served_by": dict(sorted(Counter(r.headers.get(served_by, "?")
+                                         for r in results).items())),
+    }
+
+
 async def _send(http: aiohttp.ClientSession, port: int, prompt: str, key: str | None,
                 salt: str | None = None, here: bool = False) -> tuple[float, dict[str, str]]:
     body: dict[str, Any] = {"model": "emulated", "prompt": prompt, "max_tokens": 1,
@@ -187,16 +232,10 @@ async def _send(http: aiohttp.ClientSession, port: int, prompt: str, key: str | 
     headers = {"authorization": f"Bearer {key}"} if key else {}
     if here:  # run on the entry node (the victim's prefix is cached on n0)
         headers[HEADER_HOP] = "1"
-    t0 = time.perf_counter()
-    async with http.post(f"http://127.0.0.1:{port}/v1/completions", json=body,
-                         headers=headers) as resp:
-        data = await resp.json(content_type=None)
-        elapsed = time.perf_counter() - t0
-        if resp.status != 200:
-            raise RuntimeError(f"probe failed: {resp.status} {data}")
-    seen = {f: resp.headers.get(f, "-") for f in FIELDS}
-    seen["usage.cached_tokens"] = str(data["usage"]["prompt_tokens_details"]["cached_tokens"])
-    return elapsed, seen
+    done = await completion(http, port, body, headers)
+    seen = {f: done.headers.get(f, "-") for f in FIELDS}
+    seen["usage.cached_tokens"] = str(done.cached_tokens)
+    return done.elapsed_s, seen
 
 
 def _text(rng: random.Random, n: int) -> str:

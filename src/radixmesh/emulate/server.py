@@ -7,18 +7,17 @@ one :class:`~.events.KvEventPublisher` (when KV events are asked for). Routes:
 
 * ``POST /v1/completions``, ``POST /v1/chat/completions``: parse (``protocol.parse``; a bad
   body is a 400 in vLLM's error shape, a ``model`` other than the served one a 404, both
-  counted in ``bad_requests``), submit one sequence per
-  prompt to the loop, then either stream SSE chunks (one per token, the finish reason on the
-  last token's chunk, a usage chunk when ``stream_options.include_usage``, ``data: [DONE]``)
-  or answer one JSON object when every sequence finished;
+  counted in ``bad_requests``), submit one sequence per prompt to the loop, then either
+  stream SSE chunks (one per token, the finish reason on the last token's chunk, a usage
+  chunk when ``stream_options.include_usage``, ``data: [DONE]``) or answer one JSON object
+  when every sequence finished;
 * ``POST /generate``: SGLang's shape (``input_ids``, ``sampling_params``, cumulative
   ``output_ids`` and ``meta_info`` with ``cached_tokens``), for the node's ``--engine sglang``;
 * ``GET /v1/models``, ``/health`` (both name the profile and say ``emulated``), ``/metrics``
   (Prometheus text, ``metrics.render``).
 
-A client that goes away (its handler is cancelled, or a write fails) aborts its sequences in
-the scheduler (``disconnects`` counts them). No request can crash the server: anything a
-handler did not expect is a 500 with the error shape and the loop goes on.
+A client that goes away (cancelled, or a write fails) aborts its sequences (``disconnects``
+counts them). No request crashes the server: the unexpected is a 500 in the error shape.
 """
 
 from __future__ import annotations
