@@ -243,8 +243,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument(
         "--synthetic-scale",
         type=float,
-        default=1.0,
-        help="prompt length multiplier of the synthetic and generated workloads (1.0 = MMLU-sized)",
+        default=None,
+        help="prompt length multiplier of the synthetic and generated workloads (1.0 = MMLU-sized; "
+        "default 1.0, 0.2 with --sweep quick)",
     )
     w.add_argument("--max-tokens", type=_lengths, default="", metavar="DIST",
                    help="output lengths instead of the workload's own: N, uniform:LO:HI, "
@@ -253,8 +254,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--think-time", type=parse_duration, default=0.0, metavar="S",
                    help="multi-turn sessions (chat, agentic): a session's next turn goes this "
                         "long on average (exponential, seeded) after the last answer (default 0)")
-    w.add_argument("--synthetic-groups", type=int, default=57,
-                   help="synthetic MMLU shape: prefix groups (MMLU has 57 subjects)")
+    w.add_argument("--synthetic-groups", type=int, default=None,
+                   help="synthetic MMLU shape: prefix groups (default 57, as MMLU's subjects; "
+                        "6 with --sweep quick)")
     w.add_argument(
         "--export-trace",
         metavar="FILE",
