@@ -20,14 +20,18 @@ A :class:`Partition` splits nodes (any hashable name) into groups that cannot re
 in both directions, during ``[start_s, end_s)``; nodes no group names form one more group, "the
 rest". :class:`RegionDelays` replaces the one-way delay by a per-region-pair matrix.
 :class:`Wire` is the in-memory network built of them (a link per pair of endpoints, the
-partitions, one random stream): the one that the simulator, the twin cluster and the in-memory
-peer transport share. Nothing here sleeps, reads a clock or owns a random stream: the shells
+partitions, one random stream): the one that the simulator, the twin cluster, the in-memory
+peer transport and the runtime's emulated network (each node is one endpoint of its own wire)
+share. :class:`InFlight` is a wire with the datagrams on it that have not arrived yet, in order
+of arrival (the twin cluster's network; the simulator schedules its arrivals on its own event
+loop instead). Nothing here sleeps, reads a clock or owns a random stream: the shells
 (``runtime/netem.py``, ``sim/network.py``, ``testing/fakenet.py``,
 ``testing/memtransport.py``) pass time and randomness in.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field, replace
@@ -35,6 +39,7 @@ from random import Random  # the type only: instances are passed in, never the g
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
+P = TypeVar("P")
 
 REST = 0  # the group of a node that no group of a partition names
 
@@ -179,8 +184,9 @@ class Wire(Generic[K]):
     partitions cut them apart, and so what becomes of each message sent now (the copies that
     arrive, after which delays). One random stream, passed in, decides every message in the
     order it is sent: the simulator (``sim/network.py``), the twin cluster's datagrams
-    (``testing/fakenet.py``) and the in-memory peer transport (``testing/memtransport.py``)
-    all ask it; none keeps a partition or draws a fault of its own."""
+    (``testing/fakenet.py``), the in-memory peer transport (``testing/memtransport.py``) and
+    the runtime's emulated network (``runtime/netem.py``) all ask it; none keeps a partition
+    or draws a fault of its own."""
 
     def __init__(self, rng: Random, link: Callable[[K, K], LinkConfig],
                  partitions: Iterable[Partition[K]] = ()) -> None:
@@ -210,3 +216,48 @@ class Wire(Generic[K]):
     def delay(self, a: K, b: K) -> float:
         """One one-way delay ``a -> b`` (a message that cannot be lost: a stream's bytes)."""
         return self.link(a, b).sample_delay(self.rng)
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery(Generic[K, P]):
+    """One copy of a datagram arriving."""
+
+    at: float  # time of arrival
+    src: K  # sender
+    dst: K  # receiver
+    payload: P  # the datagram
+
+
+class InFlight(Generic[K, P]):
+    """The datagrams on a :class:`Wire` that have not arrived yet: ``send`` asks the wire what
+    becomes of one (:meth:`Wire.copies`) and queues each copy at its arrival time; ``pop_due``
+    hands out those due, by (arrival time, order sent)."""
+
+    def __init__(self, wire: Wire[K]) -> None:
+        self.wire = wire
+        self._queue: list[tuple[float, int, Delivery[K, P]]] = []
+        self._seq = 0
+
+    def send(self, src: K, dst: K, payload: P, now: float) -> int:
+        """Put one datagram on the wire at ``now``; the number of copies that will arrive
+        (0: lost or partitioned, 2: duplicated)."""
+        copies = self.wire.copies(src, dst)
+        for delay in copies:
+            self._seq += 1
+            at = now + delay
+            heapq.heappush(self._queue, (at, self._seq, Delivery(at, src, dst, payload)))
+        return len(copies)
+
+    def next_time(self) -> float | None:
+        """When the next copy arrives (None: nothing in flight)."""
+        return self._queue[0][0] if self._queue else None
+
+    def pop_due(self, now: float) -> list[Delivery[K, P]]:
+        """The copies that have arrived by ``now``, in order of arrival."""
+        out = []
+        while self._queue and self._queue[0][0] <= now:
+            out.append(heapq.heappop(self._queue)[2])
+        return out
+
+    def __len__(self) -> int:
+        return len(self._queue)

@@ -22,8 +22,9 @@ request's one-way delay and BACK (default OUT) as each response chunk's, instead
 ``--net-delay``; jitter, loss and the rest still come from the one link config. A peer is named
 by the address this node reaches it at (``host:port``).
 
-Every decision (lost? duplicated? which delay? cut off?) is the core link model's
-(:mod:`radixmesh.core.link`); this module only sleeps, delays streams and counts. Its
+Every decision (lost? duplicated? which delay? cut off?) is the core's in-memory network's
+(:class:`radixmesh.core.link.Wire`, as for the simulator and the tests: this node is one endpoint
+of it, each peer name another); this module only sleeps, delays streams and counts. Its
 ``reorder`` probability adds a hold-back to a delay (gossip then arrives out of order; the
 chunks of one stream stay in order, as on TCP).
 """
@@ -35,7 +36,7 @@ import random
 from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import TypeVar
 
-from radixmesh.core.link import LinkConfig, Partition
+from radixmesh.core.link import LinkConfig, Wire
 from radixmesh.core.units import parse_duration
 
 T = TypeVar("T")
@@ -44,6 +45,7 @@ __all__ = ["Netem", "NetemConfig", "PeerDelays", "format_peer_delays", "parse_pe
 
 NetemConfig = LinkConfig  # the runtime's name for the link one node emulates
 PeerDelays = Mapping[str, tuple[float, float]]  # peer address -> (out, back) one-way delays
+SELF = ""  # this node's endpoint on its wire (no peer is named "": partitions strip names)
 
 
 def parse_peer_delays(text: str) -> dict[str, tuple[float, float]]:
@@ -80,8 +82,7 @@ class Netem:
                  ) -> None:
         self.config = config
         self.peers = dict(peers or {})  # address -> (out, back): this peer's own delays
-        self._rng = random.Random(seed)
-        self._cut: Partition[str] = Partition(())  # one group: the peers this node can't reach
+        self.wire: Wire[str] = Wire(random.Random(seed), self._link)  # SELF <-> each peer
         self.dropped_loss = 0  # gossip messages dropped by emulated loss
         self.dropped_partition = 0  # messages (either direction) dropped by a partition
         self.duplicated = 0  # gossip messages sent a second time by emulated duplication
@@ -89,14 +90,19 @@ class Netem:
     # ------------------------------------------------------------------------ partitions
     @property
     def partitioned(self) -> frozenset[str]:
-        return self._cut.groups[0] if self._cut.groups else frozenset()
+        return self.wire.partitions[0].groups[0] if self.wire.partitions else frozenset()
 
     def set_partition(self, peers: Iterable[str]) -> None:
-        self._cut = Partition.of(p.strip() for p in peers if p.strip())
+        """Cut this node off from ``peers`` (node ids or addresses; none: heal)."""
+        cut = {p.strip() for p in peers if p.strip()}
+        if cut:
+            self.wire.partition(cut)  # one group, the rest (SELF among them) another
+        else:
+            self.wire.heal()
 
     def is_cut(self, *names: str | None) -> bool:
         """True if any of the names (node id, address) of a peer is partitioned away."""
-        return any(n is not None and self._cut.cut_off(n) for n in names)
+        return any(n is not None and self.wire.separated(SELF, n) for n in names)
 
     def drop_incoming(self, *names: str | None) -> bool:
         if self.is_cut(*names):
@@ -108,37 +114,43 @@ class Netem:
         if self.is_cut(*names):
             self.dropped_partition += 1
             return True
-        if gossip and self.config.lost(self._rng):
+        if gossip and self.config.lost(self.wire.rng):
             self.dropped_loss += 1
             return True
         return False
 
     def duplicate_now(self) -> bool:
         """Whether to send this gossip message once more (emulated duplication)."""
-        if self.config.duplicated(self._rng):
+        if self.config.duplicated(self.wire.rng):
             self.duplicated += 1
             return True
         return False
 
     # ------------------------------------------------------------------------ delay
-    def _link(self, peer: str | None, back: bool) -> LinkConfig:
-        """The link toward ``peer`` (``back``: from it), its own delay if it has one."""
-        own = self.peers.get(peer) if peer is not None else None
+    def _link(self, a: str, b: str) -> LinkConfig:
+        """The wire's link ``a -> b`` (one of them is SELF): the peer's own delay that way if
+        it has one, else the config's."""
+        back = a != SELF
+        own = self.peers.get(a if back else b)
         return self.config if own is None else self.config.with_delay(own[1] if back else own[0])
 
+    def _ends(self, peer: str | None, back: bool) -> tuple[str, str]:
+        there = SELF if peer is None else peer  # no peer named: the config's own link
+        return (there, SELF) if back else (SELF, there)
+
     def one_way_delay(self, peer: str | None = None, back: bool = False) -> float:
-        return self._link(peer, back).sample_delay(self._rng)
+        return self.wire.delay(*self._ends(peer, back))
 
     async def delay(self, peer: str | None = None) -> None:
         """Sleep one emulated one-way delay toward ``peer`` (no-op without emulation)."""
-        if self._link(peer, False).active:
+        if self._link(*self._ends(peer, False)).active:
             await asyncio.sleep(self.one_way_delay(peer))
 
     async def delayed(self, chunks: AsyncIterator[T], peer: str | None = None
                       ) -> AsyncIterator[T]:
         """Relay ``chunks`` as if each crossed the link from ``peer``: arrival + one-way
         delay, in order."""
-        if not self._link(peer, True).active:
+        if not self._link(*self._ends(peer, True)).active:
             async for chunk in chunks:
                 yield chunk
             return

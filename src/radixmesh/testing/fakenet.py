@@ -10,31 +10,27 @@ the simulator asks the same) what happens to one datagram on the link ``src -> d
     delay = base + U(0, jitter) [+ U(0, reorder_window) with probability reorder]
     duplicate?    -> a second copy with its own delay
 
-Deliveries wait in a heap ordered by (time, sequence number); ``pop_due(now)`` hands out those
-that are due, in order. Nothing here reads a wall clock: whoever drives it owns time (see
-:class:`VirtualClock` and :class:`radixmesh.testing.cluster.TwinCluster`).
+Deliveries wait in the core's queue of datagrams in flight (:class:`radixmesh.core.link.
+InFlight`, ordered by (time, order sent)); ``pop_due(now)`` hands out those that are due, in
+order. This module adds the per-link table, the default link and the counters. Nothing here
+reads a wall clock: whoever drives it owns time (see :class:`VirtualClock` and
+:class:`radixmesh.testing.cluster.TwinCluster`).
 """
 
 from __future__ import annotations
 
-import heapq
 import random
 from collections.abc import Iterable
-from dataclasses import dataclass
 
-from radixmesh.core.link import LinkConfig, Wire
+from radixmesh.core import link as core_link
+from radixmesh.core.link import InFlight, LinkConfig, Wire
 
 __all__ = ["DEFAULT_LINK", "Delivery", "FakeNetwork", "LinkConfig", "VirtualClock"]
 
 DEFAULT_LINK = LinkConfig(delay_s=0.001)  # the link of every pair not given its own
 
 
-@dataclass(frozen=True, slots=True)
-class Delivery:
-    at: float  # virtual time of arrival
-    src: str  # sender address
-    dst: str  # receiver address
-    payload: bytes  # the datagram
+Delivery = core_link.Delivery[str, bytes]  # one datagram arriving: at, src, dst, payload
 
 
 class VirtualClock:
@@ -55,8 +51,7 @@ class FakeNetwork:
         self.default = default or DEFAULT_LINK
         self._links: dict[tuple[str, str], LinkConfig] = {}
         self.wire: Wire[str] = Wire(rng, self.link)
-        self._queue: list[tuple[float, int, Delivery]] = []
-        self._seq = 0
+        self._flight: InFlight[str, bytes] = InFlight(self.wire)
         self.stats = {"sent": 0, "delivered": 0, "dropped": 0, "duplicated": 0, "bytes": 0}
 
     # --------------------------------------------------------------------------- faults
@@ -87,27 +82,19 @@ class FakeNetwork:
         if not self.reachable(src, dst):
             self.stats["dropped"] += 1
             return
-        copies = self.wire.copies(src, dst)
+        copies = self._flight.send(src, dst, payload, now)
         if not copies:
             self.stats["dropped"] += 1
-        elif len(copies) > 1:
+        elif copies > 1:
             self.stats["duplicated"] += 1
-        for delay in copies:
-            self._schedule(src, dst, payload, now + delay)
-
-    def _schedule(self, src: str, dst: str, payload: bytes, at: float) -> None:
-        self._seq += 1
-        heapq.heappush(self._queue, (at, self._seq, Delivery(at, src, dst, payload)))
 
     def next_time(self) -> float | None:
-        return self._queue[0][0] if self._queue else None
+        return self._flight.next_time()
 
     def pop_due(self, now: float) -> list[Delivery]:
-        out = []
-        while self._queue and self._queue[0][0] <= now:
-            out.append(heapq.heappop(self._queue)[2])
+        out = self._flight.pop_due(now)
         self.stats["delivered"] += len(out)
         return out
 
     def pending(self) -> int:
-        return len(self._queue)
+        return len(self._flight)
