@@ -15,13 +15,19 @@ from hypothesis import strategies as st
 
 from radixmesh.core.codec import RemoteProtocolError
 from radixmesh.core.kv_events import (
-    Apply,
-    Drop,
     EngineAllCleared,
     EngineBlockRemoved,
     EngineBlockStored,
     KvBatch,
     KvLimits,
+    UnknownEngineEvent,
+    decode_batch,
+    is_device_medium,
+    is_full_attention,
+)
+from radixmesh.core.kv_order import (
+    Apply,
+    Drop,
     LiveMessage,
     ReplayEnd,
     ReplayMessage,
@@ -29,13 +35,9 @@ from radixmesh.core.kv_events import (
     Reset,
     SequenceTracker,
     Step,
-    UnknownEngineEvent,
-    decode_batch,
     decode_live_frames,
     decode_replay_frames,
     encode_replay_request,
-    is_device_medium,
-    is_full_attention,
 )
 
 U64 = 2**64 - 1

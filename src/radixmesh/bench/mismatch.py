@@ -199,7 +199,8 @@ def stream_of(frames: Sequence[tuple[float, Sequence[bytes]]], block_size: int,
     """An engine's stream from its PUB messages ``(t, [topic, seq, payload])``; messages that
     fail to decode are left out (the caller counts them: ``len(frames) - len(batches)``)."""
     from radixmesh.core.codec import RemoteProtocolError
-    from radixmesh.core.kv_events import decode_batch, decode_live_frames
+    from radixmesh.core.kv_events import decode_batch
+    from radixmesh.core.kv_order import decode_live_frames
 
     batches: list[TimedBatch] = []
     for t, raw in frames:

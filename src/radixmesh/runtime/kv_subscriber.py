@@ -49,16 +49,18 @@ from zmq.utils.monitor import parse_monitor_message
 from radixmesh.core.codec import RemoteProtocolError
 from radixmesh.core.engine_index import EngineIndex
 from radixmesh.core.kv_events import (
-    Apply,
-    Drop,
     KvBatch,
     KvLimits,
+    decode_batch,
+)
+from radixmesh.core.kv_order import (
+    Apply,
+    Drop,
     ReplayEnd,
     RequestReplay,
     Reset,
     SequenceTracker,
     Step,
-    decode_batch,
     decode_live_frames,
     decode_replay_frames,
     encode_replay_request,
