@@ -95,9 +95,13 @@ def test_chaos_config_extra_options_override_the_base() -> None:
     from radixmesh.chaos.env import ChaosConfig
     from radixmesh.chaos.operate import OperateConfig, with_extra
 
-    cfg = ChaosConfig(extra=(("max_queue_wait", "5s"), ("policy", "cost")))
+    cfg = ChaosConfig(serve=(("max_queue_wait", "5s"), ("policy", "cost")))
     options = cfg.options()
     assert options["max_queue_wait"] == "5s" and options["policy"] == "cost"
     assert options["gossip_interval"] == 0.2
+    assert cfg.node().max_queue_wait == 5.0 and cfg.node().policy == "cost"
+    assert ChaosConfig(serve=(("seed", "7"),)).seed == 7  # read back as serve reads it
+    with pytest.raises(ValueError, match="no_such_option"):
+        ChaosConfig(serve=(("no_such_option", 1),))
     op = with_extra(OperateConfig(extra=(("a", 1),)), {"b": 2, "a": 3})
     assert dict(op.extra) == {"a": 3, "b": 2}

@@ -22,14 +22,15 @@ import sys
 import time
 from dataclasses import asdict
 
-from radixmesh.chaos.env import ChaosConfig, ChaosEnv
+from radixmesh.chaos.env import SERVE_OPTIONS, ChaosConfig, ChaosEnv
 from radixmesh.chaos.faults import FaultPlan, run_all
 from radixmesh.chaos.report import FaultResult, to_markdown
 from radixmesh.chaos.soak import SoakConfig, run_soak
 from radixmesh.core.units import parse_duration
-from radixmesh.options import NETWORKS, add_option, add_options
+from radixmesh.options import add_option, add_options
 from radixmesh.progress import timed
 
+_SERVE_FLAGS = ("preset", "policy", "gossip_interval", "forward_timeout")  # chaos's own flags
 FAULTS = ("auth", "kill", "hang", "stream", "loss", "partition", "slow", "wrongkey", "sidechannel")
 
 
@@ -41,11 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", type=float, default=3.0, help="soak: requests per second")
     parser.add_argument("--kill-every", default="45s", help="soak: one kill+restart per ...")
     parser.add_argument("--only", default="", help=f"comma-separated subset of {FAULTS}")
-    local = NETWORKS["local"]  # the nodes share this machine: the local preset's timings
-    add_options(parser, {"nodes": 3, "preset": "micro", "policy": "paper",
-                         "gossip_interval": local["gossip_interval"],
-                         "forward_timeout": local["forward_timeout"]})
-    add_option(parser, "seed", 0,
+    add_options(parser, {"nodes": ChaosConfig().nodes,
+                         **{k: SERVE_OPTIONS[k] for k in _SERVE_FLAGS}})
+    add_option(parser, "seed", SERVE_OPTIONS["seed"],
                help="seed of the engines' weights, the prompts and the soak (default 0)")
     parser.add_argument("--no-key", action="store_true",
                         help="run without a cluster key (peer authentication off)")
@@ -66,12 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace) -> ChaosConfig:
-    return ChaosConfig(
-        nodes=args.nodes, preset=args.preset, policy=args.policy,
-        gossip_interval=args.gossip_interval, forward_timeout=args.forward_timeout,
-        seed=args.seed,
-        keyed=not args.no_key, log_dir=args.log_dir,
-    )
+    serve = tuple((k, getattr(args, k)) for k in (*_SERVE_FLAGS, "seed"))
+    return ChaosConfig(nodes=args.nodes, keyed=not args.no_key, log_dir=args.log_dir,
+                       serve=serve)
 
 
 def _faults(args: argparse.Namespace, cfg: ChaosConfig) -> tuple[dict[str, object], bool]:
@@ -86,7 +82,7 @@ def _faults(args: argparse.Namespace, cfg: ChaosConfig) -> tuple[dict[str, objec
         results = run_all(env, plan, only)
     doc: dict[str, object] = {
         "faults": [r.to_json() for r in results],
-        "config": {**asdict(cfg), "plan": asdict(plan)},
+        "config": {**cfg.to_json(), "plan": asdict(plan)},
         "startup_s": round(startup, 1),
         "elapsed_s": round(time.monotonic() - t0, 1),
     }
@@ -108,7 +104,7 @@ def _soak(args: argparse.Namespace, cfg: ChaosConfig) -> tuple[dict[str, object]
                       kill_every_s=parse_duration(args.kill_every), seed=args.seed)
     with ChaosEnv(cfg) as env, timed(soak.duration_s, "soak"):
         report = run_soak(env, soak)
-    doc: dict[str, object] = {"soak": report, "config": {**asdict(cfg), "soak": asdict(soak)}}
+    doc: dict[str, object] = {"soak": report, "config": {**cfg.to_json(), "soak": asdict(soak)}}
     if not args.json:
         keys = ("duration_s", "rate", "requests", "errors", "lost_or_wrong", "p50_s", "p99_s",
                 "max_s", "ttft_p50_s", "ttft_p99_s", "kills", "restarts", "locked_tokens_at_end",

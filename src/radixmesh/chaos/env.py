@@ -31,44 +31,82 @@ import httpx
 
 from radixmesh.chaos.load import Outcome, Prompt, closed_loop
 from radixmesh.core.headers import HEADER_HOP
+from radixmesh.options import NETWORKS
 from radixmesh.runtime.cluster import LocalCluster
+from radixmesh.runtime.config import ServeConfig, config_from_mapping
 from radixmesh.runtime.metrics import parse_samples
 from radixmesh.workload.synthetic import synthetic_groups
 
 HOP = {HEADER_HOP: "1"}  # execute on the receiving node, never forward
 
 
+# The `radixmesh serve` options (ServeConfig fields) every chaos node gets unless told
+# otherwise; the rest are ServeConfig's defaults. The nodes share this machine: the local
+# network preset's round and forward timeout.
+SERVE_OPTIONS: dict[str, object] = {
+    "preset": "micro",  # the model every node runs (micro: fast on a 2-core CPU)
+    "policy": "paper",  # pure longest-prefix routing, so forwards are predictable
+    "gossip_interval": NETWORKS["local"]["gossip_interval"],  # Δpoll
+    "forward_timeout": NETWORKS["local"]["forward_timeout"],
+    "pushback_threshold": 4,  # above the kill/loss faults' concurrency, below the slow one's
+    "dead_timeout": 30.0,  # long, so a restart is recognised by its incarnation
+    "cache_tokens": 32_768,
+    "seed": 0,
+}
+
+
 @dataclass(frozen=True, slots=True)
 class ChaosConfig:
+    """A chaos run: its cluster's size, its workload, and the nodes' ``radixmesh serve``
+    options (:data:`SERVE_OPTIONS` under ``serve``), read back as the ServeConfig they make."""
+
     nodes: int = 3
-    preset: str = "micro"  # the model every node runs (micro: fast on a 2-core CPU)
-    policy: str = "paper"  # paper: pure longest-prefix routing, so forwards are predictable
-    gossip_interval: float = 0.2  # Δpoll
-    forward_timeout: float = 1.0
-    pushback_threshold: int = 4  # above the kill/loss faults' concurrency, below the slow one's
-    dead_timeout: float = 30.0  # long, so a restart is recognised by its incarnation
-    cache_tokens: int = 32_768
     max_tokens: int = 6
     prompt_scale: float = 0.2  # synthetic MMLU-shaped prompts, ~600 characters
-    seed: int = 0
     keyed: bool = True  # run with a cluster key (peer authentication on)
     log_dir: str | None = None
-    extra: tuple[tuple[str, object], ...] = ()  # more `radixmesh serve` options (over these)
+    serve: tuple[tuple[str, object], ...] = ()  # more `radixmesh serve` options (over these)
+
+    def __post_init__(self) -> None:
+        self.node()  # ValueError naming an unknown or bad serve option
 
     def options(self) -> dict[str, object]:
-        return {**self._base_options(), **dict(self.extra)}
+        """Every node's ``radixmesh serve`` options."""
+        return {**SERVE_OPTIONS, **dict(self.serve)}
 
-    def _base_options(self) -> dict[str, object]:
-        return {
-            "preset": self.preset,
-            "policy": self.policy,
-            "gossip_interval": self.gossip_interval,
-            "forward_timeout": self.forward_timeout,
-            "pushback_threshold": self.pushback_threshold,
-            "dead_timeout": self.dead_timeout,
-            "cache_tokens": self.cache_tokens,
-            "seed": self.seed,
-        }
+    def node(self) -> ServeConfig:
+        """The ServeConfig the options make (over ServeConfig's own defaults)."""
+        return config_from_mapping(self.options(), ServeConfig())
+
+    def to_json(self) -> dict[str, object]:
+        return {"nodes": self.nodes, "max_tokens": self.max_tokens,
+                "prompt_scale": self.prompt_scale, "keyed": self.keyed,
+                "log_dir": self.log_dir, **self.options()}
+
+    # the serve options the faults read, typed
+    @property
+    def preset(self) -> str:
+        return self.node().preset
+
+    @property
+    def seed(self) -> int:
+        return self.node().seed
+
+    @property
+    def cache_tokens(self) -> int:
+        return self.node().cache_tokens
+
+    @property
+    def gossip_interval(self) -> float:
+        return self.node().gossip_interval
+
+    @property
+    def forward_timeout(self) -> float:
+        return self.node().forward_timeout
+
+    @property
+    def pushback_threshold(self) -> int:
+        return self.node().pushback_threshold
 
 
 class ChaosEnv:

@@ -95,9 +95,10 @@ def _r(x: float | None) -> float | None:
 
 
 def _env(cfg: OperateConfig, log_dir: str | None) -> ChaosEnv:
-    options: dict[str, object] = {"drain_grace": cfg.drain_grace, **dict(cfg.extra)}
-    chaos = ChaosConfig(nodes=cfg.nodes, preset=cfg.preset, max_tokens=cfg.max_tokens,
-                        seed=cfg.seed, log_dir=log_dir, extra=tuple(options.items()))
+    options: dict[str, object] = {"preset": cfg.preset, "seed": cfg.seed,
+                                  "drain_grace": cfg.drain_grace, **dict(cfg.extra)}
+    chaos = ChaosConfig(nodes=cfg.nodes, max_tokens=cfg.max_tokens, log_dir=log_dir,
+                        serve=tuple(options.items()))
     return ChaosEnv(chaos)
 
 
