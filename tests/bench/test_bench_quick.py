@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 N = 16
 
 SUMMARY_KEYS = {
-    "name", "policy", "nodes", "workload", "skew", "comm_delay_ms", "gossip_interval_ms",
+    "name", "policy", "nodes", "workload", "skew", "net_delay_ms", "gossip_interval_ms",
     "cache_tokens", "requests", "errors", "mean_latency_s", "p50_latency_s", "p99_latency_s",
     "expected_hit_rate", "actual_hit_rate", "hotspot_share", "forwarded_share", "fallbacks",
 }  # fmt: skip

@@ -33,7 +33,7 @@ def _run(policy: str, delay_ms: float, nodes: int, n: int, speed: float) -> Run:
     lat = [r["latency_s"] for r in records]
     run = {
         "name": name, "policy": policy, "nodes": nodes, "workload": "synthetic",
-        "skew": "uniform", "comm_delay_ms": delay_ms, "gossip_interval_ms": 200.0,
+        "skew": "uniform", "net_delay_ms": delay_ms, "gossip_interval_ms": 200.0,
         "cache_tokens": 100_000, "requests": n, "errors": 0, "mean_latency_s": mean(lat),
         "p50_latency_s": percentile(lat, 50), "p99_latency_s": percentile(lat, 99),
         "expected_hit_rate": 0.0 if policy == "none" else 0.4, "actual_hit_rate": 0.5,
@@ -82,6 +82,23 @@ def test_two_delays_draw_the_curve_and_four_nodes_judge_the_hotspot(tmp_path: Pa
     assert (out / "fig3_share_over_time.png").exists()  # 120 requests: several windows
     assert "hotspot ≤ 35%" in text  # 4 nodes: a 35 % share is reachable, so it is judged
     assert "actual hit ≥" not in text  # this sequence's ceiling (55 %) is below the target
+
+
+def test_a_summary_from_before_the_rename_reads_as_today(tmp_path: Path) -> None:
+    """``comm_delay_ms`` became ``net_delay_ms`` with ``--net-delay``: an old folder gives
+    the same report, and its runs read with the new key."""
+    from radixmesh.results.summary import load_summary
+
+    (tmp_path / "new").mkdir(), (tmp_path / "old").mkdir()
+    new = _folder(tmp_path / "new", [("none", 2.0, 2, 40, 0.7), ("cost", 2.0, 2, 40, 0.4)])
+    old = _folder(tmp_path / "old", [("none", 2.0, 2, 40, 0.7), ("cost", 2.0, 2, 40, 0.4)])
+    summary = json.loads((old / "summary.json").read_text())
+    for run in summary["runs"]:
+        run["comm_delay_ms"] = run.pop("net_delay_ms")
+    (old / "summary.json").write_text(json.dumps(summary))
+    assert [r["net_delay_ms"] for r in load_summary(old / "summary.json")["runs"]] == [2.0, 2.0]
+    assert "comm_delay_ms" not in load_summary(old / "summary.json")["runs"][0]
+    assert write_report(old).read_text() == write_report(new).read_text()
 
 
 def test_a_pressure_batch_alone_is_reported_as_pressure_with_its_figure(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from radixmesh.results.records import Record
-from radixmesh.results.summary import ratio_interval
+from radixmesh.results.summary import load_summary, ratio_interval
 
 Run = dict[str, Any]
 OPEN_LOOP = ("poisson", "trace")
@@ -75,7 +75,7 @@ class Results:
 
     @classmethod
     def load(cls, out: Path) -> Results:
-        summary = json.loads((out / "summary.json").read_text())
+        summary = load_summary(out / "summary.json")
         records: dict[str, list[Record]] = defaultdict(list)
         path = out / "requests.jsonl"
         if path.exists():
@@ -104,7 +104,7 @@ class Results:
             if (
                 r["policy"] == policy
                 and r["skew"] == skew
-                and abs(r["comm_delay_ms"] - delay_ms) < 1e-6
+                and abs(r["net_delay_ms"] - delay_ms) < 1e-6
                 and abs(r["gossip_interval_ms"] - gossip_ms) < 1e-6
                 and r["cache_tokens"] == cache
                 and r.get("concurrency", 1) == concurrency
@@ -128,7 +128,7 @@ class Results:
         """``policy``'s run interleaved with ``run``, else the one at the same point."""
         if (r := self.beside(run, policy)) is not None:
             return r
-        return self.find(policy, run["skew"], run["comm_delay_ms"], run["gossip_interval_ms"],
+        return self.find(policy, run["skew"], run["net_delay_ms"], run["gossip_interval_ms"],
                          run["cache_tokens"], run.get("concurrency", 1))  # fmt: skip
 
     def ok(self, run: Run) -> list[Record]:

@@ -168,7 +168,7 @@ def compare_table(res: Results) -> str:
     for r in res.runs:
         if r.get("group") not in ("t1", "baselines", "sglang", "k4", "k16", "open"):
             continue
-        if r["comm_delay_ms"] != 2.0 or r["cache_tokens"] != res.abundant or r["skew"] != "uniform":
+        if r["net_delay_ms"] != 2.0 or r["cache_tokens"] != res.abundant or r["skew"] != "uniform":
             continue
         rows.append([r["policy"], schedule_text(r), str(r["requests"]),
                      f3(r["mean_latency_s"]), f3(r["p50_latency_s"]), f3(r["p99_latency_s"]),

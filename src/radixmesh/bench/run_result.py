@@ -48,7 +48,7 @@ def summary_entry(res: RunResult) -> dict[str, Any]:
     s, w = res.spec, res.spec.workload
     entry: dict[str, Any] = {
         "name": s.name, "policy": s.policy, "nodes": s.nodes, "workload": w.source,
-        "skew": s.skew, "comm_delay_ms": s.net_delay_s * 1000.0,
+        "skew": s.skew, "net_delay_ms": s.net_delay_s * 1000.0,
         "gossip_interval_ms": s.gossip_interval_s * 1000.0, "cache_tokens": s.cache_tokens,
         "gossip_announce_ms": None if s.gossip_announce_s is None
         else s.gossip_announce_s * 1000.0,

@@ -54,6 +54,7 @@ from radixmesh.bench.spec import RunSpec, engine_context
 from radixmesh.bench.usage import CpuMeter, write_load
 from radixmesh.core.profile import resolve as resolve_profile
 from radixmesh.results.records import Record
+from radixmesh.results.summary import load_summary
 from radixmesh.workload import Request, Schedule
 from radixmesh.workload.build import Drops, build_counted
 from radixmesh.workload.schedule import arrival_text, describe
@@ -144,7 +145,7 @@ class Runner:
         path = self.out / "summary.json"
         if not path.exists():
             return []
-        return list(json.loads(path.read_text()).get("runs", []))
+        return list(load_summary(path).get("runs", []))
 
     def done(self, spec: RunSpec) -> bool:
         """Whether ``out`` already holds a complete run of ``spec`` (same name, at least as

@@ -7,6 +7,10 @@ such a node is ``stranded`` (e.g. a node that lost every early routing race neve
 then never wins one). ``busy_share`` is the engines' total service time over nodes × wall time.
 Percentiles use the nearest-rank method on successful requests.
 
+Renamed keys (:data:`RENAMED_KEYS`): the writers use the new name; :func:`load_summary`, which
+every reader of a ``summary.json`` goes through, gives old files' runs the new name too
+(``comm_delay_ms`` became ``net_delay_ms`` with the ``--net-delay`` flag).
+
 Where the records carry TTFT (streamed runs, the simulator on the scheduler), the summary adds
 mean / p50 / p99 of TTFT and TPOT and ``goodput``: the share of *all* requests (failed ones
 count against it) that succeeded within the SLO — TTFT ≤ ``slo.ttft_s`` and, for requests with
@@ -16,14 +20,28 @@ requests that meet their latency objectives; default 1 s and 100 ms, the 8B prof
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from radixmesh.results.records import Record
+
+RENAMED_KEYS = {"comm_delay_ms": "net_delay_ms"}  # a run's old key -> its current name
+
+
+def load_summary(path: Path) -> dict[str, Any]:
+    """A ``summary.json`` with every run's keys current (old files' renamed keys renamed)."""
+    doc: dict[str, Any] = json.loads(path.read_text())
+    for run in doc.get("runs", []):
+        for old, new in RENAMED_KEYS.items():
+            if old in run:
+                run.setdefault(new, run.pop(old))
+    return doc
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:

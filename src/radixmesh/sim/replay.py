@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from radixmesh.core.router import Policy, RouterConfig
+from radixmesh.results.summary import load_summary
 from radixmesh.sim.cluster import ClusterConfig
 from radixmesh.sim.gateway import CACHE_AWARE, GatewayConfig
 from radixmesh.sim.network import NetworkConfig, parse_regions
@@ -49,12 +50,12 @@ REPLAYABLE = {p.value for p in Policy} | set(GATEWAYS)
 
 
 def is_emulated(real_dir: Path) -> bool:
-    runs = json.loads((real_dir / "summary.json").read_text())["runs"]
+    runs = load_summary(real_dir / "summary.json")["runs"]
     return any(r.get("engine") == "emulated" for r in runs)
 
 
 def emulated_runs(real_dir: Path) -> list[Row]:
-    runs = json.loads((real_dir / "summary.json").read_text())["runs"]
+    runs = load_summary(real_dir / "summary.json")["runs"]
     return [r for r in runs if r.get("engine") == "emulated" and not r.get("skipped")
             and r.get("requests") and r.get("policy") in REPLAYABLE]  # fmt: skip
 
@@ -124,7 +125,7 @@ def _network(real: Row, args: argparse.Namespace) -> NetworkConfig:
     names = real.get("regions") or args.regions
     matrix = real.get("region_delays") or args.region_delays
     regions, delays = parse_regions(names, matrix) if names else ((), ())
-    return NetworkConfig(delay_s=float(real["comm_delay_ms"]) / 1000.0, regions=regions,
+    return NetworkConfig(delay_s=float(real["net_delay_ms"]) / 1000.0, regions=regions,
                          region_delay_s=delays)  # fmt: skip
 
 
@@ -162,9 +163,9 @@ def compare(real: list[Row], sim: list[Row]) -> list[Row]:
 
 
 def _none_of(rows: list[Row], r: Row) -> Row | None:
-    key = (r["nodes"], r.get("profiles"), r.get("workload"), r.get("comm_delay_ms"))
+    key = (r["nodes"], r.get("profiles"), r.get("workload"), r.get("net_delay_ms"))
     found = [x for x in rows if x["policy"] == "none"
-             and (x["nodes"], x.get("profiles"), x.get("workload"), x.get("comm_delay_ms")) == key]
+             and (x["nodes"], x.get("profiles"), x.get("workload"), x.get("net_delay_ms")) == key]
     return found[0] if found else None  # fmt: skip
 
 

@@ -231,7 +231,7 @@ def _summary(
         "nodes": c.nodes,
         "workload": spec.workload,
         "skew": spec.skew,
-        "comm_delay_ms": c.network.delay_s * 1000.0,
+        "net_delay_ms": c.network.delay_s * 1000.0,
         "gossip_interval_ms": c.gossip.interval_s * 1000.0,
         "gossip_announce_ms": None if c.gossip.announce_gap_s is None
         else c.gossip.announce_gap_s * 1000.0,

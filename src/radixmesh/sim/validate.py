@@ -33,6 +33,7 @@ from typing import Any
 
 from radixmesh.core.config import GossipConfig, PushbackConfig
 from radixmesh.core.router import Policy, RouterConfig
+from radixmesh.results.summary import load_summary
 from radixmesh.sim.cluster import ClusterConfig
 from radixmesh.sim.costs import CostModel
 from radixmesh.sim.network import NetworkConfig
@@ -46,7 +47,7 @@ Row = dict[str, Any]
 
 
 def real_runs(real_dir: Path) -> list[Row]:
-    runs = json.loads((real_dir / "summary.json").read_text())["runs"]
+    runs = load_summary(real_dir / "summary.json")["runs"]
     out = []
     for r in runs:
         if r.get("skipped") or r.get("policy") not in SIM_POLICIES:
@@ -82,7 +83,7 @@ def simulate_like(
             interval, announce_gap_s=None if announce is None else float(announce) / 1000.0
         ),
         pushback=PushbackConfig(queue_threshold=args.pushback_threshold),
-        network=NetworkConfig(delay_s=float(real["comm_delay_ms"]) / 1000.0),
+        network=NetworkConfig(delay_s=float(real["net_delay_ms"]) / 1000.0),
         cache_tokens=int(real["cache_tokens"]),
         seed=point.seed,
         tokenizer=tok_fp,
@@ -99,7 +100,7 @@ def _key(r: Row) -> tuple[Any, ...]:
 
 def _none_of(rows: list[Row], r: Row) -> Row | None:
     cands = [x for x in rows if x["policy"] == "none" and _key(x) == _key(r)]
-    same_delay = [x for x in cands if x["comm_delay_ms"] == r["comm_delay_ms"]]
+    same_delay = [x for x in cands if x["net_delay_ms"] == r["net_delay_ms"]]
     found = same_delay or cands
     return found[0] if found else None
 
@@ -179,7 +180,7 @@ def _config_fields(r: Row, corr: dict[str, tuple[float, float]]) -> Row:
         "name": r["name"],
         "policy": r["policy"],
         "skew": r["skew"],
-        "comm_delay_ms": r["comm_delay_ms"],
+        "net_delay_ms": r["net_delay_ms"],
         "requests": r["requests"],
         "errors": r["errors"],
         "drift": corr.get(r["name"], (None, None))[0],
@@ -248,7 +249,7 @@ def _f(v: float | None, fmt: str = ".3f") -> str:
 
 
 def _name(r: Row) -> str:
-    return f"{r['policy']}, {r['skew']}, {r['comm_delay_ms']:g} ms"
+    return f"{r['policy']}, {r['skew']}, {r['net_delay_ms']:g} ms"
 
 
 def markdown(rows: list[Row]) -> str:
@@ -289,7 +290,7 @@ def main(args: argparse.Namespace) -> int:
     real = real_runs(real_dir)
     if not real:
         raise ValueError(f"{real_dir}: no configuration the simulator can replay")
-    delays = {r["name"]: float(r["comm_delay_ms"]) / 1000.0 for r in real}
+    delays = {r["name"]: float(r["net_delay_ms"]) / 1000.0 for r in real}
     corr = drift_corrected_means(real_dir / "requests.jsonl", cost, delays)
     sim_run, sim_fixed = _simulate_all(real, args, cost, corr, noise)
     rows = compare(real, sim_run, sim_fixed, corr)
