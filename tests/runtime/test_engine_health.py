@@ -9,16 +9,11 @@ import asyncio
 from typing import TYPE_CHECKING
 
 import aiohttp
-import uvicorn
-from test_external_mesh import LIMIT_S, PREFIX, complete, node, subscribed
+from test_external_mesh import LIMIT_S, PREFIX, complete, mesh_of_two, node, subscribed
 
 from radixmesh.emulate.fake import FakeEngine
-from radixmesh.engine.tokenizers import ByteTokenizer
-from radixmesh.runtime.app import create_app, node_server
 from radixmesh.runtime.cluster import free_port
-from radixmesh.runtime.config import ServeConfig
 from radixmesh.runtime.node import NodeService
-from radixmesh.runtime.serve_cli import build_external_service
 
 if TYPE_CHECKING:
     from conftest import Poll
@@ -34,25 +29,6 @@ def same_ports(fake: FakeEngine) -> FakeEngine:
     kv = int(fake.kv_endpoint.rsplit(":", 1)[1])
     replay = int(fake.replay_endpoint.rsplit(":", 1)[1])
     return FakeEngine(cache_tokens=4096, port=port, kv_port=kv, replay_port=replay)
-
-
-async def mesh_of_two(poll: Poll, scenario: object) -> None:
-    fake1, fake2 = FakeEngine(cache_tokens=4096), FakeEngine(cache_tokens=4096)
-    await fake1.start()
-    await fake2.start()
-    p1, p2 = free_port(), free_port()
-    engines = [fake1, fake2]
-    try:
-        async with (node(poll, fake1, "node-1", p1, p2) as n1,
-                    node(poll, fake2, "node-2", p2, p1) as n2,
-                    aiohttp.ClientSession() as http):
-            await poll.until_async(lambda: n1.peer_states() == {"node-2": "alive"}
-                                   and n2.peer_states() == {"node-1": "alive"},
-                                   "the mesh", LIMIT_S)
-            await scenario(http, n1, n2, p1, p2, engines)  # type: ignore[operator]
-    finally:
-        for fake in engines:
-            await fake.stop()
 
 
 def test_a_dead_engine_sends_work_to_the_peer_and_a_restarted_one_is_taken_back(
@@ -131,25 +107,15 @@ def test_an_engine_with_another_block_size_is_refused_with_the_reason(poll: Poll
         fake = FakeEngine(cache_tokens=4096, block_size=16)
         await fake.start()
         port = free_port()
-        cfg = ServeConfig(node_id="solo", port=port, engine="vllm", policy="paper",
-                          engine_url=fake.url, kv_events=fake.kv_endpoint,
-                          kv_replay=fake.replay_endpoint, model=fake.model,
-                          cache_tokens=4096, engine_block_size=32)
-        service = build_external_service(cfg, tokenizer=ByteTokenizer())
-        server = node_server(uvicorn.Config(create_app(service), host="127.0.0.1", port=port,
-                                            log_level="warning", lifespan="on"), service)
-        task = asyncio.create_task(server.serve())
         try:
-            await poll.until_async(lambda: server.started, "the node to start", LIMIT_S)
-            await subscribed(poll, service, fake)
-            async with aiohttp.ClientSession() as http:
-                await complete(http, port, PREFIX + "sixteen-token blocks")
-            await poll.until_async(lambda: health(service)["up"] is False, "the refusal",
-                                   LIMIT_S)
-            assert "16 tokens, configured 32" in str(health(service)["reason"])
+            async with node(poll, fake, "solo", port, None, engine_block_size=32) as service:
+                await subscribed(poll, service, fake)
+                async with aiohttp.ClientSession() as http:
+                    await complete(http, port, PREFIX + "sixteen-token blocks")
+                await poll.until_async(lambda: health(service)["up"] is False, "the refusal",
+                                       LIMIT_S)
+                assert "16 tokens, configured 32" in str(health(service)["reason"])
         finally:
-            server.should_exit = True
-            await asyncio.wait_for(task, LIMIT_S)
             await fake.stop()
 
     asyncio.run(scenario())

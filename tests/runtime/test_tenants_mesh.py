@@ -5,74 +5,29 @@ operator key shares nothing with tenants; bad tenancy input is a 4xx."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
+from test_external_mesh import LIMIT_S, PREFIX, mesh_of_two, subscribed, view_blocks
+from test_external_mesh import complete as mesh_complete
 
 from radixmesh.core.blocks import block_hashes
 from radixmesh.emulate.fake import FakeEngine
 from radixmesh.engine.tokenizers import ByteTokenizer
-from radixmesh.runtime.cluster import free_port
-from radixmesh.runtime.config import ServeConfig
-from radixmesh.runtime.inprocess import serving
 from radixmesh.runtime.node import NodeService
-from radixmesh.runtime.serve_cli import build_external_service
 
 if TYPE_CHECKING:
     from conftest import Poll
 
-LIMIT_S = 10.0
-PREFIX = "You are a careful assistant. Answer the multiple choice question below. " * 4
 OPERATOR = "operator-key-000001"
 KEYS = {"acme": "key-of-acme-0000001", "umbrella": "key-of-umbrella-001"}
 
 
-@contextlib.asynccontextmanager
-async def node(fake: FakeEngine, name: str, port: int, peer_port: int, keys_file: Path,
-               adapters: str = "") -> AsyncIterator[NodeService]:
-    cfg = ServeConfig(node_id=name, port=port, peers=(f"127.0.0.1:{peer_port}",),
-                      gossip_interval=0.1, gossip_announce=0.05, forward_timeout=2.0,
-                      engine="vllm", policy="paper", engine_url=fake.url,
-                      kv_events=fake.kv_endpoint, kv_replay=fake.replay_endpoint,
-                      model=fake.model, cache_tokens=4096, api_key=OPERATOR,
-                      api_keys=str(keys_file), adapters=adapters)
-    service = build_external_service(cfg, tokenizer=ByteTokenizer())
-    async with serving(service, port):
-        yield service
-
-
 async def complete(http: aiohttp.ClientSession, port: int, prompt: str, key: str,
                    **fields: Any) -> tuple[int, dict[str, str], Any]:
-    body = {"model": "fake-model", "prompt": prompt, "max_tokens": 4, **fields}
-    headers = {"authorization": f"Bearer {key}", **fields.pop("headers", {})}
-    body.pop("headers", None)
-    async with http.post(f"http://127.0.0.1:{port}/v1/completions", json=body,
-                         headers=headers) as resp:
-        return resp.status, dict(resp.headers), await resp.json(content_type=None)
-
-
-async def subscribed(poll: Poll, service: NodeService, fake: FakeEngine) -> None:
-    """Past ZMQ's slow joiner (as tests/runtime/test_external_mesh.py)."""
-    sub = service.attachments[0]
-
-    def got_a_batch() -> bool:
-        if sub.counts["messages"]:
-            return True
-        fake.clear_all()
-        return False
-
-    await poll.until_async(got_a_batch, "the subscriber's first batch", LIMIT_S, interval=0.02)
-    tracker = sub.publishers[0].tracker
-    await poll.until_async(lambda: tracker.next_seq == fake.seq, "the subscriber", LIMIT_S)
-
-
-def view_blocks(service: NodeService, peer: str) -> int:
-    peers = service.mesh()["peers"]
-    assert isinstance(peers, list)
-    return next((int(p["view_blocks"]) for p in peers if p["node_id"] == peer), 0)
+    """test_external_mesh's completion, by the client holding API key ``key``."""
+    return await mesh_complete(http, port, prompt, key=key, **{"max_tokens": 4, **fields})
 
 
 def cached(headers: dict[str, str], body: Any) -> tuple[int, int]:
@@ -85,26 +40,13 @@ def test_tenant_b_never_sees_tenant_a_prefix_and_a_still_hits(poll: Poll, tmp_pa
     keys_file = tmp_path / "keys.txt"
     keys_file.write_text("".join(f"{k} {t}\n" for t, k in KEYS.items()))
 
-    async def scenario() -> None:
-        fake1, fake2 = FakeEngine(cache_tokens=4096), FakeEngine(cache_tokens=4096)
-        await fake1.start()
-        await fake2.start()
-        p1, p2 = free_port(), free_port()
-        try:
-            async with (node(fake1, "node-1", p1, p2, keys_file) as n1,
-                        node(fake2, "node-2", p2, p1, keys_file) as n2,
-                        aiohttp.ClientSession() as http):
-                await poll.until_async(lambda: n1.peer_states() == {"node-2": "alive"}
-                                       and n2.peer_states() == {"node-1": "alive"},
-                                       "the mesh", LIMIT_S)
-                await _isolation(poll, http, n1, n2, p1, p2, fake1)
-                await _sessions(http, p1)
-                await _bad_input(http, p2)
-        finally:
-            await fake1.stop()
-            await fake2.stop()
+    async def scenario(http: aiohttp.ClientSession, n1: NodeService, n2: NodeService,
+                       p1: int, p2: int, engines: list[FakeEngine]) -> None:
+        await _isolation(poll, http, n1, n2, p1, p2, engines[0])
+        await _sessions(http, p1)
+        await _bad_input(http, p2)
 
-    asyncio.run(scenario())
+    asyncio.run(mesh_of_two(poll, scenario, api_key=OPERATOR, api_keys=str(keys_file)))
 
 
 async def _isolation(poll: Poll, http: aiohttp.ClientSession, n1: NodeService,
@@ -219,29 +161,18 @@ def test_an_adapter_is_known_by_its_digest_and_its_kv_is_its_own(poll: Poll, tmp
     keys_file = tmp_path / "keys.txt"
     keys_file.write_text("".join(f"{k} {t}\n" for t, k in KEYS.items()))
 
-    async def scenario() -> None:
-        fake1 = FakeEngine(cache_tokens=4096, adapters=("sql-lora",))
-        fake2 = FakeEngine(cache_tokens=4096, adapters=("sql-lora", "chat-lora"))
-        await fake1.start()
-        await fake2.start()
-        p1, p2 = free_port(), free_port()
-        try:
-            async with (node(fake1, "node-1", p1, p2, keys_file, f"sql-lora={DIGEST_A}") as n1,
-                        node(fake2, "node-2", p2, p1, keys_file,
-                             f"sql-lora={DIGEST_B},chat-lora={DIGEST_C}") as n2,
-                        aiohttp.ClientSession() as http):
-                await poll.until_async(lambda: n1.peer_states() == {"node-2": "alive"}
-                                       and n2.peer_states() == {"node-1": "alive"},
-                                       "the mesh", LIMIT_S)
-                await subscribed(poll, n1, fake1)
-                await subscribed(poll, n2, fake2)
-                await _adapters(poll, http, n1, n2, p1, p2)
-                await _forwarded_adapters(poll, http, n1, p1, p2)
-        finally:
-            await fake1.stop()
-            await fake2.stop()
+    async def scenario(http: aiohttp.ClientSession, n1: NodeService, n2: NodeService,
+                       p1: int, p2: int, engines: list[FakeEngine]) -> None:
+        await subscribed(poll, n1, engines[0])
+        await subscribed(poll, n2, engines[1])
+        await _adapters(poll, http, n1, n2, p1, p2)
+        await _forwarded_adapters(poll, http, n1, p1, p2)
 
-    asyncio.run(scenario())
+    asyncio.run(mesh_of_two(
+        poll, scenario, ({"adapters": ("sql-lora",)}, {"adapters": ("sql-lora", "chat-lora")}),
+        ({"adapters": f"sql-lora={DIGEST_A}"},
+         {"adapters": f"sql-lora={DIGEST_B},chat-lora={DIGEST_C}"}),
+        api_key=OPERATOR, api_keys=str(keys_file)))
 
 
 async def _adapters(poll: Poll, http: aiohttp.ClientSession, n1: NodeService,
