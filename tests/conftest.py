@@ -1,4 +1,4 @@
-"""Helpers shared by every test directory: one bounded poll.
+"""Helpers shared by every test directory: one bounded poll, one small engine.
 
 Theory of operation
 -------------------
@@ -10,9 +10,13 @@ past ``timeout`` it fails the test with "timed out after T s waiting for WHAT".
 between checks). ``watch`` (sync only) is called between checks and may raise to fail fast,
 e.g. when a process the condition depends on has exited.
 
-It is a session fixture (``def test_x(poll: Poll)``), not an importable function, because
-test directories have conftest files of their own and no ``__init__.py``: ``import conftest``
-would find whichever was loaded last.
+``engine`` is the built-in engine of the ``micro`` preset (4096 cache tokens, one thread), one
+per test module, for the tests that serve nodes on it; a module that needs another engine
+defines its own ``engine`` fixture, which pytest prefers.
+
+Both are fixtures (``def test_x(poll: Poll)``), not importable functions, because test
+directories have conftest files of their own and no ``__init__.py``: ``import conftest`` would
+find whichever was loaded last.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -59,3 +63,10 @@ class Poll:
 @pytest.fixture(scope="session")
 def poll() -> Poll:
     return Poll()
+
+
+@pytest.fixture(scope="module")
+def engine() -> Any:
+    from radixmesh.engine.factory import build_engine  # torch: only where a test asks
+
+    return build_engine("micro", cache_tokens=4096, threads=1)

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import pytest
 
-from radixmesh.engine.factory import build_engine
 from radixmesh.engine.testing import SlowTokens
 from radixmesh.runtime.config import ServeConfig
 from radixmesh.runtime.inprocess import free_port, serving
@@ -29,11 +28,6 @@ TOKEN_S = 0.05
 MAX_TOKENS = 30  # with its prompt: over the cap below once a second request queues
 FILL_TOKENS = 80  # the requests that fill a node run 4 s (an idle node admits any size)
 CAP = 100
-
-
-@pytest.fixture(scope="module")
-def engine() -> Any:
-    return build_engine("micro", cache_tokens=4096, threads=1)
 
 
 @contextlib.asynccontextmanager

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import pytest
 
-from radixmesh.engine.factory import build_engine
 from radixmesh.engine.testing import SlowTokens
 from radixmesh.runtime.config import ServeConfig, config_from_mapping
 from radixmesh.runtime.inprocess import free_port, serving
@@ -20,11 +19,6 @@ if TYPE_CHECKING:
     from conftest import Poll
 
 TOKEN_S = 0.05
-
-
-@pytest.fixture(scope="module")
-def engine() -> Any:
-    return build_engine("micro", cache_tokens=4096, threads=1)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -9,7 +9,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from radixmesh.core import node as core_node
-from radixmesh.engine.factory import build_engine
 from radixmesh.runtime.config import ServeConfig
 from radixmesh.runtime.metrics import (
     CORE_DUPLICATES,
@@ -37,11 +36,6 @@ def families(text: str) -> dict[str, Any]:
 def series(text: str) -> Counter[tuple[str, tuple[tuple[str, str], ...]]]:
     return Counter((s.name, tuple(sorted(s.labels.items())))
                    for fam in text_string_to_metric_families(text) for s in fam.samples)
-
-
-@pytest.fixture(scope="module")
-def engine() -> Any:
-    return build_engine("micro", cache_tokens=4096, threads=1)
 
 
 def test_types_follow_the_prometheus_conventions() -> None:

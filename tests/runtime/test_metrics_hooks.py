@@ -5,18 +5,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from radixmesh.engine.base import SamplingParams
-from radixmesh.engine.factory import build_engine
 from radixmesh.runtime.config import ServeConfig
 from radixmesh.runtime.node import NodeService
-
-
-@pytest.fixture(scope="module")
-def engine() -> Any:
-    return build_engine("micro", cache_tokens=4096, threads=1)
 
 
 def _values(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -13,7 +13,6 @@ from typing import Any
 import openai
 import pytest
 
-from radixmesh.engine.factory import build_engine
 from radixmesh.engine.testing import ScriptedEngine
 from radixmesh.runtime.config import ServeConfig
 from radixmesh.runtime.inprocess import free_port, serving
@@ -30,11 +29,6 @@ MSGS: list[Any] = [{"role": "user", "content": "What is it?"}]
 def scripted_engine(engine: Any) -> ScriptedEngine:
     """The engine stand-in of these tests: ``TEXT``, ``TOKEN_S`` apart."""
     return ScriptedEngine(engine, TEXT, TOKEN_S)
-
-
-@pytest.fixture(scope="module")
-def engine() -> Any:
-    return build_engine("micro", cache_tokens=4096, threads=1)
 
 
 @contextlib.asynccontextmanager

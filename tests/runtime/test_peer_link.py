@@ -23,7 +23,6 @@ from radixmesh.core.forward_codec import (
     encode_link_frame,
 )
 from radixmesh.core.messages import ForwardAccepted, ForwardRequest, ForwardResult
-from radixmesh.engine.factory import build_engine
 from radixmesh.runtime import peer_link
 from radixmesh.runtime.inprocess import serving_node
 from radixmesh.runtime.netem import Netem, NetemConfig
@@ -36,11 +35,6 @@ if TYPE_CHECKING:
     from conftest import Poll
 
 KEY = "k" * 32
-
-
-@pytest.fixture(scope="module")
-def engine() -> Any:
-    return build_engine("micro", cache_tokens=4096, threads=1)
 
 
 def _serving(engine: Any, name: str, **overrides: Any

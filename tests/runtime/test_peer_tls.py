@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import pytest
 
-from radixmesh.engine.factory import build_engine
 from radixmesh.runtime import serve_cli
 from radixmesh.runtime.config import ServeConfig, config_from_mapping
 from radixmesh.runtime.inprocess import free_port
@@ -154,11 +153,6 @@ def client_ssl(pki: Path, cert: str | None = None) -> ssl.SSLContext:
 
 
 # ----------------------------------------------------------------------------- the nodes
-@pytest.fixture(scope="module")
-def engine() -> Any:
-    return build_engine("micro", cache_tokens=4096, threads=1)
-
-
 @contextlib.asynccontextmanager
 async def serving(engine: Any, name: str, *, port: int = 0, **overrides: Any
                   ) -> AsyncIterator[NodeService]:

@@ -13,9 +13,7 @@ import contextlib
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
-import pytest
 
-from radixmesh.engine.factory import build_engine
 from radixmesh.engine.testing import SlowTokens
 from radixmesh.runtime.inprocess import serving_node
 from radixmesh.runtime.node import NodeService
@@ -25,11 +23,6 @@ if TYPE_CHECKING:
 
 TOKEN_S = 0.05
 MAX_TOKENS = 150
-
-
-@pytest.fixture(scope="module")
-def engine() -> Any:
-    return build_engine("micro", cache_tokens=4096, threads=1)
 
 
 def _serving(engine: Any, name: str, **overrides: Any

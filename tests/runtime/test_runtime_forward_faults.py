@@ -34,18 +34,12 @@ from radixmesh.core.messages import (
     ForwardTokens,
 )
 from radixmesh.engine.base import SamplingParams
-from radixmesh.engine.factory import build_engine
 from radixmesh.runtime.config import ServeConfig
 from radixmesh.runtime.node import NodeService
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 PROMPT = list(b"The following are multiple choice questions about faults. " * 3)
 SAMPLING = SamplingParams(max_tokens=8)
-
-
-@pytest.fixture(scope="module")
-def engine():  # type: ignore[no-untyped-def]
-    return build_engine("micro", cache_tokens=4096, threads=1)
 
 
 async def _read_request(reader: asyncio.StreamReader) -> bytes:

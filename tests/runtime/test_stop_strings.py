@@ -22,7 +22,6 @@ import pytest
 from radixmesh.core.forward_codec import encode_reply
 from radixmesh.core.messages import ForwardAccepted, ForwardTokens
 from radixmesh.engine.base import SamplingParams
-from radixmesh.engine.factory import build_engine
 from radixmesh.engine.testing import ScriptedEngine
 from radixmesh.runtime.app import _pieces
 from radixmesh.runtime.config import ServeConfig
@@ -44,11 +43,6 @@ FAR_BELOW = MAX_TOKENS // 3  # what the engine may have generated once stopped
 def scripted_engine(engine: Any) -> ScriptedEngine:
     """The engine stand-in of these tests: ``TEXT``, ``TOKEN_S`` apart."""
     return ScriptedEngine(engine, TEXT, TOKEN_S)
-
-
-@pytest.fixture(scope="module")
-def engine() -> Any:
-    return build_engine("micro", cache_tokens=4096, threads=1)
 
 
 @contextlib.asynccontextmanager
