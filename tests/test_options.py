@@ -82,16 +82,16 @@ def test_sim_load_bound_minus_one_is_the_old_spelling_of_off(capsys) -> None:  #
 
 
 def test_bench_preset_names_the_model_and_a_sweep_name_is_deprecated(capsys) -> None:  # type: ignore[no-untyped-def]
-    from radixmesh.bench import cli
+    from radixmesh.bench import plan
 
     args = _parser("bench").parse_args(["--preset", "quick", "--requests", "4"])
-    specs = cli.specs_from_args(args)
+    specs = plan.specs_from_args(args)
     assert "--preset quick is deprecated, use --sweep quick" in capsys.readouterr().err
-    by_sweep = cli.specs_from_args(_parser("bench").parse_args(["--sweep", "quick",
+    by_sweep = plan.specs_from_args(_parser("bench").parse_args(["--sweep", "quick",
                                                                  "--requests", "4"]))
     assert [s.name for s in specs] == [s.name for s in by_sweep]
     assert {s.preset for s in specs} == {DEFAULT_PRESET}
-    micro = cli.specs_from_args(_parser("bench").parse_args(["--preset", "micro"]))
+    micro = plan.specs_from_args(_parser("bench").parse_args(["--preset", "micro"]))
     assert {s.preset for s in micro} == {"micro"} and capsys.readouterr().err == ""
 
 

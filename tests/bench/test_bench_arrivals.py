@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from radixmesh.bench import cli, replay
+from radixmesh.bench import cli, plan, replay
 from radixmesh.bench.folder import Results
 from radixmesh.bench.replay import Replay
 from radixmesh.bench.runner import Runner, RunResult, summary_entry
@@ -69,7 +69,7 @@ def test_timed_schedules_and_their_description() -> None:
 
 
 def test_arrivals_flag_sweeps_poisson_and_bursty_for_rates_and_loads() -> None:
-    specs = cli.specs_from_args(_args("--policy", "none,cost", "--load", "0.8", "--rate", "2",
+    specs = plan.specs_from_args(_args("--policy", "none,cost", "--load", "0.8", "--rate", "2",
                                       "--arrivals", "poisson,bursty", "--arrival-cv", "2.5"))
     kinds = {s.name: s.workload.schedule for s in specs}
     assert kinds["none-uniform-d2ms-g500ms-c200000-n4-L0.8-bursty"] is Schedule.BURSTY
@@ -168,7 +168,7 @@ def test_warm_up_requests_are_sent_and_kept_but_left_out_of_the_figures() -> Non
     with pytest.raises(ValueError, match="exclude-warmup"):
         RunSpec(name="r", policy="none", warmup_requests=-1)
     args = _args("--exclude-warmup", "30s")
-    assert cli.base_spec(args).warmup_s == 30.0 and cli.base_spec(_args()).warmup_requests == 0
+    assert plan.base_spec(args).warmup_s == 30.0 and plan.base_spec(_args()).warmup_requests == 0
 
 
 def test_the_report_reads_no_warm_up_record(tmp_path: Path) -> None:

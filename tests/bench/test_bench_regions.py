@@ -197,11 +197,11 @@ def test_the_gateway_reaches_each_worker_from_its_region_in_the_meshs_time(
 def test_run_names_say_the_regions() -> None:
     import argparse
 
-    from radixmesh.bench import cli
+    from radixmesh.bench import cli, plan
 
     p = argparse.ArgumentParser()
     cli.add_arguments(p)
     args = p.parse_args(["--regions", "us,eu", "--region-delays", "1,40;40,1", "--nodes", "2",
                          "--policy", "none"])
-    [spec] = cli.specs_from_args(args)
+    [spec] = plan.specs_from_args(args)
     assert spec.name.endswith("-Rus+eu") and spec.region_map is not None
