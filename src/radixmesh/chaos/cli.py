@@ -23,9 +23,10 @@ import time
 from dataclasses import asdict
 
 from radixmesh.chaos.env import SERVE_OPTIONS, ChaosConfig, ChaosEnv
-from radixmesh.chaos.faults import FaultPlan, run_all
+from radixmesh.chaos.faults import FaultPlan
 from radixmesh.chaos.report import FaultResult, to_markdown
 from radixmesh.chaos.soak import SoakConfig, run_soak
+from radixmesh.chaos.suite import run_all
 from radixmesh.core.units import parse_duration
 from radixmesh.options import add_option, add_options
 from radixmesh.progress import timed
