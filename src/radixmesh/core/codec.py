@@ -14,23 +14,33 @@ ints, floats must be finite, strings have maximum lengths, a message holds at mo
 ``max_hashes`` hashes in total). Anything wrong raises :class:`RemoteProtocolError` — and only
 that: the node counts it and drops the message, it never crashes and never touches a view.
 
-This module holds gossip and the checked low-level readers (``_int``, ``_float``, ``_text``,
-...); :mod:`forward_codec` encodes forwarded requests and their replies with the same readers.
-(Just over 400 lines: gossip's fields and their checked readers stay together.)
+This module holds gossip; the checked low-level readers (``check_int``, ``check_float``,
+``check_text``, ...) and :class:`RemoteProtocolError` are :mod:`radixmesh.core.checked`'s, and
+:mod:`forward_codec` encodes forwarded requests and their replies with the same readers.
 """
 
 from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import msgpack
 
 from radixmesh.core.adapters import MAX_ADAPTERS, Adapter, adapters_from_wire
 from radixmesh.core.blocks import Fingerprint
+from radixmesh.core.checked import (
+    INT_MAX,
+    RemoteProtocolError,
+    check_array,
+    check_bool,
+    check_float,
+    check_int,
+    check_text,
+    checked,
+    unpack_checked,
+)
 from radixmesh.core.estimators import SpeedReport
 from radixmesh.core.messages import (
     PROTOCOL_VERSION,
@@ -54,17 +64,7 @@ KIND_GOSSIP = 1  # kinds 2.. are forward messages (forward_codec)
 _EMPTY = pack_hashes(())
 _PACK_CACHE = 4096  # packed hash sets remembered by the encoder
 _SPEED = struct.Struct("<4f")
-_INT_MAX = 2**63 - 1
 _U64_MAX = 2**64 - 1
-_T = TypeVar("_T")
-
-
-class RemoteProtocolError(Exception):
-    """A peer sent bytes that are not a valid message (the peer's fault, never ours)."""
-
-    def __init__(self, message: str, reason: str = "decode") -> None:
-        super().__init__(message)
-        self.reason = reason  # metric suffix: messages_rejected_<reason>
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,39 +159,7 @@ class Codec:
             max_bin=lim.max_message_bytes,
             max_array=max(lim.max_peers, lim.max_changes, 32),
         )
-        return _checked(_Parser(self.limits).gossip, raw)
-
-
-def unpack_checked(
-    data: bytes, *, max_str: int, max_bin: int, max_array: int, max_map: int = 0,
-    what: str = "message",
-) -> Any:
-    """msgpack-decode ``data`` within these lengths (str in bytes); maps only up to ``max_map``
-    entries (none by default), no extensions. Shared by every decoder of remote bytes."""
-    try:
-        return msgpack.unpackb(
-            data,
-            raw=False,
-            use_list=True,
-            strict_map_key=True,
-            max_str_len=max_str,
-            max_bin_len=max_bin,
-            max_array_len=max_array,
-            max_map_len=max_map,
-            max_ext_len=0,
-        )
-    except Exception as exc:  # msgpack raises many types on hostile input; all are remote
-        raise RemoteProtocolError(f"undecodable {what}: {type(exc).__name__}") from None
-
-
-def _checked(parse: Callable[[Any], _T], raw: Any) -> _T:
-    """``parse(raw)``, any error a malformed tree can cause turned into RemoteProtocolError."""
-    try:
-        return parse(raw)
-    except RemoteProtocolError:
-        raise
-    except (ValueError, TypeError, IndexError, OverflowError) as exc:
-        raise RemoteProtocolError(f"malformed message: {exc}") from None
+        return checked(_Parser(self.limits).gossip, raw)
 
 
 # ---------------------------------------------------------------------------- encode helpers
@@ -228,20 +196,20 @@ class _Parser:
         self.hash_budget = limits.max_hashes
 
     def gossip(self, raw: Any) -> Gossip:
-        f = _array(raw, 21, "message")
-        if _int(f[0], "protocol version") != PROTOCOL_VERSION:
+        f = check_array(raw, 21, "message")
+        if check_int(f[0], "protocol version") != PROTOCOL_VERSION:
             raise RemoteProtocolError(f"unsupported protocol version {f[0]}", "version")
-        if _int(f[1], "kind") != KIND_GOSSIP:
+        if check_int(f[1], "kind") != KIND_GOSSIP:
             raise RemoteProtocolError(f"unknown message kind {f[1]}")
         return Gossip(
             sender=self.text(f[2], self.lim.max_id_len, "sender"),
             address=None if f[3] is None else self.text(f[3], self.lim.max_address_len,
                                                         "address"),
-            incarnation=_int(f[4], "incarnation"),
-            version=_int(f[5], "version"),
-            heartbeat=_int(f[6], "heartbeat"),
-            fingerprint=None if f[7] is None else _int(f[7], "fingerprint", _U64_MAX),
-            stamp=_float(f[8], "stamp"),
+            incarnation=check_int(f[4], "incarnation"),
+            version=check_int(f[5], "version"),
+            heartbeat=check_int(f[6], "heartbeat"),
+            fingerprint=None if f[7] is None else check_int(f[7], "fingerprint", _U64_MAX),
+            stamp=check_float(f[8], "stamp"),
             load=self.load(f[9]),
             summary=self.summary(f[10]),
             fingerprint_detail=self.fingerprint(f[11]),
@@ -250,7 +218,7 @@ class _Parser:
             peers=tuple(self.peer(p) for p in self.items(f[14], "peers")),
             digest=tuple(self.digest_entry(d) for d in self.items(f[15], "digest")),
             relays=tuple(self.state(s) for s in self.items(f[16], "relays")),
-            reply=_bool(f[17], "reply"),
+            reply=check_bool(f[17], "reply"),
             sessions=() if f[18] is None else self.keys(f[18], MAX_GOSSIP_SESSIONS, "sessions"),
             adapters=() if f[19] is None else self.keys(f[19], MAX_ADAPTERS, "adapters"),
             adapter_names=() if f[20] is None else self.adapter_names(f[20]),
@@ -272,7 +240,7 @@ class _Parser:
             raise RemoteProtocolError(f"{what}: {exc}") from None
 
     def text(self, v: Any, limit: int, what: str) -> str:
-        return _text(v, limit, what)
+        return check_text(v, limit, what)
 
     def items(self, v: Any, what: str) -> list[Any]:
         if not isinstance(v, list) or len(v) > self.lim.max_peers:
@@ -280,17 +248,17 @@ class _Parser:
         return v
 
     def load(self, raw: Any) -> Load:
-        f = _array(raw, 9, "load")
-        pushback = None if f[5] is None else _float(f[5], "pushback", minimum=0.0)
-        measured = None if f[7] is None else _float(f[7], "speed_measured_at")
+        f = check_array(raw, 9, "load")
+        pushback = None if f[5] is None else check_float(f[5], "pushback", minimum=0.0)
+        measured = None if f[7] is None else check_float(f[7], "speed_measured_at")
         return Load(
-            queue_depth=_int(f[0], "queue_depth"),
-            inflight=_int(f[1], "inflight"),
-            cache_tokens=_int(f[2], "cache_tokens"),
-            cache_budget=_int(f[3], "cache_budget"),
+            queue_depth=check_int(f[0], "queue_depth"),
+            inflight=check_int(f[1], "inflight"),
+            cache_tokens=check_int(f[2], "cache_tokens"),
+            cache_budget=check_int(f[3], "cache_budget"),
             speed=None if f[4] is None else _speed(f[4]),
             pushback_s=pushback,
-            utilization=min(100, _int(f[6], "utilization")) / 100,
+            utilization=min(100, check_int(f[6], "utilization")) / 100,
             speed_measured_at=measured,
             batch=None if f[8] is None else _batch(f[8]),
         )
@@ -298,8 +266,8 @@ class _Parser:
     def summary(self, raw: Any) -> Summary | None:
         if raw is None:
             return None
-        f = _array(raw, 3, "summary")
-        kind, version = _int(f[0], "summary kind"), _int(f[1], "summary version")
+        f = check_array(raw, 3, "summary")
+        kind, version = check_int(f[0], "summary kind"), check_int(f[1], "summary version")
         if kind == 0:
             return Snapshot(version, self.hashes(f[2]))
         if kind != 1:
@@ -307,13 +275,13 @@ class _Parser:
         entries = f[2]
         if not isinstance(entries, list) or len(entries) > self.lim.max_changes:
             raise RemoteProtocolError("delta: bad change list")
-        if version + len(entries) > _INT_MAX:
+        if version + len(entries) > INT_MAX:
             raise RemoteProtocolError("delta: version overflow")
         changes = tuple(self.change(version + 1 + i, e) for i, e in enumerate(entries))
         return Delta(version, changes)
 
     def change(self, version: int, raw: Any) -> Change:
-        f = _array(raw, 2, "change")
+        f = check_array(raw, 2, "change")
         return Change(version, self.hashes(f[0]), self.hashes(f[1]))
 
     def hashes(self, raw: Any) -> tuple[int, ...]:
@@ -329,41 +297,42 @@ class _Parser:
     def fingerprint(self, raw: Any) -> Fingerprint | None:
         if raw is None:
             return None
-        f = _array(raw, 3, "fingerprint")
+        f = check_array(raw, 3, "fingerprint")
         model = self.text(f[0], self.lim.max_text_len, "fingerprint model")
         tokenizer = self.text(f[1], self.lim.max_text_len, "fingerprint tokenizer")
-        block_size = _int(f[2], "block size")
+        block_size = check_int(f[2], "block size")
         if block_size < 1:
             raise RemoteProtocolError("block size must be positive")
         return Fingerprint(model, tokenizer, block_size)
 
     def ack(self, raw: Any) -> Ack:
-        f = _array(raw, 2, "ack")
-        return Ack(_int(f[0], "ack incarnation"), _int(f[1], "ack version"))
+        f = check_array(raw, 2, "ack")
+        return Ack(check_int(f[0], "ack incarnation"), check_int(f[1], "ack version"))
 
     def echo(self, raw: Any) -> Echo:
-        f = _array(raw, 2, "echo")
-        return Echo(_float(f[0], "echo stamp"), _float(f[1], "echo held", minimum=0.0))
+        f = check_array(raw, 2, "echo")
+        return Echo(check_float(f[0], "echo stamp"), check_float(f[1], "echo held", minimum=0.0))
 
     def peer(self, raw: Any) -> PeerAddress:
-        f = _array(raw, 2, "peer")
+        f = check_array(raw, 2, "peer")
         node_id = self.text(f[0], self.lim.max_id_len, "peer id")
         return PeerAddress(node_id, self.text(f[1], self.lim.max_address_len, "peer address"))
 
     def digest_entry(self, raw: Any) -> DigestEntry:
-        f = _array(raw, 4, "digest entry")
-        version = None if f[2] is None else _int(f[2], "digest version")
+        f = check_array(raw, 4, "digest entry")
+        version = None if f[2] is None else check_int(f[2], "digest version")
         node_id = self.text(f[0], self.lim.max_id_len, "digest id")
-        return DigestEntry(node_id, _int(f[1], "digest incarnation"), version, _int(f[3], "hb"))
+        incarnation = check_int(f[1], "digest incarnation")
+        return DigestEntry(node_id, incarnation, version, check_int(f[3], "hb"))
 
     def state(self, raw: Any) -> NodeState:
-        f = _array(raw, 7, "relay")
+        f = check_array(raw, 7, "relay")
         return NodeState(
             node_id=self.text(f[0], self.lim.max_id_len, "relay id"),
             address=self.text(f[1], self.lim.max_address_len, "relay address"),
-            incarnation=_int(f[2], "relay incarnation"),
-            heartbeat=_int(f[3], "relay heartbeat"),
-            stamp=_float(f[4], "relay stamp"),
+            incarnation=check_int(f[2], "relay incarnation"),
+            heartbeat=check_int(f[3], "relay heartbeat"),
+            stamp=check_float(f[4], "relay stamp"),
             load=None if f[5] is None else self.load(f[5]),
             summary=self.summary(f[6]),
         )
@@ -387,34 +356,4 @@ def _batch(raw: Any) -> BatchState:
         raise RemoteProtocolError(f"load: {exc}") from None
 
 
-def _array(v: Any, n: int, what: str) -> list[Any]:
-    if not isinstance(v, list) or len(v) != n:
-        raise RemoteProtocolError(f"{what}: expected an array of {n} fields")
-    return v
-
-
-def _int(v: Any, what: str, maximum: int = _INT_MAX, minimum: int = 0) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or not minimum <= v <= maximum:
-        raise RemoteProtocolError(f"{what}: expected an integer in [{minimum}, {maximum}]")
-    return v
-
-
-def _float(v: Any, what: str, minimum: float | None = None) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise RemoteProtocolError(f"{what}: expected a number")
-    x = float(v)
-    if not math.isfinite(x) or (minimum is not None and x < minimum):
-        raise RemoteProtocolError(f"{what}: not a finite number in range")
-    return x
-
-
-def _bool(v: Any, what: str) -> bool:
-    if not isinstance(v, bool):
-        raise RemoteProtocolError(f"{what}: expected a boolean")
-    return v
-
-
-def _text(v: Any, limit: int, what: str, minimum: int = 1) -> str:
-    if not isinstance(v, str) or not minimum <= len(v) <= limit:
-        raise RemoteProtocolError(f"{what}: expected a string of {minimum}..{limit} characters")
-    return v
+__all__ = ["KIND_GOSSIP", "Codec", "Limits", "RemoteProtocolError", "unpack_checked"]

@@ -23,14 +23,14 @@ from typing import Any, Generic, TypeVar
 
 import msgpack
 
-from radixmesh.core.codec import (
+from radixmesh.core.checked import (
     RemoteProtocolError,
-    _array,
-    _bool,
-    _checked,
-    _float,
-    _int,
-    _text,
+    check_array,
+    check_bool,
+    check_float,
+    check_int,
+    check_text,
+    checked,
     unpack_checked,
 )
 from radixmesh.core.messages import (
@@ -100,24 +100,24 @@ def decode_forward_request(data: bytes, limits: ForwardLimits | None = None) -> 
     kind, f = _message(data, lim)
     if kind != KIND_FORWARD_REQUEST:
         raise RemoteProtocolError(f"not a forward request: kind {kind}")
-    return _checked(lambda raw: _request(raw, lim), f)
+    return checked(lambda raw: _request(raw, lim), f)
 
 
 def _request(f: list[Any], lim: ForwardLimits) -> ForwardRequest:
-    _array(f, 14, "forward request")
+    check_array(f, 14, "forward request")
     return ForwardRequest(
         prompt=_ids(f[2], lim.max_prompt_tokens, "prompt"),
-        max_tokens=_int(f[3], "max_tokens"),
-        temperature=_float(f[4], "temperature"),
-        top_p=_float(f[5], "top_p"),
-        seed=None if f[6] is None else _int(f[6], "seed", SEED_MAX, SEED_MIN),
+        max_tokens=check_int(f[3], "max_tokens"),
+        temperature=check_float(f[4], "temperature"),
+        top_p=check_float(f[5], "top_p"),
+        seed=None if f[6] is None else check_int(f[6], "seed", SEED_MAX, SEED_MIN),
         stop_token_ids=_ids(f[7], lim.max_stop_tokens, "stop_token_ids"),
-        stream=_bool(f[8], "stream"),
-        heartbeat_s=_float(f[9], "heartbeat_s"),
-        beat_s=None if f[10] is None else _float(f[10], "beat_s"),
-        namespace=None if f[11] is None else _text(f[11], MAX_NAMESPACE_CHARS, "namespace"),
-        session=None if f[12] is None else _int(f[12], "session", _U64_MAX),
-        adapter=None if f[13] is None else _text(f[13], 64, "adapter", 16),
+        stream=check_bool(f[8], "stream"),
+        heartbeat_s=check_float(f[9], "heartbeat_s"),
+        beat_s=None if f[10] is None else check_float(f[10], "beat_s"),
+        namespace=None if f[11] is None else check_text(f[11], MAX_NAMESPACE_CHARS, "namespace"),
+        session=None if f[12] is None else check_int(f[12], "session", _U64_MAX),
+        adapter=None if f[13] is None else check_text(f[13], 64, "adapter", 16),
     )
 
 
@@ -149,44 +149,44 @@ def _reply_fields(msg: ForwardReply) -> list[Any]:
 
 
 def _busy(f: list[Any], lim: ForwardLimits) -> ForwardBusy:
-    _array(f, 5 if len(f) == 5 else 4, "busy")  # queue_s is the optional fifth
-    node_id = _text(f[2], lim.max_id_len, "busy node id")
-    queue_s = _float(f[4], "queue_s") if len(f) == 5 else None
-    return ForwardBusy(node_id, _float(f[3], "retry_after_s"), queue_s)
+    check_array(f, 5 if len(f) == 5 else 4, "busy")  # queue_s is the optional fifth
+    node_id = check_text(f[2], lim.max_id_len, "busy node id")
+    queue_s = check_float(f[4], "queue_s") if len(f) == 5 else None
+    return ForwardBusy(node_id, check_float(f[3], "retry_after_s"), queue_s)
 
 
 def _accepted(f: list[Any], lim: ForwardLimits) -> ForwardAccepted:
-    _array(f, 4, "accepted")
-    node_id = _text(f[2], lim.max_id_len, "accepted node id")
-    return ForwardAccepted(node_id, _int(f[3], "cached_tokens"))
+    check_array(f, 4, "accepted")
+    node_id = check_text(f[2], lim.max_id_len, "accepted node id")
+    return ForwardAccepted(node_id, check_int(f[3], "cached_tokens"))
 
 
 def _heartbeat(f: list[Any], lim: ForwardLimits) -> ForwardHeartbeat:
-    _array(f, 2, "heartbeat")
+    check_array(f, 2, "heartbeat")
     return ForwardHeartbeat()
 
 
 def _tokens(f: list[Any], lim: ForwardLimits) -> ForwardTokens:
-    _array(f, 3, "tokens")
+    check_array(f, 3, "tokens")
     return ForwardTokens(_ids(f[2], lim.max_prompt_tokens, "ids"))
 
 
 def _result(f: list[Any], lim: ForwardLimits) -> ForwardResult:
-    _array(f, 9, "result")
+    check_array(f, 9, "result")
     return ForwardResult(
         output_ids=_ids(f[2], lim.max_prompt_tokens, "output_ids"),
-        finish_reason=_text(f[3], _MAX_FINISH_LEN, "finish_reason"),
-        prompt_tokens=_int(f[4], "prompt_tokens"),
-        cached_tokens=_int(f[5], "cached_tokens"),
-        queue_s=_float(f[6], "queue_s"),
-        service_s=_float(f[7], "service_s"),
-        handler_s=_float(f[8], "handler_s"),
+        finish_reason=check_text(f[3], _MAX_FINISH_LEN, "finish_reason"),
+        prompt_tokens=check_int(f[4], "prompt_tokens"),
+        cached_tokens=check_int(f[5], "cached_tokens"),
+        queue_s=check_float(f[6], "queue_s"),
+        service_s=check_float(f[7], "service_s"),
+        handler_s=check_float(f[8], "handler_s"),
     )
 
 
 def _error(f: list[Any], lim: ForwardLimits) -> ForwardError:
-    _array(f, 3, "error")
-    return ForwardError(_text(f[2], MAX_ERROR_CHARS, "error message", minimum=0))
+    check_array(f, 3, "error")
+    return ForwardError(check_text(f[2], MAX_ERROR_CHARS, "error message", minimum=0))
 
 
 _REPLIES: dict[int, Callable[[list[Any], ForwardLimits], ForwardReply]] = {
@@ -259,7 +259,7 @@ def _reply(payload: bytes, lim: ForwardLimits) -> ForwardReply:
     parse = _REPLIES.get(kind)
     if parse is None:
         raise RemoteProtocolError(f"unknown reply kind {kind}")
-    return _checked(lambda raw: parse(raw, lim), f)
+    return checked(lambda raw: parse(raw, lim), f)
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -278,9 +278,9 @@ def _message(data: bytes, lim: ForwardLimits) -> tuple[int, list[Any]]:
     raw = unpack_checked(bytes(data), max_str=max_str, max_bin=0, max_array=max_array)
     if not isinstance(raw, list) or len(raw) < 2:
         raise RemoteProtocolError("message: expected an array [version, kind, ...]")
-    if _int(raw[0], "protocol version") != PROTOCOL_VERSION:
+    if check_int(raw[0], "protocol version") != PROTOCOL_VERSION:
         raise RemoteProtocolError(f"unsupported protocol version {raw[0]}", "version")
-    return _int(raw[1], "kind"), raw
+    return check_int(raw[1], "kind"), raw
 
 
 def _ids(v: Any, limit: int, what: str) -> tuple[int, ...]:
@@ -366,8 +366,9 @@ def decode_link_refused(body: bytes) -> tuple[int, str]:
     raw = unpack_checked(body, max_str=4 * MAX_ERROR_CHARS, max_bin=0, max_array=2)
     if not isinstance(raw, list):
         raise RemoteProtocolError("link refusal: expected [status, detail]")
-    _array(raw, 2, "link refusal")
-    return _int(raw[0], "status", 599, 100), _text(raw[1], MAX_ERROR_CHARS, "detail", minimum=0)
+    check_array(raw, 2, "link refusal")
+    status = check_int(raw[0], "status", 599, 100)
+    return status, check_text(raw[1], MAX_ERROR_CHARS, "detail", minimum=0)
 
 
 class LinkDecoder(_Stream[LinkFrame]):

@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from radixmesh.core.codec import RemoteProtocolError, unpack_checked
+from radixmesh.core.checked import RemoteProtocolError, unpack_checked
 
 EngineHash = int | bytes  # an engine's name for one of its blocks (normalised)
 _U64 = 2**64 - 1

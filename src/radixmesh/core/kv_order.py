@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from radixmesh.core.codec import RemoteProtocolError
+from radixmesh.core.checked import RemoteProtocolError
 
 _SEQ_BYTES = 8
 _END_SEQ = -1

@@ -24,7 +24,8 @@ from __future__ import annotations
 from random import Random  # the type only: instances are passed in, never the global one
 
 from radixmesh.core.admission import AdmissionControl
-from radixmesh.core.codec import Codec, RemoteProtocolError
+from radixmesh.core.checked import RemoteProtocolError
+from radixmesh.core.codec import Codec
 from radixmesh.core.config import GossipMode, NodeConfig
 from radixmesh.core.estimate import bump
 from radixmesh.core.events import (
