@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-dir", help="keep node logs here (default: a temp dir)")
     parser.add_argument("--out", help="also write the JSON report to this file")
     parser.add_argument("--operate", choices=("join", "rolling", "overload"),
-                        help="an operating figure (chaos/operate.py) instead of the faults")
+                        help="an operating figure (chaos/operate.py, chaos/join.py) instead "
+                        "of the faults")
     parser.add_argument("--hosts", default="4,16", help="join: emulated host counts")
     parser.add_argument("--trials", type=int, default=3, help="join: joins per host count")
     parser.add_argument("--load", type=float, default=None,
@@ -118,12 +119,12 @@ def _soak(args: argparse.Namespace, cfg: ChaosConfig) -> tuple[dict[str, object]
 
 
 def _operate(args: argparse.Namespace) -> tuple[dict[str, object], bool]:
-    from radixmesh.chaos import operate
+    from radixmesh.chaos import join, operate
 
     if args.operate == "join":
         counts = [int(x) for x in args.hosts.split(",") if x.strip()]
-        runs = [operate.run_join(operate.JoinConfig(hosts=h, preset=args.preset,
-                                                    trials=args.trials), args.log_dir)
+        runs = [join.run_join(join.JoinConfig(hosts=h, preset=args.preset,
+                                              trials=args.trials), args.log_dir)
                 for h in counts]
         return {"join": runs}, True
     extra: dict[str, object] = {}
