@@ -1,4 +1,4 @@
-"""Helpers shared by every test directory: one bounded poll, one small engine.
+"""Helpers shared by every test directory: one bounded poll, one small engine, one tokenizer.
 
 Theory of operation
 -------------------
@@ -12,9 +12,11 @@ e.g. when a process the condition depends on has exited.
 
 ``engine`` is the built-in engine of the ``micro`` preset (4096 cache tokens, one thread), one
 per test module, for the tests that serve nodes on it; a module that needs another engine
-defines its own ``engine`` fixture, which pytest prefers.
+defines its own ``engine`` fixture, which pytest prefers. ``tokenizer_dir`` is a model
+directory of the ``micro`` preset with random weights (its tokenizer files are what the fake
+and emulated engines load), one per test module.
 
-Both are fixtures (``def test_x(poll: Poll)``), not importable functions, because test
+All are fixtures (``def test_x(poll: Poll)``), not importable functions, because test
 directories have conftest files of their own and no ``__init__.py``: ``import conftest`` would
 find whichever was loaded last.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -70,3 +73,10 @@ def engine() -> Any:
     from radixmesh.engine.factory import build_engine  # torch: only where a test asks
 
     return build_engine("micro", cache_tokens=4096, threads=1)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from radixmesh.engine.testing import save_random_model_dir
+
+    return save_random_model_dir(tmp_path_factory.mktemp("tok"), "micro")

@@ -5,11 +5,9 @@ presets (local / lan / wan) lie under the TOML file and the flags."""
 from __future__ import annotations
 
 import argparse
-import importlib
 
 import pytest
 
-from radixmesh.cli import COMMANDS
 from radixmesh.core.config import GossipConfig
 from radixmesh.engine.presets import DEFAULT_PRESET
 from radixmesh.options import NETWORKS, OPTIONS, RENAMED
@@ -19,14 +17,9 @@ from radixmesh.runtime.config import (
     config_from_args,
     config_from_mapping,
 )
+from test_cli_flags import command_parser
 
 NODE_COMMANDS = ("serve", "cluster", "bench", "sim", "chaos", "demo")
-
-
-def _parser(command: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=f"radixmesh {command}")
-    importlib.import_module(COMMANDS[command][0]).add_arguments(parser)
-    return parser
 
 
 @pytest.mark.parametrize("command", NODE_COMMANDS)
@@ -35,7 +28,7 @@ def test_an_old_name_is_only_a_hidden_alias_of_the_new_one(command: str) -> None
     as the hidden alias that sets the same value (and warns)."""
     olds = {"--" + old.replace("_", "-"): new for old, new in RENAMED.items()}
     seen = 0
-    for action in _parser(command)._actions:
+    for action in command_parser(command)._actions:
         for flag in set(action.option_strings) & set(olds):
             assert action.help == argparse.SUPPRESS and action.dest == olds[flag], flag
             seen += 1
@@ -61,37 +54,37 @@ def test_an_old_name_is_only_a_hidden_alias_of_the_new_one(command: str) -> None
 def test_old_flag_names_still_work_and_warn(  # type: ignore[no-untyped-def]
     capsys, command: str, old: str, new: str, value: str, expected: object
 ) -> None:
-    args = _parser(command).parse_args([old, value])
+    args = command_parser(command).parse_args([old, value])
     assert getattr(args, new) == expected
     err = capsys.readouterr().err
     assert f"{old} is deprecated, use {OPTIONS[new].flag}" in err
 
 
 def test_new_flag_names_do_not_warn(capsys) -> None:  # type: ignore[no-untyped-def]
-    args = _parser("sim").parse_args(["--net-delay", "5ms", "--gossip-fanout", "2"])
+    args = command_parser("sim").parse_args(["--net-delay", "5ms", "--gossip-fanout", "2"])
     assert (args.net_delay, args.gossip_fanout) == ("5ms", 2)
     assert capsys.readouterr().err == ""
 
 
 def test_sim_load_bound_minus_one_is_the_old_spelling_of_off(capsys) -> None:  # type: ignore[no-untyped-def]
-    assert _parser("sim").parse_args(["--load-bound", "off"]).load_bound is None
+    assert command_parser("sim").parse_args(["--load-bound", "off"]).load_bound is None
     assert capsys.readouterr().err == ""
-    assert _parser("sim").parse_args(["--load-bound", "-1"]).load_bound is None
+    assert command_parser("sim").parse_args(["--load-bound", "-1"]).load_bound is None
     assert "--load-bound off" in capsys.readouterr().err
-    assert _parser("sim").parse_args(["--load-bound", "0.5"]).load_bound == 0.5
+    assert command_parser("sim").parse_args(["--load-bound", "0.5"]).load_bound == 0.5
 
 
 def test_bench_preset_names_the_model_and_a_sweep_name_is_deprecated(capsys) -> None:  # type: ignore[no-untyped-def]
     from radixmesh.bench import plan
 
-    args = _parser("bench").parse_args(["--preset", "quick", "--requests", "4"])
+    args = command_parser("bench").parse_args(["--preset", "quick", "--requests", "4"])
     specs = plan.specs_from_args(args)
     assert "--preset quick is deprecated, use --sweep quick" in capsys.readouterr().err
-    by_sweep = plan.specs_from_args(_parser("bench").parse_args(["--sweep", "quick",
+    by_sweep = plan.specs_from_args(command_parser("bench").parse_args(["--sweep", "quick",
                                                                  "--requests", "4"]))
     assert [s.name for s in specs] == [s.name for s in by_sweep]
     assert {s.preset for s in specs} == {DEFAULT_PRESET}
-    micro = plan.specs_from_args(_parser("bench").parse_args(["--preset", "micro"]))
+    micro = plan.specs_from_args(command_parser("bench").parse_args(["--preset", "micro"]))
     assert {s.preset for s in micro} == {"micro"} and capsys.readouterr().err == ""
 
 
@@ -151,7 +144,7 @@ def test_network_preset_lies_under_toml_and_flags(tmp_path) -> None:  # type: ig
 
 
 def test_chaos_defaults_are_the_local_preset() -> None:
-    args = _parser("chaos").parse_args([])
+    args = command_parser("chaos").parse_args([])
     assert args.gossip_interval == NETWORKS["local"]["gossip_interval"]
     assert args.forward_timeout == NETWORKS["local"]["forward_timeout"]
     assert args.preset == "micro" and args.policy == "paper"
@@ -165,7 +158,7 @@ def test_cluster_takes_the_toml_file_under_its_flags_and_keeps_secrets_off_argv(
     toml = tmp_path / "mesh.toml"
     toml.write_text('policy = "paper"\ngossip-interval = "200ms"\ncomm-delay = "3ms"\n'
                     'cluster-key = "0123456789abcdef0123"\n')
-    args = _parser("cluster").parse_args(["--config", str(toml), "--policy", "cost"])
+    args = command_parser("cluster").parse_args(["--config", str(toml), "--policy", "cost"])
     options, env = cluster_options(args)
     assert options == {"policy": "cost", "gossip_interval": "200ms", "net_delay": "3ms"}
     assert env == {"RADIXMESH_CLUSTER_KEY": "0123456789abcdef0123"}

@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import json
 import random
 import statistics
+from functools import partial
 from pathlib import Path
 
 import pytest
 
-from radixmesh.bench import cli, plan, replay
+from radixmesh.bench import plan, replay
 from radixmesh.bench.folder import Results
 from radixmesh.bench.replay import Replay
 from radixmesh.bench.runner import Runner, RunResult, summary_entry
@@ -22,12 +22,9 @@ from radixmesh.workload import Request, WorkloadSpec, schedule
 from radixmesh.workload.build import build_counted
 from radixmesh.workload.lengths import OutputLengths
 from radixmesh.workload.schedule import Schedule
+from test_cli_flags import command_args
 
-
-def _args(*argv: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    cli.add_arguments(p)
-    return p.parse_args(list(argv))
+bench_args = partial(command_args, "bench")  # `radixmesh bench ARGS...`'s flags
 
 
 def reqs(n: int) -> list[Request]:
@@ -69,8 +66,8 @@ def test_timed_schedules_and_their_description() -> None:
 
 
 def test_arrivals_flag_sweeps_poisson_and_bursty_for_rates_and_loads() -> None:
-    specs = plan.specs_from_args(_args("--policy", "none,cost", "--load", "0.8", "--rate", "2",
-                                      "--arrivals", "poisson,bursty", "--arrival-cv", "2.5"))
+    specs = plan.specs_from_args(bench_args("--policy", "none,cost", "--load", "0.8", "--rate", "2",
+                                            "--arrivals", "poisson,bursty", "--arrival-cv", "2.5"))
     kinds = {s.name: s.workload.schedule for s in specs}
     assert kinds["none-uniform-d2ms-g500ms-c200000-n4-L0.8-bursty"] is Schedule.BURSTY
     assert kinds["cost-uniform-d2ms-g500ms-c200000-n4-L0.8"] is Schedule.POISSON
@@ -167,8 +164,9 @@ def test_warm_up_requests_are_sent_and_kept_but_left_out_of_the_figures() -> Non
     assert "3 warm-up requests excluded" in entry["schedule_text"]
     with pytest.raises(ValueError, match="exclude-warmup"):
         RunSpec(name="r", policy="none", warmup_requests=-1)
-    args = _args("--exclude-warmup", "30s")
-    assert plan.base_spec(args).warmup_s == 30.0 and plan.base_spec(_args()).warmup_requests == 0
+    args = bench_args("--exclude-warmup", "30s")
+    assert plan.base_spec(args).warmup_s == 30.0
+    assert plan.base_spec(bench_args()).warmup_requests == 0
 
 
 def test_the_report_reads_no_warm_up_record(tmp_path: Path) -> None:

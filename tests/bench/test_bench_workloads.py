@@ -11,13 +11,14 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
 import pytest
 
-from radixmesh.bench import cli, plan
+from radixmesh.bench import plan
 from radixmesh.bench.replay import CapacityProbe, mode_of
 from radixmesh.bench.runner import GATEWAYS, Runner, RunResult, batches, summary_entry
 from radixmesh.bench.sglang import SglangRouter
@@ -27,17 +28,14 @@ from radixmesh.core.config import GossipConfig
 from radixmesh.results.records import Record
 from radixmesh.workload import Request, WorkloadSpec, agentic
 from radixmesh.workload.schedule import Entry
+from test_cli_flags import command_args
 
-
-def _args(*argv: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    cli.add_arguments(p)
-    return p.parse_args(list(argv))
+bench_args = partial(command_args, "bench")  # `radixmesh bench ARGS...`'s flags
 
 
 def test_workloads_times_schedules_each_paired_with_its_own_key() -> None:
-    args = _args("--workload", "chat,rag", "--concurrency", "4", "--load", "50%,0.8",
-                 "--policy", "none,cost,smg", "--requests", "12")  # fmt: skip
+    args = bench_args("--workload", "chat,rag", "--concurrency", "4", "--load", "50%,0.8",
+                      "--policy", "none,cost,smg", "--requests", "12")  # fmt: skip
     specs = plan.specs_from_args(args)
     assert len(specs) == 2 * 3 * 3  # workloads × schedules × policies
     names = [s.name for s in specs]
@@ -60,35 +58,37 @@ def test_workloads_times_schedules_each_paired_with_its_own_key() -> None:
 
 
 def test_random_entry_is_named_and_reaches_the_workload() -> None:
-    specs = plan.specs_from_args(_args("--workload", "agentic", "--load", "0.8", "--policy",
-                                      "none,cost", "--entry", "random"))  # fmt: skip
+    specs = plan.specs_from_args(bench_args("--workload", "agentic", "--load", "0.8", "--policy",
+                                            "none,cost", "--entry", "random"))  # fmt: skip
     assert [s.name for s in specs] == [
         f"{p}-uniform-d2ms-g500ms-c200000-n4-wagentic-erandom-L0.8" for p in ("none", "cost")
     ]
     assert all(s.workload.entry is Entry.RANDOM for s in specs)
     assert len({s.lockstep for s in specs}) == 1  # still paired with each other
-    sweep = plan.specs_from_args(_args("--sweep", "paper", "--only", "t1", "--entry", "random"))
+    sweep = plan.specs_from_args(bench_args("--sweep", "paper", "--only", "t1",
+                                            "--entry", "random"))
     assert sweep and all(s.name.endswith("@uniform-erandom") for s in sweep)
-    given = plan.specs_from_args(_args("--workload", "agentic", "--policy", "none"))
+    given = plan.specs_from_args(bench_args("--workload", "agentic", "--policy", "none"))
     assert given[0].workload.entry is Entry.GIVEN and "-e" not in given[0].name.split("-w")[1]
     with pytest.raises(SystemExit):
-        _args("--entry", "sideways")
+        bench_args("--entry", "sideways")
 
 
 def test_schedule_defaults_and_mmlu_names_unchanged() -> None:
-    plain = plan.specs_from_args(_args("--policy", "none,cost"))
+    plain = plan.specs_from_args(bench_args("--policy", "none,cost"))
     assert [s.name for s in plain] == ["none-uniform-d2ms-g500ms-c200000-n4",
                                        "cost-uniform-d2ms-g500ms-c200000-n4"]  # fmt: skip
     assert all(not s.lockstep for s in plain)  # sequential: paired only with --interleave
-    only_load = plan.specs_from_args(_args("--policy", "none", "--load", "0.5"))
+    only_load = plan.specs_from_args(bench_args("--policy", "none", "--load", "0.5"))
     assert [s.name for s in only_load] == ["none-uniform-d2ms-g500ms-c200000-n4-L0.5"]
     assert only_load[0].lockstep  # open loop: paired by default
-    both = plan.specs_from_args(_args("--policy", "none", "--concurrency", "1,16", "--rate", "2"))
+    both = plan.specs_from_args(bench_args("--policy", "none", "--concurrency", "1,16",
+                                           "--rate", "2"))
     assert [(s.concurrency, s.workload.rate) for s in both] == [(1, None), (16, None), (1, 2.0)]
     with pytest.raises(SystemExit):
-        _args("--load", "0")
+        bench_args("--load", "0")
     with pytest.raises(SystemExit):
-        _args("--workload", "video")
+        bench_args("--workload", "video")
     assert "smg" in ALL_POLICIES and set(GATEWAYS) == {"sglang", "smg"}
 
 
@@ -368,7 +368,7 @@ def test_batch_clusters_spawn_together_and_failures_close_every_one(tmp_path: An
 def test_the_paper_sweeps_poll_group_polls_only() -> None:
     """Δpoll means the paper's polling only with announcements off: they would spread every
     cache change within their gap whatever Δpoll is. The other batches keep the default."""
-    specs = plan.specs_from_args(_args("--sweep", "paper", "--only", "t1,poll"))
+    specs = plan.specs_from_args(bench_args("--sweep", "paper", "--only", "t1,poll"))
     poll = [s for s in specs if s.group == "poll"]
     rest = [s for s in specs if s.group != "poll"]
     assert len({s.gossip_interval_s for s in poll}) == 4 and rest

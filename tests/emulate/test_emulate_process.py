@@ -43,13 +43,6 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(5)
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from radixmesh.engine.testing import save_random_model_dir
-
-    return save_random_model_dir(tmp_path_factory.mktemp("tok"), "micro")
-
-
 @pytest.fixture
 def mesh(tokenizer_dir: Path, tmp_path: Path, poll: Poll) -> Iterator[tuple[str, str, Path]]:
     """(node url, engine url, engine log): an emulated engine and a node in front of it."""

@@ -32,13 +32,6 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")  # a zombie has exited (its parent may not reap it here)
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from radixmesh.engine.testing import save_random_model_dir
-
-    return save_random_model_dir(tmp_path_factory.mktemp("tok"), "micro")
-
-
 def _fake_cmd(port: int, kv: int, replay: int, tokenizer: Path) -> str:
     # the one fake vLLM, as a process; it knows the node's tokenizer, as a real vLLM does
     return (f"{sys.executable} -m radixmesh.cli emulate --profile h100-llama3-8b "

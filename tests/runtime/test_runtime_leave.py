@@ -3,11 +3,11 @@ answering, and a node joins through a DNS name ("localhost", no test resolver ne
 
 from __future__ import annotations
 
-import argparse
 import signal
 import socket
 import threading
 from collections.abc import Iterator
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -16,12 +16,12 @@ import pytest
 from radixmesh.runtime.cluster import LocalCluster
 from radixmesh.runtime.config import (
     ServeConfig,
-    add_serve_arguments,
     config_from_args,
     config_from_mapping,
 )
 from radixmesh.runtime.metrics import parse_samples
 from radixmesh.runtime.node import socket_addresses
+from test_cli_flags import command_args
 
 if TYPE_CHECKING:
     from conftest import Poll
@@ -30,6 +30,8 @@ HOP = {"x-radixmesh-hop": "1"}  # execute on the receiving node, never forward
 GRACE_S = 12.0  # n1's --drain-grace: its in-flight request needs ~2 s of it
 OPTIONS = {"gossip_interval": 0.1, "suspect_timeout": 0.5, "dead_timeout": 3.0,
            "forward_timeout": 2.0, "policy": "cost", "preset": "tiny"}  # byte tokens
+
+serve_args = partial(command_args, "serve")  # `radixmesh serve ARGS...`'s flags
 
 
 @pytest.fixture(scope="module")
@@ -79,20 +81,13 @@ class Load:
 
 
 # ------------------------------------------------------------------------- flags (fast)
-def _args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--config")
-    add_serve_arguments(parser)
-    return parser.parse_args(argv)
-
-
 def test_join_is_the_name_and_peers_the_alias(tmp_path: Any) -> None:
     seeds = ("10.0.0.1:8001", "10.0.0.2:8001")
-    assert config_from_args(_args(["--join", ",".join(seeds)])).peers == seeds
-    assert config_from_args(_args(["--peers", ",".join(seeds)])).peers == seeds
+    assert config_from_args(serve_args("--join", ",".join(seeds))).peers == seeds
+    assert config_from_args(serve_args("--peers", ",".join(seeds))).peers == seeds
     toml = tmp_path / "node.toml"
     toml.write_text('join = ["10.0.0.1:8001", "10.0.0.2:8001"]\n')
-    assert config_from_args(_args(["--config", str(toml)])).peers == seeds
+    assert config_from_args(serve_args("--config", str(toml))).peers == seeds
     with pytest.raises(ValueError, match="set twice"):
         config_from_mapping({"join": ["a:1"], "peers": ["b:1"]})
     with pytest.raises(ValueError):
@@ -100,8 +95,8 @@ def test_join_is_the_name_and_peers_the_alias(tmp_path: Any) -> None:
 
 
 def test_join_dns_drain_and_advertise_flags() -> None:
-    cfg = config_from_args(_args(["--join-dns", "mesh.internal", "--port", "8005",
-                                  "--join-dns-interval", "10s", "--drain-grace", "5s"]))
+    cfg = config_from_args(serve_args("--join-dns", "mesh.internal", "--port", "8005",
+                                      "--join-dns-interval", "10s", "--drain-grace", "5s"))
     assert cfg.join_dns_target == ("mesh.internal", 8005)  # our port when none is given
     assert (cfg.join_dns_interval, cfg.drain_grace) == (10.0, 5.0)
     assert ServeConfig(join_dns="mesh.internal:9000").join_dns_target == ("mesh.internal", 9000)

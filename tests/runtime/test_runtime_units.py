@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
 import selectors
+from functools import partial
 
 import pytest
 
 from radixmesh.core.link import LinkConfig
 from radixmesh.runtime.config import (
     ServeConfig,
-    add_serve_arguments,
     config_from_args,
     config_from_mapping,
     config_to_argv,
@@ -30,8 +29,11 @@ from radixmesh.runtime.openai_api import (
     parse_completion,
     parse_json,
 )
+from test_cli_flags import command_args
 
 MODELS = ["tiny"]
+
+serve_args = partial(command_args, "serve")  # `radixmesh serve ARGS...`'s flags
 
 
 # ----------------------------------------------------------------------------- config
@@ -50,19 +52,12 @@ def test_durations_and_peers() -> None:
             parse_peers(bad)
 
 
-def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--config")
-    add_serve_arguments(parser)
-    return parser.parse_args(argv)
-
-
 def test_flags_override_toml_override_defaults(tmp_path) -> None:
     toml = tmp_path / "node.toml"
     toml.write_text('node-id = "a"\nport = 9001\npeers = ["127.0.0.1:9002"]\n'
                     'net_delay = "2ms"\npolicy = "paper"\n')
-    cfg = config_from_args(_parse(["--config", str(toml), "--port", "9005",
-                                   "--gossip-interval", "100ms"]))
+    cfg = config_from_args(serve_args("--config", str(toml), "--port", "9005",
+                                      "--gossip-interval", "100ms"))
     assert (cfg.node_id, cfg.port, cfg.policy) == ("a", 9005, "paper")
     assert cfg.peers == ("127.0.0.1:9002",) and cfg.net_delay == pytest.approx(0.002)
     assert cfg.gossip_interval == pytest.approx(0.1)
@@ -85,7 +80,7 @@ def test_bad_config_is_a_value_error(tmp_path) -> None:
 def test_config_to_argv_round_trips() -> None:
     values = {"node_id": "x", "peers": ["127.0.0.1:1", "127.0.0.1:2"], "net_delay": 0.002,
               "gossip_mode": "snapshot", "threads": 1}
-    cfg = config_from_args(_parse(config_to_argv(values)))
+    cfg = config_from_args(serve_args(*config_to_argv(values)))
     assert cfg == config_from_mapping(values)
     node = cfg.node_config(_fingerprint(), incarnation=7)
     assert node.seeds == ("127.0.0.1:1", "127.0.0.1:2") and node.incarnation == 7
