@@ -24,7 +24,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -66,9 +66,11 @@ class ChaosConfig:
     keyed: bool = True  # run with a cluster key (peer authentication on)
     log_dir: str | None = None
     serve: tuple[tuple[str, object], ...] = ()  # more `radixmesh serve` options (over these)
+    _node: ServeConfig = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self.node()  # ValueError naming an unknown or bad serve option
+        # read once (a renamed key warns once); ValueError naming an unknown or bad option
+        object.__setattr__(self, "_node", config_from_mapping(self.options(), ServeConfig()))
 
     def options(self) -> dict[str, object]:
         """Every node's ``radixmesh serve`` options."""
@@ -76,7 +78,7 @@ class ChaosConfig:
 
     def node(self) -> ServeConfig:
         """The ServeConfig the options make (over ServeConfig's own defaults)."""
-        return config_from_mapping(self.options(), ServeConfig())
+        return self._node
 
     def to_json(self) -> dict[str, object]:
         return {"nodes": self.nodes, "max_tokens": self.max_tokens,
