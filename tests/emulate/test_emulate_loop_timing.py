@@ -12,26 +12,14 @@ from radixmesh.core.profile import resolve
 from radixmesh.core.scheduler import Finished, Step
 from radixmesh.emulate.events import Faults
 from radixmesh.emulate.loop import EngineLoop, Sink, next_token
-
-
-class VirtualClock:
-    """A clock that only moves when the loop sleeps (``late``: each wake-up that much late)."""
-
-    def __init__(self, late: float = 0.0) -> None:
-        self.now, self.late = 100.0, late
-
-    def __call__(self) -> float:
-        return self.now
-
-    async def sleep(self, seconds: float) -> None:
-        self.now += seconds + self.late
+from radixmesh.testing import VirtualClock
 
 
 def drive(scale: float, late: float = 0.0, delay: float = 0.0
           ) -> tuple[EngineLoop, VirtualClock, list[tuple[Step, float, float]]]:
     """Three requests through a loop on a virtual clock; (loop, clock, [(step, planned, took)])."""
     async def main() -> tuple[EngineLoop, VirtualClock, list[tuple[Step, float, float]]]:
-        clock = VirtualClock(late)
+        clock = VirtualClock(100.0, late)
         loop = EngineLoop(resolve("h100-llama3-8b"), faults=Faults(token_delay_s=delay),
                           time_scale=scale, clock=clock, sleep=clock.sleep)
         sink: Sink = asyncio.Queue()
@@ -100,7 +88,7 @@ def test_a_cold_lora_adapter_stalls_its_step_for_the_profiles_load_time() -> Non
                    citations={**base.citations, "lora_load_s": "test"})
 
     async def main() -> list[float]:
-        clock = VirtualClock()
+        clock = VirtualClock(100.0)
         loop = EngineLoop(prof, faults=Faults(), time_scale=2.0, clock=clock, sleep=clock.sleep)
         sink: Sink = asyncio.Queue()
         extra = []

@@ -11,6 +11,7 @@ import pytest
 from radixmesh.engine.base import GenerateRequest, GenerateResult, TokenCallback
 from radixmesh.engine.factory import build_engine
 from radixmesh.engine.worker import EngineWorker
+from radixmesh.testing import VirtualClock
 
 if TYPE_CHECKING:
     from conftest import Poll
@@ -42,16 +43,6 @@ class GatedEngine:
 
 def _req(rid: str) -> GenerateRequest:
     return GenerateRequest(rid, (1, 2, 3))
-
-
-class VirtualClock:
-    """The worker's clock: seconds that pass only when the test says so."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_fifo_order_depth_and_queue_time() -> None:

@@ -34,14 +34,23 @@ Delivery = core_link.Delivery[str, bytes]  # one datagram arriving: at, src, dst
 
 
 class VirtualClock:
-    """A clock that only moves when told to (never backwards)."""
+    """A clock that only moves when told to: ``advance_to`` (never backwards), a test setting
+    ``now``, or ``await sleep(s)`` (the sleeper's own wait: ``s`` + ``late`` pass at once).
+    Calling it reads it, so it stands in for ``time.monotonic`` / ``loop.time``."""
 
-    def __init__(self, start: float = 0.0) -> None:
+    def __init__(self, start: float = 0.0, late: float = 0.0) -> None:
         self.now = start
+        self.late = late  # each sleep wakes this much late (a loaded machine's timer)
+
+    def __call__(self) -> float:
+        return self.now
 
     def advance_to(self, t: float) -> None:
         if t > self.now:
             self.now = t
+
+    async def sleep(self, seconds: float) -> None:
+        self.now += seconds + self.late
 
 
 class FakeNetwork:
