@@ -20,9 +20,10 @@ import pytest
 
 from radixmesh.chaos.cli import FAULTS as FAULT_STEPS
 from radixmesh.chaos.env import ChaosConfig, ChaosEnv
-from radixmesh.chaos.faults import FaultPlan, run_all
+from radixmesh.chaos.faults import FaultPlan
 from radixmesh.chaos.report import FaultResult, to_json, to_markdown
 from radixmesh.chaos.soak import _locks_at_end
+from radixmesh.chaos.suite import run_all
 
 pytestmark = pytest.mark.slow
 
