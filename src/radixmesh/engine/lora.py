@@ -1,0 +1,246 @@
+"""PEFT LoRA adapters on the built-in engine: read from local folders, applied row by row.
+
+Theory of operation
+-------------------
+Format: PEFT's on-disk LoRA adapter (what ``PeftModel.save_pretrained`` writes), a folder with
+
+* ``adapter_config.json``: ``peft_type`` "LORA", ``r``, ``lora_alpha``, ``use_rslora``,
+  ``target_modules``, ... ;
+* ``adapter_model.safetensors``: for each adapted linear layer of the base model,
+  ``base_model.model.<module path>.lora_A.weight`` ``[r, in]`` and ``....lora_B.weight``
+  ``[out, r]``.
+
+The layer then computes ``W x + scaling * B (A x)``, ``scaling = lora_alpha / r``
+(``lora_alpha / sqrt(r)`` with ``use_rslora``): peft/tuners/lora/layer.py, ``update_layer``.
+The tensors name the layers, so ``target_modules`` is not matched again, and each layer's
+``r`` is its A's row count (so a ``rank_pattern`` needs nothing more). Refused with a
+``ValueError`` naming the field or tensor (a node does not start): another ``peft_type``,
+DoRA, ``bias`` other than "none", ``modules_to_save``, ``alpha_pattern``, ``fan_in_fan_out``,
+LoRA on embeddings or on the output head, a layer the model lacks or is not ``nn.Linear``, a
+shape that does not fit, a pickled ``adapter_model.bin`` only (never unpickled).
+
+Execution. Each adapted ``nn.Linear`` gets one forward hook (installed when the first adapter
+naming it is loaded; the module tree and its ``state_dict`` stay the model's own) that adds
+the deltas of the rows *bound* for the current forward. Before a step's packed forward the
+runner binds each row to its sequence's adapter (:func:`bound`; rows in the order
+``BatchRunner._forward`` packs them: prefill chunks, then decodes). Rows are grouped by
+adapter, and a hooked layer adds ``(x[rows] A^T) (scaling B)^T`` for each group with
+``index_add_`` — two thin matmuls per adapter present in the step (the segment idea of
+Punica's SGMV, in plain torch), the whole row when one adapter covers the step, nothing when
+no row has one. A per-token gather of A and B (``[tokens, r, in]`` per layer) would do the
+same work with far more memory traffic. Outside a bound forward (HF ``generate`` on the
+model, a reference) the hooks add nothing. Mixed-adapter throughput: docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from radixmesh.core.scheduler import SeqId, Step
+from radixmesh.engine.base import GenerateRequest
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+_PREFIX = "base_model.model."
+_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+# fields whose non-default values change the computation in ways not implemented here
+_REFUSED = {"use_dora": False, "fan_in_fan_out": False, "bias": "none", "modules_to_save": None,
+            "alpha_pattern": {}, "layer_replication": None}
+
+Pair = tuple[torch.Tensor, torch.Tensor]  # A [r, in], scaling * B [out, r]
+
+
+class HasRequest(Protocol):
+    req: GenerateRequest
+
+
+@dataclass(frozen=True, slots=True)
+class LoraWeights:
+    """One adapter read from its folder: module path -> (A, scaling * B)."""
+
+    name: str
+    layers: Mapping[str, Pair]
+
+    @property
+    def rank(self) -> int:
+        return max(a.shape[0] for a, _ in self.layers.values())
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    path = folder / CONFIG
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"adapter {folder}: cannot read {CONFIG}: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"adapter {folder}: {CONFIG} must be a JSON object")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"adapter {folder}: peft_type {config['peft_type']!r} is not LORA")
+    for key, default in _REFUSED.items():
+        if config.get(key, default) not in (default, None, [], {}, False):
+            raise ValueError(f"adapter {folder}: {key}={config[key]!r} is not supported")
+    alpha = config.get("lora_alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or alpha <= 0:
+        raise ValueError(f"adapter {folder}: lora_alpha must be a positive number")
+    return config
+
+
+def read_adapter(name: str, folder: Path, model: torch.nn.Module) -> LoraWeights:
+    """Read and check a PEFT LoRA folder against ``model`` (module docstring)."""
+    config = read_config(folder)
+    path = folder / WEIGHTS
+    if not path.is_file():
+        extra = " (adapter_model.bin is not read: convert it to safetensors)" if (
+            folder / "adapter_model.bin").is_file() else ""
+        raise ValueError(f"adapter {folder}: no {WEIGHTS}{extra}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - not a dict
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"adapter {folder}: cannot read {WEIGHTS}: {exc}") from None
+    pairs = _pairs(folder, tensors)
+    if not pairs:
+        raise ValueError(f"adapter {folder}: {WEIGHTS} holds no lora_A / lora_B weights")
+    modules = dict(model.named_modules())
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    param = next(model.parameters())
+    layers: dict[str, Pair] = {}
+    for module, (a, b) in sorted(pairs.items()):
+        layer = modules.get(module)
+        if not isinstance(layer, torch.nn.Linear) or layer is head:
+            raise ValueError(f"adapter {folder}: {module} is not a linear layer of the model "
+                             "(the output head and embeddings are not supported)")
+        r = a.shape[0]
+        if a.shape != (r, layer.in_features) or b.shape != (layer.out_features, r):
+            raise ValueError(f"adapter {folder}: {module}: lora_A {tuple(a.shape)} / lora_B "
+                             f"{tuple(b.shape)} do not fit {layer.in_features} -> "
+                             f"{layer.out_features}")
+        alpha = float(config["lora_alpha"])
+        scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+        layers[module] = (a.to(param.device, param.dtype),
+                          (b.double() * scaling).to(param.device, param.dtype))
+    return LoraWeights(name, layers)
+
+
+def _pairs(folder: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, Pair]:
+    found: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        suffix = next((s for s in _SUFFIXES if key.endswith(s)), None)
+        if not key.startswith(_PREFIX) or suffix is None or tensor.dim() != 2:
+            raise ValueError(f"adapter {folder}: tensor {key} is not a LoRA A/B weight of a "
+                             "linear layer")
+        found.setdefault(key[len(_PREFIX):-len(suffix)], {})[suffix] = tensor
+    out = {}
+    for module, ab in found.items():
+        if len(ab) != 2:
+            raise ValueError(f"adapter {folder}: {module} lacks lora_A or lora_B")
+        out[module] = (ab[_SUFFIXES[0]], ab[_SUFFIXES[1]])
+    return out
+
+
+class LoraSet:
+    """The adapters an engine serves, and the row groups bound for the current forward."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.adapters: dict[str, LoraWeights] = {}
+        self._slot: dict[str, int] = {}  # name -> its index in each layer's table
+        self._tables: dict[str, dict[int, Pair]] = {}  # module path -> slot -> pair
+        self.groups: list[tuple[int, torch.Tensor | None]] = []  # (slot, rows: None = all)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.adapters
+
+    def load(self, name: str, folder: Path) -> LoraWeights:
+        if not name or name in self.adapters:
+            raise ValueError(f"adapter name {name!r}: empty or loaded twice")
+        weights = read_adapter(name, folder, self.model)
+        slot = self._slot[name] = len(self._slot)
+        modules = dict(self.model.named_modules())
+        for module, pair in weights.layers.items():
+            table = self._tables.get(module)
+            if table is None:
+                table = self._tables[module] = {}
+                modules[module].register_forward_hook(self._hook(table))
+            table[slot] = pair
+        self.adapters[name] = weights
+        return weights
+
+    def _hook(self, table: dict[int, Pair]) -> Any:
+        def add_deltas(_module: torch.nn.Module, args: tuple[torch.Tensor, ...],
+                       out: torch.Tensor) -> torch.Tensor:
+            for slot, rows in self.groups:
+                pair = table.get(slot)
+                if pair is None:
+                    continue
+                a, b = pair
+                x = args[0]
+                if rows is None:
+                    out = out + (x @ a.t()) @ b.t()
+                else:
+                    flat = x.reshape(-1, x.shape[-1]).index_select(0, rows)
+                    shape = out.shape
+                    out = out.reshape(-1, shape[-1]).index_add(0, rows, (flat @ a.t()) @ b.t())
+                    out = out.view(shape)
+            return out
+        return add_deltas
+
+    def bind_rows(self, names: Sequence[tuple[str | None, int]]) -> None:
+        """Bind consecutive runs of rows: ``(adapter name or None, rows)`` in packing order."""
+        if all(name is None for name, _ in names):
+            self.groups = []
+            return
+        first = names[0][0]
+        if all(name == first for name, _ in names):
+            self.groups = [(self._slot[first], None)] if first is not None else []
+            return
+        rows: dict[str, list[int]] = {}
+        at = 0
+        for name, n in names:
+            if name is not None:
+                rows.setdefault(name, []).extend(range(at, at + n))
+            at += n
+        device = next(self.model.parameters()).device
+        self.groups = [(self._slot[name], torch.tensor(r, dtype=torch.long, device=device))
+                       for name, r in rows.items()]
+
+
+@contextlib.contextmanager
+def bound(lora: LoraSet | None, step: Step, live: Mapping[SeqId, HasRequest]) -> Iterator[None]:
+    """Within: ``step``'s rows (model positions, ``BatchRunner._forward``'s packing order:
+    prefill chunks, then decodes) run with their sequences' adapters."""
+    if lora is None or not lora.adapters:
+        yield
+        return
+    names = [(live[c.seq].req.adapter, c.tokens) for c in step.prefills]
+    names += [(live[d.seq].req.adapter, 1) for d in step.decodes]
+    with _groups(lora, names):
+        yield
+
+
+@contextlib.contextmanager
+def only(lora: LoraSet | None, adapter: str | None) -> Iterator[None]:
+    """Within: every row of a forward runs with ``adapter`` (None: the base model)."""
+    if lora is None or adapter is None:
+        yield
+        return
+    with _groups(lora, [(adapter, 1)]):
+        yield
+
+
+@contextlib.contextmanager
+def _groups(lora: LoraSet, names: Sequence[tuple[str | None, int]]) -> Iterator[None]:
+    lora.bind_rows(names)
+    try:
+        yield
+    finally:
+        lora.groups = []
