@@ -298,17 +298,17 @@ class Scheduler(DecodeRuns):
         self._waiting.extendleft(reversed(skipped + list(window)))
 
     def _defers(self, c: SeqState) -> bool:
-        """A running prefill will compute >= 1 whole block of ``c`` beyond its cached prefix."""
-        if not self.config.prefix_aware or not self._prefilling:
-            return False
-        if c.overtaken >= self.config.max_overtake:
+        """A running prefill will compute >= 1 whole real block of ``c`` beyond its cached
+        prefix (a namespace's virtual block alone costs nothing: no deferral for it)."""
+        cfg = self.config
+        if not cfg.prefix_aware or not self._prefilling or c.overtaken >= cfg.max_overtake:
             return False
         shared = 0
         for h in c.hashes:
             if h not in self._prefilling:
                 break
             shared += 1
-        return shared * self.config.block_size > self._pool.reusable(c.tokens)
+        return shared * self.config.block_size > max(self._pool.reusable(c.tokens), c.hidden)
 
     def _try_admit(
         self, c: SeqState, budget: int, spare: list[list[int]], now: float

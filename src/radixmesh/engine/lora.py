@@ -24,12 +24,12 @@ naming it is loaded; the module tree and its ``state_dict`` stay the model's own
 the deltas of the rows *bound* for the current forward. Before a step's packed forward the
 runner binds each row to its sequence's adapter (:func:`bound`; rows in the order
 ``BatchRunner._forward`` packs them: prefill chunks, then decodes). Rows are grouped by
-adapter, and a hooked layer adds ``(x[rows] A^T) (scaling B)^T`` for each group with
-``index_add_`` — two thin matmuls per adapter present in the step (the segment idea of
-Punica's SGMV, in plain torch), the whole row when one adapter covers the step, nothing when
-no row has one. A per-token gather of A and B (``[tokens, r, in]`` per layer) would do the
-same work with far more memory traffic. Outside a bound forward (HF ``generate`` on the
-model, a reference) the hooks add nothing. Mixed-adapter throughput: docs/benchmarks.md.
+adapter, and a hooked layer adds ``(x[rows] A^T) (scaling B)^T`` for each group in place
+(``index_add_``; ``addmm_`` when one adapter covers the step): two thin matmuls per adapter
+present in the step (the segment idea of Punica's SGMV, in plain torch), nothing when no row
+has one. A per-token gather of A and B (``[tokens, r, in]`` per layer) would do the same work
+with far more memory traffic. Outside a bound forward (HF ``generate`` on the model, a
+reference) the hooks add nothing. Mixed-adapter throughput: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ _SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 _REFUSED = {"use_dora": False, "fan_in_fan_out": False, "bias": "none", "modules_to_save": None,
             "alpha_pattern": {}, "layer_replication": None}
 
-Pair = tuple[torch.Tensor, torch.Tensor]  # A [r, in], scaling * B [out, r]
+Pair = tuple[torch.Tensor, torch.Tensor]  # A^T [in, r], (scaling * B)^T [r, out]
 
 
 class HasRequest(Protocol):
@@ -65,14 +65,14 @@ class HasRequest(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class LoraWeights:
-    """One adapter read from its folder: module path -> (A, scaling * B)."""
+    """One adapter read from its folder: module path -> (A^T, (scaling * B)^T)."""
 
     name: str
     layers: Mapping[str, Pair]
 
     @property
     def rank(self) -> int:
-        return max(a.shape[0] for a, _ in self.layers.values())
+        return max(at.shape[1] for at, _ in self.layers.values())
 
 
 def read_config(folder: Path) -> dict[str, Any]:
@@ -126,8 +126,8 @@ def read_adapter(name: str, folder: Path, model: torch.nn.Module) -> LoraWeights
                              f"{layer.out_features}")
         alpha = float(config["lora_alpha"])
         scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
-        layers[module] = (a.to(param.device, param.dtype),
-                          (b.double() * scaling).to(param.device, param.dtype))
+        layers[module] = (a.t().contiguous().to(param.device, param.dtype),
+                          (b.double() * scaling).t().contiguous().to(param.device, param.dtype))
     return LoraWeights(name, layers)
 
 
@@ -178,19 +178,19 @@ class LoraSet:
     def _hook(self, table: dict[int, Pair]) -> Any:
         def add_deltas(_module: torch.nn.Module, args: tuple[torch.Tensor, ...],
                        out: torch.Tensor) -> torch.Tensor:
+            if not self.groups:
+                return out
+            x = args[0].reshape(-1, args[0].shape[-1])
+            flat = out.view(-1, out.shape[-1])
             for slot, rows in self.groups:
                 pair = table.get(slot)
                 if pair is None:
                     continue
-                a, b = pair
-                x = args[0]
+                at, bt = pair  # A^T [in, r], (scaling B)^T [r, out]
                 if rows is None:
-                    out = out + (x @ a.t()) @ b.t()
+                    flat.addmm_(x @ at, bt)
                 else:
-                    flat = x.reshape(-1, x.shape[-1]).index_select(0, rows)
-                    shape = out.shape
-                    out = out.reshape(-1, shape[-1]).index_add(0, rows, (flat @ a.t()) @ b.t())
-                    out = out.view(shape)
+                    flat.index_add_(0, rows, (x.index_select(0, rows) @ at) @ bt)
             return out
         return add_deltas
 
