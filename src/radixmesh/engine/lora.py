@@ -27,8 +27,8 @@ runner binds each row to its sequence's adapter (:func:`bound`; rows in the orde
 adapter, and a hooked layer adds ``(x[rows] A^T) (scaling B)^T`` for each group in place
 (``index_add_``; ``addmm_`` when one adapter covers the step): two thin matmuls per adapter
 present in the step (the segment idea of Punica's SGMV, in plain torch), nothing when no row
-has one. A per-token gather of A and B (``[tokens, r, in]`` per layer) would do the same work
-with far more memory traffic. Outside a bound forward (HF ``generate`` on the model, a
+has one. (A per-token gather of A and B would materialise ``[tokens, r, in]`` per layer;
+not tried.) Outside a bound forward (HF ``generate`` on the model, a
 reference) the hooks add nothing. Mixed-adapter throughput: docs/benchmarks.md.
 """
 
