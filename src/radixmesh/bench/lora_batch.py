@@ -90,14 +90,21 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.preset} on {args.device} ({args.dtype}): {args.requests} requests x "
           f"{args.prompt} prompt + {args.max_tokens} tokens, {args.adapters} adapters of rank "
           f"{args.rank} on {len(TARGETS)} projections")
+    report(engine, modes, args.repeat)
+
+
+def report(engine: TransformersEngine, modes: dict[str, list[list[GenerateRequest]]],
+           repeat: int) -> None:
+    """Run every mode ``repeat`` times, interleaved (a busy machine slows them alike); print
+    each one's best."""
     best: dict[str, tuple[float, int, int]] = {}
-    for _ in range(args.repeat):  # modes interleaved: a busy machine slows them alike
+    for _ in range(repeat):
         for mode, batches in modes.items():
             got = [run(engine, b) for b in batches]
             wall, tokens, steps = (sum(x[i] for x in got) for i in range(3))
             if mode not in best or wall < best[mode][0]:
                 best[mode] = (wall, int(tokens), int(steps))
-    print(f"{'mode':<11} {'wall s':>8} {'tokens/s':>9} {'steps':>6}  (best of {args.repeat})")
+    print(f"{'mode':<11} {'wall s':>8} {'tokens/s':>9} {'steps':>6}  (best of {repeat})")
     for mode, (wall, tokens, steps) in best.items():
         print(f"{mode:<11} {wall:>8.3f} {tokens / wall:>9.1f} {steps:>6}")
 
