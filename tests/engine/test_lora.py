@@ -171,3 +171,40 @@ def test_unknown_adapter_and_bad_folders_are_refused(engine: TransformersEngine,
     with pytest.raises(ValueError, match="is a digest"):
         adapter_folders("sql=" + "a" * 64)
     assert adapter_folders(f"sql={good}") == [("sql", good)]
+
+
+def test_a_step_run_in_pieces_gives_each_row_its_adapter(folders: dict[str, Path]) -> None:
+    """``bound`` hands consecutive forwards (a step cut into pieces) the next rows: a layer's
+    output row is its merged adapter's (or the base weight's) product, across a piece's edge."""
+    from radixmesh.core.scheduler import DecodeSlot, PrefillChunk, Step
+    from radixmesh.engine.lora import LoraSet, bound
+
+    model = build_random_model("tiny", 0)
+    lora = LoraSet(model)
+    for name, folder in sorted(folders.items()):
+        lora.load(name, folder)
+    layer_name = "model.layers.1.self_attn.q_proj"  # adapted by x only (y: k, gate, up)
+    layer = dict(model.named_modules())[layer_name]
+    merged = merge_lora(build_random_model("tiny", 0), folders["x"])
+    w_x = dict(merged.named_modules())[layer_name].weight
+
+    class Live:
+        def __init__(self, adapter: str | None) -> None:
+            self.req = _req([1], adapter)
+
+    live = {1: Live("x"), 2: Live(None), 3: Live("x"), 4: Live("y")}
+    step = Step((PrefillChunk(1, 0, 10, True), PrefillChunk(2, 0, 6, True),
+                 PrefillChunk(3, 4, 3, False)), (DecodeSlot(4, 9),), ())
+    rows = [1] * 10 + [2] * 6 + [3] * 3 + [4]
+    x = torch.randn(len(rows), layer.in_features)
+    with torch.inference_mode(), bound(lora, step, live):  # type: ignore[arg-type]
+        outs = []
+        for a, b in ((0, 7), (7, 13), (13, 20)):  # three forwards, cut inside chunks
+            lora._next_forward(model, (), {"input_ids": torch.zeros(1, b - a)})
+            outs.append(layer(x[a:b].unsqueeze(0))[0])
+        got = torch.cat(outs)
+    bias = 0 if layer.bias is None else layer.bias
+    want = torch.stack([x[i] @ (w_x if live[seq].req.adapter == "x" else layer.weight).t()
+                        + bias for i, seq in enumerate(rows)])
+    assert torch.allclose(got, want, atol=1e-5)
+    assert not lora.groups and not lora.pending  # unbound afterwards

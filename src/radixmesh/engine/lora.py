@@ -21,15 +21,16 @@ shape that does not fit, a pickled ``adapter_model.bin`` only (never unpickled).
 
 Execution. Each adapted ``nn.Linear`` gets one forward hook (installed when the first adapter
 naming it is loaded; the module tree and its ``state_dict`` stay the model's own) that adds
-the deltas of the rows *bound* for the current forward. Before a step's packed forward the
-runner binds each row to its sequence's adapter (:func:`bound`; rows in the order
-``BatchRunner._forward`` packs them: prefill chunks, then decodes). Rows are grouped by
-adapter, and a hooked layer adds ``(x[rows] A^T) (scaling B)^T`` for each group in place
-(``index_add_``; ``addmm_`` when one adapter covers the step): two thin matmuls per adapter
-present in the step (the segment idea of Punica's SGMV, in plain torch), nothing when no row
-has one. (A per-token gather of A and B would materialise ``[tokens, r, in]`` per layer;
-not tried.) Outside a bound forward (HF ``generate`` on the model, a
-reference) the hooks add nothing. Mixed-adapter throughput: docs/benchmarks.md.
+the deltas of the rows *bound* for the current forward. Around a step's forward the runner
+binds each row to its sequence's adapter (:func:`bound`: rows in ``BatchRunner``'s packing
+order, prefill chunks then decodes); a pre-hook on the model hands each forward the next rows,
+so a step run as consecutive pieces works alike. Rows are grouped by adapter, and a hooked
+layer adds ``(x[rows] A^T) (scaling B)^T`` for each group in place (``index_add_``;
+``addmm_`` when one adapter covers the forward): two thin matmuls per adapter present (the
+segment idea of Punica's SGMV, in plain torch), nothing when no row has one. (A per-token
+gather of A and B would materialise ``[tokens, r, in]`` per layer; not tried.) Outside a bound
+forward (HF ``generate`` on the model, a reference) the hooks add nothing. Mixed-adapter
+throughput: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ _REFUSED = {"use_dora": False, "fan_in_fan_out": False, "bias": "none", "modules
             "alpha_pattern": {}, "layer_replication": None}
 
 Pair = tuple[torch.Tensor, torch.Tensor]  # A^T [in, r], (scaling * B)^T [r, out]
+Run = tuple[str | None, int]  # consecutive rows of one adapter (None: the base model)
 
 
 class HasRequest(Protocol):
@@ -156,6 +158,8 @@ class LoraSet:
         self._slot: dict[str, int] = {}  # name -> its index in each layer's table
         self._tables: dict[str, dict[int, Pair]] = {}  # module path -> slot -> pair
         self.groups: list[tuple[int, torch.Tensor | None]] = []  # (slot, rows: None = all)
+        self.pending: list[Run] = []  # the bound step's rows the model has not run yet
+        model.register_forward_pre_hook(self._next_forward, with_kwargs=True)
 
     def __contains__(self, name: object) -> bool:
         return name in self.adapters
@@ -174,6 +178,26 @@ class LoraSet:
             table[slot] = pair
         self.adapters[name] = weights
         return weights
+
+    def _next_forward(self, _model: torch.nn.Module, args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> None:
+        """A forward of the model starts: it runs the next rows of the bound step (a step may
+        run as several consecutive forwards: its rows in packing order, piece by piece)."""
+        if not self.pending:
+            return
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        n = int(ids.shape[-1]) if isinstance(ids, torch.Tensor) else 0
+        take: list[Run] = []
+        while n > 0 and self.pending:
+            name, rows = self.pending[0]
+            used = min(rows, n)
+            take.append((name, used))
+            n -= used
+            if used == rows:
+                self.pending.pop(0)
+            else:
+                self.pending[0] = (name, rows - used)
+        self.bind_rows(take)
 
     def _hook(self, table: dict[int, Pair]) -> Any:
         def add_deltas(_module: torch.nn.Module, args: tuple[torch.Tensor, ...],
@@ -194,7 +218,7 @@ class LoraSet:
             return out
         return add_deltas
 
-    def bind_rows(self, names: Sequence[tuple[str | None, int]]) -> None:
+    def bind_rows(self, names: Sequence[Run]) -> None:
         """Bind consecutive runs of rows: ``(adapter name or None, rows)`` in packing order."""
         if all(name is None for name, _ in names):
             self.groups = []
@@ -216,30 +240,28 @@ class LoraSet:
 
 @contextlib.contextmanager
 def bound(lora: LoraSet | None, step: Step, live: Mapping[SeqId, HasRequest]) -> Iterator[None]:
-    """Within: ``step``'s rows (model positions, ``BatchRunner._forward``'s packing order:
-    prefill chunks, then decodes) run with their sequences' adapters."""
+    """Within: the forwards of ``step`` (model positions; in ``BatchRunner``'s packing order:
+    prefill chunks, then decodes, in one forward or in consecutive pieces) run each row with its
+    sequence's adapter."""
     if lora is None or not lora.adapters:
         yield
         return
-    names = [(live[c.seq].req.adapter, c.tokens) for c in step.prefills]
-    names += [(live[d.seq].req.adapter, 1) for d in step.decodes]
-    with _groups(lora, names):
+    runs: list[Run] = [(live[c.seq].req.adapter, c.tokens) for c in step.prefills]
+    runs += [(live[d.seq].req.adapter, 1) for d in step.decodes]
+    lora.pending = runs if any(name is not None for name, _ in runs) else []
+    try:
         yield
+    finally:
+        lora.pending, lora.groups = [], []
 
 
 @contextlib.contextmanager
 def only(lora: LoraSet | None, adapter: str | None) -> Iterator[None]:
-    """Within: every row of a forward runs with ``adapter`` (None: the base model)."""
+    """Within: every row of every forward runs with ``adapter`` (None: the base model)."""
     if lora is None or adapter is None:
         yield
         return
-    with _groups(lora, [(adapter, 1)]):
-        yield
-
-
-@contextlib.contextmanager
-def _groups(lora: LoraSet, names: Sequence[tuple[str | None, int]]) -> Iterator[None]:
-    lora.bind_rows(names)
+    lora.bind_rows([(adapter, 1)])  # one adapter for all: whole rows, whatever their number
     try:
         yield
     finally:
