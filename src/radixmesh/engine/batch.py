@@ -235,7 +235,7 @@ class BatchRunner:
         if step.empty:
             return False
         with bound(self.lora, run, self._live):  # each row's LoRA adapter (engine/lora.py)
-            rows = self._forward(run) if run.prefills or run.decodes else None
+            rows = self._forward(run) if run.prefills or run.decodes else torch.empty(0, 0)
         tokens: dict[int, int] = {}
         stop: list[int] = []
         emitted: list[tuple[int, Live, int, TokenLogprob | None]] = []
