@@ -77,3 +77,25 @@ def test_tenants_and_an_adapter_on_the_builtin_engine(tmp_path: Path) -> None:
             assert listed["sql-lora"]["digest"] == service.adapters["sql-lora"].digest
 
     asyncio.run(scenario())
+
+
+def test_serve_loads_adapter_folders_on_the_builtin_engine(tmp_path: Path) -> None:
+    """``radixmesh serve --adapters NAME=DIR``: the engine loads the folder (its digest is the
+    node's); a bare digest, enough for an external engine, is refused before the model is
+    built."""
+    import pytest
+
+    from radixmesh.engine.factory import describe
+    from radixmesh.engine.presets import build_random_model
+    from radixmesh.runtime.config import ServeConfig
+    from radixmesh.runtime.serve_cli import build_service
+
+    folder = save_random_lora_dir(tmp_path / "sql", build_random_model("micro", 0), seed=3)
+    cfg = ServeConfig(node_id="solo", preset="micro", cache_tokens=4096, threads=1,
+                      adapters=f"sql-lora={folder}")
+    service = build_service(cfg)
+    engine = service.engine.engine
+    assert describe(engine)["adapters"] == ["sql-lora"] and "sql-lora" in service.adapters
+    asyncio.run(service.engine.aclose())  # its engine thread
+    with pytest.raises(ValueError, match="loads a PEFT LoRA adapter from its folder"):
+        build_service(ServeConfig(node_id="solo", preset="micro", adapters="sql=" + "a" * 64))

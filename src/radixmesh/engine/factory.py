@@ -259,4 +259,5 @@ def describe(engine: TransformersEngine) -> dict[str, object]:
         "device": str(engine.device),
         "kv_bytes_per_token": engine.kv_bytes_per_token,
         "model_type": getattr(engine.model.config, "model_type", None),
+        "adapters": list(engine.adapters),
     }
