@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -16,6 +16,9 @@ from radixmesh.engine.base import GenerateRequest, SamplingParams
 from radixmesh.engine.factory import build_engine
 from radixmesh.engine.testing import save_random_lora_dir
 from radixmesh.runtime.inprocess import serving_node
+
+if TYPE_CHECKING:
+    from conftest import Poll
 
 OPERATOR = "operator-key-000001"
 KEYS = {"acme": "key-of-acme-0000001", "umbrella": "key-of-umbrella-001"}
@@ -99,3 +102,42 @@ def test_serve_loads_adapter_folders_on_the_builtin_engine(tmp_path: Path) -> No
     asyncio.run(service.engine.aclose())  # its engine thread
     with pytest.raises(ValueError, match="loads a PEFT LoRA adapter from its folder"):
         build_service(ServeConfig(node_id="solo", preset="micro", adapters="sql=" + "a" * 64))
+
+
+def test_a_node_without_the_adapter_forwards_to_a_builtin_holder(poll: Poll,
+                                                                 tmp_path: Path) -> None:
+    """Two built-in nodes, the adapter on node b only: node a forwards sql-lora requests there
+    (the namespace and digest travel with the forward); b answers with the adapter's weights
+    and reuses its own adapter KV; /v1/models on a lists the adapter as remote."""
+    engine_a = build_engine("micro", cache_tokens=4096, threads=1)
+    engine_b = build_engine("micro", cache_tokens=4096, threads=1)
+    folder = save_random_lora_dir(tmp_path / "sql", engine_b.model, seed=3, std=0.2)
+    engine_b.load_adapter("sql-lora", folder)
+    ids = engine_b.tokenizer.encode(PROMPT)
+    ref = engine_b.generate(GenerateRequest("ref", tuple(ids), SamplingParams(max_tokens=6),
+                                            adapter="sql-lora"))
+    engine_b.clear_cache()
+    mesh = {"gossip_interval": 0.1, "gossip_announce": 0.05, "api_key": OPERATOR}
+
+    async def scenario() -> None:
+        async with (serving_node(engine_b, "node-b", adapters=f"sql-lora={folder}", **mesh)
+                    as (nb, address_b),
+                    serving_node(engine_a, "node-a", peers=(address_b,), **mesh) as (na, addr),
+                    aiohttp.ClientSession() as http):
+            port = int(addr.rsplit(":", 1)[1])
+            await poll.until_async(lambda: "sql-lora" in na.core.adapter_names(),
+                                   "node a learns node b's adapter", 10.0)
+            hits = []
+            for _ in range(2):
+                status, headers, body = await _complete(http, port, OPERATOR, model="sql-lora")
+                assert status == 200 and headers["x-radixmesh-served-by"] == "node-b", body
+                assert body["choices"][0]["text"] == engine_b.tokenizer.decode(ref.output_ids)
+                hits.append(_cached(headers, body))
+            assert hits[0] == 0 and hits[1] > 0
+            async with http.get(f"http://127.0.0.1:{port}/v1/models",
+                                headers={"authorization": f"Bearer {OPERATOR}"}) as resp:
+                listed = {m["id"]: m for m in (await resp.json())["data"]}
+            assert listed["sql-lora"]["remote"]
+            assert listed["sql-lora"]["digest"] == nb.adapters["sql-lora"].digest
+
+    asyncio.run(scenario())
