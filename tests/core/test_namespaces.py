@@ -79,6 +79,21 @@ def test_scheduler_isolates_namespaces_and_reports_without_the_virtual_block() -
     assert hits == {2: 0, 3: 0, 4: 192}
 
 
+def test_a_fresh_namespace_block_alone_defers_nobody() -> None:
+    """Two prompts sharing only their namespace's (uncomputed) virtual block are admitted
+    together: "pioneers first" waits for real shared blocks only; both cache_hashes views
+    leave the virtual block out."""
+    sched = Scheduler(SchedulerConfig(hash_seed=BASE))
+    sched.add(1, PROMPT, 2, 0.0, namespace="a")
+    sched.add(2, [p + 1000 for p in PROMPT], 2, 0.0, namespace="a")
+    step = sched.schedule(0.0)
+    assert {c.seq for c in step.prefills} == {1, 2}
+    sched.complete(step, dict.fromkeys(step.emitting, 7), 0.0)
+    _run(sched)
+    real = set(block_hashes(PROMPT, 16, namespace_seed(BASE, "a", 16)))
+    assert real <= sched.cache_hashes() and len(sched.cache_hashes()) == 2 * len(real)
+
+
 def test_cache_fields_are_short_strings() -> None:
     assert check_cache_field("cache_salt", None) is None
     assert check_cache_field("cache_salt", "") is None

@@ -125,8 +125,9 @@ async def _bad_input(http: aiohttp.ClientSession, port: int) -> None:
 
 
 def test_an_engine_that_does_not_isolate_refuses_a_namespace(tmp_path: Path) -> None:
-    """The built-in engine (until it passes namespaces to its scheduler): a cache_salt or a
-    tenant key is a 400, never a run in the shared cache; the operator's requests run."""
+    """An engine that does not keep namespaces apart (here the built-in one told so): a
+    cache_salt or a tenant key is a 400, never a run in the shared cache; the operator's
+    requests run."""
     from radixmesh.engine.factory import build_engine
     from radixmesh.runtime.inprocess import serving_node
 
@@ -135,6 +136,7 @@ def test_an_engine_that_does_not_isolate_refuses_a_namespace(tmp_path: Path) -> 
 
     async def scenario() -> None:
         engine = build_engine("micro", cache_tokens=4096, threads=1)
+        engine.cache_namespaces = False  # type: ignore[misc]
         async with (serving_node(engine, "solo", api_key=OPERATOR, api_keys=str(keys_file))
                     as (service, address), aiohttp.ClientSession() as http):
             port = int(address.rsplit(":", 1)[1])
@@ -211,6 +213,13 @@ async def _forwarded_adapters(poll: Poll, http: aiohttp.ClientSession, n1: NodeS
     op = OPERATOR
     await poll.until_async(lambda: "chat-lora" in n1.core.adapter_names(), "the adverts",
                            LIMIT_S)
+    auth = {"authorization": f"Bearer {op}"}
+    async with http.get(f"http://127.0.0.1:{p1}/v1/models", headers=auth) as resp:
+        listed = [m for m in (await resp.json())["data"] if m["id"].endswith("-lora")]
+    assert [(m["id"], m["remote"], m["digest"]) for m in listed] == [
+        ("sql-lora", False, DIGEST_A), ("chat-lora", True, DIGEST_C)]  # peers' marked remote
+    async with http.get(f"http://127.0.0.1:{p1}/v1/models/chat-lora", headers=auth) as resp:
+        assert resp.status == 200 and (await resp.json())["parent"] == "fake-model"
     status, headers, body = await complete(http, p1, PREFIX + "C1?", op, model="chat-lora")
     assert status == 200 and headers["x-radixmesh-served-by"] == "node-2", (headers, body)
     pin = {"x-radixmesh-adapter-digest": f"sha256:{DIGEST_A}"}

@@ -126,11 +126,8 @@ class Scheduler(DecodeRuns):
 
     def cached_prefix(self, prompt: Sequence[int], namespace: str | None = None) -> int:
         """Prompt tokens a request added now would reuse (whole blocks, never the last)."""
-        head = self._head(namespace)
+        head = self._heads.head(namespace)
         return max(self._pool.reusable([*head, *prompt]) - len(head), 0)
-
-    def _head(self, namespace: str | None) -> tuple[int, ...]:
-        return self._heads.head(namespace)
 
     def sequences(self) -> Iterator[SeqView]:
         """The running sequences (admission order), then the first ``WINDOW`` waiting ones
@@ -146,6 +143,10 @@ class Scheduler(DecodeRuns):
     def seq_tokens(self, seq: SeqId) -> Sequence[int]:
         """Prompt + output so far of a live sequence (behind its namespace's virtual block)."""
         return tuple(self._live(seq).tokens)
+
+    def cache_hashes(self) -> frozenset[int]:
+        """Every block hash cached now (namespaces' virtual blocks left out)."""
+        return frozenset(self._heads.real(list(self.cache.block_hashes())))
 
     def drain_cache_delta(self) -> tuple[list[int], list[int]]:
         """Block hashes (added, removed) in the prefix cache since the previous call
@@ -163,7 +164,7 @@ class Scheduler(DecodeRuns):
             raise ValueError("prompt: must not be empty")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-        tokens = [*self._head(namespace), *prompt]
+        tokens = [*self._heads.head(namespace), *prompt]
         if self._pool.blocks_for(len(tokens) + max_tokens - 1, 0) > self.config.kv_blocks:
             raise ValueError(
                 f"prompt + max_tokens: {len(tokens)} + {max_tokens} tokens never fit the KV "
@@ -297,17 +298,17 @@ class Scheduler(DecodeRuns):
         self._waiting.extendleft(reversed(skipped + list(window)))
 
     def _defers(self, c: SeqState) -> bool:
-        """A running prefill will compute >= 1 whole block of ``c`` beyond its cached prefix."""
-        if not self.config.prefix_aware or not self._prefilling:
-            return False
-        if c.overtaken >= self.config.max_overtake:
+        """A running prefill will compute >= 1 whole real block of ``c`` beyond its cached
+        prefix (a namespace's virtual block alone costs nothing: no deferral for it)."""
+        cfg = self.config
+        if not cfg.prefix_aware or not self._prefilling or c.overtaken >= cfg.max_overtake:
             return False
         shared = 0
         for h in c.hashes:
             if h not in self._prefilling:
                 break
             shared += 1
-        return shared * self.config.block_size > self._pool.reusable(c.tokens)
+        return shared * self.config.block_size > max(self._pool.reusable(c.tokens), c.hidden)
 
     def _try_admit(
         self, c: SeqState, budget: int, spare: list[list[int]], now: float

@@ -290,8 +290,12 @@ class EngineFacade:
     def tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
-    def match(self, prompt_ids: Sequence[int]) -> int:
-        return self.engine.match(prompt_ids)
+    @property
+    def cache_namespaces(self) -> bool:
+        return isolates(self.engine)
+
+    def match(self, prompt_ids: Sequence[int], namespace: str | None = None) -> int:
+        return match_in(self.engine, prompt_ids, namespace)
 
     def usage(self) -> CacheUsage:
         return self.engine.usage()

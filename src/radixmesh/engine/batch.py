@@ -56,6 +56,8 @@ from radixmesh.engine.base import (
     TokenCallback,
     TokenLogprob,
 )
+from radixmesh.engine.lora import LoraSet, bound, only
+from radixmesh.engine.namespaced import effective_namespace, model_step, sequence_seed
 from radixmesh.engine.paged_kv import ATTENTION, PagedKV
 from radixmesh.engine.sampling import Sampler, score_prompt
 
@@ -81,6 +83,8 @@ class Live:
     admitted: float | None = None
     first: float | None = None
     logits: list[torch.Tensor] | None = None  # receives the first output's raw logits
+    hidden: int = 0  # its namespace's virtual tokens in front (engine/namespaced.py)
+    seed: int = 0  # the hash chain's seed of its real blocks (its namespace's)
 
 
 class BatchRunner:
@@ -95,6 +99,7 @@ class BatchRunner:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self._kv_shape = (int(cfg.num_hidden_layers), int(cfg.num_key_value_heads), int(head_dim))
         self.lock = threading.Lock()  # the scheduler's cache, read from other threads
+        self.lora: LoraSet | None = None  # the engine's LoRA adapters (engine/lora.py)
         self._reset()
         self._ids = itertools.count(1)
         self.stats = {"steps": 0, "batched_tokens": 0, "max_batch": 0, "prefill_tokens": 0,
@@ -111,9 +116,9 @@ class BatchRunner:
         self._removed: set[int] = set()
 
     # ------------------------------------------------------------------------- cache view
-    def match(self, prompt: list[int] | tuple[int, ...]) -> int:
+    def match(self, prompt: list[int] | tuple[int, ...], namespace: str | None = None) -> int:
         with self.lock:
-            return self.sched.cached_prefix(prompt)
+            return self.sched.cached_prefix(prompt, namespace)
 
     def usage(self) -> CacheUsage:
         with self.lock:
@@ -121,7 +126,7 @@ class BatchRunner:
 
     def cache_hashes(self) -> frozenset[int]:
         with self.lock:
-            return self.sched.cache.block_hashes()
+            return self.sched.cache_hashes()
 
     def drain_cache_delta(self) -> CacheDelta:
         with self.lock:
@@ -162,7 +167,7 @@ class BatchRunner:
         (the node is told every block went)."""
         lives = list(self._live.values())
         with self.lock:
-            self._journal([], list(self.sched.cache.block_hashes()))
+            self._journal([], list(self.sched.cache_hashes()))
             added, removed = self._added, self._removed
             self._reset()
             self._added, self._removed = added, removed
@@ -191,17 +196,21 @@ class BatchRunner:
         live = Live(req, prompt, budget, Sampler(sp, self._allowed, self.device),
                     self._stop_ids | frozenset(sp.stop_token_ids), on_token, on_done,
                     time.perf_counter(), logits=logits)
+        namespace = effective_namespace(req)
+        live.hidden = 0 if namespace is None else self.config.block_size
+        live.seed = sequence_seed(self.config.hash_seed, namespace, self.config.block_size)
         seq = next(self._ids)
         if sp.prompt_logprobs is not None:
-            live.scored = score_prompt(self.model, prompt, sp.prompt_logprobs, self._allowed)
+            with only(self.lora, req.adapter):  # its LoRA adapter over every row
+                live.scored = score_prompt(self.model, prompt, sp.prompt_logprobs, self._allowed)
             if req.on_prompt_logprobs is not None:
                 req.on_prompt_logprobs(live.scored)
             if budget == 0:
                 on_done(self._result(live, "length", 0))
                 return seq
         with self.lock:
-            self.sched.add(seq, prompt, budget, time.monotonic())
-        live.hashes = extend_hashes([], prompt, self.config.block_size, self.config.hash_seed)
+            self.sched.add(seq, prompt, budget, time.monotonic(), namespace=namespace)
+        live.hashes = extend_hashes([], prompt, self.config.block_size, live.seed)
         self._live[seq] = live
         return seq
 
@@ -221,10 +230,12 @@ class BatchRunner:
         """Plan, run and apply one step; False when there was nothing to run."""
         with self.lock:
             step = self.sched.schedule(time.monotonic())
-            self._prepare(step)
+            run = model_step(step, self._live)  # in model positions (engine/namespaced.py)
+            self._prepare(run)
         if step.empty:
             return False
-        rows = self._forward(step)
+        with bound(self.lora, run, self._live):  # each row's LoRA adapter (engine/lora.py)
+            rows = self._forward(run) if run.prefills or run.decodes else torch.empty(0, 0)
         tokens: dict[int, int] = {}
         stop: list[int] = []
         emitted: list[tuple[int, Live, int, TokenLogprob | None]] = []
@@ -240,7 +251,7 @@ class BatchRunner:
             emitted.append((seq, live, token, entry))
         with self.lock:
             finished = self.sched.complete(step, tokens, time.monotonic(), stop)
-            self._settle(step, finished)
+            self._settle(run, finished)
         self._deliver(emitted, {f.seq: f for f in finished})
         return True
 
@@ -276,7 +287,7 @@ class BatchRunner:
 
     def _hashes(self, live: Live, n_tokens: int) -> list[int]:
         bs = self.config.block_size
-        return extend_hashes(live.hashes, live.tokens[:n_tokens], bs, self.config.hash_seed)
+        return extend_hashes(live.hashes, live.tokens[:n_tokens], bs, live.seed)
 
     @torch.inference_mode()
     def _forward(self, step: Step) -> torch.Tensor:

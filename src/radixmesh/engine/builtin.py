@@ -17,6 +17,11 @@ token: there must be logits to sample from), as in vLLM. A request whose prompt 
 never fit the pool is refused (``ValueError``). Position ids are explicit, so a cached block is
 only read at its original positions (a chained block hash guarantees it).
 
+Cache namespaces (tenants, ``cache_salt``, adapters): the scheduler keeps them apart behind
+a virtual block per namespace, which the torch path never computes (``engine/namespaced.py``);
+the cache view reports the mesh's namespaced block hashes. LoRA adapters (PEFT folders,
+``load_adapter``) run per row of a batch, mixed freely (``engine/lora.py``).
+
 Sampling and log-probabilities: ``engine/sampling.py``. Prompt log-probabilities (``echo`` +
 ``logprobs`` scoring) are computed by a full forward over the prompt (a cached prefix has no
 logits), ``cached_tokens`` is then 0.
@@ -29,6 +34,7 @@ import queue
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,6 +52,7 @@ from radixmesh.engine.base import (
     Tokenizer,
 )
 from radixmesh.engine.batch import BatchRunner
+from radixmesh.engine.lora import LoraSet, LoraWeights
 
 STEP_TOKENS = 2048  # tokens one step computes (vLLM's max_num_batched_tokens): prefill chunk
 MAX_RUNNING = 64  # sequences batched at once (vLLM's max_num_seqs)
@@ -71,6 +78,7 @@ class TransformersEngine:
     ``runner`` a :class:`~radixmesh.engine.batched.BatchedEngine` drives."""
 
     extended_sampling = True  # penalties and log-probabilities (engine/base.py)
+    cache_namespaces = True  # keeps cache namespaces apart (engine/base.py)
 
     def __init__(self, model: PreTrainedModel, tokenizer: Tokenizer, spec: EngineSpec,
                  device: torch.device) -> None:
@@ -122,8 +130,8 @@ class TransformersEngine:
         return int(cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * elem)
 
     # ------------------------------------------------------------------------- cache view
-    def match(self, prompt_ids: Sequence[int]) -> int:
-        return self.runner.match(list(prompt_ids))
+    def match(self, prompt_ids: Sequence[int], namespace: str | None = None) -> int:
+        return self.runner.match(list(prompt_ids), namespace)
 
     def drain_cache_delta(self) -> CacheDelta:
         return self.runner.drain_cache_delta()
@@ -147,6 +155,19 @@ class TransformersEngine:
                 "cached_tokens_hit": sched.cached_tokens_hit,
                 "preemptions": sched.preemptions}
 
+    # ------------------------------------------------------------------------- adapters
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        """The names of the LoRA adapters loaded."""
+        return () if self.runner.lora is None else tuple(self.runner.lora.adapters)
+
+    def load_adapter(self, name: str, folder: str | Path) -> LoraWeights:
+        """Load the PEFT LoRA adapter in ``folder`` as ``name`` (before serving: not while a
+        step runs); ValueError naming what is wrong with it."""
+        if self.runner.lora is None:
+            self.runner.lora = LoraSet(self.model)
+        return self.runner.lora.load(name, Path(folder))
+
     # ------------------------------------------------------------------------- generation
     def validate(self, prompt_ids: Sequence[int]) -> None:
         """Raise ``ValueError`` for a prompt this engine cannot run (clients get a 400)."""
@@ -163,6 +184,8 @@ class TransformersEngine:
         """Validate ``req``; the new tokens it may generate (its max_tokens, cut at the
         context)."""
         self.validate(req.prompt_ids)
+        if req.adapter is not None and req.adapter not in self.adapters:
+            raise ValueError(f"adapter {req.adapter!r} is not loaded on this engine")
         return min(req.sampling.max_tokens, self.max_context - len(req.prompt_ids))
 
     def generate(

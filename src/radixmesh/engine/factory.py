@@ -21,6 +21,10 @@ for (e.g. ``model_type: gpt2`` over Qwen2 weights) refuses to start, naming them
 Only full-attention decoder models are supported (Qwen2, Llama, Mistral without sliding
 window, ...): radix KV reuse needs one K/V tensor per layer covering every position.
 
+LoRA adapters (``adapters``: (served name, folder) pairs, ``--adapters NAME=DIR``): PEFT
+folders loaded onto the model (``engine/lora.py``); the built-in engine needs the folder, a
+bare digest (``NAME=DIGEST``, enough for an external engine that loads it) is refused.
+
 ``device`` is any torch device string: ``cpu`` (default), ``cuda``, ``cuda:1``, ``mps``.
 Weights are created/loaded on the CPU and moved, so a preset is bit-identical on all devices
 before the dtype cast. ``threads`` calls ``torch.set_num_threads`` (process-wide!): a local
@@ -30,11 +34,13 @@ multi-node cluster passes 1 per node.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+from radixmesh.core.adapters import given_digest, parse_adapter_spec
 from radixmesh.core.blocks import DEFAULT_BLOCK_SIZE
 from radixmesh.engine.base import Tokenizer
 from radixmesh.engine.builtin import STEP_TOKENS, EngineSpec, TransformersEngine
@@ -76,9 +82,36 @@ def build_engine(
     tokenizer: Tokenizer | None = None,
     prefix_aware: bool = True,
     step_tokens: int = STEP_TOKENS,
+    adapters: Sequence[tuple[str, str | Path]] = (),
 ) -> TransformersEngine:
     """Build the built-in engine (``model_path`` wins over ``preset``). ``prefix_aware=False``:
-    FCFS admission; ``step_tokens``: tokens per step (vLLM's ``max_num_batched_tokens``)."""
+    FCFS admission; ``step_tokens``: tokens per step (vLLM's ``max_num_batched_tokens``);
+    ``adapters``: LoRA (name, folder) pairs (module docstring)."""
+    engine = _build(preset, model_path, cache_tokens, block_size, device, seed, dtype, threads,
+                    model_name, tokenizer, prefix_aware, step_tokens)
+    for name, folder in adapters:
+        engine.load_adapter(name, folder)
+    return engine
+
+
+def adapter_folders(spec: str) -> list[tuple[str, Path]]:
+    """``--adapters NAME=DIR,...`` for the built-in engine: (name, folder) pairs; ValueError
+    naming an adapter given by digest only or whose folder is missing."""
+    out = []
+    for name, value in parse_adapter_spec(spec):
+        folder = Path(value)
+        if not folder.is_dir():
+            why = "a digest" if given_digest(value) else "not a folder"
+            raise ValueError(f"--adapters {name}: {value} is {why}; the built-in engine loads "
+                             "a PEFT LoRA adapter from its folder (NAME=DIR)")
+        out.append((name, folder))
+    return out
+
+
+def _build(preset: str | None, model_path: str | Path | None, cache_tokens: int,
+           block_size: int, device: str, seed: int, dtype: str, threads: int | None,
+           model_name: str | None, tokenizer: Tokenizer | None, prefix_aware: bool,
+           step_tokens: int) -> TransformersEngine:
     if threads is not None:
         if threads < 1:
             raise ValueError("threads must be >= 1")
@@ -226,4 +259,5 @@ def describe(engine: TransformersEngine) -> dict[str, object]:
         "device": str(engine.device),
         "kv_bytes_per_token": engine.kv_bytes_per_token,
         "model_type": getattr(engine.model.config, "model_type", None),
+        "adapters": list(engine.adapters),
     }

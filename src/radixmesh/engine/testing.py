@@ -141,3 +141,50 @@ class SlowTokens:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
+
+
+LORA_TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")
+
+
+def save_random_lora_dir(path: Path, model: torch.nn.Module, seed: int = 0, rank: int = 8,
+                         alpha: float = 16.0, targets: Sequence[str] = LORA_TARGETS,
+                         std: float = 0.05) -> Path:
+    """A PEFT LoRA adapter folder (``engine/lora.py``'s format: ``adapter_config.json`` +
+    ``adapter_model.safetensors``) for ``model``, with seeded random non-zero A and B on the
+    linear layers named ``targets`` (PEFT initialises B to zero; a trained adapter is not)."""
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets:
+            key = f"base_model.model.{name}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(
+                rank, module.in_features, generator=gen) * std
+            tensors[f"{key}.lora_B.weight"] = torch.randn(
+                module.out_features, rank, generator=gen) * std
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules":
+              list(targets), "bias": "none", "use_rslora": False, "use_dora": False,
+              "fan_in_fan_out": False, "modules_to_save": None, "task_type": "CAUSAL_LM"}
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def merge_lora(model: torch.nn.Module, folder: Path) -> torch.nn.Module:
+    """``model`` with ``folder``'s adapter merged in place, ``W += (lora_alpha / r) B @ A``
+    per layer: a reference for tests, read independently of ``engine/lora.py``."""
+    from safetensors.torch import load_file
+
+    config = json.loads((folder / "adapter_config.json").read_text())
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for key, a in tensors.items():
+            if key.endswith(".lora_A.weight"):
+                name = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+                b = tensors[key.replace(".lora_A.", ".lora_B.")]
+                scale = config["lora_alpha"] / config["r"]
+                modules[name].weight += scale * (b @ a)
+    return model

@@ -42,6 +42,7 @@ Request headers understood on the client API:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import math
@@ -315,12 +316,13 @@ def _client_routes(app: FastAPI, service: NodeService) -> None:
     @app.get("/v1/models", summary="served models, with this server's defaults and limits",
              response_model=ModelList, responses=_errors(401))
     async def list_models() -> ModelList:
-        return ModelList(object="list", data=[_model_entry(service, m, created) for m in models])
+        listed = [*models, *_remote_adapters(service, models)]
+        return ModelList(object="list", data=[_model_entry(service, m, created) for m in listed])
 
     @app.get("/v1/models/{model_id:path}", summary="one served model (OpenAI's retrieve model)",
              response_model=ModelEntry, responses=_errors(401, 404))
     async def retrieve_model(model_id: str) -> Response:
-        if model_id not in models:
+        if model_id not in models and model_id not in _remote_adapters(service, models):
             return error_response(ApiError(f"The model '{model_id}' does not exist.",
                                            status=404, param="model", code="model_not_found"),
                                   service)
@@ -355,14 +357,24 @@ def _client_routes(app: FastAPI, service: NodeService) -> None:
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
+def _remote_adapters(service: NodeService, models: Sequence[str]) -> list[str]:
+    """The adapters live peers advertise (gossip) that this node does not serve itself."""
+    return sorted(service.core.adapter_names().difference(models))
+
+
 def _model_entry(service: NodeService, model: str, created: int) -> ModelEntry:
     """OpenAI's model object, plus this server's limits and defaults (``radixmesh``); an
-    adapter names its base model (``parent``, as vLLM) and its content digest."""
+    adapter names its base model (``parent``, as vLLM) and its content digest; one only
+    peers serve is ``remote`` (its digest: none when peers serve different weights as it)."""
     adapter = service.adapters.get(model)
+    remote = adapter is None and model != service.engine.model_name
+    if remote:
+        with contextlib.suppress(UnknownAdapter, AmbiguousAdapter):
+            adapter = service.core.adapter(model, {}, None)
     return ModelEntry(id=model, object="model", created=created, owned_by="radixmesh",
                       max_model_len=service.engine.max_context, radixmesh=server_defaults(),
-                      parent=None if adapter is None else service.engine.model_name,
-                      digest=None if adapter is None else adapter.digest)
+                      parent=service.engine.model_name if adapter or remote else None,
+                      digest=None if adapter is None else adapter.digest, remote=remote)
 
 
 @dataclass(slots=True)

@@ -494,7 +494,8 @@ def _help_texts() -> dict[str, str]:
         "RADIXMESH_CLUSTER_KEY environment variable or the config file (flags show in ps)",
         "api_key": "require 'Authorization: Bearer KEY' on the client API (or RADIXMESH_API_KEY)",
         "adapters": "NAME=DIGEST|DIR[,...]: LoRA adapters the engine serves under NAME (as "
-        "vLLM's --lora-modules), known by their content digest (given, or SHA-256 of DIR)",
+        "vLLM's --lora-modules), known by their content digest (given, or SHA-256 of DIR); "
+        "the built-in engine loads DIR, a PEFT LoRA folder",
         "session_margin": "a session (prompt_cache_key, x-session-id) goes to the node that "
         "served it last unless that node is predicted slower than the best by more than this",
         "api_keys": "FILE of 'KEY TENANT' lines: each key opens /v1/* for its tenant, whose "

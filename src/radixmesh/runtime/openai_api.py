@@ -336,6 +336,7 @@ class ModelEntry(BaseModel):
     radixmesh: ServerDefaults
     parent: str | None = None  # a LoRA adapter's base model (core/adapters.py)
     digest: str | None = None  # ... and its content digest
+    remote: bool = False  # an adapter only peers serve (advertised in gossip): forwarded
 
 
 class ModelList(BaseModel):

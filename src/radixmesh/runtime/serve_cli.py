@@ -51,7 +51,7 @@ def build_service(config: ServeConfig):  # type: ignore[no-untyped-def]
     """Engine + NodeService for ``config`` (slow: builds or loads the model)."""
     if config.engine != "builtin":
         return build_external_service(config)
-    from radixmesh.engine.factory import build_engine
+    from radixmesh.engine.factory import adapter_folders, build_engine
     from radixmesh.runtime.node import NodeService
 
     if config.gpu_memory_fraction and config.device.startswith("cuda"):
@@ -67,6 +67,7 @@ def build_service(config: ServeConfig):  # type: ignore[no-untyped-def]
         dtype=config.dtype,
         seed=config.seed,
         threads=config.threads or None,
+        adapters=adapter_folders(config.adapters),  # (tenants) PEFT LoRA folders
     )
     from radixmesh.runtime.debug import DelayedEngine
 
