@@ -8,7 +8,8 @@ Theory of operation
     step():  schedule(now) ─▶ PagedKV: preempted dropped, evictions freed, admissions mapped
              onto cached blocks, blocks for the step's tokens
           ─▶ one packed forward of every prefill chunk and decode token (paged attention)
-          ─▶ a token per emitting sequence (its own Sampler) ─▶ complete(step, tokens, stop)
+          ─▶ a token per emitting sequence (its own Sampler; plain greedy rows in one argmax)
+          ─▶ complete(step, tokens, stop)
           ─▶ cache journal: published / committed blocks adopted by the cache, evicted freed
           ─▶ callbacks: on_logprob, on_token, and on_done with the GenerateResult
 
@@ -57,7 +58,7 @@ from radixmesh.engine.base import (
     TokenLogprob,
 )
 from radixmesh.engine.paged_kv import ATTENTION, PagedKV
-from radixmesh.engine.sampling import Sampler, score_prompt
+from radixmesh.engine.sampling import Sampler, greedy_rows, score_prompt
 
 Done = Callable[[GenerateResult | BaseException], None]
 
@@ -228,12 +229,16 @@ class BatchRunner:
         tokens: dict[int, int] = {}
         stop: list[int] = []
         emitted: list[tuple[int, Live, int, TokenLogprob | None]] = []
-        for i, seq in enumerate(step.emitting):
-            live = self._live[seq]
-            raw = rows[i, : self._allowed]
+        lives = [self._live[seq] for seq in step.emitting]
+        plain = [i for i, live in enumerate(lives) if live.sampler.plain_greedy]
+        picked = dict(zip(plain, greedy_rows(rows[:, : self._allowed], plain), strict=True))
+        for i, (seq, live) in enumerate(zip(step.emitting, lives, strict=True)):
             if live.logits is not None and not live.logits:
                 live.logits.append(rows[i].cpu())
-            token, entry = live.sampler.next(raw)
+            token = picked.get(i)
+            entry = None
+            if token is None:
+                token, entry = live.sampler.next(rows[i, : self._allowed])
             tokens[seq] = token
             if token in live.stops:
                 stop.append(seq)

@@ -202,18 +202,29 @@ class PagedKV:
             write.append(ctx[start:])
             row += n
         if decodes:
-            lmax = max(c for _, c in decodes)
-            idx = torch.full((len(decodes), lmax), self.null_slot, dtype=torch.long,
-                             device=self.device)
-            mask = torch.zeros(len(decodes), 1, 1, lmax, dtype=torch.bool, device=self.device)
-            for i, (seq, ctx_len) in enumerate(decodes):
-                idx[i, :ctx_len] = self.slots(seq, 0, ctx_len)
-                mask[i, 0, 0, :ctx_len] = True
-                write.append(idx[i, ctx_len - 1 : ctx_len])
+            idx, mask, last = self._decode_slots(decodes)
+            write.append(last)
             out.decode_rows = torch.arange(row, row + len(decodes), device=self.device)
             out.decode_slots, out.decode_mask = idx, mask
         out.write = torch.cat(write)
         return out
+
+    def _decode_slots(self, decodes: Sequence[tuple[SeqId, int]]
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The decodes' context slots ``[B, Lmax]`` (``null_slot`` past each context), their
+        mask ``[B, 1, 1, Lmax]`` and each one's last slot ``[B]`` (its new token's), from one
+        padded block table: a few tensor ops for the whole batch, not a loop of them."""
+        bs = self.block_size
+        ctx = torch.tensor([c for _, c in decodes])
+        width = -(-int(ctx.max()) // bs)
+        rows = [self._tables[seq][:width] for seq, _ in decodes]
+        tables = torch.tensor([t + [0] * (width - len(t)) for t in rows])
+        pos = torch.arange(width * bs)
+        valid = pos < ctx[:, None]
+        idx = torch.where(valid, tables[:, pos // bs] * bs + pos % bs, self.null_slot)
+        last = idx.gather(1, (ctx - 1)[:, None])[:, 0]
+        dev = self.device
+        return idx.to(dev), valid[:, None, None, :].to(dev), last.to(dev)
 
 
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
