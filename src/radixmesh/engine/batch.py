@@ -7,7 +7,8 @@ Theory of operation
     submit(req) ─▶ [prompt scored if asked] ─▶ Scheduler.add (the one call site)
     step():  schedule(now) ─▶ PagedKV: preempted dropped, evictions freed, admissions mapped
              onto cached blocks, blocks for the step's tokens
-          ─▶ one packed forward of every prefill chunk and decode token (paged attention)
+          ─▶ one packed forward of every prefill chunk and decode token (paged attention),
+             run in pieces of at most PIECE_TOKENS prefill tokens (``pieces``)
           ─▶ a token per emitting sequence (its own Sampler; plain greedy rows in one argmax)
           ─▶ complete(step, tokens, stop)
           ─▶ cache journal: published / committed blocks adopted by the cache, evicted freed
@@ -57,7 +58,7 @@ from radixmesh.engine.base import (
     TokenCallback,
     TokenLogprob,
 )
-from radixmesh.engine.paged_kv import ATTENTION, PagedKV
+from radixmesh.engine.paged_kv import ATTENTION, PIECE_TOKENS, PagedKV, pieces
 from radixmesh.engine.sampling import Sampler, greedy_rows, score_prompt
 
 Done = Callable[[GenerateResult | BaseException], None]
@@ -285,6 +286,17 @@ class BatchRunner:
 
     @torch.inference_mode()
     def _forward(self, step: Step) -> torch.Tensor:
+        """The step's forward, in pieces (``pieces``); the logits rows of ``step.emitting``, in
+        order."""
+        rows = torch.cat([self._run(piece) for piece in pieces(step, PIECE_TOKENS)])
+        st = self.stats
+        st["steps"] += 1
+        st["batched_tokens"] += step.prefill_tokens + len(step.decodes)
+        st["prefill_tokens"] += step.prefill_tokens
+        st["max_batch"] = max(st["max_batch"], len(step.prefills) + len(step.decodes))
+        return rows
+
+    def _run(self, step: Step) -> torch.Tensor:
         """One packed forward; the logits rows of ``step.emitting``, in order."""
         ids: list[int] = []
         pos: list[int] = []
@@ -306,11 +318,6 @@ class BatchRunner:
                          position_ids=torch.tensor([pos], device=dev), use_cache=False,
                          logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev),
                          rm_batch=batch)
-        st = self.stats
-        st["steps"] += 1
-        st["batched_tokens"] += len(ids)
-        st["prefill_tokens"] += step.prefill_tokens
-        st["max_batch"] = max(st["max_batch"], len(step.prefills) + len(step.decodes))
         return out.logits[0].float()
 
     def _settle(self, step: Step, finished: list[Finished]) -> None:
