@@ -60,7 +60,8 @@ from transformers import AttentionInterface
 from radixmesh.core.step import PrefillChunk, Step
 
 ATTENTION = "radixmesh_paged"
-QUERY_ROWS = 256  # prefill queries per SDPA call: its mask, 256 rows x 32k context as fp32 = 32 MiB
+QUERY_ROWS = 64  # prefill queries per SDPA call: 64 rows skip more of the causal triangle than 256
+# (a 500-token prompt's attention 2.45 against 3.05 ms a layer); the mask, 64 x 32k as fp32, 8 MiB
 PIECE_TOKENS = 512  # prefill tokens per model call (``pieces``)
 
 
