@@ -1,7 +1,7 @@
 """Continuous batching on the core scheduler: a batch answers what each request alone and HF
 ``generate`` answer (greedy), except where the top two logits are within ``TIE`` (batched fp32
 kernels round differently: such tokens are excused, listed and counted); sampling, penalties,
-logprobs, stops and aborts keep working batched."""
+logprobs, stops and aborts keep working batched; a step run in pieces answers as one forward."""
 
 from __future__ import annotations
 
@@ -10,7 +10,12 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from radixmesh.core.step import DecodeSlot, PrefillChunk, Step
+from radixmesh.engine import batch as batch_module
+from radixmesh.engine import paged_kv
 from radixmesh.engine.base import GenerateRequest, GenerateResult, SamplingParams
 from radixmesh.engine.builtin import TransformersEngine
 from radixmesh.engine.factory import build_engine
@@ -141,3 +146,44 @@ def test_stop_and_abort_end_one_sequence_only(engine: TransformersEngine) -> Non
     assert results[1].output_ids == free[1].output_ids
     assert isinstance(results[2], RuntimeError)
     assert engine.runner.idle and engine.usage().locked_tokens == 0
+
+
+def test_a_step_cut_in_pieces_answers_as_one_forward(engine: TransformersEngine,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces of 37 prefill tokens (chunks split mid-block, across pieces) give the tokens of
+    one forward a step, but for near-ties."""
+    prompts = _prompts(6, seed=4)
+    engine.clear_cache()
+    whole = _batch(engine, [_req(p) for p in prompts])
+    monkeypatch.setattr(batch_module, "PIECE_TOKENS", 37)
+    engine.clear_cache()
+    cut = _batch(engine, [_req(p) for p in prompts])
+    excused: list[str] = []
+    for i, p in enumerate(prompts):
+        _compare(f"pieces[{i}]", cut[i].output_ids, whole[i].output_ids, p, engine.model,
+                 engine.tokenizer.vocab_size, excused)
+    print(f"excused near-tie tokens ({len(excused)}): {excused}")
+    assert len(excused) <= 1
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 50), st.integers(1, 90), st.booleans()), max_size=6),
+       st.integers(0, 5), st.integers(1, 64))
+def test_pieces_cover_the_step_in_order(chunks: list[tuple[int, int, bool]], decodes: int,
+                                        budget: int) -> None:
+    """Each piece holds at most ``budget`` prefill tokens; each chunk's pieces are contiguous
+    and cover it exactly, only its final piece ``last``; decodes ride the last piece; the pieces'
+    emitting sequences, in order, are the step's."""
+    step = Step(tuple(PrefillChunk(s, start, n, last) for s, (start, n, last) in enumerate(chunks)),
+                tuple(DecodeSlot(100 + i, 10) for i in range(decodes)), ())
+    cut = paged_kv.pieces(step, budget)
+    assert all(p.prefill_tokens <= budget for p in cut)
+    assert all(not p.decodes for p in cut[:-1]) and cut[-1].decodes == step.decodes
+    assert [s for p in cut for s in p.emitting] == list(step.emitting)
+    parts = [c for p in cut for c in p.prefills]
+    for s, (start, n, last) in enumerate(chunks):
+        mine = [c for c in parts if c.seq == s]
+        assert [c.start for c in mine] == [start + sum(c.tokens for c in mine[:i])
+                                           for i in range(len(mine))]
+        assert sum(c.tokens for c in mine) == n
+        assert [c.last for c in mine] == [False] * (len(mine) - 1) + [last]

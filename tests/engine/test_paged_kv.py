@@ -1,5 +1,6 @@
 """The paged KV pool: cached-prefix logits equal uncached ones; block ownership stays in step
-with the scheduler's counts and its journal; prefixes are shared by reference, never copied."""
+with the scheduler's counts and its journal; prefixes are shared by reference, never copied;
+a step's vectorised slots and batched greedy picks equal their per-sequence references."""
 
 from __future__ import annotations
 
@@ -7,11 +8,15 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from radixmesh.core.blocks import block_hashes
 from radixmesh.engine.base import GenerateRequest, SamplingParams
 from radixmesh.engine.builtin import TransformersEngine
 from radixmesh.engine.factory import build_engine
+from radixmesh.engine.paged_kv import PagedKV
+from radixmesh.engine.sampling import Sampler, greedy_rows
 from radixmesh.engine.testing import uncached_logits
 
 ATOL = 1e-4
@@ -154,3 +159,43 @@ def test_a_shared_prefix_is_read_in_place() -> None:
     assert runner.kv_bytes_copied == 0
     assert engine.stats()["cached_tokens_hit"] == 96
     check_invariants(engine)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=6), st.randoms(use_true_random=False))
+def test_decode_slots_match_each_sequence_s_table(contexts: list[int], rng: random.Random
+                                                  ) -> None:
+    """The batch's vectorised decode slots equal the per-sequence reference: slot ``i`` of a
+    sequence is its block ``i // bs`` at offset ``i % bs``; past its context the null slot,
+    masked; its new token is written at its last slot."""
+    bs = 4
+    kv = PagedKV(1, 1, 1, 64, bs, torch.float32, torch.device("cpu"))
+    rng.shuffle(kv._free)  # scattered blocks
+    for seq, ctx in enumerate(contexts):
+        kv.admit(seq, [], 0)
+        kv.ensure(seq, ctx + rng.randrange(2) * bs, lambda: False)  # a spare block sometimes
+    batch = kv.batch([], list(enumerate(contexts)))
+    assert batch.decode_slots is not None and batch.decode_mask is not None
+    width = batch.decode_slots.shape[1]
+    assert width >= max(contexts)
+    for seq, ctx in enumerate(contexts):
+        table = kv.table(seq)
+        want = [table[i // bs] * bs + i % bs for i in range(ctx)]
+        want += [kv.null_slot] * (width - ctx)
+        assert batch.decode_slots[seq].tolist() == want
+        assert batch.decode_mask[seq, 0, 0].tolist() == [i < ctx for i in range(width)]
+    assert batch.write.tolist() == [kv.table(s)[(c - 1) // bs] * bs + (c - 1) % bs
+                                    for s, c in enumerate(contexts)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 8), st.integers(0, 2**31 - 1))
+def test_greedy_rows_pick_what_each_sampler_picks(n: int, seed: int) -> None:
+    """One argmax over a batch's plain-greedy rows = each row's own greedy ``Sampler.next``
+    (ties included: rows drawn from few distinct values)."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randint(0, 3, (n, 50), generator=gen).float()
+    which = [i for i in range(n) if (seed >> i) & 1]
+    sampler = Sampler(SamplingParams(max_tokens=1, temperature=0.0), 50, torch.device("cpu"))
+    assert sampler.plain_greedy
+    assert greedy_rows(rows, which) == [sampler.next(rows[i])[0] for i in which]

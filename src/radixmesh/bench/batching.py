@@ -6,10 +6,15 @@ One engine in this process, behind the same ``as_async_engine`` a node puts it b
 same script measures the batching engine and, run against an older checkout, the old
 one-request-at-a-time worker)::
 
-    python -m radixmesh.bench.batching [--preset mini] [--threads N] [--skip-prefix]
+    python -m radixmesh.bench.batching [--preset mini] [--threads N] [--repeat N] [--skip-prefix]
 
 1. throughput: 8 distinct ~500-token prompts x 32 output tokens, all at once against the same 8
-   one at a time (fresh prompts each time, so no prefix hits): output tokens/s and their ratio;
+   one at a time (fresh prompts each time, so no prefix hits): output tokens/s and their ratio
+   (``--repeat N``: N such pairs, and their median), and the ratio's ceiling on this machine:
+   one request alone takes a prefill P (its TTFT) and 31 decode steps d, so 8 alone take
+   8 (P + 31 d) and 8 together at least 8 P + 31 d (prefill is compute-bound: batching does not
+   shrink it; a decode step of 8 costs at least one of 1). On a CPU, where P is ~13 d for this
+   model, that bound is ~2.6x whatever the batching;
 2. latency: p50 / p99 end-to-end latency of distinct ~500-token prompts x 32 output tokens at
    1, 4 and 16 concurrent requests;
 3. prefix-aware admission (needs ``build_engine(prefix_aware=...)``, this version on): 8 requests
@@ -84,18 +89,27 @@ async def throughput(engine: Any, tok: Any, seed: int) -> dict[str, float]:
     solo = make_prompts(tok, 8, PROMPT_TOKENS, seed)
     together = make_prompts(tok, 8, PROMPT_TOKENS, seed + 1)
     t0, c0 = time.perf_counter(), time.process_time()
-    solo_tokens = 0
-    for p in solo:
-        solo_tokens += (await _one(engine, p, OUTPUT_TOKENS))[2]
+    alone = [await _one(engine, p, OUTPUT_TOKENS) for p in solo]
     solo_s, solo_cpu = time.perf_counter() - t0, time.process_time() - c0
+    solo_tokens = sum(r[2] for r in alone)
     c1 = time.process_time()
     wall, res = await _wave(engine, together, OUTPUT_TOKENS)
     cpu = time.process_time() - c1
     n = sum(r[2] for r in res)
+    prefill = statistics.median(r[1] for r in alone)  # TTFT alone: its prefill step
+    decode = statistics.median((r[0] - r[1]) / max(r[2] - 1, 1) for r in alone)
     return {"alone_tok_s": solo_tokens / solo_s, "concurrent_tok_s": n / wall,
             "ratio": n / wall / (solo_tokens / solo_s),
             "alone_tok_cpu_s": solo_tokens / solo_cpu, "concurrent_tok_cpu_s": n / cpu,
-            "cpu_ratio": n / cpu / (solo_tokens / solo_cpu)}
+            "cpu_ratio": n / cpu / (solo_tokens / solo_cpu),
+            "prefill_s": prefill, "decode_s": decode, "ceiling": ceiling(prefill, decode)}
+
+
+def ceiling(prefill_s: float, decode_s: float, n: int = 8, out: int = OUTPUT_TOKENS) -> float:
+    """The ratio's bound when a decode step of ``n`` sequences costs no more than one of a
+    single sequence and prefill costs the same per prompt batched or alone: ``n`` requests
+    alone take n (P + (out - 1) d), together at best n P + (out - 1) d."""
+    return n * (prefill_s + (out - 1) * decode_s) / (n * prefill_s + (out - 1) * decode_s)
 
 
 async def latency(engine: Any, tok: Any, seed: int, levels: Sequence[int]
@@ -143,11 +157,22 @@ async def main_async(args: argparse.Namespace) -> None:
           f"threads {args.threads}, prompts {PROMPT_TOKENS} tokens x {OUTPUT_TOKENS} out")
     try:
         await _one(engine, make_prompts(raw.tokenizer, 1, 64, 99)[0], 2)  # warm-up
-        tp = await throughput(engine, raw.tokenizer, args.seed)
-        print(f"throughput: 8 one at a time {tp['alone_tok_s']:.1f} tok/s, 8 concurrent "
-              f"{tp['concurrent_tok_s']:.1f} tok/s, ratio {tp['ratio']:.2f}x; per CPU second "
-              f"{tp['alone_tok_cpu_s']:.1f} vs {tp['concurrent_tok_cpu_s']:.1f}, ratio "
-              f"{tp['cpu_ratio']:.2f}x (load average {os.getloadavg()[0]:.1f})")
+        runs = []
+        for i in range(args.repeat):
+            tp = await throughput(engine, raw.tokenizer, args.seed + 1000 * i)
+            runs.append(tp)
+            print(f"throughput: 8 one at a time {tp['alone_tok_s']:.1f} tok/s, 8 concurrent "
+                  f"{tp['concurrent_tok_s']:.1f} tok/s, ratio {tp['ratio']:.2f}x; per CPU "
+                  f"second {tp['alone_tok_cpu_s']:.1f} vs {tp['concurrent_tok_cpu_s']:.1f}, "
+                  f"ratio {tp['cpu_ratio']:.2f}x (load average {os.getloadavg()[0]:.1f})")
+            print(f"  alone: prefill (TTFT) {tp['prefill_s'] * 1e3:.0f} ms, decode "
+                  f"{tp['decode_s'] * 1e3:.1f} ms/token; ceiling of the ratio (a decode step "
+                  f"of 8 as cheap as one of 1) {tp['ceiling']:.2f}x")
+        if len(runs) > 1:
+            med = {k: statistics.median(r[k] for r in runs) for k in ("ratio", "cpu_ratio",
+                                                                      "ceiling")}
+            print(f"median of {len(runs)}: ratio {med['ratio']:.2f}x, per CPU second "
+                  f"{med['cpu_ratio']:.2f}x, ceiling {med['ceiling']:.2f}x")
         for c, (p50, p99) in (await latency(engine, raw.tokenizer, args.seed,
                                             args.levels)).items():
             print(f"latency at {c:>2} concurrent: p50 {p50:.2f} s, p99 {p99:.2f} s")
@@ -172,6 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--levels", default="1,4,16", help="concurrency levels for latency")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeat", type=int, default=1,
+                   help="throughput pairs (alone, then together) to run; their median too")
     p.add_argument("--skip-prefix", action="store_true", help="no prefix-admission figures")
     args = p.parse_args(argv)
     args.levels = [int(x) for x in args.levels.split(",")]

@@ -7,8 +7,10 @@ Theory of operation
     submit(req) ─▶ [prompt scored if asked] ─▶ Scheduler.add (the one call site)
     step():  schedule(now) ─▶ PagedKV: preempted dropped, evictions freed, admissions mapped
              onto cached blocks, blocks for the step's tokens
-          ─▶ one packed forward of every prefill chunk and decode token (paged attention)
-          ─▶ a token per emitting sequence (its own Sampler) ─▶ complete(step, tokens, stop)
+          ─▶ one packed forward of every prefill chunk and decode token (paged attention),
+             run in pieces of at most PIECE_TOKENS prefill tokens (``pieces``)
+          ─▶ a token per emitting sequence (its own Sampler; plain greedy rows in one argmax)
+          ─▶ complete(step, tokens, stop)
           ─▶ cache journal: published / committed blocks adopted by the cache, evicted freed
           ─▶ callbacks: on_logprob, on_token, and on_done with the GenerateResult
 
@@ -58,8 +60,8 @@ from radixmesh.engine.base import (
 )
 from radixmesh.engine.lora import LoraSet, bound, only
 from radixmesh.engine.namespaced import effective_namespace, model_step, sequence_seed
-from radixmesh.engine.paged_kv import ATTENTION, PagedKV
-from radixmesh.engine.sampling import Sampler, score_prompt
+from radixmesh.engine.paged_kv import ATTENTION, PIECE_TOKENS, PagedKV, pieces
+from radixmesh.engine.sampling import Sampler, greedy_rows, score_prompt
 
 Done = Callable[[GenerateResult | BaseException], None]
 
@@ -239,12 +241,16 @@ class BatchRunner:
         tokens: dict[int, int] = {}
         stop: list[int] = []
         emitted: list[tuple[int, Live, int, TokenLogprob | None]] = []
-        for i, seq in enumerate(step.emitting):
-            live = self._live[seq]
-            raw = rows[i, : self._allowed]
+        lives = [self._live[seq] for seq in step.emitting]
+        plain = [i for i, live in enumerate(lives) if live.sampler.plain_greedy]
+        picked = dict(zip(plain, greedy_rows(rows[:, : self._allowed], plain), strict=True))
+        for i, (seq, live) in enumerate(zip(step.emitting, lives, strict=True)):
             if live.logits is not None and not live.logits:
                 live.logits.append(rows[i].cpu())
-            token, entry = live.sampler.next(raw)
+            token = picked.get(i)
+            entry = None
+            if token is None:
+                token, entry = live.sampler.next(rows[i, : self._allowed])
             tokens[seq] = token
             if token in live.stops:
                 stop.append(seq)
@@ -291,6 +297,17 @@ class BatchRunner:
 
     @torch.inference_mode()
     def _forward(self, step: Step) -> torch.Tensor:
+        """The step's forward, in pieces (``pieces``); the logits rows of ``step.emitting``, in
+        order."""
+        rows = torch.cat([self._run(piece) for piece in pieces(step, PIECE_TOKENS)])
+        st = self.stats
+        st["steps"] += 1
+        st["batched_tokens"] += step.prefill_tokens + len(step.decodes)
+        st["prefill_tokens"] += step.prefill_tokens
+        st["max_batch"] = max(st["max_batch"], len(step.prefills) + len(step.decodes))
+        return rows
+
+    def _run(self, step: Step) -> torch.Tensor:
         """One packed forward; the logits rows of ``step.emitting``, in order."""
         ids: list[int] = []
         pos: list[int] = []
@@ -312,11 +329,6 @@ class BatchRunner:
                          position_ids=torch.tensor([pos], device=dev), use_cache=False,
                          logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev),
                          rm_batch=batch)
-        st = self.stats
-        st["steps"] += 1
-        st["batched_tokens"] += len(ids)
-        st["prefill_tokens"] += step.prefill_tokens
-        st["max_batch"] = max(st["max_batch"], len(step.prefills) + len(step.decodes))
         return out.logits[0].float()
 
     def _settle(self, step: Step, finished: list[Finished]) -> None:

@@ -19,7 +19,9 @@ Prompt log-probabilities (``score_prompt``) come from a plain forward over the w
 cached prefix has no logits.
 
 Each sequence's row is sampled on its own, so a batch's neighbours never change a request's
-draw: a seeded request samples the same tokens batched or alone (given the same logits).
+draw: a seeded request samples the same tokens batched or alone (given the same logits). The
+one exception is plain greedy (no penalties, no log-probabilities), a pure function of its row:
+the batch's plain-greedy rows take one argmax together (``greedy_rows``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ class Sampler:
             self.gen.manual_seed(sp.seed if sp.seed is not None else secrets.randbits(63))
         self.counts = torch.zeros(vocab, device=device) if sp.penalized else None
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with no penalties and no log-probabilities: the argmax of the raw row, so a
+        batch's such rows can be picked at once (``greedy_rows``)."""
+        return self.gen is None and self.counts is None and self.sp.logprobs is None
+
     def next(self, raw: torch.Tensor) -> tuple[int, TokenLogprob | None]:
         """The next token from a row of raw logits (the tokenizer's vocabulary)."""
         sp = self.sp
@@ -64,6 +72,15 @@ class Sampler:
         if self.counts is not None:
             self.counts[token] += 1
         return token, entry
+
+
+def greedy_rows(rows: torch.Tensor, which: list[int]) -> list[int]:
+    """The argmax of each of ``rows[which]`` (one op and one copy to the host for a batch:
+    what ``Sampler.next`` picks for a ``plain_greedy`` sampler, the first maximum on a tie)."""
+    if not which:
+        return []
+    picked: list[int] = rows[which].argmax(dim=-1).tolist()
+    return picked
 
 
 def penalize(logits: torch.Tensor, counts: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
