@@ -20,13 +20,10 @@ engine and the simulator; this module only executes it. The node's index stays e
 journal it drains (``drain_cache_delta``) is the scheduler's own cache journal, whose blocks are
 exactly the ones :class:`~radixmesh.engine.paged_kv.PagedKV` holds for the cache.
 
-Why not transformers' continuous batching (``transformers/generation/continuous_batching``,
-5.25): it brings its own scheduler (FIFO / prefill-first), its own block allocator and prefix
-sharing, and its own generation thread; the decisions would be its, and its cache contents
-would not be the scheduler's journal the node's index reads. What it offers that we need is
-the model forward over packed sequences with a paged cache; that takes one registered
-attention function (``paged_kv.paged_attention``) under the stock transformers model, so the
-model code stays transformers' own.
+Why not transformers' continuous batching (5.25): its own scheduler, block allocator, prefix
+sharing and thread would make the decisions, and its cache would not be the journal the node's
+index reads. We take only the model forward over packed sequences: one registered attention
+function (``paged_kv.paged_attention``) under the stock transformers model.
 
 Stops: a stop token (EOS, the tokenizer's ``stop_ids``, a ``stop_token_ids`` member) ends the
 sequence and is not in ``output_ids`` (its logprob entry is still delivered). An ``on_token``
