@@ -23,15 +23,14 @@ exactly the ones :class:`~radixmesh.engine.paged_kv.PagedKV` holds for the cache
 Why not transformers' continuous batching (5.25): its own scheduler, block allocator, prefix
 sharing and thread would make the decisions, and its cache would not be the journal the node's
 index reads. We take only the model forward over packed sequences: one registered attention
-function (``paged_kv.paged_attention``) under the stock transformers model.
+function (``paged_kv.paged_attention``) under the stock transformers model. Only the cache
+view is thread-safe (it takes ``lock``).
 
 Stops: a stop token (EOS, the tokenizer's ``stop_ids``, a ``stop_token_ids`` member) ends the
-sequence and is not in ``output_ids`` (its logprob entry is still delivered). An ``on_token``
-that raises aborts its sequence (the prompt's whole blocks stay cached: they were published when
-its prefill completed) and ``on_done`` gets the exception. Prompt log-probabilities need logits a
-cached prefix does not have, so such a request is first scored by a plain forward over its whole
-prompt (``sampling.score_prompt``) and then generates like any other (``cached_tokens``
-0). Not thread-safe but for the cache view, which takes ``lock``.
+sequence, not in ``output_ids`` (its logprob entry is delivered). An ``on_token`` that raises
+aborts its sequence (its prompt's whole blocks stay cached) and ``on_done`` gets the exception.
+Prompt log-probabilities need logits a cached prefix lacks: such a request is scored by a plain
+forward over its prompt (``sampling.score_prompt``), then generates (``cached_tokens`` 0).
 """
 
 from __future__ import annotations
