@@ -473,6 +473,7 @@ async def _start(request: Request, service: NodeService, api: ApiRequest,
     hop = request.headers.get(HEADER_HOP) is not None
     target = request.headers.get(HEADER_TARGET) or None
     tokens = api.stream or bool(api.stop)  # stop strings: tokens as they come, matched here
+    tenant = service.quota_key(request_tenant(request.scope.get("state") or {}))
     samples: list[_Sample] = []
     try:
         for p, prompt in enumerate(prompts):
@@ -480,13 +481,14 @@ async def _start(request: Request, service: NodeService, api: ApiRequest,
             # stays here; the other samples go where the first went: RequestArrived)
             ex = await service.execute(prompt, _sampling(api, 0), tokens, local_only=hop,
                                        target=target, namespace=namespace, session=session,
-                                       adapter=adapter)
+                                       adapter=adapter, tenant=tenant)
             first = _Sample(p * api.n, prompt, ex)
             samples.append(first)
             for j in range(1, api.n):
                 more = await service.execute(prompt, _sampling(api, j), tokens,
                                              local_only=hop, sample_of=ex.served_by,
-                                             namespace=namespace, adapter=adapter)
+                                             namespace=namespace, adapter=adapter,
+                                             tenant=tenant)
                 samples.append(_Sample(p * api.n + j, prompt, more, first))
     except BaseException:
         await _abandon([s.ex for s in samples])
