@@ -8,7 +8,9 @@ peer, a queue drains), never for a fixed time: ``poll.until(cond, what, timeout)
 past ``timeout`` it fails the test with "timed out after T s waiting for WHAT".
 ``await poll.until_async(...)`` is the same on a running event loop (the loop keeps running
 between checks). ``watch`` (sync only) is called between checks and may raise to fail fast,
-e.g. when a process the condition depends on has exited.
+e.g. when a process the condition depends on has exited. ``await poll.past_slow_joiner(fake,
+arrived, what)`` waits until a KV-event subscriber of a fake engine gets its first batch (ZMQ's
+slow joiner), publishing harmless ones meanwhile.
 
 ``engine`` is the built-in engine of the ``micro`` preset (4096 cache tokens, one thread), one
 per test module, for the tests that serve nodes on it; a module that needs another engine
@@ -61,6 +63,24 @@ class Poll:
             if loop.time() >= deadline:
                 raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
             await asyncio.sleep(interval)  # lets the loop run the work being waited for
+
+    async def past_slow_joiner(self, fake: Any, arrived: Callable[[], object], what: str,
+                               timeout: float = 10.0, *, tracker: Any = None) -> None:
+        """Past ZMQ's slow joiner: a subscriber to ``fake``'s KV-event publisher misses what
+        is published before its connection is up, so publish harmless batches
+        (``fake.clear_all()``) until ``arrived()`` says one got through; with ``tracker``
+        (the subscriber's sequence tracker), then until it applied every batch (a first batch
+        may still be waiting for the replay of the gap before it)."""
+        def got_one() -> bool:
+            if arrived():
+                return True
+            fake.clear_all()  # another harmless batch for the next check
+            return False
+
+        await self.until_async(got_one, what, timeout, interval=0.02)
+        if tracker is not None:
+            await self.until_async(lambda: tracker.next_seq == fake.seq,
+                                   "the subscriber to apply every batch", timeout)
 
 
 @pytest.fixture(scope="session")
