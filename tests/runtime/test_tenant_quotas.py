@@ -16,12 +16,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
+import pytest
 from test_external_mesh import node
 
 from radixmesh.core.messages import ForwardRequest
 from radixmesh.emulate.fake import FakeEngine
 from radixmesh.runtime.cluster import free_port
+from radixmesh.runtime.config import ServeConfig, config_from_args, config_from_mapping
 from radixmesh.runtime.node import NodeService
+from test_cli_flags import command_args
 
 if TYPE_CHECKING:
     from conftest import Poll
@@ -68,6 +71,7 @@ def test_a_flooding_tenant_gets_429_while_another_is_admitted(
             status, headers, body = await _post(http, address, "acme")  # its third
             assert status == 429 and int(headers["Retry-After"]) >= 1
             assert body["error"]["type"] == "rate_limit_error"
+            assert body["error"]["code"] == "tenant_quota_exceeded"
             status, headers, body = await _post(http, address, "umbrella")
             assert status == 200, body  # admitted and served beside acme's two
             assert [s for s, _, _ in await asyncio.gather(*flood)] == [200, 200]
@@ -116,3 +120,15 @@ def test_a_forward_over_its_tenants_share_is_refused_busy_at_the_peer(
             assert node.core.metrics()["admission_full_quota"] == 1
 
     asyncio.run(scenario())
+
+
+def test_the_option_flag_and_toml_key() -> None:
+    assert ServeConfig().tenant_queue_share is None  # off by default: today's behaviour
+    assert config_from_mapping({"tenant-queue-share": "25%"}).tenant_queue_share == 0.25
+    assert config_from_mapping({"tenant_queue_share": 0.5}).tenant_queue_share == 0.5
+    assert config_from_mapping({"tenant-queue-share": "off"}).tenant_queue_share is None
+    args = command_args("serve", "--tenant-queue-share", "0.5")
+    assert config_from_args(args).tenant_queue_share == 0.5
+    for bad in ("0", "1.5", "-0.1", True, "lots"):
+        with pytest.raises(ValueError):
+            config_from_mapping({"tenant-queue-share": bad})

@@ -523,10 +523,14 @@ def _drain_cut(service: NodeService) -> ApiError:
 
 
 def _overloaded(service: NodeService, full: Overloaded) -> JSONResponse:
-    """HTTP 429 with ``Retry-After``: this node is full and no peer had room."""
-    err = ApiError("The mesh is overloaded: no node has room for this request now. Retry after "
-                   f"{full.retry_after_s:.0f} s.", status=429, type_="rate_limit_error",
-                   code="overloaded")
+    """HTTP 429 with ``Retry-After``: this node is full (or, ``full.quota``, the caller's
+    tenant is over its share of it: core/quotas.py) and no peer had room."""
+    retry = f"Retry after {full.retry_after_s:.0f} s."
+    err = (ApiError("Your tenant's share of this node's queue is in use and no other node had "
+                    f"room for this request now. {retry}", status=429,
+                    type_="rate_limit_error", code="tenant_quota_exceeded") if full.quota else
+           ApiError(f"The mesh is overloaded: no node has room for this request now. {retry}",
+                    status=429, type_="rate_limit_error", code="overloaded"))
     response = error_response(err, service)
     response.headers["retry-after"] = str(max(1, math.ceil(full.retry_after_s)))
     return response

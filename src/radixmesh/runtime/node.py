@@ -147,9 +147,10 @@ _OWNED = (Forward, ExecuteLocally, AcceptForward, RefuseForward, RejectRequest)
 class Overloaded(Exception):
     """This node is full and no peer took the request (the core's ``RejectRequest``)."""
 
-    def __init__(self, retry_after_s: float) -> None:
+    def __init__(self, retry_after_s: float, quota: bool = False) -> None:
         super().__init__(f"overloaded: retry after {retry_after_s:.1f} s")
         self.retry_after_s = retry_after_s
+        self.quota = quota  # the request's tenant was over its share here (core/quotas.py)
 
 MAX_TIMER_SLEEP_S = 1.0  # the timer re-reads next_deadline() at least this often
 STOP_WAIT_S = 2.0  # stop(): how long to wait for the timer task to finish
@@ -586,7 +587,12 @@ class NodeService:
                                sampling.max_tokens, local_only, target, sampling.plain,
                                sample_of, session, None if adapter is None else adapter.key,
                                over)
-        ex = await self._start(ctx, self._one(self.dispatch(event), ctx))
+        try:
+            ex = await self._start(ctx, self._one(self.dispatch(event), ctx))
+        except Overloaded as full:
+            if not over:
+                raise
+            raise Overloaded(full.retry_after_s, quota=True) from None
         self.metrics.requests[ex.route] += 1
         return ex
 
