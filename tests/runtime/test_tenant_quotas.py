@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import pytest
-from test_external_mesh import node
+from test_external_mesh import mesh_of_two, node
 
 from radixmesh.core.messages import ForwardRequest
 from radixmesh.emulate.fake import FakeEngine
@@ -50,11 +50,11 @@ async def _serving(poll: Poll, tmp_path: Path, **options: Any
         await fake.stop()
 
 
-async def _post(http: aiohttp.ClientSession, address: str, tenant: str
-                ) -> tuple[int, dict[str, str], Any]:
+async def _post(http: aiohttp.ClientSession, address: str, tenant: str,
+                more: dict[str, str] | None = None) -> tuple[int, dict[str, str], Any]:
     body = {"model": "fake-model", "prompt": f"{tenant} asks " * 4, "max_tokens": 20,
             "temperature": 0}
-    headers = {"Authorization": f"Bearer {KEYS[tenant]}"}
+    headers = {"Authorization": f"Bearer {KEYS[tenant]}", **(more or {})}
     async with http.post(f"http://{address}/v1/completions", json=body,
                          headers=headers) as resp:
         return resp.status, dict(resp.headers), await resp.json(content_type=None)
@@ -132,3 +132,31 @@ def test_the_option_flag_and_toml_key() -> None:
     for bad in ("0", "1.5", "-0.1", True, "lots"):
         with pytest.raises(ValueError):
             config_from_mapping({"tenant-queue-share": bad})
+
+
+def test_a_tenant_over_its_share_at_the_entry_node_is_served_by_a_peer(
+    poll: Poll, tmp_path: Path
+) -> None:
+    """Each node counts what runs on it: acme, over its share on node 1, is forwarded to node 2
+    (where it holds nothing) instead of refused."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text("".join(f"{k} {t}\n" for t, k in KEYS.items()))
+
+    async def scenario(http: aiohttp.ClientSession, n1: NodeService, n2: NodeService,
+                       p1: int, p2: int, engines: list[FakeEngine]) -> None:
+        for fake in engines:
+            fake.faults.token_delay_s = STEP_S
+        address = f"127.0.0.1:{p1}"
+        held = [asyncio.ensure_future(_post(http, address, "acme", {"x-radixmesh-hop": "1"}))
+                for _ in range(2)]  # (hop-limited: both run on node 1)
+        await poll.until_async(lambda: n1.queue_depth == 2, "acme's two on node 1")
+        status, headers, body = await _post(http, address, "acme")
+        assert status == 200, body
+        assert headers["x-radixmesh-served-by"] == "node-2"
+        assert headers["x-radixmesh-route"] == "forwarded"
+        assert [s for s, _, _ in await asyncio.gather(*held)] == [200, 200]
+        assert n1.core.metrics()["admission_full_quota"] == 1
+        assert n2.metrics.served_for_peers == 1
+
+    asyncio.run(mesh_of_two(poll, scenario, api_keys=str(keys), tenant_queue_share=0.5,
+                            max_queue_requests=4, max_queue_tokens=None, policy="cost"))
