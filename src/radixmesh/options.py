@@ -69,6 +69,19 @@ def parse_optional_fraction(text: Any) -> float | None:
     return value
 
 
+def parse_share(text: Any) -> float | None:
+    """``--tenant-queue-share``: a fraction in (0, 1] (``"0.5"``, ``"50%"``), or None from
+    ``"off"`` / ``"none"`` (no quotas)."""
+    if text is None or (isinstance(text, str) and text.strip().lower() in ("off", "none", "")):
+        return None
+    if isinstance(text, bool):
+        raise ValueError(f"tenant_queue_share: not a number: {text!r}")
+    value = parse_fraction(text)
+    if value <= 0:
+        raise ValueError(f"tenant_queue_share must be in (0, 1] or 'off': {text!r}")
+    return value
+
+
 _TABLE = (
     Option("nodes", "nodes in the mesh", int),
     Option("policy", "routing policy: cost | paper | none | random | round_robin | "
@@ -101,6 +114,10 @@ _TABLE = (
            parse_duration, old=("jitter",), metavar="DURATION"),
     Option("net_loss", "emulated gossip loss probability, e.g. 0.05", parse_fraction,
            old=("loss",)),
+    Option("tenant_queue_share", "per-tenant admission quota: each tenant (--api-keys) may "
+           "hold at most this share of the node's --max-queue-* bounds, e.g. 0.5 or 50%; "
+           "requests without a tenant share the rest; 'off' = no quotas", parse_share,
+           metavar="SHARE|off"),
     Option("network", "timing presets under the other options: local (one machine) | lan "
            "(the defaults) | wan", metavar="local|lan|wan"),
 )

@@ -452,3 +452,16 @@ def test_random_bytes_on_a_link_only_raise_remote_protocol_error(data: bytes,
                 if frame.type == LINK_REFUSED:
                     with contextlib.suppress(RemoteProtocolError):
                         decode_link_refused(frame.body)
+
+
+def test_the_tenants_quota_key_travels_with_a_forward() -> None:
+    """core/quotas.py: the receiver checks the tenant's share by the key the forward carries
+    (a keyed hash); a key that is no string, or too long, is refused."""
+    req = ForwardRequest((1, 2), 4, namespace="n" * 32, tenant="t" * 32)
+    assert decode_forward_request(encode_forward_request(req)).tenant == "t" * 32
+    for bad in (7, "", "x" * 257):
+        fields = _req_fields(req)
+        fields[14] = bad
+        _request_rejected(_pack(fields))
+    with pytest.raises(ValueError, match="tenant"):
+        ForwardRequest((1,), 1, tenant="")

@@ -42,11 +42,8 @@ async def subscribed(poll: Poll, fake: FakeEngine, engine: HttpEngine
     sub = KvSubscriber(engine.index, pubs, replays, replay_timeout_s=1.0)
     await sub.start()
     try:
-        def received() -> bool:  # past ZMQ's slow joiner: publish until a batch arrives
-            fake.clear_all()
-            return sub.counts["messages"] > 0
-
-        await poll.until_async(received, "the subscriber's first batch", LIMIT_S, interval=0.02)
+        await poll.past_slow_joiner(fake, lambda: sub.counts["messages"] > 0,
+                                    "the subscriber's first batch", LIMIT_S)
         yield sub
     finally:
         await sub.stop()

@@ -55,15 +55,8 @@ async def subscribed(
     sub = KvSubscriber(engine.index, pubs, replays, replay_timeout_s=1.0)
     await sub.start()
     try:
-        # the slow joiner: publish harmless batches until one arrives, then we are subscribed
-        def received() -> bool:
-            if sub.counts["messages"]:
-                return True
-            fake.clear_all()  # another harmless batch for the next check
-            return False
-
-        await poll.until_async(received, "the subscriber to receive a batch", LIMIT_S,
-                               interval=0.02)
+        await poll.past_slow_joiner(fake, lambda: sub.counts["messages"],
+                                    "the subscriber to receive a batch", LIMIT_S)
         await settled(poll, fake, sub)  # and handled (a first batch may still await its replay)
         yield sub
     finally:

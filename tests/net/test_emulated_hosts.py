@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -43,7 +42,7 @@ from radixmesh.testing.netns import (
 )
 
 if TYPE_CHECKING:
-    from conftest import Poll
+    from conftest import Load, Poll
 
 pytestmark = pytest.mark.slow
 
@@ -184,44 +183,22 @@ def test_a_prefix_cached_on_h1_is_served_by_h1_when_asked_at_h3(mesh: Mesh, poll
     assert cached > 0
 
 
-class Load:
-    """Requests to h1 and h3 in turn, one at a time, all sharing h2's hot prefix (bounded)."""
-
-    def __init__(self, mesh: Mesh, prefix: str) -> None:
-        self.mesh, self.prefix = mesh, prefix
-        self.results: list[tuple[int, str, str]] = []  # (status, served by, route)
-        self.errors: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> Load:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join(60)
-
-    def _run(self) -> None:
-        i = 0
-        while not self._stop.is_set() and i < 200:
-            host = ("h1", "h3")[i % 2]
-            try:
-                resp = self.mesh.complete(host, f"{self.prefix}Question {i}: which link?")
-                self.results.append((resp.status_code,
-                                     resp.headers.get("x-radixmesh-served-by", ""),
-                                     resp.headers.get("x-radixmesh-route", "")))
-            except httpx.HTTPError as exc:
-                self.errors.append(f"{host}: {type(exc).__name__}: {exc}")
-            i += 1
-
-
-def test_sigterm_of_a_forward_target_fails_nothing(mesh: Mesh, poll: Poll) -> None:
+def test_sigterm_of_a_forward_target_fails_nothing(mesh: Mesh, poll: Poll,
+                                                   load_thread: type[Load]) -> None:
     hot = PREFIX.replace("emulated", "draining")
+
+    def host(i: int) -> str:  # requests to h1 and h3 in turn, all sharing h2's hot prefix
+        return ("h1", "h3")[i % 2]
+
+    def ask(i: int) -> tuple[int, str, str]:  # (status, served by, route)
+        resp = mesh.complete(host(i), f"{hot}Question {i}: which link?")
+        return (resp.status_code, resp.headers.get("x-radixmesh-served-by", ""),
+                resp.headers.get("x-radixmesh-route", ""))
+
     assert mesh.complete("h2", hot + "Warm-up.", HOP).status_code == 200  # h2 caches it
     poll.until(lambda: mesh.view_current("h1", "h2") and mesh.view_current("h3", "h2"),
                "h1 and h3 to learn h2's cache", 15, watch=mesh.check_up)
-    with Load(mesh, hot) as load:
+    with load_thread(ask, 200, host) as load:
         poll.until(lambda: len(load.results) >= 4,
                    "the load to run", 30, watch=mesh.check_up)
         before = len(load.results)

@@ -102,19 +102,10 @@ async def mesh_of_two(poll: Poll, scenario: Scenario,
 async def subscribed(poll: Poll, service: NodeService, fake: FakeEngine) -> None:
     """Past ZMQ's slow joiner: harmless batches until the node's subscriber gets one."""
     sub = service.attachments[0]
-
-    def got_a_batch() -> bool:
-        if sub.counts["messages"]:
-            return True
-        fake.clear_all()  # another harmless batch for the next check
-        return False
-
-    await poll.until_async(got_a_batch, "the node's subscriber to get a batch", LIMIT_S,
-                           interval=0.02)
     # and handled: a first batch may still be awaiting the replay of the gap before it
-    tracker = sub.publishers[0].tracker
-    await poll.until_async(lambda: tracker.next_seq == fake.seq,
-                           "the node's subscriber to catch up", LIMIT_S)
+    await poll.past_slow_joiner(fake, lambda: sub.counts["messages"],
+                                "the node's subscriber to get a batch", LIMIT_S,
+                                tracker=sub.publishers[0].tracker)
 
 
 def view_blocks(service: NodeService, peer: str) -> int:

@@ -47,14 +47,8 @@ async def setup(
             # past the slow joiner: wait for a batch to be *handled* (on_change fires after
             # it, and after any replay it triggers), not merely received; waiting on
             # counts["messages"] raced a first batch still awaiting its gap's replay
-            def handled() -> bool:
-                if changes:
-                    return True
-                fake.clear_all()  # another harmless batch for the next check
-                return False
-
-            await poll.until_async(handled, "a batch handled (on_change)", LIMIT_S,
-                                   interval=0.02)
+            await poll.past_slow_joiner(fake, lambda: changes, "a batch handled (on_change)",
+                                        LIMIT_S)
             assert sub.counts["messages"] > 0
             await settled(poll, fake, sub)
             sub.counts.update(dict.fromkeys(sub.counts, 0))  # count from here (warm-up gap)

@@ -14,9 +14,7 @@ import openai
 import pytest
 
 from radixmesh.engine.testing import ScriptedEngine
-from radixmesh.runtime.config import ServeConfig
-from radixmesh.runtime.inprocess import free_port, serving
-from radixmesh.runtime.node import NodeService
+from radixmesh.runtime.inprocess import serving_node
 from radixmesh.runtime.openai_api import DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE
 
 TOKEN_S = 0.005
@@ -26,21 +24,15 @@ TEXT = HEAD + " And more text after it." * 20
 MSGS: list[Any] = [{"role": "user", "content": "What is it?"}]
 
 
-def scripted_engine(engine: Any) -> ScriptedEngine:
-    """The engine stand-in of these tests: ``TEXT``, ``TOKEN_S`` apart."""
-    return ScriptedEngine(engine, TEXT, TOKEN_S)
-
-
 @contextlib.asynccontextmanager
 async def _client(engine: Any, extended: bool = True
                   ) -> AsyncIterator[tuple[openai.AsyncOpenAI, ScriptedEngine]]:
-    port = free_port()
-    scripted = scripted_engine(engine)
+    """A node whose engine is the stand-in (``TEXT``, ``TOKEN_S`` apart), and an SDK client."""
+    scripted = ScriptedEngine(engine, TEXT, TOKEN_S)
     # The scripted stand-in ignores penalties and logprobs (so it says it has none); tests
     # that only check the API accepts them declare it extended.
     scripted.extended_sampling = extended  # type: ignore[misc]
-    service = NodeService(ServeConfig(node_id="sdk", port=port, gossip_interval=5.0), scripted)
-    async with serving(service, port) as address:
+    async with serving_node(scripted, "sdk") as (_, address):
         client = openai.AsyncOpenAI(base_url=f"http://{address}/v1", api_key="unused",
                                     max_retries=0, timeout=30)
         try:

@@ -362,7 +362,7 @@ def test_a_malformed_beat_s_is_a_400(engine, beat) -> None:  # type: ignore[no-u
     service = NodeService(ServeConfig(node_id="p", port=18997), engine)
     good = encode_forward_request(ForwardRequest(tuple(PROMPT[:8]), 2, beat_s=0.25))
     fields = msgpack.unpackb(good)
-    fields[-1] = beat  # beat_s is the last field on the wire
+    fields[10] = beat  # beat_s: [version, kind, prompt, ..., heartbeat_s, beat_s, ...]
     with pytest.raises(ApiError) as err:
         _parse_forward(service, msgpack.packb(fields))
     assert err.value.status == 400

@@ -24,7 +24,7 @@ from radixmesh.runtime.node import socket_addresses
 from test_cli_flags import command_args
 
 if TYPE_CHECKING:
-    from conftest import Poll
+    from conftest import Load, Poll
 
 HOP = {"x-radixmesh-hop": "1"}  # execute on the receiving node, never forward
 GRACE_S = 12.0  # n1's --drain-grace: its in-flight request needs ~2 s of it
@@ -49,35 +49,6 @@ def complete(url: str, prompt: str, headers: dict[str, str] | None = None) -> ht
 
 def alive_ids(c: LocalCluster, node: int) -> set[str]:
     return {p["node_id"] for p in c.mesh(node)["peers"] if p["state"] == "alive"}
-
-
-class Load:
-    """A client sending requests to n0 and n2 (never n1) one after another, until stopped."""
-
-    def __init__(self, c: LocalCluster) -> None:
-        self.urls = [c.url(0), c.url(2)]
-        self.codes: list[int] = []
-        self.errors: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> Load:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join(60)
-
-    def _run(self) -> None:
-        i = 0
-        while not self._stop.is_set() and i < 500:  # bounded
-            try:
-                resp = complete(self.urls[i % 2], f"Question {i}: what is the answer? " * 8)
-                self.codes.append(resp.status_code)
-            except httpx.HTTPError as exc:
-                self.errors.append(f"{type(exc).__name__}: {exc}")
-            i += 1
 
 
 # ------------------------------------------------------------------------- flags (fast)
@@ -141,13 +112,18 @@ def test_a_node_joins_through_a_dns_name(
 
 @pytest.mark.slow
 def test_sigterm_drains_in_flight_work_while_the_mesh_keeps_answering(
-    cluster: LocalCluster, poll: Poll
+    cluster: LocalCluster, poll: Poll, load_thread: type[Load]
 ) -> None:
     result: dict[str, httpx.Response] = {}
     slow = threading.Thread(target=lambda: result.update(r=complete(
         cluster.url(1), "A long question for the leaving node. " * 20, HOP)))
-    with Load(cluster) as load:
-        poll.until(lambda: len(load.codes) >= 3, "the client load to run", 30)
+    urls = [cluster.url(0), cluster.url(2)]  # a client of n0 and n2 (never n1)
+
+    def ask(i: int) -> int:
+        return complete(urls[i % 2], f"Question {i}: what is the answer? " * 8).status_code
+
+    with load_thread(ask, 500) as load:
+        poll.until(lambda: len(load.results) >= 3, "the client load to run", 30)
         slow.start()
         poll.until(lambda: _local_requests(cluster, 1) >= 1,  # this one, not a forward
                    "n1 to be serving the request", 10)
@@ -163,11 +139,11 @@ def test_sigterm_drains_in_flight_work_while_the_mesh_keeps_answering(
         assert not slow.is_alive(), "n1's in-flight request did not finish within the grace"
         proc = cluster.nodes[1].process
         assert proc is not None and proc.wait(GRACE_S + 5) == 0  # a clean exit once drained
-        before = len(load.codes)
-        poll.until(lambda: len(load.codes) >= before + 3, "requests after n1 left", 30)
+        before = len(load.results)
+        poll.until(lambda: len(load.results) >= before + 3, "requests after n1 left", 30)
     assert result["r"].status_code == 200, result["r"].text
     assert result["r"].headers["x-radixmesh-served-by"] == "n1"  # finished where it ran
-    assert load.errors == [] and set(load.codes) == {200}, (load.errors, load.codes)
+    assert load.errors == [] and set(load.results) == {200}, (load.errors, load.results)
 
 
 def _local_requests(c: LocalCluster, node: int) -> float:

@@ -25,7 +25,7 @@ from radixmesh.engine.base import SamplingParams
 from radixmesh.engine.testing import ScriptedEngine
 from radixmesh.runtime.app import _pieces
 from radixmesh.runtime.config import ServeConfig
-from radixmesh.runtime.inprocess import free_port, serving
+from radixmesh.runtime.inprocess import serving_node
 from radixmesh.runtime.node import NodeService
 from radixmesh.runtime.openai_api import Detokenizer
 
@@ -40,20 +40,13 @@ STOPPED_AT = len(HEAD)
 FAR_BELOW = MAX_TOKENS // 3  # what the engine may have generated once stopped
 
 
-def scripted_engine(engine: Any) -> ScriptedEngine:
-    """The engine stand-in of these tests: ``TEXT``, ``TOKEN_S`` apart."""
-    return ScriptedEngine(engine, TEXT, TOKEN_S)
-
-
 @contextlib.asynccontextmanager
 async def _serving(
     engine: Any, name: str
 ) -> AsyncIterator[tuple[NodeService, ScriptedEngine, str]]:
-    port = free_port()
-    cfg = ServeConfig(node_id=name, port=port, gossip_interval=5.0, forward_timeout=2.0)
-    scripted = scripted_engine(engine)
-    service = NodeService(cfg, scripted)
-    async with serving(service, port) as address:
+    """A node named ``name`` whose engine is the stand-in: ``TEXT``, ``TOKEN_S`` apart."""
+    scripted = ScriptedEngine(engine, TEXT, TOKEN_S)
+    async with serving_node(scripted, name) as (service, address):
         yield service, scripted, address
 
 
@@ -153,7 +146,7 @@ def test_a_stop_ends_a_node_service_execution_as_done(engine: Any, poll: Poll) -
     """Without HTTP: ``Execution.stop`` then closing ``tokens()`` is a normal end for the core
     (RequestDone), and the engine task is cancelled."""
     async def scenario() -> None:
-        scripted = scripted_engine(engine)
+        scripted = ScriptedEngine(engine, TEXT, TOKEN_S)
         node = NodeService(ServeConfig(node_id="bare", port=18998, gossip_interval=5.0),
                            scripted)
         await node.start()
@@ -196,7 +189,7 @@ def test_a_stop_after_a_peer_died_midstream_stops_the_local_continuation(
     async def scenario() -> None:
         server = await asyncio.start_server(dies, "127.0.0.1", 0)
         address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        scripted = scripted_engine(engine)
+        scripted = ScriptedEngine(engine, TEXT, TOKEN_S)
         node = NodeService(ServeConfig(node_id="entry", port=18997, gossip_interval=5.0,
                                        forward_timeout=2.0, peer_transport="http"), scripted)
         node.core.peer_address = (  # type: ignore[method-assign]

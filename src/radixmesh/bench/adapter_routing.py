@@ -88,7 +88,9 @@ async def mesh(profile: str, names: Sequence[str], aware: bool, n: int, scale: f
             await stack.enter_async_context(serving(service, ports[i]))
             out.append((ports[i], service, eng))
         await _until(lambda: all(len(s.peer_states()) == n - 1 for _, s, _ in out), 120.0)
-        await _until(lambda: all(len(s.core.adapter_names()) == len(names) or not aware
+        # every adapter known at every node: its own and its peers' (adapter_names() lists
+        # the peers' only; below 4 x adapters nodes a node's own is served by no peer)
+        await _until(lambda: all(len(s.core.adapter_names() | set(s.adapters)) == len(names)
                                  for _, s, _ in out), 60.0)
         for _, service, eng in out:  # ZMQ's slow joiner
             await _until(lambda s=service, e=eng: _subscribed(s, e))

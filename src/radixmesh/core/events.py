@@ -143,6 +143,8 @@ class RequestArrived:
     session: int | None = None
     # the key of the LoRA adapter it names (core/adapters.py): only peers advertising it serve
     adapter: int | None = None
+    # its tenant is over its share of this node's queue (core/quotas.py): full here for it
+    over_quota: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,6 +217,7 @@ class ForwardArrived:
     max_tokens: int
     beat_s: float | None  # the latency we must beat for the forward to pay (None: admit)
     session: int | None = None  # its session id (core/sessions.py): served here if admitted
+    over_quota: bool = False  # its tenant is over its share here (core/quotas.py): refused
 
 
 RequestEvent = (

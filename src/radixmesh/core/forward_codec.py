@@ -74,7 +74,7 @@ class ForwardLimits:
 
 # ------------------------------------------------------------------------------- request
 def encode_forward_request(req: ForwardRequest) -> bytes:
-    """The request body: ``[version, kind, prompt, max_tokens, ..., session, adapter]``."""
+    """The request body: ``[version, kind, prompt, max_tokens, ..., adapter, tenant]``."""
     fields = [
         PROTOCOL_VERSION,
         KIND_FORWARD_REQUEST,
@@ -90,6 +90,7 @@ def encode_forward_request(req: ForwardRequest) -> bytes:
         req.namespace,
         req.session,
         req.adapter,
+        req.tenant,
     ]
     return _pack(fields)
 
@@ -104,7 +105,7 @@ def decode_forward_request(data: bytes, limits: ForwardLimits | None = None) -> 
 
 
 def _request(f: list[Any], lim: ForwardLimits) -> ForwardRequest:
-    check_array(f, 14, "forward request")
+    check_array(f, 15, "forward request")
     return ForwardRequest(
         prompt=_ids(f[2], lim.max_prompt_tokens, "prompt"),
         max_tokens=check_int(f[3], "max_tokens"),
@@ -118,6 +119,7 @@ def _request(f: list[Any], lim: ForwardLimits) -> ForwardRequest:
         namespace=None if f[11] is None else check_text(f[11], MAX_NAMESPACE_CHARS, "namespace"),
         session=None if f[12] is None else check_int(f[12], "session", _U64_MAX),
         adapter=None if f[13] is None else check_text(f[13], 64, "adapter", 16),
+        tenant=None if f[14] is None else check_text(f[14], MAX_NAMESPACE_CHARS, "tenant"),
     )
 
 

@@ -39,8 +39,8 @@ from radixmesh.core.shadow_state import BatchState
 MAX_NAMESPACE_CHARS = 256
 # 2: Load.speed_measured_at; 3: address and fingerprint on first contact only, utilization in
 # whole percent (gossip under 1 KB/s per node: docs/benchmarks.md); ForwardRequest namespace,
-# session and adapter; Gossip.sessions, adapters and adapter_names; Load.batch (a batching
-# engine's state)
+# session, adapter and tenant (a keyed hash: core/quotas.py); Gossip.sessions, adapters and
+# adapter_names; Load.batch (a batching engine's state)
 PROTOCOL_VERSION = 3
 
 
@@ -211,6 +211,7 @@ class ForwardRequest:
     namespace: str | None = None  # the cache namespace (core/tenants.py), 1..256 characters
     session: int | None = None  # the session id (core/sessions.py), a u64
     adapter: str | None = None  # the content digest of its LoRA adapter (core/adapters.py)
+    tenant: str | None = None  # its tenant's quota key (a keyed hash, core/quotas.py)
 
     def __post_init__(self) -> None:
         _require(len(self.prompt) >= 1, "prompt must not be empty")
@@ -227,6 +228,8 @@ class ForwardRequest:
         _require(self.adapter is None or 16 <= len(self.adapter) <= 64, "adapter: a digest")
         _require(self.namespace is None or 1 <= len(self.namespace) <= MAX_NAMESPACE_CHARS,
                  f"namespace must have 1..{MAX_NAMESPACE_CHARS} characters")
+        _require(self.tenant is None or 1 <= len(self.tenant) <= MAX_NAMESPACE_CHARS,
+                 f"tenant must have 1..{MAX_NAMESPACE_CHARS} characters")
 
 
 @dataclass(frozen=True, slots=True)

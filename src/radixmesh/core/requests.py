@@ -72,6 +72,8 @@ class RequestFlow:
 
     def arrived(self, event: RequestArrived, now: float) -> list[Action]:
         full = self._admission.full_for(event.prompt_tokens, event.max_tokens)
+        if full is None and event.over_quota:  # (core/quotas.py) full for this tenant
+            full = self._admission.over_quota()
         candidates = self._candidates(event, now)
         last_resort = self._admission.leaving and self._admission.serves_while_leaving(
             event, candidates, now)

@@ -485,6 +485,7 @@ async def _start(request: Request, service: NodeService, api: ApiRequest,
     hop = request.headers.get(HEADER_HOP) is not None
     target = request.headers.get(HEADER_TARGET) or None
     tokens = api.stream or bool(api.stop)  # stop strings: tokens as they come, matched here
+    tenant = service.quota_key(request_tenant(request.scope.get("state") or {}))
     samples: list[_Sample] = []
     try:
         for p, prompt in enumerate(prompts):
@@ -492,13 +493,14 @@ async def _start(request: Request, service: NodeService, api: ApiRequest,
             # stays here; the other samples go where the first went: RequestArrived)
             ex = await service.execute(prompt, _sampling(api, 0), tokens, local_only=hop,
                                        target=target, namespace=namespace, session=session,
-                                       adapter=adapter)
+                                       adapter=adapter, tenant=tenant)
             first = _Sample(p * api.n, prompt, ex)
             samples.append(first)
             for j in range(1, api.n):
                 more = await service.execute(prompt, _sampling(api, j), tokens,
                                              local_only=hop, sample_of=ex.served_by,
-                                             namespace=namespace, adapter=adapter)
+                                             namespace=namespace, adapter=adapter,
+                                             tenant=tenant)
                 samples.append(_Sample(p * api.n + j, prompt, more, first))
     except BaseException:
         await _abandon([s.ex for s in samples])
@@ -533,10 +535,14 @@ def _drain_cut(service: NodeService) -> ApiError:
 
 
 def _overloaded(service: NodeService, full: Overloaded) -> JSONResponse:
-    """HTTP 429 with ``Retry-After``: this node is full and no peer had room."""
-    err = ApiError("The mesh is overloaded: no node has room for this request now. Retry after "
-                   f"{full.retry_after_s:.0f} s.", status=429, type_="rate_limit_error",
-                   code="overloaded")
+    """HTTP 429 with ``Retry-After``: this node is full (or, ``full.quota``, the caller's
+    tenant is over its share of it: core/quotas.py) and no peer had room."""
+    retry = f"Retry after {full.retry_after_s:.0f} s."
+    err = (ApiError("Your tenant's share of this node's queue is in use and no other node had "
+                    f"room for this request now. {retry}", status=429,
+                    type_="rate_limit_error", code="tenant_quota_exceeded") if full.quota else
+           ApiError(f"The mesh is overloaded: no node has room for this request now. {retry}",
+                    status=429, type_="rate_limit_error", code="overloaded"))
     response = error_response(err, service)
     response.headers["retry-after"] = str(max(1, math.ceil(full.retry_after_s)))
     return response

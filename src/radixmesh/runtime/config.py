@@ -39,6 +39,7 @@ from radixmesh.core.config import (
     NodeConfig,
     PushbackConfig,
 )
+from radixmesh.core.quotas import check_share
 from radixmesh.core.router import Policy, RouterConfig
 from radixmesh.core.sessions import SessionConfig
 from radixmesh.core.units import parse_duration, parse_optional_duration
@@ -161,6 +162,7 @@ class ServeConfig:
     max_queue_requests: int = 0  # requests queued or running at most; 0 -> no count cap
     max_queue_wait: float = _ADMISSION.max_queue_wait_s  # full once this much work is queued
     max_queue_tokens: int | None = _ADMISSION.max_queue_tokens  # prompt+max_tokens; 0 -> auto
+    tenant_queue_share: float | None = None  # each tenant's share of those; None: no quotas
     net_delay: float = 0.0  # emulated one-way delay on every peer message, seconds
     net_jitter: float = 0.0  # emulated extra delay, uniform in [0, jitter], seconds
     net_loss: float = 0.0  # emulated loss probability of gossip messages
@@ -218,6 +220,7 @@ class ServeConfig:
             raise ValueError("decision_log must be >= 0 (0: keep none)")
         if self.max_queue_tokens is not None and self.max_queue_tokens < 0:
             raise ValueError("max_queue_tokens must be >= 0 (0: auto) or off")
+        check_share(self.tenant_queue_share)
         if self.cache_tokens < 1 or self.pushback_threshold < 1 or self.gossip_fanout < 1:
             raise ValueError("cache_tokens, pushback_threshold and gossip_fanout must be >= 1")
         if self.pushback_relative != 0 and not self.pushback_relative >= 1:
@@ -360,6 +363,7 @@ _CONVERT: dict[str, Any] = {
     "max_queue_wait": parse_duration,
     "session_margin": parse_duration,
     "max_queue_tokens": parse_token_cap,
+    "tenant_queue_share": OPTIONS["tenant_queue_share"].parse,
     "join_dns_interval": parse_duration,
     "drain_grace": parse_duration,
     "drain_linger": parse_duration,

@@ -65,6 +65,7 @@ class RequestContext:
     namespace: str | None = None  # the cache namespace (core/tenants.py); None: shared
     session: int | None = None  # the session id (core/sessions.py)
     adapter: Adapter | None = None  # its LoRA adapter (core/adapters.py)
+    tenant: str | None = None  # its tenant's quota key (core/quotas.py); None: no quota
     arrived_s: float = field(default_factory=time.perf_counter, compare=False)  # perf_counter
 
 
@@ -302,7 +303,7 @@ def forward_request(ctx: RequestContext, beat_s: float | None, heartbeat_s: floa
     return ForwardRequest(
         ctx.prompt, sp.max_tokens, sp.temperature, sp.top_p, sp.seed, sp.stop_token_ids,
         ctx.stream, heartbeat_s, _wire_beat(beat_s), ctx.namespace,
-        ctx.session, None if ctx.adapter is None else ctx.adapter.digest,
+        ctx.session, None if ctx.adapter is None else ctx.adapter.digest, ctx.tenant,
     )
 
 

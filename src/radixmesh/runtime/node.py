@@ -104,6 +104,7 @@ from radixmesh.core.messages import (
 )
 from radixmesh.core.node import NodeCore
 from radixmesh.core.profile import resolve as resolve_profile
+from radixmesh.core.quotas import TenantQuotas, admission_bounds
 from radixmesh.core.shadow import Shadow
 from radixmesh.core.tenants import Namespacer, parse_api_keys
 from radixmesh.engine.base import (
@@ -146,9 +147,10 @@ _OWNED = (Forward, ExecuteLocally, AcceptForward, RefuseForward, RejectRequest)
 class Overloaded(Exception):
     """This node is full and no peer took the request (the core's ``RejectRequest``)."""
 
-    def __init__(self, retry_after_s: float) -> None:
+    def __init__(self, retry_after_s: float, quota: bool = False) -> None:
         super().__init__(f"overloaded: retry after {retry_after_s:.1f} s")
         self.retry_after_s = retry_after_s
+        self.quota = quota  # the request's tenant was over its share here (core/quotas.py)
 
 MAX_TIMER_SLEEP_S = 1.0  # the timer re-reads next_deadline() at least this often
 STOP_WAIT_S = 2.0  # stop(): how long to wait for the timer task to finish
@@ -230,6 +232,7 @@ class NodeService:
         self.api_key = ApiKeyCheck(resolve_secret(config.api_key, var=ENV_API_KEY),
                                    load_api_keys(config.api_keys))
         self.namespacer = Namespacer(self.auth.key.secret if self.auth.key else None)
+        self.quotas = TenantQuotas(config.tenant_queue_share)  # (core/quotas.py)
         self.peers: PeerTransport = peers or PeerClient(
             self.node_id, self.address, self.netem, config.connect_timeout,
             config.forward_timeout, self.auth, use_links=config.peer_transport == "link")
@@ -460,9 +463,11 @@ class NodeService:
         self.queue_output_tokens += output
         self.queue_uncached_tokens += uncached
         self._shadow_add(ex, prompt, output, uncached)
+        ticket = self.quotas.admit(ex.ctx.tenant, prompt + output)
 
         def finished(_: object) -> None:  # (after the execution's own callback: its cache
             self._shadow_done(ex)  # change reaches the core first)
+            self.quotas.release(ticket)
             self._queued_blocks.remove(hashes)
             self.dispatch(QueueChanged(hashes, False))
             self.queue_prompt_tokens -= prompt
@@ -473,6 +478,25 @@ class NodeService:
         task.add_done_callback(finished)
         self.push_load()
         return ex
+
+    def quota_key(self, tenant: str | None) -> str | None:
+        """The quota key of ``tenant`` (core/quotas.py): a keyed hash, as forwards carry it;
+        None without a tenant or with quotas off."""
+        if tenant is None or self.quotas.share is None:
+            return None
+        return self.namespacer.keyed(b"quota", tenant)
+
+    def over_quota(self, key: str | None, tokens: int) -> bool:
+        """Whether a request of ``tokens`` would take tenant ``key`` over its share of this
+        node's admission bounds (core/quotas.py; counted in /metrics when it does)."""
+        if key is None or self.quotas.share is None:
+            return False
+        adm = self.node_config.admission
+        rate = self.core.token_rate()
+        bounds = admission_bounds(adm.max_queue_requests, adm.max_queue_wait_s,
+                                  self.core.own_speed().mean_service_s,
+                                  token_cap(adm, rate, self.inflight))
+        return self.quotas.refuse(key, tokens, bounds)
 
     def _cached_here(self, prompt: Sequence[int], hashes: Sequence[int],
                      namespace: str | None = None) -> int:
@@ -549,18 +573,26 @@ class NodeService:
         namespace: str | None = None,
         session: int | None = None,
         adapter: Adapter | None = None,
+        tenant: str | None = None,
     ) -> Execution:
         """Start one client request where the core says (``local_only``: hop-limited;
         ``sample_of``: the node serving the first sample of the prompt this one samples;
         ``namespace``: its cache namespace, core/tenants.py; ``session``: its session id,
-        core/sessions.py)."""
+        core/sessions.py; ``tenant``: its tenant's quota key, :meth:`quota_key`)."""
         ctx = RequestContext(next(self._rids), tuple(prompt), self.hashes_of(prompt, namespace),
-                             sampling, stream, namespace, session, adapter)
+                             sampling, stream, namespace, session, adapter, tenant)
         local_cached = self._cached_here(ctx.prompt, ctx.hashes, namespace)
+        over = self.over_quota(tenant, len(ctx.prompt) + sampling.max_tokens)
         event = RequestArrived(ctx.rid or 0, ctx.hashes, len(ctx.prompt), local_cached,
                                sampling.max_tokens, local_only, target, sampling.plain,
-                               sample_of, session, None if adapter is None else adapter.key)
-        ex = await self._start(ctx, self._one(self.dispatch(event), ctx))
+                               sample_of, session, None if adapter is None else adapter.key,
+                               over)
+        try:
+            ex = await self._start(ctx, self._one(self.dispatch(event), ctx))
+        except Overloaded as full:
+            if not over:
+                raise
+            raise Overloaded(full.retry_after_s, quota=True) from None
         self.metrics.requests[ex.route] += 1
         return ex
 
@@ -694,7 +726,8 @@ class NodeService:
         hashes = self.hashes_of(req.prompt, req.namespace)
         cached = self._cached_here(req.prompt, hashes, req.namespace)
         event = ForwardArrived(0, len(req.prompt), cached, req.max_tokens, req.beat_s,
-                               req.session)
+                               req.session,
+                               self.over_quota(req.tenant, len(req.prompt) + req.max_tokens))
         answer = self.dispatch(event)
         if answer and isinstance(answer[0], RefuseForward):
             self.metrics.refused_for_peers += 1
@@ -708,7 +741,7 @@ class NodeService:
         sampling = SamplingParams(req.max_tokens, req.temperature, req.top_p, req.seed,
                                   req.stop_token_ids)
         ctx = RequestContext(None, req.prompt, hashes, sampling, req.stream, req.namespace,
-                             req.session, self.adapter_of(req.adapter))
+                             req.session, self.adapter_of(req.adapter), req.tenant)
         ex = self._queued(LocalExecution(self, ctx, "local", cached))
         self._peer_work.add(ex)
         try:
