@@ -41,6 +41,10 @@ entry replaces a link idle for half that rather than race its end. A peer ends t
 serves when its server stops
 (:meth:`LinkRegistry.close_all`, before uvicorn waits for open requests: a link never ends
 by itself), and a node ends its own links when it stops.
+
+Why one file over 400 lines: both ends of one protocol (the entry's ``PeerLink`` /
+``LinkStream``, the peer's ``serve_link`` / ``LinkRegistry``) share its frames, limits and
+failure rules; together, each rule reads once.
 """
 
 from __future__ import annotations
