@@ -2,7 +2,8 @@
 run of every phase, when vLLM's own venv is here (``RADIXMESH_VLLM_PYTHON`` or
 ``.venv-vllm/bin/python``); CI has none and skips it. Every mismatch must be explained (a loss
 the node could not yet see, or the burst beyond the replay buffer under-reporting): 0 index
-errors, and the index the same size as the fault-free reference after each phase but the burst."""
+errors; after each phase the index is the fault-free reference's size, or smaller where the
+replay could not cover a gap (the burst), never larger."""
 
 from __future__ import annotations
 
@@ -33,5 +34,6 @@ def test_real_vllm_behind_the_fault_proxy_has_no_index_error(tmp_path: Path) -> 
     for phase in doc["phases"]:
         assert phase["index_error"] == phase["error"] == 0, phase
         assert phase["flush_requests"] > 0, phase
-        if phase["phase"] != "burst":
+        assert phase["index_blocks"] <= phase["reference_blocks"], phase  # never over
+        if not phase["node"]["resets"]:  # replayed, or nothing lost: exact
             assert phase["index_blocks"] == phase["reference_blocks"], phase

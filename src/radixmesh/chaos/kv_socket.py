@@ -22,6 +22,7 @@ subscriber's few milliseconds behind)::
     stale       each batch sent again 3 batches later with probability p
     restart     the proxy's socket closed for --pause s before every 4th request
     burst       --buffer-steps + 4 batches in a row lost: beyond what the replay holds
+                (this phase sends that many requests more)
 
 After each phase the faults stop and clean requests go until the node has every batch (a
 loss shows only at the next batch). Per request the node's prediction ``P``
@@ -180,12 +181,16 @@ class Run:
 
 async def run_phases(run: Run, phases: Sequence[str], n: int, seed: int
                      ) -> list[dict[str, Any]]:
-    pool = build_workload(n * len(phases) * 2, 8, run.args.scale, seed)
+    burst = n + run.args.buffer_steps + 4  # the burst eats a batch per request, then n more
+    pool = build_workload(n * len(phases) + burst, 8, run.args.scale, seed)
     clean = build_workload(8, 8, run.args.scale, seed + 1)
     out = []
+    start = 0
     async with httpx.AsyncClient(timeout=300.0, trust_env=False) as http:
-        for k, phase in enumerate(phases):
-            out.append(await run.phase(http, phase, pool[k * n:(k + 1) * n], clean))
+        for phase in phases:
+            size = burst if phase == "burst" else n
+            out.append(await run.phase(http, phase, pool[start:start + size], clean))
+            start += size
             print(json.dumps({x: y for x, y in out[-1].items() if x != "mismatches"}),
                   flush=True)
     return out
@@ -217,7 +222,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=16, help="per phase")
     ap.add_argument("--p", type=float, default=0.3, help="probability of each phase's fault")
     ap.add_argument("--pause", type=float, default=1.0, help="restart: socket down this long")
-    ap.add_argument("--buffer-steps", type=int, default=4, help="vLLM's replay buffer")
+    ap.add_argument("--buffer-steps", type=int, default=16, help="vLLM's replay buffer")
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--num-blocks", type=int, default=48)
     ap.add_argument("--scale", type=float, default=0.5)
