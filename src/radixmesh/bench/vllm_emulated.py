@@ -106,8 +106,10 @@ def compare(real: Sequence[dict[str, Any]], emu: Sequence[dict[str, Any]]) -> di
 def calibrate(engine: VllmServer, out: Path) -> tuple[Path, str]:
     """Fit a profile to the running engine; the file and the command."""
     path = out / "vllm-cpu-tiny.toml"
+    vocab = json.loads((engine.model_dir / "config.json").read_text())["vocab_size"]
     argv = [sys.executable, "-m", "radixmesh", "calibrate", "--engine-url", engine.url,
-            "--served-model-name", "tiny", *CALIBRATE, "--kv-blocks", str(engine.num_blocks),
+            "--served-model-name", "tiny", "--vocab-size", str(vocab), *CALIBRATE,
+            "--kv-blocks", str(engine.num_blocks),
             "--block-size", str(engine.block_size), *SHAPE, "--name", "vllm-cpu-tiny",
             "--hardware", "vLLM 0.32 CPU on a shared 2-core x86_64 VM, 1 OpenMP thread",
             "--profile-out", str(path)]
@@ -173,6 +175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
     ap.add_argument("--out", default="runs/vllm-emulated")
     ap.add_argument("--profile", help="emulate this profile instead of calibrating one")
+    ap.add_argument("--vllm-port", type=int, help="use the vLLM already serving on this port "
+                    "(started with this bench's settings and the same --seed) instead")
     ap.add_argument("--requests", type=int, default=60)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--concurrency", default="1,4")
@@ -187,9 +191,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     port, events, replay = free_ports(3)
     engine = VllmServer("vllm0", args.vllm_python, model_dir, port, events, replay, 128, 48,
                         out / "vllm0.log")
+    if args.vllm_port:  # one already running (the same model directory and settings)
+        engine.port = args.vllm_port
     real: dict[int, list[dict[str, Any]]] = {}
     try:
-        engine.start()
+        if not args.vllm_port:
+            engine.start()
         engine.wait_ready(time.monotonic() + READY_TIMEOUT_S)
         profile, command = (Path(args.profile), "given") if args.profile else \
             calibrate(engine, out)
