@@ -24,6 +24,9 @@ def test_a_mismatch_is_explained_or_an_index_error() -> None:
     assert classify("burst", 0, 256, hidden=False) == "beyond_buffer"
     assert classify("burst", 384, 256, hidden=False) == "index_error"  # over: never excused
     assert classify("stale", 0, 256, hidden=False) == "index_error"
+    # the engine's own stream explains it (cache changed after acceptance): timing, not index
+    assert classify("stale", 1408, 128, hidden=False, timing="evicted") == "timing"
+    assert classify("stale", 1408, 128, hidden=False, timing="index_error") == "index_error"
 
 
 @pytest.mark.slow

@@ -30,7 +30,10 @@ loss shows only at the next batch). Per request the node's prediction ``P``
 it was sent the engine had published a batch the proxy had not forwarded (lost, held or
 late: the node could not know yet), ``beyond_buffer`` in the burst phase when ``P < A`` (the
 replay could not cover the gap, the index was dropped and under-reports until the blocks
-are stored again), else an **index error**. At each phase's end the node's index size
+are stored again), ``timing`` when ``bench/mismatch.py``'s rule, applied to the bench's own
+fault-free subscription, finds the engine's cache changed between acceptance and scheduling
+or the node's subscriber a batch behind (the same race ``make vllm-concurrency`` classifies),
+else an **index error**. At each phase's end the node's index size
 (``/mesh``) is compared with the reference index replayed from the bench's own subscriber.
 Written to ``OUT/vllm_kv_faults.json`` and ``.md``.
 """
@@ -48,9 +51,10 @@ from typing import Any
 
 import httpx
 
-from radixmesh.bench.mismatch import stream_of
+from radixmesh.bench.mismatch import Seen, stream_of
+from radixmesh.bench.mismatch import classify as classify_timing
 from radixmesh.bench.vllm_capture import Capture
-from radixmesh.bench.vllm_check import _mesh_block, node_options
+from radixmesh.bench.vllm_check import _mesh_block, node_options, prompt_ids
 from radixmesh.bench.vllm_replay import build_workload, send_stream
 from radixmesh.bench.vllm_server import (
     DEFAULT_VLLM_PYTHON,
@@ -69,14 +73,18 @@ PHASES = ("clean", "drop", "duplicate", "reorder", "stale", "restart", "burst")
 KV_COUNTERS = ("gaps", "replays", "duplicates", "resets", "replay_failures", "malformed")
 
 
-def classify(phase: str, predicted: int, actual: int, hidden: bool) -> str:
-    """One request's verdict (module docstring)."""
+def classify(phase: str, predicted: int, actual: int, hidden: bool,
+             timing: str | None = None) -> str:
+    """One request's verdict (module docstring); ``timing``: ``bench/mismatch.py``'s verdict
+    on the fault-free reference stream, for a mismatch no fault explains."""
     if predicted == actual:
         return "match"
     if hidden:
         return "unseen"
     if phase == "burst" and predicted < actual:
         return "beyond_buffer"
+    if timing in ("evicted", "inserted", "lagged"):
+        return "timing"
     return "index_error"
 
 
@@ -88,6 +96,7 @@ class Run:
         self.engine, self.proxy, self.cluster, self.capture = engine, proxy, cluster, capture
         self.args = args
         self.url = cluster.urls[0]
+        self.prompts = prompt_ids(engine.model_dir)
 
     def kv_state(self) -> dict[str, Any]:
         return self.cluster.mesh(0).get("kv_events") or {}
@@ -109,13 +118,26 @@ class Run:
                      entry=0, entry_node=self.cluster.node_ids[0], t_send=0.0)
         await self.caught_up()
         t_mono = time.monotonic()
-        actual = await send_stream(http, self.url, req, rec, time.perf_counter())
+        marks: dict[str, float] = {}
+        actual = await send_stream(http, self.url, req, rec, time.perf_counter(), marks)
         if not rec.ok or actual is None:
             return {"phase": phase, "id": req.id, "error": rec.error or "no usage"}
         predicted = rec.cached_tokens or 0
         hidden = self.proxy.log.hidden_at(t_mono)
+        timing = None
+        if predicted != actual and not hidden:  # what the engine's own stream says of it
+            end = marks["sent"] + rec.latency_s
+            timing = classify_timing(self.reference(), Seen(
+                req.id, tuple(self.prompts(req)), predicted, actual, marks["sent"],
+                marks.get("headers", end), marks.get("first", end))).kind
         return {"phase": phase, "id": req.id, "predicted": predicted, "actual": actual,
-                "hidden": hidden, "class": classify(phase, predicted, actual, hidden)}
+                "hidden": hidden, "timing": timing,
+                "class": classify(phase, predicted, actual, hidden, timing)}
+
+    def reference(self) -> Any:
+        """The engine's own stream so far, from the bench's fault-free subscriber."""
+        return stream_of(list(self.capture.timed[0]), _mesh_block(self.args.block_size),
+                         self.args.block_size)
 
     def node_next_seq(self) -> int | None:
         pubs = self.kv_state().get("publishers") or [{}]
@@ -148,8 +170,7 @@ class Run:
 
     def reference_blocks(self) -> int:
         """Blocks in an index replayed from the bench's own, fault-free subscription."""
-        stream = stream_of(self.capture.timed[0], _mesh_block(self.args.block_size),
-                           self.args.block_size)
+        stream = self.reference()
         index = stream.fresh_index()
         for ev in stream.events:
             index.apply_event(ev)
@@ -170,7 +191,7 @@ class Run:
         classes = [r.get("class", "error") for r in rows]
         return {"phase": phase, "requests": len(rows),
                 **{c: classes.count(c) for c in
-                   ("match", "unseen", "beyond_buffer", "index_error", "error")},
+                   ("match", "unseen", "beyond_buffer", "timing", "index_error", "error")},
                 "proxy": {k: v for k, v in self.proxy.log.counts(since).items() if v},
                 "node": {k: after.get(k, 0) - before.get(k, 0) for k in KV_COUNTERS},
                 "flush_requests": flushed,
@@ -202,13 +223,14 @@ def markdown(doc: dict[str, Any]) -> str:
              f"requests per phase, one in flight; fault probability {doc['p']}; "
              f"{doc['date']}.", "",
              "| phase | proxy did | node saw | index == engine | unseen | beyond buffer | "
-             "index errors | index blocks (node / reference) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "timing | index errors | index blocks (node / reference) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in doc["phases"]:
         proxy = ", ".join(f"{k} {v}" for k, v in r["proxy"].items()) or "—"
         node = ", ".join(f"{k} {v}" for k, v in r["node"].items() if v) or "—"
         lines.append(f"| {r['phase']} | {proxy} | {node} | {r['match']}/{r['requests']} | "
-                     f"{r['unseen']} | {r['beyond_buffer']} | {r['index_error']} | "
+                     f"{r['unseen']} | {r['beyond_buffer']} | {r['timing']} | "
+                     f"{r['index_error']} | "
                      f"{r['index_blocks']} / {r['reference_blocks']} |")
     return "\n".join(lines) + "\n"
 
