@@ -11,10 +11,11 @@ as (namespace, adapter)::
 
     salt A, salt A, salt B, salt B, no salt, no salt, ad1, ad1, ad1 + salt A, ad1 + salt A
 
-Per request the node's prediction ``P`` (``x-radixmesh-cached-tokens``: its KV-event index
-match in the request's namespace) against the engine's truth ``A``
-(``usage.prompt_tokens_details.cached_tokens``). Isolation holds on the engine when every first
-request of a namespace has ``A`` = 0 although the same tokens are cached under another one
+Warm-up requests first (until a batch reached the node: ZMQ's slow joiner), and each request
+once the node has every batch the engine published. Per request the node's prediction ``P``
+(``x-radixmesh-cached-tokens``: its KV-event index match in the request's namespace) against
+the engine's truth ``A`` (``usage.prompt_tokens_details.cached_tokens``). Isolation holds on
+the engine when every first request of a namespace has ``A`` = 0 although the same tokens are cached under another one
 (vLLM puts ``cache_salt`` into the first block's hash, and a LoRA request's name and path into
 every block's: vllm/v1/core/kv_cache_utils.py, ``generate_block_hash_extra_keys``), and the
 repeat within a namespace hits. The events are mapped back to the right namespace when
@@ -86,10 +87,44 @@ def save_random_adapter(path: Path, model_dir: Path, seed: int = 0, rank: int = 
     return path
 
 
-async def run_steps(url: str, node_id: str, prompt: str) -> list[dict[str, Any]]:
+def caught_up(cluster: LocalCluster, capture: Capture) -> bool:
+    """Has the node handled every batch the engine published (as the bench's own subscriber
+    saw them)?"""
+    seqs = [int.from_bytes(f[1], "big") for _, f in list(capture.timed[0]) if len(f) == 3]
+    pubs = (cluster.mesh(0).get("kv_events") or {}).get("publishers") or [{}]
+    return bool(seqs) and pubs[0].get("next_seq") == max(seqs) + 1
+
+
+async def wait_caught_up(cluster: LocalCluster, capture: Capture, timeout: float = 2.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if caught_up(cluster, capture):
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+async def warm_up(http: httpx.AsyncClient, cluster: LocalCluster, capture: Capture) -> None:
+    """Requests of their own until a batch reached the node (ZMQ's slow joiner may lose the
+    first ones); each step then waits until the node has every batch, so a mismatch is the
+    namespaces', not the subscriber's milliseconds behind."""
+    for i in range(5):
+        req = Request(id=f"warm{i}", prompt=f"warm-up {i} " * 40, max_tokens=2)
+        rec = Record(run="vllm-tenants", policy="cost", seq=-1, id=req.id, group=None,
+                     entry=0, entry_node=cluster.node_ids[0], t_send=0.0)
+        await send_stream(http, cluster.urls[0], req, rec, time.perf_counter())
+        if await wait_caught_up(cluster, capture):
+            return
+
+
+async def run_steps(cluster: LocalCluster, capture: Capture, prompt: str
+                    ) -> list[dict[str, Any]]:
+    url, node_id = cluster.urls[0], cluster.node_ids[0]
     rows = []
     async with httpx.AsyncClient(timeout=300.0, trust_env=False) as http:
+        await warm_up(http, cluster, capture)
         for i, (salt, adapter) in enumerate(STEPS):
+            await wait_caught_up(cluster, capture)
             req = Request(id=f"t{i}", prompt=prompt, max_tokens=4)
             rec = Record(run="vllm-tenants", policy="cost", seq=i, id=req.id, group=None,
                          entry=0, entry_node=node_id, t_send=0.0)
@@ -187,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with LocalCluster(1, options, per_node=per_node, log_dir=out / "nodes",
                           python=sys.executable) as cluster:
             wait_subscribed(cluster)
-            rows = asyncio.run(run_steps(cluster.urls[0], cluster.node_ids[0], prompt))
+            rows = asyncio.run(run_steps(cluster, capture, prompt))
             time.sleep(0.5)
             kv = (cluster.mesh(0).get("kv_events") or {}).get("index")
     finally:  # every process it started goes, whatever happened
