@@ -15,15 +15,15 @@ Warm-up requests first (until a batch reached the node: ZMQ's slow joiner), and 
 once the node has every batch the engine published. Per request the node's prediction ``P``
 (``x-radixmesh-cached-tokens``: its KV-event index match in the request's namespace) against
 the engine's truth ``A`` (``usage.prompt_tokens_details.cached_tokens``). Isolation holds on
-the engine when every first request of a namespace has ``A`` = 0 although the same tokens are cached under another one
-(vLLM puts ``cache_salt`` into the first block's hash, and a LoRA request's name and path into
-every block's: vllm/v1/core/kv_cache_utils.py, ``generate_block_hash_extra_keys``), and the
-repeat within a namespace hits. The events are mapped back to the right namespace when
-``P == A`` for every request (a salted or LoRA block mapped to another namespace, or left
-opaque, would show as ``P != A`` on the repeats). The bench subscribes to the publisher
-itself and reports the ``extra_keys`` / ``lora_name`` shapes the engine sent (per block, the
-adapter name first, then the salt on the first block: ``to_event_extra_keys``). Written to
-``OUT/vllm_tenants.json`` and ``.md``.
+the engine when every first request of a namespace has ``A`` = 0 although the same tokens are
+cached under another one (vLLM puts ``cache_salt`` into the first block's hash, and a LoRA
+request's name and path into every block's: vllm/v1/core/kv_cache_utils.py,
+``generate_block_hash_extra_keys``), and the repeat within a namespace hits. The events are
+mapped back to the right namespace when ``P == A`` for every request (a salted or LoRA block
+mapped to another namespace, or left opaque, would show as ``P != A`` on the repeats). The
+bench subscribes to the publisher itself and reports the ``extra_keys`` / ``lora_name`` shapes
+the engine sent (per block, the adapter name first, then the salt on the first block:
+``to_event_extra_keys``). Written to ``OUT/vllm_tenants.json`` and ``.md``.
 """
 
 from __future__ import annotations
