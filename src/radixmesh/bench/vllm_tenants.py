@@ -175,6 +175,24 @@ def verdict(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "repeat_hits": sum(bool(r["actual"]) for r in repeats)}
 
 
+def save_capture(directory: Path, timed: Sequence[tuple[float, Sequence[bytes]]],
+                 doc: dict[str, Any]) -> None:
+    """The live messages ``[topic, seq, payload]`` that hold a BlockStored (warm-up ones
+    included: the index replays them in order), msgpack, with what the run found."""
+    import msgpack
+
+    frames = [list(f) for _, f in timed if len(f) == 3]
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "live.msgpack").write_bytes(msgpack.packb(frames))
+    (directory / "README.md").write_text(
+        "Raw ZMQ messages of a real vLLM 0.32 CPU (`--enable-lora`, block 128) captured by "
+        "`python -m radixmesh.bench.vllm_tenants --capture DIR`: one 1,641-token prompt "
+        "stored under two `cache_salt` namespaces, none, the LoRA adapter `ad1`, and `ad1` + "
+        "a salt (the salts are the node's namespace ids).\n\n"
+        f"```json\n{json.dumps({'verdict': doc['verdict'], 'shapes': doc['shapes']}, indent=2)}"
+        "\n```\n", encoding="utf-8")
+
+
 def markdown(doc: dict[str, Any]) -> str:
     v = doc["verdict"]
     lines = [f"vLLM {doc['vllm']} CPU (`--enable-lora`, adapter `{ADAPTER}`: random PEFT "
@@ -200,6 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--num-blocks", type=int, default=48)
     ap.add_argument("--gossip-interval", default="0.1")
+    ap.add_argument("--capture", metavar="DIR", help="save the steps' raw event batches (the "
+                    "salted and LoRA stores: a CI fixture)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -235,6 +255,8 @@ def main(argv: Sequence[str] | None = None) -> int:
            "command": " ".join(["python -m radixmesh.bench.vllm_tenants",
                                 *(argv or sys.argv[1:])])}
     (out / "vllm_tenants.json").write_text(json.dumps(doc, indent=2), encoding="utf-8")
+    if args.capture and capture is not None:
+        save_capture(Path(args.capture), capture.timed[0], doc)
     text = markdown(doc)
     (out / "vllm_tenants.md").write_text(text, encoding="utf-8")
     print(text)
