@@ -169,7 +169,7 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m radixmesh.bench.vllm_emulated",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
@@ -181,13 +181,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--concurrency", default="1,4")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    model_dir = save_model_dir(out / "model", args.seed)
-    reqs = [dataclasses.replace(r, max_tokens=args.max_tokens)
-            for r in build_workload(args.requests, 8, 0.5, args.seed)]
-    levels = [int(x) for x in args.concurrency.split(",")]
+    return ap.parse_args(argv)
+
+
+def real_levels(args: argparse.Namespace, model_dir: Path, reqs: Sequence[Request],
+                levels: Sequence[int], out: Path
+                ) -> tuple[Path, str, dict[int, list[dict[str, Any]]]]:
+    """vLLM: the profile (calibrated, or ``--profile``), its command, the trace per level."""
     port, events, replay = free_ports(3)
     engine = VllmServer("vllm0", args.vllm_python, model_dir, port, events, replay, 128, 48,
                         out / "vllm0.log")
@@ -206,6 +206,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"real, {level} in flight: done", flush=True)
     finally:
         engine.stop()
+    return profile, command, real
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model_dir = save_model_dir(out / "model", args.seed)
+    reqs = [dataclasses.replace(r, max_tokens=args.max_tokens)
+            for r in build_workload(args.requests, 8, 0.5, args.seed)]
+    levels = [int(x) for x in args.concurrency.split(",")]
+    profile, command, real = real_levels(args, model_dir, reqs, levels, out)
     emu = emulated_levels(profile, model_dir, reqs, levels, out)
     doc = {"vllm": vllm_version(args.vllm_python), "date": time.strftime("%Y-%m-%d %H:%M"),
            "profile": profile.name, "calibrate": command, "requests": len(reqs),
@@ -219,7 +231,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / "vllm_emulated.md").write_text(text, encoding="utf-8")
     print(text)
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -210,7 +210,7 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m radixmesh.bench.vllm_tenants",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
@@ -220,9 +220,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--gossip-interval", default="0.1")
     ap.add_argument("--capture", metavar="DIR", help="save the steps' raw event batches (the "
                     "salted and LoRA stores: a CI fixture)")
-    args = ap.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    return ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace, out: Path) -> tuple[list[dict[str, Any]], Any, Capture]:
+    """The engine, the node, the steps: the rows, the node's index counters, the capture."""
     model_dir = save_model_dir(out / "model", 0)
     adapter = save_random_adapter(out / "adapter", model_dir)
     port, events, replay = free_ports(3)
@@ -233,35 +235,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = node_options("cost", args, model_dir) | {"adapters": f"{ADAPTER}={adapter}"}
     per_node = {0: {"engine_url": engine.url, "kv_events": f"tcp://*:{events}",
                     "kv_replay": f"tcp://*:{replay}"}}
-    capture: Capture | None = None
     prompt = "A system prompt both tenants were given, word for word. " * 40
     try:
         engine.start()
         engine.wait_ready(time.monotonic() + READY_TIMEOUT_S)
         capture = Capture([f"tcp://127.0.0.1:{events}"])
-        with LocalCluster(1, options, per_node=per_node, log_dir=out / "nodes",
-                          python=sys.executable) as cluster:
-            wait_subscribed(cluster)
-            rows = asyncio.run(run_steps(cluster, capture, prompt))
-            time.sleep(0.5)
-            kv = (cluster.mesh(0).get("kv_events") or {}).get("index")
-    finally:  # every process it started goes, whatever happened
-        if capture is not None:
+        try:
+            with LocalCluster(1, options, per_node=per_node, log_dir=out / "nodes",
+                              python=sys.executable) as cluster:
+                wait_subscribed(cluster)
+                rows = asyncio.run(run_steps(cluster, capture, prompt))
+                time.sleep(0.5)
+                kv = (cluster.mesh(0).get("kv_events") or {}).get("index")
+        finally:
             capture.close()
+    finally:  # every process it started goes, whatever happened
         engine.stop()
+    return rows, kv, capture
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows, kv, capture = run(args, out)
     doc = {"vllm": vllm_version(args.vllm_python), "date": time.strftime("%Y-%m-%d %H:%M"),
            "rows": rows, "verdict": verdict(rows), "node_index": kv,
-           "shapes": event_shapes(capture.timed[0]) if capture else [],
+           "shapes": event_shapes(capture.timed[0]),
            "command": " ".join(["python -m radixmesh.bench.vllm_tenants",
                                 *(argv or sys.argv[1:])])}
     (out / "vllm_tenants.json").write_text(json.dumps(doc, indent=2), encoding="utf-8")
-    if args.capture and capture is not None:
+    if args.capture:
         save_capture(Path(args.capture), capture.timed[0], doc)
     text = markdown(doc)
     (out / "vllm_tenants.md").write_text(text, encoding="utf-8")
     print(text)
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())
