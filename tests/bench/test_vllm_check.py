@@ -4,15 +4,9 @@ from __future__ import annotations
 
 import json
 
-from radixmesh.bench.vllm_check import (
-    Agreement,
-    Observed,
-    VllmServer,
-    build_workload,
-    kv_events_config,
-    markdown,
-    prefix_counters,
-)
+from radixmesh.bench.vllm_check import markdown
+from radixmesh.bench.vllm_replay import Agreement, Observed, build_workload
+from radixmesh.bench.vllm_server import VllmServer, kv_events_config, prefix_counters
 from radixmesh.results.records import Record
 
 # the lines of a real vLLM 0.32 CPU /metrics page (two requests of 303 tokens, 256 hit)

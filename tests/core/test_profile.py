@@ -25,7 +25,8 @@ from radixmesh.core.profile import (
 from radixmesh.core.scheduler import Scheduler
 
 ROOT = Path(__file__).resolve().parents[2]
-EXPECTED = {"cpu-tiny", "h100-llama3-8b", "a100-llama3-8b", "a10g-llama3-8b", "h100-qwen2.5-0.5b"}
+EXPECTED = {"cpu-tiny", "h100-llama3-8b", "a100-llama3-8b", "a10g-llama3-8b", "h100-qwen2.5-0.5b",
+            "vllm-cpu-tiny"}
 
 
 @dataclass(frozen=True)

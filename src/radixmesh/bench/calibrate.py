@@ -92,6 +92,9 @@ def _add_engine_arguments(g: Any) -> None:
         "of --lengths one at a time and decodes at --batches concurrent streams",
     )
     g.add_argument("--served-model-name", default=None, help="model name (default: /v1/models)")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="prompt token ids below this (a small test model; default: ids "
+                   "1,000-10,000+)")
     g.add_argument("--batches", default="1,4,16", help="concurrent decode streams (default 1,4,16)")
     g.add_argument("--timeout", type=float, default=300.0, help="seconds per request at most")
     g.add_argument("--name", default=None, help="profile name (default calibrated-MODEL)")

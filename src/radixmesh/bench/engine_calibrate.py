@@ -42,13 +42,19 @@ DECODE_PROMPT = 64
 
 
 class _Probe:
-    def __init__(self, session: aiohttp.ClientSession, url: str, model: str, seed: int) -> None:
+    def __init__(self, session: aiohttp.ClientSession, url: str, model: str, seed: int,
+                 vocab: int | None = None) -> None:
         self.session, self.url, self.model = session, url.rstrip("/"), model
         self.rng = random.Random(seed)
         self.n = 0
+        self.vocab = vocab
 
     def prompt(self, length: int) -> list[int]:
+        """A prompt no earlier one shares a block with (its first token differs, or, in a
+        small vocabulary, its first four)."""
         self.n += 1
+        if self.vocab is not None:
+            return [self.rng.randrange(1, self.vocab) for _ in range(length)]
         return [10_000 + self.n, *(self.rng.randrange(1000, 9000) for _ in range(length - 1))]
 
     async def stream(self, prompt: list[int], max_tokens: int) -> tuple[float, list[float]]:
@@ -71,7 +77,9 @@ class _Probe:
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 choices = json.loads(line[6:]).get("choices") or []
-                if choices and choices[0].get("text"):
+                # a chunk per token, its text possibly empty (a byte-level BPE token that
+                # ends mid-character); the usage chunk has no choices
+                if choices and choices[0].get("text") is not None:
                     arrivals.append(time.perf_counter())
         if not arrivals:
             raise ValueError("engine streamed no token")
@@ -104,7 +112,7 @@ async def measure(args: argparse.Namespace) -> tuple[dict[str, Any], list[Any], 
         url = args.engine_url.rstrip("/")
         facts = await _engine_facts(session, url)
         model = args.served_model_name or facts["model"]
-        probe = _Probe(session, url, model, args.seed)
+        probe = _Probe(session, url, model, args.seed, getattr(args, "vocab_size", None))
         await probe.stream(probe.prompt(16), 2)  # warm-up
         prefill = []
         for length in (int(x) for x in args.lengths.split(",")):

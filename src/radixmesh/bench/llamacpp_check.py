@@ -34,15 +34,8 @@ from typing import Any
 
 import httpx
 
-from radixmesh.bench.vllm_check import (
-    _ms,
-    _pct,
-    _stop_group,
-    build_workload,
-    save_model_dir,
-    send_stream,
-    tail,
-)
+from radixmesh.bench.vllm_replay import _ms, _pct, build_workload, send_stream
+from radixmesh.bench.vllm_server import save_model_dir, stop_group, tail
 from radixmesh.results.records import Record
 from radixmesh.results.summary import summarize
 from radixmesh.runtime.cluster import LocalCluster, free_ports
@@ -84,7 +77,7 @@ class LlamaServer:
 
     def stop(self) -> None:
         if self.proc is not None:
-            _stop_group(self.proc)
+            stop_group(self.proc)
 
 
 async def run_requests(urls: Sequence[str], reqs: Sequence[Request], policy: str,

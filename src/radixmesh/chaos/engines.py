@@ -44,12 +44,13 @@ from typing import Any
 import httpx
 
 from radixmesh.bench.client import request_body
-from radixmesh.bench.vllm_check import (
+from radixmesh.bench.vllm_check import node_options
+from radixmesh.bench.vllm_replay import build_workload
+from radixmesh.bench.vllm_server import (
     READY_TIMEOUT_S,
     VllmServer,
-    build_workload,
-    node_options,
     save_model_dir,
+    wait_subscribed,
 )
 from radixmesh.core.headers import HEADER_CACHED, HEADER_SERVED_BY
 from radixmesh.runtime.cluster import LocalCluster, free_ports
@@ -276,15 +277,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace, faults: Sequence[str], engines: Sequence[VllmServer],
          model_dir: Path, out: Path) -> list[dict[str, Any]]:
-    from radixmesh.bench.vllm_check import _wait_subscribed
-
     per_node = {i: {"engine_url": e.url, "kv_events": f"tcp://*:{e.events_port}",
                     "kv_replay": f"tcp://*:{e.replay_port}"} for i, e in enumerate(engines)}
     cluster = LocalCluster(2, node_options("cost", args, model_dir), per_node=per_node,
                            log_dir=out / "nodes", python=sys.executable)
     results = []
     with cluster:
-        _wait_subscribed(cluster)
+        wait_subscribed(cluster)
         load = Load(cluster.urls, build_workload(400, 8, 0.5, 0), args.concurrency)
         load.start()
         try:

@@ -49,6 +49,7 @@ from radixmesh.engine.base import (
     GenerateResult,
     SamplingParams,
     TokenLogprob,
+    match_in,
 )
 from radixmesh.engine.http_engine import EngineUnavailable
 from radixmesh.runtime.metrics import RuntimeMetrics
@@ -164,7 +165,8 @@ class LocalExecution(Execution):
         self.node, self.ctx, self.route, self.expected_cached = node, ctx, route, expected
         self.placement = placement  # None for a peer's forward: the sender placed it
         self.served_by = node.node_id
-        self.cached_estimate = node.engine.match(ctx.prompt)
+        # in the request's namespace: another tenant's (or adapter's) blocks are not its own
+        self.cached_estimate = match_in(node.engine, ctx.prompt, ctx.namespace)
         self.queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self._t0 = node.clock()
         self._emitted = emitted  # tokens a failed peer already sent (the answer goes on)

@@ -21,14 +21,16 @@ Which side binds follows the engine's rule: the publisher binds when its endpoin
 ``::``, ``ipc://`` or ``inproc://`` — give ``--kv-events`` exactly the endpoint string of the
 engine's ``--kv-events-config``: then this node connects (``*`` / ``::`` replaced by the engine
 URL's host), otherwise the engine connects and this node binds. ``connect:`` / ``bind:`` in
-front of an endpoint force a side. A live message that repeats the previous one byte for byte,
-or a batch the last replay already delivered (a replay answers up to the newest batch, so the
-live copy of a batch published while the gap was being filled arrives after it), is dropped as
-a duplicate (the tracker would read it as a restart). ZMQ reconnects by itself
-with exponential backoff (100 ms .. 5 s); a socket error closes the socket and opens a new one
-after a backoff. The connection state comes from the socket monitor (``connected``, and
-``stale_since``: since when no publisher connection has been up). Nothing here blocks the loop,
-and nothing an engine sends can raise out of it: bad input is counted.
+front of an endpoint force a side. A live message that repeats, byte for byte, one of the last
+``RECENT_MESSAGES`` batches seen live or replayed is dropped as a duplicate, the tracker would
+read it as a restart: a repeat, a copy delayed past later batches, or the live copy of a batch
+the replay already delivered (a replay answers up to the newest batch, so the live copy of a
+batch published while the gap was being filled arrives after it). A restarted engine's batch
+never equals its predecessor's under the same seq (the batch carries its timestamp). ZMQ
+reconnects by itself with exponential backoff (100 ms .. 5 s); a socket error closes the socket
+and opens a new one after a backoff. The connection state comes from the socket monitor
+(``connected``, and ``stale_since``: since when no publisher connection has been up). Nothing
+here blocks the loop, and nothing an engine sends can raise out of it: bad input is counted.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ RECONNECT_MIN_MS = 100
 RECONNECT_MAX_MS = 5000
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 5.0
+RECENT_MESSAGES = 1024  # batches remembered per publisher to recognise a late duplicate
 COUNTERS = ("messages", "applied", "malformed", "duplicates", "gaps", "replays",
             "replay_failures", "resets", "socket_errors")
 _UP = zmq.EVENT_HANDSHAKE_SUCCEEDED
@@ -136,8 +139,18 @@ class _Publisher:
     links: int = 0  # connections up (socket monitor)
     stale_since: float | None = field(default_factory=time.time)
     last_message: float | None = None  # monotonic
-    last_frames: tuple[int, bytes] | None = None  # (seq, payload) of the last live message
-    replayed: dict[int, bytes] = field(default_factory=dict)  # the last replay's batches
+    # seq -> payload of the last RECENT_MESSAGES batches seen live or replayed (duplicates)
+    recent: collections.OrderedDict[int, bytes] = field(default_factory=collections.OrderedDict)
+
+    def seen(self, seq: int, payload: bytes) -> bool:
+        """Was this exact batch seen already? Records it if not."""
+        if self.recent.get(seq) == payload:
+            return True
+        self.recent[seq] = payload
+        self.recent.move_to_end(seq)
+        while len(self.recent) > RECENT_MESSAGES:
+            self.recent.popitem(last=False)
+        return False
 
     def link(self, up: bool) -> None:
         self.links = max(self.links + (1 if up else -1), 0)
@@ -265,11 +278,9 @@ class KvSubscriber:
             self._malformed()
             self._changed()
             return
-        if pub.last_frames == (msg.seq, msg.payload) or (
-                pub.replayed.get(msg.seq) == msg.payload):
+        if pub.seen(msg.seq, msg.payload):
             self.counts["duplicates"] += 1
             return
-        pub.last_frames = (msg.seq, msg.payload)
         await self._carry_out(pub, pub.tracker.on_live(msg.seq, self._decode(msg.payload)))
         self._changed()
 
@@ -328,7 +339,6 @@ class KvSubscriber:
             return pub.tracker.on_replay_failed()
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        pub.replayed.clear()
         try:
             sock.connect(pub.replay)
             await sock.send_multipart(encode_replay_request(start_seq))
@@ -356,7 +366,7 @@ class KvSubscriber:
             msg = decode_replay_frames(frames)
             if isinstance(msg, ReplayEnd):
                 return pub.tracker.on_replay_end()
-            pub.replayed[msg.seq] = msg.payload
+            pub.seen(msg.seq, msg.payload)
             for step in pub.tracker.on_replay(msg.seq, self._decode(msg.payload)):
                 self._do(pub, step)
 
