@@ -12,7 +12,8 @@ import msgpack
 
 from radixmesh.core.blocks import DEFAULT_BLOCK_SIZE
 from radixmesh.core.engine_index import EngineIndex
-from radixmesh.core.kv_events import EngineBlockStored, decode_batch, decode_live_frames
+from radixmesh.core.kv_events import EngineBlockStored, decode_batch
+from radixmesh.core.kv_order import decode_live_frames
 from radixmesh.engine.http_engine import mesh_block_size
 
 FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "vllm_0_32_tenants"
