@@ -72,6 +72,8 @@ def test_a_client_loading_the_engine_directly_is_seen_only_by_a_polling_node(
                                            "the direct client's load at the node", LIMIT_S)
                     assert _predicted(n1) > idle1 + DIRECT * H100.decode_seq_s
                     assert _predicted(n2) == idle2  # the blind node sees nothing
+                    text = n1.prometheus()  # a level, exported as a gauge
+                    assert f"radixmesh_engine_foreign_running {float(DIRECT)}" in text
                 await poll.until_async(lambda: n1.shadow.foreign.total == 0,
                                        "the load gone", LIMIT_S)
                 assert metrics.counts["bad_payloads"] == 0
