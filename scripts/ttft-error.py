@@ -7,7 +7,12 @@ the entry node and its request number, the last ranking of each request (after a
 refusal). Predictions are in the nodes' clock; they are divided by the run's time scale
 as the records are.
 
-    scripts/ttft-error.py RUN_DIR [--csv FILE]   # FILE: run, predicted, actual per request
+    scripts/ttft-error.py RUN_DIR [--csv FILE] [--breakdown]
+
+``--csv FILE``: run, predicted, actual, route, first per request. ``--breakdown``: one more
+row per run and kind of request: served where it entered (``local``: the entry node's own
+shadow, exact but for the profile's error) or forwarded (the entry's aged copy of the
+peer's gossiped batch), and the first request of its prefix group against later ones.
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def pairs(folder: Path, run: str, scale: float) -> list[tuple[float, float]]:
-    """(predicted, actual) TTFT of each served request of ``run`` with a prediction."""
+def pairs(folder: Path, run: str, scale: float) -> list[tuple[float, float, str, bool]]:
+    """(predicted, actual, route, first of its group) TTFT of each served request of ``run``
+    with a prediction, in the order sent."""
     path = folder / "decisions" / f"{run}.jsonl"
     if not path.exists():
         return []
@@ -33,8 +39,12 @@ def pairs(folder: Path, run: str, scale: float) -> list[tuple[float, float]]:
         if d.get("kind") == "route":
             last[(d["node"], d["request"])] = d  # in order: a re-ranking replaces the first
     out = []
-    for rec in _jsonl(folder / "requests.jsonl"):
-        if rec.get("run") != run or rec.get("ttft_s") is None or rec.get("request") is None:
+    seen: set[Any] = set()
+    records = [r for r in _jsonl(folder / "requests.jsonl") if r.get("run") == run]
+    for rec in sorted(records, key=lambda r: r.get("t_send") or 0.0):
+        first = rec.get("group") not in seen
+        seen.add(rec.get("group"))
+        if rec.get("ttft_s") is None or rec.get("request") is None:
             continue
         d = last.get((rec["entry_node"], rec["request"]))
         if d is None:
@@ -42,7 +52,8 @@ def pairs(folder: Path, run: str, scale: float) -> list[tuple[float, float]]:
         served = next((c for c in d["considered"] if c["node_id"] == rec["served_by"]), None)
         if served is None or served.get("predicted_ttft_s") is None:
             continue
-        out.append((served["predicted_ttft_s"] / scale, rec["ttft_s"]))
+        route = "local" if rec.get("route") == "local" else "forwarded"
+        out.append((served["predicted_ttft_s"] / scale, rec["ttft_s"], route, first))
     return out
 
 
@@ -50,24 +61,37 @@ def _q(xs: list[float], q: float) -> float:
     return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
 
 
+def _row(name: str, got: list[tuple[float, float, str, bool]]) -> str:
+    rel = [(p - a) / a for p, a, _, _ in got if a > 0]
+    if not rel:
+        return f"| {name} | 0 | | | | |"
+    err = [abs(x) for x in rel]
+    return (f"| {name} | {len(rel)} | {_q(err, 0.5):.1%} | {_q(err, 0.9):.1%} "
+            f"| {statistics.fmean(err):.1%} | {statistics.fmean(rel):+.1%} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("folder", type=Path)
     ap.add_argument("--csv", type=Path)
+    ap.add_argument("--breakdown", action="store_true", help="rows by route and first-ness")
     args = ap.parse_args()
     runs = json.loads((args.folder / "summary.json").read_text())["runs"]
     print("| policy | requests | median abs err | p90 abs err | mean abs err | mean signed |")
     print("|---|---|---|---|---|---|")
-    lines = ["run,predicted_s,actual_s"]
+    lines = ["run,predicted_s,actual_s,route,first"]
     for r in runs:
         got = pairs(args.folder, r["name"], float(r.get("time_scale") or 1.0))
         if not got:
             continue
-        rel = [(p - a) / a for p, a in got if a > 0]
-        err = [abs(x) for x in rel]
-        print(f"| {r['policy']} | {len(rel)} | {_q(err, 0.5):.1%} | {_q(err, 0.9):.1%} "
-              f"| {statistics.fmean(err):.1%} | {statistics.fmean(rel):+.1%} |")
-        lines += [f"{r['name']},{p:.6f},{a:.6f}" for p, a in got]
+        print(_row(r["policy"], got))
+        if args.breakdown:
+            for route in ("local", "forwarded"):
+                print(_row(f"{r['policy']}: {route}", [g for g in got if g[2] == route]))
+            print(_row(f"{r['policy']}: first of its group", [g for g in got if g[3]]))
+            print(_row(f"{r['policy']}: later", [g for g in got if not g[3]]))
+        lines += [f"{r['name']},{p:.6f},{a:.6f},{route},{int(first)}"
+                  for p, a, route, first in got]
     if args.csv:
         args.csv.write_text("\n".join(lines) + "\n")
     return 0

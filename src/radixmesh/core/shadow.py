@@ -18,7 +18,15 @@ It is reconciled with what the engine reports, so it never drifts far:
   its steps are run at once until it has (bounded);
 * :meth:`Shadow.finished` — the engine ended a request (done, stopped early, failed,
   aborted): the shadow drops it if still live. A shadow ahead of its engine finishes a
-  request early, and keeps it at most until then.
+  request early, and keeps it at most until then;
+* :meth:`Shadow.observe` — the engine's ``/metrics`` (running, waiting, KV usage;
+  ``core/engine_report.py``, polled by ``runtime/engine_metrics.py``): what it runs beyond
+  this node's open requests (another router's, a direct client's) is *foreign* load
+  (``engine_report.reconcile``). Foreign waiting requests become ghost requests in the
+  scheduler (prompt and output of the node's own recent mean, unique token ids that share
+  no cache block), which queue, prefill and decode as any; foreign running ones the shadow
+  does not carry as ghosts ride every step as ghost decodes (their count and KV, reported
+  in the state as running, decoding and KV held). The next report trims or adds ghosts.
 
 :meth:`Shadow.state` is the engine's batch as :class:`~radixmesh.core.shadow_state.BatchState`
 (what the node's router uses for itself and gossips to its peers); :meth:`Shadow.add`
@@ -38,6 +46,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from radixmesh.core.engine_report import NO_FOREIGN, EngineReport, Foreign, reconcile
 from radixmesh.core.profile import Profile
 from radixmesh.core.scheduler import Scheduler, SeqId, Step
 from radixmesh.core.shadow_state import BatchState, ttft_parts
@@ -46,6 +55,9 @@ MAX_STEPS = 4096  # steps one advance() may run; a longer gap jumps the clock
 SYNC_STEPS = 256  # steps first_token() may run at once to catch up with the engine
 RATE_WINDOW_S = 10.0  # the arrival rate's time constant, in profile seconds
 OVERHEAD_STEP = 0.05  # one first token moves the measured overhead by this share of its TTFT
+MAX_GHOSTS = 256  # foreign requests carried as ghost requests at most
+GHOST_TOKEN = 1 << 30  # ghost prompts' token ids (real ones lie below, namespaces' at 2**31)
+MEAN_SHARE = 0.1  # one request's weight in the running means a ghost is sized by
 
 
 def scaled(profile: Profile, time_scale: float) -> Profile:
@@ -84,6 +96,13 @@ class Shadow:
         self._overhead = 0.0  # the median lateness of first tokens (a stochastic median)
         self.synced_steps = 0  # steps run at once to catch up with the engine
         self.jumps = 0  # advances that jumped the clock
+        self._open: set[SeqId] = set()  # own requests added and not finished by the node
+        self._ghosts: dict[SeqId, None] = {}  # foreign requests in the scheduler, oldest first
+        self._ghost_ids = 0
+        self._ghost_decodes = (0, 0)  # foreign running not carried as ghosts: count, KV
+        self._mean_prompt, self._mean_output = 512.0, 64.0  # own uncached prompt, max_tokens
+        self.foreign: Foreign = NO_FOREIGN  # the engine's load beyond ours, as last reported
+        self.reports = 0  # engine reports observed
 
     # ------------------------------------------------------------------------ requests
     def add(self, seq: SeqId, prompt: Sequence[int], max_tokens: int, now: float,
@@ -100,6 +119,9 @@ class Shadow:
         except ValueError:
             return wait + own  # never fits this engine: the engine will refuse it too
         self._tracks[seq] = _Track()
+        self._open.add(seq)
+        self._mean_prompt += MEAN_SHARE * (max(len(prompt) - cached, 1) - self._mean_prompt)
+        self._mean_output += MEAN_SHARE * (max_tokens - self._mean_output)
         self._arrival(now)
         self._predicted[seq] = (now, wait + own - self._overhead)
         if self._step is None:
@@ -131,6 +153,7 @@ class Shadow:
         """The engine ended ``seq`` (however): drop it if the shadow still runs it."""
         self.advance(now)
         self._predicted.pop(seq, None)
+        self._open.discard(seq)
         if self._tracks.pop(seq, None) is not None:
             self._sched.abort(seq, now)
             self._state = None
@@ -155,7 +178,9 @@ class Shadow:
         if step.empty:
             return False
         self._step, self._clock = step, at
-        self._step_end = at + self.profile.step_s(step)
+        n, kv = self._ghost_decodes
+        p = self.profile
+        self._step_end = at + p.step_s(step) + p.decode_seq_s * n + p.decode_kv_s * kv
         self._state = None
         return True
 
@@ -170,6 +195,7 @@ class Shadow:
         self._apply(step)
         for fin in done:
             self._tracks.pop(fin.seq, None)
+            self._ghosts.pop(fin.seq, None)
         self._step, self._clock = None, end
         self._state = None
         return True
@@ -205,8 +231,61 @@ class Shadow:
         return replace(self._state, residual_s=residual)
 
     def _build(self) -> BatchState:
-        return batch_state(self._sched, self.profile, self._step, 0.0, self._rate,
-                           self._overhead)
+        b = batch_state(self._sched, self.profile, self._step, 0.0, self._rate, self._overhead)
+        n, kv = self._ghost_decodes
+        if n == 0:
+            return b
+        return replace(b, running=b.running + n, decoding=b.decoding + n,
+                       decode_kv=b.decode_kv + kv, kv_used=min(b.kv_used + kv, b.kv_tokens))
+
+    # ------------------------------------------------------------------------ the engine's view
+    def observe(self, report: EngineReport, now: float) -> Foreign:
+        """The engine's ``/metrics`` now: carry what it runs beyond this node's open requests
+        (module docstring); returns that foreign load."""
+        self.advance(now)
+        running = {v.seq: v.computed for v in self._sched.sequences() if v.admitted}
+        own_running = [kv for seq, kv in running.items() if seq in self._tracks]
+        cfg = self._sched.config
+        f = reconcile(report, len(self._open), len(self._tracks) - len(own_running),
+                      sum(own_running), cfg.kv_blocks * cfg.block_size)
+        ghost_run = [g for g in self._ghosts if g in running]
+        ghost_wait = [g for g in self._ghosts if g not in running]
+        for g in ghost_wait[f.waiting:] + ghost_run[f.running:]:  # the newest go first
+            self._sched.abort(g, now)
+            del self._ghosts[g]
+        for _ in range(min(f.waiting - len(ghost_wait), MAX_GHOSTS - len(self._ghosts))):
+            self._add_ghost(now)
+        kept = ghost_run[:f.running]
+        n = f.running - len(kept)
+        self._ghost_decodes = (n, max(0, f.kv_tokens - sum(running[g] for g in kept)) if n
+                               else 0)
+        self.foreign = f
+        self.reports += 1
+        self._state = None
+        if self._step is None:
+            self._clock = max(self._clock, now)
+        return f
+
+    def forget_foreign(self, now: float) -> None:
+        """Drop the foreign load (the engine's reports stopped: none is better than stale)."""
+        self.advance(now)
+        for g in list(self._ghosts):
+            self._sched.abort(g, now)
+        self._ghosts.clear()
+        self._ghost_decodes, self.foreign, self._state = (0, 0), NO_FOREIGN, None
+
+    def _add_ghost(self, now: float) -> None:
+        """One foreign waiting request, sized as this node's own lately: its first token
+        unique (its blocks hit no cache and nobody hits them)."""
+        self._ghost_ids += 1
+        seq = -self._ghost_ids
+        length = max(1, round(self._mean_prompt))
+        prompt = [GHOST_TOKEN + self._ghost_ids % GHOST_TOKEN] + [GHOST_TOKEN] * (length - 1)
+        try:
+            self._sched.add(seq, prompt, max(1, round(self._mean_output)), now)
+        except ValueError:
+            return  # never fits this engine
+        self._ghosts[seq] = None
 
 
 def batch_state(sched: Scheduler, p: Profile, under_way: Step | None, residual_s: float,

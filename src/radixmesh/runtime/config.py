@@ -147,6 +147,9 @@ class ServeConfig:
     # the node shadows its scheduler (core/shadow.py) and routes on predicted TTFT
     profile: str = ""
     profile_time_scale: float = 1.0  # the engine's steps last this many times the profile's
+    # external engine with a profile: poll its /metrics this often (seconds; 0: never) so the
+    # shadow carries load others send it (core/engine_report.py, runtime/engine_metrics.py)
+    engine_metrics_interval: float = 0.5
     device: str = "cpu"  # torch device of the built-in engine: cpu | cuda[:N]
     dtype: str = "float32"  # built-in engine weights / KV: float32 | bfloat16 | float16
     gpu_memory_fraction: float = 0.0  # cuda: this process's share of the GPU; 0 -> no cap
@@ -291,6 +294,8 @@ class ServeConfig:
             raise ValueError("--profile describes an external engine: give --engine vllm|sglang")
         if not self.profile_time_scale > 0:
             raise ValueError("profile_time_scale must be > 0")
+        if self.engine_metrics_interval != 0 and not 0.01 <= self.engine_metrics_interval <= 60:
+            raise ValueError("engine_metrics_interval must be 0 (off) or in [0.01, 60] seconds")
         if self.launch and self.engine == "builtin":
             raise ValueError("--launch starts an external engine: give --engine and --engine-url")
 
@@ -473,6 +478,8 @@ def _help_texts() -> dict[str, str]:
         "list`, or a TOML file): the node shadows its scheduler and routes on predicted TTFT",
         "profile_time_scale": "external engine: its steps last this many times the profile's "
         "(an emulated engine's --time-scale)",
+        "engine_metrics_interval": "external engine with --profile: poll its /metrics this "
+        "often (seconds; 0 = never) so the shadow counts load others send it",
         "launch": "external engine: start this command line as a child process (no shell), "
         "wait until --engine-url answers, stop it with the node",
         "suspect_timeout": "silence before a peer is suspect (0 = 4 gossip intervals)",

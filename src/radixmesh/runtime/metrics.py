@@ -52,6 +52,7 @@ RUNTIME_GAUGES = frozenset({
     "queue_depth", "inflight", "cache_tokens", "cache_budget_tokens", "cache_locked_tokens",
     "incarnation", "peer_auth_enabled", "peer_auth_replay_cache_size", "peer_tls_enabled",
     "kv_events_connected", "kv_index_blocks", "engine_launch_running", "peer_links_open",
+    "engine_up", "engine_foreign_running", "engine_foreign_waiting",
 })
 # The same for NodeCore.metrics(): its levels; everything else there is a counter.
 CORE_GAUGES = frozenset({

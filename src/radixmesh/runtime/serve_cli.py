@@ -112,6 +112,10 @@ def build_external_service(config: ServeConfig, tokenizer: Any = None) -> Any:
     from radixmesh.runtime.engine_health import EngineHealth  # (wave 3, real engines)
 
     service.attachments.append(EngineHealth(service, config.engine_url, launched=launched))
+    if service.shadow is not None and config.engine_metrics_interval > 0:
+        from radixmesh.runtime.engine_metrics import EngineMetrics  # the shadow's view of
+        service.attachments.append(EngineMetrics(  # load others send the engine
+            service, config.engine_url, interval_s=config.engine_metrics_interval))
     return service
 
 
