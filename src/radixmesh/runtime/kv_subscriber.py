@@ -22,7 +22,8 @@ Which side binds follows the engine's rule: the publisher binds when its endpoin
 engine's ``--kv-events-config``: then this node connects (``*`` / ``::`` replaced by the engine
 URL's host), otherwise the engine connects and this node binds. ``connect:`` / ``bind:`` in
 front of an endpoint force a side. A live message that repeats, byte for byte, one of the last
-``RECENT_MESSAGES`` batches seen live or replayed is dropped as a duplicate, the tracker would
+``RECENT_MESSAGES`` batches seen live or replayed is dropped as a duplicate (each remembered as
+its seq and a 16-byte BLAKE2b digest of its payload, not the payload), the tracker would
 read it as a restart: a repeat, a copy delayed past later batches, or the live copy of a batch
 the replay already delivered (a replay answers up to the newest batch, so the live copy of a
 batch published while the gap was being filled arrives after it). A restarted engine's batch
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -139,14 +141,15 @@ class _Publisher:
     links: int = 0  # connections up (socket monitor)
     stale_since: float | None = field(default_factory=time.time)
     last_message: float | None = None  # monotonic
-    # seq -> payload of the last RECENT_MESSAGES batches seen live or replayed (duplicates)
+    # seq -> digest of the last RECENT_MESSAGES batches seen live or replayed (duplicates)
     recent: collections.OrderedDict[int, bytes] = field(default_factory=collections.OrderedDict)
 
     def seen(self, seq: int, payload: bytes) -> bool:
         """Was this exact batch seen already? Records it if not."""
-        if self.recent.get(seq) == payload:
+        digest = hashlib.blake2b(payload, digest_size=16).digest()
+        if self.recent.get(seq) == digest:
             return True
-        self.recent[seq] = payload
+        self.recent[seq] = digest
         self.recent.move_to_end(seq)
         while len(self.recent) > RECENT_MESSAGES:
             self.recent.popitem(last=False)
