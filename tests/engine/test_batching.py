@@ -16,10 +16,11 @@ from hypothesis import strategies as st
 from radixmesh.core.step import DecodeSlot, PrefillChunk, Step
 from radixmesh.engine import batch as batch_module
 from radixmesh.engine import paged_kv
-from radixmesh.engine.base import GenerateRequest, GenerateResult, SamplingParams
+from radixmesh.engine.base import GenerateRequest, SamplingParams
 from radixmesh.engine.builtin import TransformersEngine
 from radixmesh.engine.factory import build_engine
 from radixmesh.engine.presets import build_random_model
+from radixmesh.engine.testing import step_until_done
 
 TIE = 1e-4
 MAX_NEW = 12
@@ -38,17 +39,6 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
         head = shared if i % 2 else []
         out.append(head + [rng.randrange(32, 127) for _ in range(rng.randrange(20, 160))])
     return out
-
-
-def _batch(engine: TransformersEngine, reqs: list[GenerateRequest]) -> list[GenerateResult]:
-    """Submit every request at once and step until all are done."""
-    results: dict[int, Any] = {}
-    for i, r in enumerate(reqs):
-        engine.runner.submit(r, engine.budget(r), None,
-                             lambda res, i=i: results.__setitem__(i, res))
-    while len(results) < len(reqs):
-        assert engine.runner.step()
-    return [results[i] for i in range(len(reqs))]
 
 
 def _req(prompt: list[int], **kw: Any) -> GenerateRequest:
@@ -76,7 +66,7 @@ def _compare(name: str, got: list[int], want: list[int], prompt: list[int], mode
 def test_greedy_batch_equals_alone_and_hf_generate(engine: TransformersEngine) -> None:
     prompts = _prompts(8)
     engine.clear_cache()
-    batched = _batch(engine, [_req(p) for p in prompts])
+    batched = step_until_done(engine, [_req(p) for p in prompts])
     assert engine.stats()["max_batch"] >= 4  # they really ran together
     alone = []
     for p in prompts:
@@ -101,9 +91,9 @@ def test_greedy_batch_equals_alone_and_hf_generate(engine: TransformersEngine) -
 def test_prefix_hits_in_a_batch_copy_nothing(engine: TransformersEngine) -> None:
     engine.clear_cache()
     prompts = _prompts(6, seed=1)
-    _batch(engine, [_req(p, max_tokens=2) for p in prompts])
+    step_until_done(engine, [_req(p, max_tokens=2) for p in prompts])
     before = engine.stats()["cached_tokens_hit"]
-    again = _batch(engine, [_req(p, max_tokens=2) for p in prompts])
+    again = step_until_done(engine, [_req(p, max_tokens=2) for p in prompts])
     assert sum(r.cached_tokens for r in again) == engine.stats()["cached_tokens_hit"] - before > 0
     assert engine.stats()["kv_bytes_copied"] == 0
 
@@ -117,7 +107,7 @@ def test_sampling_options_batched_equal_alone(engine: TransformersEngine, kw: di
                                               ) -> None:
     prompts = _prompts(4, seed=2)
     engine.clear_cache()
-    batched = _batch(engine, [_req(p, **kw) for p in prompts])
+    batched = step_until_done(engine, [_req(p, **kw) for p in prompts])
     for p, got in zip(prompts, batched, strict=True):
         engine.clear_cache()
         alone = engine.generate(_req(p, **kw))
@@ -129,7 +119,7 @@ def test_sampling_options_batched_equal_alone(engine: TransformersEngine, kw: di
 def test_stop_and_abort_end_one_sequence_only(engine: TransformersEngine) -> None:
     prompts = _prompts(3, seed=3)
     engine.clear_cache()
-    free = _batch(engine, [_req(p) for p in prompts])
+    free = step_until_done(engine, [_req(p) for p in prompts])
     stop_at = free[0].output_ids[3]
     reqs = [_req(prompts[0], stop_token_ids=(stop_at,)), _req(prompts[1]), _req(prompts[2])]
     results: dict[int, Any] = {}
@@ -154,10 +144,10 @@ def test_a_step_cut_in_pieces_answers_as_one_forward(engine: TransformersEngine,
     one forward a step, but for near-ties."""
     prompts = _prompts(6, seed=4)
     engine.clear_cache()
-    whole = _batch(engine, [_req(p) for p in prompts])
+    whole = step_until_done(engine, [_req(p) for p in prompts])
     monkeypatch.setattr(batch_module, "PIECE_TOKENS", 37)
     engine.clear_cache()
-    cut = _batch(engine, [_req(p) for p in prompts])
+    cut = step_until_done(engine, [_req(p) for p in prompts])
     excused: list[str] = []
     for i, p in enumerate(prompts):
         _compare(f"pieces[{i}]", cut[i].output_ids, whole[i].output_ids, p, engine.model,

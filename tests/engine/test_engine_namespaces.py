@@ -6,14 +6,14 @@ chunks that lie inside the virtual block, mixed batches, evictions and preemptio
 from __future__ import annotations
 
 import random
-from typing import Any
 
 import pytest
 
 from radixmesh.core.blocks import block_hashes, namespace_seed
-from radixmesh.engine.base import GenerateRequest, GenerateResult, SamplingParams
+from radixmesh.engine.base import GenerateRequest, SamplingParams
 from radixmesh.engine.builtin import TransformersEngine
 from radixmesh.engine.factory import build_engine
+from radixmesh.engine.testing import step_until_done
 
 MAX_NEW = 8
 
@@ -36,18 +36,6 @@ def _prompt(seed: int, n: int = 70) -> list[int]:
 def _hashes(engine: TransformersEngine, tokens: list[int], ns: str | None) -> set[int]:
     fp = engine.fingerprint
     return set(block_hashes(tokens, fp.block_size, namespace_seed(fp.digest, ns, fp.block_size)))
-
-
-def _batch(engine: TransformersEngine, reqs: list[GenerateRequest]) -> list[GenerateResult]:
-    results: dict[int, Any] = {}
-    for i, r in enumerate(reqs):
-        engine.runner.submit(r, engine.budget(r), None,
-                             lambda res, i=i: results.__setitem__(i, res))
-    for _ in range(10_000):
-        if len(results) == len(reqs):
-            break
-        engine.runner.step()
-    return [results[i] for i in range(len(reqs))]
 
 
 def test_two_namespaces_never_share_and_one_still_hits(engine: TransformersEngine) -> None:
@@ -86,7 +74,7 @@ def test_chunks_inside_the_virtual_block_and_mixed_batches() -> None:
     engine.drain_cache_delta()
     reqs = [_req(prompts[i % 4], ns) for i, ns in enumerate(["x", "y", None, "x", "y", "z"])]
     ran = engine.stats()["prefill_tokens"]  # (the scheduler's counts restarted at the clear)
-    results = _batch(engine, reqs)
+    results = step_until_done(engine, reqs)
     stats = engine.stats()
     assert stats["max_batch"] >= 3
     virtual = stats["prefill_tokens_computed"] - (stats["prefill_tokens"] - ran)  # never run
@@ -115,7 +103,7 @@ def test_evictions_and_preemptions_keep_the_journal_exact() -> None:
     held: set[int] = set()
     for round_ in range(3):
         picks = [(rng.randrange(3), rng.choice([None, "a", "b", "c"])) for _ in range(6)]
-        results = _batch(engine, [_req(prompts[i], ns, 12) for i, ns in picks])
+        results = step_until_done(engine, [_req(prompts[i], ns, 12) for i, ns in picks])
         for (i, _), r in zip(picks, results, strict=True):
             assert r.output_ids == alone[i], round_
         delta = engine.drain_cache_delta()

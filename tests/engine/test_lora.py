@@ -14,12 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from radixmesh.engine.base import GenerateRequest, GenerateResult, SamplingParams
+from radixmesh.engine.base import GenerateRequest, SamplingParams
 from radixmesh.engine.builtin import TransformersEngine
 from radixmesh.engine.factory import adapter_folders, build_engine
 from radixmesh.engine.lora import read_adapter
 from radixmesh.engine.presets import build_random_model
-from radixmesh.engine.testing import merge_lora, save_random_lora_dir
+from radixmesh.engine.testing import merge_lora, save_random_lora_dir, step_until_done
 
 MAX_NEW = 10
 
@@ -91,13 +91,7 @@ def test_a_batch_mixing_adapters_answers_as_each_alone(engine: TransformersEngin
         engine.clear_cache()
         alone[i, name] = engine.generate(_req(prompts[i], name)).output_ids
     engine.clear_cache()
-    results: dict[int, GenerateResult] = {}
-    for k, (i, name) in enumerate(plan):
-        r = _req(prompts[i], name, logprobs=2)
-        engine.runner.submit(r, engine.budget(r), None,
-                             lambda res, k=k: results.__setitem__(k, res))
-    while len(results) < len(plan):
-        assert engine.runner.step()
+    results = step_until_done(engine, [_req(prompts[i], name, logprobs=2) for i, name in plan])
     assert engine.stats()["max_batch"] >= 4
     for k, (i, name) in enumerate(plan):
         assert results[k].output_ids == alone[i, name], (k, i, name)

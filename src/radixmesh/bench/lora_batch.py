@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from radixmesh.engine.base import GenerateRequest, SamplingParams
+from radixmesh.engine.base import GenerateRequest, GenerateResult, SamplingParams
 from radixmesh.engine.builtin import TransformersEngine
 from radixmesh.engine.factory import build_engine
-from radixmesh.engine.testing import save_random_lora_dir
+from radixmesh.engine.testing import save_random_lora_dir, step_until_done
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -40,13 +40,13 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 def run(engine: TransformersEngine, reqs: list[GenerateRequest]) -> tuple[float, int, int]:
     """Submit ``reqs`` at once, step to the end: (wall s, output tokens, steps)."""
     engine.clear_cache()
-    done: list[Any] = []
     steps = engine.stats()["steps"]
     start = time.perf_counter()
-    for r in reqs:
-        engine.runner.submit(r, engine.budget(r), None, done.append)
-    while len(done) < len(reqs):
-        engine.runner.step()
+    done: list[GenerateResult] = []
+    for d in step_until_done(engine, reqs):
+        if isinstance(d, BaseException):
+            raise d
+        done.append(d)
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
     wall = time.perf_counter() - start

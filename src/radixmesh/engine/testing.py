@@ -82,6 +82,22 @@ def save_random_model_dir(
     return root
 
 
+def step_until_done(engine: TransformersEngine, reqs: Sequence[GenerateRequest],
+                    max_steps: int = 100_000) -> list[GenerateResult | BaseException]:
+    """Submit every request to ``engine``'s runner at once and step it until each has ended;
+    each one's result (or the exception it ended with), in order. At most ``max_steps`` steps
+    (then ``RuntimeError``)."""
+    done: dict[int, GenerateResult | BaseException] = {}
+    for i, r in enumerate(reqs):
+        engine.runner.submit(r, engine.budget(r), None,
+                             lambda res, i=i: done.__setitem__(i, res))
+    for _ in range(max_steps):
+        if len(done) == len(reqs):
+            return [done[i] for i in range(len(reqs))]
+        engine.runner.step()
+    raise RuntimeError(f"{len(reqs) - len(done)} requests still running after {max_steps} steps")
+
+
 def uncached_logits(engine: TransformersEngine, prompt: Sequence[int]) -> torch.Tensor:
     """Reference: last-position fp32 logits of one plain forward pass, no cache involved."""
     with torch.inference_mode():
