@@ -147,6 +147,16 @@ async def prefix_admission(preset: str, prefix_aware: bool, step_tokens: int, se
         await engine.aclose()
 
 
+def _print_throughput(tp: dict[str, float]) -> None:
+    print(f"throughput: 8 one at a time {tp['alone_tok_s']:.1f} tok/s, 8 concurrent "
+          f"{tp['concurrent_tok_s']:.1f} tok/s, ratio {tp['ratio']:.2f}x; per CPU "
+          f"second {tp['alone_tok_cpu_s']:.1f} vs {tp['concurrent_tok_cpu_s']:.1f}, "
+          f"ratio {tp['cpu_ratio']:.2f}x (load average {os.getloadavg()[0]:.1f})")
+    print(f"  alone: prefill (TTFT) {tp['prefill_s'] * 1e3:.0f} ms, decode "
+          f"{tp['decode_s'] * 1e3:.1f} ms/token; ceiling of the ratio (a decode step "
+          f"of 8 as cheap as one of 1) {tp['ceiling']:.2f}x")
+
+
 async def main_async(args: argparse.Namespace) -> None:
     from radixmesh.engine import factory
     from radixmesh.engine.worker import as_async_engine
@@ -159,15 +169,8 @@ async def main_async(args: argparse.Namespace) -> None:
         await _one(engine, make_prompts(raw.tokenizer, 1, 64, 99)[0], 2)  # warm-up
         runs = []
         for i in range(args.repeat):
-            tp = await throughput(engine, raw.tokenizer, args.seed + 1000 * i)
-            runs.append(tp)
-            print(f"throughput: 8 one at a time {tp['alone_tok_s']:.1f} tok/s, 8 concurrent "
-                  f"{tp['concurrent_tok_s']:.1f} tok/s, ratio {tp['ratio']:.2f}x; per CPU "
-                  f"second {tp['alone_tok_cpu_s']:.1f} vs {tp['concurrent_tok_cpu_s']:.1f}, "
-                  f"ratio {tp['cpu_ratio']:.2f}x (load average {os.getloadavg()[0]:.1f})")
-            print(f"  alone: prefill (TTFT) {tp['prefill_s'] * 1e3:.0f} ms, decode "
-                  f"{tp['decode_s'] * 1e3:.1f} ms/token; ceiling of the ratio (a decode step "
-                  f"of 8 as cheap as one of 1) {tp['ceiling']:.2f}x")
+            runs.append(await throughput(engine, raw.tokenizer, args.seed + 1000 * i))
+            _print_throughput(runs[-1])
         if len(runs) > 1:
             med = {k: statistics.median(r[k] for r in runs) for k in ("ratio", "cpu_ratio",
                                                                       "ceiling")}

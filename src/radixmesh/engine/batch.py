@@ -12,6 +12,7 @@ Theory of operation
           ─▶ a token per emitting sequence (its own Sampler; plain greedy rows in one argmax)
           ─▶ complete(step, tokens, stop)
           ─▶ cache journal: published / committed blocks adopted by the cache, evicted freed
+             (the blocks' side of the plan and of the journal: ``engine/kv_mirror.py``)
           ─▶ callbacks: on_logprob, on_token, and on_done with the GenerateResult
 
 Every scheduling decision (admission order, prefix-aware deferral, chunk sizes, preemption,
@@ -54,6 +55,7 @@ from radixmesh.engine.base import (
     TokenCallback,
     TokenLogprob,
 )
+from radixmesh.engine.kv_mirror import KvMirror
 from radixmesh.engine.lora import LoraSet, bound, only
 from radixmesh.engine.namespaced import effective_namespace, model_step, sequence_seed
 from radixmesh.engine.paged_kv import ATTENTION, PIECE_TOKENS, PagedKV, pieces
@@ -85,7 +87,7 @@ class Live:
     seed: int = 0  # the hash chain's seed of its real blocks (its namespace's)
 
 
-class BatchRunner:
+class BatchRunner(KvMirror):
     """Continuous batching of one model on the core scheduler (module docstring)."""
 
     def __init__(self, model: PreTrainedModel, config: SchedulerConfig, allowed: int,
@@ -257,40 +259,6 @@ class BatchRunner:
         self._deliver(emitted, {f.seq: f for f in finished})
         return True
 
-    def _prepare(self, step: Step) -> None:
-        """Mirror the scheduler's plan in the blocks (under the lock)."""
-        for seq in step.preempted:
-            self.kv.drop(seq)
-        added, removed = self.sched.drain_cache_delta()
-        self.kv.forget(removed)
-        self._journal(added, removed)
-        now = time.perf_counter()
-        for chunk in step.prefills:
-            live = self._live[chunk.seq]
-            if not self.kv.has(chunk.seq):  # admitted (again, after a preemption)
-                live.hashes = self._hashes(live, len(live.tokens))
-                self.kv.admit(chunk.seq, live.hashes, chunk.start)
-                if live.admitted is None:
-                    live.admitted = now
-                    self._admitted += 1
-            self.kv.ensure(chunk.seq, chunk.start + chunk.tokens, self._reclaim)
-        for slot in step.decodes:
-            self.kv.ensure(slot.seq, slot.context, self._reclaim)
-
-    def _reclaim(self) -> bool:
-        """Evict the least recently used unlocked cache entry (``paged_kv``: the pool is short
-        of physical blocks); False if there is none."""
-        freed = self.sched.cache.evict(1)
-        added, removed = self.sched.drain_cache_delta()
-        self.kv.forget(removed)
-        self._journal(added, removed)
-        self.stats["reclaims"] += 1
-        return freed > 0
-
-    def _hashes(self, live: Live, n_tokens: int) -> list[int]:
-        bs = self.config.block_size
-        return extend_hashes(live.hashes, live.tokens[:n_tokens], bs, live.seed)
-
     @torch.inference_mode()
     def _forward(self, step: Step) -> torch.Tensor:
         """The step's forward, in pieces (``pieces``); the logits rows of ``step.emitting``, in
@@ -326,40 +294,6 @@ class BatchRunner:
                          logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev),
                          rm_batch=batch)
         return out.logits[0].float()
-
-    def _settle(self, step: Step, finished: list[Finished]) -> None:
-        """Apply the cache journal of ``complete`` to the blocks (under the lock)."""
-        kv_len = {c.seq: c.start + c.tokens for c in step.prefills if c.last}
-        kv_len.update((d.seq, d.context) for d in step.decodes)
-        added, removed = self.sched.drain_cache_delta()
-        fresh = set(added)
-        ended = {f.seq for f in finished}
-        for seq, n in kv_len.items():
-            live = self._live[seq]
-            last = any(c.seq == seq and c.last for c in step.prefills)
-            if not (last or seq in ended):
-                continue
-            live.hashes = self._hashes(live, n)
-            if fresh:
-                self.kv.adopt(seq, live.hashes, fresh)
-            if seq in ended:
-                self.kv.drop(seq)
-            else:
-                self.kv.dedupe(seq, live.hashes)
-        self.kv.forget(removed)
-        self._journal(added, removed)
-
-    def _journal(self, added: list[int], removed: list[int]) -> None:
-        for h in removed:
-            if h in self._added:
-                self._added.discard(h)
-            else:
-                self._removed.add(h)
-        for h in added:
-            if h in self._removed:
-                self._removed.discard(h)
-            else:
-                self._added.add(h)
 
     def _deliver(self, emitted: list[tuple[int, Live, int, TokenLogprob | None]],
                  finished: dict[int, Finished]) -> None:
