@@ -50,6 +50,7 @@ namespaced hashes; the block is reported nowhere (``Finished``, ``drain_cache_de
 
 Cost: a step is O(running + admitted + 64): at most the first ``WINDOW`` waiting requests are
 looked at, so a long queue costs nothing per step.
+Why 400 lines: plan, admit, preempt and complete share one SeqState book (the rest is split).
 """
 
 from __future__ import annotations
