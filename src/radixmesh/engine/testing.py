@@ -11,8 +11,10 @@ real model takes. Used by tests and demos; never fetches anything.
 from __future__ import annotations
 
 import json
+import math
+import re
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -164,33 +166,49 @@ LORA_TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")
 
 def save_random_lora_dir(path: Path, model: torch.nn.Module, seed: int = 0, rank: int = 8,
                          alpha: float = 16.0, targets: Sequence[str] = LORA_TARGETS,
-                         std: float = 0.05) -> Path:
+                         std: float = 0.05, use_rslora: bool = False,
+                         rank_pattern: Mapping[str, int] | None = None) -> Path:
     """A PEFT LoRA adapter folder (``engine/lora.py``'s format: ``adapter_config.json`` +
     ``adapter_model.safetensors``) for ``model``, with seeded random non-zero A and B on the
-    linear layers named ``targets`` (PEFT initialises B to zero; a trained adapter is not)."""
+    linear layers named ``targets`` (PEFT initialises B to zero; a trained adapter is not).
+    ``rank_pattern`` (PEFT's: module name or regex -> rank) gives matching layers another rank;
+    ``use_rslora`` is written to the config (scaling ``alpha / sqrt(r)``)."""
     from safetensors.torch import save_file
 
     gen = torch.Generator().manual_seed(seed)
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules":
+              list(targets), "bias": "none", "use_rslora": use_rslora, "use_dora": False,
+              "rank_pattern": dict(rank_pattern or {}), "fan_in_fan_out": False,
+              "modules_to_save": None, "task_type": "CAUSAL_LM"}
     tensors = {}
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets:
             key = f"base_model.model.{name}"
+            r = _layer_rank(config, name)
             tensors[f"{key}.lora_A.weight"] = torch.randn(
-                rank, module.in_features, generator=gen) * std
+                r, module.in_features, generator=gen) * std
             tensors[f"{key}.lora_B.weight"] = torch.randn(
-                module.out_features, rank, generator=gen) * std
+                module.out_features, r, generator=gen) * std
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules":
-              list(targets), "bias": "none", "use_rslora": False, "use_dora": False,
-              "fan_in_fan_out": False, "modules_to_save": None, "task_type": "CAUSAL_LM"}
     (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return path
 
 
+def _layer_rank(config: Mapping[str, Any], name: str) -> int:
+    """A layer's rank under PEFT's config: the first ``rank_pattern`` key matching the module
+    path's tail (``(.*\\.)?(key)$``, peft/utils/other.py ``get_pattern_key``), else ``r``."""
+    for key, r in (config.get("rank_pattern") or {}).items():
+        if re.match(rf"(.*\.)?({key})$", name):
+            return int(r)
+    return int(config["r"])
+
+
 def merge_lora(model: torch.nn.Module, folder: Path) -> torch.nn.Module:
-    """``model`` with ``folder``'s adapter merged in place, ``W += (lora_alpha / r) B @ A``
-    per layer: a reference for tests, read independently of ``engine/lora.py``."""
+    """``model`` with ``folder``'s adapter merged in place, ``W += scaling B @ A`` per layer,
+    ``scaling = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``; ``r`` the layer's
+    ``rank_pattern`` rank, else the config's): a reference for tests, read from the config
+    independently of ``engine/lora.py`` (a layer whose A has another rank is an error)."""
     from safetensors.torch import load_file
 
     config = json.loads((folder / "adapter_config.json").read_text())
@@ -201,6 +219,9 @@ def merge_lora(model: torch.nn.Module, folder: Path) -> torch.nn.Module:
             if key.endswith(".lora_A.weight"):
                 name = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
                 b = tensors[key.replace(".lora_A.", ".lora_B.")]
-                scale = config["lora_alpha"] / config["r"]
-                modules[name].weight += scale * (b @ a)
+                r = _layer_rank(config, name)
+                if a.shape[0] != r:
+                    raise ValueError(f"{name}: lora_A has rank {a.shape[0]}, the config {r}")
+                root = math.sqrt(r) if config.get("use_rslora") else r
+                modules[name].weight += config["lora_alpha"] / root * (b @ a)
     return model
