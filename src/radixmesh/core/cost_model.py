@@ -66,7 +66,7 @@ class NodeInfo:
     pushed_back: bool = False
     utilization: float = 0.0  # recent busy fraction in [0, 1], as the node itself measured it
     # how far the deciding node's predictions of this node's queue wait have lately been off
-    # (``estimators.WaitError``: a peer's view is stale under bursty load); 0 for self
+    # (``load_estimates.WaitError``: a peer's view is stale under bursty load); 0 for self
     wait_error_s: float = 0.0
     # what one place in its queue costs, from its queued requests' tokens (self only: its
     # exact queue; ``SpeedReport.queued_service_s``); None: the speed's mean service time
