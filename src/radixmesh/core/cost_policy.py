@@ -100,7 +100,6 @@ that still paid: at 16–1,024 simulated nodes 0.4–0.5 refusals per request.)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from random import Random  # the type only: instances are passed in, never the global one
 
 from radixmesh.core.cost_model import (
@@ -112,13 +111,14 @@ from radixmesh.core.cost_model import (
     batch_externality,
     candidate,
     mean_utilization,
-    mesh_cost,
     over_bound,
     predict_prefill,
     predict_service,
     predict_ttft,
     predict_wait,
+    priced,
     request_slack,
+    with_cached,
 )
 from radixmesh.core.router_config import RouterConfig
 
@@ -143,16 +143,18 @@ class CostPolicy:
         """The cost policy: each candidate's mesh cost and whether it is preferred for the
         prefix are computed once, for the choice and for the ``beat_s`` each forward carries."""
         me = next(n for n in avail if n.is_self)
-        costs = mesh_cost(req, avail, self.config.context_scale)
-        cost_of = {n.node_id: c for n, c in zip(avail, costs, strict=True)}
-        local = cost_of[me.node_id]
+        scale = self.config.context_scale
+        parts = {n.node_id: priced(req, n, scale) for n in avail}
+        costs = [parts[n.node_id].cost_s for n in avail]
+        local = parts[me.node_id].cost_s
         preferred = set() if placement is None else {
             n.node_id for n in avail if self._preferred(req, n, me, placement)
         }
         order, bought = self._by_cost(req, avail, costs, rng, placement, preferred)
         if placement is None:
-            return [candidate(req, n, self.config.context_scale, None if n.is_self else local,
-                                    cost_s=cost_of[n.node_id]) for n in order]
+            return [candidate(req, n, scale, None if n.is_self else local,
+                              cost_s=parts[n.node_id].cost_s, parts=parts[n.node_id])
+                    for n in order]  # fmt: skip
         owners = set(placement.owners)
         held = placement.held_tokens
         anyone = any(n.cached_tokens >= held for n in nodes)
@@ -165,7 +167,8 @@ class CostPolicy:
             else:
                 beat = self._preferred_limit(req, local, me, n.cached_tokens >= held)
             tag = Tag.LOCAL_COPY if n.is_self and bought else _tag(n, owners, held, anyone)
-            out.append(candidate(req, n, self.config.context_scale, beat, tag, cost_of[n.node_id]))
+            p = parts[n.node_id]
+            out.append(candidate(req, n, scale, beat, tag, p.cost_s, p))
         return out
 
     def _by_cost(
@@ -235,7 +238,7 @@ class CostPolicy:
         counted as paid, bought on a loaded host at a prefix's first forward: 16 emulated
         H100s, RAG 80 %: 17 copies of 400 requests, 13 at rent 0; misses 48 ms vs SMG 32.)"""
         scale = self.config.context_scale
-        warm = replace(me, cached_tokens=there.cached_tokens)
+        warm = with_cached(me, there.cached_tokens)
         extra = predict_prefill(req, me, scale) - predict_prefill(req, warm, scale)
         extra += batch_externality(req, me, scale) - batch_externality(req, warm, scale)
         gain = predict_ttft(req, me, scale) - predict_ttft(req, there, scale)
@@ -325,7 +328,7 @@ class CostPolicy:
             return False
         scale = self.config.context_scale
         there = predict_service(req, than, scale)
-        saved = there - predict_service(req, replace(than, cached_tokens=node.cached_tokens), scale)
+        saved = there - predict_service(req, with_cached(than, node.cached_tokens), scale)
         return saved >= self._needed(there)
 
     def _needed(self, work_s: float) -> float:
@@ -353,8 +356,8 @@ class CostPolicy:
             return True
         scale = self.config.context_scale
         copy = node.cached_tokens if holds else req.prompt_tokens
-        here = predict_service(req, replace(node, cached_tokens=me.cached_tokens), scale)
-        there = predict_service(req, replace(node, cached_tokens=copy), scale)
+        here = predict_service(req, with_cached(node, me.cached_tokens), scale)
+        there = predict_service(req, with_cached(node, copy), scale)
         net = here - there - node.rtt_s - node.wait_error_s  # what a later forward gains
         return net >= max(self._needed(here), node.rtt_s)
 
