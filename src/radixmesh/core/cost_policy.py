@@ -32,7 +32,7 @@ nodes that hold the prefix; the best of them (near-equal ones picked at
 random, self first: two entry nodes with the same stale view do not
 pick the same peer) wins when it is predicted at most
 ``placement_slack`` (75 %) slower than the best choice now (an
-owner making the first copy: 75 % of that copy's work slower), if
+owner making the first copy: ``first_copy_slack``, 10 % of that copy's work), if
 that choice would copy the prefix or holds less of the request (by
 more than the hysteresis is worth). A member busier than
 ``(1 + placement_load_bound)`` × the mean utilization (1.15×, tighter
@@ -89,7 +89,7 @@ refusal says the peer's queue wait, which the sender takes as a fresh report of 
 it does not back off from the peer (it is not busy as such, and a holder that refused a
 cold request must stay a candidate for the hits it holds). ``beat_s`` is
 what staying costs (the local prediction, plus the local miss's extra work × the local queue
-under load; × ``1 + placement_slack`` for a preferred holder, + ``placement_slack`` × the
+under load; × ``1 + placement_slack`` for a preferred holder, + ``first_copy_slack`` × the
 copy's work for an owner making the first copy), *not* minus the RTT: when
 the forward arrives, its way out is spent, and the way back is paid whether the peer answers
 the request or refuses it — so the peer should take it whenever its wait + service beats what
@@ -286,15 +286,17 @@ class CostPolicy:
         """The most a preferred candidate may cost when ``alternative`` (the best choice now,
         predicted at ``cost``) is what it is preferred to: a holder, ``placement_slack`` more
         than all of ``cost``; an owner that would make the prefix's first copy (as would
-        ``alternative``), that share of the copy's work only. Under load ``cost`` is mostly
-        queue, and a slack on all of it let an owner's queue grow to 1.75x the others' for
-        one copy (the real cluster with 16 clients: new subjects piled onto one owner,
-        22-27 s each). Holders keep it: in the simulator (MMLU, 16 clients) the narrower
-        slack for them too cost 1.8 points of hit rate and 4.5 % on the mean."""
-        slack = self.config.placement_slack
+        ``alternative``), ``first_copy_slack`` of the copy's work only (a slack on all of
+        ``cost``, mostly queue under load, piled new subjects onto one owner on the real
+        cluster; holders keep it: narrower cost MMLU 1.8 points of hits). An owner's is
+        small: a holder's copy is certain, an owner's pays only if later requests come, and
+        every entry node spends it at once on one stale view of the owner (a herd). At 0.75
+        of the copy's work h100-16 (``sim --experiment regimes``) was 0.84x `none`'s mean,
+        at 0.1 0.75x (p99 0.77 -> 0.63x); 0.1 of a copy still exceeds a round trip."""
         if holder:
-            return cost * (1.0 + slack)
-        return cost + slack * predict_service(req, alternative, self.config.context_scale)
+            return cost * (1.0 + self.config.placement_slack)
+        copy = predict_service(req, alternative, self.config.context_scale)
+        return cost + self.config.first_copy_slack * copy
 
     @staticmethod
     def _holder_instead(
@@ -368,15 +370,10 @@ class CostPolicy:
         room (utilization under ``load_bound_floor``, or less than one request expected in
         its queue when this one arrives) and saves at least ``load_bound_bypass`` of the
         time. Utilization is a 10 s average: a holder that made a few long cold prefills
-        lately is over the floor while idle now, and one client's requests never queue
-        behind each other. On gpu-70b with one client (simulator panel, "g70 seq 2ms") the
-        floor alone made 8 of 500 requests cold `replica` copies next to an idle holder
-        (1.3 s instead of 0.2 s each); with the queue as well, 2 (mean 0.95x, p99 0.71x).
-        The saving asked was half the time until an agent's step whose scratchpad its
-        holder had (a few hundred tokens of 1,600) counted as small: with one client the
-        bound kept steps off the holder of their previous one, each re-prefilling its
-        scratchpad next to an idle holder (simulator, fitted speeds: 90.1 % of the prompt
-        tokens cached against the gateway's 91.8 %; 91.1-91.8 % asking no saving)."""
+        lately is over the floor while idle now. (gpu-70b, one client, simulated: the floor
+        alone made 8 of 500 requests cold `replica` copies next to an idle holder, with the
+        queue as well 2. Asking half the time as the saving kept agents' steps off the
+        holder of their scratchpad: 90.1 % of prompt tokens cached, 91.1-91.8 % asking none.)"""
         cfg = self.config
         room = top[3].utilization < cfg.load_bound_floor or top[3].queue_depth < 1.0
         return room and top[0] < (1.0 - cfg.load_bound_bypass) * best[0]
