@@ -16,16 +16,13 @@ from radixmesh.core.estimators import (
     CostPriors,
     Ewma,
     PrefillFit,
-    QueuedBlocks,
-    RttTable,
     SpeedReport,
-    Utilization,
-    WaitError,
     median_speed,
     prefill_times,
     prefill_work,
     speed_is_stale,
 )
+from radixmesh.core.load_estimates import QueuedBlocks, RttTable, Utilization, WaitError
 
 PRIORS = CostPriors()
 

@@ -498,10 +498,10 @@ def test_preferred_peers_may_be_slower_by_the_slack_and_carry_that_budget() -> N
     local = mesh_cost(req, nodes, SCALE)[0]  # what staying costs the mesh
     beats = {c.node_id: c.beat_s for c in out}
     assert beats["self"] is None
-    slack = RouterConfig().placement_slack
+    slack, first = RouterConfig().placement_slack, RouterConfig().first_copy_slack
     assert beats["h"] == pytest.approx(local * (1 + slack))  # a holder: the slack more
-    # an owner that would make the first copy: the slack's share of the copy's work only
-    assert beats["o"] == pytest.approx(local + slack * predict_service(req, me(0), SCALE))
+    # an owner that would make the first copy: its (smaller) share of the copy's work only
+    assert beats["o"] == pytest.approx(local + first * predict_service(req, me(0), SCALE))
     assert beats["x"] == pytest.approx(local)
 
 
@@ -511,11 +511,11 @@ def test_an_owner_may_cost_a_share_of_the_first_copys_work_more_not_of_the_queue
     make the first copy may be slower than the best choice by the slack's share of the
     copy's work; a holder keeps the slack on the whole prediction."""
     req = RouteInput(3000, 1)
-    slack = RouterConfig().placement_slack
+    slack, first = RouterConfig().placement_slack, RouterConfig().first_copy_slack
     cold = predict_service(req, me(0), SCALE)
     nodes = [me(0, queue=8), peer("o", 0, queue=10)]  # two more queued at the owner
     here, there = mesh_cost(req, nodes, SCALE)
-    assert here + slack * cold < there <= (1 + slack) * here  # the slack on all: the owner
+    assert here + first * cold < there <= (1 + slack) * here  # the slack on all: the owner
     owner = placed(nodes, ("o",))
     assert owner[0].is_self and owner[0].placement is Tag.UNPLACED
     idle = placed([me(0), peer("o", 0)], ("o",))  # over empty queues: the owner, as before

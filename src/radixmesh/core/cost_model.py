@@ -37,8 +37,9 @@ forward with :func:`mesh_cost` too.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields
 from enum import StrEnum
+from operator import attrgetter
 
 from radixmesh.core.estimators import SpeedReport, median_speed, prefill_times
 from radixmesh.core.shadow_state import BatchState, decode_s, ttft_parts
@@ -66,7 +67,7 @@ class NodeInfo:
     pushed_back: bool = False
     utilization: float = 0.0  # recent busy fraction in [0, 1], as the node itself measured it
     # how far the deciding node's predictions of this node's queue wait have lately been off
-    # (``estimators.WaitError``: a peer's view is stale under bursty load); 0 for self
+    # (``load_estimates.WaitError``: a peer's view is stale under bursty load); 0 for self
     wait_error_s: float = 0.0
     # what one place in its queue costs, from its queued requests' tokens (self only: its
     # exact queue; ``SpeedReport.queued_service_s``); None: the speed's mean service time
@@ -209,16 +210,35 @@ def mesh_cost(req: RouteInput, nodes: Sequence[NodeInfo], context_scale: float) 
     agentic, chat and RAG rows under load, and on one shared core its `cost`/`none` went
     0.730 -> 0.714 (geometric mean; docs/benchmarks.md "Router" -> "What a long request costs
     those arriving behind it")."""
-    return [_mesh_cost(req, n, context_scale) for n in nodes]
+    return [priced(req, n, context_scale).cost_s for n in nodes]
 
 
-def _mesh_cost(req: RouteInput, n: NodeInfo, context_scale: float) -> float:
-    service = predict_service(req, n, context_scale)
+@dataclass(frozen=True, slots=True)
+class Priced:
+    """One node's predictions for a request, each computed once (the router's hot path):
+    what :func:`candidate` reports and :func:`mesh_cost` ranks by."""
+
+    ahead_s: float  # round trip (peers) + queue wait
+    prefill_s: float  # its prefill until the first token
+    service_s: float  # prefill, then decode
+    cost_s: float  # the mesh cost (``mesh_cost``)
+
+
+def priced(req: RouteInput, n: NodeInfo, context_scale: float) -> Priced:
+    """``n``'s :class:`Priced` for ``req``: the sums of ``predict_latency`` / ``predict_ttft``
+    / ``mesh_cost``, each term evaluated once."""
+    ahead = (0.0 if n.is_self else n.rtt_s) + predict_wait(n)
+    prefill = predict_prefill(req, n, context_scale)
     if n.batch is not None:
-        return _latency(n, service) + batch_externality(req, n, context_scale)
+        service = prefill + decode_s(n.batch, req.max_tokens, req.prompt_tokens)
+        cost = ahead + service + batch_externality(req, n, context_scale)
+        return Priced(ahead, prefill, service, cost)
+    # predict_service's sum, its prefill computed once
+    service = prefill + n.speed.decode_s_per_token * max(0, req.max_tokens - 1)
     mean = n.speed.mean_service_s
     arrivals = n.utilization / mean if mean > 0.0 else 0.0  # requests/s it serves
-    return _latency(n, service) + service * n.queue_depth + arrivals * service * service / 2.0
+    cost = ahead + service + service * n.queue_depth + arrivals * service * service / 2.0
+    return Priced(ahead, prefill, service, cost)
 
 
 def batch_externality(req: RouteInput, node: NodeInfo, context_scale: float) -> float:
@@ -255,11 +275,19 @@ def request_slack(node: NodeInfo, window_s: float) -> float:
 
 def robust_speeds(avail: list[NodeInfo], tol: float | None) -> list[NodeInfo]:
     """Speeds within ``tol`` (``speed_tolerance``) of the candidates' median are the median:
-    only a difference larger than measurement noise (another GPU, a throttled node) counts."""
+    only a difference larger than measurement noise (another GPU, a throttled node) counts.
+    (A node whose speed comes out unchanged is passed on as it is: the hot path.)"""
     if tol is None or len(avail) < 2:
         return avail
     median = median_speed([n.speed for n in avail])
-    return [replace(n, speed=_snapped(n.speed, median, tol)) for n in avail]
+    snapped: dict[int, SpeedReport] = {}  # by id: peers often share one report object
+    out = []
+    for n in avail:
+        speed = snapped.get(id(n.speed))
+        if speed is None:
+            speed = snapped[id(n.speed)] = _snapped(n.speed, median, tol)
+        out.append(n if speed is n.speed else _with(n, _SPEED, speed))
+    return out
 
 
 def _snapped(speed: SpeedReport, median: SpeedReport, tol: float) -> SpeedReport:
@@ -268,15 +296,39 @@ def _snapped(speed: SpeedReport, median: SpeedReport, tol: float) -> SpeedReport
     speed only: not ``mean_service_s``, which follows the node's own mix of cached and cold
     requests (it prices that node's queue) and really differs between nodes. The prefill is
     compared as a whole: overhead and rate are fitted together, and nodes that agree on the
-    prefills they served may split them differently."""
-    mine, mid = prefill_times(speed), prefill_times(median)
-    if all(m / tol <= t <= m * tol for t, m in zip(mine, mid, strict=True)):
-        speed = replace(speed, prefill_overhead_s=median.prefill_overhead_s,
-                        prefill_s_per_token=median.prefill_s_per_token)
+    prefills they served may split them differently. (``speed`` itself when nothing changes.)"""
+    overhead, rate = speed.prefill_overhead_s, speed.prefill_s_per_token
+    if overhead != median.prefill_overhead_s or rate != median.prefill_s_per_token:
+        mine, mid = prefill_times(speed), prefill_times(median)
+        if all(m / tol <= t <= m * tol for t, m in zip(mine, mid, strict=True)):
+            overhead, rate = median.prefill_overhead_s, median.prefill_s_per_token
     decode, mid_decode = speed.decode_s_per_token, median.decode_s_per_token
-    if mid_decode / tol <= decode <= mid_decode * tol:
-        speed = replace(speed, decode_s_per_token=mid_decode)
-    return speed
+    if decode != mid_decode and mid_decode / tol <= decode <= mid_decode * tol:
+        decode = mid_decode
+    if (overhead, rate, decode) == (
+        speed.prefill_overhead_s, speed.prefill_s_per_token, speed.decode_s_per_token
+    ):
+        return speed
+    return SpeedReport(prefill_overhead_s=overhead, prefill_s_per_token=rate,
+                       decode_s_per_token=decode, mean_service_s=speed.mean_service_s)
+
+
+# NodeInfo with one field replaced, without ``dataclasses.replace``'s per-call field walk
+# (the router copies a few per decision: 3.5 -> 1.7 us each)
+_NODE_FIELDS = tuple(f.name for f in fields(NodeInfo))
+_node_values = attrgetter(*_NODE_FIELDS)
+_SPEED, _CACHED = _NODE_FIELDS.index("speed"), _NODE_FIELDS.index("cached_tokens")
+
+
+def _with(node: NodeInfo, index: int, value: object) -> NodeInfo:
+    values = list(_node_values(node))
+    values[index] = value
+    return NodeInfo(*values)
+
+
+def with_cached(node: NodeInfo, cached_tokens: int) -> NodeInfo:
+    """``node`` as if it held ``cached_tokens`` of the request (``replace``, faster)."""
+    return _with(node, _CACHED, cached_tokens)
 
 
 def candidate(
@@ -286,23 +338,19 @@ def candidate(
     beat_s: float | None = None,
     placement: Tag | None = None,
     cost_s: float | None = None,
+    parts: Priced | None = None,
 ) -> Candidate:
-    """``node`` as a ranked candidate for the request (its predictions filled in)."""
-    expected = min(node.cached_tokens, req.prompt_tokens)
-    ahead = (0.0 if node.is_self else node.rtt_s) + predict_wait(node)  # each once: hot path
-    prefill = predict_prefill(req, node, context_scale)
-    if node.batch is not None:
-        service = prefill + decode_s(node.batch, req.max_tokens, req.prompt_tokens)
-    else:
-        service = predict_service(req, node, context_scale)
+    """``node`` as a ranked candidate for the request (its predictions filled in; ``parts``:
+    its :class:`Priced`, if the caller has it)."""
+    p = priced(req, node, context_scale) if parts is None else parts
     return Candidate(
         node_id=node.node_id,
         is_self=node.is_self,
-        expected_cached_tokens=expected,
-        predicted_latency_s=ahead + service,
+        expected_cached_tokens=min(node.cached_tokens, req.prompt_tokens),
+        predicted_latency_s=p.ahead_s + p.service_s,
         beat_s=beat_s,
         placement=placement,
-        wait_s=ahead - (0.0 if node.is_self else node.rtt_s),
+        wait_s=p.ahead_s - (0.0 if node.is_self else node.rtt_s),
         cost_s=cost_s,
-        ttft_s=ahead + prefill,
+        ttft_s=p.ahead_s + p.prefill_s,
     )

@@ -32,7 +32,7 @@ nodes that hold the prefix; the best of them (near-equal ones picked at
 random, self first: two entry nodes with the same stale view do not
 pick the same peer) wins when it is predicted at most
 ``placement_slack`` (75 %) slower than the best choice now (an
-owner making the first copy: 75 % of that copy's work slower), if
+owner making the first copy: ``first_copy_slack``, 10 % of that copy's work), if
 that choice would copy the prefix or holds less of the request (by
 more than the hysteresis is worth). A member busier than
 ``(1 + placement_load_bound)`` × the mean utilization (1.15×, tighter
@@ -89,7 +89,7 @@ refusal says the peer's queue wait, which the sender takes as a fresh report of 
 it does not back off from the peer (it is not busy as such, and a holder that refused a
 cold request must stay a candidate for the hits it holds). ``beat_s`` is
 what staying costs (the local prediction, plus the local miss's extra work × the local queue
-under load; × ``1 + placement_slack`` for a preferred holder, + ``placement_slack`` × the
+under load; × ``1 + placement_slack`` for a preferred holder, + ``first_copy_slack`` × the
 copy's work for an owner making the first copy), *not* minus the RTT: when
 the forward arrives, its way out is spent, and the way back is paid whether the peer answers
 the request or refuses it — so the peer should take it whenever its wait + service beats what
@@ -100,7 +100,6 @@ that still paid: at 16–1,024 simulated nodes 0.4–0.5 refusals per request.)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from random import Random  # the type only: instances are passed in, never the global one
 
 from radixmesh.core.cost_model import (
@@ -112,13 +111,14 @@ from radixmesh.core.cost_model import (
     batch_externality,
     candidate,
     mean_utilization,
-    mesh_cost,
     over_bound,
     predict_prefill,
     predict_service,
     predict_ttft,
     predict_wait,
+    priced,
     request_slack,
+    with_cached,
 )
 from radixmesh.core.router_config import RouterConfig
 
@@ -143,16 +143,18 @@ class CostPolicy:
         """The cost policy: each candidate's mesh cost and whether it is preferred for the
         prefix are computed once, for the choice and for the ``beat_s`` each forward carries."""
         me = next(n for n in avail if n.is_self)
-        costs = mesh_cost(req, avail, self.config.context_scale)
-        cost_of = {n.node_id: c for n, c in zip(avail, costs, strict=True)}
-        local = cost_of[me.node_id]
+        scale = self.config.context_scale
+        parts = {n.node_id: priced(req, n, scale) for n in avail}
+        costs = [parts[n.node_id].cost_s for n in avail]
+        local = parts[me.node_id].cost_s
         preferred = set() if placement is None else {
             n.node_id for n in avail if self._preferred(req, n, me, placement)
         }
         order, bought = self._by_cost(req, avail, costs, rng, placement, preferred)
         if placement is None:
-            return [candidate(req, n, self.config.context_scale, None if n.is_self else local,
-                                    cost_s=cost_of[n.node_id]) for n in order]
+            return [candidate(req, n, scale, None if n.is_self else local,
+                              cost_s=parts[n.node_id].cost_s, parts=parts[n.node_id])
+                    for n in order]  # fmt: skip
         owners = set(placement.owners)
         held = placement.held_tokens
         anyone = any(n.cached_tokens >= held for n in nodes)
@@ -165,7 +167,8 @@ class CostPolicy:
             else:
                 beat = self._preferred_limit(req, local, me, n.cached_tokens >= held)
             tag = Tag.LOCAL_COPY if n.is_self and bought else _tag(n, owners, held, anyone)
-            out.append(candidate(req, n, self.config.context_scale, beat, tag, cost_of[n.node_id]))
+            p = parts[n.node_id]
+            out.append(candidate(req, n, scale, beat, tag, p.cost_s, p))
         return out
 
     def _by_cost(
@@ -235,7 +238,7 @@ class CostPolicy:
         counted as paid, bought on a loaded host at a prefix's first forward: 16 emulated
         H100s, RAG 80 %: 17 copies of 400 requests, 13 at rent 0; misses 48 ms vs SMG 32.)"""
         scale = self.config.context_scale
-        warm = replace(me, cached_tokens=there.cached_tokens)
+        warm = with_cached(me, there.cached_tokens)
         extra = predict_prefill(req, me, scale) - predict_prefill(req, warm, scale)
         extra += batch_externality(req, me, scale) - batch_externality(req, warm, scale)
         gain = predict_ttft(req, me, scale) - predict_ttft(req, there, scale)
@@ -283,15 +286,17 @@ class CostPolicy:
         """The most a preferred candidate may cost when ``alternative`` (the best choice now,
         predicted at ``cost``) is what it is preferred to: a holder, ``placement_slack`` more
         than all of ``cost``; an owner that would make the prefix's first copy (as would
-        ``alternative``), that share of the copy's work only. Under load ``cost`` is mostly
-        queue, and a slack on all of it let an owner's queue grow to 1.75x the others' for
-        one copy (the real cluster with 16 clients: new subjects piled onto one owner,
-        22-27 s each). Holders keep it: in the simulator (MMLU, 16 clients) the narrower
-        slack for them too cost 1.8 points of hit rate and 4.5 % on the mean."""
-        slack = self.config.placement_slack
+        ``alternative``), ``first_copy_slack`` of the copy's work only (a slack on all of
+        ``cost``, mostly queue under load, piled new subjects onto one owner on the real
+        cluster; holders keep it: narrower cost MMLU 1.8 points of hits). An owner's is
+        small: a holder's copy is certain, an owner's pays only if later requests come, and
+        every entry node spends it at once on one stale view of the owner (a herd). At 0.75
+        of the copy's work h100-16 (``sim --experiment regimes``) was 0.84x `none`'s mean,
+        at 0.1 0.75x (p99 0.77 -> 0.63x); 0.1 of a copy still exceeds a round trip."""
         if holder:
-            return cost * (1.0 + slack)
-        return cost + slack * predict_service(req, alternative, self.config.context_scale)
+            return cost * (1.0 + self.config.placement_slack)
+        copy = predict_service(req, alternative, self.config.context_scale)
+        return cost + self.config.first_copy_slack * copy
 
     @staticmethod
     def _holder_instead(
@@ -325,7 +330,7 @@ class CostPolicy:
             return False
         scale = self.config.context_scale
         there = predict_service(req, than, scale)
-        saved = there - predict_service(req, replace(than, cached_tokens=node.cached_tokens), scale)
+        saved = there - predict_service(req, with_cached(than, node.cached_tokens), scale)
         return saved >= self._needed(there)
 
     def _needed(self, work_s: float) -> float:
@@ -353,8 +358,8 @@ class CostPolicy:
             return True
         scale = self.config.context_scale
         copy = node.cached_tokens if holds else req.prompt_tokens
-        here = predict_service(req, replace(node, cached_tokens=me.cached_tokens), scale)
-        there = predict_service(req, replace(node, cached_tokens=copy), scale)
+        here = predict_service(req, with_cached(node, me.cached_tokens), scale)
+        there = predict_service(req, with_cached(node, copy), scale)
         net = here - there - node.rtt_s - node.wait_error_s  # what a later forward gains
         return net >= max(self._needed(here), node.rtt_s)
 
@@ -365,15 +370,10 @@ class CostPolicy:
         room (utilization under ``load_bound_floor``, or less than one request expected in
         its queue when this one arrives) and saves at least ``load_bound_bypass`` of the
         time. Utilization is a 10 s average: a holder that made a few long cold prefills
-        lately is over the floor while idle now, and one client's requests never queue
-        behind each other. On gpu-70b with one client (simulator panel, "g70 seq 2ms") the
-        floor alone made 8 of 500 requests cold `replica` copies next to an idle holder
-        (1.3 s instead of 0.2 s each); with the queue as well, 2 (mean 0.95x, p99 0.71x).
-        The saving asked was half the time until an agent's step whose scratchpad its
-        holder had (a few hundred tokens of 1,600) counted as small: with one client the
-        bound kept steps off the holder of their previous one, each re-prefilling its
-        scratchpad next to an idle holder (simulator, fitted speeds: 90.1 % of the prompt
-        tokens cached against the gateway's 91.8 %; 91.1-91.8 % asking no saving)."""
+        lately is over the floor while idle now. (gpu-70b, one client, simulated: the floor
+        alone made 8 of 500 requests cold `replica` copies next to an idle holder, with the
+        queue as well 2. Asking half the time as the saving kept agents' steps off the
+        holder of their scratchpad: 90.1 % of prompt tokens cached, 91.1-91.8 % asking none.)"""
         cfg = self.config
         room = top[3].utilization < cfg.load_bound_floor or top[3].queue_depth < 1.0
         return room and top[0] < (1.0 - cfg.load_bound_bypass) * best[0]

@@ -42,9 +42,10 @@ from radixmesh.core.codec import Codec
 from radixmesh.core.config import GossipMode, NodeConfig
 from radixmesh.core.epidemic import Epidemic
 from radixmesh.core.estimate import Estimate, bump
-from radixmesh.core.estimators import RttTable, SpeedReport
+from radixmesh.core.estimators import SpeedReport
 from radixmesh.core.events import Action, Send
 from radixmesh.core.failure import FailureDetector
+from radixmesh.core.load_estimates import RttTable
 from radixmesh.core.membership import Member
 from radixmesh.core.messages import (
     Ack,

@@ -30,9 +30,9 @@ from radixmesh.core.codec import Codec
 from radixmesh.core.config import NodeConfig
 from radixmesh.core.dissemination import Disseminator
 from radixmesh.core.estimate import Estimate, bump
-from radixmesh.core.estimators import RttTable
 from radixmesh.core.events import Action
 from radixmesh.core.failure import FailureDetector
+from radixmesh.core.load_estimates import RttTable
 from radixmesh.core.membership import Membership
 from radixmesh.core.messages import Gossip, Load
 from radixmesh.core.peerview import PeerView

@@ -61,7 +61,6 @@ from enum import Enum
 
 from radixmesh.core.config import ForwardConfig
 from radixmesh.core.cost_model import Candidate
-from radixmesh.core.estimators import QueuedBlocks
 from radixmesh.core.events import (
     Abort,
     ExecuteLocally,
@@ -70,6 +69,7 @@ from radixmesh.core.events import (
     RequestAction,
     RequestArrived,
 )
+from radixmesh.core.load_estimates import QueuedBlocks
 
 AddressOf = Callable[[str], str | None]  # peer id -> address (None: not a known member)
 

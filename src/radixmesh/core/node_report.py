@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from radixmesh.core.admission import AdmissionControl
 from radixmesh.core.config import NodeConfig
 from radixmesh.core.cost_model import Tag
-from radixmesh.core.estimators import RttTable
 from radixmesh.core.gossip import Gossiper
 from radixmesh.core.lifecycle import Lifecycle
+from radixmesh.core.load_estimates import RttTable
 from radixmesh.core.membership import Membership, MemberState
 from radixmesh.core.own_load import OwnLoad
 from radixmesh.core.peer_loads import PeerLoads

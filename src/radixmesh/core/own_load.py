@@ -26,16 +26,10 @@ from dataclasses import replace
 from radixmesh.core.config import NodeConfig
 from radixmesh.core.cost_model import NodeInfo
 from radixmesh.core.estimate import bump
-from radixmesh.core.estimators import (
-    ComputeModel,
-    CostPriors,
-    Ewma,
-    SpeedReport,
-    Utilization,
-    speed_is_stale,
-)
+from radixmesh.core.estimators import ComputeModel, CostPriors, Ewma, SpeedReport, speed_is_stale
 from radixmesh.core.events import LoadChanged, RequestServed
 from radixmesh.core.gossip import Gossiper
+from radixmesh.core.load_estimates import Utilization
 from radixmesh.core.messages import Load
 from radixmesh.core.shadow_state import aged
 

@@ -21,9 +21,9 @@ from radixmesh.core.admission import AdmissionControl
 from radixmesh.core.codec import Codec, Limits
 from radixmesh.core.config import NodeConfig
 from radixmesh.core.decisions import DecisionLog
-from radixmesh.core.estimators import RttTable
 from radixmesh.core.gossip import Gossiper
 from radixmesh.core.lifecycle import Lifecycle
+from radixmesh.core.load_estimates import RttTable
 from radixmesh.core.membership import Membership
 from radixmesh.core.node_report import NodeReport
 from radixmesh.core.own_load import OwnLoad

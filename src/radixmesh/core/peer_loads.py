@@ -32,9 +32,10 @@ from dataclasses import dataclass
 from radixmesh.core.config import NodeConfig
 from radixmesh.core.cost_model import NodeInfo
 from radixmesh.core.estimate import Estimate, bump
-from radixmesh.core.estimators import RttTable, SpeedReport, WaitError
+from radixmesh.core.estimators import SpeedReport
 from radixmesh.core.gossip import Gossiper
 from radixmesh.core.lifecycle import Lifecycle
+from radixmesh.core.load_estimates import RttTable, WaitError
 from radixmesh.core.shadow_state import BatchState, aged
 
 IDLE_PEERS = 2  # unmatched least-loaded peers the cost policy also considers

@@ -54,7 +54,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import xxhash
 
-from radixmesh.core.estimators import decayed_span
+from radixmesh.core.load_estimates import decayed_span
 
 POINTS_PER_MEMBER = 64  # virtual points of each member on the ring (spread within ~±20 %)
 MAX_RING_POINTS = 4096  # ... fewer per member in large meshes (a ring per node: memory, CPU)

@@ -47,9 +47,11 @@ class RouterConfig:
     # the same: no second cold copy), named by the block at this depth (None: off) ...
     placement_depth_blocks: int | None = 16
     # ... and a prefix's holders are preferred while predicted at most this fraction slower
-    # than the best choice now (the copy they avoid would cost every later request), an
-    # owner making the first copy while at most this fraction of that copy's work slower
+    # than the best choice now (the copy they avoid would cost every later request) ...
     placement_slack: float = 0.75
+    # ... and an owner making the first copy while at most this fraction of that copy's
+    # work slower (every entry node spends it at once on one stale view: keep it small)
+    first_copy_slack: float = 0.1
     # ... and a member busier than (1+x) × the mean utilization is passed over on the ring:
     # no prefix gets it as a new owner (consistent hashing with bounded load; None: off)
     placement_load_bound: float | None = 0.15
@@ -81,8 +83,8 @@ class RouterConfig:
             raise ValueError("load_bound must be >= 0 (or None to disable)")
         if self.placement_depth_blocks is not None and self.placement_depth_blocks < 1:
             raise ValueError("placement_depth_blocks must be >= 1 (or None)")
-        if self.placement_slack < 0:
-            raise ValueError("placement_slack must be >= 0")
+        if self.placement_slack < 0 or self.first_copy_slack < 0:
+            raise ValueError("placement_slack and first_copy_slack must be >= 0")
         if self.placement_load_bound is not None and self.placement_load_bound < 0:
             raise ValueError("placement_load_bound must be >= 0 (or None to disable)")
         if not 0 <= self.load_bound_bypass <= 1 or not 0 <= self.load_bound_floor <= 1:

@@ -28,7 +28,7 @@ from itertools import pairwise
 import numpy as np
 import numpy.typing as npt
 
-from radixmesh.core.estimators import QueuedBlocks
+from radixmesh.core.load_estimates import QueuedBlocks
 from radixmesh.core.messages import Change, Delta, Snapshot
 
 _VARINT = 0

@@ -61,7 +61,6 @@ from radixmesh.core.adapters import (
 from radixmesh.core.admission import token_cap
 from radixmesh.core.blocks import Fingerprint, block_hashes, namespace_seed
 from radixmesh.core.config import NodeConfig
-from radixmesh.core.estimators import QueuedBlocks
 from radixmesh.core.events import (
     Abort,
     AcceptForward,
@@ -94,6 +93,7 @@ from radixmesh.core.events import (
     Tick,
 )
 from radixmesh.core.forward_codec import encode_forward_request, encode_reply
+from radixmesh.core.load_estimates import QueuedBlocks
 from radixmesh.core.messages import ForwardAccepted as AcceptedReply
 from radixmesh.core.messages import (
     ForwardBusy,

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 from radixmesh.core.blocks import Fingerprint, block_hashes
 from radixmesh.core.config import ForwardConfig, GossipConfig, NodeConfig, PushbackConfig
-from radixmesh.core.estimators import CostPriors, QueuedBlocks
+from radixmesh.core.estimators import CostPriors
 from radixmesh.core.events import (
     AcceptForward,
     Action,
@@ -72,6 +72,7 @@ from radixmesh.core.events import (
     Send,
     Tick,
 )
+from radixmesh.core.load_estimates import QueuedBlocks
 from radixmesh.core.node import NodeCore
 from radixmesh.core.profile import Profile
 from radixmesh.core.router import DELIBERATE, Policy, RouterConfig
