@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import replace
 from typing import Any
 
 import msgpack
@@ -264,8 +265,8 @@ def test_request_header_and_shape() -> None:
     assert _request_rejected(_with(fields, 0, True)).reason == "decode"
     for kind in (1, KIND_BUSY, 99, -1, True):
         _request_rejected(_with(fields, 1, kind))
-    _request_rejected(_pack([*fields, 0]))  # extra field
-    _request_rejected(_pack(fields[:-1]))  # missing field
+    _request_rejected(_pack([*fields, "t", 0]))  # extra field (after the optional tenant)
+    _request_rejected(_pack(fields[:-1]))  # missing field (the adapter)
     _request_rejected(_pack({"prompt_ids": [1]}))
     good = encode_forward_request(REQ)
     for data in (b"", b"\xc1", good[:-1], good + b"\0", "text", None, 17):
@@ -463,5 +464,18 @@ def test_the_tenants_quota_key_travels_with_a_forward() -> None:
         fields = _req_fields(req)
         fields[14] = bad
         _request_rejected(_pack(fields))
+    _request_rejected(_pack([*_req_fields(req), "t"]))  # 16 fields: refused
+
+
+def test_a_forward_of_the_previous_build_decodes() -> None:
+    """docs/reliability.md: within a version a rolling restart is safe. The tenant is the
+    optional fifteenth field: a 14-field request (the previous build's) decodes with no
+    tenant, and one without a tenant is sent as 14 fields, which that build decodes."""
+    req = ForwardRequest((1, 2), 4, namespace="n" * 32, session=9, adapter="a" * 16)
+    old = _req_fields(req)
+    assert len(old) == 14
+    assert decode_forward_request(_pack(old)) == req
+    assert decode_forward_request(_pack([*old, None])) == req  # an explicit nil: no tenant
+    assert len(_req_fields(replace(req, tenant="t" * 32))) == 15
     with pytest.raises(ValueError, match="tenant"):
         ForwardRequest((1,), 1, tenant="")

@@ -25,8 +25,9 @@ Three states of this node keep work away, each decided here and nowhere else:
 
 * **tenant quotas** (core/quotas.py, ``--tenant-queue-share``): the shell says when a
   request's tenant is over its share of this node's bounds (``over_quota`` on the event):
-  the node is full for that request (:meth:`AdmissionControl.over_quota`), so a client's
-  goes to a peer or gets the 429, a peer's forward is refused as busy.
+  the node is full for that request (:meth:`AdmissionControl.quota_retry_after_s`), so a
+  client's goes to a peer or gets the 429, a peer's forward is refused as busy (counted as
+  ``admission_full_quota`` only then: by the 429, core/requests.py, or that refusal).
 
 A peer's forward is answered here too (:meth:`AdmissionControl.forward_arrived`): refused by
 the states above, or — when the sender said what serving it here must beat — when this
@@ -212,10 +213,9 @@ class AdmissionControl:
         bump(self._metrics, f"admission_full_{full.bound}")
         return full.wait_s
 
-    def over_quota(self) -> float:
+    def quota_retry_after_s(self) -> float:
         """A request's tenant is over its share of this node's queue (core/quotas.py): the
         node is full for it; the retry-after is the node's shortest."""
-        bump(self._metrics, "admission_full_quota")
         return self._config.admission.min_retry_after_s
 
     def serves_while_leaving(
@@ -259,8 +259,9 @@ class AdmissionControl:
         A sender routing on a view of our queue that is a gossip round old finds out in one
         round trip instead of waiting in a queue that many nodes picked at once."""
         retry = self._refusal_by_state(now, event.prompt_tokens, event.max_tokens)
-        if retry is None and event.over_quota:
-            retry = self.over_quota()
+        if retry is None and event.over_quota:  # the quota decides this refusal
+            bump(self._metrics, "admission_full_quota")
+            retry = self.quota_retry_after_s()
         if retry is not None:
             return RefuseForward(event.rid, retry), None, None
         if event.beat_s is None:

@@ -342,6 +342,7 @@ class RejectRequest:
 
     rid: int
     retry_after_s: float
+    quota: bool = False  # full for its tenant only (core/quotas.py): the 429 says so
 
 
 RequestAction = Forward | ExecuteLocally | Abort | AcceptForward | RefuseForward | RejectRequest

@@ -74,7 +74,7 @@ class ForwardLimits:
 
 # ------------------------------------------------------------------------------- request
 def encode_forward_request(req: ForwardRequest) -> bytes:
-    """The request body: ``[version, kind, prompt, max_tokens, ..., adapter, tenant]``."""
+    """The request body: ``[version, kind, prompt, max_tokens, ..., adapter, tenant?]``."""
     fields = [
         PROTOCOL_VERSION,
         KIND_FORWARD_REQUEST,
@@ -90,9 +90,8 @@ def encode_forward_request(req: ForwardRequest) -> bytes:
         req.namespace,
         req.session,
         req.adapter,
-        req.tenant,
     ]
-    return _pack(fields)
+    return _pack(fields if req.tenant is None else [*fields, req.tenant])  # else 14, as before
 
 
 def decode_forward_request(data: bytes, limits: ForwardLimits | None = None) -> ForwardRequest:
@@ -105,7 +104,8 @@ def decode_forward_request(data: bytes, limits: ForwardLimits | None = None) -> 
 
 
 def _request(f: list[Any], lim: ForwardLimits) -> ForwardRequest:
-    check_array(f, 15, "forward request")
+    check_array(f, 15 if len(f) == 15 else 14, "forward request")  # tenant: optional 15th
+    tenant = f[14] if len(f) == 15 else None
     return ForwardRequest(
         prompt=_ids(f[2], lim.max_prompt_tokens, "prompt"),
         max_tokens=check_int(f[3], "max_tokens"),
@@ -119,7 +119,7 @@ def _request(f: list[Any], lim: ForwardLimits) -> ForwardRequest:
         namespace=None if f[11] is None else check_text(f[11], MAX_NAMESPACE_CHARS, "namespace"),
         session=None if f[12] is None else check_int(f[12], "session", _U64_MAX),
         adapter=None if f[13] is None else check_text(f[13], 64, "adapter", 16),
-        tenant=None if f[14] is None else check_text(f[14], MAX_NAMESPACE_CHARS, "tenant"),
+        tenant=None if tenant is None else check_text(tenant, MAX_NAMESPACE_CHARS, "tenant"),
     )
 
 

@@ -106,6 +106,7 @@ class Flight:
     # Full (leaving), yet it may run here if no peer takes it: a draining node whose grace
     # outlasts the request's predicted latency serves it rather than answer 429.
     last_resort_local: bool = False
+    full_by_quota: bool = False  # full for this request's tenant only (core/quotas.py)
     tried: set[str] = field(default_factory=set)  # peers already tried (never again)
     choice: Candidate | None = None  # the candidate of the current try (self: local)
 
@@ -182,17 +183,19 @@ class Lifecycle:
         candidates: list[Candidate],
         full_for_s: float | None = None,
         last_resort_local: bool = False,
+        full_by_quota: bool = False,
     ) -> list[RequestAction]:
         """A new request; ``full_for_s``: this node is full, its queue holds that much work;
         ``last_resort_local``: full, but it runs here rather than be rejected when every peer
-        tried refused it (a leaving node within its grace)."""
+        tried refused it (a leaving node within its grace); ``full_by_quota``: full for its
+        tenant only (core/quotas.py: a rejection says so)."""
         if event.rid in self._flights:
             raise ValueError(f"request id {event.rid} is already in flight")  # a shell bug
         expected = next(
             (c.expected_cached_tokens for c in candidates if c.is_self), event.local_cached
         )
         flight = Flight(event, candidates, expected, full_for_s=full_for_s,
-                        last_resort_local=last_resort_local)
+                        last_resort_local=last_resort_local, full_by_quota=full_by_quota)
         self._flights[event.rid] = flight
         return [self._next_try(flight)]
 
@@ -273,17 +276,17 @@ class Lifecycle:
                 continue
             return self._forward(flight, cand, address)
         if flight.full_for_s is not None and not flight.last_resort_local:
-            return self._reject(flight)
+            return self._reject(flight, flight.full_by_quota)
         if not any(c.is_self for c in cands):  # not runnable here (an adapter it lacks)
-            return self._reject(flight)
+            return self._reject(flight, False)
         return self._local(flight, 0)
 
-    def _reject(self, flight: Flight) -> RejectRequest:
+    def _reject(self, flight: Flight, quota: bool) -> RejectRequest:
         self._untrack(flight)
         del self._flights[flight.rid]
         self.counters.rejected += 1
         retry = max(flight.full_for_s or 0.0, self._min_retry_after_s)
-        return RejectRequest(flight.rid, retry)
+        return RejectRequest(flight.rid, retry, quota)
 
     def _forward(self, flight: Flight, cand: Candidate, address: str) -> Forward:
         self._untrack(flight)

@@ -28,6 +28,15 @@ answers 429 with the node's retry-after); a node receiving a peer's forward refu
 busy when the tenant is over its share there. Forwards carry the tenant as a keyed hash
 (``Namespacer.keyed``), the quota key on every node, never the name in clear.
 
+One API request is one admission: its samples (``n``) and prompts are checked together, as
+``k`` requests of their tokens in all, at its entry node, and those after the first ride on
+that verdict (a prompt's other samples must run where its first ran: checked one by one, the
+cap's worth would always leave the next one "full" there). ``k`` above the tenant's request
+cap can never fit (:meth:`TenantQuotas.never_fits`): the client gets a 400 saying so, not a
+429 that retrying never cures. A peer still checks each forward it receives by itself.
+Counted (``admission_full_quota``) only where the quota decides: a client's 429 (no peer took
+it either) or a peer's forward refused as busy.
+
 Pure: the shell calls :meth:`TenantQuotas.admit` when a request joins its engine's queue and
 :meth:`TenantQuotas.release` with the ticket when it leaves.
 """
@@ -84,7 +93,6 @@ class TenantQuotas:
     """Per-tenant counters of the requests admitted to run here, and the quota verdict."""
 
     share: float | None = None  # None: quotas off
-    refused: int = 0  # requests refused by a quota
     _held: dict[str, Held] = field(default_factory=dict)
     _tickets: dict[int, tuple[str, int]] = field(default_factory=dict)
     _next: int = 0
@@ -97,24 +105,27 @@ class TenantQuotas:
         h = self._held.get(tenant)
         return Held() if h is None else Held(h.requests, h.tokens)
 
-    def over(self, tenant: str | None, tokens: int, bounds: Bounds) -> bool:
-        """Whether a request of ``tokens`` from ``tenant`` would take it over its share of
-        ``bounds`` (never for no tenant, with quotas off, or for a tenant holding nothing)."""
+    def over(self, tenant: str | None, tokens: int, bounds: Bounds, requests: int = 1) -> bool:
+        """Whether ``requests`` requests of ``tokens`` in all from ``tenant`` (one API
+        request's samples and prompts, admitted together) would take it over its share of
+        ``bounds`` (never for no tenant, with quotas off, or for a tenant holding nothing
+        when they fit its request cap: :meth:`never_fits`)."""
         if tenant is None or self.share is None:
             return False
-        held = self._held.get(tenant)
-        if held is None or held.requests == 0:
-            return False
         caps = tenant_caps(self.share, bounds)
-        if caps.requests is not None and held.requests + 1 > caps.requests:
+        held = self._held.get(tenant, Held())
+        if caps.requests is not None and held.requests + requests > caps.requests:
             return True
-        return caps.tokens is not None and held.tokens + max(tokens, 0) > caps.tokens
+        return (caps.tokens is not None and held.requests > 0
+                and held.tokens + max(tokens, 0) > caps.tokens)
 
-    def refuse(self, tenant: str | None, tokens: int, bounds: Bounds) -> bool:
-        """:meth:`over`, counting a refusal."""
-        refused = self.over(tenant, tokens, bounds)
-        self.refused += refused
-        return refused
+    def never_fits(self, tenant: str | None, requests: int, bounds: Bounds) -> int | None:
+        """The tenant's request cap when ``requests`` requests admitted together exceed it
+        (they can never run here at once: the client must send fewer), else None."""
+        if tenant is None or self.share is None:
+            return None
+        cap = tenant_caps(self.share, bounds).requests
+        return cap if cap is not None and requests > cap else None
 
     def admit(self, tenant: str | None, tokens: int) -> int | None:
         """Count a request of ``tenant`` that joined this node's queue; its ticket for

@@ -46,6 +46,7 @@ from radixmesh.core.events import (
     Log,
     RefuseForward,
     RejectRequest,
+    RequestAction,
     RequestArrived,
     RequestCancelled,
     RequestDone,
@@ -72,12 +73,21 @@ class RequestFlow:
 
     def arrived(self, event: RequestArrived, now: float) -> list[Action]:
         full = self._admission.full_for(event.prompt_tokens, event.max_tokens)
-        if full is None and event.over_quota:  # (core/quotas.py) full for this tenant
-            full = self._admission.over_quota()
+        by_quota = full is None and event.over_quota  # (core/quotas.py) full for this tenant
+        if by_quota:
+            full = self._admission.quota_retry_after_s()
         candidates = self._candidates(event, now)
         last_resort = self._admission.leaving and self._admission.serves_while_leaving(
             event, candidates, now)
-        return list(self._lifecycle.start(event, candidates, full, last_resort))
+        return self._counted(self._lifecycle.start(event, candidates, full, last_resort,
+                                                   by_quota))
+
+    def _counted(self, actions: list[RequestAction]) -> list[Action]:
+        """``actions``, counting a 429 the tenant's quota decided (no peer took it either)."""
+        for action in actions:
+            if isinstance(action, RejectRequest) and action.quota:
+                bump(self._metrics, "admission_full_quota")
+        return list(actions)
 
     def accepted(self, event: ForwardAccepted, _: float) -> list[Action]:
         if self._lifecycle.is_current(event.rid, event.peer_id, "accepted"):
@@ -91,7 +101,8 @@ class RequestFlow:
         self._gossip.refused_forward(event.peer_id, event.retry_after_s, now)
         if event.queue_s is not None:
             self._peers.queue_reported(event.peer_id, event.queue_s, now)
-        return list(self._lifecycle.refused(event.rid, self._ranked_again(event.rid, now)))
+        return self._counted(self._lifecycle.refused(event.rid,
+                                                     self._ranked_again(event.rid, now)))
 
     def failed(self, event: ForwardFailed, now: float) -> list[Action]:
         if not self._lifecycle.is_current(event.rid, event.peer_id, "failed"):
@@ -99,7 +110,8 @@ class RequestFlow:
         bump(self._metrics, "forwards_failed")
         actions = self._gossip.forward_failed(event.peer_id, now)
         fresh = self._ranked_again(event.rid, now)
-        actions.extend(self._lifecycle.failed(event.rid, event.tokens_so_far, fresh))
+        actions.extend(self._counted(self._lifecycle.failed(event.rid, event.tokens_so_far,
+                                                            fresh)))
         return actions
 
     def _ranked_again(self, rid: int, now: float) -> list[Candidate] | None:

@@ -486,6 +486,7 @@ async def _start(request: Request, service: NodeService, api: ApiRequest,
     target = request.headers.get(HEADER_TARGET) or None
     tokens = api.stream or bool(api.stop)  # stop strings: tokens as they come, matched here
     tenant = service.quota_key(request_tenant(request.scope.get("state") or {}))
+    over = _over_quota(service, api, prompts, tenant)  # once, for every sample and prompt
     samples: list[_Sample] = []
     try:
         for p, prompt in enumerate(prompts):
@@ -493,7 +494,8 @@ async def _start(request: Request, service: NodeService, api: ApiRequest,
             # stays here; the other samples go where the first went: RequestArrived)
             ex = await service.execute(prompt, _sampling(api, 0), tokens, local_only=hop,
                                        target=target, namespace=namespace, session=session,
-                                       adapter=adapter, tenant=tenant)
+                                       adapter=adapter, tenant=tenant,
+                                       over_quota=over and p == 0)
             first = _Sample(p * api.n, prompt, ex)
             samples.append(first)
             for j in range(1, api.n):
@@ -506,6 +508,18 @@ async def _start(request: Request, service: NodeService, api: ApiRequest,
         await _abandon([s.ex for s in samples])
         raise
     return samples
+
+
+def _over_quota(service: NodeService, api: ApiRequest, prompts: list[list[int]],
+                tenant: str | None) -> bool:
+    """Whether the tenant is over its share of this node for all of this request's samples
+    and prompts together (core/quotas.py: the first's verdict; the others ride on it); 400
+    when they exceed its cap, as they can never run here at once."""
+    tokens = sum(len(p) + api.max_tokens for p in prompts) * api.n
+    try:
+        return service.over_quota(tenant, tokens, len(prompts) * api.n)
+    except ValueError as exc:
+        raise ApiError(f"{exc}.", param="n", code="exceeds_tenant_quota") from None
 
 
 async def _abandon(executions: Sequence[Execution]) -> None:

@@ -486,17 +486,23 @@ class NodeService:
             return None
         return self.namespacer.keyed(b"quota", tenant)
 
-    def over_quota(self, key: str | None, tokens: int) -> bool:
-        """Whether a request of ``tokens`` would take tenant ``key`` over its share of this
-        node's admission bounds (core/quotas.py; counted in /metrics when it does)."""
+    def over_quota(self, key: str | None, tokens: int, requests: int = 1) -> bool:
+        """Whether ``requests`` requests of ``tokens`` in all (one API request's samples and
+        prompts) would take tenant ``key`` over its share of this node's admission bounds
+        (core/quotas.py; the core counts it where the quota decides). ValueError when they
+        exceed the tenant's request cap: they can never run here at once."""
         if key is None or self.quotas.share is None:
             return False
         adm = self.node_config.admission
-        rate = self.core.token_rate()
         bounds = admission_bounds(adm.max_queue_requests, adm.max_queue_wait_s,
                                   self.core.own_speed().mean_service_s,
-                                  token_cap(adm, rate, self.inflight))
-        return self.quotas.refuse(key, tokens, bounds)
+                                  token_cap(adm, self.core.token_rate(), self.inflight))
+        cap = self.quotas.never_fits(key, requests, bounds)
+        if cap is not None:
+            raise ValueError(f"this request's {requests} samples and prompts exceed your "
+                             f"tenant's share of this node's queue ({cap} at once): send "
+                             "fewer ('n' x prompts) per request")
+        return self.quotas.over(key, tokens, bounds, requests)
 
     def _cached_here(self, prompt: Sequence[int], hashes: Sequence[int],
                      namespace: str | None = None) -> int:
@@ -574,25 +580,22 @@ class NodeService:
         session: int | None = None,
         adapter: Adapter | None = None,
         tenant: str | None = None,
+        over_quota: bool = False,
     ) -> Execution:
         """Start one client request where the core says (``local_only``: hop-limited;
         ``sample_of``: the node serving the first sample of the prompt this one samples;
         ``namespace``: its cache namespace, core/tenants.py; ``session``: its session id,
-        core/sessions.py; ``tenant``: its tenant's quota key, :meth:`quota_key`)."""
+        core/sessions.py; ``tenant``: its tenant's quota key, :meth:`quota_key`;
+        ``over_quota``: that tenant is over its share here, :meth:`over_quota`, checked once
+        for all the samples and prompts of an API request)."""
         ctx = RequestContext(next(self._rids), tuple(prompt), self.hashes_of(prompt, namespace),
                              sampling, stream, namespace, session, adapter, tenant)
         local_cached = self._cached_here(ctx.prompt, ctx.hashes, namespace)
-        over = self.over_quota(tenant, len(ctx.prompt) + sampling.max_tokens)
         event = RequestArrived(ctx.rid or 0, ctx.hashes, len(ctx.prompt), local_cached,
                                sampling.max_tokens, local_only, target, sampling.plain,
                                sample_of, session, None if adapter is None else adapter.key,
-                               over)
-        try:
-            ex = await self._start(ctx, self._one(self.dispatch(event), ctx))
-        except Overloaded as full:
-            if not over:
-                raise
-            raise Overloaded(full.retry_after_s, quota=True) from None
+                               over_quota)
+        ex = await self._start(ctx, self._one(self.dispatch(event), ctx))
         self.metrics.requests[ex.route] += 1
         return ex
 
@@ -612,7 +615,7 @@ class NodeService:
                 return action
             if isinstance(action, RejectRequest):
                 self.metrics.rejected += 1
-                raise Overloaded(action.retry_after_s)
+                raise Overloaded(action.retry_after_s, action.quota)
         raise RuntimeError(f"request {ctx.rid}: the core gave no next step")
 
     async def _offer(self, ctx: RequestContext, action: Forward
