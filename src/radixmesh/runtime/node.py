@@ -104,7 +104,7 @@ from radixmesh.core.messages import (
 )
 from radixmesh.core.node import NodeCore
 from radixmesh.core.profile import resolve as resolve_profile
-from radixmesh.core.quotas import TenantQuotas, admission_bounds
+from radixmesh.core.quotas import Bounds, TenantQuotas, admission_bounds
 from radixmesh.core.shadow import Shadow
 from radixmesh.core.tenants import Namespacer, parse_api_keys
 from radixmesh.engine.base import (
@@ -497,7 +497,8 @@ class NodeService:
         bounds = admission_bounds(adm.max_queue_requests, adm.max_queue_wait_s,
                                   self.core.own_speed().mean_service_s,
                                   token_cap(adm, self.core.token_rate(), self.inflight))
-        cap = self.quotas.never_fits(key, requests, bounds)
+        # a 400 only against the configured count (the wait bound moves with speed: a 429)
+        cap = self.quotas.never_fits(key, requests, Bounds(adm.max_queue_requests, None))
         if cap is not None:
             raise ValueError(f"this request's {requests} samples and prompts exceed your "
                              f"tenant's share of this node's queue ({cap} at once): send "
