@@ -43,10 +43,6 @@ from dataclasses import dataclass, replace
 _PACK = struct.Struct("<5f9I5f")
 _U32 = (1 << 32) - 1
 BATCH_REFRESH_ROUNDS = 8  # gossip intervals a peer's unchanged copy is left to age at most
-# a report whose predicted TTFT moved by more than this share is sent again (was 0.2, with a
-# floor of two step bases and compared half a round on: on H100 profiles, whose TTFTs are
-# 2-4 step bases, that kept peers' copies stale; see worth_sending)
-CHANGE_TOLERANCE = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,14 +163,14 @@ def aged(b: BatchState, age_s: float, added_tokens: int = 0, added: int = 0) -> 
                    waiting=b.waiting + added, free_s=max(0.0, b.free_s - age))
 
 
-def changed(sent: BatchState, now: BatchState, tolerance: float = CHANGE_TOLERANCE) -> bool:
+def changed(sent: BatchState, now: BatchState, tolerance: float = 0.2) -> bool:
     """Whether ``now`` differs materially from the report last sent (``sent``, aged to now
     as its receivers age it): the TTFT it predicts for a 512-token prompt off by more than
-    ``tolerance`` of it and a quarter of a step's base, its arrival rate by more than
+    ``tolerance`` of it and two steps' fixed part, its arrival rate by more than
     ``tolerance`` (and 0.1 per second). Unchanged reports are not
     gossiped again (:func:`worth_sending`): a receiver's own aging is as good."""
     ref_then, ref_now = sum(ttft_parts(sent, 512, 0)), sum(ttft_parts(now, 512, 0))
-    floor = 0.25 * now.step_base_s
+    floor = 2.0 * now.step_base_s
     if abs(ref_now - ref_then) > max(tolerance * ref_now, floor):
         return True
     return abs(now.rate - sent.rate) > max(tolerance * now.rate, 0.1)
@@ -185,16 +181,15 @@ def worth_sending(last: tuple[BatchState, float] | None, batch: BatchState, now:
     """Whether a message to a peer carries ``batch`` (this node's, as of ``now``), given
     ``last``: the one last sent to that peer, and when (``Estimate.batch_sent``). Yes
     when it has none, or it is ``BATCH_REFRESH_ROUNDS`` gossip intervals old, or it
-    :func:`changed` materially from that copy aged to now. (Compared half a round on, and
-    with a floor of two step bases, a prompt drained by then looked like news to nobody;
-    but the receiver routes on its copy now: on 4 emulated H100s the entry nodes' predicted
-    TTFT error fell from 12.1-12.3 % median / 31.8-36.0 % p90 (RAG) and 7.7 / 29.8 %
-    (agentic) to 11.0-11.7 / 30.8-31.7 % and 7.2 / 24.6 %, runs paired in time:
-    docs/benchmarks.md.) Sent with every load report, the 76-byte
-    record was most of a busy batching node's gossip (``microbench --only gossip``:
-    ``delta_bytes_per_s_batch``). Per peer: a round reaches ``fanout`` of them (3), so a
-    node-wide "last sent" left the others with a batch up to ``BATCH_REFRESH_ROUNDS`` old
-    (16 emulated H100s: peers' predicted TTFT p90 off by 132 % instead of ~36 %)."""
+    :func:`changed` materially, compared half a round on (when the receiver uses it on
+    average): a prompt computed by then (an H100 prefills a few thousand tokens in a
+    fraction of a round) is news to nobody, a queue, a decode batch or a rate that lasts
+    is. Sent with every load report, the 76-byte record was most of a busy batching
+    node's gossip (``microbench --only gossip``: ``delta_bytes_per_s_batch``). Per peer:
+    a round reaches ``fanout`` of them (3), so a node-wide "last sent" left the others
+    with a batch up to ``BATCH_REFRESH_ROUNDS`` old (16 emulated H100s: peers' predicted
+    TTFT p90 off by 132 % instead of ~36 %)."""
     if last is None or now - last[1] >= BATCH_REFRESH_ROUNDS * interval_s:
         return True
-    return changed(aged(last[0], now - last[1]), batch)
+    half = interval_s / 2.0
+    return changed(aged(last[0], now - last[1] + half), aged(batch, half))
