@@ -16,14 +16,20 @@ table dropped). ``_journal`` folds every add and remove into the node's net delt
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from radixmesh.core.blocks import extend_hashes
 from radixmesh.core.scheduler import Finished, Scheduler, SchedulerConfig, Step
 from radixmesh.engine.paged_kv import PagedKV
 
-if TYPE_CHECKING:
-    from radixmesh.engine.batch import Live
+
+class Live(Protocol):
+    """What the bookkeeping reads and writes of a request in the engine (``batch.Live``)."""
+
+    tokens: list[int]
+    hashes: list[int]
+    admitted: float | None
+    seed: int
 
 
 class KvMirror:
