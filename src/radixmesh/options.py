@@ -115,7 +115,7 @@ _TABLE = (
     Option("net_loss", "emulated gossip loss probability, e.g. 0.05", parse_fraction,
            old=("loss",)),
     Option("tenant_queue_share", "per-tenant admission quota: each tenant (--api-keys) may "
-           "hold at most this share of the node's --max-queue-* bounds, e.g. 0.5 or 50%; "
+           "hold at most this share of the node's --max-queue-* bounds, e.g. 0.5 or 50%%; "
            "requests without a tenant share the rest; 'off' = no quotas", parse_share,
            metavar="SHARE|off"),
     Option("network", "timing presets under the other options: local (one machine) | lan "
