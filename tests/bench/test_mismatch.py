@@ -102,3 +102,17 @@ def test_captured_vllm_batches_classify_as_the_real_run_did(name: str) -> None:
         v = classify(s, Seen(r["id"], tuple(r["prompt"]), r["predicted"], r["actual"],
                              r["t_sent"], r["t_headers"], r["t_first"]))
         assert v.kind == r["class"], r["id"]
+
+
+def test_an_eviction_aware_estimate_fixes_the_captured_eviction_and_spoils_nothing() -> None:
+    """``bench/evict_check.py`` on the real 4-in-flight capture: its one ``evicted`` mismatch
+    becomes a match with the node's queue estimate (core/free_queue.py), no prediction goes
+    below the engine's count; raising P to the estimate also fixes both ``inserted``."""
+    from radixmesh.bench.evict_check import check
+
+    cut = check(FIXTURE / "run-none-c4.msgpack", 48)
+    assert cut["before"]["evicted"] == 1 and cut["after"]["evicted"] == 0
+    assert cut["after"]["over"] == 0 and cut["after"]["match"] == cut["before"]["match"] + 1
+    full = check(FIXTURE / "run-none-c4.msgpack", 48, discount_only=False)
+    assert full["after"]["match"] == len(msgpack.unpackb(
+        (FIXTURE / "run-none-c4.msgpack").read_bytes(), raw=False)["requests"])

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import assume, given, settings, target
 from hypothesis import strategies as st
 
-from radixmesh.core.free_queue import FreeOrder, Held, surviving_blocks, uncached_free
+from radixmesh.core.free_queue import EngineQueue, FreeOrder, Held, surviving_blocks
 
 Key = tuple[int, ...]
 
@@ -77,28 +77,29 @@ requests = st.builds(request, st.integers(0, 3), st.integers(0, 2),
 def test_the_estimate_is_the_engines_hit_when_nothing_finishes_in_between(
         num_gpu_blocks: int, history: list[tuple[tuple[int, int, int], list[int]]],
         waiting: list[Held], like: int, variant: int, tokens: int) -> None:
-    """The node sees the cached blocks, the requests running and the order they finished; the
-    requests ``waiting`` are scheduled before a new one (in the group of an earlier request,
-    ``like``): the estimate is the engine's hit (searched towards chains cut by evictions the
-    node's present match would miss)."""
-    pool, order = RefPool(num_gpu_blocks), FreeOrder()
-    running: dict[int, Held] = {}
+    """The node sees the cached blocks, the requests it sent, which started and the order they
+    finished; the requests ``waiting`` (sent, not scheduled) are scheduled before a new one (in
+    the group of an earlier request, ``like``): the estimate is the engine's hit (searched
+    towards chains cut by evictions the node's present match would miss)."""
+    pool, node = RefPool(num_gpu_blocks), EngineQueue(num_gpu_blocks - 1)
+    running: set[int] = set()
     for rid, (prompt, finishes) in enumerate(history):
         for pick in finishes:  # running requests finish in any order
             if not running:
                 break
             done = sorted(running)[pick % len(running)]
+            running.discard(done)
             pool.finish(done)
-            order.release(running.pop(done).chain)
+            node.finished(done)
         if pool.schedule(rid, request(*prompt)) is not None:
-            running[rid] = request(*prompt)
+            running.add(rid)
+            node.sent(rid, request(*prompt))
+            node.started(rid)
     new = request(history[like % len(history)][0][0], variant, tokens)
-    cached = list(pool.block_of)
-    held = {k for r in running.values() for k in r.chain}
-    estimate = surviving_blocks(
-        new.chain, free=order.free_blocks(cached, held), cached=cached,
-        uncached=uncached_free(num_gpu_blocks - 1, len(cached), running.values()),
-        waiting=waiting)
+    for i, req in enumerate(waiting):
+        node.sent(1000 + i, req)
+    cached = set(pool.block_of)
+    estimate = node.surviving(new.chain, cached)
     for i, req in enumerate(waiting):
         assume(pool.schedule(1000 + i, req) is not None)
     actual = pool.schedule(2000, new)
@@ -132,3 +133,5 @@ def test_bad_arguments_are_refused_by_name() -> None:
         surviving_blocks([], free=[], cached=[], uncached=-1, waiting=[])
     with pytest.raises(ValueError, match="block_size"):
         Held.of_prompt([], 3, 0)
+    with pytest.raises(ValueError, match="capacity"):
+        EngineQueue(0)

@@ -22,7 +22,8 @@ requests it sent and their prompts (so the blocks each holds while it runs), and
 which they finished (:class:`FreeOrder`: a cached block's place is the finish of the last
 request that held it, deepest first). Blocks cached by requests the node never saw are put at
 the head (oldest). When it accepts a request it knows the requests ahead of it that the engine
-has not scheduled yet (sent, their blocks not yet stored). :func:`surviving_blocks` plays the
+has not scheduled yet (sent, their blocks not yet stored; :class:`EngineQueue` keeps them).
+:func:`surviving_blocks` plays the
 queue forward: each waiting request in turn touches the leading blocks of its chain still
 cached, allocates the rest of its blocks (the uncached free ones first, then the queue's
 head), and caches its full blocks; what is left of the new request's chain is what the engine
@@ -37,6 +38,7 @@ vLLM: ``engine/http_engine.py`` ``mesh_block_size``). Pure: no I/O, no clock.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -84,17 +86,20 @@ class FreeOrder:
         for depth, key in enumerate(chain):
             self._stamp[key] = (self._finished, -depth)
 
-    def free_blocks(self, cached: Iterable[Key], held: Collection[Key]) -> list[Key]:
-        """The cached blocks not ``held``, in eviction order; blocks never released (cached by
-        requests the node did not see) first. Stamps of blocks no longer cached are dropped."""
-        cached = list(cached)
-        present = set(cached)
-        for key in [k for k in self._stamp if k not in present]:
+    def free_blocks(self, cached: Collection[Key], held: Collection[Key],
+                    limit: int | None = None) -> list[Key]:
+        """The cached blocks not ``held``, in eviction order (the first ``limit``); blocks
+        never released (cached by requests the node did not see) first. Stamps of blocks no
+        longer cached are dropped."""
+        for key in [k for k in self._stamp if k not in cached]:
             del self._stamp[key]
         free = [k for k in cached if k not in held]
         unknown = [k for k in free if k not in self._stamp]
-        known = sorted((k for k in free if k in self._stamp), key=self._stamp.__getitem__)
-        return unknown + known
+        known = [k for k in free if k in self._stamp]
+        if limit is None:
+            return unknown + sorted(known, key=self._stamp.__getitem__)
+        rest = max(limit - len(unknown), 0)
+        return (unknown + heapq.nsmallest(rest, known, key=self._stamp.__getitem__))[:limit]
 
 
 def uncached_free(capacity: int, cached: int, running: Iterable[Held]) -> int:
@@ -127,6 +132,56 @@ def surviving_blocks(chain: Sequence[Key], *, free: Sequence[Key], cached: Colle
             present.discard(victim)
         present.update(req.chain[hit:])
     return _leading(chain, present)
+
+
+class EngineQueue:
+    """The requests a node has in flight at one engine, in the order it sent them (running
+    once their first token came, else waiting), and the order its requests finished:
+    :func:`surviving_blocks` for a request sent now. A request the engine has scheduled but
+    whose first token has not come yet counts as waiting: its blocks' stores (if seen) make
+    it a hit of its own chain, so it allocates only what it would anyway."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1 block, got {capacity}")
+        self.capacity = capacity
+        self.order = FreeOrder()
+        self._flight: dict[Hashable, Held] = {}
+        self._running: set[Hashable] = set()
+
+    def __len__(self) -> int:
+        return len(self._flight)
+
+    def sent(self, rid: Hashable, held: Held) -> None:
+        self._flight[rid] = held
+
+    def started(self, rid: Hashable) -> None:
+        """Its first token came: the engine holds its blocks."""
+        if rid in self._flight:
+            self._running.add(rid)
+
+    def finished(self, rid: Hashable, chain: Sequence[Key] | None = None) -> None:
+        """Request ``rid``'s stream ended: its blocks (``chain``: its prompt's and output's
+        full blocks; by default its prompt's) go to the queue's tail."""
+        held = self._flight.pop(rid, None)
+        self._running.discard(rid)
+        if chain is None:
+            chain = held.chain if held is not None else ()
+        self.order.release(chain)
+
+    def surviving(self, chain: Sequence[Key], cached: Collection[Key]) -> int:
+        """Leading blocks of ``chain`` (a request sent now) the engine will hold when it
+        schedules it, after the requests waiting ahead of it (which may also store some)."""
+        running = [h for rid, h in self._flight.items() if rid in self._running]
+        waiting = [h for rid, h in self._flight.items() if rid not in self._running]
+        uncached = uncached_free(self.capacity, len(cached), running)
+        short = sum(h.blocks for h in waiting) - uncached
+        if short <= 0:  # the uncached free blocks cover every allocation ahead
+            return _leading(chain, set(cached).union(*(h.chain for h in waiting)))
+        held = {k for h in running for k in h.chain}
+        free = self.order.free_blocks(cached, held, short + sum(len(h.chain) for h in waiting))
+        return surviving_blocks(chain, free=free, cached=cached, uncached=uncached,
+                                waiting=waiting)
 
 
 def _leading(chain: Sequence[Key], present: Collection[Key]) -> int:
