@@ -33,6 +33,15 @@ llama.cpp's ``timings.cache_n``), else
 the view's match when the request was sent. ``waiting`` counts requests sent with no token
 back yet, ``running`` those streaming; a result's ``queue_s`` is 0 (the engine's queue is not
 visible), ``prefill_s`` is the time to the first token.
+
+With ``kv_blocks`` (``--engine-kv-blocks``: vLLM's ``num_gpu_blocks``; engine block = mesh
+block) the exact view's match is vLLM's free queue played forward
+(:class:`~radixmesh.core.free_queue.EngineQueue`): what the requests this node sent and that
+have no token yet will evict and store before the engine schedules the new one. Each request
+is sent to the queue with its prompt and leaves it with its prompt's and output's blocks.
+
+Why one file over 400 lines: the three engine dialects' wire formats and both cache views
+are one adapter; split, each half would reach into the other's request state.
 """
 
 from __future__ import annotations
