@@ -268,3 +268,28 @@ def test_engine_kv_blocks_count_what_the_requests_ahead_evict_and_store() -> Non
     assert aware.match([*other, 9]) == 32  # it stores its first two blocks before
     aware.queue.finished("r1")
     assert aware.match([*cached, 9]) == 32
+
+
+def test_with_engine_kv_blocks_requests_enter_and_leave_the_queue() -> None:
+    """Each request joins the shell's queue estimate when sent, runs from its first token
+    and leaves it at its end, its prompt's and output's full blocks released."""
+    async def scenario() -> None:
+        async with running() as fake:
+            fake.faults.barrier = 2
+            engine = HttpEngine("vllm", fake.url, ByteTokenizer(), model_name=fake.model,
+                                block_size=16, engine_block_size=16, kv_blocks=64)
+            assert engine.queue is not None
+            seen: list[tuple[int, int]] = []
+
+            def note(_: int) -> None:
+                assert engine.queue is not None
+                seen.append((len(engine.queue), len(engine.queue._running)))
+
+            await asyncio.gather(
+                engine.generate(request(prompt_of("first prompt " * 4), 20, "a"), note),
+                engine.generate(request(prompt_of("second prompt " * 4), 20, "b"), note))
+            await engine.aclose()
+            assert (2, 2) in seen and len(engine.queue) == 0
+            assert len(engine.queue.order) >= 2 * 4  # 48 + 19 tokens: 4 full blocks each
+
+    asyncio.run(scenario())
