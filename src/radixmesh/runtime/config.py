@@ -293,6 +293,9 @@ class ServeConfig:
             raise ValueError("engine_block_size must be >= 0 (0: from the events)")
         if self.engine_kv_blocks < 0:
             raise ValueError("engine_kv_blocks must be >= 0 (0: off)")
+        if self.engine_kv_blocks and (self.engine != "vllm" or not self.engine_block_size):
+            raise ValueError("--engine-kv-blocks models vLLM's free queue: it needs --engine "
+                             "vllm and --engine-block-size")
         if self.profile and self.engine == "builtin":
             raise ValueError("--profile describes an external engine: give --engine vllm|sglang")
         if not self.profile_time_scale > 0:
