@@ -49,7 +49,6 @@ def test_forward_timeouts_reach_the_core() -> None:
 
 
 def test_engine_kv_blocks_needs_vllm_and_its_block_size() -> None:
-
     base = {"engine": "vllm", "engine-url": "http://127.0.0.1:1", "tokenizer": "bytes"}
     assert config_from_mapping({**base, "engine-kv-blocks": 48,
                                 "engine-block-size": 128}).engine_kv_blocks == 48
