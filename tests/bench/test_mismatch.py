@@ -102,3 +102,37 @@ def test_captured_vllm_batches_classify_as_the_real_run_did(name: str) -> None:
         v = classify(s, Seen(r["id"], tuple(r["prompt"]), r["predicted"], r["actual"],
                              r["t_sent"], r["t_headers"], r["t_first"]))
         assert v.kind == r["class"], r["id"]
+
+
+def test_an_eviction_aware_estimate_fixes_the_captured_eviction_and_spoils_nothing() -> None:
+    """``bench/evict_check.py`` on the real 4-in-flight capture: its one ``evicted`` mismatch
+    becomes a match with the node's queue estimate (core/free_queue.py), no prediction goes
+    below the engine's count; raising P to the estimate also fixes both ``inserted``."""
+    from radixmesh.bench.evict_check import check
+
+    cut = check(FIXTURE / "run-none-c4.msgpack", 48)
+    assert cut["before"]["evicted"] == 1 and cut["after"]["evicted"] == 0
+    assert cut["after"]["over"] == 0 and cut["after"]["match"] == cut["before"]["match"] + 1
+    full = check(FIXTURE / "run-none-c4.msgpack", 48, discount_only=False)
+    assert full["after"]["match"] == len(msgpack.unpackb(
+        (FIXTURE / "run-none-c4.msgpack").read_bytes(), raw=False)["requests"])
+
+
+def test_a_whole_run_capture_reads_back_as_the_fixture_does(tmp_path: Path) -> None:
+    """``--capture-whole`` (every engine's batches, every request with its engine) feeds
+    ``bench/evict_check.py`` as the bounded fixture does."""
+    from radixmesh.bench.evict_check import check
+    from radixmesh.bench.vllm_capture import save_whole_run
+    from radixmesh.bench.vllm_replay import Agreement
+
+    doc = msgpack.unpackb((FIXTURE / "run-none-c4.msgpack").read_bytes(), raw=False)
+    agreement = Agreement(seen=[(0, Seen(r["id"], tuple(r["prompt"]), r["predicted"],
+                                         r["actual"], r["t_sent"], r["t_headers"],
+                                         r["t_first"])) for r in doc["requests"]],
+                          verdicts=[r["class"] for r in doc["requests"]])
+    frames = [[(t, f) for t, f in doc["frames"]], []]
+    n = save_whole_run(tmp_path / "whole.msgpack", frames, agreement, doc["block_size"],
+                       doc["engine_block_size"])
+    assert n == len(doc["requests"])
+    whole = check(tmp_path / "whole.msgpack", 48)
+    assert whole | {"file": ""} == check(FIXTURE / "run-none-c4.msgpack", 48) | {"file": ""}

@@ -247,3 +247,49 @@ def test_match_counts_whole_engine_blocks_below_the_last_prompt_token() -> None:
     assert engine.match(cached[:200]) == 128  # a prefix ending inside block 2: only block 1
     assert engine.match(cached[:256]) == 128  # the last token is always computed
     assert engine.match(cached[:257]) == 256
+
+
+def test_engine_kv_blocks_count_what_the_requests_ahead_evict_and_store() -> None:
+    """``--engine-kv-blocks``: 3 usable blocks (4 less vLLM's null block), 2 cached; a request
+    sent ahead needs 3 fresh ones, so vLLM evicts both before scheduling the next one (its
+    queue: core/free_queue.py); once it finished, its own prompt is cached for the next."""
+    def engine(kv_blocks: int) -> HttpEngine:
+        e = HttpEngine("vllm", "http://127.0.0.1:1", ByteTokenizer(), model_name="m",
+                       block_size=16, engine_block_size=16, kv_blocks=kv_blocks)
+        e.index.apply(KvBatch(0.0, (EngineBlockStored((1, 2), None, tuple(cached), 16),)))
+        return e
+
+    cached, other = list(range(1, 33)), list(range(100, 141))
+    plain, aware = engine(0), engine(4)
+    assert plain.queue is None and aware.queue is not None
+    assert plain.match([*cached, 9]) == aware.match([*cached, 9]) == 32
+    aware.queue.sent("r1", aware._held(other, None))
+    assert aware.match([*cached, 9]) == 0 and plain.match([*cached, 9]) == 32
+    assert aware.match([*other, 9]) == 32  # it stores its first two blocks before
+    aware.queue.finished("r1")
+    assert aware.match([*cached, 9]) == 32
+
+
+def test_with_engine_kv_blocks_requests_enter_and_leave_the_queue() -> None:
+    """Each request joins the shell's queue estimate when sent, runs from its first token
+    and leaves it at its end, its prompt's and output's full blocks released."""
+    async def scenario() -> None:
+        async with running() as fake:
+            fake.faults.barrier = 2
+            engine = HttpEngine("vllm", fake.url, ByteTokenizer(), model_name=fake.model,
+                                block_size=16, engine_block_size=16, kv_blocks=64)
+            assert engine.queue is not None
+            seen: list[tuple[int, int]] = []
+
+            def note(_: int) -> None:
+                assert engine.queue is not None
+                seen.append((len(engine.queue), len(engine.queue._running)))
+
+            await asyncio.gather(
+                engine.generate(request(prompt_of("first prompt " * 4), 20, "a"), note),
+                engine.generate(request(prompt_of("second prompt " * 4), 20, "b"), note))
+            await engine.aclose()
+            assert (2, 2) in seen and len(engine.queue) == 0
+            assert len(engine.queue.order) >= 2 * 4  # 48 + 19 tokens: 4 full blocks each
+
+    asyncio.run(scenario())

@@ -46,3 +46,13 @@ def test_forward_timeouts_reach_the_core() -> None:
     assert node.forward.silence_timeout_s == 0.75
     assert node.forward.connect_timeout_s == 0.25
     assert node.forward.max_peer_attempts == ForwardConfig().max_peer_attempts
+
+
+def test_engine_kv_blocks_needs_vllm_and_its_block_size() -> None:
+    base = {"engine": "vllm", "engine-url": "http://127.0.0.1:1", "tokenizer": "bytes"}
+    assert config_from_mapping({**base, "engine-kv-blocks": 48,
+                                "engine-block-size": 128}).engine_kv_blocks == 48
+    with pytest.raises(ValueError, match="engine-block-size"):
+        config_from_mapping({**base, "engine-kv-blocks": 48})
+    with pytest.raises(ValueError, match="engine_kv_blocks"):
+        config_from_mapping({**base, "engine-kv-blocks": -1})

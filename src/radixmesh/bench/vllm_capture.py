@@ -147,6 +147,24 @@ def save_run_fixture(path: Path, timed: Sequence[tuple[float, list[bytes]]],
     return len(picked)
 
 
+def save_whole_run(path: Path, timed: Sequence[Sequence[tuple[float, list[bytes]]]],
+                   agreement: Agreement, block_size: int, engine_block_size: int) -> int:
+    """Every engine's batches of a run (``engines_frames``) and every request with its
+    ``engine``: what ``bench/evict_check.py`` replays (``--capture-whole``; megabytes, so
+    not a CI fixture)."""
+    import msgpack
+
+    picked = [{"engine": idx, "id": s.id, "prompt": list(s.prompt), "predicted": s.predicted,
+               "actual": s.actual, "t_sent": s.t_sent, "t_headers": s.t_headers,
+               "t_first": s.t_first, "class": kind}
+              for (idx, s), kind in zip(agreement.seen, agreement.verdicts, strict=True)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(msgpack.packb(
+        {"engines_frames": [[[t, list(f)] for t, f in frames] for frames in timed],
+         "requests": picked, "block_size": block_size, "engine_block_size": engine_block_size}))
+    return len(picked)
+
+
 def save_fixtures(directory: Path, live: Sequence[list[bytes]],
                   replay: Sequence[list[bytes]], meta: dict[str, Any]) -> None:
     import msgpack

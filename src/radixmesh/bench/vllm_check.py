@@ -59,6 +59,7 @@ from radixmesh.bench.vllm_capture import (
     pick_fixture_frames,
     save_fixtures,
     save_run_fixture,
+    save_whole_run,
 )
 from radixmesh.bench.vllm_replay import Agreement, _ms, _pct, build_workload, replay_run
 from radixmesh.bench.vllm_server import (
@@ -234,6 +235,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--capture-run", metavar="DIR",
                     help="save engine 0's timed batches and requests of each run with their "
                     "verdicts (the mismatch classifier's fixtures)")
+    ap.add_argument("--capture-whole", action="store_true",
+                    help="with --capture-run: every request and both engines' batches "
+                    "(bench/evict_check.py's input; megabytes)")
     return ap.parse_args(argv)
 
 
@@ -285,9 +289,12 @@ def run_one(level: int, policy: str, args: argparse.Namespace, model_dir: Path, 
     classify_run(agreement, capture, args.block_size, since=t0)
     name = f"{policy}-c{level}" if several else policy
     if args.capture_run:
-        n = save_run_fixture(Path(args.capture_run) / f"run-{name}.msgpack",
-                             [f for f in capture.timed[0] if f[0] >= t0], agreement,
-                             _mesh_block(args.block_size), args.block_size)
+        target = Path(args.capture_run) / f"run-{name}.msgpack"
+        n = (save_whole_run(target, [[f for f in t if f[0] >= t0] for t in capture.timed],
+                            agreement, _mesh_block(args.block_size), args.block_size)
+             if args.capture_whole else
+             save_run_fixture(target, [f for f in capture.timed[0] if f[0] >= t0], agreement,
+                              _mesh_block(args.block_size), args.block_size))
         print(f"captured {n} requests of a {level}-in-flight run into {args.capture_run}",
               flush=True)
     with open(out / f"records-{name}.jsonl", "w", encoding="utf-8") as fh:

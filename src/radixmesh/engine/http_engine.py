@@ -33,6 +33,15 @@ llama.cpp's ``timings.cache_n``), else
 the view's match when the request was sent. ``waiting`` counts requests sent with no token
 back yet, ``running`` those streaming; a result's ``queue_s`` is 0 (the engine's queue is not
 visible), ``prefill_s`` is the time to the first token.
+
+With ``kv_blocks`` (``--engine-kv-blocks``: vLLM's ``num_gpu_blocks``; engine block = mesh
+block) the exact view's match is vLLM's free queue played forward
+(:class:`~radixmesh.core.free_queue.EngineQueue`): what the requests this node sent and that
+have no token yet will evict and store before the engine schedules the new one. Each request
+is sent to the queue with its prompt and leaves it with its prompt's and output's blocks.
+
+Why one file over 400 lines: the three engine dialects' wire formats and both cache views
+are one adapter; split, each half would reach into the other's request state.
 """
 
 from __future__ import annotations
@@ -45,8 +54,9 @@ from typing import Any, Literal
 
 import aiohttp
 
-from radixmesh.core.blocks import DEFAULT_BLOCK_SIZE, Fingerprint
+from radixmesh.core.blocks import DEFAULT_BLOCK_SIZE, Fingerprint, block_hashes, namespace_seed
 from radixmesh.core.engine_index import EngineIndex
+from radixmesh.core.free_queue import EngineQueue, Held
 from radixmesh.core.prefix_cache import CacheUsage, PrefixCache
 from radixmesh.engine.base import (
     CacheDelta,
@@ -97,6 +107,7 @@ class HttpEngine:
         engine_block_size: int | None = None,
         max_context: int = 32_768,
         read_timeout_s: float = 300.0,
+        kv_blocks: int = 0,
     ) -> None:
         if kind not in KINDS:
             raise ValueError(f"engine kind must be one of {', '.join(KINDS)}, got {kind!r}")
@@ -115,6 +126,10 @@ class HttpEngine:
         self.cache_namespaces = kind == "vllm"
         self.index = EngineIndex(block_size, seed, engine_block_size=engine_block_size)
         self.approx: PrefixCache[None] = PrefixCache(cache_tokens, block_size, seed)
+        # (issue 55) --engine-kv-blocks: match() also counts what the requests ahead will
+        # evict and store (core/free_queue.py); vLLM only (its free queue), engine block = mesh
+        self.queue = (EngineQueue(kv_blocks - 1) if kv_blocks > 1 and kind == "vllm"
+                      and engine_block_size == block_size else None)
         self._timeout = aiohttp.ClientTimeout(sock_connect=CONNECT_TIMEOUT_S,
                                               sock_read=read_timeout_s)
         self._session: aiohttp.ClientSession | None = None
@@ -155,7 +170,16 @@ class HttpEngine:
         nothing finer: vLLM's ``num_tokens - 1`` cap, floored to its block size)."""
         if not self.exact:
             return min(self.approx.match(prompt_ids), max(len(prompt_ids) - 1, 0))
+        if self.queue is not None:
+            return self.queue.surviving(self._held(prompt_ids, namespace).chain,
+                                        self.index.hashes()) * self.index.block_size
         return exact_match(self.index, prompt_ids, namespace)
+
+    def _held(self, tokens: Sequence[int], namespace: str | None) -> Held:
+        """``tokens`` as the engine will hold them (the queue estimate's keys: mesh hashes)."""
+        bs = self.index.block_size
+        seed = namespace_seed(self.index.seed, namespace, bs)
+        return Held.of_prompt(block_hashes(tokens, bs, seed), len(tokens), bs)
 
     def forget_cache(self) -> None:
         """The engine died or came back empty: forget what it held (the index refills from
@@ -199,6 +223,8 @@ class HttpEngine:
         t0 = time.perf_counter()
         self._waiting += 1
         progress = _Progress()
+        if self.queue is not None:
+            self.queue.sent(id(progress), self._held(req.prompt_ids, req.cache_namespace))
         try:
             async with session.post(self.url + path, json=body) as resp:
                 await self._check_status(resp)
@@ -211,6 +237,9 @@ class HttpEngine:
             raise EngineUnavailable(f"{self.kind} engine at {self.url}: {exc!r}") from exc
         finally:
             self._uncount(progress)
+            if self.queue is not None:  # its prompt's and output's full blocks go free
+                self.queue.finished(id(progress), self._held(
+                    [*req.prompt_ids, *progress.output[:-1]], req.cache_namespace).chain)
         self._remember(req.prompt_ids, progress.output)
         return self._result(req, progress, matched, t0)
 
@@ -241,6 +270,8 @@ class HttpEngine:
             progress.first_token_at = time.perf_counter()
             self._waiting -= 1
             self._running += 1
+            if self.queue is not None:
+                self.queue.started(id(progress))
         progress.output.append(tok)
         if on_token is None:
             return

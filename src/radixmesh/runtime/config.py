@@ -142,6 +142,7 @@ class ServeConfig:
     kv_replay: str = ""  # its replay endpoint (one: rank i uses port + i)
     tokenizer: str = ""  # external engine: the model directory whose tokenizer it loads
     engine_block_size: int = 0  # external engine's KV block size; 0 -> from its events
+    engine_kv_blocks: int = 0  # vLLM's num_gpu_blocks: predict its evictions (0: off)
     launch: str = ""  # external engine: start it as a child with this command, stop it with us
     # external engine: its step-time profile (core/profile.py; a shipped name or a TOML file):
     # the node shadows its scheduler (core/shadow.py) and routes on predicted TTFT
@@ -290,6 +291,11 @@ class ServeConfig:
             raise ValueError("--kv-replay needs --kv-events")
         if self.engine_block_size < 0:
             raise ValueError("engine_block_size must be >= 0 (0: from the events)")
+        if self.engine_kv_blocks < 0:
+            raise ValueError("engine_kv_blocks must be >= 0 (0: off)")
+        if self.engine_kv_blocks and (self.engine != "vllm" or not self.engine_block_size):
+            raise ValueError("--engine-kv-blocks models vLLM's free queue: it needs --engine "
+                             "vllm and --engine-block-size")
         if self.profile and self.engine == "builtin":
             raise ValueError("--profile describes an external engine: give --engine vllm|sglang")
         if not self.profile_time_scale > 0:
@@ -474,6 +480,9 @@ def _help_texts() -> dict[str, str]:
         "tokenizer": "directory with the external engine's tokenizer.json (the same files), "
                      "or `bytes` for an engine on the byte tokenizer (radixmesh emulate's default)",
         "engine_block_size": "external engine's KV block size (0 = take it from its events)",
+        "engine_kv_blocks": "vLLM's KV blocks (num_gpu_blocks; needs --engine-block-size): "
+                            "predict cached tokens net of what the requests ahead evict and "
+                            "store (0 = off)",
         "profile": "external engine: its step-time profile (a shipped name, `radixmesh profile "
         "list`, or a TOML file): the node shadows its scheduler and routes on predicted TTFT",
         "profile_time_scale": "external engine: its steps last this many times the profile's "

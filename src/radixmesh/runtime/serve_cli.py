@@ -98,7 +98,8 @@ def build_external_service(config: ServeConfig, tokenizer: Any = None) -> Any:
         raise
     engine = HttpEngine(config.engine, config.engine_url, tokenizer, model_name=name,
                         cache_tokens=config.cache_tokens, max_context=max_context,
-                        engine_block_size=config.engine_block_size or None)
+                        engine_block_size=config.engine_block_size or None,
+                        kv_blocks=config.engine_kv_blocks)
     service = NodeService(config, engine)
     if launched is not None:
         service.attachments.append(launched)  # stopped with the node
