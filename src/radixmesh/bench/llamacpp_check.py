@@ -81,11 +81,12 @@ class LlamaServer:
 
 
 async def run_requests(urls: Sequence[str], reqs: Sequence[Request], policy: str,
-                       concurrency: int) -> tuple[list[Record], list[tuple[int, int]]]:
-    """Closed loop; returns the records and (predicted, actual) per ok request."""
+                       concurrency: int) -> tuple[list[Record], dict[int, int]]:
+    """Closed loop; returns the records and llama.cpp's cached tokens per ok request
+    (by ``seq``)."""
     queue = list(enumerate(reqs))[::-1]
     records: list[Record] = []
-    pairs: list[tuple[int, int]] = []
+    actuals: dict[int, int] = {}
     t0 = time.perf_counter()
 
     async def worker(http: httpx.AsyncClient) -> None:
@@ -98,12 +99,12 @@ async def run_requests(urls: Sequence[str], reqs: Sequence[Request], policy: str
             actual = await send_stream(http, urls[entry], req, rec, t0)
             records.append(rec)
             if rec.ok and actual is not None:
-                pairs.append((rec.cached_tokens or 0, actual))
+                actuals[seq] = actual
 
     async with httpx.AsyncClient(timeout=600.0, trust_env=False) as http:
         await asyncio.gather(*(worker(http) for _ in range(concurrency)))
     records.sort(key=lambda r: r.seq)
-    return records, pairs
+    return records, actuals
 
 
 def one_policy(policy: str, args: argparse.Namespace, model_dir: Path, gguf: Path,
@@ -116,24 +117,30 @@ def one_policy(policy: str, args: argparse.Namespace, model_dir: Path, gguf: Pat
             s.start()
         for s in servers:
             s.wait_ready()
-        options = {"policy": policy, "log_level": "warning", "engine": "openai",
+        options = {"policy": policy, "log_level": "warning", "engine": args.engine,
                    "tokenizer": str(model_dir), "model": "tiny", "threads": 1,
                    "gossip_interval": args.gossip_interval,
                    "cache_tokens": args.cache_tokens}
         per_node = {i: {"engine_url": s.url} for i, s in enumerate(servers)}
         with LocalCluster(args.servers, options, per_node=per_node,
                           log_dir=out / f"nodes-{policy}", python=sys.executable) as cluster:
-            records, pairs = asyncio.run(run_requests(cluster.urls, reqs, policy,
+            records, actuals = asyncio.run(run_requests(cluster.urls, reqs, policy,
                                                       args.concurrency))
     finally:
         for s in servers:
             s.stop()
     summary = summarize(records)
+    rows = [{"seq": r.seq, "served_by": r.served_by, "t_send": r.t_send, "t_done": r.t_done,
+             "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens,
+             "predicted": r.cached_tokens or 0, "actual": actuals[r.seq]}
+            for r in records if r.seq in actuals]
+    pairs = [(row["predicted"], row["actual"]) for row in rows]
     equal = sum(p == a for p, a in pairs)
     mae = sum(abs(p - a) for p, a in pairs) / len(pairs) if pairs else None
     return {"policy": policy, "summary": summary, "requests": len(records),
             "compared": len(pairs), "predicted_equal": equal, "mean_abs_error_tokens": mae,
-            "over": sum(p > a for p, a in pairs), "under": sum(p < a for p, a in pairs)}
+            "over": sum(p > a for p, a in pairs), "under": sum(p < a for p, a in pairs),
+            "rows": rows}
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -163,6 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=100)
     ap.add_argument("--concurrency", type=int, default=2)
     ap.add_argument("--policies", default="cost,none")
+    ap.add_argument("--engine", default="openai", choices=("openai", "llamacpp"),
+                    help="the nodes' --engine: openai (LRU view) or llamacpp (slot view)")
     ap.add_argument("--cache-tokens", type=int, default=16384)
     ap.add_argument("--gossip-interval", default="0.1")
     args = ap.parse_args(argv)
