@@ -224,6 +224,27 @@ def test_openai_kind_keeps_an_approximate_lru_view() -> None:
     asyncio.run(scenario())
 
 
+def test_llamacpp_kind_predicts_the_slot_it_will_get() -> None:
+    """One slot (``LlamaCppSlots``): the local match is the LCP with the slot's last tokens,
+    token granular, not the LRU's best block match."""
+    async def scenario() -> None:
+        async with running() as fake:
+            engine = HttpEngine("llamacpp", fake.url, ByteTokenizer(), model_name=fake.model,
+                                cache_tokens=0)  # --cache-ram 0: the slot only
+            assert engine.describe()["cache_view"] == "slots"
+            first, second = prompt_of("a shared prefix, then " * 4), prompt_of("x" * 90)
+            out = (await engine.generate(request(first, max_tokens=3))).output_ids
+            assert engine.match([*first, *out, 0]) == len(first) + 2  # + decoded output
+            await engine.generate(request(second, max_tokens=1))
+            assert engine.match([*first, 1]) == 0  # the slot now holds the second prompt
+            assert engine.match([*second[:50], 0]) == 50
+            engine.forget_cache()
+            assert engine.match(second) == 0
+            await engine.aclose()
+
+    asyncio.run(scenario())
+
+
 def test_larger_engine_blocks_become_the_mesh_block_size() -> None:
     """vLLM's CPU build caches 128-token blocks: the mesh then hashes at 128 (every gossiped
     hash is a prefix the engine can reuse whole); sizes that do not fit keep the mesh's."""

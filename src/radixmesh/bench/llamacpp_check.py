@@ -34,8 +34,11 @@ from typing import Any
 
 import httpx
 
+from radixmesh.bench.llamacpp_mismatch import classify
 from radixmesh.bench.vllm_replay import _ms, _pct, build_workload, send_stream
 from radixmesh.bench.vllm_server import save_model_dir, stop_group, tail
+from radixmesh.core.blocks import DEFAULT_BLOCK_SIZE
+from radixmesh.engine.tokenizers import HFTokenizer
 from radixmesh.results.records import Record
 from radixmesh.results.summary import summarize
 from radixmesh.runtime.cluster import LocalCluster, free_ports
@@ -144,9 +147,10 @@ def one_policy(policy: str, args: argparse.Namespace, model_dir: Path, gguf: Pat
 
 
 def markdown(res: dict[str, Any]) -> str:
+    view = "slot model" if res["engine"] == "llamacpp" else "LRU view"
     lines = [f"llama.cpp server ({res['servers']} servers, one slot each), random-weight Qwen2 "
              f"`tiny` as GGUF F32; {res['requests']} requests, {res['concurrency']} in flight, "
-             "entry round-robin; nodes with `--engine openai` (approximate view).", "",
+             f"entry round-robin; nodes with `--engine {res['engine']}` ({view}).", "",
              "| policy | predicted == llama.cpp | over / under | mean abs error | hit rate | "
              "mean latency | p99 latency | errors |", "|---|---|---|---|---|---|---|---|"]
     for p in res["policies"]:
@@ -156,6 +160,13 @@ def markdown(res: dict[str, Any]) -> str:
                      f"{p['over']} / {p['under']} | {mae} tokens | "
                      f"{_pct(s['actual_hit_rate'])} | {_ms(s['mean_latency_s'])} | "
                      f"{_ms(s['p99_latency_s'])} | {s['errors']} |")
+    lines.append("")
+    for p in res["policies"]:
+        m = p["mismatches"]
+        classes = ", ".join(f"{k}: {v}" for k, v in m["classes"].items()) or "none"
+        lines.append(f"- {p['policy']}: mismatches {classes}; llama.cpp's slot rule replayed "
+                     f"(bench/llamacpp_mismatch.py) == llama.cpp on {m['slot_model_equal']}/"
+                     f"{p['compared']}")
     return "\n".join(lines) + "\n"
 
 
@@ -184,8 +195,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                    timeout=300)
     reqs = build_workload(args.requests, 8, 0.5, 0)
     res = {"servers": args.servers, "requests": len(reqs), "concurrency": args.concurrency,
+           "engine": args.engine,
            "policies": [one_policy(p, args, model_dir, gguf, out, reqs)
                         for p in args.policies.split(",")]}
+    tokenizer = HFTokenizer(model_dir)
+    prompts = {i: tokenizer.encode(r.prompt or "") for i, r in enumerate(reqs)}
+    for p in res["policies"]:
+        p["mismatches"] = classify(p["rows"], prompts, DEFAULT_BLOCK_SIZE)
     (out / "llamacpp_check.json").write_text(json.dumps(res, indent=2), encoding="utf-8")
     text = markdown(res)
     (out / "llamacpp_check.md").write_text(text, encoding="utf-8")

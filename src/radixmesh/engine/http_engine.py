@@ -25,7 +25,11 @@ The prefix-cache view is one of two:
   (``runtime/kv_subscriber.py``) feeds from the engine's events; ``drain_cache_delta`` is the
   index's delta, which ``NodeService.push_cache_and_load`` turns into ``CacheChanged``;
 * approximate (``openai``: no events) — a ``PrefixCache[None]`` of the prompts and outputs
-  this node sent, LRU under ``cache_tokens``: it guesses what the engine kept.
+  this node sent, LRU under ``cache_tokens``: it guesses what the engine kept;
+* slots (``llamacpp``: llama.cpp's server, no events) — the same LRU is what the node
+  advertises, but its own match is :class:`~radixmesh.core.llamacpp_slots.LlamaCppSlots`:
+  the server's slot choice and prompt cache replayed on what this node sent (``-np`` from
+  its ``/props``), token granular, so the prediction names the slot llama.cpp will pick.
 
 ``cached_tokens`` of a result is the engine's own figure when it reports one
 (``usage.prompt_tokens_details.cached_tokens`` / SGLang's ``meta_info.cached_tokens`` /
@@ -33,6 +37,8 @@ llama.cpp's ``timings.cache_n``), else
 the view's match when the request was sent. ``waiting`` counts requests sent with no token
 back yet, ``running`` those streaming; a result's ``queue_s`` is 0 (the engine's queue is not
 visible), ``prefill_s`` is the time to the first token.
+
+(Over 400 lines: one shell for four engines' wire formats, kept together.)
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ import aiohttp
 
 from radixmesh.core.blocks import DEFAULT_BLOCK_SIZE, Fingerprint
 from radixmesh.core.engine_index import EngineIndex
+from radixmesh.core.llamacpp_slots import LlamaCppSlots
 from radixmesh.core.prefix_cache import CacheUsage, PrefixCache
 from radixmesh.engine.base import (
     CacheDelta,
@@ -57,8 +64,9 @@ from radixmesh.engine.base import (
     Tokenizer,
 )
 
-EngineKind = Literal["vllm", "sglang", "openai"]
-KINDS: tuple[str, ...] = ("vllm", "sglang", "openai")
+EngineKind = Literal["vllm", "sglang", "openai", "llamacpp"]
+KINDS: tuple[str, ...] = ("vllm", "sglang", "openai", "llamacpp")
+APPROXIMATE_KINDS = ("openai", "llamacpp")  # no KV events
 TOKEN_ID_PREFIX = "token_id:"
 CONNECT_TIMEOUT_S = 5.0
 
@@ -97,6 +105,7 @@ class HttpEngine:
         engine_block_size: int | None = None,
         max_context: int = 32_768,
         read_timeout_s: float = 300.0,
+        slots: int = 1,
     ) -> None:
         if kind not in KINDS:
             raise ValueError(f"engine kind must be one of {', '.join(KINDS)}, got {kind!r}")
@@ -109,12 +118,15 @@ class HttpEngine:
         self._max_context = max_context
         self.cache_tokens = cache_tokens
         seed = self._fingerprint.digest
-        self.exact = kind != "openai"
+        self.exact = kind not in APPROXIMATE_KINDS
         # (tenants) vLLM keeps cache_salt requests apart and its events say which salt
         # (core/kv_events.salt_of); SGLang and plain OpenAI servers are not wired for it
         self.cache_namespaces = kind == "vllm"
         self.index = EngineIndex(block_size, seed, engine_block_size=engine_block_size)
         self.approx: PrefixCache[None] = PrefixCache(cache_tokens, block_size, seed)
+        # llama.cpp: its slots and prompt cache (budget: cache_tokens), for the local match
+        self.slots = (LlamaCppSlots(slots, cache_tokens=cache_tokens) if kind == "llamacpp"
+                      else None)
         self._timeout = aiohttp.ClientTimeout(sock_connect=CONNECT_TIMEOUT_S,
                                               sock_read=read_timeout_s)
         self._session: aiohttp.ClientSession | None = None
@@ -153,6 +165,8 @@ class HttpEngine:
         """Prompt tokens the engine will find cached: the view's match, at most all but the
         last prompt token (the engine computes that one), in whole engine blocks (it reuses
         nothing finer: vLLM's ``num_tokens - 1`` cap, floored to its block size)."""
+        if self.slots is not None:
+            return self.slots.predict(prompt_ids)
         if not self.exact:
             return min(self.approx.match(prompt_ids), max(len(prompt_ids) - 1, 0))
         return exact_match(self.index, prompt_ids, namespace)
@@ -164,6 +178,8 @@ class HttpEngine:
             self.index.drop()
         else:
             self.approx.clear()
+        if self.slots is not None:
+            self.slots.clear()
 
     def usage(self) -> CacheUsage:
         if self.exact:
@@ -185,7 +201,7 @@ class HttpEngine:
 
     @property
     def cache_view(self) -> str:
-        return "exact" if self.exact else "approximate"
+        return "exact" if self.exact else "slots" if self.slots is not None else "approximate"
 
     # ------------------------------------------------------------------------- requests
     async def generate(
@@ -194,7 +210,9 @@ class HttpEngine:
         if self._closed:
             raise RuntimeError("engine is closed")
         session = self._ensure_session()
-        matched = self.match(req.prompt_ids, req.cache_namespace)
+        slot_key = object()  # this call, in the slot model
+        matched = (self.slots.start(slot_key, req.prompt_ids) if self.slots is not None
+                   else self.match(req.prompt_ids, req.cache_namespace))
         path, body = self._request_body(req)
         t0 = time.perf_counter()
         self._waiting += 1
@@ -211,6 +229,8 @@ class HttpEngine:
             raise EngineUnavailable(f"{self.kind} engine at {self.url}: {exc!r}") from exc
         finally:
             self._uncount(progress)
+            if self.slots is not None:  # the slot keeps what went through the model
+                self.slots.finish(slot_key, [*req.prompt_ids, *progress.output[:-1]])
         self._remember(req.prompt_ids, progress.output)
         return self._result(req, progress, matched, t0)
 
