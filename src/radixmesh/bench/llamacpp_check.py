@@ -1,22 +1,28 @@
-"""``make llamacpp-check``: llama.cpp servers behind radixmesh nodes (``--engine openai``).
+"""``make llamacpp-check``: llama.cpp servers behind radixmesh nodes (``--engine llamacpp``, or
+``--engine openai`` for the generic LRU view).
 
 Theory of operation
 -------------------
-llama.cpp publishes no KV events, so a node in front of it keeps the *approximate* view
-(``engine/http_engine.py``: an LRU of the prompts and outputs it sent). This check measures
-how good that guess is and what routing on it buys::
+llama.cpp publishes no KV events, so a node in front of it guesses what it holds: with
+``--engine openai`` an LRU of the prompts and outputs it sent (``engine/http_engine.py``); with
+``--engine llamacpp`` llama.cpp's own slot choice and prompt cache replayed
+(``core/llamacpp_slots.py``). This check measures how good the guess is and what routing on
+it buys::
 
     save_model_dir (bench/vllm_check.py: the random-weight Qwen2 "tiny")
         --> bench/gguf_model.py (in the llama.cpp venv) --> tiny.gguf
     N x  llama-server -m tiny.gguf --port P -c CTX -np 1 -t 1   (its own process group)
-    for policy in (cost, none): N x radixmesh serve --engine openai --engine-url ...
+    for policy in (cost, none): N x radixmesh serve --engine E --engine-url ...
         --tokenizer DIR (peers of each other); the same requests, CONCURRENCY in flight,
         entry round-robin; the servers restarted between policies (empty caches)
 
 Per request: the serving node's predicted cached tokens at acceptance
-(``x-radixmesh-cached-tokens`` of a stream: its approximate match) against what llama.cpp
-says it reused (``timings.cache_n``, which the node passes on as the usage's
-``prompt_tokens_details.cached_tokens``). Written to ``OUT/llamacpp_check.{json,md}``.
+(``x-radixmesh-cached-tokens`` of a stream) against what llama.cpp says it reused
+(``timings.cache_n``, which the node passes on as the usage's
+``prompt_tokens_details.cached_tokens``); every mismatch classified by replaying llama.cpp's
+rules (``bench/llamacpp_mismatch.py``). The nodes' ``--cache-tokens`` defaults, for
+``llamacpp``, to llama.cpp's default prompt cache (8192 MiB) in tokens of this model's F16 KV.
+Written to ``OUT/llamacpp_check.{json,md}``.
 """
 
 from __future__ import annotations
@@ -43,6 +49,16 @@ from radixmesh.results.records import Record
 from radixmesh.results.summary import summarize
 from radixmesh.runtime.cluster import LocalCluster, free_ports
 from radixmesh.workload.request import Request
+
+CACHE_RAM_MIB = 8192  # llama-server's default --cache-ram (common/common.h)
+
+
+def kv_bytes_per_token(model_dir: Path) -> int:
+    """F16 K and V of every layer (llama-server's default KV type), from config.json."""
+    cfg = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return 2 * 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim
 
 
 @dataclass(slots=True)
@@ -181,14 +197,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=100)
     ap.add_argument("--concurrency", type=int, default=2)
     ap.add_argument("--policies", default="cost,none")
-    ap.add_argument("--engine", default="openai", choices=("openai", "llamacpp"),
+    ap.add_argument("--engine", default="llamacpp", choices=("openai", "llamacpp"),
                     help="the nodes' --engine: openai (LRU view) or llamacpp (slot view)")
-    ap.add_argument("--cache-tokens", type=int, default=16384)
+    ap.add_argument("--cache-tokens", type=int, default=None,
+                    help="the nodes' --cache-tokens (default: 16384 for openai; for llamacpp "
+                    "llama.cpp's default --cache-ram, 8192 MiB, in tokens of the model's KV)")
     ap.add_argument("--gossip-interval", default="0.1")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model_dir = save_model_dir(out / "model", 0)
+    if args.cache_tokens is None:
+        args.cache_tokens = (CACHE_RAM_MIB * 2**20 // kv_bytes_per_token(model_dir)
+                             if args.engine == "llamacpp" else 16384)
     gguf = out / "tiny.gguf"
     script = Path(__file__).with_name("gguf_model.py")
     subprocess.run([args.gguf_python, str(script), str(model_dir), str(gguf)], check=True,
