@@ -12,8 +12,11 @@ outputs as tokens that match nothing) and sorts every mismatch by a mechanical r
     slot model == llama.cpp, prediction over   -> "over: slot held another prompt"
     slot model == llama.cpp, under by < block  -> "under: whole blocks"  (an LRU of blocks
                                                   floors what llama.cpp reuses per token)
-    slot model == llama.cpp, under             -> "under: llama.cpp kept more"  (its prompt
-                                                  cache still held what the view dropped)
+    slot model == llama.cpp, under, a request running on that server at acceptance shares
+                  what llama.cpp reused        -> "under: still running"  (the view learns a
+                                                  prompt when it ends; the server runs it first)
+    slot model == llama.cpp, under             -> "under: llama.cpp held more"  (its prompt
+                                                  cache kept what the view evicted)
     otherwise                                  -> "not explained: over" / "not explained: under"
 
 The replay sees the times the client saw, not the server's: a request the replay orders
@@ -26,7 +29,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from radixmesh.core.llamacpp_slots import LlamaCppSlots
+from radixmesh.core.llamacpp_slots import LlamaCppSlots, lcp
 
 
 def replay(rows: Sequence[Mapping[str, Any]], prompts: Mapping[int, Sequence[int]],
@@ -65,7 +68,19 @@ def classify(rows: Sequence[Mapping[str, Any]], prompts: Mapping[int, Sequence[i
             classes["over: slot held another prompt"] += 1
         elif actual - pred < block_size:
             classes["under: whole blocks"] += 1
+        elif _running_share(row, rows, prompts) >= actual:
+            classes["under: still running"] += 1
         else:
-            classes["under: llama.cpp kept more"] += 1
+            classes["under: llama.cpp held more"] += 1
     agree = sum(model[r["seq"]] == r["actual"] for r in rows)
     return {"classes": dict(sorted(classes.items())), "slot_model_equal": agree}
+
+
+def _running_share(row: Mapping[str, Any], rows: Sequence[Mapping[str, Any]],
+                   prompts: Mapping[int, Sequence[int]]) -> int:
+    """The longest prefix ``row``'s prompt shares with a request running on its server when
+    it was sent."""
+    mine = prompts[row["seq"]]
+    return max((lcp(prompts[o["seq"]], mine) for o in rows
+                if o["served_by"] == row["served_by"] and o["seq"] != row["seq"]
+                and o["t_send"] < row["t_send"] < o["t_done"]), default=0)

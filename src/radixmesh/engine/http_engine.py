@@ -69,6 +69,10 @@ KINDS: tuple[str, ...] = ("vllm", "sglang", "openai", "llamacpp")
 APPROXIMATE_KINDS = ("openai", "llamacpp")  # no KV events
 TOKEN_ID_PREFIX = "token_id:"
 CONNECT_TIMEOUT_S = 5.0
+# llama-server (cpp-httplib) closes a connection idle for 5 s (CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND);
+# aiohttp keeps one 15 s, and a POST on one the server closed fails ("Can not write request
+# body"), which reads as the engine down. Drop idle connections well before the server does.
+LLAMACPP_KEEPALIVE_S = 2.0
 
 
 class EngineUnavailable(RuntimeError):
@@ -320,7 +324,8 @@ class HttpEngine:
 
     def _ensure_session(self) -> aiohttp.ClientSession:
         if self._session is None:
-            connector = aiohttp.TCPConnector(limit=0)  # no cap: the engine batches
+            keepalive = {"keepalive_timeout": LLAMACPP_KEEPALIVE_S} if self.slots else {}
+            connector = aiohttp.TCPConnector(limit=0, **keepalive)  # no cap: the engine batches
             self._session = aiohttp.ClientSession(timeout=self._timeout, connector=connector)
         return self._session
 
