@@ -169,6 +169,17 @@ def test_a_waiting_request_starts_at_the_next_release() -> None:
     assert m.slots[0].running == "b" and not m.waiting
 
 
+def test_an_aborted_request_leaves_its_slot_as_it_was() -> None:
+    m = LlamaCppSlots(1)
+    m.start("a", (1, 2, 3, 4))
+    m.finish("a", (1, 2, 3, 4))
+    m.start("b", (9, 9, 9))
+    m.start("c", (1, 2, 3, 5))  # waits for "b"
+    m.abort("b")  # "b" never reached the server: "c" runs on the slot "a" left
+    assert m.slots[0].running == "c" and m.slots[0].tokens == (1, 2, 3, 4)
+    assert m.predict((1, 2, 3, 5)) == 3  # as if "c" ended with its prompt
+
+
 def test_lcp_and_bad_arguments() -> None:
     assert lcp((1, 2, 3), (1, 2, 4)) == 2 and lcp((), (1,)) == 0 and lcp((5,), (6,)) == 0
     for kwargs in ({"n_slots": 0}, {"similarity": 1.0}, {"cache_tokens": -1}):

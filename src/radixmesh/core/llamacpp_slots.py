@@ -24,7 +24,8 @@ prediction names the slot the server will pick. The rules, from llama.cpp's
     idle     after a request starts, every other idle slot is saved too (cache_idle_slots,
              default on; cleared as well under a unified KV cache, ``clear_idle``)
     release  the slot keeps prompt + output (all but the last sampled token: it was never
-             decoded) and becomes the most recently used
+             decoded) and becomes the most recently used (``abort``: a request that never
+             reached the server leaves its slot as it was)
     wait     no idle slot: the request waits (deferred) and starts at the next release
 
 The prompt cache is bounded in bytes by llama.cpp (oldest entry out first); the model bounds it
@@ -141,6 +142,17 @@ class LlamaCppSlots:
             if slot.running is not None and slot.running == key:
                 self._release(slot, tuple(kept))
                 break
+        while self.waiting and any(s.running is None for s in self.slots):
+            k, queued = self.waiting.pop(0)
+            self._launch(k, queued)
+
+    def abort(self, key: Hashable) -> None:
+        """Request ``key`` never reached the server (the connection failed before an answer):
+        its slot is idle again with what it held before, as if it had never started."""
+        self.waiting = [(k, p) for k, p in self.waiting if k != key]
+        for slot in self.slots:
+            if slot.running is not None and slot.running == key:
+                slot.running, slot.prompt = None, ()
         while self.waiting and any(s.running is None for s in self.slots):
             k, queued = self.waiting.pop(0)
             self._launch(k, queued)

@@ -88,6 +88,7 @@ class _Progress:
     cached: int | None = None  # the engine's own figure, when it reports one
     first_token_at: float | None = None
     callback_error: Exception | None = None  # what on_token raised (it stopped the request)
+    answered: bool = False  # the engine sent a response status
 
 
 class _CallbackFailed(Exception):
@@ -223,6 +224,7 @@ class HttpEngine:
         progress = _Progress()
         try:
             async with session.post(self.url + path, json=body) as resp:
+                progress.answered = True
                 await self._check_status(resp)
                 await self._read_stream(resp, progress, on_token)
         except _CallbackFailed:
@@ -233,8 +235,12 @@ class HttpEngine:
             raise EngineUnavailable(f"{self.kind} engine at {self.url}: {exc!r}") from exc
         finally:
             self._uncount(progress)
-            if self.slots is not None:  # the slot keeps what went through the model
+            if self.slots is None:
+                pass
+            elif progress.answered:  # the slot keeps what went through the model
                 self.slots.finish(slot_key, [*req.prompt_ids, *progress.output[:-1]])
+            else:  # it never reached the server
+                self.slots.abort(slot_key)
         self._remember(req.prompt_ids, progress.output)
         return self._result(req, progress, matched, t0)
 
