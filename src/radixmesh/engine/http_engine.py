@@ -223,10 +223,7 @@ class HttpEngine:
         self._waiting += 1
         progress = _Progress()
         try:
-            async with session.post(self.url + path, json=body) as resp:
-                progress.answered = True
-                await self._check_status(resp)
-                await self._read_stream(resp, progress, on_token)
+            await self._exchange(session, path, body, progress, on_token)
         except _CallbackFailed:
             assert progress.callback_error is not None
             raise progress.callback_error from None
@@ -243,6 +240,22 @@ class HttpEngine:
                 self.slots.abort(slot_key)
         self._remember(req.prompt_ids, progress.output)
         return self._result(req, progress, matched, t0)
+
+    async def _exchange(self, session: aiohttp.ClientSession, path: str, body: dict[str, Any],
+                        progress: _Progress, on_token: TokenCallback | None) -> None:
+        """POST and read the stream. A connection that fails before any answer is tried once
+        more: servers close idle keep-alive connections (llama-server and uvicorn after 5 s),
+        and a request written to one the server has closed never reached it."""
+        for attempt in (0, 1):
+            try:
+                async with session.post(self.url + path, json=body) as resp:
+                    progress.answered = True
+                    await self._check_status(resp)
+                    await self._read_stream(resp, progress, on_token)
+                return
+            except aiohttp.ClientConnectionError:
+                if progress.answered or attempt:
+                    raise
 
     def _uncount(self, progress: _Progress) -> None:
         if progress.first_token_at is None:
