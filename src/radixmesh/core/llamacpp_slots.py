@@ -102,23 +102,22 @@ class LlamaCppSlots:
         """Prompt tokens the server will reuse for ``prompt`` sent now (nothing changes).
         Every slot busy: the running requests end in the order they started (with their
         prompts), each release starting the next waiting request, this one last."""
-        trial = self._clone()
-        while not any(s.running is None for s in trial.slots):
-            first = min(trial.slots, key=lambda s: s.started)
-            trial._release(first, first.prompt)
-            while trial.waiting and any(s.running is None for s in trial.slots):
-                key, queued = trial.waiting.pop(0)
-                trial._launch(key, queued)
-        return trial._launch(_PROBE, tuple(prompt))
+        return self._clone().run_after_running(tuple(prompt))
+
+    def run_after_running(self, prompt: Tokens) -> int:
+        """Start ``prompt`` once a slot is idle (``predict`` calls it on a copy)."""
+        while not any(s.running is None for s in self.slots):
+            first = min(self.slots, key=lambda s: s.started)
+            self._release(first, first.prompt)
+            while self.waiting and any(s.running is None for s in self.slots):
+                key, queued = self.waiting.pop(0)
+                self._launch(key, queued)
+        return self._launch(_PROBE, prompt)
 
     def _clone(self) -> LlamaCppSlots:
         return LlamaCppSlots(self.n_slots, self.similarity, self.cache_tokens, self.clear_idle,
                              [replace(s) for s in self.slots], list(self.saved),
                              list(self.waiting), self.clock)
-
-    @property
-    def held_tokens(self) -> int:
-        return sum(len(s.tokens) for s in self.slots) + sum(len(t) for t in self.saved)
 
     # ----------------------------------------------------------------------------- events
     def start(self, key: Hashable, prompt: Sequence[int]) -> int:
