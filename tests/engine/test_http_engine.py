@@ -224,6 +224,63 @@ def test_openai_kind_keeps_an_approximate_lru_view() -> None:
     asyncio.run(scenario())
 
 
+def test_llamacpp_kind_predicts_the_slot_it_will_get() -> None:
+    """One slot (``LlamaCppSlots``): the local match is the LCP with the slot's last tokens,
+    token granular, not the LRU's best block match."""
+    async def scenario() -> None:
+        async with running() as fake:
+            engine = HttpEngine("llamacpp", fake.url, ByteTokenizer(), model_name=fake.model,
+                                cache_tokens=0)  # --cache-ram 0: the slot only
+            assert engine.describe()["cache_view"] == "slots"
+            first, second = prompt_of("a shared prefix, then " * 4), prompt_of("x" * 90)
+            out = (await engine.generate(request(first, max_tokens=3))).output_ids
+            assert engine.match([*first, *out, 0]) == len(first) + 2  # + decoded output
+            await engine.generate(request(second, max_tokens=1))
+            assert engine.match([*first, 1]) == 0  # the slot now holds the second prompt
+            assert engine.match([*second[:50], 0]) == 50
+            engine.forget_cache()
+            assert engine.match(second) == 0
+            await engine.aclose()
+
+    asyncio.run(scenario())
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    with contextlib.suppress(ConnectionError):
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    writer.close()
+
+
+def test_a_connection_the_server_dropped_before_answering_is_tried_once_more() -> None:
+    """llama-server and uvicorn close idle keep-alive connections; a request written to one
+    never reached the engine, so it goes again on a fresh connection (once)."""
+    async def scenario() -> None:
+        async with running() as fake:
+            host, port = fake.url.removeprefix("http://").rsplit(":", 1)
+            accepted = 0
+
+            async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+                nonlocal accepted
+                accepted += 1
+                if accepted == 1:  # the first connection: dropped unanswered
+                    w.close()
+                    return
+                ur, uw = await asyncio.open_connection(host, int(port))
+                await asyncio.gather(_pipe(r, uw), _pipe(ur, w))
+
+            server = await asyncio.start_server(handle, "127.0.0.1", 0)
+            proxy = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+            engine = HttpEngine("llamacpp", proxy, ByteTokenizer(), model_name=fake.model)
+            result = await engine.generate(request(prompt_of("dropped once"), max_tokens=2))
+            assert len(result.output_ids) == 2 and accepted == 2 and engine.failed == 0
+            await engine.aclose()
+            server.close()
+
+    asyncio.run(scenario())
+
+
 def test_larger_engine_blocks_become_the_mesh_block_size() -> None:
     """vLLM's CPU build caches 128-token blocks: the mesh then hashes at 128 (every gossiped
     hash is a prefix the engine can reuse whole); sizes that do not fit keep the mesh's."""

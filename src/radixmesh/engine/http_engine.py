@@ -25,7 +25,11 @@ The prefix-cache view is one of two:
   (``runtime/kv_subscriber.py``) feeds from the engine's events; ``drain_cache_delta`` is the
   index's delta, which ``NodeService.push_cache_and_load`` turns into ``CacheChanged``;
 * approximate (``openai``: no events) — a ``PrefixCache[None]`` of the prompts and outputs
-  this node sent, LRU under ``cache_tokens``: it guesses what the engine kept.
+  this node sent, LRU under ``cache_tokens``: it guesses what the engine kept;
+* slots (``llamacpp``: llama.cpp's server, no events) — the same LRU is what the node
+  advertises, but its own match is :class:`~radixmesh.core.llamacpp_slots.LlamaCppSlots`:
+  the server's slot choice and prompt cache replayed on what this node sent (``-np`` from
+  its ``/props``), token granular, so the prediction names the slot llama.cpp will pick.
 
 ``cached_tokens`` of a result is the engine's own figure when it reports one
 (``usage.prompt_tokens_details.cached_tokens`` / SGLang's ``meta_info.cached_tokens`` /
@@ -40,8 +44,9 @@ block) the exact view's match is vLLM's free queue played forward
 have no token yet will evict and store before the engine schedules the new one. Each request
 is sent to the queue with its prompt and leaves it with its prompt's and output's blocks.
 
-Why one file over 400 lines: the three engine dialects' wire formats and both cache views
-are one adapter; split, each half would reach into the other's request state.
+Why one file over 400 lines: the four engine dialects' wire formats and their cache views
+(exact, free-queue, slots, LRU) are one adapter; split, each half would reach into the
+other's request state.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ import aiohttp
 from radixmesh.core.blocks import DEFAULT_BLOCK_SIZE, Fingerprint, block_hashes, namespace_seed
 from radixmesh.core.engine_index import EngineIndex
 from radixmesh.core.free_queue import EngineQueue, Held
+from radixmesh.core.llamacpp_slots import LlamaCppSlots
 from radixmesh.core.prefix_cache import CacheUsage, PrefixCache
 from radixmesh.engine.base import (
     CacheDelta,
@@ -67,10 +73,15 @@ from radixmesh.engine.base import (
     Tokenizer,
 )
 
-EngineKind = Literal["vllm", "sglang", "openai"]
-KINDS: tuple[str, ...] = ("vllm", "sglang", "openai")
+EngineKind = Literal["vllm", "sglang", "openai", "llamacpp"]
+KINDS: tuple[str, ...] = ("vllm", "sglang", "openai", "llamacpp")
+APPROXIMATE_KINDS = ("openai", "llamacpp")  # no KV events
 TOKEN_ID_PREFIX = "token_id:"
 CONNECT_TIMEOUT_S = 5.0
+# llama-server (cpp-httplib) closes a connection idle for 5 s (CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND);
+# aiohttp keeps one 15 s, and a POST on one the server closed fails ("Can not write request
+# body"), which reads as the engine down. Drop idle connections well before the server does.
+LLAMACPP_KEEPALIVE_S = 2.0
 
 
 class EngineUnavailable(RuntimeError):
@@ -86,6 +97,7 @@ class _Progress:
     cached: int | None = None  # the engine's own figure, when it reports one
     first_token_at: float | None = None
     callback_error: Exception | None = None  # what on_token raised (it stopped the request)
+    answered: bool = False  # the engine sent a response status
 
 
 class _CallbackFailed(Exception):
@@ -108,6 +120,7 @@ class HttpEngine:
         max_context: int = 32_768,
         read_timeout_s: float = 300.0,
         kv_blocks: int = 0,
+        slots: int = 1,
     ) -> None:
         if kind not in KINDS:
             raise ValueError(f"engine kind must be one of {', '.join(KINDS)}, got {kind!r}")
@@ -120,7 +133,7 @@ class HttpEngine:
         self._max_context = max_context
         self.cache_tokens = cache_tokens
         seed = self._fingerprint.digest
-        self.exact = kind != "openai"
+        self.exact = kind not in APPROXIMATE_KINDS
         # (tenants) vLLM keeps cache_salt requests apart and its events say which salt
         # (core/kv_events.salt_of); SGLang and plain OpenAI servers are not wired for it
         self.cache_namespaces = kind == "vllm"
@@ -130,6 +143,9 @@ class HttpEngine:
         # evict and store (core/free_queue.py); vLLM only (its free queue), engine block = mesh
         self.queue = (EngineQueue(kv_blocks - 1) if kv_blocks > 1 and kind == "vllm"
                       and engine_block_size == block_size else None)
+        # llama.cpp: its slots and prompt cache (budget: cache_tokens), for the local match
+        self.slots = (LlamaCppSlots(slots, cache_tokens=cache_tokens) if kind == "llamacpp"
+                      else None)
         self._timeout = aiohttp.ClientTimeout(sock_connect=CONNECT_TIMEOUT_S,
                                               sock_read=read_timeout_s)
         self._session: aiohttp.ClientSession | None = None
@@ -168,6 +184,8 @@ class HttpEngine:
         """Prompt tokens the engine will find cached: the view's match, at most all but the
         last prompt token (the engine computes that one), in whole engine blocks (it reuses
         nothing finer: vLLM's ``num_tokens - 1`` cap, floored to its block size)."""
+        if self.slots is not None:
+            return self.slots.predict(prompt_ids)
         if not self.exact:
             return min(self.approx.match(prompt_ids), max(len(prompt_ids) - 1, 0))
         if self.queue is not None:
@@ -188,6 +206,8 @@ class HttpEngine:
             self.index.drop()
         else:
             self.approx.clear()
+        if self.slots is not None:
+            self.slots.clear()
 
     def usage(self) -> CacheUsage:
         if self.exact:
@@ -209,7 +229,7 @@ class HttpEngine:
 
     @property
     def cache_view(self) -> str:
-        return "exact" if self.exact else "approximate"
+        return "exact" if self.exact else "slots" if self.slots is not None else "approximate"
 
     # ------------------------------------------------------------------------- requests
     async def generate(
@@ -218,7 +238,9 @@ class HttpEngine:
         if self._closed:
             raise RuntimeError("engine is closed")
         session = self._ensure_session()
-        matched = self.match(req.prompt_ids, req.cache_namespace)
+        slot_key = object()  # this call, in the slot model
+        matched = (self.slots.start(slot_key, req.prompt_ids) if self.slots is not None
+                   else self.match(req.prompt_ids, req.cache_namespace))
         path, body = self._request_body(req)
         t0 = time.perf_counter()
         self._waiting += 1
@@ -226,9 +248,7 @@ class HttpEngine:
         if self.queue is not None:
             self.queue.sent(id(progress), self._held(req.prompt_ids, req.cache_namespace))
         try:
-            async with session.post(self.url + path, json=body) as resp:
-                await self._check_status(resp)
-                await self._read_stream(resp, progress, on_token)
+            await self._exchange(session, path, body, progress, on_token)
         except _CallbackFailed:
             assert progress.callback_error is not None
             raise progress.callback_error from None
@@ -240,8 +260,28 @@ class HttpEngine:
             if self.queue is not None:  # its prompt's and output's full blocks go free
                 self.queue.finished(id(progress), self._held(
                     [*req.prompt_ids, *progress.output[:-1]], req.cache_namespace).chain)
+            if self.slots is not None and progress.answered:  # the slot keeps what ran
+                self.slots.finish(slot_key, [*req.prompt_ids, *progress.output[:-1]])
+            elif self.slots is not None:  # it never reached the server
+                self.slots.abort(slot_key)
         self._remember(req.prompt_ids, progress.output)
         return self._result(req, progress, matched, t0)
+
+    async def _exchange(self, session: aiohttp.ClientSession, path: str, body: dict[str, Any],
+                        progress: _Progress, on_token: TokenCallback | None) -> None:
+        """POST and read the stream. A connection that fails before any answer is tried once
+        more: servers close idle keep-alive connections (llama-server and uvicorn after 5 s),
+        and a request written to one the server has closed never reached it."""
+        for attempt in (0, 1):
+            try:
+                async with session.post(self.url + path, json=body) as resp:
+                    progress.answered = True
+                    await self._check_status(resp)
+                    await self._read_stream(resp, progress, on_token)
+                return
+            except aiohttp.ClientConnectionError:
+                if progress.answered or attempt:
+                    raise
 
     def _uncount(self, progress: _Progress) -> None:
         if progress.first_token_at is None:
@@ -331,7 +371,8 @@ class HttpEngine:
 
     def _ensure_session(self) -> aiohttp.ClientSession:
         if self._session is None:
-            connector = aiohttp.TCPConnector(limit=0)  # no cap: the engine batches
+            keepalive = {"keepalive_timeout": LLAMACPP_KEEPALIVE_S} if self.slots else {}
+            connector = aiohttp.TCPConnector(limit=0, **keepalive)  # no cap: the engine batches
             self._session = aiohttp.ClientSession(timeout=self._timeout, connector=connector)
         return self._session
 

@@ -106,7 +106,7 @@ def parse_peers(text: str | Sequence[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
-ENGINE_KINDS = ("builtin", "vllm", "sglang", "openai")
+ENGINE_KINDS = ("builtin", "vllm", "sglang", "openai", "llamacpp")
 
 
 def parse_endpoint_list(value: str | Sequence[str]) -> str:
@@ -136,7 +136,7 @@ class ServeConfig:
     preset: str = "mini"  # built-in engine preset (ignored when model is set; engine/presets.py)
     model: str = ""  # local Hugging Face model directory; "" -> preset
     cache_tokens: int = 65_536  # KV cache budget in tokens
-    engine: str = "builtin"  # builtin | vllm | sglang | openai (external engines over HTTP)
+    engine: str = "builtin"  # builtin | vllm | sglang | openai | llamacpp (external, HTTP)
     engine_url: str = ""  # external engine's base URL, e.g. http://127.0.0.1:8000
     kv_events: str = ""  # external engine's KV-event endpoint(s), as in its config, comma list
     kv_replay: str = ""  # its replay endpoint (one: rank i uses port + i)
@@ -285,8 +285,8 @@ class ServeConfig:
             raise ValueError(f"engine must be one of {', '.join(ENGINE_KINDS)}")
         if self.engine != "builtin" and not self.engine_url:
             raise ValueError(f"--engine {self.engine} needs --engine-url")
-        if self.engine == "openai" and self.kv_events:
-            raise ValueError("--engine openai has no KV events (use vllm or sglang)")
+        if self.engine in ("openai", "llamacpp") and self.kv_events:
+            raise ValueError(f"--engine {self.engine} has no KV events (use vllm or sglang)")
         if self.kv_replay and not self.kv_events:
             raise ValueError("--kv-replay needs --kv-events")
         if self.engine_block_size < 0:
@@ -472,7 +472,8 @@ def _help_texts() -> dict[str, str]:
         "long, so load balancers see /health 503 before it closes (capped at --drain-grace)",
         "model": "local Hugging Face model directory (overrides --preset); with an external "
         "--engine: the model name the engine serves (default: asked from its /v1/models)",
-        "engine": "builtin (this process) | vllm | sglang | openai (an engine at --engine-url)",
+        "engine": "builtin (this process) | vllm | sglang | openai | llamacpp (an engine at "
+        "--engine-url; llamacpp: llama.cpp's server, its slots modelled)",
         "engine_url": "external engine's base URL, e.g. http://127.0.0.1:8000",
         "kv_events": "external engine's KV-event publisher endpoint(s), exactly as in its "
         "--kv-events-config (tcp://*:5557: we connect to the engine's host), comma list",

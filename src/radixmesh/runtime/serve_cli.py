@@ -99,7 +99,8 @@ def build_external_service(config: ServeConfig, tokenizer: Any = None) -> Any:
     engine = HttpEngine(config.engine, config.engine_url, tokenizer, model_name=name,
                         cache_tokens=config.cache_tokens, max_context=max_context,
                         engine_block_size=config.engine_block_size or None,
-                        kv_blocks=config.engine_kv_blocks)
+                        kv_blocks=config.engine_kv_blocks,
+                        slots=_llamacpp_slots(config) if config.engine == "llamacpp" else 1)
     service = NodeService(config, engine)
     if launched is not None:
         service.attachments.append(launched)  # stopped with the node
@@ -145,6 +146,19 @@ def _engine_model(config: ServeConfig) -> tuple[str, int]:
         raise ValueError(f"cannot ask {url} for the model name ({exc}); pass --model") from exc
     length = card.get("max_model_len")
     return str(card["id"]), length if isinstance(length, int) else DEFAULT_MAX_CONTEXT
+
+
+def _llamacpp_slots(config: ServeConfig) -> int:
+    """llama.cpp's slot count (``-np``): ``total_slots`` of its ``/props``; 1 if it says
+    nothing (the node's slot model then assumes one)."""
+    url = config.engine_url.rstrip("/") + "/props"
+    try:
+        with urllib.request.urlopen(url, timeout=MODEL_PROBE_TIMEOUT_S) as resp:
+            slots = json.load(resp).get("total_slots")
+    except (OSError, ValueError, AttributeError) as exc:
+        log.warning("cannot read %s (%s): assuming one llama.cpp slot", url, exc)
+        return 1
+    return slots if isinstance(slots, int) and slots >= 1 else 1
 
 
 def _draining_server_class() -> type[Any]:
