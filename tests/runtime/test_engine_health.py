@@ -119,3 +119,34 @@ def test_an_engine_with_another_block_size_is_refused_with_the_reason(poll: Poll
             await fake.stop()
 
     asyncio.run(scenario())
+
+
+class _Service:
+    """What EngineHealth tells its node: each (up, forget) verdict."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[bool, bool]] = []
+        self.engine = None
+
+    def engine_state(self, up: bool, reason: str, forget: bool = False) -> None:
+        self.calls.append((up, forget))
+
+
+def test_a_failed_request_marks_the_engine_down_and_only_a_gone_engine_loses_its_index() -> None:
+    """A request's dropped connection is no proof the cache went (under load connections are
+    reset): down, index kept; the probe that then finds the connection refused drops it, once;
+    back up and down again, the next gone verdict drops it again."""
+    from radixmesh.runtime.engine_health import EngineHealth
+
+    svc = _Service()
+    health = EngineHealth(svc, "http://127.0.0.1:1")
+    health.mark(False, "ServerDisconnectedError", gone=False)  # NodeService.engine_failed
+    assert svc.calls == [(False, False)]
+    health.mark(False, "/health: ClientConnectorError", gone=False)  # slow: nothing new
+    assert svc.calls == [(False, False)]
+    health.mark(False, "/health: ClientConnectorError", gone=True)
+    health.mark(False, "/health: ClientConnectorError", gone=True)
+    assert svc.calls == [(False, False), (False, True)]
+    health.mark(True, "/health answers again")
+    health.mark(False, "launched engine exited with -9")
+    assert svc.calls[2:] == [(True, False), (False, True)]

@@ -68,6 +68,7 @@ class EngineHealth:
         self.counts = {"probes": 0, "probe_failures": 0, "downs": 0, "ups": 0}
         self._good = 0
         self._child_exit_seen = False
+        self._forgotten = False  # down and its index dropped
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -81,10 +82,16 @@ class EngineHealth:
 
     def mark(self, up: bool, reason: str, gone: bool = True) -> None:
         """Record a verdict (from a probe, the child, or a failed request); ``gone``: the
-        engine's cache is gone with it (exited, refused the connection), not just slow."""
+        engine's cache is gone with it (exited, refused the connection), not just slow. An
+        engine already down that turns out gone (a request failed first, then the probe's
+        connection was refused) has its index dropped then."""
         if up == self.up:
+            if not up and gone and not self._forgotten:
+                self._forgotten = True
+                self.service.engine_state(False, reason, forget=True)
             return
         self.up, self.reason, self.since = up, reason, time.time()
+        self._forgotten = gone and not up
         self.counts["ups" if up else "downs"] += 1
         log.warning("engine %s: %s", "back" if up else "down", reason)
         self.service.engine_state(up, reason, forget=gone and not up)

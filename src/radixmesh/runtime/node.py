@@ -558,7 +558,9 @@ class NodeService:
         health = next((a for a in self.attachments if a.name == "engine_health"), None)
         if health is None:
             return False
-        health.mark(False, reason, gone="Timeout" not in reason)  # slow is not gone
+        # down, not gone: a dropped or reset connection under load is no proof the cache went
+        # (a 16-in-flight vLLM run lost its index that way); the next probe tells (≤ 1 s)
+        health.mark(False, reason, gone=False)
         return True
 
     async def retry_elsewhere(self, ctx: RequestContext) -> Execution:
