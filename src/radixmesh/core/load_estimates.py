@@ -194,8 +194,9 @@ class ArrivalRate:
 
     Divided by the window instead (as the batch report's rate was, in ``core/shadow.py`` and
     a copy in the simulator), a node's first seconds read ``t / window`` of its true rate and
-    peers priced joining its batch at nothing; in the simulator (h100-16, 80 % Poisson,
-    ``cost``) dividing by the span covered took RAG's mean TTFT from 263 to 213-227 ms.
+    peers priced joining its batch at nothing; in the simulator (``sim --experiment regimes``,
+    ``cost``, 80 % Poisson) dividing by the span covered took RAG's mean TTFT from 233 to 201
+    ms on 16 H100s and from 205 to 32 ms on the mixed 16 (docs/benchmarks.md).
     One arrival read ``t`` seconds later (past the floor) reads at most ``1 / t``: one
     request is not a steady stream. O(1) per arrival and per read."""
 
