@@ -318,7 +318,10 @@ def test_decode_runs_give_what_single_steps_give(
     does. Not decision for decision: the batch a node reports mid-run differs from the stepped
     one by float rounding (~1e-6 s), a near-tie between two candidates can fall either way, and
     one different placement changes every later cache state. So: the first requests' decisions
-    are equal, and the run as a whole is the same run (hits, latency)."""
+    are equal, and the run as a whole is the same run (hits, latency). Since the batch report's
+    arrival rate reads a node's true rate from its first seconds (``ArrivalRate``), joining a
+    batch is priced from the start and more decisions are near-ties: 41 of 60 agree here (50
+    before; other seeds 58 and 48), the hits within 0.1 %, mean latency within 4 %."""
     reqs = [replace(r, max_tokens=8 + i % 24) for i, r in enumerate(requests_small)]
     timed = schedule.poisson(reqs, 4, rate=100.0, seed=1)
     cost = costs.resolve("h100-llama3-8b")
@@ -330,9 +333,11 @@ def test_decode_runs_give_what_single_steps_give(
     decisions = [((x.served_by, x.cached_tokens), (y.served_by, y.cached_tokens))
                  for x, y in zip(a, b, strict=True)]
     assert all(x == y for x, y in decisions[:20])
-    assert sum(x == y for x, y in decisions) >= 0.8 * len(decisions)
+    assert sum(x == y for x, y in decisions) >= 0.65 * len(decisions)
     hits_a, hits_b = (sum(r.cached_tokens for r in rs) for rs in (a, b))
     assert hits_a == pytest.approx(hits_b, rel=0.05)
+    assert coalesced.summary["mean_latency_s"] == pytest.approx(
+        stepped.summary["mean_latency_s"], rel=0.05)
     mean_a, mean_b = (sum(r.latency_s for r in rs) / len(rs) for rs in (a, b))
     assert mean_a == pytest.approx(mean_b, rel=0.05)
     assert coalesced.summary["sim"]["events"] < stepped.summary["sim"]["events"]

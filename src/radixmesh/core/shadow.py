@@ -42,11 +42,11 @@ asleep for long jumps its clock instead of replaying every step).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from radixmesh.core.engine_report import NO_FOREIGN, EngineReport, Foreign, reconcile
+from radixmesh.core.load_estimates import ArrivalRate
 from radixmesh.core.profile import Profile
 from radixmesh.core.scheduler import Scheduler, SeqId, Step
 from radixmesh.core.shadow_state import BatchState, ttft_parts
@@ -54,6 +54,7 @@ from radixmesh.core.shadow_state import BatchState, ttft_parts
 MAX_STEPS = 4096  # steps one advance() may run; a longer gap jumps the clock
 SYNC_STEPS = 256  # steps first_token() may run at once to catch up with the engine
 RATE_WINDOW_S = 10.0  # the arrival rate's time constant, in profile seconds
+RATE_MIN_SPAN = 0.01  # its floor on the time observed, in windows (load_estimates.ArrivalRate)
 OVERHEAD_STEP = 0.05  # one first token moves the measured overhead by this share of its TTFT
 MAX_GHOSTS = 256  # foreign requests carried as ghost requests at most
 GHOST_TOKEN = 1 << 30  # ghost prompts' token ids (real ones lie below, namespaces' at 2**31)
@@ -89,9 +90,7 @@ class Shadow:
         self._clock = 0.0  # when the step under way began, or the shadow last idled
         self._step_end = 0.0
         self._state: BatchState | None = None
-        self._rate = 0.0
-        self._rate_at: float | None = None
-        self._window = RATE_WINDOW_S * time_scale
+        self._arrivals = ArrivalRate(RATE_WINDOW_S * time_scale, RATE_MIN_SPAN)
         self._predicted: dict[SeqId, tuple[float, float]] = {}  # seq -> (added at, TTFT)
         self._overhead = 0.0  # the median lateness of first tokens (a stochastic median)
         self.synced_steps = 0  # steps run at once to catch up with the engine
@@ -122,7 +121,7 @@ class Shadow:
         self._open.add(seq)
         self._mean_prompt += MEAN_SHARE * (max(len(prompt) - cached, 1) - self._mean_prompt)
         self._mean_output += MEAN_SHARE * (max_tokens - self._mean_output)
-        self._arrival(now)
+        self._arrivals.add(now)
         self._predicted[seq] = (now, wait + own - self._overhead)
         if self._step is None:
             self._clock = now
@@ -206,13 +205,6 @@ class Shadow:
             if track is not None:
                 track.emitted += 1
 
-    def _arrival(self, now: float) -> None:
-        """The arrival rate: an exponentially decaying count over ``RATE_WINDOW_S``."""
-        if self._rate_at is not None:
-            self._rate *= math.exp(-max(now - self._rate_at, 0.0) / self._window)
-        self._rate += 1.0 / self._window
-        self._rate_at = now
-
     # ------------------------------------------------------------------------ reading
     def cached_prefix(self, prompt: Sequence[int]) -> int:
         """Prompt tokens the engine would reuse if ``prompt`` were added now."""
@@ -223,15 +215,17 @@ class Shadow:
         return len(self._tracks)
 
     def state(self, now: float) -> BatchState:
-        """The engine's batch now (the steps due run first; cached until the next change)."""
+        """The engine's batch now (the steps due run first; cached until the next change
+        but for what moves with time alone: the step's residual, the arrival rate decayed
+        to ``now``, as the simulator reports it)."""
         self.advance(now)
         if self._state is None:
             self._state = self._build()
         residual = max(0.0, self._step_end - now) if self._step is not None else 0.0
-        return replace(self._state, residual_s=residual)
+        return replace(self._state, residual_s=residual, rate=self._arrivals.at(now))
 
     def _build(self) -> BatchState:
-        b = batch_state(self._sched, self.profile, self._step, 0.0, self._rate, self._overhead)
+        b = batch_state(self._sched, self.profile, self._step, 0.0, 0.0, self._overhead)
         n, kv = self._ghost_decodes
         if n == 0:
             return b

@@ -39,7 +39,6 @@ incarnation and an empty cache.
 
 from __future__ import annotations
 
-import math
 import random
 import zlib
 from collections.abc import Callable, Sequence
@@ -72,11 +71,11 @@ from radixmesh.core.events import (
     Send,
     Tick,
 )
-from radixmesh.core.load_estimates import QueuedBlocks
+from radixmesh.core.load_estimates import ArrivalRate, QueuedBlocks
 from radixmesh.core.node import NodeCore
 from radixmesh.core.profile import Profile
 from radixmesh.core.router import DELIBERATE, Policy, RouterConfig
-from radixmesh.core.shadow import RATE_WINDOW_S, batch_state
+from radixmesh.core.shadow import RATE_MIN_SPAN, RATE_WINDOW_S, batch_state
 from radixmesh.core.shadow_state import BatchState
 from radixmesh.sim.clock import EventLoop
 from radixmesh.sim.compute import SharedCompute
@@ -206,6 +205,7 @@ class Work:
 class SimNode:
     __slots__ = (
         "address",
+        "arrivals",
         "compute_key",
         "core",
         "engine",
@@ -219,8 +219,6 @@ class SimNode:
         "planned_version",
         "queued_blocks",
         "queued_tokens",
-        "rate",
-        "rate_at",
         "served",
         "tick_at",
         "up",
@@ -250,8 +248,8 @@ class SimNode:
         self.epoch = 0  # bumps on crash: stale callbacks for an old life are ignored
         self.tick_at = INF
         self.served = 0
-        self.rate = 0.0  # requests its engine took per second lately (a batch report's rate)
-        self.rate_at = 0.0
+        # requests its engine took per second lately (a batch report's rate; as a shadow's)
+        self.arrivals = ArrivalRate(RATE_WINDOW_S, RATE_MIN_SPAN)
         self.version_times: list[float] = []  # [v - 1]: when summary version v was made
 
     @property
@@ -338,6 +336,7 @@ class SimCluster:
         node.tick_at = INF
         node.version_times = []
         node.queued_blocks = QueuedBlocks(cfg.block_size)
+        node.arrivals = ArrivalRate(RATE_WINDOW_S, RATE_MIN_SPAN)  # a fresh shadow's
         node.engine = SimEngine(
             cfg.cost_of(node.idx),
             cfg.cache_of(node.idx),
@@ -465,7 +464,7 @@ class SimCluster:
         if not isinstance(engine.timer, Profile):
             return None
         planned, now = node.planned, self.loop.now
-        rate = node.rate * math.exp(-max(now - node.rate_at, 0.0) / RATE_WINDOW_S)
+        rate = node.arrivals.at(now)
         if planned is None:
             return batch_state(engine.sched, engine.timer, None, 0.0, rate, 0.0)
         # a run of decode steps: the step under way is its j-th, j - 1 of them done
@@ -664,9 +663,7 @@ class SimCluster:
             self._too_long(node, work)
             return
         node.works[seq] = work
-        node.rate = node.rate * math.exp(-max(now - node.rate_at, 0.0) / RATE_WINDOW_S) \
-            + 1.0 / RATE_WINDOW_S
-        node.rate_at = now
+        node.arrivals.add(now)
         self._count_queued(node, work, 1)
         if node.planned is None:
             self._run_next(node)
