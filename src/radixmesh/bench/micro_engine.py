@@ -1,7 +1,7 @@
 """Engine micro-benchmark: prefill time with 0 %, 50 % and 85 % of an MMLU prompt cached.
 
-One 5-shot MMLU prompt (the real data under ``$RADIXMESH_MMLU`` or ``/work/shared/data/mmlu``
-when present: the subject whose first test prompt is closest to the dataset's mean length of
+One 5-shot MMLU prompt (the real data in the release directory ``$RADIXMESH_MMLU`` names,
+when set: the subject whose first test prompt is closest to the dataset's mean length of
 3,024 characters; otherwise a synthetic MMLU-shaped prompt) is tokenized with the preset's
 byte tokenizer. Each repeat, in interleaved order, empties the cache, caches the first
 ``f`` of the prompt's tokens (f = 0, 0.5, 0.85 and the real few-shot prefix), and times the
@@ -35,12 +35,11 @@ from radixmesh.engine.testing import uncached_logits
 
 MMLU_MEAN_CHARS = 3024
 FRACTIONS = {"0": 0.0, "50": 0.5, "85": 0.85}
-DEFAULT_MMLU = Path("/work/shared/data/mmlu")
 
 
 def mmlu_prompt() -> tuple[str, int, str]:
     """(prompt, shared-prefix chars, source) for one realistic 5-shot MMLU question."""
-    root = Path(os.environ.get("RADIXMESH_MMLU", DEFAULT_MMLU))
+    root = Path(os.environ.get("RADIXMESH_MMLU") or "/nonexistent")  # unset: synthetic
     try:
         from radixmesh.workload.mmlu import load_subjects, subject_requests
 
