@@ -39,17 +39,20 @@ FRACTIONS = {"0": 0.0, "50": 0.5, "85": 0.85}
 
 def mmlu_prompt() -> tuple[str, int, str]:
     """(prompt, shared-prefix chars, source) for one realistic 5-shot MMLU question."""
-    root = Path(os.environ.get("RADIXMESH_MMLU") or "/nonexistent")  # unset: synthetic
-    try:
+    root = os.environ.get("RADIXMESH_MMLU")
+    requests, source = None, "synthetic"
+    if root:
         from radixmesh.workload.mmlu import load_subjects, subject_requests
 
-        requests = [subject_requests(s)[0] for s in load_subjects(root)]
-        source = f"mmlu:{root}"
-    except (FileNotFoundError, ValueError):
+        try:
+            requests = [subject_requests(s)[0] for s in load_subjects(Path(root))]
+            source = f"mmlu:{root}"
+        except (FileNotFoundError, ValueError):
+            requests = None
+    if requests is None:
         from radixmesh.workload.synthetic import synthetic_groups
 
         requests = [g[0] for g in synthetic_groups(seed=0, groups=8, max_per_group=4).values()]
-        source = "synthetic"
     best = min(requests, key=lambda r: abs(len(r.text) - MMLU_MEAN_CHARS))
     name = best.group or best.id
     return best.text, best.prefix_chars or 0, f"{source}/{name}"
