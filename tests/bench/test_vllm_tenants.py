@@ -23,8 +23,9 @@ def test_the_adapter_is_a_peft_folder_shaped_for_the_model(tmp_path: Path) -> No
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({
-        "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "num_hidden_layers": 2}))
+        "model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 128,
+        "vocab_size": 256}))
     folder = save_random_adapter(tmp_path / "ad", model, rank=4)
     config = json.loads((folder / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 4

@@ -62,29 +62,15 @@ STEPS: tuple[tuple[str | None, str | None], ...] = (
 
 
 def save_random_adapter(path: Path, model_dir: Path, seed: int = 0, rank: int = 8) -> Path:
-    """A PEFT LoRA folder for the model in ``model_dir`` (shapes from its ``config.json``):
-    seeded random non-zero A and B on every layer's ``q_proj`` and ``v_proj``."""
-    import torch
-    from safetensors.torch import save_file
+    """A PEFT LoRA folder for the model in ``model_dir`` (its shapes from ``config.json``):
+    ``engine.testing.save_random_lora_dir``'s seeded non-zero A and B on every layer's
+    ``q_proj`` and ``v_proj``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = json.loads((model_dir / "config.json").read_text())
-    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or hidden // heads
-    outs = {"q_proj": heads * head_dim, "v_proj": cfg["num_key_value_heads"] * head_dim}
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(cfg["num_hidden_layers"]):
-        for name, out in outs.items():
-            key = f"base_model.model.model.layers.{layer}.self_attn.{name}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, hidden, generator=gen) * 0.05
-            tensors[f"{key}.lora_B.weight"] = torch.randn(out, rank, generator=gen) * 0.05
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 16, "target_modules":
-              list(outs), "bias": "none", "fan_in_fan_out": False, "task_type": "CAUSAL_LM",
-              "base_model_name_or_path": str(model_dir)}
-    (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
-    return path
+    from radixmesh.engine.testing import save_random_lora_dir
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    return save_random_lora_dir(path, model, seed=seed, rank=rank, targets=("q_proj", "v_proj"))
 
 
 def caught_up(cluster: LocalCluster, capture: Capture) -> bool:
