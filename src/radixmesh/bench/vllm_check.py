@@ -63,10 +63,10 @@ from radixmesh.bench.vllm_capture import (
 )
 from radixmesh.bench.vllm_replay import Agreement, _ms, _pct, build_workload, replay_run
 from radixmesh.bench.vllm_server import (
-    DEFAULT_VLLM_PYTHON,
     READY_TIMEOUT_S,
     VllmServer,
     save_model_dir,
+    vllm_parser,
     vllm_version,
     wait_subscribed,
 )
@@ -216,10 +216,7 @@ def _seq_gaps(timed: Sequence[tuple[float, Sequence[bytes]]]) -> int:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m radixmesh.bench.vllm_check",
-                                 description=__doc__.split("\n\n")[0])
-    ap.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
-    ap.add_argument("--out", default="runs/vllm-check")
+    ap = vllm_parser("radixmesh.bench.vllm_check", __doc__, "runs/vllm-check")
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--groups", type=int, default=8)
     ap.add_argument("--scale", type=float, default=0.5, help="prompt length scale")

@@ -40,11 +40,11 @@ import httpx
 
 from radixmesh.bench.vllm_replay import build_workload, send_stream
 from radixmesh.bench.vllm_server import (
-    DEFAULT_VLLM_PYTHON,
     READY_TIMEOUT_S,
     VllmServer,
     save_model_dir,
     stop_group,
+    vllm_parser,
     vllm_version,
 )
 from radixmesh.results.records import Record
@@ -170,10 +170,7 @@ def markdown(doc: dict[str, Any]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m radixmesh.bench.vllm_emulated",
-                                 description=__doc__.split("\n\n")[0])
-    ap.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
-    ap.add_argument("--out", default="runs/vllm-emulated")
+    ap = vllm_parser("radixmesh.bench.vllm_emulated", __doc__, "runs/vllm-emulated")
     ap.add_argument("--profile", help="emulate this profile instead of calibrating one")
     ap.add_argument("--vllm-port", type=int, help="use the vLLM already serving on this port "
                     "(started with this bench's settings and the same --seed) instead")

@@ -17,6 +17,7 @@ the ``tiny`` preset (random weights) as a directory vLLM loads. Used by ``bench/
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -188,3 +189,12 @@ def wait_subscribed(cluster: Any, timeout: float = 30.0) -> None:
         time.sleep(0.2)
     raise RuntimeError("the nodes' KV-event subscribers did not connect")
 
+
+def vllm_parser(module: str, doc: str | None, out: str) -> argparse.ArgumentParser:
+    """The real-vLLM checks' command line: ``--vllm-python`` (the vLLM venv's interpreter)
+    and ``--out`` (the run folder, default ``out``); each check adds its own flags."""
+    ap = argparse.ArgumentParser(prog=f"python -m {module}",
+                                 description=(doc or "").split("\n\n")[0])
+    ap.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
+    ap.add_argument("--out", default=out)
+    return ap

@@ -43,10 +43,10 @@ from radixmesh.bench.vllm_capture import Capture
 from radixmesh.bench.vllm_check import node_options
 from radixmesh.bench.vllm_replay import send_stream
 from radixmesh.bench.vllm_server import (
-    DEFAULT_VLLM_PYTHON,
     READY_TIMEOUT_S,
     VllmServer,
     save_model_dir,
+    vllm_parser,
     vllm_version,
     wait_subscribed,
 )
@@ -197,10 +197,7 @@ def markdown(doc: dict[str, Any]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m radixmesh.bench.vllm_tenants",
-                                 description=__doc__.split("\n\n")[0])
-    ap.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
-    ap.add_argument("--out", default="runs/vllm-tenants")
+    ap = vllm_parser("radixmesh.bench.vllm_tenants", __doc__, "runs/vllm-tenants")
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--num-blocks", type=int, default=48)
     ap.add_argument("--gossip-interval", default="0.1")

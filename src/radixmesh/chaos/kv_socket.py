@@ -57,10 +57,10 @@ from radixmesh.bench.vllm_capture import Capture
 from radixmesh.bench.vllm_check import _mesh_block, node_options, prompt_ids
 from radixmesh.bench.vllm_replay import build_workload, send_stream
 from radixmesh.bench.vllm_server import (
-    DEFAULT_VLLM_PYTHON,
     READY_TIMEOUT_S,
     VllmServer,
     save_model_dir,
+    vllm_parser,
     vllm_version,
     wait_subscribed,
 )
@@ -236,10 +236,7 @@ def markdown(doc: dict[str, Any]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m radixmesh.chaos.kv_socket",
-                                 description=__doc__.split("\n\n")[0])
-    ap.add_argument("--vllm-python", default=DEFAULT_VLLM_PYTHON)
-    ap.add_argument("--out", default="runs/vllm-kv-faults")
+    ap = vllm_parser("radixmesh.chaos.kv_socket", __doc__, "runs/vllm-kv-faults")
     ap.add_argument("--phases", default=",".join(PHASES))
     ap.add_argument("--requests", type=int, default=16, help="per phase")
     ap.add_argument("--p", type=float, default=0.3, help="probability of each phase's fault")

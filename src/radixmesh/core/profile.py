@@ -184,7 +184,6 @@ class Profile:
     lora_slots: int = 0  # adapters resident at once (0: all, never loaded)
     lora_load_s: float = 0.0  # loading a cold adapter stalls its step this long
 
-
     def __post_init__(self) -> None:
         for name in COEFFICIENTS:
             value = getattr(self, name)
