@@ -494,15 +494,15 @@ class NodeService:
         if key is None or self.quotas.share is None:
             return False
         adm = self.node_config.admission
-        bounds = admission_bounds(adm.max_queue_requests, adm.max_queue_wait_s,
-                                  self.core.own_speed().mean_service_s,
-                                  token_cap(adm, self.core.token_rate(), self.inflight))
         # a 400 only against the configured count (the wait bound moves with speed: a 429)
         cap = self.quotas.never_fits(key, requests, Bounds(adm.max_queue_requests, None))
         if cap is not None:
             raise ValueError(f"this request's {requests} samples and prompts exceed your "
                              f"tenant's share of this node's queue ({cap} at once): send "
                              "fewer ('n' x prompts) per request")
+        bounds = admission_bounds(adm.max_queue_requests, adm.max_queue_wait_s,
+                                  self.core.own_speed().mean_service_s,
+                                  token_cap(adm, self.core.token_rate(), self.inflight))
         return self.quotas.over(key, tokens, bounds, requests)
 
     def _cached_here(self, prompt: Sequence[int], hashes: Sequence[int],
