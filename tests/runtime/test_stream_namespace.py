@@ -1,7 +1,8 @@
 """A streamed answer's ``x-radixmesh-cached-tokens`` (the serving node's match at acceptance)
 is read in the request's cache namespace: a prefix cached for no namespace, or for another
 salt, counts 0 (it was read in the shared namespace, which showed a tenant the shared cache
-and over-predicted on real vLLM: ``make vllm-tenants``)."""
+and over-predicted on real vLLM: ``make vllm-tenants``). The same through SGLang's dialect: the
+node sends the namespace as SGLang's ``cache_salt`` and reads it back from its events."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
+import pytest
 
 from radixmesh.emulate.fake import FakeEngine
 from radixmesh.engine.tokenizers import ByteTokenizer
@@ -32,12 +34,14 @@ async def stream(http: aiohttp.ClientSession, port: int, **fields: Any) -> int:
         return int(resp.headers["x-radixmesh-cached-tokens"])
 
 
-def test_the_streamed_cached_header_is_read_in_the_request_namespace(poll: Poll) -> None:
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_the_streamed_cached_header_is_read_in_the_request_namespace(poll: Poll, kind: str
+                                                                     ) -> None:
     async def scenario() -> None:
         fake = FakeEngine(cache_tokens=4096)
         await fake.start()
         port = free_port()
-        cfg = ServeConfig(node_id="n0", port=port, engine="vllm", engine_url=fake.url,
+        cfg = ServeConfig(node_id="n0", port=port, engine=kind, engine_url=fake.url,
                           kv_events=fake.kv_endpoint, kv_replay=fake.replay_endpoint,
                           model=fake.model, cache_tokens=4096)
         service = build_external_service(cfg, tokenizer=ByteTokenizer())

@@ -20,7 +20,8 @@ any size that ``B`` divides, or that divide ``B``, work; other sizes are refused
 Removing an engine block un-roots it and every rooted block below it (their hashes leave the
 index) but keeps the descendants in the store: an engine may evict a parent and keep the
 child, and when the parent is stored again its subtree is rooted again. A root block
-whose only extra key is a ``cache_salt`` (``EngineBlockStored.salt``) is indexed in that
+with a ``cache_salt`` (``EngineBlockStored.salt``: vLLM's only extra key, or SGLang's field;
+``core/kv_events``) is indexed in that
 namespace: its chain starts from ``namespace_seed(seed, salt)`` (``core/blocks.py``; the node
 sends the namespace as the salt), so it matches only ``match(tokens, namespace=salt)``.
 Blocks with a LoRA

@@ -247,6 +247,24 @@ def salt_of(v: Any, n_blocks: int) -> str | None:
     return first[0]
 
 
+def _salt_and_keys(extra: Any, field: Any, root: bool, n_blocks: int
+                   ) -> tuple[str | None, tuple[bool, ...]]:
+    """A run's namespace and per-block keyed flags. A root run's salt is vLLM's, in
+    ``extra_keys`` (:func:`salt_of`), or SGLang's ``cache_salt`` field (0.5.23,
+    ``srt/disaggregation/kv_events.py`` ``BlockStored``: on every page a salted request
+    stores; children follow their root here). A root whose field is not a salt we can use
+    (malformed, or disagreeing with ``extra_keys``) is keyed, never indexed: the engine keeps it
+    apart, so it must not match as the shared namespace."""
+    if not root:
+        return None, _keyed(extra, n_blocks)
+    salt = salt_of(extra, n_blocks)
+    if field is None:
+        return salt, (() if salt is not None else _keyed(extra, n_blocks))
+    if isinstance(field, str) and 0 < len(field) <= 256 and salt in (None, field):
+        return field, ()
+    return None, (True,) * n_blocks
+
+
 class _BatchParser:
     """Checks one decoded batch tree; holds its token and hash budgets."""
 
@@ -302,7 +320,7 @@ class _BatchParser:
         extra = f.get("extra_keys")
         lora = _opt_str(f.get("lora_name"), "lora_name")
         extra = without_lora(extra, lora)
-        salt = salt_of(extra, len(hashes)) if parent is None else None
+        salt, keyed = _salt_and_keys(extra, f.get("cache_salt"), parent is None, len(hashes))
         return EngineBlockStored(
             block_hashes=hashes,
             parent_hash=None if parent is None else self.hash(parent),
@@ -312,7 +330,7 @@ class _BatchParser:
             group_idx=_group(f.get("group_idx")),
             lora_id=_opt_int(f.get("lora_id"), "lora_id"),
             lora_name=lora,
-            keyed=() if salt is not None else _keyed(extra, len(hashes)),
+            keyed=keyed,
             spec_kind=_opt_str(f.get("kv_cache_spec_kind"), "kv_cache_spec_kind"),
             salt=salt,
         )

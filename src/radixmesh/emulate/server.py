@@ -11,8 +11,8 @@ one :class:`~.events.KvEventPublisher` (when KV events are asked for). Routes:
   stream SSE chunks (one per token, the finish reason on the last token's chunk, a usage
   chunk when ``stream_options.include_usage``, ``data: [DONE]``) or answer one JSON object
   when every sequence finished;
-* ``POST /generate``: SGLang's shape (``input_ids``, ``sampling_params``, cumulative
-  ``output_ids`` and ``meta_info`` with ``cached_tokens``), for the node's ``--engine sglang``;
+* ``POST /generate``: SGLang's shape (``input_ids``, ``sampling_params``, ``cache_salt``;
+  cumulative ``output_ids``, ``meta_info.cached_tokens``), for the node's ``--engine sglang``;
 * ``GET /v1/models``, ``/health`` (both name the profile and say ``emulated``), ``/metrics``
   (Prometheus text, ``metrics.render``).
 
@@ -72,8 +72,7 @@ class EmulatedEngine:
                                            replay_keep=replay_keep)
         self.loop = EngineLoop(profile, faults=self.faults, time_scale=time_scale,
                                events=self.events)
-        self.bad_requests = 0
-        self.disconnects = 0
+        self.bad_requests = self.disconnects = 0
         self.url = ""
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -360,7 +359,8 @@ def _sglang_request(body: Any, tokenizer: Tokenizer, context: int, vocab: int
     translated = {"prompt": [list(prompts[0])],
                   "max_tokens": params.get("max_new_tokens", 128),
                   "stop_token_ids": params.get("stop_token_ids"),
-                  "ignore_eos": params.get("ignore_eos", False)}
+                  "ignore_eos": params.get("ignore_eos", False),
+                  "cache_salt": body.get("cache_salt")}  # SGLang's, checked as vLLM's is
     return protocol.parse(translated, tokenizer, context, chat=False, vocab=vocab)
 
 

@@ -134,9 +134,10 @@ class HttpEngine:
         self.cache_tokens = cache_tokens
         seed = self._fingerprint.digest
         self.exact = kind not in APPROXIMATE_KINDS
-        # (tenants) vLLM keeps cache_salt requests apart and its events say which salt
-        # (core/kv_events.salt_of); SGLang and plain OpenAI servers are not wired for it
-        self.cache_namespaces = kind == "vllm"
+        # (tenants) vLLM and SGLang keep cache_salt requests apart and their events say which
+        # salt (core/kv_events: vLLM's extra_keys, SGLang's cache_salt); plain OpenAI servers
+        # and llama.cpp have no such field
+        self.cache_namespaces = kind in ("vllm", "sglang")
         self.index = EngineIndex(block_size, seed, engine_block_size=engine_block_size)
         self.approx: PrefixCache[None] = PrefixCache(cache_tokens, block_size, seed)
         # (issue 55) --engine-kv-blocks: match() also counts what the requests ahead will
@@ -335,8 +336,11 @@ class HttpEngine:
                 params["stop_token_ids"] = list(sp.stop_token_ids)
             if sp.seed is not None:
                 params["sampling_seed"] = sp.seed
-            return "/generate", {"input_ids": list(req.prompt_ids), "sampling_params": params,
-                                 "stream": True}
+            generate: dict[str, Any] = {"input_ids": list(req.prompt_ids),
+                                        "sampling_params": params, "stream": True}
+            if req.cache_namespace is not None:  # (tenants) SGLang's GenerateReqInput.cache_salt
+                generate["cache_salt"] = req.cache_namespace
+            return "/generate", generate
         body: dict[str, Any] = {
             "model": req.adapter or self._model_name, "prompt": list(req.prompt_ids),
             "max_tokens": sp.max_tokens, "temperature": sp.temperature, "top_p": sp.top_p,
