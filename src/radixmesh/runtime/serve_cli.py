@@ -39,6 +39,10 @@ from radixmesh.runtime.config import ServeConfig, add_serve_arguments, config_fr
 if TYPE_CHECKING:
     import uvicorn
 
+    _NodeServer = Any  # runtime/app.node_server_class(), a class made when uvicorn is imported
+else:
+    _NodeServer = object
+
 log = logging.getLogger("radixmesh.serve")
 SWITCH_INTERVAL_S = 0.0005
 MODEL_PROBE_TIMEOUT_S = 5.0  # external engine: GET /v1/models at start
@@ -177,7 +181,7 @@ def _llamacpp_slots(config: ServeConfig) -> int:
     return slots if isinstance(slots, int) and slots >= 1 else 1
 
 
-class _DrainOnSigterm:
+class _DrainOnSigterm(_NodeServer):  # type: ignore[misc]
     """The first SIGTERM drains the node before the server exits: mixed into the node's
     server class (``node_server_class()``) by :func:`_draining_server_class`, which imports
     uvicorn only when a node serves."""
