@@ -221,9 +221,9 @@ class TransformersEngine:
                                      lambda o: events.put(("done", o)), logits)
         failed: list[BaseException] = []  # the exception a callback raised, if one did
         while True:
-            result = self._deliver(events, seq, on_token, user_logprob, failed)
-            if result is not None:
-                return result
+            done = self._deliver(events, seq, on_token, user_logprob, failed)
+            if done is not None:
+                return done
             with self._step_lock:
                 self.runner.step()
 
