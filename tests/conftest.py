@@ -13,6 +13,12 @@ arrived, what)`` waits until a KV-event subscriber of a fake engine gets its fir
 slow joiner), publishing harmless ones meanwhile. ``load_thread`` is the class ``Load``: a
 client thread sending requests one after another while a test does something to the mesh.
 
+``virtual_loop`` is a fresh event loop on virtual time (closed after the test): a wait of T
+seconds (``asyncio.sleep``, a timeout, any timer) moves its clock (``loop.time()``) on by T at
+once, timers fire in order, and no real time passes; run a coroutine on it with
+``virtual_loop.run_until_complete(...)``. Code that reads another clock is given
+``virtual_loop.time`` instead (``monkeypatch``).
+
 ``engine`` is the built-in engine of the ``micro`` preset (4096 cache tokens, one thread), one
 per test module, for the tests that serve nodes on it; a module that needs another engine
 defines its own ``engine`` fixture, which pytest prefers. ``tokenizer_dir`` is a model
@@ -27,9 +33,10 @@ find whichever was loaded last.
 from __future__ import annotations
 
 import asyncio
+import selectors
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -127,6 +134,39 @@ class Load:
 @pytest.fixture(scope="session")
 def load_thread() -> type[Load]:
     return Load
+
+
+class _VirtualSelector(selectors.DefaultSelector):
+    """Never blocks: a wait for ``timeout`` seconds moves the loop's clock instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        if timeout is not None and timeout > 0:
+            self.now += timeout
+        return super().select(0)
+
+
+class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    """An event loop on virtual time: timers fire in order, and no real time passes."""
+
+    def __init__(self) -> None:
+        self._virtual = _VirtualSelector()
+        super().__init__(self._virtual)
+
+    def time(self) -> float:
+        return self._virtual.now
+
+
+@pytest.fixture
+def virtual_loop() -> Iterator[VirtualTimeLoop]:
+    loop = VirtualTimeLoop()
+    try:
+        yield loop
+    finally:
+        loop.close()
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,13 @@ import asyncio
 import json
 import random
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from radixmesh.bench import replay as replay_module
 from radixmesh.bench.oracle import UNKNOWN, CacheMirror, Oracle, fed_output, output_ids
 from radixmesh.bench.prompts import PromptTooLong, make_admit, prompt_ids
 from radixmesh.bench.replay import Replay, _open_loop, arrival_times, mode_of
@@ -214,19 +215,20 @@ class TimedReplay:
     """A replay whose ``one`` only waits a little (seeded) and notes when each request ran:
     the schedule's code (closed loop, open loop) is the bench's own."""
 
-    def __init__(self, clients: int) -> None:
+    def __init__(self, clients: int, clock: Callable[[], float]) -> None:
         self.spec = RunSpec(name="fake", policy="none", concurrency=clients)
-        self.t0 = time.perf_counter()
+        self.clock = clock
+        self.t0 = clock()
         self.spans: dict[str, tuple[float, float]] = {}
         self.running = self.most = 0
 
     async def one(self, http: object, seq: int, req: Request, record: bool = True) -> Record:
-        start = time.perf_counter()
+        start = self.clock()
         self.running += 1
         self.most = max(self.most, self.running)
         await asyncio.sleep(random.Random(seq).uniform(0.0, 0.004))  # a fake request's service
         self.running -= 1
-        self.spans[req.id] = (start - self.t0, time.perf_counter() - self.t0)
+        self.spans[req.id] = (start - self.t0, self.clock() - self.t0)
         return rec("n0")
 
 
@@ -243,21 +245,37 @@ def assert_turns_waited(replay: TimedReplay, reqs: list[Request]) -> None:
             assert replay.spans[r.after][1] <= replay.spans[r.id][0], r.id
 
 
-def test_closed_loop_clients_send_a_turn_only_after_the_answer_to_the_last() -> None:
+@pytest.fixture
+def virtual_replay(virtual_loop: asyncio.AbstractEventLoop,
+                   monkeypatch: pytest.MonkeyPatch) -> Callable[[int], TimedReplay]:
+    """TimedReplays on the loop's virtual time, which the bench's schedules read too."""
+    monkeypatch.setattr(replay_module, "time", SimpleNamespace(perf_counter=virtual_loop.time))
+    return lambda clients: TimedReplay(clients, virtual_loop.time)
+
+
+def test_closed_loop_clients_send_a_turn_only_after_the_answer_to_the_last(
+    virtual_loop: asyncio.AbstractEventLoop, virtual_replay: Callable[[int], TimedReplay]
+) -> None:
     reqs = conversations(3, 4)
-    replay = TimedReplay(clients=8)
-    asyncio.run(Replay.closed_loop(replay, None, reqs))  # type: ignore[arg-type]
+    replay = virtual_replay(8)
+    virtual_loop.run_until_complete(Replay.closed_loop(replay, None, reqs))  # type: ignore[arg-type]
     assert_turns_waited(replay, reqs)
     assert replay.most == 3  # 8 clients, but only 3 conversations can have a turn out
 
 
-def test_open_loop_holds_a_turn_whose_answer_is_not_in_yet() -> None:
+def test_open_loop_holds_a_turn_whose_answer_is_not_in_yet(
+    virtual_loop: asyncio.AbstractEventLoop, virtual_replay: Callable[[int], TimedReplay]
+) -> None:
     reqs = schedule.poisson(conversations(4, 3), nodes=4, rate=5000.0, seed=1)  # overlapping
-    replay = TimedReplay(clients=1)
-    asyncio.run(_open_loop(None, [(replay, reqs)]))  # type: ignore[arg-type, list-item]
+    replay = virtual_replay(1)
+    virtual_loop.run_until_complete(
+        _open_loop(None, [(replay, reqs)]))  # type: ignore[arg-type, list-item]
     assert_turns_waited(replay, reqs)
     for r in reqs:
         assert replay.spans[r.id][0] >= (r.t or 0.0)  # never before its arrival time
+    # and a turn that was not held starts at its arrival time exactly (nothing else delays it)
+    first = [r for r in reqs if r.after is None]
+    assert [replay.spans[r.id][0] for r in first] == pytest.approx([r.t for r in first])
 
 
 # ----------------------------------------------------------------------------- figures

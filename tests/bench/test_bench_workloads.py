@@ -13,12 +13,13 @@ import time
 from collections.abc import Iterator, Sequence
 from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 
-from radixmesh.bench import plan
+from radixmesh.bench import plan, replay
 from radixmesh.bench.replay import CapacityProbe, mode_of
 from radixmesh.bench.runner import GATEWAYS, Runner, RunResult, batches, summary_entry
 from radixmesh.bench.sglang import SglangRouter
@@ -113,7 +114,7 @@ class _StubReplay:
         self.calls.append((len(requests), clients or 0, record))
         out = []
         for i in range(0, len(requests), clients or 1):  # ``clients`` at a time
-            await asyncio.sleep(self.service_s)
+            await asyncio.sleep(self.service_s)  # its service time: virtual time in the test
             out += [Record(run=self.spec.name, policy=self.spec.policy, seq=j, id=r.id,
                            group=None, entry=0, entry_node="n0", t_send=0.0,
                            latency_s=self.service_s, status=200)
@@ -121,15 +122,20 @@ class _StubReplay:
         return out
 
 
-def test_capacity_probe_times_the_batch_at_a_fraction_of_none_capacity() -> None:
+def test_capacity_probe_times_the_batch_at_a_fraction_of_none_capacity(
+    virtual_loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the probe's clock is the loop's virtual time: the stubs' service times pass exactly
+    monkeypatch.setattr(replay, "time", SimpleNamespace(perf_counter=virtual_loop.time))
     probe_reqs = [Request(id=f"p{i}", prompt="x") for i in range(8)]
     none, cost = _StubReplay("none", 0.05), _StubReplay("cost", 0.02)
     reqs = [Request(id=f"r{i}", prompt="y") for i in range(40)]
     probe = CapacityProbe(probe_reqs, clients=4, load=0.5)
-    timed = asyncio.run(probe.apply(None, [(none, reqs), (cost, reqs)]))  # type: ignore[arg-type]
-    # 8 requests, 4 at a time, 50 ms each: ~80 req/s for none (the basis), ~200 for cost
+    pairs = [(none, reqs), (cost, reqs)]
+    timed = virtual_loop.run_until_complete(probe.apply(None, pairs))  # type: ignore[arg-type]
+    # 8 requests, 4 at a time, 50 ms each: 80 req/s for none (the basis), 200 for cost
     assert probe.basis == "none" and probe.capacity_rps == probe.throughput["none-x"]
-    assert 40 < probe.throughput["none-x"] < 90 < probe.throughput["cost-x"]
+    assert probe.throughput == pytest.approx({"none-x": 80.0, "cost-x": 200.0})
     assert probe.rate == pytest.approx(0.5 * probe.capacity_rps)
     assert none.calls == [(8, 4, False)]  # the probe's requests are not the run's records
     (_, a), (_, b) = timed
@@ -140,7 +146,7 @@ def test_capacity_probe_times_the_batch_at_a_fraction_of_none_capacity() -> None
     assert info["probe_requests"] == 8 and info["basis"] == "none" and info["load"] == 0.5
     # no none in the batch: the median cluster is the basis
     probe2 = CapacityProbe(probe_reqs, clients=4, load=0.8)
-    asyncio.run(probe2.apply(None, [(cost, reqs)]))  # type: ignore[arg-type]
+    virtual_loop.run_until_complete(probe2.apply(None, [(cost, reqs)]))  # type: ignore[arg-type]
     assert probe2.basis == "median"
 
 

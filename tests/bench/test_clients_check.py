@@ -1,4 +1,4 @@
-"""The pure parts of ``make clients-check`` (radixmesh.bench.clients_check): the local MMLU
+"""The pure parts of ``make clients-check`` (radixmesh.bench.clients_*): the local MMLU
 subset and lm-eval task files, the per-sample comparison of two runs, and reading the tools'
 outputs (lm-eval's progress bar, guidellm's report). The tools themselves are not installed
 here; ``make clients-check`` runs them."""
@@ -11,17 +11,13 @@ from typing import Any
 
 import pytest
 
-from radixmesh.bench.clients_check import (
-    GEN_TAG,
-    LL_TAG,
+from radixmesh.bench.clients_results import (
     compare,
     guidellm_rows,
-    lm_eval_argv,
     load_samples,
     request_seconds,
-    write_subset,
-    write_tasks,
 )
+from radixmesh.bench.clients_tasks import GEN_TAG, LL_TAG, lm_eval_argv, write_subset, write_tasks
 
 
 def _mmlu(root: Path, subjects: dict[str, int]) -> Path:

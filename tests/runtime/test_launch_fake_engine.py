@@ -98,7 +98,7 @@ def test_an_engine_that_exits_at_once_is_a_start_up_error_with_its_log(tmp_path:
 
 
 def test_an_engine_that_never_answers_is_stopped_at_the_timeout() -> None:
-    (port,) = free_ports(1)
+    (port,) = free_ports(1)  # the engine under test: it sleeps instead of answering
     proc = EngineProcess(f"{sys.executable} -c \"import time; time.sleep(60)\"",
                          f"http://127.0.0.1:{port}", ready_timeout_s=1.0, stop_timeout_s=2.0)
     with pytest.raises(ValueError, match="not answering"):

@@ -96,6 +96,7 @@ def test_cluster_command_none_policy_never_forwards_and_stops_cleanly(poll: Poll
 
 def test_killing_the_launcher_leaves_no_orphans(tmp_path: Path, poll: Poll) -> None:
     # Stand-in node processes (no model) keep this test fast; the launcher is the real one.
+    # Their sleep, and the launcher's, only keep them alive until the test kills them.
     fake_python = tmp_path / "fake-python"
     fake_python.write_text(f"#!{sys.executable}\nimport time\ntime.sleep(600)\n")
     fake_python.chmod(0o755)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import selectors
 from functools import partial
 
 import pytest
@@ -256,31 +255,8 @@ def test_netem_takes_its_decisions_from_the_core_link_model() -> None:
         NetemConfig(loss=2.0)
 
 
-class _VirtualSelector(selectors.DefaultSelector):
-    """Never blocks: a wait for ``timeout`` seconds moves the loop's clock instead."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.now = 0.0
-
-    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
-        if timeout is not None and timeout > 0:
-            self.now += timeout
-        return super().select(0)
-
-
-class VirtualTimeLoop(asyncio.SelectorEventLoop):
-    """An event loop on virtual time: timers fire in order, and no real time passes."""
-
-    def __init__(self) -> None:
-        self._virtual = _VirtualSelector()
-        super().__init__(self._virtual)
-
-    def time(self) -> float:
-        return self._virtual.now
-
-
-def test_netem_delays_each_chunk_without_accumulating() -> None:
+def test_netem_delays_each_chunk_without_accumulating(
+        virtual_loop: asyncio.AbstractEventLoop) -> None:
     async def scenario() -> list[float]:
         n = Netem(NetemConfig(delay_s=1.0))
         loop = asyncio.get_running_loop()
@@ -293,11 +269,7 @@ def test_netem_delays_each_chunk_without_accumulating() -> None:
         t0 = loop.time()
         return [loop.time() - t0 async for _ in n.delayed(source())]
 
-    loop = VirtualTimeLoop()
-    try:
-        times = loop.run_until_complete(scenario())
-    finally:
-        loop.close()
+    times = virtual_loop.run_until_complete(scenario())
     # each chunk is held for the delay from its own arrival: released 10 ms apart as they
     # came, not a delay apart (which is what delays that add up would give)
     assert times == pytest.approx([1.0, 1.01, 1.02, 1.03], abs=1e-9)

@@ -324,6 +324,12 @@ def run(args: argparse.Namespace) -> int:
             print(s.name, f"requests={s.workload.requests}", f"group={s.group}",
                   f"paired={s.lockstep or '-'}")  # fmt: skip
         return 0
+    return _sweep(args, out, specs)
+
+
+def _sweep(args: argparse.Namespace, out: Path, specs: list[RunSpec]) -> int:
+    """Run ``specs`` into ``out``, then the report; the exit status (130: interrupted, 1: a
+    run failed, 2: nothing ran)."""
     from radixmesh.bench.after_run import run_failure
     from radixmesh.bench.runner import Runner
 

@@ -35,6 +35,10 @@ Everything lives in one run folder (``--out``, default ``runs/clients``):
 The check program runs in the project's venv; lm-eval and guidellm run in their own venv
 (``--clients-venv``, built by ``make clients-check``) as subprocesses. Exit status: 0 when every
 tool run completed and every compared sample is identical, 1 otherwise.
+
+Three modules: steps 1 and 2, and the tools' command lines, are ``bench/clients_tasks.py``'s;
+step 4's comparison and tables ``bench/clients_results.py``'s; this one runs the clusters and
+the tools (step 3) and writes the summary.
 """
 
 from __future__ import annotations
@@ -42,192 +46,53 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from radixmesh.workload.mmlu import Question
+from radixmesh.bench.clients_results import (
+    TARGETS,
+    Comparison,
+    GuideRow,
+    TargetResult,
+    ToolRun,
+    compare,
+    eval_seconds,
+    failures_text,
+    guidellm_rows,
+    guidellm_table,
+    harness_failures,
+    lm_eval_table,
+    load_samples,
+    request_seconds,
+    samples_of,
+)
+from radixmesh.bench.clients_tasks import (
+    GEN_TAG,
+    LL_TAG,
+    build_model,
+    guidellm_scenario,
+    lm_eval_argv,
+    tool_env,
+    write_subset,
+    write_tasks,
+)
 
 DEFAULT_SUBJECTS = ("abstract_algebra", "anatomy", "management", "world_religions")
-TARGETS = ("single", "mesh")
-LL_TAG, GEN_TAG = "rmcc_loglik", "rmcc_gen"
-LETTERS = ("A", "B", "C", "D")
 # (run name, lm-eval model, task tag): the order every target runs them in
 LM_RUNS = (
     ("completions-generate", "local-completions", GEN_TAG),
     ("chat-generate", "local-chat-completions", GEN_TAG),
     ("completions-loglikelihood", "local-completions", LL_TAG),
 )
-LOGPROB_TOLERANCE = 1e-4  # |Δ log-likelihood| still called the same (fp32 reduction order)
-
-
-# ------------------------------------------------------------------------------ data + tasks
-def _row(q: Question, subject: str) -> dict[str, Any]:
-    return {"question": q.text, "choices": list(q.choices), "answer": LETTERS.index(q.answer),
-            "subject": subject}
-
-
-def write_subset(mmlu_dir: Path, subjects: Sequence[str], questions: int, dest: Path
-                 ) -> dict[str, dict[str, Path]]:
-    """Copy the dev rows and the first ``questions`` test rows of each subject as JSONL."""
-    from radixmesh.workload.mmlu import load_subjects
-
-    try:
-        by_name = {s.name: s for s in load_subjects(mmlu_dir, "test")}
-    except (FileNotFoundError, ValueError) as exc:
-        raise SystemExit(f"error: --mmlu-dir {mmlu_dir}: {exc}") from exc
-    missing = [s for s in subjects if s not in by_name]
-    if missing:
-        raise SystemExit(f"error: no MMLU subject {', '.join(missing)} under {mmlu_dir}")
-    dest.mkdir(parents=True, exist_ok=True)
-    files: dict[str, dict[str, Path]] = {}
-    for name in subjects:
-        subject = by_name[name]
-        files[name] = {}
-        for split, rows in (("dev", subject.dev), ("test", subject.test[:questions])):
-            out = dest / f"{name}_{split}.jsonl"
-            out.write_text("".join(json.dumps(_row(q, name)) + "\n" for q in rows),
-                           encoding="utf-8")
-            files[name][split] = out
-    return files
-
-
-def corpus(files: Mapping[str, Mapping[str, Path]]) -> Iterator[str]:
-    """The text the run's tokenizer is trained on: every header, question and choice."""
-    for subject, splits in files.items():
-        yield header(subject)
-        for path in splits.values():
-            for line in path.read_text(encoding="utf-8").splitlines():
-                row = json.loads(line)
-                yield row["question"] + "\n" + "\n".join(row["choices"]) + "\nAnswer: A B C D"
-
-
-def header(subject: str) -> str:
-    return ("The following are multiple choice questions (with answers) about "
-            f"{subject.replace('_', ' ')}.\n\n")
-
-
-_DOC_TO_TEXT = ("{{question.strip()}}\nA. {{choices[0]}}\nB. {{choices[1]}}\n"
-                "C. {{choices[2]}}\nD. {{choices[3]}}\nAnswer:")
-
-
-def task_configs(subject: str, files: Mapping[str, Path]) -> dict[str, dict[str, Any]]:
-    """The two lm-eval tasks of one subject: loglikelihood and generate-until, 5-shot."""
-    common: dict[str, Any] = {
-        "dataset_path": "json",
-        "dataset_kwargs": {"data_files": {s: str(p) for s, p in files.items()}},
-        "test_split": "test",
-        "fewshot_split": "dev",
-        "fewshot_config": {"sampler": "first_n"},
-        "num_fewshot": 5,
-        "description": header(subject),
-        "doc_to_text": _DOC_TO_TEXT,
-        "target_delimiter": " ",
-        "fewshot_delimiter": "\n\n",
-        "metadata": {"version": 1.0},
-    }
-    loglik = {**common, "task": f"{LL_TAG}_{subject}", "tag": LL_TAG,
-              "output_type": "multiple_choice", "doc_to_choice": list(LETTERS),
-              "doc_to_target": "answer",
-              "metric_list": [{"metric": "acc", "aggregation": "mean",
-                               "higher_is_better": True}]}
-    gen = {**common, "task": f"{GEN_TAG}_{subject}", "tag": GEN_TAG,
-           "output_type": "generate_until",
-           "doc_to_target": "{{['A', 'B', 'C', 'D'][answer]}}",
-           "generation_kwargs": {"until": ["\n"], "max_gen_toks": 4, "do_sample": False,
-                                 "temperature": 0.0},
-           "metric_list": [{"metric": "exact_match", "aggregation": "mean",
-                            "higher_is_better": True, "ignore_case": True,
-                            "ignore_punctuation": True}]}
-    return {loglik["task"]: loglik, gen["task"]: gen}
-
-
-def write_tasks(files: Mapping[str, Mapping[str, Path]], dest: Path) -> list[str]:
-    """Write every task as ``<task>.yaml`` (JSON is YAML); returns the task names."""
-    dest.mkdir(parents=True, exist_ok=True)
-    names: list[str] = []
-    for subject, splits in files.items():
-        for name, cfg in task_configs(subject, splits).items():
-            (dest / f"{name}.yaml").write_text(json.dumps(cfg, indent=2) + "\n",
-                                               encoding="utf-8")
-            names.append(name)
-    return names
-
-
-def build_model(dest: Path, files: Mapping[str, Mapping[str, Path]], vocab: int) -> Path:
-    """A ``tiny`` random-weight model directory whose BPE is trained on the subset."""
-    from radixmesh.engine.testing import save_random_model_dir
-
-    if not (dest / "tokenizer.json").is_file():
-        save_random_model_dir(dest, "tiny", seed=0, vocab_size=vocab, corpus=corpus(files))
-    return dest
 
 
 # ------------------------------------------------------------------------------ the tools
-def tool_env(run_dir: Path) -> dict[str, str]:
-    """The tools' environment: offline, caches inside the run folder, no proxy for loopback."""
-    env = dict(os.environ)
-    home = run_dir / "hf-home"
-    env.update({
-        "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-        "HF_HOME": str(home), "HF_DATASETS_CACHE": str(home / "datasets"),
-        "NO_PROXY": "127.0.0.1,localhost", "no_proxy": "127.0.0.1,localhost",
-        "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
-        # tqdm reads TQDM_* as its defaults: rate = n / elapsed (not a moving average), so the
-        # harness's own "Requesting API" bar gives the request phase's duration exactly
-        "TQDM_SMOOTHING": "0",
-    })
-    return env
-
-
-def lm_eval_argv(bin_dir: Path, model: str, url: str, model_name: str, model_dir: Path,
-                 tag: str, tasks_dir: Path, out: Path, concurrency: int,
-                 limit: int | None = None) -> list[str]:
-    """The exact ``lm_eval run`` command of one run."""
-    endpoint = "chat/completions" if model == "local-chat-completions" else "completions"
-    args = [f"base_url={url}/v1/{endpoint}", f"model={model_name}",
-            f"num_concurrent={concurrency}", "timeout=600"]
-    if tag == LL_TAG:  # context lengths need the tokenizer: the model directory's own
-        args += ["tokenizer_backend=huggingface", f"tokenizer={model_dir}", "max_length=4096"]
-    else:
-        args += ["tokenizer_backend=None"]
-    argv = [str(bin_dir / "lm_eval"), "run", "--model", model, "--model_args", ",".join(args),
-            "--tasks", tag, "--include_path", str(tasks_dir), "--log_samples",
-            "--output_path", str(out), "--seed", "1234"]
-    if model == "local-chat-completions":
-        argv.append("--apply_chat_template")
-    if limit is not None:
-        argv += ["--limit", str(limit)]
-    return argv
-
-
-@dataclass
-class ToolRun:
-    name: str
-    target: str
-    argv: list[str]
-    rc: int = -1
-    wall_s: float = 0.0
-    eval_s: float | None = None  # lm-eval's total_evaluation_time_seconds
-    request_s: float | None = None  # its "Requesting API" phase (see request_seconds)
-    load: tuple[float, float] = (math.nan, math.nan)  # 1-min load average before, after
-    log: str = ""
-    samples: dict[str, dict[str, Any]] = field(default_factory=dict)
-    failures: list[str] = field(default_factory=list)  # what the harness reported failing
-
-    @property
-    def ok(self) -> bool:
-        return self.rc == 0 and not self.failures
-
-
 def run_tool(argv: Sequence[str], log: Path, env: Mapping[str, str], timeout: float,
              cwd: Path) -> tuple[int, float]:
     """Run one tool to completion (bounded), output to ``log``; (exit status, wall seconds)."""
@@ -246,191 +111,7 @@ def run_tool(argv: Sequence[str], log: Path, env: Mapping[str, str], timeout: fl
     return rc, time.monotonic() - start
 
 
-_FAILURE = re.compile(r"(API request failed.*|Exception:.*|Traceback.*|\w+Error: .*)")
 
-
-def harness_failures(log: Path, limit: int = 6) -> list[str]:
-    """The lines where lm-eval reports a failed request or an error (request + response)."""
-    seen: list[str] = []
-    for line in log.read_text(encoding="utf-8", errors="replace").splitlines():
-        m = _FAILURE.search(line)
-        if m and m.group(1) not in seen:
-            seen.append(m.group(1)[:2000])
-        if len(seen) >= limit:
-            break
-    return seen
-
-
-def load_samples(out: Path) -> dict[str, dict[str, Any]]:
-    """``--log_samples`` files under ``out`` → {"task/doc_id": sample}."""
-    samples: dict[str, dict[str, Any]] = {}
-    for path in sorted(out.rglob("samples_*.jsonl")):
-        task = path.name.removeprefix("samples_").rsplit("_", 1)[0]
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                s = json.loads(line)
-                samples[f"{task}/{s['doc_id']}"] = s
-    return samples
-
-
-_BAR = re.compile(r"Requesting API: 100%\|[^|]*\| (\d+)/\1 \[[^,\]]*, *([\d.]+)(it/s|s/it)\]")
-
-
-def request_seconds(log: Path) -> float | None:
-    """The harness's request phase: its last "Requesting API" bar, n / (average rate)."""
-    text = log.read_text(encoding="utf-8", errors="replace")
-    found = _BAR.findall(text)
-    if not found:
-        return None
-    n, rate, unit = int(found[-1][0]), float(found[-1][1]), found[-1][2]
-    if rate <= 0:
-        return None
-    return n / rate if unit == "it/s" else n * rate
-
-
-def eval_seconds(out: Path) -> float | None:
-    for path in sorted(out.rglob("results_*.json")):
-        value = json.loads(path.read_text(encoding="utf-8")).get("total_evaluation_time_seconds")
-        with contextlib.suppress(TypeError, ValueError):
-            return float(value)
-    return None
-
-
-# ------------------------------------------------------------------------------ comparison
-@dataclass
-class Comparison:
-    run: str
-    samples: int = 0  # compared (present in both)
-    identical: int = 0
-    only_one_side: int = 0
-    max_logprob_diff: float = 0.0
-    diffs: list[str] = field(default_factory=list)  # the first few differing samples
-
-    @property
-    def ok(self) -> bool:
-        return self.samples > 0 and self.identical == self.samples and not self.only_one_side
-
-
-def _answers(sample: Mapping[str, Any]) -> Any:
-    return sample.get("filtered_resps", sample.get("resps"))
-
-
-def _logprobs(sample: Mapping[str, Any]) -> list[float]:
-    """The log-likelihood of each choice (loglikelihood samples: ``resps`` holds
-    ``[[logprob, is_greedy]]`` per choice, written as strings), else empty."""
-    out: list[float] = []
-    for resp in sample.get("resps") or []:
-        first = resp[0] if isinstance(resp, list) and resp else None
-        if isinstance(first, list | tuple) and len(first) == 2:
-            with contextlib.suppress(TypeError, ValueError):
-                out.append(float(first[0]))
-    return out
-
-
-def _same(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[bool, float]:
-    """(same answer, |Δ log-likelihood|): texts exactly; log-likelihoods within tolerance and
-    the same choice picked; the metric (acc / exact_match) equal."""
-    la, lb = _logprobs(a), _logprobs(b)
-    metrics = [k for k in ("acc", "exact_match") if k in a or k in b]
-    same_metric = all(a.get(k) == b.get(k) for k in metrics)
-    if la or lb:
-        if len(la) != len(lb):
-            return False, math.inf
-        diff = max((abs(x - y) for x, y in zip(la, lb, strict=True)), default=0.0)
-        argmax_a = max(range(len(la)), key=la.__getitem__)
-        argmax_b = max(range(len(lb)), key=lb.__getitem__)
-        return same_metric and argmax_a == argmax_b and diff <= LOGPROB_TOLERANCE, diff
-    return same_metric and _answers(a) == _answers(b), 0.0
-
-
-def compare(run: str, single: Mapping[str, Mapping[str, Any]],
-            mesh: Mapping[str, Mapping[str, Any]], show: int = 5) -> Comparison:
-    c = Comparison(run)
-    c.only_one_side = len(set(single) ^ set(mesh))
-    for key in sorted(set(single) & set(mesh)):
-        c.samples += 1
-        same, diff = _same(single[key], mesh[key])
-        if math.isfinite(diff):
-            c.max_logprob_diff = max(c.max_logprob_diff, diff)
-        if same:
-            c.identical += 1
-        elif len(c.diffs) < show:
-            c.diffs.append(f"{key}: single {_answers(single[key])!r} vs mesh "
-                           f"{_answers(mesh[key])!r}")
-    return c
-
-
-# ------------------------------------------------------------------------------ guidellm
-def guidellm_scenario(url: str, model_name: str, model_dir: Path, out_json: Path,
-                      args: argparse.Namespace) -> dict[str, Any]:
-    """A guidellm scenario: a sweep on /v1/completions with synthetic, prefix-sharing prompts."""
-    return {
-        "metadata": {"name": "radixmesh-clients-check"},
-        "spec": {
-            "backend": {"kind": "openai_http", "target": url, "model": model_name,
-                        "request_format": "/v1/completions"},
-            "profile": {"kind": "sweep", "sweep_size": args.guidellm_sweep,
-                        "max_concurrency": args.guidellm_max_concurrency},
-            "data": [{"kind": "synthetic_text", "prompt_tokens": args.guidellm_prompt_tokens,
-                      "output_tokens": args.guidellm_output_tokens,
-                      "prefix_tokens": args.guidellm_prefix_tokens,
-                      "prefix_count": args.guidellm_prefix_count}],
-            "tokenizer": {"kind": "huggingface_auto", "model": str(model_dir)},
-            "constraints": [{"kind": "max_duration", "seconds": args.guidellm_seconds}],
-            "seed": {"kind": "static", "value": 42},
-            "outputs": [{"kind": "json", "path": str(out_json)}],
-        },
-    }
-
-
-@dataclass
-class GuideRow:
-    target: str
-    strategy: str
-    ok: int
-    errored: int
-    incomplete: int
-    req_s: float
-    out_tok_s: float
-    ttft_ms_p50: float
-    ttft_ms_p95: float
-    itl_ms_p50: float
-    itl_ms_mean: float
-
-
-def _stat(metrics: Mapping[str, Any], name: str, stat: str) -> float:
-    """A statistic over the successful requests (NaN when none succeeded)."""
-    if not (metrics.get("request_totals") or {}).get("successful"):
-        return math.nan
-    dist = (metrics.get(name) or {}).get("successful") or {}
-    value = dist.get("percentiles", {}).get(stat) if stat.startswith("p") else dist.get(stat)
-    return float(value) if isinstance(value, int | float) else math.nan
-
-
-def _strategy(config: Mapping[str, Any]) -> str:
-    s = config.get("strategy") or {}
-    kind = str(s.get("type_", "?"))
-    rate = s.get("rate")
-    if isinstance(rate, int | float):
-        return f"{kind}@{rate:.2f}/s"
-    if kind == "throughput" and s.get("max_concurrency"):
-        return f"throughput@{s['max_concurrency']}"
-    return kind
-
-
-def guidellm_rows(target: str, report: Path) -> list[GuideRow]:
-    data = json.loads(report.read_text(encoding="utf-8"))
-    rows: list[GuideRow] = []
-    for b in data.get("benchmarks", []):
-        m, totals = b.get("metrics", {}), b.get("metrics", {}).get("request_totals", {})
-        rows.append(GuideRow(
-            target, _strategy(b.get("config", {})), int(totals.get("successful", 0)),
-            int(totals.get("errored", 0)), int(totals.get("incomplete", 0)),
-            _stat(m, "requests_per_second", "mean"), _stat(m, "output_tokens_per_second", "mean"),
-            _stat(m, "time_to_first_token_ms", "p50"), _stat(m, "time_to_first_token_ms", "p95"),
-            _stat(m, "inter_token_latency_ms", "p50"), _stat(m, "inter_token_latency_ms", "mean"),
-        ))
-    return rows
 
 
 # ------------------------------------------------------------------------------ the nodes
@@ -483,14 +164,6 @@ def serve_options(model_dir: Path, threads: int, max_queue_wait: float) -> dict[
 
 
 # ------------------------------------------------------------------------------ one target
-@dataclass
-class TargetResult:
-    target: str
-    nodes: int
-    runs: list[ToolRun] = field(default_factory=list)
-    counters: dict[str, dict[str, float]] = field(default_factory=dict)  # per run
-    guidellm: list[GuideRow] = field(default_factory=list)
-    guidellm_run: ToolRun | None = None
 
 
 def run_all(ctx: Context) -> dict[str, TargetResult]:
@@ -580,80 +253,6 @@ def guidellm_run(ctx: Context, target: str, url: str) -> tuple[ToolRun, list[Gui
     return run, rows
 
 
-# ------------------------------------------------------------------------------ report
-def _fmt(x: float, digits: int = 1) -> str:
-    return "—" if not math.isfinite(x) else f"{x:.{digits}f}"
-
-
-def lm_eval_table(results: Mapping[str, TargetResult], comparisons: Sequence[Comparison]
-                  ) -> list[str]:
-    lines = ["| lm-eval run | samples | identical | max Δlogprob | requests s single / mesh | "
-             "mesh/single | lm-eval wall s single / mesh | cache-hit tokens single / mesh | "
-             "load avg single / mesh |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for c in comparisons:
-        s, m = (_run(results[t], c.run) for t in TARGETS)
-        rs = s.request_s if s and s.request_s is not None else math.nan
-        rm = m.request_s if m and m.request_s is not None else math.nan
-        walls = " / ".join(_fmt(r.wall_s) if r else "—" for r in (s, m))
-        hits = " / ".join(_hits(results[t], c.run) for t in TARGETS)
-        loads = " / ".join(_fmt(max(r.load)) if r else "—" for r in (s, m))
-        lines.append(f"| {c.run} | {c.samples} | {c.identical} | {c.max_logprob_diff:.2g} | "
-                     f"{_fmt(rs, 2)} / {_fmt(rm, 2)} | {_fmt(rm / rs, 2) if rs else '—'} | "
-                     f"{walls} | {hits} | {loads} |")
-    return lines
-
-
-def _run(result: TargetResult, name: str) -> ToolRun | None:
-    return next((r for r in result.runs if r.name == name), None)
-
-
-def _hits(result: TargetResult, name: str) -> str:
-    c = result.counters.get(name, {})
-    if "prompt_tokens" not in c:
-        return "n/a"
-    share = c.get("cache_hit_tokens", 0.0) / c["prompt_tokens"] if c["prompt_tokens"] else 0.0
-    return f"{share:.0%} of {c['prompt_tokens']:.0f}"
-
-
-def guidellm_table(rows: Sequence[GuideRow]) -> list[str]:
-    lines = ["| target | strategy | ok / err / incomplete | req/s | output tok/s | "
-             "TTFT p50 ms | TTFT p95 ms | ITL p50 ms | ITL mean ms |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r.target} | {r.strategy} | {r.ok} / {r.errored} / {r.incomplete} | "
-                     f"{_fmt(r.req_s, 2)} | {_fmt(r.out_tok_s)} | {_fmt(r.ttft_ms_p50)} | "
-                     f"{_fmt(r.ttft_ms_p95)} | {_fmt(r.itl_ms_p50)} | {_fmt(r.itl_ms_mean)} |")
-    return lines
-
-
-def failures_text(results: Mapping[str, TargetResult]) -> list[str]:
-    lines: list[str] = []
-    for res in results.values():
-        runs = [*res.runs, *([res.guidellm_run] if res.guidellm_run else [])]
-        for run in runs:
-            if not run.ok:
-                lines.append(f"- {run.target} / {run.name} FAILED (rc {run.rc}, log {run.log}):")
-                lines += [f"    {f}" for f in run.failures]
-    return lines
-
-
-def write_summary(ctx: Context, results: Mapping[str, TargetResult],
-                  comparisons: Sequence[Comparison], md: Sequence[str]) -> None:
-    data = {
-        "command": ctx.command,
-        "targets": {t: {"nodes": r.nodes,
-                        "lm_eval": [{k: v for k, v in asdict(run).items() if k != "samples"}
-                                    | {"samples": len(run.samples)} for run in r.runs],
-                        "counters": r.counters,
-                        "guidellm": [asdict(g) for g in r.guidellm]}
-                    for t, r in results.items()},
-        "comparisons": [asdict(c) | {"ok": c.ok} for c in comparisons],
-    }
-    (ctx.run_dir / "summary.json").write_text(json.dumps(data, indent=2) + "\n",
-                                              encoding="utf-8")
-    (ctx.run_dir / "summary.md").write_text("\n".join(md) + "\n", encoding="utf-8")
-
 
 # ------------------------------------------------------------------------------ main
 @dataclass
@@ -728,8 +327,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ctx = prepare(args)
     print(f"run folder {ctx.run_dir}; model {ctx.model_dir}; tasks {ctx.tasks_dir}", flush=True)
     results = run_all(ctx)
-    comparisons = [compare(name, _samples(results["single"], name), _samples(results["mesh"],
-                                                                             name))
+    comparisons = [compare(name, samples_of(results["single"], name),
+                           samples_of(results["mesh"], name))
                    for name, _, _ in LM_RUNS if name not in args.skip]
     md = report_lines(ctx, results, comparisons)
     print("\n" + "\n".join(md), flush=True)
@@ -740,9 +339,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0 if ok else 1
 
 
-def _samples(result: TargetResult, name: str) -> dict[str, dict[str, Any]]:
-    run = _run(result, name)
-    return run.samples if run else {}
+
+
+# ------------------------------------------------------------------------------ report
+def write_summary(ctx: Context, results: Mapping[str, TargetResult],
+                  comparisons: Sequence[Comparison], md: Sequence[str]) -> None:
+    data = {
+        "command": ctx.command,
+        "targets": {t: {"nodes": r.nodes,
+                        "lm_eval": [{k: v for k, v in asdict(run).items() if k != "samples"}
+                                    | {"samples": len(run.samples)} for run in r.runs],
+                        "counters": r.counters,
+                        "guidellm": [asdict(g) for g in r.guidellm]}
+                    for t, r in results.items()},
+        "comparisons": [asdict(c) | {"ok": c.ok} for c in comparisons],
+    }
+    (ctx.run_dir / "summary.json").write_text(json.dumps(data, indent=2) + "\n",
+                                              encoding="utf-8")
+    (ctx.run_dir / "summary.md").write_text("\n".join(md) + "\n", encoding="utf-8")
 
 
 def report_lines(ctx: Context, results: Mapping[str, TargetResult],

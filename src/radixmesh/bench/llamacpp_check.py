@@ -186,7 +186,7 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m radixmesh.bench.llamacpp_check",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-server", default=".venv-llamacpp/bin/llama-server")
@@ -203,7 +203,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="the nodes' --cache-tokens (default: 16384 for openai; for llamacpp "
                     "llama.cpp's default --cache-ram, 8192 MiB, in tokens of the model's KV)")
     ap.add_argument("--gossip-interval", default="0.1")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model_dir = save_model_dir(out / "model", 0)

@@ -93,32 +93,18 @@ def _max_logit_diff(engine: TransformersEngine, prompt: list[int], cached: int) 
 
 
 def run(quick: bool) -> dict[str, object]:
-    preset = os.environ.get("RADIXMESH_BENCH_PRESET", "tiny")
-    model = os.environ.get("RADIXMESH_BENCH_MODEL") or None
-    threads = int(os.environ.get("RADIXMESH_BENCH_THREADS", "1"))
-    device = os.environ.get("RADIXMESH_BENCH_DEVICE", "cpu")
-    dtype = os.environ.get("RADIXMESH_BENCH_DTYPE", "float32")
-    engine = build_engine(preset, model_path=model, cache_tokens=16_384, threads=threads,
-                          device=device, dtype=dtype)
+    engine, settings = _engine_from_env()
     text, prefix_chars, source = mmlu_prompt()
     prompt = engine.tokenizer.encode(text)
     shared = len(engine.tokenizer.encode(text[:prefix_chars]))
     points = {k: round(f * len(prompt)) for k, f in FRACTIONS.items()} | {"shared": shared}
     repeats = 3 if quick else 9
-    _prefill_with(engine, prompt, 0)  # warm-up
-    samples: dict[str, list[float]] = {k: [] for k in points}
-    for _ in range(repeats):
-        for key, cached in points.items():
-            samples[key].append(_prefill_with(engine, prompt, cached))
-    med = {k: statistics.median(v) for k, v in samples.items()}
+    med = _median_prefills(engine, prompt, points, repeats)
     decode = statistics.median(
         _decode_per_token(engine, prompt, 8 if quick else 32) for _ in range(repeats)
     )
     out: dict[str, object] = {
-        "engine_preset": model or preset,
-        "engine_device": device,
-        "engine_dtype": dtype,
-        "engine_threads": threads,
+        **settings,
         "engine_prompt_source": source,
         "engine_prompt_tokens": len(prompt),
         "engine_shared_prefix_tokens": shared,
@@ -137,3 +123,28 @@ def run(quick: bool) -> dict[str, object]:
         "torch_version": torch.__version__,
     }
     return out
+
+
+def _engine_from_env() -> tuple[TransformersEngine, dict[str, object]]:
+    """The engine the ``RADIXMESH_BENCH_*`` variables name, and its settings as reported."""
+    preset = os.environ.get("RADIXMESH_BENCH_PRESET", "tiny")
+    model = os.environ.get("RADIXMESH_BENCH_MODEL") or None
+    threads = int(os.environ.get("RADIXMESH_BENCH_THREADS", "1"))
+    device = os.environ.get("RADIXMESH_BENCH_DEVICE", "cpu")
+    dtype = os.environ.get("RADIXMESH_BENCH_DTYPE", "float32")
+    engine = build_engine(preset, model_path=model, cache_tokens=16_384, threads=threads,
+                          device=device, dtype=dtype)
+    return engine, {"engine_preset": model or preset, "engine_device": device,
+                    "engine_dtype": dtype, "engine_threads": threads}
+
+
+def _median_prefills(engine: TransformersEngine, prompt: list[int], points: dict[str, int],
+                     repeats: int) -> dict[str, float]:
+    """Median prefill seconds of ``prompt`` with each point's tokens cached (after one
+    uncached warm-up), the points interleaved in each of ``repeats`` rounds."""
+    _prefill_with(engine, prompt, 0)  # warm-up
+    samples: dict[str, list[float]] = {k: [] for k in points}
+    for _ in range(repeats):
+        for key, cached in points.items():
+            samples[key].append(_prefill_with(engine, prompt, cached))
+    return {k: statistics.median(v) for k, v in samples.items()}

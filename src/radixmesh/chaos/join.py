@@ -119,44 +119,10 @@ def run_join(cfg: JoinConfig, log_dir: str | None = None) -> dict[str, object]:
     logs.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("RADIXMESH_CLUSTER_KEY", None)
-    trials: list[dict[str, float]] = []
     with EmulatedHosts(names) as net:
-        meshes = _Meshes(net, cfg.port)
-        old, new = names[:-1], names[-1]
-        t0 = time.monotonic()
-        procs = {h: net.spawn(h, _serve_argv(net, h, cfg), logs / f"{h}.log", env=env)
-                 for h in old}
-        meshes.wait(lambda: meshes.stale(old) is None, cfg.start_timeout_s, 0.5,
-                    f"{len(old)} nodes to converge", procs)
-        started = time.monotonic() - t0
-        for host in old:  # a cache worth gossiping on every node
-            body = {"model": cfg.preset, "prompt": f"Host {host} caches this prefix. " * 8,
-                    "max_tokens": 2, "temperature": 0}
-            meshes.http.post(meshes.url(host) + "/v1/completions", json=body, headers=HOP,
-                             timeout=60.0).raise_for_status()
-        meshes.wait(lambda: meshes.stale(old) is None, cfg.converge_timeout_s, cfg.poll_s,
-                    "views of the caches", procs)
-        print(f"[join] {len(old)} hosts up and converged {started:.1f} s after spawn",
-              flush=True)
-        for trial in range(cfg.trials):
-            t_spawn = time.monotonic()
-            procs[new] = net.spawn(new, _serve_argv(net, new, cfg), logs / f"{new}.log", env=env)
-            ready = meshes.wait(lambda: meshes.get(new) is not None, cfg.start_timeout_s,
-                                cfg.poll_s, f"{new} to answer", procs)
-            converged = meshes.wait(lambda: meshes.stale(names) is None,
-                                    cfg.converge_timeout_s, cfg.poll_s,
-                                    "the new node's view to converge", procs)
-            trials.append({"spawn_to_health_s": round(ready, 2),
-                           "health_to_converged_s": round(converged, 2),
-                           "spawn_to_converged_s": round(time.monotonic() - t_spawn, 2)})
-            print(f"[join] {cfg.hosts} hosts, trial {trial + 1}: {new} answered "
-                  f"{ready:.2f} s after spawn, converged view {converged:.2f} s later",
-                  flush=True)
-            proc = procs.pop(new)
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(30)
-            # the others mark the old incarnation dead only after --dead-timeout; the next
-            # trial's node is a new incarnation, which they must take over at once
+        mesh = _JoinMesh(net, cfg, logs, env)
+        started = mesh.start_existing(names[:-1])
+        trials = [mesh.trial(names, trial) for trial in range(cfg.trials)]
     gossip = cfg.gossip_interval
     after = [t["health_to_converged_s"] for t in trials]
     return {"hosts": cfg.hosts, "preset": cfg.preset, "gossip_interval_s": gossip,
@@ -164,3 +130,59 @@ def run_join(cfg: JoinConfig, log_dir: str | None = None) -> dict[str, object]:
             "health_to_converged_s_max": max(after),
             "health_to_converged_rounds_max": round(max(after) / gossip, 1),
             "config": asdict(cfg)}
+
+
+class _JoinMesh:
+    """The nodes of one join run on emulated hosts, and its two steps."""
+
+    def __init__(self, net: Any, cfg: JoinConfig, logs: Path, env: dict[str, str]) -> None:
+        self.net, self.cfg, self.logs, self.env = net, cfg, logs, env
+        self.meshes = _Meshes(net, cfg.port)
+        self.procs: dict[str, Any] = {}
+
+    def spawn(self, host: str) -> Any:
+        return self.net.spawn(host, _serve_argv(self.net, host, self.cfg),
+                              self.logs / f"{host}.log", env=self.env)
+
+    def start_existing(self, old: list[str]) -> float:
+        """Start the nodes on ``old``, let each cache a prefix, wait until their views of one
+        another converge; how long they took to converge the first time."""
+        cfg, meshes = self.cfg, self.meshes
+        t0 = time.monotonic()
+        self.procs.update({h: self.spawn(h) for h in old})
+        meshes.wait(lambda: meshes.stale(old) is None, cfg.start_timeout_s, 0.5,
+                    f"{len(old)} nodes to converge", self.procs)
+        started = time.monotonic() - t0
+        for host in old:  # a cache worth gossiping on every node
+            body = {"model": cfg.preset, "prompt": f"Host {host} caches this prefix. " * 8,
+                    "max_tokens": 2, "temperature": 0}
+            meshes.http.post(meshes.url(host) + "/v1/completions", json=body, headers=HOP,
+                             timeout=60.0).raise_for_status()
+        meshes.wait(lambda: meshes.stale(old) is None, cfg.converge_timeout_s, cfg.poll_s,
+                    "views of the caches", self.procs)
+        print(f"[join] {len(old)} hosts up and converged {started:.1f} s after spawn",
+              flush=True)
+        return started
+
+    def trial(self, names: list[str], trial: int) -> dict[str, float]:
+        """Start the last host's node, time its join, stop it again."""
+        cfg, meshes, new = self.cfg, self.meshes, names[-1]
+        t_spawn = time.monotonic()
+        self.procs[new] = self.spawn(new)
+        ready = meshes.wait(lambda: meshes.get(new) is not None, cfg.start_timeout_s,
+                            cfg.poll_s, f"{new} to answer", self.procs)
+        converged = meshes.wait(lambda: meshes.stale(names) is None,
+                                cfg.converge_timeout_s, cfg.poll_s,
+                                "the new node's view to converge", self.procs)
+        row = {"spawn_to_health_s": round(ready, 2),
+               "health_to_converged_s": round(converged, 2),
+               "spawn_to_converged_s": round(time.monotonic() - t_spawn, 2)}
+        print(f"[join] {cfg.hosts} hosts, trial {trial + 1}: {new} answered "
+              f"{ready:.2f} s after spawn, converged view {converged:.2f} s later",
+              flush=True)
+        proc = self.procs.pop(new)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        # the others mark the old incarnation dead only after --dead-timeout; the next
+        # trial's node is a new incarnation, which they must take over at once
+        return row

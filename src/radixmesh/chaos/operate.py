@@ -169,19 +169,6 @@ async def _rolling(env: ChaosEnv, cfg: OperateConfig, prompts: Sequence[Prompt],
     restarts: list[dict[str, object]] = []
     counters: dict[str, dict[str, dict[str, float]]] = {}
 
-    async def probe() -> None:
-        async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
-            while not stop.is_set():
-                for i in range(n):
-                    try:
-                        ok = (await client.get(env.url(i) + "/health")).status_code == 200
-                    except httpx.HTTPError:
-                        ok = False
-                    (ready.add if ok else ready.discard)(i)
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(cfg.probe_s):
-                        await stop.wait()
-
     def entry(i: int) -> str:
         live = sorted(ready) or list(range(n))
         return env.url(live[i % len(live)])
@@ -190,29 +177,14 @@ async def _rolling(env: ChaosEnv, cfg: OperateConfig, prompts: Sequence[Prompt],
         await asyncio.sleep(cfg.before_s)
         marks["first_sigterm"] = time.monotonic() - t0
         for i in range(n):
-            node = env.cluster.nodes[i]
-            proc = node.process
-            assert proc is not None
-            old = node.incarnation
-            counters[f"before SIGTERM {node.node_id}"] = await _counters(env)
-            t_sig = time.monotonic()
-            env.cluster.kill(i, signal.SIGTERM)
-            rc = await asyncio.to_thread(proc.wait, cfg.drain_grace + 15)
-            t_exit = time.monotonic()
-            await asyncio.to_thread(env.cluster.restart, i, True)  # spawn + every node alive
-            t_back = time.monotonic()
-            restarts.append({"node": node.node_id, "exit_rc": rc,
-                             "sigterm_to_exit_s": round(t_exit - t_sig, 2),
-                             "exit_to_rejoined_s": round(t_back - t_exit, 2),
-                             "incarnation_changed": node.incarnation != old})
-            print(f"[rolling] {node.node_id}: rc {rc}, drained in {t_exit - t_sig:.2f} s, "
-                  f"back and rejoined {t_back - t_exit:.1f} s later", flush=True)
+            restarts.append(await _restart(env, cfg, i, counters))
         marks["last_rejoined"] = time.monotonic() - t0
         await asyncio.sleep(cfg.after_s)
         counters["end"] = await _counters(env)
         stop.set()
 
-    tasks = [asyncio.create_task(probe()), asyncio.create_task(restart_all())]
+    tasks = [asyncio.create_task(_probe(env, cfg.probe_s, ready, stop)),
+             asyncio.create_task(restart_all())]
     try:
         outcomes = await _open_loop_until(entry, lambda i: prompts[i % len(prompts)],
                                           env.model, rate, stop, cfg.timeout_s, t0)
@@ -222,12 +194,57 @@ async def _rolling(env: ChaosEnv, cfg: OperateConfig, prompts: Sequence[Prompt],
             if task.done() and task.exception() is not None:
                 raise task.exception()  # type: ignore[misc]
         await asyncio.gather(*tasks, return_exceptions=True)
+    return _rolling_report(outcomes, marks, restarts, counters), outcomes
+
+
+async def _probe(env: ChaosEnv, every_s: float, ready: set[int], stop: asyncio.Event) -> None:
+    """The emulated load balancer's readiness check: ``ready`` holds the nodes whose
+    ``/health`` answered 200 at the last probe, every ``every_s`` until ``stop``."""
+    async with httpx.AsyncClient(timeout=2.0, trust_env=False) as client:
+        while not stop.is_set():
+            for i in range(len(env.cluster)):
+                try:
+                    ok = (await client.get(env.url(i) + "/health")).status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                (ready.add if ok else ready.discard)(i)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(every_s):
+                    await stop.wait()
+
+
+async def _restart(env: ChaosEnv, cfg: OperateConfig, i: int,
+                   counters: dict[str, dict[str, dict[str, float]]]) -> dict[str, object]:
+    """SIGTERM node ``i``, wait for its exit, start it again until every node sees it alive;
+    its row of the report (its counters just before the signal go into ``counters``)."""
+    node = env.cluster.nodes[i]
+    proc = node.process
+    assert proc is not None
+    old = node.incarnation
+    counters[f"before SIGTERM {node.node_id}"] = await _counters(env)
+    t_sig = time.monotonic()
+    env.cluster.kill(i, signal.SIGTERM)
+    rc = await asyncio.to_thread(proc.wait, cfg.drain_grace + 15)
+    t_exit = time.monotonic()
+    await asyncio.to_thread(env.cluster.restart, i, True)  # spawn + every node alive
+    t_back = time.monotonic()
+    print(f"[rolling] {node.node_id}: rc {rc}, drained in {t_exit - t_sig:.2f} s, "
+          f"back and rejoined {t_back - t_exit:.1f} s later", flush=True)
+    return {"node": node.node_id, "exit_rc": rc,
+            "sigterm_to_exit_s": round(t_exit - t_sig, 2),
+            "exit_to_rejoined_s": round(t_back - t_exit, 2),
+            "incarnation_changed": node.incarnation != old}
+
+
+def _rolling_report(outcomes: Sequence[Outcome], marks: dict[str, float],
+                    restarts: list[dict[str, object]],
+                    counters: dict[str, dict[str, dict[str, float]]]) -> dict[str, object]:
     start, end = marks["first_sigterm"], marks["last_rejoined"]
     phases = {"before": [o for o in outcomes if o.t_start < start],
               "during": [o for o in outcomes if start <= o.t_start < end],
               "after": [o for o in outcomes if o.t_start >= end]}
     failed = [o for o in outcomes if not o.ok]
-    report: dict[str, object] = {
+    return {
         "requests": len(outcomes),
         "failed": len(failed),
         "failure_examples": [f"{o.entry}: {o.status} {o.error}" for o in failed[:5]],
@@ -238,7 +255,6 @@ async def _rolling(env: ChaosEnv, cfg: OperateConfig, prompts: Sequence[Prompt],
         "failed_at_s": [round(o.t_start, 1) for o in failed],
         "counters": counters,
     }
-    return report, outcomes
 
 
 _COUNTERS = ("radixmesh_core_admission_full_", "radixmesh_core_requests_rejected",
@@ -290,28 +306,13 @@ async def _overload(env: ChaosEnv, cfg: OperateConfig, prompts: Sequence[Prompt]
     start_rss = {node.node_id: (rss_bytes(node.pid) or 0) / 2**20
                  for node in env.cluster.nodes if node.pid is not None}
 
-    async def sample() -> None:
-        async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
-            while not sampling.is_set():
-                for node in env.cluster.nodes:
-                    peak = peaks[node.node_id]
-                    rss = rss_bytes(node.pid) if node.pid is not None else None
-                    if rss is not None:
-                        peak["rss_mb"] = max(peak["rss_mb"], round(rss / 2**20, 1))
-                    with contextlib.suppress(httpx.HTTPError):
-                        text = (await client.get(node.url + "/metrics")).text
-                        depth = parse_samples(text).get("radixmesh_queue_depth", 0.0)
-                        peak["queue_depth"] = max(peak["queue_depth"], depth)
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(cfg.rss_every_s):
-                        await sampling.wait()
-
     async def stop_later() -> None:
         await asyncio.sleep(cfg.duration_s)
         stop.set()
 
     t0 = time.monotonic()
-    tasks = [asyncio.create_task(sample()), asyncio.create_task(stop_later())]
+    tasks = [asyncio.create_task(_sample_peaks(env, cfg.rss_every_s, peaks, sampling)),
+             asyncio.create_task(stop_later())]
     try:
         outcomes = await _open_loop_until(lambda i: env.url(i % n),
                                           lambda i: prompts[i % len(prompts)], env.model,
@@ -320,10 +321,37 @@ async def _overload(env: ChaosEnv, cfg: OperateConfig, prompts: Sequence[Prompt]
         stop.set()
         sampling.set()
         await asyncio.gather(*tasks, return_exceptions=True)
+    report = _overload_report(outcomes, cfg.duration_s / 2)
+    report.update(served_s=round(time.monotonic() - t0, 1),
+                  rss_mb_at_start={k: round(v, 1) for k, v in start_rss.items()}, peaks=peaks)
+    return report, outcomes
+
+
+async def _sample_peaks(env: ChaosEnv, every_s: float, peaks: dict[str, dict[str, float]],
+                        done: asyncio.Event) -> None:
+    """Every ``every_s`` until ``done``: each node's RSS and queue depth (its /metrics),
+    the highest seen kept in ``peaks``."""
+    async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
+        while not done.is_set():
+            for node in env.cluster.nodes:
+                peak = peaks[node.node_id]
+                rss = rss_bytes(node.pid) if node.pid is not None else None
+                if rss is not None:
+                    peak["rss_mb"] = max(peak["rss_mb"], round(rss / 2**20, 1))
+                with contextlib.suppress(httpx.HTTPError):
+                    text = (await client.get(node.url + "/metrics")).text
+                    depth = parse_samples(text).get("radixmesh_queue_depth", 0.0)
+                    peak["queue_depth"] = max(peak["queue_depth"], depth)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(every_s):
+                    await done.wait()
+
+
+def _overload_report(outcomes: Sequence[Outcome], half: float) -> dict[str, object]:
+    """Admitted, rejected (429) and lost requests; ``half``: when the second half began."""
     ok = [o for o in outcomes if o.ok]
     rejected = [o for o in outcomes if o.status == 429]
     lost = [o for o in outcomes if not o.ok and o.status != 429]
-    half = cfg.duration_s / 2
     return {
         "requests": len(outcomes),
         "admitted": len(ok),
@@ -337,10 +365,7 @@ async def _overload(env: ChaosEnv, cfg: OperateConfig, prompts: Sequence[Prompt]
                           f"{o.status} {o.error}" for o in lost[:5]],
         "admitted_latency": _latency(outcomes),
         "rejected_latency": _latency(outcomes, 429),
-        "served_s": round(time.monotonic() - t0, 1),
-        "rss_mb_at_start": {k: round(v, 1) for k, v in start_rss.items()},
-        "peaks": peaks,
-    }, outcomes
+    }
 
 
 def with_extra(cfg: OperateConfig, extra: dict[str, object]) -> OperateConfig:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -219,27 +219,37 @@ class TransformersEngine:
         with self._step_lock:
             seq = self.runner.submit(req, self.budget(req), lambda t: events.put(("token", t)),
                                      lambda o: events.put(("done", o)), logits)
-        error: BaseException | None = None
+        failed: list[BaseException] = []  # the exception a callback raised, if one did
         while True:
-            while True:
-                try:
-                    kind, value = events.get_nowait()
-                except queue.Empty:
-                    break
-                if kind == "done":
-                    if error is not None:
-                        raise error
-                    if isinstance(value, BaseException):
-                        raise value
-                    return value  # type: ignore[no-any-return]
-                callback = on_token if kind == "token" else user_logprob
-                if callback is None or error is not None:
-                    continue
-                try:
-                    callback(value)
-                except Exception as exc:  # the caller stops: the sequence ends
-                    error = exc
-                    with self._step_lock:
-                        self.runner.abort(seq, exc)
+            done = self._deliver(events, seq, on_token, user_logprob, failed)
+            if done is not None:
+                return done
             with self._step_lock:
                 self.runner.step()
+
+    def _deliver(self, events: queue.SimpleQueue[tuple[str, Any]], seq: int,
+                 on_token: TokenCallback | None, on_logprob: Callable[[Any], None] | None,
+                 failed: list[BaseException]) -> GenerateResult | None:
+        """Run the callbacks of the events queued so far on this thread; the result once the
+        sequence is done (raised: its error, or first what a callback raised), else None.
+        A callback that raises ends the sequence, and no callback runs after it."""
+        while True:
+            try:
+                kind, value = events.get_nowait()
+            except queue.Empty:
+                return None
+            if kind == "done":
+                if failed:
+                    raise failed[0]
+                if isinstance(value, BaseException):
+                    raise value
+                return value  # type: ignore[no-any-return]
+            callback = on_token if kind == "token" else on_logprob
+            if callback is None or failed:
+                continue
+            try:
+                callback(value)
+            except Exception as exc:  # the caller stops: the sequence ends
+                failed.append(exc)
+                with self._step_lock:
+                    self.runner.abort(seq, exc)

@@ -293,7 +293,13 @@ def _generation_responses(model: type[Any]) -> dict[int | str, dict[str, Any]]:
 
 def _client_routes(app: FastAPI, service: NodeService) -> None:
     models = [service.engine.model_name, *service.adapters]  # (tenants) adapters by name
+    _generation_routes(app, service, models)
+    _model_routes(app, service, models)
+    _node_routes(app, service)
 
+
+def _generation_routes(app: FastAPI, service: NodeService, models: list[str]) -> None:
+    """``/v1/completions`` and ``/v1/chat/completions``."""
     completion_body, chat_body = served_request_models(models)
 
     async def completions(request: Request, body: CompletionRequest) -> Response:
@@ -311,6 +317,9 @@ def _client_routes(app: FastAPI, service: NodeService) -> None:
     app.post("/v1/chat/completions", summary="chat completion",
              responses=_generation_responses(ChatCompletionResponse))(chat)
 
+
+def _model_routes(app: FastAPI, service: NodeService, models: list[str]) -> None:
+    """``/v1/models`` and ``/v1/models/{model_id}``."""
     created = int(time.time())
 
     @app.get("/v1/models", summary="served models, with this server's defaults and limits",
@@ -327,6 +336,10 @@ def _client_routes(app: FastAPI, service: NodeService) -> None:
                                            status=404, param="model", code="model_not_found"),
                                   service)
         return JSONResponse(_model_entry(service, model_id, created).model_dump())
+
+
+def _node_routes(app: FastAPI, service: NodeService) -> None:
+    """``/health``, ``/mesh``, ``/mesh/decisions`` and ``/metrics``."""
 
     @app.get("/health", summary="liveness (503 while leaving)",
              responses={503: {"description": "the node is leaving (draining)"}})

@@ -49,13 +49,14 @@ from radixmesh.core.headers import (
     HEADER_SERVICE,
     HEADER_TARGET,
 )
-from radixmesh.runtime.cluster import LocalCluster
+from radixmesh.runtime.cluster import LocalCluster, served_model
 
 PROMPT = "The following are multiple choice questions (with answers) about anatomy.\n\n" * 2
 
 
-def _one(client: httpx.Client, url: str, headers: dict[str, str]) -> tuple[float, float, float]:
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1, "temperature": 0}
+def _one(client: httpx.Client, url: str, headers: dict[str, str], model: str
+         ) -> tuple[float, float, float]:
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 1, "temperature": 0}
     t0 = time.perf_counter()
     resp = client.post(url, json=body, headers=headers)
     elapsed = time.perf_counter() - t0
@@ -83,11 +84,11 @@ def _cpu_s(pids: list[int | None]) -> float:
 
 
 def _cpu_per_request(client: httpx.Client, url: str, headers: dict[str, str],
-                     pids: list[int | None], n: int) -> list[float]:
+                     pids: list[int | None], n: int, model: str) -> list[float]:
     """CPU seconds per request, for each of ``pids``."""
     before = [_cpu_s([p]) for p in pids]
     for _ in range(n):
-        _one(client, url, headers)
+        _one(client, url, headers, model)
     return [(_cpu_s([p]) - b) / n for p, b in zip(pids, before, strict=True)]
 
 
@@ -103,22 +104,48 @@ def measure(samples: int, net_delay: str = "0", peer_transport: str = "link"
         local_h = {HEADER_HOP: "1"}
         fwd_h = {HEADER_TARGET: "n1"}
         with httpx.Client(timeout=60, trust_env=False) as client:
-            for _ in range(5):  # warm-up: caches, connections, code paths
-                _one(client, url, local_h)
-                _one(client, url, fwd_h)
-            local, fwd, floor = [], [], []
-            for _ in range(samples):
-                local.append(_one(client, url, local_h))
-                fwd.append(_one(client, url, fwd_h))
-                floor.append(_health(client, cluster.url(1)))
+            model = served_model(cluster)
+            local, fwd, floor = _latencies(client, url, local_h, fwd_h, cluster.url(1), samples,
+                                           model)
             pids = [n.pid for n in cluster.nodes]
-            cpu_local = _cpu_per_request(client, url, local_h, pids, samples)
-            cpu_fwd = _cpu_per_request(client, url, fwd_h, pids, samples)
-    med = statistics.median
+            cpu_local = _cpu_per_request(client, url, local_h, pids, samples, model)
+            cpu_fwd = _cpu_per_request(client, url, fwd_h, pids, samples, model)
     return {
         "samples": samples,
         "net_delay": net_delay,
         "peer_transport": peer_transport,
+        **_forward_figures(local, fwd, cpu_local, cpu_fwd),
+        "http_floor_ms": round(1e3 * statistics.median(floor), 3),
+        "load_average_1m": round(os.getloadavg()[0], 2),
+        "startup_parallel_s": round(parallel, 2),
+        "startup_single_s": round(single, 2),
+    }
+
+
+_Timing = tuple[float, float, float]  # _one's (client seconds, engine seconds, node overhead)
+
+
+def _latencies(client: httpx.Client, url: str, local_h: dict[str, str],
+               fwd_h: dict[str, str], peer: str, samples: int, model: str
+               ) -> tuple[list[_Timing], list[_Timing], list[float]]:
+    """After a warm-up, ``samples`` of (local request, forwarded request, the peer's
+    ``/health`` round trip), interleaved."""
+    for _ in range(5):  # warm-up: caches, connections, code paths
+        _one(client, url, local_h, model)
+        _one(client, url, fwd_h, model)
+    local, fwd, floor = [], [], []
+    for _ in range(samples):
+        local.append(_one(client, url, local_h, model))
+        fwd.append(_one(client, url, fwd_h, model))
+        floor.append(_health(client, peer))
+    return local, fwd, floor
+
+
+def _forward_figures(local: list[_Timing], fwd: list[_Timing], cpu_local: list[float],
+                     cpu_fwd: list[float]) -> dict[str, float]:
+    """Medians in milliseconds: what a forward adds to a local request, in time and CPU."""
+    med = statistics.median
+    return {
         "local_ms": round(1e3 * med(x[0] for x in local), 3),
         "forwarded_ms": round(1e3 * med(x[0] for x in fwd), 3),
         "forward_added_ms": round(1e3 * (med(x[0] for x in fwd) - med(x[0] for x in local)), 3),
@@ -129,10 +156,6 @@ def measure(samples: int, net_delay: str = "0", peer_transport: str = "link"
         "forward_cpu_entry_ms": round(1e3 * cpu_fwd[0], 3),
         "forward_cpu_peer_ms": round(1e3 * cpu_fwd[1], 3),
         "local_cpu_ms": round(1e3 * cpu_local[0], 3),
-        "http_floor_ms": round(1e3 * med(floor), 3),
-        "load_average_1m": round(os.getloadavg()[0], 2),
-        "startup_parallel_s": round(parallel, 2),
-        "startup_single_s": round(single, 2),
     }
 
 

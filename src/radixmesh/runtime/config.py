@@ -208,6 +208,24 @@ class ServeConfig:
         return cls.for_network("wan", **values)
 
     def __post_init__(self) -> None:
+        self._check_routing()
+        self._check_emulation()
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError("dtype must be float32, bfloat16 or float16")
+        if not 0 <= self.gpu_memory_fraction <= 1:
+            raise ValueError("gpu_memory_fraction must be in [0, 1] (0: no cap)")
+        self._check_engine()
+        if self.cluster_key.strip() and len(self.cluster_key.strip().encode()) < 16:
+            raise ValueError("cluster_key must be at least 16 bytes")
+        if self.threads < 0 or self.incarnation < 0 or self.max_body_bytes < 1024:
+            raise ValueError("threads/incarnation must be >= 0, max_body_bytes >= 1024")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ValueError("log_level must be debug, info, warning or error")
+        self._check_join()
+        self._check_tls()
+
+    def _check_routing(self) -> None:
+        """The port, gossip, policy, admission and pushback settings."""
         if not 0 < self.port < 65536:
             raise ValueError("port must be in 1..65535")
         check_network(self.network)
@@ -229,6 +247,9 @@ class ServeConfig:
             raise ValueError("cache_tokens, pushback_threshold and gossip_fanout must be >= 1")
         if self.pushback_relative != 0 and not self.pushback_relative >= 1:
             raise ValueError("pushback_relative must be >= 1 (0: the threshold alone)")
+
+    def _check_emulation(self) -> None:
+        """Failure timeouts, the emulated network and engine delay, the peer transport."""
         if min(self.net_delay, self.net_jitter, self.suspect_timeout, self.dead_timeout) < 0:
             raise ValueError("durations must be >= 0")
         if not 0 <= self.net_loss <= 1 or not 0 <= self.net_duplicate <= 1:
@@ -237,19 +258,6 @@ class ServeConfig:
             raise ValueError("debug_engine_delay must be >= 0")
         if self.peer_transport not in PEER_TRANSPORTS:
             raise ValueError(f"peer_transport must be one of {', '.join(PEER_TRANSPORTS)}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError("dtype must be float32, bfloat16 or float16")
-        if not 0 <= self.gpu_memory_fraction <= 1:
-            raise ValueError("gpu_memory_fraction must be in [0, 1] (0: no cap)")
-        self._check_engine()
-        if self.cluster_key.strip() and len(self.cluster_key.strip().encode()) < 16:
-            raise ValueError("cluster_key must be at least 16 bytes")
-        if self.threads < 0 or self.incarnation < 0 or self.max_body_bytes < 1024:
-            raise ValueError("threads/incarnation must be >= 0, max_body_bytes >= 1024")
-        if self.log_level not in ("debug", "info", "warning", "error"):
-            raise ValueError("log_level must be debug, info, warning or error")
-        self._check_join()
-        self._check_tls()
 
     def _check_tls(self) -> None:
         names = ("peer_tls_cert", "peer_tls_key", "peer_tls_ca")

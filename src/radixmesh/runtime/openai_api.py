@@ -382,6 +382,20 @@ def validation_error(exc: ValidationError | Sequence[Any]) -> ApiError:
     loc = [p for p in first.get("loc", ()) if p != "body"]
     if kind == "json_invalid":
         return ApiError("We could not parse the JSON body of your request.", code="invalid_json")
+    parts = _param_parts(loc)
+    param = ".".join(parts) or None
+    if param is None:
+        return ApiError("The request body must be a JSON object.", code="invalid_type")
+    if param == "model" and kind == "missing":
+        return ApiError("You must provide a model parameter.", param="model", code="missing")
+    if kind == "missing":
+        return ApiError(f"Missing required parameter: '{param}'.", param=param, code="missing")
+    return _invalid_field(first, kind, loc, parts, param)
+
+
+def _param_parts(loc: Sequence[Any]) -> list[str]:
+    """A validation error's location as OpenAI's ``param`` parts (``messages``, ``[1]``,
+    ``role``), up to a union member's tag."""
     parts: list[str] = []
     for p in loc:
         if isinstance(p, int):
@@ -390,13 +404,13 @@ def validation_error(exc: ValidationError | Sequence[Any]) -> ApiError:
             parts.append(p)
         else:  # a union member's tag: the message names the whole field
             break
-    param = ".".join(parts) or None
-    if param is None:
-        return ApiError("The request body must be a JSON object.", code="invalid_type")
-    if param == "model" and kind == "missing":
-        return ApiError("You must provide a model parameter.", param="model", code="missing")
-    if kind == "missing":
-        return ApiError(f"Missing required parameter: '{param}'.", param=param, code="missing")
+    return parts
+
+
+def _invalid_field(first: Any, kind: str, loc: Sequence[Any], parts: list[str],
+                   param: str) -> ApiError:
+    """A field that is there but refused: unsupported, too long a stop, the wrong type or
+    value."""
     refused = next((p for p in parts if p in _REFUSED), None)
     if refused is not None:
         at = ".".join(parts[: parts.index(refused) + 1])

@@ -364,64 +364,11 @@ async def serve_link(
     task = asyncio.current_task()
     assert task is not None
     registry.add(task)
-    out: asyncio.Queue[bytes | None] = asyncio.Queue()
-    running: dict[int, asyncio.Task[None]] = {}
-
-    loop = asyncio.get_running_loop()
-    idle: asyncio.Timeout | None = None
-
-    def rearm() -> None:
-        """No forward running: the link ends after ``IDLE_CLOSE_S`` of silence."""
-        if idle is not None:
-            idle.reschedule(None if running else loop.time() + IDLE_CLOSE_S)
-
-    async def forward(stream_id: int, req: ForwardRequest) -> None:
-        try:
-            async with aclosing(serve(req)) as frames:
-                async for frame in frames:
-                    out.put_nowait(encode_link_frame(stream_id, LINK_REPLY, frame))
-        except Exception:  # a bug here: the sender sees the stream end without a result
-            log.exception("a forward on a link failed")
-        finally:  # cancelled (CANCEL, or the link ends): nobody is waiting for the end
-            running.pop(stream_id, None)
-            rearm()
-        out.put_nowait(encode_link_frame(stream_id, LINK_END))
-
-    def on_frame(frame: LinkFrame) -> None:
-        if frame.type == LINK_HELLO:
-            return
-        if frame.type == LINK_CANCEL:
-            work = running.pop(frame.stream, None)
-            if work is not None:
-                work.cancel()
-            return
-        if frame.type != LINK_OPEN or frame.stream == 0 or frame.stream in running:
-            raise RemoteProtocolError(f"link: unexpected frame type {frame.type} on stream "
-                                      f"{frame.stream}")
-        try:
-            req = admit(frame.body)
-        except Refused as no:
-            out.put_nowait(encode_link_refused(frame.stream, no.status, no.detail))
-            return
-        running[frame.stream] = asyncio.ensure_future(forward(frame.stream, req))
-
-    writer = asyncio.ensure_future(_write(out, send))
-    out.put_nowait(encode_link_frame(0, LINK_HELLO))
-    decoder = LinkDecoder()
+    link = _ServedLink(admit, serve)
+    writer = asyncio.ensure_future(_write(link.out, send))
+    link.out.put_nowait(encode_link_frame(0, LINK_HELLO))
     try:
-        async with asyncio.timeout(None) as idle:
-            rearm()
-            while True:
-                message = await receive()
-                if message["type"] != "http.request":
-                    break  # http.disconnect: the entry node went away
-                body = message.get("body", b"")
-                if body:
-                    for frame in decoder.feed(body):
-                        on_frame(frame)
-                if not message.get("more_body", False):
-                    break  # the entry node ended the link
-                rearm()
+        await link.read(receive)
     except RemoteProtocolError as exc:
         registry.rejected += 1
         log.warning("closing a link that sent a malformed frame: %s", exc)
@@ -432,19 +379,90 @@ async def serve_link(
             raise
         task.uncancel()  # our server is stopping: end the link cleanly
     finally:
-        idle = None  # the forwards cancelled below must not re-arm a finished timer
         try:
-            work = list(running.values())
-            for one in work:
-                one.cancel()
-            await asyncio.gather(*work, return_exceptions=True)
-            out.put_nowait(None)
-            with suppress(Exception, asyncio.CancelledError):
-                async with asyncio.timeout(CLOSE_WAIT_S):
-                    await asyncio.shield(writer)
+            await link.stop(writer)
         finally:
             writer.cancel()
             registry.discard(task)
+
+
+class _ServedLink:
+    """The state of one link that :func:`serve_link` serves: its outgoing frames, the
+    forwards running on it and its idle timer."""
+
+    def __init__(self, admit: Callable[[bytes], ForwardRequest],
+                 serve: Callable[[ForwardRequest], Any]) -> None:
+        self.admit, self.serve = admit, serve
+        self.out: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.running: dict[int, asyncio.Task[None]] = {}
+        self.loop = asyncio.get_running_loop()
+        self.idle: asyncio.Timeout | None = None
+
+    def rearm(self) -> None:
+        """No forward running: the link ends after ``IDLE_CLOSE_S`` of silence."""
+        if self.idle is not None:
+            self.idle.reschedule(None if self.running else self.loop.time() + IDLE_CLOSE_S)
+
+    async def read(self, receive: Callable[[], Awaitable[MutableMapping[str, Any]]]) -> None:
+        """The entry node's frames until its body ends or it goes away (raises
+        ``TimeoutError`` when idle too long, ``RemoteProtocolError`` on a malformed frame)."""
+        decoder = LinkDecoder()
+        async with asyncio.timeout(None) as self.idle:
+            self.rearm()
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    break  # http.disconnect: the entry node went away
+                body = message.get("body", b"")
+                if body:
+                    for frame in decoder.feed(body):
+                        self.on_frame(frame)
+                if not message.get("more_body", False):
+                    break  # the entry node ended the link
+                self.rearm()
+
+    def on_frame(self, frame: LinkFrame) -> None:
+        if frame.type == LINK_HELLO:
+            return
+        if frame.type == LINK_CANCEL:
+            work = self.running.pop(frame.stream, None)
+            if work is not None:
+                work.cancel()
+            return
+        if frame.type != LINK_OPEN or frame.stream == 0 or frame.stream in self.running:
+            raise RemoteProtocolError(f"link: unexpected frame type {frame.type} on stream "
+                                      f"{frame.stream}")
+        try:
+            req = self.admit(frame.body)
+        except Refused as no:
+            self.out.put_nowait(encode_link_refused(frame.stream, no.status, no.detail))
+            return
+        self.running[frame.stream] = asyncio.ensure_future(self.forward(frame.stream, req))
+
+    async def forward(self, stream_id: int, req: ForwardRequest) -> None:
+        try:
+            async with aclosing(self.serve(req)) as frames:
+                async for frame in frames:
+                    self.out.put_nowait(encode_link_frame(stream_id, LINK_REPLY, frame))
+        except Exception:  # a bug here: the sender sees the stream end without a result
+            log.exception("a forward on a link failed")
+        finally:  # cancelled (CANCEL, or the link ends): nobody is waiting for the end
+            self.running.pop(stream_id, None)
+            self.rearm()
+        self.out.put_nowait(encode_link_frame(stream_id, LINK_END))
+
+    async def stop(self, writer: asyncio.Future[None]) -> None:
+        """Abort the forwards still running, end the response body and give the writer
+        ``CLOSE_WAIT_S`` to send what is queued."""
+        self.idle = None  # the forwards cancelled below must not re-arm a finished timer
+        work = list(self.running.values())
+        for one in work:
+            one.cancel()
+        await asyncio.gather(*work, return_exceptions=True)
+        self.out.put_nowait(None)
+        with suppress(Exception, asyncio.CancelledError):
+            async with asyncio.timeout(CLOSE_WAIT_S):
+                await asyncio.shield(writer)
 
 
 async def _write(out: asyncio.Queue[bytes | None],

@@ -32,9 +32,16 @@ import sys
 import time
 import urllib.request
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from radixmesh.runtime.config import ServeConfig, add_serve_arguments, config_from_args
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    _NodeServer = Any  # runtime/app.node_server_class(), a class made when uvicorn is imported
+else:
+    _NodeServer = object
 
 log = logging.getLogger("radixmesh.serve")
 SWITCH_INTERVAL_S = 0.0005
@@ -79,16 +86,10 @@ def build_external_service(config: ServeConfig, tokenizer: Any = None) -> Any:
     HttpEngine, and for vllm / sglang with ``--kv-events`` the subscriber that keeps its index
     exact, started and stopped with the service. ``tokenizer`` overrides ``--tokenizer``."""
     from radixmesh.engine.http_engine import HttpEngine
-    from radixmesh.engine.tokenizers import ByteTokenizer, HFTokenizer
-    from radixmesh.runtime.kv_subscriber import KvSubscriber, plan_endpoints
     from radixmesh.runtime.node import NodeService
 
     if tokenizer is None:
-        if not config.tokenizer:
-            raise ValueError(f"--engine {config.engine} needs --tokenizer DIR: the engine's own "
-                             "tokenizer files (radixmesh sends token ids), or `bytes`")
-        tokenizer = (ByteTokenizer() if config.tokenizer == "bytes"
-                     else HFTokenizer(config.tokenizer))
+        tokenizer = _external_tokenizer(config)
     launched = _launch_engine(config)
     try:
         name, max_context = _engine_model(config)
@@ -102,6 +103,26 @@ def build_external_service(config: ServeConfig, tokenizer: Any = None) -> Any:
                         kv_blocks=config.engine_kv_blocks,
                         slots=_llamacpp_slots(config) if config.engine == "llamacpp" else 1)
     service = NodeService(config, engine)
+    _attach(service, config, engine, launched)
+    return service
+
+
+def _external_tokenizer(config: ServeConfig) -> Any:
+    """``--tokenizer``: the engine's own tokenizer files, or ``bytes``."""
+    from radixmesh.engine.tokenizers import ByteTokenizer, HFTokenizer
+
+    if not config.tokenizer:
+        raise ValueError(f"--engine {config.engine} needs --tokenizer DIR: the engine's own "
+                         "tokenizer files (radixmesh sends token ids), or `bytes`")
+    return ByteTokenizer() if config.tokenizer == "bytes" else HFTokenizer(config.tokenizer)
+
+
+def _attach(service: Any, config: ServeConfig, engine: Any, launched: Any) -> None:
+    """What starts and stops with a node in front of an external engine: the launched
+    engine, the KV-event subscriber (or a warning without one), the engine's health
+    check and, with a shadow, its metrics."""
+    from radixmesh.runtime.kv_subscriber import KvSubscriber, plan_endpoints
+
     if launched is not None:
         service.attachments.append(launched)  # stopped with the node
     if config.kv_events:
@@ -118,7 +139,6 @@ def build_external_service(config: ServeConfig, tokenizer: Any = None) -> Any:
         from radixmesh.runtime.engine_metrics import EngineMetrics  # the shadow's view of
         service.attachments.append(EngineMetrics(  # load others send the engine
             service, config.engine_url, interval_s=config.engine_metrics_interval))
-    return service
 
 
 def _launch_engine(config: ServeConfig) -> Any:
@@ -161,54 +181,58 @@ def _llamacpp_slots(config: ServeConfig) -> int:
     return slots if isinstance(slots, int) and slots >= 1 else 1
 
 
-def _draining_server_class() -> type[Any]:
-    import uvicorn
+class _DrainOnSigterm(_NodeServer):  # type: ignore[misc]
+    """The first SIGTERM drains the node before the server exits: mixed into the node's
+    server class (``node_server_class()``) by :func:`_draining_server_class`, which imports
+    uvicorn only when a node serves."""
 
+    def __init__(self, config: uvicorn.Config, service: Any) -> None:
+        super().__init__(config, service)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+        self.drained = False  # the SIGTERM drain ran to its end: run() exits at once
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig != signal.SIGTERM or self._draining or self.should_exit or self._loop is None:
+            super().handle_exit(sig, frame)
+            return
+        self._draining = True  # not re-raised at exit: a drained node exits 0
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        t0 = time.perf_counter()
+        await super().shutdown(sockets)  # connections, then the app's lifespan (engine)
+        if self._draining:
+            log.warning("server shut down in %.2f s after the drain",
+                        time.perf_counter() - t0)
+
+    def _requests_open(self) -> int:
+        """Open HTTP requests, less the links peers hold open here (their forwards count
+        in the node's own work)."""
+        return max(len(self.server_state.tasks) - len(self.service.links), 0)
+
+    async def _drain(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            await self.service.leave(busy=self._requests_open,
+                                     linger_s=self.service.config.drain_linger)
+        except Exception:  # a bug: exit anyway, the grace is the operator's limit
+            log.exception("drain failed")
+        finally:
+            log.warning("drained in %.2f s; exiting", time.perf_counter() - t0)
+            self.drained = True
+            self.should_exit = True
+
+
+def _draining_server_class() -> type[Any]:
     from radixmesh.runtime.app import node_server_class
 
-    class DrainingServer(node_server_class()):  # type: ignore[misc]
+    class DrainingServer(_DrainOnSigterm, node_server_class()):  # type: ignore[misc]
         """The node's server, except that the first SIGTERM drains the node before it exits."""
-
-        def __init__(self, config: uvicorn.Config, service: Any) -> None:
-            super().__init__(config, service)
-            self._loop: asyncio.AbstractEventLoop | None = None
-            self._draining = False
-            self.drained = False  # the SIGTERM drain ran to its end: run() exits at once
-
-        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-            self._loop = asyncio.get_running_loop()
-            await super().startup(sockets)
-
-        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-            if sig != signal.SIGTERM or self._draining or self.should_exit or self._loop is None:
-                super().handle_exit(sig, frame)
-                return
-            self._draining = True  # not re-raised at exit: a drained node exits 0
-            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
-
-        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-            t0 = time.perf_counter()
-            await super().shutdown(sockets)  # connections, then the app's lifespan (engine)
-            if self._draining:
-                log.warning("server shut down in %.2f s after the drain",
-                            time.perf_counter() - t0)
-
-        def _requests_open(self) -> int:
-            """Open HTTP requests, less the links peers hold open here (their forwards count
-            in the node's own work)."""
-            return max(len(self.server_state.tasks) - len(self.service.links), 0)
-
-        async def _drain(self) -> None:
-            t0 = time.perf_counter()
-            try:
-                await self.service.leave(busy=self._requests_open,
-                                         linger_s=self.service.config.drain_linger)
-            except Exception:  # a bug: exit anyway, the grace is the operator's limit
-                log.exception("drain failed")
-            finally:
-                log.warning("drained in %.2f s; exiting", time.perf_counter() - t0)
-                self.drained = True
-                self.should_exit = True
 
     return DrainingServer
 
