@@ -730,7 +730,10 @@ class NodeService:
         or slower than ``beat_s``): the sender then falls back at once."""
         t0 = self.clock()
         hashes = self.hashes_of(req.prompt, req.namespace)
-        cached = self._cached_here(req.prompt, hashes, req.namespace)
+        here = match_in(self.engine, req.prompt, req.namespace)
+        # the core prices it with what will be cached when it runs; the reply says what the
+        # index holds now (x-radixmesh-cached-tokens: one meaning on every route)
+        cached = self._queued_blocks.cached_when_run(hashes, len(req.prompt), here)
         event = ForwardArrived(0, len(req.prompt), cached, req.max_tokens, req.beat_s,
                                req.session,
                                self.over_quota(req.tenant, len(req.prompt) + req.max_tokens))
@@ -743,7 +746,7 @@ class NodeService:
             return
         self.metrics.served_for_peers += 1
         # First byte before the engine starts: once it computes, this thread waits for the GIL.
-        yield encode_reply(AcceptedReply(self.node_id, cached))
+        yield encode_reply(AcceptedReply(self.node_id, here))
         sampling = SamplingParams(req.max_tokens, req.temperature, req.top_p, req.seed,
                                   req.stop_token_ids)
         ctx = RequestContext(None, req.prompt, hashes, sampling, req.stream, req.namespace,
