@@ -28,7 +28,9 @@ engine's ``/metrics`` hit delta (and that with the engine's own
 subscribes to the first engine's publisher itself and saves its first batches (and one replay
 answer) as golden fixtures for the decoder tests. Figures are
 printed and written to ``OUT/vllm_check.md`` and ``OUT/vllm_check.json``; records per request
-to ``OUT/records-<policy>.jsonl``. Every process it starts is stopped on exit (process
+to ``OUT/records-<policy>.jsonl``, both engines' timed event batches with every compared
+request and its verdict to ``OUT/events-<policy>.msgpack`` (under a megabyte a run).
+Every process it starts is stopped on exit (process
 groups; the nodes die with this process too).
 
 The parts: ``bench/vllm_server.py`` (the engine process, model directory),
@@ -285,6 +287,11 @@ def run_one(level: int, policy: str, args: argparse.Namespace, model_dir: Path, 
     records, agreement = run_policy(policy, args, model_dir, out, engines, reqs)
     classify_run(agreement, capture, args.block_size, since=t0)
     name = f"{policy}-c{level}" if several else policy
+    # both engines' batches of this run and every request: any verdict can be re-judged
+    # offline (``bench/evict_check.py`` reads the same file)
+    save_whole_run(out / f"events-{name}.msgpack",
+                   [[f for f in t if f[0] >= t0] for t in capture.timed], agreement,
+                   _mesh_block(args.block_size), args.block_size)
     if args.capture_run:
         target = Path(args.capture_run) / f"run-{name}.msgpack"
         n = (save_whole_run(target, [[f for f in t if f[0] >= t0] for t in capture.timed],
