@@ -502,7 +502,8 @@ class NodeService:
                              "fewer ('n' x prompts) per request")
         bounds = admission_bounds(adm.max_queue_requests, adm.max_queue_wait_s,
                                   self.core.own_speed().mean_service_s,
-                                  token_cap(adm, self.core.token_rate(), self.inflight))
+                                  token_cap(adm, self.core.token_rate(),
+                                            self.core.streams(self.clock())))
         return self.quotas.over(key, tokens, bounds, requests)
 
     def _cached_here(self, prompt: Sequence[int], hashes: Sequence[int],
@@ -815,6 +816,7 @@ class NodeService:
         adm = self.node_config.admission
         speed = self.core.own_speed()
         rate = self.core.token_rate()
+        streams = self.core.streams(self.clock())
         return {
             "tokens_per_s": round(rate, 1),  # per request stream, measured
             "prefill_s_per_token": speed.prefill_s_per_token,  # the measured speeds it uses
@@ -822,7 +824,8 @@ class NodeService:
             "mean_service_s": speed.mean_service_s,
             "max_queue_requests": adm.max_queue_requests,
             "max_queue_wait_s": adm.max_queue_wait_s,
-            "max_queue_tokens": token_cap(adm, rate, self.inflight),
+            "max_queue_tokens": token_cap(adm, rate, streams),
+            "streams": round(streams, 2),  # requests the engine serves at once, measured
             "max_queue_tokens_derived": adm.max_queue_tokens == 0,
             "queue_prompt_tokens": self.queue_prompt_tokens,
             "queue_output_tokens": self.queue_output_tokens,
