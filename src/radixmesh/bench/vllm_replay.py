@@ -212,6 +212,22 @@ async def _served_delta(rec: Record, engines: Sequence[VllmServer], node_engine:
         await asyncio.sleep(0.02)
 
 
+def error_reasons(records: Sequence[Record]) -> dict[str, int]:
+    """Failed requests by reason: HTTP status and the body's error ``code`` (a node's 429
+    ``overloaded`` is its bounded admission, ``core/admission.py``; vLLM's own refusals are
+    400s naming the limit), or the exception."""
+    import re
+
+    out: dict[str, int] = {}
+    for r in records:
+        if r.error is None:
+            continue
+        code = re.search(r'"code"\s*:\s*"([^"]+)"', r.error)
+        key = (f"HTTP {r.status} {code.group(1) if code else ''}".strip()
+               if r.status not in (None, 200) else r.error.split(":")[0][:60])
+        out[key] = out.get(key, 0) + 1
+    return dict(sorted(out.items()))
+
 
 def _int(value: str | None) -> int | None:
     try:
