@@ -71,6 +71,7 @@ from radixmesh.bench.vllm_replay import (
     build_workload,
     error_reasons,
     replay_run,
+    warm_up,
 )
 from radixmesh.bench.vllm_rounds import paired_figures, paired_line, round_orders
 from radixmesh.bench.vllm_server import (
@@ -95,7 +96,9 @@ def markdown(result: dict[str, Any]) -> str:
              f"per engine; {result['requests']} requests ({result['groups']} prefix groups, "
              f"mean {result['prompt_tokens_mean']:.0f} prompt tokens), "
              f"{result.get('concurrency', 1)} in flight (closed loop), entry "
-             f"round-robin over 2 nodes; {_setup(result)}, caches reset between.", "",
+             f"round-robin over 2 nodes; {_setup(result)}, caches reset between"
+             f"{'' if not result.get('warmup') else ', after ' + str(result['warmup'])}"
+             f"{' untimed requests per engine' if result.get('warmup') else ''}.", "",
              "| policy | index == engine | router == engine | hit rate (engine) | "
              "forwarded | mean latency | p99 latency | errors |",
              "|---|---|---|---|---|---|---|---|"]
@@ -253,6 +256,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--concurrency", default="1",
                     help="requests in flight; a list (4,16) runs every policy at each")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup", type=int, default=16,
+                    help="the workload's first N requests sent straight to each engine, "
+                    "untimed, before the first run (0: none)")
     ap.add_argument("--pin", action="store_true",
                     help="engine i on core i (taskset, VLLM_CPU_OMP_THREADS_BIND): each its own "
                     "compute, as in a deployment; the nodes and the bench float")
@@ -283,6 +289,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     t_start = time.perf_counter()
     with engines_running(args, model_dir, out) as engines:
         print(f"engines ready in {time.perf_counter() - t_start:.0f} s", flush=True)
+        if args.warmup:  # untimed; each run resets the caches anyway
+            asyncio.run(warm_up(engines, reqs[:args.warmup], max(levels)))
         # both publishers, each in its own seq order, as the nodes see them (fixtures: #0)
         capture = Capture([f"tcp://127.0.0.1:{e.events_port}" for e in engines])
         try:
@@ -299,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "num_blocks": args.num_blocks, "requests": len(reqs), "groups": args.groups,
               "concurrency": ",".join(map(str, levels)),
               "prompt_tokens_mean": summarize_prompt_mean(policies),
-              "pinned": bool(args.pin), "rounds": args.rounds,
+              "pinned": bool(args.pin), "rounds": args.rounds, "warmup": args.warmup,
               "paired": _paired(policies, levels, orders[0]) if args.rounds > 1 else [],
               "policies": [{k: v for k, v in p.items() if k != "records"} for p in policies],
               "command": " ".join(["python -m radixmesh.bench.vllm_check",

@@ -153,6 +153,25 @@ async def replay_run(policy: str, urls: Sequence[str], node_ids: Sequence[str],
     return records, agreement
 
 
+async def warm_up(engines: Sequence[VllmServer], reqs: Sequence[Request],
+                  concurrency: int) -> None:
+    """Each engine gets ``reqs`` straight (no node), ``concurrency`` at a time, untimed: a
+    fresh vLLM CPU server's first requests ran 5-15x slower than later ones (its first
+    batches of each shape), which landed on whichever policy ran first after the start."""
+    async def worker(http: httpx.AsyncClient, url: str, queue: list[Request]) -> None:
+        while queue:
+            req = queue.pop()
+            rec = Record(run="warm-up", policy="-", seq=0, id=req.id, group=req.group,
+                         entry=0, entry_node="-", t_send=0.0)
+            await send_stream(http, url, req, rec, 0.0)
+
+    async with httpx.AsyncClient(timeout=600.0, trust_env=False) as http:
+        for e in engines:
+            queue = list(reqs)
+            await asyncio.gather(*(worker(http, e.url, queue)
+                                   for _ in range(max(1, concurrency))))
+
+
 async def send_stream(http: httpx.AsyncClient, base_url: str, req: Request, rec: Record,
                       t0: float, marks: dict[str, float] | None = None,
                       extra_body: dict[str, Any] | None = None) -> int | None:
