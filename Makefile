@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: venv test lint demo clean gpu-bundle vllm-check clients-check vllm-concurrency vllm-chaos \
-	llamacpp-check vllm-kv-faults vllm-tenants vllm-emulated
+	llamacpp-check vllm-kv-faults vllm-tenants vllm-emulated vllm-paired
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -49,6 +49,12 @@ vllm-concurrency: $(STAMP) $(VLLM_VENV)/.installed
 	$(BIN)/python -m radixmesh.bench.vllm_check --vllm-python $(VLLM_VENV)/bin/python \
 		--out runs/vllm-concurrency --concurrency 4,16 \
 		--capture-run runs/vllm-concurrency/fixture $(VLLM_CHECK_ARGS)
+
+# `cost` against `none` at 4 in flight, engine i pinned to core i, the policies alternated over
+# 4 rounds: paired mean and p99 ratios with bootstrap intervals (bench/vllm_rounds.py)
+vllm-paired: $(STAMP) $(VLLM_VENV)/.installed
+	$(BIN)/python -m radixmesh.bench.vllm_check --vllm-python $(VLLM_VENV)/bin/python \
+		--out runs/vllm-paired --concurrency 4 --pin --rounds 4 --requests 100 $(VLLM_CHECK_ARGS)
 
 # Faults of a real vLLM under load (chaos/engines.py): kill -9, SIGSTOP, restarts with another
 # hash seed / block size; failed client requests and the time until it is routed to again.

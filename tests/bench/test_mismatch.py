@@ -67,6 +67,18 @@ def test_an_actual_count_the_stream_cannot_explain_is_an_index_error() -> None:
     assert v.kind == "index_error" and v.replayed == 4
 
 
+def test_an_own_store_seen_after_the_first_token_is_the_bench_lagging() -> None:
+    """The request's own first store (and the store it hit, just before it) reached the
+    bench 0.8 s after its first token (a starved subscriber: run E's one unexplained ``none``
+    mismatch had that signature): replayed up to that store, the stream explains it; past
+    ``LAG_S`` it stays an index error."""
+    late = stream((0.0, store(0)), (5.8, store(1)), (5.8, store(2)))
+    v = classify(late, seen(4, 8))
+    assert (v.kind, v.replayed, v.why) == ("lagged", 8, "own store found")
+    too_late = stream((0.0, store(0)), (6.5, store(1)), (6.5, store(2)))
+    assert classify(too_late, seen(4, 8)).kind == "index_error"
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 2)), min_size=1, max_size=12),
        st.integers(0, 12), st.integers(0, 12))

@@ -46,6 +46,14 @@ def test_vllm_argv_has_events_block_size_and_prompt_token_details(tmp_path) -> N
     assert json.loads(argv[argv.index("--kv-events-config") + 1])["endpoint"] == "tcp://*:5557"
 
 
+def test_a_pinned_engine_runs_under_taskset_on_its_core(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    free = VllmServer("v0", "py", tmp_path, 8000, 5557, 5558, 128, 48, tmp_path / "log")
+    assert free.launch_argv() == free.argv()
+    pinned = VllmServer("v1", "py", tmp_path, 8000, 5557, 5558, 128, 48, tmp_path / "log",
+                        cpus="1")
+    assert pinned.launch_argv()[:4] == ["taskset", "-c", "1", "py"]
+
+
 def _rec(route: str) -> Record:
     return Record("r", "cost", 0, "q", "g", 0, "n0", 0.0, route=route, prompt_tokens=300)
 

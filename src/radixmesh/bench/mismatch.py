@@ -27,9 +27,11 @@ with the very formula the node uses (:func:`radixmesh.engine.http_engine.exact_m
     P != A and the index consistent and R == A  ->  timing: "evicted" (A < P: blocks the node
         counted were removed before the engine scheduled the request) or "inserted" (A > P:
         blocks stored by a request scheduled in between)
-    P only at a replay point up to LAG_S either side of the window, and R == A  ->  timing:
+    P only at a replay point up to LAG_S either side of the window, or the own first store
+        only up to LAG_S after the first token (none before), and R == A  ->  timing:
         "lagged" (the node's subscriber and the bench's saw a batch at moments further apart
-        than ``slack``: either process starved on a loaded machine)
+        than ``slack``, or the bench saw the step's events after its tokens: either process
+        starved on a loaded machine; a request's own store cannot come after its scheduling)
     anything else                               ->  "index_error" (with why)
 
 ``slack`` covers the few milliseconds between the bench's subscriber and the node's seeing the
@@ -153,6 +155,12 @@ def classify(stream: EventStream, seen: Seen, slack_s: float = DEFAULT_SLACK_S) 
                            f"(window values {sorted(set(values[:hi - lo + 1]))})")
     if p == a:
         return Verdict(seen.id, "match", p, a, a)
+    if not cuts:  # its own store may have reached the bench late: the bench's lag
+        late = max(stream.position(seen.t_first + LAG_S), first)
+        cuts = stream.own_stores(seen.prompt, a, first, late)
+        if cuts:
+            values = stream.matches(seen.prompt, late, lo)
+            lagged = True
     if cuts:
         ok = any(values[c - lo] == a for c in cuts)
         replayed = a if ok else values[cuts[0] - lo]

@@ -28,7 +28,9 @@ engine's ``/metrics`` hit delta (and that with the engine's own
 subscribes to the first engine's publisher itself and saves its first batches (and one replay
 answer) as golden fixtures for the decoder tests. Figures are
 printed and written to ``OUT/vllm_check.md`` and ``OUT/vllm_check.json``; records per request
-to ``OUT/records-<policy>.jsonl``. Every process it starts is stopped on exit (process
+to ``OUT/records-<policy>.jsonl``, both engines' timed event batches with every compared
+request and its verdict to ``OUT/events-<policy>.msgpack`` (under a megabyte a run).
+Every process it starts is stopped on exit (process
 groups; the nodes die with this process too).
 
 The parts: ``bench/vllm_server.py`` (the engine process, model directory),
@@ -47,6 +49,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -61,7 +64,16 @@ from radixmesh.bench.vllm_capture import (
     save_run_fixture,
     save_whole_run,
 )
-from radixmesh.bench.vllm_replay import Agreement, _ms, _pct, build_workload, replay_run
+from radixmesh.bench.vllm_replay import (
+    Agreement,
+    _ms,
+    _pct,
+    build_workload,
+    error_reasons,
+    replay_run,
+    warm_up,
+)
+from radixmesh.bench.vllm_rounds import paired_figures, paired_line, round_orders
 from radixmesh.bench.vllm_server import (
     READY_TIMEOUT_S,
     VllmServer,
@@ -84,7 +96,9 @@ def markdown(result: dict[str, Any]) -> str:
              f"per engine; {result['requests']} requests ({result['groups']} prefix groups, "
              f"mean {result['prompt_tokens_mean']:.0f} prompt tokens), "
              f"{result.get('concurrency', 1)} in flight (closed loop), entry "
-             "round-robin over 2 nodes; policies back to back, caches reset between.", "",
+             f"round-robin over 2 nodes; {_setup(result)}, caches reset between"
+             f"{'' if not result.get('warmup') else ', after ' + str(result['warmup'])}"
+             f"{' untimed requests per engine' if result.get('warmup') else ''}.", "",
              "| policy | index == engine | router == engine | hit rate (engine) | "
              "forwarded | mean latency | p99 latency | errors |",
              "|---|---|---|---|---|---|---|---|"]
@@ -109,7 +123,10 @@ def markdown(result: dict[str, Any]) -> str:
         truth = ("\"engine\": the served engine's usage `prompt_tokens_details.cached_tokens` "
                  "for that request (with requests overlapping, the counters are checked in "
                  "total only)")
-    lines += [*_classified_lines(result), "", truth + f"; run totals of cached tokens ({checks}). "
+    lines += [*_classified_lines(result),
+              *(paired_line(f"{p['a']}@{p['concurrency']}", p["b"], p)
+                for p in result.get("paired", ())),
+              "", truth + f"; run totals of cached tokens ({checks}). "
               "\"index\": the serving node's KV-event index match when it "
               "accepted the request (`x-radixmesh-cached-tokens` of a stream). \"router\": the "
               "estimate the entry node routed on (`x-radixmesh-expected-cached-tokens`; "
@@ -118,10 +135,19 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _setup(result: dict[str, Any]) -> str:
+    rounds = int(result.get("rounds", 1))
+    order = (f"policies alternated over {rounds} rounds (A B, B A, ...)" if rounds > 1
+             else "policies back to back")
+    return order + ("; engine i pinned to core i" if result.get("pinned") else "")
+
+
 def _classified_lines(result: dict[str, Any]) -> list[str]:
-    return [f"- {p['policy']}: mismatches {c['counts']} (events {c['events']}, seq gaps "
-            f"{c['seq_gaps']})" for p in result["policies"]
-            if (c := p["agreement"].get("classified"))]
+    lines = [f"- {p['policy']}: mismatches {c['counts']} (events {c['events']}, seq gaps "
+             f"{c['seq_gaps']})" for p in result["policies"]
+             if (c := p["agreement"].get("classified"))]
+    return lines + [f"- {p['policy']}: client errors {p['errors']}"
+                    for p in result["policies"] if p.get("errors")]
 
 
 
@@ -130,9 +156,11 @@ def _classified_lines(result: dict[str, Any]) -> list[str]:
 def engines_running(args: argparse.Namespace, model_dir: Path, out: Path
                     ) -> Iterator[list[VllmServer]]:
     ports = free_ports(6)
+    cores = os.cpu_count() or 1
     engines = [VllmServer(f"vllm{i}", args.vllm_python, model_dir, ports[3 * i],
                           ports[3 * i + 1], ports[3 * i + 2], args.block_size, args.num_blocks,
-                          out / f"vllm{i}.log", threads=args.engine_threads)
+                          out / f"vllm{i}.log", threads=args.engine_threads,
+                          cpus=str(i % cores) if args.pin else None)
                for i in range(2)]
     try:
         for e in engines:
@@ -228,6 +256,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--concurrency", default="1",
                     help="requests in flight; a list (4,16) runs every policy at each")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup", type=int, default=16,
+                    help="the workload's first N requests sent straight to each engine, "
+                    "untimed, before the first run (0: none)")
+    ap.add_argument("--pin", action="store_true",
+                    help="engine i on core i (taskset, VLLM_CPU_OMP_THREADS_BIND): each its own "
+                    "compute, as in a deployment; the nodes and the bench float")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="alternate the policies N times (A B, B A, ...) and report their "
+                    "paired latency ratio with a bootstrap interval (bench/vllm_rounds.py)")
     ap.add_argument("--capture", metavar="DIR", help="save raw event batches as fixtures")
     ap.add_argument("--capture-run", metavar="DIR",
                     help="save engine 0's timed batches and requests of each run with their "
@@ -248,16 +285,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"vllm {version}; {len(reqs)} requests; starting 2 engines (logs in {out})",
           flush=True)
     levels = [int(c) for c in str(args.concurrency).split(",")]
+    orders = round_orders(args.policies.split(","), args.rounds)
     t_start = time.perf_counter()
     with engines_running(args, model_dir, out) as engines:
         print(f"engines ready in {time.perf_counter() - t_start:.0f} s", flush=True)
+        if args.warmup:  # untimed; each run resets the caches anyway
+            asyncio.run(warm_up(engines, reqs[:args.warmup], max(levels)))
         # both publishers, each in its own seq order, as the nodes see them (fixtures: #0)
         capture = Capture([f"tcp://127.0.0.1:{e.events_port}" for e in engines])
         try:
             policies = [run_one(level, policy, args, model_dir, out, engines, reqs, capture,
-                                len(levels) > 1)
-                        for level, policy in itertools.product(levels,
-                                                               args.policies.split(","))]
+                                _run_name(policy, level, k, len(levels) > 1, args.rounds))
+                        for level in levels for k, order in enumerate(orders)
+                        for policy in order]
             if args.capture:
                 _save_capture(args, capture, engines, version)
         finally:
@@ -266,7 +306,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               "model": "hidden 256, 4 layers, fp32", "block_size": args.block_size,
               "num_blocks": args.num_blocks, "requests": len(reqs), "groups": args.groups,
               "concurrency": ",".join(map(str, levels)),
-              "prompt_tokens_mean": summarize_prompt_mean(policies), "policies": policies,
+              "prompt_tokens_mean": summarize_prompt_mean(policies),
+              "pinned": bool(args.pin), "rounds": args.rounds, "warmup": args.warmup,
+              "paired": _paired(policies, levels, orders[0]) if args.rounds > 1 else [],
+              "policies": [{k: v for k, v in p.items() if k != "records"} for p in policies],
               "command": " ".join(["python -m radixmesh.bench.vllm_check",
                                    *(argv or sys.argv[1:])])}
     (out / "vllm_check.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
@@ -276,15 +319,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _run_name(policy: str, level: int, round_no: int, several: bool, rounds: int) -> str:
+    name = f"{policy}-c{level}" if several else policy
+    return f"{name}-r{round_no}" if rounds > 1 else name
+
+
+def _paired(runs: Sequence[dict[str, Any]], levels: Sequence[int], order: Sequence[str]
+            ) -> list[dict[str, Any]]:
+    """Per concurrency, the first policy against the second over the rounds."""
+    a, b = order[0], order[1]
+    out = []
+    for level in levels:
+        def rounds_of(policy: str) -> list[list[Record]]:
+            return [r["records"] for r in runs
+                    if r["base"] == policy and r["concurrency"] == level]  # noqa: B023
+        pooled = {p: summarize([x for rs in rounds_of(p) for x in rs]) for p in (a, b)}
+        out.append({"concurrency": level, "a": a, "b": b, "pooled": pooled,
+                    "load_1min": [r["load_1min"] for r in runs if r["concurrency"] == level],
+                    **paired_figures(rounds_of(a), rounds_of(b))})
+    return out
+
+
 def run_one(level: int, policy: str, args: argparse.Namespace, model_dir: Path, out: Path,
             engines: Sequence[VllmServer], reqs: Sequence[Request], capture: Capture,
-            several: bool) -> dict[str, Any]:
+            name: str) -> dict[str, Any]:
     """One policy at one concurrency: records, agreement, classified mismatches."""
     args.concurrency = level
     t0 = time.perf_counter()
+    load_before = os.getloadavg()[0]
     records, agreement = run_policy(policy, args, model_dir, out, engines, reqs)
     classify_run(agreement, capture, args.block_size, since=t0)
-    name = f"{policy}-c{level}" if several else policy
+    # both engines' batches of this run and every request: any verdict can be re-judged
+    # offline (``bench/evict_check.py`` reads the same file)
+    save_whole_run(out / f"events-{name}.msgpack",
+                   [[f for f in t if f[0] >= t0] for t in capture.timed], agreement,
+                   _mesh_block(args.block_size), args.block_size)
     if args.capture_run:
         target = Path(args.capture_run) / f"run-{name}.msgpack"
         n = (save_whole_run(target, [[f for f in t if f[0] >= t0] for t in capture.timed],
@@ -298,12 +367,15 @@ def run_one(level: int, policy: str, args: argparse.Namespace, model_dir: Path, 
         for r in records:
             fh.write(json.dumps(r.to_json()) + "\n")
     summary = summarize(records)
+    load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     print(f"{name}: {len(records)} requests in {time.perf_counter() - t0:.0f} s; "
           f"predicted==actual {agreement.equal}/{agreement.requests}; "
           f"hit rate {_pct(summary['actual_hit_rate'])}; "
-          f"mean {_ms(summary['mean_latency_s'])}, p99 {_ms(summary['p99_latency_s'])}",
-          flush=True)
-    return {"policy": name, "summary": summary, "agreement": agreement.to_json()}
+          f"mean {_ms(summary['mean_latency_s'])}, p99 {_ms(summary['p99_latency_s'])}; "
+          f"load {load[0]} -> {load[1]}", flush=True)
+    return {"policy": name, "base": policy, "concurrency": level, "load_1min": load,
+            "summary": summary, "agreement": agreement.to_json(),
+            "errors": error_reasons(records), "records": records}
 
 
 def _save_capture(args: argparse.Namespace, capture: Capture, engines: Sequence[VllmServer],

@@ -153,6 +153,25 @@ async def replay_run(policy: str, urls: Sequence[str], node_ids: Sequence[str],
     return records, agreement
 
 
+async def warm_up(engines: Sequence[VllmServer], reqs: Sequence[Request],
+                  concurrency: int) -> None:
+    """Each engine gets ``reqs`` straight (no node), ``concurrency`` at a time, untimed: a
+    fresh vLLM CPU server's first requests ran 5-15x slower than later ones (its first
+    batches of each shape), which landed on whichever policy ran first after the start."""
+    async def worker(http: httpx.AsyncClient, url: str, queue: list[Request]) -> None:
+        while queue:
+            req = queue.pop()
+            rec = Record(run="warm-up", policy="-", seq=0, id=req.id, group=req.group,
+                         entry=0, entry_node="-", t_send=0.0)
+            await send_stream(http, url, req, rec, 0.0)
+
+    async with httpx.AsyncClient(timeout=600.0, trust_env=False) as http:
+        for e in engines:
+            queue = list(reqs)
+            await asyncio.gather(*(worker(http, e.url, queue)
+                                   for _ in range(max(1, concurrency))))
+
+
 async def send_stream(http: httpx.AsyncClient, base_url: str, req: Request, rec: Record,
                       t0: float, marks: dict[str, float] | None = None,
                       extra_body: dict[str, Any] | None = None) -> int | None:
@@ -211,6 +230,22 @@ async def _served_delta(rec: Record, engines: Sequence[VllmServer], node_engine:
             return int(dh) if dq > 0 else None
         await asyncio.sleep(0.02)
 
+
+def error_reasons(records: Sequence[Record]) -> dict[str, int]:
+    """Failed requests by reason: HTTP status and the body's error ``code`` (a node's 429
+    ``overloaded`` is its bounded admission, ``core/admission.py``; vLLM's own refusals are
+    400s naming the limit), or the exception."""
+    import re
+
+    out: dict[str, int] = {}
+    for r in records:
+        if r.error is None:
+            continue
+        code = re.search(r'"code"\s*:\s*"([^"]+)"', r.error)
+        key = (f"HTTP {r.status} {code.group(1) if code else ''}".strip()
+               if r.status not in (None, 200) else r.error.split(":")[0][:60])
+        out[key] = out.get(key, 0) + 1
+    return dict(sorted(out.items()))
 
 
 def _int(value: str | None) -> int | None:

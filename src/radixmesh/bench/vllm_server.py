@@ -87,6 +87,7 @@ class VllmServer:
     extra_args: tuple[str, ...] = ()  # chaos/engines.py restarts it with other settings
     buffer_steps: int = 10_000  # batches its replay socket keeps
     extra_env: dict[str, str] = field(default_factory=dict)
+    cpus: str | None = None  # taskset list ("0"): the engine and its OpenMP threads bound there
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -105,15 +106,23 @@ class VllmServer:
                                                      self.buffer_steps),
                 *self.extra_args]
 
+    def launch_argv(self) -> list[str]:
+        """``argv`` as launched: pinned, the API server and its engine core (children
+        inherit the affinity) run on ``cpus``, OpenMP's threads bound there too (vLLM CPU's
+        ``VLLM_CPU_OMP_THREADS_BIND``, set by :meth:`start`)."""
+        return ["taskset", "-c", self.cpus, *self.argv()] if self.cpus else self.argv()
+
     def start(self) -> None:
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1",
+                   VLLM_CPU_OMP_THREADS_BIND=self.cpus or "nobind",
                    OMP_NUM_THREADS=str(self.threads), VLLM_SERVER_DEV_MODE="1",
                    PYTHONUNBUFFERED="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1",
                    **self.extra_env)
+        argv = self.launch_argv()
         with open(self.log_path, "ab") as log:
-            log.write(f"--- {' '.join(self.argv())}\n".encode())
+            log.write(f"--- {' '.join(argv)}\n".encode())
             log.flush()
-            self.proc = subprocess.Popen(self.argv(), stdin=subprocess.DEVNULL, stdout=log,
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)
 

@@ -68,36 +68,42 @@ class Full:
     bound: str
 
 
-def token_cap(adm: AdmissionConfig, tokens_per_s: float, streams: int = 1) -> int | None:
+def token_cap(adm: AdmissionConfig, tokens_per_s: float, streams: float = 1) -> int | None:
     """The token bound in force: ``max_queue_tokens``, or (0, the default) the tokens the
     engine gets through within ``max_queue_wait_s`` at its measured rate (``tokens_per_s``
-    per request stream, times the ``streams`` it runs at once: a batching engine's running
-    requests; at least 1); None: no token bound."""
+    per request stream, times the ``streams`` it serves at once: ``OwnLoad.streams``; at
+    least 1); None: no token bound."""
     if adm.max_queue_tokens is None or adm.max_queue_tokens > 0:
         return adm.max_queue_tokens
     return int(adm.max_queue_wait_s * max(tokens_per_s, 0.0) * max(streams, 1))
 
 
 def admission(adm: AdmissionConfig, speed: SpeedReport, tokens_per_s: float,
-              load: LoadChanged, prompt_tokens: int, max_tokens: int) -> Full | None:
+              load: LoadChanged, prompt_tokens: int, max_tokens: int,
+              streams: float = 1.0) -> Full | None:
     """Bounded admission, the whole decision: None if a node with ``load`` (and this speed)
     has room for one more request of ``prompt_tokens`` + ``max_tokens``, else :class:`Full`.
 
     An idle node (nothing waiting or running) always has room: a request larger than every
     bound must still run somewhere. Otherwise the node is full when its queue
     * holds ``max_queue_requests`` requests, or
-    * would keep the request waiting ``max_queue_wait_s`` (depth x mean service), or
+    * would keep the request waiting ``max_queue_wait_s`` (depth x mean service, over the
+      requests the engine serves at once: ``streams``, at least those running), or
     * with this request would hold more tokens (prompt + max_tokens of every request waiting
       or running) than :func:`token_cap`: ``max_queue_tokens``, or by default the tokens the
       engine gets through within ``max_queue_wait_s`` at its measured rate.
     The wait reported is the larger of the two estimates of the queue's work (its requests
-    at the mean service time, its tokens at the measured rate)."""
+    at the mean service time, its tokens at the measured rate). ``streams`` (the node's
+    :meth:`~radixmesh.core.own_load.OwnLoad.streams`) matters for a batching engine whose
+    queue is invisible: 16 requests in flight on two real vLLM CPU engines, each taking
+    ~2.5 s while 8 shared one engine, read as 8 x 2.5 s of queued work and the nodes
+    answered 429 (docs/reliability.md)."""
     depth = load.queue_depth
     if depth <= 0:
         return None
-    streams = max(load.inflight, 1)
+    streams = max(float(load.inflight), streams, 1.0)
     queued = load.queue_prompt_tokens + load.queue_output_tokens
-    wait = depth * speed.mean_service_s
+    wait = depth * speed.mean_service_s / streams
     reported = max(wait, queued / max(tokens_per_s * streams, 1e-9))
     if adm.max_queue_requests is not None and depth >= adm.max_queue_requests:
         return Full(reported, "requests")
@@ -200,14 +206,14 @@ class AdmissionControl:
         return Log("info" if up else "warning", f"engine {'back' if up else 'down'}: {reason}")
 
     # ----------------------------------------------------------------- own requests
-    def full_for(self, prompt_tokens: int, max_tokens: int) -> float | None:
+    def full_for(self, prompt_tokens: int, max_tokens: int, now: float) -> float | None:
         """None if this node has room for one more request of ``prompt_tokens`` +
         ``max_tokens``; else its queue's expected wait (0 while leaving: it has no room for
         anything new, whatever its queue). The decision is :func:`admission`'s."""
         if self._leaving_until is not None or self.engine_down:
             return 0.0
         full = admission(self._config.admission, self._own.speed(), self._own.token_rate(),
-                         self._own.load, prompt_tokens, max_tokens)
+                         self._own.load, prompt_tokens, max_tokens, self._own.streams(now))
         if full is None:
             return None
         bump(self._metrics, f"admission_full_{full.bound}")
@@ -229,7 +235,8 @@ class AdmissionControl:
         if own is None or now + own.predicted_latency_s > self._leaving_until:
             return False
         return admission(self._config.admission, self._own.speed(), self._own.token_rate(),
-                         self._own.load, event.prompt_tokens, event.max_tokens) is None
+                         self._own.load, event.prompt_tokens, event.max_tokens,
+                         self._own.streams(now)) is None
 
     # ------------------------------------------------------------------ peers' forwards
     def forward_arrived(self, event: ForwardArrived, now: float) -> list[Action]:
@@ -286,7 +293,7 @@ class AdmissionControl:
             bump(self._metrics, "forwards_refused_leaving")
             cap = self._config.gossip.exchange.max_retry_after_s
             return min(max(self._leaving_until - now, adm.min_retry_after_s), cap)
-        full = self.full_for(prompt_tokens, max_tokens)
+        full = self.full_for(prompt_tokens, max_tokens, now)
         if full is not None:
             bump(self._metrics, "forwards_refused_full")
             return max(full, adm.min_retry_after_s)

@@ -267,6 +267,10 @@ class NodeCore:
         """Tokens (prompt + output) per second of service of one request stream, measured."""
         return self._parts.own.token_rate()
 
+    def streams(self, now: float) -> float:
+        """Requests this node's engine serves at once, measured (``OwnLoad.streams``)."""
+        return self._parts.own.streams(now)
+
     # ------------------------------------------------------------------------ inspection
     def peer_address(self, peer_id: str) -> str | None:
         return self._parts.report.members.address_of(peer_id)

@@ -10,6 +10,8 @@ times). From those this part keeps:
   service) and :class:`TokenRate` (bounded admission's default
   token cap);
 * the utilization over ``load_window_s`` (bounded load compares it with the peers');
+* the requests its engine serves at once (:meth:`OwnLoad.streams`: Little's law over the
+  completions of ``load_window_s``; bounded admission's streams);
 * the load report its gossip advertises (``Load``; cached while no push-back runs, since
   most rounds carry the same one);
 * the node as the router sees it (:meth:`OwnLoad.self_info`: exact cache match, own queue
@@ -29,7 +31,7 @@ from radixmesh.core.estimate import bump
 from radixmesh.core.estimators import ComputeModel, CostPriors, Ewma, SpeedReport, speed_is_stale
 from radixmesh.core.events import LoadChanged, RequestServed
 from radixmesh.core.gossip import Gossiper
-from radixmesh.core.load_estimates import Utilization
+from radixmesh.core.load_estimates import ArrivalRate, Utilization
 from radixmesh.core.messages import Load
 from radixmesh.core.shadow_state import aged
 
@@ -73,6 +75,7 @@ class OwnLoad:
         self._compute = ComputeModel(config.priors)
         self._token_rate = TokenRate(config.priors)  # bounded admission's default token cap
         self._busy = Utilization(config.router.load_window_s)
+        self._completions = ArrivalRate(config.router.load_window_s, 0.25)  # (streams)
         # when the own speed estimate was last refreshed (served, adopted); None: it is
         # still the configured prior
         self._speed_at: float | None = None
@@ -97,6 +100,15 @@ class OwnLoad:
         """Tokens (prompt + output) per second of service of one request stream, measured."""
         return self._token_rate.per_s
 
+    def streams(self, now: float) -> float:
+        """Requests the engine serves at once, as this node measures service: at least the
+        ones running, or by Little's law the completion rate times the mean service time.
+        An engine whose queue the node cannot see (an external one: a request's service
+        time includes its wait inside the engine, and it runs before its first token comes
+        back) reads its real overlap, not the requests streaming; a serial engine reads 1."""
+        little = self._completions.at(now) * self._compute.report().mean_service_s
+        return max(1.0, float(self._load.inflight), little)
+
     def invalidate(self) -> None:
         """The advertised load must be built again (something it reports changed)."""
         self._load_cache = None
@@ -109,6 +121,7 @@ class OwnLoad:
 
     def served(self, event: RequestServed, now: float) -> None:
         bump(self._metrics, "requests_served")
+        self._completions.add(now)
         self._speed_at = self._measured_at = now
         self._load_cache = None
         uncached = max(0, event.prompt_tokens - event.cached_tokens)

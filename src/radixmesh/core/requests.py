@@ -72,7 +72,7 @@ class RequestFlow:
         self._metrics = metrics
 
     def arrived(self, event: RequestArrived, now: float) -> list[Action]:
-        full = self._admission.full_for(event.prompt_tokens, event.max_tokens)
+        full = self._admission.full_for(event.prompt_tokens, event.max_tokens, now)
         by_quota = full is None and event.over_quota  # (core/quotas.py) full for this tenant
         if by_quota:
             full = self._admission.quota_retry_after_s()

@@ -504,7 +504,8 @@ class NodeService:
                              "fewer ('n' x prompts) per request")
         bounds = admission_bounds(adm.max_queue_requests, adm.max_queue_wait_s,
                                   self.core.own_speed().mean_service_s,
-                                  token_cap(adm, self.core.token_rate(), self.inflight))
+                                  token_cap(adm, self.core.token_rate(),
+                                            self.core.streams(self.clock())))
         return self.quotas.over(key, tokens, bounds, requests)
 
     def _cached_here(self, prompt: Sequence[int], hashes: Sequence[int],
@@ -732,7 +733,10 @@ class NodeService:
         or slower than ``beat_s``): the sender then falls back at once."""
         t0 = self.clock()
         hashes = self.hashes_of(req.prompt, req.namespace)
-        cached = self._cached_here(req.prompt, hashes, req.namespace)
+        here = match_in(self.engine, req.prompt, req.namespace)
+        # the core prices it with what will be cached when it runs; the reply says what the
+        # index holds now (x-radixmesh-cached-tokens: one meaning on every route)
+        cached = self._queued_blocks.cached_when_run(hashes, len(req.prompt), here)
         event = ForwardArrived(0, len(req.prompt), cached, req.max_tokens, req.beat_s,
                                req.session,
                                self.over_quota(req.tenant, len(req.prompt) + req.max_tokens))
@@ -745,7 +749,7 @@ class NodeService:
             return
         self.metrics.served_for_peers += 1
         # First byte before the engine starts: once it computes, this thread waits for the GIL.
-        yield encode_reply(AcceptedReply(self.node_id, cached))
+        yield encode_reply(AcceptedReply(self.node_id, here))
         sampling = SamplingParams(req.max_tokens, req.temperature, req.top_p, req.seed,
                                   req.stop_token_ids)
         ctx = RequestContext(None, req.prompt, hashes, sampling, req.stream, req.namespace,
@@ -814,6 +818,7 @@ class NodeService:
         adm = self.node_config.admission
         speed = self.core.own_speed()
         rate = self.core.token_rate()
+        streams = self.core.streams(self.clock())
         return {
             "tokens_per_s": round(rate, 1),  # per request stream, measured
             "prefill_s_per_token": speed.prefill_s_per_token,  # the measured speeds it uses
@@ -821,7 +826,8 @@ class NodeService:
             "mean_service_s": speed.mean_service_s,
             "max_queue_requests": adm.max_queue_requests,
             "max_queue_wait_s": adm.max_queue_wait_s,
-            "max_queue_tokens": token_cap(adm, rate, self.inflight),
+            "max_queue_tokens": token_cap(adm, rate, streams),
+            "streams": round(streams, 2),  # requests the engine serves at once, measured
             "max_queue_tokens_derived": adm.max_queue_tokens == 0,
             "queue_prompt_tokens": self.queue_prompt_tokens,
             "queue_output_tokens": self.queue_output_tokens,

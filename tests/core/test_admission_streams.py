@@ -1,0 +1,65 @@
+"""Bounded admission in front of a batching engine whose queue the node cannot see (an
+external vLLM): the node's queue wait and token cap divide by the requests the engine serves
+at once, measured by Little's law (``OwnLoad.streams``), not by the requests streaming.
+
+Real vLLM CPU at 16 in flight (two engines, two nodes, 1-token answers) showed the defect:
+each request took ~2.5-3 s inside an engine that ran all of them together, no request streamed
+before it finished (``inflight`` ~0), and the nodes read 8-12 x 3 s of queued work and
+answered 429 to 11 of 200 requests (139 of 200 on a loaded box; docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from radixmesh.core.blocks import Fingerprint
+from radixmesh.core.config import AdmissionConfig, NodeConfig
+from radixmesh.core.events import LoadChanged, RejectRequest, RequestArrived, RequestServed, Tick
+from radixmesh.core.node import NodeCore
+
+FP = Fingerprint("test-model", "bytes", 16)
+ADM = AdmissionConfig(max_queue_wait_s=30.0)  # max_queue_tokens 0: derived from the rate
+
+
+def node_serving(service_s: float, every_s: float, until: float = 20.0) -> NodeCore:
+    """A lone node whose engine finished a 1,200-token request every ``every_s`` seconds,
+    each ``service_s`` long (with an invisible queue: its wait inside the engine included)."""
+    node = NodeCore(NodeConfig(node_id="solo", address="mem://solo", fingerprint=FP,
+                               incarnation=1, seeds=("mem://seed",), admission=ADM),
+                    random.Random(0), now=0.0)
+    node.handle(Tick(), 0.0)
+    t = every_s
+    while t <= until:
+        node.handle(RequestServed(1200, 0, service_s - 0.1, 1, 0.1, service_s), t)
+        t += every_s
+    return node
+
+
+def rejected(node: NodeCore, depth: int, now: float) -> bool:
+    node.handle(LoadChanged(depth, 0, 0, 6144, depth * 1200, depth), now)
+    actions = node.handle(RequestArrived(1, (), 1200, 0, 1), now)
+    return any(isinstance(a, RejectRequest) for a in actions)
+
+
+def test_a_batching_engine_with_an_invisible_queue_is_not_full_at_its_batch() -> None:
+    """Eight at once, 2.8 s each (a completion every 0.35 s): 12 outstanding are ~4 s of
+    work, not 12 x 2.8 = 34 s (over the 30 s bound: a 429 before)."""
+    node = node_serving(2.8, 0.35)
+    assert node.streams(20.0) == pytest.approx(8.0, rel=0.05)
+    assert not rejected(node, 12, 20.0)
+
+
+def test_a_serial_engine_still_fills_at_depth_times_service() -> None:
+    """One at a time (a completion per service time): streams ~1 (read at a completion), and
+    33 queued requests of 1 s are over the 30 s bound as before."""
+    node = node_serving(1.0, 1.0)
+    assert node.streams(20.0) == pytest.approx(1.0, abs=0.1)
+    assert rejected(node, 33, 20.0)
+    assert node.metrics()["admission_full_wait"] == 1
+
+
+def test_streams_fall_back_to_one_once_the_engine_went_quiet() -> None:
+    node = node_serving(2.8, 0.35)
+    assert node.streams(200.0) == pytest.approx(1.0)
