@@ -189,6 +189,11 @@ def test_dumps_round_trips_any_values(values: list[float], text: str) -> None:
         ({"derived": "no"}, "derived"),
         ({"name": ""}, "name"),
         ({"citations": {"prefill_attn_s": "x 1"}}, "step_base_s"),  # coefficients uncited
+        ({"admission_s": -0.01}, "admission_s"),
+        ({"admission_s": float("inf")}, "admission_s"),
+        ({"admission_s": "slow"}, "admission_s"),
+        ({"admission_s": True}, "admission_s"),
+        ({"admission_s": 0.03}, "admission_s"),  # not 0 and uncited
         ({"checks": [{"metric": "tpot", "published_s": 0.01, "source": "s"}]}, "tolerance"),
         (
             {"checks": [{"metric": "itl", "published_s": 0.01, "tolerance": 0.1, "source": "s"}]},
@@ -218,6 +223,36 @@ def test_unknown_citation_and_bad_toml(tmp_path: Path) -> None:
         resolve(str(path))
     with pytest.raises(ValueError, match="neither shipped"):
         resolve(str(tmp_path / "missing.toml"))
+
+
+# ---------------------------------------------------------------------------- admission_s
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_admission_0_leaves_every_prediction_as_before(name: str) -> None:
+    """A profile without the field reads it as 0, writes it not at all, and predicts what the
+    formula without it does; with it, a TTFT is that much later and no step is."""
+    p = resolve(name)
+    if p.admission_s:  # a profile that has one: as it would be without
+        p = replace(p, admission_s=0.0,
+                    citations={k: v for k, v in p.citations.items() if k != "admission_s"})
+    assert "admission_s" not in dumps(p)
+    step = FakeStep((Chunk(1, 100, 700),), (Slot(2, 900),) * 3)
+    for prompt, cached in ((1, 0), (700, 0), (p.context_length, 128)):
+        alone = sum(p.step_s(FakeStep((c,), ())) for c in _chunks(p, prompt, cached))
+        assert p.ttft_s(prompt, cached) == pytest.approx(alone, rel=1e-12)
+    q = replace(p, admission_s=0.031, citations={**p.citations, "admission_s": "measured"})
+    assert q.step_s(step) == p.step_s(step)
+    assert q.tpot_s(4, 512) == p.tpot_s(4, 512)
+    assert q.ttft_s(700, 0) == pytest.approx(p.ttft_s(700, 0) + 0.031, rel=1e-12)
+    assert Profile.loads(dumps(q)) == q and "admission_s = 0.031" in dumps(q)
+
+
+def _chunks(p: Profile, prompt: int, cached: int) -> list[Chunk]:
+    out, start = [], cached
+    while start < prompt:
+        tokens = min(p.step_tokens, prompt - start)
+        out.append(Chunk(1, start, tokens))
+        start += tokens
+    return out
 
 
 def test_check_validation() -> None:

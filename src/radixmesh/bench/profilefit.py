@@ -14,8 +14,9 @@ Two sources of measurements, one output (a :class:`Profile`):
   squares to ``a + prefill_token_s * L + prefill_attn_s * L^2 / 2`` (a prefill from position 0);
   concurrent streams at several batch sizes give inter-token points ``(b, context, s)``, fitted
   to ``step_base_s + decode_seq_s * b + decode_kv_s * b * context`` (``decode_kv_s`` only when
-  the contexts differ enough to tell it apart). The prefill intercept ``a`` (HTTP, tokenizer,
-  scheduling of one request) is reported, not kept: a step's fixed cost is the decode intercept.
+  the contexts differ enough to tell it apart). A step's fixed cost is the decode intercept;
+  what the prefill intercept ``a`` holds beyond it (HTTP, tokenizer, the hop to the engine
+  core: a prefill alone is ``admission_s`` + one step) is ``admission_s``.
   Coefficients are non-negative: a term the least squares makes negative is dropped and the rest
   refitted (:func:`nonneg_lstsq`).
 
@@ -111,14 +112,19 @@ def from_engine_points(
     citations = {
         "step_base_s": f"{what}: decode intercept of ITL = base + seq*b + kv*b*ctx over {dec}",
         "prefill_token_s": f"{what}: TTFT = a + t*L + attn*L^2/2 over {pre}; a = "
-        f"{a * 1e3:.2f} ms (request overhead, not kept)",
+        f"{a * 1e3:.2f} ms",
         "prefill_attn_s": f"{what}: the same TTFT fit's L^2/2 term",
         "decode_seq_s": f"{what}: ITL fit's per-sequence slope over {dec}",
         "decode_kv_s": f"{what}: ITL fit's per-KV-token slope{kv_note} over {dec}",
     }
+    admission = max(0.0, a - base)
+    if admission:
+        citations["admission_s"] = (f"{what}: the TTFT fit's intercept a = {a * 1e3:.2f} ms "
+                                    f"- step_base_s {base * 1e3:.2f} ms")
     prof = Profile(
         **texts,  # type: ignore[arg-type]
         derived=False,
+        admission_s=admission,
         step_base_s=base,
         prefill_token_s=pt,
         prefill_attn_s=pa,
