@@ -113,11 +113,7 @@ async def measure(args: argparse.Namespace) -> tuple[dict[str, Any], list[Any], 
         facts = await _engine_facts(session, url)
         model = args.served_model_name or facts["model"]
         probe = _Probe(session, url, model, args.seed, getattr(args, "vocab_size", None))
-        await probe.stream(probe.prompt(16), 2)  # warm-up
-        prefill = []
-        for length in (int(x) for x in args.lengths.split(",")):
-            ttfts = [(await probe.stream(probe.prompt(length), 1))[0] for _ in range(args.repeats)]
-            prefill.append((length, statistics.median(ttfts)))
+        prefill = await _prefill(probe, args.lengths, args.repeats)
         decode = []
         for batch in (int(x) for x in args.batches.split(",")):
             runs = await asyncio.gather(
@@ -132,6 +128,25 @@ async def measure(args: argparse.Namespace) -> tuple[dict[str, Any], list[Any], 
             context = DECODE_PROMPT + args.decode_tokens // 2
             decode.append((batch, context, statistics.median(gaps)))
     return facts, prefill, decode
+
+
+async def _prefill(probe: _Probe, lengths: str, repeats: int) -> list[tuple[int, float]]:
+    """(prompt tokens, median TTFT) per length, one request at a time, after a warm-up."""
+    await probe.stream(probe.prompt(16), 2)  # warm-up
+    prefill = []
+    for length in (int(x) for x in lengths.split(",")):
+        ttfts = [(await probe.stream(probe.prompt(length), 1))[0] for _ in range(repeats)]
+        prefill.append((length, statistics.median(ttfts)))
+    return prefill
+
+
+async def prefill_points(url: str, model: str, lengths: str, repeats: int, seed: int,
+                         vocab: int | None = None, timeout: float = 600.0
+                         ) -> list[tuple[int, float]]:
+    """Only the prefill half of :func:`measure` (``bench/vllm_emulated.py`` times the
+    emulated engine's own HTTP path with it)."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+        return await _prefill(_Probe(session, url, model, seed, vocab), lengths, repeats)
 
 
 def calibrate_engine(args: argparse.Namespace) -> Profile:
