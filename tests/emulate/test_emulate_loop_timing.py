@@ -179,3 +179,26 @@ def test_a_late_wake_up_is_taken_from_the_next_step_not_carried_on() -> None:
     took = sum(t for _, _, t in steps)
     assert took < planned + 0.002 * 4  # drifted once per idle restart at most, never per step
     assert loop.counters.lag_s == pytest.approx(0.002 * len(steps))
+
+
+def test_a_prefill_step_lasts_its_per_sequence_cost_longer() -> None:
+    """prefill_seq_s: each prefill chunk in a step adds it to the step's planned time."""
+    base = resolve("h100-llama3-8b")
+    prof = replace(base, prefill_seq_s=0.004, citations={**base.citations, "prefill_seq_s": "t"})
+
+    async def main() -> list[tuple[Step, float]]:
+        clock = VirtualClock(100.0)
+        loop = EngineLoop(prof, faults=Faults(), clock=clock, sleep=clock.sleep)
+        sink: Sink = asyncio.Queue()
+        for i in range(3):
+            loop.submit(list(range(40 + i, 440 + i)), 3, frozenset(), sink, i)
+        out = []
+        while loop.in_flight:
+            step = await loop.step_once()
+            out.append((step, loop.counters.last_planned_s[-1]))
+        return out
+
+    steps = asyncio.run(main())
+    assert any(len(s.prefills) == 3 for s, _ in steps) and any(not s.prefills for s, _ in steps)
+    for step, planned in steps:
+        assert planned == pytest.approx(base.step_s(step) + 0.004 * len(step.prefills))

@@ -151,7 +151,7 @@ def close_admission(path: Path, model_dir: Path, out: Path, vocab: int) -> Path:
     """Refit ``admission_s`` of the profile at ``path`` against the emulator's own HTTP path
     (the module docstring); the file rewritten, its path."""
     prof = Profile.load(path)
-    a_real = prof.admission_s + prof.step_base_s
+    a_real = prof.admission_s + prof.step_base_s + prof.prefill_seq_s  # TTFT at 0 tokens
     bare = replace(prof, admission_s=0.0,
                    citations={k: v for k, v in prof.citations.items() if k != "admission_s"})
     probe = out / "emulator-probe.toml"

@@ -14,6 +14,8 @@ computes::
                                                              to the KV before it (causal)
            + decode_seq_s    * (decode sequences)            per-sequence work of a decode
            + decode_kv_s     * (KV tokens the decodes attend to)   KV read by decode attention
+           + prefill_seq_s   * (prefill chunks)              optional, 0 when absent: per
+                                                             sequence prefilled in the step
 
 and what the engine can hold: ``kv_blocks`` KV blocks of ``block_size`` tokens,
 ``context_length`` tokens per sequence, ``max_running`` sequences (vLLM ``max_num_seqs``) and
@@ -21,6 +23,12 @@ and what the engine can hold: ``kv_blocks`` KV blocks of ``block_size`` tokens,
 BLIS's linear step model (``beta0 + beta1 * prefill tokens + beta2 * decode tokens``) with an
 attention term added; the decode terms separate what grows with the batch from what grows with
 its context, so a batch of long conversations costs more than a batch of short ones.
+
+``prefill_seq_s`` is what a sequence's prefill costs the step beyond its tokens: vLLM v1 adds
+a new request to its persistent input batch and rebuilds the sampling metadata in the step that
+first schedules it (``vllm/v1/worker/gpu_input_batch.py``, used by the CPU model runner too);
+on vLLM 0.32 CPU its own ``vllm:request_prefill_time_seconds`` of a 16-token prompt is several
+decode steps. A prompt longer than ``step_tokens`` pays it once per chunk.
 
 One time is not a step's: ``admission_s`` (optional, default 0) is how long a request takes from
 its arrival at the engine to its joining the scheduler's waiting queue — HTTP parsing,
@@ -42,6 +50,7 @@ File format (TOML, flat; every time in seconds)::
     max_running = 1024
     step_tokens = 8192
     admission_s = 0.0          # optional (0 when absent): arrival to waiting queue, cited
+    prefill_seq_s = 0.0        # optional (0 when absent): per prefill chunk in a step, cited
 
     [citations]                # field -> the published figure it came from and the arithmetic
     step_base_s = "BLIS defaults.yaml beta0 = 5753 us (H100, Llama-3.1-8B, vLLM 0.8.4)"
@@ -95,7 +104,8 @@ COEFFICIENTS = ("step_base_s", "prefill_token_s", "prefill_attn_s", "decode_seq_
 CAPACITIES = ("kv_blocks", "block_size", "context_length", "max_running", "step_tokens")
 TEXTS = ("name", "hardware", "model", "source")
 METRICS = ("tpot", "ttft", "prefill_linear")
-OPTIONAL_TIMES = ("lora_load_s", "admission_s")  # seconds, 0 when absent, cited when not 0
+# seconds, 0 when absent, cited when not 0
+OPTIONAL_TIMES = ("lora_load_s", "admission_s", "prefill_seq_s")
 
 
 # ------------------------------------------------------------------ what step_s reads of a Step
@@ -192,6 +202,7 @@ class Profile:
     lora_slots: int = 0  # adapters resident at once (0: all, never loaded)
     lora_load_s: float = 0.0  # loading a cold adapter stalls its step this long
     admission_s: float = 0.0  # a request's arrival to its joining the waiting queue
+    prefill_seq_s: float = 0.0  # a step's cost per prefill chunk beyond its tokens
 
     def __post_init__(self) -> None:
         for name in COEFFICIENTS:
@@ -235,6 +246,7 @@ class Profile:
         kv = sum(d.context for d in step.decodes)
         return (
             self.step_base_s
+            + self.prefill_seq_s * len(step.prefills)
             + self.prefill_token_s * new
             + self.prefill_attn_s * attn
             + self.decode_seq_s * len(step.decodes)

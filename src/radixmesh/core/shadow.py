@@ -70,7 +70,8 @@ def scaled(profile: Profile, time_scale: float) -> Profile:
                    prefill_attn_s=profile.prefill_attn_s * time_scale,
                    decode_seq_s=profile.decode_seq_s * time_scale,
                    decode_kv_s=profile.decode_kv_s * time_scale,
-                   admission_s=profile.admission_s * time_scale)
+                   admission_s=profile.admission_s * time_scale,
+                   prefill_seq_s=profile.prefill_seq_s * time_scale)
 
 
 @dataclass(slots=True)
@@ -320,6 +321,8 @@ def batch_state(sched: Scheduler, p: Profile, under_way: Step | None, residual_s
 
 
 def _compute(p: Profile, tokens: int, start: int) -> float:
+    """A sequence's prompt work left (with the profile's per-prefill cost, once)."""
     if tokens <= 0:
         return 0.0
-    return tokens * (p.prefill_token_s + p.prefill_attn_s * (start + tokens / 2.0))
+    per_token = p.prefill_token_s + p.prefill_attn_s * (start + tokens / 2.0)
+    return p.prefill_seq_s + tokens * per_token
