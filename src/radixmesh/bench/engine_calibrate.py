@@ -8,6 +8,7 @@ random token ids, each request's first token unique, so no request hits the engi
 cache.
 
 * Prefill: one request at a time, ``max_tokens = 1``, for each prompt length (``--lengths``),
+  one untimed (an engine's first step of a new size may build kernels for it), then
   ``--repeats`` times; the point is the median time to the first streamed token. When the
   engine's ``/metrics`` has vLLM's ``vllm:request_prefill_time_seconds`` histogram (from the
   step that first schedules a request to its first token: ``vllm/v1/metrics/stats.py``), each
@@ -148,6 +149,7 @@ async def _prefill(probe: _Probe, lengths: str, repeats: int,
     await probe.stream(probe.prompt(16), 2)  # warm-up
     prefill = []
     for length in (int(x) for x in lengths.split(",")):
+        await probe.stream(probe.prompt(length), 1)  # this length's first: not timed
         ttfts, inside = [], []
         for _ in range(repeats):
             before = await _prefill_time(probe)

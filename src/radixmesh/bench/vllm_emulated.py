@@ -63,8 +63,8 @@ from radixmesh.results.records import Record
 from radixmesh.runtime.cluster import free_ports
 from radixmesh.workload.request import Request
 
-CALIBRATE = ("--lengths", "128,512,1024,2048", "--fractions", "0,0.5", "--repeats", "3",
-             "--batches", "1,4", "--decode-tokens", "16")
+CALIBRATE = ("--lengths", "128,512,1024,2048", "--fractions", "0,0.5", "--repeats", "5",
+             "--batches", "1,4", "--decode-tokens", "32")
 # vLLM 0.32's CPU defaults for the OpenAI server (vllm/engine/arg_utils.py,
 # _set_default_max_num_seqs_and_batched_tokens_args: is_cpu -> 128 seqs, 2048 tokens)
 SHAPE = ("--max-running", "128", "--step-tokens", "2048", "--context-length", "4096")
