@@ -150,25 +150,30 @@ def emulator(profile: Path, model_dir: Path, out: Path) -> Iterator[str]:
 def close_admission(path: Path, model_dir: Path, out: Path, vocab: int) -> Path:
     """Refit ``admission_s`` of the profile at ``path`` against the emulator's own HTTP path
     (the module docstring); the file rewritten, its path."""
-    prof = Profile.load(path)
-    a_real = prof.admission_s + prof.step_base_s + prof.prefill_seq_s  # TTFT at 0 tokens
-    bare = replace(prof, admission_s=0.0,
-                   citations={k: v for k, v in prof.citations.items() if k != "admission_s"})
+    bare = closed(Profile.load(path), None, [])
     probe = out / "emulator-probe.toml"
     probe.write_text(dumps(bare), encoding="utf-8")
     lengths, repeats = CALIBRATE[1], int(CALIBRATE[5])
     with emulator(probe, model_dir, out) as url:
         points = asyncio.run(prefill_points(url, "tiny", lengths, repeats, 1, vocab))
-    a_emu = fit_prefill(points)[0]
-    admission = max(0.0, a_real - a_emu)
-    cite = (f"{prof.source}: vLLM's TTFT intercept a = {a_real * 1e3:.2f} ms - the emulator's "
-            f"own (radixmesh emulate of this profile without admission_s, the same probe: "
-            f"{', '.join(f'{n}: {s * 1e3:.2f} ms' for n, s in points)}) a = "
-            f"{a_emu * 1e3:.2f} ms")
-    citations = {**bare.citations, **({"admission_s": cite} if admission else {})}
-    path.write_text(dumps(replace(bare, admission_s=admission, citations=citations)),
+    path.write_text(dumps(closed(Profile.load(path), fit_prefill(points)[0], points)),
                     encoding="utf-8")
     return path
+
+
+def closed(prof: Profile, a_emu: float | None, points: Sequence[tuple[int, float]]) -> Profile:
+    """``prof`` with ``admission_s`` = its engine's TTFT intercept - ``a_emu``, the emulator's
+    own intercept for ``prof`` without admission (measured at ``points``); None: without."""
+    a_real = prof.admission_s + prof.step_base_s + prof.prefill_seq_s  # TTFT at 0 tokens
+    citations = {k: v for k, v in prof.citations.items() if k != "admission_s"}
+    admission = 0.0 if a_emu is None else max(0.0, a_real - a_emu)
+    if admission:
+        citations["admission_s"] = (
+            f"{prof.source}: vLLM's TTFT intercept a = {a_real * 1e3:.2f} ms - the emulator's "
+            f"own (radixmesh emulate of this profile without admission_s, the same probe: "
+            f"{', '.join(f'{n}: {s * 1e3:.2f} ms' for n, s in points)}) a = "
+            f"{(a_emu or 0.0) * 1e3:.2f} ms")
+    return replace(prof, admission_s=admission, citations=citations)
 
 
 def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
