@@ -16,9 +16,10 @@ cache.
   engine's own prefill time, which splits the TTFT intercept into the step's part and the
   part before it (``profilefit.from_engine_points``).
 * Decode: ``b`` concurrent streams of ``--decode-tokens`` tokens after a 64-token prompt, for
-  each batch size ``b`` (``--batches``); the point is the median gap between consecutive
-  streamed chunks over all streams (the first gap after the prompt excluded), at context
-  ``64 + decode_tokens / 2``.
+  each batch size ``b`` (``--batches``); the point is the median over streams of each
+  stream's mean gap between streamed chunks (the first gap after the prompt excluded; a mean,
+  as a server that falls behind streams tokens in bursts), at context ``64 + decode_tokens /
+  2``.
 
 :func:`radixmesh.bench.profilefit.from_engine_points` fits the profile. Capacities cannot be
 seen from the outside with certainty: ``max_model_len`` comes from ``/v1/models`` when the
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import random
 import re
@@ -134,7 +134,9 @@ async def measure(args: argparse.Namespace) -> tuple[dict[str, Any], list[Any], 
                     for _ in range(batch)
                 )
             )
-            gaps = [b - a for _, t in runs for a, b in itertools.pairwise(t[1:])]
+            # per stream: its mean gap from the second chunk to the last (a server that
+            # falls behind sends tokens in bursts: single gaps near 0, then one long one)
+            gaps = [(t[-1] - t[1]) / (len(t) - 2) for _, t in runs if len(t) >= 3]
             if not gaps:
                 raise ValueError("--decode-tokens must be >= 3 to time decode steps")
             context = DECODE_PROMPT + args.decode_tokens // 2
