@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import queue
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -60,6 +61,24 @@ def test_fits_recover_a_profile_from_its_own_predictions(name: str) -> None:
     }
     fitted = from_engine_points(prefill, decode, texts=texts, capacities=caps)
     assert all(c.tolerance == 0.05 for c in fitted.checks)  # exact data: the floor
+    assert fitted.admission_s == pytest.approx(0.0, abs=1e-9)
+
+
+def test_the_ttft_intercept_beyond_a_step_is_fitted_as_admission() -> None:
+    """TTFTs that carry a fixed per-request time give it back as admission_s (cited), and
+    leave the step coefficients as they were."""
+    base = resolve("a10g-llama3-8b")
+    p = replace(base, admission_s=0.031, citations={**base.citations, "admission_s": "t"})
+    prefill = [(n, p.ttft_s(n)) for n in (128, 512, 2048, 4096)]
+    decode = [(b, c, p.tpot_s(b, c)) for b in (1, 4, 16) for c in (100, 2000)]
+    texts = {"name": "x", "hardware": "h", "model": "m", "source": "synthetic"}
+    caps = {n: getattr(p, n) for n in ("kv_blocks", "block_size", "context_length",
+                                       "max_running", "step_tokens")}
+    fitted = from_engine_points(prefill, decode, texts=texts, capacities=caps)
+    assert fitted.admission_s == pytest.approx(0.031, rel=1e-6)
+    assert fitted.step_base_s == pytest.approx(p.step_base_s, rel=1e-6)
+    assert "intercept" in fitted.citations["admission_s"]
+    assert all(c.tolerance == 0.05 for c in fitted.checks)  # ttft checks include it
 
 
 def test_builtin_fit_profile_times_requests_as_the_cost_model() -> None:
@@ -178,3 +197,25 @@ def test_profile_out_refused_with_records(
     )
     assert calibrate.run(args) == 2
     assert "--profile-out" in capsys.readouterr().err
+
+
+def test_the_engines_own_prefill_times_split_the_intercept() -> None:
+    """With the engine's prefill times (step start to first token), the intercept's part
+    inside the step is prefill_seq_s and the rest admission_s; both reproduce the TTFTs."""
+    base = resolve("a10g-llama3-8b")
+    p = replace(base, admission_s=0.02, prefill_seq_s=0.009,
+                citations={**base.citations, "admission_s": "t", "prefill_seq_s": "t"})
+    lengths = (128, 512, 2048, 4096)
+    prefill = [(n, p.ttft_s(n)) for n in lengths]
+    inside = [(n, p.ttft_s(n) - p.admission_s) for n in lengths]
+    decode = [(b, c, p.tpot_s(b, c)) for b in (1, 4, 16) for c in (100, 2000)]
+    texts = {"name": "x", "hardware": "h", "model": "m", "source": "synthetic"}
+    caps = {n: getattr(p, n) for n in ("kv_blocks", "block_size", "context_length",
+                                       "max_running", "step_tokens")}
+    fitted = from_engine_points(prefill, decode, texts=texts, capacities=caps,
+                                engine_prefill=inside)
+    assert fitted.prefill_seq_s == pytest.approx(0.009, rel=1e-6)
+    assert fitted.admission_s == pytest.approx(0.02, rel=1e-6)
+    assert "vllm:request_prefill_time_seconds" in fitted.citations["prefill_seq_s"]
+    for n, s in prefill:
+        assert fitted.ttft_s(n) == pytest.approx(s, rel=1e-6)

@@ -16,6 +16,7 @@ from radixmesh.cli import main as cli_main
 from radixmesh.core.profile import (
     CAPACITIES,
     COEFFICIENTS,
+    OPTIONAL_TIMES,
     Check,
     Profile,
     dumps,
@@ -108,7 +109,8 @@ def test_shipped_names() -> None:
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_every_field_cites_a_figure_or_its_derivation(name: str) -> None:
     p = resolve(name)
-    assert set(p.citations) == set(COEFFICIENTS) | set(CAPACITIES)
+    optional = {n for n in OPTIONAL_TIMES if getattr(p, n)}  # cited when not 0
+    assert set(p.citations) == set(COEFFICIENTS) | set(CAPACITIES) | optional
     for field_name, text in p.citations.items():
         assert any(ch.isdigit() for ch in text), f"{name}.{field_name}: no figure in {text!r}"
     assert p.checks, f"{name} cites no published figure to check against"
@@ -189,6 +191,15 @@ def test_dumps_round_trips_any_values(values: list[float], text: str) -> None:
         ({"derived": "no"}, "derived"),
         ({"name": ""}, "name"),
         ({"citations": {"prefill_attn_s": "x 1"}}, "step_base_s"),  # coefficients uncited
+        ({"admission_s": -0.01}, "admission_s"),
+        ({"admission_s": float("inf")}, "admission_s"),
+        ({"admission_s": "slow"}, "admission_s"),
+        ({"admission_s": True}, "admission_s"),
+        ({"admission_s": 0.03}, "admission_s"),  # not 0 and uncited
+        ({"prefill_seq_s": -1e-3}, "prefill_seq_s"),
+        ({"prefill_seq_s": float("nan")}, "prefill_seq_s"),
+        ({"prefill_seq_s": [1]}, "prefill_seq_s"),
+        ({"prefill_seq_s": 0.01}, "prefill_seq_s"),  # not 0 and uncited
         ({"checks": [{"metric": "tpot", "published_s": 0.01, "source": "s"}]}, "tolerance"),
         (
             {"checks": [{"metric": "itl", "published_s": 0.01, "tolerance": 0.1, "source": "s"}]},
@@ -218,6 +229,54 @@ def test_unknown_citation_and_bad_toml(tmp_path: Path) -> None:
         resolve(str(path))
     with pytest.raises(ValueError, match="neither shipped"):
         resolve(str(tmp_path / "missing.toml"))
+
+
+# ---------------------------------------------------------------------------- admission_s
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_admission_0_leaves_every_prediction_as_before(name: str) -> None:
+    """A profile without the field reads it as 0, writes it not at all, and predicts what the
+    formula without it does; with it, a TTFT is that much later and no step is."""
+    p = resolve(name)
+    optional = ("admission_s", "prefill_seq_s")
+    # a profile that has them: as it would be without
+    p = replace(p, admission_s=0.0, prefill_seq_s=0.0,
+                citations={k: v for k, v in p.citations.items() if k not in optional})
+    assert not any(name in dumps(p) for name in optional)
+    step = FakeStep((Chunk(1, 100, 700),), (Slot(2, 900),) * 3)
+    for prompt, cached in ((1, 0), (700, 0), (p.context_length, 128)):
+        alone = sum(p.step_s(FakeStep((c,), ())) for c in _chunks(p, prompt, cached))
+        assert p.ttft_s(prompt, cached) == pytest.approx(alone, rel=1e-12)
+    q = replace(p, admission_s=0.031, citations={**p.citations, "admission_s": "measured"})
+    assert q.step_s(step) == p.step_s(step)
+    assert q.tpot_s(4, 512) == p.tpot_s(4, 512)
+    assert q.ttft_s(700, 0) == pytest.approx(p.ttft_s(700, 0) + 0.031, rel=1e-12)
+    assert Profile.loads(dumps(q)) == q and "admission_s = 0.031" in dumps(q)
+
+
+@given(steps, st.floats(0, 0.1, allow_subnormal=False))
+def test_prefill_seq_s_adds_once_per_prefill_chunk_and_nothing_else(step: FakeStep,
+                                                                     extra: float) -> None:
+    p = resolve("a10g-llama3-8b")
+    cites = {**p.citations, "prefill_seq_s": "t"} if extra else p.citations
+    q = replace(p, prefill_seq_s=extra, citations=cites)
+    assert q.step_s(step) == pytest.approx(p.step_s(step) + extra * len(step.prefills),
+                                           rel=1e-12, abs=1e-15)
+    assert q.tpot_s(8, 300) == p.tpot_s(8, 300)
+    chunks = -(-3000 // p.step_tokens)
+    assert q.ttft_s(3000) == pytest.approx(p.ttft_s(3000) + extra * chunks, rel=1e-12)
+    if extra:
+        assert Profile.loads(dumps(q)) == q
+    else:
+        assert "prefill_seq_s" not in dumps(q)
+
+
+def _chunks(p: Profile, prompt: int, cached: int) -> list[Chunk]:
+    out, start = [], cached
+    while start < prompt:
+        tokens = min(p.step_tokens, prompt - start)
+        out.append(Chunk(1, start, tokens))
+        start += tokens
+    return out
 
 
 def test_check_validation() -> None:

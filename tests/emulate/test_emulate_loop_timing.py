@@ -5,10 +5,13 @@ is what a late wake-up adds — all measured on the injected clock, never the wa
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
+from typing import Any
 
+import aiohttp
 import pytest
 
-from radixmesh.core.profile import resolve
+from radixmesh.core.profile import Profile, resolve
 from radixmesh.core.scheduler import Finished, Step
 from radixmesh.emulate.events import Faults
 from radixmesh.emulate.loop import EngineLoop, Sink, next_token
@@ -81,8 +84,6 @@ def test_a_negative_scale_is_refused() -> None:
 def test_a_cold_lora_adapter_stalls_its_step_for_the_profiles_load_time() -> None:
     """One slot, two adapters: the resident one (the first listed) runs at the profile's
     speed; the other first waits lora_load_s × scale, and then evicts the first."""
-    from dataclasses import replace
-
     base = resolve("h100-llama3-8b")
     prof = replace(base, adapters=("a", "b"), lora_slots=1, lora_load_s=0.5,
                    citations={**base.citations, "lora_load_s": "test"})
@@ -102,3 +103,102 @@ def test_a_cold_lora_adapter_stalls_its_step_for_the_profiles_load_time() -> Non
     assert asyncio.run(main()) == pytest.approx([0.0, 1.0, 0.0, 1.0])
     with pytest.raises(ValueError, match="citation"):
         replace(base, lora_slots=1, lora_load_s=0.5)
+
+
+def _admitting(admission_s: float) -> Profile:
+    base = resolve("h100-llama3-8b")
+    return replace(base, admission_s=admission_s,
+                   citations={**base.citations, "admission_s": "test"})
+
+
+@pytest.mark.parametrize(("admission", "scale"), [(0.0, 1.0), (0.03, 1.0), (0.03, 2.5)])
+def test_a_request_joins_the_scheduler_after_the_profiles_admission_time(
+        admission: float, scale: float) -> None:
+    """The first token comes admission_s × scale after arrival plus the prefill step; the
+    admission is the request's own wait, never a step's time."""
+    prof = _admitting(admission)
+
+    async def main() -> tuple[float, float, float]:
+        clock = VirtualClock(100.0)
+        loop = EngineLoop(prof, faults=Faults(), time_scale=scale, clock=clock,
+                          sleep=clock.sleep)
+        sink: Sink = asyncio.Queue()
+        arrived = clock()
+        await loop.admission()
+        loop.submit(list(range(40, 340)), 2, frozenset(), sink, 0)
+        step = await loop.step_once()
+        assert sink.qsize() == 1  # the first token, at the end of the prefill step
+        return clock() - arrived, loop.counters.last_planned_s[-1], prof.step_s(step) * scale
+
+    took, planned, step_s = asyncio.run(main())
+    assert planned == pytest.approx(step_s, rel=1e-12)
+    assert took == pytest.approx(admission * scale + step_s, rel=1e-12)
+    assert took == pytest.approx(prof.ttft_s(300) * scale, rel=1e-12)
+
+
+def test_the_http_side_awaits_the_admission_before_submitting() -> None:
+    """The emulated server waits the loop's admission once per HTTP request, then submits."""
+    from radixmesh.emulate.server import EmulatedEngine
+
+    async def main() -> list[tuple[str, float]]:
+        engine = EmulatedEngine(_admitting(0.02), time_scale=0.5)
+        events: list[tuple[str, float]] = []
+
+        async def sleep(seconds: float) -> None:
+            events.append(("sleep", seconds))
+            await asyncio.sleep(0)
+
+        submit = engine.loop.submit
+
+        def submitted(*args: Any, **kwargs: Any) -> int:
+            events.append(("submit", len(args[0])))
+            return submit(*args, **kwargs)
+
+        engine.loop._sleep = sleep  # type: ignore[method-assign]
+        engine.loop.submit = submitted  # type: ignore[method-assign]
+        await engine.start()
+        try:
+            async with aiohttp.ClientSession() as http:
+                body = {"model": engine.model, "prompt": "hello", "max_tokens": 2}
+                async with http.post(engine.url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+        finally:
+            await engine.stop()
+        return events
+
+    events = asyncio.run(main())
+    assert events[:2] == [("sleep", pytest.approx(0.01)), ("submit", 5)]
+
+
+def test_a_late_wake_up_is_taken_from_the_next_step_not_carried_on() -> None:
+    """Steps back to back keep to the profile's timeline: each ends late by the clock's
+    lateness (counted as lag) but the sum of the steps is the planned sum, not the planned
+    sum plus every lateness."""
+    loop, _, steps = drive(1.0, late=0.002)
+    planned = sum(p for _, p, _ in steps)
+    took = sum(t for _, _, t in steps)
+    assert took < planned + 0.002 * 4  # drifted once per idle restart at most, never per step
+    assert loop.counters.lag_s == pytest.approx(0.002 * len(steps))
+
+
+def test_a_prefill_step_lasts_its_per_sequence_cost_longer() -> None:
+    """prefill_seq_s: each prefill chunk in a step adds it to the step's planned time."""
+    base = resolve("h100-llama3-8b")
+    prof = replace(base, prefill_seq_s=0.004, citations={**base.citations, "prefill_seq_s": "t"})
+
+    async def main() -> list[tuple[Step, float]]:
+        clock = VirtualClock(100.0)
+        loop = EngineLoop(prof, faults=Faults(), clock=clock, sleep=clock.sleep)
+        sink: Sink = asyncio.Queue()
+        for i in range(3):
+            loop.submit(list(range(40 + i, 440 + i)), 3, frozenset(), sink, i)
+        out = []
+        while loop.in_flight:
+            step = await loop.step_once()
+            out.append((step, loop.counters.last_planned_s[-1]))
+        return out
+
+    steps = asyncio.run(main())
+    assert any(len(s.prefills) == 3 for s, _ in steps) and any(not s.prefills for s, _ in steps)
+    for step, planned in steps:
+        assert planned == pytest.approx(base.step_s(step) + 0.004 * len(step.prefills))

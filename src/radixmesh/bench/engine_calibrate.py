@@ -8,11 +8,18 @@ random token ids, each request's first token unique, so no request hits the engi
 cache.
 
 * Prefill: one request at a time, ``max_tokens = 1``, for each prompt length (``--lengths``),
-  ``--repeats`` times; the point is the median time to the first streamed token.
+  one untimed (an engine's first step of a new size may build kernels for it), then
+  ``--repeats`` times; the point is the median time to the first streamed token. When the
+  engine's ``/metrics`` has vLLM's ``vllm:request_prefill_time_seconds`` histogram (from the
+  step that first schedules a request to its first token: ``vllm/v1/metrics/stats.py``), each
+  request's share of it is read too (the sum's change around it, one request at a time): the
+  engine's own prefill time, which splits the TTFT intercept into the step's part and the
+  part before it (``profilefit.from_engine_points``).
 * Decode: ``b`` concurrent streams of ``--decode-tokens`` tokens after a 64-token prompt, for
-  each batch size ``b`` (``--batches``); the point is the median gap between consecutive
-  streamed chunks over all streams (the first gap after the prompt excluded), at context
-  ``64 + decode_tokens / 2``.
+  each batch size ``b`` (``--batches``); the point is the median over streams of each
+  stream's mean gap between streamed chunks (the first gap after the prompt excluded; a mean,
+  as a server that falls behind streams tokens in bursts), at context ``64 + decode_tokens /
+  2``.
 
 :func:`radixmesh.bench.profilefit.from_engine_points` fits the profile. Capacities cannot be
 seen from the outside with certainty: ``max_model_len`` comes from ``/v1/models`` when the
@@ -25,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import random
 import re
@@ -37,8 +43,11 @@ import aiohttp
 
 from radixmesh.bench.profilefit import from_engine_points
 from radixmesh.core.profile import Profile
+from radixmesh.runtime.metrics import parse_samples, sample_sum
 
 DECODE_PROMPT = 64
+PREFILL_METRIC = "vllm:request_prefill_time_seconds"
+PREFILL_METRIC_POLLS = 50  # reads of /metrics waiting for one request's prefill time
 
 
 class _Probe:
@@ -113,11 +122,10 @@ async def measure(args: argparse.Namespace) -> tuple[dict[str, Any], list[Any], 
         facts = await _engine_facts(session, url)
         model = args.served_model_name or facts["model"]
         probe = _Probe(session, url, model, args.seed, getattr(args, "vocab_size", None))
-        await probe.stream(probe.prompt(16), 2)  # warm-up
-        prefill = []
-        for length in (int(x) for x in args.lengths.split(",")):
-            ttfts = [(await probe.stream(probe.prompt(length), 1))[0] for _ in range(args.repeats)]
-            prefill.append((length, statistics.median(ttfts)))
+        engine: list[tuple[int, float]] = []
+        prefill = await _prefill(probe, args.lengths, args.repeats, engine)
+        if len(engine) == len(prefill):
+            facts["engine_prefill"] = engine
         decode = []
         for batch in (int(x) for x in args.batches.split(",")):
             runs = await asyncio.gather(
@@ -126,12 +134,64 @@ async def measure(args: argparse.Namespace) -> tuple[dict[str, Any], list[Any], 
                     for _ in range(batch)
                 )
             )
-            gaps = [b - a for _, t in runs for a, b in itertools.pairwise(t[1:])]
+            # per stream: its mean gap from the second chunk to the last (a server that
+            # falls behind sends tokens in bursts: single gaps near 0, then one long one)
+            gaps = [(t[-1] - t[1]) / (len(t) - 2) for _, t in runs if len(t) >= 3]
             if not gaps:
                 raise ValueError("--decode-tokens must be >= 3 to time decode steps")
             context = DECODE_PROMPT + args.decode_tokens // 2
             decode.append((batch, context, statistics.median(gaps)))
     return facts, prefill, decode
+
+
+async def _prefill(probe: _Probe, lengths: str, repeats: int,
+                   engine: list[tuple[int, float]] | None = None) -> list[tuple[int, float]]:
+    """(prompt tokens, median TTFT) per length, one request at a time, after a warm-up;
+    ``engine`` gets (prompt tokens, median engine prefill time) where the engine reports it."""
+    await probe.stream(probe.prompt(16), 2)  # warm-up
+    prefill = []
+    for length in (int(x) for x in lengths.split(",")):
+        await probe.stream(probe.prompt(length), 1)  # this length's first: not timed
+        ttfts, inside = [], []
+        for _ in range(repeats):
+            before = await _prefill_time(probe)
+            ttfts.append((await probe.stream(probe.prompt(length), 1))[0])
+            after = await _prefill_time(probe, before) if before is not None else None
+            if before is not None and after is not None:
+                inside.append(after[0] - before[0])
+        prefill.append((length, statistics.median(ttfts)))
+        if engine is not None and len(inside) == repeats:
+            engine.append((length, statistics.median(inside)))
+    return prefill
+
+
+async def _prefill_time(probe: _Probe, before: tuple[float, float] | None = None
+                        ) -> tuple[float, float] | None:
+    """(sum, count) of vLLM's ``vllm:request_prefill_time_seconds``; None if the engine has
+    none. With ``before``: waits (bounded) until the count moved past it."""
+    for _ in range(PREFILL_METRIC_POLLS):
+        try:
+            async with probe.session.get(f"{probe.url}/metrics") as resp:
+                text = await resp.text() if resp.status == 200 else ""
+        except aiohttp.ClientError:
+            return None
+        samples = parse_samples(text)
+        count = sample_sum(samples, PREFILL_METRIC + "_count")
+        if not any(k.startswith(PREFILL_METRIC + "_count") for k in samples):
+            return None
+        if before is None or count > before[1]:
+            return sample_sum(samples, PREFILL_METRIC + "_sum"), count
+        await asyncio.sleep(0.02)  # the engine's stats logger has not run yet: look again
+    return None
+
+
+async def prefill_points(url: str, model: str, lengths: str, repeats: int, seed: int,
+                         vocab: int | None = None, timeout: float = 600.0
+                         ) -> list[tuple[int, float]]:
+    """Only the prefill half of :func:`measure` (``bench/vllm_emulated.py`` times the
+    emulated engine's own HTTP path with it)."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+        return await _prefill(_Probe(session, url, model, seed, vocab), lengths, repeats)
 
 
 def calibrate_engine(args: argparse.Namespace) -> Profile:
@@ -151,4 +211,5 @@ def calibrate_engine(args: argparse.Namespace) -> Profile:
         "model": model,
         "source": f"radixmesh calibrate --engine-url {args.engine_url} at {when}",
     }
-    return from_engine_points(prefill, decode, texts=texts, capacities=capacities)
+    return from_engine_points(prefill, decode, texts=texts, capacities=capacities,
+                              engine_prefill=facts.get("engine_prefill", ()))

@@ -14,8 +14,12 @@ Two sources of measurements, one output (a :class:`Profile`):
   squares to ``a + prefill_token_s * L + prefill_attn_s * L^2 / 2`` (a prefill from position 0);
   concurrent streams at several batch sizes give inter-token points ``(b, context, s)``, fitted
   to ``step_base_s + decode_seq_s * b + decode_kv_s * b * context`` (``decode_kv_s`` only when
-  the contexts differ enough to tell it apart). The prefill intercept ``a`` (HTTP, tokenizer,
-  scheduling of one request) is reported, not kept: a step's fixed cost is the decode intercept.
+  the contexts differ enough to tell it apart). A step's fixed cost is the decode intercept;
+  what the prefill intercept ``a`` holds beyond it is split, where the engine reported its own
+  prefill times (vLLM's ``vllm:request_prefill_time_seconds``, fitted the same way: intercept
+  ``p0``), into the prefill step's own extra ``prefill_seq_s = p0 - step_base_s`` and the
+  time before the step ``admission_s = a - p0`` (HTTP, tokenizer, the hop to the engine
+  core); without them all of it is ``admission_s``.
   Coefficients are non-negative: a term the least squares makes negative is dropped and the rest
   refitted (:func:`nonneg_lstsq`).
 
@@ -98,8 +102,10 @@ def from_engine_points(
     *,
     texts: Mapping[str, str],
     capacities: Mapping[str, int],
+    engine_prefill: Sequence[tuple[int, float]] = (),
 ) -> Profile:
-    """A profile fitted to an engine's TTFT and inter-token measurements (module docstring)."""
+    """A profile fitted to an engine's TTFT and inter-token measurements, and its own
+    prefill times where it reports them (module docstring)."""
     a, pt, pa = fit_prefill(prefill)
     base, ds, dk = fit_decode(decode)
     if base <= 0:
@@ -111,14 +117,30 @@ def from_engine_points(
     citations = {
         "step_base_s": f"{what}: decode intercept of ITL = base + seq*b + kv*b*ctx over {dec}",
         "prefill_token_s": f"{what}: TTFT = a + t*L + attn*L^2/2 over {pre}; a = "
-        f"{a * 1e3:.2f} ms (request overhead, not kept)",
+        f"{a * 1e3:.2f} ms",
         "prefill_attn_s": f"{what}: the same TTFT fit's L^2/2 term",
         "decode_seq_s": f"{what}: ITL fit's per-sequence slope over {dec}",
         "decode_kv_s": f"{what}: ITL fit's per-KV-token slope{kv_note} over {dec}",
     }
+    in_step = 0.0
+    if len({n for n, _ in engine_prefill}) >= 3:
+        p0 = fit_prefill(engine_prefill)[0]
+        in_step = min(max(0.0, p0 - base), max(0.0, a - base))
+        inside = ", ".join(f"{n}: {s * 1e3:.2f} ms" for n, s in engine_prefill)
+        if in_step:
+            citations["prefill_seq_s"] = (
+                f"{what}: the engine's own prefill times ({inside}; vllm:request_prefill_"
+                f"time_seconds) fitted as TTFT: intercept {p0 * 1e3:.2f} ms - step_base_s")
+    admission = max(0.0, a - base - in_step)
+    if admission:
+        citations["admission_s"] = (f"{what}: the TTFT fit's intercept a = {a * 1e3:.2f} ms "
+                                    f"- step_base_s {base * 1e3:.2f} ms - prefill_seq_s "
+                                    f"{in_step * 1e3:.2f} ms")
     prof = Profile(
         **texts,  # type: ignore[arg-type]
         derived=False,
+        admission_s=admission,
+        prefill_seq_s=in_step,
         step_base_s=base,
         prefill_token_s=pt,
         prefill_attn_s=pa,

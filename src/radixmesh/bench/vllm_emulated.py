@@ -7,16 +7,22 @@ Theory of operation
 
     vLLM CPU (bench/vllm_server.py: tiny random-weight Qwen2, block 128, 48 KV blocks, 1 thread)
         radixmesh calibrate --engine-url URL ... --profile-out OUT/vllm-cpu-tiny.toml
-        POST /reset_prefix_cache; the trace at each --concurrency (closed loop), cache reset
-        between levels; stop vLLM
-    radixmesh emulate --profile OUT/vllm-cpu-tiny.toml --tokenizer DIR --served-model-name tiny
-        the same trace at the same levels (a fresh emulator per level)
+    radixmesh emulate of that profile without its admission_s: the same prefill probe;
+        admission_s = vLLM's TTFT intercept - the emulator's (what vLLM spends before a
+        request's first step beyond what the emulator's own HTTP path spends)
+    per --concurrency level: POST /reset_prefix_cache, the trace on vLLM (closed loop); then
+        the same trace on a fresh ``radixmesh emulate --profile OUT/vllm-cpu-tiny.toml
+        --tokenizer DIR --served-model-name tiny``; stop vLLM at the end
+
+Real and emulated take turns level by level, so that each pair meets the same load on a shared
+machine (``os.getloadavg()`` is written beside each level). Run it under ``nice -n -10`` (every
+process it starts inherits that) when other work shares the cores.
 
 The trace: ``--requests`` prefix-sharing completions (``bench/vllm_replay.build_workload``,
 ``--max-tokens`` each), streamed straight to the engine (no node: the engines are compared,
-not the routing). Per request: TTFT (first content chunk), end-to-end latency and the engine's
-cached tokens. Per level: each engine's median and p90 of both, and the per-request ratio
-emulated ÷ real (median, and its 10th-90th percentiles); hit rates. Written to
+not the routing). Per request: TTFT (first content chunk), end-to-end latency, the engine's
+cached tokens and completion tokens. Per level: each engine's median and p90 of both, and the
+per-request ratio emulated ÷ real (median, and its 10th-90th percentiles); hit rates. Written to
 ``OUT/vllm_emulated.json`` and ``.md``. With ``--profile FILE`` it skips the calibration and
 emulates that profile (a shipped one: ``src/radixmesh/profiles/vllm-cpu-tiny.toml``).
 """
@@ -25,19 +31,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from radixmesh.bench.engine_calibrate import prefill_points
+from radixmesh.bench.profilefit import fit_prefill
 from radixmesh.bench.vllm_replay import build_workload, send_stream
 from radixmesh.bench.vllm_server import (
     READY_TIMEOUT_S,
@@ -47,12 +58,13 @@ from radixmesh.bench.vllm_server import (
     vllm_parser,
     vllm_version,
 )
+from radixmesh.core.profile import Profile, dumps
 from radixmesh.results.records import Record
 from radixmesh.runtime.cluster import free_ports
 from radixmesh.workload.request import Request
 
-CALIBRATE = ("--lengths", "128,512,1024,2048", "--fractions", "0,0.5", "--repeats", "2",
-             "--batches", "1,4", "--decode-tokens", "16")
+CALIBRATE = ("--lengths", "128,512,1024,2048", "--fractions", "0,0.5", "--repeats", "5",
+             "--batches", "1,4", "--decode-tokens", "32")
 # vLLM 0.32's CPU defaults for the OpenAI server (vllm/engine/arg_utils.py,
 # _set_default_max_num_seqs_and_batched_tokens_args: is_cpu -> 128 seqs, 2048 tokens)
 SHAPE = ("--max-running", "128", "--step-tokens", "2048", "--context-length", "4096")
@@ -74,7 +86,8 @@ async def run_trace(url: str, reqs: Sequence[Request], concurrency: int
             rows[i] = {"id": req.id, "ok": rec.ok, "error": rec.error,
                        "ttft_s": marks.get("first", marks["sent"] + rec.latency_s)
                        - marks["sent"], "latency_s": rec.latency_s,
-                       "prompt_tokens": rec.prompt_tokens, "cached_tokens": cached}
+                       "prompt_tokens": rec.prompt_tokens, "cached_tokens": cached,
+                       "completion_tokens": rec.completion_tokens}
 
     async with httpx.AsyncClient(timeout=300.0, trust_env=False) as http:
         await asyncio.gather(*(worker(http) for _ in range(concurrency)))
@@ -100,6 +113,7 @@ def compare(real: Sequence[dict[str, Any]], emu: Sequence[dict[str, Any]]) -> di
     for name, rows in (("real", real), ("emulated", emu)):
         prompt = sum(r["prompt_tokens"] or 0 for r in rows)
         out[f"{name}_hit_rate"] = sum(r["cached_tokens"] or 0 for r in rows) / max(prompt, 1)
+        out[f"{name}_completion_tokens"] = sum(r.get("completion_tokens") or 0 for r in rows)
     return out
 
 
@@ -117,23 +131,49 @@ def calibrate(engine: VllmServer, out: Path) -> tuple[Path, str]:
     return path, " ".join(["radixmesh", *argv[3:]])
 
 
-def emulated_levels(profile: Path, model_dir: Path, reqs: Sequence[Request],
-                    levels: Sequence[int], out: Path) -> dict[int, list[dict[str, Any]]]:
-    rows = {}
-    for level in levels:
-        (port,) = free_ports(1)
-        argv = [sys.executable, "-m", "radixmesh", "emulate", "--profile", str(profile),
-                "--port", str(port), "--tokenizer", str(model_dir),
-                "--served-model-name", "tiny"]
-        with open(out / "emulate.log", "ab") as log:
-            proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        try:
-            _wait_http(f"http://127.0.0.1:{port}/v1/models", proc)
-            rows[level] = asyncio.run(run_trace(f"http://127.0.0.1:{port}", reqs, level))
-        finally:
-            stop_group(proc)
-    return rows
+@contextlib.contextmanager
+def emulator(profile: Path, model_dir: Path, out: Path) -> Iterator[str]:
+    """A ``radixmesh emulate`` process of ``profile`` with the model's tokenizer; its URL."""
+    (port,) = free_ports(1)
+    argv = [sys.executable, "-m", "radixmesh", "emulate", "--profile", str(profile),
+            "--port", str(port), "--tokenizer", str(model_dir), "--served-model-name", "tiny"]
+    with open(out / "emulate.log", "ab") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/v1/models", proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_group(proc)
+
+
+def close_admission(path: Path, model_dir: Path, out: Path, vocab: int) -> Path:
+    """Refit ``admission_s`` of the profile at ``path`` against the emulator's own HTTP path
+    (the module docstring); the file rewritten, its path."""
+    bare = closed(Profile.load(path), None, [])
+    probe = out / "emulator-probe.toml"
+    probe.write_text(dumps(bare), encoding="utf-8")
+    lengths, repeats = CALIBRATE[1], int(CALIBRATE[5])
+    with emulator(probe, model_dir, out) as url:
+        points = asyncio.run(prefill_points(url, "tiny", lengths, repeats, 1, vocab))
+    path.write_text(dumps(closed(Profile.load(path), fit_prefill(points)[0], points)),
+                    encoding="utf-8")
+    return path
+
+
+def closed(prof: Profile, a_emu: float | None, points: Sequence[tuple[int, float]]) -> Profile:
+    """``prof`` with ``admission_s`` = its engine's TTFT intercept - ``a_emu``, the emulator's
+    own intercept for ``prof`` without admission (measured at ``points``); None: without."""
+    a_real = prof.admission_s + prof.step_base_s + prof.prefill_seq_s  # TTFT at 0 tokens
+    citations = {k: v for k, v in prof.citations.items() if k != "admission_s"}
+    admission = 0.0 if a_emu is None else max(0.0, a_real - a_emu)
+    if admission:
+        citations["admission_s"] = (
+            f"{prof.source}: vLLM's TTFT intercept a = {a_real * 1e3:.2f} ms - the emulator's "
+            f"own (radixmesh emulate of this profile without admission_s, the same probe: "
+            f"{', '.join(f'{n}: {s * 1e3:.2f} ms' for n, s in points)}) a = "
+            f"{(a_emu or 0.0) * 1e3:.2f} ms")
+    return replace(prof, admission_s=admission, citations=citations)
 
 
 def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
@@ -165,7 +205,8 @@ def markdown(doc: dict[str, Any]) -> str:
                          f"{1000 * m['emulated_p90']:.0f} ms | {m['ratio_median']:.2f} "
                          f"({m['ratio_p10']:.2f}–{m['ratio_p90']:.2f}) |")
         lines.append(f"| {level} | hit rate | {100 * c['real_hit_rate']:.1f} % | "
-                     f"{100 * c['emulated_hit_rate']:.1f} % | |")
+                     f"{100 * c['emulated_hit_rate']:.1f} % | load average "
+                     f"{c['load'][0]:.1f} → {c['load'][1]:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -181,29 +222,37 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def real_levels(args: argparse.Namespace, model_dir: Path, reqs: Sequence[Request],
-                levels: Sequence[int], out: Path
-                ) -> tuple[Path, str, dict[int, list[dict[str, Any]]]]:
-    """vLLM: the profile (calibrated, or ``--profile``), its command, the trace per level."""
+def both_levels(args: argparse.Namespace, model_dir: Path, reqs: Sequence[Request],
+                levels: Sequence[int], out: Path) -> tuple[Path, str, dict[int, Any]]:
+    """The profile (calibrated, or ``--profile``), its command, and per level the trace's
+    rows on vLLM and on the emulator, one after the other, with the load averages."""
     port, events, replay = free_ports(3)
     engine = VllmServer("vllm0", args.vllm_python, model_dir, port, events, replay, 128, 48,
                         out / "vllm0.log")
     if args.vllm_port:  # one already running (the same model directory and settings)
         engine.port = args.vllm_port
-    real: dict[int, list[dict[str, Any]]] = {}
+    rows: dict[int, Any] = {}
     try:
         if not args.vllm_port:
             engine.start()
         engine.wait_ready(time.monotonic() + READY_TIMEOUT_S)
-        profile, command = (Path(args.profile), "given") if args.profile else \
-            calibrate(engine, out)
+        if args.profile:
+            profile, command = Path(args.profile), "given"
+        else:
+            profile, command = calibrate(engine, out)
+            vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+            close_admission(profile, model_dir, out, vocab)
         for level in levels:
             engine.reset_prefix_cache()
-            real[level] = asyncio.run(run_trace(engine.url, reqs, level))
-            print(f"real, {level} in flight: done", flush=True)
+            load = [os.getloadavg()[0]]
+            real = asyncio.run(run_trace(engine.url, reqs, level))
+            with emulator(profile, model_dir, out) as url:
+                emu = asyncio.run(run_trace(url, reqs, level))
+            rows[level] = {"real": real, "emulated": emu, "load": [*load, os.getloadavg()[0]]}
+            print(f"{level} in flight: done", flush=True)
     finally:
         engine.stop()
-    return profile, command, real
+    return profile, command, rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -214,13 +263,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     reqs = [dataclasses.replace(r, max_tokens=args.max_tokens)
             for r in build_workload(args.requests, 8, 0.5, args.seed)]
     levels = [int(x) for x in args.concurrency.split(",")]
-    profile, command, real = real_levels(args, model_dir, reqs, levels, out)
-    emu = emulated_levels(profile, model_dir, reqs, levels, out)
+    profile, command, rows = both_levels(args, model_dir, reqs, levels, out)
     doc = {"vllm": vllm_version(args.vllm_python), "date": time.strftime("%Y-%m-%d %H:%M"),
            "profile": profile.name, "calibrate": command, "requests": len(reqs),
            "max_tokens": args.max_tokens,
-           "levels": {lvl: compare(real[lvl], emu[lvl]) for lvl in levels},
-           "rows": {lvl: {"real": real[lvl], "emulated": emu[lvl]} for lvl in levels},
+           "levels": {lvl: {**compare(rows[lvl]["real"], rows[lvl]["emulated"]),
+                            "load": rows[lvl]["load"]} for lvl in levels},
+           "rows": rows,
            "command": " ".join(["python -m radixmesh.bench.vllm_emulated",
                                 *(argv or sys.argv[1:])])}
     (out / "vllm_emulated.json").write_text(json.dumps(doc, indent=2), encoding="utf-8")

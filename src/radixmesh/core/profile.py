@@ -14,6 +14,8 @@ computes::
                                                              to the KV before it (causal)
            + decode_seq_s    * (decode sequences)            per-sequence work of a decode
            + decode_kv_s     * (KV tokens the decodes attend to)   KV read by decode attention
+           + prefill_seq_s   * (prefill chunks)              optional, 0 when absent: per
+                                                             sequence prefilled in the step
 
 and what the engine can hold: ``kv_blocks`` KV blocks of ``block_size`` tokens,
 ``context_length`` tokens per sequence, ``max_running`` sequences (vLLM ``max_num_seqs``) and
@@ -21,6 +23,18 @@ and what the engine can hold: ``kv_blocks`` KV blocks of ``block_size`` tokens,
 BLIS's linear step model (``beta0 + beta1 * prefill tokens + beta2 * decode tokens``) with an
 attention term added; the decode terms separate what grows with the batch from what grows with
 its context, so a batch of long conversations costs more than a batch of short ones.
+
+``prefill_seq_s`` is what a sequence's prefill costs the step beyond its tokens: vLLM v1 adds
+a new request to its persistent input batch and rebuilds the sampling metadata in the step that
+first schedules it (``vllm/v1/worker/gpu_input_batch.py``, used by the CPU model runner too);
+on vLLM 0.32 CPU its own ``vllm:request_prefill_time_seconds`` of a 16-token prompt is several
+decode steps. A prompt longer than ``step_tokens`` pays it once per chunk.
+
+One time is not a step's: ``admission_s`` (optional, default 0) is how long a request takes from
+its arrival at the engine to its joining the scheduler's waiting queue — HTTP parsing,
+tokenising, the hop from the API server to the engine core (vLLM v1 runs them in separate
+processes: ``vllm/v1/engine/core_client.py``). It delays that one request, never a step, so
+requests in flight overlap it with the batch: ``ttft_s`` adds it once, ``step_s`` never.
 
 File format (TOML, flat; every time in seconds)::
 
@@ -35,6 +49,8 @@ File format (TOML, flat; every time in seconds)::
     context_length = 131072
     max_running = 1024
     step_tokens = 8192
+    admission_s = 0.0          # optional (0 when absent): arrival to waiting queue, cited
+    prefill_seq_s = 0.0        # optional (0 when absent): per prefill chunk in a step, cited
 
     [citations]                # field -> the published figure it came from and the arithmetic
     step_base_s = "BLIS defaults.yaml beta0 = 5753 us (H100, Llama-3.1-8B, vLLM 0.8.4)"
@@ -88,6 +104,8 @@ COEFFICIENTS = ("step_base_s", "prefill_token_s", "prefill_attn_s", "decode_seq_
 CAPACITIES = ("kv_blocks", "block_size", "context_length", "max_running", "step_tokens")
 TEXTS = ("name", "hardware", "model", "source")
 METRICS = ("tpot", "ttft", "prefill_linear")
+# seconds, 0 when absent, cited when not 0
+OPTIONAL_TIMES = ("lora_load_s", "admission_s", "prefill_seq_s")
 
 
 # ------------------------------------------------------------------ what step_s reads of a Step
@@ -183,6 +201,8 @@ class Profile:
     adapters: tuple[str, ...] = ()  # LoRA adapters served by name (the emulated engine)
     lora_slots: int = 0  # adapters resident at once (0: all, never loaded)
     lora_load_s: float = 0.0  # loading a cold adapter stalls its step this long
+    admission_s: float = 0.0  # a request's arrival to its joining the waiting queue
+    prefill_seq_s: float = 0.0  # a step's cost per prefill chunk beyond its tokens
 
     def __post_init__(self) -> None:
         for name in COEFFICIENTS:
@@ -191,10 +211,14 @@ class Profile:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value}")
             if name not in self.citations:
                 raise ValueError(f"{name} has no citation (citations.{name})")
-        if self.lora_slots < 0 or not 0 <= self.lora_load_s < math.inf:
-            raise ValueError("lora_slots and lora_load_s must be >= 0")
-        if self.lora_load_s and "lora_load_s" not in self.citations:
-            raise ValueError("lora_load_s has no citation (citations.lora_load_s)")
+        if self.lora_slots < 0:
+            raise ValueError("lora_slots must be >= 0")
+        for name in OPTIONAL_TIMES:
+            value = getattr(self, name)
+            if not 0 <= value < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+            if value and name not in self.citations:
+                raise ValueError(f"{name} has no citation (citations.{name})")
         if self.step_base_s <= 0:
             raise ValueError("step_base_s must be > 0 (every step has a fixed cost)")
         for name in CAPACITIES:
@@ -207,7 +231,7 @@ class Profile:
                 f"kv_blocks: {self.kv_blocks} blocks of {self.block_size} tokens hold less than "
                 f"one context of {self.context_length} tokens"
             )
-        known = {*COEFFICIENTS, *CAPACITIES, "lora_load_s"}
+        known = {*COEFFICIENTS, *CAPACITIES, *OPTIONAL_TIMES}
         unknown = sorted(set(self.citations) - known)
         if unknown:
             raise ValueError(f"citations: unknown fields {', '.join(unknown)}")
@@ -222,6 +246,7 @@ class Profile:
         kv = sum(d.context for d in step.decodes)
         return (
             self.step_base_s
+            + self.prefill_seq_s * len(step.prefills)
             + self.prefill_token_s * new
             + self.prefill_attn_s * attn
             + self.decode_seq_s * len(step.decodes)
@@ -233,8 +258,9 @@ class Profile:
         return self.step_s(_Step(decodes=(_Decode(context),) * batch))
 
     def ttft_s(self, prompt: int, cached: int = 0) -> float:
-        """A ``prompt``-token prompt (``cached`` of it reused) prefilled alone, chunk by chunk."""
-        total, start = 0.0, cached
+        """A ``prompt``-token prompt (``cached`` of it reused) prefilled alone, chunk by chunk,
+        after its admission."""
+        total, start = self.admission_s, cached
         while start < prompt:
             tokens = min(self.step_tokens, prompt - start)
             total += self.step_s(_Step(prefills=(_Chunk(start, tokens),)))
@@ -287,7 +313,7 @@ class Profile:
             kwargs[name] = _typed(name, data[name])
         kwargs["citations"] = _citations(data.get("citations", {}))
         kwargs["checks"] = tuple(_check(c) for c in _table_list(data.get("checks", [])))
-        for name in ("lora_slots", "lora_load_s"):
+        for name in ("lora_slots", *OPTIONAL_TIMES):
             if name in data:
                 kwargs[name] = _typed(name, data[name])
         kwargs["adapters"] = tuple(_adapter(a) for a in _table_list(data.get("adapters", []),
@@ -377,7 +403,7 @@ def dumps(profile: Profile) -> str:
     data = profile.to_dict()
     lines = [f"{key} = {_value(data[key])}" for key in (*TEXTS, "derived", *COEFFICIENTS)]
     lines += [f"{key} = {_value(data[key])}" for key in CAPACITIES]
-    lines += [f"{key} = {_value(data[key])}" for key in ("lora_slots", "lora_load_s")
+    lines += [f"{key} = {_value(data[key])}" for key in ("lora_slots", *OPTIONAL_TIMES)
               if data[key]]
     lines += ["", "[citations]"]
     lines += [f"{key} = {_value(text)}" for key, text in data["citations"].items()]

@@ -69,7 +69,9 @@ def scaled(profile: Profile, time_scale: float) -> Profile:
                    prefill_token_s=profile.prefill_token_s * time_scale,
                    prefill_attn_s=profile.prefill_attn_s * time_scale,
                    decode_seq_s=profile.decode_seq_s * time_scale,
-                   decode_kv_s=profile.decode_kv_s * time_scale)
+                   decode_kv_s=profile.decode_kv_s * time_scale,
+                   admission_s=profile.admission_s * time_scale,
+                   prefill_seq_s=profile.prefill_seq_s * time_scale)
 
 
 @dataclass(slots=True)
@@ -92,7 +94,9 @@ class Shadow:
         self._state: BatchState | None = None
         self._arrivals = ArrivalRate(RATE_WINDOW_S * time_scale, RATE_MIN_SPAN)
         self._predicted: dict[SeqId, tuple[float, float]] = {}  # seq -> (added at, TTFT)
-        self._overhead = 0.0  # the median lateness of first tokens (a stochastic median)
+        # the median lateness of first tokens (a stochastic median), from the profile's
+        # admission time (HTTP, tokenising: core/profile.py) until first tokens move it
+        self._overhead = self.profile.admission_s
         self.synced_steps = 0  # steps run at once to catch up with the engine
         self.jumps = 0  # advances that jumped the clock
         self._open: set[SeqId] = set()  # own requests added and not finished by the node
@@ -317,6 +321,8 @@ def batch_state(sched: Scheduler, p: Profile, under_way: Step | None, residual_s
 
 
 def _compute(p: Profile, tokens: int, start: int) -> float:
+    """A sequence's prompt work left (with the profile's per-prefill cost, once)."""
     if tokens <= 0:
         return 0.0
-    return tokens * (p.prefill_token_s + p.prefill_attn_s * (start + tokens / 2.0))
+    per_token = p.prefill_token_s + p.prefill_attn_s * (start + tokens / 2.0)
+    return p.prefill_seq_s + tokens * per_token

@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 ::
 
-    submit(prompt, max_tokens, stop_ids, sink) ──▶ Scheduler.add ──▶ (loop wakes)
+    admission() ──▶ submit(prompt, max_tokens, stop_ids, sink) ──▶ Scheduler.add ──▶ (wakes)
     loop: aborts ─▶ schedule(now) ─▶ sleep until start + profile.step_s(step) × time_scale
           ─▶ next token of every emitting sequence ─▶ complete(step, tokens, stop)
           ─▶ tokens and Finished records into each request's sink ─▶ cache journal → events
@@ -15,7 +15,16 @@ says how long the step would take on the emulated hardware, and the loop sleeps 
 step's planned end on a monotonic clock. Whatever the loop itself spends beyond that (its own
 scheduling, the event loop being late) is *lag*: ``lag_s`` sums, over steps, how much later
 than planned each ended; ``busy_s`` sums the planned durations. Lag much below busy means the
-emulation keeps to the profile's speed.
+emulation keeps to the profile's speed. A step that follows another at once is planned from the
+previous step's planned end, not from when the loop got round to it: a late wake-up (the event
+loop streaming tokens, a loaded machine) shortens the next step by as much, up to that step's
+whole length, instead of every later token drifting by it, as a real engine's next step starts
+when its last one ended.
+
+A request reaches the scheduler ``profile.admission_s`` × the time scale after it arrived
+(:meth:`EngineLoop.admission`, awaited by the HTTP side before ``submit``): what a real engine
+spends before a request can join a step (HTTP, tokenising, the hop to its engine core). It
+delays that request only; the steps of the others go on meanwhile.
 
 Output tokens are deterministic (:func:`next_token` of the sequence so far), so a test can
 predict every token and the byte tokenizer round-trips them as printable text. Aborts (a
@@ -110,6 +119,7 @@ class EngineLoop:
         self._aborts: set[int] = set()
         self._ids = itertools.count(1)
         self._wake = asyncio.Event()
+        self._timeline: float | None = None  # the last step's planned end, when busy since
         # LoRA adapters loaded, least recent first: the first slots' worth at start
         self._resident = dict.fromkeys(profile.adapters[:profile.lora_slots])
 
@@ -121,6 +131,13 @@ class EngineLoop:
         return len(self._live)
 
     # ------------------------------------------------------------------------- requests
+    async def admission(self) -> None:
+        """Wait what the engine spends between a request's arrival and its ``submit``
+        (``profile.admission_s`` × the time scale); the loop steps on meanwhile."""
+        delay = self.profile.admission_s * self.time_scale
+        if delay > 0:
+            await self._sleep(delay)
+
     def submit(self, prompt: Sequence[int], max_tokens: int, stop_ids: frozenset[int],
                sink: Sink, index: int = 0, cache_salt: str | None = None,
                lora: str | None = None) -> int:
@@ -169,9 +186,12 @@ class EngineLoop:
     async def _run_once(self) -> None:
         self._apply_aborts()
         if not (self.scheduler.running or self.scheduler.waiting):
+            self._timeline = None
             self._wake.clear()
             await self._wake.wait()
             return
+        if self.faults.barrier or self.faults.stalled:
+            self._timeline = None  # held by a fault knob: no step was under way
         await self._hold_at_barrier()
         while self.faults.stalled:  # fault knob: a stopped process (SIGSTOP)
             await asyncio.sleep(0.01)
@@ -186,19 +206,24 @@ class EngineLoop:
         self._live.clear()
         self._aborts.clear()
         self.scheduler = self._new_scheduler()
+        self._timeline = None
         if self.events is not None:
             self.events.publish_cleared()
 
     async def step_once(self) -> Step:
         """Plan one step, last its planned duration, apply it; the step."""
-        start = self._clock()
+        now = self._clock()
         sched = self.scheduler
-        step = sched.schedule(start)
+        step = sched.schedule(now)
         self._publish(step, [])
         if step.empty:
+            self._timeline = None
             await self._sleep(IDLE_POLL_S)
             return step
         planned = self.planned_s(step) + self._load_loras(step)
+        # straight after another step: from its planned end (the module docstring)
+        start = now if self._timeline is None else max(self._timeline, now - planned)
+        self._timeline = start + planned
         await self._sleep(max(start + planned - self._clock(), 0.0))
         if sched is not self.scheduler:
             return step  # restarted while the step ran: it never happened
@@ -316,6 +341,7 @@ class EngineLoop:
         self._live.clear()
         self._aborts.clear()
         self.scheduler = self._new_scheduler()
+        self._timeline = None
         if self.events is not None:
             self.events.reset()
         self._wake.set()

@@ -208,6 +208,7 @@ class EmulatedEngine:
         """Submit one sequence per prompt; abort the unfinished ones when the client goes."""
         sink: Sink = asyncio.Queue()
         seqs: list[int] = []
+        await self.loop.admission()  # HTTP, tokenising, the hop to the engine core
         try:
             for i, (prompt, max_tokens) in enumerate(zip(req.prompts, req.max_tokens,
                                                          strict=True)):

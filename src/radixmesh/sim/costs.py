@@ -196,9 +196,11 @@ def from_profile(
     which is this model's ``prefill_overhead + rate * work(u, c)`` with ``rate =
     prefill_token_s`` and ``context_scale = prefill_token_s / prefill_attn_s`` (chunking of
     prompts beyond ``step_tokens`` is ignored: one step overhead, not one per chunk); each
-    further token is one batch-1 decode step attending to ``decode_context`` KV tokens.
-    Batching, ``max_running`` and the KV pool are not in these figures (they are in the
-    simulated engine, which runs the scheduler).
+    further token is one batch-1 decode step attending to ``decode_context`` KV tokens. A
+    profile's ``prefill_seq_s`` adds to the prefill overhead, its ``admission_s`` is the
+    request overhead (both 0 unless the profile has them). Batching, ``max_running`` and the
+    KV pool are not in these figures (they are in the simulated engine, which runs the
+    scheduler).
     """
     if profile.prefill_attn_s > 0:
         scale = profile.prefill_token_s / profile.prefill_attn_s
@@ -206,11 +208,11 @@ def from_profile(
         scale = 1e15  # no attention term: context never doubles a token's cost
     return CostModel(
         name=f"profile:{profile.name}",
-        prefill_overhead_s=profile.step_base_s,
+        prefill_overhead_s=profile.step_base_s + profile.prefill_seq_s,
         prefill_s_per_token=profile.prefill_token_s,
         context_scale=scale,
         decode_s_per_token=profile.tpot_s(1, decode_context),
-        request_overhead_s=0.0,
+        request_overhead_s=profile.admission_s,
         forward_overhead_s=forward_overhead_s,
         source=f"step-time profile {profile.name} at batch 1 ({profile.source})",
         profile=profile,
