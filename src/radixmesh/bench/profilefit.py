@@ -111,31 +111,8 @@ def from_engine_points(
     if base <= 0:
         raise ValueError("the decode measurements give no positive step time at batch 0")
     what = texts["source"]
-    pre = ", ".join(f"{n}: {s * 1e3:.2f} ms" for n, s in prefill)
-    dec = ", ".join(f"b={b} ctx={c}: {s * 1e3:.2f} ms" for b, c, s in decode)
-    kv_note = "" if dk else " (contexts alike: not identifiable, 0)"
-    citations = {
-        "step_base_s": f"{what}: decode intercept of ITL = base + seq*b + kv*b*ctx over {dec}",
-        "prefill_token_s": f"{what}: TTFT = a + t*L + attn*L^2/2 over {pre}; a = "
-        f"{a * 1e3:.2f} ms",
-        "prefill_attn_s": f"{what}: the same TTFT fit's L^2/2 term",
-        "decode_seq_s": f"{what}: ITL fit's per-sequence slope over {dec}",
-        "decode_kv_s": f"{what}: ITL fit's per-KV-token slope{kv_note} over {dec}",
-    }
-    in_step = 0.0
-    if len({n for n, _ in engine_prefill}) >= 3:
-        p0 = fit_prefill(engine_prefill)[0]
-        in_step = min(max(0.0, p0 - base), max(0.0, a - base))
-        inside = ", ".join(f"{n}: {s * 1e3:.2f} ms" for n, s in engine_prefill)
-        if in_step:
-            citations["prefill_seq_s"] = (
-                f"{what}: the engine's own prefill times ({inside}; vllm:request_prefill_"
-                f"time_seconds) fitted as TTFT: intercept {p0 * 1e3:.2f} ms - step_base_s")
-    admission = max(0.0, a - base - in_step)
-    if admission:
-        citations["admission_s"] = (f"{what}: the TTFT fit's intercept a = {a * 1e3:.2f} ms "
-                                    f"- step_base_s {base * 1e3:.2f} ms - prefill_seq_s "
-                                    f"{in_step * 1e3:.2f} ms")
+    citations = _fit_citations(what, prefill, decode, a, dk)
+    admission, in_step = _split_intercept(a, base, engine_prefill, what, citations)
     prof = Profile(
         **texts,  # type: ignore[arg-type]
         derived=False,
@@ -154,6 +131,46 @@ def from_engine_points(
         Check("tpot", s, 1.0, f"{what}: ITL at batch {b}", batch=b, context=c) for b, c, s in decode
     ]
     return _replace_checks(prof, _checks(prof, points))
+
+
+def _fit_citations(what: str, prefill: Sequence[tuple[int, float]],
+                   decode: Sequence[tuple[int, int, float]], a: float, dk: float
+                   ) -> dict[str, str]:
+    """Each fitted coefficient's citation: the fit and the measurements it came from."""
+    pre = ", ".join(f"{n}: {s * 1e3:.2f} ms" for n, s in prefill)
+    dec = ", ".join(f"b={b} ctx={c}: {s * 1e3:.2f} ms" for b, c, s in decode)
+    kv_note = "" if dk else " (contexts alike: not identifiable, 0)"
+    return {
+        "step_base_s": f"{what}: decode intercept of ITL = base + seq*b + kv*b*ctx over {dec}",
+        "prefill_token_s": f"{what}: TTFT = a + t*L + attn*L^2/2 over {pre}; a = "
+        f"{a * 1e3:.2f} ms",
+        "prefill_attn_s": f"{what}: the same TTFT fit's L^2/2 term",
+        "decode_seq_s": f"{what}: ITL fit's per-sequence slope over {dec}",
+        "decode_kv_s": f"{what}: ITL fit's per-KV-token slope{kv_note} over {dec}",
+    }
+
+
+def _split_intercept(a: float, base: float, engine_prefill: Sequence[tuple[int, float]],
+                     what: str, citations: dict[str, str]) -> tuple[float, float]:
+    """The TTFT fit's intercept ``a`` beyond ``step_base_s`` as (``admission_s``,
+    ``prefill_seq_s``): the engine's own prefill times, where it reports them at >= 3 prompt
+    lengths, say how much of it is inside the step; the rest is admission. Citations of the
+    non-zero ones go into ``citations``."""
+    in_step = 0.0
+    if len({n for n, _ in engine_prefill}) >= 3:
+        p0 = fit_prefill(engine_prefill)[0]
+        in_step = min(max(0.0, p0 - base), max(0.0, a - base))
+        inside = ", ".join(f"{n}: {s * 1e3:.2f} ms" for n, s in engine_prefill)
+        if in_step:
+            citations["prefill_seq_s"] = (
+                f"{what}: the engine's own prefill times ({inside}; vllm:request_prefill_"
+                f"time_seconds) fitted as TTFT: intercept {p0 * 1e3:.2f} ms - step_base_s")
+    admission = max(0.0, a - base - in_step)
+    if admission:
+        citations["admission_s"] = (f"{what}: the TTFT fit's intercept a = {a * 1e3:.2f} ms "
+                                    f"- step_base_s {base * 1e3:.2f} ms - prefill_seq_s "
+                                    f"{in_step * 1e3:.2f} ms")
+    return admission, in_step
 
 
 def from_builtin_fit(doc: Mapping[str, Any], *, context_length: int, kv_blocks: int) -> Profile:

@@ -130,15 +130,8 @@ def parse(body: Any, tokenizer: Tokenizer, context_length: int, *, chat: bool,
     below ``vocab`` (default: the tokenizer's vocabulary)."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
-            raise BadRequest("messages must be a non-empty list of {role, content} objects",
-                             "messages")
-        prompts: tuple[tuple[int, ...], ...] = (tuple(tokenizer.apply_chat_template(messages)),)
-    else:
-        prompts = parse_prompts(body.get("prompt"), tokenizer, vocab or tokenizer.vocab_size)
+    prompts = _chat_prompt(body, tokenizer) if chat else parse_prompts(
+        body.get("prompt"), tokenizer, vocab or tokenizer.vocab_size)
     if _int(body, "n", 1, 1) != 1:
         raise BadRequest("the emulated engine generates one choice per prompt (n=1)", "n")
     for name in UNSUPPORTED:  # they change the answer's shape: refused, not silently ignored
@@ -148,13 +141,7 @@ def parse(body: Any, tokenizer: Tokenizer, context_length: int, *, chat: bool,
     asked = _int(body, name, None if chat else DEFAULT_MAX_TOKENS, 1)
     max_tokens = tuple(asked if asked is not None else max(context_length - len(p), 1)
                        for p in prompts)
-    stop = body.get("stop_token_ids") or []
-    if not isinstance(stop, list) or not all(isinstance(t, int) for t in stop):
-        raise BadRequest("stop_token_ids must be a list of token ids", "stop_token_ids")
-    stop_ids = set(stop)
-    eos = tokenizer.eos_token_id
-    if eos is not None and not _bool(body, "ignore_eos"):
-        stop_ids.add(eos)
+    stop_ids = _stop_ids(body, tokenizer)
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise BadRequest("stream_options must be an object", "stream_options")
@@ -165,6 +152,27 @@ def parse(body: Any, tokenizer: Tokenizer, context_length: int, *, chat: bool,
     return Completion(prompts, max_tokens, frozenset(stop_ids), stream,
                       bool(options.get("include_usage")), _logprobs(body, chat),
                       _bool(body, "return_tokens_as_token_ids"), chat, _salt(body))
+
+
+def _chat_prompt(body: Mapping[str, Any], tokenizer: Tokenizer) -> tuple[tuple[int, ...], ...]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+        raise BadRequest("messages must be a non-empty list of {role, content} objects",
+                         "messages")
+    return (tuple(tokenizer.apply_chat_template(messages)),)
+
+
+def _stop_ids(body: Mapping[str, Any], tokenizer: Tokenizer) -> set[int]:
+    """``stop_token_ids``, and the tokenizer's EOS unless ``ignore_eos``."""
+    stop = body.get("stop_token_ids") or []
+    if not isinstance(stop, list) or not all(isinstance(t, int) for t in stop):
+        raise BadRequest("stop_token_ids must be a list of token ids", "stop_token_ids")
+    stop_ids = set(stop)
+    eos = tokenizer.eos_token_id
+    if eos is not None and not _bool(body, "ignore_eos"):
+        stop_ids.add(eos)
+    return stop_ids
 
 
 def _salt(body: Mapping[str, Any]) -> str | None:

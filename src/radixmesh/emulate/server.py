@@ -9,8 +9,7 @@ one :class:`~.events.KvEventPublisher` (when KV events are asked for). Routes:
   body is a 400 in vLLM's error shape, a ``model`` other than the served one a 404, both
   counted in ``bad_requests``), submit one sequence per prompt to the loop, then either
   stream SSE chunks (one per token, the finish reason on the last token's chunk, a usage
-  chunk when ``stream_options.include_usage``, ``data: [DONE]``) or answer one JSON object
-  when every sequence finished;
+  chunk when ``stream_options.include_usage``, ``data: [DONE]``) or answer one JSON object;
 * ``POST /generate``: SGLang's shape (``input_ids``, ``sampling_params``, ``cache_salt``;
   cumulative ``output_ids``, ``meta_info.cached_tokens``), for the node's ``--engine sglang``;
 * ``GET /v1/models``, ``/health`` (both name the profile and say ``emulated``), ``/metrics``

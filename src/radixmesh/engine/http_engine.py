@@ -138,22 +138,27 @@ class HttpEngine:
         # salt (core/kv_events: vLLM's extra_keys, SGLang's cache_salt); plain OpenAI servers
         # and llama.cpp have no such field
         self.cache_namespaces = kind in ("vllm", "sglang")
-        self.index = EngineIndex(block_size, seed, engine_block_size=engine_block_size)
-        self.approx: PrefixCache[None] = PrefixCache(cache_tokens, block_size, seed)
-        # (issue 55) --engine-kv-blocks: match() also counts what the requests ahead will
-        # evict and store (core/free_queue.py); vLLM only (its free queue), engine block = mesh
-        self.queue = (EngineQueue(kv_blocks - 1) if kv_blocks > 1 and kind == "vllm"
-                      and engine_block_size == block_size else None)
-        # llama.cpp: its slots and prompt cache (budget: cache_tokens), for the local match
-        self.slots = (LlamaCppSlots(slots, cache_tokens=cache_tokens) if kind == "llamacpp"
-                      else None)
+        self._cache_views(block_size, seed, engine_block_size, kv_blocks, slots)
         self._timeout = aiohttp.ClientTimeout(sock_connect=CONNECT_TIMEOUT_S,
                                               sock_read=read_timeout_s)
         self._session: aiohttp.ClientSession | None = None
         self._closed = False
-        self._waiting = 0
-        self._running = 0
+        self._waiting = self._running = 0
         self.failed = 0  # requests the engine failed (unreachable, error status, bad stream)
+
+    def _cache_views(self, block_size: int, seed: int, engine_block_size: int | None,
+                     kv_blocks: int, slots: int) -> None:
+        """The node's views of the engine's cache: the exact index (KV events), the
+        approximate LRU (engines without events), and the optional refinements of the match."""
+        self.index = EngineIndex(block_size, seed, engine_block_size=engine_block_size)
+        self.approx: PrefixCache[None] = PrefixCache(self.cache_tokens, block_size, seed)
+        # (issue 55) --engine-kv-blocks: match() also counts what the requests ahead will
+        # evict and store (core/free_queue.py); vLLM only (its free queue), engine block = mesh
+        self.queue = (EngineQueue(kv_blocks - 1) if kv_blocks > 1 and self.kind == "vllm"
+                      and engine_block_size == block_size else None)
+        # llama.cpp: its slots and prompt cache (budget: cache_tokens), for the local match
+        self.slots = (LlamaCppSlots(slots, cache_tokens=self.cache_tokens)
+                      if self.kind == "llamacpp" else None)
 
     # ------------------------------------------------------------------------- identity
     @property
