@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Print one Markdown row per run of a bench folder: TTFT mean / p99, TPOT, goodput, hit rate,
-forwarded share, the busiest node's share and the emulated engines' lag (docs/benchmarks.md).
+forwarded share, the busiest node's share and the emulated engines' lag (docs/benchmarks.md);
+one table per workload × arrival schedule of each folder.
 
     scripts/ttft-table.py runs/X [runs/Y ...]
 """
@@ -20,8 +21,17 @@ def _pct(v: float | None) -> str:
     return "—" if v is None else f"{100 * v:.1f} %"
 
 
-def rows(folder: Path) -> list[str]:
-    runs = json.loads((folder / "summary.json").read_text())["runs"]
+def groups(folder: Path) -> dict[str, list[dict]]:
+    """The folder's runs by workload and arrival schedule (one table each), in run order."""
+    out: dict[str, list[dict]] = {}
+    for r in json.loads((folder / "summary.json").read_text())["runs"]:
+        if r.get("requests"):
+            key = f"{r.get('workload_kind') or r['workload']}, {r.get('schedule') or 'closed'}"
+            out.setdefault(key, []).append(r)
+    return out
+
+
+def rows(runs: list[dict]) -> list[str]:
     base = next((r for r in runs if r["policy"] == "none"), None)
     out = []
     for r in runs:
@@ -38,12 +48,14 @@ def rows(folder: Path) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    print("| policy | ok | TTFT mean ms | ÷ none | TTFT p99 ms | TPOT mean ms | goodput | hit | "
-          "fwd | busiest node | engine lag |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for folder in argv:
-        for line in rows(Path(folder)):
-            print(line)
+        for key, runs in groups(Path(folder)).items():
+            print(f"\n{folder}: {key} ({runs[0].get('schedule_text', '')})\n")
+            print("| policy | ok | TTFT mean ms | ÷ none | TTFT p99 ms | TPOT mean ms | goodput | "
+                  "hit | fwd | busiest node | engine lag |")
+            print("|---|---|---|---|---|---|---|---|---|---|---|")
+            for line in rows(runs):
+                print(line)
     return 0
 
 
