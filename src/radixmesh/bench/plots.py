@@ -17,6 +17,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib import ticker
 
 from radixmesh.bench.folder import OPEN_LOOP, Results, Run
 from radixmesh.results.records import Record
@@ -197,7 +198,8 @@ def _cdf_panels(res: Results) -> dict[str, list[tuple[str, list[float]]]]:
             continue
         key = f"{r.get('workload_kind') or r['workload']}, {r['schedule']}"
         panels.setdefault(key, []).append((r["policy"], ttfts))
-    return {k: v for k, v in sorted(panels.items()) if len(v) >= 2}
+    order = sorted(panels, key=lambda k: (k.split(",")[0], "poisson" not in k, k))
+    return {k: panels[k] for k in order if len(panels[k]) >= 2}
 
 
 def ttft_cdf(res: Results, path: Path, title: str = "") -> bool:
@@ -215,6 +217,8 @@ def ttft_cdf(res: Results, path: Path, title: str = "") -> bool:
             ax.step(ttfts, ys, where="post", color=COLORS.get(pol), label=pol,
                     lw=2.0 if pol == "cost" else 1.2)  # fmt: skip
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
         ax.set_xlabel("TTFT (ms, unscaled)")
         ax.set_ylabel("share of requests")
         ax.set_title(key, fontsize=10)
