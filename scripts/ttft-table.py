@@ -4,12 +4,14 @@ forwarded share, the busiest node's share and the emulated engines' lag (docs/be
 one table per workload × arrival schedule of each folder.
 
     scripts/ttft-table.py runs/X [runs/Y ...]
+    scripts/ttft-table.py --regime runs/X [runs/Y ...]   # one compact table for a regime
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -19,6 +21,13 @@ def _ms(v: float | None) -> str:
 
 def _pct(v: float | None) -> str:
     return "—" if v is None else f"{100 * v:.1f} %"
+
+
+def _pct0(v: float | None) -> str:
+    return "—" if v is None else f"{100 * v:.0f} %"
+
+
+SCHEDULES = ("poisson", "bursty")
 
 
 def groups(folder: Path) -> dict[str, list[dict]]:
@@ -47,7 +56,35 @@ def rows(runs: list[dict]) -> list[str]:
     return out
 
 
+def _pair(runs: dict[str, dict], field: str, fmt: Callable[[float | None], str]) -> str:
+    return " · ".join(fmt(runs[k].get(field)) for k in SCHEDULES if k in runs)
+
+
+def regime(folders: list[str]) -> list[str]:
+    """One table for a regime's folders: a row per workload and policy, Poisson · bursty in
+    each cell (TTFT mean / p99 ms, TPOT ms, goodput, hit rate, busiest node's share)."""
+    cells: dict[tuple[str, str], dict[str, dict]] = {}
+    for folder in folders:
+        for r in json.loads((Path(folder) / "summary.json").read_text())["runs"]:
+            if r.get("requests"):
+                key = (r.get("workload_kind") or r["workload"], r["policy"])
+                cells.setdefault(key, {})[r.get("schedule") or "closed"] = r
+    out = ["| workload | policy | TTFT mean / p99 ms: Poisson · bursty | TPOT ms | goodput | "
+           "hit | busiest node | worst lag |", "|---|---|---|---|---|---|---|---|"]
+    for (work, pol), runs in cells.items():
+        ttft = " · ".join(f"{_ms(r.get('mean_ttft_s'))} / {_ms(r.get('p99_ttft_s'))}"
+                          for k, r in runs.items() if k in SCHEDULES)  # fmt: skip
+        lag = max(((r.get("engine_lag") or {}).get("share") or 0.0) for r in runs.values())
+        out.append(f"| {work} | {pol} | {ttft} | {_pair(runs, 'mean_tpot_s', _ms)} | "
+                   f"{_pair(runs, 'goodput', _pct0)} | {_pair(runs, 'actual_hit_rate', _pct0)} | "
+                   f"{_pair(runs, 'hotspot_share', _pct0)} | {_pct(lag)} |")  # fmt: skip
+    return out
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--regime"]:
+        print("\n".join(regime(argv[1:])))
+        return 0
     for folder in argv:
         for key, runs in groups(Path(folder)).items():
             print(f"\n{folder}: {key} ({runs[0].get('schedule_text', '')})\n")
