@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 
@@ -56,28 +55,33 @@ def rows(runs: list[dict]) -> list[str]:
     return out
 
 
-def _pair(runs: dict[str, dict], field: str, fmt: Callable[[float | None], str]) -> str:
-    return " · ".join(fmt(runs[k].get(field)) for k in SCHEDULES if k in runs)
-
-
 def regime(folders: list[str]) -> list[str]:
-    """One table for a regime's folders: a row per workload and policy, Poisson · bursty in
-    each cell (TTFT mean / p99 ms, TPOT ms, goodput, hit rate, busiest node's share)."""
-    cells: dict[tuple[str, str], dict[str, dict]] = {}
+    """One table for a regime's folders: a row per policy; per workload its TTFT mean / p99
+    (Poisson · bursty); then TPOT, hit rate and the busiest node's share under Poisson, one
+    figure per workload (in the header's order), and the lowest goodput of the policy's runs."""
+    cells: dict[str, dict[str, dict[str, dict]]] = {}  # policy -> workload -> schedule -> run
     for folder in folders:
         for r in json.loads((Path(folder) / "summary.json").read_text())["runs"]:
-            if r.get("requests"):
-                key = (r.get("workload_kind") or r["workload"], r["policy"])
-                cells.setdefault(key, {})[r.get("schedule") or "closed"] = r
-    out = ["| workload | policy | TTFT mean / p99 ms: Poisson · bursty | TPOT ms | goodput | "
-           "hit | busiest node | worst lag |", "|---|---|---|---|---|---|---|---|"]
-    for (work, pol), runs in cells.items():
-        ttft = " · ".join(f"{_ms(r.get('mean_ttft_s'))} / {_ms(r.get('p99_ttft_s'))}"
-                          for k, r in runs.items() if k in SCHEDULES)  # fmt: skip
-        lag = max(((r.get("engine_lag") or {}).get("share") or 0.0) for r in runs.values())
-        out.append(f"| {work} | {pol} | {ttft} | {_pair(runs, 'mean_tpot_s', _ms)} | "
-                   f"{_pair(runs, 'goodput', _pct0)} | {_pair(runs, 'actual_hit_rate', _pct0)} | "
-                   f"{_pair(runs, 'hotspot_share', _pct0)} | {_pct(lag)} |")  # fmt: skip
+            if r.get("requests") and r.get("schedule") in SCHEDULES:
+                work = r.get("workload_kind") or r["workload"]
+                cells.setdefault(r["policy"], {}).setdefault(work, {})[r["schedule"]] = r
+    works = list(dict.fromkeys(w for by in cells.values() for w in by))
+    head = " | ".join(f"{w} TTFT mean / p99 ms" for w in works)
+    order = " · ".join(works)
+    out = [f"| policy | {head} | TPOT ms ({order}) | hit | busiest node | goodput (lowest) |",
+           "|---|" + "---|" * (len(works) + 4)]
+    for pol, by in cells.items():
+        ttft = [" · ".join(f"{_ms(r.get('mean_ttft_s'))} / {_ms(r.get('p99_ttft_s'))}"
+                           for k, r in sorted(by.get(w, {}).items(), key=lambda kv:
+                                              SCHEDULES.index(kv[0])))
+                for w in works]  # fmt: skip
+        poisson = [by.get(w, {}).get("poisson", {}) for w in works]
+        low = min((r.get("goodput") or 0.0) for runs in by.values() for r in runs.values())
+        out.append(f"| {pol} | {' | '.join(ttft)} | "
+                   f"{' · '.join(_ms(r.get('mean_tpot_s')) for r in poisson)} | "
+                   f"{' · '.join(_pct0(r.get('actual_hit_rate')) for r in poisson)} | "
+                   f"{' · '.join(_pct0(r.get('hotspot_share')) for r in poisson)} | "
+                   f"{_pct(low)} |")  # fmt: skip
     return out
 
 
