@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from radixmesh.bench import plan, replay
+from radixmesh.bench import plan, replay, runner
 from radixmesh.bench.folder import Results
 from radixmesh.bench.replay import Replay
 from radixmesh.bench.runner import Runner, RunResult, summary_entry
@@ -77,6 +77,37 @@ def test_arrivals_flag_sweeps_poisson_and_bursty_for_rates_and_loads() -> None:
     assert len({s.lockstep for s in bursty}) == 1  # the policies share one arrival schedule
     planned = Runner("/tmp/radixmesh-test-arrivals", log=lambda m: None).plan(bursty[0])
     assert planned.schedule["schedule"] == "bursty"
+
+
+def test_every_policy_and_arrival_schedule_of_a_point_meets_one_measured_rate() -> None:
+    specs = plan.specs_from_args(bench_args("--policy", "none,cost,smg,oracle", "--load",
+                                            "0.5,0.8", "--arrivals", "poisson,bursty"))
+    keys = {(s.workload.load, runner._rate_key(s)) for s in specs}
+    assert len(keys) == 2 and len({k for _, k in keys}) == 2  # one per load, not per policy
+
+
+class _Measured(replay.CapacityProbe):
+    async def _measure(self, http: object, r: Replay) -> float:  # type: ignore[override]
+        return {"none": 120.0, "smg": 150.0, "oracle": 170.0}[r.spec.policy]
+
+
+class _Spec:  # what the probe reads of a replay
+    def __init__(self, policy: str) -> None:
+        self.spec = RunSpec(name=policy, policy=policy)
+
+
+def _probed(policies: list[str], earlier: float | None) -> _Measured:
+    probe = _Measured([], 1, 0.8, earlier)
+    pairs = [(_Spec(p), []) for p in policies]
+    asyncio.run(probe.apply(None, pairs))  # type: ignore[arg-type]
+    return probe
+
+
+def test_a_later_batch_is_timed_at_the_earlier_batchs_capacity() -> None:
+    assert _probed(["none", "smg"], None).rate == pytest.approx(0.8 * 120.0)  # none's
+    assert _probed(["smg", "oracle"], None).rate == pytest.approx(0.8 * 160.0)  # the median
+    later = _probed(["smg", "oracle"], 120.0)
+    assert later.rate == pytest.approx(0.8 * 120.0) and later.throughput["oracle"] == 170.0
 
 
 # ----------------------------------------------------------------------------- lengths

@@ -141,3 +141,18 @@ def test_second_copies_are_judged_on_the_measured_requests_tags(tmp_path: Path) 
         del r["placement"]
     assert ("(cost, uniform 2 ms; router's counters, warm-ups included) | second copies 3, "
             "deliberate replicas 0 of 44 placed | **missed**") in report("untagged")
+
+
+def test_ttft_cdf_only_for_open_loop_runs_with_ttfts(tmp_path: Path) -> None:
+    out = _folder(tmp_path, [("none", 2.0, 2, 40, 0.7), ("cost", 2.0, 2, 40, 0.4)])
+    assert "fig_ttft_cdf.png" not in write_report(out).read_text()  # sequential: no CDF
+    summary = json.loads((out / "summary.json").read_text())
+    for run in summary["runs"]:
+        run["schedule"] = "bursty"
+    (out / "summary.json").write_text(json.dumps(summary))
+    recs = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    for r in recs:
+        r["ttft_s"] = r["latency_s"] / 2
+    (out / "requests.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    assert "fig_ttft_cdf.png" in write_report(out).read_text()
+    assert (out / "fig_ttft_cdf.png").exists()

@@ -17,8 +17,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib import ticker
 
-from radixmesh.bench.folder import Results, Run
+from radixmesh.bench.folder import OPEN_LOOP, Results, Run
 from radixmesh.results.records import Record
 
 WINDOW, STRIDE = 300, 30
@@ -185,4 +186,46 @@ def hit_rates(res: Results, path: Path) -> bool:
         ax.set_title(f"{skew}: cache-hit rate (% of prompt tokens)")
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=8, loc="lower right")
+    return _save(fig, path)
+
+
+def _cdf_panels(res: Results) -> dict[str, list[tuple[str, list[float]]]]:
+    """Open-loop runs by workload and schedule: each policy's TTFTs (ms, sorted, warm-up out)."""
+    panels: dict[str, list[tuple[str, list[float]]]] = {}
+    for r in res.runs:
+        ttfts = sorted(1000 * x.ttft_s for x in res.ok(r) if x.ttft_s is not None)
+        if not ttfts or r.get("schedule") not in (*OPEN_LOOP, "bursty"):
+            continue
+        key = f"{r.get('workload_kind') or r['workload']}, {r['schedule']}"
+        panels.setdefault(key, []).append((r["policy"], ttfts))
+    order = sorted(panels, key=lambda k: (k.split(",")[0], "poisson" not in k, k))
+    return {k: panels[k] for k in order if len(panels[k]) >= 2}
+
+
+def ttft_cdf(res: Results, path: Path, title: str = "") -> bool:
+    """One panel per workload × arrival schedule, one TTFT CDF per policy (log time axis:
+    mixed hardware spans tens of ms to seconds)."""
+    panels = _cdf_panels(res)
+    if not panels:  # one policy (or no TTFTs): nothing to compare
+        return False
+    cols = min(2, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.6 * rows), squeeze=False)
+    for ax, (key, curves) in zip(axes.flat, panels.items(), strict=False):
+        for pol, ttfts in curves:
+            ys = [(i + 1) / len(ttfts) for i in range(len(ttfts))]
+            ax.step(ttfts, ys, where="post", color=COLORS.get(pol), label=pol,
+                    lw=2.0 if pol == "cost" else 1.2)  # fmt: skip
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+        ax.set_xlabel("TTFT (ms, unscaled)")
+        ax.set_ylabel("share of requests")
+        ax.set_title(key, fontsize=10)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7, loc="lower right")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    if title:
+        fig.suptitle(title)
     return _save(fig, path)

@@ -71,11 +71,16 @@ Pair = tuple["Replay", Sequence[Request]]
 
 @dataclass(slots=True)
 class CapacityProbe:
-    """Measures a batch's capacity, then times its requests: Poisson at ``load`` × capacity."""
+    """Measures a batch's capacity, then times its requests: Poisson at ``load`` × capacity.
+    ``earlier``: the capacity an earlier batch of the same runs measured (another policy or
+    arrival schedule, bench/runner.py): still measured here, but the rate comes from it, so
+    that every policy of a sweep meets one rate (one batch's ``none`` measured 141.9 req/s,
+    the next batch, without ``none``, took its median 156.7)."""
 
     requests: Sequence[Request]
     clients: int
     load: float
+    earlier: float | None = None
     throughput: dict[str, float] = field(default_factory=dict)  # run name -> requests/s
     capacity_rps: float | None = None
     basis: str = ""
@@ -88,6 +93,8 @@ class CapacityProbe:
         base = [x for r, x in zip(replays, rates, strict=True) if r.spec.policy == "none"]
         self.basis = "none" if base else "median"
         self.capacity_rps = base[0] if base else statistics.median(rates)
+        if self.earlier is not None:
+            self.basis, self.capacity_rps = "an earlier batch's", self.earlier
         if not self.capacity_rps or self.capacity_rps <= 0:
             raise RuntimeError("capacity probe completed no request")
         self.rate = self.load * self.capacity_rps

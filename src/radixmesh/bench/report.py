@@ -295,6 +295,7 @@ def figures(res: Results, out: Path) -> list[str]:
         ("fig3_share_over_time.png", plots.share_over_time),
         ("fig4_specialization_eviction.png", plots.specialization_eviction),
         ("fig_hit_rates.png", plots.hit_rates),
+        ("fig_ttft_cdf.png", plots.ttft_cdf),
     ):
         if fn(res, out / name):
             made.append(name)

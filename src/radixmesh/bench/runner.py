@@ -57,7 +57,7 @@ from radixmesh.results.records import Record
 from radixmesh.results.summary import load_summary
 from radixmesh.workload import Request, Schedule
 from radixmesh.workload.build import Drops, build_counted
-from radixmesh.workload.schedule import arrival_text, describe
+from radixmesh.workload.schedule import DEFAULT_CV, arrival_text, describe
 
 BATCH_LIMIT = 4  # clusters up at once (default)
 GATEWAYS: dict[str, type[Gateway]] = {"sglang": SglangRouter, "smg": Smg}
@@ -73,6 +73,12 @@ def process_ids(cluster: BenchCluster, replay: Replay) -> dict[str, int | None]:
     if replay.router is not None:
         pids |= replay.router.pids
     return pids
+
+
+def _rate_key(spec: RunSpec) -> RunSpec:
+    """What makes runs meet one open-loop rate: everything but the policy and the arrivals."""
+    w = replace(spec.workload, schedule=Schedule.POISSON, arrival_cv=DEFAULT_CV)
+    return replace(spec, name="", policy="none", lockstep="", group="", workload=w)
 
 
 class Sink:
@@ -139,6 +145,7 @@ class Runner:
         self.results: list[RunResult] = []
         self.previous = self._load_previous()
         self._built: dict[tuple[Any, ...], tuple[list[Request], Drops, float | None]] = {}
+        self._capacity: dict[RunSpec, float | None] = {}  # _rate_key -> first batch's capacity
 
     def _load_previous(self) -> list[dict[str, Any]]:
         """Runs already summarized in ``out`` (a sweep can be resumed or extended)."""
@@ -281,7 +288,8 @@ class Runner:
         probe = None
         if load is not None:
             clients = min(self.probe_clients, len(first.probe_requests))
-            probe = CapacityProbe(first.probe_requests, clients, load)
+            probe = CapacityProbe(first.probe_requests, clients, load,
+                                  self._capacity.get(_rate_key(first.spec)))  # fmt: skip
         meters = [CpuMeter(process_ids(cluster, replay)) for _, replay, cluster, _ in live]
         try:
             ran = asyncio.run(replay_together(pairs, first.mode, probe,
@@ -292,6 +300,7 @@ class Runner:
         if probe is None:
             return
         info = probe.to_json()
+        self._capacity.setdefault(_rate_key(first.spec), probe.capacity_rps)
         w = first.spec.workload
         self.log(f"capacity {probe.capacity_rps:.2f} req/s ({probe.basis}; "
                  f"{', '.join(f'{k} {v:.2f}' for k, v in probe.throughput.items())}); "
