@@ -688,3 +688,19 @@ def test_placement_keeps_the_ranking_complete_and_picks_a_preferred_node_or_the_
     preferred = head.node_id in owners or head.expected_cached_tokens >= held
     assert preferred or head.node_id == unplaced.node_id or head.is_self
     assert all(c.placement is not None for c in out)
+
+
+def test_a_far_peer_takes_a_request_for_load_alone_only_when_predicted_faster() -> None:
+    """Issue #52: a request crosses regions only when that is predicted faster. Over an 80 ms
+    round trip, with no more of the prompt there than here, the mesh cost alone (this node's
+    queue and the requests arriving behind a 1,000-token prefill) no longer sends it to an
+    idle far peer whose first token would come later (one place queued here: 0.134 s against
+    0.164 s); with two places queued here the far peer is faster and gets it."""
+    req = RouteInput(1000, 1)
+    far = peer("far", 0, rtt=0.08)
+    for queued, first in ((1, "self"), (2, "far"), (3, "far")):
+        here = replace(me(0, queue=queued), utilization=0.9)
+        assert rank(Policy.COST, req, [here, far])[0] == first
+    # a near peer (2 ms) is not held to it: the round trip is within the hysteresis
+    near = replace(far, node_id="near", rtt_s=0.002)
+    assert rank(Policy.COST, req, [replace(me(0, queue=1), utilization=0.9), near])[0] == "near"

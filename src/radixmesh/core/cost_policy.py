@@ -80,6 +80,17 @@ shared machine cannot send cold requests to whichever node looks fastest
 A speed far off the median for lack of recent requests is not noise
 the tolerance can absorb: the node restarts it (``OwnLoad.refresh_stale_speed``).
 
+*Far peers, for load alone*: a peer whose round trip is more than the
+hysteresis of the request's TTFT here, holding no more of it than this
+node, is chosen only if predicted to give it its first token sooner than
+staying (issue #52: a request crosses regions only when that is
+predicted faster); the mesh cost may not send it there for the others'
+sake, on the stalest load view this node has (``_far_and_slower``).
+
+Why one file over 400 lines: the rules above are one ranking that shares
+its intermediate values (each candidate's parts, the preferred and barred
+sets); split, each part would take and return all of them.
+
 Because a peer's prediction includes its forward RTT, ``cost`` forwards only when the predicted
 saving exceeds the forward cost: on a slow network it degenerates to ``none``. Its peer
 candidates carry ``beat_s``: the peer checks it against its exact queue and cache and refuses
