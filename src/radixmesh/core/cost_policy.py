@@ -110,7 +110,7 @@ that still paid: at 16–1,024 simulated nodes 0.4–0.5 refusals per request.)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from random import Random  # the type only: instances are passed in, never the global one
 
 from radixmesh.core.cost_model import (
@@ -162,7 +162,7 @@ class CostPolicy:
         preferred = set() if placement is None else {
             n.node_id for n in avail if self._preferred(req, n, me, placement)
         }
-        slower = self._far_and_slower(avail, parts, me)
+        slower = self._far_and_slower(parts, me)
         order, bought = self._by_cost(req, avail, costs, rng, placement, preferred, slower)
         if placement is None:
             return [candidate(req, n, scale, None if n.is_self else local,
@@ -192,21 +192,21 @@ class CostPolicy:
         rng: Random,
         placement: Placement | None,
         preferred: set[str],
-        slower: set[str],
+        slower: Callable[[NodeInfo], bool],
     ) -> tuple[list[NodeInfo], bool]:
         """The candidates, best first (``costs``: their mesh costs), and whether staying here
         is a bought copy (rent); ``preferred``: the owners and holders worth a round trip;
-        ``slower``: far peers predicted to give the request its first token later
-        (``_far_and_slower``): neither ranked first nor preferred."""
+        ``slower``: whether a node is a far peer predicted to give the request its first
+        token later (``_far_and_slower``): never ranked first."""
         me = next(n for n in avail if n.is_self)
         keyed = [(c, n.queue_depth, rng.random(), n) for c, n in zip(costs, avail, strict=True)]
         keyed.sort(key=lambda k: (k[0], not k[3].is_self, k[1], k[2]))
         order = [k[3] for k in keyed]
         overloaded = self._over_bound(avail)
         mine = next(k for k in keyed if k[3].is_self)
-        barred = overloaded | slower
-        best = next((k for k in keyed if k[3].node_id not in barred), mine)
-        if keyed[0][3].node_id not in slower and self._bypasses_bound(keyed[0], best):
+        best = next((k for k in keyed if k[3].node_id not in overloaded and not slower(k[3])),
+                    mine)  # fmt: skip
+        if not slower(keyed[0][3]) and self._bypasses_bound(keyed[0], best):
             best = keyed[0]  # a large certain saving (a long cached prefix) beats balancing
         # Hysteresis against noisy *speed* estimates: a share of the local work, not of the
         # local queue wait (under load 10 % of the wait exceeded any cache saving); and
@@ -381,25 +381,31 @@ class CostPolicy:
         return net >= max(self._needed(here), node.rtt_s)
 
     def _far_and_slower(
-        self, avail: list[NodeInfo], parts: dict[str, Priced], me: NodeInfo
-    ) -> set[str]:
-        """Peers that a forward would reach for load alone over a long link, predicted to
-        give the request its first token later than staying: they hold no more of it than
-        this node, and their round trip is more than the hysteresis of its TTFT here. The
-        mesh cost may not send it there for the others' sake (issue #52: a request crosses
-        regions only when that is predicted faster): the request pays the round trip for
-        certain, while what it saves the others rests on the far peer's load, the stalest
-        view this node has. (regions-16, agentic, 80 %: such forwards, 2 % of the requests,
-        each 80 ms slower, were the p99: the entry's own arrival rate, exact, against far
-        peers' reports of their first arrivals priced joining its batch at 3-6x theirs.
-        Barring far forwards to holders too cost RAG 221 -> 265 ms mean: a holder saves a
-        long prefill for certain, and that it spares the others is no guess.)"""
+        self, parts: dict[str, Priced], me: NodeInfo
+    ) -> Callable[[NodeInfo], bool]:
+        """The test of a peer that a forward would reach for load alone over a long link,
+        predicted to give the request its first token later than staying: it holds no more
+        of the request than this node, and its round trip is more than the hysteresis of
+        the request's TTFT here. The mesh cost may not send it there for the others' sake
+        (issue #52: a request crosses regions only when that is predicted faster): the
+        request pays the round trip for certain, while what it saves the others rests on
+        the far peer's load, the stalest view this node has. (regions-16, agentic, 80 %:
+        such forwards, 2 % of the requests, each 80 ms slower, were the p99: the entry's own
+        arrival rate, exact, against far peers' reports of their first arrivals priced
+        joining its batch at 3-6x theirs. Barring far forwards to holders too cost RAG
+        221 -> 265 ms mean: a holder saves a long prefill for certain, and that it spares
+        the others is no guess.)"""
         p = parts[me.node_id]
         here = p.ahead_s + p.prefill_s
-        link = self._needed(here)
-        return {n.node_id for n in avail if not n.is_self and n.rtt_s > link
-                and n.cached_tokens <= me.cached_tokens
-                and parts[n.node_id].ahead_s + parts[n.node_id].prefill_s > here}  # fmt: skip
+        link, held = self._needed(here), me.cached_tokens
+
+        def slower(n: NodeInfo) -> bool:  # cheapest tests first: most peers are near
+            if n.is_self or n.rtt_s <= link or n.cached_tokens > held:
+                return False
+            q = parts[n.node_id]
+            return q.ahead_s + q.prefill_s > here
+
+        return slower
 
     def _bypasses_bound(
         self, top: _Keyed, best: _Keyed
