@@ -110,7 +110,7 @@ that still paid: at 16–1,024 simulated nodes 0.4–0.5 refusals per request.)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from random import Random  # the type only: instances are passed in, never the global one
 
 from radixmesh.core.cost_model import (
@@ -157,13 +157,11 @@ class CostPolicy:
         me = next(n for n in avail if n.is_self)
         scale = self.config.context_scale
         parts = {n.node_id: priced(req, n, scale) for n in avail}
-        costs = [parts[n.node_id].cost_s for n in avail]
         local = parts[me.node_id].cost_s
         preferred = set() if placement is None else {
             n.node_id for n in avail if self._preferred(req, n, me, placement)
         }
-        slower = self._far_and_slower(parts, me)
-        order, bought = self._by_cost(req, avail, costs, rng, placement, preferred, slower)
+        order, bought = self._by_cost(req, avail, parts, rng, placement, preferred)
         if placement is None:
             return [candidate(req, n, scale, None if n.is_self else local,
                               cost_s=parts[n.node_id].cost_s, parts=parts[n.node_id])
@@ -188,25 +186,28 @@ class CostPolicy:
         self,
         req: RouteInput,
         avail: list[NodeInfo],
-        costs: list[float],
+        parts: dict[str, Priced],
         rng: Random,
         placement: Placement | None,
         preferred: set[str],
-        slower: Callable[[NodeInfo], bool],
     ) -> tuple[list[NodeInfo], bool]:
-        """The candidates, best first (``costs``: their mesh costs), and whether staying here
-        is a bought copy (rent); ``preferred``: the owners and holders worth a round trip;
-        ``slower``: whether a node is a far peer predicted to give the request its first
-        token later (``_far_and_slower``): never ranked first."""
+        """The candidates, best first (``parts``: their predictions, ranked by mesh cost),
+        and whether staying here is a bought copy (rent); ``preferred``: the owners and
+        holders worth a round trip. A far peer reached for load alone and predicted slower
+        for the request (``_far_and_slower``) is never ranked first."""
         me = next(n for n in avail if n.is_self)
-        keyed = [(c, n.queue_depth, rng.random(), n) for c, n in zip(costs, avail, strict=True)]
+        keyed = [(parts[n.node_id].cost_s, n.queue_depth, rng.random(), n) for n in avail]
         keyed.sort(key=lambda k: (k[0], not k[3].is_self, k[1], k[2]))
         order = [k[3] for k in keyed]
         overloaded = self._over_bound(avail)
         mine = next(k for k in keyed if k[3].is_self)
-        best = next((k for k in keyed if k[3].node_id not in overloaded and not slower(k[3])),
-                    mine)  # fmt: skip
-        if not slower(keyed[0][3]) and self._bypasses_bound(keyed[0], best):
+        best = next((k for k in keyed if k[3].node_id not in overloaded), mine)
+        if self._far_and_slower(best[3], me, parts):  # rare: the next that is not
+            best = next((k for k in keyed if k[3].node_id not in overloaded
+                         and not self._far_and_slower(k[3], me, parts)), mine)  # fmt: skip
+        if self._bypasses_bound(keyed[0], best) and not self._far_and_slower(
+            keyed[0][3], me, parts
+        ):
             best = keyed[0]  # a large certain saving (a long cached prefix) beats balancing
         # Hysteresis against noisy *speed* estimates: a share of the local work, not of the
         # local queue wait (under load 10 % of the wait exceeded any cache saving); and
@@ -380,10 +381,8 @@ class CostPolicy:
         net = here - there - node.rtt_s - node.wait_error_s  # what a later forward gains
         return net >= max(self._needed(here), node.rtt_s)
 
-    def _far_and_slower(
-        self, parts: dict[str, Priced], me: NodeInfo
-    ) -> Callable[[NodeInfo], bool]:
-        """The test of a peer that a forward would reach for load alone over a long link,
+    def _far_and_slower(self, n: NodeInfo, me: NodeInfo, parts: dict[str, Priced]) -> bool:
+        """Whether ``n`` is a peer that a forward would reach for load alone over a long link,
         predicted to give the request its first token later than staying: it holds no more
         of the request than this node, and its round trip is more than the hysteresis of
         the request's TTFT here. The mesh cost may not send it there for the others' sake
@@ -395,17 +394,11 @@ class CostPolicy:
         joining its batch at 3-6x theirs. Barring far forwards to holders too cost RAG
         221 -> 265 ms mean: a holder saves a long prefill for certain, and that it spares
         the others is no guess.)"""
-        p = parts[me.node_id]
+        if n.is_self or n.cached_tokens > me.cached_tokens:
+            return False
+        p, q = parts[me.node_id], parts[n.node_id]
         here = p.ahead_s + p.prefill_s
-        link, held = self._needed(here), me.cached_tokens
-
-        def slower(n: NodeInfo) -> bool:  # cheapest tests first: most peers are near
-            if n.is_self or n.rtt_s <= link or n.cached_tokens > held:
-                return False
-            q = parts[n.node_id]
-            return q.ahead_s + q.prefill_s > here
-
-        return slower
+        return n.rtt_s > self._needed(here) and q.ahead_s + q.prefill_s > here
 
     def _bypasses_bound(
         self, top: _Keyed, best: _Keyed
