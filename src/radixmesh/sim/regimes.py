@@ -11,12 +11,13 @@ pool, ``sim/engine.py``):
 * ``regions-16``: 16 x ``h100-llama3-8b`` dealt round-robin to regions us, eu, ap, 40 ms apart
   one way (1 ms inside a region);
 * ``h100-1024``: 1,024 x ``h100-llama3-8b``, a reduced grid (``SCALE_GRID``: RAG and agentic at
-  80 %, Poisson): ``SCALE_REQUESTS`` = 24 requests per node, the first 8 per node a warm-up
-  left out of the figures (``SCALE_WARMUP``, as ``--exclude-warmup``), so the figures are of
-  warm caches and warmed-up rate estimates, not a cold start. At 80 % of 1,024 H100s that is
-  ~0.3 virtual seconds: less than one epidemic gossip round (1 s), so peers' load is known
-  from forwards' answers and refusals more than from gossip; several gossip rounds would take
-  ~100 times the requests (hours of one core per run).
+  80 %, Poisson): ``SCALE_REQUESTS`` = 12 requests per node, the first 4 per node a warm-up
+  left out of the figures (``SCALE_WARMUP``, as ``--exclude-warmup``), so the figures are not
+  of a cold start (each node has served a few requests and reported its load once). At 80 %
+  of 1,024 H100s that is ~0.15 virtual seconds: less than one epidemic gossip round (1 s), so
+  peers' load is known from forwards' answers and refusals more than from gossip; several
+  gossip rounds would take ~100 times the requests (hours of one core per run, as batching
+  engines at 1,024 nodes cost ~10 ms of one core per request).
 
 Each regime runs the grid workloads {chat, RAG, agentic, hot prefix} (workload/generated.py;
 sessions send their next turn once the last is answered) x loads {50 %, 80 %} of the capacity
@@ -56,8 +57,8 @@ WORKLOADS = ("chat", "rag", "agentic", "hotprefix")
 LOADS = (0.5, 0.8)
 ARRIVALS = ("poisson", "bursty")
 REQUESTS = 400  # per run at 16 nodes
-SCALE_REQUESTS = 24 * 1024  # per run at 1,024 nodes (24 per node: ~1-2 min of one core a run)
-SCALE_WARMUP = (8 * 1024, 0.0)  # its warm-up left out of the figures (--exclude-warmup 8192)
+SCALE_REQUESTS = 12 * 1024  # per run at 1,024 nodes (12 per node)
+SCALE_WARMUP = (4 * 1024, 0.0)  # its warm-up left out of the figures (--exclude-warmup 4096)
 SCALE_GRID = (("rag", "agentic"), (0.8,), ("poisson",))
 H100, A10G = "h100-llama3-8b", "a10g-llama3-8b"
 
