@@ -80,12 +80,12 @@ shared machine cannot send cold requests to whichever node looks fastest
 A speed far off the median for lack of recent requests is not noise
 the tolerance can absorb: the node restarts it (``OwnLoad.refresh_stale_speed``).
 
-*Far peers, for load alone*: a peer whose round trip is more than the
-hysteresis of the request's TTFT here, holding no more of it than this
-node, is chosen only if predicted to give it its first token sooner than
-staying (issue #52: a request crosses regions only when that is
-predicted faster); the mesh cost may not send it there for the others'
-sake, on the stalest load view this node has (``_far_and_slower``).
+*Far peers, for load alone*: a peer whose round trip alone is longer
+than the request's TTFT here, holding no more of it than this node, is
+never ranked first: slower for the request whatever its queue (issue
+#52: a request crosses regions only when that is predicted faster), the
+mesh cost may not send it there for the others' sake, on the stalest
+load view this node has (``_far_and_slower``).
 
 Why one file over 400 lines: the rules above are one ranking that shares
 its intermediate values (each candidate's parts, the preferred and barred
@@ -382,23 +382,21 @@ class CostPolicy:
         return net >= max(self._needed(here), node.rtt_s)
 
     def _far_and_slower(self, n: NodeInfo, me: NodeInfo, parts: dict[str, Priced]) -> bool:
-        """Whether ``n`` is a peer that a forward would reach for load alone over a long link,
-        predicted to give the request its first token later than staying: it holds no more
-        of the request than this node, and its round trip is more than the hysteresis of
-        the request's TTFT here. The mesh cost may not send it there for the others' sake
-        (issue #52: a request crosses regions only when that is predicted faster): the
-        request pays the round trip for certain, while what it saves the others rests on
-        the far peer's load, the stalest view this node has. (regions-16, agentic, 80 %:
-        such forwards, 2 % of the requests, each 80 ms slower, were the p99: the entry's own
-        arrival rate, exact, against far peers' reports of their first arrivals priced
-        joining its batch at 3-6x theirs. Barring far forwards to holders too cost RAG
-        221 -> 265 ms mean: a holder saves a long prefill for certain, and that it spares
-        the others is no guess.)"""
+        """Whether ``n`` is a peer whose round trip alone is longer than the request's TTFT
+        here and which holds no more of it than this node: a forward there is slower for
+        the request whatever the peer's queue, and would be made for load alone. The mesh
+        cost may not send it there for the others' sake (issue #52: a request crosses
+        regions only when that is predicted faster): the request pays the round trip for
+        certain, while what it saves the others rests on the far peer's load, the stalest
+        view this node has. (regions-16, agentic, 80 %: such forwards, 2 % of the requests,
+        each 80 ms slower, were the p99: the entry's own arrival rate, exact, against far
+        peers' reports of their first arrivals priced joining its batch at 3-6x theirs.
+        Tried and dropped: a bar on far holders too, and "far" as over 10 % of the TTFT
+        here (docs/ideas-tried.md).)"""
         if n.is_self or n.cached_tokens > me.cached_tokens:
             return False
-        p, q = parts[me.node_id], parts[n.node_id]
-        here = p.ahead_s + p.prefill_s
-        return n.rtt_s > self._needed(here) and q.ahead_s + q.prefill_s > here
+        p = parts[me.node_id]
+        return n.rtt_s > p.ahead_s + p.prefill_s
 
     def _bypasses_bound(
         self, top: _Keyed, best: _Keyed
