@@ -186,7 +186,7 @@ def parse_warmup(text: str) -> tuple[int, float]:
     try:
         return 0, parse_duration(text)
     except ValueError as exc:
-        raise ValueError(f"--exclude-warmup: expected N (requests) or a duration: {exc}") from None
+        raise ValueError(f"expected N (requests) or a duration: {exc}") from None
 
 
 def check_network(name: str) -> str:
