@@ -165,6 +165,30 @@ def gossip_config(
     return gossip
 
 
+EXCLUDE_WARMUP_HELP = (
+    "leave the first N requests (e.g. 50) or those sent in the first S seconds (e.g. 30s, "
+    "unscaled) out of the figures; they are still sent and kept in requests.jsonl with "
+    "\"warmup\": true"
+)
+
+
+def add_exclude_warmup(parser: argparse.ArgumentParser | Any) -> None:
+    """``--exclude-warmup N|Ss`` (``bench`` and ``sim``): the value is (requests, seconds);
+    ``results.records.in_warmup`` says which records it covers."""
+    parser.add_argument("--exclude-warmup", type=_argtype(parse_warmup), default=None,
+                        metavar="N|Ss", help=EXCLUDE_WARMUP_HELP)
+
+
+def parse_warmup(text: str) -> tuple[int, float]:
+    """``50`` (requests) or ``30s`` (seconds) -> (requests, seconds)."""
+    if text.strip().isdigit():
+        return int(text), 0.0
+    try:
+        return 0, parse_duration(text)
+    except ValueError as exc:
+        raise ValueError(f"expected N (requests) or a duration: {exc}") from None
+
+
 def check_network(name: str) -> str:
     if name not in NETWORKS:
         raise ValueError(f"network must be one of {', '.join(NETWORKS)}, got {name!r}")

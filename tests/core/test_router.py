@@ -688,3 +688,23 @@ def test_placement_keeps_the_ranking_complete_and_picks_a_preferred_node_or_the_
     preferred = head.node_id in owners or head.expected_cached_tokens >= held
     assert preferred or head.node_id == unplaced.node_id or head.is_self
     assert all(c.placement is not None for c in out)
+
+
+def test_no_forward_for_load_alone_over_a_round_trip_longer_than_the_ttft_here() -> None:
+    """Issue #52: a request crosses regions only when that is predicted faster. Over a 120 ms
+    round trip, with no more of the prompt there than here, the mesh cost (this node's queue
+    and the requests arriving behind a 1,000-token prefill) no longer sends it to an idle
+    far peer when the round trip alone is longer than its TTFT here (one place queued: 0.104
+    s); with two places queued (0.124 s) the rule is silent and the mesh cost decides, as it
+    does over a 90 ms or a 2 ms link."""
+    speed = SpeedReport(0.004, 8e-5, 0.007, 0.02)
+    req = RouteInput(1000, 1)
+    for rtt, queued, first in ((0.12, 1, "self"), (0.12, 2, "far"), (0.09, 1, "far"),
+                               (0.002, 1, "far")):  # fmt: skip
+        here = NodeInfo("self", True, 0, 0.0, queued, speed, utilization=0.9)
+        far = NodeInfo("far", False, 0, rtt, 0, speed)
+        assert rank(Policy.COST, req, [here, far])[0] == first
+    # a holder of more of the request is not held to it
+    here = NodeInfo("self", True, 0, 0.0, 1, speed, utilization=0.9)
+    holder = NodeInfo("far", False, 500, 0.12, 0, speed)
+    assert rank(Policy.COST, req, [here, holder])[0] == "far"

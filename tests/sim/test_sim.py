@@ -341,3 +341,25 @@ def test_decode_runs_give_what_single_steps_give(
     mean_a, mean_b = (sum(r.latency_s for r in rs) / len(rs) for rs in (a, b))
     assert mean_a == pytest.approx(mean_b, rel=0.05)
     assert coalesced.summary["sim"]["events"] < stepped.summary["sim"]["events"]
+
+
+def test_an_excluded_warmup_is_sent_and_recorded_but_not_summarized(
+    requests_small: list[Request],
+) -> None:
+    # --exclude-warmup, as bench's: the same run, its first 20 requests left out of the figures
+    tokenize, _ = byte_tokenize()
+    spec = SimSpec(name="cost", cluster=cluster_config("cost"), excluded=(20, 0.0))
+    res = run(spec, requests_small, tokenize)
+    whole = simulate("cost", requests_small)
+    assert [r.latency_s for r in res.records] == [r.latency_s for r in whole.records]
+    assert [r.warmup for r in res.records] == [r.seq < 20 for r in res.records]
+    kept = [r for r in whole.records if r.seq >= 20]
+    assert res.summary["requests"] == len(kept) == len(requests_small) - 20
+    assert res.summary["mean_latency_s"] == pytest.approx(
+        sum(r.latency_s for r in kept) / len(kept)
+    )
+    assert res.summary["warmup"] == {"requests": 20, "seconds": 0.0, "excluded": 20}
+    by_time = run(replace(spec, excluded=(0, whole.records[30].t_send)), requests_small, tokenize)
+    assert by_time.summary["requests"] == sum(
+        1 for r in whole.records if r.t_send >= whole.records[30].t_send
+    )

@@ -49,7 +49,7 @@ from radixmesh.bench.spec import ALL_POLICIES, RunSpec, check_policy
 from radixmesh.bench.sweep import ABUNDANT_CACHE, SWEEPS
 from radixmesh.core.config import GossipConfig
 from radixmesh.core.units import parse_duration
-from radixmesh.options import add_option, add_options
+from radixmesh.options import add_exclude_warmup, add_option, add_options
 from radixmesh.workload import Schedule, trace
 from radixmesh.workload.build import WORKLOADS, build_counted
 from radixmesh.workload.lengths import OutputLengths
@@ -101,16 +101,6 @@ def _lengths(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
-
-
-def _warmup(text: str) -> tuple[int, float]:
-    """``50`` (requests) or ``30s`` (seconds) -> (requests, seconds)."""
-    if text.strip().isdigit():
-        return int(text), 0.0
-    try:
-        return 0, parse_duration(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected N (requests) or a duration: {exc}") from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -178,15 +168,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--arrival-cv", type=float, default=DEFAULT_CV, metavar="CV",
                    help=f"bursty arrivals: the gaps' coefficient of variation (default "
                         f"{DEFAULT_CV:g}; 1 = Poisson, 2-4 bursty)")
-    g.add_argument(
-        "--exclude-warmup",
-        type=_warmup,
-        default=None,
-        metavar="N|Ss",
-        help="leave the first N requests (e.g. 50) or those sent in the first S seconds (e.g. "
-        "30s, unscaled) out of the figures; they are still sent and kept in requests.jsonl "
-        "with \"warmup\": true",
-    )
+    add_exclude_warmup(g)
     g.add_argument(
         "--batch-limit",
         type=int,

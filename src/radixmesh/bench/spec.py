@@ -17,6 +17,7 @@ from pathlib import Path
 from radixmesh.bench.regions import Regions
 from radixmesh.core.config import GossipConfig
 from radixmesh.core.router import Policy
+from radixmesh.results.records import in_warmup
 from radixmesh.workload import WorkloadSpec
 
 CLIENT_POLICIES = ("oracle", "sglang", "smg")
@@ -98,7 +99,7 @@ class RunSpec:
 
     def is_warmup(self, seq: int, t_send: float) -> bool:
         """Whether a request (its position, its unscaled send time) is part of the warm-up."""
-        return seq < self.warmup_requests or t_send < self.warmup_s
+        return in_warmup(seq, t_send, self.warmup_requests, self.warmup_s)
 
     @property
     def node_policy(self) -> str:

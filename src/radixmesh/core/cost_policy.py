@@ -80,6 +80,17 @@ shared machine cannot send cold requests to whichever node looks fastest
 A speed far off the median for lack of recent requests is not noise
 the tolerance can absorb: the node restarts it (``OwnLoad.refresh_stale_speed``).
 
+*Far peers, for load alone*: a peer whose round trip alone is longer
+than the request's TTFT here, holding no more of it than this node, is
+never ranked first: slower for the request whatever its queue (issue
+#52: a request crosses regions only when that is predicted faster), the
+mesh cost may not send it there for the others' sake, on the stalest
+load view this node has (``_far_and_slower``).
+
+Why one file over 400 lines: the rules above are one ranking that shares
+its intermediate values (each candidate's parts, the preferred and barred
+sets); split, each part would take and return all of them.
+
 Because a peer's prediction includes its forward RTT, ``cost`` forwards only when the predicted
 saving exceeds the forward cost: on a slow network it degenerates to ``none``. Its peer
 candidates carry ``beat_s``: the peer checks it against its exact queue and cache and refuses
@@ -106,6 +117,7 @@ from radixmesh.core.cost_model import (
     Candidate,
     NodeInfo,
     Placement,
+    Priced,
     RouteInput,
     Tag,
     batch_externality,
@@ -145,12 +157,11 @@ class CostPolicy:
         me = next(n for n in avail if n.is_self)
         scale = self.config.context_scale
         parts = {n.node_id: priced(req, n, scale) for n in avail}
-        costs = [parts[n.node_id].cost_s for n in avail]
         local = parts[me.node_id].cost_s
         preferred = set() if placement is None else {
             n.node_id for n in avail if self._preferred(req, n, me, placement)
         }
-        order, bought = self._by_cost(req, avail, costs, rng, placement, preferred)
+        order, bought = self._by_cost(req, avail, parts, rng, placement, preferred)
         if placement is None:
             return [candidate(req, n, scale, None if n.is_self else local,
                               cost_s=parts[n.node_id].cost_s, parts=parts[n.node_id])
@@ -175,21 +186,28 @@ class CostPolicy:
         self,
         req: RouteInput,
         avail: list[NodeInfo],
-        costs: list[float],
+        parts: dict[str, Priced],
         rng: Random,
         placement: Placement | None,
         preferred: set[str],
     ) -> tuple[list[NodeInfo], bool]:
-        """The candidates, best first (``costs``: their mesh costs), and whether staying here
-        is a bought copy (rent); ``preferred``: the owners and holders worth a round trip."""
+        """The candidates, best first (``parts``: their predictions, ranked by mesh cost),
+        and whether staying here is a bought copy (rent); ``preferred``: the owners and
+        holders worth a round trip. A far peer reached for load alone and predicted slower
+        for the request (``_far_and_slower``) is never ranked first."""
         me = next(n for n in avail if n.is_self)
-        keyed = [(c, n.queue_depth, rng.random(), n) for c, n in zip(costs, avail, strict=True)]
+        keyed = [(parts[n.node_id].cost_s, n.queue_depth, rng.random(), n) for n in avail]
         keyed.sort(key=lambda k: (k[0], not k[3].is_self, k[1], k[2]))
         order = [k[3] for k in keyed]
         overloaded = self._over_bound(avail)
         mine = next(k for k in keyed if k[3].is_self)
         best = next((k for k in keyed if k[3].node_id not in overloaded), mine)
-        if self._bypasses_bound(keyed[0], best):
+        if self._far_and_slower(best[3], me, parts):  # rare: the next that is not
+            best = next((k for k in keyed if k[3].node_id not in overloaded
+                         and not self._far_and_slower(k[3], me, parts)), mine)  # fmt: skip
+        if self._bypasses_bound(keyed[0], best) and not self._far_and_slower(
+            keyed[0][3], me, parts
+        ):
             best = keyed[0]  # a large certain saving (a long cached prefix) beats balancing
         # Hysteresis against noisy *speed* estimates: a share of the local work, not of the
         # local queue wait (under load 10 % of the wait exceeded any cache saving); and
@@ -362,6 +380,23 @@ class CostPolicy:
         there = predict_service(req, with_cached(node, copy), scale)
         net = here - there - node.rtt_s - node.wait_error_s  # what a later forward gains
         return net >= max(self._needed(here), node.rtt_s)
+
+    def _far_and_slower(self, n: NodeInfo, me: NodeInfo, parts: dict[str, Priced]) -> bool:
+        """Whether ``n`` is a peer whose round trip alone is longer than the request's TTFT
+        here and which holds no more of it than this node: a forward there is slower for
+        the request whatever the peer's queue, and would be made for load alone. The mesh
+        cost may not send it there for the others' sake (issue #52: a request crosses
+        regions only when that is predicted faster): the request pays the round trip for
+        certain, while what it saves the others rests on the far peer's load, the stalest
+        view this node has. (regions-16, agentic, 80 %: such forwards, 2 % of the requests,
+        each 80 ms slower, were the p99: the entry's own arrival rate, exact, against far
+        peers' reports of their first arrivals priced joining its batch at 3-6x theirs.
+        Tried and dropped: a bar on far holders too, and "far" as over 10 % of the TTFT
+        here (docs/ideas-tried.md).)"""
+        if n.is_self or n.cached_tokens > me.cached_tokens:
+            return False
+        p = parts[me.node_id]
+        return n.rtt_s > p.ahead_s + p.prefill_s
 
     def _bypasses_bound(
         self, top: _Keyed, best: _Keyed

@@ -22,8 +22,8 @@ finished). Field meanings:
 ``server_timing``  any ``server-timing`` parts the node reported (name -> seconds)
 ``error``     ``None`` or a short description (HTTP status + message, or the exception)
 ``finish_reason``  ``stop`` | ``length`` as the API said (what the engine cached depends on it)
-``warmup``    sent during the run's warm-up (``bench --exclude-warmup``): kept here, left out of
-              the run's figures
+``warmup``    sent during the run's warm-up (``bench`` / ``sim --exclude-warmup``,
+              :func:`in_warmup`): kept here, left out of the run's figures
 """
 
 from __future__ import annotations
@@ -76,3 +76,9 @@ class Record:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+def in_warmup(seq: int, t_send: float, requests: int, seconds: float) -> bool:
+    """Whether a request (its position ``seq``, its unscaled send time ``t_send``) is part of
+    a warm-up of the first ``requests`` requests or ``seconds`` seconds (``--exclude-warmup``)."""
+    return seq < requests or t_send < seconds

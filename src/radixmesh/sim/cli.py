@@ -28,7 +28,13 @@ from typing import Any
 from radixmesh.core.config import GossipConfig
 from radixmesh.core.router import RouterConfig
 from radixmesh.core.units import parse_duration
-from radixmesh.options import add_option, add_options, parse_optional_fraction, warn_renamed
+from radixmesh.options import (
+    add_exclude_warmup,
+    add_option,
+    add_options,
+    parse_optional_fraction,
+    warn_renamed,
+)
 from radixmesh.sim import costs
 from radixmesh.sim.runner import SimResult
 from radixmesh.sim.sweep import AUTO_EPIDEMIC_ABOVE, parse_policies, split_csv, sweep_point
@@ -206,6 +212,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="random seed of the workload and the simulation (default 0)",
     )
     g.add_argument("--warmup", default=None, help="virtual warm-up before requests")
+    add_exclude_warmup(g)
     g.add_argument("--out", default=None, help="directory for summary.json, requests.jsonl")
     g.add_argument("--no-records", action="store_true", help="skip requests.jsonl")
     g.add_argument("--quiet", action="store_true", help="no progress on stderr")

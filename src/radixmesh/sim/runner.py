@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixmesh.core.router import Tag
-from radixmesh.results.records import Record
+from radixmesh.results.records import Record, in_warmup
 from radixmesh.results.summary import mean, percentile, summarize
 from radixmesh.sim.cluster import ClusterConfig, Journey, SimCluster, routable_count
 from radixmesh.sim.tokens import Tokenize
@@ -49,6 +49,9 @@ class SimSpec:
     warmup_s: float | None = None  # None: 4 gossip intervals (>= 0.5 s), then until joined
     max_join_s: float = 120.0  # with warmup_s None: give up waiting for the join after this
     max_virtual_s: float | None = None  # stop the run after this much virtual time
+    # --exclude-warmup (as bench's): the first N requests / those sent in the first S seconds
+    # of the workload are sent but left out of the figures (records carry "warmup": true)
+    excluded: tuple[int, float] = (0, 0.0)
 
     def warmup(self) -> float:
         if self.warmup_s is not None:
@@ -158,6 +161,7 @@ class _Driver:
             # the first one the engine's decode time before the last
             ttft_s=f.t_done - f.t_arrival - f.decode_s if ok else None,
             tpot_s=f.decode_s / (f.decode_tokens - 1) if ok and f.decode_tokens > 1 else None,
+            warmup=in_warmup(f.index, f.t_arrival - self.t0, *self.spec.excluded),
         )
 
     def _wait_joined(self) -> None:
@@ -237,10 +241,14 @@ def _summary(
         else c.gossip.announce_gap_s * 1000.0,
         "cache_tokens": c.cache_tokens,
     }  # fmt: skip
-    out.update(summarize(records))
+    measured = [(r, e) for r, e in zip(records, extras, strict=True) if not r.warmup]
+    kept = [r for r, _ in measured], [e for _, e in measured]
+    out.update(summarize(kept[0]))
+    out["warmup"] = {"requests": spec.excluded[0], "seconds": spec.excluded[1],
+                     "excluded": len(records) - len(measured)}  # fmt: skip
     out["schedule"] = spec.schedule
     out["concurrency"] = spec.concurrency if spec.schedule == "sequential" else None
-    out["sim"] = _sim_figures(c, driver, records, extras, wall)
+    out["sim"] = _sim_figures(c, driver, *kept, wall)
     return out
 
 

@@ -324,6 +324,7 @@ def _run_spec(args: argparse.Namespace, name: str, cluster: ClusterConfig, skew:
         schedule=args.schedule,
         concurrency=cluster.nodes if args.concurrency == "nodes" else int(args.concurrency),
         warmup_s=parse_duration(args.warmup) if args.warmup else None,
+        excluded=getattr(args, "exclude_warmup", None) or (0, 0.0),
     )
 
 
