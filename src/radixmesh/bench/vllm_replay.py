@@ -34,6 +34,14 @@ from radixmesh.results.records import Record
 from radixmesh.workload.request import Request
 
 METRIC_WAIT_S = 2.0
+# Idle connections are dropped before the servers close them (vLLM's and uvicorn's default
+# keep-alive: 5 s, httpx's own expiry too): a request sent as the server closes is lost.
+CLIENT_KEEPALIVE_S = 2.0
+
+
+def _client() -> httpx.AsyncClient:
+    return httpx.AsyncClient(timeout=600.0, trust_env=False,
+                             limits=httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_S))
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +152,7 @@ async def replay_run(policy: str, urls: Sequence[str], node_ids: Sequence[str],
                                             rec.expected_cached_tokens or 0, usage, actual))
                 agreement.note_seen(rec, req, marks, actual, node_engine)
 
-    async with httpx.AsyncClient(timeout=600.0, trust_env=False) as http:
+    async with _client() as http:
         await asyncio.gather(*(worker(http) for _ in range(max(1, concurrency))))
     await asyncio.sleep(METRIC_WAIT_S)  # let the engines' stats loops catch up
     hits = sum(e.counters()[1] - s[1] for e, s in zip(engines, start, strict=True))
@@ -165,7 +173,7 @@ async def warm_up(engines: Sequence[VllmServer], reqs: Sequence[Request],
                          entry=0, entry_node="-", t_send=0.0)
             await send_stream(http, url, req, rec, 0.0)
 
-    async with httpx.AsyncClient(timeout=600.0, trust_env=False) as http:
+    async with _client() as http:
         for e in engines:
             queue = list(reqs)
             await asyncio.gather(*(worker(http, e.url, queue)

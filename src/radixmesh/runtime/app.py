@@ -131,6 +131,11 @@ log = logging.getLogger("radixmesh.app")
 PLACEMENT_TAGS = frozenset(t.value for t in Tag)  # what /mesh/decisions?placement= takes
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 MAX_PEER_BODY = 64 * 1024 * 1024  # forward bodies (encoded prompts); gossip has its own limit
+# uvicorn closes a connection idle for ``timeout_keep_alive`` (default 5 s, httpx's own idle
+# expiry too; aiohttp keeps one 15 s, Go's net/http 90 s). A request a client sends on a
+# connection the server is closing at that instant is lost (ECONNRESET: httpx.ReadError, before
+# any header). The server must be the last to give an idle connection up: well past the clients'.
+KEEP_ALIVE_S = 120.0
 
 
 def create_app(service: NodeService) -> FastAPI:

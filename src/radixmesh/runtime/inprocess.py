@@ -29,10 +29,11 @@ async def serving(service: Any, port: int, **uvicorn_options: Any) -> AsyncItera
     """Serve ``service`` (a ``NodeService`` configured for ``port``); yields ``host:port``."""
     import uvicorn
 
-    from radixmesh.runtime.app import create_app, node_server
+    from radixmesh.runtime.app import KEEP_ALIVE_S, create_app, node_server
 
     app = create_app(service)
-    options = {"log_level": "warning", "lifespan": "on", **uvicorn_options}
+    options = {"log_level": "warning", "lifespan": "on", "timeout_keep_alive": KEEP_ALIVE_S,
+               **uvicorn_options}
     if callable(options.get("app_options")):
         options.update(options.pop("app_options")(app))
     server = node_server(uvicorn.Config(app, host="127.0.0.1", port=port, **options), service)

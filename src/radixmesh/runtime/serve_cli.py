@@ -293,7 +293,7 @@ def _server(config: ServeConfig, service: Any) -> Any:
     """uvicorn serving the node's app, draining on SIGTERM."""
     import uvicorn
 
-    from radixmesh.runtime.app import create_app
+    from radixmesh.runtime.app import KEEP_ALIVE_S, create_app
     from radixmesh.runtime.peer_tls import uvicorn_options
 
     app = create_app(service)
@@ -304,6 +304,7 @@ def _server(config: ServeConfig, service: Any) -> Any:
         log_level="warning" if config.log_level == "info" else config.log_level,
         access_log=False,
         timeout_graceful_shutdown=3,
+        timeout_keep_alive=KEEP_ALIVE_S,  # longer than clients keep an idle connection
         lifespan="on",
         **uvicorn_options(app),  # --peer-tls-*: HTTPS, client certificates for /peer/*
     ), service)
