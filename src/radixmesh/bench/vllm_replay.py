@@ -196,32 +196,41 @@ async def send_stream(http: httpx.AsyncClient, base_url: str, req: Request, rec:
     try:
         async with http.stream("POST", base_url.rstrip("/") + path, json=body) as resp:
             marks["headers"] = time.perf_counter()
-            rec.status = resp.status_code
-            h = resp.headers
-            rec.served_by, rec.route = h.get(HEADER_SERVED_BY), h.get(HEADER_ROUTE)
-            rec.expected_cached_tokens = _int(h.get(HEADER_EXPECTED))
-            rec.cached_tokens = _int(h.get(HEADER_CACHED))
+            _read_headers(rec, resp)
             if resp.status_code != 200:
                 rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
             async for line in resp.aiter_lines():
                 data = line[5:].strip() if line.startswith("data:") else ""
-                if not data or data == "[DONE]":
-                    continue
-                marks.setdefault("first", time.perf_counter())
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    rec.error = str(chunk["error"])[:300]
-                usage = chunk.get("usage") or {}
-                if usage:
-                    rec.prompt_tokens = usage.get("prompt_tokens")
-                    rec.completion_tokens = usage.get("completion_tokens")
-                    details = usage.get("prompt_tokens_details") or {}
-                    engine_cached = details.get("cached_tokens")
+                if data and data != "[DONE]":
+                    marks.setdefault("first", time.perf_counter())
+                    engine_cached = _read_chunk(rec, json.loads(data), engine_cached)
     except (httpx.HTTPError, ValueError) as exc:
         rec.error = f"{type(exc).__name__}: {exc}"[:300]
     end = time.perf_counter()
     rec.latency_s, rec.t_done = end - start, end - t0
     return engine_cached if isinstance(engine_cached, int) else None
+
+
+def _read_headers(rec: Record, resp: httpx.Response) -> None:
+    """The node's start headers: who served it, how, and the cached tokens it predicted."""
+    rec.status = resp.status_code
+    h = resp.headers
+    rec.served_by, rec.route = h.get(HEADER_SERVED_BY), h.get(HEADER_ROUTE)
+    rec.expected_cached_tokens = _int(h.get(HEADER_EXPECTED))
+    rec.cached_tokens = _int(h.get(HEADER_CACHED))
+
+
+def _read_chunk(rec: Record, chunk: dict[str, Any], engine_cached: Any) -> Any:
+    """One SSE chunk: an error into ``rec``, the usage chunk's counts into ``rec``; returns
+    the engine's ``cached_tokens`` (the usage chunk's, else ``engine_cached`` unchanged)."""
+    if "error" in chunk:
+        rec.error = str(chunk["error"])[:300]
+    usage = chunk.get("usage") or {}
+    if not usage:
+        return engine_cached
+    rec.prompt_tokens = usage.get("prompt_tokens")
+    rec.completion_tokens = usage.get("completion_tokens")
+    return (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
 
 
 async def _served_delta(rec: Record, engines: Sequence[VllmServer], node_engine: dict[str, int],
