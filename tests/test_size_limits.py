@@ -15,7 +15,6 @@ LONG_FUNCTIONS = {  # (file relative to src/radixmesh, function): why it stays l
     ("sim/cli.py", "add_arguments"): "an argument table",
     ("bench/cli.py", "add_arguments"): "an argument table",
     ("runtime/config.py", "_help_texts"): "a table of help texts",
-    ("runtime/node.py", "__init__"): "field assignments read by app.py, metrics and tests",
 }
 
 

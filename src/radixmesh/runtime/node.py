@@ -175,8 +175,6 @@ class NodeService:
         incarnation: int | None = None,
         peers: PeerTransport | None = None,
     ) -> None:
-        # over 40 lines of field assignments, each with its comment: grouping them would rename
-        # what app.py, the metrics and the tests read (issue #50's service split, not a move)
         self.config = config
         self.engine: AsyncEngine = as_async_engine(engine)
         self.clock = clock
@@ -189,6 +187,11 @@ class NodeService:
         self._wire(config, peers)
         self.metrics = prom.RuntimeMetrics()
         self.started_monotonic = clock()
+        self._init_work(config, engine.fingerprint.block_size)
+
+    def _init_work(self, config: ServeConfig, block_size: int) -> None:
+        """The service's own state: its tasks, the requests in flight and what they hold of
+        the engine (admission's token counts, the shadow), and its counters."""
         self._wake: asyncio.Future[None] | None = None  # the timer's sleep; set = wake up
         self._tasks: set[asyncio.Task[Any]] = set()
         self._timer: asyncio.Task[None] | None = None
@@ -203,7 +206,7 @@ class NodeService:
         # and the prompt tokens not cached when each was queued (what one place in the queue
         # costs: core ``SpeedReport.queued_service_s``)
         self.queue_prompt_tokens = self.queue_output_tokens = self.queue_uncached_tokens = 0
-        self._queued_blocks = QueuedBlocks(engine.fingerprint.block_size)
+        self._queued_blocks = QueuedBlocks(block_size)
         # an external engine with a --profile: the node's shadow of its scheduler
         # (core/shadow.py), fed the engine work started here, keyed by execution
         self.shadow = (Shadow(resolve_profile(config.profile), config.profile_time_scale)
