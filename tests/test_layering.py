@@ -6,10 +6,12 @@ dependency. The intended layering is core ← engine ← runtime, core ← sim, 
 ``workload`` below bench and sim, bench and chaos on top; ``child_process`` (one OS call,
 no radixmesh imports) below everything that starts processes.
 
-Inside ``core/`` two more rules are read off the syntax tree: no part reads another object's
-private attributes (``obj._name`` with ``obj`` other than ``self``/``cls``), and no function
-is longer than ``MAX_FUNCTION_LINES`` (from ``def`` to its last line, docstring included)
-unless a comment on its ``def`` line says ``# long: <reason>``. And docs/modules.md's
+Three more rules are read off the syntax tree: inside ``core/`` no part reads another
+object's private attributes (``obj._name`` with ``obj`` other than ``self``/``cls``); anywhere
+under ``src/radixmesh`` no function is longer than ``MAX_FUNCTION_LINES`` (from ``def`` to its
+last line, docstring included) unless a comment on its ``def`` line says ``# long: <reason>``
+(argument tables), and no file is longer than ``MAX_FILE_LINES`` unless its module docstring
+says why ("... over 400 lines ..." or "Why 400 lines"). And docs/modules.md's
 "Request decisions" table names, for each decision about a request, a core function that
 exists (imported and looked up).
 """
@@ -229,6 +231,7 @@ def test_the_checks_see_lazy_imports() -> None:
 
 CORE = SRC / ROOT_PACKAGE / "core"
 MAX_FUNCTION_LINES = 40
+MAX_FILE_LINES = 400
 LONG_MARK = "# long:"  # on a def line, with a reason: exempt from the length rule
 
 
@@ -273,10 +276,27 @@ def test_no_core_part_reads_another_objects_private_attributes() -> None:
     assert not bad, "private attributes read from outside their object:\n  " + "\n  ".join(bad)
 
 
-def test_no_core_function_is_over_the_length_limit() -> None:
-    bad = [f"{p.name}:{line}: {name} ({length} lines)" for p in _core_files()
+def _source_files() -> list[Path]:
+    return sorted((SRC / ROOT_PACKAGE).rglob("*.py"))
+
+
+def test_no_function_is_over_the_length_limit() -> None:
+    bad = [f"{p.relative_to(SRC)}:{line}: {name} ({length} lines)" for p in _source_files()
            for line, name, length in long_functions(p.read_text(encoding="utf-8"))]
     assert not bad, f"functions over {MAX_FUNCTION_LINES} lines:\n  " + "\n  ".join(bad)
+
+
+def says_why_it_is_long(code: str) -> bool:
+    """A file over ``MAX_FILE_LINES`` whose module docstring gives its reason."""
+    doc = " ".join((ast.get_docstring(ast.parse(code)) or "").split()).lower()
+    return "over 400 lines" in doc or "why 400 lines" in doc
+
+
+def test_every_file_over_the_limit_says_why_at_the_top() -> None:
+    silent = [str(p.relative_to(SRC)) for p in _source_files()
+              if (code := p.read_text(encoding="utf-8")).count("\n") > MAX_FILE_LINES
+              and not says_why_it_is_long(code)]
+    assert not silent, f"over {MAX_FILE_LINES} lines without their reason: {silent}"
 
 
 def test_the_core_checks_see_what_they_must() -> None:
@@ -286,6 +306,8 @@ def test_the_core_checks_see_what_they_must() -> None:
     body = "".join(f"    x{i} = {i}\n" for i in range(3))
     assert long_functions(f"def f():\n{body}", limit=3) == [(1, "f", 4)]
     assert long_functions(f"def f():  {LONG_MARK} a table\n{body}", limit=3) == []
+    assert says_why_it_is_long('"""A.\n\nWhy one file over 400 lines: one protocol."""\n')
+    assert not says_why_it_is_long('"""A module of 400 lines and more."""\n')
 
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "modules.md"

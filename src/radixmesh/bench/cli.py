@@ -103,7 +103,7 @@ def _lengths(text: str) -> str:
     return text
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:  # long: an argument table
     p.add_argument("--out", default="runs/bench", help="output folder (default runs/bench)")
     p.add_argument("--sweep", choices=sorted(SWEEPS), help="a named sweep (overrides lists)")
     p.add_argument(

@@ -462,7 +462,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser, skip: Sequence[str] = (
             add_renamed(group, OPTIONS[name])
 
 
-def _help_texts() -> dict[str, str]:
+def _help_texts() -> dict[str, str]:  # long: a table of help texts
     """Each flag's help: the shared options' from radixmesh/options.py, the rest here."""
     return {o.name: o.help for o in OPTIONS.values()} | {
         "node_id": "unique node name",

@@ -42,7 +42,7 @@ from radixmesh.workload.build import WORKLOADS
 from radixmesh.workload.schedule import Entry
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:  # long: an argument table
     g = p.add_argument_group("cluster")
     add_option(g, "nodes", "4", raw=True, help="node count(s), comma-separated (default 4)")
     add_option(
