@@ -47,8 +47,8 @@ def test_a_batching_engine_with_an_invisible_queue_is_not_full_at_its_batch() ->
     """Eight at once, 2.8 s each (a completion every 0.35 s): 12 outstanding are ~4 s of
     work, not 12 x 2.8 = 34 s (over the 30 s bound: a 429 before)."""
     node = node_serving(2.8, 0.35)
-    assert node.streams(20.0) == pytest.approx(8.0, rel=0.05)
     assert not rejected(node, 12, 20.0)
+    assert node.streams(20.0) == pytest.approx(8.0, rel=0.05)  # 12 outstanding
 
 
 def test_a_serial_engine_still_fills_at_depth_times_service() -> None:
@@ -62,4 +62,40 @@ def test_a_serial_engine_still_fills_at_depth_times_service() -> None:
 
 def test_streams_fall_back_to_one_once_the_engine_went_quiet() -> None:
     node = node_serving(2.8, 0.35)
+    node.handle(LoadChanged(12, 0, 0, 6144, 12 * 1200, 12), 200.0)
     assert node.streams(200.0) == pytest.approx(1.0)
+
+
+def served_together(n: int, service_s: float, at: float) -> NodeCore:
+    """A lone node whose engine finished ``n`` requests of ``service_s`` together at ``at``."""
+    node = node_serving(service_s, at + 1.0, until=0.0)  # nothing served yet
+    for _ in range(n):
+        node.handle(RequestServed(1200, 0, service_s - 0.1, 1, 0.1, service_s), at)
+    return node
+
+
+def test_a_burst_of_long_requests_is_not_read_as_many_streams() -> None:
+    """16 requests of 10 s ending together: Little's law over 2.5 s read 70 streams and let
+    100 queued requests (~62 s of work) in under a 30 s bound. Read over two services and
+    capped by what is outstanding, the wait is bounded again."""
+    node = served_together(16, 10.0, 10.0)
+    assert node.streams(10.0) <= 16.0
+    assert rejected(node, 100, 10.0)
+
+
+@pytest.mark.parametrize("service_s", [10.0, 20.0])
+def test_a_serial_engine_of_long_requests_reads_one_stream(service_s: float) -> None:
+    """One at a time, requests as long as the rate's window or longer: read at every
+    completion (where a decayed count peaks) the engine serves one at a time, not 1.6-4.5."""
+    node = node_serving(service_s, service_s, until=10 * service_s)
+    node.handle(LoadChanged(5, 1, 0, 6144, 5 * 1200, 5), 0.0)  # work outstanding throughout
+    t = service_s
+    while t <= 10 * service_s:
+        assert node.streams(t) == pytest.approx(1.0, abs=0.05), t
+        t += service_s
+
+
+def test_streams_never_exceed_the_requests_outstanding() -> None:
+    node = node_serving(2.8, 0.35)  # reads ~8 with 12 outstanding
+    node.handle(LoadChanged(3, 0, 0, 6144, 3 * 1200, 3), 20.0)
+    assert node.streams(20.0) == pytest.approx(3.0)

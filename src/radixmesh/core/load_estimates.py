@@ -218,11 +218,13 @@ class ArrivalRate:
         self._acc = self._decayed(now) + 1.0
         self._at = max(self._at, now)
 
-    def at(self, now: float) -> float:
-        """The rate as of ``now``: 0 before the first arrival."""
+    def at(self, now: float, min_span_s: float = 0.0) -> float:
+        """The rate as of ``now``: 0 before the first arrival. ``min_span_s``: divide by at
+        least this many seconds (a rate read over less than what it describes lasted)."""
         if self._since is None:
             return 0.0
-        return self._decayed(now) / decayed_span(self.window_s, now - self._since, self.min_span)
+        span = decayed_span(self.window_s, now - self._since, self.min_span)
+        return self._decayed(now) / max(span, min_span_s)
 
     def _decayed(self, now: float) -> float:
         return self._acc * math.exp(-max(0.0, now - self._at) / self.window_s)

@@ -65,6 +65,8 @@ class TokenRate:
         return self._tokens.value / max(self._seconds.value, 1e-9)
 
 
+LITTLE_SPANS = 2.0  # streams(): a completion rate is read over >= this many mean services
+
 class OwnLoad:
     """This node's load, speed and token rate, as measured (see the module docstring)."""
 
@@ -105,9 +107,18 @@ class OwnLoad:
         ones running, or by Little's law the completion rate times the mean service time.
         An engine whose queue the node cannot see (an external one: a request's service
         time includes its wait inside the engine, and it runs before its first token comes
-        back) reads its real overlap, not the requests streaming; a serial engine reads 1."""
-        little = self._completions.at(now) * self._compute.report().mean_service_s
-        return max(1.0, float(self._load.inflight), little)
+        back) reads its real overlap, not the requests streaming; a serial engine reads 1.
+
+        Little's law holds over a span much longer than one service: the completion rate is
+        read over at least ``LITTLE_SPANS`` mean service times (16 requests of 10 s ending
+        together read 70 streams over the rate's own 2.5 s floor, a serial engine of 20 s
+        requests 4.5), and never more than the requests outstanding here (an engine cannot
+        serve at once more than it was sent). Under-reading errs the safe way: admission
+        then bounds the wait as if fewer ran at once."""
+        service = self._compute.report().mean_service_s
+        little = self._completions.at(now, LITTLE_SPANS * service) * service
+        outstanding = max(self._load.queue_depth, self._load.inflight)
+        return max(1.0, float(self._load.inflight), min(little, float(outstanding)))
 
     def invalidate(self) -> None:
         """The advertised load must be built again (something it reports changed)."""

@@ -56,11 +56,13 @@ class Bounds:
 
 
 def admission_bounds(max_queue_requests: int | None, max_queue_wait_s: float,
-                     mean_service_s: float, token_cap: int | None) -> Bounds:
+                     mean_service_s: float, token_cap: int | None,
+                     streams: float = 1.0) -> Bounds:
     """The node's bounds as counts: the request bound is the tighter of
     ``max_queue_requests`` and the requests that fill ``max_queue_wait_s`` at the measured
-    mean service time (none measured yet: no wait bound)."""
-    by_wait = (max(int(max_queue_wait_s / mean_service_s), 1)
+    mean service time, ``streams`` of them at once (``OwnLoad.streams``, as
+    ``admission.admission`` reckons the wait; none measured yet: no wait bound)."""
+    by_wait = (max(int(max_queue_wait_s * max(streams, 1.0) / mean_service_s), 1)
                if mean_service_s > 0 else None)
     counts = [c for c in (max_queue_requests, by_wait) if c is not None]
     return Bounds(min(counts) if counts else None, token_cap)

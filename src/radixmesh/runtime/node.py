@@ -505,10 +505,10 @@ class NodeService:
             raise ValueError(f"this request's {requests} samples and prompts exceed your "
                              f"tenant's share of this node's queue ({cap} at once): send "
                              "fewer ('n' x prompts) per request")
+        streams = self.core.streams(self.clock())
         bounds = admission_bounds(adm.max_queue_requests, adm.max_queue_wait_s,
                                   self.core.own_speed().mean_service_s,
-                                  token_cap(adm, self.core.token_rate(),
-                                            self.core.streams(self.clock())))
+                                  token_cap(adm, self.core.token_rate(), streams), streams)
         return self.quotas.over(key, tokens, bounds, requests)
 
     def _cached_here(self, prompt: Sequence[int], hashes: Sequence[int],
