@@ -708,3 +708,14 @@ def test_no_forward_for_load_alone_over_a_round_trip_longer_than_the_ttft_here()
     here = NodeInfo("self", True, 0, 0.0, 1, speed, utilization=0.9)
     holder = NodeInfo("far", False, 500, 0.12, 0, speed)
     assert rank(Policy.COST, req, [here, holder])[0] == "far"
+
+
+def test_a_request_this_node_cannot_keep_falls_back_to_a_near_peer_before_a_far_one() -> None:
+    """This node first (the far peer's round trip is over its TTFT here), a near peer busier
+    than the far one: the fallbacks (refused, or this node full or leaving) try the near peer
+    first, the far one after (review finding: the tail was in mesh-cost order)."""
+    speed = SpeedReport(0.004, 8e-5, 0.007, 0.02)
+    here = NodeInfo("self", True, 0, 0.0, 1, speed, utilization=0.9)
+    far = NodeInfo("far", False, 0, 0.12, 0, speed)
+    near = NodeInfo("near", False, 0, 0.002, 3, speed, utilization=0.9)
+    assert rank(Policy.COST, RouteInput(1000, 1), [here, far, near]) == ["self", "near", "far"]

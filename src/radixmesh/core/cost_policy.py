@@ -136,6 +136,7 @@ from radixmesh.core.router_config import RouterConfig
 
 # a candidate as the cost policy sorts them: (mesh cost, queue depth, tie-break, node)
 _Keyed = tuple[float, float, float, NodeInfo]
+NEAR_HEAD = 4  # fallbacks put ahead of far peers (CostPolicy._near_first); >= max_peer_attempts
 
 
 class CostPolicy:
@@ -220,7 +221,23 @@ class CostPolicy:
             best = self._placed(req, keyed, best, preferred, overloaded, rng, held)
             if self._buys_copy(req, mine, best, placement):
                 best, bought = mine, True
-        return [best[3], *(n for n in order if n is not best[3])], bought
+        rest = [n for n in order if n is not best[3]]
+        return [best[3], *self._near_first(rest, me, parts)], bought
+
+    def _near_first(self, rest: list[NodeInfo], me: NodeInfo, parts: dict[str, Priced]
+                    ) -> list[NodeInfo]:
+        """The fallbacks after the first choice (a refusal, or this node full, leaving or
+        its engine down, tries them in order), with the first ``NEAR_HEAD`` peers that are
+        not far and slower (``_far_and_slower``) ahead of those that are: a request this
+        node cannot keep goes to a near peer before it crosses a region for load alone.
+        Scans only as far as it needs: the route stays cheap at 1,024 peers."""
+        head: list[NodeInfo] = []
+        far: list[NodeInfo] = []
+        i = 0
+        while i < len(rest) and len(head) < NEAR_HEAD:
+            (far if self._far_and_slower(rest[i], me, parts) else head).append(rest[i])
+            i += 1
+        return [*head, *far, *rest[i:]] if far else rest
 
     def _buys_copy(self, req: RouteInput, mine: _Keyed, best: _Keyed, placement: Placement) -> bool:
         """Ski rental: a forward to a holder rents its copy for one round trip; a copy here
