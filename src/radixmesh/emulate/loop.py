@@ -19,7 +19,8 @@ emulation keeps to the profile's speed. A step that follows another at once is p
 previous step's planned end, not from when the loop got round to it: a late wake-up (the event
 loop streaming tokens, a loaded machine) shortens the next step by as much, up to that step's
 whole length, instead of every later token drifting by it, as a real engine's next step starts
-when its last one ended.
+when its last one ended; but never before the last request submitted (one that arrived during
+the lateness joins a step that cannot have begun before it).
 
 A request reaches the scheduler ``profile.admission_s`` × the time scale after it arrived
 (:meth:`EngineLoop.admission`, awaited by the HTTP side before ``submit``): what a real engine
@@ -120,6 +121,7 @@ class EngineLoop:
         self._ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._timeline: float | None = None  # the last step's planned end, when busy since
+        self._submitted_at = float("-inf")  # the last submit(): no step planned to start before
         # LoRA adapters loaded, least recent first: the first slots' worth at start
         self._resident = dict.fromkeys(profile.adapters[:profile.lora_slots])
 
@@ -152,7 +154,8 @@ class EngineLoop:
         seq = next(self._ids)
         # as vLLM: a salt and an adapter each key the KV (the adapter every block)
         namespace = cache_salt if lora is None else f"lora:{lora}\x00{cache_salt or ''}"
-        self.scheduler.add(seq, list(prompt), max_tokens, self._clock(), namespace=namespace)
+        self._submitted_at = self._clock()
+        self.scheduler.add(seq, list(prompt), max_tokens, self._submitted_at, namespace=namespace)
         head = ()
         if namespace is not None:
             head = namespace_block(namespace, self.profile.block_size)
@@ -222,7 +225,8 @@ class EngineLoop:
             return step
         planned = self.planned_s(step) + self._load_loras(step)
         # straight after another step: from its planned end (the module docstring)
-        start = now if self._timeline is None else max(self._timeline, now - planned)
+        start = (now if self._timeline is None
+                 else max(self._timeline, now - planned, self._submitted_at))
         self._timeline = start + planned
         await self._sleep(max(start + planned - self._clock(), 0.0))
         if sched is not self.scheduler:
