@@ -78,10 +78,12 @@ KINDS: tuple[str, ...] = ("vllm", "sglang", "openai", "llamacpp")
 APPROXIMATE_KINDS = ("openai", "llamacpp")  # no KV events
 TOKEN_ID_PREFIX = "token_id:"
 CONNECT_TIMEOUT_S = 5.0
-# llama-server (cpp-httplib) closes a connection idle for 5 s (CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND);
-# aiohttp keeps one 15 s, and a POST on one the server closed fails ("Can not write request
-# body"), which reads as the engine down. Drop idle connections well before the server does.
-LLAMACPP_KEEPALIVE_S = 2.0
+# Every engine's server closes a connection idle for 5 s: llama-server (cpp-httplib,
+# CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND), vLLM (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5) and SGLang (uvicorn).
+# aiohttp keeps one 15 s, and a POST on one the server is closing fails ("Can not write request
+# body", or a reset before any header), which reads as the engine down. Drop idle connections
+# well before the server does.
+ENGINE_KEEPALIVE_S = 2.0
 
 
 class EngineUnavailable(RuntimeError):
@@ -380,8 +382,8 @@ class HttpEngine:
 
     def _ensure_session(self) -> aiohttp.ClientSession:
         if self._session is None:
-            keepalive = {"keepalive_timeout": LLAMACPP_KEEPALIVE_S} if self.slots else {}
-            connector = aiohttp.TCPConnector(limit=0, **keepalive)  # no cap: the engine batches
+            connector = aiohttp.TCPConnector(limit=0,  # no cap: the engine batches
+                                             keepalive_timeout=ENGINE_KEEPALIVE_S)
             self._session = aiohttp.ClientSession(timeout=self._timeout, connector=connector)
         return self._session
 
