@@ -241,12 +241,22 @@ class CostPolicy:
         renting = there.cached_tokens >= held > me.cached_tokens  # a hit there, not here
         if not (renting and gain > 0.0):
             return False
+        rent = placement.rent_s + self._rent_to_come(placement, there)
         if me.batch is not None:
-            return self._batch_copy_price(req, me, there) <= placement.rent_s
+            return self._batch_copy_price(req, me, there) <= rent
         scale = self.config.context_scale
         extra_service = predict_service(req, me, scale) - predict_service(req, there, scale)
         price = max(gain, extra_service - there.rtt_s)
-        return price <= placement.rent_s + there.rtt_s
+        return price <= rent + there.rtt_s
+
+    def _rent_to_come(self, placement: Placement, there: NodeInfo) -> float:
+        """The round trips this node will spend renting the copy at ``there`` over the next
+        ``replica_window_s`` if it buys none: the prefix's confident rate here × that window
+        (the span its rate is measured over, no further) × the round trip. Ski rental with a
+        known rate buys at once when the rentals to come cost more than the copy: a shared
+        prompt every entry keeps seeing is copied on its first confident requests, not
+        rented ~75 times (agentic: the tool prompt, forwarded to its few holders)."""
+        return placement.rate_hz * self.config.replica_window_s * there.rtt_s
 
     def _batch_copy_price(self, req: RouteInput, me: NodeInfo, there: NodeInfo) -> float:
         """A copy's price on a batching engine: this node's predicted TTFT here beyond the

@@ -85,7 +85,8 @@ class Placer:
         if len(owners) > 1:
             owners = self._owners_needed(owners, nodes, now)
         self._add_missing(owners, hashes, req, nodes, now)
-        return Placement(tuple(owners), held, self._key_rent.total(key, now)), key
+        rent, rate = self._key_rent.total(key, now), self._key_rates.confident_rate(key, now)
+        return Placement(tuple(owners), held, rent, rate), key
 
     def _replicas(
         self, key: int, held: int, req: RouteInput, nodes: list[NodeInfo], now: float
