@@ -598,6 +598,11 @@ def test_ski_rental_with_a_known_rate_buys_when_the_rentals_to_come_cost_the_cop
     half = router.rank(req, nodes, random.Random(0),
                        Placement(("h",), 256, rent_s=(price - rtt) / 2, rate_hz=enough / 2))
     assert half[0].is_self  # rent paid and rentals to come add up
+    # a copy avoids no rentals where, warm, this node would still lose to the forward (its
+    # queue here; a slower engine alike): those to come are not counted
+    busy = router.rank(req, [me(0, queue=8), peer("h", 2900, rtt=rtt)], random.Random(0),
+                       Placement(("h",), 256, rate_hz=1000 * enough))
+    assert busy[0].node_id == "h" and busy[0].placement is Tag.HIT
 
 
 def test_no_slack_for_a_holder_when_the_best_choice_holds_more_of_the_request() -> None:
