@@ -61,7 +61,11 @@ slower than staying, is no rental). The node sums that rent per prefix
 reaches the price: after ~75 forwards of a prefix to an idle holder over
 a 4 ms link, at the first or second over a 400 ms one, after a few to a
 holder where each waits 0.1 s. A node fronting a batching engine prices the copy by its
-TTFT and what its prefill delays its batch, and counts only rent already paid.
+TTFT and what its prefill delays its batch. *Rentals to come* count too (ski rental with a
+known rate): the prefix's confident rate here × ``replica_window_s`` × the round trip, where
+a copy would avoid them (warm, this node beats the forward's TTFT). A shared prompt every
+entry keeps seeing (agentic's tool prompt) is then copied after a few requests instead of
+forwarded to its few holders again and again (issue #52).
 *Its own queue, by its tokens*: the deciding node knows what its queued
 requests will compute (their uncached tokens, ``LoadChanged``), so each
 place in its own queue is priced at that (``NodeInfo.queue_service_s``),
