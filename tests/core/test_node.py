@@ -655,7 +655,7 @@ def test_the_waits_rented_forwards_met_at_the_holder_count_as_rent() -> None:
 
     idle = forwards_until_bought(*setup(), 0.0)
     busy = forwards_until_bought(*setup(), 0.1)
-    assert 1 <= busy <= 5 < 20 <= idle
+    assert 1 <= busy <= 5 and idle >= 3 * busy  # (the rentals to come shorten both)
 
     c, chain = setup()
     # this node busy (its own queue: four cold prompts), the holder's forwards wait nothing

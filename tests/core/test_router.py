@@ -576,6 +576,35 @@ def test_ski_rental_a_forward_becomes_a_local_copy_once_its_round_trips_cost_the
     assert first[0].node_id == "o" and first[0].placement is Tag.FIRST  # placement, not rent
 
 
+def test_ski_rental_with_a_known_rate_buys_when_the_rentals_to_come_cost_the_copy() -> None:
+    """A prefix this node keeps seeing will be rented again: the round trips to come over the
+    rate's window (confident rate × ``replica_window_s`` × round trip) count with the rent
+    paid, so a shared prompt requested here often is copied at once, and one seen rarely
+    is still rented (issue #52: agentic steps forwarded to the few holders of the tool
+    prompt)."""
+    req = RouteInput(3000, 1)
+    rtt = 0.05
+    nodes = [me(0), peer("h", 2900, rtt=rtt)]
+    router = Router(RouterConfig(policy=Policy.COST))
+    window = RouterConfig().replica_window_s
+    fresh = router.rank(req, nodes, random.Random(0), Placement(("h",), 256))
+    price = next(c for c in fresh if c.is_self).predicted_latency_s - fresh[0].predicted_latency_s
+    enough = (price - rtt) / (window * rtt)  # requests/s whose rentals to come reach it
+    rare = router.rank(req, nodes, random.Random(0),
+                       Placement(("h",), 256, rate_hz=0.99 * enough))
+    assert rare[0].node_id == "h" and rare[0].placement is Tag.HIT
+    often = router.rank(req, nodes, random.Random(0), Placement(("h",), 256, rate_hz=enough))
+    assert often[0].is_self and often[0].placement is Tag.LOCAL_COPY
+    half = router.rank(req, nodes, random.Random(0),
+                       Placement(("h",), 256, rent_s=(price - rtt) / 2, rate_hz=enough / 2))
+    assert half[0].is_self  # rent paid and rentals to come add up
+    # a copy avoids no rentals where, warm, this node would still lose to the forward (its
+    # queue here; a slower engine alike): those to come are not counted
+    busy = router.rank(req, [me(0, queue=8), peer("h", 2900, rtt=rtt)], random.Random(0),
+                       Placement(("h",), 256, rate_hz=1000 * enough))
+    assert busy[0].node_id == "h" and busy[0].placement is Tag.HIT
+
+
 def test_no_slack_for_a_holder_when_the_best_choice_holds_more_of_the_request() -> None:
     """The slack keeps a request on a holder (here: self, with one request queued) to avoid
     a copy elsewhere; when the cheaper choice holds the prefix too, and more of this request

@@ -80,28 +80,27 @@ class Placer:
             self._key_rates.add(key, now)  # one request
         held = depth * block
         self._update_ring(now)
-        k = self._replicas(key, held, req, nodes, now)
+        rate = self._key_rates.confident_rate(key, now)
+        k = self._replicas(rate, held, req, nodes)
         owners = self._owners(key, k, nodes, now)
         if len(owners) > 1:
             owners = self._owners_needed(owners, nodes, now)
         self._add_missing(owners, hashes, req, nodes, now)
-        return Placement(tuple(owners), held, self._key_rent.total(key, now)), key
+        return Placement(tuple(owners), held, self._key_rent.total(key, now), rate), key
 
-    def _replicas(
-        self, key: int, held: int, req: RouteInput, nodes: list[NodeInfo], now: float
-    ) -> int:
-        """How many owners the key's load here says it needs: its rate × the members × a
-        warm request's service here: what one replica spends on each of the key's requests,
-        with what its best holder holds of this one cached (not just the key's blocks: an
-        MMLU prompt past its subject's key is a cold prefill's worth, and priced so every
-        subject looked 5x as hot as it was)."""
+    def _replicas(self, rate: float, held: int, req: RouteInput, nodes: list[NodeInfo]) -> int:
+        """How many owners the key's load here says it needs: its (confident) ``rate`` here
+        × the members × a warm request's service here: what one replica spends on each of the
+        key's requests, with what its best holder holds of this one cached (not just the key's
+        blocks: an MMLU prompt past its subject's key is a cold prefill's worth, and priced so
+        every subject looked 5x as hot as it was)."""
         cfg = self._config.router
         members = len(self._ring)
         reused = min(max(held, *(n.cached_tokens for n in nodes)), req.prompt_tokens - 1)
         warm = nodes[0].speed.service_s(
             max(req.prompt_tokens - reused, 1), reused, req.max_tokens, cfg.context_scale,
         )
-        load = self._key_rates.confident_rate(key, now) * members * warm
+        load = rate * members * warm
         return replicas_for(load, cfg.replica_load, members, cfg.max_replicas)
 
     def _add_missing(self, owners: list[str], hashes: Sequence[int], req: RouteInput,
