@@ -15,19 +15,17 @@ B's (same request, same round; a request that failed under either is left out) i
 request order. The mean ratio is ``sum(A) / sum(B)`` over the pairs with
 ``results.summary.ratio_interval``'s circular block bootstrap (neighbouring requests share a
 queue and a cache state); the p99 ratio uses the same block resampling
-(:func:`quantile_ratio_interval`). Issue #52's reading: "A <= B" when the point estimate is
-<= 1.00 and the interval's upper bound < 1.05.
+(``results.summary.quantile_ratio_interval``). Issue #52's reading: "A <= B" when the point
+estimate is <= 1.00 and the interval's upper bound < 1.05.
 """
 
 from __future__ import annotations
 
-import math
-import random
 from collections.abc import Sequence
 from typing import Any
 
 from radixmesh.results.records import Record
-from radixmesh.results.summary import percentile, ratio_interval
+from radixmesh.results.summary import percentile, quantile_ratio_interval, ratio_interval
 
 
 def round_orders(policies: Sequence[str], rounds: int) -> list[list[str]]:
@@ -47,32 +45,6 @@ def pairs(a: Sequence[Sequence[Record]], b: Sequence[Sequence[Record]]
         out.extend((r.latency_s, other[r.seq].latency_s)
                    for r in sorted(ra, key=lambda r: r.seq) if r.ok and r.seq in other)
     return out
-
-
-def quantile_ratio_interval(pairs_ab: Sequence[tuple[float, float]], q: float,
-                            level: float = 0.95, resamples: int = 2000, seed: int = 0
-                            ) -> tuple[float, float] | None:
-    """Bootstrap interval of ``percentile(A, q) / percentile(B, q)`` over paired requests,
-    resampled in circular blocks of ⌈√n⌉ consecutive pairs (as ``ratio_interval``)."""
-    n = len(pairs_ab)
-    if n < 2:
-        return None
-    block = max(1, math.ceil(math.sqrt(n)))
-    rng = random.Random(seed)
-    ratios: list[float] = []
-    for _ in range(resamples):
-        picked = [pairs_ab[(s + i) % n] for s in (rng.randrange(n)
-                                                 for _ in range(math.ceil(n / block)))
-                  for i in range(block)]
-        qa = percentile([p[0] for p in picked], q)
-        qb = percentile([p[1] for p in picked], q)
-        if qa is not None and qb:
-            ratios.append(qa / qb)
-    if not ratios:
-        return None
-    ratios.sort()
-    tail = (1.0 - level) / 2.0
-    return ratios[int(tail * (len(ratios) - 1))], ratios[math.ceil((1 - tail) * (len(ratios) - 1))]
 
 
 def paired_figures(a: Sequence[Sequence[Record]], b: Sequence[Sequence[Record]]

@@ -24,7 +24,7 @@ import json
 import math
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -176,18 +176,52 @@ def ratio_interval(
     n = len(pairs)
     if n < 2:
         return None
-    block = max(1, math.ceil(math.sqrt(n)))
+    block = _block(n)
     pa, pb = [0.0], [0.0]  # prefix sums over the pairs repeated once (circular blocks)
     for a, b in (*pairs, *pairs):
         pa.append(pa[-1] + a)
         pb.append(pb[-1] + b)
-    rng = random.Random(seed)
     ratios: list[float] = []
-    for _ in range(resamples):
-        starts = [rng.randrange(n) for _ in range(math.ceil(n / block))]
+    for starts in _block_starts(n, resamples, seed):
         den = sum(pb[s + block] - pb[s] for s in starts)
         if den > 0:
             ratios.append(sum(pa[s + block] - pa[s] for s in starts) / den)
+    return _central(ratios, level)
+
+
+def quantile_ratio_interval(pairs: Sequence[tuple[float, float]], q: float,
+                            level: float = 0.95, resamples: int = 2000, seed: int = 0
+                            ) -> tuple[float, float] | None:
+    """Bootstrap interval of ``percentile(A, q) / percentile(B, q)`` over paired requests,
+    resampled in the same circular blocks as :func:`ratio_interval`."""
+    n = len(pairs)
+    if n < 2:
+        return None
+    block = _block(n)
+    ratios: list[float] = []
+    for starts in _block_starts(n, resamples, seed):
+        picked = [pairs[(s + i) % n] for s in starts for i in range(block)]
+        qa = percentile([p[0] for p in picked], q)
+        qb = percentile([p[1] for p in picked], q)
+        if qa is not None and qb:
+            ratios.append(qa / qb)
+    return _central(ratios, level)
+
+
+def _block(n: int) -> int:
+    """The circular block bootstrap's block: ⌈√n⌉ consecutive pairs."""
+    return max(1, math.ceil(math.sqrt(n)))
+
+
+def _block_starts(n: int, resamples: int, seed: int) -> Iterator[list[int]]:
+    """Each resample's block starts: ⌈n / block⌉ of them, drawn from one seeded stream."""
+    rng = random.Random(seed)
+    for _ in range(resamples):
+        yield [rng.randrange(n) for _ in range(math.ceil(n / _block(n)))]
+
+
+def _central(ratios: list[float], level: float) -> tuple[float, float] | None:
+    """The central ``level`` interval of the resampled ratios; None when there are none."""
     if not ratios:
         return None
     ratios.sort()
