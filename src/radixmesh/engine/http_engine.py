@@ -81,8 +81,8 @@ CONNECT_TIMEOUT_S = 5.0
 # Every engine's server closes a connection idle for 5 s: llama-server (cpp-httplib,
 # CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND), vLLM (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5) and SGLang (uvicorn).
 # aiohttp keeps one 15 s, and a POST on one the server is closing fails ("Can not write request
-# body", or a reset before any header), which reads as the engine down. Drop idle connections
-# well before the server does.
+# body", or a reset before any header): ``_exchange`` tries such a request once more, but the
+# second failure reads as the engine down. Drop idle connections well before the server does.
 ENGINE_KEEPALIVE_S = 2.0
 
 
