@@ -3,7 +3,7 @@
     pip install hypercorn==0.18.0 h2==4.4.1 websockets==17.4   # not project dependencies
     python scripts/bench-peer-stream.py [--samples 1000] [--concurrency 32]
 
-One peer process serves a forward whose work takes no time (replies: ForwardAccepted, then a
+One peer process serves a forward whose work takes no time (replies: ForwardAdmitted, then a
 ForwardResult of one token), so what is measured is the transport: the entry side encodes the
 request, opens a stream, reads and decodes the replies. Three transports:
 
@@ -42,7 +42,7 @@ from radixmesh.core.forward_codec import (
     encode_forward_request,
     encode_reply,
 )
-from radixmesh.core.messages import ForwardAccepted, ForwardRequest, ForwardResult
+from radixmesh.core.messages import ForwardAdmitted, ForwardRequest, ForwardResult
 from radixmesh.runtime.cluster import free_port
 
 REQUEST = encode_forward_request(ForwardRequest(tuple(range(1, 129)), 1, heartbeat_s=5.0))
@@ -50,7 +50,7 @@ REQUEST = encode_forward_request(ForwardRequest(tuple(range(1, 129)), 1, heartbe
 
 # ------------------------------------------------------------------------------ the peer
 async def _replies(req: ForwardRequest) -> AsyncIterator[bytes]:
-    yield encode_reply(ForwardAccepted("peer", 0))
+    yield encode_reply(ForwardAdmitted("peer", 0))
     yield encode_reply(ForwardResult((7,), "length", len(req.prompt), 0, 0.0, 0.0, 0.0))
 
 

@@ -5,7 +5,7 @@ Theory of operation
 One script (rounds of requests, each with its entry node and prompt, between settling
 periods in which gossip converges; a node may crash as a round begins) runs on
 
-* the simulator shell: ``sim.cluster.SimCluster`` on its event loop (no network delay, no
+* the simulator shell: ``sim.shell.SimCluster`` on its event loop (no network delay, no
   forward overhead: time is spent in engines only), :func:`run_simulator`;
 * the runtime shell: N ``runtime.node.NodeService``s on a virtual clock (:class:`RuntimeMesh`),
   talking through the in-memory peer transport (``testing.memtransport``), each on the
@@ -38,9 +38,9 @@ from radixmesh.runtime.node import NodeService
 from radixmesh.runtime.transport import ForwardFailure
 from radixmesh.sim import costs
 from radixmesh.sim.clock import EventLoop
-from radixmesh.sim.cluster import ClusterConfig, SimCluster, _generated
 from radixmesh.sim.engine import Planned, SimEngine
 from radixmesh.sim.network import NetworkConfig
+from radixmesh.sim.shell import ClusterConfig, SimCluster, _generated
 from radixmesh.testing.memtransport import MemoryNet
 from radixmesh.workload.request import Request
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from radixmesh.bench.cluster import per_node_options, serve_options
 from radixmesh.bench.emulated import context_length, parse_profiles
+from radixmesh.bench.launcher import per_node_options, serve_options
 from radixmesh.bench.replay import unscale
 from radixmesh.bench.spec import RunSpec
 from radixmesh.results.records import Record

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from radixmesh.bench import client
-from radixmesh.bench.cluster import per_node_options
+from radixmesh.bench.launcher import per_node_options
 from radixmesh.bench.linkproxy import Relay, parse_target
 from radixmesh.bench.regions import Regions
 from radixmesh.bench.replay import Replay

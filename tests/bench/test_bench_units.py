@@ -23,7 +23,7 @@ from radixmesh.bench.spec import RunSpec
 from radixmesh.bench.sweep import paired
 from radixmesh.core.byte_tokenizer import ByteTokenizer
 from radixmesh.results.records import Record
-from radixmesh.results.summary import node_figures, ratio_interval
+from radixmesh.results.run_summary import node_figures, ratio_interval
 from radixmesh.workload import Request, WorkloadSpec, schedule
 from radixmesh.workload.build import build_counted
 from radixmesh.workload.request import Message
@@ -434,7 +434,7 @@ def test_a_stream_that_breaks_off_without_done_fails_the_record() -> None:
 
 
 def test_goodput_counts_failed_requests_against_it() -> None:
-    from radixmesh.results.summary import Slo, token_latencies
+    from radixmesh.results.run_summary import Slo, token_latencies
 
     recs = [_rec(ttft_s=0.2, tpot_s=0.05), _rec(ttft_s=1.5, tpot_s=0.01),
             _rec(ttft_s=0.3, tpot_s=0.2), _rec(ttft_s=0.4), _rec(error="HTTP 500: x")]

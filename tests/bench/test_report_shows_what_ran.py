@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from radixmesh.bench.report import write_report
-from radixmesh.results.summary import mean, percentile
+from radixmesh.results.run_summary import mean, percentile
 
 Run = tuple[dict[str, Any], list[dict[str, Any]]]
 
@@ -87,7 +87,7 @@ def test_two_delays_draw_the_curve_and_four_nodes_judge_the_hotspot(tmp_path: Pa
 def test_a_summary_from_before_the_rename_reads_as_today(tmp_path: Path) -> None:
     """``comm_delay_ms`` became ``net_delay_ms`` with ``--net-delay``: an old folder gives
     the same report, and its runs read with the new key."""
-    from radixmesh.results.summary import load_summary
+    from radixmesh.results.run_summary import load_summary
 
     (tmp_path / "new").mkdir(), (tmp_path / "old").mkdir()
     new = _folder(tmp_path / "new", [("none", 2.0, 2, 40, 0.7), ("cost", 2.0, 2, 40, 0.4)])

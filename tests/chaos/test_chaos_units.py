@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from radixmesh.chaos.env import _staleness
 from radixmesh.chaos.load import Outcome, summarize
 from radixmesh.chaos.report import FaultResult, rss_bytes, to_json, to_markdown
-from radixmesh.results.summary import percentile
+from radixmesh.results.run_summary import percentile
 
 
 def test_percentile_nearest_rank() -> None:

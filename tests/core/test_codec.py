@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from radixmesh.core.blocks import Fingerprint
+from radixmesh.core.cache_summary import pack_hashes, unpack_hashes
 from radixmesh.core.codec import Codec, Limits, RemoteProtocolError
 from radixmesh.core.estimators import SpeedReport
 from radixmesh.core.messages import (
@@ -27,7 +28,6 @@ from radixmesh.core.messages import (
     PeerAddress,
     Snapshot,
 )
-from radixmesh.core.summary import pack_hashes, unpack_hashes
 
 SPEED = SpeedReport(0.004, 8e-5, 0.007, 0.25)  # exactly representable enough as float32
 U64 = st.integers(min_value=0, max_value=2**64 - 1)

@@ -41,7 +41,7 @@ from radixmesh.core.messages import (
     MAX_ERROR_CHARS,
     PROTOCOL_VERSION,
     TOKEN_ID_LIMIT,
-    ForwardAccepted,
+    ForwardAdmitted,
     ForwardBusy,
     ForwardError,
     ForwardHeartbeat,
@@ -75,7 +75,7 @@ requests = st.builds(
 )
 replies: st.SearchStrategy[ForwardReply] = st.one_of(
     st.builds(ForwardBusy, node_ids, seconds, st.none() | seconds),
-    st.builds(ForwardAccepted, node_ids, counts),
+    st.builds(ForwardAdmitted, node_ids, counts),
     st.just(ForwardHeartbeat()),
     st.builds(ForwardTokens, token_ids),
     st.builds(ForwardResult, token_ids, st.sampled_from(["stop", "length"]), counts, counts,
@@ -139,7 +139,7 @@ def test_any_chunking_decodes_the_same(msgs: list[ForwardReply], data: st.DataOb
 
 
 def test_byte_at_a_time_and_all_at_once() -> None:
-    msgs: list[ForwardReply] = [ForwardAccepted("b", 3), ForwardHeartbeat(),
+    msgs: list[ForwardReply] = [ForwardAdmitted("b", 3), ForwardHeartbeat(),
                                 ForwardTokens((5,)), ForwardTokens((6,)), RESULT]
     stream = b"".join(encode_reply(m) for m in msgs)
     dec = ReplyDecoder()
@@ -201,7 +201,7 @@ def test_invalid_requests_are_refused_on_construction(kwargs: dict[str, Any]) ->
 
 @pytest.mark.parametrize("build", [
     lambda: ForwardBusy("", 1.0), lambda: ForwardBusy("a", -1.0),
-    lambda: ForwardBusy("a", math.inf), lambda: ForwardAccepted("a", -1),
+    lambda: ForwardBusy("a", math.inf), lambda: ForwardAdmitted("a", -1),
     lambda: ForwardTokens((2**32,)), lambda: ForwardError("x" * (MAX_ERROR_CHARS + 1)),
     lambda: ForwardResult((), "eos", 1, 0, 0.0, 0.0, 0.0),
     lambda: ForwardResult((), "stop", -1, 0, 0.0, 0.0, 0.0),
@@ -286,8 +286,8 @@ REPLY_HOSTILE: list[tuple[ForwardReply, int, Any]] = [
     (ForwardBusy("a", 1.0), 3, float("nan")), (ForwardBusy("a", 1.0), 3, True),
     (ForwardBusy("a", 0.0, 1.0), 4, -0.5), (ForwardBusy("a", 0.0, 1.0), 4, float("inf")),
     (ForwardBusy("a", 0.0, 1.0), 4, None), (ForwardBusy("a", 0.0, 1.0), 4, "1"),
-    (ForwardAccepted("a", 1), 3, True), (ForwardAccepted("a", 1), 3, -1),
-    (ForwardAccepted("a", 1), 3, 1.0), (ForwardAccepted("a", 1), 2, None),
+    (ForwardAdmitted("a", 1), 3, True), (ForwardAdmitted("a", 1), 3, -1),
+    (ForwardAdmitted("a", 1), 3, 1.0), (ForwardAdmitted("a", 1), 2, None),
     (ForwardTokens((1,)), 2, [True]), (ForwardTokens((1,)), 2, [-1]),
     (ForwardTokens((1,)), 2, [2**32]), (ForwardTokens((1,)), 2, [1] * 65),
     (ForwardTokens((1,)), 2, b"\x01"), (ForwardTokens((1,)), 2, [[1]]),
@@ -304,7 +304,7 @@ def test_hostile_reply_fields(msg: ForwardReply, index: int, value: Any) -> None
 
 
 def test_reply_header_and_shape() -> None:
-    fields = _reply_fields(ForwardAccepted("a", 1))
+    fields = _reply_fields(ForwardAdmitted("a", 1))
     assert _reply_rejected(_frame(_with(fields, 0, 0))).reason == "version"
     for kind in (KIND_FORWARD_REQUEST, 1, 0, 9, 255, True, "accepted", None):
         _reply_rejected(_frame(_with(fields, 1, kind)))
@@ -338,7 +338,7 @@ def test_failure_is_sticky() -> None:
 
 def test_valid_frames_then_garbage() -> None:
     dec = ReplyDecoder()
-    assert dec.feed(encode_reply(ForwardAccepted("a", 0))) == [ForwardAccepted("a", 0)]
+    assert dec.feed(encode_reply(ForwardAdmitted("a", 0))) == [ForwardAdmitted("a", 0)]
     with pytest.raises(RemoteProtocolError):
         dec.feed(encode_reply(ForwardHeartbeat()) + _frame(b"\x93\x01\x05"))
 

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.cache_payload import CachePayload
+from radixmesh.core.cache_summary import LocalSummary
 from radixmesh.core.config import GossipConfig, MembershipConfig, NodeConfig
 from radixmesh.core.dissemination import Payload
 from radixmesh.core.events import Action, Log, PeerStateChanged
@@ -15,7 +16,6 @@ from radixmesh.core.failure import FailureDetector
 from radixmesh.core.membership import Membership, MemberState
 from radixmesh.core.messages import Change, PeerAddress, Snapshot
 from radixmesh.core.peerview import PeerView
-from radixmesh.core.summary import LocalSummary
 
 FP = Fingerprint("m", "t", 16)
 

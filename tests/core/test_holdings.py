@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixmesh.core.summary import Holdings, LocalSummary
+from radixmesh.core.cache_summary import Holdings, LocalSummary
 
 
 def test_queued_blocks_are_advertised_until_the_request_leaves() -> None:

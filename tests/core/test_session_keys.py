@@ -10,6 +10,7 @@ import msgpack
 import pytest
 
 from radixmesh.core.blocks import Fingerprint
+from radixmesh.core.cache_summary import pack_hashes
 from radixmesh.core.codec import Codec, RemoteProtocolError
 from radixmesh.core.config import NodeConfig
 from radixmesh.core.cost_model import Candidate
@@ -17,7 +18,6 @@ from radixmesh.core.events import ExecuteLocally, Forward, RequestArrived
 from radixmesh.core.messages import Gossip, Load
 from radixmesh.core.router import Policy, RouterConfig
 from radixmesh.core.sessions import SessionConfig, SessionTable
-from radixmesh.core.summary import pack_hashes
 from radixmesh.testing import TwinCluster
 
 S = 0xC0FFEE

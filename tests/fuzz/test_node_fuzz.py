@@ -24,7 +24,7 @@ from radixmesh.core.codec import Codec
 from radixmesh.core.events import Log, MessageReceived, PeerStateChanged, Send, Tick
 from radixmesh.core.messages import Gossip
 from radixmesh.core.node import NodeCore
-from radixmesh.testing.cluster import TwinCluster
+from radixmesh.testing.twin import TwinCluster
 
 SETTINGS = settings(
     max_examples=100,

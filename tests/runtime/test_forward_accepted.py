@@ -1,4 +1,4 @@
-"""What a peer's ``ForwardAccepted`` says it has cached: its index match at acceptance, the
+"""What a peer's ``ForwardAdmitted`` says it has cached: its index match at acceptance, the
 same figure a local request's stream carries in ``x-radixmesh-cached-tokens`` (one meaning
 of the header, whichever route served the request).
 
@@ -17,7 +17,7 @@ import contextlib
 from typing import TYPE_CHECKING, Any
 
 from radixmesh.core.forward_codec import ReplyDecoder
-from radixmesh.core.messages import ForwardAccepted, ForwardRequest
+from radixmesh.core.messages import ForwardAdmitted, ForwardRequest
 from radixmesh.engine.base import match_in
 from radixmesh.engine.testing import ScriptedEngine
 from radixmesh.runtime.config import ServeConfig
@@ -61,7 +61,7 @@ def test_a_forward_is_accepted_with_the_index_match_not_the_queued_prefix(
             await poll.until_async(lambda: node.queue_depth == 1, "the first forward queued")
             second, rest = await _first_reply(node, req)
             tasks.append(rest)
-            assert isinstance(second, ForwardAccepted)
+            assert isinstance(second, ForwardAdmitted)
             queued = node.core.local_hashes() - node.core.cached_hashes()
             return second.cached_tokens, match_in(node.engine, PROMPT, None), len(queued)
         finally:

@@ -22,7 +22,7 @@ from radixmesh.core.forward_codec import (
     encode_forward_request,
     encode_link_frame,
 )
-from radixmesh.core.messages import ForwardAccepted, ForwardRequest, ForwardResult
+from radixmesh.core.messages import ForwardAdmitted, ForwardRequest, ForwardResult
 from radixmesh.runtime import peer_link
 from radixmesh.runtime.inprocess import serving_node
 from radixmesh.runtime.netem import Netem, NetemConfig
@@ -171,7 +171,7 @@ def test_a_forward_result_over_a_link_matches_the_post(engine: Any) -> None:
             return out
 
     over_link, over_post = asyncio.run(replies("link")), asyncio.run(replies("http"))
-    assert isinstance(over_link[0], ForwardAccepted) and isinstance(over_post[0], ForwardAccepted)
+    assert isinstance(over_link[0], ForwardAdmitted) and isinstance(over_post[0], ForwardAdmitted)
     assert over_link[0].node_id == over_post[0].node_id == "peer"  # the cache is warm later
     link_result, post_result = over_link[-1], over_post[-1]
     assert isinstance(link_result, ForwardResult) and isinstance(post_result, ForwardResult)

@@ -27,7 +27,7 @@ from radixmesh.core.forward_codec import (
     encode_reply,
 )
 from radixmesh.core.messages import (
-    ForwardAccepted,
+    ForwardAdmitted,
     ForwardBusy,
     ForwardRequest,
     ForwardResult,
@@ -80,7 +80,7 @@ async def _silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
 
 async def _dies_midstream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     assert decode_forward_request(await _read_request(reader)).stream is True
-    writer.write(_stream_head() + _chunk(encode_reply(ForwardAccepted("fake", 0))))
+    writer.write(_stream_head() + _chunk(encode_reply(ForwardAdmitted("fake", 0))))
     writer.write(_chunk(encode_reply(ForwardTokens(tuple(TRUTH[:3])))))
     await writer.drain()
     writer.transport.abort()  # like kill -9 after three tokens
@@ -89,7 +89,7 @@ async def _dies_midstream(reader: asyncio.StreamReader, writer: asyncio.StreamWr
 async def _bad_tokens(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     await _read_request(reader)
     done = ForwardResult((10**9,), "length", len(PROMPT), 0, 0.0, 0.0, 0.0)  # >= vocab
-    writer.write(_stream_head() + _chunk(encode_reply(ForwardAccepted("fake", 0))))
+    writer.write(_stream_head() + _chunk(encode_reply(ForwardAdmitted("fake", 0))))
     writer.write(_chunk(encode_reply(done)) + _chunk(b""))
 
 
@@ -160,7 +160,7 @@ async def _link_dies_midstream(reader: asyncio.StreamReader,
                                writer: asyncio.StreamWriter) -> None:
     frame = await _link_open(reader, writer)
     assert decode_forward_request(decode_link_open(frame.body)[1]).stream is True
-    writer.write(_reply(frame, ForwardAccepted("fake", 0),
+    writer.write(_reply(frame, ForwardAdmitted("fake", 0),
                                        ForwardTokens(tuple(TRUTH[:3]))))
     await writer.drain()
     writer.transport.abort()
@@ -168,7 +168,7 @@ async def _link_dies_midstream(reader: asyncio.StreamReader,
 
 async def _link_ends_early(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     frame = await _link_open(reader, writer)
-    writer.write(_reply(frame, ForwardAccepted("fake", 0))
+    writer.write(_reply(frame, ForwardAdmitted("fake", 0))
                  + _chunk(encode_link_frame(frame.stream, LINK_END)))
     await _hang()  # the fake peer holds its link open: what the node must handle
 
@@ -176,7 +176,7 @@ async def _link_ends_early(reader: asyncio.StreamReader, writer: asyncio.StreamW
 async def _link_bad_tokens(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     frame = await _link_open(reader, writer)
     done = ForwardResult((10**9,), "length", len(PROMPT), 0, 0.0, 0.0, 0.0)
-    writer.write(_reply(frame, ForwardAccepted("fake", 0), done))
+    writer.write(_reply(frame, ForwardAdmitted("fake", 0), done))
     await _hang()  # the fake peer holds its link open: what the node must handle
 
 

@@ -20,7 +20,7 @@ import aiohttp
 import pytest
 
 from radixmesh.core.forward_codec import encode_reply
-from radixmesh.core.messages import ForwardAccepted, ForwardTokens
+from radixmesh.core.messages import ForwardAdmitted, ForwardTokens
 from radixmesh.engine.base import SamplingParams
 from radixmesh.engine.testing import ScriptedEngine
 from radixmesh.runtime.app import _pieces
@@ -181,7 +181,7 @@ def test_a_stop_after_a_peer_died_midstream_stops_the_local_continuation(
         await reader.readuntil(b"\r\n\r\n")  # a POST per forward (the fake knows no links)
         head = (b"HTTP/1.1 200 OK\r\ncontent-type: application/x-radixmesh-forward\r\n"
                 b"transfer-encoding: chunked\r\n\r\n")
-        frames = [encode_reply(ForwardAccepted("fake", 0)), encode_reply(ForwardTokens((65, 66)))]
+        frames = [encode_reply(ForwardAdmitted("fake", 0)), encode_reply(ForwardTokens((65, 66)))]
         writer.write(head + b"".join(f"{len(f):x}\r\n".encode() + f + b"\r\n" for f in frames))
         await writer.drain()
         writer.transport.abort()

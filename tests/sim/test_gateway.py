@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from radixmesh.core.config import GossipConfig
 from radixmesh.core.router import Policy, RouterConfig
 from radixmesh.sim import costs
-from radixmesh.sim.cluster import ClusterConfig
 from radixmesh.sim.gateway import CACHE_AWARE, CacheAwareGateway, GatewayConfig
 from radixmesh.sim.network import NetworkConfig
 from radixmesh.sim.runner import SimSpec, run
+from radixmesh.sim.shell import ClusterConfig
 from radixmesh.sim.sweep import parse_policies
 from radixmesh.sim.tokens import byte_tokenize
 from radixmesh.workload.request import Request

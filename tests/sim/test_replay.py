@@ -17,9 +17,9 @@ import pytest
 
 from radixmesh.core.router import Policy, RouterConfig
 from radixmesh.sim import replay
-from radixmesh.sim.cluster import ClusterConfig, SimCluster
 from radixmesh.sim.network import NetworkConfig, parse_regions
 from radixmesh.sim.runner import SimSpec, run
+from radixmesh.sim.shell import ClusterConfig, SimCluster
 from radixmesh.sim.sweep import batched_rate, cluster_cost, profile_costs
 from radixmesh.sim.tokens import byte_tokenize
 from radixmesh.workload import schedule

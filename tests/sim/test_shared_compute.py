@@ -14,9 +14,9 @@ from radixmesh.core.config import GossipConfig
 from radixmesh.core.router import Policy, RouterConfig
 from radixmesh.sim import costs
 from radixmesh.sim.clock import EventLoop
-from radixmesh.sim.cluster import ClusterConfig
 from radixmesh.sim.compute import SharedCompute
 from radixmesh.sim.runner import SimSpec, run
+from radixmesh.sim.shell import ClusterConfig
 from radixmesh.sim.tokens import byte_tokenize
 from radixmesh.workload.request import Request
 

@@ -39,7 +39,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from radixmesh.bench.cluster import _stretched_timeouts
+from radixmesh.bench.launcher import _stretched_timeouts
 from radixmesh.bench.sidechannel import Completion, _subscribed, _until, completion
 from radixmesh.core.profile import Profile, resolve
 from radixmesh.emulate.server import EmulatedEngine

@@ -4,7 +4,7 @@
 policy at one point of the sweep; comparisons are *paired*: a run against the ``none`` run of
 the same workload over the requests both completed — the ``none`` run that ran beside it in
 time (same batch) when there is one. Every ratio comes with a bootstrap interval
-(``results.summary.ratio_interval``). The report's tables and figures read it.
+(``results.run_summary.ratio_interval``). The report's tables and figures read it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from radixmesh.results.records import Record
-from radixmesh.results.summary import load_summary, ratio_interval
+from radixmesh.results.run_summary import load_summary, ratio_interval
 
 Run = dict[str, Any]
 OPEN_LOOP = ("poisson", "trace")

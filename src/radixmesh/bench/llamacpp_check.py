@@ -46,7 +46,7 @@ from radixmesh.bench.vllm_server import save_model_dir, stop_group, tail
 from radixmesh.core.blocks import DEFAULT_BLOCK_SIZE
 from radixmesh.engine.tokenizers import HFTokenizer
 from radixmesh.results.records import Record
-from radixmesh.results.summary import summarize
+from radixmesh.results.run_summary import summarize
 from radixmesh.runtime.cluster import LocalCluster, free_ports
 from radixmesh.workload.request import Request
 

@@ -36,7 +36,7 @@ from radixmesh.core.estimators import ComputeModel, CostPriors
 from radixmesh.core.peerview import PeerView
 from radixmesh.core.radix import RadixTree
 from radixmesh.core.router import NodeInfo, Policy, RouteInput, Router, RouterConfig
-from radixmesh.results.summary import percentile
+from radixmesh.results.run_summary import percentile
 
 BLOCK = 16
 PROMPT_TOKENS = 3_000
@@ -162,7 +162,7 @@ def _radix_bench(work: Workload, iterations: int) -> tuple[list[float], list[flo
 
 
 def _pct(samples: Sequence[float], q: float) -> float:
-    """The q-th percentile (results.summary.percentile, nearest rank) in µs, to 0.01."""
+    """The q-th percentile (results.run_summary.percentile, nearest rank) in µs, to 0.01."""
     value = percentile(samples, q)
     if value is None:
         raise ValueError("no samples")

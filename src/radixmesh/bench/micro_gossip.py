@@ -19,6 +19,7 @@ import time
 from collections import deque
 from dataclasses import replace
 
+from radixmesh.core.cache_summary import LocalSummary, pack_hashes, unpack_hashes
 from radixmesh.core.codec import Codec
 from radixmesh.core.config import GossipConfig, GossipMode
 from radixmesh.core.events import LoadChanged
@@ -26,7 +27,6 @@ from radixmesh.core.messages import Gossip, Load
 from radixmesh.core.profile import resolve
 from radixmesh.core.sessions import SessionConfig
 from radixmesh.core.shadow import Shadow
-from radixmesh.core.summary import LocalSummary, pack_hashes, unpack_hashes
 from radixmesh.testing import LinkConfig, TwinCluster
 
 CACHE_BLOCKS = 100_000

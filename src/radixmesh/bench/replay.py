@@ -39,7 +39,7 @@ from typing import Any
 import httpx
 
 from radixmesh.bench import client
-from radixmesh.bench.cluster import BenchCluster
+from radixmesh.bench.launcher import BenchCluster
 from radixmesh.bench.oracle import Oracle, fed_output, output_ids
 from radixmesh.bench.prompts import prompt_ids, tokenizer_for
 from radixmesh.bench.sglang import Gateway

@@ -4,7 +4,7 @@ The runner (bench/runner.py) fills a ``RunResult`` as the run goes: what was pla
 dropped, the records, what the nodes said after it (placements, engine lag), the per-node load
 over time and the processes' CPU use (bench/usage.py). :func:`summary_entry` turns it into the
 run's line of ``summary.json``: the configuration, the figures of the records that are not
-warm-up (results/summary.py), and everything the run measured besides.
+warm-up (results/run_summary.py), and everything the run measured besides.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 from radixmesh.bench.spec import RunSpec
 from radixmesh.results.records import Record
-from radixmesh.results.summary import node_figures, summarize
+from radixmesh.results.run_summary import node_figures, summarize
 from radixmesh.workload import Request
 from radixmesh.workload.build import TOO_LONG, Drops
 from radixmesh.workload.schedule import describe

@@ -42,7 +42,7 @@ from radixmesh.bench.after_run import (
     placement_counts,
     save_decisions,
 )
-from radixmesh.bench.cluster import BenchCluster, ClusterFactory, local_cluster
+from radixmesh.bench.launcher import BenchCluster, ClusterFactory, local_cluster
 from radixmesh.bench.oracle import Oracle
 from radixmesh.bench.progress import Progress
 from radixmesh.bench.prompts import BLOCK_SIZE, ideal_hit_rate, make_admit, tokenizer_for
@@ -54,7 +54,7 @@ from radixmesh.bench.spec import RunSpec, engine_context
 from radixmesh.bench.usage import CpuMeter, write_load
 from radixmesh.core.profile import resolve as resolve_profile
 from radixmesh.results.records import Record
-from radixmesh.results.summary import load_summary
+from radixmesh.results.run_summary import load_summary
 from radixmesh.workload import Request, Schedule
 from radixmesh.workload.build import Drops, build_counted
 from radixmesh.workload.schedule import DEFAULT_CV, arrival_text, describe

@@ -11,7 +11,7 @@ from radixmesh.bench import paper_numbers as P
 from radixmesh.bench.folder import Results, Run
 from radixmesh.bench.markdown import f3, get, pct, rtext, table, verdict
 from radixmesh.core.router import DELIBERATE
-from radixmesh.results.summary import mean, percentile, placement_tags
+from radixmesh.results.run_summary import mean, percentile, placement_tags
 
 
 def oracle_gain(res: Results, skew: str = "uniform") -> float | None:

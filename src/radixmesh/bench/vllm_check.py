@@ -85,7 +85,7 @@ from radixmesh.bench.vllm_server import (
     wait_subscribed,
 )
 from radixmesh.results.records import Record
-from radixmesh.results.summary import summarize
+from radixmesh.results.run_summary import summarize
 from radixmesh.runtime.cluster import free_ports
 from radixmesh.workload.request import Request
 

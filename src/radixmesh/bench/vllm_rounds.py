@@ -13,9 +13,9 @@ nodes, exactly as a single run.
 Each request then has one latency per policy per round; :func:`pairs` pairs policy A's with
 B's (same request, same round; a request that failed under either is left out) in round and
 request order. The mean ratio is ``sum(A) / sum(B)`` over the pairs with
-``results.summary.ratio_interval``'s circular block bootstrap (neighbouring requests share a
+``results.run_summary.ratio_interval``'s circular block bootstrap (neighbouring requests share a
 queue and a cache state); the p99 ratio uses the same block resampling
-(``results.summary.quantile_ratio_interval``). Issue #52's reading: "A <= B" when the point
+(``results.run_summary.quantile_ratio_interval``). Issue #52's reading: "A <= B" when the point
 estimate is <= 1.00 and the interval's upper bound < 1.05.
 """
 
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from radixmesh.results.records import Record
-from radixmesh.results.summary import percentile, quantile_ratio_interval, ratio_interval
+from radixmesh.results.run_summary import percentile, quantile_ratio_interval, ratio_interval
 
 
 def round_orders(policies: Sequence[str], rounds: int) -> list[list[str]]:

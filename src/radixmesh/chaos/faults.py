@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from radixmesh.chaos.env import ChaosEnv
 from radixmesh.chaos.load import Outcome, Prompt
 from radixmesh.chaos.report import FaultResult
-from radixmesh.results.summary import percentile
+from radixmesh.results.run_summary import percentile
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ import httpx
 
 from radixmesh.bench.client import send
 from radixmesh.results.records import Record
-from radixmesh.results.summary import percentile
+from radixmesh.results.run_summary import percentile
 from radixmesh.workload.request import Request
 
 

@@ -37,7 +37,7 @@ import httpx
 from radixmesh.chaos.env import ChaosConfig, ChaosEnv
 from radixmesh.chaos.load import Outcome, Prompt, open_loop, send_one
 from radixmesh.chaos.report import rss_bytes
-from radixmesh.results.summary import percentile
+from radixmesh.results.run_summary import percentile
 from radixmesh.runtime.metrics import parse_samples
 
 

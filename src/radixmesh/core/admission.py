@@ -43,7 +43,6 @@ from dataclasses import dataclass
 from radixmesh.core.config import AdmissionConfig, NodeConfig
 from radixmesh.core.cost_model import Candidate, RouteInput, mesh_cost, predict_wait
 from radixmesh.core.decisions import DecisionLog
-from radixmesh.core.estimate import bump
 from radixmesh.core.estimators import SpeedReport
 from radixmesh.core.events import (
     AcceptForward,
@@ -56,6 +55,7 @@ from radixmesh.core.events import (
 )
 from radixmesh.core.messages import Load
 from radixmesh.core.own_load import OwnLoad
+from radixmesh.core.peer_estimate import bump
 from radixmesh.core.peer_loads import PeerLoads
 
 

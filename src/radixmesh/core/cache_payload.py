@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from radixmesh.core.cache_summary import LocalSummary
 from radixmesh.core.messages import Change, Delta, Snapshot
 from radixmesh.core.peerview import PeerView
-from radixmesh.core.summary import LocalSummary
 
 
 class CachePayload:

@@ -30,6 +30,7 @@ import msgpack
 
 from radixmesh.core.adapters import MAX_ADAPTERS, Adapter, adapters_from_wire
 from radixmesh.core.blocks import Fingerprint
+from radixmesh.core.cache_summary import pack_hashes, unpack_hashes
 from radixmesh.core.checked import (
     INT_MAX,
     RemoteProtocolError,
@@ -58,7 +59,6 @@ from radixmesh.core.messages import (
 )
 from radixmesh.core.sessions import MAX_GOSSIP_SESSIONS
 from radixmesh.core.shadow_state import PACKED_SIZE, BatchState
-from radixmesh.core.summary import pack_hashes, unpack_hashes
 
 KIND_GOSSIP = 1  # kinds 2.. are forward messages (forward_codec)
 _EMPTY = pack_hashes(())

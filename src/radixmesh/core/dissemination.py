@@ -41,7 +41,6 @@ from radixmesh.core.adapters import PeerAdapters
 from radixmesh.core.codec import Codec
 from radixmesh.core.config import GossipMode, NodeConfig
 from radixmesh.core.epidemic import Epidemic
-from radixmesh.core.estimate import Estimate, bump
 from radixmesh.core.estimators import SpeedReport
 from radixmesh.core.events import Action, Send
 from radixmesh.core.failure import FailureDetector
@@ -58,6 +57,7 @@ from radixmesh.core.messages import (
     Summary,
 )
 from radixmesh.core.payload import Payload
+from radixmesh.core.peer_estimate import PeerEstimate, bump
 from radixmesh.core.sessions import SessionTable
 from radixmesh.core.shadow_state import worth_sending
 
@@ -123,7 +123,8 @@ class Disseminator:
         return Send(address, self.codec.encode(msg), None, msg)
 
     def send(
-        self, est: Estimate, member: Member, now: float, load: Load, reply: bool, full: bool = False
+        self, est: PeerEstimate, member: Member, now: float, load: Load, reply: bool,
+        full: bool = False,
     ) -> Send:
         reply = reply or est.version is None
         msg = self._message(est, now, load, reply=reply, full=full)
@@ -132,7 +133,7 @@ class Disseminator:
         return Send(member.address, data, member.node_id, msg)
 
     def _message(
-        self, est: Estimate | None, now: float, load: Load, reply: bool, full: bool
+        self, est: PeerEstimate | None, now: float, load: Load, reply: bool, full: bool
     ) -> Gossip:
         summary = self._summary_for(est, now)
         first = est is None or est.acked is None or isinstance(summary, Snapshot)
@@ -161,10 +162,10 @@ class Disseminator:
             adapter_names=() if known else self.config.adapters,
         )
 
-    def _relays(self, est: Estimate | None, now: float) -> tuple[NodeState, ...]:
+    def _relays(self, est: PeerEstimate | None, now: float) -> tuple[NodeState, ...]:
         return self.epidemic.relays(est, now) if self.epidemic.enabled and est is not None else ()
 
-    def _load_for(self, est: Estimate, load: Load, now: float) -> Load:
+    def _load_for(self, est: PeerEstimate, load: Load, now: float) -> Load:
         """Our load for ``est``, its speed left out when the peer has a close enough one,
         its batch when the peer's copy is still good (``shadow_state.worth_sending``)."""
         if load.batch is not None:
@@ -184,7 +185,7 @@ class Disseminator:
             return load
         return replace(load, speed=None)
 
-    def _summary_for(self, est: Estimate | None, now: float) -> Summary | None:
+    def _summary_for(self, est: PeerEstimate | None, now: float) -> Summary | None:
         if self.cfg.mode is GossipMode.SNAPSHOT or est is None:
             return self.payload.local_state()
         base = self._delta_base(est, now)
@@ -202,7 +203,7 @@ class Disseminator:
         self._sent(est, summary, now)
         return summary
 
-    def _delta_base(self, est: Estimate, now: float) -> int | None:
+    def _delta_base(self, est: PeerEstimate, now: float) -> int | None:
         """The version to send changes after: what it acknowledged, or (optimistically, for
         a bounded window) what we already sent it, so each change normally travels once."""
         acked = None if est.acked is None else est.acked.version
@@ -213,7 +214,7 @@ class Disseminator:
             return acked
         return est.sent_version if acked is None else max(acked, est.sent_version)
 
-    def _sent(self, est: Estimate, summary: Summary, now: float) -> None:
+    def _sent(self, est: PeerEstimate, summary: Summary, now: float) -> None:
         est.sent_version = summary.version
         acked = None if est.acked is None else est.acked.version
         if acked is not None and acked >= summary.version:
@@ -221,7 +222,7 @@ class Disseminator:
         elif est.unacked_since is None:
             est.unacked_since = now
 
-    def _echo(self, est: Estimate, now: float) -> Echo | None:
+    def _echo(self, est: PeerEstimate, now: float) -> Echo | None:
         if est.echo_stamp is None or est.sent % self.xcfg.echo_every != 0:
             return None
         echo = Echo(est.echo_stamp, max(0.0, now - est.echo_at))
@@ -229,7 +230,7 @@ class Disseminator:
         return echo
 
     # ================================================================= incoming states
-    def apply_direct(self, est: Estimate, msg: Gossip, now: float, newest: bool) -> None:
+    def apply_direct(self, est: PeerEstimate, msg: Gossip, now: float, newest: bool) -> None:
         """The sender's own state, ack and echo (``newest``: no newer message applied yet)."""
         self.epidemic.heard_first_hand(msg.sender)
         self._apply_load(est, msg.stamp, msg.load, now)
@@ -258,7 +259,7 @@ class Disseminator:
         self._apply_summary(est, s.summary)
         self.failure.sync_routable(s.node_id)
 
-    def _apply_load(self, est: Estimate, stamp: float, load: Load | None, now: float) -> None:
+    def _apply_load(self, est: PeerEstimate, stamp: float, load: Load | None, now: float) -> None:
         if load is None or (est.stamp is not None and stamp <= est.stamp):
             return
         est.stamp = stamp
@@ -272,7 +273,7 @@ class Disseminator:
                                  else now - max(0.0, stamp - load.speed_measured_at))
         est.pushback_until = None if load.pushback_s is None else now + load.pushback_s
 
-    def _apply_summary(self, est: Estimate, summary: Summary | None) -> None:
+    def _apply_summary(self, est: PeerEstimate, summary: Summary | None) -> None:
         if summary is None:
             return
         if isinstance(summary, Snapshot):
@@ -280,7 +281,7 @@ class Disseminator:
         else:
             self._apply_delta(est, summary)
 
-    def _apply_snapshot(self, est: Estimate, snap: Snapshot) -> None:
+    def _apply_snapshot(self, est: PeerEstimate, snap: Snapshot) -> None:
         if est.version is not None and snap.version <= est.version:
             bump(self.metrics, "gossip_stale_summaries")
             return
@@ -289,7 +290,7 @@ class Disseminator:
         self.epidemic.note_snapshot(est)
         bump(self.metrics, "gossip_snapshots_applied")
 
-    def _apply_delta(self, est: Estimate, delta: Delta) -> None:
+    def _apply_delta(self, est: PeerEstimate, delta: Delta) -> None:
         if est.version is None or delta.base > est.version:
             bump(self.metrics, "gossip_gaps")
             return
@@ -304,7 +305,7 @@ class Disseminator:
         self.epidemic.note_changes(est, fresh)
         bump(self.metrics, "gossip_deltas_applied")
 
-    def _apply_ack(self, est: Estimate, ack: Ack | None, now: float) -> None:
+    def _apply_ack(self, est: PeerEstimate, ack: Ack | None, now: float) -> None:
         if ack is not None and ack.incarnation != self.config.incarnation:
             ack = None
         old = est.acked
@@ -316,7 +317,7 @@ class Disseminator:
         caught_up = est.sent_version is None or ack.version >= est.sent_version
         est.unacked_since = None if caught_up else now  # progress: a fresh window
 
-    def _apply_echo(self, est: Estimate, msg: Gossip, now: float) -> None:
+    def _apply_echo(self, est: PeerEstimate, msg: Gossip, now: float) -> None:
         if est.echo_stamp is None or msg.stamp > est.echo_stamp:
             est.echo_stamp, est.echo_at = msg.stamp, now
         echo = msg.echo
@@ -339,7 +340,7 @@ class Disseminator:
             est.pushback_until = until
 
 
-def _ack(est: Estimate) -> Ack | None:
+def _ack(est: PeerEstimate) -> Ack | None:
     return None if est.version is None else Ack(est.incarnation, est.version)
 
 

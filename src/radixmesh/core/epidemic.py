@@ -29,11 +29,11 @@ from collections.abc import Iterable
 from random import Random  # the type only: instances are passed in, never the global one
 
 from radixmesh.core.config import GossipConfig, GossipMode
-from radixmesh.core.estimate import Estimate
 from radixmesh.core.failure import FailureDetector
 from radixmesh.core.membership import MemberState
 from radixmesh.core.messages import Change, Delta, DigestEntry, Load, NodeState, Snapshot, Summary
 from radixmesh.core.payload import Payload
+from radixmesh.core.peer_estimate import PeerEstimate
 
 
 class Epidemic:
@@ -69,7 +69,7 @@ class Epidemic:
         self._heard_now[node_id] = None
 
     # ======================================================================== incoming
-    def keep_knows(self, est: Estimate, digest: tuple[DigestEntry, ...]) -> None:
+    def keep_knows(self, est: PeerEstimate, digest: tuple[DigestEntry, ...]) -> None:
         """Keep the sender's digest; only the ``max_knows`` most recent senders' digests are
         kept (each node holding every peer's digest grew as N² x digest size: GBs at 1024
         nodes). A peer whose digest was dropped is relayed to as one never heard: rumors only."""
@@ -83,13 +83,13 @@ class Epidemic:
             if old is not None:
                 old.knows = None
 
-    def note_snapshot(self, est: Estimate) -> None:
+    def note_snapshot(self, est: PeerEstimate) -> None:
         """``est`` now holds a whole new state: its relay log starts again; rumor it."""
         est.relay_log = []
         est.relay_log_hashes = 0
         self._rumor(est.node_id)
 
-    def note_changes(self, est: Estimate, fresh: list[Change]) -> None:
+    def note_changes(self, est: PeerEstimate, fresh: list[Change]) -> None:
         """``est`` moved on by ``fresh``: keep them for relaying (bounded); rumor it."""
         est.relay_log.extend(fresh)
         est.relay_log_hashes += sum(_items(c) for c in fresh)
@@ -131,10 +131,10 @@ class Epidemic:
         return out
 
     # ========================================================================== relays
-    def relays(self, target: Estimate, now: float) -> tuple[NodeState, ...]:
+    def relays(self, target: PeerEstimate, now: float) -> tuple[NodeState, ...]:
         """States the target lacks, judged by its latest digest, plus recent changes."""
         knows = target.knows or {}
-        wanted: dict[str, Estimate] = {}
+        wanted: dict[str, PeerEstimate] = {}
         for known in knows.values():
             e = self._relayable(known.node_id, target)
             if e is not None and _newer(e, known):
@@ -167,7 +167,7 @@ class Epidemic:
         else:
             del self._recent[node_id]
 
-    def _relayable(self, node_id: str, target: Estimate) -> Estimate | None:
+    def _relayable(self, node_id: str, target: PeerEstimate) -> PeerEstimate | None:
         member = self.members.get(node_id)
         if member is None or member.state is MemberState.DEAD or node_id == target.node_id:
             return None
@@ -175,7 +175,7 @@ class Epidemic:
         return None if est is None or est.hearsay else est
 
     def _relay_state(
-        self, e: Estimate, known: DigestEntry | None, now: float, budget: int
+        self, e: PeerEstimate, known: DigestEntry | None, now: float, budget: int
     ) -> NodeState:
         member = self.members.get(e.node_id)
         address = member.address if member is not None else ""
@@ -198,7 +198,9 @@ class Epidemic:
         stamp = 0.0 if e.stamp is None else e.stamp
         return NodeState(e.node_id, address, e.incarnation, e.heartbeat, stamp, load, summary)
 
-    def _relay_summary(self, e: Estimate, known: DigestEntry | None, budget: int) -> Summary | None:
+    def _relay_summary(
+        self, e: PeerEstimate, known: DigestEntry | None, budget: int
+    ) -> Summary | None:
         if e.version is None:
             return None
         if known is None:  # a rumor: the target's version is unknown
@@ -210,7 +212,7 @@ class Epidemic:
             return Delta(base, tuple(c for c in e.relay_log if c.version > base))
         return self.payload.remote_state(e.node_id, e.version, budget)
 
-    def _rumor_summary(self, e: Estimate, budget: int) -> Summary | None:
+    def _rumor_summary(self, e: PeerEstimate, budget: int) -> Summary | None:
         """The last few changes (applies if the target is not too far behind), else a small
         snapshot; a target further behind shows it in its digest and is repaired then."""
         if e.relay_log:
@@ -222,7 +224,7 @@ class Epidemic:
         )
 
 
-def _newer(e: Estimate, known: DigestEntry) -> bool:
+def _newer(e: PeerEstimate, known: DigestEntry) -> bool:
     """Whether our state of a node is newer than the target's (heartbeats travel in digests)."""
     if e.incarnation != known.incarnation:
         return e.incarnation > known.incarnation

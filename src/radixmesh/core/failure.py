@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 The member table (:mod:`membership`) holds each peer's state; this module decides what moves
-it, and keeps one :class:`Estimate` per member (its identity and liveness part)::
+it, and keeps one :class:`PeerEstimate` per member (its identity and liveness part)::
 
     message from X, incarnation i:  unknown X   -> join (ALIVE), unless the table is full
                                     i < held    -> stale: the whole message is rejected
@@ -30,10 +30,10 @@ from random import Random  # the type only: instances are passed in, never the g
 
 from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.config import NodeConfig
-from radixmesh.core.estimate import Estimate, bump
 from radixmesh.core.events import Action, Log, PeerStateChanged
 from radixmesh.core.membership import Member, MemberEvent, Membership, MemberState, Transition
 from radixmesh.core.messages import DigestEntry, Gossip, PeerAddress
+from radixmesh.core.peer_estimate import PeerEstimate, bump
 
 
 class FailureDetector:
@@ -57,7 +57,7 @@ class FailureDetector:
         self._drop_payload = drop_payload
         self._max_peers = max_peers
         self.heartbeat = 0  # our own round counter
-        self.estimates: dict[str, Estimate] = {}
+        self.estimates: dict[str, PeerEstimate] = {}
         self.routable: dict[str, None] = {}  # alive peers with a load report (ordered set)
         self.live: list[str] = []  # non-dead members, rebuilt once per round
         self._refused: set[str] = set()
@@ -70,7 +70,7 @@ class FailureDetector:
     # ======================================================================== who exists
     def resolve(
         self, node_id: str, incarnation: int, address: str, now: float, out: list[Action]
-    ) -> Estimate | None:
+    ) -> PeerEstimate | None:
         """The estimate to update for this sender (new, restarted), or None if stale."""
         member = self.members.get(node_id)
         if member is None:
@@ -81,7 +81,7 @@ class FailureDetector:
             self.members.resolve_seed(address)
             out.append(PeerStateChanged(node_id, "unknown", MemberState.ALIVE.value))
             out.append(Log("info", f"peer {node_id} joined at {address}"))
-            est = self.estimates[node_id] = Estimate(node_id, incarnation)
+            est = self.estimates[node_id] = PeerEstimate(node_id, incarnation)
             return est
         est = self.estimates[node_id]
         if est.hearsay:
@@ -94,7 +94,7 @@ class FailureDetector:
             member.address = address
         return est
 
-    def _adopt(self, est: Estimate, incarnation: int) -> None:
+    def _adopt(self, est: PeerEstimate, incarnation: int) -> None:
         """A node known by hearsay is now known first-hand: take its incarnation as is."""
         est.hearsay = False
         est.incarnation = incarnation
@@ -103,7 +103,7 @@ class FailureDetector:
             member.incarnation = incarnation
 
     def _restart(
-        self, member: Member, est: Estimate, incarnation: int, now: float, out: list[Action]
+        self, member: Member, est: PeerEstimate, incarnation: int, now: float, out: list[Action]
     ) -> None:
         old = member.incarnation
         self._drop_payload(member.node_id)
@@ -124,7 +124,7 @@ class FailureDetector:
             # Known only by hearsay: it must speak (or be relayed) before we route to it.
             self.members.add(p.node_id, p.address, 0, now)
             self.members.resolve_seed(p.address)
-            self.estimates[p.node_id] = Estimate(p.node_id, 0, hearsay=True)
+            self.estimates[p.node_id] = PeerEstimate(p.node_id, 0, hearsay=True)
             out.append(PeerStateChanged(p.node_id, "unknown", MemberState.ALIVE.value))
 
     def forget(self, node_id: str) -> None:
@@ -141,12 +141,16 @@ class FailureDetector:
             est.reset_state()
 
     # ================================================================ alive/suspect/dead
-    def heard_directly(self, est: Estimate, heartbeat: int, now: float, out: list[Action]) -> None:
+    def heard_directly(
+        self, est: PeerEstimate, heartbeat: int, now: float, out: list[Action]
+    ) -> None:
         """A message from the peer itself: always a heartbeat."""
         est.heartbeat = max(est.heartbeat, heartbeat)
         self.heard(est.node_id, now, out)
 
-    def heard_relayed(self, est: Estimate, heartbeat: int, now: float, out: list[Action]) -> None:
+    def heard_relayed(
+        self, est: PeerEstimate, heartbeat: int, now: float, out: list[Action]
+    ) -> None:
         """Its state relayed by another: a heartbeat only if its round counter moved on."""
         if heartbeat > est.heartbeat:
             est.heartbeat = heartbeat

@@ -39,7 +39,7 @@ from radixmesh.core.messages import (
     PROTOCOL_VERSION,
     SEED_MAX,
     SEED_MIN,
-    ForwardAccepted,
+    ForwardAdmitted,
     ForwardBusy,
     ForwardError,
     ForwardHeartbeat,
@@ -135,7 +135,7 @@ def _reply_fields(msg: ForwardReply) -> list[Any]:
         case ForwardBusy():  # queue_s only when set: a refusal by state keeps the old layout
             busy = [KIND_BUSY, msg.node_id, float(msg.retry_after_s)]
             return busy if msg.queue_s is None else [*busy, float(msg.queue_s)]
-        case ForwardAccepted():
+        case ForwardAdmitted():
             return [KIND_ACCEPTED, msg.node_id, msg.cached_tokens]
         case ForwardHeartbeat():
             return [KIND_HEARTBEAT]
@@ -157,10 +157,10 @@ def _busy(f: list[Any], lim: ForwardLimits) -> ForwardBusy:
     return ForwardBusy(node_id, check_float(f[3], "retry_after_s"), queue_s)
 
 
-def _accepted(f: list[Any], lim: ForwardLimits) -> ForwardAccepted:
+def _accepted(f: list[Any], lim: ForwardLimits) -> ForwardAdmitted:
     check_array(f, 4, "accepted")
     node_id = check_text(f[2], lim.max_id_len, "accepted node id")
-    return ForwardAccepted(node_id, check_int(f[3], "cached_tokens"))
+    return ForwardAdmitted(node_id, check_int(f[3], "cached_tokens"))
 
 
 def _heartbeat(f: list[Any], lim: ForwardLimits) -> ForwardHeartbeat:

@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 Gossip is split by what each part decides; every part is pure (time and a ``Random`` are
-passed in) and all share one :class:`Estimate` per peer::
+passed in) and all share one :class:`PeerEstimate` per peer::
 
     failure.py        FailureDetector  who exists: joins, incarnations (restarts, stale),
                                        heartbeats, alive/suspect/dead, seeds, refusals
@@ -26,19 +26,19 @@ from __future__ import annotations
 from random import Random  # the type only: instances are passed in, never the global one
 
 from radixmesh.core.cache_payload import CachePayload
+from radixmesh.core.cache_summary import LocalSummary
 from radixmesh.core.codec import Codec
 from radixmesh.core.config import NodeConfig
 from radixmesh.core.dissemination import Disseminator
-from radixmesh.core.estimate import Estimate, bump
 from radixmesh.core.events import Action
 from radixmesh.core.failure import FailureDetector
 from radixmesh.core.load_estimates import RttTable
 from radixmesh.core.membership import Membership
 from radixmesh.core.messages import Gossip, Load
+from radixmesh.core.peer_estimate import PeerEstimate, bump
 from radixmesh.core.peerview import PeerView
-from radixmesh.core.summary import LocalSummary
 
-__all__ = ["Estimate", "Gossiper"]
+__all__ = ["Gossiper", "PeerEstimate"]
 
 
 class Gossiper:
@@ -64,7 +64,7 @@ class Gossiper:
         self.dissemination = Disseminator(
             config, self.payload, self.failure, rtt, codec, rng, metrics
         )
-        self.estimates: dict[str, Estimate] = self.failure.estimates
+        self.estimates: dict[str, PeerEstimate] = self.failure.estimates
         self.routable: dict[str, None] = self.failure.routable  # an ordered set
 
     def receive(self, msg: Gossip, now: float, load: Load) -> list[Action]:

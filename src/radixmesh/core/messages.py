@@ -17,7 +17,7 @@ Forwarding: the entry node sends one :class:`ForwardRequest`; the serving peer a
 stream of :data:`ForwardReply` messages, in this grammar::
 
     replies := ForwardBusy
-             | ForwardAccepted (ForwardTokens | ForwardHeartbeat)* (ForwardResult | ForwardError)
+             | ForwardAdmitted (ForwardTokens | ForwardHeartbeat)* (ForwardResult | ForwardError)
 
 Busy: the peer refuses (queue at its push-back threshold, or it would not beat ``beat_s``) and
 the sender falls back at once. Accepted is the first byte of an accepted forward; heartbeats
@@ -250,7 +250,7 @@ class ForwardBusy:
 
 
 @dataclass(frozen=True, slots=True)
-class ForwardAccepted:
+class ForwardAdmitted:
     """The receiver will execute the forward; ``cached_tokens`` of the prompt are cached there."""
 
     node_id: str
@@ -312,6 +312,6 @@ class ForwardError:
 
 
 ForwardReply = (
-    ForwardBusy | ForwardAccepted | ForwardHeartbeat | ForwardTokens | ForwardResult | ForwardError
+    ForwardBusy | ForwardAdmitted | ForwardHeartbeat | ForwardTokens | ForwardResult | ForwardError
 )
 """Any reply to a :class:`ForwardRequest`; see the module docstring for their order."""

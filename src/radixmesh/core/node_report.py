@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from radixmesh.core.admission import AdmissionControl
+from radixmesh.core.cache_summary import Holdings, LocalSummary
 from radixmesh.core.config import NodeConfig
 from radixmesh.core.cost_model import Tag
 from radixmesh.core.gossip import Gossiper
@@ -22,7 +23,6 @@ from radixmesh.core.membership import Membership, MemberState
 from radixmesh.core.own_load import OwnLoad
 from radixmesh.core.peer_loads import PeerLoads
 from radixmesh.core.peerview import PeerView
-from radixmesh.core.summary import Holdings, LocalSummary
 
 
 @dataclass(frozen=True, slots=True)

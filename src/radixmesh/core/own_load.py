@@ -27,12 +27,12 @@ from dataclasses import replace
 
 from radixmesh.core.config import NodeConfig
 from radixmesh.core.cost_model import NodeInfo
-from radixmesh.core.estimate import bump
 from radixmesh.core.estimators import ComputeModel, CostPriors, Ewma, SpeedReport, speed_is_stale
 from radixmesh.core.events import LoadChanged, RequestServed
 from radixmesh.core.gossip import Gossiper
 from radixmesh.core.load_estimates import ArrivalRate, Utilization
 from radixmesh.core.messages import Load
+from radixmesh.core.peer_estimate import bump
 from radixmesh.core.shadow_state import aged
 
 # a stale own speed restarts from the median of at most this many fresh peers' speeds

@@ -18,6 +18,7 @@ from random import Random  # the type only: instances are passed in, never the g
 
 from radixmesh.core.adapters import PeerAdapters
 from radixmesh.core.admission import AdmissionControl
+from radixmesh.core.cache_summary import Holdings, LocalSummary
 from radixmesh.core.codec import Codec, Limits
 from radixmesh.core.config import NodeConfig
 from radixmesh.core.decisions import DecisionLog
@@ -34,7 +35,6 @@ from radixmesh.core.requests import RequestFlow
 from radixmesh.core.rounds import GossipRounds
 from radixmesh.core.routing import Routing
 from radixmesh.core.sessions import SessionTable
-from radixmesh.core.summary import Holdings, LocalSummary
 
 
 @dataclass(frozen=True, slots=True)

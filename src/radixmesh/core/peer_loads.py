@@ -31,11 +31,11 @@ from dataclasses import dataclass
 
 from radixmesh.core.config import NodeConfig
 from radixmesh.core.cost_model import NodeInfo
-from radixmesh.core.estimate import Estimate, bump
 from radixmesh.core.estimators import SpeedReport
 from radixmesh.core.gossip import Gossiper
 from radixmesh.core.lifecycle import Lifecycle
 from radixmesh.core.load_estimates import RttTable, WaitError
+from radixmesh.core.peer_estimate import PeerEstimate, bump
 from radixmesh.core.shadow_state import BatchState, aged
 
 IDLE_PEERS = 2  # unmatched least-loaded peers the cost policy also considers
@@ -97,7 +97,7 @@ class PeerLoads:
             heapq.heappush(self._idle, (est.load.queue_depth, est.stamp or 0.0, peer))
             self._trim_idle()
 
-    def _batch_seen(self, peer: str, est: Estimate, now: float) -> None:
+    def _batch_seen(self, peer: str, est: PeerEstimate, now: float) -> None:
         """Keep ``peer``'s latest batch report: a load without one (sent unchanged, see
         ``OwnLoad.advertised``) leaves the last one in force, aged from its own arrival; a new
         incarnation's reports start afresh."""
@@ -214,7 +214,7 @@ class PeerLoads:
         est = self._gossip.estimates.get(peer)
         return est is not None and self._available(peer, est, now)
 
-    def _available(self, peer: str, est: Estimate, now: float) -> bool:
+    def _available(self, peer: str, est: PeerEstimate, now: float) -> bool:
         if peer not in self._gossip.routable:
             return False
         return est.pushback_until is None or est.pushback_until <= now

@@ -31,7 +31,6 @@ import traceback
 
 from radixmesh.core.admission import AdmissionControl
 from radixmesh.core.cost_model import Candidate
-from radixmesh.core.estimate import bump
 from radixmesh.core.events import (
     AcceptForward,
     Action,
@@ -54,6 +53,7 @@ from radixmesh.core.events import (
 from radixmesh.core.gossip import Gossiper
 from radixmesh.core.lifecycle import Flight, Lifecycle, Stage
 from radixmesh.core.load_estimates import RttTable
+from radixmesh.core.peer_estimate import bump
 from radixmesh.core.peer_loads import PeerLoads
 from radixmesh.core.peerview import PeerView
 from radixmesh.core.placer import Placer

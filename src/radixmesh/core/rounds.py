@@ -24,10 +24,10 @@ from __future__ import annotations
 from random import Random  # the type only: instances are passed in, never the global one
 
 from radixmesh.core.admission import AdmissionControl
+from radixmesh.core.cache_summary import Holdings
 from radixmesh.core.checked import RemoteProtocolError
 from radixmesh.core.codec import Codec
 from radixmesh.core.config import GossipMode, NodeConfig
-from radixmesh.core.estimate import bump
 from radixmesh.core.events import (
     Action,
     CacheChanged,
@@ -39,8 +39,8 @@ from radixmesh.core.events import (
 )
 from radixmesh.core.gossip import Gossiper
 from radixmesh.core.own_load import OwnLoad
+from radixmesh.core.peer_estimate import bump
 from radixmesh.core.peer_loads import PeerLoads
-from radixmesh.core.summary import Holdings
 
 
 class GossipRounds:

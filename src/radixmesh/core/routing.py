@@ -36,12 +36,12 @@ from radixmesh.core.adapters import PeerAdapters
 from radixmesh.core.config import NodeConfig
 from radixmesh.core.cost_model import Candidate, NodeInfo, RouteInput, Tag
 from radixmesh.core.decisions import DecisionLog
-from radixmesh.core.estimate import bump
 from radixmesh.core.events import RequestArrived
 from radixmesh.core.gossip import Gossiper
 from radixmesh.core.lifecycle import Lifecycle
 from radixmesh.core.load_estimates import RttTable
 from radixmesh.core.own_load import OwnLoad
+from radixmesh.core.peer_estimate import bump
 from radixmesh.core.peer_loads import PeerLoads
 from radixmesh.core.peerview import PeerView
 from radixmesh.core.placer import ROUTE_TOP_K, Placer

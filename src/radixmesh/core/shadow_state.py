@@ -179,7 +179,7 @@ def changed(sent: BatchState, now: BatchState, tolerance: float = 0.2) -> bool:
 def worth_sending(last: tuple[BatchState, float] | None, batch: BatchState, now: float,
                   interval_s: float) -> bool:
     """Whether a message to a peer carries ``batch`` (this node's, as of ``now``), given
-    ``last``: the one last sent to that peer, and when (``Estimate.batch_sent``). Yes
+    ``last``: the one last sent to that peer, and when (``PeerEstimate.batch_sent``). Yes
     when it has none, or it is ``BATCH_REFRESH_ROUNDS`` gossip intervals old, or it
     :func:`changed` materially, compared half a round on (when the receiver uses it on
     average): a prompt computed by then (an H100 prefills a few thousand tokens in a

@@ -23,7 +23,7 @@ Observe      GET /health, GET /metrics (Prometheus text), GET /mesh (JSON),
              ``x-radixmesh-request`` header's number)
 Peers        POST /peer/gossip (raw gossip bytes), POST /peer/forward (an encoded
              ForwardRequest, executed here; the body of the answer is framed ForwardReply
-             messages: ForwardAccepted first, or ForwardBusy when the core refuses — queue
+             messages: ForwardAdmitted first, or ForwardBusy when the core refuses — queue
              at the push-back threshold, or slower than the sender's ``beat_s``);
              POST /peer/link (many forwards over one open exchange: runtime/peer_link.py);
              both are served by the ``PeerForward`` middleware, not FastAPI routes

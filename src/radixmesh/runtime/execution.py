@@ -7,7 +7,7 @@ The core's lifecycle (``core/lifecycle.py``) decides; the classes here only move
     ExecuteLocally(resume_after=k) ─▶ LocalExecution: a task awaiting engine.generate
                                       (AsyncEngine), tokens via an asyncio queue; prompt +
                                       the k tokens a dead peer sent
-    Forward(peer)  ─▶ offer(): POST /peer/forward, first reply ForwardBusy | ForwardAccepted
+    Forward(peer)  ─▶ offer(): POST /peer/forward, first reply ForwardBusy | ForwardAdmitted
                       ─▶ ForwardExecution: relays ForwardTokens, ends on ForwardResult; a
                          failure is reported (ForwardFailed with the tokens so far) and the
                          core's answer (ExecuteLocally) continues the same answer here
@@ -35,7 +35,7 @@ from typing import Any, Protocol
 from radixmesh.core.adapters import Adapter
 from radixmesh.core.events import ExecuteLocally, Forward
 from radixmesh.core.messages import (
-    ForwardAccepted,
+    ForwardAdmitted,
     ForwardError,
     ForwardHeartbeat,
     ForwardReply,
@@ -313,7 +313,7 @@ class ForwardExecution(Execution):
     """Runs on a peer that accepted it; a failure continues locally as the core decides."""
 
     def __init__(self, node: Host, ctx: RequestContext, action: Forward,
-                 stream: ForwardReplies, accepted: ForwardAccepted, started: float) -> None:
+                 stream: ForwardReplies, accepted: ForwardAdmitted, started: float) -> None:
         self.node, self.ctx, self.peer_id = node, ctx, action.peer_id
         self.served_by, self.route = action.peer_id, action.route
         self.expected_cached, self.placement = action.expected_cached, action.placement

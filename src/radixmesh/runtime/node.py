@@ -94,8 +94,8 @@ from radixmesh.core.events import (
 )
 from radixmesh.core.forward_codec import encode_forward_request, encode_reply
 from radixmesh.core.load_estimates import QueuedBlocks
-from radixmesh.core.messages import ForwardAccepted as AcceptedReply
 from radixmesh.core.messages import (
+    ForwardAdmitted,
     ForwardBusy,
     ForwardError,
     ForwardHeartbeat,
@@ -648,10 +648,10 @@ class NodeService:
         except asyncio.CancelledError:  # the client went away: the peer stops too
             stream.close_now()
             raise
-        outcome = ("accepted" if isinstance(first, AcceptedReply)
+        outcome = ("accepted" if isinstance(first, ForwardAdmitted)
                    else "busy" if isinstance(first, ForwardBusy) else "bad_response")
         self.metrics.observe_forward(outcome, time.perf_counter() - started)
-        if isinstance(first, AcceptedReply):
+        if isinstance(first, ForwardAdmitted):
             self.dispatch(ForwardAccepted(ctx.rid or 0, action.peer_id, first.cached_tokens))
             return ForwardExecution(self, ctx, action, stream, first, started)
         await stream.aclose()
@@ -752,7 +752,7 @@ class NodeService:
             return
         self.metrics.served_for_peers += 1
         # First byte before the engine starts: once it computes, this thread waits for the GIL.
-        yield encode_reply(AcceptedReply(self.node_id, here))
+        yield encode_reply(ForwardAdmitted(self.node_id, here))
         sampling = SamplingParams(req.max_tokens, req.temperature, req.top_p, req.seed,
                                   req.stop_token_ids)
         ctx = RequestContext(None, req.prompt, hashes, sampling, req.stream, req.namespace,

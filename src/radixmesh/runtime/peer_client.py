@@ -7,7 +7,7 @@ failed push is only counted (silence is what the core's failure detector reads).
 a streamed ``POST /peer/forward`` of an encoded ``ForwardRequest`` whose response body is a
 stream of framed ``ForwardReply`` messages (``core/forward_codec``)::
 
-    ForwardBusy | ForwardAccepted     sent at once by the receiver: the *first byte*
+    ForwardBusy | ForwardAdmitted     sent at once by the receiver: the *first byte*
     ForwardHeartbeat                  while the request queues or prefills
     ForwardTokens                     generated tokens (only when the client streams)
     ForwardResult | ForwardFailure      the end

@@ -14,7 +14,7 @@ already open, and the replies of many forwards share it::
     entry node (PeerLink, LinkStream)            peer (serve_link)
       HELLO ------------------------------------>   (opens the link; headers go with it)
       OPEN  stream 7: token + ForwardRequest --->   checks token and request, runs it
-      <---------------- REPLY stream 7: ForwardAccepted, heartbeats, tokens, ForwardResult
+      <---------------- REPLY stream 7: ForwardAdmitted, heartbeats, tokens, ForwardResult
       <---------------- END   stream 7
       CANCEL stream 9 -------------------------->   aborts the work (the client went away)
       <---------------- REFUSED stream 8: 400 / 401 / 403 / 503 and why (never started)

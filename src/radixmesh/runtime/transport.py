@@ -10,7 +10,7 @@ A node says two things to a peer, and nothing else crosses the network between n
         close_now() (abort) | aclose() (always, once done)
 
 ``data`` is an encoded ``ForwardRequest`` and the replies are the ``ForwardReply`` messages of
-``core/forward_codec`` (first reply ``ForwardAccepted`` or ``ForwardBusy``, heartbeats, tokens,
+``core/forward_codec`` (first reply ``ForwardAdmitted`` or ``ForwardBusy``, heartbeats, tokens,
 the result). Failures are :class:`ForwardFailure` with a reason (``connect``, ``timeout``,
 ``disconnected``, ``partitioned``, ``bad_response``, ``http_<status>``, ``tls``), which the shell
 reports to the core as ``ForwardFailed`` — the core decides what happens next.

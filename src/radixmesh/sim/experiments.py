@@ -34,19 +34,19 @@ from radixmesh.core.config import GossipConfig, GossipMode
 from radixmesh.core.events import CacheChanged
 from radixmesh.core.router import Policy, RouterConfig
 from radixmesh.core.units import parse_duration
-from radixmesh.results.summary import percentile
+from radixmesh.results.run_summary import percentile
 from radixmesh.sim import costs
-from radixmesh.sim.cluster import (
+from radixmesh.sim.costs import CostModel
+from radixmesh.sim.network import NetworkConfig
+from radixmesh.sim.runner import SimSpec
+from radixmesh.sim.runner import run as run_sim
+from radixmesh.sim.shell import (
     ClusterConfig,
     SimCluster,
     estimate_version,
     routable_count,
     summary_version,
 )
-from radixmesh.sim.costs import CostModel
-from radixmesh.sim.network import NetworkConfig
-from radixmesh.sim.runner import SimSpec
-from radixmesh.sim.runner import run as run_sim
 from radixmesh.sim.sweep import (
     mean_prompt_tokens,
     parse_policies,

@@ -33,7 +33,7 @@ Differences from the real gateways, on purpose or by necessity:
   default (2^24 tokens) no simulated run reaches it, as no benchmark run reaches theirs.
 * The gateway itself is free and infinitely fast: no request waits for it, however many
   workers there are. Its hop to a worker and back costs what a mesh forward's does (see
-  ``sim/cluster.py``); in the real benchmark that hop crosses the same emulated link.
+  ``sim/shell.py``); in the real benchmark that hop crosses the same emulated link.
 * It only picks workers that are up (the gateways health-check theirs) and does not retry a
   request whose worker fails.
 * A run's records name the chosen worker as the request's entry node (route ``local``: the

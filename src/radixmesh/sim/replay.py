@@ -33,12 +33,12 @@ from pathlib import Path
 from typing import Any
 
 from radixmesh.core.router import Policy, RouterConfig
-from radixmesh.results.summary import load_summary
-from radixmesh.sim.cluster import ClusterConfig
+from radixmesh.results.run_summary import load_summary
 from radixmesh.sim.gateway import CACHE_AWARE, GatewayConfig
 from radixmesh.sim.network import NetworkConfig, parse_regions
 from radixmesh.sim.runner import SimSpec
 from radixmesh.sim.runner import run as run_sim
+from radixmesh.sim.shell import ClusterConfig
 from radixmesh.sim.sweep import cluster_cost, profile_costs
 from radixmesh.sim.tokens import TOKENIZERS
 from radixmesh.workload import WorkloadSpec, build

@@ -16,7 +16,7 @@ conversation) goes only once that one has finished, as in the benchmark
 
 Each completed request becomes a :class:`radixmesh.results.records.Record`, the benchmark's
 record type, and the run is summarized by the benchmark's ``summarize``
-(:mod:`radixmesh.results.summary`) — so ``summary.json`` is the same schema, computed by the
+(:mod:`radixmesh.results.run_summary`) — so ``summary.json`` is the same schema, computed by the
 same code. Simulator-only figures (gossip bytes per node per second, estimate error and view
 age at decision time, events/s) are added beside the standard keys.
 """
@@ -31,8 +31,8 @@ from typing import Any
 
 from radixmesh.core.router import Tag
 from radixmesh.results.records import Record, in_warmup
-from radixmesh.results.summary import mean, percentile, summarize
-from radixmesh.sim.cluster import ClusterConfig, Journey, SimCluster, routable_count
+from radixmesh.results.run_summary import mean, percentile, summarize
+from radixmesh.sim.shell import ClusterConfig, Journey, SimCluster, routable_count
 from radixmesh.sim.tokens import Tokenize
 from radixmesh.workload.request import Request
 from radixmesh.workload.schedule import Sessions

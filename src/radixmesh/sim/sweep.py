@@ -24,9 +24,8 @@ from radixmesh.core.profile_mix import parse_profiles
 from radixmesh.core.router import Policy, RouterConfig
 from radixmesh.core.units import parse_duration
 from radixmesh.options import gossip_config
-from radixmesh.results.summary import Slo
+from radixmesh.results.run_summary import Slo
 from radixmesh.sim import costs
-from radixmesh.sim.cluster import ClusterConfig
 from radixmesh.sim.gateway import CACHE_AWARE, GatewayConfig
 from radixmesh.sim.network import (
     NetworkConfig,
@@ -36,6 +35,7 @@ from radixmesh.sim.network import (
 )
 from radixmesh.sim.runner import SimResult, SimSpec
 from radixmesh.sim.runner import run as run_sim
+from radixmesh.sim.shell import ClusterConfig
 from radixmesh.sim.tokens import TOKENIZERS, Tokenize
 from radixmesh.workload import WorkloadSpec, build, schedule
 from radixmesh.workload.build import entries, groups_for, sample

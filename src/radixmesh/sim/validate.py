@@ -33,12 +33,12 @@ from typing import Any
 
 from radixmesh.core.config import GossipConfig, PushbackConfig
 from radixmesh.core.router import Policy, RouterConfig
-from radixmesh.results.summary import load_summary
-from radixmesh.sim.cluster import ClusterConfig
+from radixmesh.results.run_summary import load_summary
 from radixmesh.sim.costs import CostModel
 from radixmesh.sim.network import NetworkConfig
 from radixmesh.sim.runner import SimSpec
 from radixmesh.sim.runner import run as run_sim
+from radixmesh.sim.shell import ClusterConfig
 from radixmesh.sim.sweep import requests_for, tokenizer_for
 from radixmesh.workload import schedule
 

@@ -5,7 +5,7 @@ over a simulated network (delay, jitter, loss, duplication, reordering, partitio
 virtual clock, in microseconds of real time.
 """
 
-from radixmesh.testing.cluster import TwinCluster
 from radixmesh.testing.fakenet import Delivery, FakeNetwork, LinkConfig, VirtualClock
+from radixmesh.testing.twin import TwinCluster
 
 __all__ = ["Delivery", "FakeNetwork", "LinkConfig", "TwinCluster", "VirtualClock"]

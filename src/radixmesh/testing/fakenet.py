@@ -14,7 +14,7 @@ Deliveries wait in the core's queue of datagrams in flight (:class:`radixmesh.co
 InFlight`, ordered by (time, order sent)); ``pop_due(now)`` hands out those that are due, in
 order. This module adds the per-link table, the default link and the counters. Nothing here
 reads a wall clock: whoever drives it owns time (see :class:`VirtualClock` and
-:class:`radixmesh.testing.cluster.TwinCluster`).
+:class:`radixmesh.testing.twin.TwinCluster`).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from radixmesh.core.shadow_state import BatchState
 
 
 @dataclass(slots=True)
-class Estimate:
+class PeerEstimate:
     """What this node believes about one peer (mutable; single writer: the gossip layer)."""
 
     # identity and liveness (failure detection)
