@@ -67,7 +67,7 @@ def test_a_node_full_of_tokens_forwards_to_a_peer_with_room_then_answers_429(
             # not holding them yet, and n1 hears of them with the next gossip round
             queued = n0.core.local_hashes() - n0.core.cached_hashes()
             assert queued
-            await poll.until_async(lambda: queued <= n1.core.peer_estimate("n0"),
+            await poll.until_async(lambda: queued <= n1.core.estimate("n0"),
                                    "n1 to estimate n0's queued blocks")
             state = n0.mesh()["runtime"]["admission"]  # type: ignore[index]
             assert state["max_queue_tokens"] == CAP and not state["max_queue_tokens_derived"]

@@ -100,7 +100,7 @@ def test_small_cluster_converges() -> None:
     cl.loop.run(until=0.5 + 2 * cfg.gossip.interval_s * (1 + cfg.gossip.jitter_frac) + 0.01)
     for node in cl.nodes[1:]:
         assert node.core is not None
-        assert node.core.peer_estimate("n0") == frozenset(hashes)
+        assert node.core.estimate("n0") == frozenset(hashes)
 
 
 def test_open_loop_poisson_queues(requests_small: list[Request]) -> None:
@@ -212,8 +212,8 @@ def test_partition_blocks_gossip_both_ways() -> None:
     cl.feed(cl.nodes[1], CacheChanged((7,), ()))
     cl.loop.run(until=1.5)
     assert cl.nodes[2].core is not None and cl.nodes[1].core is not None
-    assert cl.nodes[2].core.peer_estimate("n0") == frozenset()
-    assert cl.nodes[2].core.peer_estimate("n1") == frozenset({7})
+    assert cl.nodes[2].core.estimate("n0") == frozenset()
+    assert cl.nodes[2].core.estimate("n1") == frozenset({7})
 
 
 def test_forward_to_partitioned_peer_falls_back(
