@@ -11,7 +11,7 @@ import pytest
 
 from radixmesh.bench import client
 from radixmesh.bench.launcher import per_node_options
-from radixmesh.bench.linkproxy import Relay, parse_target
+from radixmesh.bench.linkproxy import LinkRelay, parse_target
 from radixmesh.bench.regions import Regions
 from radixmesh.bench.replay import Replay
 from radixmesh.bench.spec import RunSpec
@@ -117,9 +117,9 @@ def test_a_peer_with_its_own_delay_is_delayed_even_when_the_flat_link_is_not() -
 def test_the_gateway_relay_takes_each_workers_own_delays() -> None:
     assert parse_target("127.0.0.1:8001") == ("127.0.0.1", 8001, None)
     assert parse_target("127.0.0.1:8001=40ms/0.09") == ("127.0.0.1", 8001, (0.04, 0.09))
-    relay = Relay(parse_target("h:1=40ms/90ms"), LinkConfig(delay_s=0.002), seed=0)
+    relay = LinkRelay(parse_target("h:1=40ms/90ms"), LinkConfig(delay_s=0.002), seed=0)
     assert (relay.config.delay_s, relay.back.delay_s) == (0.04, 0.09)
-    flat = Relay(parse_target("h:1"), LinkConfig(delay_s=0.002), seed=0)
+    flat = LinkRelay(parse_target("h:1"), LinkConfig(delay_s=0.002), seed=0)
     assert (flat.config.delay_s, flat.back.delay_s) == (0.002, 0.002)
 
 

@@ -8,7 +8,7 @@ import json
 
 import httpx
 
-from radixmesh.chaos.load import Outcome, Prompt, closed_loop, send_one, summarize
+from radixmesh.chaos.load import ClientOutcome, Prompt, closed_loop, send_one, summarize
 from radixmesh.core.headers import HEADER_QUEUE, HEADER_ROUTE, HEADER_SERVED_BY, HEADER_SERVICE
 
 HEADERS = {HEADER_SERVED_BY: "n1", HEADER_ROUTE: "forwarded", HEADER_QUEUE: "0.25",
@@ -40,8 +40,8 @@ def _handler(request: httpx.Request) -> httpx.Response:
     return httpx.Response(200, headers=sse, content=_sse(["he", "llo"], done=prompt != "cut"))
 
 
-def _send(*prompts: Prompt) -> list[Outcome]:
-    async def go() -> list[Outcome]:
+def _send(*prompts: Prompt) -> list[ClientOutcome]:
+    async def go() -> list[ClientOutcome]:
         async with httpx.AsyncClient(transport=httpx.MockTransport(_handler)) as client:
             return [await send_one(client, "http://n0", p, "m", 0.0) for p in prompts]
 
@@ -99,7 +99,7 @@ def test_open_loop_sends_rate_x_duration_or_until_stopped(monkeypatch) -> None: 
     timed = asyncio.run(open_loop(lambda i: "http://n0", lambda i: prompt, "m", 400.0, 0.02))
     assert len(timed) == 8 and all(o.ok for o in timed)
 
-    async def until_stopped() -> list[Outcome]:
+    async def until_stopped() -> list[ClientOutcome]:
         stop = asyncio.Event()
         ticks: list[float] = []
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixmesh.chaos.env import _staleness
-from radixmesh.chaos.load import Outcome, summarize
+from radixmesh.chaos.load import ClientOutcome, summarize
 from radixmesh.chaos.report import FaultResult, rss_bytes, to_json, to_markdown
 from radixmesh.results.run_summary import percentile
 
@@ -40,9 +40,9 @@ def test_percentile_is_the_smallest_value_with_q_percent_at_or_below(
 
 
 def test_summarize_counts_failures_and_routes() -> None:
-    ok = Outcome("a", "u", 200, None, 0.1, 0.0, text="x", route="local")
-    bad = Outcome("b", "u", 500, "HTTP 500", 0.2, 0.0, route="forwarded")
-    lost = Outcome("c", "u", None, "ConnectError", 0.3, 0.0)
+    ok = ClientOutcome("a", "u", 200, None, 0.1, 0.0, text="x", route="local")
+    bad = ClientOutcome("b", "u", 500, "HTTP 500", 0.2, 0.0, route="forwarded")
+    lost = ClientOutcome("c", "u", None, "ConnectError", 0.3, 0.0)
     s = summarize([ok, bad, lost])
     assert s["requests"] == 3 and s["failures"] == 2 and s["p50_s"] == 0.1
     assert s["routes"] == {"local": 1, "forwarded": 1, "none": 1}
@@ -80,10 +80,10 @@ def test_staleness_predicate() -> None:
 def test_operate_latency_splits_by_status_and_reads_server_time() -> None:
     from radixmesh.chaos.operate import _latency
 
-    ok = [Outcome(str(i), "u", 200, None, 0.1 * (i + 1), 0.0, server_s=0.05 * (i + 1))
+    ok = [ClientOutcome(str(i), "u", 200, None, 0.1 * (i + 1), 0.0, server_s=0.05 * (i + 1))
           for i in range(10)]
-    rejected = Outcome("r", "u", 429, "HTTP 429: full", 0.01, 0.0)
-    lost = Outcome("l", "u", None, "ReadError", 5.0, 0.0)
+    rejected = ClientOutcome("r", "u", 429, "HTTP 429: full", 0.01, 0.0)
+    lost = ClientOutcome("l", "u", None, "ReadError", 5.0, 0.0)
     stats = _latency([*ok, rejected, lost])
     assert stats["n"] == 10 and stats["p50_s"] == 0.5 and stats["max_s"] == 1.0
     assert stats["server_p99_s"] == 0.5

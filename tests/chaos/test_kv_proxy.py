@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from radixmesh.chaos.kv_proxy import Faults, KvProxy, Log, choose
+from radixmesh.chaos.kv_proxy import KvProxy, ProxyFaults, ProxyLog, choose
 from radixmesh.core.blocks import block_hashes
 from radixmesh.emulate.fake import FakeEngine, running
 from radixmesh.engine.base import GenerateRequest, SamplingParams
@@ -31,7 +31,7 @@ LIMIT_S = 10.0
 
 def test_choose_follows_the_probabilities() -> None:
     rng = random.Random(1)
-    faults = Faults(drop=0.1, duplicate=0.2, reorder=0.3, stale=0.1)
+    faults = ProxyFaults(drop=0.1, duplicate=0.2, reorder=0.3, stale=0.1)
     got = Counter(choose(rng, faults) for _ in range(20_000))
     for name, p in (("drop", 0.1), ("duplicate", 0.2), ("reorder", 0.3), ("stale", 0.1),
                     ("pass", 0.3)):
@@ -42,11 +42,11 @@ def test_choose_follows_the_probabilities() -> None:
                                  {"stale_after": 0}, {"hold_s": 0.0}])
 def test_impossible_faults_are_refused(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):
-        Faults(**bad)  # type: ignore[arg-type]
+        ProxyFaults(**bad)  # type: ignore[arg-type]
 
 
 def test_the_log_knows_when_the_newest_batch_was_not_forwarded() -> None:
-    log = Log(received=[(1.0, 5), (2.0, 6)], forwarded=[(1.1, 5), (3.0, 7)])
+    log = ProxyLog(received=[(1.0, 5), (2.0, 6)], forwarded=[(1.1, 5), (3.0, 7)])
     assert not log.hidden_at(1.5)
     assert log.hidden_at(2.5)  # 6 received, not forwarded: the node cannot know yet
     assert not log.hidden_at(3.5)
@@ -102,9 +102,9 @@ async def settled(poll: Poll, fake: FakeEngine, sub: KvSubscriber,
 
 async def flush(poll: Poll, fake: FakeEngine, engine: HttpEngine, sub: KvSubscriber,
                 proxy: KvProxy) -> None:
-    """Faults off, then clean batches until one got through (a loss at the end shows only at
+    """ProxyFaults off, then clean batches until one got through (a loss at the end shows only at
     the next batch, and a burst or a reconnecting socket may still take the first)."""
-    proxy.set_faults(Faults())
+    proxy.set_faults(ProxyFaults())
     for i in range(5):
         await ask(engine, f"a clean prompt {i} after the faults " * 2)
         with contextlib.suppress(AssertionError):
@@ -117,7 +117,7 @@ async def flush(poll: Poll, fake: FakeEngine, engine: HttpEngine, sub: KvSubscri
 def test_drops_duplicates_reorders_and_stale_copies_end_exact(poll: Poll) -> None:
     async def scenario() -> None:
         async with setup(poll) as (fake, engine, sub, proxy):
-            proxy.set_faults(Faults(drop=0.15, duplicate=0.15, reorder=0.15, stale=0.15,
+            proxy.set_faults(ProxyFaults(drop=0.15, duplicate=0.15, reorder=0.15, stale=0.15,
                                     hold_s=0.2))
             for i in range(30):
                 await ask(engine, f"prompt {i % 7} shares a prefix with its group " * 3)

@@ -40,7 +40,7 @@ import aiohttp
 import numpy as np
 
 from radixmesh.bench.launcher import _stretched_timeouts
-from radixmesh.bench.sidechannel import Completion, _subscribed, _until, completion
+from radixmesh.bench.sidechannel import TimedCompletion, _subscribed, _until, completion
 from radixmesh.core.profile import Profile, resolve
 from radixmesh.emulate.server import EmulatedEngine
 from radixmesh.engine.tokenizers import ByteTokenizer
@@ -98,7 +98,7 @@ async def mesh(profile: str, names: Sequence[str], aware: bool, n: int, scale: f
 
 
 async def _one(http: aiohttp.ClientSession, port: int, model: str, prompt: str
-               ) -> Completion:
+               ) -> TimedCompletion:
     body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
     return await completion(http, port, body)
 
@@ -110,7 +110,7 @@ async def run(aware: bool, args: argparse.Namespace) -> dict[str, Any]:
     systems = {a: "".join(rng.choice(letters) for _ in range(args.system_chars)) for a in names}
     jobs = [(a, systems[a] + " Q: " + "".join(rng.choice(letters) for _ in range(60)))
             for a in (rng.choice(names) for _ in range(args.requests))]
-    results: list[Completion] = []
+    results: list[TimedCompletion] = []
     async with (mesh(args.profile, names, aware, args.nodes, args.time_scale) as nodes,
                 aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http):
         ports, queue = [p for p, _, _ in nodes], list(reversed(jobs))

@@ -29,13 +29,13 @@ from typing import Any
 
 import aiohttp
 
-from radixmesh.bench.sidechannel import KEYS, Completion, completion, hit_summary, mesh
+from radixmesh.bench.sidechannel import KEYS, TimedCompletion, completion, hit_summary, mesh
 
 TENANTS = ("victim", "attacker")  # the harness's two tenant keys, here two ordinary tenants
 
 
 async def _one(http: aiohttp.ClientSession, port: int, prompt: str, key: str | None
-               ) -> Completion:
+               ) -> TimedCompletion:
     body = {"model": "emulated", "prompt": prompt, "max_tokens": 1, "temperature": 0}
     headers = {"authorization": f"Bearer {key}"} if key else {}
     return await completion(http, port, body, headers)
@@ -51,7 +51,7 @@ async def run(workload: str, isolated: bool, requests: int, concurrency: int,
     jobs = [(t, systems[t] + " Question: " + "".join(rng.choice(letters) for _ in range(60)))
             for _ in range(requests) for t in range(len(TENANTS))]
     rng.shuffle(jobs)
-    results: list[Completion] = []
+    results: list[TimedCompletion] = []
     async with mesh(profile, isolated, "cost") as nodes, aiohttp.ClientSession() as http:
         ports = [port for port, _ in nodes]
         queue = list(reversed(jobs))

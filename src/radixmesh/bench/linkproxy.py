@@ -57,7 +57,7 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link
 Target = tuple[str, int, tuple[float, float] | None]  # host, port, own (out, back) delays
 
 
-class Relay:
+class LinkRelay:
     """Listens for one worker; every accepted connection gets its own pair of delayed pipes."""
 
     def __init__(self, target: Target, config: LinkConfig, seed: int) -> None:
@@ -105,7 +105,7 @@ def parse_target(text: str) -> Target:
 async def serve(targets: Sequence[Target], config: LinkConfig) -> None:
     servers = []
     for i, target in enumerate(targets):
-        relay = Relay(target, config, seed=i)
+        relay = LinkRelay(target, config, seed=i)
         servers.append(await asyncio.start_server(relay.handle, "127.0.0.1", 0))
     ports = [s.sockets[0].getsockname()[1] for s in servers]
     print("READY", *ports, flush=True)

@@ -23,11 +23,11 @@ from typing import Any
 
 import aiohttp
 
-from radixmesh.bench.sidechannel import Completion, _text, completion, hit_summary, mesh
+from radixmesh.bench.sidechannel import TimedCompletion, _text, completion, hit_summary, mesh
 
 
 async def _turn(http: aiohttp.ClientSession, port: int, prompt: str, answer: int,
-                key: str | None) -> Completion:
+                key: str | None) -> TimedCompletion:
     body: dict[str, Any] = {"model": "emulated", "prompt": prompt, "max_tokens": answer,
                             "temperature": 0}
     if key is not None:
@@ -38,7 +38,7 @@ async def _turn(http: aiohttp.ClientSession, port: int, prompt: str, answer: int
 async def run(sessions: bool, chats: int, turns: int, answer: int, seed: int,
               profile: str) -> dict[str, Any]:
     rng = random.Random(seed)
-    results: list[Completion] = []
+    results: list[TimedCompletion] = []
     async with mesh(profile, False, "cost") as nodes, aiohttp.ClientSession() as http:
         ports = [port for port, _ in nodes]
 

@@ -180,7 +180,7 @@ def _view_blocks(service: NodeService, peer: str) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class Completion:
+class TimedCompletion:
     """One timed ``/v1/completions`` answer of a node (the harnesses of the tenants issue)."""
 
     elapsed_s: float
@@ -197,7 +197,7 @@ class Completion:
 
 
 async def completion(http: aiohttp.ClientSession, port: int, body: dict[str, Any],
-                     headers: dict[str, str] | None = None) -> Completion:
+                     headers: dict[str, str] | None = None) -> TimedCompletion:
     """POST ``body`` to the node on ``port``, timed to its whole answer; a non-200 raises."""
     t0 = time.perf_counter()
     async with http.post(f"http://127.0.0.1:{port}/v1/completions", json=body,
@@ -206,10 +206,10 @@ async def completion(http: aiohttp.ClientSession, port: int, body: dict[str, Any
         elapsed = time.perf_counter() - t0
         if resp.status != 200:
             raise RuntimeError(f"request failed: {resp.status} {data}")
-        return Completion(elapsed, data, resp.headers.copy())  # case-insensitive
+        return TimedCompletion(elapsed, data, resp.headers.copy())  # case-insensitive
 
 
-def hit_summary(results: Sequence[Completion], served_by: str) -> dict[str, Any]:
+def hit_summary(results: Sequence[TimedCompletion], served_by: str) -> dict[str, Any]:
     """Hit rate, latency p50 / p90 and the spread over ``served_by`` (a response header)."""
     lat = np.array([r.elapsed_s for r in results])
     return {

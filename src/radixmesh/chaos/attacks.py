@@ -23,7 +23,7 @@ import httpx
 
 from radixmesh.chaos.env import ChaosEnv
 from radixmesh.chaos.faults import FaultPlan, latency, sum_metric, tally
-from radixmesh.chaos.load import Outcome, Prompt, closed_loop
+from radixmesh.chaos.load import ClientOutcome, Prompt, closed_loop
 from radixmesh.chaos.report import FaultResult
 from radixmesh.core.auth import ClusterKey, sign
 from radixmesh.core.headers import HEADER_AUTH
@@ -175,7 +175,7 @@ def side_channel_probe(env: ChaosEnv, rounds: int = 5) -> FaultResult:
     return r
 
 
-def _side_channel_figures(r: FaultResult, outs: Sequence[Outcome]) -> None:
+def _side_channel_figures(r: FaultResult, outs: Sequence[ClientOutcome]) -> None:
     """What tells a right guess from a wrong one: latency, cached tokens, serving node."""
     right = [o for o in outs if o.id.startswith("right")]
     wrong = [o for o in outs if o.id.startswith("wrong")]

@@ -123,7 +123,7 @@ def _operate(args: argparse.Namespace) -> tuple[dict[str, object], bool]:
 
     if args.operate == "join":
         counts = [int(x) for x in args.hosts.split(",") if x.strip()]
-        runs = [join.run_join(join.JoinConfig(hosts=h, preset=args.preset,
+        runs = [join.run_join(join.JoinScenario(hosts=h, preset=args.preset,
                                               trials=args.trials), args.log_dir)
                 for h in counts]
         return {"join": runs}, True

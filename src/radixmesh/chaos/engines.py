@@ -77,7 +77,7 @@ class Sent:
 
 
 @dataclass(slots=True)
-class Load:
+class ClosedLoopLoad:
     """Closed-loop streaming requests in a thread until ``stop``."""
 
     urls: Sequence[str]
@@ -187,7 +187,7 @@ def _restart(engine: VllmServer, extra_env: dict[str, str] | None = None,
     return time.monotonic()
 
 
-def run_fault(name: str, cluster: LocalCluster, engines: Sequence[VllmServer], load: Load,
+def run_fault(name: str, cluster: LocalCluster, engines: Sequence[VllmServer], load: ClosedLoopLoad,
               args: argparse.Namespace) -> dict[str, Any]:
     eng, t0 = engines[1], time.monotonic()
     out: dict[str, Any] = {"fault": name}
@@ -284,7 +284,7 @@ def _run(args: argparse.Namespace, faults: Sequence[str], engines: Sequence[Vllm
     results = []
     with cluster:
         wait_subscribed(cluster)
-        load = Load(cluster.urls, build_workload(400, 8, 0.5, 0), args.concurrency)
+        load = ClosedLoopLoad(cluster.urls, build_workload(400, 8, 0.5, 0), args.concurrency)
         load.start()
         try:
             time.sleep(args.settle)

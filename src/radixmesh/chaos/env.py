@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from radixmesh.chaos.load import Outcome, Prompt, closed_loop
+from radixmesh.chaos.load import ClientOutcome, Prompt, closed_loop
 from radixmesh.core.headers import HEADER_HOP
 from radixmesh.options import NETWORKS
 from radixmesh.runtime.cluster import LocalCluster
@@ -155,8 +155,8 @@ class ChaosEnv:
 
     def send(self, entries: Callable[[int], str], prompts: Sequence[Prompt], concurrency: int = 3,
              headers: dict[str, str] | None = None,
-             on_done: Callable[[int, Outcome], None] | None = None,
-             pace_s: float = 0.0) -> list[Outcome]:
+             on_done: Callable[[int, ClientOutcome], None] | None = None,
+             pace_s: float = 0.0) -> list[ClientOutcome]:
         return asyncio.run(closed_loop(entries, prompts, self.model, concurrency, 60.0, headers,
                                        on_done, pace_s))
 
@@ -189,7 +189,7 @@ class ChaosEnv:
         finally:
             torch.set_num_threads(threads)
 
-    def lost(self, outcomes: Sequence[Outcome]) -> list[str]:
+    def lost(self, outcomes: Sequence[ClientOutcome]) -> list[str]:
         """Ids whose answer is missing or differs from the single-node reference."""
         refs = self.references([self._by_id[o.id] for o in outcomes])
         return [o.id for o in outcomes if not o.ok or refs[o.id] != o.text]

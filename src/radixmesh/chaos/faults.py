@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from radixmesh.chaos.env import ChaosEnv
-from radixmesh.chaos.load import Outcome, Prompt
+from radixmesh.chaos.load import ClientOutcome, Prompt
 from radixmesh.chaos.report import FaultResult
 from radixmesh.results.run_summary import percentile
 
@@ -50,7 +50,7 @@ class FaultPlan:
 
 
 # ------------------------------------------------------------------------------- helpers
-def tally(env: ChaosEnv, r: FaultResult, outcomes: Sequence[Outcome]) -> None:
+def tally(env: ChaosEnv, r: FaultResult, outcomes: Sequence[ClientOutcome]) -> None:
     """Count requests, client-visible failures and lost/wrong answers into ``r``."""
     r.requests += len(outcomes)
     failed = [o for o in outcomes if not o.ok]
@@ -70,12 +70,12 @@ def tally(env: ChaosEnv, r: FaultResult, outcomes: Sequence[Outcome]) -> None:
             bucket[name] = bucket.get(name, 0) + n
 
 
-def latency(outcomes: Sequence[Outcome], q: float) -> float | None:
+def latency(outcomes: Sequence[ClientOutcome], q: float) -> float | None:
     """The ``q``-th percentile latency of the successful outcomes."""
     return percentile([o.latency_s for o in outcomes if o.ok], q)
 
 
-def _share(outcomes: Sequence[Outcome], node_id: str) -> float:
+def _share(outcomes: Sequence[ClientOutcome], node_id: str) -> float:
     return sum(o.served_by == node_id for o in outcomes) / max(1, len(outcomes))
 
 
@@ -141,7 +141,7 @@ def _kill_group(env: ChaosEnv, hung: bool, stream: bool) -> list[Prompt]:
 
 def _forwarding_baseline(env: ChaosEnv, r: FaultResult, entry: int, target: int,
                          group: Sequence[Prompt], requests: int
-                         ) -> tuple[list[Outcome], list[Prompt]]:
+                         ) -> tuple[list[ClientOutcome], list[Prompt]]:
     """Warm ``target`` with the group's prefix and check that ``entry`` forwards to it.
 
     Returns the baseline outcomes and the prompts of the load to run under the fault.
@@ -159,7 +159,7 @@ def _forwarding_baseline(env: ChaosEnv, r: FaultResult, entry: int, target: int,
 
 
 def _load_with_kill(env: ChaosEnv, plan: FaultPlan, r: FaultResult,
-                    who: tuple[int, int, int], base: Sequence[Outcome],
+                    who: tuple[int, int, int], base: Sequence[ClientOutcome],
                     load: Sequence[Prompt]) -> None:
     """Send ``load`` through the entry; signal the target once a third of it has finished.
 
@@ -170,7 +170,7 @@ def _load_with_kill(env: ChaosEnv, plan: FaultPlan, r: FaultResult,
     fault_t: list[float] = []
     done: list[int] = []
 
-    def on_done(i: int, _: Outcome) -> None:
+    def on_done(i: int, _: ClientOutcome) -> None:
         done.append(i)
         if not fault_t and len(done) >= stop_after:  # the others are still in flight
             env.cluster.kill(target, sig)
@@ -193,8 +193,8 @@ def _forward_failures(env: ChaosEnv, i: int) -> dict[str, float]:
     return {k[len(prefix):-2]: v for k, v in env.metrics(i).items() if k.startswith(prefix)}
 
 
-def _latency_bound(r: FaultResult, env: ChaosEnv, base: Sequence[Outcome],
-                   outs: Sequence[Outcome], t0: float, fault_t: Sequence[float]) -> None:
+def _latency_bound(r: FaultResult, env: ChaosEnv, base: Sequence[ClientOutcome],
+                   outs: Sequence[ClientOutcome], t0: float, fault_t: Sequence[float]) -> None:
     if not fault_t:
         r.check(False, "the fault was injected during the load")
         return

@@ -33,7 +33,7 @@ from radixmesh.chaos.env import HOP
 
 
 @dataclass(frozen=True, slots=True)
-class JoinConfig:
+class JoinScenario:
     hosts: int = 4
     preset: str = "micro"
     trials: int = 3
@@ -44,7 +44,7 @@ class JoinConfig:
     poll_s: float = 0.1
 
 
-def _serve_argv(net: Any, host: str, cfg: JoinConfig) -> list[str]:
+def _serve_argv(net: Any, host: str, cfg: JoinScenario) -> list[str]:
     script = Path(sys.executable).parent / "radixmesh"
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "radixmesh.cli"]
     return [*cmd, "serve", "--host", net.address(host), "--port", str(cfg.port),
@@ -106,7 +106,7 @@ class _Meshes:
         return time.monotonic() - t0
 
 
-def run_join(cfg: JoinConfig, log_dir: str | None = None) -> dict[str, object]:
+def run_join(cfg: JoinScenario, log_dir: str | None = None) -> dict[str, object]:
     """The join figure on ``cfg.hosts`` emulated hosts (see the module doc). Root only."""
     from radixmesh.testing.netns import EmulatedHosts, netns_unavailable, reap_stale
 
@@ -135,7 +135,7 @@ def run_join(cfg: JoinConfig, log_dir: str | None = None) -> dict[str, object]:
 class _JoinMesh:
     """The nodes of one join run on emulated hosts, and its two steps."""
 
-    def __init__(self, net: Any, cfg: JoinConfig, logs: Path, env: dict[str, str]) -> None:
+    def __init__(self, net: Any, cfg: JoinScenario, logs: Path, env: dict[str, str]) -> None:
         self.net, self.cfg, self.logs, self.env = net, cfg, logs, env
         self.meshes = _Meshes(net, cfg.port)
         self.procs: dict[str, Any] = {}

@@ -9,7 +9,7 @@ Theory of operation
 The node's ``--kv-events`` names the proxy (``tcp://*:Q``: the node connects), its
 ``--kv-replay`` the engine's own replay socket, so a gap is filled from the engine as it would
 be without the proxy. One thread moves the messages; per live message the fault plan
-(:func:`choose`, a seeded ``random.Random`` and the :class:`Faults` probabilities) picks one
+(:func:`choose`, a seeded ``random.Random`` and the :class:`ProxyFaults` probabilities) picks one
 action::
 
     pass       forwarded as is
@@ -45,7 +45,7 @@ SUBSCRIBE_GRACE_S = 0.1  # after a subscriber's handshake, for its subscription 
 
 
 @dataclass(frozen=True, slots=True)
-class Faults:
+class ProxyFaults:
     """Per-message probabilities of each fault (the rest pass)."""
 
     drop: float = 0.0
@@ -63,7 +63,7 @@ class Faults:
             raise ValueError("stale_after must be >= 1 and hold_s positive")
 
 
-def choose(rng: random.Random, faults: Faults) -> str:
+def choose(rng: random.Random, faults: ProxyFaults) -> str:
     """The action for one message (pure but for ``rng``)."""
     x = rng.random()
     for name, p in (("drop", faults.drop), ("duplicate", faults.duplicate),
@@ -80,7 +80,7 @@ def seq_of(frames: Sequence[bytes]) -> int:
 
 
 @dataclass(slots=True)
-class Log:
+class ProxyLog:
     """What the proxy did, for the run's classification."""
 
     actions: list[tuple[float, int, str]] = field(default_factory=list)  # (t, seq, action)
@@ -107,10 +107,10 @@ class KvProxy:
 
     def __init__(self, upstream: str, port: int, seed: int = 0) -> None:
         self.upstream, self.port = upstream, port
-        self.log = Log()
+        self.log = ProxyLog()
         self._rng = random.Random(seed)
-        self._faults = Faults()
-        self._commands: queue.Queue[tuple[str, Faults | float]] = queue.Queue()
+        self._faults = ProxyFaults()
+        self._commands: queue.Queue[tuple[str, ProxyFaults | float]] = queue.Queue()
         self._stop = threading.Event()
         self._ctx = zmq.Context()
         self._thread = threading.Thread(target=self._run, daemon=True, name="kv-proxy")
@@ -127,7 +127,7 @@ class KvProxy:
         self._thread.join(5)
         self._ctx.term()
 
-    def set_faults(self, faults: Faults) -> None:
+    def set_faults(self, faults: ProxyFaults) -> None:
         self._commands.put(("faults", faults))
 
     def burst(self, n: int) -> None:
@@ -175,7 +175,7 @@ class KvProxy:
             kind, value = self._commands.get_nowait()
         except queue.Empty:
             return pub
-        if isinstance(value, Faults):
+        if isinstance(value, ProxyFaults):
             self._faults = value
         elif kind == "burst":
             self._burst = int(value)

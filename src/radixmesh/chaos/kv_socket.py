@@ -64,7 +64,7 @@ from radixmesh.bench.vllm_server import (
     vllm_version,
     wait_subscribed,
 )
-from radixmesh.chaos.kv_proxy import Faults, KvProxy
+from radixmesh.chaos.kv_proxy import KvProxy, ProxyFaults
 from radixmesh.results.records import Record
 from radixmesh.runtime.cluster import LocalCluster, free_ports
 from radixmesh.workload.request import Request
@@ -103,10 +103,10 @@ class Run:
 
     def start_phase(self, phase: str, i: int) -> None:
         p = self.args.p
-        faults = {"drop": Faults(drop=p), "duplicate": Faults(duplicate=p),
-                  "reorder": Faults(reorder=p, hold_s=0.5), "stale": Faults(stale=p)}
+        faults = {"drop": ProxyFaults(drop=p), "duplicate": ProxyFaults(duplicate=p),
+                  "reorder": ProxyFaults(reorder=p, hold_s=0.5), "stale": ProxyFaults(stale=p)}
         if i == 0:
-            self.proxy.set_faults(faults.get(phase, Faults()))
+            self.proxy.set_faults(faults.get(phase, ProxyFaults()))
             if phase == "burst":
                 self.proxy.burst(self.args.buffer_steps + 4)
         if phase == "restart" and i % 4 == 0:
@@ -157,7 +157,7 @@ class Run:
 
     async def flush(self, http: httpx.AsyncClient, clean: Sequence[Request]) -> int:
         """Clean requests until the node has every batch the engine published; how many."""
-        self.proxy.set_faults(Faults())
+        self.proxy.set_faults(ProxyFaults())
         for n, req in enumerate(clean, 1):
             await self.one(http, "flush", req)
             deadline = time.monotonic() + 2.0

@@ -2,13 +2,13 @@
 
 A client-visible failure is anything a user of the OpenAI API would notice: a transport error,
 a timeout, a status other than 200, or a stream that breaks off (no ``[DONE]``). Each
-:class:`Outcome` keeps the response text (greedy decoding, so outputs can be compared with a
+:class:`ClientOutcome` keeps the response text (greedy decoding, so outputs can be compared with a
 reference), which node served it and how it was routed (the ``x-radixmesh-*`` headers), and
 for a streamed answer its time to first token.
 
 One load generator: every request goes through the benchmark's client (bench/client.py
 :func:`~radixmesh.bench.client.send`, which times TTFT and TPOT on the stream); this module
-only turns its :class:`~radixmesh.results.records.Record` into an :class:`Outcome`. Prompts
+only turns its :class:`~radixmesh.results.records.Record` into an :class:`ClientOutcome`. Prompts
 stream by default, as the bench's requests do; ``Prompt(stream=False)`` sends the API's plain
 (non-streamed) request, which the faults also test.
 
@@ -43,7 +43,7 @@ class Prompt:
 
 
 @dataclass(frozen=True, slots=True)
-class Outcome:
+class ClientOutcome:
     id: str
     entry: str  # base URL the client sent to
     status: int | None  # HTTP status; None when no response came back
@@ -62,14 +62,14 @@ class Outcome:
         return self.status == 200 and self.error is None
 
 
-def outcome_of(rec: Record, base_url: str, t_start: float) -> Outcome:
+def outcome_of(rec: Record, base_url: str, t_start: float) -> ClientOutcome:
     """What the bench's client recorded of one request, as the chaos checks read it."""
     timing = rec.server_timing
     server_s = timing["queue"] + timing["service"] if {"queue", "service"} <= set(timing) else None
     error = rec.error
     if error is None and rec.status != 200:
         error = f"HTTP {rec.status}"
-    return Outcome(rec.id, base_url, rec.status, error, rec.latency_s, t_start,
+    return ClientOutcome(rec.id, base_url, rec.status, error, rec.latency_s, t_start,
                    text=rec.output, served_by=rec.served_by, route=rec.route,
                    cached_tokens=rec.cached_tokens, server_s=server_s, ttft_s=rec.ttft_s)
 
@@ -82,7 +82,7 @@ async def send_one(
     t0: float,
     timeout_s: float = 60.0,
     headers: dict[str, str] | None = None,
-) -> Outcome:
+) -> ClientOutcome:
     """Send one completion through the bench's client; never raises (failures are outcomes).
     ``t0``: the driver's start on ``time.monotonic()``."""
     rec = Record(run="chaos", policy="", seq=0, id=p.id, group=None, entry=0,
@@ -101,15 +101,15 @@ async def closed_loop(
     concurrency: int = 2,
     timeout_s: float = 60.0,
     headers: dict[str, str] | None = None,
-    on_done: Callable[[int, Outcome], None] | None = None,
+    on_done: Callable[[int, ClientOutcome], None] | None = None,
     pace_s: float = 0.0,
-) -> list[Outcome]:
+) -> list[ClientOutcome]:
     """Send every prompt once (prompt ``i`` to ``entries(i)``), ``concurrency`` at a time.
 
     ``pace_s``: each worker waits this long after a response before its next request.
     """
     t0 = time.monotonic()
-    results: list[Outcome | None] = [None] * len(prompts)
+    results: list[ClientOutcome | None] = [None] * len(prompts)
     next_index = 0
 
     async def worker(client: httpx.AsyncClient) -> None:
@@ -140,13 +140,13 @@ async def open_loop(
     *,
     stop: asyncio.Event | None = None,
     t0: float | None = None,
-) -> list[Outcome]:
+) -> list[ClientOutcome]:
     """Arrivals every ``1/rate`` seconds for ``duration_s`` (None: until ``stop`` is set),
     from ``t0`` (``time.monotonic()``; default now); waits for every answer."""
     t0 = time.monotonic() if t0 is None else t0
     stop = stop or asyncio.Event()
     n = math.inf if duration_s is None else max(1, math.floor(rate * duration_s))
-    tasks: list[asyncio.Task[Outcome]] = []
+    tasks: list[asyncio.Task[ClientOutcome]] = []
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     async with httpx.AsyncClient(limits=limits, trust_env=False) as client:
         i = 0
@@ -169,7 +169,7 @@ async def open_loop(
 # ------------------------------------------------------------------------------ statistics
 
 
-def summarize(outcomes: Sequence[Outcome]) -> dict[str, object]:
+def summarize(outcomes: Sequence[ClientOutcome]) -> dict[str, object]:
     lat = [o.latency_s for o in outcomes if o.ok]
     ttft = [o.ttft_s for o in outcomes if o.ok and o.ttft_s is not None]
     routes: dict[str, int] = {}

@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 
 from radixmesh.chaos.env import ChaosConfig, ChaosEnv
-from radixmesh.chaos.load import Outcome, Prompt, open_loop, send_one
+from radixmesh.chaos.load import ClientOutcome, Prompt, open_loop, send_one
 from radixmesh.chaos.report import rss_bytes
 from radixmesh.results.run_summary import percentile
 from radixmesh.runtime.metrics import parse_samples
@@ -60,7 +60,7 @@ class OperateConfig:
     seed: int = 0
 
 
-def _latency(outcomes: Sequence[Outcome], status: int = 200) -> dict[str, float | None]:
+def _latency(outcomes: Sequence[ClientOutcome], status: int = 200) -> dict[str, float | None]:
     """Client latency of the outcomes with ``status`` (200: and no error), and for 200s the
     serving node's own queue + service time (its response headers)."""
     picked = [o for o in outcomes if o.status == status and (status != 200 or o.error is None)]
@@ -112,7 +112,7 @@ def measure_capacity(env: ChaosEnv, prompts: Sequence[Prompt], seconds: float,
                      clients: int) -> dict[str, float]:
     """Completions per second of the whole mesh under a closed loop of ``clients``."""
     n = len(env.cluster)
-    done: list[Outcome] = []
+    done: list[ClientOutcome] = []
     t0 = time.monotonic()
     cycle = [prompts[i % len(prompts)] for i in range(100_000)]
 
@@ -140,7 +140,7 @@ def measure_capacity(env: ChaosEnv, prompts: Sequence[Prompt], seconds: float,
 
 async def _open_loop_until(entry: Callable[[int], str], prompt_at: Callable[[int], Prompt],
                            model: str, rate: float, stop: asyncio.Event, timeout_s: float,
-                           t0: float) -> list[Outcome]:
+                           t0: float) -> list[ClientOutcome]:
     """Arrivals every ``1/rate`` s until ``stop`` is set; waits for every answer."""
     return await open_loop(entry, prompt_at, model, rate, None, timeout_s, stop=stop, t0=t0)
 
@@ -160,7 +160,7 @@ def run_rolling(cfg: OperateConfig, log_dir: str | None = None) -> dict[str, obj
 
 
 async def _rolling(env: ChaosEnv, cfg: OperateConfig, prompts: Sequence[Prompt],
-                   rate: float) -> tuple[dict[str, object], list[Outcome]]:
+                   rate: float) -> tuple[dict[str, object], list[ClientOutcome]]:
     n = len(env.cluster)
     ready = set(range(n))
     stop = asyncio.Event()
@@ -236,7 +236,7 @@ async def _restart(env: ChaosEnv, cfg: OperateConfig, i: int,
             "incarnation_changed": node.incarnation != old}
 
 
-def _rolling_report(outcomes: Sequence[Outcome], marks: dict[str, float],
+def _rolling_report(outcomes: Sequence[ClientOutcome], marks: dict[str, float],
                     restarts: list[dict[str, object]],
                     counters: dict[str, dict[str, dict[str, float]]]) -> dict[str, object]:
     start, end = marks["first_sigterm"], marks["last_rejoined"]
@@ -297,7 +297,7 @@ def run_overload(cfg: OperateConfig, log_dir: str | None = None) -> dict[str, ob
 
 
 async def _overload(env: ChaosEnv, cfg: OperateConfig, prompts: Sequence[Prompt],
-                    rate: float) -> tuple[dict[str, object], list[Outcome]]:
+                    rate: float) -> tuple[dict[str, object], list[ClientOutcome]]:
     n = len(env.cluster)
     stop = asyncio.Event()
     sampling = asyncio.Event()
@@ -347,7 +347,7 @@ async def _sample_peaks(env: ChaosEnv, every_s: float, peaks: dict[str, dict[str
                     await done.wait()
 
 
-def _overload_report(outcomes: Sequence[Outcome], half: float) -> dict[str, object]:
+def _overload_report(outcomes: Sequence[ClientOutcome], half: float) -> dict[str, object]:
     """Admitted, rejected (429) and lost requests; ``half``: when the second half began."""
     ok = [o for o in outcomes if o.ok]
     rejected = [o for o in outcomes if o.status == 429]

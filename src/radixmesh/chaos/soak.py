@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from radixmesh.chaos.env import ChaosEnv
-from radixmesh.chaos.load import Outcome, Prompt, open_loop, summarize
+from radixmesh.chaos.load import ClientOutcome, Prompt, open_loop, summarize
 from radixmesh.chaos.report import rss_bytes
 from radixmesh.results.run_summary import percentile
 from radixmesh.runtime.metrics import parse_samples
@@ -128,7 +128,7 @@ def _gauge(env: ChaosEnv, i: int, name: str) -> float | None:
 
 
 async def _run(env: ChaosEnv, cfg: SoakConfig, prompts: list[Prompt], st: _State
-               ) -> list[Outcome]:
+               ) -> list[ClientOutcome]:
     t0 = time.monotonic()
     n = len(env.cluster)
 

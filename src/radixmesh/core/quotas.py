@@ -83,7 +83,7 @@ def tenant_caps(share: float, bounds: Bounds) -> Bounds:
 
 
 @dataclass(slots=True)
-class Held:
+class TenantHeld:
     """What one tenant holds on this node: requests and their tokens (prompt + max_tokens)."""
 
     requests: int = 0
@@ -95,17 +95,17 @@ class TenantQuotas:
     """Per-tenant counters of the requests admitted to run here, and the quota verdict."""
 
     share: float | None = None  # None: quotas off
-    _held: dict[str, Held] = field(default_factory=dict)
+    _held: dict[str, TenantHeld] = field(default_factory=dict)
     _tickets: dict[int, tuple[str, int]] = field(default_factory=dict)
     _next: int = 0
 
     def __post_init__(self) -> None:
         check_share(self.share)
 
-    def held(self, tenant: str) -> Held:
+    def held(self, tenant: str) -> TenantHeld:
         """What ``tenant`` holds here now (a copy)."""
         h = self._held.get(tenant)
-        return Held() if h is None else Held(h.requests, h.tokens)
+        return TenantHeld() if h is None else TenantHeld(h.requests, h.tokens)
 
     def over(self, tenant: str | None, tokens: int, bounds: Bounds, requests: int = 1) -> bool:
         """Whether ``requests`` requests of ``tokens`` in all from ``tenant`` (one API
@@ -115,7 +115,7 @@ class TenantQuotas:
         if tenant is None or self.share is None:
             return False
         caps = tenant_caps(self.share, bounds)
-        held = self._held.get(tenant, Held())
+        held = self._held.get(tenant, TenantHeld())
         if caps.requests is not None and held.requests + requests > caps.requests:
             return True
         return (caps.tokens is not None and held.requests > 0
@@ -134,7 +134,7 @@ class TenantQuotas:
         :meth:`release` (None: no tenant, nothing counted)."""
         if tenant is None:
             return None
-        held = self._held.setdefault(tenant, Held())
+        held = self._held.setdefault(tenant, TenantHeld())
         held.requests += 1
         held.tokens += max(tokens, 0)
         self._next += 1

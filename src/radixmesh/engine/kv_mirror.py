@@ -23,7 +23,7 @@ from radixmesh.core.scheduler import Finished, Scheduler, SchedulerConfig, Step
 from radixmesh.engine.paged_kv import PagedKV
 
 
-class Live(Protocol):
+class LiveView(Protocol):
     """What the bookkeeping reads and writes of a request in the engine (``batch.Live``)."""
 
     tokens: list[int]
@@ -40,7 +40,7 @@ class KvMirror:
     sched: Scheduler
     kv: PagedKV
     stats: dict[str, int]
-    _live: dict[int, Live]
+    _live: dict[int, LiveView]
     _admitted: int
     _added: set[int]
     _removed: set[int]
@@ -75,7 +75,7 @@ class KvMirror:
         self.stats["reclaims"] += 1
         return freed > 0
 
-    def _hashes(self, live: Live, n_tokens: int) -> list[int]:
+    def _hashes(self, live: LiveView, n_tokens: int) -> list[int]:
         bs = self.config.block_size
         return extend_hashes(live.hashes, live.tokens[:n_tokens], bs, live.seed)
 

@@ -114,7 +114,7 @@ def reap_stale() -> list[str]:
 
 
 @dataclass
-class Host:
+class NetnsHost:
     name: str
     netns: str
     address: str  # the host's IPv4 address on the bridge
@@ -138,7 +138,7 @@ class EmulatedHosts:
         self.gateway = str(net.network_address + 1)  # the root namespace's address
         self.bridge_ns = f"{self.tag}-br"
         self._root_veth = f"{self.tag}t"
-        self.hosts = {name: Host(name, f"{self.tag}-{name}",
+        self.hosts = {name: NetnsHost(name, f"{self.tag}-{name}",
                                  str(net.network_address + 11 + i), f"{self.tag}p{i}",
                                  f"{self.tag}i{i}")
                       for i, name in enumerate(names)}
