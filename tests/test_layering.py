@@ -364,3 +364,26 @@ def test_the_decision_table_parser_sees_rows_and_catches_a_wrong_name() -> None:
     assert resolve("radixmesh.core.node.NodeCore.serve") is not None
     with pytest.raises(AttributeError):
         resolve("radixmesh.core.node.NodeCore.no_such_method")
+
+
+def _public_classes() -> dict[str, list[str]]:
+    """Every public top-level class under src/, by name: the modules that define it."""
+    where: dict[str, list[str]] = {}
+    for path in sorted((SRC / ROOT_PACKAGE).rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                where.setdefault(node.name, []).append(str(path.relative_to(SRC)))
+    return where
+
+
+def test_no_two_public_classes_share_a_name() -> None:
+    """One meaning per name: a class name names one class in the whole package (an event and a
+    wire message, or a core record and a chaos helper, once shared names)."""
+    twice = {name: mods for name, mods in _public_classes().items() if len(mods) > 1}
+    assert not twice, f"class names defined in more than one module: {twice}"
+
+
+def test_the_class_name_check_sees_every_module() -> None:
+    found = _public_classes()
+    assert found["NodeCore"] == ["radixmesh/core/node.py"]
+    assert "ForwardAccepted" in found and "ForwardAdmitted" in found
