@@ -190,6 +190,11 @@ class Journey:
     error: str | None = None
     via_gateway: bool = False  # sent through the gateway, which chose ``entry`` (counted there)
     client_leg_s: float = 0.0  # via the gateway, across regions: the client's one-way delay to it
+    # what ``Counters`` counted of this request (a run's figures leave the warm-up's out)
+    forward_failures: int = 0
+    forward_refusals: int = 0
+    deliberate_replicas: int = 0
+    second_cold_copies: int = 0
 
     def current(self, attempt: int) -> bool:
         """Whether a callback made for try ``attempt`` still matters."""
@@ -599,6 +604,7 @@ class SimCluster:
     ) -> None:
         if flight.current(attempt):
             self.counters.forward_refusals += 1
+            flight.forward_refusals += 1
             event = ForwardRefused(
                 flight.index, target.node_id, answer.retry_after_s, answer.queue_s
             )
@@ -629,8 +635,10 @@ class SimCluster:
         tag = None if entry is None else entry.placement_of(flight.index)
         if tag in DELIBERATE:
             self.counters.deliberate_replicas += 1
+            flight.deliberate_replicas += 1
         else:
             self.counters.second_cold_copies += 1
+            flight.second_cold_copies += 1
 
     def _fail_after(self, delay: float, flight: Journey, target: SimNode, reason: str) -> None:
         self.loop.at(self.loop.now + delay, self._failed, flight, flight.attempt, target, reason)
@@ -638,6 +646,7 @@ class SimCluster:
     def _failed(self, flight: Journey, attempt: int, target: SimNode, reason: str) -> None:
         if flight.current(attempt):
             self.counters.forward_failures += 1
+            flight.forward_failures += 1
             event = ForwardFailed(flight.index, target.node_id, reason)
             self.feed(self.nodes[flight.entry], event)
 
