@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from radixmesh.bench import plan, replay
+from radixmesh.bench import runner as runner_mod
 from radixmesh.bench.replay import CapacityProbe, mode_of
 from radixmesh.bench.runner import GATEWAYS, Runner, RunResult, batches, summary_entry
 from radixmesh.bench.sglang import SglangRouter
@@ -380,3 +381,52 @@ def test_the_paper_sweeps_poll_group_polls_only() -> None:
     assert len({s.gossip_interval_s for s in poll}) == 4 and rest
     assert all(s.gossip_announce_s is None for s in poll)
     assert all(s.gossip_announce_s == GossipConfig().announce_gap_s for s in rest)
+
+
+def test_a_resumed_sweep_is_timed_at_the_capacity_its_first_attempt_measured(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The first attempt's probe measures 100 req/s, then the run is cut short (Ctrl-C); the
+    # resumed run's probe would measure 70 (another moment of a shared machine): the runs of
+    # one point must meet one rate, so it is timed at 100's share all the same.
+    measured = iter([100.0, 70.0, 70.0])
+    interrupt = [True]
+
+    async def measure(self: CapacityProbe, http: Any, r: Any) -> float:
+        return next(measured)
+
+    async def together(pairs: Any, mode: str, probe: CapacityProbe | None = None,
+                       started: Any = None) -> Any:  # replay_together's probe, then the run
+        assert probe is not None
+        ran = await probe.apply(None, pairs)
+        if interrupt and interrupt.pop():
+            raise KeyboardInterrupt
+        return ran
+
+    monkeypatch.setattr(CapacityProbe, "_measure", measure)
+    monkeypatch.setattr(runner_mod, "replay_together", together)
+    w = WorkloadSpec(kind="chat", requests=6, load=0.5, synthetic_scale=0.3)
+    specs = [RunSpec(name=p, policy=p, nodes=1, workload=w) for p in ("none", "cost")]
+
+    def sweep(skip_done: bool) -> dict[str, Any]:
+        runner = Runner(tmp_path, cluster_factory=lambda s: _FakeCluster(s.name, [], False),
+                        progress=False, log=lambda _: None, probe_requests=4)
+        runner.run_all(specs[:1] if interrupt else specs, skip_done=skip_done)
+        return {r["name"]: r for r in json.loads((tmp_path / "summary.json").read_text())["runs"]}
+
+    first = sweep(False)
+    assert first["none"]["interrupted"]
+    resumed = sweep(True)
+    assert not resumed["none"]["interrupted"]
+    for name in ("none", "cost"):
+        assert resumed[name]["capacity"]["capacity_rps"] == 100.0, name
+        assert resumed[name]["capacity"]["rate"] == pytest.approx(50.0)
+    assert resumed["cost"]["capacity"]["throughput_rps"] == {"cost": 70.0}  # still measured
+    kept = replay.Capacities.load(tmp_path / runner_mod.CAPACITY_FILE)
+    assert list(kept.known.values()) == [100.0]
+    (tmp_path / runner_mod.CAPACITY_FILE).write_text("[1, 2]")  # not ours: said, measured anew
+    with pytest.raises(ValueError, match=r"capacity\.json: not a capacity file"):
+        replay.Capacities.load(tmp_path / runner_mod.CAPACITY_FILE)
+    logged: list[str] = []
+    runner = Runner(tmp_path, progress=False, log=logged.append)
+    assert runner.run_all([], skip_done=True) == [] and "measured anew" in logged[0]
