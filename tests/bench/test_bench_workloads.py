@@ -9,7 +9,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -20,6 +19,7 @@ import httpx
 import pytest
 
 from radixmesh.bench import plan, replay
+from radixmesh.bench import runner as runner_mod
 from radixmesh.bench.replay import CapacityProbe, mode_of
 from radixmesh.bench.runner import GATEWAYS, Runner, RunResult, batches, summary_entry
 from radixmesh.bench.sglang import SglangRouter
@@ -262,24 +262,74 @@ def _relay(delay_s: float, targets: Sequence[str]) -> tuple[subprocess.Popen[byt
     return proc, [f"http://127.0.0.1:{p}" for p in words[1:]]
 
 
-def test_link_relay_delays_each_way_and_relays_requests_intact(workers: list[str]) -> None:
-    proc, urls = _relay(0.15, workers)
+def test_link_relay_relays_requests_intact_to_each_worker(workers: list[str]) -> None:
+    # the relay process: one port per --to, in order, and it stops when its parent is gone
+    # (how long the link takes: the next test, on virtual time)
+    proc, urls = _relay(0.01, workers)
     try:
         with httpx.Client(timeout=10) as client:
             for url, worker in zip(urls, workers, strict=True):
-                client.get(url + "/health")  # the connection is open: only the link remains
-                t0 = time.monotonic()
                 r = client.post(
                     url + "/v1/completions", json={"model": "tiny", "prompt": "x" * 5000}
                 )
-                took = time.monotonic() - t0
                 assert r.status_code == 200 and r.json()["choices"][0]["text"] == "A"
                 assert r.headers["x-radixmesh-served-by"] == f"w{worker.rsplit(':', 1)[1]}"
-                assert took >= 0.3  # the request crossed the link once, the response once
     finally:
         assert proc.stdin is not None
         proc.stdin.close()  # the parent is gone: the relay stops by itself
         assert proc.wait(timeout=10) == 0
+
+
+def test_link_relay_delays_each_way_by_its_own_delay(
+    virtual_loop: asyncio.AbstractEventLoop,
+) -> None:
+    # One relay (as ``--to HOST:PORT=0.1/0.25`` makes) between a client and an upper-casing
+    # worker, all on the loop's virtual clock: the request reaches the worker 0.1 s after it
+    # was sent, the answer the client 0.25 s after that, and the bytes are intact.
+    from radixmesh.bench.linkproxy import LinkRelay
+    from radixmesh.core.link import LinkConfig
+
+    async def scenario() -> tuple[bytes, float, float]:
+        loop = asyncio.get_running_loop()
+        reached: list[float] = []
+
+        async def worker(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            data = await r.readexactly(4096)
+            reached.append(loop.time())
+            w.write(data.upper())
+            await w.drain()
+            w.close()
+
+        upstream = await asyncio.start_server(worker, "127.0.0.1", 0)
+        port = upstream.sockets[0].getsockname()[1]
+        relay = LinkRelay(("127.0.0.1", port, (0.1, 0.25)), LinkConfig(delay_s=0.5), seed=0)
+        relayed = asyncio.Event()
+
+        async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            try:
+                await relay.handle(r, w)
+            finally:
+                relayed.set()
+
+        front = await asyncio.start_server(handle, "127.0.0.1", 0)
+        r, w = await asyncio.open_connection(*front.sockets[0].getsockname()[:2])
+        t0 = loop.time()
+        w.write(b"ping" * 1024)
+        await w.drain()
+        answer = await r.read()  # to EOF: the worker closed, and the relay passed it on
+        took = loop.time() - t0
+        w.close()
+        await w.wait_closed()
+        await relayed.wait()  # the relay passed our EOF on and closed both sides
+        for server in (front, upstream):
+            server.close()
+            await server.wait_closed()
+        return answer, reached[0] - t0, took
+
+    answer, out, took = virtual_loop.run_until_complete(scenario())
+    assert answer == b"PING" * 1024
+    assert out == pytest.approx(0.1, abs=1e-9)  # its own delay, not the default 0.5
+    assert took == pytest.approx(0.1 + 0.25, abs=1e-9)
 
 
 def test_link_relay_rejects_a_bad_target() -> None:
@@ -297,17 +347,26 @@ def test_gateway_hop_crosses_the_emulated_link(
 ) -> None:
     if not gateway.available():
         pytest.skip(gateway.install_hint)
+    # The gateway knows the workers only by the relay's ports, the relay delays by the link's
+    # delay (how it delays: the relay's own test), and without the relay no request gets
+    # through: its hop crosses the link. (No wall-clock timing: the gateway is a process.)
     g = gateway(workers, startup_timeout_s=60, link_delay_s=0.1)
     try:
+        assert g._proc is not None and g._relay is not None
+        relay_args = [str(a) for a in g._relay.args]  # type: ignore[union-attr]
+        assert relay_args[relay_args.index("--delay") + 1] == "0.1"
+        args = [str(a) for a in g._proc.args]  # type: ignore[union-attr]
+        routed = args[args.index("--worker-urls") + 1 : args.index("--prometheus-host")]
+        assert len(routed) == len(workers) and not set(routed) & set(workers)
         with httpx.Client(timeout=30) as client:
-            took = []
             for i in range(3):
-                t0 = time.monotonic()
                 body = {"model": "tiny", "prompt": f"q{i}", "max_tokens": 1}
                 r = client.post(g.url + "/v1/completions", json=body)
-                took.append(time.monotonic() - t0)
                 assert r.status_code == 200 and r.headers["x-radixmesh-served-by"].startswith("w")
-        assert min(took) >= 0.2  # to the worker and back, through the relay
+            g._relay.terminate()
+            assert g._relay.wait(timeout=10) is not None
+            body = {"model": "tiny", "prompt": "after", "max_tokens": 1}
+            assert client.post(g.url + "/v1/completions", json=body).status_code != 200
     finally:
         g.close()
     assert g._relay is not None and g._relay.poll() is not None  # stopped with the gateway
@@ -380,3 +439,52 @@ def test_the_paper_sweeps_poll_group_polls_only() -> None:
     assert len({s.gossip_interval_s for s in poll}) == 4 and rest
     assert all(s.gossip_announce_s is None for s in poll)
     assert all(s.gossip_announce_s == GossipConfig().announce_gap_s for s in rest)
+
+
+def test_a_resumed_sweep_is_timed_at_the_capacity_its_first_attempt_measured(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The first attempt's probe measures 100 req/s, then the run is cut short (Ctrl-C); the
+    # resumed run's probe would measure 70 (another moment of a shared machine): the runs of
+    # one point must meet one rate, so it is timed at 100's share all the same.
+    measured = iter([100.0, 70.0, 70.0])
+    interrupt = [True]
+
+    async def measure(self: CapacityProbe, http: Any, r: Any) -> float:
+        return next(measured)
+
+    async def together(pairs: Any, mode: str, probe: CapacityProbe | None = None,
+                       started: Any = None) -> Any:  # replay_together's probe, then the run
+        assert probe is not None
+        ran = await probe.apply(None, pairs)
+        if interrupt and interrupt.pop():
+            raise KeyboardInterrupt
+        return ran
+
+    monkeypatch.setattr(CapacityProbe, "_measure", measure)
+    monkeypatch.setattr(runner_mod, "replay_together", together)
+    w = WorkloadSpec(kind="chat", requests=6, load=0.5, synthetic_scale=0.3)
+    specs = [RunSpec(name=p, policy=p, nodes=1, workload=w) for p in ("none", "cost")]
+
+    def sweep(skip_done: bool) -> dict[str, Any]:
+        runner = Runner(tmp_path, cluster_factory=lambda s: _FakeCluster(s.name, [], False),
+                        progress=False, log=lambda _: None, probe_requests=4)
+        runner.run_all(specs[:1] if interrupt else specs, skip_done=skip_done)
+        return {r["name"]: r for r in json.loads((tmp_path / "summary.json").read_text())["runs"]}
+
+    first = sweep(False)
+    assert first["none"]["interrupted"]
+    resumed = sweep(True)
+    assert not resumed["none"]["interrupted"]
+    for name in ("none", "cost"):
+        assert resumed[name]["capacity"]["capacity_rps"] == 100.0, name
+        assert resumed[name]["capacity"]["rate"] == pytest.approx(50.0)
+    assert resumed["cost"]["capacity"]["throughput_rps"] == {"cost": 70.0}  # still measured
+    kept = replay.Capacities.load(tmp_path / runner_mod.CAPACITY_FILE)
+    assert list(kept.known.values()) == [100.0]
+    (tmp_path / runner_mod.CAPACITY_FILE).write_text("[1, 2]")  # not ours: said, measured anew
+    with pytest.raises(ValueError, match=r"capacity\.json: not a capacity file"):
+        replay.Capacities.load(tmp_path / runner_mod.CAPACITY_FILE)
+    logged: list[str] = []
+    runner = Runner(tmp_path, progress=False, log=logged.append)
+    assert runner.run_all([], skip_done=True) == [] and "measured anew" in logged[0]

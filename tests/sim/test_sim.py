@@ -358,8 +358,73 @@ def test_an_excluded_warmup_is_sent_and_recorded_but_not_summarized(
     assert res.summary["mean_latency_s"] == pytest.approx(
         sum(r.latency_s for r in kept) / len(kept)
     )
-    assert res.summary["warmup"] == {"requests": 20, "seconds": 0.0, "excluded": 20}
+    assert res.summary["warmup"] | {"counters_from_s": 0.0, "whole_run": []} == {
+        "requests": 20, "seconds": 0.0, "excluded": 20, "counters_from_s": 0.0, "whole_run": []}
     by_time = run(replace(spec, excluded=(0, whole.records[30].t_send)), requests_small, tokenize)
     assert by_time.summary["requests"] == sum(
         1 for r in whole.records if r.t_send >= whole.records[30].t_send
     )
+
+
+# the simulator's counters: a request's own (on its journey), and the cores' and the wire's
+WARMUP_COUNTS = (
+    "forward_failures", "forward_refusals", "second_cold_copies", "deliberate_replicas",
+    "forwards_refused_busy", "forwards_refused_slower", "forwards_refused_full", "gossip_lost",
+    "placement_hit", "placement_first", "placement_replica", "placement_second_copy",
+    "placement_unplaced", "placement_local_copy",
+)  # fmt: skip
+
+
+def test_an_excluded_warmup_leaves_the_counters_out_too(
+    make_reqs: Callable[..., list[Request]],
+) -> None:
+    # One request at a time, so the warm-up is over when the first measured request is sent:
+    # what the run counts beyond its first 30 requests is the whole run's count less the count
+    # of a run of those 30 alone (the same run up to then: one seed, one event order).
+    reqs, n = make_reqs(80, groups=6, seed=2), 30
+    tokenize, _ = byte_tokenize()
+    cluster = cluster_config("cost", network=NetworkConfig(loss=0.05), pushback=PushbackConfig(
+        queue_threshold=1))
+    whole = run(SimSpec("cost", cluster), reqs, tokenize).summary
+    first = run(SimSpec("cost", cluster), reqs[:n], tokenize).summary
+    rest = run(SimSpec("cost", cluster, excluded=(n, 0.0)), reqs, tokenize).summary
+    assert rest["requests"] == len(reqs) - n
+    assert sum(first["sim"][k] for k in WARMUP_COUNTS) > 0  # the warm-up counted something
+    for key in WARMUP_COUNTS:
+        assert rest["sim"][key] == whole["sim"][key] - first["sim"][key], key
+    assert rest["sim"]["forward_refusals_per_request"] == pytest.approx(
+        rest["sim"]["forward_refusals"] / (len(reqs) - n))
+    # rates over the time since the warm-up ended
+    span = whole["sim"]["virtual_s"] - first["sim"]["virtual_s"]
+    assert rest["warmup"]["counters_from_s"] == pytest.approx(first["sim"]["virtual_s"])
+    for key in ("gossip_bytes_per_node_s", "gossip_messages_per_node_s"):
+        total = whole["sim"][key] * whole["sim"]["virtual_s"]
+        assert rest["sim"][key] * span == pytest.approx(
+            total - first["sim"][key] * first["sim"]["virtual_s"], rel=1e-6), key
+
+
+def test_overlapping_warmup_requests_refusals_stay_theirs(
+    make_reqs: Callable[..., list[Request]], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Open-loop arrivals beyond what the nodes holding the prefixes serve (as the push-back
+    # test above): a refusal is the refused request's, whenever it falls (the reference
+    # counts refusals by request at the cluster's own callback)
+    refused: list[int] = []
+    original = SimCluster._refused
+
+    def spy(self: SimCluster, flight, attempt, target, answer) -> None:  # type: ignore[no-untyped-def]
+        if flight.current(attempt):
+            refused.append(flight.index)
+        original(self, flight, attempt, target, answer)
+
+    monkeypatch.setattr(SimCluster, "_refused", spy)
+    reqs = schedule.poisson(make_reqs(200, groups=2, prefix_words=200), 4, rate=40.0, seed=2)
+    n = 12
+    cluster = cluster_config("paper", gossip=GossipConfig.for_interval(1.0),
+                             pushback=PushbackConfig(queue_threshold=2))
+    res = run(SimSpec("paper", cluster, schedule="poisson", excluded=(n, 0.0)), reqs,
+              byte_tokenize()[0])
+    measured = sum(1 for i in refused if i >= n)
+    assert 0 < measured < len(refused)  # both the warm-up and the rest were refused
+    assert res.summary["sim"]["forward_refusals"] == measured
+    assert res.summary["sim"]["forward_refusals_per_request"] == measured / (len(reqs) - n)

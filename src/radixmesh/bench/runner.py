@@ -16,7 +16,8 @@ For a list of :class:`~radixmesh.bench.spec.RunSpec`::
     │   gateways start in front of their cluster, or the run is skipped if not installed)
     │   warm each node up with one short, unrelated prompt (torch's first-call cost)
     │   open loop at a fraction of capacity (``load``): measure the capacity first on the
-    │   same clusters (bench/replay.py ``CapacityProbe``), then time the requests
+    │   same clusters (bench/replay.py ``CapacityProbe``; a point's later batches and a
+    │   ``--resume`` reuse its first capacity, kept in ``capacity.json``), then time the requests
     │   replay them paired in time (bench/replay.py): interleaved one at a time, closed loops
     │   side by side, or one shared arrival schedule sent to every cluster
     └─ each finished request → one :class:`Record` line in ``requests.jsonl`` (flushed)
@@ -33,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -46,7 +47,7 @@ from radixmesh.bench.launcher import BenchCluster, ClusterFactory, local_cluster
 from radixmesh.bench.oracle import Oracle
 from radixmesh.bench.progress import Progress
 from radixmesh.bench.prompts import BLOCK_SIZE, ideal_hit_rate, make_admit, tokenizer_for
-from radixmesh.bench.replay import CapacityProbe, Replay, mode_of, replay_together
+from radixmesh.bench.replay import Capacities, CapacityProbe, Replay, mode_of, replay_together
 from radixmesh.bench.run_result import RunResult, summary_entry
 from radixmesh.bench.sglang import Gateway, SglangRouter
 from radixmesh.bench.smg import Smg
@@ -64,6 +65,7 @@ GATEWAYS: dict[str, type[Gateway]] = {"sglang": SglangRouter, "smg": Smg}
 PROBE_SEED_OFFSET = 7919  # the capacity probe's workload: same generator, another seed
 PROBE_REQUESTS = 48
 PROBE_CLIENTS = 16
+CAPACITY_FILE = "capacity.json"  # measured capacities by rate key: --resume times runs at them
 
 
 def process_ids(cluster: BenchCluster, replay: Replay) -> dict[str, int | None]:
@@ -79,6 +81,11 @@ def _rate_key(spec: RunSpec) -> RunSpec:
     """What makes runs meet one open-loop rate: everything but the policy and the arrivals."""
     w = replace(spec.workload, schedule=Schedule.POISSON, arrival_cv=DEFAULT_CV)
     return replace(spec, name="", policy="none", lockstep="", group="", workload=w)
+
+
+def rate_id(spec: RunSpec) -> str:
+    """:func:`_rate_key` as canonical JSON (``capacity.json``'s key)."""
+    return json.dumps(asdict(_rate_key(spec)), sort_keys=True, default=str)
 
 
 class Sink:
@@ -145,7 +152,7 @@ class Runner:
         self.results: list[RunResult] = []
         self.previous = self._load_previous()
         self._built: dict[tuple[Any, ...], tuple[list[Request], Drops, float | None]] = {}
-        self._capacity: dict[RunSpec, float | None] = {}  # _rate_key -> first batch's capacity
+        self._capacity = Capacities(self.out / CAPACITY_FILE)  # the first batch's, by rate_id
 
     def _load_previous(self) -> list[dict[str, Any]]:
         """Runs already summarized in ``out`` (a sweep can be resumed or extended)."""
@@ -209,8 +216,12 @@ class Runner:
         return [replace(r, id=f"probe/{r.id}") for r in probe]
 
     def run_all(self, specs: Sequence[RunSpec], skip_done: bool = False) -> list[RunResult]:
-        if skip_done:
+        if skip_done:  # resumed: at the capacities the first attempt measured
             specs = [s for s in specs if not self.done(s)]
+            try:
+                self._capacity = Capacities.load(self.out / CAPACITY_FILE)
+            except ValueError as exc:
+                self.log(f"{exc}: capacities are measured anew")
         planned = [self.plan(s) for s in specs]
         for s in specs:
             self._purge(s.name)
@@ -289,7 +300,7 @@ class Runner:
         if load is not None:
             clients = min(self.probe_clients, len(first.probe_requests))
             probe = CapacityProbe(first.probe_requests, clients, load,
-                                  self._capacity.get(_rate_key(first.spec)))  # fmt: skip
+                                  self._capacity.get(rate_id(first.spec)))  # fmt: skip
         meters = [CpuMeter(process_ids(cluster, replay)) for _, replay, cluster, _ in live]
         try:
             ran = asyncio.run(replay_together(pairs, first.mode, probe,
@@ -297,10 +308,11 @@ class Runner:
         finally:
             for (res, *_), meter in zip(live, meters, strict=True):
                 res.cpu = meter.stop()
+            if probe is not None and probe.rate is not None:  # measured (even if cut short)
+                self._capacity.remember(rate_id(first.spec), probe.capacity_rps or 0.0)
         if probe is None:
             return
         info = probe.to_json()
-        self._capacity.setdefault(_rate_key(first.spec), probe.capacity_rps)
         w = first.spec.workload
         self.log(f"capacity {probe.capacity_rps:.2f} req/s ({probe.basis}; "
                  f"{', '.join(f'{k} {v:.2f}' for k, v in probe.throughput.items())}); "

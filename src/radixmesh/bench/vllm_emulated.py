@@ -6,10 +6,12 @@ Theory of operation
 ::
 
     vLLM CPU (bench/vllm_server.py: tiny random-weight Qwen2, block 128, 48 KV blocks, 1 thread)
-        radixmesh calibrate --engine-url URL ... --profile-out OUT/vllm-cpu-tiny.toml
+        radixmesh calibrate --engine-url URL ... --profile-out OUT/vllm-cpu-tiny.calibrated.toml
     radixmesh emulate of that profile without its admission_s: the same prefill probe;
         admission_s = vLLM's TTFT intercept - the emulator's (what vLLM spends before a
-        request's first step beyond what the emulator's own HTTP path spends)
+        request's first step beyond what the emulator's own HTTP path spends), written to
+        OUT/vllm-cpu-tiny.toml (the calibration stays as it was: closing it again gives the
+        same profile)
     per --concurrency level: POST /reset_prefix_cache, the trace on vLLM (closed loop); then
         the same trace on a fresh ``radixmesh emulate --profile OUT/vllm-cpu-tiny.toml
         --tokenizer DIR --served-model-name tiny``; stop vLLM at the end
@@ -63,6 +65,7 @@ from radixmesh.results.records import Record
 from radixmesh.runtime.cluster import free_ports
 from radixmesh.workload.request import Request
 
+PROFILE = "vllm-cpu-tiny.toml"  # the closed profile, in the output folder
 CALIBRATE = ("--lengths", "128,512,1024,2048", "--fractions", "0,0.5", "--repeats", "5",
              "--batches", "1,4", "--decode-tokens", "32")
 # vLLM 0.32's CPU defaults for the OpenAI server (vllm/engine/arg_utils.py,
@@ -119,7 +122,7 @@ def compare(real: Sequence[dict[str, Any]], emu: Sequence[dict[str, Any]]) -> di
 
 def calibrate(engine: VllmServer, out: Path) -> tuple[Path, str]:
     """Fit a profile to the running engine; the file and the command."""
-    path = out / "vllm-cpu-tiny.toml"
+    path = out / "vllm-cpu-tiny.calibrated.toml"
     vocab = json.loads((engine.model_dir / "config.json").read_text())["vocab_size"]
     argv = [sys.executable, "-m", "radixmesh", "calibrate", "--engine-url", engine.url,
             "--served-model-name", "tiny", "--vocab-size", str(vocab), *CALIBRATE,
@@ -147,24 +150,37 @@ def emulator(profile: Path, model_dir: Path, out: Path) -> Iterator[str]:
         stop_group(proc)
 
 
-def close_admission(path: Path, model_dir: Path, out: Path, vocab: int) -> Path:
-    """Refit ``admission_s`` of the profile at ``path`` against the emulator's own HTTP path
-    (the module docstring); the file rewritten, its path."""
-    bare = closed(Profile.load(path), None, [])
+def close_admission(calibrated: Path, model_dir: Path, out: Path, vocab: int) -> Path:
+    """Refit ``admission_s`` of the calibration at ``calibrated`` against the emulator's own
+    HTTP path (the module docstring) into ``out / PROFILE``, its path. The calibration is
+    left as it is: closing it again gives the same profile (but for the probe's noise)."""
+    path = out / PROFILE
+    if path.resolve() == calibrated.resolve():
+        raise ValueError(f"{calibrated}: the calibration must not be {PROFILE}, which closing "
+                         f"overwrites")
+    prof = Profile.load(calibrated)
+    a_real = intercept(prof)
     probe = out / "emulator-probe.toml"
-    probe.write_text(dumps(bare), encoding="utf-8")
+    probe.write_text(dumps(closed(prof, a_real, None, [])), encoding="utf-8")
     lengths, repeats = CALIBRATE[1], int(CALIBRATE[5])
     with emulator(probe, model_dir, out) as url:
         points = asyncio.run(prefill_points(url, "tiny", lengths, repeats, 1, vocab))
-    path.write_text(dumps(closed(Profile.load(path), fit_prefill(points)[0], points)),
+    path.write_text(dumps(closed(prof, a_real, fit_prefill(points)[0], points)),
                     encoding="utf-8")
     return path
 
 
-def closed(prof: Profile, a_emu: float | None, points: Sequence[tuple[int, float]]) -> Profile:
-    """``prof`` with ``admission_s`` = its engine's TTFT intercept - ``a_emu``, the emulator's
-    own intercept for ``prof`` without admission (measured at ``points``); None: without."""
-    a_real = prof.admission_s + prof.step_base_s + prof.prefill_seq_s  # TTFT at 0 tokens
+def intercept(calibrated: Profile) -> float:
+    """The engine's TTFT at 0 tokens as its calibration (not yet closed) models it."""
+    return calibrated.admission_s + calibrated.step_base_s + calibrated.prefill_seq_s
+
+
+def closed(prof: Profile, a_real: float, a_emu: float | None,
+           points: Sequence[tuple[int, float]]) -> Profile:
+    """``prof`` with ``admission_s`` = ``a_real``, its engine's TTFT intercept
+    (:func:`intercept` of its calibration), - ``a_emu``, the emulator's own intercept for
+    ``prof`` without admission (measured at ``points``); None: without. Its own
+    ``admission_s`` is not read: closing the result again changes nothing."""
     citations = {k: v for k, v in prof.citations.items() if k != "admission_s"}
     admission = 0.0 if a_emu is None else max(0.0, a_real - a_emu)
     if admission:
@@ -241,7 +257,7 @@ def both_levels(args: argparse.Namespace, model_dir: Path, reqs: Sequence[Reques
         else:
             profile, command = calibrate(engine, out)
             vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-            close_admission(profile, model_dir, out, vocab)
+            profile = close_admission(profile, model_dir, out, vocab)
         for level in levels:
             engine.reset_prefix_cache()
             load = [os.getloadavg()[0]]

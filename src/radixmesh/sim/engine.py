@@ -17,6 +17,13 @@ request at a time (``max_running`` 1, a whole prompt per step): a prefill chunk 
 ``decode_s_per_token``. The KV pool is the node's ``cache_tokens`` (in whole blocks): prefix
 cache and running sequences' KV together.
 
+Admission: a profile's ``admission_s`` (``admission_s`` here; 0 for a legacy model, whose
+request overhead is a step's) is the time from a request's arrival at the engine to its joining
+the scheduler — what the emulated engine awaits before ``submit`` (``emulate/loop.py``). The
+shell (``sim/shell.py``) calls :meth:`SimEngine.add` that long after the arrival, passing
+the arrival time: the delay is the request's own (the steps of the others go on meanwhile) and
+counts in its ``queue_s``, so in its TTFT.
+
 Planning (``plan``) gives one step, or — when the next steps are the same pure-decode batch
 (``Scheduler.decode_run``) — a run of ``k`` of them as one event: step ``j`` of a run lasts
 ``s0 + j * (s1 - s0)`` (a step-time model linear in the KV tokens attended, which both models
@@ -81,7 +88,7 @@ class SimRun:
     prefill_s: float  # admission to first token
     decode_s: float  # first token to the last
     service_s: float  # admission to the last token
-    queue_s: float  # arrival at the engine to (last) admission
+    queue_s: float  # arrival at the engine to (last) admission: admission_s and the queue
     decode_tokens: int  # tokens generated (``len(output)``), as the runtime reports
 
 
@@ -103,6 +110,8 @@ class SimEngine:
         self._rng = rng or random.Random(0)
         kv_blocks = cache_tokens // block_size
         profile = cost.profile
+        # arrival to joining the scheduler (module docstring); the shell applies it
+        self.admission_s = 0.0 if profile is None else profile.admission_s
         if profile is not None:
             self.timer: StepTimer = profile
             config = profile.scheduler_config(
@@ -134,13 +143,15 @@ class SimEngine:
         return self.sched.drain_cache_delta()
 
     # ----------------------------------------------------------------------------- serving
-    def add(self, seq: SeqId, tokens: Sequence[int], output: Sequence[int], now: float) -> None:
-        """Queue a request whose generated ids will be ``output``; ValueError if it can never
-        fit the KV pool."""
+    def add(self, seq: SeqId, tokens: Sequence[int], output: Sequence[int], now: float,
+            arrived: float | None = None) -> None:
+        """Queue a request whose generated ids will be ``output``, which arrived at the engine
+        at ``arrived`` (default ``now``: no admission delay); ValueError if it can never fit
+        the KV pool."""
         self.sched.add(seq, tokens, len(output), now)
         self._outputs[seq] = output
         self._emitted[seq] = 0
-        self._arrived[seq] = now
+        self._arrived[seq] = now if arrived is None else arrived
 
     def plan(self, now: float, coalesce: bool) -> Planned | None:
         """The next step (or decode run, if ``coalesce``); None when idle."""

@@ -18,7 +18,8 @@ Each completed request becomes a :class:`radixmesh.results.records.Record`, the 
 record type, and the run is summarized by the benchmark's ``summarize``
 (:mod:`radixmesh.results.run_summary`) — so ``summary.json`` is the same schema, computed by the
 same code. Simulator-only figures (gossip bytes per node per second, estimate error and view
-age at decision time, events/s) are added beside the standard keys.
+age at decision time, events/s: :mod:`radixmesh.sim.figures`) are added beside the standard
+keys; all but a labelled few leave the warm-up out as the records' do.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixmesh.core.router import Tag
 from radixmesh.results.records import Record, in_warmup
-from radixmesh.results.run_summary import mean, percentile, summarize
+from radixmesh.results.run_summary import summarize
+from radixmesh.sim.figures import WHOLE_RUN, Counts, Window, sim_figures
 from radixmesh.sim.shell import ClusterConfig, Journey, SimCluster, routable_count
 from radixmesh.sim.tokens import Tokenize
 from radixmesh.workload.request import Request
@@ -88,6 +89,14 @@ class _Driver:
         self.idle_clients = 0  # closed loop: clients with nothing they may send yet
         self.progress: Progress | None = None
         self.joined_after_s: float | None = None
+        self.journeys: list[Journey | None] = [None] * len(requests)
+        self.warm_sent = 0  # warm-up requests sent
+        self.measuring = False  # a measured request was sent
+        self.since: Counts | None = None  # the counters when the warm-up ended
+
+    def warm(self, i: int, t_arrival: float) -> bool:
+        """Whether request ``i``, sent at ``t_arrival``, is warm-up (``--exclude-warmup``)."""
+        return in_warmup(i, t_arrival - self.t0, *self.spec.excluded)
 
     def _entry(self, i: int) -> int:
         req = self.requests[i]
@@ -96,7 +105,13 @@ class _Driver:
 
     def _send(self, i: int) -> None:
         req = self.requests[i]
-        self.cluster.submit(i, req, self.tokenize(req), self._entry(i))
+        if self.warm(i, self.cluster.loop.now):
+            self.warm_sent += 1
+        elif not self.measuring:  # the first measured request: the counters count from here
+            self.measuring = True
+            if self.warm_sent:
+                self.since = Counts.of(self.cluster)
+        self.journeys[i] = self.cluster.submit(i, req, self.tokenize(req), self._entry(i))
 
     def _send_open(self, i: int) -> None:
         if self.sessions.arrive(i):  # else held until its predecessor finishes
@@ -161,7 +176,7 @@ class _Driver:
             # the first one the engine's decode time before the last
             ttft_s=f.t_done - f.t_arrival - f.decode_s if ok else None,
             tpot_s=f.decode_s / (f.decode_tokens - 1) if ok and f.decode_tokens > 1 else None,
-            warmup=in_warmup(f.index, f.t_arrival - self.t0, *self.spec.excluded),
+            warmup=self.warm(f.index, f.t_arrival),
         )
 
     def _wait_joined(self) -> None:
@@ -187,7 +202,7 @@ class _Driver:
             self._wait_joined()
         self.t0 = cluster.loop.now
         cluster.schedule_faults(self.t0)
-        self._gossip_at_start = (cluster.counters.gossip_bytes, cluster.counters.gossip_messages)
+        self.since = Counts.of(cluster)
         if not self.requests:
             return
         if self.spec.schedule != "sequential":  # open loop: poisson or bursty
@@ -244,125 +259,14 @@ def _summary(
     measured = [(r, e) for r, e in zip(records, extras, strict=True) if not r.warmup]
     kept = [r for r, _ in measured], [e for _, e in measured]
     out.update(summarize(kept[0]))
+    since = driver.since
+    assert since is not None  # (taken when the workload starts)
     out["warmup"] = {"requests": spec.excluded[0], "seconds": spec.excluded[1],
-                     "excluded": len(records) - len(measured)}  # fmt: skip
+                     "excluded": len(records) - len(measured),
+                     "counters_from_s": since.t - driver.t0, "whole_run": list(WHOLE_RUN)}
     out["schedule"] = spec.schedule
     out["concurrency"] = spec.concurrency if spec.schedule == "sequential" else None
-    out["sim"] = _sim_figures(c, driver, *kept, wall)
+    journeys = [j for j in driver.journeys if j and not driver.warm(j.index, j.t_arrival)]
+    window = Window(driver.t0, since, journeys, len(driver.requests) - driver.warm_sent)
+    out["sim"] = sim_figures(c, driver.cluster, window, *kept, wall)
     return out
-
-
-def _sim_figures(
-    c: ClusterConfig,
-    driver: _Driver,
-    records: list[Record],
-    extras: list[dict[str, Any]],
-    wall: float,
-) -> dict[str, Any]:
-    """The simulator-only figures of a run (``summary["sim"]``)."""
-    cluster = driver.cluster
-    span = max(cluster.loop.now - driver.t0, 1e-9)
-    return {
-        "engine": "simulated",
-        "cost_model": c.cost.name,
-        "gossip_mode": c.gossip.mode.value,
-        **_traffic(c, driver, span),
-        **_estimate_errors(extras, c.block_size),
-        "forwarded_requests": sum(1 for r in records if r.route == "forwarded"),
-        **_view_ages(records, extras),
-        "virtual_s": span,
-        "warmup_s": driver.t0,
-        "wall_s": wall,
-        "events": cluster.loop.events,
-        "events_per_s": cluster.loop.events / wall if wall > 0 else None,
-        "logs": dict(cluster.counters.logs),
-        **_view_sizes(cluster),
-        **_gateway_figures(cluster),
-    }
-
-
-def _gateway_figures(cluster: SimCluster) -> dict[str, Any]:
-    """With a gateway: how many of its choices were made by load alone (imbalanced)."""
-    gw = cluster.gateway
-    if gw is None:
-        return {}
-    return {
-        "gateway_balanced_choices": gw.balanced_choices,
-        "gateway_imbalanced_choices": gw.imbalanced_choices,
-    }
-
-
-def _traffic(c: ClusterConfig, driver: _Driver, span: float) -> dict[str, Any]:
-    """Gossip per node per second since the start of the workload; lost gossip and failed or
-    refused forwards."""
-    counters = driver.cluster.counters
-    b0, m0 = driver._gossip_at_start
-    return {
-        "gossip_bytes_per_node_s": (counters.gossip_bytes - b0) / c.nodes / span,
-        "gossip_messages_per_node_s": (counters.gossip_messages - m0) / c.nodes / span,
-        "gossip_lost": counters.gossip_lost,
-        "forward_failures": counters.forward_failures,
-        "forward_refusals": counters.forward_refusals,
-        "forward_refusals_per_request": counters.forward_refusals / max(1, len(driver.requests)),
-        # cold prefills of a prefix another engine held at placement (the truth; see cluster)
-        "second_cold_copies": counters.second_cold_copies,
-        "deliberate_replicas": counters.deliberate_replicas,
-        **_core_counters(driver.cluster),
-    }
-
-
-# the cores' own counters summed over nodes: why forwards were refused, and what the router
-# believed each placement was (``placement_second_copy``: from the deciding node's view)
-_CORE_SUMS = (
-    "forwards_refused_busy",
-    "forwards_refused_slower",
-    "forwards_refused_full",
-    *(f"placement_{t.value}" for t in Tag),
-)
-
-
-def _core_counters(cluster: SimCluster) -> dict[str, float]:
-    out = dict.fromkeys(_CORE_SUMS, 0.0)
-    for node in cluster.nodes:
-        if node.core is not None:
-            m = node.core.metrics()
-            for name in _CORE_SUMS:
-                out[name] += m.get(name, 0.0)
-    return out
-
-
-def _estimate_errors(extras: list[dict[str, Any]], block_size: int) -> dict[str, Any]:
-    """How far the expected cached tokens at each target were from the truth there, at
-    decision time."""
-    errors = [abs(e["estimate_error_tokens"]) for e in extras]
-    return {
-        "estimate_abs_error_tokens_mean": mean([float(e) for e in errors]),
-        "estimate_abs_error_tokens_p99": percentile([float(e) for e in errors], 99),
-        # wrong = off by at least one block (estimates are block-granular, truth is exact)
-        "estimate_wrong_share": (
-            sum(1 for e in errors if e >= block_size) / len(errors) if errors else None
-        ),
-    }
-
-
-def _view_ages(records: list[Record], extras: list[dict[str, Any]]) -> dict[str, Any]:
-    """Age of the gossiped view behind each decision that was not purely local."""
-    ages = [e["view_age_s"] for r, e in zip(records, extras, strict=True) if r.route != "local"]
-    return {
-        "view_age_s_mean": mean(ages),
-        "view_age_s_p99": percentile(ages, 99),
-        "view_stale_share": (sum(1 for a in ages if a > 0) / len(ages)) if ages else None,
-    }
-
-
-def _view_sizes(cluster: SimCluster) -> dict[str, float]:
-    """Mean per node: own advertised blocks, and entries held about peers (the estimate)."""
-    own = views = 0.0
-    up = [n for n in cluster.nodes if n.core is not None]
-    for n in up:
-        assert n.core is not None
-        m = n.core.metrics()
-        own += m["summary_blocks"]
-        views += m["view_entries"]
-    k = max(1, len(up))
-    return {"own_blocks_per_node": own / k, "view_entries_per_node": views / k}

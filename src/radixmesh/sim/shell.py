@@ -22,6 +22,8 @@ this shell only delivers its actions and reports back what the simulated world d
         P down / reset / partitioned / silent -> ForwardFailed to E (next action follows)
     (the receiver answers a first byte at once and heartbeats while queued, so a live peer's
     forward never times out, however long its queue; a partitioned one does)
+    an engine's scheduler takes a request its profile's admission_s after it arrived
+    (``sim/engine.py``); it counts in the node's queue meanwhile
     serving node X, after each request: RequestServed, CacheChanged, LoadChanged
     engine: one event per step, or per run of identical decode steps (``SimEngine.plan``);
     a request arriving mid-run cuts the run at the step then running
@@ -188,6 +190,11 @@ class Journey:
     error: str | None = None
     via_gateway: bool = False  # sent through the gateway, which chose ``entry`` (counted there)
     client_leg_s: float = 0.0  # via the gateway, across regions: the client's one-way delay to it
+    # what ``Counters`` counted of this request (a run's figures leave the warm-up's out)
+    forward_failures: int = 0
+    forward_refusals: int = 0
+    deliberate_replicas: int = 0
+    second_cold_copies: int = 0
 
     def current(self, attempt: int) -> bool:
         """Whether a callback made for try ``attempt`` still matters."""
@@ -466,12 +473,12 @@ class SimCluster:
         planned, now = node.planned, self.loop.now
         rate = node.arrivals.at(now)
         if planned is None:
-            return batch_state(engine.sched, engine.timer, None, 0.0, rate, 0.0)
+            return batch_state(engine.sched, engine.timer, None, 0.0, rate, engine.admission_s)
         # a run of decode steps: the step under way is its j-th, j - 1 of them done
         j = engine.steps_by(planned, now - node.planned_at)
         end = node.planned_at + j * planned.first_s + planned.delta_s * j * (j - 1) / 2
         return batch_state(engine.sched, engine.timer, planned.step, max(0.0, end - now), rate,
-                           0.0, j - 1)
+                           engine.admission_s, j - 1)
 
     # ------------------------------------------------------------------------- requests
     def submit(self, index: int, req: Request, tokens: list[int], entry: int) -> Journey:
@@ -597,6 +604,7 @@ class SimCluster:
     ) -> None:
         if flight.current(attempt):
             self.counters.forward_refusals += 1
+            flight.forward_refusals += 1
             event = ForwardRefused(
                 flight.index, target.node_id, answer.retry_after_s, answer.queue_s
             )
@@ -627,8 +635,10 @@ class SimCluster:
         tag = None if entry is None else entry.placement_of(flight.index)
         if tag in DELIBERATE:
             self.counters.deliberate_replicas += 1
+            flight.deliberate_replicas += 1
         else:
             self.counters.second_cold_copies += 1
+            flight.second_cold_copies += 1
 
     def _fail_after(self, delay: float, flight: Journey, target: SimNode, reason: str) -> None:
         self.loop.at(self.loop.now + delay, self._failed, flight, flight.attempt, target, reason)
@@ -636,6 +646,7 @@ class SimCluster:
     def _failed(self, flight: Journey, attempt: int, target: SimNode, reason: str) -> None:
         if flight.current(attempt):
             self.counters.forward_failures += 1
+            flight.forward_failures += 1
             event = ForwardFailed(flight.index, target.node_id, reason)
             self.feed(self.nodes[flight.entry], event)
 
@@ -657,14 +668,36 @@ class SimCluster:
             flight.hashes, len(flight.tokens), _engine_prefix(engine, flight.tokens))
         seq = node.next_seq
         node.next_seq += 1
-        try:
-            engine.add(seq, flight.tokens, _generated(flight), now)
-        except ValueError:  # prompt + max_tokens never fit the engine's KV pool
-            self._too_long(node, work)
+        if engine.admission_s > 0:  # it joins the scheduler that much later (sim/engine.py)
+            node.works[seq] = work
+            node.arrivals.add(now)
+            self._count_queued(node, work, 1)
+            self._load_changed(node)
+            self.loop.at(now + engine.admission_s, self._admit, node, node.epoch, seq, work)
             return
-        node.works[seq] = work
-        node.arrivals.add(now)
-        self._count_queued(node, work, 1)
+        self._admit(node, node.epoch, seq, work)
+
+    def _admit(self, node: SimNode, epoch: int, seq: int, work: Work) -> None:
+        """``work`` joins the engine's scheduler: on arrival, or ``admission_s`` later (then it
+        already counts in the node's queue, as a runtime counts what it sent its engine)."""
+        engine = node.engine
+        if node.epoch != epoch or engine is None:
+            return  # the node crashed meanwhile (the work was reported lost)
+        flight, now, held = work.flight, self.loop.now, seq in node.works
+        try:
+            engine.add(seq, flight.tokens, _generated(flight), now, work.t_enqueued)
+        except ValueError:  # prompt + max_tokens never fit the engine's KV pool
+            if held:
+                del node.works[seq]
+                self._count_queued(node, work, -1)
+            self._too_long(node, work)
+            if held:
+                self._load_changed(node)
+            return
+        if not held:
+            node.works[seq] = work
+            node.arrivals.add(now)
+            self._count_queued(node, work, 1)
         if node.planned is None:
             self._run_next(node)
         elif node.planned.step is None and self.compute is None:
