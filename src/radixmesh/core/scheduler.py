@@ -92,7 +92,8 @@ class Scheduler(DecodeRuns):
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self._pool = KvPool(config.kv_blocks, config.block_size, config.hash_seed)
+        self._vllm = config.cache_rule == "vllm"
+        self._pool = KvPool(config.kv_blocks, config.block_size, config.hash_seed, self._vllm)
         self.cache: PrefixCache[None] = self._pool.cache  # read it only
         self._seqs: dict[SeqId, SeqState] = {}
         self._waiting: deque[SeqState] = deque()
@@ -211,6 +212,7 @@ class Scheduler(DecodeRuns):
             else:
                 prefills.append(PrefillChunk(s.id, s.computed, n, s.computed + n == len(s.tokens)))
                 budget -= n
+                self._cache_scheduled(s, s.computed + n, now)
             i += 1
         if not preempted:
             self._admit(budget, prefills, now)
@@ -271,14 +273,14 @@ class Scheduler(DecodeRuns):
         return True
 
     def _spare(self) -> list[list[int]]:
-        return [w.tokens for w in islice(self._waiting, WINDOW)]
+        return [] if self._vllm else [w.tokens for w in islice(self._waiting, WINDOW)]
 
     def _admit(self, budget: int, prefills: list[PrefillChunk], now: float) -> None:
         """Admit from the first ``WINDOW`` waiting requests in order, skipping deferred ones;
         each admission counts against every skipped one ahead of it, and once one of them has
         been passed ``max_overtake`` times the scan restarts at it (it is no longer deferred)."""
         window = deque(self._waiting.popleft() for _ in range(min(WINDOW, len(self._waiting))))
-        spare = [w.tokens for w in window]
+        spare = [] if self._vllm else [w.tokens for w in window]
         skipped: list[SeqState] = []
         while window and budget > 0 and len(self._running) < self.config.max_running:
             c = window.popleft()
@@ -318,14 +320,18 @@ class Scheduler(DecodeRuns):
         cached = lease.cached
         n = min(len(c.tokens) - cached, budget)
         need = self._pool.blocks_for(cached + n, cached)
-        if not self._pool.grow(need, spare):
+        whole = self._pool.blocks_for(len(c.tokens), cached) if self._vllm else need
+        if whole > self._pool.room or not self._pool.grow(need, spare):
             self.cache.release(lease)
             return None
-        c.lease, c.cached, c.hit, c.computed, c.private = lease, cached, cached, cached, need
+        c.lease, c.cached, c.computed, c.private = lease, cached, cached, need
+        if not (self._vllm and c.preemptions):  # vLLM reports a request's first admission's
+            c.hit = cached  # hit (vllm/v1/core/sched/scheduler.py: prefill_stats)
         c.admitted_at, c.overtaken = now, 0
         self._running.append(c)
         self._prefilling.update(c.hashes)
         self.cached_tokens_hit += cached
+        self._cache_scheduled(c, cached + n, now)
         return PrefillChunk(c.id, cached, n, cached + n == len(c.tokens))
 
     def _prefill_done(self, s: SeqState, now: float) -> None:
@@ -338,6 +344,20 @@ class Scheduler(DecodeRuns):
         s.private = self._pool.blocks_for(s.computed, s.cached)
         if not self._pool.grow(s.private, ()):
             raise RuntimeError("KV pool accounting broke while caching a prompt")
+
+    def _cache_scheduled(self, s: SeqState, kv_tokens: int, now: float) -> None:
+        """``cache_rule="vllm"``: the whole blocks of the first ``kv_tokens`` tokens enter the
+        cache as soon as the chunk computing them is scheduled (its KV is written before any
+        attention of the step reads it), locked for ``s``; its private blocks shrink to the
+        partial last block."""
+        if not self._vllm or kv_tokens < s.cached + self.config.block_size:
+            return
+        assert s.lease is not None
+        s.lease = self._pool.publish(s.lease, s.tokens[:kv_tokens], s.private, now)
+        s.cached = s.lease.cached
+        s.private = self._pool.blocks_for(kv_tokens, s.cached)
+        if not self._pool.grow(s.private, ()):
+            raise RuntimeError("KV pool accounting broke while caching a scheduled chunk")
 
     def _unmark_prefilling(self, s: SeqState) -> None:
         if not s.prefilled:
