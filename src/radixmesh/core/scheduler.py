@@ -29,9 +29,20 @@ recomputes prompt + outputs as its prompt). A sequence preempting itself leaves 
 
 ``complete`` applies the step: each emitting sequence (decodes and last chunks) gets its token;
 a sequence finishes at ``max_tokens`` outputs ("length") or when listed in ``stop``. When a
-prompt's prefill completes its whole blocks enter the prefix cache at once (vLLM caches computed
-full blocks), so followers hit while the pioneer decodes; a finished sequence commits prompt +
+prompt's prefill completes its whole blocks enter the prefix cache at once, so followers hit
+while the pioneer decodes; a finished sequence commits prompt +
 output[:-1] (the last token's KV was never computed).
+
+``cache_rule="vllm"`` (an engine emulating vLLM 0.32; read from its source, vllm/v1/core/):
+a chunk's whole blocks enter the cache when it is *scheduled* (``kv_cache_manager.py``
+``allocate_slots`` -> ``cache_blocks``), so a request admitted later in the same step hits them
+(each layer writes the step's KV before its attention reads it); a request is admitted only if
+its whole prompt fits (``scheduler_reserve_full_isl``, on by default); the pool counts distinct
+blocks and evicts block by block, the least recently freed first and a request's tail before its
+head, sparing nothing (``block_pool.py``, ``single_type_kv_cache_manager.py`` ``free``); a block
+computed again though cached stays the sequence's own; a preempted request reports its first
+admission's hit (``sched/scheduler.py``: ``prefill_stats``). vLLM has no "pioneers first": its
+profiles also say ``prefix_aware=False``.
 
 Prefix-aware admission ("pioneers first", as SGLang's in-batch prefix caching in
 python/sglang/srt/managers/schedule_policy.py deprioritises a waiting request whose prefix an
@@ -101,6 +112,8 @@ class Scheduler(DecodeRuns):
         self._prefilling: Counter[int] = Counter()  # block hashes of prefilling sequences
         self._heads = NamespaceHeads(config.block_size, config.hash_seed)
         self._pending: Step | None = None
+        self._copies: dict[SeqId, int] = {}  # cache_rule "vllm": blocks a sequence computed
+        # again although cached (vLLM keeps such a copy as the sequence's own block)
         self.prefill_tokens_computed = 0
         self.cached_tokens_hit = 0
         self.preemptions = 0
@@ -353,10 +366,14 @@ class Scheduler(DecodeRuns):
         if not self._vllm or kv_tokens < s.cached + self.config.block_size:
             return
         assert s.lease is not None
+        bs = self.config.block_size
+        there = min(self._pool.cache.match(s.tokens[:kv_tokens]), kv_tokens) // bs * bs
+        copies = max(there - s.cached, 0) // bs  # computed again, cached already
         s.lease = self._pool.publish(s.lease, s.tokens[:kv_tokens], s.private, now)
         s.cached = s.lease.cached
         s.private = self._pool.blocks_for(kv_tokens, s.cached)
-        if not self._pool.grow(s.private, ()):
+        self._copies[s.id] = self._copies.get(s.id, 0) + copies
+        if not self._pool.grow(s.private + copies, ()):
             raise RuntimeError("KV pool accounting broke while caching a scheduled chunk")
 
     def _unmark_prefilling(self, s: SeqState) -> None:
@@ -388,7 +405,7 @@ class Scheduler(DecodeRuns):
         """Recompute preemption: free its KV, keep its outputs, back to the front of waiting."""
         self._unmark_prefilling(s)
         assert s.lease is not None
-        self._pool.release(s.lease, s.private, None, 0.0)
+        self._pool.release(s.lease, s.private + self._copies.pop(s.id, 0), None, 0.0)
         s.lease, s.private, s.computed, s.cached, s.prefilled = None, 0, 0, 0, False
         s.preemptions += 1
         s.overtaken = 0
@@ -401,7 +418,7 @@ class Scheduler(DecodeRuns):
         assert s.lease is not None
         self._unmark_prefilling(s)
         commit = None if reason == "abort" else s.tokens[: s.computed]
-        self._pool.release(s.lease, s.private, commit, now)
+        self._pool.release(s.lease, s.private + self._copies.pop(s.id, 0), commit, now)
         s.lease, s.private = None, 0
         self._running.remove(s)
         del self._seqs[s.id]
