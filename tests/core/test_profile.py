@@ -200,6 +200,9 @@ def test_dumps_round_trips_any_values(values: list[float], text: str) -> None:
         ({"prefill_seq_s": float("nan")}, "prefill_seq_s"),
         ({"prefill_seq_s": [1]}, "prefill_seq_s"),
         ({"prefill_seq_s": 0.01}, "prefill_seq_s"),  # not 0 and uncited
+        ({"cache_rule": "lru"}, "cache_rule"),
+        ({"cache_rule": 1}, "cache_rule"),
+        ({"prefix_aware": "no"}, "prefix_aware"),
         ({"checks": [{"metric": "tpot", "published_s": 0.01, "source": "s"}]}, "tolerance"),
         (
             {"checks": [{"metric": "itl", "published_s": 0.01, "tolerance": 0.1, "source": "s"}]},
@@ -326,3 +329,16 @@ def test_with_the_scheduler_step_and_config() -> None:
     scheduler.complete(first, {s: 7 for s in first.emitting}, 0.0)
     second = scheduler.schedule(1.0)  # one decode attending to the prompt and its first token
     assert p.step_s(second) == pytest.approx(p.tpot_s(1, 601))
+
+
+def test_scheduler_rules_reach_the_scheduler_and_round_trip() -> None:
+    # vllm-cpu-tiny emulates vLLM 0.32: its caching rule, no "pioneers first", and the 47
+    # blocks vLLM can use of the 48 it was started with (one is its null block).
+    p = resolve("vllm-cpu-tiny")
+    config = p.scheduler_config()
+    assert (config.cache_rule, config.prefix_aware, config.kv_blocks) == ("vllm", False, 47)
+    assert Profile.loads(dumps(p)) == p
+    # the defaults are left out of the file and read back as the defaults
+    gpu = resolve("h100-llama3-8b")
+    assert (gpu.cache_rule, gpu.prefix_aware) == ("radix", True)
+    assert "cache_rule" not in dumps(gpu) and "prefix_aware" not in dumps(gpu)

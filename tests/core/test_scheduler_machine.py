@@ -19,7 +19,7 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from radixmesh.core.scheduler import Finished, Scheduler, SchedulerConfig, Step
+from radixmesh.core.scheduler import Finished, PrefillChunk, Scheduler, SchedulerConfig, Step
 
 BASES = [tuple(range(1, 40)), tuple(range(100, 140)), tuple(range(200, 240))]
 
@@ -42,6 +42,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_overtake=st.integers(0, 3),
         prefix_aware=st.booleans(),
         big_pool=st.booleans(),
+        vllm=st.booleans(),
     )
     def setup(self, **kw: int) -> None:
         kv_blocks = 100_000 if kw["big_pool"] else kw["kv_blocks"]
@@ -52,6 +53,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             step_tokens=kw["max_running"] + kw["extra_tokens"],
             max_overtake=kw["max_overtake"],
             prefix_aware=bool(kw["prefix_aware"]),
+            cache_rule="vllm" if kw["vllm"] else "radix",
         )
         self.big = bool(kw["big_pool"])
         self.sched = Scheduler(self.cfg)
@@ -136,17 +138,23 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         waiting = set(self.order)
         for chunk in step.prefills:
-            if chunk.seq not in waiting:
-                continue
-            pos = self.order.index(chunk.seq)
-            if not self.cfg.prefix_aware:
-                assert pos == 0, "FCFS admits the head of the queue first"
-            for ahead in self.order[:pos]:
-                self.passed[ahead] += 1
-                assert self.passed[ahead] <= self.cfg.max_overtake
-            self.order.pop(pos)
-            if self.big:
-                assert chunk.start == self.reusable(self.prompts[chunk.seq])
+            if chunk.seq in waiting:
+                self.check_admitted(chunk)
+            if self.big and self.cfg.cache_rule == "vllm":  # cached when scheduled: a chunk
+                # after it in this step hits it
+                self.inserted.append(tuple(self.sched.seq_tokens(chunk.seq))[
+                    : chunk.start + chunk.tokens])
+
+    def check_admitted(self, chunk: PrefillChunk) -> None:
+        pos = self.order.index(chunk.seq)
+        if not self.cfg.prefix_aware:
+            assert pos == 0, "FCFS admits the head of the queue first"
+        for ahead in self.order[:pos]:
+            self.passed[ahead] += 1
+            assert self.passed[ahead] <= self.cfg.max_overtake
+        self.order.pop(pos)
+        if self.big:
+            assert chunk.start == self.reusable(self.prompts[chunk.seq])
 
     # ------------------------------------------------------------------ invariants
     @invariant()

@@ -24,7 +24,8 @@ cache.
 :func:`radixmesh.bench.profilefit.from_engine_points` fits the profile. Capacities cannot be
 seen from the outside with certainty: ``max_model_len`` comes from ``/v1/models`` when the
 engine reports it, the KV pool from vLLM's ``vllm:cache_config_info`` metric
-(``num_gpu_blocks``, ``block_size``) when ``/metrics`` has it; otherwise the flags' values.
+(``num_gpu_blocks`` less its null block, ``block_size``) when ``/metrics`` has it; otherwise the
+flags' values.
 Every wait is bounded by ``--timeout``.
 """
 
@@ -110,8 +111,8 @@ async def _engine_facts(session: aiohttp.ClientSession, url: str) -> dict[str, A
     info = next((ln for ln in text.splitlines() if ln.startswith("vllm:cache_config_info")), "")
     for key, name in (("num_gpu_blocks", "kv_blocks"), ("block_size", "block_size")):
         match = re.search(rf'{key}="(\d+)"', info)
-        if match:
-            facts[name] = int(match.group(1))
+        if match:  # vLLM holds one of num_gpu_blocks back as its null block (block_pool.py)
+            facts[name] = int(match.group(1)) - (name == "kv_blocks")
     return facts
 
 

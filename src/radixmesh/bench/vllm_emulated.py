@@ -121,16 +121,20 @@ def compare(real: Sequence[dict[str, Any]], emu: Sequence[dict[str, Any]]) -> di
 
 
 def calibrate(engine: VllmServer, out: Path) -> tuple[Path, str]:
-    """Fit a profile to the running engine; the file and the command."""
+    """Fit a profile to the running engine; the file and the command. The profile follows
+    vLLM's caching rules (``cache_rule = "vllm"``, no "pioneers first") and counts the KV
+    blocks vLLM can use: all but the null block (vllm/v1/core/block_pool.py)."""
     path = out / "vllm-cpu-tiny.calibrated.toml"
     vocab = json.loads((engine.model_dir / "config.json").read_text())["vocab_size"]
     argv = [sys.executable, "-m", "radixmesh", "calibrate", "--engine-url", engine.url,
             "--served-model-name", "tiny", "--vocab-size", str(vocab), *CALIBRATE,
-            "--kv-blocks", str(engine.num_blocks),
+            "--kv-blocks", str(engine.num_blocks - 1),
             "--block-size", str(engine.block_size), *SHAPE, "--name", "vllm-cpu-tiny",
             "--hardware", "vLLM 0.32 CPU on a shared 2-core x86_64 VM, 1 OpenMP thread",
             "--profile-out", str(path)]
     subprocess.run(argv, check=True, timeout=1800)
+    path.write_text(dumps(replace(Profile.load(path), cache_rule="vllm", prefix_aware=False)),
+                    encoding="utf-8")
     return path, " ".join(["radixmesh", *argv[3:]])
 
 

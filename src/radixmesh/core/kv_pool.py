@@ -24,6 +24,12 @@ sequences' blocks leave too little. Moving a sequence's computed prompt into the
 (``publish``) and committing a finished one (``release(..., commit=...)``) first return its
 private blocks, so they need no eviction: the cache gains at most the tokens they covered.
 
+``vllm=True`` follows vLLM 0.32's block pool instead (vllm/v1/core/block_pool.py): the cache
+holds one block per distinct block hash (prompts that part inside a block hold one copy of that
+block each, which the token count above misses: it counts their shared first tokens once),
+eviction spares nothing (vLLM's free queue knows no queued requests) and takes whole blocks
+from the tail of the least recently used leaf (``RadixTree.evict_blocks``), not whole leaves.
+
 Not thread-safe, no clock: ``now`` (any monotonic float) orders the cache's LRU.
 """
 
@@ -41,15 +47,18 @@ def _ceil_div(a: int, b: int) -> int:
 class KvPool:
     """The block pool: a ``PrefixCache[None]`` plus the running sequences' private blocks."""
 
-    def __init__(self, kv_blocks: int, block_size: int, seed: int) -> None:
+    def __init__(self, kv_blocks: int, block_size: int, seed: int, vllm: bool = False) -> None:
         self.kv_blocks = kv_blocks
         self.block_size = block_size
         self.cache: PrefixCache[None] = PrefixCache(kv_blocks * block_size, block_size, seed)
+        self.vllm = vllm  # count and evict blocks as vLLM does (the module docstring)
         self.private_blocks = 0
 
     # ------------------------------------------------------------------------- read-only
     @property
     def cache_blocks(self) -> int:
+        if self.vllm:
+            return self.cache.tree.cached_blocks
         return _ceil_div(self.cache.total_tokens, self.block_size)
 
     @property
@@ -63,6 +72,8 @@ class KvPool:
     @property
     def locked_blocks(self) -> int:
         """Cache blocks no eviction can free (running sequences' cached prefixes)."""
+        if self.vllm:
+            return self.cache.tree.locked_blocks
         return _ceil_div(self.cache.tree.locked_tokens, self.block_size)
 
     @property
@@ -70,6 +81,12 @@ class KvPool:
         """Blocks running sequences need: their private blocks and the cached prefixes they
         lock (vLLM's ``kv_cache_usage`` counts these; unlocked cached blocks count as free)."""
         return self.locked_blocks + self.private_blocks
+
+    @property
+    def room(self) -> int:
+        """Blocks ``grow`` could take now, evicting every unlocked cache entry (vLLM's count of
+        free blocks: its free queue holds unreferenced cached blocks too)."""
+        return self.kv_blocks - self.private_blocks - self.locked_blocks
 
     def blocks_for(self, kv_tokens: int, cached: int) -> int:
         """Private blocks of a sequence with ``kv_tokens`` KV tokens, ``cached`` shared."""
@@ -90,7 +107,7 @@ class KvPool:
         """Take ``n_blocks`` more private blocks, evicting cache entries as needed (those that
         ``spare`` would reuse last); False, with nothing taken, if they cannot be had."""
         if n_blocks > self.free_blocks:
-            if n_blocks > self.kv_blocks - self.private_blocks - self.locked_blocks:
+            if n_blocks > self.room:
                 return False  # not even evicting every unlocked entry would do (vLLM: no evict)
             self._evict(n_blocks, spare)
             if n_blocks > self.free_blocks:
@@ -132,6 +149,9 @@ class KvPool:
         self.cache.budget = (self.kv_blocks - blocks) * self.block_size
 
     def _evict(self, n_blocks: int, spare: Sequence[Sequence[int]]) -> None:
+        if self.vllm:
+            self.cache.evict_blocks(n_blocks - self.free_blocks)
+            return
         # Freeing tokens frees whole blocks only once the cache's token count drops past a block
         # boundary: aim at a token count whose block count leaves ``n_blocks`` free.
         for sparing in (spare, ()):

@@ -182,6 +182,13 @@ class PrefixCache(Generic[V]):
             for node in pinned:
                 self.tree.unlock(node)
 
+    def evict_blocks(self, n_blocks: int) -> int:
+        """Evict at least ``n_blocks`` whole blocks of unlocked entries, block by block
+        (``RadixTree.evict_blocks``: vLLM's order); returns blocks freed."""
+        evicted = self.tree.evict_blocks(n_blocks)
+        self.evicted_tokens += sum(ev.tokens for ev in evicted)
+        return sum(len(ev.hashes) for ev in evicted)
+
     def clear(self) -> int:
         """Evict every unlocked entry (removals are journaled); returns tokens freed."""
         return self._evict(self.tree.total_tokens)

@@ -51,6 +51,9 @@ File format (TOML, flat; every time in seconds)::
     step_tokens = 8192
     admission_s = 0.0          # optional (0 when absent): arrival to waiting queue, cited
     prefill_seq_s = 0.0        # optional (0 when absent): per prefill chunk in a step, cited
+    cache_rule = "vllm"        # optional ("radix" when absent): SchedulerConfig.cache_rule
+    prefix_aware = false       # optional (true when absent): "pioneers first" admission; an
+                               # engine emulating vLLM says "vllm" and false (vLLM has neither)
 
     [citations]                # field -> the published figure it came from and the arithmetic
     step_base_s = "BLIS defaults.yaml beta0 = 5753 us (H100, Llama-3.1-8B, vLLM 0.8.4)"
@@ -98,7 +101,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Protocol
 
-from radixmesh.core.step import SchedulerConfig
+from radixmesh.core.step import CACHE_RULES, SchedulerConfig
 
 COEFFICIENTS = ("step_base_s", "prefill_token_s", "prefill_attn_s", "decode_seq_s", "decode_kv_s")
 CAPACITIES = ("kv_blocks", "block_size", "context_length", "max_running", "step_tokens")
@@ -106,6 +109,9 @@ TEXTS = ("name", "hardware", "model", "source")
 METRICS = ("tpot", "ttft", "prefill_linear")
 # seconds, 0 when absent, cited when not 0
 OPTIONAL_TIMES = ("lora_load_s", "admission_s", "prefill_seq_s")
+# the scheduler's rules, optional (written when not the default)
+RULE_DEFAULTS: dict[str, object] = {"cache_rule": "radix", "prefix_aware": True}
+RULES = tuple(RULE_DEFAULTS)
 
 
 # ------------------------------------------------------------------ what step_s reads of a Step
@@ -203,6 +209,8 @@ class Profile:
     lora_load_s: float = 0.0  # loading a cold adapter stalls its step this long
     admission_s: float = 0.0  # a request's arrival to its joining the waiting queue
     prefill_seq_s: float = 0.0  # a step's cost per prefill chunk beyond its tokens
+    cache_rule: str = "radix"  # the scheduler's caching rule (SchedulerConfig.cache_rule)
+    prefix_aware: bool = True  # the scheduler's "pioneers first" admission (False: FCFS)
 
     def __post_init__(self) -> None:
         for name in COEFFICIENTS:
@@ -213,6 +221,8 @@ class Profile:
                 raise ValueError(f"{name} has no citation (citations.{name})")
         if self.lora_slots < 0:
             raise ValueError("lora_slots must be >= 0")
+        if self.cache_rule not in CACHE_RULES:
+            raise ValueError(f"cache_rule must be one of {', '.join(CACHE_RULES)}")
         for name in OPTIONAL_TIMES:
             value = getattr(self, name)
             if not 0 <= value < math.inf:
@@ -281,6 +291,8 @@ class Profile:
             "kv_blocks": self.kv_blocks,
             "max_running": self.max_running,
             "step_tokens": self.step_tokens,
+            "cache_rule": self.cache_rule,
+            "prefix_aware": self.prefix_aware,
         }
         values.update(overrides)
         return SchedulerConfig(**values)
@@ -313,7 +325,7 @@ class Profile:
             kwargs[name] = _typed(name, data[name])
         kwargs["citations"] = _citations(data.get("citations", {}))
         kwargs["checks"] = tuple(_check(c) for c in _table_list(data.get("checks", [])))
-        for name in ("lora_slots", *OPTIONAL_TIMES):
+        for name in ("lora_slots", *OPTIONAL_TIMES, *RULES):
             if name in data:
                 kwargs[name] = _typed(name, data[name])
         kwargs["adapters"] = tuple(_adapter(a) for a in _table_list(data.get("adapters", []),
@@ -341,9 +353,13 @@ def _typed(name: str, value: object) -> object:
         if not isinstance(value, str) or not value.strip():
             raise ValueError(f"{name} must be a non-empty string")
         return value
-    if name == "derived":
+    if name in ("derived", "prefix_aware"):
         if not isinstance(value, bool):
-            raise ValueError("derived must be true or false")
+            raise ValueError(f"{name} must be true or false")
+        return value
+    if name == "cache_rule":
+        if value not in CACHE_RULES:
+            raise ValueError(f"cache_rule must be one of {', '.join(CACHE_RULES)}, got {value!r}")
         return value
     if name in (*CAPACITIES, "lora_slots"):
         if isinstance(value, bool) or not isinstance(value, int):
@@ -405,6 +421,8 @@ def dumps(profile: Profile) -> str:
     lines += [f"{key} = {_value(data[key])}" for key in CAPACITIES]
     lines += [f"{key} = {_value(data[key])}" for key in ("lora_slots", *OPTIONAL_TIMES)
               if data[key]]
+    lines += [f"{key} = {_value(data[key])}" for key in RULES
+              if data[key] != RULE_DEFAULTS[key]]
     lines += ["", "[citations]"]
     lines += [f"{key} = {_value(text)}" for key, text in data["citations"].items()]
     for check in data["checks"]:

@@ -48,7 +48,8 @@ MakeValue = Callable[[int, int], V]
 class TreeNode(Generic[V]):
     """One node; ``start`` is the absolute position of the first token of ``key``."""
 
-    __slots__ = ("children", "hashes", "key", "last_access", "lock_ref", "parent", "start", "value")
+    __slots__ = ("children", "hashes", "key", "last_access", "lock_ref", "parent", "start",
+                 "touched", "value")
 
     def __init__(
         self, key: tuple[int, ...], start: int, parent: TreeNode[V] | None, value: V | None
@@ -60,6 +61,7 @@ class TreeNode(Generic[V]):
         self.children: dict[int, TreeNode[V]] = {}
         self.lock_ref = 0
         self.last_access = 0.0
+        self.touched = 0  # order of the last touch (ties of last_access: evict_blocks)
         self.hashes: list[int] = []
 
     @property
@@ -110,10 +112,12 @@ class RadixTree(Generic[V]):
         self.root.lock_ref = 1  # the root is never evicted
         self.total_tokens = 0
         self.locked_tokens = 0
+        self.locked_blocks = 0  # whole blocks ending in locked nodes (len of their hashes)
         self._hash_set: set[int] = set()
         self._added: list[int] = []
         self._removed: list[int] = []
         self._tick = itertools.count()
+        self._touches = itertools.count(1)
 
     # ----------------------------------------------------------------------------- queries
     @property
@@ -146,6 +150,12 @@ class RadixTree(Generic[V]):
 
     def block_hashes(self) -> frozenset[int]:
         return frozenset(self._hash_set)
+
+    @property
+    def cached_blocks(self) -> int:
+        """Whole blocks cached: one per distinct block hash (two prompts sharing a block's
+        first tokens only hold two blocks, as a paged KV cache does)."""
+        return len(self._hash_set)
 
     def drain_delta(self) -> tuple[list[int], list[int]]:
         """Block hashes added and removed since the previous call: exactly the set difference
@@ -212,6 +222,7 @@ class RadixTree(Generic[V]):
         while cur is not None and cur is not self.root:
             if cur.lock_ref == 0:
                 self.locked_tokens += len(cur.key)
+                self.locked_blocks += len(cur.hashes)
             cur.lock_ref += 1
             cur = cur.parent
 
@@ -223,6 +234,7 @@ class RadixTree(Generic[V]):
             cur.lock_ref -= 1
             if cur.lock_ref == 0:
                 self.locked_tokens -= len(cur.key)
+                self.locked_blocks -= len(cur.hashes)
             cur = cur.parent
 
     def evict(self, n_tokens: int) -> list[Evicted[V]]:
@@ -238,6 +250,34 @@ class RadixTree(Generic[V]):
             parent = leaf.parent
             if parent is not None and parent is not self.root and self._evictable(parent):
                 heapq.heappush(heap, (parent.last_access, next(self._tick), parent))
+        return out
+
+    def evict_blocks(self, n_blocks: int) -> list[Evicted[V]]:
+        """Evict whole blocks until ``n_blocks`` are freed (or none left): the least recently
+        used unlocked leaf (ties by the order of touches) loses its tail blocks, as many as
+        still needed, and keeps its place. This is vLLM's free queue, where a finished
+        request's blocks are queued tail first after those freed before it
+        (vllm/v1/core/single_type_kv_cache_manager.py ``free``) and taken one at a time
+        (vllm/v1/core/block_pool.py ``get_new_blocks``). For trees of whole blocks (an insert's
+        end on a block boundary, as ``core/kv_pool.py`` inserts)."""
+        heap = [(leaf.last_access, leaf.touched, next(self._tick), leaf)
+                for leaf in self._evictable_leaves()]
+        heapq.heapify(heap)
+        out: list[Evicted[V]] = []
+        freed = 0
+        while freed < n_blocks and heap:
+            *_, leaf = heapq.heappop(heap)
+            cut = leaf.end // self.block_size * self.block_size
+            cut -= (n_blocks - freed) * self.block_size
+            if cut > leaf.start and len(leaf.hashes) > n_blocks - freed:
+                upper = self._split(leaf, cut - leaf.start)
+                heapq.heappush(heap, (upper.last_access, upper.touched, next(self._tick), upper))
+            out.append(self._remove_leaf(leaf))
+            freed += len(out[-1].hashes)
+            parent = leaf.parent
+            if parent is not None and parent is not self.root and self._evictable(parent):
+                heapq.heappush(heap, (parent.last_access, parent.touched, next(self._tick),
+                                      parent))
         return out
 
     # ----------------------------------------------------------------------------- helpers
@@ -268,6 +308,7 @@ class RadixTree(Generic[V]):
         cur: TreeNode[V] | None = node
         while cur is not None:
             cur.last_access = now
+            cur.touched = next(self._touches)
             cur = cur.parent
 
     def _assign_hashes(self, node: TreeNode[V], hashes: Sequence[int]) -> None:
@@ -291,6 +332,7 @@ class RadixTree(Generic[V]):
         upper: TreeNode[V] = TreeNode(node.key[:at], node.start, parent, upper_value)
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
+        upper.touched = node.touched
         boundary = node.start + at
         n_upper = boundary // self.block_size - node.start // self.block_size
         upper.hashes, node.hashes = node.hashes[:n_upper], node.hashes[n_upper:]

@@ -29,9 +29,20 @@ recomputes prompt + outputs as its prompt). A sequence preempting itself leaves 
 
 ``complete`` applies the step: each emitting sequence (decodes and last chunks) gets its token;
 a sequence finishes at ``max_tokens`` outputs ("length") or when listed in ``stop``. When a
-prompt's prefill completes its whole blocks enter the prefix cache at once (vLLM caches computed
-full blocks), so followers hit while the pioneer decodes; a finished sequence commits prompt +
+prompt's prefill completes its whole blocks enter the prefix cache at once, so followers hit
+while the pioneer decodes; a finished sequence commits prompt +
 output[:-1] (the last token's KV was never computed).
+
+``cache_rule="vllm"`` (an engine emulating vLLM 0.32; read from its source, vllm/v1/core/):
+a chunk's whole blocks enter the cache when it is *scheduled* (``kv_cache_manager.py``
+``allocate_slots`` -> ``cache_blocks``), so a request admitted later in the same step hits them
+(each layer writes the step's KV before its attention reads it); a request is admitted only if
+its whole prompt fits (``scheduler_reserve_full_isl``, on by default); the pool counts distinct
+blocks and evicts block by block, the least recently freed first and a request's tail before its
+head, sparing nothing (``block_pool.py``, ``single_type_kv_cache_manager.py`` ``free``); a block
+computed again though cached stays the sequence's own; a preempted request reports its first
+admission's hit (``sched/scheduler.py``: ``prefill_stats``). vLLM has no "pioneers first": its
+profiles also say ``prefix_aware=False``.
 
 Prefix-aware admission ("pioneers first", as SGLang's in-batch prefix caching in
 python/sglang/srt/managers/schedule_policy.py deprioritises a waiting request whose prefix an
@@ -92,7 +103,8 @@ class Scheduler(DecodeRuns):
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self._pool = KvPool(config.kv_blocks, config.block_size, config.hash_seed)
+        self._vllm = config.cache_rule == "vllm"
+        self._pool = KvPool(config.kv_blocks, config.block_size, config.hash_seed, self._vllm)
         self.cache: PrefixCache[None] = self._pool.cache  # read it only
         self._seqs: dict[SeqId, SeqState] = {}
         self._waiting: deque[SeqState] = deque()
@@ -100,6 +112,8 @@ class Scheduler(DecodeRuns):
         self._prefilling: Counter[int] = Counter()  # block hashes of prefilling sequences
         self._heads = NamespaceHeads(config.block_size, config.hash_seed)
         self._pending: Step | None = None
+        self._copies: dict[SeqId, int] = {}  # cache_rule "vllm": blocks a sequence computed
+        # again although cached (vLLM keeps such a copy as the sequence's own block)
         self.prefill_tokens_computed = 0
         self.cached_tokens_hit = 0
         self.preemptions = 0
@@ -211,6 +225,7 @@ class Scheduler(DecodeRuns):
             else:
                 prefills.append(PrefillChunk(s.id, s.computed, n, s.computed + n == len(s.tokens)))
                 budget -= n
+                self._cache_scheduled(s, s.computed + n, now)
             i += 1
         if not preempted:
             self._admit(budget, prefills, now)
@@ -271,14 +286,14 @@ class Scheduler(DecodeRuns):
         return True
 
     def _spare(self) -> list[list[int]]:
-        return [w.tokens for w in islice(self._waiting, WINDOW)]
+        return [] if self._vllm else [w.tokens for w in islice(self._waiting, WINDOW)]
 
     def _admit(self, budget: int, prefills: list[PrefillChunk], now: float) -> None:
         """Admit from the first ``WINDOW`` waiting requests in order, skipping deferred ones;
         each admission counts against every skipped one ahead of it, and once one of them has
         been passed ``max_overtake`` times the scan restarts at it (it is no longer deferred)."""
         window = deque(self._waiting.popleft() for _ in range(min(WINDOW, len(self._waiting))))
-        spare = [w.tokens for w in window]
+        spare = [] if self._vllm else [w.tokens for w in window]
         skipped: list[SeqState] = []
         while window and budget > 0 and len(self._running) < self.config.max_running:
             c = window.popleft()
@@ -318,14 +333,18 @@ class Scheduler(DecodeRuns):
         cached = lease.cached
         n = min(len(c.tokens) - cached, budget)
         need = self._pool.blocks_for(cached + n, cached)
-        if not self._pool.grow(need, spare):
+        whole = self._pool.blocks_for(len(c.tokens), cached) if self._vllm else need
+        if whole > self._pool.room or not self._pool.grow(need, spare):
             self.cache.release(lease)
             return None
-        c.lease, c.cached, c.hit, c.computed, c.private = lease, cached, cached, cached, need
+        c.lease, c.cached, c.computed, c.private = lease, cached, cached, need
+        if not (self._vllm and c.preemptions):  # vLLM reports a request's first admission's
+            c.hit = cached  # hit (vllm/v1/core/sched/scheduler.py: prefill_stats)
         c.admitted_at, c.overtaken = now, 0
         self._running.append(c)
         self._prefilling.update(c.hashes)
         self.cached_tokens_hit += cached
+        self._cache_scheduled(c, cached + n, now)
         return PrefillChunk(c.id, cached, n, cached + n == len(c.tokens))
 
     def _prefill_done(self, s: SeqState, now: float) -> None:
@@ -338,6 +357,24 @@ class Scheduler(DecodeRuns):
         s.private = self._pool.blocks_for(s.computed, s.cached)
         if not self._pool.grow(s.private, ()):
             raise RuntimeError("KV pool accounting broke while caching a prompt")
+
+    def _cache_scheduled(self, s: SeqState, kv_tokens: int, now: float) -> None:
+        """``cache_rule="vllm"``: the whole blocks of the first ``kv_tokens`` tokens enter the
+        cache as soon as the chunk computing them is scheduled (its KV is written before any
+        attention of the step reads it), locked for ``s``; its private blocks shrink to the
+        partial last block."""
+        if not self._vllm or kv_tokens < s.cached + self.config.block_size:
+            return
+        assert s.lease is not None
+        bs = self.config.block_size
+        there = min(self._pool.cache.match(s.tokens[:kv_tokens]), kv_tokens) // bs * bs
+        copies = max(there - s.cached, 0) // bs  # computed again, cached already
+        s.lease = self._pool.publish(s.lease, s.tokens[:kv_tokens], s.private, now)
+        s.cached = s.lease.cached
+        s.private = self._pool.blocks_for(kv_tokens, s.cached)
+        self._copies[s.id] = self._copies.get(s.id, 0) + copies
+        if not self._pool.grow(s.private + copies, ()):
+            raise RuntimeError("KV pool accounting broke while caching a scheduled chunk")
 
     def _unmark_prefilling(self, s: SeqState) -> None:
         if not s.prefilled:
@@ -368,7 +405,7 @@ class Scheduler(DecodeRuns):
         """Recompute preemption: free its KV, keep its outputs, back to the front of waiting."""
         self._unmark_prefilling(s)
         assert s.lease is not None
-        self._pool.release(s.lease, s.private, None, 0.0)
+        self._pool.release(s.lease, s.private + self._copies.pop(s.id, 0), None, 0.0)
         s.lease, s.private, s.computed, s.cached, s.prefilled = None, 0, 0, 0, False
         s.preemptions += 1
         s.overtaken = 0
@@ -381,7 +418,7 @@ class Scheduler(DecodeRuns):
         assert s.lease is not None
         self._unmark_prefilling(s)
         commit = None if reason == "abort" else s.tokens[: s.computed]
-        self._pool.release(s.lease, s.private, commit, now)
+        self._pool.release(s.lease, s.private + self._copies.pop(s.id, 0), commit, now)
         s.lease, s.private = None, 0
         self._running.remove(s)
         del self._seqs[s.id]

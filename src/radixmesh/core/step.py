@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from radixmesh.core.prefix_cache import Lease
 
 SeqId = int
+CACHE_RULES = ("radix", "vllm")  # SchedulerConfig.cache_rule
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +26,12 @@ class SchedulerConfig:
     max_overtake: int = 8  # K: the most admissions that may pass a waiting request
     prefix_aware: bool = True  # "pioneers first"; False = plain FCFS admission
     hash_seed: int = 0  # seed of the prefix cache's chained block hashes
+    # "radix": a prompt's blocks are cached when its prefill completes; eviction takes whole
+    # LRU leaves, sparing queued requests' prefixes. "vllm": vLLM 0.32's rule (an engine that
+    # emulates vLLM): a chunk's whole blocks are cached when it is scheduled, so a request
+    # admitted later in the same step hits them; eviction takes LRU blocks, tail first, and
+    # spares nothing (core/scheduler.py's docstring cites the source)
+    cache_rule: str = "radix"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "kv_blocks", "max_running", "step_tokens"):
@@ -41,6 +48,9 @@ class SchedulerConfig:
             raise ValueError(f"prefix_aware must be a bool, got {self.prefix_aware!r}")
         if isinstance(self.hash_seed, bool) or not isinstance(self.hash_seed, int):
             raise ValueError(f"hash_seed must be an integer, got {self.hash_seed!r}")
+        if self.cache_rule not in CACHE_RULES:
+            raise ValueError(f"cache_rule must be one of {', '.join(CACHE_RULES)}, "
+                             f"got {self.cache_rule!r}")
 
 
 @dataclass(frozen=True, slots=True)
