@@ -623,8 +623,7 @@ def test_rent_spent_forwarding_to_a_holder_buys_a_local_copy_in_the_end() -> Non
         if head.is_self:
             assert head.placement is Tag.LOCAL_COPY
             break
-    # (a burst at one instant: its rate, over the rentals' span floor, buys after a few)
-    assert heads[0] == "n2" and heads[-1] == "n0" and len(heads) > 3
+    assert heads[0] == "n2" and heads[-1] == "n0" and len(heads) > 10
 
 
 def test_the_waits_rented_forwards_met_at_the_holder_count_as_rent() -> None:
@@ -656,7 +655,7 @@ def test_the_waits_rented_forwards_met_at_the_holder_count_as_rent() -> None:
 
     idle = forwards_until_bought(*setup(), 0.0)
     busy = forwards_until_bought(*setup(), 0.1)
-    assert 1 <= busy <= 5 and idle > busy  # (the rentals to come shorten both)
+    assert 1 <= busy <= 5 and idle >= 3 * busy  # (the rentals to come shorten both)
 
     c, chain = setup()
     # this node busy (its own queue: four cold prompts), the holder's forwards wait nothing

@@ -9,10 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixmesh.core.load_estimates import decayed_span
 from radixmesh.core.placement import (
     MAX_WALK,
-    RENT_MIN_SPAN,
     KeyRates,
     Ring,
     placement_depth,
@@ -157,43 +155,3 @@ def test_key_rates_follow_the_traffic_and_forget_a_cold_prefix() -> None:
     for key in range(20):
         small.add(key, float(key))
     assert len(small) <= 8 and small.rate(19, 19.0) > 0  # bounded; the recent ones kept
-
-
-@settings(max_examples=200, deadline=None)
-@given(times=st.lists(st.floats(0.0, 30.0), min_size=1, max_size=20),
-       floor=st.floats(1e-3, 1.0), after=st.floats(0.0, 30.0))  # fmt: skip
-def test_a_key_rate_under_another_span_floor_is_the_count_over_that_span(
-    times: list[float], floor: float, after: float
-) -> None:
-    """``confident_rate(key, now, min_span)``: the same decayed count less its standard
-    deviation, over the span with that floor instead of the counter's; a lower floor never
-    lowers the rate, and past both floors the two agree."""
-    rates = KeyRates(window_s=10.0)
-    times = sorted(times)
-    for t in times:
-        rates.add(7, t)
-    now = times[-1] + after
-    n = rates.total(7, now)
-    span = decayed_span(10.0, now - times[0], floor)
-    assert rates.confident_rate(7, now, floor) == pytest.approx(max(0.0, n - math.sqrt(n)) / span)
-    assert rates.confident_rate(7, now) == rates.confident_rate(7, now, rates.min_span)
-    if floor <= rates.min_span:
-        assert rates.confident_rate(7, now, floor) >= rates.confident_rate(7, now) * (1 - 1e-12)
-    if now - times[0] >= 10.0 * max(floor, rates.min_span):
-        assert rates.confident_rate(7, now, floor) == pytest.approx(rates.confident_rate(7, now))
-
-
-def test_the_rentals_to_come_see_a_fresh_nodes_steady_prompt_at_its_second_request() -> None:
-    """Issue #52's numbers: 16 H100s at 148 req/s, an entry sees the agents' tool prompt
-    every 0.108 s; renting it costs a ~4 ms round trip, a copy ~40 ms. Under the replica
-    floor (a quarter window) its second and third requests say under 1 req/s: the rentals
-    to come (rate x 10 s x round trip) stay under the copy's price for 2-5 requests, and
-    the cold copy falls after the warm-up. Under ``RENT_MIN_SPAN`` the second request buys."""
-    rates = KeyRates(window_s=10.0)
-    rates.add(1, 0.0)
-    assert rates.confident_rate(1, 0.0, RENT_MIN_SPAN) == 0.0  # seen once: no evidence
-    rates.add(1, 0.108)
-    to_come = 10.0 * 0.004
-    assert rates.confident_rate(1, 0.108) * to_come < 0.04
-    assert rates.confident_rate(1, 0.108, RENT_MIN_SPAN) * to_come >= 0.04
-    assert rates.confident_rate(1, 0.108, RENT_MIN_SPAN) < 9.3  # never above the true rate

@@ -748,34 +748,3 @@ def test_a_request_this_node_cannot_keep_falls_back_to_a_near_peer_before_a_far_
     far = NodeInfo("far", False, 0, 0.12, 0, speed)
     near = NodeInfo("near", False, 0, 0.002, 3, speed, utilization=0.9)
     assert rank(Policy.COST, RouteInput(1000, 1), [here, far, near]) == ["self", "near", "far"]
-
-
-@settings(max_examples=200, deadline=None)
-@given(extra=st.integers(1, 2000), frac=st.floats(0.0, 0.9))
-def test_a_holder_is_preferred_for_what_it_holds_only_past_the_holder_margin(
-    extra: int, frac: float
-) -> None:
-    """Issue #52's agentic shape: every node holds the 2,288-token tool prompt, a peer holds
-    ``extra`` tokens of this task's scratchpad too. It counts as holding more (the placement
-    may send the request there up to ``placement_slack`` slower) exactly when that saves at
-    least ``holder_gain_frac`` of the work here (a reference: the two services' difference),
-    and a higher margin never prefers it more."""
-    from radixmesh.core.cost_policy import CostPolicy  # the rule itself, not a whole ranking
-
-    req = RouteInput(4400, 8)
-    here, holder = me(2288), peer("h", 2288 + extra, rtt=0.004)
-    scale = RouterConfig().context_scale
-    work = predict_service(req, here, scale)
-    saved = work - predict_service(req, replace(here, cached_tokens=2288 + extra), scale)
-    policy = CostPolicy(RouterConfig(holder_gain_frac=frac))
-    holds_more = policy._holds_more(req, holder, here)
-    assert holds_more is (saved >= max(RouterConfig().min_gain_s, frac * work))
-    if holds_more and frac > 0.1:
-        assert CostPolicy(RouterConfig(holder_gain_frac=0.1))._holds_more(req, holder, here)
-
-
-def test_holder_gain_frac_is_checked() -> None:
-    with pytest.raises(ValueError, match="holder_gain_frac"):
-        RouterConfig(holder_gain_frac=1.0)
-    with pytest.raises(ValueError, match="holder_gain_frac"):
-        RouterConfig(holder_gain_frac=-0.1)

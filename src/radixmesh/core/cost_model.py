@@ -92,9 +92,8 @@ class Placement:
     # trips and the waits they met beyond its own): when it reaches what a copy here costs
     # more than a forward now, a copy is made here instead
     rent_s: float = 0.0
-    # the prefix's request rate at this node (``KeyRates.confident_rate`` with the span
-    # floor ``placement.RENT_MIN_SPAN``, requests/s): the rentals still to come if no copy
-    # is made here (ski rental with a known rate)
+    # the prefix's request rate at this node (``KeyRates.confident_rate``, requests/s): the
+    # rentals still to come if no copy is made here (ski rental with a known rate)
     rate_hz: float = 0.0
 
 

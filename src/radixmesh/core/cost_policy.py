@@ -388,14 +388,11 @@ class CostPolicy:
         scale = self.config.context_scale
         there = predict_service(req, than, scale)
         saved = there - predict_service(req, with_cached(than, node.cached_tokens), scale)
-        return saved >= self._needed(there, self.config.holder_gain_frac)
+        return saved >= self._needed(there)
 
-    def _needed(self, work_s: float, frac: float | None = None) -> float:
-        """The least a forward must save over staying, for local work ``work_s``: a share
-        ``frac`` of it (``min_gain_frac`` unless given; ``holder_gain_frac`` for a holder or
-        owner preferred for what it would hold)."""
-        share = self.config.min_gain_frac if frac is None else frac
-        return max(self.config.min_gain_s, share * work_s)
+    def _needed(self, work_s: float) -> float:
+        """The least a forward must save over staying, for local work ``work_s``."""
+        return max(self.config.min_gain_s, self.config.min_gain_frac * work_s)
 
     def _preferred(
         self, req: RouteInput, node: NodeInfo, me: NodeInfo, placement: Placement
@@ -421,7 +418,7 @@ class CostPolicy:
         here = predict_service(req, with_cached(node, me.cached_tokens), scale)
         there = predict_service(req, with_cached(node, copy), scale)
         net = here - there - node.rtt_s - node.wait_error_s  # what a later forward gains
-        return net >= max(self._needed(here, self.config.holder_gain_frac), node.rtt_s)
+        return net >= max(self._needed(here), node.rtt_s)
 
     def _far_and_slower(self, n: NodeInfo, me: NodeInfo, parts: dict[str, Priced]) -> bool:
         """Whether ``n`` is a peer whose round trip alone is longer than the request's TTFT

@@ -60,12 +60,6 @@ POINTS_PER_MEMBER = 64  # virtual points of each member on the ring (spread with
 MAX_RING_POINTS = 4096  # ... fewer per member in large meshes (a ring per node: memory, CPU)
 MIN_POINTS_PER_MEMBER = 4
 MAX_WALK = 8  # members tried clockwise past an unavailable owner
-# the span floor (in windows) of a key's rate as the rentals to come use it (``Placer``):
-# a node's first seconds, not a quarter window, so a prompt every request here carries is
-# bought at its second or third request (issue #52: 16 H100s, agentic at 148 req/s, the
-# whole 3 s run inside the quarter-window floor; every entry rented the tool prompt 2-5
-# times, then prefilled it cold after the warm-up: 1.11x `none`, p99 1.7x)
-RENT_MIN_SPAN = 0.02
 _MASK = (1 << 64) - 1
 
 
@@ -229,26 +223,23 @@ class KeyRates(KeySums):
             self._since = now
         super().add(key, now, amount)
 
-    def span_s(self, now: float, min_span: float | None = None) -> float:
+    def span_s(self, now: float) -> float:
         """The seconds of traffic a decayed count covers: ``window`` × (1 - exp(-t / window)),
-        ``t`` the time observed (at least ``min_span`` windows, this counter's by default)."""
+        ``t`` the time observed (at least ``min_span`` windows)."""
         observed = 0.0 if self._since is None else now - self._since
-        return decayed_span(self.window_s, observed,
-                            self.min_span if min_span is None else min_span)  # fmt: skip
+        return decayed_span(self.window_s, observed, self.min_span)
 
     def rate(self, key: int, now: float) -> float:
         """The key's requests per second here (0: never seen, or long cold)."""
         return self.total(key, now) / self.span_s(now)
 
-    def confident_rate(self, key: int, now: float, min_span: float | None = None) -> float:
+    def confident_rate(self, key: int, now: float) -> float:
         """The key's rate less one standard deviation of its count (a Poisson count ``n`` is
         known to about ±√n): what replicas are sized by. A prefix seen once or twice in a
         window is no evidence of a hot one. With the plain rate, one request in the window
         made a key look hot as soon as a warm request took more than ``replica_load`` ×
         window / members (1.25 s on 4 nodes): on the real cluster with 4 and 16 clients,
         where 16 node processes share 2 cores and a warm MMLU request took 1-2 s, 17-25 of
-        500 requests made `replica` copies of subjects with a few requests a minute.
-        ``min_span``: another floor on the span than this counter's (``RENT_MIN_SPAN``, for
-        the rentals to come, where an over-estimate costs one copy here, not a herd)."""
+        500 requests made `replica` copies of subjects with a few requests a minute."""
         n = self.total(key, now)
-        return max(0.0, n - math.sqrt(n)) / self.span_s(now, min_span)
+        return max(0.0, n - math.sqrt(n)) / self.span_s(now)

@@ -37,14 +37,7 @@ from radixmesh.core.cost_model import (
 from radixmesh.core.gossip import Gossiper
 from radixmesh.core.peer_loads import PeerLoads
 from radixmesh.core.peerview import PeerView
-from radixmesh.core.placement import (
-    RENT_MIN_SPAN,
-    KeyRates,
-    KeySums,
-    Ring,
-    placement_depth,
-    replicas_for,
-)
+from radixmesh.core.placement import KeyRates, KeySums, Ring, placement_depth, replicas_for
 
 ROUTE_TOP_K = 8  # deepest-matching available peers considered per request
 SHARED_CHECK_MAX = 32  # members: up to this many, a request's prefix common to all is found
@@ -93,8 +86,7 @@ class Placer:
         if len(owners) > 1:
             owners = self._owners_needed(owners, nodes, now)
         self._add_missing(owners, hashes, req, nodes, now)
-        rent_rate = self._key_rates.confident_rate(key, now, RENT_MIN_SPAN)
-        return Placement(tuple(owners), held, self._key_rent.total(key, now), rent_rate), key
+        return Placement(tuple(owners), held, self._key_rent.total(key, now), rate), key
 
     def _replicas(self, rate: float, held: int, req: RouteInput, nodes: list[NodeInfo]) -> int:
         """How many owners the key's load here says it needs: its (confident) ``rate`` here

@@ -34,12 +34,6 @@ class RouterConfig:
     policy: Policy = Policy.COST
     min_gain_s: float = 0.001  # a forward must be predicted to save at least this (seconds)
     min_gain_frac: float = 0.1  # ... and at least this fraction of the local prediction
-    # cost: a holder (or owner) is preferred for holding more of the request only when that
-    # saves at least this fraction of the work (``min_gain_frac`` for the plain ranking): a
-    # peer's predicted TTFT is under by a median 18-22 % on the emulated 16-H100 mesh
-    # (issue #52: at 0.1, light agentic load sent 25-30 % of requests to their scratchpad's
-    # holder for a few hundred tokens, and each met 1-2 ms more than staying)
-    holder_gain_frac: float = 0.25
     context_scale: float = 4096.0  # see estimators.prefill_work
     load_bound: float | None = 0.5  # cost: no forwards to peers above (1+x) × mean utilization
     load_window_s: float = 10.0  # utilization is measured over about this many seconds
@@ -85,8 +79,6 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.min_gain_s < 0 or not 0 <= self.min_gain_frac < 1:
             raise ValueError("min_gain_s must be >= 0 and min_gain_frac in [0, 1)")
-        if not 0 <= self.holder_gain_frac < 1:
-            raise ValueError("holder_gain_frac must be in [0, 1)")
         if self.load_bound is not None and self.load_bound < 0:
             raise ValueError("load_bound must be >= 0 (or None to disable)")
         if self.placement_depth_blocks is not None and self.placement_depth_blocks < 1:
