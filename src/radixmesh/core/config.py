@@ -13,6 +13,7 @@ from typing import Any
 from radixmesh.core.adapters import Adapter
 from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.estimators import CostPriors
+from radixmesh.core.messages import HEARTBEAT_MAX_S, HEARTBEAT_MIN_S
 from radixmesh.core.router_config import RouterConfig
 from radixmesh.core.sessions import SessionConfig
 from radixmesh.core.units import parse_choice
@@ -200,8 +201,10 @@ class ForwardConfig:
 
     @property
     def heartbeat_s(self) -> float:
-        """How often a serving peer sends a heartbeat: four per silence timeout."""
-        return max(self.silence_timeout_s / 4, 0.01)
+        """How often a serving peer sends a heartbeat: four per silence timeout, within the
+        range a ``ForwardRequest`` carries ([0.01, 60] s; a silence timeout over 240 s, as a
+        benchmark's ``--time-scale`` stretches it, still beats every minute)."""
+        return min(max(self.silence_timeout_s / 4, HEARTBEAT_MIN_S), HEARTBEAT_MAX_S)
 
 
 @dataclass(frozen=True, slots=True)

@@ -195,6 +195,9 @@ def _check_ids(ids: tuple[int, ...], what: str) -> None:
              f"{what}: token ids must be in [0, 2**32)")
 
 
+HEARTBEAT_MIN_S, HEARTBEAT_MAX_S = 0.01, 60.0  # a forward's heartbeat period, seconds
+
+
 @dataclass(frozen=True, slots=True)
 class ForwardRequest:
     """A request forwarded for execution on the receiver (never routed again)."""
@@ -221,7 +224,8 @@ class ForwardRequest:
         _require(_in_range(self.temperature, 0.0, math.inf), "temperature must be finite, >= 0")
         _require(_in_range(self.top_p, 0.0, 1.0) and self.top_p > 0, "top_p must be in (0, 1]")
         _require(self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, "seed out of range")
-        _require(_in_range(self.heartbeat_s, 0.01, 60.0), "heartbeat_s must be in [0.01, 60]")
+        _require(_in_range(self.heartbeat_s, HEARTBEAT_MIN_S, HEARTBEAT_MAX_S),
+                 "heartbeat_s must be in [0.01, 60]")
         _require(self.beat_s is None or _in_range(self.beat_s, -3600.0, 3600.0),
                  "beat_s must be in [-3600, 3600]")
         _require(self.session is None or 0 <= self.session < 2**64, "session must be a u64")
