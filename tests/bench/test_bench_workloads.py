@@ -20,6 +20,7 @@ import pytest
 
 from radixmesh.bench import plan, replay
 from radixmesh.bench import runner as runner_mod
+from radixmesh.bench.emulated import PLANNED, planned_capacity
 from radixmesh.bench.replay import CapacityProbe, mode_of
 from radixmesh.bench.runner import GATEWAYS, Runner, RunResult, batches, summary_entry
 from radixmesh.bench.sglang import SglangRouter
@@ -27,7 +28,10 @@ from radixmesh.bench.smg import Smg
 from radixmesh.bench.spec import ALL_POLICIES, RunSpec
 from radixmesh.core.config import GossipConfig
 from radixmesh.results.records import Record
+from radixmesh.sim.sweep import capacity_rate, mean_prompt_tokens, profile_costs
+from radixmesh.sim.tokens import TOKENIZERS
 from radixmesh.workload import Request, WorkloadSpec, agentic
+from radixmesh.workload.build import build
 from radixmesh.workload.schedule import Entry
 from test_cli_flags import command_args
 
@@ -148,6 +152,33 @@ def test_capacity_probe_times_the_batch_at_a_fraction_of_none_capacity(
     probe2 = CapacityProbe(probe_reqs, clients=4, load=0.8)
     virtual_loop.run_until_complete(probe2.apply(None, [(cost, reqs)]))  # type: ignore[arg-type]
     assert probe2.basis == "median"
+
+
+def test_an_emulated_mesh_is_timed_at_its_planned_capacity_without_a_probe(
+    virtual_loop: asyncio.AbstractEventLoop,
+) -> None:
+    # batching engines: the planned capacity is the basis, no probe request is sent
+    none = _StubReplay("none", 0.05)
+    reqs = [Request(id=f"r{i}", prompt="y") for i in range(40)]
+    probe = CapacityProbe([Request(id="p", prompt="x")], clients=4, load=0.8, planned=1000.0)
+    ((_, timed),) = virtual_loop.run_until_complete(
+        probe.apply(None, [(none, reqs)]))  # type: ignore[arg-type]
+    assert none.calls == [] and probe.throughput == {}
+    assert (probe.basis, probe.capacity_rps, probe.rate) == (PLANNED, 1000.0, 800.0)
+    assert all(r.t is not None for r in timed)
+
+
+def test_the_planned_capacity_is_the_simulators(tmp_path: Any) -> None:
+    """bench's --load on an emulated mesh and sim's --load are one fraction of one figure."""
+    reqs = build(WorkloadSpec(kind="rag", requests=60, seed=3), 4)
+    tokenize, _ = TOKENIZERS["bytes"]()
+    node_costs = profile_costs("h100-llama3-8b:1,a10g-llama3-8b:3", 4)
+    want = capacity_rate(node_costs[0], 4, mean_prompt_tokens(reqs, tokenize),
+                         reqs[0].max_tokens, None, node_costs)
+    assert planned_capacity("h100-llama3-8b:1,a10g-llama3-8b:3", 4, reqs) == want
+    one = planned_capacity("a10g-llama3-8b", 1, reqs)
+    assert want == pytest.approx(4 * one)  # mixed: what none's even spread sustains
+    assert planned_capacity("h100-llama3-8b", 4, reqs) > want
 
 
 def test_runner_plans_a_probe_workload_under_another_seed(tmp_path: Any) -> None:

@@ -155,8 +155,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:  # long: an argument tabl
         "--load",
         type=_list(_fraction),
         default=None,
-        help="open-loop Poisson at these fractions of the capacity measured first in the same "
-        "run (a short saturating closed loop on the same clusters), e.g. 0.5,0.8 or 50%%,80%%",
+        help="open-loop Poisson at these fractions of the capacity, e.g. 0.5,0.8 or 50%%,80%%: "
+        "measured first in the same run (a short saturating closed loop on the same clusters), "
+        "or with --engine emulated the engines' planned capacity, as radixmesh sim plans it",
     )
     g.add_argument(
         "--arrivals",

@@ -31,9 +31,13 @@ from collections.abc import Sequence
 
 from radixmesh.core.profile import resolve
 from radixmesh.core.profile_mix import parse_profiles
+from radixmesh.workload.request import Request
 
 BYTES = "bytes"  # the node's and the engines' tokenizer
-__all__ = ["BYTES", "context_length", "engine_options", "parse_profiles"]  # the parser: core
+PLANNED = "planned from the engines' profiles"  # the capacity basis of --load (CapacityProbe)
+__all__ = [
+    "BYTES", "PLANNED", "context_length", "engine_options", "parse_profiles", "planned_capacity",
+]
 
 
 def engine_options(profile: str, ports: Sequence[int], time_scale: float) -> dict[str, object]:
@@ -59,3 +63,19 @@ def context_length(profiles: Sequence[str]) -> int:
     """The shortest context among the mesh's engines (a prompt must fit any of them)."""
     return min(resolve(p).context_length for p in set(profiles))
 
+
+def planned_capacity(profiles: str, nodes: int, requests: Sequence[Request]) -> float:
+    """Requests/s the mesh's engines sustain by their profiles, unscaled: what ``--load``
+    is a fraction of on an emulated mesh, the simulator's figure (``sim.sweep.capacity_rate``:
+    each engine's largest batch within the TPOT SLO, 85 % of a typical prompt cached; under
+    mixed hardware what ``none``'s even spread sustains), so that ``bench`` and ``sim`` mean
+    one load. A closed-loop probe cannot measure it here: one client per node leaves a
+    batching engine nearly idle (16 clients measured 186 req/s where 16 H100s plan 1,067)."""
+    from radixmesh.sim.sweep import capacity_rate, mean_prompt_tokens, profile_costs
+    from radixmesh.sim.tokens import TOKENIZERS
+
+    costs = profile_costs(profiles, nodes)
+    tokenize, _ = TOKENIZERS[BYTES]()
+    reqs = list(requests)
+    prompt = mean_prompt_tokens(reqs, tokenize)
+    return capacity_rate(costs[0], nodes, prompt, reqs[0].max_tokens, None, costs)

@@ -44,6 +44,7 @@ from typing import Any
 import httpx
 
 from radixmesh.bench import client
+from radixmesh.bench.emulated import PLANNED
 from radixmesh.bench.launcher import BenchCluster
 from radixmesh.bench.oracle import Oracle, fed_output, output_ids
 from radixmesh.bench.prompts import prompt_ids, tokenizer_for
@@ -86,18 +87,17 @@ class CapacityProbe:
     clients: int
     load: float
     earlier: float | None = None
+    planned: float | None = None  # the engines' planned capacity (emulated): no probe is run
     throughput: dict[str, float] = field(default_factory=dict)  # run name -> requests/s
     capacity_rps: float | None = None
     basis: str = ""
     rate: float | None = None
 
     async def apply(self, http: httpx.AsyncClient, pairs: Sequence[Pair]) -> list[Pair]:
-        replays = [r for r, _ in pairs]
-        rates = await asyncio.gather(*(self._measure(http, r) for r in replays))
-        self.throughput = {r.spec.name: x for r, x in zip(replays, rates, strict=True)}
-        base = [x for r, x in zip(replays, rates, strict=True) if r.spec.policy == "none"]
-        self.basis = "none" if base else "median"
-        self.capacity_rps = base[0] if base else statistics.median(rates)
+        if self.planned is not None:
+            self.basis, self.capacity_rps = PLANNED, self.planned
+        else:
+            await self._probe(http, [r for r, _ in pairs])
         if self.earlier is not None:
             self.basis, self.capacity_rps = "an earlier batch's", self.earlier
         if not self.capacity_rps or self.capacity_rps <= 0:
@@ -106,6 +106,13 @@ class CapacityProbe:
         return [(r, timed(reqs, r.spec.nodes, self.rate, r.spec.workload.seed,
                           r.spec.workload.arrivals, r.spec.workload.arrival_cv))
                 for r, reqs in pairs]  # fmt: skip
+
+    async def _probe(self, http: httpx.AsyncClient, replays: Sequence[Replay]) -> None:
+        rates = await asyncio.gather(*(self._measure(http, r) for r in replays))
+        self.throughput = {r.spec.name: x for r, x in zip(replays, rates, strict=True)}
+        base = [x for r, x in zip(replays, rates, strict=True) if r.spec.policy == "none"]
+        self.basis = "none" if base else "median"
+        self.capacity_rps = base[0] if base else statistics.median(rates)
 
     async def _measure(self, http: httpx.AsyncClient, replay: Replay) -> float:
         # Saturating: every probe request may go at once (no turn waits for the last one's

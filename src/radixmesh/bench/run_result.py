@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixmesh.bench.emulated import PLANNED
 from radixmesh.bench.spec import RunSpec
 from radixmesh.results.records import Record
 from radixmesh.results.run_summary import node_figures, summarize
@@ -77,7 +78,8 @@ def summary_entry(res: RunResult) -> dict[str, Any]:
         "think_s": w.think_s, "load_over_time": res.load, "cpu": res.cpu,
     })  # fmt: skip
     if res.capacity and res.capacity.get("rate"):
-        entry["schedule_text"] += (f"; {100 * (w.load or 0):g} % of measured capacity "
+        basis = "planned" if res.capacity.get("basis") == PLANNED else "measured"
+        entry["schedule_text"] += (f"; {100 * (w.load or 0):g} % of {basis} capacity "
                                    f"{res.capacity['capacity_rps']:.2f} req/s")  # fmt: skip
     if excluded:
         entry["schedule_text"] += f"; {excluded} warm-up requests excluded"

@@ -43,6 +43,7 @@ from radixmesh.bench.after_run import (
     placement_counts,
     save_decisions,
 )
+from radixmesh.bench.emulated import planned_capacity
 from radixmesh.bench.launcher import BenchCluster, ClusterFactory, local_cluster
 from radixmesh.bench.oracle import Oracle
 from radixmesh.bench.progress import Progress
@@ -299,8 +300,10 @@ class Runner:
         probe = None
         if load is not None:
             clients = min(self.probe_clients, len(first.probe_requests))
+            planned = (planned_capacity(first.spec.profiles, first.spec.nodes, first.requests)
+                       if first.spec.engine == "emulated" else None)
             probe = CapacityProbe(first.probe_requests, clients, load,
-                                  self._capacity.get(rate_id(first.spec)))  # fmt: skip
+                                  self._capacity.get(rate_id(first.spec)), planned)  # fmt: skip
         meters = [CpuMeter(process_ids(cluster, replay)) for _, replay, cluster, _ in live]
         try:
             ran = asyncio.run(replay_together(pairs, first.mode, probe,
