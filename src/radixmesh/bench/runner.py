@@ -317,8 +317,8 @@ class Runner:
             return
         info = probe.to_json()
         w = first.spec.workload
-        self.log(f"capacity {probe.capacity_rps:.2f} req/s ({probe.basis}; "
-                 f"{', '.join(f'{k} {v:.2f}' for k, v in probe.throughput.items())}); "
+        probed = "".join(f"; {k} {v:.2f}" for k, v in probe.throughput.items())
+        self.log(f"capacity {probe.capacity_rps:.2f} req/s ({probe.basis}{probed}); "
                  f"{arrival_text(w.arrivals, w.arrival_cv)} at {100 * probe.load:g} %: "
                  f"{probe.rate:.2f} req/s")  # fmt: skip
         for (res, *_), (_, timed) in zip(live, ran, strict=True):
