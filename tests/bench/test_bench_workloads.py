@@ -166,6 +166,9 @@ def test_an_emulated_mesh_is_timed_at_its_planned_capacity_without_a_probe(
     assert none.calls == [] and probe.throughput == {}
     assert (probe.basis, probe.capacity_rps, probe.rate) == (PLANNED, 1000.0, 800.0)
     assert all(r.t is not None for r in timed)
+    later = CapacityProbe([], clients=4, load=0.5, earlier=1000.0, planned=1000.0)
+    virtual_loop.run_until_complete(later.apply(None, [(none, reqs)]))  # type: ignore[arg-type]
+    assert later.basis == PLANNED  # a later batch of the point: still the planned basis
 
 
 def test_the_planned_capacity_is_the_simulators(tmp_path: Any) -> None:

@@ -98,7 +98,7 @@ class CapacityProbe:
             self.basis, self.capacity_rps = PLANNED, self.planned
         else:
             await self._probe(http, [r for r, _ in pairs])
-        if self.earlier is not None:
+        if self.earlier is not None and self.planned is None:  # planned: the same every batch
             self.basis, self.capacity_rps = "an earlier batch's", self.earlier
         if not self.capacity_rps or self.capacity_rps <= 0:
             raise RuntimeError("capacity probe completed no request")
