@@ -201,8 +201,43 @@ def test_decode_slots_match_each_sequence_s_table(contexts: list[int], rng: rand
         assert width >= ctx
         assert batch.decode_slots[j].tolist() == want_slots + [kv.null_slot] * (width - ctx)
         assert batch.decode_mask[j, 0, 0].tolist() == [i < ctx for i in range(width)]
-    assert batch.write.tolist() == [kv.table(s)[(c - 1) // bs] * bs + (c - 1) % bs
-                                    for s, c in enumerate(contexts)]
+    assert not batch.write_runs and [row for row, _ in batch.writes] == [0]
+    assert batch.writes[0][1].tolist() == [kv.table(s)[(c - 1) // bs] * bs + (c - 1) % bs
+                                           for s, c in enumerate(contexts)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 60), st.integers(1, 60)), min_size=1, max_size=5),
+       st.randoms(use_true_random=False))
+def test_prefill_rows_write_and_read_their_slots(chunks: list[tuple[int, int]],
+                                                 rng: random.Random) -> None:
+    """Each prefill chunk's rows are written to its positions' slots (a slice where they are
+    consecutive) and it reads its whole context's slots (a view where they are one run)."""
+    bs = 4
+    kv = PagedKV(1, 1, 1, 256, bs, torch.float32, torch.device("cpu"))
+    want = {}
+    for seq, (start, n) in enumerate(chunks):
+        kv.admit(seq, [], 0, rng.choice([0, start + n]))
+        want[seq] = start + n
+    _grow_interleaved(kv, want, rng)
+    batch = kv.batch([(seq, start, n) for seq, (start, n) in enumerate(chunks)], [])
+    written: dict[int, int] = {}
+    for row, n, first in batch.write_runs:
+        written.update((row + i, first + i) for i in range(n))
+    for row, slots in batch.writes:
+        written.update((row + i, s) for i, s in enumerate(slots.tolist()))
+    row = 0
+    for seq, (start, n) in enumerate(chunks):
+        ctx = kv.slots(seq, 0, start + n).tolist()
+        assert [written[row + i] for i in range(n)] == ctx[start:]
+        p_row, p_n, p_start, p_ctx = batch.prefills[seq]
+        assert (p_row, p_n, p_start) == (row, n, start)
+        if isinstance(p_ctx, int):
+            assert ctx == list(range(p_ctx, p_ctx + start + n))
+        else:
+            assert p_ctx.tolist() == ctx
+        row += n
+    assert sorted(written) == list(range(row))
 
 
 @settings(max_examples=60, deadline=None)

@@ -104,9 +104,13 @@ class StepBatch:
     """What one packed forward attends over (built by ``PagedKV.batch``)."""
 
     kv: PagedKV
-    write: torch.Tensor  # [T] slot of each new token
-    prefills: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)
-    # (row, tokens, start, context slots [start + tokens]) per prefill chunk
+    prefills: list[tuple[int, int, int, torch.Tensor | int]] = field(default_factory=list)
+    # (row, tokens, start, context) per prefill chunk: its context's slots [start + tokens],
+    # or the first of them when they are one run (read as a view)
+    write_runs: list[tuple[int, int, int]] = field(default_factory=list)
+    # (row, tokens, first slot): rows whose new K/V go to consecutive slots (a slice copy)
+    writes: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # (row, slots): rows ``row ..`` whose new K/V go to these scattered slots
     decode_rows: torch.Tensor | None = None  # [B] rows of the decode tokens
     decode_slots: torch.Tensor | None = None  # [B, Lmax] context slots, padded
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, Lmax] True where a real slot
@@ -283,18 +287,22 @@ class PagedKV:
     def batch(self, prefills: Sequence[tuple[SeqId, int, int]],
               decodes: Sequence[tuple[SeqId, int]]) -> StepBatch:
         """The packed step: prefill chunks ``(seq, start, n)`` then decodes ``(seq, context)``."""
-        write: list[torch.Tensor] = []
-        out = StepBatch(self, torch.empty(0))
+        out = StepBatch(self)
         row = 0
         for seq, start, n in prefills:
-            ctx = self.slots(seq, 0, start + n)
-            out.prefills.append((row, n, start, ctx))
-            write.append(ctx[start:])
+            first = self._run_start(seq, start + n)
+            if first is None:
+                ctx = self.slots(seq, 0, start + n)
+                out.prefills.append((row, n, start, ctx))
+                out.writes.append((row, ctx[start:]))
+            else:
+                out.prefills.append((row, n, start, first))
+                out.write_runs.append((row, n, first + start))
             row += n
         gathered: list[tuple[SeqId, int]] = []
         rows: list[int] = []
         for i, (seq, context) in enumerate(decodes):
-            first = self._run_start(seq, context)
+            first = self._run_start(seq, context) if context >= VIEW_MIN_CONTEXT else None
             if first is None:
                 gathered.append((seq, context))
                 rows.append(row + i)
@@ -305,15 +313,12 @@ class PagedKV:
             out.decode_rows = torch.tensor(rows, device=self.device)
             out.decode_slots, out.decode_mask = idx, mask
         if decodes:
-            write.append(self._last_slots(decodes))
-        out.write = torch.cat(write)
+            out.writes.append((row, self._last_slots(decodes)))
         return out
 
     def _run_start(self, seq: SeqId, ctx: int) -> int | None:
         """The first slot of ``seq``'s context of ``ctx`` positions when they are one run of
         consecutive slots (attention reads them as a view, no gather), else None."""
-        if ctx < VIEW_MIN_CONTEXT:
-            return None
         table = self._tables[seq]
         n = -(-ctx // self.block_size)
         first = table[0]
