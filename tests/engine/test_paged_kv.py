@@ -15,7 +15,12 @@ from radixmesh.core.blocks import block_hashes
 from radixmesh.engine.base import GenerateRequest, SamplingParams
 from radixmesh.engine.builtin import TransformersEngine
 from radixmesh.engine.factory import build_engine
-from radixmesh.engine.paged_kv import VIEW_MIN_CONTEXT, PagedKV
+from radixmesh.engine.paged_kv import (
+    VIEW_LONG_CONTEXT,
+    VIEW_MAX_BATCH,
+    VIEW_MIN_CONTEXT,
+    PagedKV,
+)
 from radixmesh.engine.sampling import Sampler, greedy_rows
 from radixmesh.engine.testing import uncached_logits
 
@@ -173,8 +178,9 @@ def _grow_interleaved(kv: PagedKV, want: dict[int, int], rng: random.Random) -> 
 @given(st.lists(st.integers(1, 120), min_size=1, max_size=6), st.randoms(use_true_random=False))
 def test_decode_slots_match_each_sequence_s_table(contexts: list[int], rng: random.Random
                                                   ) -> None:
-    """A decode whose context is one run of consecutive blocks (and >= VIEW_MIN_CONTEXT) is
-    read as a view from its first slot; every other one gets the vectorised padded slots,
+    """A decode whose context is one run of consecutive blocks (at least VIEW_MIN_CONTEXT in a
+    step of few decodes, else VIEW_LONG_CONTEXT) is read as a view from its first slot;
+    every other one gets the vectorised padded slots,
     equal to the per-sequence reference (slot ``i`` is block ``i // bs`` at offset ``i % bs``,
     past its context the null slot, masked); every new token is written at its last slot."""
     bs = 4
@@ -191,8 +197,8 @@ def test_decode_slots_match_each_sequence_s_table(contexts: list[int], rng: rand
     for seq, ctx in enumerate(contexts):
         table = kv.table(seq)
         want_slots = [table[i // bs] * bs + i % bs for i in range(ctx)]
-        if want_slots == list(range(want_slots[0], want_slots[0] + ctx)) and (
-                ctx >= VIEW_MIN_CONTEXT):
+        least = VIEW_MIN_CONTEXT if len(contexts) <= VIEW_MAX_BATCH else VIEW_LONG_CONTEXT
+        if want_slots == list(range(want_slots[0], want_slots[0] + ctx)) and ctx >= least:
             assert views[seq] == (want_slots[0], ctx)
             continue
         assert batch.decode_slots is not None and batch.decode_mask is not None
