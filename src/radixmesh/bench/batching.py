@@ -14,8 +14,8 @@ one-request-at-a-time worker)::
    (``--repeat N``: N such pairs, and their median), and the ratio's ceiling on this machine:
    one request alone takes a prefill P (its TTFT) and 31 decode steps d, so 8 alone take
    8 (P + 31 d) and 8 together at least 8 P + 31 d (prefill is compute-bound: batching does not
-   shrink it; a decode step of 8 costs at least one of 1). On a CPU, where P is ~13 d for this
-   model, that bound is ~2.6x whatever the batching;
+   shrink it; a decode step of 8 costs at least one of 1). On a CPU, where P is ~10 d for this
+   model (2 threads), that bound is ~2.8-3.0x whatever the batching;
 2. latency: p50 / p99 end-to-end latency of distinct ~500-token prompts x 32 output tokens at
    1, 4 and 16 concurrent requests;
 3. prefix-aware admission (needs ``build_engine(prefix_aware=...)``, this version on): 8 requests
