@@ -15,7 +15,12 @@ from radixmesh.core.blocks import block_hashes
 from radixmesh.engine.base import GenerateRequest, SamplingParams
 from radixmesh.engine.builtin import TransformersEngine
 from radixmesh.engine.factory import build_engine
-from radixmesh.engine.paged_kv import PagedKV
+from radixmesh.engine.paged_kv import (
+    VIEW_LONG_CONTEXT,
+    VIEW_MAX_BATCH,
+    VIEW_MIN_CONTEXT,
+    PagedKV,
+)
 from radixmesh.engine.sampling import Sampler, greedy_rows
 from radixmesh.engine.testing import uncached_logits
 
@@ -161,31 +166,112 @@ def test_a_shared_prefix_is_read_in_place() -> None:
     check_invariants(engine)
 
 
+def _grow_interleaved(kv: PagedKV, want: dict[int, int], rng: random.Random) -> None:
+    """Grow each sequence's table a block at a time, the sequences in random turn."""
+    bs = kv.block_size
+    while short := [s for s, n in want.items() if len(kv.table(s)) * bs < n]:
+        seq = rng.choice(short)
+        kv.ensure(seq, (len(kv.table(seq)) + 1) * bs, lambda: False)
+
+
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(1, 40), min_size=1, max_size=6), st.randoms(use_true_random=False))
+@given(st.lists(st.integers(1, 120), min_size=1, max_size=6), st.randoms(use_true_random=False))
 def test_decode_slots_match_each_sequence_s_table(contexts: list[int], rng: random.Random
                                                   ) -> None:
-    """The batch's vectorised decode slots equal the per-sequence reference: slot ``i`` of a
-    sequence is its block ``i // bs`` at offset ``i % bs``; past its context the null slot,
-    masked; its new token is written at its last slot."""
+    """A decode whose context is one run of consecutive blocks (at least VIEW_MIN_CONTEXT in a
+    step of few decodes, else VIEW_LONG_CONTEXT) is read as a view from its first slot;
+    every other one gets the vectorised padded slots,
+    equal to the per-sequence reference (slot ``i`` is block ``i // bs`` at offset ``i % bs``,
+    past its context the null slot, masked); every new token is written at its last slot."""
     bs = 4
-    kv = PagedKV(1, 1, 1, 64, bs, torch.float32, torch.device("cpu"))
-    rng.shuffle(kv._free)  # scattered blocks
-    for seq, ctx in enumerate(contexts):
-        kv.admit(seq, [], 0)
-        kv.ensure(seq, ctx + rng.randrange(2) * bs, lambda: False)  # a spare block sometimes
+    kv = PagedKV(1, 1, 1, 256, bs, torch.float32, torch.device("cpu"))
+    want = {}
+    for seq, ctx in enumerate(contexts):  # some expect their length: their blocks stay a run
+        kv.admit(seq, [], 0, rng.choice([0, ctx + bs]))
+        want[seq] = ctx + rng.randrange(2) * bs  # a spare block sometimes
+    _grow_interleaved(kv, want, rng)
     batch = kv.batch([], list(enumerate(contexts)))
-    assert batch.decode_slots is not None and batch.decode_mask is not None
-    width = batch.decode_slots.shape[1]
-    assert width >= max(contexts)
+    views = {row: (first, n) for row, first, n in batch.decode_views}
+    rows = [] if batch.decode_rows is None else batch.decode_rows.tolist()
+    assert sorted(rows + list(views)) == list(range(len(contexts)))
     for seq, ctx in enumerate(contexts):
         table = kv.table(seq)
-        want = [table[i // bs] * bs + i % bs for i in range(ctx)]
-        want += [kv.null_slot] * (width - ctx)
-        assert batch.decode_slots[seq].tolist() == want
-        assert batch.decode_mask[seq, 0, 0].tolist() == [i < ctx for i in range(width)]
-    assert batch.write.tolist() == [kv.table(s)[(c - 1) // bs] * bs + (c - 1) % bs
-                                    for s, c in enumerate(contexts)]
+        want_slots = [table[i // bs] * bs + i % bs for i in range(ctx)]
+        least = VIEW_MIN_CONTEXT if len(contexts) <= VIEW_MAX_BATCH else VIEW_LONG_CONTEXT
+        if want_slots == list(range(want_slots[0], want_slots[0] + ctx)) and ctx >= least:
+            assert views[seq] == (want_slots[0], ctx)
+            continue
+        assert batch.decode_slots is not None and batch.decode_mask is not None
+        j = rows.index(seq)
+        width = batch.decode_slots.shape[1]
+        assert width >= ctx
+        assert batch.decode_slots[j].tolist() == want_slots + [kv.null_slot] * (width - ctx)
+        assert batch.decode_mask[j, 0, 0].tolist() == [i < ctx for i in range(width)]
+    assert not batch.write_runs and [row for row, _ in batch.writes] == [0]
+    assert batch.writes[0][1].tolist() == [kv.table(s)[(c - 1) // bs] * bs + (c - 1) % bs
+                                           for s, c in enumerate(contexts)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 60), st.integers(1, 60)), min_size=1, max_size=5),
+       st.randoms(use_true_random=False))
+def test_prefill_rows_write_and_read_their_slots(chunks: list[tuple[int, int]],
+                                                 rng: random.Random) -> None:
+    """Each prefill chunk's rows are written to its positions' slots (a slice where they are
+    consecutive) and it reads its whole context's slots (a view where they are one run)."""
+    bs = 4
+    kv = PagedKV(1, 1, 1, 256, bs, torch.float32, torch.device("cpu"))
+    want = {}
+    for seq, (start, n) in enumerate(chunks):
+        kv.admit(seq, [], 0, rng.choice([0, start + n]))
+        want[seq] = start + n
+    _grow_interleaved(kv, want, rng)
+    batch = kv.batch([(seq, start, n) for seq, (start, n) in enumerate(chunks)], [])
+    written: dict[int, int] = {}
+    for row, n, first in batch.write_runs:
+        written.update((row + i, first + i) for i in range(n))
+    for row, slots in batch.writes:
+        written.update((row + i, s) for i, s in enumerate(slots.tolist()))
+    row = 0
+    for seq, (start, n) in enumerate(chunks):
+        ctx = kv.slots(seq, 0, start + n).tolist()
+        assert [written[row + i] for i in range(n)] == ctx[start:]
+        p_row, p_n, p_start, p_ctx = batch.prefills[seq]
+        assert (p_row, p_n, p_start) == (row, n, start)
+        if isinstance(p_ctx, int):
+            assert ctx == list(range(p_ctx, p_ctx + start + n))
+        else:
+            assert p_ctx.tolist() == ctx
+        row += n
+    assert sorted(written) == list(range(row))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=6), st.randoms(use_true_random=False))
+def test_sequences_grown_together_keep_one_run_each(blocks: list[int], rng: random.Random
+                                                    ) -> None:
+    """Sequences admitted with their expected length and grown in random turn each hold one
+    run of consecutive blocks while the pool has room (here, over what others left behind);
+    the pool's free count stays its blocks less those held."""
+    bs = 4
+    kv = PagedKV(1, 1, 1, 512, bs, torch.float32, torch.device("cpu"))
+    for seq in range(3):  # leave holes behind: blocks taken, some given back
+        kv.admit(100 + seq, [], 0)
+        kv.ensure(100 + seq, rng.randrange(1, 30) * bs, lambda: False)
+    kv.drop(101)
+    want = {}
+    for seq, n in enumerate(blocks):
+        kv.admit(seq, [], 0, n * bs)
+        want[seq] = n * bs
+    _grow_interleaved(kv, want, rng)
+    for seq, n in enumerate(blocks):
+        table = kv.table(seq)
+        assert table == list(range(table[0], table[0] + n))
+    held = sum(len(kv.table(s)) for s in [100, 102, *want])
+    assert kv.free_blocks == kv.kv_blocks - held
+    for seq in [100, 102, *want]:
+        kv.drop(seq)
+    assert kv.free_blocks == kv.kv_blocks
 
 
 @settings(max_examples=40, deadline=None)

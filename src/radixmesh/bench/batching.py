@@ -7,14 +7,15 @@ same script measures the batching engine and, run against an older checkout, the
 one-request-at-a-time worker)::
 
     python -m radixmesh.bench.batching [--preset mini] [--threads N] [--repeat N] [--skip-prefix]
+                                       [--dtype bfloat16]
 
 1. throughput: 8 distinct ~500-token prompts x 32 output tokens, all at once against the same 8
    one at a time (fresh prompts each time, so no prefix hits): output tokens/s and their ratio
    (``--repeat N``: N such pairs, and their median), and the ratio's ceiling on this machine:
    one request alone takes a prefill P (its TTFT) and 31 decode steps d, so 8 alone take
    8 (P + 31 d) and 8 together at least 8 P + 31 d (prefill is compute-bound: batching does not
-   shrink it; a decode step of 8 costs at least one of 1). On a CPU, where P is ~13 d for this
-   model, that bound is ~2.6x whatever the batching;
+   shrink it; a decode step of 8 costs at least one of 1). On a CPU, where P is ~10 d for this
+   model (2 threads), that bound is ~2.8-3.0x whatever the batching;
 2. latency: p50 / p99 end-to-end latency of distinct ~500-token prompts x 32 output tokens at
    1, 4 and 16 concurrent requests;
 3. prefix-aware admission (needs ``build_engine(prefix_aware=...)``, this version on): 8 requests
@@ -128,12 +129,12 @@ async def latency(engine: Any, tok: Any, seed: int, levels: Sequence[int]
     return out
 
 
-async def prefix_admission(preset: str, prefix_aware: bool, step_tokens: int, seed: int
-                           ) -> dict[str, float]:
+async def prefix_admission(preset: str, prefix_aware: bool, step_tokens: int, seed: int,
+                           dtype: str = "float32") -> dict[str, float]:
     from radixmesh.engine.factory import build_engine
     from radixmesh.engine.worker import as_async_engine
 
-    raw = build_engine(preset, prefix_aware=prefix_aware, step_tokens=step_tokens)
+    raw = build_engine(preset, prefix_aware=prefix_aware, step_tokens=step_tokens, dtype=dtype)
     engine = as_async_engine(raw)
     try:
         shared = make_prompts(raw.tokenizer, 1, 2000, seed + 7)[0]
@@ -161,9 +162,9 @@ async def main_async(args: argparse.Namespace) -> None:
     from radixmesh.engine import factory
     from radixmesh.engine.worker import as_async_engine
 
-    raw = factory.build_engine(args.preset, threads=args.threads)
+    raw = factory.build_engine(args.preset, threads=args.threads, dtype=args.dtype)
     engine = as_async_engine(raw)
-    print(f"engine: {type(engine).__name__}, preset {args.preset}, "
+    print(f"engine: {type(engine).__name__}, preset {args.preset}, {args.dtype}, "
           f"threads {args.threads}, prompts {PROMPT_TOKENS} tokens x {OUTPUT_TOKENS} out")
     try:
         await _one(engine, make_prompts(raw.tokenizer, 1, 64, 99)[0], 2)  # warm-up
@@ -186,7 +187,7 @@ async def main_async(args: argparse.Namespace) -> None:
         return
     for step_tokens in (2048, 8192):
         for aware in (True, False):
-            r = await prefix_admission(args.preset, aware, step_tokens, args.seed)
+            r = await prefix_admission(args.preset, aware, step_tokens, args.seed, args.dtype)
             print(f"shared 2,000-token prefix x 8, step {step_tokens} tokens, "
                   f"{'prefix-aware' if aware else 'FCFS        '}: prefill tokens "
                   f"{r['prefill_tokens']:.0f}, mean TTFT {r['mean_ttft_s']:.2f} s, "
@@ -198,6 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 description="continuous-batching figures of the built-in engine")
     p.add_argument("--preset", default=None, help="built-in preset (default: the default)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--dtype", default="float32", help="model dtype (float32, bfloat16, ...)")
     p.add_argument("--levels", default="1,4,16", help="concurrency levels for latency")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=1,

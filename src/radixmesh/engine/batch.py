@@ -24,7 +24,7 @@ exactly the ones :class:`~radixmesh.engine.paged_kv.PagedKV` holds for the cache
 Why not transformers' continuous batching (5.25): its own scheduler, block allocator, prefix
 sharing and thread would make the decisions, and its cache would not be the journal the node's
 index reads. We take only the model forward over packed sequences: one registered attention
-function (``paged_kv.paged_attention``) under the stock transformers model. Only the cache
+function (``paged_attention.paged_attention``) under the stock transformers model. Only the cache
 view is thread-safe (it takes ``lock``).
 
 Stops: a stop token (EOS, the tokenizer's ``stop_ids``, a ``stop_token_ids`` member) ends the
@@ -47,6 +47,7 @@ from transformers import PreTrainedModel
 
 from radixmesh.core.blocks import extend_hashes
 from radixmesh.core.scheduler import Finished, Scheduler, SchedulerConfig, Step
+from radixmesh.engine import packed_linear
 from radixmesh.engine.base import (
     CacheDelta,
     CacheUsage,
@@ -58,7 +59,8 @@ from radixmesh.engine.base import (
 from radixmesh.engine.kv_mirror import KvMirror
 from radixmesh.engine.lora import LoraSet, bound, only
 from radixmesh.engine.namespaced import effective_namespace, model_step, sequence_seed
-from radixmesh.engine.paged_kv import ATTENTION, PIECE_TOKENS, PagedKV, pieces
+from radixmesh.engine.paged_attention import ATTENTION
+from radixmesh.engine.paged_kv import PIECE_TOKENS, PagedKV, pieces
 from radixmesh.engine.sampling import Sampler, greedy_rows, score_prompt
 
 Done = Callable[[GenerateResult | BaseException], None]
@@ -93,6 +95,7 @@ class BatchRunner(KvMirror):
     def __init__(self, model: PreTrainedModel, config: SchedulerConfig, allowed: int,
                  stop_ids: frozenset[int], device: torch.device) -> None:
         model.set_attn_implementation(ATTENTION)
+        packed_linear.pack_linears(model)  # oneDNN for batched rows (engine/packed_linear.py)
         self.model, self.config, self.device = model, config, device
         self._allowed, self._stop_ids = allowed, stop_ids
         cfg = model.config.get_text_config()

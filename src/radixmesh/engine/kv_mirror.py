@@ -27,6 +27,8 @@ class LiveView(Protocol):
     """What the bookkeeping reads and writes of a request in the engine (``batch.Live``)."""
 
     tokens: list[int]
+    output: list[int]
+    budget: int  # its max new tokens (with the prompt: where its blocks are placed)
     hashes: list[int]
     admitted: float | None
     seed: int
@@ -57,7 +59,8 @@ class KvMirror:
             live = self._live[chunk.seq]
             if not self.kv.has(chunk.seq):  # admitted (again, after a preemption)
                 live.hashes = self._hashes(live, len(live.tokens))
-                self.kv.admit(chunk.seq, live.hashes, chunk.start)
+                self.kv.admit(chunk.seq, live.hashes, chunk.start,
+                              len(live.tokens) - len(live.output) + live.budget - 1)
                 if live.admitted is None:
                     live.admitted = now
                     self._admitted += 1

@@ -8,7 +8,7 @@ blocks, and holds the tensors::
 
     k, v : [layers, kv_heads, kv_blocks * block_size, head_dim]     (slot = block * bs + offset)
 
-Every physical block has exactly one owner: the free list, one running sequence (its private
+Every physical block has exactly one owner: the free pool, one running sequence (its private
 blocks), or the prefix cache (``_cached``: chained block hash -> block, the same hashes as the
 scheduler's cache and the node's index). A sequence's *table* lists its blocks in position order:
 first the cached blocks of its reused prefix (owned by the cache: shared, read by reference,
@@ -36,33 +36,41 @@ exact) before it gives up.
 such path (a prefix hit reads the cached blocks in place), so it stays 0; it is reported so a
 regression would show.
 
-Attention (:func:`paged_attention`, registered with transformers' ``AttentionInterface``) runs
-inside the stock model's forward over one *packed* row of every token of a step: each layer
-writes the step's new K/V into their slots, then each prefill chunk attends causally to its
-sequence's slots ``0 .. start + n`` and all decode tokens attend together (one padded SDPA over
-their gathered contexts). Every SDPA call is 4-D with ``enable_gqa``, so torch takes its fused
-(flash) CPU kernel; a 3-D call falls back to the unfused one (scores materialised, masked,
-softmaxed: 2.5x the time of the fused one, a third of a 500-token prefill). Without a step (a
-plain ``model(...)`` call: references, HF ``generate``) it is ordinary causal SDPA aligned to the
-end of the keys. A step's forward runs in pieces of at most ``PIECE_TOKENS`` prefill tokens
-(:func:`pieces`): the KV a piece writes is in the pool before the next one reads it.
+Placement: which free block a sequence gets is free to choose, and the decode step's attention
+(``engine/paged_attention.py``) reads a context that is one run of consecutive slots as a view
+of the pool, where a scattered one must first be gathered (a copy of all of its KV per layer
+and step: at 8 x 500 tokens a sixth of a decode step's time). So each sequence is admitted with
+the length it expects to reach (prompt + max new tokens) and its first private block opens an
+*extent* (``_new_extent``): the first run of that many free blocks (at most an eighth of the
+pool; else the longest free run), the rest of it *reserved* for its later blocks (state
+``RESERVED`` in ``_state``, one byte a block, so a run is found by ``bytearray.find``).
+Reservations only place: they are free blocks (``free_blocks`` counts them) that another
+sequence takes when nothing unreserved is left, and the owner then continues after its last
+block or in a new extent. A sequence whose table starts with cached blocks continues right
+after them when that block is free (often: the extent of the sequence that computed them).
+A step's batch (``batch``) lists each decode with a one-run context as a view, every other
+decode with its padded slots. A step's forward runs in pieces of at most ``PIECE_TOKENS``
+prefill tokens (:func:`pieces`): the KV a piece writes is in the pool before the next reads it.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch.nn.functional import scaled_dot_product_attention as sdpa
-from transformers import AttentionInterface
 
 from radixmesh.core.step import PrefillChunk, Step
 
-ATTENTION = "radixmesh_paged"
-QUERY_ROWS = 64  # prefill queries per SDPA call: 64 rows skip more of the causal triangle than 256
-# (a 500-token prompt's attention 2.45 against 3.05 ms a layer); the mask, 64 x 32k as fp32, 8 MiB
 PIECE_TOKENS = 512  # prefill tokens per model call (``pieces``)
+VIEW_MIN_CONTEXT = 64  # a decode reads a one-run context of at least this many as a view ...
+VIEW_MAX_BATCH = 2  # ... when the step has at most this many decodes, or its context is long:
+VIEW_LONG_CONTEXT = 2048  # one SDPA call per view costs more than gathering 8 x 500 tokens (on
+# the engine's thread, 2 threads: 8 views 2.12-2.20x per CPU s, gathered 2.40-2.69x), and less
+# than gathering one (alone 6.6-8.2 against 8.3-9.9 ms a token) or a long one
+FREE, RESERVED, USED = 1, 2, 0  # a physical block's state (``PagedKV._state``)
+_FREE_RUN = re.compile(rb"\x01+")
 
 
 def pieces(step: Step, budget: int) -> list[Step]:
@@ -100,12 +108,18 @@ class StepBatch:
     """What one packed forward attends over (built by ``PagedKV.batch``)."""
 
     kv: PagedKV
-    write: torch.Tensor  # [T] slot of each new token
-    prefills: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)
-    # (row, tokens, start, context slots [start + tokens]) per prefill chunk
+    prefills: list[tuple[int, int, int, torch.Tensor | int]] = field(default_factory=list)
+    # (row, tokens, start, context) per prefill chunk: its context's slots [start + tokens],
+    # or the first of them when they are one run (read as a view)
+    write_runs: list[tuple[int, int, int]] = field(default_factory=list)
+    # (row, tokens, first slot): rows whose new K/V go to consecutive slots (a slice copy)
+    writes: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # (row, slots): rows ``row ..`` whose new K/V go to these scattered slots
     decode_rows: torch.Tensor | None = None  # [B] rows of the decode tokens
     decode_slots: torch.Tensor | None = None  # [B, Lmax] context slots, padded
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, Lmax] True where a real slot
+    decode_views: list[tuple[int, int, int]] = field(default_factory=list)
+    # (row, first slot, context) per decode whose context is one run of consecutive slots
 
 
 class PagedKV:
@@ -126,7 +140,10 @@ class PagedKV:
         self.block_size = block_size
         self.kv_blocks = kv_blocks
         self.device = device
-        self._free = list(range(kv_blocks - 1, -1, -1))
+        self._state = bytearray([FREE]) * kv_blocks  # FREE / RESERVED (also free) / USED
+        self._n_free = kv_blocks
+        self._expect: dict[SeqId, int] = {}  # blocks a sequence expects to hold at its end
+        self._extent: dict[SeqId, tuple[int, int]] = {}  # its reserved blocks [next, end)
         self._cached: dict[int, int] = {}  # block hash -> block
         self._owner: dict[int, int] = {}  # cached block -> its hash
         self._tables: dict[SeqId, list[int]] = {}
@@ -135,7 +152,7 @@ class PagedKV:
     # ------------------------------------------------------------------------- read-only
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        return self._n_free
 
     @property
     def cached_blocks(self) -> int:
@@ -151,21 +168,24 @@ class PagedKV:
         return seq in self._tables
 
     # ------------------------------------------------------------------------- ownership
-    def admit(self, seq: SeqId, hashes: Sequence[int], cached_tokens: int) -> None:
-        """A sequence starts (again) reusing the cached blocks of its first ``cached_tokens``."""
+    def admit(self, seq: SeqId, hashes: Sequence[int], cached_tokens: int,
+              expect_tokens: int = 0) -> None:
+        """A sequence starts (again) reusing the cached blocks of its first ``cached_tokens``;
+        it expects to hold ``expect_tokens`` positions at its end (where its blocks go)."""
         if seq in self._tables:
             raise RuntimeError(f"paged KV: seq {seq} admitted twice")
         n = cached_tokens // self.block_size
         self._tables[seq] = [self._cached[h] for h in hashes[:n]]
+        self._expect[seq] = -(-expect_tokens // self.block_size)
 
     def ensure(self, seq: SeqId, kv_tokens: int, reclaim: Callable[[], bool]) -> None:
         """Give ``seq`` blocks for ``kv_tokens`` positions (``reclaim`` frees cached ones)."""
         table = self._tables[seq]
         while len(table) * self.block_size < kv_tokens:
-            if not self._free and not reclaim():
+            if not self._n_free and not reclaim():
                 raise RuntimeError("paged KV: out of blocks with nothing left to evict")
-            if self._free:
-                table.append(self._free.pop())
+            if self._n_free:
+                table.append(self._take(seq, table))
 
     def adopt(self, seq: SeqId, hashes: Sequence[int], added: set[int]) -> None:
         """The cache now holds the ``added`` hashes among ``seq``'s blocks: move them."""
@@ -190,6 +210,8 @@ class PagedKV:
         """A sequence left (finished, aborted, preempted): free its own blocks."""
         for b in self._tables.pop(seq, ()):
             self._release_block(b)
+        self._unreserve(seq)
+        self._expect.pop(seq, None)
 
     def forget(self, removed: Sequence[int]) -> None:
         """The cache evicted these hashes: free their blocks."""
@@ -197,7 +219,8 @@ class PagedKV:
             b = self._cached.pop(h, None)
             if b is not None:
                 del self._owner[b]
-                self._free.append(b)
+                self._state[b] = FREE
+                self._n_free += 1
 
     def clear(self) -> list[int]:
         """Drop every cached block (no sequence may be running); the hashes dropped."""
@@ -209,7 +232,53 @@ class PagedKV:
 
     def _release_block(self, b: int) -> None:
         if b not in self._owner:
-            self._free.append(b)
+            self._state[b] = FREE
+            self._n_free += 1
+
+    # ------------------------------------------------------------------------- placement
+    def _take(self, seq: SeqId, table: list[int]) -> int:
+        """A free block for ``seq``'s next position (one exists), placed to keep its table one
+        run of consecutive blocks (module docstring): the next of its reserved extent, else the
+        block after its last, else the start of a new extent (``_new_extent``)."""
+        state = self._state
+        nxt, end = self._extent.get(seq, (0, 0))
+        if nxt < end and state[nxt] == RESERVED:
+            self._extent[seq] = (nxt + 1, end)
+            return self._use(nxt)
+        after = table[-1] + 1 if table else self.kv_blocks
+        if after < self.kv_blocks and state[after] == FREE:
+            return self._use(after)
+        self._unreserve(seq)
+        start, size = self._new_extent(max(self._expect.get(seq, 0) - len(table), 1))
+        for b in range(start + 1, start + size):
+            state[b] = RESERVED
+        self._extent[seq] = (start + 1, start + size)
+        return self._use(start)
+
+    def _new_extent(self, want: int) -> tuple[int, int]:
+        """(start, size) of free blocks for a new run: the first ``want`` free in a row
+        (capped at an eighth of the pool), else the longest free run, else one reserved
+        block (taken from a reservation: reservations only place, never hold)."""
+        want = min(want, max(self.kv_blocks // 8, 1))
+        start = self._state.find(bytes([FREE]) * want)
+        if start >= 0:
+            return start, want
+        run = max(_FREE_RUN.finditer(self._state), key=lambda m: m.end() - m.start(),
+                  default=None)
+        if run is not None:
+            return run.start(), run.end() - run.start()
+        return self._state.index(RESERVED), 1
+
+    def _unreserve(self, seq: SeqId) -> None:
+        nxt, end = self._extent.pop(seq, (0, 0))
+        for b in range(nxt, end):
+            if self._state[b] == RESERVED:
+                self._state[b] = FREE
+
+    def _use(self, b: int) -> int:
+        self._state[b] = USED
+        self._n_free -= 1
+        return b
 
     # ------------------------------------------------------------------------- a step
     def slots(self, seq: SeqId, start: int, stop: int) -> torch.Tensor:
@@ -222,21 +291,52 @@ class PagedKV:
     def batch(self, prefills: Sequence[tuple[SeqId, int, int]],
               decodes: Sequence[tuple[SeqId, int]]) -> StepBatch:
         """The packed step: prefill chunks ``(seq, start, n)`` then decodes ``(seq, context)``."""
-        write: list[torch.Tensor] = []
-        out = StepBatch(self, torch.empty(0))
+        out = StepBatch(self)
         row = 0
         for seq, start, n in prefills:
-            ctx = self.slots(seq, 0, start + n)
-            out.prefills.append((row, n, start, ctx))
-            write.append(ctx[start:])
+            first = self._run_start(seq, start + n)
+            if first is None:
+                ctx = self.slots(seq, 0, start + n)
+                out.prefills.append((row, n, start, ctx))
+                out.writes.append((row, ctx[start:]))
+            else:
+                out.prefills.append((row, n, start, first))
+                out.write_runs.append((row, n, first + start))
             row += n
-        if decodes:
-            idx, mask, last = self._decode_slots(decodes)
-            write.append(last)
-            out.decode_rows = torch.arange(row, row + len(decodes), device=self.device)
+        gathered: list[tuple[SeqId, int]] = []
+        rows: list[int] = []
+        few = len(decodes) <= VIEW_MAX_BATCH
+        for i, (seq, context) in enumerate(decodes):
+            viewed = context >= (VIEW_MIN_CONTEXT if few else VIEW_LONG_CONTEXT)
+            first = self._run_start(seq, context) if viewed else None
+            if first is None:
+                gathered.append((seq, context))
+                rows.append(row + i)
+            else:
+                out.decode_views.append((row + i, first, context))
+        if gathered:
+            idx, mask, _ = self._decode_slots(gathered)
+            out.decode_rows = torch.tensor(rows, device=self.device)
             out.decode_slots, out.decode_mask = idx, mask
-        out.write = torch.cat(write)
+        if decodes:
+            out.writes.append((row, self._last_slots(decodes)))
         return out
+
+    def _run_start(self, seq: SeqId, ctx: int) -> int | None:
+        """The first slot of ``seq``'s context of ``ctx`` positions when they are one run of
+        consecutive slots (attention reads them as a view, no gather), else None."""
+        table = self._tables[seq]
+        n = -(-ctx // self.block_size)
+        first = table[0]
+        if table[n - 1] - first != n - 1 or table[:n] != list(range(first, first + n)):
+            return None
+        return first * self.block_size
+
+    def _last_slots(self, decodes: Sequence[tuple[SeqId, int]]) -> torch.Tensor:
+        """Each decode's new token's slot (its context's last)."""
+        bs = self.block_size
+        return torch.tensor([self._tables[seq][(c - 1) // bs] * bs + (c - 1) % bs
+                             for seq, c in decodes], device=self.device)
 
     def _decode_slots(self, decodes: Sequence[tuple[SeqId, int]]
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -254,55 +354,3 @@ class PagedKV:
         last = idx.gather(1, (ctx - 1)[:, None])[:, 0]
         dev = self.device
         return idx.to(dev), valid[:, None, None, :].to(dev), last.to(dev)
-
-
-def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                    value: torch.Tensor, attention_mask: torch.Tensor | None,
-                    dropout: float = 0.0, scaling: float | None = None,
-                    **kwargs: object) -> tuple[torch.Tensor, None]:
-    """transformers attention over the paged pool (module docstring); ``query`` is
-    ``[1, heads, T, dim]``, ``key`` / ``value`` ``[1, kv_heads, T, dim]``; returns
-    ``[1, T, heads, dim]``. Grouped-query heads are folded into the query rows of their KV
-    head (head ``h`` reads KV head ``h // group``, as transformers' ``repeat_kv``), so no KV is
-    expanded."""
-    batch = kwargs.get("rm_batch")
-    if not isinstance(batch, StepBatch):
-        return _dense(query, key, value, attention_mask, scaling), None
-    layer = int(getattr(module, "layer_idx"))  # noqa: B009 - set by every HF attention module
-    pk, pv = batch.kv.k[layer], batch.kv.v[layer]  # [kv_heads, slots, dim]
-    pk.index_copy_(1, batch.write, key[0])
-    pv.index_copy_(1, batch.write, value[0])
-    heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[3]
-    group = heads // kv_heads
-    out = torch.empty(query.shape[2], heads, dim, dtype=query.dtype, device=query.device)
-    for row, n, start, ctx in batch.prefills:
-        k, v = pk.index_select(1, ctx)[None], pv.index_select(1, ctx)[None]
-        for a in range(0, n, QUERY_ROWS):  # bounds the mask: rows x context
-            b = min(a + QUERY_ROWS, n)
-            mask = torch.ones(b - a, start + b, dtype=torch.bool, device=query.device)
-            o = sdpa(query[:, :, row + a : row + b], k[:, :, : start + b], v[:, :, : start + b],
-                     attn_mask=mask.tril(start + a), scale=scaling, enable_gqa=True)
-            out[row + a : row + b] = o[0].transpose(0, 1)
-    if batch.decode_rows is not None:
-        assert batch.decode_slots is not None and batch.decode_mask is not None
-        n_dec, lmax = batch.decode_slots.shape
-        flat = batch.decode_slots.reshape(-1)
-        k = pk.index_select(1, flat).view(kv_heads, n_dec, lmax, dim).transpose(0, 1)
-        v = pv.index_select(1, flat).view(kv_heads, n_dec, lmax, dim).transpose(0, 1)
-        q = query[0][:, batch.decode_rows].transpose(0, 1).reshape(n_dec, kv_heads, group, dim)
-        o = sdpa(q, k, v, attn_mask=batch.decode_mask, scale=scaling)  # [B, kv_heads, group, dim]
-        out[batch.decode_rows] = o.reshape(n_dec, heads, dim)
-    return out.unsqueeze(0), None
-
-
-def _dense(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-           mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
-    """Plain causal attention, queries aligned to the end of the keys (a KV cache's layout)."""
-    n, total = query.shape[2], key.shape[2]
-    if mask is None:
-        mask = torch.ones(n, total, dtype=torch.bool, device=query.device).tril(total - n)
-    o = sdpa(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
-    return o.transpose(1, 2).contiguous()
-
-
-AttentionInterface.register(ATTENTION, paged_attention)
