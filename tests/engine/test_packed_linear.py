@@ -64,3 +64,12 @@ def test_a_model_is_packed_in_place_with_its_state_dict() -> None:
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
     assert pack_linears(model) == 0  # already packed
+
+
+def test_a_torch_without_the_private_ops_keeps_the_stock_linear(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(packed_linear, "_ops_present", lambda: False)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    assert packed_linear.pack_linears(model) == 0
+    assert type(model[0]) is torch.nn.Linear

@@ -57,10 +57,20 @@ def packable(model: nn.Module) -> bool:
     linears = [m for m in model.modules() if type(m) is nn.Linear]
     if not linears or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return False
+    if not _ops_present():  # private ops: a torch without them runs the stock F.linear
+        return False
     w = linears[0].weight
     total = sum(m.weight.numel() * m.weight.element_size() for m in linears)
     return (w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
             and total <= MAX_PACKED_BYTES)
+
+
+def _ops_present() -> bool:
+    try:
+        return all(callable(getattr(torch.ops.mkldnn, name))
+                   for name in ("_reorder_linear_weight", "_linear_pointwise"))
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def pack_linears(model: nn.Module) -> int:
