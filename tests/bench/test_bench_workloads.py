@@ -20,6 +20,7 @@ import pytest
 
 from radixmesh.bench import plan, replay
 from radixmesh.bench import runner as runner_mod
+from radixmesh.bench.capacities import Capacities
 from radixmesh.bench.emulated import PLANNED, planned_capacity
 from radixmesh.bench.replay import CapacityProbe, mode_of
 from radixmesh.bench.runner import GATEWAYS, Runner, RunResult, batches, summary_entry
@@ -514,11 +515,11 @@ def test_a_resumed_sweep_is_timed_at_the_capacity_its_first_attempt_measured(
         assert resumed[name]["capacity"]["capacity_rps"] == 100.0, name
         assert resumed[name]["capacity"]["rate"] == pytest.approx(50.0)
     assert resumed["cost"]["capacity"]["throughput_rps"] == {"cost": 70.0}  # still measured
-    kept = replay.Capacities.load(tmp_path / runner_mod.CAPACITY_FILE)
+    kept = Capacities.load(tmp_path / runner_mod.CAPACITY_FILE)
     assert list(kept.known.values()) == [100.0]
     (tmp_path / runner_mod.CAPACITY_FILE).write_text("[1, 2]")  # not ours: said, measured anew
     with pytest.raises(ValueError, match=r"capacity\.json: not a capacity file"):
-        replay.Capacities.load(tmp_path / runner_mod.CAPACITY_FILE)
+        Capacities.load(tmp_path / runner_mod.CAPACITY_FILE)
     logged: list[str] = []
     runner = Runner(tmp_path, progress=False, log=logged.append)
     assert runner.run_all([], skip_done=True) == [] and "measured anew" in logged[0]

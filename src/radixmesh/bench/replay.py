@@ -25,20 +25,18 @@ preamble, the agent's rules, the RAG instruction: a few hundred characters) — 
 the same time, as their open loop will run. The capacity is the ``none`` cluster's throughput
 (requests completed / wall time; the median cluster's if the batch has no ``none``), and the
 batch's one arrival schedule is Poisson at ``load`` × that capacity. A later batch of the same
-point (bench/runner.py) is timed at the first one's capacity; :class:`Capacities` keeps it in
-the output folder's ``capacity.json`` as soon as it is measured, so that a sweep resumed after
-an interruption (``--resume``) is timed at the rate its first attempt measured.
+point (bench/runner.py) is timed at the first one's capacity, kept in the output folder's
+``capacity.json`` (bench/capacities.py) for a resumed sweep. On an emulated mesh (``--engine
+emulated``) no probe runs: the capacity is the engines' planned one (bench/emulated.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -128,40 +126,6 @@ class CapacityProbe:
                 "load": self.load, "throughput_rps": self.throughput,
                 "capacity_rps": self.capacity_rps, "basis": self.basis,
                 "rate": self.rate}  # fmt: skip
-
-
-@dataclass(slots=True)
-class Capacities:
-    """The capacities measured for an output folder, by rate key (a canonical JSON string of
-    what makes runs meet one rate: bench/runner.py ``rate_id``), kept in ``path``."""
-
-    path: Path
-    known: dict[str, float] = field(default_factory=dict)
-
-    @classmethod
-    def load(cls, path: Path) -> Capacities:
-        """What ``path`` holds (nothing if it does not exist); ValueError if it is not
-        ours."""
-        if not path.exists():
-            return cls(path)
-        try:
-            entries = json.loads(path.read_text(encoding="utf-8"))["capacities"]
-            known = {json.dumps(e["rate_key"], sort_keys=True): float(e["capacity_rps"])
-                     for e in entries}  # fmt: skip
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"{path}: not a capacity file ({exc})") from exc
-        return cls(path, known)
-
-    def get(self, key: str) -> float | None:
-        return self.known.get(key)
-
-    def remember(self, key: str, capacity_rps: float) -> None:
-        """The first capacity measured for ``key`` stays; the file is rewritten."""
-        self.known.setdefault(key, capacity_rps)
-        entries = [{"rate_key": json.loads(k), "capacity_rps": v} for k, v in self.known.items()]
-        tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({"capacities": entries}, indent=2) + "\n", encoding="utf-8")
-        tmp.replace(self.path)
 
 
 async def replay_together(

@@ -43,12 +43,13 @@ from radixmesh.bench.after_run import (
     placement_counts,
     save_decisions,
 )
+from radixmesh.bench.capacities import Capacities
 from radixmesh.bench.emulated import planned_capacity
 from radixmesh.bench.launcher import BenchCluster, ClusterFactory, local_cluster
 from radixmesh.bench.oracle import Oracle
 from radixmesh.bench.progress import Progress
 from radixmesh.bench.prompts import BLOCK_SIZE, ideal_hit_rate, make_admit, tokenizer_for
-from radixmesh.bench.replay import Capacities, CapacityProbe, Replay, mode_of, replay_together
+from radixmesh.bench.replay import CapacityProbe, Replay, mode_of, replay_together
 from radixmesh.bench.run_result import RunResult, summary_entry
 from radixmesh.bench.sglang import Gateway, SglangRouter
 from radixmesh.bench.smg import Smg
