@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -366,13 +367,30 @@ def test_the_decision_table_parser_sees_rows_and_catches_a_wrong_name() -> None:
         resolve("radixmesh.core.node.NodeCore.no_such_method")
 
 
+TYPE_NAME = re.compile(r"[A-Z][A-Za-z0-9]*[a-z][A-Za-z0-9]*")  # CamelCase, not a CONSTANT
+
+
+def _type_names(node: ast.stmt) -> list[str]:
+    """The public type names a top-level statement defines: a class, or an alias
+    (``Row = dict[str, Any]``)."""
+    if isinstance(node, ast.ClassDef):
+        names = [node.name]
+    elif isinstance(node, ast.Assign):
+        names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+    elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+        names = [node.target.id]
+    else:
+        names = []
+    return [n for n in names if TYPE_NAME.fullmatch(n)]
+
+
 def _public_classes() -> dict[str, list[str]]:
-    """Every public top-level class under src/, by name: the modules that define it."""
+    """Every public top-level class or type alias under src/, by name: the modules defining it."""
     where: dict[str, list[str]] = {}
     for path in sorted((SRC / ROOT_PACKAGE).rglob("*.py")):
         for node in ast.parse(path.read_text()).body:
-            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
-                where.setdefault(node.name, []).append(str(path.relative_to(SRC)))
+            for name in _type_names(node):
+                where.setdefault(name, []).append(str(path.relative_to(SRC)))
     return where
 
 
@@ -387,3 +405,5 @@ def test_the_class_name_check_sees_every_module() -> None:
     found = _public_classes()
     assert found["NodeCore"] == ["radixmesh/core/node.py"]
     assert "ForwardAccepted" in found and "ForwardAdmitted" in found
+    assert found["Row"] == ["radixmesh/results/run_summary.py"]  # an alias counts too
+    assert "HEARTBEAT_MAX_S" not in found  # a constant does not

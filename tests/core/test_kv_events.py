@@ -29,12 +29,12 @@ from radixmesh.core.kv_order import (
     Apply,
     Drop,
     LiveMessage,
+    OrderStep,
     ReplayEnd,
     ReplayMessage,
     RequestReplay,
     Reset,
     SequenceTracker,
-    Step,
     decode_live_frames,
     decode_replay_frames,
     encode_replay_request,
@@ -466,7 +466,7 @@ def test_tracker_applies_each_seq_once_in_order_and_resets_when_it_cannot(
     applied: list[int] = []
     resets = 0
 
-    def run(steps: list[Step[int]], published: int) -> None:
+    def run(steps: list[OrderStep[int]], published: int) -> None:
         nonlocal resets
         for step in steps:
             if isinstance(step, Apply):

@@ -14,7 +14,7 @@ import pytest
 from radixmesh.core.profile import Profile, resolve
 from radixmesh.core.scheduler import Finished, Step
 from radixmesh.emulate.events import Faults
-from radixmesh.emulate.loop import EngineLoop, Sink, next_token
+from radixmesh.emulate.loop import EngineLoop, TokenSink, next_token
 from radixmesh.testing import VirtualClock
 
 
@@ -25,7 +25,7 @@ def drive(scale: float, late: float = 0.0, delay: float = 0.0
         clock = VirtualClock(100.0, late)
         loop = EngineLoop(resolve("h100-llama3-8b"), faults=Faults(token_delay_s=delay),
                           time_scale=scale, clock=clock, sleep=clock.sleep)
-        sink: Sink = asyncio.Queue()
+        sink: TokenSink = asyncio.Queue()
         prompts = [list(range(40, 40 + n)) for n in (300, 1200, 50)]
         for i, prompt in enumerate(prompts):
             loop.submit(prompt, 20, frozenset(), sink, i)
@@ -91,7 +91,7 @@ def test_a_cold_lora_adapter_stalls_its_step_for_the_profiles_load_time() -> Non
     async def main() -> list[float]:
         clock = VirtualClock(100.0)
         loop = EngineLoop(prof, faults=Faults(), time_scale=2.0, clock=clock, sleep=clock.sleep)
-        sink: Sink = asyncio.Queue()
+        sink: TokenSink = asyncio.Queue()
         extra = []
         for lora in ("a", "b", "b", "a"):
             loop.submit(list(range(40, 140)), 1, frozenset(), sink, 0, lora=lora)
@@ -122,7 +122,7 @@ def test_a_request_joins_the_scheduler_after_the_profiles_admission_time(
         clock = VirtualClock(100.0)
         loop = EngineLoop(prof, faults=Faults(), time_scale=scale, clock=clock,
                           sleep=clock.sleep)
-        sink: Sink = asyncio.Queue()
+        sink: TokenSink = asyncio.Queue()
         arrived = clock()
         await loop.admission()
         loop.submit(list(range(40, 340)), 2, frozenset(), sink, 0)
@@ -189,7 +189,7 @@ def test_a_prefill_step_lasts_its_per_sequence_cost_longer() -> None:
     async def main() -> list[tuple[Step, float]]:
         clock = VirtualClock(100.0)
         loop = EngineLoop(prof, faults=Faults(), clock=clock, sleep=clock.sleep)
-        sink: Sink = asyncio.Queue()
+        sink: TokenSink = asyncio.Queue()
         for i in range(3):
             loop.submit(list(range(40 + i, 440 + i)), 3, frozenset(), sink, i)
         out = []
@@ -214,8 +214,8 @@ def test_a_request_submitted_during_a_late_wake_up_gets_no_less_than_its_prefill
     async def main() -> tuple[float, float]:
         clock = VirtualClock(100.0)
         loop = EngineLoop(prof, faults=Faults(), clock=clock, sleep=clock.sleep)
-        a: Sink = asyncio.Queue()
-        b: Sink = asyncio.Queue()
+        a: TokenSink = asyncio.Queue()
+        b: TokenSink = asyncio.Queue()
         loop.submit(list(range(40, 340)), 50, frozenset(), a, 0)
         await loop.step_once()  # A's prefill
         await loop.step_once()  # A's first decode: the timeline is set

@@ -14,12 +14,10 @@ from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from radixmesh.results.records import Record
-from radixmesh.results.run_summary import load_summary, ratio_interval
+from radixmesh.results.run_summary import Row, load_summary, ratio_interval
 
-Run = dict[str, Any]
 OPEN_LOOP = ("poisson", "trace")
 STALL_S = 30.0  # no request legitimately takes this long here; longer = the machine froze
 
@@ -40,7 +38,7 @@ class Ratio:
         return f"{self.value:.3f}{ci}" + ("" if self.same_time else " (not paired in time)")
 
 
-def same_time(a: Run, b: Run) -> bool:
+def same_time(a: Row, b: Row) -> bool:
     """Whether two runs ran paired in time: the same batch (or, in folders written before
     batches were recorded, the same lockstep key)."""
     if a.get("batch") or b.get("batch"):
@@ -48,7 +46,7 @@ def same_time(a: Run, b: Run) -> bool:
     return bool(a.get("lockstep")) and a.get("lockstep") == b.get("lockstep")
 
 
-def _cache_points(runs: Sequence[Run]) -> tuple[int, int | None]:
+def _cache_points(runs: Sequence[Row]) -> tuple[int, int | None]:
     """The cache budgets of the default point and of memory pressure (None: no pressure run).
     The paper sweep names its pressure batch (group ``pressure``), which is then known even
     in a folder holding nothing else (``--only pressure``): its runs must not stand in for the
@@ -65,7 +63,7 @@ def _cache_points(runs: Sequence[Run]) -> tuple[int, int | None]:
 class Results:
     """The runs of one benchmark folder and their records, with lookup helpers."""
 
-    def __init__(self, runs: Sequence[Run], records: dict[str, list[Record]]) -> None:
+    def __init__(self, runs: Sequence[Row], records: dict[str, list[Record]]) -> None:
         self.runs = [r for r in runs if not r.get("skipped") and r.get("requests")]
         self.skipped = [r for r in runs if r.get("skipped")]
         self.records = records
@@ -95,7 +93,7 @@ class Results:
         gossip_ms: float | None = None,
         cache: int | None = None,
         concurrency: int = 1,
-    ) -> Run | None:
+    ) -> Row | None:
         """The run of ``policy`` at this point; defaults: the sweep's usual Δpoll (the most
         common one) and the largest cache budget."""
         cache = self.abundant if cache is None else cache
@@ -114,7 +112,7 @@ class Results:
                 return r
         return None
 
-    def beside(self, run: Run, policy: str) -> Run | None:
+    def beside(self, run: Row, policy: str) -> Row | None:
         """``policy``'s run that ran paired in time with ``run`` (same batch), else one with
         the same lockstep key."""
         for field in ("batch", "lockstep"):
@@ -124,17 +122,17 @@ class Results:
                     return r
         return None
 
-    def find_with(self, run: Run, policy: str) -> Run | None:
+    def find_with(self, run: Row, policy: str) -> Row | None:
         """``policy``'s run interleaved with ``run``, else the one at the same point."""
         if (r := self.beside(run, policy)) is not None:
             return r
         return self.find(policy, run["skew"], run["net_delay_ms"], run["gossip_interval_ms"],
                          run["cache_tokens"], run.get("concurrency", 1))  # fmt: skip
 
-    def ok(self, run: Run) -> list[Record]:
+    def ok(self, run: Row) -> list[Record]:
         return [r for r in self.records.get(run["name"], []) if r.ok]
 
-    def baseline(self, run: Run) -> Run | None:
+    def baseline(self, run: Row) -> Row | None:
         """The ``none`` run interleaved with ``run`` if any, else one with the same workload
         shape (delay and Δpoll do not matter to ``none``)."""
         if (r := self.beside(run, "none")) is not None:
@@ -152,14 +150,14 @@ class Results:
                 return r
         return None
 
-    def pairs(self, run: Run, base: Run) -> list[tuple[float, float]]:
+    def pairs(self, run: Row, base: Row) -> list[tuple[float, float]]:
         """(latency in ``run``, latency in ``base``) of the requests both completed, in
         ``run``'s request order."""
         theirs = {r.id: r.latency_s for r in self.ok(base)}
         mine = sorted(self.ok(run), key=lambda r: r.seq)
         return [(r.latency_s, theirs[r.id]) for r in mine if r.id in theirs]
 
-    def ratio_ci(self, run: Run | None, base: Run | None = None) -> Ratio | None:
+    def ratio_ci(self, run: Row | None, base: Row | None = None) -> Ratio | None:
         """Paired mean-latency ratio ``run`` / ``base`` (default: its ``none`` baseline) with
         its 95 % bootstrap interval and the number of paired requests."""
         base = base or (None if run is None else self.baseline(run))
@@ -173,7 +171,7 @@ class Results:
         lo, hi = ci if ci is not None else (None, None)
         return Ratio(sum(a for a, _ in pairs) / den, lo, hi, len(pairs), same_time(run, base))
 
-    def paired(self, run: Run) -> tuple[float, float, int] | None:
+    def paired(self, run: Row) -> tuple[float, float, int] | None:
         """(run mean, none mean, n) over the requests both runs completed."""
         base = self.baseline(run)
         if base is None:
@@ -187,7 +185,7 @@ class Results:
         b = sum(theirs[i] for i in common) / len(common)
         return a, b, len(common)
 
-    def ratio_without_stalls(self, run: Run | None) -> tuple[float, int] | None:
+    def ratio_without_stalls(self, run: Row | None) -> tuple[float, int] | None:
         """Paired mean ratio over requests that took < STALL_S in both runs, and how many were
         left out: a frozen machine (minutes for one request) must not decide a comparison."""
         base = None if run is None else self.baseline(run)
@@ -200,7 +198,7 @@ class Results:
         den = sum(theirs[i] for i in kept)
         return (sum(mine[i] for i in kept) / den, len(common) - len(kept)) if den > 0 else None
 
-    def ratio(self, run: Run | None) -> float | None:
+    def ratio(self, run: Row | None) -> float | None:
         if run is None:
             return None
         p = self.paired(run)

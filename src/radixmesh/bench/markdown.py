@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from radixmesh.bench.folder import Ratio, Run
+from radixmesh.bench.folder import Ratio, Row
 
 
 def f3(x: float | None) -> str:
@@ -34,7 +34,7 @@ def table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
-def get(run: Run | None, key: str) -> Any:
+def get(run: Row | None, key: str) -> Any:
     return None if run is None else run.get(key)
 
 
@@ -51,7 +51,7 @@ def rtext(r: Ratio | None) -> str:
     return "—" if r is None else r.text()
 
 
-def served_text(run: Run) -> str:
+def served_text(run: Row) -> str:
     served = run.get("served_per_node") or run.get("served_by") or {}
     text = " / ".join(f"{n} {c}" for n, c in served.items()) or "—"
     return text + (" **stranded: " + ", ".join(run["stranded_nodes"]) + "**"

@@ -19,7 +19,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib import ticker
 
-from radixmesh.bench.folder import OPEN_LOOP, Results, Run
+from radixmesh.bench.folder import OPEN_LOOP, Results, Row
 from radixmesh.results.records import Record
 
 WINDOW, STRIDE = 300, 30
@@ -94,7 +94,7 @@ def _top_groups(records: Sequence[Record], k: int = 2) -> list[str]:
     return [g for g, _ in counts.most_common(k)]
 
 
-def _share_grid(res: Results, panels: Sequence[tuple[str, Run]], groups: Sequence[str],
+def _share_grid(res: Results, panels: Sequence[tuple[str, Row]], groups: Sequence[str],
                 title: str, path: Path) -> bool:  # fmt: skip
     fig, axes = plt.subplots(len(groups), len(panels), figsize=(3.6 * len(panels), 5.6),
                              squeeze=False, sharey=True)  # fmt: skip
@@ -119,7 +119,7 @@ def _share_grid(res: Results, panels: Sequence[tuple[str, Run]], groups: Sequenc
     return _save(fig, path)
 
 
-def _drawable(panels: list[tuple[str, Run]], res: Results) -> list[tuple[str, Run]]:
+def _drawable(panels: list[tuple[str, Row]], res: Results) -> list[tuple[str, Row]]:
     """The panels whose run has at least two windows of requests (a line, not a dot)."""
     out = []
     for label, run in panels:

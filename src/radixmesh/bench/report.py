@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from radixmesh.bench import paper_numbers as P
-from radixmesh.bench.folder import OPEN_LOOP, Results, Run
+from radixmesh.bench.folder import OPEN_LOOP, Results, Row
 from radixmesh.bench.markdown import f3, get, pct, rtext, served_text, stall_text, table
 from radixmesh.bench.targets import targets_table
 
@@ -78,7 +78,7 @@ def table2(res: Results) -> str:
 
 
 def table3(res: Results) -> str:
-    cases: list[tuple[str, Run | None, Run | None]] = [
+    cases: list[tuple[str, Row | None, Row | None]] = [
         ("uniform none", res.find("none"), None),
         ("skewed none", res.find("none", "skewed"), None),
     ]
@@ -129,7 +129,7 @@ def compare_table(res: Results) -> str:
     return table(head, rows) if rows else ""
 
 
-def schedule_text(run: Run) -> str:
+def schedule_text(run: Row) -> str:
     """What ran, in words (older summaries: rebuilt from their fields)."""
     if run.get("schedule_text"):
         return str(run["schedule_text"])
@@ -139,13 +139,13 @@ def schedule_text(run: Run) -> str:
     return f"closed loop, {k} clients" if k > 1 else "sequential"
 
 
-def cpu_share(run: Run) -> float | None:
+def cpu_share(run: Row) -> float | None:
     """The cores each cluster had: the machine's, shared by the clusters up at once."""
     cores, k = run.get("cpu_cores"), run.get("clusters_at_once") or 1
     return None if not cores else min(cores / k, run["nodes"] * (run.get("threads_per_node") or 1))
 
 
-def capacity_text(run: Run) -> str:
+def capacity_text(run: Row) -> str:
     share = cpu_share(run)
     if share is None:
         return "—"
@@ -154,7 +154,7 @@ def capacity_text(run: Run) -> str:
     return f"{share:.2f} cores ({run['cpu_cores']} / {run.get('clusters_at_once') or 1}){load}"
 
 
-def drops_text(run: Run) -> str:
+def drops_text(run: Row) -> str:
     d = run.get("dropped")
     if not isinstance(d, dict):
         return str(run.get("dropped_too_long") or 0)
@@ -181,7 +181,7 @@ OPEN_LOOP_NOTE = (
 )
 
 
-def batch_order(run: Run) -> tuple[str, bool]:
+def batch_order(run: Row) -> tuple[str, bool]:
     return str(run.get("batch")), run["policy"] != "none"
 
 
@@ -223,7 +223,7 @@ def all_runs_table(res: Results) -> str:
 
 # ----------------------------------------------------------------------------- targets
 # ----------------------------------------------------------------------------- document
-def backfill_ceilings(runs: Sequence[Run], mmlu_dir: str | None) -> None:
+def backfill_ceilings(runs: Sequence[Row], mmlu_dir: str | None) -> None:
     """Compute ``ideal_hit_rate`` for runs summarized without it (the request sequence is
     rebuilt from the run's seeded workload parameters; MMLU runs need ``mmlu_dir``)."""
     from radixmesh.bench.prompts import ideal_hit_rate, make_fits, tokenizer_for

@@ -123,7 +123,7 @@ def batches(results: Sequence[RunResult], limit: int = BATCH_LIMIT) -> list[list
     return out
 
 
-Live = tuple[RunResult, Replay, BenchCluster, Progress | None]
+LiveRun = tuple[RunResult, Replay, BenchCluster, Progress | None]
 
 
 class Runner:
@@ -255,7 +255,7 @@ class Runner:
         return True
 
     def _run_batch(self, results: list[RunResult], fh: IO[str], labels: list[str]) -> None:
-        live: list[Live] = []
+        live: list[LiveRun] = []
         try:
             todo = []
             for res, label in zip(results, labels, strict=True):
@@ -277,7 +277,7 @@ class Runner:
                 self._stop(res, replay, cluster, progress)
 
     def _start_all(
-        self, todo: list[tuple[RunResult, str]], fh: IO[str], batched: bool, live: list[Live]
+        self, todo: list[tuple[RunResult, str]], fh: IO[str], batched: bool, live: list[LiveRun]
     ) -> None:
         """Boot the batch's clusters at once — spawn every cluster's nodes first, then wait
         for each (one after another, six 4-node clusters took minutes on a loaded box) —
@@ -294,7 +294,7 @@ class Runner:
             for _, _, cluster in spawned:
                 cluster.close()
 
-    def _replay(self, live: list[Live]) -> None:
+    def _replay(self, live: list[LiveRun]) -> None:
         first = live[0][0]
         pairs = [(replay, res.requests) for res, replay, _, _ in live]
         load = first.spec.workload.load
@@ -348,7 +348,7 @@ class Runner:
 
     def _start(
         self, res: RunResult, fh: IO[str], label: str, batched: bool, cluster: BenchCluster
-    ) -> Live:
+    ) -> LiveRun:
         """Make a spawned cluster ready (closed if that fails) and attach the run to it."""
         spec = res.spec
         try:

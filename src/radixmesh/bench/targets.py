@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from radixmesh.bench import paper_numbers as P
-from radixmesh.bench.folder import Results, Run
+from radixmesh.bench.folder import Results, Row
 from radixmesh.bench.markdown import f3, get, pct, rtext, table, verdict
 from radixmesh.core.router import DELIBERATE
 from radixmesh.results.run_summary import mean, percentile, placement_tags
@@ -58,7 +58,7 @@ def _ratio_targets(res: Results) -> list[GoalRow]:
     return out
 
 
-def _hotspot_targets(cost: Run | None) -> list[GoalRow]:
+def _hotspot_targets(cost: Row | None) -> list[GoalRow]:
     out: list[GoalRow] = []
     hs, hit = get(cost, "hotspot_share"), get(cost, "actual_hit_rate")
     # A target is judged only where it can be met: a hotspot share below 1/nodes cannot be
@@ -74,7 +74,7 @@ def _hotspot_targets(cost: Run | None) -> list[GoalRow]:
     return out
 
 
-def _copies_targets(res: Results, cost: Run | None) -> list[GoalRow]:
+def _copies_targets(res: Results, cost: Row | None) -> list[GoalRow]:
     # The measured requests' own tags where the records carry them; else the nodes' counters,
     # which also count the warm-up prompts (one per node, sharing a short header: the first
     # is a first copy, the others often a second copy of that header — not MMLU traffic).
@@ -91,7 +91,7 @@ def _copies_targets(res: Results, cost: Run | None) -> list[GoalRow]:
              placed.get("second_copy", 0) == 0)]  # fmt: skip
 
 
-def _hit_targets(cost: Run | None) -> list[GoalRow]:
+def _hit_targets(cost: Row | None) -> list[GoalRow]:
     hit, ceiling = get(cost, "actual_hit_rate"), get(cost, "ideal_hit_rate")
     if hit is None or not (ceiling is None or ceiling >= P.PAPER_ACTUAL_HIT_UNIFORM):
         return []
@@ -121,7 +121,7 @@ def sglang_targets(res: Results) -> list[GoalRow]:
     return out
 
 
-def paired_stats(res: Results, a: Run, b: Run) -> tuple[tuple[float, float], tuple[float, float]]:
+def paired_stats(res: Results, a: Row, b: Row) -> tuple[tuple[float, float], tuple[float, float]]:
     la = {r.id: r.latency_s for r in res.ok(a)}
     lb = {r.id: r.latency_s for r in res.ok(b)}
     common = sorted(la.keys() & lb.keys())

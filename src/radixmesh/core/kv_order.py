@@ -133,7 +133,7 @@ class Reset:
     reason: str  # restarted | replay_incomplete | replay_failed | overflow
 
 
-Step = Apply[_T] | Drop | RequestReplay | Reset
+OrderStep = Apply[_T] | Drop | RequestReplay | Reset
 _TRACKER_COUNTS = (
     "applied",
     "duplicates",
@@ -168,7 +168,7 @@ class SequenceTracker(Generic[_T]):
     def replaying(self) -> bool:
         return self._replaying
 
-    def on_live(self, seq: int, item: _T) -> list[Step[_T]]:
+    def on_live(self, seq: int, item: _T) -> list[OrderStep[_T]]:
         """A batch from the PUB stream."""
         if self._replaying:
             return self._hold(seq, item)
@@ -180,7 +180,7 @@ class SequenceTracker(Generic[_T]):
             return [RequestReplay(self._next)]
         return self._restart(seq, item)
 
-    def on_replay(self, seq: int, item: _T) -> list[Step[_T]]:
+    def on_replay(self, seq: int, item: _T) -> list[OrderStep[_T]]:
         """A batch from the replay socket."""
         if not self._replaying:
             self.counts["unexpected_replay"] += 1
@@ -188,16 +188,16 @@ class SequenceTracker(Generic[_T]):
         if seq < self._next:
             self.counts["duplicates"] += 1
             return [Drop(seq, "duplicate")]
-        steps: list[Step[_T]] = []
+        steps: list[OrderStep[_T]] = []
         if seq > self._next:  # the replay buffer no longer holds the first missing batch
             steps += self._reset("replay_incomplete")
         return [*steps, self._apply(seq, item)]
 
-    def on_replay_end(self) -> list[Step[_T]]:
+    def on_replay_end(self) -> list[OrderStep[_T]]:
         """The replay's end marker arrived."""
         return self._finish_replay("replay_incomplete")
 
-    def on_replay_failed(self) -> list[Step[_T]]:
+    def on_replay_failed(self) -> list[OrderStep[_T]]:
         """The replay could not be had (no replay socket, timeout): give up on the gap."""
         return self._finish_replay("replay_failed")
 
@@ -207,21 +207,21 @@ class SequenceTracker(Generic[_T]):
         self.counts["applied"] += 1
         return Apply(seq, item)
 
-    def _reset(self, reason: str) -> list[Step[_T]]:
+    def _reset(self, reason: str) -> list[OrderStep[_T]]:
         self.counts[reason] += 1
         if not self._dirty:
             return []
         self._dirty = False
         return [Reset(reason)]
 
-    def _restart(self, seq: int, item: _T) -> list[Step[_T]]:
+    def _restart(self, seq: int, item: _T) -> list[OrderStep[_T]]:
         """seq went backwards: a new engine incarnation; start over from its seq 0."""
         self._replaying, self._pending, self._live_high = False, {}, -1
         steps = self._reset("restarted")
         self._next = 0
         return [*steps, *self.on_live(seq, item)]
 
-    def _hold(self, seq: int, item: _T) -> list[Step[_T]]:
+    def _hold(self, seq: int, item: _T) -> list[OrderStep[_T]]:
         if seq <= self._live_high:
             return self._restart(seq, item)
         self._pending[seq], self._live_high = item, seq
@@ -229,11 +229,11 @@ class SequenceTracker(Generic[_T]):
             return self._finish_replay("overflow")
         return []
 
-    def _finish_replay(self, reason: str) -> list[Step[_T]]:
+    def _finish_replay(self, reason: str) -> list[OrderStep[_T]]:
         if not self._replaying:
             return []
         pending, self._pending, self._replaying = self._pending, {}, False
-        steps: list[Step[_T]] = []
+        steps: list[OrderStep[_T]] = []
         if pending and min(pending) > self._next:
             steps += self._reset(reason)
             self._next = min(pending)

@@ -170,9 +170,6 @@ class Gossip:
     adapter_names: tuple[Adapter, ...] = ()
 
 
-Message = Gossip
-
-
 # --------------------------------------------------------------------------- forwarding
 
 TOKEN_ID_LIMIT = 2**32  # token ids are in [0, TOKEN_ID_LIMIT)

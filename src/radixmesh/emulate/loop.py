@@ -56,7 +56,7 @@ log = logging.getLogger("radixmesh.emulate")
 ENGINE_SEED = 0x5EED_E061_E000_0001  # the emulated engine's own block-hash seed
 BARRIER_WAIT_S = 5.0
 IDLE_POLL_S = 0.01  # an empty step with requests waiting: look again this much later
-Sink = asyncio.Queue[tuple[int, "int | Finished"]]  # (choice index, token or the end)
+TokenSink = asyncio.Queue[tuple[int, "int | Finished"]]  # (choice index, token or the end)
 
 
 def next_token(seq: Sequence[int]) -> int:
@@ -71,7 +71,7 @@ class Tracked:
     tokens: list[int]  # prompt + output so far
     prompt_len: int
     stop_ids: frozenset[int]
-    sink: Sink
+    sink: TokenSink
     index: int  # its choice index in the HTTP answer
     head: tuple[int, ...] = ()  # its cache_salt's virtual block (core/blocks.namespace_block)
     lora: str | None = None  # the LoRA adapter it runs with
@@ -141,7 +141,7 @@ class EngineLoop:
             await self._sleep(delay)
 
     def submit(self, prompt: Sequence[int], max_tokens: int, stop_ids: frozenset[int],
-               sink: Sink, index: int = 0, cache_salt: str | None = None,
+               sink: TokenSink, index: int = 0, cache_salt: str | None = None,
                lora: str | None = None) -> int:
         """A new sequence; its id. ValueError (naming the field) when it can never run.
         ``cache_salt`` (vLLM's): it reuses only prefixes computed with the same salt."""

@@ -37,7 +37,7 @@ from radixmesh.core.profile import Profile
 from radixmesh.core.scheduler import Finished
 from radixmesh.emulate import metrics, protocol
 from radixmesh.emulate.events import Faults, KvEventPublisher, cancel
-from radixmesh.emulate.loop import ENGINE_SEED, EngineLoop, Sink
+from radixmesh.emulate.loop import ENGINE_SEED, EngineLoop, TokenSink
 from radixmesh.engine.base import Tokenizer
 from radixmesh.engine.tokenizers import ByteTokenizer
 
@@ -203,9 +203,9 @@ class EmulatedEngine:
             return _error(str(exc), 400, exc.param)
 
     @contextlib.asynccontextmanager
-    async def _sequences(self, req: protocol.Completion) -> AsyncIterator[tuple[Sink, int]]:
+    async def _sequences(self, req: protocol.Completion) -> AsyncIterator[tuple[TokenSink, int]]:
         """Submit one sequence per prompt; abort the unfinished ones when the client goes."""
-        sink: Sink = asyncio.Queue()
+        sink: TokenSink = asyncio.Queue()
         seqs: list[int] = []
         await self.loop.admission()  # HTTP, tokenising, the hop to the engine core
         try:
@@ -225,7 +225,7 @@ class EmulatedEngine:
                 self.loop.abort(seq)
             raise
 
-    async def _collect(self, sink: Sink, n: int, emit: Emit,
+    async def _collect(self, sink: TokenSink, n: int, emit: Emit,
                        on_finish: Emit | None = None,
                        flush: Callable[[], Awaitable[None]] | None = None) -> list[Finished]:
         """Feed ``emit(index, token)`` (and ``on_finish(index, record)``) until all ``n``
@@ -247,7 +247,7 @@ class EmulatedEngine:
                 await on_finish(index, item)
         return [f for f in done if f is not None]
 
-    async def _whole(self, req: protocol.Completion, sink: Sink, n: int) -> web.Response:
+    async def _whole(self, req: protocol.Completion, sink: TokenSink, n: int) -> web.Response:
         outs: list[list[int]] = [[] for _ in range(n)]
 
         async def emit(index: int, tok: int) -> None:
@@ -262,7 +262,7 @@ class EmulatedEngine:
         body["usage"] = protocol.usage(done, self.faults.report_cached)
         return web.json_response(body)
 
-    async def _stream(self, request: web.Request, req: protocol.Completion, sink: Sink,
+    async def _stream(self, request: web.Request, req: protocol.Completion, sink: TokenSink,
                       n: int) -> web.StreamResponse:
         resp = await _sse_response(request)
         rid = protocol.new_id(req.chat)

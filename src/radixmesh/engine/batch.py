@@ -63,7 +63,7 @@ from radixmesh.engine.paged_attention import ATTENTION
 from radixmesh.engine.paged_kv import PIECE_TOKENS, PagedKV, pieces
 from radixmesh.engine.sampling import Sampler, greedy_rows, score_prompt
 
-Done = Callable[[GenerateResult | BaseException], None]
+OnResult = Callable[[GenerateResult | BaseException], None]
 
 
 @dataclass(slots=True, eq=False)
@@ -76,7 +76,7 @@ class Live:
     sampler: Sampler
     stops: frozenset[int]
     on_token: TokenCallback | None
-    on_done: Done
+    on_done: OnResult
     submitted: float
     scored: tuple[TokenLogprob | None, ...] = ()
     hashes: list[int] = field(default_factory=list)
@@ -192,7 +192,7 @@ class BatchRunner(KvMirror):
 
     # ------------------------------------------------------------------------- requests
     def submit(self, req: GenerateRequest, budget: int, on_token: TokenCallback | None,
-               on_done: Done, logits: list[torch.Tensor] | None = None) -> int:
+               on_done: OnResult, logits: list[torch.Tensor] | None = None) -> int:
         """Queue a validated request (``budget`` = its max new tokens, >= 0); its id."""
         sp = req.sampling
         prompt = list(req.prompt_ids)

@@ -57,8 +57,8 @@ _SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 _REFUSED = {"use_dora": False, "fan_in_fan_out": False, "bias": "none", "modules_to_save": None,
             "alpha_pattern": {}, "layer_replication": None}
 
-Pair = tuple[torch.Tensor, torch.Tensor]  # A^T [in, r], (scaling * B)^T [r, out]
-Run = tuple[str | None, int]  # consecutive rows of one adapter (None: the base model)
+LoraFactors = tuple[torch.Tensor, torch.Tensor]  # A^T [in, r], (scaling * B)^T [r, out]
+AdapterRun = tuple[str | None, int]  # consecutive rows of one adapter (None: the base model)
 
 
 class HasRequest(Protocol):
@@ -70,7 +70,7 @@ class LoraWeights:
     """One adapter read from its folder: module path -> (A^T, (scaling * B)^T)."""
 
     name: str
-    layers: Mapping[str, Pair]
+    layers: Mapping[str, LoraFactors]
 
     @property
     def rank(self) -> int:
@@ -115,7 +115,7 @@ def read_adapter(name: str, folder: Path, model: torch.nn.Module) -> LoraWeights
     modules = dict(model.named_modules())
     head = getattr(model, "get_output_embeddings", lambda: None)()
     param = next(model.parameters())
-    layers: dict[str, Pair] = {}
+    layers: dict[str, LoraFactors] = {}
     for module, (a, b) in sorted(pairs.items()):
         layer = modules.get(module)
         if not isinstance(layer, torch.nn.Linear) or layer is head:
@@ -133,7 +133,7 @@ def read_adapter(name: str, folder: Path, model: torch.nn.Module) -> LoraWeights
     return LoraWeights(name, layers)
 
 
-def _pairs(folder: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, Pair]:
+def _pairs(folder: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, LoraFactors]:
     found: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         suffix = next((s for s in _SUFFIXES if key.endswith(s)), None)
@@ -156,9 +156,9 @@ class LoraSet:
         self.model = model
         self.adapters: dict[str, LoraWeights] = {}
         self._slot: dict[str, int] = {}  # name -> its index in each layer's table
-        self._tables: dict[str, dict[int, Pair]] = {}  # module path -> slot -> pair
+        self._tables: dict[str, dict[int, LoraFactors]] = {}  # module path -> slot -> pair
         self.groups: list[tuple[int, torch.Tensor | None]] = []  # (slot, rows: None = all)
-        self.pending: list[Run] = []  # the bound step's rows the model has not run yet
+        self.pending: list[AdapterRun] = []  # the bound step's rows the model has not run yet
         model.register_forward_pre_hook(self._next_forward, with_kwargs=True)
 
     def __contains__(self, name: object) -> bool:
@@ -187,7 +187,7 @@ class LoraSet:
             return
         ids = kwargs.get("input_ids", args[0] if args else None)
         n = int(ids.shape[-1]) if isinstance(ids, torch.Tensor) else 0
-        take: list[Run] = []
+        take: list[AdapterRun] = []
         while n > 0 and self.pending:
             name, rows = self.pending[0]
             used = min(rows, n)
@@ -199,7 +199,7 @@ class LoraSet:
                 self.pending[0] = (name, rows - used)
         self.bind_rows(take)
 
-    def _hook(self, table: dict[int, Pair]) -> Any:
+    def _hook(self, table: dict[int, LoraFactors]) -> Any:
         def add_deltas(_module: torch.nn.Module, args: tuple[torch.Tensor, ...],
                        out: torch.Tensor) -> torch.Tensor:
             if not self.groups:
@@ -218,7 +218,7 @@ class LoraSet:
             return out
         return add_deltas
 
-    def bind_rows(self, names: Sequence[Run]) -> None:
+    def bind_rows(self, names: Sequence[AdapterRun]) -> None:
         """Bind consecutive runs of rows: ``(adapter name or None, rows)`` in packing order."""
         if all(name is None for name, _ in names):
             self.groups = []
@@ -246,7 +246,7 @@ def bound(lora: LoraSet | None, step: Step, live: Mapping[SeqId, HasRequest]) ->
     if lora is None or not lora.adapters:
         yield
         return
-    runs: list[Run] = [(live[c.seq].req.adapter, c.tokens) for c in step.prefills]
+    runs: list[AdapterRun] = [(live[c.seq].req.adapter, c.tokens) for c in step.prefills]
     runs += [(live[d.seq].req.adapter, 1) for d in step.decodes]
     lora.pending = runs if any(name is not None for name, _ in runs) else []
     try:

@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from radixmesh.core.step import PrefillChunk, Step
+from radixmesh.core.step import PrefillChunk, SeqId, Step
 
 PIECE_TOKENS = 512  # prefill tokens per model call (``pieces``)
 VIEW_MIN_CONTEXT = 64  # a decode reads a one-run context of at least this many as a view ...
@@ -93,9 +93,6 @@ def pieces(step: Step, budget: int) -> list[Step]:
             start, left, room = start + n, left - n, room - n
     last = len(out) - 1
     return [Step(tuple(p), step.decodes if i == last else (), ()) for i, p in enumerate(out)]
-
-
-SeqId = int
 
 
 def slack_blocks(kv_blocks: int) -> int:

@@ -31,6 +31,8 @@ from typing import Any
 
 from radixmesh.results.records import Record
 
+Row = dict[str, Any]  # one run's entry of a summary.json, or a table row built from one
+
 RENAMED_KEYS = {"comm_delay_ms": "net_delay_ms"}  # a run's old key -> its current name
 
 

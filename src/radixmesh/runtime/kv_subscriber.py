@@ -60,11 +60,11 @@ from radixmesh.core.kv_events import (
 from radixmesh.core.kv_order import (
     Apply,
     Drop,
+    OrderStep,
     ReplayEnd,
     RequestReplay,
     Reset,
     SequenceTracker,
-    Step,
     decode_live_frames,
     decode_replay_frames,
     encode_replay_request,
@@ -293,8 +293,8 @@ class KvSubscriber:
         except RemoteProtocolError:
             return None
 
-    async def _carry_out(self, pub: _Publisher, steps: list[Step[Item]]) -> None:
-        work: collections.deque[Step[Item]] = collections.deque(steps)
+    async def _carry_out(self, pub: _Publisher, steps: list[OrderStep[Item]]) -> None:
+        work: collections.deque[OrderStep[Item]] = collections.deque(steps)
         while work:
             step = work.popleft()
             if isinstance(step, RequestReplay):
@@ -303,7 +303,7 @@ class KvSubscriber:
             else:
                 self._do(pub, step)
 
-    def _do(self, pub: _Publisher, step: Step[Item]) -> None:
+    def _do(self, pub: _Publisher, step: OrderStep[Item]) -> None:
         """Carry out one step other than a replay request."""
         if isinstance(step, Apply):
             self._apply(step.item)
@@ -334,7 +334,7 @@ class KvSubscriber:
                 log.exception("on_change failed")
 
     # ------------------------------------------------------------------------- replay
-    async def _replay(self, pub: _Publisher, start_seq: int) -> list[Step[Item]]:
+    async def _replay(self, pub: _Publisher, start_seq: int) -> list[OrderStep[Item]]:
         """Batches from ``start_seq`` on, as tracker steps; a failure gives up on the gap."""
         self.counts["replays"] += 1
         if pub.replay is None or self._ctx is None:
@@ -353,7 +353,7 @@ class KvSubscriber:
         finally:
             sock.close(0)
 
-    async def _read_replay(self, pub: _Publisher, sock: Any) -> list[Step[Item]]:
+    async def _read_replay(self, pub: _Publisher, sock: Any) -> list[OrderStep[Item]]:
         """Carry out replayed batches as they come (while replaying, the tracker asks for
         nothing but apply / drop / reset); returns the steps of the end marker."""
         loop = asyncio.get_running_loop()

@@ -31,14 +31,14 @@ from dataclasses import dataclass
 
 from radixmesh.sim.clock import EventLoop
 
-Done = Callable[[float], None]  # called with the request's elapsed (wall) service time
+OnServed = Callable[[float], None]  # called with the request's elapsed (wall) service time
 
 
 @dataclass(slots=True)
 class _Job:
     remaining: float  # seconds of work left at full speed
     started: float
-    done: Done
+    done: OnServed
     version: int = 0
 
 
@@ -63,7 +63,7 @@ class SharedCompute:
         n = len(self._jobs)
         return 1.0 if n <= self.cores else self.cores / n
 
-    def start(self, work_s: float, done: Done) -> int:
+    def start(self, work_s: float, done: OnServed) -> int:
         """Start a request of ``work_s`` seconds of work; ``done(elapsed)`` when it ends.
         Returns its key (for :meth:`cancel`)."""
         if work_s < 0:

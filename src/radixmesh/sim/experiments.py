@@ -56,10 +56,10 @@ from radixmesh.sim.sweep import (
     tokenizer_for,
 )
 
-Log = Callable[[str], None]
+LogFn = Callable[[str], None]
 
 
-def _log(args: argparse.Namespace) -> Log:
+def _log(args: argparse.Namespace) -> LogFn:
     if getattr(args, "quiet", False):
         return lambda _m: None
     return lambda m: print(f"[experiment] {m}", file=sys.stderr, flush=True)
@@ -264,7 +264,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_convergence(args: argparse.Namespace, log: Log) -> list[dict[str, Any]]:
+def run_convergence(args: argparse.Namespace, log: LogFn) -> list[dict[str, Any]]:
     modes = [m for m in split_csv(args.gossip_mode) if m != "auto"] or ["delta", "epidemic"]
     rows = []
     for n in (int(x) for x in split_csv(args.nodes)):
@@ -306,7 +306,7 @@ def _s(v: float | None) -> str:
     return "never" if v is None else f"{v:.2f}s"
 
 
-def run_breakeven(args: argparse.Namespace, log: Log) -> list[dict[str, Any]]:
+def run_breakeven(args: argparse.Namespace, log: LogFn) -> list[dict[str, Any]]:
     models = [costs.resolve(m) for m in split_csv(args.cost_model)]
     lengths = [256, 540, 1024, 2048, 3000, 4096, 8192, 16384]
     rows = breakeven_table(models, lengths)
@@ -386,7 +386,7 @@ def _crossing(ratios: dict[float, float]) -> float | None:
     return None
 
 
-def _sweep(args: argparse.Namespace, log: Log, **override: Any) -> list[dict[str, Any]]:
+def _sweep(args: argparse.Namespace, log: LogFn, **override: Any) -> list[dict[str, Any]]:
     """The ordinary ``radixmesh sim`` sweep at each N, requests scaled with N."""
     cost = costs.resolve(args.cost_model)
     policies = parse_policies(args.policy)
@@ -410,11 +410,11 @@ def _sweep(args: argparse.Namespace, log: Log, **override: Any) -> list[dict[str
     return rows
 
 
-def run_scale(args: argparse.Namespace, log: Log) -> list[dict[str, Any]]:
+def run_scale(args: argparse.Namespace, log: LogFn) -> list[dict[str, Any]]:
     return _sweep(args, log)
 
 
-def run_pushback(args: argparse.Namespace, log: Log) -> list[dict[str, Any]]:
+def run_pushback(args: argparse.Namespace, log: LogFn) -> list[dict[str, Any]]:
     rows = []
     for label, threshold in (("on", args.pushback_threshold), ("off", PUSHBACK_OFF)):
         for row in _sweep(args, log, pushback_threshold=threshold):

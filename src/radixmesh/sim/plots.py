@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-Row = dict[str, Any]
+from radixmesh.results.run_summary import Row
 
 
 def _plt() -> Any:

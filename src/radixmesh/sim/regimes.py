@@ -47,11 +47,10 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from radixmesh.results.run_summary import Row
 from radixmesh.sim.sweep import cluster_cost, profile_costs, sweep_point
 
-Row = dict[str, Any]
 POLICIES = "none,cost,llmd,cache_aware"
 WORKLOADS = ("chat", "rag", "agentic", "hotprefix")
 LOADS = (0.5, 0.8)

@@ -30,10 +30,9 @@ import argparse
 import json
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from radixmesh.core.router import Policy, RouterConfig
-from radixmesh.results.run_summary import load_summary
+from radixmesh.results.run_summary import Row, load_summary
 from radixmesh.sim.gateway import CACHE_AWARE, GatewayConfig
 from radixmesh.sim.network import NetworkConfig, parse_regions
 from radixmesh.sim.runner import SimSpec
@@ -44,7 +43,6 @@ from radixmesh.sim.tokens import TOKENIZERS
 from radixmesh.workload import WorkloadSpec, build
 from radixmesh.workload.request import Request
 
-Row = dict[str, Any]
 GATEWAYS = {"sglang": CACHE_AWARE, "smg": CACHE_AWARE}  # bench policy -> the sim's gateway
 REPLAYABLE = {p.value for p in Policy} | set(GATEWAYS)
 

@@ -68,7 +68,7 @@ class SimResult:
     extras: list[dict[str, Any]] = field(default_factory=list)  # per record, sim-only fields
 
 
-Progress = Callable[[int, int], None]
+ProgressFn = Callable[[int, int], None]
 JOIN_PEERS = 64  # warm-up: routable peers each node needs before clients start (large N)
 
 
@@ -87,7 +87,7 @@ class _Driver:
         self.t0 = 0.0
         self.sessions = Sessions(requests)
         self.idle_clients = 0  # closed loop: clients with nothing they may send yet
-        self.progress: Progress | None = None
+        self.progress: ProgressFn | None = None
         self.joined_after_s: float | None = None
         self.journeys: list[Journey | None] = [None] * len(requests)
         self.warm_sent = 0  # warm-up requests sent
@@ -218,7 +218,7 @@ def run(
     spec: SimSpec,
     requests: Sequence[Request],
     tokenize: Tokenize,
-    progress: Progress | None = None,
+    progress: ProgressFn | None = None,
 ) -> SimResult:
     driver = _Driver(spec, requests, tokenize)
     driver.progress = progress

@@ -281,7 +281,7 @@ class Counters:
     peer_states: list[tuple[float, str, str, str, str]] = field(default_factory=list)
 
 
-Completion = Callable[[Journey], None]
+OnJourneyDone = Callable[[Journey], None]
 
 
 class SimCluster:
@@ -298,7 +298,7 @@ class SimCluster:
         self.by_address = {n.address: n for n in self.nodes}
         self.by_id = {n.node_id: n for n in self.nodes}
         self.counters = Counters()
-        self.on_complete: Completion = lambda f: None
+        self.on_complete: OnJourneyDone = lambda f: None
         self.active: dict[int, Journey] = {}
         self.record_peer_states = config.nodes <= 64
         self.holders: dict[int, int] = {}  # block hash -> up nodes whose engine caches it

@@ -33,7 +33,7 @@ from typing import Any
 
 from radixmesh.core.config import GossipConfig, PushbackConfig
 from radixmesh.core.router import Policy, RouterConfig
-from radixmesh.results.run_summary import load_summary
+from radixmesh.results.run_summary import Row, load_summary
 from radixmesh.sim.costs import CostModel
 from radixmesh.sim.network import NetworkConfig
 from radixmesh.sim.runner import SimSpec
@@ -43,7 +43,6 @@ from radixmesh.sim.sweep import requests_for, tokenizer_for
 from radixmesh.workload import schedule
 
 SIM_POLICIES = {p.value for p in Policy}
-Row = dict[str, Any]
 
 
 def real_runs(real_dir: Path) -> list[Row]:

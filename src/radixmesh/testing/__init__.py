@@ -5,7 +5,7 @@ over a simulated network (delay, jitter, loss, duplication, reordering, partitio
 virtual clock, in microseconds of real time.
 """
 
-from radixmesh.testing.fakenet import Delivery, FakeNetwork, LinkConfig, VirtualClock
+from radixmesh.testing.fakenet import Datagram, FakeNetwork, LinkConfig, VirtualClock
 from radixmesh.testing.twin import TwinCluster
 
-__all__ = ["Delivery", "FakeNetwork", "LinkConfig", "TwinCluster", "VirtualClock"]
+__all__ = ["Datagram", "FakeNetwork", "LinkConfig", "TwinCluster", "VirtualClock"]

@@ -25,12 +25,12 @@ from collections.abc import Iterable
 from radixmesh.core import link as core_link
 from radixmesh.core.link import InFlight, LinkConfig, Wire
 
-__all__ = ["DEFAULT_LINK", "Delivery", "FakeNetwork", "LinkConfig", "VirtualClock"]
+__all__ = ["DEFAULT_LINK", "Datagram", "FakeNetwork", "LinkConfig", "VirtualClock"]
 
 DEFAULT_LINK = LinkConfig(delay_s=0.001)  # the link of every pair not given its own
 
 
-Delivery = core_link.Delivery[str, bytes]  # one datagram arriving: at, src, dst, payload
+Datagram = core_link.Delivery[str, bytes]  # one datagram arriving: at, src, dst, payload
 
 
 class VirtualClock:
@@ -100,7 +100,7 @@ class FakeNetwork:
     def next_time(self) -> float | None:
         return self._flight.next_time()
 
-    def pop_due(self, now: float) -> list[Delivery]:
+    def pop_due(self, now: float) -> list[Datagram]:
         out = self._flight.pop_due(now)
         self.stats["delivered"] += len(out)
         return out
