@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
@@ -22,7 +23,7 @@ from radixmesh.bench import plan, replay
 from radixmesh.bench import runner as runner_mod
 from radixmesh.bench.capacities import Capacities
 from radixmesh.bench.emulated import PLANNED, planned_capacity
-from radixmesh.bench.replay import CapacityProbe, mode_of
+from radixmesh.bench.replay import CapacityProbe, mode_of, timing_probe
 from radixmesh.bench.runner import GATEWAYS, Runner, RunResult, batches, summary_entry
 from radixmesh.bench.sglang import SglangRouter
 from radixmesh.bench.smg import Smg
@@ -523,3 +524,17 @@ def test_a_resumed_sweep_is_timed_at_the_capacity_its_first_attempt_measured(
     logged: list[str] = []
     runner = Runner(tmp_path, progress=False, log=logged.append)
     assert runner.run_all([], skip_done=True) == [] and "measured anew" in logged[0]
+
+
+def test_an_emulated_point_resumed_across_the_load_basis_change_is_flagged() -> None:
+    spec = RunSpec(name="n", policy="none", engine="emulated", profiles="h100-llama3-8b",
+                   nodes=4, workload=WorkloadSpec(kind="rag", requests=20, load=0.8))
+    reqs = build(spec.workload, 4)
+    said: list[str] = []
+    planned = planned_capacity("h100-llama3-8b", 4, reqs)
+    probe = timing_probe(spec, reqs, reqs[:4], 0.8, planned, 16, said.append)
+    assert (probe.planned, probe.clients, said) == (planned, 4, [])  # the same basis: quiet
+    timing_probe(spec, reqs, reqs[:4], 0.8, 100.0, 16, said.append)  # a probe's, earlier
+    assert len(said) == 1 and "100.00 req/s" in said[0]
+    plain = replace(spec, engine="builtin", profiles="")
+    assert timing_probe(plain, reqs, reqs[:4], 0.8, None, 16, said.append).planned is None

@@ -42,7 +42,7 @@ from typing import Any
 import httpx
 
 from radixmesh.bench import client
-from radixmesh.bench.emulated import PLANNED
+from radixmesh.bench.emulated import PLANNED, planned_capacity
 from radixmesh.bench.launcher import BenchCluster
 from radixmesh.bench.oracle import Oracle, fed_output, output_ids
 from radixmesh.bench.prompts import prompt_ids, tokenizer_for
@@ -126,6 +126,20 @@ class CapacityProbe:
                 "load": self.load, "throughput_rps": self.throughput,
                 "capacity_rps": self.capacity_rps, "basis": self.basis,
                 "rate": self.rate}  # fmt: skip
+
+
+def timing_probe(spec: RunSpec, requests: Sequence[Request], probe_requests: Sequence[Request],
+                 load: float, earlier: float | None, probe_clients: int,
+                 log: Callable[[str], None]) -> CapacityProbe:
+    """What times a batch at ``load``: the engines' planned capacity on an emulated mesh, else
+    a probe (or the capacity an earlier batch of the point measured: ``earlier``)."""
+    planned = (planned_capacity(spec.profiles, spec.nodes, requests)
+               if spec.engine == "emulated" else None)
+    if planned is not None and earlier is not None and abs(earlier - planned) > planned / 100:
+        log(f"warning: this point's earlier runs were timed at {earlier:.2f} req/s (a probe's: "
+            f"--load was of a probe then), these at {planned:.2f} (planned): compare with care")
+    clients = min(probe_clients, len(probe_requests))
+    return CapacityProbe(probe_requests, clients, load, earlier, planned)
 
 
 async def replay_together(

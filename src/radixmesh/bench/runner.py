@@ -44,12 +44,11 @@ from radixmesh.bench.after_run import (
     save_decisions,
 )
 from radixmesh.bench.capacities import Capacities
-from radixmesh.bench.emulated import planned_capacity
 from radixmesh.bench.launcher import BenchCluster, ClusterFactory, local_cluster
 from radixmesh.bench.oracle import Oracle
 from radixmesh.bench.progress import Progress
 from radixmesh.bench.prompts import BLOCK_SIZE, ideal_hit_rate, make_admit, tokenizer_for
-from radixmesh.bench.replay import CapacityProbe, Replay, mode_of, replay_together
+from radixmesh.bench.replay import Replay, mode_of, replay_together, timing_probe
 from radixmesh.bench.run_result import RunResult, summary_entry
 from radixmesh.bench.sglang import Gateway, SglangRouter
 from radixmesh.bench.smg import Smg
@@ -298,13 +297,9 @@ class Runner:
         first = live[0][0]
         pairs = [(replay, res.requests) for res, replay, _, _ in live]
         load = first.spec.workload.load
-        probe = None
-        if load is not None:
-            clients = min(self.probe_clients, len(first.probe_requests))
-            planned = (planned_capacity(first.spec.profiles, first.spec.nodes, first.requests)
-                       if first.spec.engine == "emulated" else None)
-            probe = CapacityProbe(first.probe_requests, clients, load,
-                                  self._capacity.get(rate_id(first.spec)), planned)  # fmt: skip
+        probe = None if load is None else timing_probe(
+            first.spec, first.requests, first.probe_requests, load,
+            self._capacity.get(rate_id(first.spec)), self.probe_clients, self.log)
         meters = [CpuMeter(process_ids(cluster, replay)) for _, replay, cluster, _ in live]
         try:
             ran = asyncio.run(replay_together(pairs, first.mode, probe,
