@@ -538,3 +538,14 @@ def test_an_emulated_point_resumed_across_the_load_basis_change_is_flagged() -> 
     assert len(said) == 1 and "100.00 req/s" in said[0]
     plain = replace(spec, engine="builtin", profiles="")
     assert timing_probe(plain, reqs, reqs[:4], 0.8, None, 16, said.append).planned is None
+
+
+def test_a_run_keeps_the_capacities_another_attempt_wrote_without_using_them(
+    tmp_path: Any,
+) -> None:
+    path = tmp_path / runner_mod.CAPACITY_FILE
+    Capacities(path).remember('{"a": 1}', 100.0)  # an earlier attempt's point
+    later = Capacities(path)  # a run not resumed: measures its own
+    later.remember('{"b": 2}', 50.0)
+    assert later.get('{"a": 1}') is None  # not used to time this run
+    assert Capacities.load(path).known == {'{"a": 1}': 100.0, '{"b": 2}': 50.0}

@@ -19,6 +19,9 @@ class Capacities:
 
     path: Path
     known: dict[str, float] = field(default_factory=dict)
+    # the file's entries when this run first wrote it (another attempt's points): written back
+    # beside ours, never used to time this run (only ``--resume`` does: ``load``)
+    kept: dict[str, float] | None = None
 
     @classmethod
     def load(cls, path: Path) -> Capacities:
@@ -41,12 +44,13 @@ class Capacities:
         """The first capacity measured for ``key`` stays; the file is rewritten, keeping the
         keys it held that this run did not measure (another attempt's points)."""
         self.known.setdefault(key, capacity_rps)
-        try:
-            for k, v in Capacities.load(self.path).known.items():
-                self.known.setdefault(k, v)
-        except ValueError:
-            pass  # not ours: replaced
-        entries = [{"rate_key": json.loads(k), "capacity_rps": v} for k, v in self.known.items()]
+        if self.kept is None:  # read once
+            try:
+                self.kept = Capacities.load(self.path).known
+            except ValueError:
+                self.kept = {}  # not ours: replaced
+        both = {**self.kept, **self.known}
+        entries = [{"rate_key": json.loads(k), "capacity_rps": v} for k, v in both.items()]
         tmp = self.path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps({"capacities": entries}, indent=2) + "\n", encoding="utf-8")
         tmp.replace(self.path)
