@@ -384,25 +384,25 @@ def _type_names(node: ast.stmt) -> list[str]:
     return [n for n in names if TYPE_NAME.fullmatch(n)]
 
 
-def _public_classes() -> dict[str, list[str]]:
+def _public_type_names() -> dict[str, list[str]]:
     """Every public top-level class or type alias under src/, by name: the modules defining it."""
     where: dict[str, list[str]] = {}
-    for path in sorted((SRC / ROOT_PACKAGE).rglob("*.py")):
-        for node in ast.parse(path.read_text()).body:
+    for path in _source_files():
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
             for name in _type_names(node):
                 where.setdefault(name, []).append(str(path.relative_to(SRC)))
     return where
 
 
-def test_no_two_public_classes_share_a_name() -> None:
-    """One meaning per name: a class name names one class in the whole package (an event and a
-    wire message, or a core record and a chaos helper, once shared names)."""
-    twice = {name: mods for name, mods in _public_classes().items() if len(mods) > 1}
-    assert not twice, f"class names defined in more than one module: {twice}"
+def test_no_two_public_type_names_alike() -> None:
+    """One meaning per name: a class or type alias name names one type in the whole package
+    (an event and a wire message, or a core record and a chaos helper, once shared names)."""
+    twice = {name: mods for name, mods in _public_type_names().items() if len(mods) > 1}
+    assert not twice, f"type names defined in more than one module: {twice}"
 
 
-def test_the_class_name_check_sees_every_module() -> None:
-    found = _public_classes()
+def test_the_type_name_check_sees_every_module() -> None:
+    found = _public_type_names()
     assert found["NodeCore"] == ["radixmesh/core/node.py"]
     assert "ForwardAccepted" in found and "ForwardAdmitted" in found
     assert found["Row"] == ["radixmesh/results/run_summary.py"]  # an alias counts too
