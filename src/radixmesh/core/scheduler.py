@@ -67,7 +67,7 @@ Why 400 lines: plan, admit, preempt and complete share one SeqState book (the re
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from itertools import islice
 
 from radixmesh.core.blocks import NamespaceHeads, block_hashes, extend_hashes
@@ -276,7 +276,7 @@ class Scheduler(DecodeRuns):
         """Give ``s`` the blocks for ``kv_tokens`` KV tokens, preempting from the tail of
         running (never one planned earlier in this step); False if ``s`` itself went."""
         need = self._pool.blocks_for(kv_tokens, s.cached) - s.private
-        while not self._pool.grow(need, self._spare()):
+        while not self._pool.grow(need, self._spare(islice(self._waiting, WINDOW))):
             victim = self._running[-1]
             self._preempt(victim)
             preempted.append(victim.id)
@@ -285,15 +285,16 @@ class Scheduler(DecodeRuns):
         s.private += need
         return True
 
-    def _spare(self) -> list[list[int]]:
-        return [] if self._vllm else [w.tokens for w in islice(self._waiting, WINDOW)]
+    def _spare(self, waiting: Iterable[SeqState]) -> list[list[int]]:
+        """The prompts eviction should keep for ``waiting`` (none under vLLM's rules)."""
+        return [] if self._vllm else [w.tokens for w in waiting]
 
     def _admit(self, budget: int, prefills: list[PrefillChunk], now: float) -> None:
         """Admit from the first ``WINDOW`` waiting requests in order, skipping deferred ones;
         each admission counts against every skipped one ahead of it, and once one of them has
         been passed ``max_overtake`` times the scan restarts at it (it is no longer deferred)."""
         window = deque(self._waiting.popleft() for _ in range(min(WINDOW, len(self._waiting))))
-        spare = [] if self._vllm else [w.tokens for w in window]
+        spare = self._spare(window)
         skipped: list[SeqState] = []
         while window and budget > 0 and len(self._running) < self.config.max_running:
             c = window.popleft()
