@@ -4,10 +4,11 @@ Theory of operation
 -------------------
 Three states of this node keep work away, each decided here and nowhere else:
 
-* **push-back** (``PushbackConfig``): a queue over ``queue_threshold`` (and, with
-  ``relative``, over that many times the mean queue its peers reported) advertises a
-  back-off for ``duration_s`` in the very next gossip round (the node's shell ticks it at
-  once), and peers stop routing to it the moment the message arrives;
+* **push-back** (``PushbackConfig``; not for a batching engine, :meth:`pushes_back_at`): a
+  queue over ``queue_threshold`` (and, with ``relative``, over that many times the mean
+  queue its peers reported) advertises a back-off for ``duration_s`` in the very next
+  gossip round (the node's shell ticks it at once), and peers stop routing to it the
+  moment the message arrives;
 * **bounded admission** (``AdmissionConfig``): :func:`admission` says when the queue is
   *full* (requests, expected wait, tokens); a full node skips itself for its own clients'
   requests (the lifecycle tries its peers, then rejects with a retry-after) and refuses
@@ -162,9 +163,20 @@ class AdmissionControl:
         of a mesh that caches 85 % (4 nodes) turned into a collapse, every queue over the
         threshold, every node pushed back, every request computed where it entered (`cost`
         1.0x `none`, 3.4 s a request, against the gateway model's 0.35 s); at 16 nodes from
-        80 %."""
+        80 %.
+
+        A node whose engine reports a batch (``LoadChanged.batch``: a batching engine, its
+        shadow's state) never pushes back at a depth: its depth counts the requests running in
+        the batch, not a queue, and its predicted TTFT already prices its load (as the load
+        bound exempts it, ``core/cost_model.py``). A holder of popular prefixes runs more of
+        them at once than its peers, so the depth rule sent its hits away as cold copies on
+        the nodes they entered, adding prefill to a mesh already at its limit: 16 emulated
+        H100s, RAG at 80 % of the planned capacity, `cost` 2.26x SMG's TTFT on real processes
+        (hits 80 / 87 %); in the simulator 0.56 s against the gateway's 0.13-0.24 s, 0.56
+        refusals per request, 41 % of requests fallen back (issue #52). Forwards it cannot
+        beat are still refused as slower (their ``beat_s``), and a full node as full."""
         pb = self._config.pushback
-        if depth <= pb.queue_threshold:
+        if depth <= pb.queue_threshold or self._own.load.batch is not None:
             return False
         if pb.relative is None or not self._peers.reported():
             return True
