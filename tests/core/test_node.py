@@ -37,6 +37,7 @@ from radixmesh.core.events import (
 )
 from radixmesh.core.node import NodeCore
 from radixmesh.core.router import Policy, RouteInput, RouterConfig, Tag
+from radixmesh.core.shadow_state import BatchState
 from radixmesh.testing import LinkConfig, TwinCluster
 
 FP = Fingerprint("test-model", "bytes", 16)
@@ -472,6 +473,21 @@ def test_a_node_at_its_pushback_threshold_refuses_forwards() -> None:
     node.handle(LoadChanged(0, 0, 0, 100), 0.9)
     assert refusal(node, 0.9) is None
     assert node.metrics()["forwards_refused_busy"] == 2
+
+
+def test_a_node_fronting_a_batching_engine_never_pushes_back_at_a_depth() -> None:
+    """A load with a batch (a batching engine) counts its batch in its depth: 40 running is
+    no queue, so neither push-back nor a busy refusal; the same depth without one is."""
+    node = lone_node(pushback=PushbackConfig(queue_threshold=2, duration_s=1.5))
+    node.handle(Tick(), 0.0)
+    batch = BatchState(0.005, 1e-4, 0.0, 1e-4, 0.0, 8192, 256, 500_000, 40, 0, 40, 40_000,
+                       0, 40_000, 0.0, 0.004, 0.05, 80.0)
+    node.handle(LoadChanged(40, 40, 0, 100, batch=batch), 0.1)
+    assert refusal(node, 0.1) is None
+    assert node.metrics()["pushback_started"] == 0
+    node.handle(LoadChanged(40, 1, 0, 100), 0.2)  # no batch report: a queue 40 deep
+    assert refusal(node, 0.2) == 1.5
+    assert node.metrics()["pushback_started"] == 1
 
 
 def test_a_forward_is_refused_when_this_node_would_not_beat_the_senders_prediction() -> None:
