@@ -22,7 +22,13 @@ from radixmesh.core.estimators import (
     prefill_work,
     speed_is_stale,
 )
-from radixmesh.core.load_estimates import QueuedBlocks, RttTable, Utilization, WaitError
+from radixmesh.core.load_estimates import (
+    Lateness,
+    QueuedBlocks,
+    RttTable,
+    Utilization,
+    WaitError,
+)
 
 PRIORS = CostPriors()
 
@@ -314,6 +320,21 @@ def test_wait_error_is_the_size_of_recent_residuals_and_fades_when_forwards_stop
     assert exact.spread(50.0) == 0.0
     with pytest.raises(ValueError):
         WaitError(alpha=0.0, window_s=1.0)
+
+
+def test_lateness_is_the_signed_mean_of_recent_residuals_and_fades() -> None:
+    late = Lateness(alpha=0.2, window_s=10.0)
+    assert late.value(0.0) == 0.0
+    for i in range(200):
+        late.observe(0.08 if i % 2 else 0.02, i * 0.01)  # 50 ms late on average
+    assert late.value(2.0) == pytest.approx(0.05, abs=0.01)
+    assert late.value(12.0) == pytest.approx(late.value(2.0) * math.exp(-1), rel=1e-6)
+    early = Lateness(alpha=0.5, window_s=10.0)
+    for i in range(50):
+        early.observe(-0.03, float(i) * 0.01)  # early: a negative correction, unlike WaitError
+    assert early.value(0.5) == pytest.approx(-0.03, rel=0.01)
+    early.observe(float("inf"), 0.5)  # ignored
+    assert early.value(0.5) == pytest.approx(-0.03, rel=0.01)
 
 
 def _chain(tokens: list[int], bs: int) -> list[int]:

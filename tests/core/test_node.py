@@ -621,6 +621,63 @@ def test_the_queue_waits_forwards_met_teach_the_error_of_that_peers_predictions(
     assert n0.metrics()["forward_waits_rejected"] == 1 and error() <= first
 
 
+def test_how_late_a_peers_first_tokens_come_corrects_its_predicted_wait() -> None:
+    """A forward whose first token came later than the chosen candidate's ``ttft_s`` teaches
+    that peer's lateness (signed, decaying): added to its predicted wait, a peer whose
+    forwards answer late loses a near tie to this node; one answering early gains none of a
+    negative wait, and a measurement the shell could not make teaches nothing."""
+    rng = random.Random(5)
+    c = warm_cluster(2, policy=Policy.COST)
+    chain = hashes_of(c, "n1", rng, n=40)
+    c.run_for(1.0)
+    n0 = c.nodes["n0"]
+
+    def lateness() -> float:
+        [peer] = n0.mesh_state(c.now)["peers"]  # type: ignore[misc]
+        return float(peer["lateness_s"])
+
+    [head] = n0.route(chain, 700, 0, 1, c.now)[:1]
+    assert head.node_id == "n1" and head.ttft_s is not None  # its hit wins
+    for rid in range(1, 40):
+        [action] = c.deliver("n0", RequestArrived(rid, tuple(chain), 700, 0, 1))
+        if not isinstance(action, Forward):
+            break
+        c.deliver("n0", ForwardAccepted(rid, "n1", 640))
+        c.deliver("n0", RequestDone(rid, forward_overhead_s=0.004, forward_queue_s=0.0,
+                                    forward_ttft_s=head.ttft_s + 1.0))
+    else:
+        raise AssertionError("a peer answering a second late kept every request")
+    assert rid > 1 and lateness() > 0.1
+    later = c.now + 60.0
+    c.run_until(later)  # no forwards for six windows: the correction fades
+    assert lateness() < 0.01
+    before = lateness()
+    c.deliver("n0", RequestDone(10_000, forward_ttft_s=0.5))  # no such flight: stale
+    assert lateness() == before
+
+
+def test_a_batching_peers_refusal_teaches_lateness_and_a_queues_does_not() -> None:
+    """A refusal as slower says the peer's wait: for a peer whose view is a batch report
+    (aged, which a point report cannot replace) the excess over the predicted wait is
+    learnt as lateness; a peer without one takes it as its queue (no lateness, or the two
+    would count the same wait twice)."""
+    def lateness(c: TwinCluster) -> float:
+        [peer] = c.nodes["n0"].mesh_state(c.now)["peers"]  # type: ignore[misc]
+        return float(peer["lateness_s"])
+
+    for batching in (True, False):
+        c = warm_cluster(2, policy=Policy.COST)
+        chain = tuple(hashes_of(c, "n1", random.Random(2), n=64))
+        batch = BatchState(0.005, 1e-4, 0.0, 1e-4, 0.0, 8192, 256, 500_000, 1, 0, 1, 1_000,
+                           0, 1_000, 0.0, 0.0, 0.05, 10.0) if batching else None
+        c.deliver("n1", LoadChanged(1, 1, 0, 1 << 20, batch=batch))
+        c.run_for(1.0)
+        [first] = c.deliver("n0", RequestArrived(1, chain, 1100, 0, 1))
+        assert isinstance(first, Forward) and first.peer_id == "n1"
+        c.deliver("n0", ForwardRefused(1, "n1", 0.0, 2.0))
+        assert (lateness(c) > 0.1) is batching
+
+
 def test_rent_spent_forwarding_to_a_holder_buys_a_local_copy_in_the_end() -> None:
     """Each first ranking that forwards to the holder of a prefix this node lacks adds that
     round trip to the prefix's rent; re-rankings add nothing; once the rent reaches what a

@@ -8,7 +8,7 @@ its queue (exact for self, expected for a peer), speed and utilization. From tho
 
 * :func:`predict_service` — engine time (the uncached part prefilled, then decode);
 * :func:`predict_wait` — queue wait (each place priced by the queued tokens for self, else
-  at the mean service time);
+  at the mean service time; a peer's corrected by how late its forwards lately answered);
 * :func:`predict_latency` — round trip (peers) + wait + service: what the request sees;
 * :func:`mesh_cost` — that, plus what the choice costs the requests queued behind it and
   those arriving while it runs: what the cost policy ranks by;
@@ -76,6 +76,9 @@ class NodeInfo:
     # a batching engine's batch (exact for self, from its shadow; a peer's report aged):
     # its wait and service are then its predicted TTFT's parts (``core/shadow_state.py``)
     batch: BatchState | None = None
+    # how much later than predicted its forwarded first tokens lately came (a peer's, learnt
+    # from our forwards: ``load_estimates.Lateness``; signed); 0 for self. Added to the wait
+    lateness_s: float = 0.0
 
     @property
     def available(self) -> bool:
@@ -160,11 +163,14 @@ def predict_prefill(req: RouteInput, node: NodeInfo, context_scale: float) -> fl
 def predict_wait(node: NodeInfo) -> float:
     """The queue wait a request meets on ``node``: its queue, each place priced by what the
     queued requests will compute (else at the node's mean service time); on a batching
-    engine, the prompt work ahead of it and the step under way (``ttft_parts``)."""
+    engine, the prompt work ahead of it and the step under way (``ttft_parts``); plus, for a
+    peer, how late its forwards' first tokens lately came (``lateness_s``, never below 0)."""
     if node.batch is not None:
-        return ttft_parts(node.batch, 1, 0)[0]
-    per = node.speed.mean_service_s if node.queue_service_s is None else node.queue_service_s
-    return node.queue_depth * per
+        wait = ttft_parts(node.batch, 1, 0)[0]
+    else:
+        per = node.speed.mean_service_s if node.queue_service_s is None else node.queue_service_s
+        wait = node.queue_depth * per
+    return wait if node.lateness_s == 0.0 else max(0.0, wait + node.lateness_s)
 
 
 def predict_ttft(req: RouteInput, node: NodeInfo, context_scale: float) -> float:

@@ -130,4 +130,5 @@ class NodeReport:
             "rtt_s": self.rtt.get(peer),
             "rtt_measured": self.rtt.measured(peer),
             "wait_error_s": self.peers.spread_of(peer, now),
+            "lateness_s": self.peers.lateness_of(peer, now),
         }

@@ -16,6 +16,8 @@ part turns them into the :class:`~radixmesh.core.router.NodeInfo` the router ran
   not pushed back;
 * **wait errors**: how far our predictions of a peer's queue wait were from the waits our
   forwards met there (``WaitError``): a forward must save more than that;
+* **lateness**: how much later than predicted our forwards' first tokens came from a peer
+  (``Lateness``): added to its predicted wait;
 * **idle peers** (:meth:`PeerLoads.least_loaded`): the cost policy also considers the two
   least-loaded unmatched peers, found through a lazily cleaned heap of the reports.
 
@@ -28,16 +30,18 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass
+from typing import TypeVar
 
 from radixmesh.core.config import NodeConfig
 from radixmesh.core.cost_model import NodeInfo
 from radixmesh.core.estimators import SpeedReport
 from radixmesh.core.gossip import Gossiper
 from radixmesh.core.lifecycle import Lifecycle
-from radixmesh.core.load_estimates import RttTable, WaitError
+from radixmesh.core.load_estimates import Lateness, RttTable, WaitError
 from radixmesh.core.peer_estimate import PeerEstimate, bump
 from radixmesh.core.shadow_state import BatchState, aged
 
+_Kept = TypeVar("_Kept")
 IDLE_PEERS = 2  # unmatched least-loaded peers the cost policy also considers
 # a peer reporting a longer queue wait (a forward's, or its refusal's) is not believed
 MAX_REPORTED_WAIT_S = 3600.0
@@ -82,6 +86,8 @@ class PeerLoads:
         self._idle: list[tuple[int, float, str]] = []  # (queue depth, stamp, peer) lazy heap
         # per peer: how far the queue waits our forwards met were from what we predicted
         self._wait_errors: dict[str, WaitError] = {}
+        # per peer: how much later than predicted our forwards' first tokens came from it
+        self._lateness: dict[str, Lateness] = {}
         self._batches: dict[str, BatchSeen] = {}  # peer -> its latest batch report
 
     # ------------------------------------------------------------------------ reports
@@ -173,6 +179,7 @@ class PeerLoads:
             batch=batch,
             utilization=load.utilization,
             wait_error_s=self.spread_of(peer, now),
+            lateness_s=self.lateness_of(peer, now),
             kv_usage=load.cache_tokens / load.cache_budget if load.cache_budget > 0 else 0.0,
         )
 
@@ -263,14 +270,39 @@ class PeerLoads:
         """A forward to ``peer`` met a queue wait ``residual_s`` longer than predicted."""
         self._wait_error(peer).observe(residual_s, now)
 
+    def reports_batch(self, peer: str) -> bool:
+        """Whether ``peer``'s view is a batch report (a batching engine), not a queue."""
+        return peer in self._batches
+
+    def lateness_of(self, peer: str, now: float) -> float:
+        """How much later than predicted ``peer``'s forwarded first tokens lately came."""
+        late = self._lateness.get(peer)
+        return 0.0 if late is None else late.value(now)
+
+    def late_by(self, peer: str, residual_s: float, now: float) -> None:
+        """A forward to ``peer`` met it ``residual_s`` later than predicted (its first token,
+        or the wait its refusal said). The prediction had the correction in force added
+        (``predict_wait``), so that is added back: what is learnt is the raw error, not what
+        is left of it (which would settle at half the error)."""
+        late = self._lateness.get(peer)
+        if late is None:
+            cfg = self._config
+            self._lateness = self._trimmed(self._lateness)
+            late = self._lateness[peer] = Lateness(cfg.priors.alpha, cfg.router.error_window_s)
+        late.observe(residual_s + late.value(now), now)
+
     def _wait_error(self, peer: str) -> WaitError:
-        """``peer``'s queue-wait prediction error, created on first use; entries of peers no
-        longer routable are dropped when the table outgrows the membership."""
+        """``peer``'s queue-wait prediction error, created on first use."""
         err = self._wait_errors.get(peer)
         if err is None:
-            routable = self._gossip.routable
-            if len(self._wait_errors) > 2 * len(routable) + 16:
-                self._wait_errors = {p: e for p, e in self._wait_errors.items() if p in routable}
             cfg = self._config
+            self._wait_errors = self._trimmed(self._wait_errors)
             err = self._wait_errors[peer] = WaitError(cfg.priors.alpha, cfg.router.error_window_s)
         return err
+
+    def _trimmed(self, table: dict[str, _Kept]) -> dict[str, _Kept]:
+        """``table`` without the peers no longer routable once it outgrows the membership."""
+        routable = self._gossip.routable
+        if len(table) > 2 * len(routable) + 16:
+            return {p: e for p, e in table.items() if p in routable}
+        return table

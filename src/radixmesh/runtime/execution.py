@@ -12,7 +12,7 @@ The core's lifecycle (``core/lifecycle.py``) decides; the classes here only move
                          failure is reported (ForwardFailed with the tokens so far) and the
                          core's answer (ExecuteLocally) continues the same answer here
 
-Every end is reported to the core: ``RequestDone`` (with the forward's overhead), or
+Every end is reported to the core: ``RequestDone`` (a forward's overhead and TTFT), or
 ``ExecutionAborted`` when the consumer stops early (the client went away), whose ``Abort``
 then cancels the engine task or closes the peer stream. A stop string is the consumer's
 (it detokenizes): on a match it calls :meth:`Execution.stop` with the tokens so far and closes
@@ -83,6 +83,7 @@ class Outcome:
     queue_s: float  # on the serving node
     service_s: float  # on the serving node, queue excluded
     forward_overhead_s: float | None = None  # forwarded: client time minus remote handling
+    forward_ttft_s: float | None = None  # forwarded: the offer to its first token here
     # with ``sampling.logprobs`` / ``prompt_logprobs`` (local executions: engine/base.py)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
@@ -124,9 +125,8 @@ class Execution:
     cached_estimate: int  # the serving node's exact match when it accepted the request
     placement: str | None = None  # the router's placement tag of the entry node's choice
     outcome: Outcome | None = None
-    # with ``sampling.logprobs``: each generated token's entry, appended before the token is
-    # yielded by ``tokens`` (only local executions: such requests are never forwarded); with
-    # ``prompt_logprobs``: the prompt's, set before the first token is yielded
+    # ``sampling.logprobs``: each token's entry, appended before ``tokens`` yields it (local
+    # only: never forwarded); ``prompt_logprobs``: the prompt's, set before the first token
     logprobs: list[TokenLogprob]
     prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
     stopped = False  # a stop string matched: the consumer ended it (a normal completion)
@@ -156,7 +156,6 @@ class Execution:
         return self.outcome
 
 
-# ------------------------------------------------------------------------------ local
 class LocalExecution(Execution):
     """A task awaiting this node's engine; its events land on an asyncio queue."""
 
@@ -284,7 +283,6 @@ class LocalExecution(Execution):
                        self.logprobs[: len(output_ids)], self.prompt_logprobs)
 
 
-# ------------------------------------------------------------------------------ forward
 def _wire_beat(beat_s: float | None) -> float | None:
     """``beat_s`` within the forward protocol's bound (an hour): a prediction past it (a
     stalled or cold engine here, emulated at a large time scale) is clamped to it — any
@@ -319,6 +317,7 @@ class ForwardExecution(Execution):
         self.expected_cached, self.placement = action.expected_cached, action.placement
         self.cached_estimate = accepted.cached_tokens
         self._stream, self._started = stream, started
+        self._first_at: float | None = None  # our clock when its first token came
         self._vocab = node.engine.tokenizer.vocab_size
         self._local: LocalExecution | None = None  # where the answer went on after a failure
         self.logprobs = []  # never forwarded with log-probabilities
@@ -360,6 +359,7 @@ class ForwardExecution(Execution):
         while True:
             reply = await self._stream.next_reply()
             if isinstance(reply, ForwardTokens):
+                self._first_at = self._first_at or self.node.clock()
                 for tok in self._checked(reply.ids):
                     emitted.append(tok)
                     yield tok
@@ -381,11 +381,13 @@ class ForwardExecution(Execution):
         output = list(self._checked(res.output_ids))
         if emitted and output[: len(emitted)] != emitted:
             raise ForwardFailure("bad_response", "result disagrees with streamed tokens")
-        overhead = max(self.node.clock() - self._started - res.handler_s, 0.0)
+        now = self.node.clock()
+        overhead = max(now - self._started - res.handler_s, 0.0)
         prompt_len = len(self.ctx.prompt)
         return Outcome(
             output, res.finish_reason, prompt_len, min(res.cached_tokens, prompt_len),
             self.peer_id, self.route, res.queue_s, res.service_s, overhead,
+            forward_ttft_s=(self._first_at or now) - self._started,
         )
 
 

@@ -722,7 +722,8 @@ class NodeService:
             out = ex.outcome
             overhead = None if out is None else out.forward_overhead_s
             waited = None if out is None or overhead is None else out.queue_s  # forwarded only
-            self.dispatch(RequestDone(rid, overhead, error, forward_queue_s=waited))
+            self.dispatch(RequestDone(rid, overhead, error, forward_queue_s=waited,
+                                      forward_ttft_s=None if out is None else out.forward_ttft_s))
             if overhead is not None:
                 self.metrics.forward_overhead_s_sum += overhead
                 self.metrics.forward_overhead_count += 1

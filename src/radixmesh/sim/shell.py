@@ -823,10 +823,11 @@ class SimCluster:
         if not flight.current(attempt):
             return
         self._served(flight, node, run, queue_s)
-        rtt = (self.loop.now - flight.sent_at) - queue_s - run.service_s
+        since = self.loop.now - flight.sent_at  # the first token came decode_s before the end
         self.feed(
             self.nodes[flight.entry],
-            RequestDone(flight.index, forward_overhead_s=rtt, forward_queue_s=queue_s),
+            RequestDone(flight.index, forward_overhead_s=since - queue_s - run.service_s,
+                        forward_queue_s=queue_s, forward_ttft_s=since - run.decode_s),
         )
         self._complete(flight)
 
