@@ -11,8 +11,8 @@ share) needs, besides each node's speed, what stands between the request and tha
   under way (what bounded load compares);
 * :class:`WaitError` — how far this node's predictions of a peer's queue wait were lately off
   (a forward must save more than that);
-* :class:`Lateness` — how much later than predicted a peer's forwarded first tokens lately
-  came (added to its predicted wait);
+* :class:`Lateness` — how much later than predicted a peer lately answered this node's
+  forwards (added to its predicted wait);
 * :class:`QueuedBlocks` — the prompt blocks of the requests queued on a node, so a block an
   earlier queued request computes counts as cached for a later one;
 * :class:`ArrivalRate` — the requests a node's engine took per second lately (a batch
@@ -337,9 +337,9 @@ class WaitError(_DecayingMean):
 class Lateness(_DecayingMean):
     """How much later than predicted one peer has lately met this node's forwards, in
     seconds: a signed EWMA of ``actual − predicted`` over the forwards that peer answered (the
-    offer to the first token, against the chosen candidate's ``ttft_s``) or refused as slower
-    (the queue wait it said, against the candidate's ``wait_s``), decaying towards 0 with
-    time constant ``window_s``. The router adds it to that peer's
+    offer to the whole answer here, against the chosen candidate's ``predicted_latency_s``)
+    or refused as slower (the queue wait it said, against the candidate's ``wait_s``),
+    decaying towards 0 with time constant ``window_s``. The router adds it to that peer's
     predicted wait (``NodeInfo.lateness_s``): a correction, where :class:`WaitError` is a
     margin.
 

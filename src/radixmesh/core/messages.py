@@ -297,6 +297,14 @@ class ForwardResult:
             _require(_in_range(x, 0.0, math.inf), "timings must be finite and >= 0")
 
 
+def busy_reply(node_id: str, retry_after_s: float, queue_s: float | None) -> ForwardBusy:
+    """A refusal as the wire carries it: the retry-after to the millisecond, the queue wait
+    to 0.1 ms. The simulator passes its refusals through this too, so that a sender's core
+    learns the same numbers in both shells (``Lateness`` adds them up)."""
+    return ForwardBusy(node_id, round(retry_after_s, 3),
+                       None if queue_s is None else round(queue_s, 4))
+
+
 @dataclass(frozen=True, slots=True)
 class ForwardError:
     """The receiver accepted but could not execute the forward (final reply)."""

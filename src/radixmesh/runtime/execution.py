@@ -12,7 +12,7 @@ The core's lifecycle (``core/lifecycle.py``) decides; the classes here only move
                          failure is reported (ForwardFailed with the tokens so far) and the
                          core's answer (ExecuteLocally) continues the same answer here
 
-Every end is reported to the core: ``RequestDone`` (a forward's overhead and TTFT), or
+Every end is reported to the core: ``RequestDone`` (a forward's overhead and time), or
 ``ExecutionAborted`` when the consumer stops early (the client went away), whose ``Abort``
 then cancels the engine task or closes the peer stream. A stop string is the consumer's
 (it detokenizes): on a match it calls :meth:`Execution.stop` with the tokens so far and closes
@@ -83,7 +83,7 @@ class Outcome:
     queue_s: float  # on the serving node
     service_s: float  # on the serving node, queue excluded
     forward_overhead_s: float | None = None  # forwarded: client time minus remote handling
-    forward_ttft_s: float | None = None  # forwarded: the offer to its first token here
+    forward_s: float | None = None  # forwarded: the offer to its whole answer here
     # with ``sampling.logprobs`` / ``prompt_logprobs`` (local executions: engine/base.py)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
@@ -317,7 +317,6 @@ class ForwardExecution(Execution):
         self.expected_cached, self.placement = action.expected_cached, action.placement
         self.cached_estimate = accepted.cached_tokens
         self._stream, self._started = stream, started
-        self._first_at: float | None = None  # our clock when its first token came
         self._vocab = node.engine.tokenizer.vocab_size
         self._local: LocalExecution | None = None  # where the answer went on after a failure
         self.logprobs = []  # never forwarded with log-probabilities
@@ -359,7 +358,6 @@ class ForwardExecution(Execution):
         while True:
             reply = await self._stream.next_reply()
             if isinstance(reply, ForwardTokens):
-                self._first_at = self._first_at or self.node.clock()
                 for tok in self._checked(reply.ids):
                     emitted.append(tok)
                     yield tok
@@ -387,7 +385,7 @@ class ForwardExecution(Execution):
         return Outcome(
             output, res.finish_reason, prompt_len, min(res.cached_tokens, prompt_len),
             self.peer_id, self.route, res.queue_s, res.service_s, overhead,
-            forward_ttft_s=(self._first_at or now) - self._started,
+            forward_s=now - self._started,
         )
 
 

@@ -101,6 +101,7 @@ from radixmesh.core.messages import (
     ForwardHeartbeat,
     ForwardRequest,
     ForwardTokens,
+    busy_reply,
 )
 from radixmesh.core.node import NodeCore
 from radixmesh.core.profile import resolve as resolve_profile
@@ -723,7 +724,7 @@ class NodeService:
             overhead = None if out is None else out.forward_overhead_s
             waited = None if out is None or overhead is None else out.queue_s  # forwarded only
             self.dispatch(RequestDone(rid, overhead, error, forward_queue_s=waited,
-                                      forward_ttft_s=None if out is None else out.forward_ttft_s))
+                                      forward_s=None if out is None else out.forward_s))
             if overhead is not None:
                 self.metrics.forward_overhead_s_sum += overhead
                 self.metrics.forward_overhead_count += 1
@@ -748,8 +749,7 @@ class NodeService:
         if answer and isinstance(answer[0], RefuseForward):
             self.metrics.refused_for_peers += 1
             no = answer[0]
-            queue_s = None if no.queue_s is None else round(no.queue_s, 4)
-            yield encode_reply(ForwardBusy(self.node_id, round(no.retry_after_s, 3), queue_s))
+            yield encode_reply(busy_reply(self.node_id, no.retry_after_s, no.queue_s))
             return
         self.metrics.served_for_peers += 1
         # First byte before the engine starts: once it computes, this thread waits for the GIL.

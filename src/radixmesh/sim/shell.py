@@ -74,6 +74,7 @@ from radixmesh.core.events import (
     Tick,
 )
 from radixmesh.core.load_estimates import ArrivalRate, QueuedBlocks
+from radixmesh.core.messages import busy_reply
 from radixmesh.core.node import NodeCore
 from radixmesh.core.profile import Profile
 from radixmesh.core.router import DELIBERATE, Policy, RouterConfig
@@ -605,9 +606,8 @@ class SimCluster:
         if flight.current(attempt):
             self.counters.forward_refusals += 1
             flight.forward_refusals += 1
-            event = ForwardRefused(
-                flight.index, target.node_id, answer.retry_after_s, answer.queue_s
-            )
+            wire = busy_reply(target.node_id, answer.retry_after_s, answer.queue_s)
+            event = ForwardRefused(flight.index, target.node_id, wire.retry_after_s, wire.queue_s)
             self.feed(self.nodes[flight.entry], event)
 
     def _holding(self, removed: Sequence[int] | frozenset[int], added: Sequence[int]) -> None:
@@ -823,11 +823,11 @@ class SimCluster:
         if not flight.current(attempt):
             return
         self._served(flight, node, run, queue_s)
-        since = self.loop.now - flight.sent_at  # the first token came decode_s before the end
+        since = self.loop.now - flight.sent_at
         self.feed(
             self.nodes[flight.entry],
             RequestDone(flight.index, forward_overhead_s=since - queue_s - run.service_s,
-                        forward_queue_s=queue_s, forward_ttft_s=since - run.decode_s),
+                        forward_queue_s=queue_s, forward_s=since),
         )
         self._complete(flight)
 
