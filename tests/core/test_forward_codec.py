@@ -79,7 +79,7 @@ replies: st.SearchStrategy[ForwardReply] = st.one_of(
     st.just(ForwardHeartbeat()),
     st.builds(ForwardTokens, token_ids),
     st.builds(ForwardResult, token_ids, st.sampled_from(["stop", "length"]), counts, counts,
-              seconds, seconds, seconds),
+              seconds, seconds, seconds, st.none() | seconds),
     st.builds(ForwardError, st.text(max_size=MAX_ERROR_CHARS)),
 )
 
@@ -169,6 +169,17 @@ def test_frame_layout_and_field_order() -> None:
     assert _req_fields()[:4] == [PROTOCOL_VERSION, KIND_FORWARD_REQUEST, [1, 2, 3], 8]
 
 
+def test_a_result_without_its_first_token_time_is_an_older_peers() -> None:
+    """``first_token_s`` is an optional tenth field: a result from a peer that does not
+    send it (the old nine-field layout) decodes with None; one that does, with it."""
+    old = _reply_fields(RESULT)
+    assert len(old) == 9 and _decode_replies(_frame(_pack(old))) == [RESULT]
+    new = ForwardResult((5, 6), "stop", 3, 2, 0.01, 0.02, 0.05, 0.015)
+    fields = _reply_fields(new)
+    assert fields[:9] == old and fields[9] == 0.015
+    assert _decode_replies(_frame(_pack(fields))) == [new]
+
+
 def test_ints_are_accepted_for_floats() -> None:
     fields = _req_fields()
     fields[4], fields[9], fields[10] = 1, 2, -3
@@ -207,6 +218,7 @@ def test_invalid_requests_are_refused_on_construction(kwargs: dict[str, Any]) ->
     lambda: ForwardResult((), "stop", -1, 0, 0.0, 0.0, 0.0),
     lambda: ForwardResult((), "stop", 1, 0, math.nan, 0.0, 0.0),
     lambda: ForwardResult((), "stop", 1, 0, 0.0, -1.0, 0.0),
+    lambda: ForwardResult((), "stop", 1, 0, 0.0, 0.0, 0.0, -0.1),
 ])  # fmt: skip
 def test_invalid_replies_are_refused_on_construction(build: Any) -> None:
     with pytest.raises(ValueError):

@@ -644,7 +644,7 @@ def test_how_late_a_peers_first_tokens_come_corrects_its_predicted_wait() -> Non
             break
         c.deliver("n0", ForwardAccepted(rid, "n1", 640))
         c.deliver("n0", RequestDone(rid, forward_overhead_s=0.004, forward_queue_s=0.0,
-                                    forward_s=head.predicted_latency_s + 1.0))
+                                    forward_ttft_s=head.ttft_s + 1.0))
     else:
         raise AssertionError("a peer answering a second late kept every request")
     assert rid > 1 and lateness() > 0.1
@@ -652,7 +652,7 @@ def test_how_late_a_peers_first_tokens_come_corrects_its_predicted_wait() -> Non
     c.run_until(later)  # no forwards for six windows: the correction fades
     assert lateness() < 0.01
     before = lateness()
-    c.deliver("n0", RequestDone(10_000, forward_s=0.5))  # no such flight: stale
+    c.deliver("n0", RequestDone(10_000, forward_ttft_s=0.5))  # no such flight: stale
     assert lateness() == before
 
 

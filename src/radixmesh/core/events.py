@@ -190,15 +190,16 @@ class RequestDone:
     and HTTP added).
     ``forward_queue_s``: the queue wait that peer reported (the router learns how far its
     predictions of peers' queues are off: ``WaitError``).
-    ``forward_s``: the time from offering it to that peer until its answer was complete here
-    (the router learns how late a peer answers against its prediction: ``Lateness``).
+    ``forward_ttft_s``: the time from offering it to that peer until its first token reached
+    this node, as the peer's timings place it (the router learns how late a peer's first
+    tokens come against its prediction: ``Lateness``).
     """
 
     rid: int
     forward_overhead_s: float | None = None
     error: str | None = None
     forward_queue_s: float | None = None
-    forward_s: float | None = None
+    forward_ttft_s: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -143,6 +143,8 @@ def _reply_fields(msg: ForwardReply) -> list[Any]:
             return [KIND_TOKENS, msg.ids]
         case ForwardResult():
             timings = [float(msg.queue_s), float(msg.service_s), float(msg.handler_s)]
+            if msg.first_token_s is not None:  # the optional tenth: older peers omit it
+                timings.append(float(msg.first_token_s))
             return [KIND_RESULT, msg.output_ids, msg.finish_reason, msg.prompt_tokens,
                     msg.cached_tokens, *timings]
         case ForwardError():
@@ -174,7 +176,7 @@ def _tokens(f: list[Any], lim: ForwardLimits) -> ForwardTokens:
 
 
 def _result(f: list[Any], lim: ForwardLimits) -> ForwardResult:
-    check_array(f, 9, "result")
+    check_array(f, 10 if len(f) == 10 else 9, "result")  # first_token_s is the optional tenth
     return ForwardResult(
         output_ids=_ids(f[2], lim.max_prompt_tokens, "output_ids"),
         finish_reason=check_text(f[3], _MAX_FINISH_LEN, "finish_reason"),
@@ -183,6 +185,7 @@ def _result(f: list[Any], lim: ForwardLimits) -> ForwardResult:
         queue_s=check_float(f[6], "queue_s"),
         service_s=check_float(f[7], "service_s"),
         handler_s=check_float(f[8], "handler_s"),
+        first_token_s=check_float(f[9], "first_token_s") if len(f) == 10 else None,
     )
 
 

@@ -337,11 +337,11 @@ class WaitError(_DecayingMean):
 class Lateness(_DecayingMean):
     """How much later than predicted one peer has lately met this node's forwards, in
     seconds: a signed EWMA of ``actual − predicted`` over the forwards that peer answered (the
-    offer to the whole answer here, against the chosen candidate's ``predicted_latency_s``)
-    or refused as slower (the queue wait it said, against the candidate's ``wait_s``),
-    decaying towards 0 with time constant ``window_s``. The router adds it to that peer's
-    predicted wait (``NodeInfo.lateness_s``): a correction, where :class:`WaitError` is a
-    margin.
+    offer to the first token, placed by the peer's own timings, against the chosen candidate's
+    ``ttft_s``) or refused as slower (the queue wait it said, against the candidate's
+    ``wait_s``), decaying towards 0 with time constant ``window_s``. The router adds it to
+    that peer's predicted wait (``NodeInfo.lateness_s``): a correction, where
+    :class:`WaitError` is a margin.
 
     Why: a peer's batch report is up to a gossip round old and aged as if nobody else sent it
     work, and the forwards taken are those whose predictions came out lowest, so the

@@ -288,12 +288,16 @@ class ForwardResult:
     queue_s: float  # time queued on the serving node
     service_s: float  # its service time, queue excluded
     handler_s: float  # its total handling time, from receipt to this reply
+    # from receipt to its first token (None: a peer that does not say): the sender's measure
+    # of the TTFT it met there, streamed or not (``Lateness``)
+    first_token_s: float | None = None
 
     def __post_init__(self) -> None:
         _check_ids(self.output_ids, "output_ids")
         _require(self.finish_reason in FINISH_REASONS, "finish_reason must be stop or length")
         _require(min(self.prompt_tokens, self.cached_tokens) >= 0, "token counts must be >= 0")
-        for x in (self.queue_s, self.service_s, self.handler_s):
+        for x in (self.queue_s, self.service_s, self.handler_s,
+                  0.0 if self.first_token_s is None else self.first_token_s):
             _require(_in_range(x, 0.0, math.inf), "timings must be finite and >= 0")
 
 

@@ -83,7 +83,7 @@ class Outcome:
     queue_s: float  # on the serving node
     service_s: float  # on the serving node, queue excluded
     forward_overhead_s: float | None = None  # forwarded: client time minus remote handling
-    forward_s: float | None = None  # forwarded: the offer to its whole answer here
+    forward_ttft_s: float | None = None  # forwarded: the offer to its first token, by its timings
     # with ``sampling.logprobs`` / ``prompt_logprobs`` (local executions: engine/base.py)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
@@ -171,6 +171,7 @@ class LocalExecution(Execution):
         self._emitted = emitted  # tokens a failed peer already sent (the answer goes on)
         self._generated = 0  # tokens delivered so far
         self.may_retry = True  # an unreachable engine: go on elsewhere (once)
+        self.first_at: float | None = None  # the node's clock at its first token
         self.logprobs = []
         self._task = self._start(len(emitted))
 
@@ -199,6 +200,7 @@ class LocalExecution(Execution):
     def _on_token(self, tok: int) -> None:  # on the event loop
         self._generated += 1
         if self._generated == 1:  # it runs now: the engine's running count changed
+            self.first_at = self.node.clock()
             self.node.first_token(self)
         if self.ctx.stream:
             self.queue.put_nowait(("tok", tok))
@@ -379,20 +381,20 @@ class ForwardExecution(Execution):
         output = list(self._checked(res.output_ids))
         if emitted and output[: len(emitted)] != emitted:
             raise ForwardFailure("bad_response", "result disagrees with streamed tokens")
-        now = self.node.clock()
-        overhead = max(now - self._started - res.handler_s, 0.0)
+        overhead = max(self.node.clock() - self._started - res.handler_s, 0.0)
+        first = None if res.first_token_s is None else overhead + res.first_token_s
         prompt_len = len(self.ctx.prompt)
         return Outcome(
             output, res.finish_reason, prompt_len, min(res.cached_tokens, prompt_len),
-            self.peer_id, self.route, res.queue_s, res.service_s, overhead,
-            forward_s=now - self._started,
+            self.peer_id, self.route, res.queue_s, res.service_s, overhead, first,
         )
 
 
-def result_reply(value: tuple[GenerateResult, float], handler_s: float) -> ForwardReply:
+def result_reply(value: tuple[GenerateResult, float], handler_s: float,
+                 first_token_s: float | None = None) -> ForwardReply:
     result, service_s = value
     return ForwardResult(
         tuple(result.output_ids), result.finish_reason, result.prompt_tokens,
-        result.cached_tokens, max(result.queue_s, 0.0), service_s,
-        max(handler_s, 0.0),
+        result.cached_tokens, max(result.queue_s, 0.0), service_s, max(handler_s, 0.0),
+        None if first_token_s is None else max(first_token_s, 0.0),
     )

@@ -724,7 +724,7 @@ class NodeService:
             overhead = None if out is None else out.forward_overhead_s
             waited = None if out is None or overhead is None else out.queue_s  # forwarded only
             self.dispatch(RequestDone(rid, overhead, error, forward_queue_s=waited,
-                                      forward_s=None if out is None else out.forward_s))
+                                      forward_ttft_s=None if out is None else out.forward_ttft_s))
             if overhead is not None:
                 self.metrics.forward_overhead_s_sum += overhead
                 self.metrics.forward_overhead_count += 1
@@ -761,7 +761,7 @@ class NodeService:
         ex = self._queued(LocalExecution(self, ctx, "local", cached))
         self._peer_work.add(ex)
         try:
-            async for frame in _replies(ex, req.heartbeat_s, lambda: self.clock() - t0):
+            async for frame in _replies(ex, req.heartbeat_s, lambda: self.clock() - t0, t0):
                 yield frame
         finally:
             self._peer_work.discard(ex)
@@ -873,10 +873,11 @@ def _wake_up(fut: asyncio.Future[None] | None) -> None:
         fut.set_result(None)
 
 
-async def _replies(ex: LocalExecution, heartbeat_s: float,
-                   handler_s: Callable[[], float]) -> AsyncIterator[bytes]:
+async def _replies(ex: LocalExecution, heartbeat_s: float, handler_s: Callable[[], float],
+                   t0: float) -> AsyncIterator[bytes]:
     """Frames of a local execution for the peer that forwarded it: heartbeats while it waits,
-    tokens as they come (batched), then the result or an error."""
+    tokens as they come (batched), then the result (with its first token's time since the
+    receipt at ``t0``) or an error."""
     pending: asyncio.Task[tuple[str, Any]] | None = None
     try:
         while True:
@@ -890,7 +891,8 @@ async def _replies(ex: LocalExecution, heartbeat_s: float,
             pending = None
             while not ex.queue.empty():
                 items.append(ex.queue.get_nowait())
-            for frame in _frames(items, handler_s):
+            first = None if ex.first_at is None else ex.first_at - t0
+            for frame in _frames(items, handler_s, first):
                 yield frame
             if items[-1][0] != "tok":
                 return
@@ -899,7 +901,8 @@ async def _replies(ex: LocalExecution, heartbeat_s: float,
             pending.cancel()
 
 
-def _frames(items: list[tuple[str, Any]], handler_s: Callable[[], float]) -> list[bytes]:
+def _frames(items: list[tuple[str, Any]], handler_s: Callable[[], float],
+            first_token_s: float | None = None) -> list[bytes]:
     frames: list[bytes] = []
     toks: list[int] = []
     for kind, value in items:
@@ -910,7 +913,7 @@ def _frames(items: list[tuple[str, Any]], handler_s: Callable[[], float]) -> lis
             frames.append(encode_reply(ForwardTokens(tuple(toks))))
             toks = []
         if kind == "done":
-            frames.append(encode_reply(result_reply(value, handler_s())))
+            frames.append(encode_reply(result_reply(value, handler_s(), first_token_s)))
         else:
             text = f"{type(value).__name__}: {value}"
             frames.append(encode_reply(ForwardError.truncated(text)))

@@ -827,7 +827,7 @@ class SimCluster:
         self.feed(
             self.nodes[flight.entry],
             RequestDone(flight.index, forward_overhead_s=since - queue_s - run.service_s,
-                        forward_queue_s=queue_s, forward_s=since),
+                        forward_queue_s=queue_s, forward_ttft_s=since - run.decode_s),
         )
         self._complete(flight)
 
