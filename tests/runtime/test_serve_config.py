@@ -40,6 +40,20 @@ def test_pushback_relative_reaches_the_core_and_zero_means_the_threshold_alone()
         ServeConfig(pushback_relative=0.5)
 
 
+def test_an_emulated_engines_time_scale_stretches_the_routers_windows() -> None:
+    """An engine S times slower than its profile sees rates S times lower: the router's
+    measuring windows and its smallest worthwhile gain stretch by S, nothing else."""
+    fp, core = Fingerprint("m", "t", 16), RouterConfig()
+    router = ServeConfig(profile_time_scale=300.0).node_config(fp, incarnation=1).router
+    assert router.error_window_s == 300 * core.error_window_s
+    assert router.load_window_s == 300 * core.load_window_s
+    assert router.replica_window_s == 300 * core.replica_window_s
+    assert router.rent_window_s == 300 * core.rent_window_s
+    assert router.min_gain_s == pytest.approx(300 * core.min_gain_s)
+    assert (router.min_gain_frac, router.near_tie) == (core.min_gain_frac, core.near_tie)
+    assert core.stretched(1.0) is core
+
+
 def test_forward_timeouts_reach_the_core() -> None:
     cfg = config_from_mapping({"forward-timeout": "750ms", "connect_timeout": 0.25})
     node = cfg.node_config(Fingerprint("m", "t", 16), incarnation=1)

@@ -9,7 +9,7 @@ rules, which most of the knobs tune, in ``core/cost_policy.py``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from radixmesh.core.units import parse_choice
@@ -75,6 +75,21 @@ class RouterConfig:
     # as the median (noise on a shared machine must not pull cold traffic to whichever node
     # looks fastest); None = use every estimate as it is
     speed_tolerance: float | None = 1.5
+
+    def stretched(self, scale: float) -> RouterConfig:
+        """This configuration with its durations ``scale`` times longer: the windows over
+        which rates, loads, rent and errors are measured, and the smallest gain worth a
+        forward. For a node whose engine runs ``scale`` times slower than its profile (an
+        emulated mesh on a small machine) every rate is ``scale`` times lower, so windows of
+        the profile's seconds hold ``scale`` times fewer requests: at 300, a 10 s error
+        window held a forward or two and forgot them before the next (``1``: itself)."""
+        if scale == 1.0:
+            return self
+        return replace(self, min_gain_s=self.min_gain_s * scale,
+                       load_window_s=self.load_window_s * scale,
+                       replica_window_s=self.replica_window_s * scale,
+                       rent_window_s=self.rent_window_s * scale,
+                       error_window_s=self.error_window_s * scale)
 
     def __post_init__(self) -> None:
         if self.min_gain_s < 0 or not 0 <= self.min_gain_frac < 1:

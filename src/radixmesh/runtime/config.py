@@ -336,7 +336,10 @@ class ServeConfig:
                              self.network)
 
     def router_config(self) -> RouterConfig:
-        return replace(_ROUTER, policy=Policy.parse(self.policy), load_bound=self.load_bound)
+        """The router's: its durations stretched by ``profile_time_scale`` (an engine that
+        many times slower than its profile: rates that many times lower)."""
+        router = replace(_ROUTER, policy=Policy.parse(self.policy), load_bound=self.load_bound)
+        return router.stretched(self.profile_time_scale)
 
     def pushback_config(self) -> PushbackConfig:
         relative = self.pushback_relative or None
@@ -495,7 +498,7 @@ def _help_texts() -> dict[str, str]:  # long: a table of help texts
         "profile": "external engine: its step-time profile (a shipped name, `radixmesh profile "
         "list`, or a TOML file): the node shadows its scheduler and routes on predicted TTFT",
         "profile_time_scale": "external engine: its steps last this many times the profile's "
-        "(an emulated engine's --time-scale)",
+        "(an emulated engine's --time-scale); the router's windows stretch with it",
         "engine_metrics_interval": "external engine with --profile: poll its /metrics this "
         "often (seconds; 0 = never) so the shadow counts load others send it",
         "launch": "external engine: start this command line as a child process (no shell), "
