@@ -76,8 +76,8 @@ class NodeInfo:
     # a batching engine's batch (exact for self, from its shadow; a peer's report aged):
     # its wait and service are then its predicted TTFT's parts (``core/shadow_state.py``)
     batch: BatchState | None = None
-    # how much later than predicted it lately answered our forwards (a peer's, learnt from
-    # them: ``load_estimates.Lateness``; signed); 0 for self. Added to the wait
+    # how much later than predicted it lately met our forwards (a peer's, learnt from them:
+    # ``load_estimates.Lateness``; signed); 0 for self. Added to the wait
     lateness_s: float = 0.0
 
     @property
@@ -164,7 +164,7 @@ def predict_wait(node: NodeInfo) -> float:
     """The queue wait a request meets on ``node``: its queue, each place priced by what the
     queued requests will compute (else at the node's mean service time); on a batching
     engine, the prompt work ahead of it and the step under way (``ttft_parts``); plus, for a
-    peer, how late it lately answered our forwards (``lateness_s``; the wait never below 0)."""
+    peer, how late it lately met our forwards (``lateness_s``; the wait never below 0)."""
     if node.batch is not None:
         wait = ttft_parts(node.batch, 1, 0)[0]
     else:

@@ -16,8 +16,8 @@ part turns them into the :class:`~radixmesh.core.router.NodeInfo` the router ran
   not pushed back;
 * **wait errors**: how far our predictions of a peer's queue wait were from the waits our
   forwards met there (``WaitError``): a forward must save more than that;
-* **lateness**: how much later than predicted a peer answered our forwards (``Lateness``):
-  added to its predicted wait;
+* **lateness**: how much later than predicted a peer met our forwards (first tokens,
+  refusals' waits: ``Lateness``): added to its predicted wait;
 * **idle peers** (:meth:`PeerLoads.least_loaded`): the cost policy also considers the two
   least-loaded unmatched peers, found through a lazily cleaned heap of the reports.
 
@@ -86,7 +86,7 @@ class PeerLoads:
         self._idle: list[tuple[int, float, str]] = []  # (queue depth, stamp, peer) lazy heap
         # per peer: how far the queue waits our forwards met were from what we predicted
         self._wait_errors: dict[str, WaitError] = {}
-        # per peer: how much later than predicted it answered our forwards
+        # per peer: how much later than predicted it met our forwards
         self._lateness: dict[str, Lateness] = {}
         self._batches: dict[str, BatchSeen] = {}  # peer -> its latest batch report
 
@@ -275,13 +275,13 @@ class PeerLoads:
         return peer in self._batches
 
     def lateness_of(self, peer: str, now: float) -> float:
-        """How much later than predicted ``peer`` lately answered our forwards."""
+        """How much later than predicted ``peer`` lately met our forwards."""
         late = self._lateness.get(peer)
         return 0.0 if late is None else late.value(now)
 
     def late_by(self, peer: str, residual_s: float, now: float) -> None:
-        """A forward to ``peer`` met it ``residual_s`` later than predicted (its answer, or
-        the wait its refusal said). The prediction had the correction in force added
+        """A forward to ``peer`` met it ``residual_s`` later than predicted (its first token,
+        or the wait its refusal said). The prediction had the correction in force added
         (``predict_wait``), so that is added back: what is learnt is the raw error, not what
         is left of it (which would settle at half the error)."""
         late = self._lateness.get(peer)
