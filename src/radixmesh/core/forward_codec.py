@@ -142,9 +142,8 @@ def _reply_fields(msg: ForwardReply) -> list[Any]:
         case ForwardTokens():
             return [KIND_TOKENS, msg.ids]
         case ForwardResult():
-            timings = [float(msg.queue_s), float(msg.service_s), float(msg.handler_s)]
-            if msg.first_token_s is not None:  # the optional tenth: older peers omit it
-                timings.append(float(msg.first_token_s))
+            first = [] if msg.first_token_s is None else [float(msg.first_token_s)]  # optional
+            timings = [float(msg.queue_s), float(msg.service_s), float(msg.handler_s), *first]
             return [KIND_RESULT, msg.output_ids, msg.finish_reason, msg.prompt_tokens,
                     msg.cached_tokens, *timings]
         case ForwardError():
@@ -267,7 +266,6 @@ def _reply(payload: bytes, lim: ForwardLimits) -> ForwardReply:
     return checked(lambda raw: parse(raw, lim), f)
 
 
-# ------------------------------------------------------------------------------- helpers
 def _pack(fields: list[Any]) -> bytes:
     return bytes(msgpack.packb(fields, use_bin_type=True))
 
