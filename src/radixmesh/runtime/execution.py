@@ -83,10 +83,10 @@ class Outcome:
     queue_s: float  # on the serving node
     service_s: float  # on the serving node, queue excluded
     forward_overhead_s: float | None = None  # forwarded: client time minus remote handling
-    forward_ttft_s: float | None = None  # forwarded: the offer to its first token, by its timings
     # with ``sampling.logprobs`` / ``prompt_logprobs`` (local executions: engine/base.py)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
+    forward_ttft_s: float | None = None  # forwarded: the offer to its first token, by its timings
 
 
 class Host(Protocol):
@@ -386,7 +386,7 @@ class ForwardExecution(Execution):
         prompt_len = len(self.ctx.prompt)
         return Outcome(
             output, res.finish_reason, prompt_len, min(res.cached_tokens, prompt_len),
-            self.peer_id, self.route, res.queue_s, res.service_s, overhead, first,
+            self.peer_id, self.route, res.queue_s, res.service_s, overhead, forward_ttft_s=first,
         )
 
 
