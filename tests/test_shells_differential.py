@@ -67,8 +67,9 @@ def _event(e: Event) -> tuple[Any, ...] | None:
                 e.beat_s is None)
     if isinstance(e, ForwardAccepted | ForwardRefused | ForwardFailed):
         return (type(e).__name__, e.peer_id)
-    if isinstance(e, RequestDone):
-        return ("RequestDone", e.error)
+    if isinstance(e, RequestDone):  # a forward's TTFT as the peer's timings place it: both
+        ttft = None if e.forward_ttft_s is None else round(e.forward_ttft_s, 6)  # shells alike
+        return ("RequestDone", e.error, ttft)
     return None
 
 
