@@ -3,37 +3,30 @@
 
     python scripts/paired-ttft.py RUN cost smg [--workload rag]
 
-Requests are paired by their position in the workload (every cluster of a batch got the same
-arrival schedule); warm-up requests are left out; the interval is the circular block bootstrap
-of ``results.run_summary.ratio_interval``. Prints the mean ratio with its interval, the p99
-ratio with its interval, and the end-to-end mean ratio.
+Requests are paired by id (``bench.folder.Results.pairs``: every cluster of a batch got the
+same arrival schedule), warm-up requests left out; the intervals are the circular block
+bootstrap of ``results.run_summary``. Prints the mean ratio and the p99 ratio with their
+intervals, and the end-to-end mean ratio with its interval.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from radixmesh.results.run_summary import (
-    percentile,
-    quantile_ratio_interval,
-    ratio_interval,
-)
+from radixmesh.bench.folder import Results, Row
+from radixmesh.results.run_summary import percentile, quantile_ratio_interval, ratio_interval
 
 
-def paired(records: list[dict], a: str, b: str, workload: str | None, field: str
-           ) -> list[tuple[float, float]]:
-    def by(policy: str) -> dict[int, float]:
-        return {r["seq"]: r[field] for r in records
-                if r["run"].startswith(policy + "-") and not r.get("warmup")
-                and r.get(field) is not None
-                and (workload is None or f"-w{workload}-" in r["run"])}
-    first, second = by(a), by(b)
-    return [(first[k], second[k]) for k in sorted(set(first) & set(second))]
+def run_of(res: Results, policy: str, workload: str | None) -> Row:
+    """The folder's run of ``policy`` (of ``workload``, when the folder has several)."""
+    for r in res.runs:
+        if r["policy"] == policy and (workload is None or f"-w{workload}-" in r["name"]):
+            return r
+    raise SystemExit(f"no {policy} run" + ("" if workload is None else f" of {workload}"))
 
 
 def main(argv: list[str]) -> int:
@@ -43,10 +36,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("b")
     p.add_argument("--workload")
     args = p.parse_args(argv)
-    lines = (args.run / "requests.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines if line.strip()]
-    ttft = paired(records, args.a, args.b, args.workload, "ttft_s")
-    e2e = paired(records, args.a, args.b, args.workload, "latency_s")
+    res = Results.load(args.run)
+    a, b = run_of(res, args.a, args.workload), run_of(res, args.b, args.workload)
+    ttft, e2e = res.pairs(a, b, "ttft_s"), res.pairs(a, b)
     if len(ttft) < 2:
         print("fewer than two paired requests", file=sys.stderr)
         return 1

@@ -150,12 +150,13 @@ class Results:
                 return r
         return None
 
-    def pairs(self, run: Row, base: Row) -> list[tuple[float, float]]:
-        """(latency in ``run``, latency in ``base``) of the requests both completed, in
-        ``run``'s request order."""
-        theirs = {r.id: r.latency_s for r in self.ok(base)}
+    def pairs(self, run: Row, base: Row, field: str = "latency_s") -> list[tuple[float, float]]:
+        """(``field`` in ``run``, in ``base``) of the requests both completed with it (a
+        record's ``latency_s`` or ``ttft_s``), in ``run``'s request order."""
+        theirs = {r.id: getattr(r, field) for r in self.ok(base)}
         mine = sorted(self.ok(run), key=lambda r: r.seq)
-        return [(r.latency_s, theirs[r.id]) for r in mine if r.id in theirs]
+        return [(getattr(r, field), theirs[r.id]) for r in mine
+                if theirs.get(r.id) is not None and getattr(r, field) is not None]
 
     def ratio_ci(self, run: Row | None, base: Row | None = None) -> Ratio | None:
         """Paired mean-latency ratio ``run`` / ``base`` (default: its ``none`` baseline) with

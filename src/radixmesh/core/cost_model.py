@@ -145,16 +145,21 @@ def predict_service(req: RouteInput, node: NodeInfo, context_scale: float) -> fl
     if node.batch is not None:
         prefill = predict_prefill(req, node, context_scale)
         return prefill + decode_s(node.batch, req.max_tokens, req.prompt_tokens)
-    cached = min(node.cached_tokens, max(0, req.prompt_tokens - 1))
-    uncached = req.prompt_tokens - cached
+    uncached, cached = _split(req, node)
     return node.speed.service_s(uncached, cached, req.max_tokens, context_scale)
+
+
+def _split(req: RouteInput, node: NodeInfo) -> tuple[int, int]:
+    """(uncached, cached) prompt tokens of ``req`` on ``node``: at least the last token is
+    computed (there must be logits)."""
+    cached = min(node.cached_tokens, max(0, req.prompt_tokens - 1))
+    return req.prompt_tokens - cached, cached
 
 
 def predict_prefill(req: RouteInput, node: NodeInfo, context_scale: float) -> float:
     """The part of the service before the first token: on a batching engine its own
     prefill in the current batch (``shadow_state.ttft_parts``), else the prefill line's."""
-    cached = min(node.cached_tokens, max(0, req.prompt_tokens - 1))
-    uncached = req.prompt_tokens - cached
+    uncached, cached = _split(req, node)
     if node.batch is not None:
         return ttft_parts(node.batch, uncached, cached)[1]
     return node.speed.prefill_s(uncached, cached, context_scale)
@@ -170,7 +175,7 @@ def predict_wait(node: NodeInfo) -> float:
     else:
         per = node.speed.mean_service_s if node.queue_service_s is None else node.queue_service_s
         wait = node.queue_depth * per
-    return wait if node.lateness_s == 0.0 else max(0.0, wait + node.lateness_s)
+    return max(0.0, wait + node.lateness_s)
 
 
 def predict_ttft(req: RouteInput, node: NodeInfo, context_scale: float) -> float:
@@ -261,8 +266,7 @@ def batch_externality(req: RouteInput, node: NodeInfo, context_scale: float) -> 
     assert node.batch is not None
     b = node.batch
     own = predict_prefill(req, node, context_scale)
-    cached = min(node.cached_tokens, max(0, req.prompt_tokens - 1))
-    decodes = b.decoding * b.prefill_compute_s(req.prompt_tokens - cached, cached)
+    decodes = b.decoding * b.prefill_compute_s(*_split(req, node))
     return b.rate * own * (predict_wait(node) + own / 2.0) + decodes
 
 

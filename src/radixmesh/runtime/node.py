@@ -761,7 +761,7 @@ class NodeService:
         ex = self._queued(LocalExecution(self, ctx, "local", cached))
         self._peer_work.add(ex)
         try:
-            async for frame in _replies(ex, req.heartbeat_s, lambda: self.clock() - t0, t0):
+            async for frame in _replies(ex, req.heartbeat_s, self.clock, t0):
                 yield frame
         finally:
             self._peer_work.discard(ex)
@@ -873,11 +873,11 @@ def _wake_up(fut: asyncio.Future[None] | None) -> None:
         fut.set_result(None)
 
 
-async def _replies(ex: LocalExecution, heartbeat_s: float, handler_s: Callable[[], float],
+async def _replies(ex: LocalExecution, heartbeat_s: float, clock: Callable[[], float],
                    t0: float) -> AsyncIterator[bytes]:
-    """Frames of a local execution for the peer that forwarded it: heartbeats while it waits,
-    tokens as they come (batched), then the result (with its first token's time since the
-    receipt at ``t0``) or an error."""
+    """Frames of a local execution for the peer that forwarded it, received at ``t0`` on
+    ``clock``: heartbeats while it waits, tokens as they come (batched), then the result
+    (its handling time and its first token's, since the receipt) or an error."""
     pending: asyncio.Task[tuple[str, Any]] | None = None
     try:
         while True:
@@ -892,7 +892,7 @@ async def _replies(ex: LocalExecution, heartbeat_s: float, handler_s: Callable[[
             while not ex.queue.empty():
                 items.append(ex.queue.get_nowait())
             first = None if ex.first_at is None else ex.first_at - t0
-            for frame in _frames(items, handler_s, first):
+            for frame in _frames(items, lambda: clock() - t0, first):
                 yield frame
             if items[-1][0] != "tok":
                 return
@@ -902,7 +902,7 @@ async def _replies(ex: LocalExecution, heartbeat_s: float, handler_s: Callable[[
 
 
 def _frames(items: list[tuple[str, Any]], handler_s: Callable[[], float],
-            first_token_s: float | None = None) -> list[bytes]:
+            first_token_s: float | None) -> list[bytes]:
     frames: list[bytes] = []
     toks: list[int] = []
     for kind, value in items:
