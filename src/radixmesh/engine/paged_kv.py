@@ -63,12 +63,13 @@ import torch
 
 from radixmesh.core.step import PrefillChunk, SeqId, Step
 
-PIECE_TOKENS = 512  # prefill tokens per model call (``pieces``)
+PIECE_TOKENS = 1024  # prefill tokens per model call (``pieces``)
 VIEW_MIN_CONTEXT = 64  # a decode reads a one-run context of at least this many as a view ...
-VIEW_MAX_BATCH = 2  # ... when the step has at most this many decodes, or its context is long:
-VIEW_LONG_CONTEXT = 2048  # one SDPA call per view costs more than gathering 8 x 500 tokens (on
-# the engine's thread, 2 threads: 8 views 2.12-2.20x per CPU s, gathered 2.40-2.69x), and less
-# than gathering one (alone 6.6-8.2 against 8.3-9.9 ms a token) or a long one
+VIEW_MAX_BATCH = 16  # ... when the step has at most this many decodes, or its context is long:
+VIEW_LONG_CONTEXT = 2048  # on the engine's thread, 2 threads, 8 x 500-token prompts: 8 views
+# 3.06-3.22x the tokens/s of one at a time, one gather 2.82x (with 1,024-token pieces; 2.91-3.06
+# against 2.82x with 512); a decode step of 4, 8, 16 with 100-1,500 tokens of context each as fast
+# faster as views, 32 x 500 tokens slower (25.98-26.74 against 23.05-24.61 ms)
 FREE, RESERVED, USED = 1, 2, 0  # a physical block's state (``PagedKV._state``)
 _FREE_RUN = re.compile(rb"\x01+")
 
@@ -78,8 +79,9 @@ def pieces(step: Step, budget: int) -> list[Step]:
     across two: its second part reads the first's KV, already written to the pool), the decodes
     with the last piece; their emitting sequences, concatenated, are ``step.emitting``. The same
     tokens and KV as one forward; what changes is the activations' size: a 2,048-token step's MLP
-    activations (8 MiB each) spill the CPU's caches, and 8 x 500-token prompts took 10 % less CPU
-    in 512-token pieces on the 2-core box."""
+    activations (8 MiB each) spill the CPU's caches: on the 2-core box 8 x 500-token prompts
+    went fastest in 1,024-token pieces (the ratio above ``VIEW_LONG_CONTEXT``: 3.06-3.22x
+    against 2.91-3.06x in 512-token pieces; 2,048 was slower than either)."""
     out: list[list[PrefillChunk]] = [[]]
     room = budget
     for c in step.prefills:
