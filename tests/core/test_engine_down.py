@@ -64,3 +64,28 @@ def test_alone_and_down_a_request_is_rejected_never_run_here() -> None:
     solo.handle(EngineStateChanged(True, "back"), 1.0)
     [served] = solo.handle(RequestArrived(2, (), 64, 0, 4), 1.1)
     assert isinstance(served, ExecuteLocally)
+
+
+def test_forwards_of_a_node_without_its_engine_give_nothing_to_beat() -> None:
+    """A peer refuses a forward as slower than the entry's own alternative (``beat_s``); with
+    the engine down there is none. Kept, a real vLLM's peer refused 169 forwards of a killed
+    engine's node as slower in one minute, and that node's clients got 429s."""
+    rng = random.Random(3)
+    c = warm(Policy.COST)
+
+    def forwards(first: int) -> list[Forward]:
+        out = []
+        for rid in range(first, first + 40):
+            cold = tuple(rng.getrandbits(64) for _ in range(20))  # owned by one of the three
+            out += [a for a in c.deliver("n0", RequestArrived(rid, cold, 320, 0, 1))
+                    if isinstance(a, Forward)]
+        return out
+
+    up = forwards(1)
+    assert up and all(f.beat_s is not None for f in up)  # up: each carries its alternative
+    c.deliver("n0", EngineStateChanged(False, "killed"))
+    down = forwards(100)
+    assert len(down) == 40 and all(f.beat_s is None for f in down)
+    n1 = c.nodes["n1"]
+    [accepted] = n1.handle(ForwardArrived(7, 320, 0, 1, down[0].beat_s), c.now)
+    assert isinstance(accepted, AcceptForward)

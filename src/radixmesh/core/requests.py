@@ -28,6 +28,7 @@ failed on (the sender chose this node; a refusal would need a reason).
 from __future__ import annotations
 
 import traceback
+from dataclasses import replace
 
 from radixmesh.core.admission import AdmissionControl
 from radixmesh.core.cost_model import Candidate
@@ -130,6 +131,10 @@ class RequestFlow:
         ranked = self._routing.candidates(event, now)
         if not self._admission.engine_down or event.local_only or not event.plain:
             return ranked
+        # nothing can run here: a peer has no alternative of ours to beat (it refuses only
+        # when it is full). With ``beat_s`` kept, a real vLLM's peer refused 169 forwards of
+        # a killed engine's node as slower in a minute, and its clients got 429s
+        ranked = [replace(c, beat_s=None) for c in ranked]
         listed = {c.node_id for c in ranked}
         more = [p for p in self._peers.least_loaded(now) if p not in listed]
         more += [p for p in self._gossip.routable if p not in listed and p not in more]
