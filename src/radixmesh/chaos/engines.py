@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -54,6 +55,7 @@ from radixmesh.bench.vllm_server import (
 )
 from radixmesh.core.headers import HEADER_CACHED, HEADER_SERVED_BY
 from radixmesh.runtime.cluster import LocalCluster, free_ports
+from radixmesh.runtime.metrics import parse_samples
 from radixmesh.workload.request import Request
 
 FAULTS = ("kill", "stop", "seed", "blocksize")
@@ -173,6 +175,22 @@ def _health(cluster: LocalCluster, i: int) -> dict[str, Any]:
     return cluster.mesh(i).get("engine_health") or {}
 
 
+# why requests were refused while a fault ran: each node's counters, the change over the fault
+_WHY = ("forwards_refused", "admission_full", "pushback_started", "engine_retries", "rejected")
+
+
+def _counters(cluster: LocalCluster) -> dict[str, float]:
+    """Every node's refusal counters now (``_WHY``), as ``node:name``."""
+    out: dict[str, float] = {}
+    for i, node in enumerate(cluster.node_ids):
+        with contextlib.suppress(httpx.HTTPError):
+            for name, value in parse_samples(cluster.get(i, "/metrics").text).items():
+                short = name.removeprefix("radixmesh_core_").removeprefix("radixmesh_")
+                if short.startswith(_WHY):
+                    out[f"{node}:{short.removesuffix('_total')}"] = value
+    return out
+
+
 def _restart(engine: VllmServer, extra_env: dict[str, str] | None = None,
              block_size: int | None = None, hash_algo: str | None = None) -> float:
     """Stop ``engine`` if it runs, start it again (other settings if given); its start time."""
@@ -191,6 +209,7 @@ def run_fault(name: str, cluster: LocalCluster, engines: Sequence[VllmServer], l
               args: argparse.Namespace) -> dict[str, Any]:
     eng, t0 = engines[1], time.monotonic()
     out: dict[str, Any] = {"fault": name}
+    before = _counters(cluster)
     assert eng.proc is not None
     if name == "kill":
         os.killpg(eng.proc.pid, signal.SIGKILL)
@@ -218,6 +237,9 @@ def run_fault(name: str, cluster: LocalCluster, engines: Sequence[VllmServer], l
                                         for s in load.since(t_up)), 120)
     time.sleep(args.settle)
     out |= _tally(load.since(t0), cluster.node_ids[1])
+    after = _counters(cluster)
+    out["refusals"] = {k: v - before.get(k, 0.0) for k, v in sorted(after.items())
+                       if v != before.get(k, 0.0)}
     out["window_s"] = round(time.monotonic() - t0, 1)
     return out
 
