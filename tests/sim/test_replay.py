@@ -63,8 +63,9 @@ def test_bursty_arrivals_offer_the_rate_with_the_asked_spread() -> None:
     assert 2.0 < cv < 4.0  # Poisson would be ~1
 
 
-def _recorded_folder(tmp: Path, regions: bool) -> Path:
-    """A simulated run in the bench's output format, marked as an emulated mesh's."""
+def _recorded_folder(tmp: Path, regions: bool, warm: int = 0) -> Path:
+    """A simulated run in the bench's output format, marked as an emulated mesh's (its first
+    ``warm`` requests left out of its figures, as ``--exclude-warmup``)."""
     reqs = schedule.poisson(generate("rag", 60, 3, corpus_for(None), 0.3), 3, 40.0, 3)
     node_costs = profile_costs(MIX, 3)
     names, matrix = parse_regions(*REGIONS) if regions else ((), ())
@@ -77,7 +78,8 @@ def _recorded_folder(tmp: Path, regions: bool) -> Path:
             network=NetworkConfig(delay_s=0.002, regions=names, region_delay_s=matrix), seed=3,
             tokenizer=tok_fp,
         )  # fmt: skip
-        res = run(SimSpec(policy, cfg, "rag", "uniform", "poisson"), reqs, tokenize)
+        res = run(SimSpec(policy, cfg, "rag", "uniform", "poisson", excluded=(warm, 0.0)), reqs,
+                  tokenize)
         runs.append(res.summary | {
             "engine": "emulated", "profiles": MIX, "workload_kind": "rag", "seed": 3,
             "planned_requests": 60,
@@ -107,6 +109,30 @@ def test_replaying_a_runs_own_trace_gives_back_its_figures(tmp_path: Path, regio
         assert r["sim_mean_ttft_s"] == pytest.approx(r["real_mean_ttft_s"], rel=0.05)
         assert r["sim_p99_ratio"] == pytest.approx(r["real_p99_ratio"], rel=0.05)
     assert "| cost |" in (tmp_path / "out" / "validation.md").read_text()
+
+
+def test_a_runs_warm_up_is_left_out_of_the_replays_figures_too(tmp_path: Path) -> None:
+    """The records flagged ``warmup`` are replayed (they warm the caches) but not counted, as
+    in the real run: counted, the replay's hit rate kept the cold start (4 emulated RAG
+    nodes: 6-7 points under the real run's for every policy)."""
+    folder = _recorded_folder(tmp_path, False, warm=15)
+    records = [json.loads(line) for line in (folder / "requests.jsonl").read_text().splitlines()]
+    assert sum(bool(r.get("warmup")) for r in records) == 30  # 15 in each of the two runs
+    assert replay.main(_args(folder, tmp_path / "out")) == 0
+    rows = json.loads((tmp_path / "out" / "validation.json").read_text())["rows"]
+    for r in rows:
+        assert r["requests"] == 45
+        assert r["hit_diff_points"] == pytest.approx(0.0, abs=1.0)
+        assert r["sim_mean_ttft_s"] == pytest.approx(r["real_mean_ttft_s"], rel=0.05)
+
+
+def test_a_scaled_runs_forwards_cost_its_http_work_divided_by_the_scale() -> None:
+    """At time scale S the real hop's HTTP work ran on the wall clock: 1/S of the run's time."""
+    real = {"nodes": 3, "profiles": MIX, "policy": "cost", "net_delay_ms": 2.0}
+    args = argparse.Namespace(regions="", region_delays="")
+    plain = replay.cluster_like(real, args, "bytes").cost.forward_overhead_s
+    scaled = replay.cluster_like(real | {"time_scale": 50.0}, args, "bytes").cost
+    assert plain > 0 and scaled.forward_overhead_s == pytest.approx(plain / 50)
 
 
 def test_a_record_the_workload_lacks_is_refused_by_id(tmp_path: Path) -> None:

@@ -53,6 +53,10 @@ class SimSpec:
     # --exclude-warmup (as bench's): the first N requests / those sent in the first S seconds
     # of the workload are sent but left out of the figures (records carry "warmup": true)
     excluded: tuple[int, float] = (0, 0.0)
+    # the positions of the requests that are warm-up, when known one by one (``--validate``:
+    # the replayed records' own flags; an agent's steps are not sent in workload order):
+    # overrides ``excluded``
+    warm: frozenset[int] | None = None
 
     def warmup(self) -> float:
         if self.warmup_s is not None:
@@ -96,6 +100,8 @@ class _Driver:
 
     def warm(self, i: int, t_arrival: float) -> bool:
         """Whether request ``i``, sent at ``t_arrival``, is warm-up (``--exclude-warmup``)."""
+        if self.spec.warm is not None:
+            return i in self.spec.warm
         return in_warmup(i, t_arrival - self.t0, *self.spec.excluded)
 
     def _entry(self, i: int) -> int:
