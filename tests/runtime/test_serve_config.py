@@ -6,6 +6,7 @@ import pytest
 
 from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.config import ForwardConfig, GossipConfig, PushbackConfig
+from radixmesh.core.estimators import CostPriors
 from radixmesh.core.router import RouterConfig
 from radixmesh.runtime.config import ServeConfig, config_from_mapping
 
@@ -52,6 +53,20 @@ def test_an_emulated_engines_time_scale_stretches_the_routers_windows() -> None:
     assert router.min_gain_s == pytest.approx(300 * core.min_gain_s)
     assert (router.min_gain_frac, router.near_tie) == (core.min_gain_frac, core.near_tie)
     assert core.stretched(1.0) is core
+
+
+def test_an_emulated_engines_time_scale_stretches_the_cost_priors() -> None:
+    """The speeds and round trip a node assumes before it measured any: S times longer for an
+    engine S times slower (the simulator's first requests weigh them unstretched, on its
+    unstretched clock); the context scale and the learning rate stay."""
+    fp, plain = Fingerprint("m", "t", 16), CostPriors()
+    priors = ServeConfig(profile_time_scale=50.0).node_config(fp, incarnation=1).priors
+    assert priors.rtt_s == pytest.approx(50 * plain.rtt_s)
+    assert priors.prefill_s_per_token == pytest.approx(50 * plain.prefill_s_per_token)
+    assert priors.decode_s_per_token == pytest.approx(50 * plain.decode_s_per_token)
+    assert priors.prefill_overhead_s == pytest.approx(50 * plain.prefill_overhead_s)
+    assert (priors.context_scale, priors.alpha) == (plain.context_scale, plain.alpha)
+    assert ServeConfig().node_config(fp, incarnation=1).priors == plain
 
 
 def test_forward_timeouts_reach_the_core() -> None:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +49,18 @@ class CostPriors:
     context_scale: float = 4096.0  # context tokens that double one token's prefill cost
     decode_s_per_token: float = 0.007  # seconds per generated token
     alpha: float = 0.2  # EWMA weight of a new observation
+
+    def stretched(self, scale: float) -> CostPriors:
+        """These priors for an engine ``scale`` times slower than their figures (an emulated
+        mesh's ``--time-scale``, as ``RouterConfig.stretched``): every duration ``scale`` times
+        longer, so that a node's first requests weigh compute against the round trip as the
+        simulator's do (``1``: itself)."""
+        if scale == 1.0:
+            return self
+        return replace(self, rtt_s=self.rtt_s * scale,
+                       prefill_overhead_s=self.prefill_overhead_s * scale,
+                       prefill_s_per_token=self.prefill_s_per_token * scale,
+                       decode_s_per_token=self.decode_s_per_token * scale)
 
     def __post_init__(self) -> None:
         for name in ("rtt_s", "prefill_overhead_s", "prefill_s_per_token", "decode_s_per_token"):

@@ -39,6 +39,7 @@ from radixmesh.core.config import (
     NodeConfig,
     PushbackConfig,
 )
+from radixmesh.core.estimators import CostPriors
 from radixmesh.core.quotas import check_share
 from radixmesh.core.router import Policy, RouterConfig
 from radixmesh.core.sessions import SessionConfig
@@ -366,6 +367,7 @@ class ServeConfig:
             admission=self.admission_config(),
             decision_log=self.decision_log,
             sessions=SessionConfig(margin_s=self.session_margin),
+            priors=CostPriors().stretched(self.profile_time_scale),
         )
 
     def admission_config(self) -> AdmissionConfig:
