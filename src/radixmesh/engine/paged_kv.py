@@ -68,8 +68,8 @@ VIEW_MIN_CONTEXT = 64  # a decode reads a one-run context of at least this many 
 VIEW_MAX_BATCH = 16  # ... when the step has at most this many decodes, or its context is long:
 VIEW_LONG_CONTEXT = 2048  # on the engine's thread, 2 threads, 8 x 500-token prompts: 8 views
 # 3.06-3.22x the tokens/s of one at a time, one gather 2.82x (with 1,024-token pieces; 2.91-3.06
-# against 2.82x with 512); a decode step of 4, 8, 16 with 100-1,500 tokens of context each as fast
-# faster as views, 32 x 500 tokens slower (25.98-26.74 against 23.05-24.61 ms)
+# against 2.82x with 512); a decode step of 4, 8 or 16 with 100-1,500 tokens of context each no
+# slower as views, one of 32 x 500 tokens slower (25.98-26.74 against 23.05-24.61 ms)
 FREE, RESERVED, USED = 1, 2, 0  # a physical block's state (``PagedKV._state``)
 _FREE_RUN = re.compile(rb"\x01+")
 

@@ -500,7 +500,7 @@ def _help_texts() -> dict[str, str]:  # long: a table of help texts
         "profile": "external engine: its step-time profile (a shipped name, `radixmesh profile "
         "list`, or a TOML file): the node shadows its scheduler and routes on predicted TTFT",
         "profile_time_scale": "external engine: its steps last this many times the profile's "
-        "(an emulated engine's --time-scale); the router's windows stretch with it",
+        "(an emulated engine's --time-scale); the router's windows and cost priors stretch with it",
         "engine_metrics_interval": "external engine with --profile: poll its /metrics this "
         "often (seconds; 0 = never) so the shadow counts load others send it",
         "launch": "external engine: start this command line as a child process (no shell), "

@@ -892,7 +892,7 @@ async def _replies(ex: LocalExecution, heartbeat_s: float, clock: Callable[[], f
             while not ex.queue.empty():
                 items.append(ex.queue.get_nowait())
             first = None if ex.first_at is None else ex.first_at - t0
-            for frame in _frames(items, lambda: clock() - t0, first):
+            for frame in _frames(items, clock() - t0, first):
                 yield frame
             if items[-1][0] != "tok":
                 return
@@ -901,7 +901,7 @@ async def _replies(ex: LocalExecution, heartbeat_s: float, clock: Callable[[], f
             pending.cancel()
 
 
-def _frames(items: list[tuple[str, Any]], handler_s: Callable[[], float],
+def _frames(items: list[tuple[str, Any]], handler_s: float,
             first_token_s: float | None) -> list[bytes]:
     frames: list[bytes] = []
     toks: list[int] = []
@@ -913,7 +913,7 @@ def _frames(items: list[tuple[str, Any]], handler_s: Callable[[], float],
             frames.append(encode_reply(ForwardTokens(tuple(toks))))
             toks = []
         if kind == "done":
-            frames.append(encode_reply(result_reply(value, handler_s(), first_token_s)))
+            frames.append(encode_reply(result_reply(value, handler_s, first_token_s)))
         else:
             text = f"{type(value).__name__}: {value}"
             frames.append(encode_reply(ForwardError.truncated(text)))

@@ -88,7 +88,7 @@ def workload_pool(real: Row, args: argparse.Namespace, real_dir: Path) -> dict[s
 def replayed(records: list[Row], pool: dict[str, Request]) -> list[Request]:
     """The records' requests as sent: at their send times (from the first), into their entry
     nodes, with the output length each got."""
-    sent = sorted(records, key=lambda r: float(r["t_send"]))
+    sent = _in_send_order(records)
     if not sent:
         return []
     t0 = float(sent[0]["t_send"])
@@ -110,8 +110,12 @@ def warm_positions(records: list[Row]) -> frozenset[int]:
     as warm-up: its records' own flags. Compared over other requests than the real run's, the
     simulator's figures kept the cold start (4 RAG nodes: 6-7 hit points under the real run's,
     every policy, ``none`` too)."""
-    sent = sorted(records, key=lambda r: float(r["t_send"]))
-    return frozenset(i for i, rec in enumerate(sent) if rec.get("warmup"))
+    return frozenset(i for i, rec in enumerate(_in_send_order(records)) if rec.get("warmup"))
+
+
+def _in_send_order(records: list[Row]) -> list[Row]:
+    """``records`` as their requests were sent (the order both functions above number)."""
+    return sorted(records, key=lambda r: float(r["t_send"]))
 
 
 def cluster_like(real: Row, args: argparse.Namespace, tok_fp: str) -> ClusterConfig:

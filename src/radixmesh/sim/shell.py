@@ -823,7 +823,7 @@ class SimCluster:
         if not flight.current(attempt):
             return
         self._served(flight, node, run, queue_s)
-        since = self.loop.now - flight.sent_at
+        since = self.loop.now - flight.sent_at  # its first token: decode_s before the end
         self.feed(
             self.nodes[flight.entry],
             RequestDone(flight.index, forward_overhead_s=since - queue_s - run.service_s,
