@@ -92,7 +92,9 @@ def test_netem_uses_a_peers_own_delay_each_way_and_the_flat_one_for_the_rest() -
 
 
 def test_a_peer_with_its_own_delay_is_delayed_even_when_the_flat_link_is_not() -> None:
-    netem = Netem(LinkConfig(), peers={"a:1": (0.0, 0.0), "b:1": (0.01, 0.01)})
+    now = [0.0]  # the netem's clock, advanced only by its sleeps
+    netem = Netem(LinkConfig(), peers={"a:1": (0.0, 0.0), "b:1": (0.01, 0.01)},
+                  clock=lambda: now[0])
     slept: list[float] = []
 
     async def main() -> None:
@@ -100,6 +102,7 @@ def test_a_peer_with_its_own_delay_is_delayed_even_when_the_flat_link_is_not() -
 
         async def fake(s: float) -> None:
             slept.append(s)
+            now[0] += s
             await real(0)
 
         asyncio.sleep = fake  # type: ignore[assignment]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 from functools import partial
 
 import pytest
@@ -19,7 +20,7 @@ from radixmesh.runtime.config import (
     parse_peers,
 )
 from radixmesh.runtime.metrics import RuntimeMetrics, parse_samples, render, sample_sum
-from radixmesh.runtime.netem import Netem, NetemConfig
+from radixmesh.runtime.netem import Netem, NetemConfig, sleep_until
 from radixmesh.runtime.openai_api import (
     ApiError,
     Detokenizer,
@@ -258,8 +259,8 @@ def test_netem_takes_its_decisions_from_the_core_link_model() -> None:
 def test_netem_delays_each_chunk_without_accumulating(
         virtual_loop: asyncio.AbstractEventLoop) -> None:
     async def scenario() -> list[float]:
-        n = Netem(NetemConfig(delay_s=1.0))
         loop = asyncio.get_running_loop()
+        n = Netem(NetemConfig(delay_s=1.0), clock=loop.time)
 
         async def source():  # type: ignore[no-untyped-def]
             for i in range(4):  # a chunk every 10 ms, much faster than the delay
@@ -273,3 +274,20 @@ def test_netem_delays_each_chunk_without_accumulating(
     # each chunk is held for the delay from its own arrival: released 10 ms apart as they
     # came, not a delay apart (which is what delays that add up would give)
     assert times == pytest.approx([1.0, 1.01, 1.02, 1.03], abs=1e-9)
+
+
+def test_sleep_until_never_wakes_early_under_uvloop() -> None:
+    # uvloop's timers fire up to a millisecond early (whole milliseconds on a cached clock):
+    # an emulated 10 ms link measured 9.9 ms in CI before the netem slept to a deadline
+    uvloop = pytest.importorskip("uvloop")
+
+    async def shortfalls() -> list[float]:
+        out = []
+        for i in range(60):
+            start = time.monotonic()
+            deadline = start + 0.0003 + 0.00037 * (i % 17)
+            await sleep_until(deadline)
+            out.append(deadline - time.monotonic())
+        return out
+
+    assert max(uvloop.run(shortfalls())) <= 0.0

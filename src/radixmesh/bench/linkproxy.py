@@ -77,10 +77,11 @@ class LinkRelay:
         except OSError:
             down_w.close()
             return
+        clock = asyncio.get_running_loop().time  # asyncio's own loop (``main``): exact timers
         try:
             await asyncio.gather(
-                _pipe(down_r, up_w, Netem(self.config, base)),
-                _pipe(up_r, down_w, Netem(self.back, base + 1)),
+                _pipe(down_r, up_w, Netem(self.config, base, clock=clock)),
+                _pipe(up_r, down_w, Netem(self.back, base + 1, clock=clock)),
             )
         finally:
             for w in (up_w, down_w):

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Iterable, Mapping
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import TypeVar
 
 from radixmesh.core.link import LinkConfig, Wire
@@ -78,9 +79,10 @@ def format_peer_delays(delays: PeerDelays) -> str:
 class Netem:
     """The link model one node applies; owns its own ``random.Random``."""
 
-    def __init__(self, config: LinkConfig, seed: int = 0, peers: PeerDelays | None = None
-                 ) -> None:
+    def __init__(self, config: LinkConfig, seed: int = 0, peers: PeerDelays | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
+        self.clock = clock  # what delays are measured on (a virtual loop's time in tests)
         self.peers = dict(peers or {})  # address -> (out, back): this peer's own delays
         self.wire: Wire[str] = Wire(random.Random(seed), self._link)  # SELF <-> each peer
         self.dropped_loss = 0  # gossip messages dropped by emulated loss
@@ -144,7 +146,7 @@ class Netem:
     async def delay(self, peer: str | None = None) -> None:
         """Sleep one emulated one-way delay toward ``peer`` (no-op without emulation)."""
         if self._link(*self._ends(peer, False)).active:
-            await asyncio.sleep(self.one_way_delay(peer))
+            await sleep_until(self.clock() + self.one_way_delay(peer), self.clock)
 
     async def delayed(self, chunks: AsyncIterator[T], peer: str | None = None
                       ) -> AsyncIterator[T]:
@@ -154,7 +156,6 @@ class Netem:
             async for chunk in chunks:
                 yield chunk
             return
-        loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[float, T | BaseException | None]] = asyncio.Queue()
 
         async def reader() -> None:
@@ -162,7 +163,7 @@ class Netem:
             release = 0.0
             try:
                 async for chunk in chunks:
-                    release = max(release, loop.time() + self.one_way_delay(peer, True))
+                    release = max(release, self.clock() + self.one_way_delay(peer, True))
                     queue.put_nowait((release, chunk))
                 queue.put_nowait((release, None))
             except Exception as exc:  # surfaced to the consumer, in order
@@ -172,9 +173,7 @@ class Netem:
         try:
             while True:
                 release, item = await queue.get()
-                wait = release - loop.time()
-                if wait > 0:
-                    await asyncio.sleep(wait)
+                await sleep_until(release, self.clock)
                 if item is None:
                     return
                 if isinstance(item, BaseException):
@@ -183,3 +182,12 @@ class Netem:
         finally:  # stop reading before the caller touches the source again
             task.cancel()  # gather, not suppress(CancelledError): a cancel of ours goes on
             await asyncio.gather(task, return_exceptions=True)
+
+
+async def sleep_until(deadline: float, clock: Callable[[], float] = time.monotonic) -> None:
+    """Sleep until ``clock()`` reaches ``deadline``, never less: uvloop's timers (what uvicorn
+    runs on when it is installed) count whole milliseconds on a cached loop clock and can fire
+    up to a millisecond early, which a plain ``asyncio.sleep`` would pass on as a shorter
+    emulated link."""
+    while (wait := deadline - clock()) > 0:
+        await asyncio.sleep(wait)
