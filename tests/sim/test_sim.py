@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+from radixmesh.core.blocks import block_hashes
 from radixmesh.core.config import GossipConfig, PushbackConfig
 from radixmesh.core.events import CacheChanged
 from radixmesh.core.router import Policy, RouterConfig
@@ -320,8 +321,10 @@ def test_decode_runs_give_what_single_steps_give(
     one different placement changes every later cache state. So: the first requests' decisions
     are equal, and the run as a whole is the same run (hits, latency). Since the batch report's
     arrival rate reads a node's true rate from its first seconds (``ArrivalRate``), joining a
-    batch is priced from the start and more decisions are near-ties: 41 of 60 agree here (50
-    before; other seeds 58 and 48), the hits within 0.1 %, mean latency within 4 %."""
+    batch is priced from the start and more decisions are near-ties; since a profiled node
+    learns its prompt blocks at its prefill steps (not as requests end), a step a few ms
+    apart can also put an announcement before or after a decision: 40 of 60 agree here, the
+    first 14 of them (seeds 2-4: 60, 56, 41), the hits within 4 %, mean latency within 3 %."""
     reqs = [replace(r, max_tokens=8 + i % 24) for i, r in enumerate(requests_small)]
     timed = schedule.poisson(reqs, 4, rate=100.0, seed=1)
     cost = costs.resolve("h100-llama3-8b")
@@ -332,7 +335,7 @@ def test_decode_runs_give_what_single_steps_give(
     a, b = coalesced.records, stepped.records
     decisions = [((x.served_by, x.cached_tokens), (y.served_by, y.cached_tokens))
                  for x, y in zip(a, b, strict=True)]
-    assert all(x == y for x, y in decisions[:20])
+    assert all(x == y for x, y in decisions[:12])
     assert sum(x == y for x, y in decisions) >= 0.65 * len(decisions)
     hits_a, hits_b = (sum(r.cached_tokens for r in rs) for rs in (a, b))
     assert hits_a == pytest.approx(hits_b, rel=0.05)
@@ -428,3 +431,29 @@ def test_overlapping_warmup_requests_refusals_stay_theirs(
     assert 0 < measured < len(refused)  # both the warm-up and the rest were refused
     assert res.summary["sim"]["forward_refusals"] == measured
     assert res.summary["sim"]["forward_refusals_per_request"] == measured / (len(reqs) - n)
+
+
+@pytest.mark.parametrize("model, while_running", [("h100-llama3-8b", True), ("cpu-tiny", False)])
+def test_a_node_learns_its_prompt_blocks_when_the_engine_schedules_them(
+        model: str, while_running: bool) -> None:
+    # A profiled engine stands for vLLM or the emulated engine, whose KV events say a prompt's
+    # blocks are cached when its prefill is scheduled: its node (and through it, its peers)
+    # knows them while the request still runs. A legacy cost model stands for the built-in
+    # engine, whose node learns them as the request ends. (Drained only as requests ended, a
+    # profiled replay of 4 emulated RAG nodes computed 14-23 % more uncached warm-up tokens.)
+    cl = SimCluster(cluster_config("none", nodes=1, cost=costs.resolve(model)))
+    cl.start()
+    cl.loop.run(until=0.5)
+    tokenize, _ = byte_tokenize()
+    req = Request(id="long", prompt="a long shared document. " * 100, max_tokens=64)
+    tokens = list(tokenize(req))
+    flight = cl.submit(0, req, tokens, 0)
+    node = cl.nodes[0]
+    assert node.core is not None
+    first = block_hashes(tokens, cl.config.block_size, cl.hash_seed)[0]
+    t = cl.loop.now
+    while first not in node.core.cached_hashes() and t < 5.0:  # bounded: 5 simulated s
+        t += 0.001
+        cl.loop.run(until=t)
+    assert first in node.core.cached_hashes()
+    assert (flight.t_done < 0) is while_running  # still running when its blocks were known
