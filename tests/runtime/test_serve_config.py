@@ -8,6 +8,7 @@ from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.config import ForwardConfig, GossipConfig, PushbackConfig
 from radixmesh.core.estimators import CostPriors
 from radixmesh.core.router import RouterConfig
+from radixmesh.core.sessions import SessionConfig
 from radixmesh.runtime.config import ServeConfig, config_from_mapping
 
 
@@ -67,6 +68,18 @@ def test_an_emulated_engines_time_scale_stretches_the_cost_priors() -> None:
     assert priors.prefill_overhead_s == pytest.approx(50 * plain.prefill_overhead_s)
     assert (priors.context_scale, priors.alpha) == (plain.context_scale, plain.alpha)
     assert ServeConfig().node_config(fp, incarnation=1).priors == plain
+
+
+def test_an_emulated_engines_time_scale_stretches_the_session_margin() -> None:
+    """A session's node may be predicted ``--session-margin`` slower and still go first: a
+    duration of the profile's, so S times longer for an engine S times slower (at 200x an
+    unstretched 0.5 s margin stood for 2.5 ms)."""
+    fp = Fingerprint("m", "t", 16)
+    sessions = ServeConfig(profile_time_scale=200.0, session_margin=0.25).node_config(
+        fp, incarnation=1).sessions
+    assert sessions.margin_s == pytest.approx(50.0)
+    assert sessions.ttl_s == pytest.approx(200 * SessionConfig().ttl_s)
+    assert ServeConfig().node_config(fp, incarnation=1).sessions == SessionConfig()
 
 
 def test_forward_timeouts_reach_the_core() -> None:

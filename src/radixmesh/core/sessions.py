@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from radixmesh.core.cost_model import Candidate
 from radixmesh.core.events import Action, ExecuteLocally, Forward
@@ -46,6 +46,14 @@ class SessionConfig:
     ttl_s: float = 600.0  # an entry older than this is forgotten
     capacity: int = 100_000  # entries kept, least recently seen dropped first
     max_gossip: int = 64  # session ids per gossip message (0: none gossiped)
+
+    def stretched(self, scale: float) -> SessionConfig:
+        """This configuration for an engine ``scale`` times slower than its profile (an
+        emulated mesh's ``--time-scale``, as ``RouterConfig.stretched``): the margin and the
+        time to live ``scale`` times longer (``1``: itself)."""
+        if scale == 1.0:
+            return self
+        return replace(self, margin_s=self.margin_s * scale, ttl_s=self.ttl_s * scale)
 
     def __post_init__(self) -> None:
         if not self.margin_s >= 0 or not self.ttl_s > 0:

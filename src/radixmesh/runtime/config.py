@@ -366,7 +366,7 @@ class ServeConfig:
             forward=self.forward_config(),
             admission=self.admission_config(),
             decision_log=self.decision_log,
-            sessions=SessionConfig(margin_s=self.session_margin),
+            sessions=SessionConfig(margin_s=self.session_margin).stretched(self.profile_time_scale),
             priors=CostPriors().stretched(self.profile_time_scale),
         )
 
