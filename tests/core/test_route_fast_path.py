@@ -134,3 +134,16 @@ def test_with_cached_is_replace(n: NodeInfo, tokens: int) -> None:
 @given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=9))
 def test_median_is_statistics_median(values: list[float]) -> None:
     assert _median(list(values)) == statistics.median(values)
+
+
+def test_equal_speeds_are_their_own_median_and_are_not_copied() -> None:
+    # The median's prefill line rebuilt from its reference times came out 0.003999999999999999
+    # for a line of 0.004: every node was then "snapped" to it and copied on every decision
+    # (robust_speeds 20.5 -> 8.6 us for four nodes sharing one report)
+    speed = SpeedReport(0.004, 8e-05, 0.007, 0.02448)
+    twin = SpeedReport(0.004, 8e-05, 0.007, 0.02448)  # equal, another object (a peer's)
+    median = median_speed([speed, twin, speed, twin])
+    assert (median.prefill_overhead_s, median.prefill_s_per_token) == (0.004, 8e-05)
+    nodes = [NodeInfo("self", True, 0, 0.0, 2, speed)] + [
+        NodeInfo(f"n{i}", False, 64, 0.002, 1, twin if i % 2 else speed) for i in range(3)]
+    assert all(got is n for got, n in zip(robust_speeds(nodes, 1.5), nodes, strict=True))

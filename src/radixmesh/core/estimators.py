@@ -152,19 +152,31 @@ def median_speed(speeds: Sequence[SpeedReport]) -> SpeedReport:
     overhead with another's rate.)"""
     if not speeds:
         raise ValueError("median_speed needs at least one speed")
-    (small, large), times = REFERENCE_WORK, [prefill_times(s) for s in speeds]
-    t_small = _median([t[0] for t in times])
-    t_large = _median([t[1] for t in times])
-    rate = max(t_large - t_small, 0.0) / (large - small)
-    overhead = t_small - rate * small
-    if overhead < 0:
-        overhead, rate = 0.0, t_large / large
+    times = [prefill_times(s) for s in speeds]
+    mid = (_median([t[0] for t in times]), _median([t[1] for t in times]))
+    overhead, rate = _line_through(mid, speeds, times)
     return SpeedReport(
         prefill_overhead_s=overhead,
         prefill_s_per_token=rate,
         decode_s_per_token=_median([s.decode_s_per_token for s in speeds]),
         mean_service_s=_median([s.mean_service_s for s in speeds]),
     )
+
+
+def _line_through(mid: tuple[float, float], speeds: Sequence[SpeedReport],
+                  times: list[tuple[float, float]]) -> tuple[float, float]:
+    """The prefill line (overhead, rate) through the median times ``mid`` at the reference
+    sizes: a speed's own line when its times are those (rebuilt from them, rounding made it
+    another, so that every node snapped to it was copied on every decision), else rebuilt."""
+    for speed, t in zip(speeds, times, strict=True):
+        if t == mid:
+            return speed.prefill_overhead_s, speed.prefill_s_per_token
+    (small, large), (t_small, t_large) = REFERENCE_WORK, mid
+    rate = max(t_large - t_small, 0.0) / (large - small)
+    overhead = t_small - rate * small
+    if overhead < 0:
+        return 0.0, t_large / large
+    return overhead, rate
 
 
 def _median(values: list[float]) -> float:
