@@ -232,6 +232,7 @@ class NodeService:
                         config.net_duplicate),
             seed=config.seed ^ self.incarnation ^ 0x5EED,
             peers=parse_peer_delays(config.net_peer_delays),
+            clock=self.clock,  # its delays on the node's one clock
         )
         self.auth = PeerAuth(resolve_secret(config.cluster_key, var=ENV_CLUSTER_KEY),
                              self.node_id)
