@@ -180,6 +180,15 @@ async def _link_bad_tokens(reader: asyncio.StreamReader, writer: asyncio.StreamW
     await _hang()  # the fake peer holds its link open: what the node must handle
 
 
+async def _link_too_many_tokens(reader: asyncio.StreamReader,
+                                writer: asyncio.StreamWriter) -> None:
+    """Right tokens, then more than the request's max_tokens: a peer streaming without end."""
+    frame = await _link_open(reader, writer)
+    writer.write(_reply(frame, ForwardAdmitted("fake", 0), ForwardTokens(tuple(TRUTH[:2])),
+                        ForwardTokens(tuple(TRUTH))))
+    await _hang()  # the fake peer holds its link open: what the node must handle
+
+
 async def _link_busy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     frame = await _link_open(reader, writer)
     writer.write(_reply(frame, ForwardBusy("fake", 0.7))
@@ -254,6 +263,7 @@ def test_reference_answer(truth: list[int]) -> None:
         ("link", _link_dies_midstream, True, "disconnected"),
         ("link", _link_ends_early, False, "disconnected"),
         ("link", _link_bad_tokens, False, "bad_response"),
+        ("link", _link_too_many_tokens, True, "bad_response"),
         ("link", _link_busy, False, "busy"),
     ],
 )

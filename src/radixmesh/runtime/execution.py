@@ -360,7 +360,7 @@ class ForwardExecution(Execution):
         while True:
             reply = await self._stream.next_reply()
             if isinstance(reply, ForwardTokens):
-                for tok in self._checked(reply.ids):
+                for tok in self._checked(reply.ids, len(emitted)):
                     emitted.append(tok)
                     yield tok
             elif isinstance(reply, ForwardResult):
@@ -371,10 +371,13 @@ class ForwardExecution(Execution):
             elif not isinstance(reply, ForwardHeartbeat):
                 raise ForwardFailure("bad_response", f"unexpected {type(reply).__name__}")
 
-    def _checked(self, ids: tuple[int, ...]) -> tuple[int, ...]:
-        """Token ids from a peer, checked: a broken peer must not break our detokenizer."""
+    def _checked(self, ids: tuple[int, ...], before: int = 0) -> tuple[int, ...]:
+        """Token ids from a peer (``before`` of them already had), checked: a broken peer
+        must not break our detokenizer, nor stream past the request's ``max_tokens``."""
         if any(t >= self._vocab for t in ids):
             raise ForwardFailure("bad_response", f"token ids must be below {self._vocab}")
+        if before + len(ids) > self.ctx.sampling.max_tokens:
+            raise ForwardFailure("bad_response", "more tokens than the request's max_tokens")
         return ids
 
     def _finish(self, res: ForwardResult, emitted: list[int]) -> Outcome:
