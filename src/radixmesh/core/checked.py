@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import msgpack
 
 INT_MAX = 2**63 - 1
+U32_MAX = 2**32 - 1  # counts a node really has (queues, requests in flight) fit in this
 _T = TypeVar("_T")
 
 

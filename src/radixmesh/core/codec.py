@@ -33,6 +33,7 @@ from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.cache_summary import pack_hashes, unpack_hashes
 from radixmesh.core.checked import (
     INT_MAX,
+    U32_MAX,
     RemoteProtocolError,
     check_array,
     check_bool,
@@ -252,8 +253,8 @@ class _Parser:
         pushback = None if f[5] is None else check_float(f[5], "pushback", minimum=0.0)
         measured = None if f[7] is None else check_float(f[7], "speed_measured_at")
         return Load(
-            queue_depth=check_int(f[0], "queue_depth"),
-            inflight=check_int(f[1], "inflight"),
+            queue_depth=check_int(f[0], "queue_depth", U32_MAX),
+            inflight=check_int(f[1], "inflight", U32_MAX),
             cache_tokens=check_int(f[2], "cache_tokens"),
             cache_budget=check_int(f[3], "cache_budget"),
             speed=None if f[4] is None else _speed(f[4]),

@@ -61,6 +61,10 @@ from radixmesh.core.peer_estimate import PeerEstimate, bump
 from radixmesh.core.sessions import SessionTable
 from radixmesh.core.shadow_state import worth_sending
 
+# a relayed state stamped further ahead of its node's clock than this is not its own
+# (``Disseminator.apply_relay``), nor a held stamp that far ahead of its own next message
+STAMP_AHEAD_S = 60.0
+
 
 class Disseminator:
     """Builds each round's messages and applies the states that arrive."""
@@ -230,6 +234,14 @@ class Disseminator:
         return echo
 
     # ================================================================= incoming states
+    def drop_future_stamp(self, est: PeerEstimate, stamp: float) -> None:
+        """The peer's own message is stamped ``stamp``; a stamp held for it further ahead
+        than ``STAMP_AHEAD_S`` came from a relay and is not its own (within an incarnation a
+        node's clock only moves on): dropped, so that its real reports apply again."""
+        if est.stamp is not None and est.stamp > stamp + STAMP_AHEAD_S:
+            est.stamp = None
+            bump(self.metrics, "gossip_future_stamps_dropped")
+
     def apply_direct(self, est: PeerEstimate, msg: Gossip, now: float, newest: bool) -> None:
         """The sender's own state, ack and echo (``newest``: no newer message applied yet)."""
         self.epidemic.heard_first_hand(msg.sender)
@@ -248,11 +260,17 @@ class Disseminator:
                 self.epidemic.keep_knows(est, msg.digest)
 
     def apply_relay(self, s: NodeState, now: float, out: list[Action]) -> None:
-        """Another node's state relayed by the sender (epidemic)."""
+        """Another node's state relayed by the sender (epidemic). A state stamped further
+        ahead of its node's clock (as its own messages set it) than ``STAMP_AHEAD_S`` cannot
+        be its own: counted and dropped (kept, it would hold back every real report after it,
+        which must be newer)."""
         if s.node_id == self.config.node_id:
             return
         est = self.failure.resolve(s.node_id, s.incarnation, s.address, now, out)
         if est is None:
+            return
+        if est.clock_offset is not None and s.stamp > now + est.clock_offset + STAMP_AHEAD_S:
+            bump(self.metrics, "gossip_relays_from_future")
             return
         self.failure.heard_relayed(est, s.heartbeat, now, out)
         self._apply_load(est, s.stamp, s.load, now)
@@ -271,7 +289,10 @@ class Disseminator:
         # delay, a fraction of a second against the stale-speed rule's 10 s window)
         est.speed_measured_at = (None if load.speed_measured_at is None
                                  else now - max(0.0, stamp - load.speed_measured_at))
-        est.pushback_until = None if load.pushback_s is None else now + load.pushback_s
+        # a push-back longer than the longest back-off a node honours is held to it (it is
+        # advertised again each round while it lasts; an absurd one must not bar a peer for good)
+        est.pushback_until = (None if load.pushback_s is None
+                              else now + min(load.pushback_s, self.xcfg.max_retry_after_s))
 
     def _apply_summary(self, est: PeerEstimate, summary: Summary | None) -> None:
         if summary is None:
@@ -318,6 +339,7 @@ class Disseminator:
         est.unacked_since = None if caught_up else now  # progress: a fresh window
 
     def _apply_echo(self, est: PeerEstimate, msg: Gossip, now: float) -> None:
+        est.clock_offset = msg.stamp - now
         if est.echo_stamp is None or msg.stamp > est.echo_stamp:
             est.echo_stamp, est.echo_at = msg.stamp, now
         echo = msg.echo

@@ -87,6 +87,7 @@ class Gossiper:
                  "messages_rejected_stale")  # fmt: skip
             bump(self.metrics, "messages_rejected")
             return actions
+        self.dissemination.drop_future_stamp(est, msg.stamp)
         newest = est.stamp is None or msg.stamp >= est.stamp
         failure.heard_directly(est, msg.heartbeat, now, actions)
         self.dissemination.apply_direct(est, msg, now, newest)

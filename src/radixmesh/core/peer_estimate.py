@@ -39,6 +39,9 @@ class PeerEstimate:
     unacked_since: float | None = None  # when we started sending beyond its ack
     echo_stamp: float | None = None  # its latest stamp, to echo back once
     echo_at: float = 0.0  # our clock when that stamp arrived
+    # its clock minus ours, from its latest own message (None: never heard directly): a
+    # relayed stamp far ahead of its clock is a lie (``Dissemination.apply_relay``)
+    clock_offset: float | None = None
     last_echo: float | None = None  # newest of our stamps it echoed (counted once)
     sent: int = 0  # messages sent to it
     # epidemic relaying
@@ -70,6 +73,7 @@ class PeerEstimate:
         self.stamp = None
         self.last_echo = None
         self.echo_stamp = None
+        self.clock_offset = None
 
     def resend_from_ack(self) -> None:
         """What we sent beyond its ack was probably lost: next time, start from the ack."""

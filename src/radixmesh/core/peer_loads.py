@@ -45,6 +45,9 @@ _Kept = TypeVar("_Kept")
 IDLE_PEERS = 2  # unmatched least-loaded peers the cost policy also considers
 # a peer reporting a longer queue wait (a forward's, or its refusal's) is not believed
 MAX_REPORTED_WAIT_S = 3600.0
+# a queue depth a report may add to the mesh's mean (larger: counted as this); so one absurd
+# report cannot swallow the others' depths in the running sum's rounding
+MAX_QUEUE_DEPTH = float(1 << 20)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +86,7 @@ class PeerLoads:
         # depths (the mesh's mean)
         self._load_seen: dict[str, QueueSeen] = {}
         self._queue_sum = 0.0
+        self._queue_updates = 0  # since the sum was last recomputed (``_resum``)
         self._idle: list[tuple[int, float, str]] = []  # (queue depth, stamp, peer) lazy heap
         # per peer: how far the queue waits our forwards met were from what we predicted
         self._wait_errors: dict[str, WaitError] = {}
@@ -144,9 +148,22 @@ class PeerLoads:
     def _queue_seen(self, peer: str, stamp: float | None, depth: float, now: float) -> None:
         """Record ``peer``'s queue ``depth`` as seen now (its load report's ``stamp``), and
         keep the sum of the latest depths (the mesh's mean queue) in step."""
+        depth = min(max(depth, 0.0), MAX_QUEUE_DEPTH)
         seen = self._load_seen.get(peer)
         self._queue_sum += depth - (0.0 if seen is None else seen.depth)
         self._load_seen[peer] = QueueSeen(stamp, self._lifecycle.forwards_sent, now, depth)
+        self._queue_updates += 1
+        if self._queue_updates > 2 * len(self._load_seen) + 16:
+            self._resum()
+
+    def _resum(self) -> None:
+        """Recompute the sum of the reports exactly, over the routable peers only: a dead or
+        forgotten peer's last report leaves the mean (else it stayed in it for good), and
+        the running sum's rounding never accumulates. Amortized O(1) per report."""
+        routable = self._gossip.routable
+        self._load_seen = {p: s for p, s in self._load_seen.items() if p in routable}
+        self._queue_sum = math.fsum(s.depth for s in self._load_seen.values())
+        self._queue_updates = 0
 
     def reported(self) -> bool:
         """Whether any peer has reported its queue yet."""
