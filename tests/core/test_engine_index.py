@@ -356,6 +356,13 @@ def test_the_store_is_bounded() -> None:
     assert len(index) == 2 and index.counters()["over_capacity"] == 1
 
 
+def test_the_store_is_bounded_in_blocks_too() -> None:
+    """One-token blocks cost a block's bookkeeping each: the block count is bounded too."""
+    index = EngineIndex(1, SEED, engine_block_size=1, max_blocks=3)
+    index.apply(stored([1, 2, 3, 4, 5], None, toks(5)))
+    assert index.counters()["over_capacity"] == 2 and index.counters()["blocks_stored"] == 3
+
+
 # ---------------------------------------------------------- spec kinds, engine granularity
 def test_blocks_of_groups_that_are_not_full_attention_are_skipped() -> None:
     index = EngineIndex(B, SEED)

@@ -7,9 +7,10 @@ import pytest
 
 from radixmesh.core.checked import RemoteProtocolError
 from radixmesh.core.codec import Codec
+from radixmesh.core.config import GossipConfig
 from radixmesh.core.dissemination import STAMP_AHEAD_S
 from radixmesh.core.events import MessageReceived
-from radixmesh.core.messages import Gossip, Load, NodeState
+from radixmesh.core.messages import Change, Delta, Gossip, Load, NodeState
 from radixmesh.core.peer_loads import MAX_QUEUE_DEPTH
 from radixmesh.testing.twin import TwinCluster
 
@@ -24,14 +25,14 @@ def cluster(n: int) -> TwinCluster:
 
 
 def forge(c: TwinCluster, sender: str, load: Load, stamp: float | None = None,
-          relays: tuple[NodeState, ...] = ()) -> Gossip:
+          relays: tuple[NodeState, ...] = (), summary: Delta | None = None) -> Gossip:
     """A message from ``sender`` as n0 would take it (its incarnation, a newer stamp)."""
     est = c.nodes["n0"]._parts.gossip.estimates[sender]
     return Gossip(sender=sender, address=TwinCluster.address(sender),
                   incarnation=c.nodes[sender].config.incarnation, version=0, heartbeat=10**6,
                   fingerprint=c.fingerprint.digest,
                   stamp=(est.stamp or 0.0) + 1.0 if stamp is None else stamp, load=load,
-                  relays=relays)
+                  relays=relays, summary=summary)
 
 
 def deliver(c: TwinCluster, msg: Gossip) -> None:
@@ -105,3 +106,22 @@ def test_an_endless_push_back_is_held_to_the_longest_back_off() -> None:
     est = n0._parts.gossip.estimates["n2"]
     cap = n0.config.gossip.exchange.max_retry_after_s
     assert est.pushback_until is not None and est.pushback_until <= c.now + cap
+
+
+def test_a_peer_view_grown_past_one_snapshots_worth_is_dropped() -> None:
+    """Deltas that add up to more hashes than a whole summary may carry: what the node holds
+    of that peer is wrong; it is dropped (bounded memory) and counted, to be sent whole."""
+    c = TwinCluster(2, seed=3, gossip=GossipConfig(max_hashes=1000))
+    c.change_cache("n1", added=range(1, 10))
+    c.run_for(2.0)
+    n0 = c.nodes["n0"]
+    est = n0._parts.gossip.estimates["n1"]
+    view = n0._parts.gossip.payload.view
+    assert est.version is not None and view.size("n1") == 9
+    base = est.version
+    for i in range(3):  # 3 x 400 new hashes: 1,209 > 1,000
+        first = 10_000 * (i + 1)
+        change = Change(base + i + 1, tuple(range(first, first + 400)), ())
+        deliver(c, forge(c, "n1", Load(0, 0, 0, 1 << 20, None), summary=Delta(base + i, (change,))))
+    assert view.size("n1") == 0 and est.version is None
+    assert n0.metrics()["gossip_views_over_limit"] == 1

@@ -67,3 +67,6 @@ class CachePayload:
     def forget_remote(self, peer: str) -> None:
         self.view.drop(peer)
         self._snapshots.pop(peer, None)
+
+    def remote_size(self, peer: str) -> int:
+        return self.view.size(peer)

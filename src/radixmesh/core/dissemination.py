@@ -323,6 +323,12 @@ class Disseminator:
             return
         self.payload.merge_remote_changes(est.node_id, fresh)
         est.version = fresh[-1].version
+        if self.payload.remote_size(est.node_id) > self.cfg.max_hashes:
+            # more than its whole summary may hold (one snapshot's worth): what we hold of
+            # it is wrong; dropped (bounded memory), it is sent whole again
+            self.payload.forget_remote(est.node_id)
+            est.version = None
+            bump(self.metrics, "gossip_views_over_limit")
         self.epidemic.note_changes(est, fresh)
         bump(self.metrics, "gossip_deltas_applied")
 

@@ -58,6 +58,10 @@ from radixmesh.core.kv_events import (
 )
 
 _UINT32 = next(code for code in ("I", "L") if array(code).itemsize == 4)
+# blocks the index holds at most, whatever their size (~0.6 kB each: an engine announcing
+# one-token blocks, SGLang's page size 1, could otherwise fill 2**26 tokens' worth, ~39 GB);
+# 2M blocks are 32M tokens at vLLM's 16 a block, beyond any one engine's KV cache
+MAX_BLOCKS = 1 << 21
 _COUNTS = (
     "batches",
     "events",
@@ -121,16 +125,19 @@ class EngineIndex:
         engine_block_size: int | None = None,
         group_idx: int = 0,
         max_tokens: int = 1 << 26,
+        max_blocks: int = MAX_BLOCKS,
     ) -> None:
         if engine_block_size is not None:
             check_block_sizes(engine_block_size, block_size)
-        if block_size < 1 or group_idx < 0 or max_tokens < 1:
-            raise ValueError("block_size and max_tokens must be positive, group_idx >= 0")
+        if block_size < 1 or group_idx < 0 or max_tokens < 1 or max_blocks < 1:
+            raise ValueError("block_size, max_tokens and max_blocks must be positive, "
+                             "group_idx >= 0")
         self.block_size = block_size
         self.seed = seed
         self.engine_block_size = engine_block_size
         self.group_idx = group_idx
         self.max_tokens = max_tokens
+        self.max_blocks = max_blocks
         self.config_error: str | None = None  # set by the first refused block size
         self.observed_block_size: int | None = None  # of the last accepted BlockStored
         self._counts = dict.fromkeys(_COUNTS, 0)
@@ -275,7 +282,7 @@ class EngineIndex:
                 return
             self._counts["replaced_stores"] += 1
             self._unlink(key)
-        if self._tokens + len(packed) > self.max_tokens:
+        if self._tokens + len(packed) > self.max_tokens or len(self._blocks) >= self.max_blocks:
             self._counts["over_capacity"] += 1
             return
         self._counts["opaque_blocks"] += int(opaque)

@@ -100,6 +100,9 @@ _COUNTERS = (
     "gossip_stale_summaries",
     "gossip_gaps",
     "gossip_snapshot_fallbacks",
+    "gossip_relays_from_future",  # a relayed state stamped far ahead of its node's clock
+    "gossip_future_stamps_dropped",  # a held stamp far ahead of the peer's own next message
+    "gossip_views_over_limit",  # a peer's summary grew past one snapshot's worth (dropped)
     "peer_restarts",
     "rtt_samples",
     "forward_waits_rejected",  # a peer reported a queue wait out of range (ignored)

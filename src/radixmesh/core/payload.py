@@ -38,3 +38,6 @@ class Payload(Protocol):
 
     def forget_remote(self, peer: str) -> None:
         """Drop what we hold of ``peer`` (it died or restarted)."""
+
+    def remote_size(self, peer: str) -> int:
+        """How many items we hold of ``peer``."""
