@@ -224,7 +224,8 @@ def mesh_cost(req: RouteInput, nodes: Sequence[NodeInfo], context_scale: float) 
     agentic, chat and RAG rows under load, and on one shared core its `cost`/`none` went
     0.730 -> 0.714 (geometric mean; docs/benchmarks.md "Router" -> "What a long request costs
     those arriving behind it")."""
-    return [priced(req, n, context_scale).cost_s for n in nodes]
+    decoding = mesh_decoding(nodes)
+    return [priced(req, n, context_scale, decoding).cost_s for n in nodes]
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,14 +239,15 @@ class Priced:
     cost_s: float  # the mesh cost (``mesh_cost``)
 
 
-def priced(req: RouteInput, n: NodeInfo, context_scale: float) -> Priced:
+def priced(req: RouteInput, n: NodeInfo, context_scale: float,
+           decoding: float | None = None) -> Priced:
     """``n``'s :class:`Priced` for ``req``: the sums of ``predict_latency`` / ``predict_ttft``
-    / ``mesh_cost``, each term evaluated once."""
+    / ``mesh_cost``, each term evaluated once (``decoding``: see :func:`batch_externality`)."""
     ahead = (0.0 if n.is_self else n.rtt_s) + predict_wait(n)
     prefill = predict_prefill(req, n, context_scale)
     if n.batch is not None:
         service = prefill + decode_s(n.batch, req.max_tokens, req.prompt_tokens)
-        cost = ahead + service + batch_externality(req, n, context_scale)
+        cost = ahead + service + batch_externality(req, n, context_scale, decoding)
         return Priced(ahead, prefill, service, cost)
     # predict_service's sum, its prefill computed once
     service = prefill + n.speed.decode_s_per_token * max(0, req.max_tokens - 1)
@@ -255,19 +257,40 @@ def priced(req: RouteInput, n: NodeInfo, context_scale: float) -> Priced:
     return Priced(ahead, prefill, service, cost)
 
 
-def batch_externality(req: RouteInput, node: NodeInfo, context_scale: float) -> float:
+def batch_externality(req: RouteInput, node: NodeInfo, context_scale: float,
+                      decoding: float | None = None) -> float:
     """What the request's prefill on a batching engine costs the others there: the requests
     arriving while it waits and computes (``BatchState.rate`` per second) queue behind all of
     its prefill, or half of it on average; and each sequence decoding in its steps waits its
     prompt compute for its next token (chunked prefill shares the step: the step's fixed part
     is paid either way). Without the decodes, a cold copy near an H100 mesh's capacity looked
     as cheap as a forward to a busy holder: 16 simulated H100s, chat at 80 %, `cost` cached
-    51 % against the gateway's 64 % (mean 0.55 s against 0.37), 61 % with them (0.46 s)."""
+    51 % against the gateway's 64 % (mean 0.55 s against 0.37), 61 % with them (0.46 s).
+
+    ``decoding``: the decode batch the compute is priced against, one for every candidate of
+    a decision (:func:`mesh_decoding`; None: the node's own). At each node's own batch the
+    term also steered prompts to whichever node decoded fewer sequences at that moment (a
+    batch a peer's report has aged; the wait prices load already): forwards only to copy
+    there met 82 ms TTFT against 47 for a copy at home. At one batch it prices the extra
+    compute of a miss (16 simulated H100s at 80 %: agentic 45.4 -> 36.7 ms mean TTFT)."""
     assert node.batch is not None
     b = node.batch
     own = predict_prefill(req, node, context_scale)
-    decodes = b.decoding * b.prefill_compute_s(*_split(req, node))
+    d = b.decoding if decoding is None else decoding
+    decodes = d * b.prefill_compute_s(*_split(req, node))
     return b.rate * own * (predict_wait(node) + own / 2.0) + decodes
+
+
+def mesh_decoding(nodes: Sequence[NodeInfo]) -> float | None:
+    """The decode batch one decision prices every candidate's prompt compute against
+    (:func:`batch_externality`): the mean over the candidates with a batching engine (None:
+    none has one). A node checking a forward alone prices it against its own batch."""
+    total, count = 0, 0
+    for n in nodes:
+        if n.batch is not None:
+            total += n.batch.decoding
+            count += 1
+    return total / count if count else None
 
 
 def mean_utilization(nodes: Sequence[NodeInfo]) -> float:

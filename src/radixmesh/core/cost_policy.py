@@ -127,6 +127,7 @@ from radixmesh.core.cost_model import (
     batch_externality,
     candidate,
     mean_utilization,
+    mesh_decoding,
     over_bound,
     predict_prefill,
     predict_service,
@@ -161,12 +162,13 @@ class CostPolicy:
         prefix are computed once, for the choice and for the ``beat_s`` each forward carries."""
         me = next(n for n in avail if n.is_self)
         scale = self.config.context_scale
-        parts = {n.node_id: priced(req, n, scale) for n in avail}
+        decoding = mesh_decoding(avail)  # one decode batch for every candidate's compute
+        parts = {n.node_id: priced(req, n, scale, decoding) for n in avail}
         local = parts[me.node_id].cost_s
         preferred = set() if placement is None else {
             n.node_id for n in avail if self._preferred(req, n, me, placement)
         }
-        order, bought = self._by_cost(req, avail, parts, rng, placement, preferred)
+        order, bought = self._by_cost(req, avail, parts, rng, placement, preferred, decoding)
         if placement is None:
             return [candidate(req, n, scale, None if n.is_self else local,
                               cost_s=parts[n.node_id].cost_s, parts=parts[n.node_id])
@@ -195,6 +197,7 @@ class CostPolicy:
         rng: Random,
         placement: Placement | None,
         preferred: set[str],
+        decoding: float | None,
     ) -> tuple[list[NodeInfo], bool]:
         """The candidates, best first (``parts``: their predictions, ranked by mesh cost),
         and whether staying here is a bought copy (rent); ``preferred``: the owners and
@@ -223,7 +226,7 @@ class CostPolicy:
         if placement is not None:
             held = placement.held_tokens
             best = self._placed(req, keyed, best, preferred, overloaded, rng, held)
-            if self._buys_copy(req, mine, best, placement):
+            if self._buys_copy(req, mine, best, placement, decoding):
                 best, bought = mine, True
         rest = [n for n in order if n is not best[3]]
         return [best[3], *self._near_first(rest, me, parts)], bought
@@ -243,7 +246,8 @@ class CostPolicy:
             i += 1
         return [*head, *far, *rest[i:]] if far else rest
 
-    def _buys_copy(self, req: RouteInput, mine: _Keyed, best: _Keyed, placement: Placement) -> bool:
+    def _buys_copy(self, req: RouteInput, mine: _Keyed, best: _Keyed, placement: Placement,
+                   decoding: float | None) -> bool:
         """Ski rental: a forward to a holder rents its copy for one round trip; a copy here
         costs, once, what staying costs more than the forward now. Rent until the round
         trips spent on this prefix reach that price, then buy. Over a 4 ms link against
@@ -264,7 +268,7 @@ class CostPolicy:
             return False
         rent = placement.rent_s + self._rent_to_come(req, placement, me, there)
         if me.batch is not None:
-            return self._batch_copy_price(req, me, there) <= rent
+            return self._batch_copy_price(req, me, there, decoding) <= rent
         scale = self.config.context_scale
         extra_service = predict_service(req, me, scale) - predict_service(req, there, scale)
         price = max(gain, extra_service - there.rtt_s)
@@ -287,7 +291,8 @@ class CostPolicy:
             return 0.0
         return placement.rate_hz * self.config.replica_window_s * there.rtt_s
 
-    def _batch_copy_price(self, req: RouteInput, me: NodeInfo, there: NodeInfo) -> float:
+    def _batch_copy_price(self, req: RouteInput, me: NodeInfo, there: NodeInfo,
+                          decoding: float | None) -> float:
         """A copy's price on a batching engine: this node's predicted TTFT here beyond the
         forward's (round trip included), at least the copy's extra prefill plus what it
         delays the requests joining the batch (``batch_externality``); bought once the rent
@@ -297,7 +302,8 @@ class CostPolicy:
         scale = self.config.context_scale
         warm = with_cached(me, there.cached_tokens)
         extra = predict_prefill(req, me, scale) - predict_prefill(req, warm, scale)
-        extra += batch_externality(req, me, scale) - batch_externality(req, warm, scale)
+        extra += (batch_externality(req, me, scale, decoding)
+                  - batch_externality(req, warm, scale, decoding))
         gain = predict_ttft(req, me, scale) - predict_ttft(req, there, scale)
         return max(gain, extra)
 
