@@ -134,6 +134,9 @@ def test_chat_completions_stream_and_whole() -> None:
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "x" * 100, "max_tokens": 500}, "max_tokens"),  # past the 512-token context
     ([1, 2, 3], None),
+    (b'{"prompt": "\\ud800"}', "prompt"),  # a lone surrogate: no UTF-8 text (a 500 before)
+    (b'{"prompt": ["ok", "\\udfff"]}', "prompt"),
+    (b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", None),  # too deep for the parser
 ])
 def test_malformed_requests_are_400s_in_vllms_shape_and_counted(body: Any,
                                                                  param: str | None) -> None:
@@ -162,6 +165,17 @@ def test_a_bad_chat_body_is_a_400_and_another_model_a_404() -> None:
                              json={"messages": [{"role": "user"}]}) as resp:
             out = await resp.json()
         assert resp.status == 400 and out["error"]["param"] == "messages"
+        for bad in ({"content": "hi"}, {"role": "wizard", "content": "hi"},
+                    {"role": "user", "content": "\ud800"}):  # each a 500 before
+            async with http.post(fake.url + "/v1/chat/completions",
+                                 json={"messages": [bad]}) as resp:
+                out = await resp.json()
+            assert resp.status == 400 and out["error"]["param"] == "messages", bad
+        for method, path, status in (("GET", "/v1/completions", 405),
+                                     ("POST", "/v1/nowhere", 404)):
+            async with http.request(method, fake.url + path) as resp:
+                out = await resp.json()  # JSON, as vLLM's FastAPI answers, not plain text
+            assert resp.status == status and out["error"]["code"] == status
 
     with_engine(scenario)
 

@@ -261,6 +261,10 @@ def test_openapi_is_generated_from_the_models(node: _Node) -> None:
         (b'{"model": "tiny", "prompt": "' + b"x" * 300_000 + b'"}', 413, None),
         (b"[" * 50_000, 400, None),  # nesting too deep for the parser
         (b"", 400, None),
+        # JSON escapes that decode to lone surrogates: no UTF-8 text (a 500 before)
+        (b'{"model": "tiny", "prompt": "\\ud800", "max_tokens": 2}', 400, "prompt"),
+        (b'{"model": "tiny", "prompt": ["ok", "\\udfff"], "max_tokens": 2}', 400, "prompt"),
+        (b'{"model": "\\ud800", "prompt": "x", "max_tokens": 2}', 404, "model"),
     ],
 )
 def test_bad_bodies_are_openai_errors(node: _Node, content: bytes, status: int,
@@ -270,6 +274,16 @@ def test_bad_bodies_are_openai_errors(node: _Node, content: bytes, status: int,
     assert r.status_code == status
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
+
+
+def test_a_lone_surrogate_in_a_chat_message_is_a_400(node: _Node) -> None:
+    content = b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}'
+    r = httpx.post(node.url + "/v1/chat/completions", content=content,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    ok = httpx.post(node.url + "/v1/completions", json={"model": MODEL, "prompt": "x",
+                                                        "max_tokens": 1})
+    assert ok.status_code == 200  # and the node goes on
 
 
 # ----------------------------------------------------------------------------- a mesh

@@ -101,7 +101,7 @@ def parse_prompts(raw: Any, tokenizer: Tokenizer, vocab: int
                   ) -> tuple[tuple[int, ...], ...]:
     """``prompt``: text, token ids (each below ``vocab``), or a non-empty list of either."""
     if isinstance(raw, str):
-        return (tuple(tokenizer.encode(raw)),) if raw else _empty()
+        return (tuple(tokenizer.encode(_text(raw, "prompt"))),) if raw else _empty()
     single = _ids(raw, vocab)
     if single is not None:
         return (single,)
@@ -109,7 +109,7 @@ def parse_prompts(raw: Any, tokenizer: Tokenizer, vocab: int
         out = []
         for item in raw:
             if isinstance(item, str) and item:
-                out.append(tuple(tokenizer.encode(item)))
+                out.append(tuple(tokenizer.encode(_text(item, "prompt"))))
                 continue
             ids = _ids(item, vocab)
             if ids is None:
@@ -160,7 +160,22 @@ def _chat_prompt(body: Mapping[str, Any], tokenizer: Tokenizer) -> tuple[tuple[i
             isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
         raise BadRequest("messages must be a non-empty list of {role, content} objects",
                          "messages")
-    return (tuple(tokenizer.apply_chat_template(messages)),)
+    for m in messages:
+        _text(m["content"], "messages")
+    try:
+        return (tuple(tokenizer.apply_chat_template(messages)),)
+    except ValueError as exc:  # a role the template does not know
+        raise BadRequest(str(exc), "messages") from None
+
+
+def _text(value: str, param: str) -> str:
+    """``value``, if it is text a tokenizer can take: JSON's ``\\ud800`` escapes decode to
+    lone surrogates, which no UTF-8 encoder accepts (a 500 before this check)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequest(f"{param} is not valid Unicode text (a lone surrogate)", param) from None
+    return value
 
 
 def _stop_ids(body: Mapping[str, Any], tokenizer: Tokenizer) -> set[int]:

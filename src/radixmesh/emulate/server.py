@@ -340,7 +340,11 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
         response: web.StreamResponse = await handler(request)
         return response
-    except (web.HTTPException, asyncio.CancelledError, ConnectionError):
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error(exc.reason, exc.status)  # 404, 405 ...: JSON, as vLLM's FastAPI answers
+    except (asyncio.CancelledError, ConnectionError):
         raise
     except Exception as exc:
         log.exception("unexpected error serving %s", request.path)
@@ -381,7 +385,7 @@ def _any_port(endpoint: str | None) -> str:
 async def _json(request: web.Request) -> Any:
     try:
         return json.loads(await request.read())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise protocol.BadRequest(f"the request body is not JSON: {exc}") from None
 
 

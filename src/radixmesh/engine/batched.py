@@ -115,6 +115,8 @@ class BatchedEngine(EngineFacade):
             relay.stopped = True
             self._inbox.put(("abort", on_done))
             await asyncio.wait({done})
+            if not done.cancelled():
+                done.exception()  # the engine's answer to the abort: read, not logged
             raise
         except RequestStopped as stopped:
             raise (relay.error or stopped) from None

@@ -115,7 +115,26 @@ class ApiError(Exception):
 def error_body(
     message: str, type_: str, param: str | None = None, code: str | None = None
 ) -> dict[str, object]:
+    # a message quoting the client's text may hold a lone surrogate (JSON's "\ud800"), which
+    # no UTF-8 response can carry: escaped, so the client still gets its 4xx
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def unicode_text(value: object) -> bool:
+    """Whether every string in ``value`` (nested lists, tuples, dicts) is valid Unicode text:
+    JSON's escapes can make lone surrogates, which no tokenizer's UTF-8 encoding accepts."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
+        return True
+    if isinstance(value, dict):
+        return all(unicode_text(k) and unicode_text(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return all(unicode_text(v) for v in value)
+    return True
 
 
 # --------------------------------------------------------------------------- schema
