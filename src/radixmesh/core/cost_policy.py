@@ -197,7 +197,7 @@ class CostPolicy:
         rng: Random,
         placement: Placement | None,
         preferred: set[str],
-        decoding: float | None,
+        decoding: float | None,  # the decision's decode batch (``mesh_decoding``)
     ) -> tuple[list[NodeInfo], bool]:
         """The candidates, best first (``parts``: their predictions, ranked by mesh cost),
         and whether staying here is a bought copy (rent); ``preferred``: the owners and
@@ -213,9 +213,8 @@ class CostPolicy:
         if self._far_and_slower(best[3], me, parts):  # rare: the next that is not
             best = next((k for k in keyed if k[3].node_id not in overloaded
                          and not self._far_and_slower(k[3], me, parts)), mine)  # fmt: skip
-        if self._bypasses_bound(keyed[0], best) and not self._far_and_slower(
-            keyed[0][3], me, parts
-        ):
+        if (self._bypasses_bound(keyed[0], best)
+                and not self._far_and_slower(keyed[0][3], me, parts)):
             best = keyed[0]  # a large certain saving (a long cached prefix) beats balancing
         # Hysteresis against noisy *speed* estimates: a share of the local work, not of the
         # local queue wait (under load 10 % of the wait exceeded any cache saving); and

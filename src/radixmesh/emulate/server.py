@@ -15,9 +15,8 @@ one :class:`~.events.KvEventPublisher` (when KV events are asked for). Routes:
 * ``GET /v1/models``, ``/health`` (both name the profile and say ``emulated``), ``/metrics``
   (Prometheus text, ``metrics.render``).
 
-A client that goes away (cancelled, or a write fails) aborts its sequences (``disconnects``
-counts them). No request crashes the server: the unexpected is a 500 in the error shape.
-"""
+A client that goes away aborts its sequences (``disconnects``). No request crashes the
+server: other routes or methods are a JSON 404 / 405, the unexpected a 500 in the error shape."""
 
 from __future__ import annotations
 
@@ -156,9 +155,8 @@ class EmulatedEngine:
     # ------------------------------------------------------------------------- small routes
     async def _models(self, _: web.Request) -> web.Response:
         card = {"id": self.model, "object": "model", "created": 0, "owned_by": "vllm",
-                "root": self.model, "parent": None,
-                "max_model_len": self.profile.context_length, "permission": [],
-                **self.describe()}
+                "root": self.model, "parent": None, "max_model_len": self.profile.context_length,
+                "permission": [], **self.describe()}
         loras = [{**card, "id": name, "root": name, "parent": self.model}
                  for name in self.adapters]
         return web.json_response({"object": "list", "data": [card, *loras]})
@@ -257,8 +255,7 @@ class EmulatedEngine:
         choices = [protocol.choice(i, self.tokenizer.decode(outs[i]),
                                    protocol.logprobs_of(outs[i], req, self.tokenizer, 0),
                                    done[i], req, chunk=False) for i in range(n)]
-        body = protocol.envelope(protocol.new_id(req.chat), self.model, req, choices,
-                                 chunk=False)
+        body = protocol.envelope(protocol.new_id(req.chat), self.model, req, choices, chunk=False)
         body["usage"] = protocol.usage(done, self.faults.report_cached)
         return web.json_response(body)
 
@@ -340,10 +337,10 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
         response: web.StreamResponse = await handler(request)
         return response
-    except web.HTTPException as exc:
+    except web.HTTPException as exc:  # 404, 405 ...: JSON, as vLLM's FastAPI answers
         if exc.status < 400:
             raise
-        return _error(exc.reason, exc.status)  # 404, 405 ...: JSON, as vLLM's FastAPI answers
+        return _error(exc.reason, exc.status)
     except (asyncio.CancelledError, ConnectionError):
         raise
     except Exception as exc:
@@ -369,9 +366,8 @@ def _sglang_request(body: Any, tokenizer: Tokenizer, context: int, vocab: int
 
 
 def default_model_name(profile: Profile) -> str:
-    """The served name without ``--served-model-name``: the profile's Hugging Face model id
-    (the first word of its ``model`` when that has a ``/``, as vLLM names a model by its
-    path), else the profile's name."""
+    """The served name without ``--served-model-name``: the first word of the profile's
+    ``model`` when it has a ``/`` (a Hugging Face id, as vLLM names a path), else its name."""
     first = profile.model.replace(",", " ").split()[0] if profile.model.strip() else ""
     return first if "/" in first else profile.name
 

@@ -372,12 +372,9 @@ class ForwardExecution(Execution):
                 raise ForwardFailure("bad_response", f"unexpected {type(reply).__name__}")
 
     def _checked(self, ids: tuple[int, ...], before: int = 0) -> tuple[int, ...]:
-        """Token ids from a peer (``before`` of them already had), checked: a broken peer
-        must not break our detokenizer, nor stream past the request's ``max_tokens``."""
-        if any(t >= self._vocab for t in ids):
-            raise ForwardFailure("bad_response", f"token ids must be below {self._vocab}")
-        if before + len(ids) > self.ctx.sampling.max_tokens:
-            raise ForwardFailure("bad_response", "more tokens than the request's max_tokens")
+        """A peer's token ids (after ``before`` had): in the vocabulary, within max_tokens."""
+        if any(t >= self._vocab for t in ids) or before + len(ids) > self.ctx.sampling.max_tokens:
+            raise ForwardFailure("bad_response", f"token ids below {self._vocab}, max_tokens")
         return ids
 
     def _finish(self, res: ForwardResult, emitted: list[int]) -> Outcome:
