@@ -59,6 +59,17 @@ def test_hf_tokenizer_round_trips(micro_model_dir: Path, text: str) -> None:
     assert tok.decode(ids) == text
 
 
+def test_text_no_utf8_holds_is_a_value_error_in_both_tokenizers(micro_model_dir: Path) -> None:
+    """A lone surrogate (JSON's "\\ud800" decodes to one): a ValueError, as the byte
+    tokenizer's, which the servers answer with a 400 (the library raised a TypeError: 500)."""
+    hf = HFTokenizer(micro_model_dir)
+    for tok in (hf, ByteTokenizer()):
+        with pytest.raises(ValueError):
+            tok.encode("a\ud800b")
+    with pytest.raises(ValueError):
+        hf.apply_chat_template([{"role": "user", "content": "\ud800"}])
+
+
 def test_hf_tokenizer_compresses_trained_text(micro_model_dir: Path) -> None:
     tok = HFTokenizer(micro_model_dir)
     text = "The following are multiple choice questions (with answers) about physics."

@@ -101,7 +101,7 @@ def parse_prompts(raw: Any, tokenizer: Tokenizer, vocab: int
                   ) -> tuple[tuple[int, ...], ...]:
     """``prompt``: text, token ids (each below ``vocab``), or a non-empty list of either."""
     if isinstance(raw, str):
-        return (tuple(tokenizer.encode(_text(raw, "prompt"))),) if raw else _empty()
+        return (_encoded(tokenizer, raw),) if raw else _empty()
     single = _ids(raw, vocab)
     if single is not None:
         return (single,)
@@ -109,7 +109,7 @@ def parse_prompts(raw: Any, tokenizer: Tokenizer, vocab: int
         out = []
         for item in raw:
             if isinstance(item, str) and item:
-                out.append(tuple(tokenizer.encode(_text(item, "prompt"))))
+                out.append(_encoded(tokenizer, item))
                 continue
             ids = _ids(item, vocab)
             if ids is None:
@@ -160,22 +160,19 @@ def _chat_prompt(body: Mapping[str, Any], tokenizer: Tokenizer) -> tuple[tuple[i
             isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
         raise BadRequest("messages must be a non-empty list of {role, content} objects",
                          "messages")
-    for m in messages:
-        _text(m["content"], "messages")
     try:
         return (tuple(tokenizer.apply_chat_template(messages)),)
-    except ValueError as exc:  # a role the template does not know
+    except ValueError as exc:  # a role the template refuses, text no UTF-8 holds
         raise BadRequest(str(exc), "messages") from None
 
 
-def _text(value: str, param: str) -> str:
-    """``value``, if it is text a tokenizer can take: JSON's ``\\ud800`` escapes decode to
-    lone surrogates, which no UTF-8 encoder accepts (a 500 before this check)."""
+def _encoded(tokenizer: Tokenizer, text: str) -> tuple[int, ...]:
+    """A text prompt's ids; text the tokenizer refuses (a lone surrogate: JSON's
+    ``"\\ud800"``) is the client's error."""
     try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise BadRequest(f"{param} is not valid Unicode text (a lone surrogate)", param) from None
-    return value
+        return tuple(tokenizer.encode(text))
+    except ValueError as exc:
+        raise BadRequest(str(exc), "prompt") from None
 
 
 def _stop_ids(body: Mapping[str, Any], tokenizer: Tokenizer) -> set[int]:

@@ -148,7 +148,16 @@ class HFTokenizer:
         return self._template_text is not None
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=True).ids)
+        return self._ids(text, add_special_tokens=True)
+
+    def _ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        """``text``'s ids; text no UTF-8 can hold (a lone surrogate, as JSON's ``"\\ud800"``
+        decodes to) is a ValueError, as the byte tokenizer's, not the library's TypeError."""
+        try:
+            return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        except TypeError:
+            text.encode("utf-8")  # raises UnicodeEncodeError (a ValueError) for such text
+            raise
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=True))
@@ -170,8 +179,7 @@ class HFTokenizer:
             raise ValueError(f"chat template failed: {exc}") from exc
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        text = self.render_chat(messages)
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
+        return self._ids(self.render_chat(messages), add_special_tokens=False)
 
 
 class StreamDecoder:

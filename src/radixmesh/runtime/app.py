@@ -110,7 +110,6 @@ from radixmesh.runtime.openai_api import (
     response_body,
     served_request_models,
     server_defaults,
-    unicode_text,
     usage_body,
     validation_error,
 )
@@ -610,14 +609,12 @@ def _tokenize(service: NodeService, api: ApiRequest) -> list[list[int]]:
     """Every prompt's token ids (chat: the one templated conversation)."""
     tok = service.engine.tokenizer
     param = "messages" if api.kind == "chat" else "prompt"
-    if not unicode_text(api.messages if api.kind == "chat" else api.prompts):
-        raise ApiError(f"'{param}' is not valid Unicode text (a lone surrogate)", param=param)
     try:
         if api.kind == "chat":
             prompts = [list(tok.apply_chat_template(list(api.messages)))]
         else:
             prompts = [list(p) if isinstance(p, tuple) else tok.encode(p) for p in api.prompts]
-    except ValueError as exc:
+    except ValueError as exc:  # a role the template refuses, text no UTF-8 holds
         raise ApiError(str(exc), param=param) from None
     for ids in prompts:
         _check_prompt(service, api, ids)

@@ -121,22 +121,6 @@ def error_body(
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def unicode_text(value: object) -> bool:
-    """Whether every string in ``value`` (nested lists, tuples, dicts) is valid Unicode text:
-    JSON's escapes can make lone surrogates, which no tokenizer's UTF-8 encoding accepts."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return False
-        return True
-    if isinstance(value, dict):
-        return all(unicode_text(k) and unicode_text(v) for k, v in value.items())
-    if isinstance(value, list | tuple):
-        return all(unicode_text(v) for v in value)
-    return True
-
-
 # --------------------------------------------------------------------------- schema
 Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 TokenIds = Annotated[list[Annotated[int, Field(strict=True, ge=0)]], Field(min_length=1)]
