@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 from typing import Any
+
+from radixmesh.results.run_summary import prediction_errors
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
@@ -57,17 +58,12 @@ def pairs(folder: Path, run: str, scale: float) -> list[tuple[float, float, str,
     return out
 
 
-def _q(xs: list[float], q: float) -> float:
-    return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
-
-
 def _row(name: str, got: list[tuple[float, float, str, bool]]) -> str:
-    rel = [(p - a) / a for p, a, _, _ in got if a > 0]
-    if not rel:
+    e = prediction_errors([(p, a) for p, a, _, _ in got])
+    if not e["n"]:
         return f"| {name} | 0 | | | | |"
-    err = [abs(x) for x in rel]
-    return (f"| {name} | {len(rel)} | {_q(err, 0.5):.1%} | {_q(err, 0.9):.1%} "
-            f"| {statistics.fmean(err):.1%} | {statistics.fmean(rel):+.1%} |")
+    return (f"| {name} | {e['n']} | {e['abs_p50']:.1%} | {e['abs_p90']:.1%} "
+            f"| {e['abs_mean']:.1%} | {e['signed_mean']:+.1%} |")
 
 
 def main() -> int:

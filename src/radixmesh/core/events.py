@@ -299,6 +299,7 @@ class Forward:
     # what serving it there does to its prefix's copies (the router's ``Tag`` value: hit,
     # first, replica, second_copy, unplaced, local_copy); None: the policy places nothing
     placement: str | None = None
+    predicted_ttft_s: float | None = None  # the router's TTFT for it there (None: not priced)
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,6 +312,7 @@ class ExecuteLocally:
     expected_cached: int  # the router's estimate of this node's cached prefix
     resume_after: int = 0
     placement: str | None = None  # as ``Forward.placement``, for this node
+    predicted_ttft_s: float | None = None  # as ``Forward.predicted_ttft_s``, for this node
 
 
 @dataclass(frozen=True, slots=True)

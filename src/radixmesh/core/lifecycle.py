@@ -300,7 +300,7 @@ class Lifecycle:
         flight.route = flight.label("forwarded")
         return Forward(
             flight.rid, cand.node_id, address, cand.beat_s, cand.expected_cached_tokens,
-            flight.route, _tag(cand),
+            flight.route, _tag(cand), cand.ttft_s,
         )
 
     def _local(self, flight: Flight, resume_after: int) -> ExecuteLocally:
@@ -311,7 +311,8 @@ class Lifecycle:
             self._placed(flight)
         flight.route = flight.label("local")
         return ExecuteLocally(flight.rid, flight.route, flight.self_expected, resume_after,
-                              _tag(flight.choice))
+                              _tag(flight.choice),
+                              None if flight.choice is None else flight.choice.ttft_s)
 
     def _untrack(self, flight: Flight) -> None:
         """The flight's current try at a peer is over (or never was; idempotent)."""

@@ -67,6 +67,17 @@ def mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def prediction_errors(pairs: Sequence[tuple[float, float]]) -> dict[str, float | None]:
+    """How far predicted times were from the actual ones, over ``(predicted, actual)`` pairs
+    with an actual time > 0: the median and p90 of ``|predicted - actual| / actual`` and the
+    mean signed ``(predicted - actual) / actual`` (negative: predicted too soon). The one
+    definition of the TTFT prediction error (``sim``'s summary, ``scripts/ttft-error.py``)."""
+    rel = [(p - a) / a for p, a in pairs if a > 0]
+    err = [abs(x) for x in rel]
+    return {"n": len(rel), "abs_p50": percentile(err, 50), "abs_p90": percentile(err, 90),
+            "abs_mean": mean(err), "signed_mean": mean(rel)}
+
+
 def _ratio(num: int, den: int) -> float | None:
     return num / den if den > 0 else None
 

@@ -32,7 +32,7 @@ from typing import Any
 from radixmesh.core.node import NodeCore
 from radixmesh.core.router import Tag
 from radixmesh.results.records import Record
-from radixmesh.results.run_summary import mean, percentile
+from radixmesh.results.run_summary import mean, percentile, prediction_errors
 from radixmesh.sim.shell import ClusterConfig, Journey, SimCluster
 
 # the cores' own counters summed over nodes: why forwards were refused, and what the router
@@ -103,6 +103,7 @@ def sim_figures(
         **_estimate_errors(extras, c.block_size),
         "forwarded_requests": sum(1 for r in records if r.route == "forwarded"),
         **_view_ages(records, extras),
+        "ttft_prediction_error": _prediction_errors(records, extras),
         "virtual_s": max(now - window.t0, 1e-9),
         "warmup_s": window.t0,
         "wall_s": wall,
@@ -181,6 +182,17 @@ def _view_ages(records: list[Record], extras: list[dict[str, Any]]) -> dict[str,
         "view_age_s_p99": percentile(ages, 99),
         "view_stale_share": (sum(1 for a in ages if a > 0) / len(ages)) if ages else None,
     }
+
+
+def _prediction_errors(records: list[Record], extras: list[dict[str, Any]]
+                       ) -> dict[str, dict[str, float | None]]:  # fmt: skip
+    """The router's TTFT for the node that served each request (its last try) against the
+    TTFT met: every such request, those served where they entered and those forwarded."""
+    got = [(r.route, e["predicted_ttft_s"], r.ttft_s) for r, e in zip(records, extras, strict=True)
+           if r.ttft_s is not None and e.get("predicted_ttft_s") is not None]
+    return {name: prediction_errors([(p, a) for route, p, a in got if keep(route)])
+            for name, keep in (("all", lambda _: True), ("local", lambda r: r == "local"),
+                               ("forwarded", lambda r: r != "local"))}
 
 
 def _view_sizes(cluster: SimCluster) -> dict[str, float]:

@@ -132,6 +132,7 @@ class _Driver:
         self.extras[f.index] = {
             "estimate_error_tokens": f.estimate_error,
             "view_age_s": f.view_age_s,
+            "predicted_ttft_s": f.predicted_ttft_s,
             "queue_s": f.queue_s,
             "service_s": f.service_s,
         }

@@ -183,6 +183,7 @@ class Journey:
     expected_cached: int = 0
     placement: str | None = None  # the router's tag of the current choice (Record.placement)
     estimate_error: int = 0  # expected - truth at the target at decision time (tokens)
+    predicted_ttft_s: float | None = None  # the router's TTFT at the current try's node
     view_age_s: float = 0.0  # how long the estimate used had been out of date (0: current)
     sent_at: float = 0.0
     served_by: int = -1
@@ -538,6 +539,7 @@ class SimCluster:
         flight.attempt += 1
         flight.route = action.route
         flight.expected_cached, flight.placement = action.expected_cached, action.placement
+        flight.predicted_ttft_s = action.predicted_ttft_s
         self._record_estimate(flight, flight.entry)
         if action.resume_after == 0:
             self._count_copy(flight, self.nodes[flight.entry])
@@ -562,7 +564,7 @@ class SimCluster:
         now = self.loop.now
         flight.attempt += 1
         flight.route, flight.expected_cached = action.route, action.expected_cached
-        flight.placement = action.placement
+        flight.placement, flight.predicted_ttft_s = action.placement, action.predicted_ttft_s
         flight.target, flight.beat_s, flight.sent_at = target.idx, action.beat_s, now
         self.counters.forwards += 1
         self._record_estimate(flight, target.idx)
