@@ -284,3 +284,28 @@ async def model_name(client: httpx.AsyncClient, base_url: str) -> str:
     if not data:
         raise RuntimeError(f"{base_url} lists no models")
     return str(data[0]["id"])
+
+
+async def wait_for_model(client: httpx.AsyncClient, base_url: str, model: str,
+                         timeout_s: float, poll_s: float = 0.5) -> None:
+    """Until ``base_url`` (a gateway) lists ``model`` in ``/v1/models``: a gateway can count
+    its workers healthy before it knows what they serve (SMG 1.13 with 64 workers on a busy
+    machine: its metadata step timed out, and every request got 404 "No worker available for
+    model"). A gateway without the route (404) has nothing to wait for. RuntimeError after
+    ``timeout_s``, saying so."""
+    url = base_url.rstrip("/") + "/v1/models"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            resp = await client.get(url)
+            if resp.status_code == 404:
+                return
+            ids = {m.get("id") for m in resp.json().get("data") or [] if isinstance(m, dict)}
+            if resp.status_code == 200 and model in ids:
+                return
+        except (httpx.HTTPError, ValueError, AttributeError):
+            pass
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"{base_url} does not list model {model!r} after {timeout_s:g} s "
+                               "(its workers registered without it?)")
+        await asyncio.sleep(poll_s)

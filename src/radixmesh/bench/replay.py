@@ -54,6 +54,7 @@ from radixmesh.workload import Request
 from radixmesh.workload.schedule import Sessions, is_open_loop, think_time, timed
 
 WARMUP_PROMPT = "radixmesh warm-up {i}: hello"
+GATEWAY_MODEL_WAIT_S = 120.0  # a gateway must list the served model by then (wait_for_model)
 MODES = ("sequential", "closed", "open")
 
 
@@ -252,6 +253,8 @@ class Replay:
 
     async def setup(self, http: httpx.AsyncClient) -> None:
         self.model = await client.model_name(http, self.urls[0])
+        if self.router is not None:  # a gateway routes by model name: it must know this one
+            await client.wait_for_model(http, self.router.url, self.model, GATEWAY_MODEL_WAIT_S)
         await self._warm_up(http)
         self.t0 = time.perf_counter()
 
