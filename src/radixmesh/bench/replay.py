@@ -253,7 +253,7 @@ class Replay:
 
     async def setup(self, http: httpx.AsyncClient) -> None:
         self.model = await client.model_name(http, self.urls[0])
-        if self.router is not None:  # a gateway routes by model name: it must know this one
+        if self.router is not None and self.router.lists_models:  # it routes by model name
             await client.wait_for_model(http, self.router.url, self.model, GATEWAY_MODEL_WAIT_S)
         await self._warm_up(http)
         self.t0 = time.perf_counter()

@@ -51,6 +51,9 @@ class Gateway:
     package: ClassVar[str] = ""  # the importable package that must be installed
     launcher: ClassVar[tuple[str, ...]] = ()  # after ``python -m``
     extra_args: ClassVar[tuple[str, ...]] = ()
+    # whether ``GET /v1/models`` names the workers' model (SMG does; sglang-router 0.3.2
+    # answers ``"unknown"``): the bench then waits for it there (``client.wait_for_model``)
+    lists_models: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -34,3 +34,4 @@ class Smg(Gateway):
     package = "smg"
     launcher = ("smg", "launch")
     extra_args = ("--log-level", "warn")
+    lists_models = True
