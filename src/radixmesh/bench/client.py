@@ -300,12 +300,17 @@ async def wait_for_model(client: httpx.AsyncClient, base_url: str, model: str,
             resp = await client.get(url)
             if resp.status_code == 404:
                 return
-            ids = {m.get("id") for m in resp.json().get("data") or [] if isinstance(m, dict)}
-            if resp.status_code == 200 and model in ids:
+            if resp.status_code == 200 and model in _model_ids(resp.json()):
                 return
-        except (httpx.HTTPError, ValueError, AttributeError):
+        except (httpx.HTTPError, ValueError):  # not up yet, or not JSON
             pass
         if time.monotonic() >= deadline:
             raise RuntimeError(f"{base_url} does not list model {model!r} after {timeout_s:g} s "
                                "(its workers registered without it?)")
         await asyncio.sleep(poll_s)
+
+
+def _model_ids(body: Any) -> list[str]:
+    """The model ids a ``/v1/models`` body lists (none, if it is not that shape)."""
+    data = body.get("data") if isinstance(body, dict) else None
+    return [str(m["id"]) for m in data or [] if isinstance(m, dict) and "id" in m]
