@@ -8,11 +8,19 @@ one gossip round (0.5 s): a cold start. This runs each (regime, workload) point 
 to end, goodput, hits. Simulated, every row::
 
     PYTHONPATH=src python scripts/steady-matrix.py --out runs/steady   # ~40 min of one core
+
+``--loads 0.8,1.5,2,3,4`` runs every point at each load (multiples of the planned capacity,
+``sim.sweep.capacity_rate``: what ``none``'s even spread sustains with 85 % of a prompt
+cached, so a mesh that caches more, or pools faster engines, sustains several times it) and
+then prints each policy's *sustained load*: the highest load at which at least ``--attain``
+(90 %) of the requests meet the SLO, interpolated linearly between the loads run (DistServe's
+goodput as a rate), and its ratio to the gateway's (``cache_aware``).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -27,12 +35,13 @@ REGIMES = {
 WORKLOADS = ("rag", "agentic", "chat", "hotprefix")
 
 
-def run_point(out: Path, regime: str, workload: str, args: argparse.Namespace) -> Path:
+def run_point(out: Path, regime: str, workload: str, load: float,
+              args: argparse.Namespace) -> Path:
     """One point's simulation (skipped when its summary exists); its folder."""
-    folder = out / f"{regime}-{workload}"
+    folder = out / (f"{regime}-{workload}" if load == 0.8 else f"{regime}-{workload}-x{load:g}")
     if not (folder / "summary.json").exists():
         cmd = [sys.executable, "-m", "radixmesh", "sim", "--nodes", "16", *REGIMES[regime],
-               "--workload", workload, "--load", "0.8", "--schedule", args.schedule,
+               "--workload", workload, "--load", f"{load:g}", "--schedule", args.schedule,
                "--requests", str(args.requests), "--exclude-warmup", str(args.requests // 10),
                "--net-delay", "2ms", "--seed", str(args.seed), "--policy", args.policy,
                "--no-records", "--quiet", "--out", str(folder)]
@@ -40,7 +49,7 @@ def run_point(out: Path, regime: str, workload: str, args: argparse.Namespace) -
     return folder
 
 
-def rows(folder: Path, regime: str, workload: str) -> list[str]:
+def rows(folder: Path, regime: str, workload: str, load: float) -> list[str]:
     runs = json.loads((folder / "summary.json").read_text())["runs"]
     base = next((r for r in runs if r["name"] == "none"), None)
     out = []
@@ -48,10 +57,45 @@ def rows(folder: Path, regime: str, workload: str) -> list[str]:
         ratio = "" if base is None else f"{r['mean_ttft_s'] / base['mean_ttft_s']:.2f}"
         tpot = "-" if r["mean_tpot_s"] is None else f"{1e3 * r['mean_tpot_s']:.1f}"
         out.append(
-            f"| {regime} | {workload} | {r['name']} | {1e3 * r['mean_ttft_s']:.1f} / "
+            f"| {regime} | {workload} | {load:g} | {r['name']} | {1e3 * r['mean_ttft_s']:.1f} / "
             f"{1e3 * r['p99_ttft_s']:.1f} | {ratio} | {tpot} | "
             f"{1e3 * r['mean_latency_s']:.0f} | {100 * r['goodput']:.1f} % | "
             f"{100 * r['actual_hit_rate']:.1f} % |")
+    return out
+
+
+def goodputs(folder: Path) -> dict[str, float]:
+    """Each policy's goodput at one point."""
+    runs = json.loads((folder / "summary.json").read_text())["runs"]
+    return {r["name"]: float(r["goodput"] or 0.0) for r in runs}
+
+
+def sustained(curve: list[tuple[float, float]], attain: float) -> float | None:
+    """The load at which goodput first falls below ``attain``, interpolated linearly between
+    the loads run (``curve``: (load, goodput), loads ascending): None when the lowest load
+    misses it already, the highest load when none misses it (a lower bound)."""
+    if not curve or curve[0][1] < attain:
+        return None
+    for (lo, g_lo), (hi, g_hi) in itertools.pairwise(curve):
+        if g_hi < attain:
+            return lo + (hi - lo) * (g_lo - attain) / (g_lo - g_hi)
+    return curve[-1][0]
+
+
+def sustained_table(curves: dict[tuple[str, str], dict[str, list[tuple[float, float]]]],
+                    attain: float) -> list[str]:
+    """One row per (regime, workload): each policy's sustained load and its ratio to the
+    gateway's."""
+    top = max((c[-1][0] for pol in curves.values() for c in pol.values()), default=0.0)
+    out = [f"\n| regime | workload | policy | sustained load (goodput >= {100 * attain:.0f} %, "
+           "x planned capacity) | ÷ cache_aware |", "|---|---|---|---|---|"]
+    for (regime, workload), pol in curves.items():
+        gate = sustained(pol.get("cache_aware", []), attain)
+        for name, curve in pol.items():
+            s = sustained(curve, attain)
+            shown = "-" if s is None else f"{'>= ' if s >= top else ''}{s:.2f}"
+            ratio = "-" if s is None or not gate else f"{s / gate:.2f}"
+            out.append(f"| {regime} | {workload} | {name} | {shown} | {ratio} |")
     return out
 
 
@@ -64,14 +108,25 @@ def main(argv: list[str]) -> int:
     p.add_argument("--policy", default="none,cost,cache_aware,llmd")
     p.add_argument("--regimes", default=",".join(REGIMES))
     p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--loads", default="0.8", help="comma-separated multiples of the planned "
+                   "capacity (default 0.8); more than one adds the sustained-load table")
+    p.add_argument("--attain", type=float, default=0.9, help="the sustained load's goodput")
     args = p.parse_args(argv)
-    print("| regime | workload | policy | TTFT mean / p99 ms | ÷ none | TPOT ms | e2e ms "
+    loads = sorted(float(x) for x in args.loads.split(","))
+    print("| regime | workload | load | policy | TTFT mean / p99 ms | ÷ none | TPOT ms | e2e ms "
           "| goodput | hit |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    curves: dict[tuple[str, str], dict[str, list[tuple[float, float]]]] = {}
     for regime in args.regimes.split(","):
         for workload in args.workloads.split(","):
-            folder = run_point(args.out, regime, workload, args)
-            print("\n".join(rows(folder, regime, workload)), flush=True)
+            for load in loads:
+                folder = run_point(args.out, regime, workload, load, args)
+                print("\n".join(rows(folder, regime, workload, load)), flush=True)
+                for name, g in goodputs(folder).items():
+                    curves.setdefault((regime, workload), {}).setdefault(name, []).append(
+                        (load, g))
+    if len(loads) > 1:
+        print("\n".join(sustained_table(curves, args.attain)))
     return 0
 
 
