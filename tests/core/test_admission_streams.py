@@ -18,6 +18,7 @@ from radixmesh.core.blocks import Fingerprint
 from radixmesh.core.config import AdmissionConfig, NodeConfig
 from radixmesh.core.events import LoadChanged, RejectRequest, RequestArrived, RequestServed, Tick
 from radixmesh.core.node import NodeCore
+from radixmesh.core.shadow_state import BatchState
 
 FP = Fingerprint("test-model", "bytes", 16)
 ADM = AdmissionConfig(max_queue_wait_s=30.0)  # max_queue_tokens 0: derived from the rate
@@ -99,3 +100,31 @@ def test_streams_never_exceed_the_requests_outstanding() -> None:
     node = node_serving(2.8, 0.35)  # reads ~8 with 12 outstanding
     node.handle(LoadChanged(3, 0, 0, 6144, 3 * 1200, 3), 20.0)
     assert node.streams(20.0) == pytest.approx(3.0)
+
+
+def shadow(ahead_s: float, waiting: int) -> BatchState:
+    """An H100-like engine's batch as its node's shadow reports it: ``waiting`` requests not
+    admitted yet, ``ahead_s`` of their prompt compute to come."""
+    return BatchState(0.006, 1.7e-5, 7e-10, 3e-4, 4e-8, 8192, 1024, 467_280, running=64,
+                      waiting=waiting, decoding=60, decode_kv=60 * 2000,
+                      ahead_tokens=int(ahead_s / 1.7e-5), kv_used=64 * 2000, ahead_s=ahead_s,
+                      residual_s=0.01, free_s=0.05, rate=200.0)
+
+
+def rejected_with(node: NodeCore, depth: int, batch: BatchState, rid: int) -> bool:
+    node.handle(LoadChanged(depth, 0, 0, 6144, depth * 1200, depth, batch=batch), 0.0)
+    actions = node.handle(RequestArrived(rid, (), 1200, 0, 1), 0.0)
+    return any(isinstance(a, RejectRequest) for a in actions)
+
+
+def test_a_node_with_its_engines_batch_bounds_the_shadows_wait() -> None:
+    """Before any completion (Little's law reads one stream) 300 requests outstanding on a
+    batching engine read as 300 x the prior service, over the 30 s bound: 16 emulated H100s at
+    160 % of their planned capacity answered 429 on their first requests. With the engine's
+    batch the wait is the shadow's: 0.5 s of prompt work ahead has room, 40 s is full."""
+    cold = node_serving(1.0, 1.0, until=0.0)  # nothing served yet
+    assert rejected(cold, 300, 0.0)  # the FIFO reading without a batch: as before
+    assert not rejected_with(cold, 300, shadow(0.5, 40), rid=2)
+    assert rejected_with(cold, 300, shadow(40.0, 2400), rid=3)
+    assert cold.metrics()["admission_full_wait"] == 1  # the shadow's 40 s (the first: tokens)
+    assert cold.metrics()["admission_full_tokens"] == 1

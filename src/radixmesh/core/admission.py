@@ -58,6 +58,7 @@ from radixmesh.core.messages import Load
 from radixmesh.core.own_load import OwnLoad
 from radixmesh.core.peer_estimate import bump
 from radixmesh.core.peer_loads import PeerLoads
+from radixmesh.core.shadow_state import BatchState, ttft_parts
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +82,7 @@ def token_cap(adm: AdmissionConfig, tokens_per_s: float, streams: float = 1) -> 
 
 def admission(adm: AdmissionConfig, speed: SpeedReport, tokens_per_s: float,
               load: LoadChanged, prompt_tokens: int, max_tokens: int,
-              streams: float = 1.0) -> Full | None:
+              streams: float = 1.0, batch: BatchState | None = None) -> Full | None:
     """Bounded admission, the whole decision: None if a node with ``load`` (and this speed)
     has room for one more request of ``prompt_tokens`` + ``max_tokens``, else :class:`Full`.
 
@@ -98,10 +99,19 @@ def admission(adm: AdmissionConfig, speed: SpeedReport, tokens_per_s: float,
     :meth:`~radixmesh.core.own_load.OwnLoad.streams`) matters for a batching engine whose
     queue is invisible: 16 requests in flight on two real vLLM CPU engines, each taking
     ~2.5 s while 8 shared one engine, read as 8 x 2.5 s of queued work and the nodes
-    answered 429 (docs/reliability.md)."""
+    answered 429 (docs/reliability.md).
+
+    ``batch``: the node's shadow of a batching engine (``LoadChanged.batch``, aged to now).
+    Then the wait is the shadow's, before the request's prefill (``ttft_parts``: the prompt
+    work ahead, the step under way, the soonest finish when the engine is full), and only an
+    explicit ``max_queue_tokens`` bounds tokens: Little's law over completions lags a surge,
+    and 16 emulated H100s at 160 % of their planned capacity answered 429 with the wait at
+    its bound (30 s) on their first requests."""
     depth = load.queue_depth
     if depth <= 0:
         return None
+    if batch is not None:
+        return _batch_full(adm, batch, load, prompt_tokens, max_tokens)
     streams = max(float(load.inflight), streams, 1.0)
     queued = load.queue_prompt_tokens + load.queue_output_tokens
     wait = depth * speed.mean_service_s / streams
@@ -113,6 +123,21 @@ def admission(adm: AdmissionConfig, speed: SpeedReport, tokens_per_s: float,
     cap = token_cap(adm, tokens_per_s, streams)
     if cap is not None and queued + max(prompt_tokens, 0) + max(max_tokens, 0) > cap:
         return Full(reported, "tokens")
+    return None
+
+
+def _batch_full(adm: AdmissionConfig, batch: BatchState, load: LoadChanged,
+                prompt_tokens: int, max_tokens: int) -> Full | None:
+    """:func:`admission` for a node with its engine's batch: the shadow's wait."""
+    wait, _ = ttft_parts(batch, max(prompt_tokens, 1), 0)
+    if adm.max_queue_requests is not None and load.queue_depth >= adm.max_queue_requests:
+        return Full(wait, "requests")
+    if wait >= adm.max_queue_wait_s:
+        return Full(wait, "wait")
+    queued = load.queue_prompt_tokens + load.queue_output_tokens
+    cap = adm.max_queue_tokens
+    if cap and queued + max(prompt_tokens, 0) + max(max_tokens, 0) > cap:
+        return Full(wait, "tokens")
     return None
 
 
@@ -225,7 +250,8 @@ class AdmissionControl:
         if self._leaving_until is not None or self.engine_down:
             return 0.0
         full = admission(self._config.admission, self._own.speed(), self._own.token_rate(),
-                         self._own.load, prompt_tokens, max_tokens, self._own.streams(now))
+                         self._own.load, prompt_tokens, max_tokens, self._own.streams(now),
+                         self._own.batch(now))
         if full is None:
             return None
         bump(self._metrics, f"admission_full_{full.bound}")
@@ -248,7 +274,7 @@ class AdmissionControl:
             return False
         return admission(self._config.admission, self._own.speed(), self._own.token_rate(),
                          self._own.load, event.prompt_tokens, event.max_tokens,
-                         self._own.streams(now)) is None
+                         self._own.streams(now), self._own.batch(now)) is None
 
     # ------------------------------------------------------------------ peers' forwards
     def forward_arrived(self, event: ForwardArrived, now: float) -> list[Action]:

@@ -33,7 +33,7 @@ from radixmesh.core.gossip import Gossiper
 from radixmesh.core.load_estimates import ArrivalRate, Utilization
 from radixmesh.core.messages import Load
 from radixmesh.core.peer_estimate import bump
-from radixmesh.core.shadow_state import aged
+from radixmesh.core.shadow_state import BatchState, aged
 
 # a stale own speed restarts from the median of at most this many fresh peers' speeds
 SPEED_SAMPLE = 16
@@ -146,8 +146,7 @@ class OwnLoad:
         (cached while no push-back is running), with its engine's batch as of now (each
         message leaves it out when its receiver's copy is still good: ``Dissemination``)."""
         busy = round(self._busy.value(now), 2)  # 0.01 steps: the cache survives idle decay
-        ev = self._load
-        batch = None if ev.batch is None else aged(ev.batch, now - self._load_at)
+        batch = self.batch(now)
         if pushback is not None:
             return replace(self._make_load(pushback, busy), batch=batch)
         cached = self._load_cache
@@ -161,6 +160,12 @@ class OwnLoad:
         return Load(ev.queue_depth, ev.inflight, ev.cache_tokens, ev.cache_budget, speed,
                     pushback, busy, self._measured_at)
 
+    def batch(self, now: float) -> BatchState | None:
+        """The engine's batch from this node's shadow of it, aged to ``now`` (None: no
+        batching engine's shadow)."""
+        ev = self._load
+        return None if ev.batch is None else aged(ev.batch, now - self._load_at)
+
     def self_info(self, cached_tokens: int, now: float) -> NodeInfo:
         """This node as the router sees it: exact cache match, own queue, own speed; each
         place in its queue priced by its queued tokens (exact here; a peer's queue is priced
@@ -168,7 +173,7 @@ class OwnLoad:
         that is gone when the forward lands — worse in the simulator)."""
         ev = self._load
         speed = self._compute.report()
-        batch = None if ev.batch is None else aged(ev.batch, now - self._load_at)
+        batch = self.batch(now)
         per_place = speed.queued_service_s(
             ev.queue_depth, ev.queue_prompt_tokens, ev.queue_uncached_tokens,
             ev.queue_output_tokens, self._config.router.context_scale)
