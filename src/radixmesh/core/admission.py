@@ -99,14 +99,8 @@ def admission(adm: AdmissionConfig, speed: SpeedReport, tokens_per_s: float,
     :meth:`~radixmesh.core.own_load.OwnLoad.streams`) matters for a batching engine whose
     queue is invisible: 16 requests in flight on two real vLLM CPU engines, each taking
     ~2.5 s while 8 shared one engine, read as 8 x 2.5 s of queued work and the nodes
-    answered 429 (docs/reliability.md).
-
-    ``batch``: the node's shadow of a batching engine (``LoadChanged.batch``, aged to now).
-    Then the wait is the shadow's, before the request's prefill (``ttft_parts``: the prompt
-    work ahead, the step under way, the soonest finish when the engine is full), and only an
-    explicit ``max_queue_tokens`` bounds tokens: Little's law over completions lags a surge,
-    and 16 emulated H100s at 160 % of their planned capacity answered 429 with the wait at
-    its bound (30 s) on their first requests."""
+    answered 429 (docs/reliability.md). ``batch``: the engine's, from the node's shadow
+    (:func:`_batch_full` decides then)."""
     depth = load.queue_depth
     if depth <= 0:
         return None
@@ -128,7 +122,12 @@ def admission(adm: AdmissionConfig, speed: SpeedReport, tokens_per_s: float,
 
 def _batch_full(adm: AdmissionConfig, batch: BatchState, load: LoadChanged,
                 prompt_tokens: int, max_tokens: int) -> Full | None:
-    """:func:`admission` for a node with its engine's batch: the shadow's wait."""
+    """:func:`admission` for a node with its batching engine's shadow (``LoadChanged.batch``,
+    aged to now): the wait is the shadow's, before the request's prefill (``ttft_parts``: the
+    prompt work ahead, the step under way, the soonest finish when the engine is full), and
+    only an explicit ``max_queue_tokens`` bounds tokens. Little's law over completions lags
+    a surge: 16 emulated H100s at 160 % of their planned capacity answered 429 with the wait
+    at its bound (30 s) on their first requests."""
     wait, _ = ttft_parts(batch, max(prompt_tokens, 1), 0)
     if adm.max_queue_requests is not None and load.queue_depth >= adm.max_queue_requests:
         return Full(wait, "requests")
