@@ -28,6 +28,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 REGIMES = {
     "h100-16": ["--profiles", "h100-llama3-8b"],
@@ -54,8 +55,12 @@ def run_point(out: Path, regime: str, workload: str, load: float,
     return folder
 
 
-def rows(folder: Path, regime: str, workload: str, load: float) -> list[str]:
-    runs = json.loads((folder / "summary.json").read_text())["runs"]
+def runs_of(folder: Path) -> list[dict[str, Any]]:
+    """One point's runs, as its summary.json holds them."""
+    return list(json.loads((folder / "summary.json").read_text())["runs"])
+
+
+def rows(runs: list[dict[str, Any]], regime: str, workload: str, load: float) -> list[str]:
     base = next((r for r in runs if r["name"] == "none"), None)
     out = []
     for r in runs:
@@ -67,12 +72,6 @@ def rows(folder: Path, regime: str, workload: str, load: float) -> list[str]:
             f"{1e3 * r['mean_latency_s']:.0f} | {100 * r['goodput']:.1f} % | "
             f"{100 * r['actual_hit_rate']:.1f} % |")
     return out
-
-
-def goodputs(folder: Path) -> dict[str, float]:
-    """Each policy's goodput at one point."""
-    runs = json.loads((folder / "summary.json").read_text())["runs"]
-    return {r["name"]: float(r["goodput"] or 0.0) for r in runs}
 
 
 def sustained(curve: list[tuple[float, float]], attain: float) -> float | None:
@@ -91,14 +90,14 @@ def sustained_table(curves: dict[tuple[str, str], dict[str, list[tuple[float, fl
                     attain: float) -> list[str]:
     """One row per (regime, workload): each policy's sustained load and its ratio to the
     gateway's."""
-    top = max((c[-1][0] for pol in curves.values() for c in pol.values()), default=0.0)
     out = [f"\n| regime | workload | policy | sustained load (goodput >= {100 * attain:.0f} %, "
            "x planned capacity) | ÷ cache_aware |", "|---|---|---|---|---|"]
     for (regime, workload), pol in curves.items():
         gate = sustained(pol.get("cache_aware", []), attain)
         for name, curve in pol.items():
             s = sustained(curve, attain)
-            shown = "-" if s is None else f"{'>= ' if s >= top else ''}{s:.2f}"
+            never_missed = s is not None and s == curve[-1][0]  # a lower bound
+            shown = "-" if s is None else f"{'>= ' if never_missed else ''}{s:.2f}"
             ratio = "-" if s is None or not gate else f"{s / gate:.2f}"
             out.append(f"| {regime} | {workload} | {name} | {shown} | {ratio} |")
     return out
@@ -125,11 +124,11 @@ def main(argv: list[str]) -> int:
     for regime in args.regimes.split(","):
         for workload in args.workloads.split(","):
             for load in loads:
-                folder = run_point(args.out, regime, workload, load, args)
-                print("\n".join(rows(folder, regime, workload, load)), flush=True)
-                for name, g in goodputs(folder).items():
-                    curves.setdefault((regime, workload), {}).setdefault(name, []).append(
-                        (load, g))
+                runs = runs_of(run_point(args.out, regime, workload, load, args))
+                print("\n".join(rows(runs, regime, workload, load)), flush=True)
+                for r in runs:
+                    curves.setdefault((regime, workload), {}).setdefault(r["name"], []).append(
+                        (load, float(r["goodput"] or 0.0)))
     if len(loads) > 1:
         print("\n".join(sustained_table(curves, args.attain)))
     return 0

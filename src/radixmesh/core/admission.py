@@ -94,50 +94,40 @@ def admission(adm: AdmissionConfig, speed: SpeedReport, tokens_per_s: float,
     * with this request would hold more tokens (prompt + max_tokens of every request waiting
       or running) than :func:`token_cap`: ``max_queue_tokens``, or by default the tokens the
       engine gets through within ``max_queue_wait_s`` at its measured rate.
-    The wait reported is the larger of the two estimates of the queue's work (its requests
-    at the mean service time, its tokens at the measured rate). ``streams`` (the node's
-    :meth:`~radixmesh.core.own_load.OwnLoad.streams`) matters for a batching engine whose
-    queue is invisible: 16 requests in flight on two real vLLM CPU engines, each taking
-    ~2.5 s while 8 shared one engine, read as 8 x 2.5 s of queued work and the nodes
-    answered 429 (docs/reliability.md). ``batch``: the engine's, from the node's shadow
-    (:func:`_batch_full` decides then)."""
+    (:func:`_measured_wait`; ``streams``: an invisible queue's requests served at once, so
+    that 8 sharing a real vLLM CPU engine are not 8 x 2.5 s of queued work: docs/reliability.md.)
+    ``batch``: the node's shadow of a batching engine (``LoadChanged.batch``, aged to now);
+    then the wait is the shadow's, before the request's prefill (``ttft_parts``), and only an
+    explicit ``max_queue_tokens`` bounds tokens: Little's law lags a surge (16 emulated H100s
+    at 160 % of their planned capacity answered 429 at the wait's bound on first requests)."""
     depth = load.queue_depth
     if depth <= 0:
         return None
     if batch is not None:
-        return _batch_full(adm, batch, load, prompt_tokens, max_tokens)
-    streams = max(float(load.inflight), streams, 1.0)
+        wait = reported = ttft_parts(batch, max(prompt_tokens, 1), 0)[0]
+        cap = adm.max_queue_tokens or None
+    else:
+        wait, reported, cap = _measured_wait(adm, speed, tokens_per_s, load, streams)
     queued = load.queue_prompt_tokens + load.queue_output_tokens
-    wait = depth * speed.mean_service_s / streams
-    reported = max(wait, queued / max(tokens_per_s * streams, 1e-9))
     if adm.max_queue_requests is not None and depth >= adm.max_queue_requests:
         return Full(reported, "requests")
     if wait >= adm.max_queue_wait_s:
         return Full(reported, "wait")
-    cap = token_cap(adm, tokens_per_s, streams)
     if cap is not None and queued + max(prompt_tokens, 0) + max(max_tokens, 0) > cap:
         return Full(reported, "tokens")
     return None
 
 
-def _batch_full(adm: AdmissionConfig, batch: BatchState, load: LoadChanged,
-                prompt_tokens: int, max_tokens: int) -> Full | None:
-    """:func:`admission` for a node with its batching engine's shadow (``LoadChanged.batch``,
-    aged to now): the wait is the shadow's, before the request's prefill (``ttft_parts``: the
-    prompt work ahead, the step under way, the soonest finish when the engine is full), and
-    only an explicit ``max_queue_tokens`` bounds tokens. Little's law over completions lags
-    a surge: 16 emulated H100s at 160 % of their planned capacity answered 429 with the wait
-    at its bound (30 s) on their first requests."""
-    wait, _ = ttft_parts(batch, max(prompt_tokens, 1), 0)
-    if adm.max_queue_requests is not None and load.queue_depth >= adm.max_queue_requests:
-        return Full(wait, "requests")
-    if wait >= adm.max_queue_wait_s:
-        return Full(wait, "wait")
+def _measured_wait(adm: AdmissionConfig, speed: SpeedReport, tokens_per_s: float,
+                   load: LoadChanged, streams: float) -> tuple[float, float, int | None]:
+    """Without an engine's batch: the queue's wait (depth x mean service over the streams,
+    at least those running), the wait reported (the larger of that and the queue's tokens at
+    the measured rate) and the token bound in force (:func:`token_cap`)."""
+    streams = max(float(load.inflight), streams, 1.0)
     queued = load.queue_prompt_tokens + load.queue_output_tokens
-    cap = adm.max_queue_tokens
-    if cap and queued + max(prompt_tokens, 0) + max(max_tokens, 0) > cap:
-        return Full(wait, "tokens")
-    return None
+    wait = load.queue_depth * speed.mean_service_s / streams
+    reported = max(wait, queued / max(tokens_per_s * streams, 1e-9))
+    return wait, reported, token_cap(adm, tokens_per_s, streams)
 
 
 class AdmissionControl:
