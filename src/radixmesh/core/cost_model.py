@@ -14,8 +14,7 @@ its queue (exact for self, expected for a peer), speed and utilization. From tho
   those arriving while it runs: what the cost policy ranks by;
 * :func:`predict_ttft` — round trip + wait + the prefill until the first token;
 * bounded load — :func:`mean_utilization`, :func:`over_bound`, :func:`request_slack`;
-* :func:`robust_speeds` — speeds within a tolerance of the candidates' median count as the
-  median (noise must not pull cold traffic to whichever node looks fastest);
+* :func:`robust_speeds` — speeds near the candidates' median count as the median;
 * :func:`candidate` — a ranked :class:`Candidate` for one node, tagged (:class:`Tag`) with
   what serving there does to the prefix's copies.
 
@@ -201,29 +200,21 @@ def mesh_cost(req: RouteInput, nodes: Sequence[NodeInfo], context_scale: float) 
     peer; in an M/M/1 queue the mean number behind a request is the mean number ahead of it), so
     each node's service is counted once more per request queued there. Nothing is queued when
     requests come one at a time (then, at an idle node, this *is* the predicted latency). Under
-    load the queue-wait differences a node sees are a gossip round old, while the work a miss
-    adds is paid by everyone after it: the selfish latency alone gave away cache hits as soon as
-    queues formed (4-16 clients: `cost` hit rates near `none`'s, below the centralized
-    gateways'). And a node with an empty queue computes a miss for free where a holder's queue
-    makes everyone behind the forward wait: pricing every candidate's extra work by this node's
-    queue alone (an earlier design) kept a node lacking the agentic system prompt forwarding its
-    requests to busy holders while its engine idled (1.11x `none` on the real cluster at 80 %
-    load, round-robin entry).
+    load the wait differences a node sees are a gossip round old, while a miss's work is paid
+    by everyone after it: the selfish latency alone gave hits away as soon as queues formed.
+    Priced by this node's queue alone (an earlier design), a node lacking the agentic system
+    prompt kept forwarding to busy holders while its engine idled (1.11x `none`, real, 80 %).
 
-    That term stands for the requests arriving while this one waits, each of which waits for
-    all of its service; those arriving while it is served wait for what is left of it, half
-    on average, and a node's queue now does not show them (it is often empty at a busy
-    node): a node serving ``utilization / mean_service_s`` requests per second (its
-    utilization as gossiped: everyone's traffic there, not only this node's forwards) sees
-    that rate × the service arrive meanwhile, so the service counts once more × that rate ×
-    half of it: quadratic in the service. A hit of a few ms at a hot prefix's busy holder
-    costs its stream next to nothing; a long prompt there holds up all of it (on the real
-    cluster at 80 % load a 3,014-token request sent to the holder of the hot prefix queued
-    the requests behind it 4-5 s), and a cold copy at a busy node likewise. With it the
-    simulator's workload matrix cached 0.1-2.1 points more of the prompt tokens on the
-    agentic, chat and RAG rows under load, and on one shared core its `cost`/`none` went
-    0.730 -> 0.714 (geometric mean; docs/benchmarks.md "Router" -> "What a long request costs
-    those arriving behind it")."""
+    That term stands for the requests arriving while this one waits, each waiting all of its
+    service; those arriving while it is served wait half of it, and a node's queue now does
+    not show them: a node serving ``utilization / mean_service_s`` requests per second (its
+    gossiped utilization: everyone's traffic there) sees that rate x the service arrive
+    meanwhile, so the service counts once more x that rate x half of it: quadratic in it. A
+    hit of a few ms at a hot prefix's busy holder costs its stream next to nothing; a long
+    prompt there holds up all of it (on the real cluster at 80 % load a 3,014-token request
+    sent to the hot prefix's holder queued those behind it 4-5 s). With it the simulator's
+    workload matrix cached 0.1-2.1 points more of the prompt tokens under load, and on one
+    shared core `cost`/`none` went 0.730 -> 0.714 (geometric mean)."""
     decoding = mesh_decoding(nodes)
     return [priced(req, n, context_scale, decoding).cost_s for n in nodes]
 
@@ -260,25 +251,36 @@ def priced(req: RouteInput, n: NodeInfo, context_scale: float,
 def batch_externality(req: RouteInput, node: NodeInfo, context_scale: float,
                       decoding: float | None = None) -> float:
     """What the request's prefill on a batching engine costs the others there: the requests
-    arriving while it waits and computes (``BatchState.rate`` per second) queue behind all of
-    its prefill, or half of it on average; and each sequence decoding in its steps waits its
-    prompt compute for its next token (chunked prefill shares the step: the step's fixed part
-    is paid either way). Without the decodes, a cold copy near an H100 mesh's capacity looked
-    as cheap as a forward to a busy holder: 16 simulated H100s, chat at 80 %, `cost` cached
-    51 % against the gateway's 64 % (mean 0.55 s against 0.37), 61 % with them (0.46 s).
-
-    ``decoding``: the decode batch the compute is priced against, one for every candidate of
-    a decision (:func:`mesh_decoding`; None: the node's own). At each node's own batch the
-    term also steered prompts to whichever node decoded fewer sequences at that moment (a
-    batch a peer's report has aged; the wait prices load already): forwards only to copy
-    there met 82 ms TTFT against 47 for a copy at home. At one batch it prices the extra
-    compute of a miss (16 simulated H100s at 80 %: agentic 45.4 -> 36.7 ms mean TTFT)."""
+    arriving while it waits and computes (``BatchState.rate`` per second) queue behind its
+    prompt compute (``BatchState.marginal_prefill_s``; those arriving during it, half), and
+    each sequence decoding in its steps (:func:`decoders`) waits that compute for its next
+    token. Without the decodes, 16 simulated H100s, chat at 80 %: `cost` cached 51 % against
+    the gateway's 64 % (0.55 s mean against 0.37), with them 61 % (0.46 s). Until the twelfth
+    round the arrivals were charged the request's whole prefill in the batch, the steps'
+    fixed part too, which they pay anyway: at 1.6x the planned capacity of 16 H100s that
+    (~1 s) outweighed the rest and sent 43 % of agentic steps away from their scratchpad's
+    holder for a wait 0.1 s shorter elsewhere (goodput 51 %, the gateway's 83 %; now 15 %
+    of the steps, 71 %)."""
     assert node.batch is not None
     b = node.batch
     own = predict_prefill(req, node, context_scale)
-    d = b.decoding if decoding is None else decoding
-    decodes = d * b.prefill_compute_s(*_split(req, node))
-    return b.rate * own * (predict_wait(node) + own / 2.0) + decodes
+    added = b.marginal_prefill_s(*_split(req, node))
+    decodes = decoders(b.decoding, decoding) * b.prefill_compute_s(*_split(req, node))
+    return b.rate * added * (predict_wait(node) + own / 2.0) + decodes
+
+
+def decoders(own: int, decoding: float | None) -> float:
+    """The decode batch a candidate's prompt compute is priced against: the decision's
+    (:func:`mesh_decoding`), unless the candidate's ``own`` is below it by more than a count's
+    noise (3 x its square root + 3), then its own (None: its own). At each node's own batch
+    prompts went to whichever node decoded fewer at that moment (an aged report; the wait
+    prices load already; 16 H100s at 80 %: agentic 45.4 ms mean TTFT, at one batch 36.7),
+    but at the decision's a slow engine left idle was charged for decodes it does not have:
+    4 H100s + 12 A10Gs, agentic at 3x, 97 % of requests stayed on the H100s (goodput 25 %;
+    at their own, 99.5 %)."""
+    if decoding is None or decoding - own > 3.0 * (decoding**0.5 + 1.0):
+        return float(own)
+    return decoding
 
 
 def mesh_decoding(nodes: Sequence[NodeInfo]) -> float | None:

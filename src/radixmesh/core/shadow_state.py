@@ -97,6 +97,14 @@ class BatchState:
             return 0.0
         return tokens * (self.prefill_token_s + self.prefill_attn_s * (start + tokens / 2.0))
 
+    def marginal_prefill_s(self, uncached: int, cached: int) -> float:
+        """What a prompt of ``uncached`` tokens after ``cached`` adds to the prefill of a
+        request queued behind it: its compute, and a step's fixed part in the proportion of a
+        step's token budget it takes (the one behind spills into one more step that often)."""
+        budget = max(1, self.step_tokens - self.decoding)
+        fixed = self.step_fixed_s(self.decoding, self.decode_kv)
+        return self.prefill_compute_s(uncached, cached) + fixed * min(uncached, budget) / budget
+
     def pack(self) -> bytes:
         return _PACK.pack(
             self.step_base_s, self.prefill_token_s, self.prefill_attn_s, self.decode_seq_s,
