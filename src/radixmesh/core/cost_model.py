@@ -255,12 +255,11 @@ def batch_externality(req: RouteInput, node: NodeInfo, context_scale: float,
     prompt compute (``BatchState.marginal_prefill_s``; those arriving during it, half), and
     each sequence decoding in its steps (:func:`decoders`) waits that compute for its next
     token. Without the decodes, 16 simulated H100s, chat at 80 %: `cost` cached 51 % against
-    the gateway's 64 % (0.55 s mean against 0.37), with them 61 % (0.46 s). Until the twelfth
-    round the arrivals were charged the request's whole prefill in the batch, the steps'
-    fixed part too, which they pay anyway: at 1.6x the planned capacity of 16 H100s that
-    (~1 s) outweighed the rest and sent 43 % of agentic steps away from their scratchpad's
-    holder for a wait 0.1 s shorter elsewhere (goodput 51 %, the gateway's 83 %; now 15 %
-    of the steps, 71 %)."""
+    the gateway's 64 % (0.55 s mean against 0.37), with them 61 % (0.46 s). Charged the
+    request's whole prefill in the batch instead, the steps' fixed part too (which they pay
+    anyway), the arrivals' term (~1 s at 1.6x the planned capacity of 16 H100s) outweighed
+    the rest and sent 43 % of agentic steps away from their scratchpad's holder for a wait
+    0.1 s shorter elsewhere (goodput 51 %, the gateway's 83 %; at the compute, 15 %, 71 %)."""
     assert node.batch is not None
     b = node.batch
     own = predict_prefill(req, node, context_scale)
