@@ -263,9 +263,10 @@ def batch_externality(req: RouteInput, node: NodeInfo, context_scale: float,
     assert node.batch is not None
     b = node.batch
     own = predict_prefill(req, node, context_scale)
-    added = b.marginal_prefill_s(*_split(req, node))
-    decodes = decoders(b.decoding, decoding) * b.prefill_compute_s(*_split(req, node))
-    return b.rate * added * (predict_wait(node) + own / 2.0) + decodes
+    uncached, cached = _split(req, node)
+    arrivals = b.rate * (predict_wait(node) + own / 2.0)
+    decodes = decoders(b.decoding, decoding) * b.prefill_compute_s(uncached, cached)
+    return arrivals * b.marginal_prefill_s(uncached, cached) + decodes
 
 
 def decoders(own: int, decoding: float | None) -> float:
