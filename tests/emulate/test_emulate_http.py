@@ -180,7 +180,7 @@ def test_a_bad_chat_body_is_a_400_and_another_model_a_404() -> None:
     with_engine(scenario)
 
 
-def test_models_health_and_metrics_say_emulated() -> None:
+def test_models_health_version_and_metrics_say_emulated() -> None:
     async def scenario(fake: FakeEngine, http: aiohttp.ClientSession) -> None:
         async with http.get(fake.url + "/v1/models") as resp:
             card = (await resp.json())["data"][0]
@@ -188,6 +188,9 @@ def test_models_health_and_metrics_say_emulated() -> None:
         assert card["profile"] == "fake" and card["max_model_len"] == 512
         async with http.get(fake.url + "/health") as resp:
             assert resp.status == 200 and (await resp.json())["emulated"] is True
+        async with http.get(fake.url + "/version") as resp:
+            version = await resp.json()
+        assert version["version"] == "0.32.0" and version["emulated"] is True
         async with http.post(fake.url + "/v1/completions",
                              json={"prompt": "count me", "max_tokens": 3}) as resp:
             assert resp.status == 200

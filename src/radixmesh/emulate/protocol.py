@@ -35,6 +35,7 @@ from radixmesh.engine.base import Tokenizer
 
 TOKEN_ID_PREFIX = "token_id:"
 DEFAULT_MAX_TOKENS = 16  # vLLM CompletionRequest.max_tokens
+VLLM_VERSION = "0.32.0"  # the release this surface pins (`make vllm-check` installs it)
 UNSUPPORTED = ("echo", "prompt_logprobs", "tools", "response_format", "guided_json")
 
 
@@ -271,3 +272,22 @@ def choice(index: int, text: str, logprobs: dict[str, Any] | None, fin: Finished
         return {"index": index, "delta": delta, "logprobs": logprobs, **fields}
     return {"index": index, "message": {"role": "assistant", "content": text},
             "logprobs": logprobs, **fields}
+
+
+def sglang_request(body: Any, tokenizer: Tokenizer, context: int, vocab: int
+                   ) -> Completion:
+    """SGLang's ``/generate`` body (``input_ids`` or ``text``, ``sampling_params``,
+    ``cache_salt``) as the vLLM request it stands for, checked as vLLM's are."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    params = body.get("sampling_params") or {}
+    if not isinstance(params, dict):
+        raise BadRequest("sampling_params must be an object", "sampling_params")
+    raw = body.get("input_ids") if "input_ids" in body else body.get("text")
+    prompts = parse_prompts(raw, tokenizer, vocab)[:1]
+    translated = {"prompt": [list(prompts[0])],
+                  "max_tokens": params.get("max_new_tokens", 128),
+                  "stop_token_ids": params.get("stop_token_ids"),
+                  "ignore_eos": params.get("ignore_eos", False),
+                  "cache_salt": body.get("cache_salt")}  # SGLang's, checked as vLLM's is
+    return parse(translated, tokenizer, context, chat=False, vocab=vocab)

@@ -12,8 +12,8 @@ one :class:`~.events.KvEventPublisher` (when KV events are asked for). Routes:
   chunk when ``stream_options.include_usage``, ``data: [DONE]``) or answer one JSON object;
 * ``POST /generate``: SGLang's shape (``input_ids``, ``sampling_params``, ``cache_salt``;
   cumulative ``output_ids``, ``meta_info.cached_tokens``), for the node's ``--engine sglang``;
-* ``GET /v1/models``, ``/health`` (both name the profile and say ``emulated``), ``/metrics``
-  (Prometheus text, ``metrics.render``).
+* ``GET /v1/models``, ``/health``, ``/version`` (vLLM's version this surface pins; all three
+  name the profile and say ``emulated``), ``/metrics`` (Prometheus text, ``metrics.render``).
 
 A client that goes away aborts its sequences (``disconnects``). No request crashes the
 server: other routes or methods are a JSON 404 / 405, the unexpected a 500 in the error shape."""
@@ -83,6 +83,7 @@ class EmulatedEngine:
         app.router.add_post("/generate", self._generate)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
+        app.router.add_get("/version", self._version)
         app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, shutdown_timeout=0.5, handler_cancellation=True,
                                      access_log=None)
@@ -165,6 +166,9 @@ class EmulatedEngine:
         while self.faults.stalled:  # fault knob: a stopped process answers nothing
             await asyncio.sleep(0.01)
         return web.json_response({"status": "ok", **self.describe()})
+
+    async def _version(self, _: web.Request) -> web.Response:
+        return web.json_response({"version": protocol.VLLM_VERSION, **self.describe()})
 
     async def _metrics(self, _: web.Request) -> web.Response:
         text = metrics.render(self.loop, self.model, {
@@ -305,7 +309,7 @@ class EmulatedEngine:
             body = await _json(request)
             if self.faults.fail_status:
                 return _error("injected failure", self.faults.fail_status)
-            req = _sglang_request(body, self.tokenizer, self.profile.context_length,
+            req = protocol.sglang_request(body, self.tokenizer, self.profile.context_length,
                                   self.vocab_size)
             async with self._sequences(req) as (sink, n):
                 resp = await _sse_response(request)
@@ -346,23 +350,6 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
     except Exception as exc:
         log.exception("unexpected error serving %s", request.path)
         return _error(f"internal error: {exc!r}", 500)
-
-
-def _sglang_request(body: Any, tokenizer: Tokenizer, context: int, vocab: int
-                    ) -> protocol.Completion:
-    if not isinstance(body, dict):
-        raise protocol.BadRequest("the request body must be a JSON object")
-    params = body.get("sampling_params") or {}
-    if not isinstance(params, dict):
-        raise protocol.BadRequest("sampling_params must be an object", "sampling_params")
-    raw = body.get("input_ids") if "input_ids" in body else body.get("text")
-    prompts = protocol.parse_prompts(raw, tokenizer, vocab)[:1]
-    translated = {"prompt": [list(prompts[0])],
-                  "max_tokens": params.get("max_new_tokens", 128),
-                  "stop_token_ids": params.get("stop_token_ids"),
-                  "ignore_eos": params.get("ignore_eos", False),
-                  "cache_salt": body.get("cache_salt")}  # SGLang's, checked as vLLM's is
-    return protocol.parse(translated, tokenizer, context, chat=False, vocab=vocab)
 
 
 def default_model_name(profile: Profile) -> str:
