@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 
 import hypothesis.strategies as st
 import pytest
@@ -335,6 +336,33 @@ def test_lateness_is_the_signed_mean_of_recent_residuals_and_fades() -> None:
     assert early.value(0.5) == pytest.approx(-0.03, rel=0.01)
     early.observe(float("inf"), 0.5)  # ignored
     assert early.value(0.5) == pytest.approx(-0.03, rel=0.01)
+
+
+def test_lateness_median_follows_the_typical_residual_not_the_outliers() -> None:
+    """Skewed residuals, as forwards meet them (most on time, a few behind a burst): the
+    mean (what ranking adds) is pulled up by the outliers, the median (what the TTFT
+    forecast adds) stays with the typical forward; both fade the same way; a constant
+    stream is its own median."""
+    rng = random.Random(7)
+    late = Lateness(alpha=0.2, window_s=10.0)
+    assert late.median(0.0) == 0.0
+    xs = [0.1 if rng.random() < 0.1 else rng.uniform(0.0, 0.004) for _ in range(2000)]
+    means, medians = [], []
+    for i, x in enumerate(xs):
+        late.observe(x, i * 0.001)
+        if i >= 1000:  # after the start: each estimate's typical value
+            means.append(late.value(i * 0.001))
+            medians.append(late.median(i * 0.001))
+    now = len(xs) * 0.001
+    assert statistics.mean(means) == pytest.approx(statistics.mean(xs), rel=0.25)  # ~0.012
+    assert statistics.median(medians) == pytest.approx(statistics.median(xs), abs=0.001)
+    assert late.median(now + 10.0) == pytest.approx(late.median(now) * math.exp(-1), rel=1e-6)
+    flat = Lateness(alpha=0.5, window_s=10.0)
+    for i in range(50):
+        flat.observe(-0.03, i * 0.01)
+    assert flat.median(0.5) == pytest.approx(-0.03, rel=0.01)
+    flat.observe(float("nan"), 0.5)  # ignored
+    assert flat.median(0.5) == pytest.approx(-0.03, rel=0.01)
 
 
 def _chain(tokens: list[int], bs: int) -> list[int]:

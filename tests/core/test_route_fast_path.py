@@ -13,6 +13,7 @@ import statistics
 from dataclasses import replace
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import given, settings
 
 from radixmesh.core.cost_model import (
@@ -65,6 +66,8 @@ def node_st(draw: st.DrawFn, is_self: bool = False) -> NodeInfo:
         utilization=draw(st.floats(0, 1)),
         queue_service_s=draw(st.one_of(st.none(), st.floats(0.001, 0.5))) if is_self else None,
         batch=draw(st.one_of(st.none(), batch_st)),
+        lateness_s=0.0 if is_self else draw(st.floats(-0.05, 0.05)),
+        lateness_median_s=0.0 if is_self else draw(st.floats(-0.05, 0.05)),
     )
 
 
@@ -92,7 +95,9 @@ def test_priced_is_the_plain_predictions(req: RouteInput, n: NodeInfo) -> None:
     assert p.prefill_s == predict_prefill(req, n, SCALE)
     c = candidate(req, n, SCALE)
     assert c.predicted_latency_s == predict_latency(req, n, SCALE)
-    assert c.ttft_s == predict_ttft(req, n, SCALE)
+    # the TTFT forecast: the same wait corrected by the lateness's median, not its mean
+    forecast = replace(n, lateness_s=n.lateness_median_s)
+    assert c.ttft_s == pytest.approx(predict_ttft(req, forecast, SCALE), rel=1e-12, abs=1e-15)
     rtt = 0.0 if n.is_self else n.rtt_s
     assert c.wait_s == (rtt + predict_wait(n)) - rtt  # as before: the sum's own rounding
 

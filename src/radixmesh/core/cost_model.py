@@ -13,7 +13,6 @@ its queue (exact for self, expected for a peer), speed and utilization. From tho
 * :func:`mesh_cost` — that, plus what the choice costs the requests queued behind it and
   those arriving while it runs: what the cost policy ranks by;
 * :func:`predict_ttft` — round trip + wait + the prefill until the first token;
-* bounded load — :func:`mean_utilization`, :func:`over_bound`, :func:`request_slack`;
 * :func:`robust_speeds` — speeds near the candidates' median count as the median;
 * :func:`candidate` — a ranked :class:`Candidate` for one node, tagged (:class:`Tag`) with
   what serving there does to the prefix's copies.
@@ -78,6 +77,7 @@ class NodeInfo:
     # how much later than predicted it lately met our forwards (a peer's, learnt from them:
     # ``load_estimates.Lateness``; signed); 0 for self. Added to the wait
     lateness_s: float = 0.0
+    lateness_median_s: float = 0.0  # the same residuals' median: the TTFT forecast's correction
 
     @property
     def available(self) -> bool:
@@ -135,7 +135,12 @@ class Candidate:
     # rent paid (``Placement.rent_s``)
     rent_key: int | None = None
     cost_s: float | None = None  # cost policy: its mesh cost (``mesh_cost``), what it ranks by
-    ttft_s: float | None = None  # its predicted time to first token (round trip included)
+    # its TTFT forecast (round trip included; a peer's wait corrected by the median of its
+    # lateness, not the mean that ranks: ``load_estimates.Lateness``)
+    ttft_s: float | None = None
+    # the TTFT the ranking priced (the wait with the lateness's mean): what a forward's first
+    # token is checked against (``PeerLoads.late_by``)
+    ranked_ttft_s: float | None = None
 
 
 def predict_service(req: RouteInput, node: NodeInfo, context_scale: float) -> float:
@@ -169,12 +174,15 @@ def predict_wait(node: NodeInfo) -> float:
     queued requests will compute (else at the node's mean service time); on a batching
     engine, the prompt work ahead of it and the step under way (``ttft_parts``); plus, for a
     peer, how late it lately met our forwards (``lateness_s``; the wait never below 0)."""
+    return max(0.0, _raw_wait(node) + node.lateness_s)
+
+
+def _raw_wait(node: NodeInfo) -> float:
+    """:func:`predict_wait` before the peer's lateness."""
     if node.batch is not None:
-        wait = ttft_parts(node.batch, 1, 0)[0]
-    else:
-        per = node.speed.mean_service_s if node.queue_service_s is None else node.queue_service_s
-        wait = node.queue_depth * per
-    return max(0.0, wait + node.lateness_s)
+        return ttft_parts(node.batch, 1, 0)[0]
+    per = node.speed.mean_service_s if node.queue_service_s is None else node.queue_service_s
+    return node.queue_depth * per
 
 
 def predict_ttft(req: RouteInput, node: NodeInfo, context_scale: float) -> float:
@@ -228,24 +236,27 @@ class Priced:
     prefill_s: float  # its prefill until the first token
     service_s: float  # prefill, then decode
     cost_s: float  # the mesh cost (``mesh_cost``)
+    ttft_s: float  # the TTFT forecast: ``ahead_s`` with the median lateness, + ``prefill_s``
 
 
 def priced(req: RouteInput, n: NodeInfo, context_scale: float,
            decoding: float | None = None) -> Priced:
     """``n``'s :class:`Priced` for ``req``: the sums of ``predict_latency`` / ``predict_ttft``
     / ``mesh_cost``, each term evaluated once (``decoding``: see :func:`batch_externality`)."""
-    ahead = (0.0 if n.is_self else n.rtt_s) + predict_wait(n)
+    rtt, raw = (0.0 if n.is_self else n.rtt_s), _raw_wait(n)
+    ahead = rtt + max(0.0, raw + n.lateness_s)
     prefill = predict_prefill(req, n, context_scale)
+    ttft = rtt + max(0.0, raw + n.lateness_median_s) + prefill
     if n.batch is not None:
         service = prefill + decode_s(n.batch, req.max_tokens, req.prompt_tokens)
         cost = ahead + service + batch_externality(req, n, context_scale, decoding)
-        return Priced(ahead, prefill, service, cost)
+        return Priced(ahead, prefill, service, cost, ttft)
     # predict_service's sum, its prefill computed once
     service = prefill + n.speed.decode_s_per_token * max(0, req.max_tokens - 1)
     mean = n.speed.mean_service_s
     arrivals = n.utilization / mean if mean > 0.0 else 0.0  # requests/s it serves
     cost = ahead + service + service * n.queue_depth + arrivals * service * service / 2.0
-    return Priced(ahead, prefill, service, cost)
+    return Priced(ahead, prefill, service, cost, ttft)
 
 
 def batch_externality(req: RouteInput, node: NodeInfo, context_scale: float,
@@ -293,28 +304,6 @@ def mesh_decoding(nodes: Sequence[NodeInfo]) -> float | None:
             total += n.batch.decoding
             count += 1
     return total / count if count else None
-
-
-def mean_utilization(nodes: Sequence[NodeInfo]) -> float:
-    """The mean of the nodes' utilizations (0 for none): what bounded load compares to."""
-    return sum(n.utilization for n in nodes) / len(nodes) if nodes else 0.0
-
-
-def over_bound(node: NodeInfo, mean: float, bound: float | None, slack: float = 0.0) -> bool:
-    """Whether ``node`` is busier than ``(1 + bound)`` × the ``mean`` utilization plus
-    ``slack`` (bounded load; None: never)."""
-    if bound is None or mean <= 0.0:
-        return False
-    return node.utilization > (1.0 + bound) * mean + slack
-
-
-def request_slack(node: NodeInfo, window_s: float) -> float:
-    """One request's worth of ``node``'s busy time over the utilization's window: the slack
-    a *forward* bound needs, since with light traffic (a single node active) the mean is
-    tiny and a node must still be able to take the next request. Placement takes none: it
-    only names who makes a copy not yet made, and at low load the slack is as large as the
-    differences it must see (one request in a 10 s window against utilizations near 1/16)."""
-    return node.speed.mean_service_s / window_s
 
 
 def robust_speeds(avail: list[NodeInfo], tol: float | None) -> list[NodeInfo]:
@@ -396,5 +385,6 @@ def candidate(
         placement=placement,
         wait_s=p.ahead_s - (0.0 if node.is_self else node.rtt_s),
         cost_s=cost_s,
-        ttft_s=p.ahead_s + p.prefill_s,
+        ttft_s=p.ttft_s,
+        ranked_ttft_s=p.ahead_s + p.prefill_s,
     )

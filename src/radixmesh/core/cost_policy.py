@@ -126,17 +126,15 @@ from radixmesh.core.cost_model import (
     Tag,
     batch_externality,
     candidate,
-    mean_utilization,
     mesh_decoding,
-    over_bound,
     predict_prefill,
     predict_service,
     predict_ttft,
     predict_wait,
     priced,
-    request_slack,
     with_cached,
 )
+from radixmesh.core.load_bound import mean_utilization, over_bound, request_slack
 from radixmesh.core.router_config import RouterConfig
 
 # a candidate as the cost policy sorts them: (mesh cost, queue depth, tie-break, node)

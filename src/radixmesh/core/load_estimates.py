@@ -12,7 +12,7 @@ share) needs, besides each node's speed, what stands between the request and tha
 * :class:`WaitError` — how far this node's predictions of a peer's queue wait were lately off
   (a forward must save more than that);
 * :class:`Lateness` — how much later than predicted a peer lately answered this node's
-  forwards (added to its predicted wait);
+  forwards (its mean added to its predicted wait, its median to the TTFT forecast);
 * :class:`QueuedBlocks` — the prompt blocks of the requests queued on a node, so a block an
   earlier queued request computes counts as cached for a later one;
 * :class:`ArrivalRate` — the requests a node's engine took per second lately (a batch
@@ -349,12 +349,39 @@ class Lateness(_DecayingMean):
     predicted at 21 ms took 34 ms (`cost` 1.24x `none`'s TTFT); on the emulated mesh the
     forwarded TTFTs were predicted 52 % short. Learnt per peer from what its forwards met,
     with no configuration for heterogeneity. One request at a time, every residual is about
-    0, and so is this."""
+    0, and so is this.
 
-    __slots__ = ()
+    The same residuals' running median (:meth:`median`) corrects the TTFT a node forecasts
+    for a forward (``Candidate.ttft_s``): the mean is what ranking needs (expected time), but
+    the residuals are skewed (a few forwards land behind a burst others sent meanwhile), and a
+    forecast judged by its absolute error wants the median: 16 simulated H100s, RAG at 80 %,
+    forwarded TTFTs forecast with the mean came out 13.5 % long in the median (median absolute
+    error 27.1 %, p90 87.0 %), with the median 0.7 % short (20.4 %, 52.3 %). A stochastic
+    median: each residual moves it towards itself by ``alpha`` x the residuals' mean absolute
+    deviation from it (never past it), decaying towards 0 as the mean does."""
+
+    __slots__ = ("_dev", "_median")
+
+    def __init__(self, alpha: float, window_s: float) -> None:
+        super().__init__(alpha, window_s)
+        self._median = 0.0
+        self._dev = 0.0
 
     def observe(self, residual_s: float, now: float) -> None:
+        if not math.isfinite(residual_s):
+            return
+        gap = residual_s - self.median(now)
+        self._dev += self.alpha * (abs(gap) - self._dev)
+        self._median = self.median(now) + math.copysign(min(abs(gap), self.alpha * self._dev),
+                                                        gap)
         self._observe(residual_s, now)
 
     def value(self, now: float) -> float:
+        """The mean residual: what the router adds to the peer's predicted wait."""
         return self._value(now)
+
+    def median(self, now: float) -> float:
+        """The median residual: what the TTFT forecast adds to it."""
+        if self._at is None:
+            return 0.0
+        return self._median * math.exp(-max(now - self._at, 0.0) / self.window_s)

@@ -131,4 +131,5 @@ class NodeReport:
             "rtt_measured": self.rtt.measured(peer),
             "wait_error_s": self.peers.spread_of(peer, now),
             "lateness_s": self.peers.lateness_of(peer, now),
+            "lateness_median_s": self.peers.lateness_median_of(peer, now),
         }

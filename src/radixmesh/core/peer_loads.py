@@ -197,6 +197,7 @@ class PeerLoads:
             utilization=load.utilization,
             wait_error_s=self.spread_of(peer, now),
             lateness_s=self.lateness_of(peer, now),
+            lateness_median_s=self.lateness_median_of(peer, now),
             kv_usage=load.cache_tokens / load.cache_budget if load.cache_budget > 0 else 0.0,
         )
 
@@ -296,11 +297,16 @@ class PeerLoads:
         late = self._lateness.get(peer)
         return 0.0 if late is None else late.value(now)
 
+    def lateness_median_of(self, peer: str, now: float) -> float:
+        """The median of the same residuals: what the TTFT forecast adds."""
+        late = self._lateness.get(peer)
+        return 0.0 if late is None else late.median(now)
+
     def late_by(self, peer: str, residual_s: float, now: float) -> None:
-        """A forward to ``peer`` met it ``residual_s`` later than predicted (its first token,
-        or the wait its refusal said). The prediction had the correction in force added
-        (``predict_wait``), so that is added back: what is learnt is the raw error, not what
-        is left of it (which would settle at half the error)."""
+        """A forward to ``peer`` met it ``residual_s`` later than the ranking predicted (its
+        first token, or the wait its refusal said). The prediction had the correction in
+        force added (``predict_wait``), so that is added back: what is learnt is the raw
+        error, not what is left of it (which would settle at half the error)."""
         late = self._lateness.get(peer)
         if late is None:
             cfg = self._config

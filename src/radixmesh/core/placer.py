@@ -31,10 +31,9 @@ from radixmesh.core.cost_model import (
     NodeInfo,
     Placement,
     RouteInput,
-    mean_utilization,
-    over_bound,
 )
 from radixmesh.core.gossip import Gossiper
+from radixmesh.core.load_bound import mean_utilization, over_bound
 from radixmesh.core.peer_loads import PeerLoads
 from radixmesh.core.peerview import PeerView
 from radixmesh.core.placement import KeyRates, KeySums, Ring, placement_depth, replicas_for

@@ -164,8 +164,8 @@ class RequestFlow:
         choice = flight.choice
         if choice is None or flight.peer is None or choice.node_id != flight.peer:
             return
-        if choice.ttft_s is not None and ttft_s >= 0.0:
-            self._peers.late_by(flight.peer, ttft_s - choice.ttft_s, now)
+        if choice.ranked_ttft_s is not None and ttft_s >= 0.0:
+            self._peers.late_by(flight.peer, ttft_s - choice.ranked_ttft_s, now)
 
     def _late(self, rid: int, peer: str, queue_s: float, now: float) -> None:
         """``peer``, a batching engine's node, refused the forward of ``rid`` as slower,

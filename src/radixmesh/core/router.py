@@ -43,17 +43,15 @@ from radixmesh.core.cost_model import (
     RouteInput,
     Tag,
     candidate,
-    mean_utilization,
     mesh_cost,
-    over_bound,
     predict_latency,
     predict_service,
     predict_ttft,
     predict_wait,
-    request_slack,
     robust_speeds,
 )
 from radixmesh.core.cost_policy import CostPolicy
+from radixmesh.core.load_bound import mean_utilization, over_bound, request_slack
 from radixmesh.core.router_config import Policy, RouterConfig
 from radixmesh.core.scorer import llmd_order
 
