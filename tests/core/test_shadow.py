@@ -21,7 +21,7 @@ from radixmesh.core.profile import resolve
 from radixmesh.core.router import Policy, Router
 from radixmesh.core.router_config import RouterConfig
 from radixmesh.core.scheduler import Scheduler
-from radixmesh.core.shadow import Shadow
+from radixmesh.core.shadow import Shadow, scaled
 from radixmesh.core.shadow_state import (
     BATCH_REFRESH_ROUNDS,
     BatchState,
@@ -193,3 +193,21 @@ def test_an_unchanged_batch_is_left_out_of_load_reports_and_peers_keep_the_last_
     assert peers._batches["n0"].at > first  # refreshed, unchanged as it is
     assert worth_sending(None, s.state(c.now), c.now, interval)
     assert not worth_sending((s.state(c.now), c.now), s.state(c.now), c.now, interval)
+
+
+def test_scaled_stretches_every_time_a_profile_holds() -> None:
+    """A time-scaled engine's profile as its node's shadow sees it: every time in seconds
+    (the step's terms, admission, a prefill's own cost, a cold adapter's load) S times
+    longer; capacities and the context untouched."""
+    cited = {**H100.citations, **{k: "test" for k in ("admission_s", "prefill_seq_s",
+                                                      "lora_load_s")}}
+    base = replace(H100, admission_s=0.002, prefill_seq_s=0.001, lora_load_s=0.5,
+                   citations=cited)
+    s = scaled(base, 300.0)
+    for name in ("step_base_s", "prefill_token_s", "prefill_attn_s", "decode_seq_s",
+                 "decode_kv_s", "admission_s", "prefill_seq_s", "lora_load_s"):
+        assert getattr(s, name) == pytest.approx(300.0 * getattr(base, name)), name
+    assert (s.kv_blocks, s.step_tokens, s.context_length) == (
+        base.kv_blocks, base.step_tokens, base.context_length)
+    with pytest.raises(ValueError, match="time_scale"):
+        scaled(base, 0.0)

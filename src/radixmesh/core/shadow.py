@@ -71,7 +71,8 @@ def scaled(profile: Profile, time_scale: float) -> Profile:
                    decode_seq_s=profile.decode_seq_s * time_scale,
                    decode_kv_s=profile.decode_kv_s * time_scale,
                    admission_s=profile.admission_s * time_scale,
-                   prefill_seq_s=profile.prefill_seq_s * time_scale)
+                   prefill_seq_s=profile.prefill_seq_s * time_scale,
+                   lora_load_s=profile.lora_load_s * time_scale)
 
 
 @dataclass(slots=True)
