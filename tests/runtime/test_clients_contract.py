@@ -255,6 +255,17 @@ def test_chat_fewshot_multiturn(client: httpx.Client, node: _Node) -> None:
     assert chat_generations(_ok(client.post("/v1/chat/completions", json=body))) == texts
 
 
+# ------------------------------------------------------------------ gateways (SMG)
+def test_version_answers_vllms_shape_without_auth(client: httpx.Client, node: _Node) -> None:
+    """SMG 1.13 identifies a worker by ``GET /version`` (vLLM's route: ``{"version": ...}``)
+    before it tries SGLang's info routes; open, as ``/health`` is."""
+    from radixmesh import __version__
+
+    resp = client.get("/version", headers={"authorization": ""})
+    assert resp.status_code == 200
+    assert resp.json() == {"version": __version__, "server": "radixmesh"}
+
+
 # ------------------------------------------------------------------ guidellm
 def test_guidellm_validation_and_stream(client: httpx.Client, node: _Node) -> None:
     assert client.get("/health").status_code == 200

@@ -17,7 +17,7 @@ Client API   POST /v1/completions, POST /v1/chat/completions (stream or not), GE
              tokens as they arrive (also for a forwarded request, which then streams tokens
              even if the client asked for one JSON body): a match ends the request as done and
              stops the engine through the same abort as a client that went away
-Observe      GET /health, GET /metrics (Prometheus text), GET /mesh (JSON),
+Observe      GET /health, GET /version, GET /metrics (Prometheus text), GET /mesh (JSON),
              GET /mesh/decisions?limit=&placement=&request= (the routing decisions kept, and
              the verdicts on peers' forwards: core/decisions.py; ``request`` is the
              ``x-radixmesh-request`` header's number)
@@ -58,6 +58,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from radixmesh import __version__
 from radixmesh.core.adapters import Adapter, AmbiguousAdapter, UnknownAdapter, given_digest
 from radixmesh.core.auth import AuthError
 from radixmesh.core.codec import RemoteProtocolError
@@ -344,13 +345,20 @@ def _model_routes(app: FastAPI, service: NodeService, models: list[str]) -> None
 
 
 def _node_routes(app: FastAPI, service: NodeService) -> None:
-    """``/health``, ``/mesh``, ``/mesh/decisions`` and ``/metrics``."""
+    """``/health``, ``/version``, ``/mesh``, ``/mesh/decisions`` and ``/metrics``."""
 
     @app.get("/health", summary="liveness (503 while leaving)",
              responses={503: {"description": "the node is leaving (draining)"}})
     async def health() -> Response:
         body = service.health()  # leaving (SIGTERM drain): 503, so readiness probes drop it
         return JSONResponse(body, status_code=503 if body["status"] == "leaving" else 200)
+
+    @app.get("/version", summary="this server's version (vLLM's shape)")
+    async def version() -> dict[str, str]:
+        # vLLM's route and shape: a gateway identifies an OpenAI server with it (SMG 1.13
+        # probes it, else tries SGLang's four info routes one after another: on a loaded box
+        # with 64 nodes that outlasted its 10 s metadata step, and it served no model)
+        return {"version": __version__, "server": "radixmesh"}
 
     @app.get("/mesh", summary="this node's view of the mesh", responses=_errors(401))
     async def mesh() -> dict[str, object]:
