@@ -357,6 +357,7 @@ def test_lateness_median_follows_the_typical_residual_not_the_outliers() -> None
     assert statistics.mean(means) == pytest.approx(statistics.mean(xs), rel=0.25)  # ~0.012
     assert statistics.median(medians) == pytest.approx(statistics.median(xs), abs=0.001)
     assert late.median(now + 10.0) == pytest.approx(late.median(now) * math.exp(-1), rel=1e-6)
+    assert late.both(now + 3.0) == pytest.approx((late.value(now + 3.0), late.median(now + 3.0)))
     flat = Lateness(alpha=0.5, window_s=10.0)
     for i in range(50):
         flat.observe(-0.03, i * 0.01)

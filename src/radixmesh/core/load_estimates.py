@@ -385,3 +385,10 @@ class Lateness(_DecayingMean):
         if self._at is None:
             return 0.0
         return self._median * math.exp(-max(now - self._at, 0.0) / self.window_s)
+
+    def both(self, now: float) -> tuple[float, float]:
+        """(:meth:`value`, :meth:`median`), decayed once (the router's hot path)."""
+        if self._at is None:
+            return 0.0, 0.0
+        kept = math.exp(-max(now - self._at, 0.0) / self.window_s)
+        return self._mean * kept, self._median * kept

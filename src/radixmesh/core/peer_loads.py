@@ -185,6 +185,8 @@ class PeerLoads:
         load = est.load
         speed = est.speed or self._prior_speed
         batch = self._batch(peer, max(prompt_tokens - cached_tokens, 1), now)
+        late = self._lateness.get(peer)
+        lateness, median = (0.0, 0.0) if late is None else late.both(now)
         queue = self.expected_queue(peer, load.queue_depth, speed.mean_service_s, now)
         return NodeInfo(
             peer,
@@ -196,8 +198,8 @@ class PeerLoads:
             batch=batch,
             utilization=load.utilization,
             wait_error_s=self.spread_of(peer, now),
-            lateness_s=self.lateness_of(peer, now),
-            lateness_median_s=self.lateness_median_of(peer, now),
+            lateness_s=lateness,
+            lateness_median_s=median,
             kv_usage=load.cache_tokens / load.cache_budget if load.cache_budget > 0 else 0.0,
         )
 
