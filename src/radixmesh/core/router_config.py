@@ -68,6 +68,10 @@ class RouterConfig:
     # cost: preferred candidates (owners, holders) within this fraction (and min_gain_s) of the
     # best of them are equal; one is picked at random (self first)
     near_tie: float = 0.1
+    # cost: of the peers holding the same part of the prompt on the same engine speed at the
+    # same distance, this many at random are ranked (None: all): two choices on old reports
+    # instead of every router herding on the least loaded (core/choices.py)
+    holder_choices: int | None = 2
     # a peer's reported queue says little after this many of its mean service times (others
     # send to it meanwhile): the deciding node then expects the mesh's mean queue instead
     queue_memory: float = 2.0
@@ -104,6 +108,8 @@ class RouterConfig:
             raise ValueError("placement_load_bound must be >= 0 (or None to disable)")
         if not 0 <= self.load_bound_bypass <= 1 or not 0 <= self.load_bound_floor <= 1:
             raise ValueError("load_bound_bypass and load_bound_floor must be in [0, 1]")
+        if self.holder_choices is not None and self.holder_choices < 1:
+            raise ValueError("holder_choices must be >= 1 (or None: every holder)")
         if self.load_window_s <= 0:
             raise ValueError("load_window_s must be > 0")
         if self.context_scale <= 0:

@@ -9,8 +9,8 @@ builds those rows from what the node knows and keeps the decision:
   for ``paper`` and ``cost`` the ``k`` deepest matching available peers from the view's
   inverted index (``PeerView.match_top``: O(request blocks + k), never every matched peer),
   for ``cost`` also the peers our forwards in flight are computing the prefix at and the
-  two least-loaded unmatched peers; baselines (random, round_robin, least_loaded) consider
-  every routable peer;
+  two least-loaded unmatched peers, of equivalent holders two at random (``core/choices.py``);
+  baselines (random, round_robin, least_loaded) consider every routable peer;
 * for ``cost``, the prefix's placement (``Placer.place``);
 * no round trip measured yet: the prior's guess of the network is no ground to send a
   request away on, so self comes first;
@@ -33,6 +33,7 @@ from dataclasses import replace
 from random import Random  # the type only: instances are passed in, never the global one
 
 from radixmesh.core.adapters import PeerAdapters
+from radixmesh.core.choices import two_choices
 from radixmesh.core.config import NodeConfig
 from radixmesh.core.cost_model import Candidate, NodeInfo, RouteInput, Tag
 from radixmesh.core.decisions import DecisionLog
@@ -193,6 +194,9 @@ class Routing:
             info = self._peers.info(peer, cached, now, prompt_tokens)
             if info is not None:
                 out.append(info)
+        choices = self._config.router.holder_choices
+        if policy is Policy.COST and choices is not None:
+            out = two_choices(out, self._rng, choices)
         return out
 
     def _in_flight_blocks(
