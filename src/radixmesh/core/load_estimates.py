@@ -370,10 +370,10 @@ class Lateness(_DecayingMean):
     def observe(self, residual_s: float, now: float) -> None:
         if not math.isfinite(residual_s):
             return
-        gap = residual_s - self.median(now)
+        kept = self.median(now)
+        gap = residual_s - kept
         self._dev += self.alpha * (abs(gap) - self._dev)
-        self._median = self.median(now) + math.copysign(min(abs(gap), self.alpha * self._dev),
-                                                        gap)
+        self._median = kept + math.copysign(min(abs(gap), self.alpha * self._dev), gap)
         self._observe(residual_s, now)
 
     def value(self, now: float) -> float:
@@ -382,9 +382,7 @@ class Lateness(_DecayingMean):
 
     def median(self, now: float) -> float:
         """The median residual: what the TTFT forecast adds to it."""
-        if self._at is None:
-            return 0.0
-        return self._median * math.exp(-max(now - self._at, 0.0) / self.window_s)
+        return self.both(now)[1]
 
     def both(self, now: float) -> tuple[float, float]:
         """(:meth:`value`, :meth:`median`), decayed once (the router's hot path)."""

@@ -355,9 +355,7 @@ def _node_routes(app: FastAPI, service: NodeService) -> None:
 
     @app.get("/version", summary="this server's version (vLLM's shape)")
     async def version() -> dict[str, str]:
-        # vLLM's route and shape: a gateway identifies an OpenAI server with it (SMG 1.13
-        # probes it, else tries SGLang's four info routes one after another: on a loaded box
-        # with 64 nodes that outlasted its 10 s metadata step, and it served no model)
+        # SMG 1.13 identifies a worker by it (else: SGLang's info routes, past its timeout at 64)
         return {"version": __version__, "server": "radixmesh"}
 
     @app.get("/mesh", summary="this node's view of the mesh", responses=_errors(401))
