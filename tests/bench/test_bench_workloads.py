@@ -258,8 +258,9 @@ def test_gateway_routes_to_the_workers_and_passes_node_headers(
 ) -> None:
     if not gateway.available():
         pytest.skip(gateway.install_hint)
-    # two gateways at once: their metrics ports must not clash
-    a = gateway(workers, startup_timeout_s=60, log_path=tmp_path / "a.log")
+    # two gateways at once: their metrics ports must not clash; one with its time constants
+    # stretched as a run at time scale 1,200 stretches them (it must still register and route)
+    a = gateway(workers, startup_timeout_s=60, log_path=tmp_path / "a.log", time_scale=1200)
     b = gateway(workers, startup_timeout_s=60)
     try:
         assert a.metrics_port != b.metrics_port
@@ -285,6 +286,21 @@ def test_gateway_routes_to_the_workers_and_passes_node_headers(
         a.close()
         b.close()
     assert (tmp_path / "a.log").exists()
+
+
+def test_gateway_time_constants_stretch_with_the_time_scale() -> None:
+    """SMG's polls, exclusions and timers are passed at its defaults times the time scale (a
+    10 s load poll is 12,000 s at time scale 1,200), in whole seconds, never under 1."""
+    args = Smg.clock_args(1200)
+    pairs = dict(zip(args[::2], args[1::2], strict=True))
+    assert pairs["--load-monitor-interval"] == "12000" and pairs["--worker-stall-secs"] == "2400"
+    assert Smg.clock_args(1.0)[1::2] == [str(d) for _, d in Smg.clocks]
+    assert set(Smg.clock_args(0.01)[1::2]) == {"1"} and SglangRouter.clock_args(1200) == []
+    if Smg.available():  # the defaults are smg's own (RouterArgs' fields of the same names)
+        from smg.router_args import RouterArgs  # type: ignore[import-not-found, unused-ignore]
+
+        for flag, default_s in Smg.clocks:
+            assert getattr(RouterArgs, flag.removeprefix("--").replace("-", "_")) == default_s
 
 
 def _relay(delay_s: float, targets: Sequence[str]) -> tuple[subprocess.Popen[bytes], list[str]]:

@@ -375,7 +375,8 @@ class Runner:
             scale, regions = spec.time_scale, spec.region_map
             links = None if regions is None else [
                 (o * scale, b * scale) for o, b in regions.gateway_links(spec.nodes)]
-            replay.router = gateway(cluster.urls, log_path=log, link_delay_s=delay, links=links)
+            replay.router = gateway(cluster.urls, log_path=log, link_delay_s=delay, links=links,
+                                    time_scale=scale)
         elif spec.policy == "oracle":
             context = engine_context(spec.preset, spec.model, spec.node_profiles)
             shadowed = [resolve_profile(p) for p in spec.node_profiles] or None

@@ -34,4 +34,12 @@ class Smg(Gateway):
     package = "smg"
     launcher = ("smg", "launch")
     extra_args = ("--log-level", "warn")
+    # smg 1.13.0's defaults (smg/router_args.py ``RouterArgs``): worker load polls (its
+    # expected-wait score reads running and waiting requests from vLLM's /metrics), the
+    # no-contact and no-progress exclusions, the stale-record exclusion, the tree's eviction
+    # timer, health checks and the warm-up window
+    clocks = (("--load-monitor-interval", 10), ("--worker-stall-secs", 2),
+              ("--worker-wedge-secs", 3), ("--worker-stale-secs", 15),
+              ("--eviction-interval-secs", 60), ("--health-check-interval-secs", 60),
+              ("--worker-warmup-secs", 60))  # fmt: skip
     lists_models = True
