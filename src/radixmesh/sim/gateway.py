@@ -1,4 +1,4 @@
-"""A centralized gateway for the simulator: sglang-router's ``cache_aware`` policy.
+"""Centralized gateways for the simulator: sglang-router 0.3.2's and SMG 1.13's ``cache_aware``.
 
 Theory of operation
 -------------------
@@ -38,21 +38,41 @@ Differences from the real gateways, on purpose or by necessity:
   request whose worker fails.
 * A run's records name the chosen worker as the request's entry node (route ``local``: the
   worker serves what it is given); the bench's records of a gateway run say ``router``.
-* It is sglang-router's policy, not all of SMG 1.13's: on the real cluster SMG spread cold
-  prefixes by load (newer SMG sources send a miss, or a prefix whose owners are all busy, to
-  the less loaded of two workers by queued tokens and may add a bounded replica), where
-  sglang-router, like this model, sent them to the smallest tree and piled shared prefixes
-  onto one worker (hotspot up to 100 % under load).
+* :class:`CacheAwareGateway` is sglang-router's policy, not SMG 1.13's, which keeps the
+  name and the knobs and changed the choice (:class:`SmgGateway`, policy ``smg``).
+
+SMG 1.13 (``policies/cache_aware.rs`` of the SMG sources nearest the 1.13.0 wheel, whose own
+help text and metric labels they match; read Dec 2026):
+
+* **Spill gate**, per candidate: a worker is skipped when its in-flight count exceeds both
+  ``balance_rel`` × the fleet's mean and the mean plus a margin: ``balance_abs`` capped at
+  two standard deviations of the counts, never under 4 (the 1.13 wheel's help; the sources
+  read have the uncapped 64). No fleet-wide imbalance switch.
+* **Expected wait**, what picks the worker: the running and waiting requests its last
+  ``/metrics`` poll read (every ``poll_s``, 10 s) plus 1,024 tokens credited per request
+  dispatched since, over 2,000 tokens/s (vLLM reports no throughput); the lowest wins, ties
+  drawn uniformly. Here the poll reads the gateway's in-flight counts (what the worker holds
+  but for requests on the wire).
+* **Hit** (match > ``cache_threshold``): the deepest match's holders, at most 8, less the
+  gated; the lowest expected wait among them; all gated: the lowest among the ungated
+  workers, which then hold the prefix too (a replica). **Miss**: the lowest expected wait of
+  all workers, not the smallest tree.
+* Not modelled: the overload veto (waiting ≥ 8 or KV use ≥ 0.8 at the last poll), the
+  tree's 2^26-character budget, and KV events (SMG's gRPC mode; the bench runs HTTP).
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from random import Random
 
 from radixmesh.core.radix import RadixTree
 
 CACHE_AWARE = "cache_aware"  # the simulator's policy name for a gateway in front of `none` nodes
+SMG = "smg"  # SMG 1.13's cache_aware (spill gate, expected wait): :class:`SmgGateway`
+GATEWAY_KINDS = (CACHE_AWARE, SMG)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,10 +83,14 @@ class GatewayConfig:
     balance_abs: int = 64  # imbalanced when max - min load exceeds this ...
     balance_rel: float = 1.5  # ... and max exceeds this × min
     max_tree_tokens: int = 2**24  # per worker tree, trimmed least recently used first
+    kind: str = CACHE_AWARE  # which gateway's choice: sglang-router's or SMG 1.13's (``smg``)
+    poll_s: float = 10.0  # smg: its load monitor's interval (``--load-monitor-interval``)
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.cache_threshold <= 1.0:
-            raise ValueError("cache_threshold must be in [0, 1]")
+        if self.kind not in GATEWAY_KINDS:
+            raise ValueError(f"gateway kind must be one of {GATEWAY_KINDS}")
+        if not 0.0 <= self.cache_threshold <= 1.0 or not self.poll_s > 0:
+            raise ValueError("cache_threshold must be in [0, 1] and poll_s > 0")
         if self.balance_abs < 0 or self.balance_rel < 1.0 or self.max_tree_tokens < 1:
             raise ValueError("balance_abs >= 0, balance_rel >= 1 and max_tree_tokens >= 1")
 
@@ -120,3 +144,64 @@ class CacheAwareGateway:
         if excess > 0:
             tree.evict(excess)
             tree.drain_delta()
+
+
+SMG_SPILL_FLOOR = 4  # the spill margin is never under this (unless balance_abs is)
+SMG_MATCHED_CAP = 8  # holders of the deepest match considered (``MATCHED_TENANTS_CAP``)
+
+
+class SmgGateway(CacheAwareGateway):
+    """SMG 1.13's choice (module docstring): the spill gate, then the lowest expected wait."""
+
+    def __init__(self, workers: int, config: GatewayConfig, block_size: int = 16,
+                 seed: int = 0) -> None:
+        super().__init__(workers, config, block_size)
+        self.polled = [0] * workers  # in flight at the last poll
+        self.since_poll = [0] * workers  # dispatched since it
+        self.next_poll = 0.0
+        self._rng = Random(seed)
+
+    def choose(self, tokens: Sequence[int], up: Sequence[bool], now: float) -> int | None:
+        if now >= self.next_poll:
+            self.polled, self.since_poll = list(self.load), [0] * len(self.load)
+            self.next_poll = now + self.config.poll_s
+        worker = super().choose(tokens, up, now)
+        if worker is not None:
+            self.since_poll[worker] += 1
+        return worker
+
+    def _pick(self, tokens: Sequence[int], alive: list[int]) -> int:
+        ungated = [w for w in alive if not self._gated(w, alive)]
+        matched = {w: self.trees[w].match(tokens) for w in alive}
+        deepest = max(matched.values())
+        if tokens and deepest / len(tokens) > self.config.cache_threshold:
+            self.balanced_choices += 1
+            holders = [w for w in alive if matched[w] == deepest][:SMG_MATCHED_CAP]
+            open_holders = [w for w in holders if w in ungated]
+            if open_holders:
+                return self._least_wait(open_holders)
+            self.imbalanced_choices += 1  # every holder gated: spill
+        return self._least_wait(ungated or alive)
+
+    def _gated(self, worker: int, alive: list[int]) -> bool:
+        loads = [self.load[w] for w in alive]
+        mean = statistics.fmean(loads)
+        margin = min(self.config.balance_abs,
+                     max(SMG_SPILL_FLOOR, 2.0 * statistics.pstdev(loads)))  # fmt: skip
+        load = self.load[worker]
+        return load > mean * self.config.balance_rel and load > mean + margin
+
+    def _least_wait(self, workers: list[int]) -> int:
+        """The lowest expected wait (the polled requests plus those dispatched since, each
+        1,024 tokens at 2,000 tokens/s: proportional to their count), ties drawn uniformly."""
+        waits = {w: self.polled[w] + self.since_poll[w] for w in workers}
+        low = min(waits.values())
+        return self._rng.choice([w for w in workers if waits[w] == low])
+
+
+def make_gateway(workers: int, config: GatewayConfig, block_size: int = 16,
+                 seed: int = 0) -> CacheAwareGateway:
+    """The gateway ``config.kind`` names."""
+    if config.kind == SMG:
+        return SmgGateway(workers, config, block_size, seed)
+    return CacheAwareGateway(workers, config, block_size)

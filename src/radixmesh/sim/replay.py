@@ -5,8 +5,8 @@ Theory of operation
 ``radixmesh sim --validate BENCH_DIR`` on a ``radixmesh bench --engine emulated`` run folder
 (``summary.json`` entries with ``engine: "emulated"``; :mod:`radixmesh.sim.validate` keeps the
 built-in-engine path). For every run of a policy the simulator expresses — the nodes' policies,
-and the gateways ``sglang`` / ``smg`` as its ``cache_aware`` gateway (the simulator has one
-model of both: SMG's ``cache_aware`` is sglang-router's policy) — the simulator replays exactly
+and the gateways ``sglang`` / ``smg`` as its models of them (``sim/gateway.py``: sglang-router
+0.3.2's ``cache_aware``, SMG 1.13's) — the simulator replays exactly
 what the real run's clients sent: each request of ``requests.jsonl`` (the run's records) at its
 recorded send time (``t_send``, unscaled) into its recorded entry node, with the output length
 it got. The prompts come from the workload the run was built from (``workload_kind``,
@@ -36,7 +36,7 @@ from pathlib import Path
 
 from radixmesh.core.router import Policy, RouterConfig
 from radixmesh.results.run_summary import Row, load_summary
-from radixmesh.sim.gateway import CACHE_AWARE, GatewayConfig
+from radixmesh.sim.gateway import CACHE_AWARE, SMG, GatewayConfig
 from radixmesh.sim.network import NetworkConfig, parse_regions
 from radixmesh.sim.runner import SimSpec
 from radixmesh.sim.runner import run as run_sim
@@ -46,7 +46,7 @@ from radixmesh.sim.tokens import TOKENIZERS
 from radixmesh.workload import WorkloadSpec, build
 from radixmesh.workload.request import Request
 
-GATEWAYS = {"sglang": CACHE_AWARE, "smg": CACHE_AWARE}  # bench policy -> the sim's gateway
+GATEWAYS = {"sglang": CACHE_AWARE, "smg": SMG}  # bench policy -> the sim's gateway
 REPLAYABLE = {p.value for p in Policy} | set(GATEWAYS)
 
 
@@ -121,7 +121,7 @@ def _in_send_order(records: list[Row]) -> list[Row]:
 def cluster_like(real: Row, args: argparse.Namespace, tok_fp: str) -> ClusterConfig:
     nodes = int(real["nodes"])
     node_costs = profile_costs(str(real["profiles"]), nodes)
-    gateway = GatewayConfig() if real["policy"] in GATEWAYS else None
+    gateway = GatewayConfig(kind=GATEWAYS[real["policy"]]) if real["policy"] in GATEWAYS else None
     policy = Policy.NONE if gateway is not None else Policy.parse(real["policy"])
     cost = cluster_cost(argparse.Namespace(profiles=real["profiles"]), node_costs)
     # a hop's HTTP work ran on the wall clock, which the run's time scale divides: at 50x the

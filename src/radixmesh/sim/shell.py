@@ -88,7 +88,7 @@ from radixmesh.sim.clock import EventLoop
 from radixmesh.sim.compute import SharedCompute
 from radixmesh.sim.costs import CostModel
 from radixmesh.sim.engine import Planned, SimEngine, SimRun
-from radixmesh.sim.gateway import CACHE_AWARE, CacheAwareGateway, GatewayConfig
+from radixmesh.sim.gateway import CacheAwareGateway, GatewayConfig, make_gateway
 from radixmesh.sim.network import Network, NetworkConfig
 from radixmesh.workload.request import Request
 
@@ -137,8 +137,8 @@ class ClusterConfig:
 
     @property
     def policy_name(self) -> str:
-        """The run's policy: the nodes' router policy, or ``cache_aware`` for a gateway."""
-        return CACHE_AWARE if self.gateway is not None else self.router.policy.value
+        """The run's policy: the nodes' router policy, or the gateway's kind."""
+        return self.gateway.kind if self.gateway is not None else self.router.policy.value
 
     def cost_of(self, idx: int) -> CostModel:
         """Node ``idx``'s cost model (its own under mixed hardware, else ``cost``)."""
@@ -312,7 +312,7 @@ class SimCluster:
         self.key_depth = 16 if depth is None else depth  # blocks: the prefix copies are of
         self.gateway = (
             None if config.gateway is None
-            else CacheAwareGateway(config.nodes, config.gateway, config.block_size)
+            else make_gateway(config.nodes, config.gateway, config.block_size, config.seed)
         )
         self.compute = (
             None if config.shared_cores is None

@@ -26,7 +26,7 @@ from radixmesh.core.units import parse_duration
 from radixmesh.options import gossip_config
 from radixmesh.results.run_summary import Slo
 from radixmesh.sim import costs
-from radixmesh.sim.gateway import CACHE_AWARE, GatewayConfig
+from radixmesh.sim.gateway import GATEWAY_KINDS, GatewayConfig
 from radixmesh.sim.network import (
     NetworkConfig,
     parse_fault,
@@ -213,11 +213,11 @@ def _label(
 
 
 def parse_policies(text: str) -> list[str]:
-    """``--policy``: the routers' policies and ``cache_aware`` (a centralized gateway in
-    front of ``none`` nodes, ``sim/gateway.py``), comma-separated, checked."""
+    """``--policy``: the routers' policies, ``cache_aware`` and ``smg`` (a centralized
+    gateway in front of ``none`` nodes, ``sim/gateway.py``), comma-separated, checked."""
     names = split_csv(text)
     for name in names:
-        if name != CACHE_AWARE:
+        if name not in GATEWAY_KINDS:
             Policy.parse(name)  # (raises with the choices)
     return names
 
@@ -291,7 +291,7 @@ def _cluster_config(
     mode: GossipMode,
     tok_fp: str,
 ) -> ClusterConfig:
-    gateway = GatewayConfig() if policy == CACHE_AWARE else None
+    gateway = GatewayConfig(kind=policy) if policy in GATEWAY_KINDS else None
     return ClusterConfig(
         nodes=nodes,
         cost=cost,
