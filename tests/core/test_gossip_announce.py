@@ -1,4 +1,4 @@
-"""Announcements: a change to a node's own cache brings its next gossip round forward."""
+"""Announcements: a change to a node's own cache or queue brings its next gossip round forward."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from radixmesh.core.config import GossipConfig, GossipMode
+from radixmesh.core.events import QueueChanged
 from radixmesh.core.units import parse_optional_duration
 from radixmesh.testing import LinkConfig, TwinCluster
 
@@ -71,6 +72,31 @@ def test_a_stream_of_changes_costs_at_most_one_round_per_gap() -> None:
         c.run_for(0.001)
     rounds = c.nodes["n0"].metrics()["gossip_rounds"] - before
     assert seconds / GAP_S * 0.9 <= rounds <= seconds / GAP_S + 1
+
+
+def test_a_request_joining_or_leaving_the_queue_is_announced_within_the_gap() -> None:
+    """The load peers price a node by goes out within the gap of a queue change, not a round
+    later; a stream of them is paced by the gap as cache changes are."""
+    rng = random.Random(4)
+    c = _cluster(4, GAP_S)
+    for _ in range(5):
+        c.run_for(rng.random() * INTERVAL_S)
+        before = c.nodes["n2"].metrics()["gossip_rounds"]
+        c.deliver("n2", QueueChanged((rng.getrandbits(64),), True))
+        c.run_for(GAP_S + 0.001)
+        assert c.nodes["n2"].metrics()["gossip_rounds"] > before
+    announced = c.metric("gossip_rounds_announced")
+    assert announced > 0
+    before = c.nodes["n2"].metrics()["gossip_rounds"]
+    for i in range(1000):  # a request joining or leaving every millisecond for a second
+        c.deliver("n2", QueueChanged((i,), i % 2 == 0))
+        c.run_for(0.001)
+    rounds = c.nodes["n2"].metrics()["gossip_rounds"] - before
+    assert 1.0 / GAP_S * 0.9 <= rounds <= 1.0 / GAP_S + 1
+    quiet = _cluster(4, None)  # without announcements a queue change waits for the round
+    quiet.deliver("n2", QueueChanged((1,), True))
+    quiet.run_for(GAP_S)
+    assert quiet.metric("gossip_rounds_announced") == 0
 
 
 def test_no_round_is_announced_for_a_change_that_changes_nothing() -> None:

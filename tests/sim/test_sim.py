@@ -145,7 +145,9 @@ def test_busy_peers_refuse_forwards_and_the_entry_serves_instead(
     # Two prefix families, arrivals far above what the two nodes holding them can serve:
     # paper's affinity herds everything there unless busy nodes refuse forwards.
     timed = schedule.poisson(make_reqs(200, groups=2, prefix_words=200), 4, rate=40.0, seed=2)
-    gossip = GossipConfig.for_interval(1.0)  # views of queues up to a second old
+    # views of queues up to a second old (no announcements: they would bring a queue's
+    # change out within 50 ms)
+    gossip = replace(GossipConfig.for_interval(1.0), announce_gap_s=None)
     runs = {
         threshold: simulate(
             "paper",
@@ -236,7 +238,11 @@ def test_forward_to_partitioned_peer_falls_back(
     res = run(spec, timed, byte_tokenize()[0])
     assert res.summary["errors"] == 0
     assert res.summary["fallbacks"] > 0
-    assert res.summary["sim"]["forward_failures"] >= res.summary["fallbacks"]
+    sim = res.summary["sim"]
+    # every fallback followed a failed forward (to n3) or a refusal (a busy peer, seen within
+    # an announcement: a few)
+    assert sim["forward_failures"] > 0
+    assert sim["forward_failures"] + sim["forward_refusals"] >= res.summary["fallbacks"]
     late = [r for r in res.records if r.t_send > 2.0]
     assert late and all(r.served_by != "n3" for r in late)
 
@@ -423,8 +429,8 @@ def test_overlapping_warmup_requests_refusals_stay_theirs(
     monkeypatch.setattr(SimCluster, "_refused", spy)
     reqs = schedule.poisson(make_reqs(200, groups=2, prefix_words=200), 4, rate=40.0, seed=2)
     n = 12
-    cluster = cluster_config("paper", gossip=GossipConfig.for_interval(1.0),
-                             pushback=PushbackConfig(queue_threshold=2))
+    stale = replace(GossipConfig.for_interval(1.0), announce_gap_s=None)  # views a second old
+    cluster = cluster_config("paper", gossip=stale, pushback=PushbackConfig(queue_threshold=2))
     res = run(SimSpec("paper", cluster, schedule="poisson", excluded=(n, 0.0)), reqs,
               byte_tokenize()[0])
     measured = sum(1 for i in refused if i >= n)

@@ -102,10 +102,11 @@ class EpidemicConfig:
 class GossipConfig:
     interval_s: float = 0.5  # Δpoll: period of anti-entropy rounds
     jitter_frac: float = 0.1  # each round is delayed by up to this fraction of interval_s
-    # delta mode: a change to this node's own cache brings the next round forward to this
-    # long after the last one, so peers hear of a new copy before the next request that needs
-    # it arrives, not up to an interval later (None: rounds only every interval_s, as the
-    # paper polls). At most 1 / announce_gap_s rounds a second, and only while the cache changes.
+    # delta mode: a change to this node's own cache, or a request joining or leaving its
+    # engine's queue, brings the next round forward to this long after the last one, so peers
+    # hear of a new copy (or load) before the next request that needs it arrives, not up to an
+    # interval later (None: rounds only every interval_s, as the paper polls). At most
+    # 1 / announce_gap_s rounds a second, and only while the cache or the queue changes.
     announce_gap_s: float | None = 0.05
     mode: GossipMode = GossipMode.DELTA  # what a round carries: snapshot, delta or epidemic
     fanout: int = 3  # epidemic mode: peers contacted per round

@@ -86,7 +86,7 @@ _COUNTERS = (
     "gossip_messages_in",
     "gossip_messages_out",
     "gossip_rounds",
-    "gossip_rounds_announced",  # rounds brought forward by a change to our cache
+    "gossip_rounds_announced",  # rounds brought forward by a change to our cache or queue
     "messages_rejected",
     "messages_rejected_decode",
     "messages_rejected_size",

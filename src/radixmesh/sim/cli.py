@@ -51,8 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:  # long: an argument tabl
         "cost",
         raw=True,
         help="routing policies, comma-separated: none, paper, cost, random, round_robin, "
-        "least_loaded, llmd (llm-d's default scorer profile), or cache_aware (a centralized "
-        "gateway with sglang-router's policy in front of none nodes)",
+        "least_loaded, llmd (llm-d's default scorer profile), cache_aware (a centralized "
+        "gateway with sglang-router 0.3.2's policy in front of none nodes) or smg (one with "
+        "SMG 1.13's: spill gate, lowest expected wait)",
     )
     g.add_argument(
         "--profiles",

@@ -180,7 +180,9 @@ class SmgGateway(CacheAwareGateway):
         deepest = max(matched.values())
         if tokens and deepest / len(tokens) > self.config.cache_threshold:
             self.balanced_choices += 1
-            holders = [w for w in alive if matched[w] == deepest][:SMG_MATCHED_CAP]
+            holders = [w for w in alive if matched[w] == deepest]
+            if len(holders) > SMG_MATCHED_CAP:
+                holders = self._rng.sample(holders, SMG_MATCHED_CAP)
             open_holders = [w for w in holders if w in ungated]
             if open_holders:
                 return self._least_wait(open_holders)

@@ -25,8 +25,9 @@ the sweep estimates (``sweep.batched_rate``: what a batching engine sustains wit
 x arrivals {Poisson, bursty: gamma gaps of CV 3} x policies {none, cost, llmd (llm-d's default
 scorer weights), cache_aware (one centralized gateway with sglang-router's cache-aware policy
 in front of ``none`` nodes, ``sim/gateway.py``)}; ``--policy`` (other than its default) and
-``--workload`` narrow the grid. No SMG model exists in the simulator: SMG's
-``cache_aware`` policy is sglang-router's, so ``cache_aware`` stands for both gateways here.
+``--workload`` narrow the grid. ``smg`` (SMG 1.13's choice, ``sim/gateway.py``) may be
+named too; it is left out of the default grid: it misses the real SMG on agentic (its
+overload veto is not modelled).
 Every run of one (regime, workload, load, arrivals) point replays the same timed requests.
 
 Written to ``--out`` (default ``sim-regimes``): ``summary.json`` (every run's summary) and
