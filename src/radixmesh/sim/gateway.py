@@ -57,7 +57,8 @@ help text and metric labels they match; read Dec 2026):
   dispatched since, over 2,000 tokens/s (vLLM reports no throughput); the lowest wins, ties
   drawn uniformly. Here the poll reads the gateway's in-flight counts (what the worker holds
   but for requests on the wire).
-* **Hit** (match > ``cache_threshold``): the deepest match's holders, at most 8, less the
+* **Hit** (match > ``cache_threshold``): the deepest match's holders, at most 8 (here drawn
+  at random when more hold it; SMG takes them in its map's order), less the
   gated; the lowest expected wait among them; all gated: the lowest among the ungated
   workers, which then hold the prefix too (a replica). **Miss**: the lowest expected wait of
   all workers, not the smallest tree.
