@@ -50,8 +50,10 @@ help text and metric labels they match; read Dec 2026):
   never under four)" (the 1.13 wheel's help; the sources read have the uncapped 64), read
   here as two standard deviations of the workers' counts, at least 4: at 64 H100s on RAG
   this reading gives the real SMG's figures (TTFT 37.9 against 37.8 ms, 91.7 against 90.1 %
-  cached); a Poisson count's 2 √mean spills far more (72.2 ms, 85.5 %). No fleet-wide
-  imbalance switch.
+  cached); a Poisson count's 2 √mean spills far more (72.2 ms, 85.5 %). On agentic at 16
+  H100s it is the other way round: a hot tool prompt's holder never exceeds the mean by 2σ
+  of counts it skews itself (146.8 ms against the real 40.3), 2 √mean gives 42.5. The
+  formula the wheel compiles is not in the sources read. No fleet-wide imbalance switch.
 * **Expected wait**, what picks the worker: the running and waiting requests its last
   ``/metrics`` poll read (every ``poll_s``, 10 s) plus 1,024 tokens credited per request
   dispatched since, over 2,000 tokens/s (vLLM reports no throughput); the lowest wins, ties

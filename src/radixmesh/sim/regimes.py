@@ -26,8 +26,8 @@ x arrivals {Poisson, bursty: gamma gaps of CV 3} x policies {none, cost, llmd (l
 scorer weights), cache_aware (one centralized gateway with sglang-router's cache-aware policy
 in front of ``none`` nodes, ``sim/gateway.py``)}; ``--policy`` (other than its default) and
 ``--workload`` narrow the grid. ``smg`` (SMG 1.13's choice, ``sim/gateway.py``) may be
-named too; it is left out of the default grid: it misses the real SMG on agentic (its
-overload veto is not modelled).
+named too; it is left out of the default grid: it misses the real SMG on agentic (its spill
+margin's formula is a guess, ``sim/gateway.py``).
 Every run of one (regime, workload, load, arrivals) point replays the same timed requests.
 
 Written to ``--out`` (default ``sim-regimes``): ``summary.json`` (every run's summary) and
