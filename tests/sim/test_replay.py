@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from radixmesh.core.config import GossipConfig
 from radixmesh.core.router import Policy, RouterConfig
 from radixmesh.sim import replay
 from radixmesh.sim.network import NetworkConfig, parse_regions
@@ -133,6 +134,19 @@ def test_a_scaled_runs_forwards_cost_its_http_work_divided_by_the_scale() -> Non
     plain = replay.cluster_like(real, args, "bytes").cost.forward_overhead_s
     scaled = replay.cluster_like(real | {"time_scale": 50.0}, args, "bytes").cost
     assert plain > 0 and scaled.forward_overhead_s == pytest.approx(plain / 50)
+
+
+def test_the_replay_gossips_at_the_runs_rhythm() -> None:
+    """A run's interval and announcement gap (unscaled; ``null``: none) are the replay's; a run
+    summary without them (an older one) gets the defaults its nodes ran."""
+    real = {"nodes": 3, "profiles": MIX, "policy": "cost", "net_delay_ms": 2.0}
+    args = argparse.Namespace(regions="", region_delays="")
+    tuned = replay.cluster_like(real | {"gossip_interval_ms": 50.0, "gossip_announce_ms": 10.0},
+                                args, "bytes").gossip  # fmt: skip
+    assert tuned.interval_s == pytest.approx(0.05) and tuned.announce_gap_s == pytest.approx(0.01)
+    off = replay.cluster_like(real | {"gossip_announce_ms": None}, args, "bytes").gossip
+    assert off.announce_gap_s is None and off.interval_s == GossipConfig().interval_s
+    assert replay.cluster_like(real, args, "bytes").gossip == GossipConfig()
 
 
 def test_a_record_the_workload_lacks_is_refused_by_id(tmp_path: Path) -> None:

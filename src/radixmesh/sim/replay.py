@@ -34,6 +34,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from radixmesh.core.config import GossipConfig
 from radixmesh.core.router import Policy, RouterConfig
 from radixmesh.results.run_summary import Row, load_summary
 from radixmesh.sim.gateway import CACHE_AWARE, SMG, GatewayConfig
@@ -135,10 +136,25 @@ def cluster_like(real: Row, args: argparse.Namespace, tok_fp: str) -> ClusterCon
         node_costs=node_costs,
         gateway=gateway,
         router=RouterConfig(policy=policy),  # the runtime's defaults, as the real nodes
+        gossip=_gossip(real),
         network=_network(real, args),
         seed=int(real.get("seed") or 0),
         tokenizer=tok_fp,
     )
+
+
+def _gossip(real: Row) -> GossipConfig:
+    """The run's gossip rhythm (its interval and announcement gap, unscaled; ``null``: no
+    announcements), else the defaults the nodes ran."""
+    base = GossipConfig()
+    interval_ms = real.get("gossip_interval_ms")
+    announce_ms = real.get("gossip_announce_ms", -1.0)  # (absent: an older run's default)
+    return replace(
+        base,
+        interval_s=base.interval_s if interval_ms is None else float(interval_ms) / 1000.0,
+        announce_gap_s=(base.announce_gap_s if announce_ms == -1.0
+                        else None if announce_ms is None else float(announce_ms) / 1000.0),
+    )  # fmt: skip
 
 
 def _network(real: Row, args: argparse.Namespace) -> NetworkConfig:
