@@ -88,23 +88,27 @@ class Gateway:
         try:
             routed = (self._start_relay(link_delay_s, startup_timeout_s, links)
                       if link_delay_s > 0 or links else self.workers)  # fmt: skip
-            for attempt in range(1, PORT_ATTEMPTS + 1):
-                self._proc = subprocess.Popen(
-                    self.command(self.port, routed), stdout=self._log, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL, start_new_session=True,
-                )  # fmt: skip
-                try:
-                    self._wait_ready(startup_timeout_s)
-                    break
-                except PortTaken:
-                    # the ports were free when picked, and something took one before the
-                    # gateway bound it (other clusters start at the same time): new ports
-                    if attempt == PORT_ATTEMPTS:
-                        raise
-                    self.port, self.metrics_port = free_ports(2)
+            self._launch(routed, startup_timeout_s)
         except BaseException:
             self.close()
             raise
+
+    def _launch(self, routed: Sequence[str], timeout_s: float) -> None:
+        """Start the gateway in front of ``routed`` and wait until it is ready."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            self._proc = subprocess.Popen(
+                self.command(self.port, routed), stdout=self._log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+            try:
+                self._wait_ready(timeout_s)
+                return
+            except PortTaken:
+                # the ports were free when picked, and something took one before the
+                # gateway bound it (other clusters start at the same time): new ports
+                if attempt == PORT_ATTEMPTS:
+                    raise
+                self.port, self.metrics_port = free_ports(2)
 
     def _start_relay(self, delay_s: float, timeout_s: float,
                      links: Sequence[tuple[float, float]] | None = None) -> list[str]:
