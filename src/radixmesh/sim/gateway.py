@@ -49,8 +49,8 @@ help text and metric labels they match; read Dec 2026):
   "the in-flight count's natural swing at the pool's current mean (two standard deviations,
   never under four)" (the 1.13 wheel's help; the sources read have the uncapped 64), read
   here as two standard deviations of the workers' counts, at least 4: at 64 H100s on RAG
-  this reading gives the real SMG's figures (TTFT 37.9 against 37.8 ms, 91.7 against 90.1 %
-  cached); a Poisson count's 2 √mean spills far more (72.2 ms, 85.5 %). On agentic at 16
+  this reading gives the real SMG's figures (TTFT 39.4 against 37.8-43.0 ms, 91.0 against
+  89.2-90.1 % cached); a Poisson count's 2 √mean spills far more (72.2 ms, 85.5 %). On agentic at 16
   H100s it is the other way round: a hot tool prompt's holder never exceeds the mean by 2σ
   of counts it skews itself (146.8 ms against the real 40.3), 2 √mean gives 42.5. The
   formula the wheel compiles is not in the sources read. No fleet-wide imbalance switch.
@@ -178,7 +178,8 @@ class SmgGateway(CacheAwareGateway):
         return worker
 
     def _pick(self, tokens: Sequence[int], alive: list[int]) -> int:
-        ungated = [w for w in alive if not self._gated(w, alive)]
+        line = self._gate_line(alive)
+        ungated = [w for w in alive if self.load[w] <= line]
         matched = {w: self.trees[w].match(tokens) for w in alive}
         deepest = max(matched.values())
         if tokens and deepest / len(tokens) > self.config.cache_threshold:
@@ -192,13 +193,17 @@ class SmgGateway(CacheAwareGateway):
             self.imbalanced_choices += 1  # every holder gated: spill
         return self._least_wait(ungated or alive)
 
-    def _gated(self, worker: int, alive: list[int]) -> bool:
+    def _gate_line(self, alive: list[int]) -> float:
+        """The in-flight count over which a worker is gated: more than ``balance_rel`` × the
+        mean and more than the mean plus the margin."""
         loads = [self.load[w] for w in alive]
         mean = statistics.fmean(loads)
         margin = min(self.config.balance_abs,
                      max(SMG_SPILL_FLOOR, 2.0 * statistics.pstdev(loads)))  # fmt: skip
-        load = self.load[worker]
-        return load > mean * self.config.balance_rel and load > mean + margin
+        return max(mean * self.config.balance_rel, mean + margin)
+
+    def _gated(self, worker: int, alive: list[int]) -> bool:
+        return self.load[worker] > self._gate_line(alive)
 
     def _least_wait(self, workers: list[int]) -> int:
         """The lowest expected wait (the polled requests plus those dispatched since, each
