@@ -36,6 +36,7 @@ from pathlib import Path
 
 from radixmesh.core.config import GossipConfig
 from radixmesh.core.router import Policy, RouterConfig
+from radixmesh.options import gossip_config
 from radixmesh.results.run_summary import Row, load_summary
 from radixmesh.sim.gateway import CACHE_AWARE, SMG, GatewayConfig
 from radixmesh.sim.network import NetworkConfig, parse_regions
@@ -145,16 +146,15 @@ def cluster_like(real: Row, args: argparse.Namespace, tok_fp: str) -> ClusterCon
 
 def _gossip(real: Row) -> GossipConfig:
     """The run's gossip rhythm (its interval and announcement gap, unscaled; ``null``: no
-    announcements), else the defaults the nodes ran."""
+    announcements; absent: an older run's defaults), built as its nodes built theirs."""
     base = GossipConfig()
     interval_ms = real.get("gossip_interval_ms")
-    announce_ms = real.get("gossip_announce_ms", -1.0)  # (absent: an older run's default)
-    return replace(
-        base,
-        interval_s=base.interval_s if interval_ms is None else float(interval_ms) / 1000.0,
-        announce_gap_s=(base.announce_gap_s if announce_ms == -1.0
-                        else None if announce_ms is None else float(announce_ms) / 1000.0),
-    )  # fmt: skip
+    announce = base.announce_gap_s
+    if "gossip_announce_ms" in real:
+        ms = real["gossip_announce_ms"]
+        announce = None if ms is None else float(ms) / 1000.0
+    interval = base.interval_s if interval_ms is None else float(interval_ms) / 1000.0
+    return gossip_config(interval, base.mode.value, base.fanout, announce)
 
 
 def _network(real: Row, args: argparse.Namespace) -> NetworkConfig:
