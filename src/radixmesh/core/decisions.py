@@ -51,6 +51,16 @@ class Considered:
     cost_s: float | None  # the cost policy's mesh cost (``router.mesh_cost``)
     placement: str | None  # the placement tag a choice of it would have had
     predicted_ttft_s: float | None = None  # its predicted time to first token (rtt included)
+    kv_usage: float = 0.0  # its KV cache's fill as last reported
+    lateness_s: float = 0.0  # how late it lately met our forwards: mean (ranks), median
+    lateness_median_s: float = 0.0  # (forecasts); 0 for self
+    # a batching engine's batch as the router saw it (``BatchState``'s counts and times:
+    # exact for self, a peer's report aged); None: not a batching engine
+    batch: dict[str, float] | None = None
+
+
+BATCH_FIELDS = ("running", "waiting", "decoding", "ahead_tokens", "kv_used", "kv_tokens",
+                "ahead_s", "residual_s", "free_s", "rate", "overhead_s", "step_base_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,24 +195,7 @@ class _Kept:
 
     def decision(self) -> Decision:
         verdict = {c.node_id: (i, c) for i, c in enumerate(self.ranked)}
-        seen = []
-        for n in self.nodes:
-            rank, cand = verdict.get(n.node_id, (None, None))
-            sp = n.speed
-            seen.append(Considered(
-                node_id=n.node_id, is_self=n.is_self, cached_tokens=n.cached_tokens,
-                queue_depth=n.queue_depth, utilization=n.utilization, rtt_s=n.rtt_s,
-                wait_error_s=n.wait_error_s, prefill_overhead_s=sp.prefill_overhead_s,
-                prefill_s_per_token=sp.prefill_s_per_token,
-                decode_s_per_token=sp.decode_s_per_token, mean_service_s=sp.mean_service_s,
-                queue_service_s=n.queue_service_s,
-                suspect=n.suspect, pushed_back=n.pushed_back, rank=rank,
-                predicted_latency_s=None if cand is None else cand.predicted_latency_s,
-                cost_s=None if cand is None else cand.cost_s,
-                placement=None if cand is None or cand.placement is None
-                else cand.placement.value,
-                predicted_ttft_s=None if cand is None else cand.ttft_s,
-            ))
+        seen = [_considered(n, *verdict.get(n.node_id, (None, None))) for n in self.nodes]
         seen.sort(key=lambda c: (c.rank is None, c.rank or 0))
         pl = self.placement
         return Decision(
@@ -213,6 +206,27 @@ class _Kept:
             rent_s=None if pl is None else pl.rent_s,
             chosen=self.ranked[0].node_id, placement=self.tag, considered=tuple(seen),
         )
+
+
+def _considered(n: NodeInfo, rank: int | None, cand: Candidate | None) -> Considered:
+    """``n`` as the router was given it, with its verdict (None: not ranked)."""
+    sp = n.speed
+    return Considered(
+        node_id=n.node_id, is_self=n.is_self, cached_tokens=n.cached_tokens,
+        queue_depth=n.queue_depth, utilization=n.utilization, rtt_s=n.rtt_s,
+        wait_error_s=n.wait_error_s, prefill_overhead_s=sp.prefill_overhead_s,
+        prefill_s_per_token=sp.prefill_s_per_token,
+        decode_s_per_token=sp.decode_s_per_token, mean_service_s=sp.mean_service_s,
+        queue_service_s=n.queue_service_s,
+        suspect=n.suspect, pushed_back=n.pushed_back, rank=rank,
+        predicted_latency_s=None if cand is None else cand.predicted_latency_s,
+        cost_s=None if cand is None else cand.cost_s,
+        placement=None if cand is None or cand.placement is None else cand.placement.value,
+        predicted_ttft_s=None if cand is None else cand.ttft_s,
+        kv_usage=n.kv_usage, lateness_s=n.lateness_s, lateness_median_s=n.lateness_median_s,
+        batch=None if n.batch is None
+        else {f: float(getattr(n.batch, f)) for f in BATCH_FIELDS},
+    )
 
 
 def describe(decision: Decision, node: str | None = None) -> list[str]:

@@ -191,31 +191,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:  # long: an argument tabl
         help="sequential schedule: closed-loop clients, or 'nodes' for one per node",
     )
     g.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second")
-    g.add_argument(
-        "--load",
-        type=float,
-        default=0.5,
-        help="without --rate: arrivals = LOAD x estimated cluster capacity",
-    )
+    g.add_argument("--load", type=float, default=0.5,
+                   help="without --rate: arrivals = LOAD x estimated cluster capacity")
     g.add_argument("--max-tokens", type=int, default=None, help="override output tokens")
     g.add_argument(
-        "--max-context",
-        type=int,
-        default=None,
+        "--max-context", type=int, default=None,
         help="drop prompts that do not fit this context (as bench does for its engine; "
         "--validate: 4096, the tiny preset's)",
     )
     g = p.add_argument_group("run")
-    g.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="random seed of the workload and the simulation (default 0)",
-    )
+    g.add_argument("--seed", type=int, default=0,
+                   help="random seed of the workload and the simulation (default 0)")
     g.add_argument("--warmup", default=None, help="virtual warm-up before requests")
     add_exclude_warmup(g)
     g.add_argument("--out", default=None, help="directory for summary.json, requests.jsonl")
     g.add_argument("--no-records", action="store_true", help="skip requests.jsonl")
+    g.add_argument(
+        "--decisions", action="store_true",
+        help="each record carries the node that served it as its entry node's router saw it "
+        "(`considered`: the decision log's fields; what scripts/ttft-learn.py fits)",
+    )
     g.add_argument("--quiet", action="store_true", help="no progress on stderr")
     g.add_argument(
         "--validate",

@@ -136,6 +136,8 @@ class _Driver:
             "queue_s": f.queue_s,
             "service_s": f.service_s,
         }
+        if f.considered is not None:
+            self.extras[f.index]["considered"] = f.considered
         self.done += 1
         if self.done >= len(self.requests):
             self.cluster.loop.stop()

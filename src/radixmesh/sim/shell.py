@@ -49,6 +49,7 @@ import random
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from radixmesh.core.blocks import Fingerprint, block_hashes
 from radixmesh.core.config import ForwardConfig, GossipConfig, NodeConfig, PushbackConfig
@@ -122,6 +123,9 @@ class ClusterConfig:
     # mixed hardware (``--profiles``): each node's own cost model, in node order; empty: every
     # node runs ``cost`` (which then stands for the cluster: priors, forward overhead)
     node_costs: tuple[CostModel, ...] = ()
+    # each request's record carries the candidate that served it as its entry node saw it
+    # when it decided (the decision log's ``Considered``: what a TTFT predictor may learn from)
+    decisions: bool = False
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -166,6 +170,16 @@ class ClusterConfig:
         )
 
 
+def _considered(entry: SimNode, request: int, target: str) -> dict[str, Any] | None:
+    """``target`` as ``entry``'s router saw it when it last ranked ``request`` (None: no
+    ranking, as under policy none)."""
+    kept = entry.core.decisions.recent(limit=1) if entry.core is not None else []
+    if not kept or kept[0].request != request:
+        return None
+    seen = next((c for c in kept[0].considered if c.node_id == target), None)
+    return None if seen is None else {n: getattr(seen, n) for n in seen.__slots__}
+
+
 @dataclass(slots=True)
 class Journey:
     """One client request, from arrival at its entry node to the response."""
@@ -185,6 +199,7 @@ class Journey:
     estimate_error: int = 0  # expected - truth at the target at decision time (tokens)
     predicted_ttft_s: float | None = None  # the router's TTFT at the current try's node
     view_age_s: float = 0.0  # how long the estimate used had been out of date (0: current)
+    considered: dict[str, Any] | None = None  # the current try's node as the router saw it
     sent_at: float = 0.0
     served_by: int = -1
     cached: int = 0
@@ -377,6 +392,7 @@ class SimCluster:
             pushback=cfg.pushback,
             priors=cfg.priors(),
             forward=cfg.forward,
+            decision_log=1 if cfg.decisions else 0,  # read at once (``_record_estimate``)
         )
 
     def crash(self, node: SimNode) -> None:
@@ -552,6 +568,8 @@ class SimCluster:
         engine = node.engine
         truth = 0 if engine is None else _cached_prefix(node, flight)
         flight.estimate_error = flight.expected_cached - truth
+        if self.config.decisions:
+            flight.considered = _considered(self.nodes[flight.entry], flight.index, node.node_id)
         if target == flight.entry:
             flight.view_age_s = 0.0
             return

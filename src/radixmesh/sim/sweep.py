@@ -312,6 +312,7 @@ def _cluster_config(
         service_noise=args.service_noise or 0.0,
         tuned_priors=args.tuned_priors,
         shared_cores=args.shared_cores,
+        decisions=getattr(args, "decisions", False),
     )
 
 
