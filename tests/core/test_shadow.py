@@ -104,6 +104,41 @@ def test_a_shadow_behind_its_engine_catches_up_at_the_first_token() -> None:
     assert slow.live == 0 and slow.state(0.07).running == 0
 
 
+def _answer_each(shadow: Shadow, start: float, n: int, late: float) -> float:
+    """``n`` requests one at a time (each ends before the next), each first token ``late``
+    after an engine keeping its profile's time would send it (what a shadow that learnt no
+    overhead predicts); the clock after."""
+    t = start
+    for i in range(n):
+        seq = int(start * 1000) + i + 1  # (a sequence id is > 0)
+        prompt = [seq] + list(range(300))
+        shadow.add(seq, prompt, 2, t)
+        ontime = Shadow(H100).add(seq, prompt, 2, t)
+        shadow.first_token(seq, t + ontime + late)
+        shadow.finished(seq, t + ontime + late + 0.01)
+        t += 1.0
+    return t
+
+
+def test_the_overhead_is_the_median_lateness_of_the_last_first_tokens() -> None:
+    shadow = Shadow(H100)
+    t = _answer_each(shadow, 0.0, 40, late=0.003)
+    assert shadow.state(t).overhead_s == pytest.approx(0.003, abs=1e-9)
+    pred = shadow.add(999, list(range(200)), 2, t)
+    assert pred == pytest.approx(Shadow(H100).add(999, list(range(200)), 2, t) + 0.003)
+
+
+def test_an_overhead_driven_negative_comes_back_when_first_tokens_are_on_time() -> None:
+    """A burst of first tokens far earlier than the shadow predicted drives the overhead
+    negative; the idle engine's wait is then clamped at 0, and the lateness of a first token
+    on time must still read 0 (it read as early by the overhead itself, which then held)."""
+    shadow = Shadow(H100)
+    t = _answer_each(shadow, 0.0, 31, late=-0.04)  # (an early token: late < 0)
+    assert shadow.state(t).overhead_s < -0.03
+    t = _answer_each(shadow, t, 16, late=0.0)
+    assert shadow.state(t).overhead_s == pytest.approx(0.0, abs=1e-9)
+
+
 def test_batch_state_round_trips_and_refuses_bad_figures() -> None:
     s = Shadow(H100)
     s.add(1, list(range(500)), 8, 0.0)

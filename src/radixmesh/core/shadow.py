@@ -32,8 +32,9 @@ It is reconciled with what the engine reports, so it never drifts far:
 (what the node's router uses for itself and gossips to its peers); :meth:`Shadow.add`
 returns the TTFT it predicts for the request added, from the state just before (exact
 for this node's own engine but for the profile's error); the first token's lateness
-against that prediction is the overhead the state reports (its running median: what HTTP, the
-engine's lag and the node's own event loop add). Pure: ``now`` is passed in.
+against the shadow's own prediction (the same without the overhead) is the overhead the
+state reports (the median of the last ``OVERHEAD_WINDOW``: what HTTP, the engine's lag and
+the node's own event loop add). Pure: ``now`` is passed in.
 
 Cost: a step is the scheduler's (O(running)); :meth:`state` is O(live requests), cached
 until the next change. :meth:`advance` runs at most ``MAX_STEPS`` steps per call (a node
@@ -42,8 +43,10 @@ asleep for long jumps its clock instead of replaying every step).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from statistics import median
 
 from radixmesh.core.engine_report import NO_FOREIGN, EngineReport, Foreign, reconcile
 from radixmesh.core.load_estimates import ArrivalRate
@@ -55,7 +58,7 @@ MAX_STEPS = 4096  # steps one advance() may run; a longer gap jumps the clock
 SYNC_STEPS = 256  # steps first_token() may run at once to catch up with the engine
 RATE_WINDOW_S = 10.0  # the arrival rate's time constant, in profile seconds
 RATE_MIN_SPAN = 0.01  # its floor on the time observed, in windows (load_estimates.ArrivalRate)
-OVERHEAD_STEP = 0.05  # one first token moves the measured overhead by this share of its TTFT
+OVERHEAD_WINDOW = 31  # the last first tokens whose lateness the overhead is the median of
 MAX_GHOSTS = 256  # foreign requests carried as ghost requests at most
 GHOST_TOKEN = 1 << 30  # ghost prompts' token ids (real ones lie below, namespaces' at 2**31)
 MEAN_SHARE = 0.1  # one request's weight in the running means a ghost is sized by
@@ -95,9 +98,10 @@ class Shadow:
         self._state: BatchState | None = None
         self._arrivals = ArrivalRate(RATE_WINDOW_S * time_scale, RATE_MIN_SPAN)
         self._predicted: dict[SeqId, tuple[float, float]] = {}  # seq -> (added at, TTFT)
-        # the median lateness of first tokens (a stochastic median), from the profile's
-        # admission time (HTTP, tokenising: core/profile.py) until first tokens move it
+        # the median lateness of the last first tokens, from the profile's admission time
+        # (HTTP, tokenising: core/profile.py) until the first one comes
         self._overhead = self.profile.admission_s
+        self._lateness: deque[float] = deque(maxlen=OVERHEAD_WINDOW)
         self.synced_steps = 0  # steps run at once to catch up with the engine
         self.jumps = 0  # advances that jumped the clock
         self._open: set[SeqId] = set()  # own requests added and not finished by the node
@@ -117,7 +121,12 @@ class Shadow:
         self.advance(now)
         if cached is None:
             cached = self._sched.cached_prefix(prompt)
-        wait, own = ttft_parts(self.state(now), len(prompt) - cached, cached)
+        state = self.state(now)
+        wait, own = ttft_parts(state, len(prompt) - cached, cached)
+        # the prediction its first token's lateness is measured against: the shadow's alone,
+        # without the overhead (its wait clamped at 0 with a negative overhead added, a
+        # first token on time read as early and held the overhead where it was)
+        raw = sum(ttft_parts(replace(state, overhead_s=0.0), len(prompt) - cached, cached))
         try:
             self._sched.add(seq, prompt, max_tokens, now)
         except ValueError:
@@ -127,7 +136,7 @@ class Shadow:
         self._mean_prompt += MEAN_SHARE * (max(len(prompt) - cached, 1) - self._mean_prompt)
         self._mean_output += MEAN_SHARE * (max_tokens - self._mean_output)
         self._arrivals.add(now)
-        self._predicted[seq] = (now, wait + own - self._overhead)
+        self._predicted[seq] = (now, raw)
         if self._step is None:
             self._clock = now
         self._state = None
@@ -139,10 +148,8 @@ class Shadow:
         self.advance(now)
         added = self._predicted.pop(seq, None)
         if added is not None:  # the median, not the mean: a few requests that a burst
-            late = now - added[0] - added[1]  # joining their step delayed must not shift all
-            step = OVERHEAD_STEP * max(added[1], self.profile.step_base_s)
-            if abs(late - self._overhead) > step:  # (within a step: no move, no dither)
-                self._overhead += step if late > self._overhead else -step
+            self._lateness.append(now - added[0] - added[1])  # delayed must not shift all
+            self._overhead = median(self._lateness)
             self._state = None
         track = self._tracks.get(seq)
         runs = 0
