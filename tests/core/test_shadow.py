@@ -21,7 +21,7 @@ from radixmesh.core.profile import resolve
 from radixmesh.core.router import Policy, Router
 from radixmesh.core.router_config import RouterConfig
 from radixmesh.core.scheduler import Scheduler
-from radixmesh.core.shadow import Shadow, scaled
+from radixmesh.core.shadow import OVERHEAD_AGE_S, Shadow, scaled
 from radixmesh.core.shadow_state import (
     BATCH_REFRESH_ROUNDS,
     BatchState,
@@ -110,13 +110,13 @@ def _answer_each(shadow: Shadow, start: float, n: int, late: float) -> float:
     overhead predicts); the clock after."""
     t = start
     for i in range(n):
-        seq = int(start * 1000) + i + 1  # (a sequence id is > 0)
+        seq = int(start * 1e5) + i + 1  # (a sequence id is > 0)
         prompt = [seq] + list(range(300))
         shadow.add(seq, prompt, 2, t)
         ontime = Shadow(H100).add(seq, prompt, 2, t)
         shadow.first_token(seq, t + ontime + late)
         shadow.finished(seq, t + ontime + late + 0.01)
-        t += 1.0
+        t += 0.025
     return t
 
 
@@ -137,6 +137,15 @@ def test_an_overhead_driven_negative_comes_back_when_first_tokens_are_on_time() 
     assert shadow.state(t).overhead_s < -0.03
     t = _answer_each(shadow, t, 16, late=0.0)
     assert shadow.state(t).overhead_s == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_bursts_lateness_does_not_outlive_it() -> None:
+    """First tokens 30 ms late in a burst; then none for longer than the overhead's age (a
+    node that looks slow is sent nothing that would correct it): the prior again."""
+    shadow = Shadow(H100)
+    t = _answer_each(shadow, 0.0, 12, late=0.03)
+    assert shadow.state(t).overhead_s == pytest.approx(0.03)
+    assert shadow.state(t + 2 * OVERHEAD_AGE_S).overhead_s == H100.admission_s
 
 
 def test_batch_state_round_trips_and_refuses_bad_figures() -> None:

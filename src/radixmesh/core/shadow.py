@@ -58,7 +58,8 @@ MAX_STEPS = 4096  # steps one advance() may run; a longer gap jumps the clock
 SYNC_STEPS = 256  # steps first_token() may run at once to catch up with the engine
 RATE_WINDOW_S = 10.0  # the arrival rate's time constant, in profile seconds
 RATE_MIN_SPAN = 0.01  # its floor on the time observed, in windows (load_estimates.ArrivalRate)
-OVERHEAD_WINDOW = 31  # the last first tokens whose lateness the overhead is the median of
+OVERHEAD_WINDOW = 31  # the last first tokens whose lateness the overhead is the median of,
+OVERHEAD_AGE_S = 0.25  # ... those of this many profile seconds (~10 TTFTs of an idle H100)
 MAX_GHOSTS = 256  # foreign requests carried as ghost requests at most
 GHOST_TOKEN = 1 << 30  # ghost prompts' token ids (real ones lie below, namespaces' at 2**31)
 MEAN_SHARE = 0.1  # one request's weight in the running means a ghost is sized by
@@ -99,9 +100,11 @@ class Shadow:
         self._arrivals = ArrivalRate(RATE_WINDOW_S * time_scale, RATE_MIN_SPAN)
         self._predicted: dict[SeqId, tuple[float, float]] = {}  # seq -> (added at, TTFT)
         # the median lateness of the last first tokens, from the profile's admission time
-        # (HTTP, tokenising: core/profile.py) until the first one comes
+        # (HTTP, tokenising: core/profile.py) while none is recent: a burst's lateness must
+        # not outlive it (a node that looks slow gets no first tokens to correct it)
         self._overhead = self.profile.admission_s
-        self._lateness: deque[float] = deque(maxlen=OVERHEAD_WINDOW)
+        self._lateness: deque[tuple[float, float]] = deque(maxlen=OVERHEAD_WINDOW)
+        self._overhead_age = OVERHEAD_AGE_S * time_scale
         self.synced_steps = 0  # steps run at once to catch up with the engine
         self.jumps = 0  # advances that jumped the clock
         self._open: set[SeqId] = set()  # own requests added and not finished by the node
@@ -148,8 +151,8 @@ class Shadow:
         self.advance(now)
         added = self._predicted.pop(seq, None)
         if added is not None:  # the median, not the mean: a few requests that a burst
-            self._lateness.append(now - added[0] - added[1])  # delayed must not shift all
-            self._overhead = median(self._lateness)
+            self._lateness.append((now, now - added[0] - added[1]))  # delayed must not
+            self._overhead = median(late for _, late in self._lateness)  # shift all
             self._state = None
         track = self._tracks.get(seq)
         runs = 0
@@ -229,12 +232,23 @@ class Shadow:
     def state(self, now: float) -> BatchState:
         """The engine's batch now (the steps due run first; cached until the next change
         but for what moves with time alone: the step's residual, the arrival rate decayed
-        to ``now``, as the simulator reports it)."""
+        to ``now``, as the simulator reports it; the overhead once its samples age out)."""
         self.advance(now)
+        self._expire_lateness(now)
         if self._state is None:
             self._state = self._build()
         residual = max(0.0, self._step_end - now) if self._step is not None else 0.0
         return replace(self._state, residual_s=residual, rate=self._arrivals.at(now))
+
+    def _expire_lateness(self, now: float) -> None:
+        """Drop first tokens' lateness older than the overhead's age; none left: the prior."""
+        late = self._lateness
+        if not late or late[0][0] >= now - self._overhead_age:
+            return
+        while late and late[0][0] < now - self._overhead_age:
+            late.popleft()
+        self._overhead = (median(x for _, x in late) if late else self.profile.admission_s)
+        self._state = None
 
     def _build(self) -> BatchState:
         b = batch_state(self._sched, self.profile, self._step, 0.0, 0.0, self._overhead)
