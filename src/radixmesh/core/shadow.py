@@ -33,8 +33,8 @@ It is reconciled with what the engine reports, so it never drifts far:
 returns the TTFT it predicts for the request added, from the state just before (exact
 for this node's own engine but for the profile's error); the first token's lateness
 against the shadow's own prediction (the same without the overhead) is the overhead the
-state reports (the median of the last ``OVERHEAD_WINDOW``: what HTTP, the engine's lag and
-the node's own event loop add). Pure: ``now`` is passed in.
+state reports (the median of the last ``OVERHEAD_WINDOW`` of the last ``OVERHEAD_AGE_S``:
+what HTTP, the engine's lag and the node's own event loop add). Pure: ``now`` is passed in.
 
 Cost: a step is the scheduler's (O(running)); :meth:`state` is O(live requests), cached
 until the next change. :meth:`advance` runs at most ``MAX_STEPS`` steps per call (a node
