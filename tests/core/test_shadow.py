@@ -111,7 +111,7 @@ def _answer_each(shadow: Shadow, start: float, n: int, late: float) -> float:
     t = start
     for i in range(n):
         seq = int(start * 1e5) + i + 1  # (a sequence id is > 0)
-        prompt = [seq] + list(range(300))
+        prompt = [seq, *range(300)]
         shadow.add(seq, prompt, 2, t)
         ontime = Shadow(H100).add(seq, prompt, 2, t)
         shadow.first_token(seq, t + ontime + late)
