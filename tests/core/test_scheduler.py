@@ -113,21 +113,6 @@ def test_preemption_recomputes_the_most_recent_admission_from_the_front_of_waiti
     assert sched.preemptions == 1 and len(steps) == 15
 
 
-def test_a_report_counts_the_followers_of_a_pioneer_as_the_hits_they_will_be() -> None:
-    """The state a report reads (``sequences``): 7 followers waiting behind the pioneer of
-    their 2,000-token prefix will reuse its 125 blocks (pioneers first), so their work left
-    is their 32-token suffixes, not 7 more copies of the prefix; without prefix-aware
-    admission nothing is promised beyond the cache."""
-    for aware, reused in ((True, 2000), (False, 0)):
-        sched = Scheduler(SchedulerConfig(step_tokens=1024, prefix_aware=aware))
-        for i in range(8):
-            sched.add(i, PREFIX + _suffix(i), 4, 0.0)
-        sched.schedule(0.0)  # the pioneer's first chunk (1,024 of 2,032 tokens)
-        views = list(sched.sequences())
-        assert [v.admitted for v in views] == [True] + [False] * 7
-        assert [v.computed for v in views[1:]] == [reused] * 7
-
-
 def test_followers_hit_while_the_pioneer_still_decodes() -> None:
     sched = Scheduler(SchedulerConfig(block_size=4, max_running=4, step_tokens=64))
     sched.add(0, list(range(40)), 50, 0.0)

@@ -146,30 +146,14 @@ class Scheduler(DecodeRuns):
 
     def sequences(self) -> Iterator[SeqView]:
         """The running sequences (admission order), then the first ``WINDOW`` waiting ones
-        (what a report of the engine's state reads: ``core/shadow.py``). A waiting one's
-        ``computed`` is what it will reuse: its cached prefix, and with prefix-aware
-        admission the blocks a sequence ahead of it computes first (it is deferred until
-        they are cached: a document's followers queued behind its pioneer are hits, not as
-        many copies of its prefill)."""
+        (what a report of the engine's state reads: ``core/shadow.py``)."""
         for s in self._running:
             yield SeqView(s.id, s.prompt_len if s.prefilled else len(s.tokens),
                           min(s.computed, len(s.tokens)), len(s.tokens) - s.prompt_len,
                           s.max_tokens, True)
-        ahead = set(self._prefilling) if self.config.prefix_aware else None
-        bs = self.config.block_size
         for s in islice(self._waiting, WINDOW):
-            reuse = self._pool.reusable(s.tokens)
-            if ahead is not None:
-                first = reuse // bs
-                shared = first
-                for h in s.hashes[first:]:
-                    if h not in ahead:
-                        break
-                    shared += 1
-                reuse = max(reuse, min(shared * bs, len(s.tokens) - 1) // bs * bs)
-                ahead.update(s.hashes[first:])
-            yield SeqView(s.id, len(s.tokens), reuse, len(s.tokens) - s.prompt_len,
-                          s.max_tokens, False)
+            yield SeqView(s.id, len(s.tokens), self._pool.reusable(s.tokens),
+                          len(s.tokens) - s.prompt_len, s.max_tokens, False)
 
     def seq_tokens(self, seq: SeqId) -> Sequence[int]:
         """Prompt + output so far of a live sequence (behind its namespace's virtual block)."""
