@@ -22,6 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from radixmesh.results.decisions import last_rankings, served_view
 from radixmesh.results.run_summary import prediction_errors
 
 
@@ -32,13 +33,9 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
 def pairs(folder: Path, run: str, scale: float) -> list[tuple[float, float, str, bool]]:
     """(predicted, actual, route, first of its group) TTFT of each served request of ``run``
     with a prediction, in the order sent."""
-    path = folder / "decisions" / f"{run}.jsonl"
-    if not path.exists():
+    rankings = last_rankings(folder, run)
+    if not rankings:
         return []
-    last: dict[tuple[str, int], dict[str, Any]] = {}
-    for d in _jsonl(path):
-        if d.get("kind") == "route":
-            last[(d["node"], d["request"])] = d  # in order: a re-ranking replaces the first
     out = []
     seen: set[Any] = set()
     records = [r for r in _jsonl(folder / "requests.jsonl") if r.get("run") == run]
@@ -47,10 +44,7 @@ def pairs(folder: Path, run: str, scale: float) -> list[tuple[float, float, str,
         seen.add(rec.get("group"))
         if rec.get("ttft_s") is None or rec.get("request") is None:
             continue
-        d = last.get((rec["entry_node"], rec["request"]))
-        if d is None:
-            continue
-        served = next((c for c in d["considered"] if c["node_id"] == rec["served_by"]), None)
+        served = served_view(rankings, rec)
         if served is None or served.get("predicted_ttft_s") is None:
             continue
         route = "local" if rec.get("route") == "local" else "forwarded"

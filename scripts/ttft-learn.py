@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from radixmesh.results.decisions import last_rankings, served_view
+
 BATCH = ("running", "waiting", "decoding", "ahead_tokens", "kv_used", "ahead_s",
          "residual_s", "free_s", "rate", "overhead_s")
 
@@ -64,18 +66,12 @@ def _served(folder: Path, run: str) -> Callable[[dict[str, Any]], dict[str, Any]
     """A record's served node as its router saw it: the record's own ``considered`` (sim
     --decisions), else its entry node's last ranking of it in ``decisions/<run>.jsonl`` (a
     bench run's nodes' logs)."""
-    path = folder / "decisions" / f"{run}.jsonl"
-    last: dict[tuple[str, int], dict[str, Any]] = {}
-    for d in _jsonl(path) if path.exists() else []:
-        if d.get("kind") == "route":
-            last[(d["node"], d["request"])] = d  # in order: a re-ranking replaces the first
+    rankings = last_rankings(folder, run)
 
     def served(rec: dict[str, Any]) -> dict[str, Any] | None:
         if rec.get("considered"):
             return dict(rec["considered"])
-        d = last.get((rec.get("entry_node"), rec.get("request")))
-        seen = d and [c for c in d["considered"] if c["node_id"] == rec["served_by"]]
-        return seen[0] if seen else None
+        return served_view(rankings, rec)
 
     return served
 

@@ -58,6 +58,9 @@ class Considered:
     # exact for self, a peer's report aged); None: not a batching engine
     batch: dict[str, float] | None = None
 
+    def to_json(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
 
 BATCH_FIELDS = ("running", "waiting", "decoding", "ahead_tokens", "kv_used", "kv_tokens",
                 "ahead_s", "residual_s", "free_s", "rate", "overhead_s", "step_base_s")
@@ -83,9 +86,7 @@ class Decision:
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {name: getattr(self, name) for name in self.__slots__}
         out["owners"] = list(self.owners)
-        out["considered"] = [
-            {name: getattr(c, name) for name in Considered.__slots__} for c in self.considered
-        ]
+        out["considered"] = [c.to_json() for c in self.considered]
         return out
 
 
@@ -160,6 +161,14 @@ class DecisionLog:
     def recent_admissions(self, limit: int | None = None) -> list[Admission]:
         """The kept verdicts on peers' forwards, oldest first; the last ``limit``."""
         return _last(list(self._admissions), limit)
+
+    def considered(self, request: int, node_id: str) -> Considered | None:
+        """``node_id`` as the last kept ranking of ``request`` saw it (None: no such ranking
+        kept, or ``node_id`` not among its candidates)."""
+        kept = next((k for k in reversed(self._ring) if k.request == request), None)
+        if kept is None:
+            return None
+        return next((c for c in kept.decision().considered if c.node_id == node_id), None)
 
     def recent(
         self, limit: int | None = None, placement: str | None = None,

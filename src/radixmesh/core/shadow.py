@@ -152,8 +152,7 @@ class Shadow:
         added = self._predicted.pop(seq, None)
         if added is not None:  # the median, not the mean: a few requests that a burst
             self._lateness.append((now, now - added[0] - added[1]))  # delayed must not
-            self._overhead = median(late for _, late in self._lateness)  # shift all
-            self._state = None
+            self._remeasure()  # shift all
         track = self._tracks.get(seq)
         runs = 0
         while track is not None and track.emitted == 0 and runs < SYNC_STEPS:
@@ -241,13 +240,18 @@ class Shadow:
         return replace(self._state, residual_s=residual, rate=self._arrivals.at(now))
 
     def _expire_lateness(self, now: float) -> None:
-        """Drop first tokens' lateness older than the overhead's age; none left: the prior."""
-        late = self._lateness
-        if not late or late[0][0] >= now - self._overhead_age:
+        """Drop first tokens' lateness older than the overhead's age."""
+        late, cutoff = self._lateness, now - self._overhead_age
+        if not late or late[0][0] >= cutoff:
             return
-        while late and late[0][0] < now - self._overhead_age:
+        while late and late[0][0] < cutoff:
             late.popleft()
-        self._overhead = (median(x for _, x in late) if late else self.profile.admission_s)
+        self._remeasure()
+
+    def _remeasure(self) -> None:
+        """The overhead from the lateness kept: its median; none kept, the prior."""
+        late = self._lateness
+        self._overhead = median(x for _, x in late) if late else self.profile.admission_s
         self._state = None
 
     def _build(self) -> BatchState:

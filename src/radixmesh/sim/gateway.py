@@ -202,9 +202,6 @@ class SmgGateway(CacheAwareGateway):
                      max(SMG_SPILL_FLOOR, 2.0 * statistics.pstdev(loads)))  # fmt: skip
         return max(mean * self.config.balance_rel, mean + margin)
 
-    def _gated(self, worker: int, alive: list[int]) -> bool:
-        return self.load[worker] > self._gate_line(alive)
-
     def _least_wait(self, workers: list[int]) -> int:
         """The lowest expected wait (the polled requests plus those dispatched since, each
         1,024 tokens at 2,000 tokens/s: proportional to their count), ties drawn uniformly."""

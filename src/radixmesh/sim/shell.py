@@ -49,7 +49,6 @@ import random
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from radixmesh.core.blocks import Fingerprint, block_hashes
 from radixmesh.core.config import ForwardConfig, GossipConfig, NodeConfig, PushbackConfig
@@ -123,8 +122,7 @@ class ClusterConfig:
     # mixed hardware (``--profiles``): each node's own cost model, in node order; empty: every
     # node runs ``cost`` (which then stands for the cluster: priors, forward overhead)
     node_costs: tuple[CostModel, ...] = ()
-    # each request's record carries the candidate that served it as its entry node saw it
-    # when it decided (the decision log's ``Considered``: what a TTFT predictor may learn from)
+    # records carry their serving node as the entry's router saw it (``Considered``)
     decisions: bool = False
 
     def __post_init__(self) -> None:
@@ -170,16 +168,6 @@ class ClusterConfig:
         )
 
 
-def _considered(entry: SimNode, request: int, target: str) -> dict[str, Any] | None:
-    """``target`` as ``entry``'s router saw it when it last ranked ``request`` (None: no
-    ranking, as under policy none)."""
-    kept = entry.core.decisions.recent(limit=1) if entry.core is not None else []
-    if not kept or kept[0].request != request:
-        return None
-    seen = next((c for c in kept[0].considered if c.node_id == target), None)
-    return None if seen is None else {n: getattr(seen, n) for n in seen.__slots__}
-
-
 @dataclass(slots=True)
 class Journey:
     """One client request, from arrival at its entry node to the response."""
@@ -199,7 +187,7 @@ class Journey:
     estimate_error: int = 0  # expected - truth at the target at decision time (tokens)
     predicted_ttft_s: float | None = None  # the router's TTFT at the current try's node
     view_age_s: float = 0.0  # how long the estimate used had been out of date (0: current)
-    considered: dict[str, Any] | None = None  # the current try's node as the router saw it
+    considered: dict[str, object] | None = None  # the current try's node as its router saw it
     sent_at: float = 0.0
     served_by: int = -1
     cached: int = 0
@@ -568,8 +556,10 @@ class SimCluster:
         engine = node.engine
         truth = 0 if engine is None else _cached_prefix(node, flight)
         flight.estimate_error = flight.expected_cached - truth
-        if self.config.decisions:
-            flight.considered = _considered(self.nodes[flight.entry], flight.index, node.node_id)
+        core = self.nodes[flight.entry].core
+        if self.config.decisions and core is not None:
+            seen = core.decisions.considered(flight.index, node.node_id)
+            flight.considered = None if seen is None else seen.to_json()
         if target == flight.entry:
             flight.view_age_s = 0.0
             return
