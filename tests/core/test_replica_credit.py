@@ -7,7 +7,16 @@ from __future__ import annotations
 import random
 
 from radixmesh.core.estimators import SpeedReport
-from radixmesh.core.router import NodeInfo, Placement, Policy, RouteInput, Router, RouterConfig, Tag
+from radixmesh.core.router import (
+    Candidate,
+    NodeInfo,
+    Placement,
+    Policy,
+    RouteInput,
+    Router,
+    RouterConfig,
+    Tag,
+)
 
 SPEED = SpeedReport(0.004, 8e-5, 0.007, 0.05)
 REQ = RouteInput(3000, 1)
@@ -24,9 +33,13 @@ def _nodes(holder_queue: int, owner_holds: bool = False) -> list[NodeInfo]:
     ]
 
 
-def _first(nodes: list[NodeInfo], owners: tuple[str, ...], rate_hz: float) -> tuple[str, Tag]:
+def _ranked(nodes: list[NodeInfo], owners: tuple[str, ...], rate_hz: float) -> list[Candidate]:
     router = Router(RouterConfig(policy=Policy.COST))
-    ranked = router.rank(REQ, nodes, random.Random(0), Placement(owners, HELD, rate_hz=rate_hz))
+    return router.rank(REQ, nodes, random.Random(0), Placement(owners, HELD, rate_hz=rate_hz))
+
+
+def _first(nodes: list[NodeInfo], owners: tuple[str, ...], rate_hz: float) -> tuple[str, Tag]:
+    ranked = _ranked(nodes, owners, rate_hz)
     assert ranked[0].placement is not None
     return ranked[0].node_id, ranked[0].placement
 
@@ -43,7 +56,29 @@ def test_no_replica_where_the_load_asks_for_no_more_copies_or_the_holder_is_not_
     assert _first(busy, ("o",), rate_hz=5.0) == ("h", Tag.HIT)  # one owner: enough holders
     # as many nodes hold it as it has owners: those holders share its requests already
     both = _nodes(holder_queue=3, owner_holds=True)
-    assert _first(both, ("o", "h"), rate_hz=5.0)[1] is Tag.HIT
+    assert _first(both, ("o", "h"), rate_hz=5.0) == ("o", Tag.HIT)  # the idle holder
     # an idle holder answers as fast as a warm replica would: nothing saved, nothing copied
     idle = _nodes(holder_queue=0)
     assert _first(idle, ("o", "x"), rate_hz=5.0) == ("h", Tag.HIT)
+
+
+def test_the_replica_forward_carries_the_limit_it_was_chosen_at() -> None:
+    """The peer refuses a forward whose exact cost exceeds its ``beat_s``: a replica's must
+    be the most it was allowed to cost, not what staying costs, or a peer as the sender
+    sees it would refuse it (and every later request of the prefix the same)."""
+    queued_self = [NodeInfo("self", True, 2900, 0.0, 3, SPEED),
+                   NodeInfo("o", False, 0, 0.001, 0, SPEED)]
+    busier_owner = [NodeInfo("self", True, 0, 0.0, 0, SPEED),
+                    NodeInfo("h", False, 2900, 0.001, 4, SPEED),
+                    NodeInfo("o", False, 0, 0.001, 1, SPEED)]
+    for nodes in (queued_self, busier_owner):
+        top = _ranked(nodes, ("o", "x"), rate_hz=5.0)[0]
+        assert (top.node_id, top.placement) == ("o", Tag.REPLICA)
+        assert top.beat_s is not None and top.cost_s is not None
+        assert top.beat_s >= top.cost_s
+
+
+def test_this_node_as_the_owner_makes_the_replica_itself() -> None:
+    nodes = [NodeInfo("self", True, 0, 0.0, 0, SPEED), NodeInfo("h", False, 2900, 0.001, 3, SPEED)]
+    top = _ranked(nodes, ("self", "x"), rate_hz=5.0)[0]
+    assert (top.node_id, top.placement, top.beat_s) == ("self", Tag.REPLICA, None)

@@ -47,10 +47,11 @@ to it: over a slow link every node keeping its own copy wins). So every
 entry node sends a new prefix to the same node (no second cold copy),
 new prefixes spread over all nodes, and a hot prefix's overflow goes to
 the next owner on the ring — a deliberate replica — instead of a cold
-copy wherever it entered. Where the one holder of a prefix queues its
-requests while its load asks for more owners than hold it, the cheapest
-owner makes a replica when what that saves the prefix's requests to come
-here pays for its cold prefill (``_replica``). Each candidate is tagged (``placement``: hit,
+copy wherever it entered. Where fewer nodes hold a prefix than its load
+asks owners for, and the best choice is a holder, the cheapest owner
+without a copy makes a replica when the TTFT a warm replica would save
+the prefix's requests to come here (against that holder now: its queue,
+mostly) pays for the cold prefill (``_replica``). Each candidate is tagged (``placement``: hit,
 first copy, deliberate replica, second copy, unplaced, local copy) so
 the node can count what its decisions cost.
 *Ski rental*: a forward to a holder rents its copy for one round trip,
@@ -169,7 +170,7 @@ class CostPolicy:
         preferred = set() if placement is None else {
             n.node_id for n in avail if self._preferred(req, n, me, placement)
         }
-        order, bought = self._by_cost(req, avail, parts, rng, placement, preferred, decoding)
+        order, bought, most = self._by_cost(req, avail, parts, rng, placement, preferred, decoding)
         if placement is None:
             return [candidate(req, n, scale, None if n.is_self else local,
                               cost_s=parts[n.node_id].cost_s, parts=parts[n.node_id])
@@ -185,6 +186,8 @@ class CostPolicy:
                 beat = local
             else:
                 beat = self._preferred_limit(req, local, me, n.cached_tokens >= held)
+                if most is not None and n is order[0]:  # a replica: held to its limit
+                    beat = max(beat, most)
             tag = Tag.LOCAL_COPY if n.is_self and bought else _tag(n, owners, held, anyone)
             p = parts[n.node_id]
             out.append(candidate(req, n, scale, beat, tag, p.cost_s, p))
@@ -199,10 +202,11 @@ class CostPolicy:
         placement: Placement | None,
         preferred: set[str],
         decoding: float | None,  # the decision's decode batch (``mesh_decoding``)
-    ) -> tuple[list[NodeInfo], bool]:
+    ) -> tuple[list[NodeInfo], bool, float | None]:
         """The candidates, best first (``parts``: their predictions, ranked by mesh cost),
-        and whether staying here is a bought copy (rent); ``preferred``: the owners and
-        holders worth a round trip. A far peer reached for load alone and predicted slower
+        whether staying here is a bought copy (rent), and the most a replica ranked first
+        may cost (``_replica``; None: not one); ``preferred``: the owners and holders worth a
+        round trip. A far peer reached for load alone and predicted slower
         for the request (``_far_and_slower``) is never ranked first."""
         me = next(n for n in avail if n.is_self)
         keyed = [(parts[n.node_id].cost_s, n.queue_depth, rng.random(), n) for n in avail]
@@ -222,13 +226,13 @@ class CostPolicy:
         # against stale *queue* views: what predictions of the peer's wait are lately off by.
         if mine[0] - best[0] < self._needed(mine[0] - predict_wait(me)) + best[3].wait_error_s:
             best = mine
-        bought = False
+        bought, replica = False, None
         if placement is not None:
-            best = self._placed(req, keyed, best, preferred, overloaded, rng, placement)
+            best, replica = self._placed(req, keyed, best, preferred, overloaded, rng, placement)
             if self._buys_copy(req, mine, best, placement, decoding):
-                best, bought = mine, True
+                best, bought, replica = mine, True, None
         rest = [n for n in order if n is not best[3]]
-        return [best[3], *self._near_first(rest, me, parts)], bought
+        return [best[3], *self._near_first(rest, me, parts)], bought, replica
 
     def _near_first(self, rest: list[NodeInfo], me: NodeInfo, parts: dict[str, Priced]
                     ) -> list[NodeInfo]:
@@ -315,27 +319,42 @@ class CostPolicy:
         overloaded: set[str],
         rng: Random,
         placement: Placement,
+    ) -> tuple[_Keyed, float | None]:
+        """The placement's choice (``_preferred_pick``); where that is ``best`` and it
+        holds a prefix that fewer nodes hold than it has owners, an owner's replica
+        (``_replica``) with the most it may cost."""
+        pick = self._preferred_pick(req, keyed, best, preferred, overloaded, rng,
+                                    placement.held_tokens)
+        if pick is not best:
+            return pick, None
+        replica = self._replica(req, keyed, best, preferred, overloaded, placement)
+        return (best, None) if replica is None else replica
+
+    def _preferred_pick(
+        self,
+        req: RouteInput,
+        keyed: list[_Keyed],
+        best: _Keyed,
+        preferred: set[str],
+        overloaded: set[str],
+        rng: Random,
+        held: int,
     ) -> _Keyed:
         """The best preferred candidate (an owner, or a node holding the prefix) if it costs
         at most ``placement_slack`` more than ``best`` now; near-equal ones are picked at
         random, self first (entry nodes sharing a stale view must not all pick one peer).
-        The slack avoids a copy: where ``best`` holds the prefix already, only a candidate
-        holding more of the request than ``best``, by more than the hysteresis is worth, has
-        one to avoid (a conversation whose newer turns a peer holds must not stay on the
-        node that holds its first ones: the chat workload re-prefilled its history on the
-        stale holder). Where the prefix needs a replica, an owner may make it
-        (``_replica``). Candidates over the load bound are not preferred."""
+        The slack avoids a copy: where ``best`` holds the prefix (``held`` tokens) already,
+        only a candidate holding more of the request than ``best``, by more than the
+        hysteresis is worth, has one to avoid (a conversation whose newer turns a peer holds
+        must not stay on the node that holds its first ones: the chat workload re-prefilled
+        its history on the stale holder). Candidates over the load bound are not preferred."""
         cfg = self.config
-        held = placement.held_tokens
         copies = best[3].cached_tokens < held  # serving at ``best`` copies the prefix
         pref = [
             k for k in keyed
             if k[3].node_id in preferred and k[3].node_id not in overloaded
             and (k is best or copies or self._holds_more(req, k[3], best[3]))
         ]
-        replica = self._replica(req, keyed, best, preferred, overloaded, placement)
-        if replica is not None:
-            return replica
         if not pref:
             return best
         low = pref[0][0]  # keyed is sorted by prediction
@@ -348,11 +367,15 @@ class CostPolicy:
         return self._holder_instead(pick, keyed, preferred, overloaded, held)
 
     def _replica(self, req: RouteInput, keyed: list[_Keyed], best: _Keyed, preferred: set[str],
-                 overloaded: set[str], placement: Placement) -> _Keyed | None:
-        """The cheapest owner not holding the prefix, when ``best`` holds it while fewer
-        nodes hold it than its load here says it needs (its owner set's size:
-        ``Placer._replicas``), and the replica's cost now is within the first copy's slack
-        and what it is worth to later requests (``_replica_credit``); else None."""
+                 overloaded: set[str], placement: Placement) -> tuple[_Keyed, float] | None:
+        """The cheapest preferred owner not holding the prefix, and the most it may cost,
+        when ``best`` holds it while fewer of the candidates hold it than its load here says
+        it needs (its owner set's size: ``Placer._replicas``; the candidates are those
+        ranked, so a prefix with many owners may look held by fewer than hold it): if its
+        cost now is within ``best``'s by ``first_copy_slack`` of the copy's work there and
+        what the replica is worth to later requests (``_replica_credit``); else None. The
+        forward carries that limit as its ``beat_s``: the peer's exact cost is checked
+        against what the replica was chosen at, not against staying here."""
         held = placement.held_tokens
         if best[3].cached_tokens < held or len(placement.owners) < 2:
             return None
@@ -363,19 +386,21 @@ class CostPolicy:
                      None)  # fmt: skip
         if owner is None:
             return None
-        limit = self._preferred_limit(req, best[0], best[3], False)
+        copy = predict_service(req, owner[3], self.config.context_scale)
+        limit = best[0] + self.config.first_copy_slack * copy
         limit += self._replica_credit(req, best[3], owner[3], placement)
-        return owner if owner[0] <= limit else None
+        return (owner, limit) if owner[0] <= limit else None
 
     def _replica_credit(self, req: RouteInput, holder: NodeInfo, owner: NodeInfo,
                         placement: Placement) -> float:
         """What a replica at ``owner`` is worth beyond this request: the TTFT the prefix's
-        requests from this node would save there, warm, against ``holder`` now, for half
-        of those expected over ``replica_window_s`` (its confident rate here: ski rental with
-        a known rate, as ``_rent_to_come``). A hot prefix's one holder queues its requests
-        while its load asks for more owners; an owner's first copy alone never paid its
-        cold prefill against that holder's hit (16 emulated H100s, RAG at 80 %: a document
-        drawing 13 % of the requests stayed on one node to the end)."""
+        requests from this node would save there, warm, against ``holder`` now (its queue,
+        mostly; also a round trip or a speed), for half of those expected over
+        ``replica_window_s`` (its confident rate here: ski rental with a known rate, as
+        ``_rent_to_come``). Without it no owner made a copy while the prefix had a holder
+        (only a node holding more of the request was preferred to it), however long that
+        holder's queue (16 emulated H100s, RAG at 80 %: a document drawing 13 % of the
+        requests stayed on one node to the end)."""
         scale = self.config.context_scale
         warm = with_cached(owner, holder.cached_tokens)
         saved = predict_ttft(req, holder, scale) - predict_ttft(req, warm, scale)
