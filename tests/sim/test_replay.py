@@ -112,6 +112,29 @@ def test_replaying_a_runs_own_trace_gives_back_its_figures(tmp_path: Path, regio
     assert "| cost |" in (tmp_path / "out" / "validation.md").read_text()
 
 
+def test_the_replay_writes_its_records_and_with_decisions_what_each_router_saw(
+    tmp_path: Path,
+) -> None:
+    """``requests.jsonl`` beside the comparison: the same requests as the run's, routed by
+    the simulator; with ``--decisions`` each carries the node that served it as its entry
+    node's router saw it (what ``scripts/why.py``-style reading and ``ttft-learn.py`` need)."""
+    folder = _recorded_folder(tmp_path, False)
+    args = _args(folder, tmp_path / "out")
+    args.decisions = True
+    assert replay.main(args) == 0
+    real = [json.loads(line) for line in (folder / "requests.jsonl").read_text().splitlines()]
+    out = (tmp_path / "out" / "requests.jsonl").read_text().splitlines()
+    replayed = [json.loads(line) for line in out]
+    def ids(rows: list[dict[str, str]]) -> list[tuple[str, str]]:
+        return sorted((r["run"], r["id"]) for r in rows)
+
+    assert ids(replayed) == ids(real)
+    served = [r for r in replayed if r["policy"] == "cost" and r["status"] == 200]
+    assert served and all(r["considered"]["node_id"] == r["served_by"] for r in served)
+    args.no_records, args.out = True, str(tmp_path / "bare")
+    assert replay.main(args) == 0 and not (tmp_path / "bare" / "requests.jsonl").exists()
+
+
 def test_a_runs_warm_up_is_left_out_of_the_replays_figures_too(tmp_path: Path) -> None:
     """The records flagged ``warmup`` are replayed (they warm the caches) but not counted, as
     in the real run: counted, the replay's hit rate kept the cold start (4 emulated RAG

@@ -342,20 +342,13 @@ def _collect(
             for res in results:
                 summaries.append(res.summary)
                 if records_fh is not None:
-                    _write_records(records_fh, res)
+                    res.write_records(records_fh)
                 if out is not None:
                     _write_summary(out, summaries)
     finally:
         if records_fh is not None:
             records_fh.close()
     return summaries
-
-
-def _write_records(fh: Any, res: SimResult) -> None:
-    for rec, extra in zip(res.records, res.extras, strict=True):
-        obj = rec.to_json()
-        obj.update(extra)
-        fh.write(json.dumps(obj, separators=(",", ":")) + "\n")
 
 
 def _write_summary(out: Path, summaries: list[dict[str, Any]]) -> None:

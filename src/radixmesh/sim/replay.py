@@ -24,7 +24,11 @@ the summary names them (``regions`` / ``region_delays``; else ``--regions`` /
 clock, is charged at the simulator's figure divided by the run's time scale. The requests the
 real run left out of its figures as warm-up (records flagged ``warmup``) are replayed and left
 out the same way. Compared per run: the hit rate (points apart) and the mean and p99 TTFT,
-each as the ratio to ``none``'s run on the same mesh, real against simulated.
+each as the ratio to ``none``'s run on the same mesh, real against simulated. ``--out`` gets
+the comparison (``validation.json`` / ``.md``), the replay's ``summary.json`` and its records
+(``requests.jsonl``, unless ``--no-records``; with ``--decisions`` each record carries the
+node that served it as its entry node's router saw it): a policy change can be judged on the
+real run's own sequence, request by request.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from radixmesh.options import gossip_config
 from radixmesh.results.run_summary import Row, load_summary
 from radixmesh.sim.gateway import CACHE_AWARE, SMG, GatewayConfig
 from radixmesh.sim.network import NetworkConfig, parse_regions
-from radixmesh.sim.runner import SimSpec
+from radixmesh.sim.runner import SimResult, SimSpec
 from radixmesh.sim.runner import run as run_sim
 from radixmesh.sim.shell import ClusterConfig
 from radixmesh.sim.sweep import cluster_cost, profile_costs
@@ -165,19 +169,22 @@ def _network(real: Row, args: argparse.Namespace) -> NetworkConfig:
                          region_delay_s=delays)  # fmt: skip
 
 
-def simulate(real: Row, args: argparse.Namespace, records: list[Row], real_dir: Path) -> Row:
+def simulate(real: Row, args: argparse.Namespace, records: list[Row], real_dir: Path
+             ) -> SimResult:
+    """The run ``real`` replayed (``args.decisions``: each record with its ``considered``)."""
     tokenize, tok_fp = TOKENIZERS["bytes"]()  # the emulated mesh's (bench/emulated.py)
     reqs = replayed(records, workload_pool(real, args, real_dir))
-    cfg = cluster_like(real, args, tok_fp)
+    cfg = replace(cluster_like(real, args, tok_fp), decisions=bool(getattr(args, "decisions",
+                                                                            False)))
     spec = SimSpec(real["name"], cfg, real.get("workload", "trace"), real.get("skew", "uniform"),
                    "poisson", warm=warm_positions(records))  # open loop: the recorded times
-    summary = run_sim(spec, reqs, tokenize).summary
+    result = run_sim(spec, reqs, tokenize)
     real_tokens = [int(r["prompt_tokens"]) for r in records if r.get("prompt_tokens")]
-    summary["replay_prompt_tokens"] = {  # the same prompts? (an engine's template adds a few)
+    result.summary["replay_prompt_tokens"] = {  # the same prompts? (a template adds a few)
         "real": sum(real_tokens) / len(real_tokens) if real_tokens else None,
         "sim": sum(len(tokenize(r)) for r in reqs) / len(reqs) if reqs else None,
     }
-    return summary
+    return result
 
 
 def compare(real: list[Row], sim: list[Row]) -> list[Row]:
@@ -243,11 +250,16 @@ def main(args: argparse.Namespace) -> int:
     if not real:
         raise ValueError(f"{real_dir}: no emulated run of a policy the simulator replays")
     records = records_by_run(real_dir / "requests.jsonl")
-    sim = [simulate(r, args, records.get(r["name"], []), real_dir) for r in real]
+    results = [simulate(r, args, records.get(r["name"], []), real_dir) for r in real]
+    sim = [res.summary for res in results]
     rows = compare(real, sim)
     out = Path(args.out or "sim-validate")
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps({"runs": sim}, indent=2) + "\n")
+    if not getattr(args, "no_records", False):  # the replayed records, as the sweep writes
+        with (out / "requests.jsonl").open("w") as fh:
+            for res in results:
+                res.write_records(fh)
     (out / "validation.json").write_text(
         json.dumps({"real": str(real_dir), "replayed": "trace", "rows": rows}, indent=2) + "\n"
     )

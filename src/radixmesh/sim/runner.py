@@ -25,10 +25,11 @@ keys; all but a labelled few leave the warm-up out as the records' do.
 from __future__ import annotations
 
 import gc
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
 from radixmesh.results.records import Record, in_warmup
 from radixmesh.results.run_summary import summarize
@@ -70,6 +71,13 @@ class SimResult:
     records: list[Record]
     summary: dict[str, Any]
     extras: list[dict[str, Any]] = field(default_factory=list)  # per record, sim-only fields
+
+    def write_records(self, fh: TextIO) -> None:
+        """Its records as ``requests.jsonl`` lines (each with its sim-only fields)."""
+        for rec, extra in zip(self.records, self.extras, strict=True):
+            obj = rec.to_json()
+            obj.update(extra)
+            fh.write(json.dumps(obj, separators=(",", ":")) + "\n")
 
 
 ProgressFn = Callable[[int, int], None]
@@ -129,7 +137,7 @@ class _Driver:
 
     def _completed(self, f: Journey) -> None:
         self.records[f.index] = self._record(f)
-        self.extras[f.index] = {
+        extra: dict[str, Any] = {
             "estimate_error_tokens": f.estimate_error,
             "view_age_s": f.view_age_s,
             "predicted_ttft_s": f.predicted_ttft_s,
@@ -137,7 +145,8 @@ class _Driver:
             "service_s": f.service_s,
         }
         if f.considered is not None:
-            self.extras[f.index]["considered"] = f.considered
+            extra["considered"] = f.considered
+        self.extras[f.index] = extra
         self.done += 1
         if self.done >= len(self.requests):
             self.cluster.loop.stop()
