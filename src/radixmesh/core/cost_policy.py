@@ -51,9 +51,9 @@ copy wherever it entered. Where fewer nodes hold a prefix than its load
 asks owners for, and the best choice is a holder, the cheapest owner
 without a copy makes a replica when the TTFT a warm replica would save
 the prefix's requests to come here (against that holder now: its queue,
-mostly) pays for the cold prefill (``_replica``). Each candidate is tagged (``placement``: hit,
-first copy, deliberate replica, second copy, unplaced, local copy) so
-the node can count what its decisions cost.
+mostly) pays for the cold prefill (``_replica``). Each candidate is
+tagged (``placement``: hit, first copy, deliberate replica, second copy,
+unplaced, local copy) so the node can count what its decisions cost.
 *Ski rental*: a forward to a holder rents its copy for one round trip,
 plus the queue wait it met there beyond the one this node predicted for
 itself (signed: a holder no busier than this node costs nothing on
@@ -95,9 +95,10 @@ never ranked first: slower for the request whatever its queue (issue
 mesh cost may not send it there for the others' sake, on the stalest
 load view this node has (``_far_and_slower``).
 
-Why one file over 400 lines: the rules above are one ranking that shares
-its intermediate values (each candidate's parts, the preferred and barred
-sets); split, each part would take and return all of them.
+Why one file over 400 lines (~530): the rules above are one ranking that
+shares its intermediate values (each candidate's parts, the preferred and
+barred sets, the placement's pick, the replica's limit); split, each part
+would take and return all of them.
 
 Because a peer's prediction includes its forward RTT, ``cost`` forwards only when the predicted
 saving exceeds the forward cost: on a slow network it degenerates to ``none``. Its peer
@@ -204,10 +205,9 @@ class CostPolicy:
         decoding: float | None,  # the decision's decode batch (``mesh_decoding``)
     ) -> tuple[list[NodeInfo], bool, float | None]:
         """The candidates, best first (``parts``: their predictions, ranked by mesh cost),
-        whether staying here is a bought copy (rent), and the most a replica ranked first
-        may cost (``_replica``; None: not one); ``preferred``: the owners and holders worth a
-        round trip. A far peer reached for load alone and predicted slower
-        for the request (``_far_and_slower``) is never ranked first."""
+        whether staying here is a bought copy (rent), and the most a replica ranked first may
+        cost (``_replica``; None: not one); ``preferred``: the owners and holders worth a round
+        trip. A far peer, for load alone and slower (``_far_and_slower``), is never first."""
         me = next(n for n in avail if n.is_self)
         keyed = [(parts[n.node_id].cost_s, n.queue_depth, rng.random(), n) for n in avail]
         keyed.sort(key=lambda k: (k[0], not k[3].is_self, k[1], k[2]))
@@ -228,7 +228,8 @@ class CostPolicy:
             best = mine
         bought, replica = False, None
         if placement is not None:
-            best, replica = self._placed(req, keyed, best, preferred, overloaded, rng, placement)
+            pick = self._placed(req, keyed, best, preferred, overloaded, rng, placement.held_tokens)
+            best, replica = self._replica(req, keyed, best, pick, preferred, overloaded, placement)
             if self._buys_copy(req, mine, best, placement, decoding):
                 best, bought, replica = mine, True, None
         rest = [n for n in order if n is not best[3]]
@@ -318,26 +319,6 @@ class CostPolicy:
         preferred: set[str],
         overloaded: set[str],
         rng: Random,
-        placement: Placement,
-    ) -> tuple[_Keyed, float | None]:
-        """The placement's choice (``_preferred_pick``); where that is ``best`` and it
-        holds a prefix that fewer nodes hold than it has owners, an owner's replica
-        (``_replica``) with the most it may cost."""
-        pick = self._preferred_pick(req, keyed, best, preferred, overloaded, rng,
-                                    placement.held_tokens)
-        if pick is not best:
-            return pick, None
-        replica = self._replica(req, keyed, best, preferred, overloaded, placement)
-        return (best, None) if replica is None else replica
-
-    def _preferred_pick(
-        self,
-        req: RouteInput,
-        keyed: list[_Keyed],
-        best: _Keyed,
-        preferred: set[str],
-        overloaded: set[str],
-        rng: Random,
         held: int,
     ) -> _Keyed:
         """The best preferred candidate (an owner, or a node holding the prefix) if it costs
@@ -366,30 +347,32 @@ class CostPolicy:
         pick = next((k for k in near if k[3].is_self), None) or near[rng.randrange(len(near))]
         return self._holder_instead(pick, keyed, preferred, overloaded, held)
 
-    def _replica(self, req: RouteInput, keyed: list[_Keyed], best: _Keyed, preferred: set[str],
-                 overloaded: set[str], placement: Placement) -> tuple[_Keyed, float] | None:
-        """The cheapest preferred owner not holding the prefix, and the most it may cost,
-        when ``best`` holds it while fewer of the candidates hold it than its load here says
-        it needs (its owner set's size: ``Placer._replicas``; the candidates are those
-        ranked, so a prefix with many owners may look held by fewer than hold it): if its
-        cost now is within ``best``'s by ``first_copy_slack`` of the copy's work there and
-        what the replica is worth to later requests (``_replica_credit``); else None. The
-        forward carries that limit as its ``beat_s``: the peer's exact cost is checked
-        against what the replica was chosen at, not against staying here."""
+    def _replica(self, req: RouteInput, keyed: list[_Keyed], best: _Keyed, pick: _Keyed,
+                 preferred: set[str], overloaded: set[str], placement: Placement
+                 ) -> tuple[_Keyed, float | None]:
+        """The placement's ``pick``, with None; or, where that is ``best`` and holds the prefix
+        while fewer of the candidates hold it than its load here says it needs (its owner
+        set's size: ``Placer._replicas``; the candidates are those ranked, so a prefix with
+        many owners may look held by fewer than hold it), the cheapest preferred owner not
+        holding it, with the most it may cost: if its cost now is within ``best``'s by
+        ``first_copy_slack`` of the copy's work there and what the replica is worth to later
+        requests (``_replica_credit``). The forward carries that limit as its ``beat_s``: the
+        peer's exact cost is checked against what the replica was chosen at, not against
+        staying here."""
         held = placement.held_tokens
-        if best[3].cached_tokens < held or len(placement.owners) < 2:
-            return None
+        if pick is not best or best[3].cached_tokens < held or len(placement.owners) < 2:
+            return pick, None
         if sum(1 for k in keyed if k[3].cached_tokens >= held) >= len(placement.owners):
-            return None
+            return pick, None
         owner = next((k for k in keyed if k[3].node_id in preferred and k[3].cached_tokens < held
                       and k[3].node_id not in overloaded and k[3].node_id in placement.owners),
                      None)  # fmt: skip
         if owner is None:
-            return None
+            return pick, None
         copy = predict_service(req, owner[3], self.config.context_scale)
         limit = best[0] + self.config.first_copy_slack * copy
         limit += self._replica_credit(req, best[3], owner[3], placement)
-        return (owner, limit) if owner[0] <= limit else None
+        return (owner, limit) if owner[0] <= limit else (pick, None)
 
     def _replica_credit(self, req: RouteInput, holder: NodeInfo, owner: NodeInfo,
                         placement: Placement) -> float:

@@ -174,8 +174,8 @@ def simulate(real: Row, args: argparse.Namespace, records: list[Row], real_dir: 
     """The run ``real`` replayed (``args.decisions``: each record with its ``considered``)."""
     tokenize, tok_fp = TOKENIZERS["bytes"]()  # the emulated mesh's (bench/emulated.py)
     reqs = replayed(records, workload_pool(real, args, real_dir))
-    cfg = replace(cluster_like(real, args, tok_fp), decisions=bool(getattr(args, "decisions",
-                                                                            False)))
+    decisions = bool(getattr(args, "decisions", False))
+    cfg = replace(cluster_like(real, args, tok_fp), decisions=decisions)
     spec = SimSpec(real["name"], cfg, real.get("workload", "trace"), real.get("skew", "uniform"),
                    "poisson", warm=warm_positions(records))  # open loop: the recorded times
     result = run_sim(spec, reqs, tokenize)
