@@ -1,6 +1,7 @@
 """Linear layers on oneDNN with packed weights: the stock layer's output up to fp32 rounding,
 for every row count and shape; a weight changed in place is packed again; a model's layers
-are converted in place, its state dict unchanged."""
+are converted in place, its state dict unchanged; each layer takes oneDNN from the crossover
+measured once for its weight's shape, the fewest rows from which oneDNN won every rung."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def _pair(n_in: int, n_out: int, bias: bool, seed: int) -> tuple[nn.Linear, nn.M
     plain = nn.Linear(n_in, n_out, bias=bias)
     model = nn.Sequential(nn.Linear(n_in, n_out, bias=bias))
     model.load_state_dict({f"0.{k}": v for k, v in plain.state_dict().items()})
-    assert pack_linears(model) == 1
+    assert pack_linears(model, rows=lambda _: 1) == 1  # every row count through oneDNN
     return plain, model[0]
 
 
@@ -39,8 +40,7 @@ def test_packed_equals_the_stock_layer(n_in: int, n_out: int, bias: bool, rows: 
         torch.testing.assert_close(packed(x[0]), plain(x[0]), atol=1e-5, rtol=1e-5)
 
 
-def test_a_weight_changed_in_place_is_packed_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(packed_linear, "BIG_WEIGHT", 0)  # one row goes through oneDNN too
+def test_a_weight_changed_in_place_is_packed_again() -> None:
     plain, packed = _pair(16, 8, True, 0)
     x = torch.randn(3, 16)
     with torch.no_grad():
@@ -73,3 +73,50 @@ def test_a_torch_without_the_private_ops_keeps_the_stock_linear(
     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
     assert packed_linear.pack_linears(model) == 0
     assert type(model[0]) is torch.nn.Linear
+
+
+F, S = 1.0, 2.0  # a fast and a slow call
+
+
+@pytest.mark.parametrize(("times", "want"), [
+    (((S, F), (S, F), (F, S), (F, S), (F, S)), 4),
+    (((F, S), (S, F), (F, S), (F, S), (F, S)), 4),  # one rung's win does not outweigh two
+    (((F, S), (1.1, F), (F, S), (F, S), (F, S)), 1),  # a small loss below wins does
+    (((F, S),) * 5, 1),
+    (((F, S), (F, S), (F, S), (F, S), (S, F)), 1),  # losing only the last rung
+    (((F, S), (S, F), (S, F), (S, F), (S, F)), None),
+    (((F, F),) * 5, None),  # a tie: the stock kernel
+])
+def test_the_threshold_loses_least_against_the_faster_kernel(
+    times: tuple[tuple[float, float], ...], want: int | None,
+) -> None:
+    assert packed_linear.threshold([1, 2, 4, 8, 16], list(times)) == want
+
+
+def test_the_ladder_stops_at_the_work_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    timed: list[int] = []
+    monkeypatch.setattr(packed_linear, "MAX_TUNE_WORK", 4 * 64 * 32)
+    monkeypatch.setattr(packed_linear, "_timed", lambda a, b: (timed.append(1), (F, S))[1])
+    _, layer = _pair(32, 64, False, 0)
+    assert packed_linear.crossover(layer) == 1  # type: ignore[arg-type]
+    assert len(timed) == 3  # rungs 1, 2, 4: 4 rows x 2,048 multiply-adds is the bound
+    assert packed_linear._timed(lambda: None, lambda: None) is not None
+
+
+def test_each_shape_is_measured_once_and_its_layers_share_it() -> None:
+    model = build_random_model("micro", 0)
+    measured: list[tuple[int, int, bool]] = []
+
+    def key(layer: nn.Linear) -> tuple[int, int, bool]:
+        return layer.out_features, layer.in_features, layer.bias is not None
+
+    def rows(layer: nn.Linear) -> int | None:
+        measured.append(key(layer))
+        return None if layer.out_features == 64 else 3
+
+    n = pack_linears(model, rows=rows)
+    shapes = {key(m) for m in model.modules() if isinstance(m, nn.Linear)}
+    assert n > len(shapes) and sorted(measured) == sorted(shapes)
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            assert m.min_rows == (None if m.out_features == 64 else 3)
