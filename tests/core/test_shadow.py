@@ -239,6 +239,24 @@ def test_an_unchanged_batch_is_left_out_of_load_reports_and_peers_keep_the_last_
     assert not worth_sending((s.state(c.now), c.now), s.state(c.now), c.now, interval)
 
 
+def test_a_queue_that_drains_within_half_a_round_is_news_until_the_next_announcement() -> None:
+    """A cold prompt queued at an idle H100 drains well within half a gossip round (0.25 s),
+    so against a round it is no news; but a delta-mode node announces its next round
+    ``announce_gap_s`` (50 ms) later, and until then a peer pricing it from the idle report
+    would predict its TTFT tens of ms short: measured against that horizon it is sent."""
+    c = TwinCluster(2, seed=0)
+    gossip = c.nodes["n0"].config.gossip
+    s = Shadow(H100)
+    s.add(1, list(range(6000)), 8, 0.0)
+    queued = s.state(0.0)  # its prompt in the step under way, 0.12 s long
+    idle = replace(queued, running=0, decoding=0, decode_kv=0, ahead_tokens=0, kv_used=0,
+                   ahead_s=0.0, residual_s=0.0, free_s=0.0)  # the same rate
+    assert not worth_sending((idle, 0.0), queued, 0.0, gossip.interval_s)
+    horizon = c.nodes["n0"]._parts.gossip.dissemination._report_horizon()
+    assert horizon == gossip.announce_gap_s < gossip.interval_s
+    assert worth_sending((idle, 0.0), queued, 0.0, gossip.interval_s, horizon)
+
+
 def test_scaled_stretches_every_time_a_profile_holds() -> None:
     """A time-scaled engine's profile as its node's shadow sees it: every time in seconds
     (the step's terms, admission, a prefill's own cost, a cold adapter's load) S times

@@ -166,6 +166,14 @@ class Disseminator:
             adapter_names=() if known else self.config.adapters,
         )
 
+    def _report_horizon(self) -> float:
+        """How long a peer goes on using the batch we send it, at most: until our next
+        round, which an announcement brings forward to ``announce_gap_s`` (delta mode)."""
+        cfg = self.cfg
+        if cfg.mode is GossipMode.DELTA and cfg.announce_gap_s is not None:
+            return min(cfg.interval_s, cfg.announce_gap_s)
+        return cfg.interval_s
+
     def _relays(self, est: PeerEstimate | None, now: float) -> tuple[NodeState, ...]:
         return self.epidemic.relays(est, now) if self.epidemic.enabled and est is not None else ()
 
@@ -173,7 +181,8 @@ class Disseminator:
         """Our load for ``est``, its speed left out when the peer has a close enough one,
         its batch when the peer's copy is still good (``shadow_state.worth_sending``)."""
         if load.batch is not None:
-            if worth_sending(est.batch_sent, load.batch, now, self.cfg.interval_s):
+            if worth_sending(est.batch_sent, load.batch, now, self.cfg.interval_s,
+                             self._report_horizon()):
                 est.batch_sent = (load.batch, now)
             else:
                 load = replace(load, batch=None)
