@@ -1,4 +1,5 @@
-"""Announcements: a change to a node's own cache or queue brings its next gossip round forward."""
+"""Announcements: a change to a node's own cache or queue brings its next gossip round forward;
+a grown queue brings it sooner still."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ from dataclasses import replace
 import pytest
 
 from radixmesh.core.config import GossipConfig, GossipMode
-from radixmesh.core.events import QueueChanged
+from radixmesh.core.events import LoadChanged, QueueChanged
+from radixmesh.core.profile import resolve
+from radixmesh.core.rounds import URGENT_GAP
+from radixmesh.core.shadow import Shadow
+from radixmesh.core.shadow_state import BatchState, ttft_parts
 from radixmesh.core.units import parse_optional_duration
 from radixmesh.testing import LinkConfig, TwinCluster
 
@@ -122,3 +127,46 @@ def test_config_and_flag_values() -> None:
     assert parse_optional_duration(0) == 0.0
     with pytest.raises(ValueError, match="duration"):
         parse_optional_duration("soon")
+
+
+def _batch(tokens: int) -> BatchState:
+    shadow = Shadow(resolve("h100-llama3-8b"))
+    if tokens:
+        shadow.add(1, list(range(tokens)), 8, 0.0)
+    return replace(shadow.state(0.0), rate=10.0)
+
+
+def _round_just_passed(c: TwinCluster, node: str) -> int:
+    """Run until ``node`` has gossiped a round; its round count."""
+    rounds = c.nodes[node].metrics()["gossip_rounds"]
+    while c.nodes[node].metrics()["gossip_rounds"] == rounds:
+        c.run_for(0.0005)
+    return int(c.nodes[node].metrics()["gossip_rounds"])
+
+
+def test_a_grown_queue_is_announced_sooner_than_the_gap() -> None:
+    """A batch predicting a materially longer TTFT than the one of our last round (a cold
+    prompt queued) brings the next round to ``URGENT_GAP`` of the gap after the last; a
+    drained one, or a change within the tolerance, waits for the gap as before."""
+    c = _cluster(3, GAP_S)
+    c.deliver("n0", LoadChanged(0, 0, 0, 1 << 20, batch=_batch(0)))
+    rounds = _round_just_passed(c, "n0")
+    c.deliver("n0", LoadChanged(1, 1, 0, 1 << 20, batch=_batch(6000)))
+    c.run_for(URGENT_GAP * GAP_S + 0.001)
+    assert c.nodes["n0"].metrics()["gossip_rounds"] == rounds + 1
+    assert c.metric("gossip_rounds_urgent") == 1
+    c.run_for(2 * LINK.delay_s)
+    seen = c.nodes["n1"]._parts.peers.info("n0", 0, c.now)
+    assert seen is not None and seen.batch is not None
+    assert sum(ttft_parts(seen.batch, 512, 0)) > 0.05  # the cold prompt's step, aged
+    rounds = _round_just_passed(c, "n0")
+    c.deliver("n0", LoadChanged(0, 0, 0, 1 << 20, batch=_batch(0)))  # drained: no hurry
+    c.run_for(URGENT_GAP * GAP_S + 0.001)
+    assert c.nodes["n0"].metrics()["gossip_rounds"] == rounds
+    assert c.metric("gossip_rounds_urgent") == 1
+    quiet = _cluster(3, None)  # without announcements, none
+    quiet.deliver("n0", LoadChanged(0, 0, 0, 1 << 20, batch=_batch(0)))
+    _round_just_passed(quiet, "n0")
+    quiet.deliver("n0", LoadChanged(1, 1, 0, 1 << 20, batch=_batch(6000)))
+    quiet.run_for(GAP_S)
+    assert quiet.metric("gossip_rounds_urgent") == 0

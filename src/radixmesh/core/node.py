@@ -207,6 +207,7 @@ class NodeCore:
     def _load_changed(self, event: LoadChanged, now: float) -> list[Action]:
         """Own load (``OwnLoad``), then push-back (``AdmissionControl``), advertised at once."""
         self._parts.own.load_changed(event, now)
+        self._parts.rounds.batch_changed(self._parts.own.batch(now), now)
         log = self._parts.admission.pushback(event.queue_depth, now)
         if log is None:
             return []

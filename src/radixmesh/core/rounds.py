@@ -42,6 +42,10 @@ from radixmesh.core.gossip import Gossiper
 from radixmesh.core.own_load import OwnLoad
 from radixmesh.core.peer_estimate import bump
 from radixmesh.core.peer_loads import PeerLoads
+from radixmesh.core.shadow_state import BatchState, aged, grew
+
+URGENT_GAP = 0.2  # of ``announce_gap_s``: the soonest a round follows the last for a grown queue
+URGENT_GROWTH = 0.5  # ... one predicting a TTFT this much longer (and two steps' fixed part)
 
 
 class GossipRounds:
@@ -57,6 +61,7 @@ class GossipRounds:
         self._metrics = metrics
         self._next_round = now  # the first Tick joins the seeds at once
         self._last_round = now
+        self._round_batch: tuple[BatchState, float] | None = None  # our batch at the last round
 
     def next_deadline(self) -> float:
         """When the next Tick is due (the shell's clock)."""
@@ -76,8 +81,32 @@ class GossipRounds:
         self._next_round = now + cfg.interval_s * (1.0 + cfg.jitter_frac * self._rng.random())
         bump(self._metrics, "gossip_rounds")
         self._own.refresh_stale_speed(now)
-        sends = self._gossip.round(now, self._admission.advertised_load(now))
+        load = self._admission.advertised_load(now)
+        self._round_batch = None if load.batch is None else (load.batch, now)
+        sends = self._gossip.round(now, load)
         return self._account_out(sends)
+
+    def batch_changed(self, batch: BatchState | None, now: float) -> None:
+        """Our engine's batch changed: when it predicts a TTFT materially longer than the
+        batch of our last round did (aged to now: a cold prompt queued, a burst), the next
+        round comes ``URGENT_GAP`` x ``announce_gap_s`` after the last instead of
+        ``announce_gap_s``: peers pricing us from the old batch would send their forwards
+        into the queue for up to 50 ms, twice an H100's TTFT. Simulated at 80 % (against
+        announcements at the gap alone): 16 H100s RAG, 24 runs, TTFT 0.977x, p99 0.890x,
+        +5 % messages; agentic 0.988x / 0.978x, +13 %; 64 H100s RAG 0.941x / 0.830x, +7 %.
+        At a growth of 20 % instead of 50 %: RAG 0.959x / 0.879x but agentic +82 % messages
+        for the same TTFT."""
+        cfg = self._config.gossip
+        last = self._round_batch
+        if (batch is None or last is None or cfg.announce_gap_s is None
+                or cfg.mode is not GossipMode.DELTA):
+            return
+        if not grew(aged(last[0], now - last[1]), batch, URGENT_GROWTH):
+            return
+        due = max(now, self._last_round + URGENT_GAP * cfg.announce_gap_s)
+        if due < self._next_round:
+            self._next_round = due
+            bump(self._metrics, "gossip_rounds_urgent")
 
     def advertise_now(self, now: float) -> None:
         """The next round is due now (a push-back started: peers must hear of it at once)."""

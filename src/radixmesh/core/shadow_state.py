@@ -177,11 +177,25 @@ def changed(sent: BatchState, now: BatchState, tolerance: float = 0.2) -> bool:
     ``tolerance`` of it and two steps' fixed part, its arrival rate by more than
     ``tolerance`` (and 0.1 per second). Unchanged reports are not
     gossiped again (:func:`worth_sending`): a receiver's own aging is as good."""
-    ref_then, ref_now = sum(ttft_parts(sent, 512, 0)), sum(ttft_parts(now, 512, 0))
-    floor = 2.0 * now.step_base_s
-    if abs(ref_now - ref_then) > max(tolerance * ref_now, floor):
+    if abs(_moved(sent, now)) > _material(now, tolerance):
         return True
     return abs(now.rate - sent.rate) > max(tolerance * now.rate, 0.1)
+
+
+def grew(sent: BatchState, now: BatchState, tolerance: float = 0.2) -> bool:
+    """Whether ``now`` predicts a TTFT materially longer than ``sent`` (aged to now) does:
+    the change (:func:`changed`'s measure) that sends a peer's forwards into a queue."""
+    return _moved(sent, now) > _material(now, tolerance)
+
+
+def _moved(sent: BatchState, now: BatchState) -> float:
+    """How much longer ``now`` predicts a 512-token prompt's TTFT than ``sent``."""
+    return sum(ttft_parts(now, 512, 0)) - sum(ttft_parts(sent, 512, 0))
+
+
+def _material(now: BatchState, tolerance: float) -> float:
+    """A change in that TTFT worth telling: ``tolerance`` of it and two steps' fixed part."""
+    return max(tolerance * sum(ttft_parts(now, 512, 0)), 2.0 * now.step_base_s)
 
 
 def worth_sending(last: tuple[BatchState, float] | None, batch: BatchState, now: float,
