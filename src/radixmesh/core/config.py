@@ -119,6 +119,12 @@ class GossipConfig:
     exchange: ExchangeConfig = field(default_factory=ExchangeConfig)  # per-peer piggybacking
     epidemic: EpidemicConfig = field(default_factory=EpidemicConfig)  # digests, rumors, relays
 
+    @property
+    def announce_s(self) -> float | None:
+        """The gap announcements keep after the last round, where this mode announces (delta:
+        a round carries only the changes, to every member); else None."""
+        return self.announce_gap_s if self.mode is GossipMode.DELTA else None
+
     def __post_init__(self) -> None:
         if self.interval_s <= 0:
             raise ValueError("gossip interval_s must be > 0")

@@ -169,10 +169,8 @@ class Disseminator:
     def _report_horizon(self) -> float:
         """How long a peer goes on using the batch we send it, at most: until our next
         round, which an announcement brings forward to ``announce_gap_s`` (delta mode)."""
-        cfg = self.cfg
-        if cfg.mode is GossipMode.DELTA and cfg.announce_gap_s is not None:
-            return min(cfg.interval_s, cfg.announce_gap_s)
-        return cfg.interval_s
+        gap = self.cfg.announce_s
+        return self.cfg.interval_s if gap is None else min(self.cfg.interval_s, gap)
 
     def _relays(self, est: PeerEstimate | None, now: float) -> tuple[NodeState, ...]:
         return self.epidemic.relays(est, now) if self.epidemic.enabled and est is not None else ()

@@ -28,7 +28,7 @@ from radixmesh.core.admission import AdmissionControl
 from radixmesh.core.cache_summary import Holdings
 from radixmesh.core.checked import RemoteProtocolError
 from radixmesh.core.codec import Codec
-from radixmesh.core.config import GossipMode, NodeConfig
+from radixmesh.core.config import NodeConfig
 from radixmesh.core.events import (
     Action,
     CacheChanged,
@@ -96,14 +96,12 @@ class GossipRounds:
         +5 % messages; agentic 0.988x / 0.978x, +13 %; 64 H100s RAG 0.941x / 0.830x, +7 %.
         At a growth of 20 % instead of 50 %: RAG 0.959x / 0.879x but agentic +82 % messages
         for the same TTFT."""
-        cfg = self._config.gossip
-        last = self._round_batch
-        if (batch is None or last is None or cfg.announce_gap_s is None
-                or cfg.mode is not GossipMode.DELTA):
+        gap, last = self._config.gossip.announce_s, self._round_batch
+        if batch is None or last is None or gap is None:
             return
         if not grew(aged(last[0], now - last[1]), batch, URGENT_GROWTH):
             return
-        due = max(now, self._last_round + URGENT_GAP * cfg.announce_gap_s)
+        due = max(now, self._last_round + URGENT_GAP * gap)
         if due < self._next_round:
             self._next_round = due
             bump(self._metrics, "gossip_rounds_urgent")
@@ -154,10 +152,10 @@ class GossipRounds:
         clients cached 68 % of its prompt tokens, 75 % with announcements).
         Delta mode only: a round there carries the few changed hashes to every member; a
         snapshot round carries the whole set, and an epidemic one reaches ``fanout`` members."""
-        cfg = self._config.gossip
-        if cfg.announce_gap_s is None or cfg.mode is not GossipMode.DELTA:
+        gap = self._config.gossip.announce_s
+        if gap is None:
             return
-        due = max(now, self._last_round + cfg.announce_gap_s)
+        due = max(now, self._last_round + gap)
         if due < self._next_round:
             self._next_round = due
             bump(self._metrics, "gossip_rounds_announced")
