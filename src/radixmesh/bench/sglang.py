@@ -36,6 +36,11 @@ from radixmesh.runtime.cluster import free_ports
 
 INSTALL_HINT = "sglang-router is not installed: pip install 'sglang-router==0.3.2'"
 PORT_ATTEMPTS = 3  # starts with fresh ports when one was taken meanwhile
+# registering a worker takes a few requests across the emulated link (SMG: its health check,
+# then model discovery, each retried): the readiness wait allows this many round trips of the
+# longest link on top of ``startup_timeout_s`` (3 regions 40 ms apart at time scale 300: 24 s a
+# round trip)
+READY_ROUND_TRIPS = 8
 
 
 class PortTaken(RuntimeError):
@@ -88,7 +93,8 @@ class Gateway:
         try:
             routed = (self._start_relay(link_delay_s, startup_timeout_s, links)
                       if link_delay_s > 0 or links else self.workers)  # fmt: skip
-            self._launch(routed, startup_timeout_s)
+            longest = max([2 * link_delay_s, *(o + b for o, b in links or ())])
+            self._launch(routed, startup_timeout_s + READY_ROUND_TRIPS * longest)
         except BaseException:
             self.close()
             raise

@@ -37,9 +37,10 @@ class Smg(Gateway):
     # smg 1.13.0's defaults (smg/router_args.py ``RouterArgs``): worker load polls (its
     # expected-wait score reads running and waiting requests from vLLM's /metrics), the
     # no-contact and no-progress exclusions, the stale-record exclusion, the tree's eviction
-    # timer, health checks and the warm-up window
+    # timer, health checks (their interval, and their timeout: a check crosses the emulated
+    # link, 12 s each way between regions 40 ms apart at time scale 300) and the warm-up window
     clocks = (("--load-monitor-interval", 10), ("--worker-stall-secs", 2),
               ("--worker-wedge-secs", 3), ("--worker-stale-secs", 15),
               ("--eviction-interval-secs", 60), ("--health-check-interval-secs", 60),
-              ("--worker-warmup-secs", 60))  # fmt: skip
+              ("--health-check-timeout-secs", 5), ("--worker-warmup-secs", 60))  # fmt: skip
     lists_models = True
