@@ -384,6 +384,60 @@ def test_link_relay_delays_each_way_by_its_own_delay(
     assert took == pytest.approx(0.1 + 0.25, abs=1e-9)
 
 
+def test_a_held_link_relay_passes_bytes_at_once_until_armed(
+    virtual_loop: asyncio.AbstractEventLoop,
+) -> None:
+    # A gateway registers its workers through a held relay (SMG's registration steps time out
+    # after 10 s, under one round trip between regions at time scale 300): one echo crosses
+    # it at once; once armed, the next echo on the same (pooled) connection takes the link's
+    # 0.1 s out and 0.25 s back.
+    from radixmesh.bench.linkproxy import LinkRelay
+    from radixmesh.core.link import LinkConfig
+
+    async def scenario() -> list[float]:
+        loop = asyncio.get_running_loop()
+
+        async def echo(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            while data := await r.read(4096):
+                w.write(data.upper())
+                await w.drain()
+            w.close()
+
+        upstream = await asyncio.start_server(echo, "127.0.0.1", 0)
+        armed = asyncio.Event()
+        target = ("127.0.0.1", upstream.sockets[0].getsockname()[1], (0.1, 0.25))
+        relay = LinkRelay(target, LinkConfig(delay_s=0.5), seed=0, armed=armed)
+        relayed = asyncio.Event()
+
+        async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            try:
+                await relay.handle(r, w)
+            finally:
+                relayed.set()
+
+        front = await asyncio.start_server(handle, "127.0.0.1", 0)
+        r, w = await asyncio.open_connection(*front.sockets[0].getsockname()[:2])
+        took = []
+        for _ in range(2):
+            t0 = loop.time()
+            w.write(b"ping")
+            await w.drain()
+            assert await r.readexactly(4) == b"PING"
+            took.append(loop.time() - t0)
+            armed.set()
+        w.close()
+        await w.wait_closed()
+        await relayed.wait()  # our EOF passed on, the worker's back: both sides closed
+        for server in (front, upstream):
+            server.close()
+            await server.wait_closed()
+        return took
+
+    took = virtual_loop.run_until_complete(scenario())
+    assert took[0] == pytest.approx(0.0, abs=1e-9)
+    assert took[1] == pytest.approx(0.1 + 0.25, abs=1e-9)
+
+
 def test_link_relay_rejects_a_bad_target() -> None:
     from radixmesh.bench.linkproxy import parse_target
 
@@ -406,7 +460,7 @@ def test_gateway_hop_crosses_the_emulated_link(
     try:
         assert g._proc is not None and g._relay is not None
         relay_args = [str(a) for a in g._relay.args]  # type: ignore[union-attr]
-        assert relay_args[relay_args.index("--delay") + 1] == "0.1"
+        assert relay_args[relay_args.index("--delay") + 1] == "0.1" and "--hold" in relay_args
         args = [str(a) for a in g._proc.args]  # type: ignore[union-attr]
         routed = args[args.index("--worker-urls") + 1 : args.index("--prometheus-host")]
         assert len(routed) == len(workers) and not set(routed) & set(workers)

@@ -19,6 +19,13 @@ every chunk is released one emulated one-way delay after it arrived, in order (t
 :meth:`Netem.delayed`, the one link model), so a request and its response each cross the link
 once, and a streamed response keeps its pacing. A half-closed side is passed on as EOF. The
 relay stops on SIGTERM or when its standard input closes (its parent is gone).
+
+``--hold``: the link is not emulated yet: bytes pass undelayed until a line ``GO`` on standard
+input, then every chunk read from then on, on every connection (pooled ones too), is delayed.
+A gateway registers its workers through it before the run: SMG 1.13's registration steps
+(``detect_backend``: a ``GET /v1/models``) time out after a fixed 10 s, shorter than one round
+trip between regions 40 ms apart at time scale 300 (24 s). Setup is not part of the run; its
+requests, and the gateway's load polls, cross the link once it is armed.
 """
 
 from __future__ import annotations
@@ -42,10 +49,34 @@ async def _chunks(reader: asyncio.StreamReader) -> AsyncIterator[bytes]:
         yield data
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: Netem) -> None:
-    """One direction of a connection: every chunk delayed, then EOF passed on."""
+async def _then(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    yield first
+    async for chunk in rest:
+        yield chunk
+
+
+async def _undelayed(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     armed: asyncio.Event) -> bytes | None:
+    """Pass chunks on as they come while the link is held; the first chunk read once it is
+    armed (``b""`` at EOF), which the delayed pipe takes from there."""
+    while True:
+        data = await reader.read(CHUNK)
+        if armed.is_set() or not data:
+            return data
+        writer.write(data)
+        await writer.drain()
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link: Netem,
+                armed: asyncio.Event | None = None) -> None:
+    """One direction of a connection: every chunk delayed (once ``armed`` is set, when
+    given), then EOF passed on."""
     try:
-        async for chunk in link.delayed(_chunks(reader)):
+        chunks = _chunks(reader)
+        if armed is not None and not armed.is_set():
+            first = await _undelayed(reader, writer, armed)
+            chunks = _then(first, chunks) if first else _chunks(reader)
+        async for chunk in link.delayed(chunks):
             writer.write(chunk)
             await writer.drain()
         if writer.can_write_eof():
@@ -60,8 +91,10 @@ Target = tuple[str, int, tuple[float, float] | None]  # host, port, own (out, ba
 class LinkRelay:
     """Listens for one worker; every accepted connection gets its own pair of delayed pipes."""
 
-    def __init__(self, target: Target, config: LinkConfig, seed: int) -> None:
+    def __init__(self, target: Target, config: LinkConfig, seed: int,
+                 armed: asyncio.Event | None = None) -> None:
         host, port, own = target
+        self.armed = armed  # None: delayed from the start
         self.target = (host, port)
         out, back = own if own is not None else (config.delay_s, config.delay_s)
         self.config = config.with_delay(out)
@@ -80,8 +113,8 @@ class LinkRelay:
         clock = asyncio.get_running_loop().time  # asyncio's own loop (``main``): exact timers
         try:
             await asyncio.gather(
-                _pipe(down_r, up_w, Netem(self.config, base, clock=clock)),
-                _pipe(up_r, down_w, Netem(self.back, base + 1, clock=clock)),
+                _pipe(down_r, up_w, Netem(self.config, base, clock=clock), self.armed),
+                _pipe(up_r, down_w, Netem(self.back, base + 1, clock=clock), self.armed),
             )
         finally:
             for w in (up_w, down_w):
@@ -103,10 +136,11 @@ def parse_target(text: str) -> Target:
     return host, int(port), own
 
 
-async def serve(targets: Sequence[Target], config: LinkConfig) -> None:
+async def serve(targets: Sequence[Target], config: LinkConfig, hold: bool = False) -> None:
+    armed = asyncio.Event() if hold else None
     servers = []
     for i, target in enumerate(targets):
-        relay = LinkRelay(target, config, seed=i)
+        relay = LinkRelay(target, config, seed=i, armed=armed)
         servers.append(await asyncio.start_server(relay.handle, "127.0.0.1", 0))
     ports = [s.sockets[0].getsockname()[1] for s in servers]
     print("READY", *ports, flush=True)
@@ -116,7 +150,9 @@ async def serve(targets: Sequence[Target], config: LinkConfig) -> None:
     loop.add_signal_handler(signal.SIGINT, stop.set)
 
     def parent_gone() -> None:  # the parent holds our stdin: EOF there means it is gone
-        sys.stdin.buffer.read()
+        for line in sys.stdin.buffer:
+            if line.strip() == b"GO" and armed is not None:
+                loop.call_soon_threadsafe(armed.set)
         loop.call_soon_threadsafe(stop.set)
 
     threading.Thread(target=parent_gone, daemon=True).start()
@@ -132,8 +168,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="emulated one-way delay, seconds")  # fmt: skip
     parser.add_argument("--to", type=parse_target, action="append", required=True,
                         help="a worker HOST:PORT[=OUT[/BACK]] (repeatable)")  # fmt: skip
+    parser.add_argument("--hold", action="store_true",
+                        help="pass bytes undelayed until a line GO on standard input")
     args = parser.parse_args(argv)
-    asyncio.run(serve(args.to, LinkConfig(delay_s=args.delay)))
+    asyncio.run(serve(args.to, LinkConfig(delay_s=args.delay), hold=args.hold))
     return 0
 
 

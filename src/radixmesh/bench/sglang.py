@@ -15,6 +15,8 @@ The gateway→worker hop crosses the same emulated link as a mesh node's forward
 ``link_delay_s`` > 0 the workers are reached through :mod:`radixmesh.bench.linkproxy`, which
 delays every chunk by the one-way delay each way (a gateway is one network hop from its
 workers, as a peer is from the entry node); with regions (``links``) each worker by its own.
+The relay is held (undelayed) while the gateway registers its workers and armed once it is
+ready, before the run's first request.
 """
 
 from __future__ import annotations
@@ -36,11 +38,6 @@ from radixmesh.runtime.cluster import free_ports
 
 INSTALL_HINT = "sglang-router is not installed: pip install 'sglang-router==0.3.2'"
 PORT_ATTEMPTS = 3  # starts with fresh ports when one was taken meanwhile
-# registering a worker takes a few requests across the emulated link (SMG: its health check,
-# then model discovery, each retried): the readiness wait allows this many round trips of the
-# longest link on top of ``startup_timeout_s`` (3 regions 40 ms apart at time scale 300: 24 s a
-# round trip)
-READY_ROUND_TRIPS = 8
 
 
 class PortTaken(RuntimeError):
@@ -93,8 +90,8 @@ class Gateway:
         try:
             routed = (self._start_relay(link_delay_s, startup_timeout_s, links)
                       if link_delay_s > 0 or links else self.workers)  # fmt: skip
-            longest = max([2 * link_delay_s, *(o + b for o, b in links or ())])
-            self._launch(routed, startup_timeout_s + READY_ROUND_TRIPS * longest)
+            self._launch(routed, startup_timeout_s)
+            self._arm_links()
         except BaseException:
             self.close()
             raise
@@ -125,7 +122,8 @@ class Gateway:
             raise ValueError(f"worker URLs need a host and a port: {self.workers}")
         if links is not None and len(links) != len(targets):
             raise ValueError("one (out, back) link per worker")
-        cmd = [sys.executable, "-m", "radixmesh.bench.linkproxy", "--delay", repr(delay_s)]
+        cmd = [sys.executable, "-m", "radixmesh.bench.linkproxy", "--delay", repr(delay_s),
+               "--hold"]
         for i, t in enumerate(targets):
             own = "" if links is None else f"={links[i][0]!r}/{links[i][1]!r}"
             cmd += ["--to", f"{t.hostname}:{t.port}{own}"]
@@ -141,6 +139,14 @@ class Gateway:
             self._stop(relay)
             raise RuntimeError(f"the link relay did not start (said {line.strip()!r})")
         return [f"http://127.0.0.1:{port}" for port in words[1:]]
+
+    def _arm_links(self) -> None:
+        """The gateway has registered its workers over undelayed links (SMG's registration
+        steps time out after 10 s, shorter than one round trip between regions at time scale
+        300): from now on the relay emulates the link for every byte."""
+        if self._relay is not None and self._relay.stdin is not None:
+            self._relay.stdin.write(b"GO\n")
+            self._relay.stdin.flush()
 
     @staticmethod
     def _stop(proc: subprocess.Popen[bytes]) -> None:
