@@ -88,12 +88,12 @@ shared machine cannot send cold requests to whichever node looks fastest
 A speed far off the median for lack of recent requests is not noise
 the tolerance can absorb: the node restarts it (``OwnLoad.refresh_stale_speed``).
 
-*Far peers*: a peer whose round trip alone is longer than the
-request's TTFT here is never ranked first, by the mesh cost, the
-placement or a replica: slower for the request whatever its queue and
-cache (issue #52: a request crosses regions only when that is predicted
-faster), the mesh cost may not send it there for the others' sake
-(``_far_and_slower``).
+*Far peers, for load alone*: a peer whose round trip alone is longer
+than the request's TTFT here, holding no more of it than this node, is
+never ranked first: slower for the request whatever its queue (issue
+#52: a request crosses regions only when that is predicted faster), the
+mesh cost may not send it there for the others' sake, on the stalest
+load view this node has (``_far_and_slower``).
 
 Why one file over 400 lines (~530): the rules above are one ranking that
 shares its intermediate values (each candidate's parts, the preferred and
@@ -207,14 +207,17 @@ class CostPolicy:
         """The candidates, best first (``parts``: their predictions, ranked by mesh cost),
         whether staying here is a bought copy (rent), and the most a replica ranked first may
         cost (``_replica``; None: not one); ``preferred``: the owners and holders worth a round
-        trip. A far peer (``_far_and_slower``) is never first."""
+        trip. A far peer, for load alone and slower (``_far_and_slower``), is never first."""
         me = next(n for n in avail if n.is_self)
         keyed = [(parts[n.node_id].cost_s, n.queue_depth, rng.random(), n) for n in avail]
         keyed.sort(key=lambda k: (k[0], not k[3].is_self, k[1], k[2]))
         order = [k[3] for k in keyed]
         overloaded = self._over_bound(avail)
         mine = next(k for k in keyed if k[3].is_self)
-        best = self._first_near(keyed, overloaded, me, parts)
+        best = next((k for k in keyed if k[3].node_id not in overloaded), mine)
+        if self._far_and_slower(best[3], me, parts):  # rare: the next that is not
+            best = next((k for k in keyed if k[3].node_id not in overloaded
+                         and not self._far_and_slower(k[3], me, parts)), mine)  # fmt: skip
         if (self._bypasses_bound(keyed[0], best)
                 and not self._far_and_slower(keyed[0][3], me, parts)):
             best = keyed[0]  # a large certain saving (a long cached prefix) beats balancing
@@ -229,17 +232,8 @@ class CostPolicy:
             best, replica = self._replica(req, keyed, best, pick, preferred, overloaded, placement)
             if self._buys_copy(req, mine, best, placement, decoding):
                 best, bought, replica = mine, True, None
-            if self._far_and_slower(best[3], me, parts):  # a far holder the placement chose
-                best, replica = self._first_near(keyed, overloaded, me, parts), None
         rest = [n for n in order if n is not best[3]]
         return [best[3], *self._near_first(rest, me, parts)], bought, replica
-
-    def _first_near(self, keyed: list[_Keyed], overloaded: set[str], me: NodeInfo,
-                    parts: dict[str, Priced]) -> _Keyed:
-        """The cheapest candidate neither over the load bound nor far; this node if none."""
-        mine = next(k for k in keyed if k[3].is_self)
-        return next((k for k in keyed if k[3].node_id not in overloaded
-                     and not self._far_and_slower(k[3], me, parts)), mine)  # fmt: skip
 
     def _near_first(self, rest: list[NodeInfo], me: NodeInfo, parts: dict[str, Priced]
                     ) -> list[NodeInfo]:
@@ -480,17 +474,17 @@ class CostPolicy:
 
     def _far_and_slower(self, n: NodeInfo, me: NodeInfo, parts: dict[str, Priced]) -> bool:
         """Whether ``n`` is a peer whose round trip alone is longer than the request's TTFT
-        here: a forward there is slower for the request whatever the peer's queue and
-        cache. The mesh cost may not send it there for the others' sake (issue #52: a
-        request crosses regions only when that is predicted faster): the request pays the
-        round trip for certain, while what it saves the others (the prefill a far holder
-        spares this node's batch) rests on estimates. Far holders are held to it too since
-        the real 3-region run on `9ddbf10`: 174 of its 184 cross-region forwards were to
-        holders, predicted slower for the request, each ~80 ms (mean TTFT 111 against 29 ms
-        in region); simulated, 16 H100s in 3 regions at 80 %, barring them took `cost`'s
-        mean TTFT to 0.92x (RAG, 8 seeds) and 0.95x (agentic, p99 0.76x) at 1.5-2.7 points
-        fewer hits (docs/ideas-tried.md). (Dropped: "far" as over 10 % of the TTFT here.)"""
-        if n.is_self:
+        here and which holds no more of it than this node: a forward there is slower for
+        the request whatever the peer's queue, and would be made for load alone. The mesh
+        cost may not send it there for the others' sake (issue #52: a request crosses
+        regions only when that is predicted faster): the request pays the round trip for
+        certain, while what it saves the others rests on the far peer's load, the stalest
+        view this node has. (regions-16, agentic, 80 %: such forwards, 2 % of the requests,
+        each 80 ms slower, were the p99: the entry's own arrival rate, exact, against far
+        peers' reports of their first arrivals priced joining its batch at 3-6x theirs.
+        Tried and dropped: a bar on far holders too, and "far" as over 10 % of the TTFT
+        here (docs/ideas-tried.md).)"""
+        if n.is_self or n.cached_tokens > me.cached_tokens:
             return False
         p = parts[me.node_id]
         return n.rtt_s > p.ahead_s + p.prefill_s
