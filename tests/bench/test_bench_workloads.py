@@ -332,6 +332,20 @@ def test_link_relay_relays_requests_intact_to_each_worker(workers: list[str]) ->
         assert proc.wait(timeout=10) == 0
 
 
+async def _front(relay: Any) -> tuple[asyncio.Server, asyncio.Event]:
+    """A listening front for ``relay`` (a ``LinkRelay``), and an event set once the relay has
+    finished a connection (passed both EOFs on and closed both sides)."""
+    relayed = asyncio.Event()
+
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            await relay.handle(r, w)
+        finally:
+            relayed.set()
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0), relayed
+
+
 def test_link_relay_delays_each_way_by_its_own_delay(
     virtual_loop: asyncio.AbstractEventLoop,
 ) -> None:
@@ -355,15 +369,7 @@ def test_link_relay_delays_each_way_by_its_own_delay(
         upstream = await asyncio.start_server(worker, "127.0.0.1", 0)
         port = upstream.sockets[0].getsockname()[1]
         relay = LinkRelay(("127.0.0.1", port, (0.1, 0.25)), LinkConfig(delay_s=0.5), seed=0)
-        relayed = asyncio.Event()
-
-        async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-            try:
-                await relay.handle(r, w)
-            finally:
-                relayed.set()
-
-        front = await asyncio.start_server(handle, "127.0.0.1", 0)
+        front, relayed = await _front(relay)
         r, w = await asyncio.open_connection(*front.sockets[0].getsockname()[:2])
         t0 = loop.time()
         w.write(b"ping" * 1024)
@@ -407,15 +413,7 @@ def test_a_held_link_relay_passes_bytes_at_once_until_armed(
         armed = asyncio.Event()
         target = ("127.0.0.1", upstream.sockets[0].getsockname()[1], (0.1, 0.25))
         relay = LinkRelay(target, LinkConfig(delay_s=0.5), seed=0, armed=armed)
-        relayed = asyncio.Event()
-
-        async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-            try:
-                await relay.handle(r, w)
-            finally:
-                relayed.set()
-
-        front = await asyncio.start_server(handle, "127.0.0.1", 0)
+        front, relayed = await _front(relay)
         r, w = await asyncio.open_connection(*front.sockets[0].getsockname()[:2])
         took = []
         for _ in range(2):
