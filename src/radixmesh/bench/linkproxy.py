@@ -56,7 +56,7 @@ async def _then(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes
 
 
 async def _undelayed(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                     armed: asyncio.Event) -> bytes | None:
+                     armed: asyncio.Event) -> bytes:
     """Pass chunks on as they come while the link is held; the first chunk read once it is
     armed (``b""`` at EOF), which the delayed pipe takes from there."""
     while True:
@@ -75,7 +75,8 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, link
         chunks = _chunks(reader)
         if armed is not None and not armed.is_set():
             first = await _undelayed(reader, writer, armed)
-            chunks = _then(first, chunks) if first else _chunks(reader)
+            if first:  # at EOF the unstarted ``chunks`` ends at once
+                chunks = _then(first, chunks)
         async for chunk in link.delayed(chunks):
             writer.write(chunk)
             await writer.drain()

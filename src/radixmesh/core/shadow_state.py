@@ -177,7 +177,8 @@ def changed(sent: BatchState, now: BatchState, tolerance: float = 0.2) -> bool:
     ``tolerance`` of it and two steps' fixed part, its arrival rate by more than
     ``tolerance`` (and 0.1 per second). Unchanged reports are not
     gossiped again (:func:`worth_sending`): a receiver's own aging is as good."""
-    if abs(_moved(sent, now)) > _material(now, tolerance):
+    moved, material = _moved(sent, now, tolerance)
+    if abs(moved) > material:
         return True
     return abs(now.rate - sent.rate) > max(tolerance * now.rate, 0.1)
 
@@ -185,17 +186,15 @@ def changed(sent: BatchState, now: BatchState, tolerance: float = 0.2) -> bool:
 def grew(sent: BatchState, now: BatchState, tolerance: float = 0.2) -> bool:
     """Whether ``now`` predicts a TTFT materially longer than ``sent`` (aged to now) does:
     the change (:func:`changed`'s measure) that sends a peer's forwards into a queue."""
-    return _moved(sent, now) > _material(now, tolerance)
+    moved, material = _moved(sent, now, tolerance)
+    return moved > material
 
 
-def _moved(sent: BatchState, now: BatchState) -> float:
-    """How much longer ``now`` predicts a 512-token prompt's TTFT than ``sent``."""
-    return sum(ttft_parts(now, 512, 0)) - sum(ttft_parts(sent, 512, 0))
-
-
-def _material(now: BatchState, tolerance: float) -> float:
-    """A change in that TTFT worth telling: ``tolerance`` of it and two steps' fixed part."""
-    return max(tolerance * sum(ttft_parts(now, 512, 0)), 2.0 * now.step_base_s)
+def _moved(sent: BatchState, now: BatchState, tolerance: float) -> tuple[float, float]:
+    """How much longer ``now`` predicts a 512-token prompt's TTFT than ``sent``, and the
+    change worth telling: ``tolerance`` of that TTFT and two steps' fixed part."""
+    ref_now = sum(ttft_parts(now, 512, 0))
+    return ref_now - sum(ttft_parts(sent, 512, 0)), max(tolerance * ref_now, 2.0 * now.step_base_s)
 
 
 def worth_sending(last: tuple[BatchState, float] | None, batch: BatchState, now: float,
